@@ -1,0 +1,3 @@
+"""meshrun: declarative experiments for distributed PyTorch training."""
+
+__version__ = "0.1.0"

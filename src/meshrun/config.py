@@ -1,0 +1,170 @@
+"""Typed schema of an experiment.
+
+Hydra composes YAML presets onto these dataclasses, so a wrong type or an unknown key fails
+at compose time; the cross-field rules (layout vs world size, batch divisibility, ...) live in
+`meshrun.validate`. Workers receive the resolved plain dict and rebuild it with `from_dict`,
+so they never import Hydra.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING, OmegaConf
+
+
+@dataclass
+class ModelConfig:
+    """A LLaMA-style decoder; `ffn_dim` None means SwiGLU's 8/3*dim rounded to `multiple_of`."""
+
+    name: str = MISSING
+    dim: int = MISSING
+    n_layers: int = MISSING
+    n_heads: int = MISSING
+    n_kv_heads: int | None = None
+    vocab_size: int = MISSING
+    ffn_dim: int | None = None
+    multiple_of: int = 256
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+
+
+@dataclass
+class DDPConfig:
+    """Knobs passed straight to torch.nn.parallel.DistributedDataParallel."""
+
+    gradient_as_bucket_view: bool = False
+    bucket_cap_mb: float = 25.0
+    static_graph: bool = False
+    find_unused_parameters: bool = False
+
+
+@dataclass
+class FSDPConfig:
+    reshard_after_forward: bool = True
+
+
+@dataclass
+class ParallelConfig:
+    """Degrees of each mesh dimension; -1 fills the rest of the world size (at most one).
+
+    dp_replicate > 1 alone is DDP, dp_shard > 1 is FSDP2, both together HSDP.
+    """
+
+    name: str = MISSING
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1F1B"
+    pp_microbatches: int | None = None
+    data_parallel: str = "auto"
+    dataparallel_devices: int = -1
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
+class BackendConfig:
+    name: str = "auto"
+    timeout_s: float = 120.0
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class DeviceSpec:
+    """One kind of accelerator in a box; `match` are substrings of torch's device name."""
+
+    name: str = MISSING
+    count: int = 1
+    memory_gib: float = MISSING
+    peak_tflops: dict[str, float] = field(default_factory=dict)
+    match: list[str] = field(default_factory=list)
+
+
+@dataclass
+class HardwareConfig:
+    """A box: its devices in PCI bus order, and link bandwidths in GB/s (for the planner)."""
+
+    name: str = "auto"
+    device_type: str = "cpu"
+    devices: list[DeviceSpec] = field(default_factory=list)
+    intra_node_bw_gbs: float | None = None
+    inter_node_bw_gbs: float | None = None
+
+
+@dataclass
+class LauncherConfig:
+    name: str = "local"
+    nnodes: int = 1
+    nproc_per_node: int | None = None
+    monitor_interval_s: float = 0.1
+    start_method: str = "spawn"
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "wandb"
+    project: str = "meshrun"
+    entity: str | None = None
+    group: str | None = None
+    mode: str = "auto"
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class DataConfig:
+    name: str = "synthetic"
+    path: str | None = None
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 20
+    warmup_steps: int = 2
+    global_batch_size: int = 8
+    micro_batch_size: int = 2
+    seq_len: int = 128
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    grad_clip: float | None = 1.0
+    precision: str = "fp32"
+    seed: int = 0
+    log_every: int = 5
+    progress_bar: bool = True
+
+
+@dataclass
+class MetricsConfig:
+    """`scaling`: weak keeps the per-device batch of the baseline, strong its global batch."""
+
+    scaling: str = "weak"
+    baseline: bool = True
+
+
+@dataclass
+class StoreConfig:
+    path: str = "outputs/meshrun.db"
+
+
+@dataclass
+class ExperimentConfig:
+    model: ModelConfig = MISSING
+    parallel: ParallelConfig = MISSING
+    backend: BackendConfig = MISSING
+    hardware: HardwareConfig = MISSING
+    launcher: LauncherConfig = MISSING
+    logger: LoggerConfig = MISSING
+    data: DataConfig = MISSING
+    train: TrainConfig = field(default_factory=TrainConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    run_dir: str = "."
+    name: str | None = None
+
+
+def from_dict(data: dict[str, Any]) -> ExperimentConfig:
+    """Rebuild the typed config from the driver's resolved dict (no Hydra needed)."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ExperimentConfig), data))

@@ -1,0 +1,1 @@
+"""The model family; sizes are presets in conf/model."""
