@@ -100,6 +100,7 @@ class LauncherConfig:
     name: str = "local"
     nnodes: int = 1
     nproc_per_node: int | None = None
+    threads_per_rank: int | None = None
     monitor_interval_s: float = 0.1
     start_method: str = "spawn"
 

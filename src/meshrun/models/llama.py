@@ -119,7 +119,9 @@ class Transformer(nn.Module):
         on the device (draws happen on CPU, then are copied).
         """
         device = self.tok_embeddings.weight.device
-        cos, sin = rope_tables(self.cfg.dim // self.cfg.n_heads, self.max_seq_len, self.cfg.rope_theta)
+        cos, sin = rope_tables(
+            self.cfg.dim // self.cfg.n_heads, self.max_seq_len, self.cfg.rope_theta
+        )
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
         depth_scale = 1.0 / math.sqrt(2 * self.cfg.n_layers)
         for name, param in self.named_parameters():

@@ -1,0 +1,78 @@
+"""`meshrun`: compose the experiment (Hydra), validate it, launch its ranks, record results.
+
+Runs once per experiment and starts the ranks itself (torch elastic). Started by torchrun
+instead, every process is one rank: all compose and validate the same config, rank 0 then
+measures the baseline if needed and writes the results.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import asdict
+
+os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # before anything touches CUDA
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from meshrun.config import ExperimentConfig
+from meshrun.errors import ConfigError
+from meshrun.experiment import RunFailed, run_experiment
+from meshrun.hardware import HostFacts
+from meshrun.launch.local import launch_local
+from meshrun.launch.torchrun import attached_rank, launch_attached, run_dir_override
+from meshrun.paths import CONF_DIR
+from meshrun.sinks.console import console, print_summary
+from meshrun.validate import validate
+from meshrun.worker import run_rank
+
+ConfigStore.instance().store(name="experiment_schema", node=ExperimentConfig)
+
+
+def _check_attached_world(cfg: ExperimentConfig) -> None:
+    started = int(os.environ["WORLD_SIZE"])
+    if started != cfg.launcher.nproc_per_node * cfg.launcher.nnodes:
+        raise ConfigError(
+            "WORLD_SIZE", started, f"torchrun started {started} ranks but parallel="
+            f"{cfg.parallel.name} needs {cfg.launcher.nproc_per_node}",
+            f"torchrun --nproc-per-node {cfg.launcher.nproc_per_node}, or another layout",
+        )
+
+
+def run(dict_cfg: DictConfig) -> int:
+    cfg: ExperimentConfig = OmegaConf.to_object(dict_cfg)
+    rank = attached_rank()
+    try:
+        cfg = validate(cfg, HostFacts.detect())
+        if rank is not None:
+            _check_attached_world(cfg)
+    except ConfigError as err:
+        console.print(f"[bold red]meshrun: config error[/] {err}", highlight=False)
+        return 2
+    if rank not in (None, 0):
+        run_rank(asdict(cfg))
+        return 0
+    launch = launch_attached if rank == 0 else (lambda c: launch_local(c.launcher, asdict(c)))
+    try:
+        results = run_experiment(cfg, launch)
+    except RunFailed as failed:
+        print_summary(failed.results)
+        console.print(f"[bold red]meshrun: run failed[/] {failed}", highlight=False)
+        return 1
+    print_summary(results)
+    return 0
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
+def _hydra_main(dict_cfg: DictConfig) -> None:
+    code = run(dict_cfg)
+    if code:
+        sys.exit(code)
+
+
+def main() -> None:
+    if attached_rank() is not None and not any(a.startswith("hydra.run.dir=") for a in sys.argv):
+        sys.argv.append(run_dir_override())
+    _hydra_main()

@@ -1,0 +1,50 @@
+"""Local launch through torch.distributed.elastic, the machinery torchrun runs.
+
+One agent on this node starts `nproc_per_node` worker processes running `run_rank`. When any
+of them fails, the agent stops the others at once (no restarts) and we raise RankFailure
+naming the first rank that failed and its error.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from meshrun.config import LauncherConfig
+from meshrun.launch import RankFailure
+from meshrun.worker import run_rank
+
+logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+
+
+def _error_text(failure: Any) -> str:
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", str(message))
+    if not message:
+        message = f"exit code {failure.exitcode}"
+    return str(message).strip()
+
+
+def launch_local(launcher: LauncherConfig, cfg_dict: dict[str, Any]) -> dict[str, Any]:
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=launcher.nproc_per_node,
+        run_id=f"meshrun-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=launcher.monitor_interval_s,
+        start_method=launcher.start_method,
+    )
+    try:
+        returns = elastic_launch(config, run_rank)(cfg_dict)
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        raise RankFailure(rank, _error_text(failure)) from None
+    return returns[0]

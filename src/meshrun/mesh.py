@@ -1,0 +1,85 @@
+"""Rank order and process groups: the one place that knows which rank sits where.
+
+Ranks are laid out row-major over (pp, dp_replicate, dp_shard, tp): tensor-parallel peers are
+adjacent ranks (same node, fastest links), pipeline stages the outermost dimension. This is
+also init_device_mesh's order, so `rank_coords` (pure, for the driver and tests) and the
+DeviceMesh a worker builds always agree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Resolved degrees of each mesh dimension (all >= 1)."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.degrees().values())
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def degrees(self) -> dict[str, int]:
+        return {dim: getattr(self, dim) for dim in MESH_DIMS}
+
+    def describe(self) -> str:
+        """Short human name of the non-trivial dims, e.g. 'dp_shard2 x tp2'."""
+        parts = [f"{dim}{n}" for dim, n in self.degrees().items() if n > 1]
+        return " x ".join(parts) or "single"
+
+
+def rank_coords(layout: Layout, rank: int) -> dict[str, int]:
+    """Coordinate of `rank` along each mesh dim (row-major, tp fastest)."""
+    coords = {}
+    for dim in reversed(MESH_DIMS):
+        size = getattr(layout, dim)
+        coords[dim] = rank % size
+        rank //= size
+    return {dim: coords[dim] for dim in MESH_DIMS}
+
+
+def dp_rank(layout: Layout, rank: int) -> int:
+    """Index among data-parallel peers: TP and PP peers share it (and thus their data)."""
+    coords = rank_coords(layout, rank)
+    return coords["dp_replicate"] * layout.dp_shard + coords["dp_shard"]
+
+
+def init_distributed(backend: str, timeout_s: float) -> None:
+    """Default process group from torchrun-style env vars, with a collective timeout."""
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+
+
+def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
+    return init_device_mesh(device_type, tuple(layout.degrees().values()), mesh_dim_names=MESH_DIMS)
+
+
+def dp_group(mesh: DeviceMesh | None) -> dist.ProcessGroup | None:
+    """One group spanning both data-parallel dims (for averaging metrics like the loss)."""
+    if mesh is None:
+        return None
+    return mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
+
+
+def select_device(device_type: str, local_rank: int) -> torch.device:
+    """Rank -> device; CUDA indices follow PCI bus order (set by the driver) like nvidia-smi."""
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")

@@ -1,0 +1,29 @@
+"""Sharded data parallelism with FSDP2 (`fully_shard`); a 2-D (replicate, shard) mesh is HSDP."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from meshrun.config import FSDPConfig
+from meshrun.mesh import Layout
+
+
+def apply_fsdp(
+    model: nn.Module, mesh: DeviceMesh, layout: Layout, cfg: FSDPConfig, param_dtype: torch.dtype
+) -> nn.Module:
+    """Shard each transformer block as its own unit (so only one block is gathered at a
+    time), then the root, which holds the embedding, final norm and head."""
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    blocks = list(model.layers.values())
+    for index, block in enumerate(blocks):
+        # The last block is resharded by the root right after anyway: keep it gathered.
+        reshard = cfg.reshard_after_forward and index < len(blocks) - 1
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(
+        model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward
+    )
+    return model

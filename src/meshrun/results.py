@@ -1,0 +1,134 @@
+"""From raw measurements to the results record: throughput, speedup against the single-device
+baseline, scaling efficiency, MFU, memory. One function builds the record for completed and
+failed runs alike, so a failed run keeps the metrics of the steps it finished."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any
+
+from meshrun.config import ExperimentConfig, ParallelConfig
+from meshrun.metrics.flops import device_for_rank, flops_per_token, mfu, peak_flops
+from meshrun.metrics.throughput import summarize_steps
+from meshrun.models.llama import build_model, count_params
+from meshrun.worker import layout_of
+
+
+def dp_size(cfg: ExperimentConfig) -> int:
+    return cfg.parallel.dp_replicate * cfg.parallel.dp_shard
+
+
+def n_devices(cfg: ExperimentConfig) -> int:
+    if cfg.parallel.data_parallel == "dataparallel":
+        return cfg.parallel.dataparallel_devices
+    return layout_of(cfg).world_size
+
+
+def layout_name(cfg: ExperimentConfig) -> str:
+    if cfg.parallel.data_parallel == "dataparallel":
+        return f"dataparallel x{cfg.parallel.dataparallel_devices}"
+    return layout_of(cfg).describe()
+
+
+def baseline_config(cfg: ExperimentConfig) -> ExperimentConfig:
+    """The single-device twin a run is compared with.
+
+    Weak scaling keeps what one device does per step (micro-batch and accumulation steps), so
+    the baseline's global batch is the run's per-data-parallel-rank batch; strong scaling keeps
+    the global batch. Either way the model, sequence length, precision, steps and the CPU
+    threads of one rank stay the same.
+    """
+    global_batch = cfg.train.global_batch_size
+    if cfg.metrics.scaling == "weak":
+        global_batch //= dp_size(cfg) * max(1, n_devices(cfg) // layout_of(cfg).world_size)
+    return dataclasses.replace(
+        cfg,
+        parallel=ParallelConfig(name="single"),
+        launcher=dataclasses.replace(cfg.launcher, nproc_per_node=1),
+        train=dataclasses.replace(cfg.train, global_batch_size=global_batch, progress_bar=False),
+        run_dir=f"{cfg.run_dir}/baseline",
+        name=f"{cfg.name}-baseline",
+    )
+
+
+def baseline_key(cfg: ExperimentConfig) -> str:
+    """Identity of a single-device measurement: everything that changes its throughput."""
+    t = cfg.train
+    ident = {
+        "model": dataclasses.asdict(cfg.model),
+        "hardware": cfg.hardware.name,
+        "backend": cfg.backend.name,
+        "threads": cfg.launcher.threads_per_rank,
+        "data": cfg.data.name,
+        "train": [t.steps, t.warmup_steps, t.global_batch_size, t.micro_batch_size, t.seq_len,
+                  t.precision],
+    }
+    return hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def matmul_params(cfg: ExperimentConfig) -> tuple[int, int]:
+    return count_params(build_model(cfg.model, cfg.train.seq_len, "meta"))
+
+
+def assemble(
+    cfg: ExperimentConfig,
+    steps: list[dict[str, Any]],
+    peak_memory: list[int] | None,
+    baseline: dict[str, Any] | None,
+    meta: dict[str, Any],
+) -> dict[str, Any]:
+    """`steps`: rank 0's per-step records; `meta`: run id, role, status, error, times."""
+    t = cfg.train
+    tokens_per_step = t.global_batch_size * t.seq_len
+    step_times = [r["step_time_s"] for r in steps if r["step_time_s"] is not None]
+    timing = dict.fromkeys(("step_time_s", "step_time_p90_s", "tokens_per_s", "samples_per_s"))
+    if step_times:
+        timing = summarize_steps(step_times, tokens_per_step, t.global_batch_size)
+    total, matmul = matmul_params(cfg)
+    devices = n_devices(cfg)
+    specs = [device_for_rank(cfg.hardware.devices, i) for i in range(devices)]
+    peak = peak_flops(specs, t.precision)
+    tokens_per_s = timing["tokens_per_s"]
+    if baseline is None and baseline_key(cfg) == baseline_key(baseline_config(cfg)):
+        baseline = {"tokens_per_s": tokens_per_s, "run_id": meta["run_id"]}  # its own twin
+    baseline_tps = baseline["tokens_per_s"] if baseline else None
+    speedup = tokens_per_s / baseline_tps if tokens_per_s and baseline_tps else None
+    return {
+        **meta,
+        "name": cfg.name,
+        "model": cfg.model.name,
+        "parallel": cfg.parallel.name,
+        "layout": layout_of(cfg).degrees(),
+        "layout_name": layout_name(cfg),
+        "world_size": layout_of(cfg).world_size,
+        "devices": devices,
+        "hardware": cfg.hardware.name,
+        "device_type": cfg.hardware.device_type,
+        "backend": cfg.backend.name,
+        "precision": t.precision,
+        "seq_len": t.seq_len,
+        "global_batch_size": t.global_batch_size,
+        "micro_batch_size": t.micro_batch_size,
+        "grad_accum_steps": t.global_batch_size // (t.micro_batch_size * dp_size(cfg)),
+        "steps": t.steps,
+        "warmup_steps": t.warmup_steps,
+        "steps_completed": len(steps),
+        "params": total,
+        **timing,
+        "scaling": cfg.metrics.scaling,
+        "baseline_tokens_per_s": baseline_tps,
+        "baseline_run_id": baseline["run_id"] if baseline else None,
+        "speedup": speedup,
+        "scaling_efficiency": speedup / devices if speedup else None,
+        "flops_per_token": flops_per_token(cfg.model, matmul, t.seq_len),
+        "mfu": mfu(tokens_per_s, flops_per_token(cfg.model, matmul, t.seq_len), peak)
+        if tokens_per_s
+        else None,
+        "peak_memory_bytes": peak_memory,
+        "peak_memory_max_bytes": max(peak_memory) if peak_memory else None,
+        "losses": [r["loss"] for r in steps],
+        "baseline_key": baseline_key(cfg),
+        "run_dir": cfg.run_dir,
+    }

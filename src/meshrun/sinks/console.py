@@ -1,0 +1,75 @@
+"""Terminal output: a progress bar on rank 0 and the summary table at the end."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+console = Console()
+
+
+@contextlib.contextmanager
+def rank_progress(total: int, enabled: bool) -> Iterator[Callable[[int], None] | None]:
+    """Yields `update(completed)`; rich draws nothing when stdout is not a terminal."""
+    if not enabled:
+        yield None
+        return
+    columns = (TextColumn("training"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("train", total=total)
+        yield lambda completed: progress.update(task, completed=completed)
+
+
+def _fmt(value: Any, unit: str = "") -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:,.3g}{unit}" if abs(value) < 100 else f"{value:,.0f}{unit}"
+    return f"{value}{unit}"
+
+
+def print_summary(results: dict[str, Any]) -> None:
+    table = Table(
+        title=f"meshrun: {results['model']} / {results['layout_name']}", show_header=False
+    )
+    table.add_column(style="bold")
+    table.add_column()
+    rows = [
+        ("status", results["status"]),
+        (
+            "layout",
+            f"{results['layout_name']} on {results['world_size']} rank(s), {results['backend']}",
+        ),
+        ("hardware", results["hardware"]),
+        ("batch", f"global {results['global_batch_size']}, micro {results['micro_batch_size']}"),
+        ("tokens/s", _fmt(results["tokens_per_s"])),
+        (
+            "step time",
+            f"{_fmt(results['step_time_s'], ' s')} median, {_fmt(results['step_time_p90_s'], ' s')} p90",
+        ),
+        ("baseline tokens/s", _fmt(results["baseline_tokens_per_s"])),
+        (f"speedup ({results['scaling']} scaling)", _fmt(results["speedup"], "x")),
+        ("scaling efficiency", _fmt(results["scaling_efficiency"])),
+        ("MFU", _fmt(results["mfu"])),
+        ("peak memory (max rank)", _fmt_bytes(results["peak_memory_max_bytes"])),
+        ("loss first -> last", _loss_span(results["losses"])),
+        ("run dir", results["run_dir"]),
+    ]
+    if results.get("error"):
+        rows.insert(1, ("error", results["error"]))
+    for key, value in rows:
+        table.add_row(key, str(value))
+    console.print(table)
+
+
+def _fmt_bytes(value: int | None) -> str:
+    return "n/a" if value is None else f"{value / 2**20:,.1f} MiB"
+
+
+def _loss_span(losses: list[float]) -> str:
+    return "n/a" if not losses else f"{losses[0]:.4f} -> {losses[-1]:.4f}"

@@ -1,0 +1,1 @@
+"""Training: data split over ranks, optimizer, and the loop."""

@@ -1,0 +1,88 @@
+"""Token sources and their split over data-parallel ranks.
+
+A global step consumes samples [step * global_batch, (step + 1) * global_batch) of an
+index-addressed stream. Data-parallel rank r takes a contiguous slice of that range, then cuts
+it into micro-batches. Ranks of one DP group therefore never share a sample, together they
+cover the global batch, and TP/PP peers (same dp rank) see the same data. Any layout with the
+same global batch sees the same samples per step, which is what makes losses comparable.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from meshrun.config import DataConfig
+
+_MIX = 0x9E3779B97F4A7C15 & (2**62 - 1)
+
+
+class SyntheticTokens:
+    """Arithmetic progressions mod vocab with a per-sample start and stride: deterministic,
+    free to generate on any device, and learnable (the loss falls)."""
+
+    def __init__(self, vocab_size: int, seed: int) -> None:
+        self.vocab_size = vocab_size
+        self.seed = seed
+
+    def batch(self, indices: torch.Tensor, length: int) -> torch.Tensor:
+        mixed = (indices * _MIX + self.seed * 7919) % (2**31 - 1)
+        start = mixed % self.vocab_size
+        stride = 1 + (mixed // self.vocab_size) % min(self.vocab_size - 1, 7)
+        positions = torch.arange(length, device=indices.device)
+        return (start[:, None] + stride[:, None] * positions[None, :]) % self.vocab_size
+
+
+class TextBytes:
+    """A local text file as bytes (vocabulary 256); sample i is the window at i * length."""
+
+    def __init__(self, path: str) -> None:
+        self.tokens = torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8)
+
+    def batch(self, indices: torch.Tensor, length: int) -> torch.Tensor:
+        span = self.tokens.numel() - length
+        starts = (indices.cpu() * length) % span
+        windows = starts[:, None] + torch.arange(length)[None, :]
+        return self.tokens[windows].long().to(indices.device)
+
+
+def build_dataset(cfg: DataConfig, vocab_size: int, seed: int) -> SyntheticTokens | TextBytes:
+    if cfg.name == "text":
+        return TextBytes(str(cfg.path))
+    return SyntheticTokens(vocab_size, seed)
+
+
+def dp_sample_range(step: int, global_batch: int, dp_rank: int, dp_size: int) -> range:
+    """Sample indices a data-parallel rank trains on at `step`."""
+    per_rank = global_batch // dp_size
+    first = step * global_batch + dp_rank * per_rank
+    return range(first, first + per_rank)
+
+
+class MicroBatches:
+    """Yields (inputs, targets) micro-batches of one rank for a given step."""
+
+    def __init__(
+        self,
+        dataset: SyntheticTokens | TextBytes,
+        global_batch: int,
+        micro_batch: int,
+        seq_len: int,
+        dp_rank: int,
+        dp_size: int,
+        device: torch.device,
+    ) -> None:
+        self.dataset = dataset
+        self.global_batch = global_batch
+        self.micro_batch = micro_batch
+        self.seq_len = seq_len
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.device = device
+
+    def for_step(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        samples = dp_sample_range(step, self.global_batch, self.dp_rank, self.dp_size)
+        indices = torch.arange(samples.start, samples.stop, device=self.device)
+        tokens = self.dataset.batch(indices, self.seq_len + 1)
+        return [(chunk[:, :-1], chunk[:, 1:]) for chunk in tokens.split(self.micro_batch, dim=0)]

@@ -1,0 +1,242 @@
+"""Every rule about a legal experiment, checked in the driver before any process starts.
+
+`validate` turns the composed config into a fully resolved one (no `auto`, no -1 degrees) or
+raises ConfigError naming the key, the bad value and what would be valid. Shapes of values
+(types, unknown keys, unknown presets) are Hydra's job at compose time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from pathlib import Path
+
+import torch.distributed as dist
+
+from meshrun.config import ExperimentConfig, HardwareConfig
+from meshrun.errors import choice, fail, positive
+from meshrun.hardware import HostFacts, resolve_hardware
+from meshrun.mesh import MESH_DIMS, Layout
+
+CPU_DEFAULT_RANKS = 2
+IMPLEMENTED_DIMS = ("dp_replicate", "dp_shard")
+
+
+def validate(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:
+    _check_train(cfg)
+    _check_model(cfg)
+    _check_data(cfg)
+    choice("metrics.scaling", cfg.metrics.scaling, ("weak", "strong"))
+    choice("logger.name", cfg.logger.name, ("wandb", "none"))
+    choice("logger.mode", cfg.logger.mode, ("auto", "online", "offline", "disabled"))
+    hardware = resolve_hardware(cfg.hardware, facts)
+    backend = _resolve_backend(cfg, hardware, facts)
+    parallel, launcher = _resolve_layout(cfg, facts)
+    resolved = dataclasses.replace(
+        cfg, backend=backend, hardware=hardware, parallel=parallel, launcher=launcher
+    )
+    _check_batch(resolved)
+    return resolved
+
+
+def _check_train(cfg: ExperimentConfig) -> None:
+    t = cfg.train
+    for key in ("steps", "global_batch_size", "micro_batch_size", "seq_len", "lr", "log_every"):
+        positive(f"train.{key}", getattr(t, key))
+    positive("train.grad_clip", t.grad_clip, allow_none=True)
+    if not 1 <= t.warmup_steps < t.steps:
+        fail(
+            "train.warmup_steps",
+            t.warmup_steps,
+            f"needs 1 <= warmup_steps < train.steps ({t.steps}); warmup is untimed and is "
+            "where CPU memory is traced",
+            f"an integer from 1 to {max(1, t.steps - 1)}",
+        )
+    choice("train.precision", t.precision, ("fp32", "bf16"))
+    if t.weight_decay < 0:
+        fail("train.weight_decay", t.weight_decay, "must not be negative", "a number >= 0")
+
+
+def _check_model(cfg: ExperimentConfig) -> None:
+    m = cfg.model
+    for key in ("dim", "n_layers", "n_heads", "vocab_size"):
+        positive(f"model.{key}", getattr(m, key))
+    if m.dim % m.n_heads:
+        fail(
+            "model.n_heads",
+            m.n_heads,
+            f"does not divide model.dim ({m.dim})",
+            f"a divisor of {m.dim}",
+        )
+    if (m.dim // m.n_heads) % 2:
+        fail(
+            "model.n_heads",
+            m.n_heads,
+            f"head dim {m.dim // m.n_heads} is odd; RoPE rotates pairs",
+            "n_heads giving an even dim / n_heads",
+        )
+    kv = m.n_kv_heads or m.n_heads
+    if kv <= 0 or m.n_heads % kv:
+        fail(
+            "model.n_kv_heads",
+            m.n_kv_heads,
+            f"must divide model.n_heads ({m.n_heads})",
+            f"a divisor of {m.n_heads}, or null for n_heads",
+        )
+
+
+def _check_data(cfg: ExperimentConfig) -> None:
+    choice("data.name", cfg.data.name, ("synthetic", "text"))
+    if cfg.data.name != "text":
+        return
+    path = Path(str(cfg.data.path))
+    if not path.is_file():
+        fail("data.path", cfg.data.path, "no such file", "the path of a local text file")
+    if path.stat().st_size <= cfg.train.seq_len + 1:
+        fail(
+            "data.path",
+            cfg.data.path,
+            f"file is shorter than train.seq_len + 1 ({cfg.train.seq_len + 1} bytes)",
+            "a longer file or a smaller seq_len",
+        )
+    if cfg.model.vocab_size < 256:
+        fail(
+            "model.vocab_size",
+            cfg.model.vocab_size,
+            "data=text uses byte tokens (256 values)",
+            ">= 256",
+        )
+
+
+def _resolve_backend(cfg: ExperimentConfig, hardware: HardwareConfig, facts: HostFacts):
+    b = cfg.backend
+    choice("backend.name", b.name, ("auto", "gloo", "nccl", "mpi"))
+    positive("backend.timeout_s", b.timeout_s)
+    on_cuda = hardware.device_type == "cuda"
+    name = b.name if b.name != "auto" else ("nccl" if on_cuda else "gloo")
+    if name == "nccl" and not (on_cuda and facts.cuda_devices):
+        fail(
+            "backend",
+            "nccl",
+            f"nccl needs CUDA devices ({len(facts.cuda_devices)} visible, "
+            f"hardware={hardware.name})",
+            "gloo (CPU), or auto",
+        )
+    if name == "mpi" and not dist.is_mpi_available():
+        fail(
+            "backend",
+            "mpi",
+            "this torch build has no MPI support (torch.distributed.is_mpi_available() is False)",
+            "gloo | nccl | auto",
+        )
+    return dataclasses.replace(b, name=name)
+
+
+def _resolve_layout(cfg: ExperimentConfig, facts: HostFacts):
+    p, launcher = cfg.parallel, cfg.launcher
+    choice("launcher.name", launcher.name, ("local",))
+    if launcher.nnodes != 1:
+        fail("launcher.nnodes", launcher.nnodes, "launcher=local runs on one node", "1")
+    positive("launcher.nproc_per_node", launcher.nproc_per_node, allow_none=True)
+    positive("launcher.threads_per_rank", launcher.threads_per_rank, allow_none=True)
+    choice("parallel.data_parallel", p.data_parallel, ("auto", "dataparallel"))
+    degrees = {dim: getattr(p, dim) for dim in MESH_DIMS}
+    for dim, n in degrees.items():
+        if n == 0 or n < -1:
+            fail(
+                f"parallel.{dim}",
+                n,
+                "degrees are >= 1, or -1 for 'the rest'",
+                "a positive integer or -1",
+            )
+        if n != 1 and dim not in IMPLEMENTED_DIMS:
+            fail(
+                f"parallel.{dim}",
+                n,
+                "this version implements data-parallel layouts only",
+                f"1 (layouts over {', '.join(IMPLEMENTED_DIMS)})",
+            )
+    if p.data_parallel == "dataparallel":
+        return _resolve_dataparallel(cfg, facts)
+    fill = [dim for dim, n in degrees.items() if n == -1]
+    if len(fill) > 1:
+        fail(
+            f"parallel.{fill[1]}",
+            -1,
+            f"only one degree may be -1 (also {fill[0]})",
+            "explicit degrees for all but one dim",
+        )
+    fixed = math.prod(n for n in degrees.values() if n != -1)
+    nproc = launcher.nproc_per_node
+    if fill:
+        world = nproc or (len(facts.cuda_devices) if facts.cuda_devices else CPU_DEFAULT_RANKS)
+        if world % fixed:
+            fail(
+                "launcher.nproc_per_node",
+                world,
+                f"{world} ranks cannot be split with "
+                f"the fixed degrees of parallel={p.name} (product {fixed})",
+                f"a multiple of {fixed}",
+            )
+        degrees[fill[0]] = world // fixed
+    world = math.prod(degrees.values())
+    if nproc is not None and nproc != world:
+        layout = Layout(**degrees).describe()
+        fail(
+            "launcher.nproc_per_node",
+            nproc,
+            f"layout {layout} of parallel={p.name} needs {world} ranks",
+            f"{world}, or null to follow the layout",
+        )
+    if facts.cuda_devices and world > len(facts.cuda_devices):
+        fail(
+            "launcher.nproc_per_node",
+            world,
+            f"only {len(facts.cuda_devices)} CUDA devices are visible",
+            f"at most {len(facts.cuda_devices)}",
+        )
+    threads = launcher.threads_per_rank or max(1, facts.cpu_count // world)
+    return (
+        dataclasses.replace(p, **degrees),
+        dataclasses.replace(launcher, nproc_per_node=world, threads_per_rank=threads),
+    )
+
+
+def _resolve_dataparallel(cfg: ExperimentConfig, facts: HostFacts):
+    p = cfg.parallel
+    if any(getattr(p, dim) != 1 for dim in MESH_DIMS):
+        fail(
+            "parallel.data_parallel",
+            "dataparallel",
+            "DataParallel is one process; it does not combine with mesh degrees",
+            "all of dp_replicate, dp_shard, tp, pp = 1",
+        )
+    n_gpus = len(facts.cuda_devices)
+    devices = n_gpus if p.dataparallel_devices == -1 else p.dataparallel_devices
+    if n_gpus < 2 or not 2 <= devices <= n_gpus:
+        fail(
+            "parallel",
+            p.name,
+            f"torch.nn.DataParallel needs >= 2 CUDA devices; {n_gpus} visible",
+            "ddp (the multi-process equivalent), or run on a multi-GPU machine",
+        )
+    threads = cfg.launcher.threads_per_rank or os.cpu_count() or 1
+    return (
+        dataclasses.replace(p, dataparallel_devices=devices),
+        dataclasses.replace(cfg.launcher, nproc_per_node=1, threads_per_rank=threads),
+    )
+
+
+def _check_batch(cfg: ExperimentConfig) -> None:
+    t, p = cfg.train, cfg.parallel
+    dp = p.dp_replicate * p.dp_shard
+    unit = t.micro_batch_size * dp
+    if t.global_batch_size % unit:
+        fail(
+            "train.global_batch_size",
+            t.global_batch_size,
+            f"not divisible by micro_batch_size ({t.micro_batch_size}) x data-parallel "
+            f"size ({dp}) = {unit}",
+            f"a multiple of {unit}, e.g. {unit} or {2 * unit}",
+        )

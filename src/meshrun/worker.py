@@ -1,0 +1,114 @@
+"""One rank of an experiment, top to bottom: process group and mesh, model, parallel form,
+training, measurements. Takes the driver's fully resolved config as a plain dict (no Hydra,
+no `auto` left in it) and returns rank 0's raw measurements."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshrun.config import ExperimentConfig, from_dict
+from meshrun.mesh import Layout, build_mesh, dp_group, dp_rank, init_distributed, select_device
+from meshrun.metrics.memory import MemoryMeter
+from meshrun.models.llama import build_model, count_params
+from meshrun.parallel import parallelize, uses_fsdp
+from meshrun.sinks.console import rank_progress
+from meshrun.train.data import MicroBatches, build_dataset
+from meshrun.train.loop import LoopContext, train_loop
+from meshrun.train.optim import build_optimizer
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def layout_of(cfg: ExperimentConfig) -> Layout:
+    p = cfg.parallel
+    return Layout(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp)
+
+
+class MetricsLog:
+    """Rank 0 appends each log step's records at once, so a crash keeps the steps done."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+
+    def __call__(self, records: list[dict]) -> None:
+        if self.path is None:
+            return
+        with self.path.open("a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def run_rank(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
+    cfg = from_dict(cfg_dict)
+    layout = layout_of(cfg)
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    for key, value in cfg.backend.env.items():
+        os.environ.setdefault(key, value)
+    if cfg.launcher.threads_per_rank:
+        torch.set_num_threads(cfg.launcher.threads_per_rank)
+    device = select_device(cfg.hardware.device_type, local_rank)
+    mesh = None
+    if layout.world_size > 1:
+        init_distributed(cfg.backend.name, cfg.backend.timeout_s)
+        mesh = build_mesh(layout, device.type)
+    try:
+        return _train(cfg, layout, rank, device, mesh)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(
+    cfg: ExperimentConfig, layout: Layout, rank: int, device: torch.device, mesh
+) -> dict | None:
+    tc = cfg.train
+    memory = MemoryMeter(device)
+    memory.start()
+    model = build_model(cfg.model, tc.seq_len, device)
+    model.init_weights(tc.seed)
+    total_params, matmul_params = count_params(model)
+    bf16 = tc.precision == "bf16"
+    model = parallelize(
+        model, mesh, layout, cfg.parallel, device, torch.bfloat16 if bf16 else torch.float32
+    )
+    optimizer = build_optimizer(model, tc)
+    batches = MicroBatches(
+        build_dataset(cfg.data, cfg.model.vocab_size, tc.seed),
+        tc.global_batch_size,
+        tc.micro_batch_size,
+        tc.seq_len,
+        dp_rank(layout, rank),
+        layout.dp_size,
+        device,
+    )
+    metrics_path = Path(cfg.run_dir) / METRICS_FILE if rank == 0 else None
+    with rank_progress(tc.steps, enabled=rank == 0 and tc.progress_bar) as progress:
+        ctx = LoopContext(
+            device=device,
+            dp_group=dp_group(mesh),
+            autocast_dtype=torch.bfloat16 if bf16 and not uses_fsdp(model) else None,
+            memory=memory,
+            on_log=MetricsLog(metrics_path),
+            progress=progress,
+        )
+        state = train_loop(model, optimizer, batches, tc, ctx)
+    peaks = [memory.peak_bytes()]
+    if dist.is_initialized():
+        gathered: list[list[int]] = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(gathered, peaks)
+        peaks = [p for rank_peaks in gathered for p in rank_peaks]
+    if rank != 0:
+        return None
+    return {
+        "losses": state.losses,
+        "step_times": state.step_times,
+        "peak_memory_bytes": peaks,
+        "params": total_params,
+        "matmul_params": matmul_params,
+    }
