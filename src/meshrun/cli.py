@@ -16,6 +16,7 @@ os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # before anything touc
 import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
+from rich.text import Text
 
 from meshrun.config import ExperimentConfig
 from meshrun.errors import ConfigError
@@ -35,7 +36,9 @@ def _check_attached_world(cfg: ExperimentConfig) -> None:
     started = int(os.environ["WORLD_SIZE"])
     if started != cfg.launcher.nproc_per_node * cfg.launcher.nnodes:
         raise ConfigError(
-            "WORLD_SIZE", started, f"torchrun started {started} ranks but parallel="
+            "WORLD_SIZE",
+            started,
+            f"torchrun started {started} ranks but parallel="
             f"{cfg.parallel.name} needs {cfg.launcher.nproc_per_node}",
             f"torchrun --nproc-per-node {cfg.launcher.nproc_per_node}, or another layout",
         )
@@ -49,7 +52,7 @@ def run(dict_cfg: DictConfig) -> int:
         if rank is not None:
             _check_attached_world(cfg)
     except ConfigError as err:
-        console.print(f"[bold red]meshrun: config error[/] {err}", highlight=False)
+        console.print(Text("meshrun: config error ", style="bold red") + Text(str(err)))
         return 2
     if rank not in (None, 0):
         run_rank(asdict(cfg))
@@ -59,7 +62,7 @@ def run(dict_cfg: DictConfig) -> int:
         results = run_experiment(cfg, launch)
     except RunFailed as failed:
         print_summary(failed.results)
-        console.print(f"[bold red]meshrun: run failed[/] {failed}", highlight=False)
+        console.print(Text("meshrun: run failed ", style="bold red") + Text(str(failed)))
         return 1
     print_summary(results)
     return 0

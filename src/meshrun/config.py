@@ -146,6 +146,15 @@ class MetricsConfig:
 
 
 @dataclass
+class DebugConfig:
+    """Fault injection, to check that a failing or hanging rank brings the whole run down."""
+
+    fail_rank: int | None = None
+    fail_step: int = 0
+    fail_mode: str = "raise"
+
+
+@dataclass
 class StoreConfig:
     path: str = "outputs/meshrun.db"
 
@@ -162,6 +171,7 @@ class ExperimentConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
     run_dir: str = "."
     name: str | None = None
 

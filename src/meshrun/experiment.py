@@ -36,11 +36,11 @@ def run_experiment(cfg: ExperimentConfig, launch: Launch) -> dict[str, Any]:
     store = ResultsStore(cfg.store.path)
     measured = measure(cfg, "run", launch)
     baseline = None
-    if cfg.metrics.baseline and measured.ok:
+    if cfg.metrics.baseline:
         twin = baseline_config(cfg)
         key = baseline_key(twin)
         baseline = store.find_baseline(key)
-        if baseline is None and key != baseline_key(cfg):
+        if baseline is None and measured.ok and key != baseline_key(cfg):
             baseline = record(twin, measure(twin, "baseline", launch), None, store)
     return record(cfg, measured, baseline, store)
 

@@ -62,8 +62,14 @@ def baseline_key(cfg: ExperimentConfig) -> str:
         "backend": cfg.backend.name,
         "threads": cfg.launcher.threads_per_rank,
         "data": cfg.data.name,
-        "train": [t.steps, t.warmup_steps, t.global_batch_size, t.micro_batch_size, t.seq_len,
-                  t.precision],
+        "train": [
+            t.steps,
+            t.warmup_steps,
+            t.global_batch_size,
+            t.micro_batch_size,
+            t.seq_len,
+            t.precision,
+        ],
     }
     return hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -37,6 +37,7 @@ def validate(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:
         cfg, backend=backend, hardware=hardware, parallel=parallel, launcher=launcher
     )
     _check_batch(resolved)
+    _check_debug(resolved)
     return resolved
 
 
@@ -240,3 +241,17 @@ def _check_batch(cfg: ExperimentConfig) -> None:
             f"size ({dp}) = {unit}",
             f"a multiple of {unit}, e.g. {unit} or {2 * unit}",
         )
+
+
+def _check_debug(cfg: ExperimentConfig) -> None:
+    d, world = cfg.debug, cfg.launcher.nproc_per_node
+    choice("debug.fail_mode", d.fail_mode, ("raise", "hang"))
+    if d.fail_rank is not None and not 0 <= d.fail_rank < world:
+        fail(
+            "debug.fail_rank",
+            d.fail_rank,
+            f"no such rank in a run of {world}",
+            f"0..{world - 1}, or null",
+        )
+    if not 0 <= d.fail_step < cfg.train.steps:
+        fail("debug.fail_step", d.fail_step, "outside the run", f"0..{cfg.train.steps - 1}")

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from meshrun.config import ExperimentConfig, from_dict
+from meshrun.config import DebugConfig, ExperimentConfig, from_dict
 from meshrun.mesh import Layout, build_mesh, dp_group, dp_rank, init_distributed, select_device
 from meshrun.metrics.memory import MemoryMeter
 from meshrun.models.llama import build_model, count_params
@@ -41,6 +43,20 @@ class MetricsLog:
             return
         with self.path.open("a") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def fault_injector(debug: DebugConfig, rank: int) -> Callable[[int], None] | None:
+    if debug.fail_rank != rank:
+        return None
+
+    def inject(step: int) -> None:
+        if step != debug.fail_step:
+            return
+        if debug.fail_mode == "hang":
+            threading.Event().wait()  # the peers' collectives must time out
+        raise RuntimeError(f"injected failure on rank {rank} at step {step} (debug.fail_rank)")
+
+    return inject
 
 
 def run_rank(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
@@ -96,6 +112,7 @@ def _train(
             memory=memory,
             on_log=MetricsLog(metrics_path),
             progress=progress,
+            fault=fault_injector(cfg.debug, rank),
         )
         state = train_loop(model, optimizer, batches, tc, ctx)
     peaks = [memory.peak_bytes()]

@@ -9,6 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 console = Console()
 
@@ -63,7 +64,7 @@ def print_summary(results: dict[str, Any]) -> None:
     if results.get("error"):
         rows.insert(1, ("error", results["error"]))
     for key, value in rows:
-        table.add_row(key, str(value))
+        table.add_row(key, Text(str(value)))
     console.print(table)
 
 

@@ -63,7 +63,9 @@ class ResultsStore:
         names = ", ".join(row)
         marks = ", ".join("?" for _ in row)
         with self._connect() as db:
-            db.execute(f"INSERT OR REPLACE INTO runs ({names}) VALUES ({marks})", list(row.values()))
+            db.execute(
+                f"INSERT OR REPLACE INTO runs ({names}) VALUES ({marks})", list(row.values())
+            )
 
     def find_baseline(self, key: str) -> dict[str, Any] | None:
         """The newest completed single-device run measured under `key`."""

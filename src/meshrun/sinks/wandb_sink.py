@@ -14,9 +14,20 @@ from typing import Any
 from meshrun.config import LoggerConfig
 
 SUMMARY_KEYS = (
-    "status", "tokens_per_s", "samples_per_s", "step_time_s", "step_time_p90_s", "speedup",
-    "scaling_efficiency", "baseline_tokens_per_s", "mfu", "peak_memory_max_bytes",
-    "world_size", "layout_name", "scaling", "error",
+    "status",
+    "tokens_per_s",
+    "samples_per_s",
+    "step_time_s",
+    "step_time_p90_s",
+    "speedup",
+    "scaling_efficiency",
+    "baseline_tokens_per_s",
+    "mfu",
+    "peak_memory_max_bytes",
+    "world_size",
+    "layout_name",
+    "scaling",
+    "error",
 )
 
 

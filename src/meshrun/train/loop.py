@@ -41,6 +41,7 @@ class LoopContext:
     memory: MemoryMeter
     on_log: LogFn
     progress: Callable[[int], None] | None = None
+    fault: Callable[[int], None] | None = None
 
 
 def _autocast(ctx: LoopContext) -> contextlib.AbstractContextManager:
@@ -64,6 +65,8 @@ def train_loop(
         if step == cfg.warmup_steps:
             ctx.memory.stop_tracing()
             clock.mark()
+        if ctx.fault is not None:
+            ctx.fault(step)
         micro_batches = batches.for_step(step)
         step_loss = torch.zeros((), device=ctx.device)
         for index, (inputs, targets) in enumerate(micro_batches):
