@@ -52,7 +52,9 @@ def run(dict_cfg: DictConfig) -> int:
         if rank is not None:
             _check_attached_world(cfg)
     except ConfigError as err:
-        console.print(Text("meshrun: config error ", style="bold red") + Text(str(err)))
+        console.print(
+            Text("meshrun: config error ", style="bold red") + Text(str(err)), soft_wrap=True
+        )
         return 2
     if rank not in (None, 0):
         run_rank(asdict(cfg))
@@ -62,7 +64,9 @@ def run(dict_cfg: DictConfig) -> int:
         results = run_experiment(cfg, launch)
     except RunFailed as failed:
         print_summary(failed.results)
-        console.print(Text("meshrun: run failed ", style="bold red") + Text(str(failed)))
+        console.print(
+            Text("meshrun: run failed ", style="bold red") + Text(str(failed)), soft_wrap=True
+        )
         return 1
     print_summary(results)
     return 0
@@ -79,3 +83,7 @@ def main() -> None:
     if attached_rank() is not None and not any(a.startswith("hydra.run.dir=") for a in sys.argv):
         sys.argv.append(run_dir_override())
     _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

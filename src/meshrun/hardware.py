@@ -61,6 +61,17 @@ def _matches(profile: HardwareConfig, devices: list[CudaDevice]) -> bool:
     return True
 
 
+def _unused_kinds(profile: HardwareConfig, n_devices: int) -> int:
+    """Device kinds of a profile that this host has none of (a 2-GPU A100 box is not the
+    mixed box whose first two slots are A100s)."""
+    first_index = 0
+    unused = 0
+    for spec in profile.devices:
+        unused += first_index >= n_devices
+        first_index += spec.count
+    return unused
+
+
 def detect_profile(facts: HostFacts) -> HardwareConfig:
     if not facts.cuda_devices:
         cpu = load_profile("cpu")
@@ -70,7 +81,11 @@ def detect_profile(facts: HostFacts) -> HardwareConfig:
     matching = [p for p in candidates if _matches(p, facts.cuda_devices)]
     if matching:
         first = facts.cuda_devices[0].memory_gib
-        return min(matching, key=lambda p: abs(p.devices[0].memory_gib - first))
+        return min(
+            matching,
+            key=lambda p: (_unused_kinds(p, len(facts.cuda_devices)),
+                           abs(p.devices[0].memory_gib - first)),
+        )  # fmt: skip
     first = facts.cuda_devices[0]
     unknown = DeviceSpec(
         name=first.name, count=len(facts.cuda_devices), memory_gib=round(first.memory_gib, 1)

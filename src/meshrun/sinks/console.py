@@ -40,6 +40,8 @@ def print_summary(results: dict[str, Any]) -> None:
     )
     table.add_column(style="bold")
     table.add_column()
+    step_time = _fmt(results["step_time_s"], " s")
+    step_time_p90 = _fmt(results["step_time_p90_s"], " s")
     rows = [
         ("status", results["status"]),
         (
@@ -49,10 +51,7 @@ def print_summary(results: dict[str, Any]) -> None:
         ("hardware", results["hardware"]),
         ("batch", f"global {results['global_batch_size']}, micro {results['micro_batch_size']}"),
         ("tokens/s", _fmt(results["tokens_per_s"])),
-        (
-            "step time",
-            f"{_fmt(results['step_time_s'], ' s')} median, {_fmt(results['step_time_p90_s'], ' s')} p90",
-        ),
+        ("step time (median, p90)", f"{step_time}, {step_time_p90}"),
         ("baseline tokens/s", _fmt(results["baseline_tokens_per_s"])),
         (f"speedup ({results['scaling']} scaling)", _fmt(results["speedup"], "x")),
         ("scaling efficiency", _fmt(results["scaling_efficiency"])),

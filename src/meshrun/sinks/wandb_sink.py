@@ -70,11 +70,12 @@ def log_run(
         settings=wandb.Settings(console="off"),
     )
     try:
+        # Per-step series live under train/ so the run-level summary keys stay the run's.
         for record in steps:
-            metrics = {"loss": record["loss"]}
+            metrics = {"train/loss": record["loss"]}
             if record["step_time_s"]:
-                metrics["step_time_s"] = record["step_time_s"]
-                metrics["tokens_per_s"] = tokens_per_step / record["step_time_s"]
+                metrics["train/step_time_s"] = record["step_time_s"]
+                metrics["train/tokens_per_s"] = tokens_per_step / record["step_time_s"]
             run.log(metrics, step=record["step"])
         run.summary.update({k: results.get(k) for k in SUMMARY_KEYS})
     finally:

@@ -1,0 +1,276 @@
+"""meshrun's overhead over hand-written DDP, measured side by side in one run.
+
+(A) "hand": plain torch, as a user would write it: mp.spawn, gloo, DistributedDataParallel,
+AdamW, gradient accumulation with no_sync, clip_grad_norm_. (B) "meshrun": the same training
+through the `meshrun` CLI (parallel=ddp). Both train meshrun's LLaMA model on its synthetic
+tokens with the same hyperparameters, threads per rank and per-rank data, and both time only
+the steps after warmup (tokens/s = timed tokens / timed seconds, rank 0's clock), so process
+start-up, Hydra and model construction are not counted on either side.
+
+Rounds run A then B (ABAB...) so slow drift of the machine hits both alike. The ratio is
+meshrun tokens/s over hand tokens/s of the same round; the median over rounds is the result.
+1.0 means no overhead, the target is >= 0.98. The losses of both sides are compared too: a
+non-zero difference means they did not train the same thing and the ratio is meaningless.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.table import Table
+from torch.nn.parallel import DistributedDataParallel
+
+from meshrun.config import ModelConfig
+from meshrun.models.llama import build_model
+from meshrun.paths import CONF_DIR, REPO_ROOT
+from meshrun.train.data import SyntheticTokens
+
+# Hyperparameters of both sides; meshrun gets them as overrides, so they cannot drift apart.
+LR = 3e-4
+WEIGHT_DECAY = 0.1
+GRAD_CLIP = 1.0
+SEED = 0
+
+console = Console()
+
+
+@dataclass(frozen=True)
+class Setup:
+    model: str
+    ranks: int
+    steps: int
+    warmup_steps: int
+    global_batch_size: int
+    micro_batch_size: int
+    seq_len: int
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.seq_len
+
+
+@dataclass(frozen=True)
+class Measurement:
+    tokens_per_s: float
+    step_time_s: float
+    losses: list[float]
+
+
+def measurement(setup: Setup, step_times: list[float], losses: list[float]) -> Measurement:
+    """The same summary as meshrun's results.json (metrics/throughput.py summarize_steps)."""
+    tokens_per_s = setup.tokens_per_step * len(step_times) / sum(step_times)
+    return Measurement(tokens_per_s, statistics.median(step_times), losses)
+
+
+# --- (A) hand-written DDP --------------------------------------------------------------------
+
+
+def hand_rank(rank: int, setup: Setup, port: int, out: Path) -> None:
+    """One rank of the hand-written run; rank 0 writes its step times and the mean losses."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // setup.ranks))
+    dist.init_process_group("gloo", rank=rank, world_size=setup.ranks)
+
+    preset = OmegaConf.load(CONF_DIR / "model" / f"{setup.model}.yaml")
+    model_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), preset))
+    model = build_model(model_cfg, setup.seq_len, "cpu")
+    model.init_weights(SEED)
+    ddp_model = DistributedDataParallel(model)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": WEIGHT_DECAY},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=LR,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
+    data = SyntheticTokens(model_cfg.vocab_size, SEED)
+    per_rank = setup.global_batch_size // setup.ranks
+    accum = per_rank // setup.micro_batch_size
+
+    step_times: list[float] = []
+    losses: list[torch.Tensor] = []
+    for step in range(setup.steps):
+        if step == setup.warmup_steps:
+            start = time.perf_counter()
+        first = step * setup.global_batch_size + rank * per_rank
+        tokens = data.batch(torch.arange(first, first + per_rank), setup.seq_len + 1)
+        step_loss = torch.zeros(())
+        for index, chunk in enumerate(tokens.split(setup.micro_batch_size)):
+            inputs, targets = chunk[:, :-1], chunk[:, 1:]
+            sync = index == accum - 1
+            with contextlib.nullcontext() if sync else ddp_model.no_sync():
+                logits = ddp_model(inputs)
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+                (loss / accum).backward()
+            step_loss += loss.detach()
+        torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(step_loss / accum)
+        if step >= setup.warmup_steps:
+            now = time.perf_counter()
+            step_times.append(now - start)
+            start = now
+
+    mean_losses = torch.stack(losses)
+    dist.all_reduce(mean_losses)
+    mean_losses /= setup.ranks
+    if rank == 0:
+        out.write_text(json.dumps({"step_times": step_times, "losses": mean_losses.tolist()}))
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_hand(setup: Setup, work: Path) -> Measurement:
+    out = work / "hand.json"
+    mp.spawn(hand_rank, args=(setup, free_port(), out), nprocs=setup.ranks)
+    raw = json.loads(out.read_text())
+    return measurement(setup, raw["step_times"], raw["losses"])
+
+
+# --- (B) meshrun -----------------------------------------------------------------------------
+
+
+def run_meshrun(setup: Setup, work: Path) -> Measurement:
+    run_dir = work / "meshrun"
+    overrides = [
+        f"model={setup.model}",
+        "parallel=ddp",
+        "logger=none",
+        "metrics.baseline=false",
+        f"launcher.nproc_per_node={setup.ranks}",
+        f"train.steps={setup.steps}",
+        f"train.warmup_steps={setup.warmup_steps}",
+        f"train.global_batch_size={setup.global_batch_size}",
+        f"train.micro_batch_size={setup.micro_batch_size}",
+        f"train.seq_len={setup.seq_len}",
+        f"train.lr={LR}",
+        f"train.weight_decay={WEIGHT_DECAY}",
+        f"train.grad_clip={GRAD_CLIP}",
+        f"train.seed={SEED}",
+        "train.precision=fp32",
+        "train.progress_bar=false",
+        f"hydra.run.dir={run_dir}",
+        f"store.path={work / 'meshrun.db'}",
+    ]
+    cli = Path(sys.executable).with_name("meshrun")
+    proc = subprocess.run([cli, *overrides], capture_output=True, text=True, check=False)
+    if proc.returncode:
+        sys.exit(f"meshrun failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}")
+    results = json.loads((run_dir / "results.json").read_text())
+    return Measurement(results["tokens_per_s"], results["step_time_s"], results["losses"])
+
+
+# --- driver ----------------------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="small", help="a conf/model preset")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup-steps", type=int, default=3)
+    parser.add_argument("--global-batch-size", type=int, default=16)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--out", type=Path, default=REPO_ROOT / "outputs" / "benchmarks" / "ddp_overhead.json"
+    )
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    setup = Setup(
+        args.model,
+        args.ranks,
+        args.steps,
+        args.warmup_steps,
+        args.global_batch_size,
+        args.micro_batch_size,
+        args.seq_len,
+    )
+    started = time.perf_counter()
+    rounds: list[dict[str, Any]] = []
+    max_loss_diff = 0.0
+    for index in range(args.rounds):
+        with tempfile.TemporaryDirectory(prefix="ddp_overhead_") as tmp:
+            hand = run_hand(setup, Path(tmp))
+            ours = run_meshrun(setup, Path(tmp))
+        diff = max(abs(a - b) for a, b in zip(hand.losses, ours.losses, strict=True))
+        max_loss_diff = max(max_loss_diff, diff)
+        rounds.append(
+            {
+                "round": index + 1,
+                "hand_tokens_per_s": hand.tokens_per_s,
+                "meshrun_tokens_per_s": ours.tokens_per_s,
+                "hand_step_time_s": hand.step_time_s,
+                "meshrun_step_time_s": ours.step_time_s,
+                "ratio": ours.tokens_per_s / hand.tokens_per_s,
+            }
+        )
+        console.print(f"round {index + 1}/{args.rounds}: ratio {rounds[-1]['ratio']:.3f}")
+    median_ratio = statistics.median(r["ratio"] for r in rounds)
+    wall_s = time.perf_counter() - started
+
+    table = Table(title=f"DDP overhead: {setup.model}, {setup.ranks} ranks, gloo")
+    for column in ("round", "hand tok/s", "meshrun tok/s", "hand step s", "meshrun step s"):
+        table.add_column(column, justify="right")
+    table.add_column("meshrun / hand", justify="right")
+    for r in rounds:
+        table.add_row(
+            str(r["round"]),
+            f"{r['hand_tokens_per_s']:,.0f}",
+            f"{r['meshrun_tokens_per_s']:,.0f}",
+            f"{r['hand_step_time_s']:.3f}",
+            f"{r['meshrun_step_time_s']:.3f}",
+            f"{r['ratio']:.3f}",
+        )
+    table.add_section()
+    table.add_row("median", "", "", "", "", f"{median_ratio:.3f}", style="bold")
+    console.print(table)
+    console.print(f"max |loss hand - loss meshrun|: {max_loss_diff:.2e}; wall time {wall_s:.0f} s")
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    record = {
+        "setup": vars(args) | {"out": str(args.out)},
+        "torch": torch.__version__,
+        "rounds": rounds,
+        "median_ratio": median_ratio,
+        "max_loss_diff": max_loss_diff,
+        "wall_s": wall_s,
+    }
+    args.out.write_text(json.dumps(record, indent=2))
+    console.print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""Compose experiment configs in-process with Hydra's compose API (no subprocess, no run dir).
+
+`compose_config` returns the typed config exactly as Hydra composes it (before validation);
+`resolved_config` runs it through `meshrun.validate.validate` against this host's facts.
+
+`conf/train.yaml` takes `run_dir` and `store.path` from `${hydra:...}` interpolations that only
+a running Hydra job can resolve, so unless the overrides set them these helpers pin them to
+paths under the system temp dir (composing never creates or writes them; a test that runs
+anything should pass its own `tmp_path` paths). `logger` defaults to `none` for the same reason:
+no W&B in unit tests unless asked for.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from meshrun.config import ExperimentConfig
+from meshrun.hardware import HostFacts
+from meshrun.paths import CONF_DIR
+from meshrun.validate import validate
+
+_SCRATCH = Path(tempfile.gettempdir()) / "meshrun-tests"
+_DEFAULTS = {
+    "run_dir": str(_SCRATCH / "run"),
+    "store.path": str(_SCRATCH / "meshrun.db"),
+    "logger": "none",
+}
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def compose_config(*overrides: str) -> ExperimentConfig:
+    """The raw typed config of `meshrun <overrides>` (unvalidated: `auto`s and -1s remain)."""
+    ConfigStore.instance().store(name="experiment_schema", node=ExperimentConfig)
+    given = {_key(o) for o in overrides}
+    defaults = [f"{key}={value}" for key, value in _DEFAULTS.items() if key not in given]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[*defaults, *overrides])
+    return OmegaConf.to_object(cfg)
+
+
+def resolved_config(*overrides: str) -> ExperimentConfig:
+    """`compose_config(*overrides)` after `validate` on this host (layout and hardware resolved)."""
+    return validate(compose_config(*overrides), HostFacts.detect())

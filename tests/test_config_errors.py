@@ -1,0 +1,97 @@
+"""Every config mistake stops before any process starts, with one message naming the key,
+the bad value and what would be valid."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from meshrun.errors import ConfigError
+from meshrun.hardware import HostFacts
+from meshrun.validate import validate
+from tests.helpers import compose_config
+
+BAD_CONFIGS = [
+    # (overrides, key named in the error, fragment of the message)
+    (["train.steps=0"], "train.steps", "must be positive"),
+    (["train.steps=-5"], "train.steps", "must be positive"),
+    (["train.warmup_steps=0"], "train.warmup_steps", "1 <= warmup_steps"),
+    (["train.steps=4", "train.warmup_steps=4"], "train.warmup_steps", "< train.steps"),
+    (["parallel=ddp", "train.global_batch_size=10"], "train.global_batch_size", "multiple of 4"),
+    (["train.micro_batch_size=0"], "train.micro_batch_size", "must be positive"),
+    (["train.precision=fp8"], "train.precision", "fp32 | bf16"),
+    (["train.lr=0"], "train.lr", "must be positive"),
+    (["train.grad_clip=-1"], "train.grad_clip", "must be positive"),
+    (["parallel=single", "launcher.nproc_per_node=2"], "launcher.nproc_per_node", "needs 1"),
+    (["parallel=hsdp", "launcher.nproc_per_node=3"], "launcher.nproc_per_node", "multiple of 2"),
+    (["parallel.dp_shard=0"], "parallel.dp_shard", "-1 for 'the rest'"),
+    (["parallel.dp_replicate=-1", "parallel.dp_shard=-1"], "parallel.dp_shard", "only one"),
+    (["parallel.tp=2"], "parallel.tp", "data-parallel layouts only"),
+    (["parallel.data_parallel=zero3"], "parallel.data_parallel", "auto | dataparallel"),
+    (["parallel=dataparallel"], "parallel", "needs >= 2 CUDA devices"),
+    (["backend=nccl"], "backend", "nccl needs CUDA devices"),
+    (["backend.name=ucc"], "backend.name", "gloo | nccl | mpi"),
+    (["backend.timeout_s=0"], "backend.timeout_s", "must be positive"),
+    (["hardware=a100-80g"], "hardware", "describes CUDA devices"),
+    (["hardware.device_type=tpu"], "hardware.device_type", "cpu | cuda"),
+    (["model.n_heads=5"], "model.n_heads", "divisor of 64"),
+    (["model.n_kv_heads=3"], "model.n_kv_heads", "divisor of 4"),
+    (["data=text", "data.path=/nonexistent/corpus.txt"], "data.path", "no such file"),
+    (["metrics.scaling=linear"], "metrics.scaling", "weak | strong"),
+    (["logger.mode=sometimes"], "logger.mode", "offline"),
+    (["launcher.nnodes=2"], "launcher.nnodes", "one node"),
+    (["debug.fail_rank=5"], "debug.fail_rank", "0..0"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "key", "fragment"), BAD_CONFIGS, ids=lambda v: str(v))
+def test_bad_config_names_key_value_and_fix(overrides, key, fragment):
+    cfg = compose_config(*overrides)
+    with pytest.raises(ConfigError) as caught:
+        validate(cfg, HostFacts.detect())
+    message = str(caught.value)
+    assert caught.value.key == key
+    assert message.startswith(f"{key}=")
+    assert fragment in message
+    assert "Valid:" in message
+
+
+@pytest.mark.skipif(dist.is_mpi_available(), reason="this torch build has MPI")
+def test_mpi_backend_without_mpi_build_is_refused():
+    with pytest.raises(ConfigError, match="no MPI support"):
+        validate(compose_config("backend=mpi"), HostFacts.detect())
+
+
+def test_text_data_needs_byte_vocabulary(tmp_path: Path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("hello world " * 100)
+    cfg = compose_config("data=text", f"data.path={corpus}", "model.vocab_size=128")
+    with pytest.raises(ConfigError, match=r"model.vocab_size=128: data=text uses byte tokens"):
+        validate(cfg, HostFacts.detect())
+
+
+def test_cli_config_error_exits_2_before_any_rank_starts(meshrun):
+    run = meshrun("parallel=ddp", "train.global_batch_size=10")
+    assert run.returncode == 2
+    assert "train.global_batch_size=10" in run.output
+    assert "Traceback" not in run.output
+    assert not (run.run_dir / "metrics.jsonl").exists()
+    assert not run.store_path.exists()
+
+
+@pytest.mark.parametrize(
+    ("override", "fragment"),
+    [
+        ("parallel=tp9", "Could not find 'parallel/tp9'"),
+        ("train.stepz=3", "Key 'stepz' not in 'TrainConfig'"),
+        ("train.steps=many", "Value 'many' of type 'str' could not be converted to Integer"),
+        ("hardware.flops=1", "Key 'flops' not in 'HardwareConfig'"),
+    ],
+)
+def test_cli_rejects_unknown_presets_keys_and_types(meshrun, override, fragment):
+    run = meshrun(override)
+    assert run.returncode != 0
+    assert fragment in run.output
+    assert not run.store_path.exists()

@@ -1,0 +1,83 @@
+"""The main job end to end: `meshrun parallel=ddp model=small` on 2 CPU ranks measures its
+single-device baseline, reports a speedup, and every sink holds the same numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.wandb_records import read_offline_run
+
+SMALL_DDP = (
+    "parallel=ddp", "model=small", "train.steps=8", "train.warmup_steps=2",
+    "train.global_batch_size=8", "train.micro_batch_size=2", "train.seq_len=128",
+    "logger=wandb", "logger.mode=offline",
+)  # fmt: skip
+SECRET = "meshrun-test-secret-0123456789abcdef0123456789abcdef"
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    from tests.cli import run_meshrun
+
+    tmp = tmp_path_factory.mktemp("e2e")
+    run = run_meshrun(tmp / "run", tmp / "meshrun.db", *SMALL_DDP,
+                      env={"WANDB_API_KEY": SECRET})  # fmt: skip
+    assert run.returncode == 0, run.output
+    return run
+
+
+def test_ddp_reports_speedup_against_measured_baseline(ddp_run):
+    results = ddp_run.results
+    assert results["status"] == "completed"
+    assert results["world_size"] == 2
+    assert results["layout"] == {"pp": 1, "dp_replicate": 2, "dp_shard": 1, "tp": 1}
+    assert results["scaling"] == "weak"
+    assert results["baseline_tokens_per_s"] > 0
+    assert results["speedup"] == pytest.approx(
+        results["tokens_per_s"] / results["baseline_tokens_per_s"]
+    )
+    assert results["scaling_efficiency"] == pytest.approx(results["speedup"] / 2)
+    assert len(results["peak_memory_bytes"]) == 2
+    assert results["peak_memory_max_bytes"] == max(results["peak_memory_bytes"])
+    # small has 7.5M params: fp32 params + grads + AdamW state alone are 16 B/param
+    assert results["peak_memory_max_bytes"] > 16 * 7.4e6
+    assert "weak scaling" in ddp_run.output and "speedup" in ddp_run.output
+
+
+def test_baseline_and_run_are_both_in_the_store(ddp_run):
+    rows = {row["role"]: row for row in ddp_run.stored()}
+    assert set(rows) == {"baseline", "run"}
+    baseline, run = rows["baseline"], rows["run"]
+    assert baseline["world_size"] == 1 and baseline["parallel"] == "single"
+    assert baseline["global_batch_size"] == 4  # weak scaling: one rank's share
+    assert run["baseline_run_id"] == baseline["run_id"]
+    assert run["speedup"] == ddp_run.results["speedup"]
+    assert run["baseline_tokens_per_s"] == baseline["tokens_per_s"]
+
+
+def test_wandb_offline_run_holds_config_steps_and_summary(ddp_run):
+    wandb_run = read_offline_run(ddp_run.run_dir)
+    summary, results = wandb_run["summary"], ddp_run.results
+    for key in ("tokens_per_s", "speedup", "scaling_efficiency", "peak_memory_max_bytes"):
+        assert summary[key] == pytest.approx(results[key]), key
+    assert "mfu" in summary  # None on CPU: no published peak to divide by
+    assert wandb_run["config"]["parallel"]["name"] == "ddp"
+    losses = [h["train/loss"] for h in wandb_run["history"] if "train/loss" in h]
+    assert losses == pytest.approx(results["losses"])
+
+
+def test_wandb_key_never_lands_in_outputs(ddp_run):
+    for path in [*ddp_run.run_dir.rglob("*"), ddp_run.store_path]:
+        if path.is_file():
+            assert SECRET.encode() not in path.read_bytes(), path
+    assert SECRET not in ddp_run.output
+
+
+def test_second_run_reuses_stored_baseline(ddp_run, tmp_path):
+    from tests.cli import run_meshrun
+
+    again = run_meshrun(tmp_path / "again", ddp_run.store_path, *SMALL_DDP[:-2])
+    assert again.returncode == 0, again.output
+    assert not (again.run_dir / "baseline").exists()
+    baseline = next(r for r in ddp_run.stored() if r["role"] == "baseline")
+    assert again.results["baseline_run_id"] == baseline["run_id"]

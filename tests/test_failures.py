@@ -1,0 +1,57 @@
+"""A rank that fails or hangs brings the whole run down promptly: meshrun exits non-zero
+naming the rank, leaves no process behind, and still records the run and its finished steps."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+
+
+def processes_with(token: str) -> set[int]:
+    """Live processes whose environment carries `token` (a run's ranks inherit it)."""
+    found = set()
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if token.encode() in environ.read_bytes():
+                found.add(int(environ.parent.name))
+        except OSError:  # exited meanwhile, or not ours to read
+            continue
+    return found
+
+
+@pytest.fixture
+def marked_env():
+    """An env marker for one run; afterwards no process may still carry it."""
+    token = f"run-{uuid.uuid4().hex}"
+    yield {"MESHRUN_TEST_MARK": token}
+    assert processes_with(token) == set(), "rank processes outlived meshrun"
+
+
+FAIL = ("parallel=ddp", "train.steps=8", "train.warmup_steps=1", "train.log_every=1")
+
+
+def test_raising_rank_fails_run_fast_and_is_recorded(meshrun, marked_env):
+    run = meshrun(*FAIL, "debug.fail_rank=1", "debug.fail_step=3", env=marked_env)
+    assert run.returncode == 1
+    assert run.seconds < 60
+    assert "rank 1 failed: RuntimeError: injected failure on rank 1 at step 3" in run.output
+    results = run.results
+    assert results["status"] == "failed"
+    assert results["failed_rank"] == 1
+    assert len(results["losses"]) == 3  # steps 0..2 finished and are kept
+    [row] = run.stored()
+    assert row["status"] == "failed"
+    assert "injected failure" in row["error"]
+    assert row["losses"] == results["losses"]
+
+
+def test_hanging_rank_times_out_instead_of_hanging(meshrun, marked_env):
+    run = meshrun(*FAIL, "debug.fail_rank=1", "debug.fail_step=2", "debug.fail_mode=hang",
+                  "backend.timeout_s=5", env=marked_env)  # fmt: skip
+    assert run.returncode == 1
+    assert run.seconds < 90
+    assert "Timed out" in run.output
+    assert run.results["status"] == "failed"
+    assert run.results["failed_rank"] == 0  # the peer whose collective timed out

@@ -1,0 +1,144 @@
+"""Rank order: row-major over (pp, dp_replicate, dp_shard, tp), tp fastest, like DeviceMesh."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from meshrun.mesh import MESH_DIMS, Layout, build_mesh, dp_group, dp_rank, rank_coords
+
+LAYOUTS = [
+    Layout(),
+    Layout(dp_replicate=4),
+    Layout(dp_shard=3),
+    Layout(tp=2),
+    Layout(dp_shard=2, tp=2),
+    Layout(dp_replicate=2, dp_shard=3),
+    Layout(pp=2, dp_replicate=1, dp_shard=2, tp=2),
+    Layout(pp=3, dp_replicate=2, dp_shard=1, tp=2),
+    Layout(pp=2, dp_replicate=2, dp_shard=2, tp=2),
+]
+
+
+def shape(layout: Layout) -> tuple[int, ...]:
+    return tuple(getattr(layout, dim) for dim in MESH_DIMS)
+
+
+def test_mesh_dims_run_from_pipeline_outermost_to_tensor_parallel_fastest():
+    assert MESH_DIMS == ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+def test_layout_world_size_is_the_product_of_all_degrees():
+    assert Layout().world_size == 1
+    assert Layout(dp_shard=4).world_size == 4
+    assert Layout(pp=2, dp_replicate=3, dp_shard=2, tp=4).world_size == 48
+
+
+def test_layout_dp_size_spans_both_data_parallel_dims_only():
+    assert Layout(pp=2, tp=4).dp_size == 1
+    assert Layout(dp_replicate=2, dp_shard=3, tp=2, pp=2).dp_size == 6
+
+
+def test_layout_describe_names_the_non_trivial_dims_in_mesh_order():
+    assert Layout().describe() == "single"
+    assert Layout(dp_replicate=2).describe() == "dp_replicate2"
+    assert Layout(dp_shard=2, tp=2).describe() == "dp_shard2 x tp2"
+    assert Layout(pp=2, dp_replicate=2, dp_shard=4, tp=8).describe() == (
+        "pp2 x dp_replicate2 x dp_shard4 x tp8"
+    )
+
+
+def test_layout_degrees_are_in_mesh_order():
+    layout = Layout(pp=2, dp_replicate=3, dp_shard=4, tp=5)
+    assert list(layout.degrees().items()) == [
+        ("pp", 2),
+        ("dp_replicate", 3),
+        ("dp_shard", 4),
+        ("tp", 5),
+    ]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=Layout.describe)
+def test_rank_coords_is_row_major_with_tp_fastest(layout):
+    enumeration = itertools.product(*(range(n) for n in shape(layout)))
+    for rank, coords in enumerate(enumeration):
+        assert rank_coords(layout, rank) == dict(zip(MESH_DIMS, coords, strict=True))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=Layout.describe)
+def test_rank_coords_index_the_device_mesh_grid_at_that_rank(layout):
+    # DeviceMesh lays ranks out as arange(world).reshape(shape): its coordinate of a rank is
+    # where that rank sits in this grid.
+    grid = torch.arange(layout.world_size).reshape(shape(layout))
+    for rank in range(layout.world_size):
+        coords = rank_coords(layout, rank)
+        assert grid[tuple(coords[dim] for dim in MESH_DIMS)].item() == rank
+
+
+def test_tensor_parallel_peers_are_adjacent_ranks():
+    layout = Layout(dp_shard=2, tp=4)
+    peers = [r for r in range(layout.world_size) if rank_coords(layout, r)["dp_shard"] == 1]
+    assert peers == [4, 5, 6, 7]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=Layout.describe)
+def test_tp_and_pp_peers_share_their_dp_rank(layout):
+    by_dp_coords: dict[tuple[int, int], set[int]] = {}
+    for rank in range(layout.world_size):
+        c = rank_coords(layout, rank)
+        by_dp_coords.setdefault((c["dp_replicate"], c["dp_shard"]), set()).add(
+            dp_rank(layout, rank)
+        )
+    assert all(len(ranks) == 1 for ranks in by_dp_coords.values())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=Layout.describe)
+def test_dp_rank_is_a_bijection_onto_range_dp_size_within_each_pp_tp_slice(layout):
+    slices: dict[tuple[int, int], list[int]] = {}
+    for rank in range(layout.world_size):
+        c = rank_coords(layout, rank)
+        slices.setdefault((c["pp"], c["tp"]), []).append(dp_rank(layout, rank))
+    assert len(slices) == layout.pp * layout.tp
+    for dp_ranks in slices.values():
+        assert sorted(dp_ranks) == list(range(layout.dp_size))
+
+
+def test_dp_rank_orders_replicas_outside_shards():
+    layout = Layout(dp_replicate=2, dp_shard=3)
+    assert [dp_rank(layout, r) for r in range(6)] == [0, 1, 2, 3, 4, 5]
+    layout = Layout(dp_replicate=2, dp_shard=2, tp=2)
+    assert [dp_rank(layout, r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [Layout(dp_shard=2, tp=2), Layout(pp=2, dp_replicate=2, dp_shard=2, tp=2)],
+    ids=Layout.describe,
+)
+def test_build_mesh_and_dp_group_agree_with_rank_coords_and_dp_rank(layout):
+    """The real DeviceMesh, on torch's in-process fake backend (one process plays each rank)."""
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    assert not dist.is_initialized()
+    for rank in range(layout.world_size):
+        dist.init_process_group(
+            "fake", store=fake_pg.FakeStore(), rank=rank, world_size=layout.world_size
+        )
+        try:
+            mesh = build_mesh(layout, "cpu")
+            assert mesh.mesh_dim_names == MESH_DIMS
+            coords = rank_coords(layout, rank)
+            assert tuple(mesh.get_coordinate()) == tuple(coords[dim] for dim in MESH_DIMS)
+            group = dp_group(mesh)
+            assert dist.get_world_size(group) == layout.dp_size
+            assert dist.get_rank(group) == dp_rank(layout, rank)
+            members = dist.get_process_group_ranks(group)
+            assert all(
+                rank_coords(layout, m)["pp"] == coords["pp"]
+                and rank_coords(layout, m)["tp"] == coords["tp"]
+                for m in members
+            )
+        finally:
+            dist.destroy_process_group()

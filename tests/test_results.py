@@ -1,0 +1,172 @@
+"""From measurements to the results record: baseline twin, baseline key, speedup, efficiency."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from meshrun.results import assemble, baseline_config, baseline_key
+from tests.helpers import compose_config, resolved_config
+
+RUN = ("run_dir=/tmp/meshrun-tests/x", "store.path=/tmp/meshrun-tests/x.db", "logger=none")
+
+
+def meta(status: str = "completed", error: str | None = None) -> dict:
+    return {
+        "run_id": "run123",
+        "role": "run",
+        "created_at": "2024-01-01T00:00:00+00:00",
+        "status": status,
+        "error": error,
+        "failed_rank": None if status == "completed" else 1,
+        "duration_s": 1.0,
+    }
+
+
+def steps(times: list[float | None], first_loss: float = 5.0) -> list[dict]:
+    return [
+        {"step": i, "loss": first_loss - 0.1 * i, "step_time_s": t} for i, t in enumerate(times)
+    ]
+
+
+@pytest.fixture(scope="module")
+def ddp():
+    cfg = resolved_config("parallel=ddp", *RUN)
+    assert cfg.parallel.dp_replicate == 2 and cfg.launcher.nproc_per_node == 2  # 2 CPU ranks
+    assert (cfg.train.global_batch_size, cfg.train.micro_batch_size) == (8, 2)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def single():
+    return resolved_config("parallel=single", *RUN)
+
+
+def test_compose_config_is_the_raw_typed_config():
+    cfg = compose_config("parallel=ddp", *RUN)
+    assert cfg.parallel.dp_replicate == -1  # unresolved
+    assert cfg.hardware.name == "auto"
+    assert cfg.run_dir == "/tmp/meshrun-tests/x"
+    assert cfg.name == "tiny_ddp"
+
+
+def test_compose_config_without_run_paths_still_composes():
+    cfg = compose_config()
+    assert cfg.parallel.name == "single"
+    assert cfg.logger.name == "none"
+    assert cfg.run_dir and cfg.store.path
+
+
+def test_weak_scaling_baseline_is_one_device_with_the_per_dp_rank_batch(ddp):
+    twin = baseline_config(ddp)
+    assert twin.parallel.name == "single"
+    assert (twin.parallel.dp_replicate, twin.parallel.dp_shard) == (1, 1)
+    assert (twin.parallel.tp, twin.parallel.pp) == (1, 1)
+    assert twin.launcher.nproc_per_node == 1
+    assert twin.train.global_batch_size == ddp.train.global_batch_size // 2 == 4
+    assert twin.train.micro_batch_size == ddp.train.micro_batch_size
+    assert twin.launcher.threads_per_rank == ddp.launcher.threads_per_rank
+    assert twin.model == ddp.model
+    assert twin.train.seq_len == ddp.train.seq_len
+    assert twin.train.steps == ddp.train.steps
+    assert twin.run_dir == f"{ddp.run_dir}/baseline"
+    assert ddp.parallel.name == "ddp"  # the run's own config is left alone
+
+
+def test_strong_scaling_baseline_keeps_the_global_batch():
+    cfg = resolved_config("parallel=ddp", "metrics.scaling=strong", *RUN)
+    twin = baseline_config(cfg)
+    assert twin.parallel.name == "single"
+    assert twin.launcher.nproc_per_node == 1
+    assert twin.train.global_batch_size == cfg.train.global_batch_size == 8
+
+
+def test_baseline_key_of_a_single_run_equals_its_baseline_twin(single):
+    assert baseline_key(single) == baseline_key(baseline_config(single))
+
+
+def test_ddp_baseline_twin_has_the_key_of_the_equivalent_single_run(ddp):
+    equivalent = resolved_config(
+        "parallel=single",
+        "train.global_batch_size=4",
+        f"launcher.threads_per_rank={ddp.launcher.threads_per_rank}",
+        *RUN,
+    )
+    assert baseline_key(baseline_config(ddp)) == baseline_key(equivalent)
+    assert baseline_key(ddp) != baseline_key(baseline_config(ddp))
+
+
+@pytest.mark.parametrize("change", ["train.seq_len=64", "model=small", "train.precision=bf16"])
+def test_baseline_key_changes_with_what_changes_throughput(single, change):
+    other = resolved_config("parallel=single", change, *RUN)
+    assert baseline_key(other) != baseline_key(single)
+
+
+def test_baseline_key_ignores_run_dir_and_name(single):
+    moved = dataclasses.replace(single, run_dir="/elsewhere", name="renamed")
+    assert baseline_key(moved) == baseline_key(single)
+
+
+def test_assemble_computes_throughput_speedup_and_scaling_efficiency(ddp):
+    times = [None, None, 0.5, 0.5, 1.0]  # two untimed warmup steps
+    tokens_per_step = ddp.train.global_batch_size * ddp.train.seq_len
+    tokens_per_s = 3 * tokens_per_step / 2.0
+    baseline = {"tokens_per_s": tokens_per_s / 1.5, "run_id": "base1"}
+    results = assemble(ddp, steps(times), [100, 300], baseline, meta())
+    assert results["tokens_per_s"] == pytest.approx(tokens_per_s)
+    assert results["step_time_s"] == pytest.approx(0.5)
+    assert results["samples_per_s"] == pytest.approx(3 * 8 / 2.0)
+    assert results["baseline_tokens_per_s"] == pytest.approx(tokens_per_s / 1.5)
+    assert results["baseline_run_id"] == "base1"
+    assert results["speedup"] == pytest.approx(1.5)
+    assert results["devices"] == results["world_size"] == 2
+    assert results["scaling_efficiency"] == pytest.approx(0.75)
+    assert results["peak_memory_max_bytes"] == 300
+    assert results["steps_completed"] == 5
+    assert results["losses"] == pytest.approx([5.0, 4.9, 4.8, 4.7, 4.6])
+    assert results["grad_accum_steps"] == 2  # 8 / (micro 2 x dp 2)
+    assert results["layout_name"] == "dp_replicate2"
+    assert results["status"] == "completed"
+    assert results["mfu"] is None  # the cpu profile has no peak FLOP/s
+    assert results["flops_per_token"] > 0
+    assert results["baseline_key"] == baseline_key(ddp)
+
+
+def test_assemble_of_a_single_run_without_baseline_is_its_own_baseline(single):
+    results = assemble(single, steps([None, None, 1.0, 1.0]), [10], None, meta())
+    assert results["speedup"] == pytest.approx(1.0)
+    assert results["scaling_efficiency"] == pytest.approx(1.0)
+    assert results["baseline_run_id"] == "run123"
+
+
+def test_assemble_of_a_multi_device_run_without_baseline_has_no_speedup(ddp):
+    results = assemble(ddp, steps([None, None, 1.0]), [10, 10], None, meta())
+    assert results["tokens_per_s"] is not None
+    assert results["speedup"] is None
+    assert results["scaling_efficiency"] is None
+
+
+def test_assemble_of_a_failed_run_keeps_losses_of_the_finished_steps(ddp):
+    baseline = {"tokens_per_s": 1000.0, "run_id": "base1"}
+    failed = meta("failed", "rank 1 failed at step 3")
+    results = assemble(ddp, steps([None, None, 0.5]), None, baseline, failed)
+    assert results["status"] == "failed"
+    assert results["error"] == "rank 1 failed at step 3"
+    assert results["losses"] == pytest.approx([5.0, 4.9, 4.8])
+    assert results["steps_completed"] == 3
+    assert results["peak_memory_bytes"] is None
+    assert results["peak_memory_max_bytes"] is None
+    assert results["tokens_per_s"] == pytest.approx(8 * 128 / 0.5)
+    assert results["speedup"] == pytest.approx(8 * 128 / 0.5 / 1000.0)
+
+
+def test_assemble_of_a_run_that_failed_in_warmup_has_no_timing(ddp):
+    baseline = {"tokens_per_s": 1000.0, "run_id": "base1"}
+    results = assemble(ddp, steps([None]), None, baseline, meta("failed", "boom"))
+    assert results["losses"] == [5.0]
+    assert results["tokens_per_s"] is None
+    assert results["step_time_s"] is None
+    assert results["speedup"] is None
+    assert results["scaling_efficiency"] is None
+    assert results["mfu"] is None
