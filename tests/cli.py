@@ -45,7 +45,8 @@ def run_meshrun(
     ]  # fmt: skip
     started = time.monotonic()
     proc = subprocess.run(
-        command, capture_output=True, text=True, timeout=timeout, cwd=run_dir.parent,
+        command, check=False, capture_output=True, text=True, timeout=timeout,
+        cwd=run_dir.parent,
         env={**os.environ, **(env or {})},
     )  # fmt: skip
     seconds = time.monotonic() - started

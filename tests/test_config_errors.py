@@ -46,7 +46,7 @@ BAD_CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize(("overrides", "key", "fragment"), BAD_CONFIGS, ids=lambda v: str(v))
+@pytest.mark.parametrize(("overrides", "key", "fragment"), BAD_CONFIGS, ids=str)
 def test_bad_config_names_key_value_and_fix(overrides, key, fragment):
     cfg = compose_config(*overrides)
     with pytest.raises(ConfigError) as caught:
