@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import socket
 import statistics
 import subprocess
@@ -72,6 +73,7 @@ class Measurement:
     tokens_per_s: float
     step_time_s: float
     losses: list[float]
+    other_cpu_s: float = 0.0
 
 
 def measurement(setup: Setup, step_times: list[float], losses: list[float]) -> Measurement:
@@ -186,6 +188,30 @@ def run_meshrun(setup: Setup, work: Path) -> Measurement:
         sys.exit(f"meshrun failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}")
     results = json.loads((run_dir / "results.json").read_text())
     return Measurement(results["tokens_per_s"], results["step_time_s"], results["losses"])
+
+
+def busy_cpu_s() -> float:
+    """CPU seconds every process on this machine has used so far (Linux /proc/stat)."""
+    user, nice, system, idle, iowait, irq, softirq, steal = map(
+        int, Path("/proc/stat").read_text().split(maxsplit=9)[1:9]
+    )
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    """CPU seconds of this process and its waited-for descendants (both sides' ranks)."""
+    me, kids = (resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def measured_alone(side: Callable[[Setup, Path], Measurement], setup: Setup) -> Measurement:
+    """Runs one side and adds the CPU time other processes took meanwhile: with every core
+    busy with a rank, any of it is stolen from the ranks and slows that side down."""
+    busy, own = busy_cpu_s(), own_cpu_s()
+    with tempfile.TemporaryDirectory(prefix="ddp_overhead_") as tmp:
+        result = side(setup, Path(tmp))
+    other = (busy_cpu_s() - busy) - (own_cpu_s() - own)
+    return dataclasses.replace(result, other_cpu_s=max(0.0, other))
 
 
 # --- driver ----------------------------------------------------------------------------------

@@ -1,0 +1,40 @@
+"""Started by torchrun, `meshrun` acts as one rank: all ranks share one run dir, rank 0
+records the run (and measures the baseline alone, after the others are gone)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+ARGS = ["-m", "meshrun.cli", "logger=none", "train.progress_bar=false", "train.steps=6"]
+
+
+def torchrun(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*TORCHRUN, *ARGS, f"store.path={cwd / 'meshrun.db'}", *overrides],
+        check=False, capture_output=True, text=True, timeout=240, cwd=cwd,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )  # fmt: skip
+
+
+def test_torchrun_ranks_share_one_run_dir_and_record_once(tmp_path):
+    proc = torchrun(tmp_path, "parallel=ddp")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [results_file] = (tmp_path / "outputs" / "torchrun").glob("*/results.json")
+    results = json.loads(results_file.read_text())
+    assert results["status"] == "completed"
+    assert results["world_size"] == 2
+    assert results["speedup"] is not None
+    assert (results_file.parent / "baseline" / "results.json").exists()
+    assert proc.stdout.count("meshrun: tiny / dp_replicate2") == 1  # rank 0 reports
+
+
+def test_torchrun_world_that_does_not_fit_the_layout_is_a_config_error(tmp_path):
+    proc = torchrun(tmp_path, "parallel=single")
+    assert proc.returncode != 0
+    assert "WORLD_SIZE=2: torchrun started 2 ranks but parallel=single needs 1" in proc.stdout
+    assert not (tmp_path / "meshrun.db").exists()
