@@ -11,12 +11,15 @@ Rounds run A then B (ABAB...) so slow drift of the machine hits both alike. The 
 meshrun tokens/s over hand tokens/s of the same round; the median over rounds is the result.
 1.0 means no overhead, the target is >= 0.98. The losses of both sides are compared too: a
 non-zero difference means they did not train the same thing and the ratio is meaningless.
+"other CPU s" is CPU time other processes took while a side ran; with every core busy with a
+rank it comes straight out of that side's throughput, so rounds where it is large are flagged.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import resource
@@ -26,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,11 +52,13 @@ LR = 3e-4
 WEIGHT_DECAY = 0.1
 GRAD_CLIP = 1.0
 SEED = 0
+# CPU seconds other processes may take during one side before its round is flagged.
+CONTENDED_CPU_S = 1.0
 
 console = Console()
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Setup:
     model: str
     ranks: int
@@ -68,7 +73,7 @@ class Setup:
         return self.global_batch_size * self.seq_len
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Measurement:
     tokens_per_s: float
     step_time_s: float
@@ -90,11 +95,12 @@ def hand_rank(rank: int, setup: Setup, port: int, out: Path) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // setup.ranks))
+    cpu = torch.device("cpu")
     dist.init_process_group("gloo", rank=rank, world_size=setup.ranks)
 
     preset = OmegaConf.load(CONF_DIR / "model" / f"{setup.model}.yaml")
     model_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), preset))
-    model = build_model(model_cfg, setup.seq_len, "cpu")
+    model = build_model(model_cfg, setup.seq_len, cpu)
     model.init_weights(SEED)
     ddp_model = DistributedDataParallel(model)
     params = list(model.parameters())
@@ -117,7 +123,7 @@ def hand_rank(rank: int, setup: Setup, port: int, out: Path) -> None:
         if step == setup.warmup_steps:
             start = time.perf_counter()
         first = step * setup.global_batch_size + rank * per_rank
-        tokens = data.batch(torch.arange(first, first + per_rank), setup.seq_len + 1)
+        tokens = data.batch(range(first, first + per_rank), setup.seq_len + 1, cpu)
         step_loss = torch.zeros(())
         for index, chunk in enumerate(tokens.split(setup.micro_batch_size)):
             inputs, targets = chunk[:, :-1], chunk[:, 1:]
@@ -190,12 +196,14 @@ def run_meshrun(setup: Setup, work: Path) -> Measurement:
     return Measurement(results["tokens_per_s"], results["step_time_s"], results["losses"])
 
 
+# --- contention: the machine must be otherwise idle ------------------------------------------
+
+
 def busy_cpu_s() -> float:
     """CPU seconds every process on this machine has used so far (Linux /proc/stat)."""
-    user, nice, system, idle, iowait, irq, softirq, steal = map(
-        int, Path("/proc/stat").read_text().split(maxsplit=9)[1:9]
-    )
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    # cpu  user nice system idle iowait irq softirq steal ...: all but idle and iowait are busy.
+    ticks = [int(t) for t in Path("/proc/stat").read_text().split(maxsplit=9)[1:9]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def own_cpu_s() -> float:
@@ -204,7 +212,7 @@ def own_cpu_s() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def measured_alone(side: Callable[[Setup, Path], Measurement], setup: Setup) -> Measurement:
+def run_side(side: Callable[[Setup, Path], Measurement], setup: Setup) -> Measurement:
     """Runs one side and adds the CPU time other processes took meanwhile: with every core
     busy with a rank, any of it is stolen from the ranks and slows that side down."""
     busy, own = busy_cpu_s(), own_cpu_s()
@@ -233,6 +241,62 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def run_rounds(setup: Setup, rounds: int) -> tuple[list[dict[str, Any]], float]:
+    """Per-round records, and the largest loss difference between the sides (0 expected)."""
+    records: list[dict[str, Any]] = []
+    max_loss_diff = 0.0
+    for index in range(rounds):
+        hand = run_side(run_hand, setup)
+        ours = run_side(run_meshrun, setup)
+        diff = max(abs(a - b) for a, b in zip(hand.losses, ours.losses, strict=True))
+        max_loss_diff = max(max_loss_diff, diff)
+        records.append(
+            {
+                "round": index + 1,
+                "hand_tokens_per_s": hand.tokens_per_s,
+                "meshrun_tokens_per_s": ours.tokens_per_s,
+                "hand_step_time_s": hand.step_time_s,
+                "meshrun_step_time_s": ours.step_time_s,
+                "hand_other_cpu_s": hand.other_cpu_s,
+                "meshrun_other_cpu_s": ours.other_cpu_s,
+                "ratio": ours.tokens_per_s / hand.tokens_per_s,
+            }
+        )
+        console.print(f"round {index + 1}/{rounds}: ratio {records[-1]['ratio']:.3f}")
+    return records, max_loss_diff
+
+
+def contended(record: dict[str, Any]) -> bool:
+    return max(record["hand_other_cpu_s"], record["meshrun_other_cpu_s"]) > CONTENDED_CPU_S
+
+
+def print_table(setup: Setup, rounds: list[dict[str, Any]], median_ratio: float) -> None:
+    title = f"DDP overhead, {setup.model} on {setup.ranks} gloo ranks: ratio = meshrun / hand"
+    table = Table(title=title)
+    columns = ("round", "hand tok/s", "meshrun tok/s", "hand step", "meshrun step")
+    for column in (*columns, "other CPU s", "ratio"):
+        table.add_column(column, justify="right")
+    for r in rounds:
+        table.add_row(
+            f"{r['round']}{'*' if contended(r) else ''}",
+            f"{r['hand_tokens_per_s']:,.0f}",
+            f"{r['meshrun_tokens_per_s']:,.0f}",
+            f"{r['hand_step_time_s']:.3f} s",
+            f"{r['meshrun_step_time_s']:.3f} s",
+            f"{r['hand_other_cpu_s']:.1f} / {r['meshrun_other_cpu_s']:.1f}",
+            f"{r['ratio']:.3f}",
+        )
+    table.add_section()
+    table.add_row("median", "", "", "", "", "", f"{median_ratio:.3f}", style="bold")
+    console.print(table)
+    if any(contended(r) for r in rounds):
+        console.print(
+            f"* other processes took > {CONTENDED_CPU_S:g} CPU s during this round: its ratio "
+            "measures them as much as meshrun; rerun on an idle machine",
+            style="yellow",
+        )
+
+
 def main() -> None:
     args = parse_args()
     setup = Setup(
@@ -245,44 +309,10 @@ def main() -> None:
         args.seq_len,
     )
     started = time.perf_counter()
-    rounds: list[dict[str, Any]] = []
-    max_loss_diff = 0.0
-    for index in range(args.rounds):
-        with tempfile.TemporaryDirectory(prefix="ddp_overhead_") as tmp:
-            hand = run_hand(setup, Path(tmp))
-            ours = run_meshrun(setup, Path(tmp))
-        diff = max(abs(a - b) for a, b in zip(hand.losses, ours.losses, strict=True))
-        max_loss_diff = max(max_loss_diff, diff)
-        rounds.append(
-            {
-                "round": index + 1,
-                "hand_tokens_per_s": hand.tokens_per_s,
-                "meshrun_tokens_per_s": ours.tokens_per_s,
-                "hand_step_time_s": hand.step_time_s,
-                "meshrun_step_time_s": ours.step_time_s,
-                "ratio": ours.tokens_per_s / hand.tokens_per_s,
-            }
-        )
-        console.print(f"round {index + 1}/{args.rounds}: ratio {rounds[-1]['ratio']:.3f}")
+    rounds, max_loss_diff = run_rounds(setup, args.rounds)
     median_ratio = statistics.median(r["ratio"] for r in rounds)
     wall_s = time.perf_counter() - started
-
-    table = Table(title=f"DDP overhead: {setup.model}, {setup.ranks} ranks, gloo")
-    for column in ("round", "hand tok/s", "meshrun tok/s", "hand step s", "meshrun step s"):
-        table.add_column(column, justify="right")
-    table.add_column("meshrun / hand", justify="right")
-    for r in rounds:
-        table.add_row(
-            str(r["round"]),
-            f"{r['hand_tokens_per_s']:,.0f}",
-            f"{r['meshrun_tokens_per_s']:,.0f}",
-            f"{r['hand_step_time_s']:.3f}",
-            f"{r['meshrun_step_time_s']:.3f}",
-            f"{r['ratio']:.3f}",
-        )
-    table.add_section()
-    table.add_row("median", "", "", "", "", f"{median_ratio:.3f}", style="bold")
-    console.print(table)
+    print_table(setup, rounds, median_ratio)
     console.print(f"max |loss hand - loss meshrun|: {max_loss_diff:.2e}; wall time {wall_s:.0f} s")
 
     args.out.parent.mkdir(parents=True, exist_ok=True)

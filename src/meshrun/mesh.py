@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from meshrun.config import ParallelConfig
+
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
@@ -35,6 +37,11 @@ class Layout:
     @property
     def dp_size(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @classmethod
+    def of(cls, parallel: ParallelConfig) -> Layout:
+        """The layout of a resolved parallel config (no -1 degrees left)."""
+        return cls(**{dim: getattr(parallel, dim) for dim in MESH_DIMS})
 
     def degrees(self) -> dict[str, int]:
         return {dim: getattr(self, dim) for dim in MESH_DIMS}

@@ -10,10 +10,10 @@ import json
 from typing import Any
 
 from meshrun.config import ExperimentConfig, ParallelConfig
+from meshrun.mesh import Layout
 from meshrun.metrics.flops import device_for_rank, flops_per_token, mfu, peak_flops
 from meshrun.metrics.throughput import summarize_steps
 from meshrun.models.llama import build_model, count_params
-from meshrun.worker import layout_of
 
 
 def dp_size(cfg: ExperimentConfig) -> int:
@@ -23,13 +23,13 @@ def dp_size(cfg: ExperimentConfig) -> int:
 def n_devices(cfg: ExperimentConfig) -> int:
     if cfg.parallel.data_parallel == "dataparallel":
         return cfg.parallel.dataparallel_devices
-    return layout_of(cfg).world_size
+    return Layout.of(cfg.parallel).world_size
 
 
 def layout_name(cfg: ExperimentConfig) -> str:
     if cfg.parallel.data_parallel == "dataparallel":
         return f"dataparallel x{cfg.parallel.dataparallel_devices}"
-    return layout_of(cfg).describe()
+    return Layout.of(cfg.parallel).describe()
 
 
 def baseline_config(cfg: ExperimentConfig) -> ExperimentConfig:
@@ -42,7 +42,7 @@ def baseline_config(cfg: ExperimentConfig) -> ExperimentConfig:
     """
     global_batch = cfg.train.global_batch_size
     if cfg.metrics.scaling == "weak":
-        global_batch //= dp_size(cfg) * max(1, n_devices(cfg) // layout_of(cfg).world_size)
+        global_batch //= dp_size(cfg) * max(1, n_devices(cfg) // Layout.of(cfg.parallel).world_size)
     return dataclasses.replace(
         cfg,
         parallel=ParallelConfig(name="single"),
@@ -106,9 +106,9 @@ def assemble(
         "name": cfg.name,
         "model": cfg.model.name,
         "parallel": cfg.parallel.name,
-        "layout": layout_of(cfg).degrees(),
+        "layout": Layout.of(cfg.parallel).degrees(),
         "layout_name": layout_name(cfg),
-        "world_size": layout_of(cfg).world_size,
+        "world_size": Layout.of(cfg.parallel).world_size,
         "devices": devices,
         "hardware": cfg.hardware.name,
         "device_type": cfg.hardware.device_type,

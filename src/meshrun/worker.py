@@ -27,11 +27,6 @@ from meshrun.train.optim import build_optimizer
 METRICS_FILE = "metrics.jsonl"
 
 
-def layout_of(cfg: ExperimentConfig) -> Layout:
-    p = cfg.parallel
-    return Layout(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp)
-
-
 class MetricsLog:
     """Rank 0 appends each log step's records at once, so a crash keeps the steps done."""
 
@@ -61,7 +56,7 @@ def fault_injector(debug: DebugConfig, rank: int) -> Callable[[int], None] | Non
 
 def run_rank(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
     cfg = from_dict(cfg_dict)
-    layout = layout_of(cfg)
+    layout = Layout.of(cfg.parallel)
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     for key, value in cfg.backend.env.items():

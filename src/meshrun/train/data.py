@@ -26,7 +26,9 @@ class SyntheticTokens:
         self.vocab_size = vocab_size
         self.seed = seed
 
-    def batch(self, indices: torch.Tensor, length: int) -> torch.Tensor:
+    def batch(self, samples: range, length: int, device: torch.device) -> torch.Tensor:
+        """Generated on `device` directly: no host-to-device copy, no sync."""
+        indices = torch.arange(samples.start, samples.stop, device=device)
         mixed = (indices * _MIX + self.seed * 7919) % (2**31 - 1)
         start = mixed % self.vocab_size
         stride = 1 + (mixed // self.vocab_size) % min(self.vocab_size - 1, 7)
@@ -40,11 +42,12 @@ class TextBytes:
     def __init__(self, path: str) -> None:
         self.tokens = torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8)
 
-    def batch(self, indices: torch.Tensor, length: int) -> torch.Tensor:
+    def batch(self, samples: range, length: int, device: torch.device) -> torch.Tensor:
+        """Gathered on the host, then copied without waiting for the device."""
         span = self.tokens.numel() - length
-        starts = (indices.cpu() * length) % span
+        starts = (torch.arange(samples.start, samples.stop) * length) % span
         windows = starts[:, None] + torch.arange(length)[None, :]
-        return self.tokens[windows].long().to(indices.device)
+        return self.tokens[windows].long().to(device, non_blocking=True)
 
 
 def build_dataset(cfg: DataConfig, vocab_size: int, seed: int) -> SyntheticTokens | TextBytes:
@@ -83,6 +86,5 @@ class MicroBatches:
 
     def for_step(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         samples = dp_sample_range(step, self.global_batch, self.dp_rank, self.dp_size)
-        indices = torch.arange(samples.start, samples.stop, device=self.device)
-        tokens = self.dataset.batch(indices, self.seq_len + 1)
+        tokens = self.dataset.batch(samples, self.seq_len + 1, self.device)
         return [(chunk[:, :-1], chunk[:, 1:]) for chunk in tokens.split(self.micro_batch, dim=0)]

@@ -1,0 +1,33 @@
+# Quick start: `make run` (the default experiment) and `make test` (the test suite).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: install run test test-all lint format bench
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml scripts/install-torch.sh
+	test -x $(PY) || python3 -m venv $(VENV)
+	scripts/install-torch.sh $(PY)
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+run: install
+	$(VENV)/bin/meshrun
+
+test: install
+	$(PY) -m pytest
+
+test-all: install
+	$(PY) -m pytest -m "slow or not slow"
+
+lint: install
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+
+format: install
+	$(VENV)/bin/ruff check --fix src tests benchmarks
+	$(VENV)/bin/ruff format src tests benchmarks
+
+bench: install
+	$(PY) benchmarks/ddp_overhead.py

@@ -1,0 +1,35 @@
+"""GPU paths: CUDA device selection, CUDA allocator memory stats, nccl, hardware detection
+and MFU. Skipped where no CUDA device is visible."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+CUDA_RUN = ("model=small", "train.steps=6", "train.warmup_steps=2", "train.precision=bf16")
+
+
+def test_single_gpu_run_measures_cuda_memory_and_mfu(meshrun):
+    run = meshrun("parallel=single", *CUDA_RUN)
+    assert run.returncode == 0, run.output
+    results = run.results
+    assert results["device_type"] == "cuda"
+    assert results["backend"] == "nccl"
+    assert results["peak_memory_max_bytes"] > 16 * 7.4e6  # params + grads + AdamW, fp32
+    if not results["hardware"].startswith("unknown"):
+        assert 0 < results["mfu"] < 1
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_ddp_over_nccl_matches_single_gpu_losses(meshrun):
+    common = ("model=tiny", "train.steps=6", "train.warmup_steps=1", "metrics.baseline=false")
+    single = meshrun("parallel=single", *common)
+    ddp = meshrun("parallel=ddp", "launcher.nproc_per_node=2", *common)
+    assert single.returncode == ddp.returncode == 0, single.output + ddp.output
+    assert ddp.results["backend"] == "nccl"
+    assert ddp.results["losses"] == pytest.approx(single.results["losses"], rel=1e-4)
