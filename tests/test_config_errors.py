@@ -36,13 +36,13 @@ BAD_CONFIGS = [
     (["backend.timeout_s=0"], "backend.timeout_s", "must be positive"),
     (["hardware=a100-80g"], "hardware", "describes CUDA devices"),
     (["hardware.device_type=tpu"], "hardware.device_type", "cpu | cuda"),
-    (["model.n_heads=5"], "model.n_heads", "divisor of 64"),
-    (["model.n_kv_heads=3"], "model.n_kv_heads", "divisor of 4"),
+    (["model.n_heads=5"], "model.n_heads", "divisor of 384"),
+    (["model.n_kv_heads=4"], "model.n_kv_heads", "divisor of 6"),
     (["data=text", "data.path=/nonexistent/corpus.txt"], "data.path", "no such file"),
     (["metrics.scaling=linear"], "metrics.scaling", "weak | strong"),
     (["logger.mode=sometimes"], "logger.mode", "offline"),
     (["launcher.nnodes=2"], "launcher.nnodes", "one node"),
-    (["debug.fail_rank=5"], "debug.fail_rank", "0..0"),
+    (["debug.fail_rank=5"], "debug.fail_rank", "0..1"),
 ]
 
 

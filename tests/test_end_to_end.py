@@ -1,5 +1,6 @@
-"""The main job end to end: `meshrun parallel=ddp model=small` on 2 CPU ranks measures its
-single-device baseline, reports a speedup, and every sink holds the same numbers."""
+"""The main job end to end: plain `meshrun` (the quick start: DDP of the small model on 2 CPU
+ranks) measures its single-device baseline, reports a speedup, and every sink holds the same
+numbers."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 from tests.wandb_records import read_offline_run
 
 SMALL_DDP = (
-    "parallel=ddp", "model=small", "train.steps=8", "train.warmup_steps=2",
+    "train.steps=8", "train.warmup_steps=2",
     "train.global_batch_size=8", "train.micro_batch_size=2", "train.seq_len=128",
     "logger=wandb", "logger.mode=offline",
 )  # fmt: skip
@@ -30,6 +31,7 @@ def test_ddp_reports_speedup_against_measured_baseline(ddp_run):
     results = ddp_run.results
     assert results["status"] == "completed"
     assert results["world_size"] == 2
+    assert (results["model"], results["parallel"]) == ("small", "ddp")  # the defaults
     assert results["layout"] == {"pp": 1, "dp_replicate": 2, "dp_shard": 1, "tp": 1}
     assert results["scaling"] == "weak"
     assert results["baseline_tokens_per_s"] > 0

@@ -29,7 +29,7 @@ def marked_env():
     assert processes_with(token) == set(), "rank processes outlived meshrun"
 
 
-FAIL = ("parallel=ddp", "train.steps=8", "train.warmup_steps=1", "train.log_every=1")
+FAIL = ("model=tiny", "parallel=ddp", "train.steps=8", "train.warmup_steps=1", "train.log_every=1")
 
 
 def test_raising_rank_fails_run_fast_and_is_recorded(meshrun, marked_env):

@@ -48,12 +48,12 @@ def test_compose_config_is_the_raw_typed_config():
     assert cfg.parallel.dp_replicate == -1  # unresolved
     assert cfg.hardware.name == "auto"
     assert cfg.run_dir == "/tmp/meshrun-tests/x"
-    assert cfg.name == "tiny_ddp"
+    assert cfg.name == "small_ddp"
 
 
 def test_compose_config_without_run_paths_still_composes():
     cfg = compose_config()
-    assert cfg.parallel.name == "single"
+    assert (cfg.model.name, cfg.parallel.name) == ("small", "ddp")  # the quick start
     assert cfg.logger.name == "none"
     assert cfg.run_dir and cfg.store.path
 
@@ -97,7 +97,7 @@ def test_ddp_baseline_twin_has_the_key_of_the_equivalent_single_run(ddp):
     assert baseline_key(ddp) != baseline_key(baseline_config(ddp))
 
 
-@pytest.mark.parametrize("change", ["train.seq_len=64", "model=small", "train.precision=bf16"])
+@pytest.mark.parametrize("change", ["train.seq_len=64", "model=tiny", "train.precision=bf16"])
 def test_baseline_key_changes_with_what_changes_throughput(single, change):
     other = resolved_config("parallel=single", change, *RUN)
     assert baseline_key(other) != baseline_key(single)

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-ARGS = ["-m", "meshrun.cli", "logger=none", "train.progress_bar=false", "train.steps=6"]
+ARGS = ["-m", "meshrun.cli", "model=tiny", "logger=none", "train.progress_bar=false",
+        "train.steps=6"]  # fmt: skip
 
 
 def torchrun(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
