@@ -11,14 +11,14 @@ import torch.distributed as dist
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from meshrun.mesh import Layout, build_mesh, dp_rank, init_distributed
-from meshrun.train.data import MicroBatches, SyntheticTokens, dp_sample_range
+from meshrun.train.data import LocalBatches, SyntheticTokens, dp_sample_range
 
-GLOBAL_BATCH, MICRO, SEQ, STEPS = 8, 2, 16, 3
+GLOBAL_BATCH, SEQ, STEPS = 8, 16, 3
 
 
-def batches_for(dp: int, dp_size: int) -> MicroBatches:
+def batches_for(dp: int, dp_size: int) -> LocalBatches:
     dataset = SyntheticTokens(vocab_size=256, seed=7)
-    return MicroBatches(dataset, GLOBAL_BATCH, MICRO, SEQ, dp, dp_size, torch.device("cpu"))
+    return LocalBatches(dataset, GLOBAL_BATCH, SEQ, dp, dp_size, torch.device("cpu"))
 
 
 def rank_tokens(layout: Layout) -> dict:
@@ -31,10 +31,7 @@ def rank_tokens(layout: Layout) -> dict:
             "dp_shard"
         )
         dp = dp_rank(layout, rank)
-        steps = [
-            torch.cat([x for x, _ in batches_for(dp, layout.dp_size).for_step(s)])
-            for s in range(STEPS)
-        ]
+        steps = [batches_for(dp, layout.dp_size).for_step(s)[0] for s in range(STEPS)]
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, {"dp": dp, "mesh_dp": mesh_dp, "steps": steps})
         return {"ranks": gathered}
@@ -61,7 +58,7 @@ def test_dp_ranks_split_the_global_batch_and_tp_peers_share_it(layout):
     assert all(r["dp"] == r["mesh_dp"] for r in ranks), "dp_rank disagrees with the mesh"
     whole = batches_for(0, 1)
     for step in range(STEPS):
-        global_batch = torch.cat([x for x, _ in whole.for_step(step)])
+        global_batch = whole.for_step(step)[0]
         by_dp: dict[int, torch.Tensor] = {}
         for r in ranks:
             seen = r["steps"][step]
@@ -77,9 +74,7 @@ def test_sample_ranges_are_disjoint_and_cover_each_step():
         assert sorted(i for r in ranges for i in r) == list(range(step * 12, step * 12 + 12))
 
 
-def test_micro_batches_cut_a_ranks_share_into_accumulation_steps():
-    micro = batches_for(1, 2).for_step(0)
-    assert len(micro) == GLOBAL_BATCH // 2 // MICRO
-    inputs, targets = micro[0]
-    assert inputs.shape == targets.shape == (MICRO, SEQ)
+def test_local_batch_is_the_ranks_share_with_shifted_targets():
+    inputs, targets = batches_for(1, 2).for_step(0)
+    assert inputs.shape == targets.shape == (GLOBAL_BATCH // 2, SEQ)
     assert torch.equal(inputs[:, 1:], targets[:, :-1])  # targets are inputs shifted by one

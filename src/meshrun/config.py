@@ -50,7 +50,10 @@ class FSDPConfig:
 class ParallelConfig:
     """Degrees of each mesh dimension; -1 fills the rest of the world size (at most one).
 
-    dp_replicate > 1 alone is DDP, dp_shard > 1 is FSDP2, both together HSDP.
+    dp_replicate > 1 alone is DDP, dp_shard > 1 is FSDP2, both together HSDP; composed with
+    tp or pp, replication also goes through FSDP2 (DTensor-aware). `microbatches` is the
+    pipeline's per step (default: local batch / train.micro_batch_size); `pp_layers` an
+    explicit layers-per-stage split; `stages_per_rank` > 1 for the interleaved schedules.
     """
 
     name: str = MISSING
@@ -58,8 +61,12 @@ class ParallelConfig:
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
-    pp_schedule: str = "1F1B"
-    pp_microbatches: int | None = None
+    schedule: str = "1f1b"
+    microbatches: int | None = None
+    stages_per_rank: int = 1
+    pp_layers: list[int] | None = None
+    sequence_parallel: bool = False
+    activation_checkpointing: str = "none"
     data_parallel: str = "auto"
     dataparallel_devices: int = -1
     ddp: DDPConfig = field(default_factory=DDPConfig)

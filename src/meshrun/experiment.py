@@ -14,7 +14,7 @@ from typing import Any
 
 from meshrun.config import ExperimentConfig
 from meshrun.launch import RankFailure
-from meshrun.results import assemble, baseline_config, baseline_key
+from meshrun.results import assemble, baseline_config, baseline_key, is_own_baseline
 from meshrun.sinks.store import ResultsStore
 from meshrun.worker import METRICS_FILE
 
@@ -40,7 +40,7 @@ def run_experiment(cfg: ExperimentConfig, launch: Launch) -> dict[str, Any]:
         twin = baseline_config(cfg)
         key = baseline_key(twin)
         baseline = store.find_baseline(key)
-        if baseline is None and measured.ok and key != baseline_key(cfg):
+        if baseline is None and measured.ok and not is_own_baseline(cfg):
             baseline = record(twin, measure(twin, "baseline", launch), None, store)
     return record(cfg, measured, baseline, store)
 
@@ -50,6 +50,7 @@ class Measured:
     meta: dict[str, Any]
     steps: list[dict[str, Any]]
     peak_memory: list[int] | None
+    bubbles: list[float] | None
 
     @property
     def ok(self) -> bool:
@@ -82,7 +83,13 @@ def measure(cfg: ExperimentConfig, role: str, launch: Launch) -> Measured:
     except RankFailure as failure:
         meta.update(status="failed", error=str(failure), failed_rank=failure.rank)
     meta["duration_s"] = round(time.perf_counter() - started, 3)
-    return Measured(meta, read_steps(cfg.run_dir), raw["peak_memory_bytes"] if raw else None)
+    raw = raw or {}
+    return Measured(
+        meta,
+        read_steps(cfg.run_dir),
+        raw.get("peak_memory_bytes"),
+        raw.get("pipeline_bubble_per_rank"),
+    )
 
 
 def record(
@@ -92,7 +99,9 @@ def record(
     store: ResultsStore,
 ) -> dict[str, Any]:
     """results.json, the store row, and (for the run itself) W&B; raises RunFailed after."""
-    results = assemble(cfg, measured.steps, measured.peak_memory, baseline, measured.meta)
+    results = assemble(
+        cfg, measured.steps, measured.peak_memory, measured.bubbles, baseline, measured.meta
+    )
     (Path(cfg.run_dir) / "results.json").write_text(json.dumps(results, indent=2))
     store.record(results)
     if results["role"] == "run" and cfg.logger.name == "wandb":

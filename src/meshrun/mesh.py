@@ -84,6 +84,11 @@ def dp_group(mesh: DeviceMesh | None) -> dist.ProcessGroup | None:
     return mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
 
 
+def pp_group(mesh: DeviceMesh | None, layout: Layout) -> dist.ProcessGroup | None:
+    """The pipeline stages of this rank's (dp, tp) coordinate, when there is a pipeline."""
+    return mesh["pp"].get_group() if mesh is not None and layout.pp > 1 else None
+
+
 def select_device(device_type: str, local_rank: int) -> torch.device:
     """Rank -> device; CUDA indices follow PCI bus order (set by the driver) like nvidia-smi."""
     if device_type == "cuda":

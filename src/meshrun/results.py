@@ -14,6 +14,7 @@ from meshrun.mesh import Layout
 from meshrun.metrics.flops import device_for_rank, flops_per_token, mfu, peak_flops
 from meshrun.metrics.throughput import summarize_steps
 from meshrun.models.llama import build_model, count_params
+from meshrun.parallel.pipeline import theoretical_bubble
 
 
 def dp_size(cfg: ExperimentConfig) -> int:
@@ -74,6 +75,28 @@ def baseline_key(cfg: ExperimentConfig) -> str:
     return hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def is_own_baseline(cfg: ExperimentConfig) -> bool:
+    """A single-device run is the baseline of itself."""
+    return n_devices(cfg) == 1 and baseline_key(cfg) == baseline_key(baseline_config(cfg))
+
+
+def pipeline_fields(cfg: ExperimentConfig, bubbles: list[float] | None) -> dict[str, Any]:
+    """Measured bubble (mean over ranks, and each rank's) beside the schedule's theory."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return dict.fromkeys(
+            ("pp_schedule", "pp_microbatches", "bubble_theoretical", "bubble_measured",
+             "bubble_per_rank")
+        )  # fmt: skip
+    return {
+        "pp_schedule": p.schedule,
+        "pp_microbatches": p.microbatches,
+        "bubble_theoretical": theoretical_bubble(p.pp, p.microbatches, p.stages_per_rank),
+        "bubble_measured": sum(bubbles) / len(bubbles) if bubbles else None,
+        "bubble_per_rank": bubbles,
+    }
+
+
 def matmul_params(cfg: ExperimentConfig) -> tuple[int, int]:
     return count_params(build_model(cfg.model, cfg.train.seq_len, "meta"))
 
@@ -82,6 +105,7 @@ def assemble(
     cfg: ExperimentConfig,
     steps: list[dict[str, Any]],
     peak_memory: list[int] | None,
+    bubbles: list[float] | None,
     baseline: dict[str, Any] | None,
     meta: dict[str, Any],
 ) -> dict[str, Any]:
@@ -97,8 +121,8 @@ def assemble(
     specs = [device_for_rank(cfg.hardware.devices, i) for i in range(devices)]
     peak = peak_flops(specs, t.precision)
     tokens_per_s = timing["tokens_per_s"]
-    if baseline is None and baseline_key(cfg) == baseline_key(baseline_config(cfg)):
-        baseline = {"tokens_per_s": tokens_per_s, "run_id": meta["run_id"]}  # its own twin
+    if baseline is None and is_own_baseline(cfg):
+        baseline = {"tokens_per_s": tokens_per_s, "run_id": meta["run_id"]}
     baseline_tps = baseline["tokens_per_s"] if baseline else None
     speedup = tokens_per_s / baseline_tps if tokens_per_s and baseline_tps else None
     return {
@@ -132,6 +156,7 @@ def assemble(
         "mfu": mfu(tokens_per_s, flops_per_token(cfg.model, matmul, t.seq_len), peak)
         if tokens_per_s
         else None,
+        **pipeline_fields(cfg, bubbles),
         "peak_memory_bytes": peak_memory,
         "peak_memory_max_bytes": max(peak_memory) if peak_memory else None,
         "losses": [r["loss"] for r in steps],

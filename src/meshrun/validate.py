@@ -18,9 +18,10 @@ from meshrun.config import ExperimentConfig, HardwareConfig
 from meshrun.errors import choice, fail, positive
 from meshrun.hardware import HostFacts, resolve_hardware
 from meshrun.mesh import MESH_DIMS, Layout
+from meshrun.models.llama import ffn_dim
+from meshrun.parallel.pipeline import MULTI_STAGE_SCHEDULES, SCHEDULES, stage_layer_counts
 
 CPU_DEFAULT_RANKS = 2
-IMPLEMENTED_DIMS = ("dp_replicate", "dp_shard")
 
 
 def validate(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:
@@ -36,6 +37,8 @@ def validate(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:
     resolved = dataclasses.replace(
         cfg, backend=backend, hardware=hardware, parallel=parallel, launcher=launcher
     )
+    _check_tensor_parallel(resolved)
+    resolved = _resolve_pipeline(resolved)
     _check_batch(resolved)
     _check_debug(resolved)
     return resolved
@@ -142,6 +145,10 @@ def _resolve_layout(cfg: ExperimentConfig, facts: HostFacts):
     positive("launcher.nproc_per_node", launcher.nproc_per_node, allow_none=True)
     positive("launcher.threads_per_rank", launcher.threads_per_rank, allow_none=True)
     choice("parallel.data_parallel", p.data_parallel, ("auto", "dataparallel"))
+    choice(
+        "parallel.activation_checkpointing", p.activation_checkpointing,
+        ("none", "full", "selective"),
+    )  # fmt: skip
     degrees = {dim: getattr(p, dim) for dim in MESH_DIMS}
     for dim, n in degrees.items():
         if n == 0 or n < -1:
@@ -150,13 +157,6 @@ def _resolve_layout(cfg: ExperimentConfig, facts: HostFacts):
                 n,
                 "degrees are >= 1, or -1 for 'the rest'",
                 "a positive integer or -1",
-            )
-        if n != 1 and dim not in IMPLEMENTED_DIMS:
-            fail(
-                f"parallel.{dim}",
-                n,
-                "this version implements data-parallel layouts only",
-                f"1 (layouts over {', '.join(IMPLEMENTED_DIMS)})",
             )
     if p.data_parallel == "dataparallel":
         return _resolve_dataparallel(cfg, facts)
@@ -255,3 +255,110 @@ def _check_debug(cfg: ExperimentConfig) -> None:
         )
     if not 0 <= d.fail_step < cfg.train.steps:
         fail("debug.fail_step", d.fail_step, "outside the run", f"0..{cfg.train.steps - 1}")
+
+
+def _check_tensor_parallel(cfg: ExperimentConfig) -> None:
+    p, m = cfg.parallel, cfg.model
+    if p.sequence_parallel and p.tp == 1:
+        fail(
+            "parallel.sequence_parallel",
+            True,
+            "shards the sequence over tensor-parallel ranks and there are none (tp=1)",
+            "false, or tp > 1",
+        )
+    if p.tp == 1:
+        return
+    dims = {
+        "model.n_heads": m.n_heads,
+        "model.n_kv_heads": m.n_kv_heads or m.n_heads,
+        "model ffn hidden size": ffn_dim(m),
+        "model.vocab_size": m.vocab_size,
+    }
+    if p.sequence_parallel:
+        dims["train.seq_len"] = cfg.train.seq_len
+    for name, size in dims.items():
+        if size % p.tp:
+            valid = [t for t in range(2, size + 1) if size % t == 0 and t <= 8] or [1]
+            fail(
+                "parallel.tp",
+                p.tp,
+                f"{name} ({size}) is not divisible by tp",
+                f"tp in {valid}, or a model whose sizes divide by {p.tp}",
+            )
+
+
+def _resolve_pipeline(cfg: ExperimentConfig) -> ExperimentConfig:
+    p, t = cfg.parallel, cfg.train
+    if p.pp == 1:
+        if p.microbatches is not None or p.pp_layers:
+            key = "parallel.microbatches" if p.microbatches is not None else "parallel.pp_layers"
+            fail(
+                key,
+                getattr(p, key.split(".")[1]),
+                "only applies to pipelines (pp > 1)",
+                "null, or set parallel.pp",
+            )
+        return cfg
+    choice("parallel.schedule", p.schedule, tuple(SCHEDULES))
+    multi = p.schedule in MULTI_STAGE_SCHEDULES
+    if multi and p.stages_per_rank < 2:
+        fail(
+            "parallel.stages_per_rank",
+            p.stages_per_rank,
+            f"schedule {p.schedule} runs several stages per rank",
+            ">= 2",
+        )
+    if not multi and p.stages_per_rank != 1:
+        fail(
+            "parallel.stages_per_rank",
+            p.stages_per_rank,
+            f"schedule {p.schedule} runs one stage per rank",
+            f"1, or schedule in {MULTI_STAGE_SCHEDULES}",
+        )
+    stages = p.pp * p.stages_per_rank
+    if cfg.model.n_layers < stages:
+        fail(
+            "parallel.pp",
+            p.pp,
+            f"{stages} pipeline stages but model.n_layers is {cfg.model.n_layers}",
+            f"at most {cfg.model.n_layers} stages in all",
+        )
+    if p.pp_layers and (
+        len(p.pp_layers) != stages or sum(p.pp_layers) != cfg.model.n_layers or min(p.pp_layers) < 1
+    ):
+        fail(
+            "parallel.pp_layers",
+            list(p.pp_layers),
+            f"needs {stages} entries (one per "
+            f"stage), each >= 1, adding up to model.n_layers ({cfg.model.n_layers})",
+            f"e.g. {stage_layer_counts(cfg.model.n_layers, stages, None)}",
+        )
+    if cfg.model.tie_embeddings:
+        fail(
+            "model.tie_embeddings",
+            True,
+            "the embedding and the head sit on different pipeline stages",
+            "false with pp > 1",
+        )
+    local = t.global_batch_size // (p.dp_replicate * p.dp_shard)
+    m = p.microbatches if p.microbatches is not None else max(1, local // t.micro_batch_size)
+    if m < 1 or local % m:
+        fail(
+            "parallel.microbatches",
+            m,
+            f"must divide the local batch (global "
+            f"{t.global_batch_size} / dp {p.dp_replicate * p.dp_shard} = {local})",
+            f"a divisor of {local}",
+        )
+    if p.schedule != "gpipe" and m < p.pp:
+        fail(
+            "parallel.microbatches",
+            m,
+            f"schedule {p.schedule} needs at least one micro-batch per stage rank (pp={p.pp})",
+            f">= {p.pp}, or schedule=gpipe",
+        )
+    return dataclasses.replace(
+        cfg,
+        parallel=dataclasses.replace(p, microbatches=m),
+        train=dataclasses.replace(t, micro_batch_size=local // m),
+    )

@@ -15,12 +15,21 @@ import torch
 import torch.distributed as dist
 
 from meshrun.config import DebugConfig, ExperimentConfig, from_dict
-from meshrun.mesh import Layout, build_mesh, dp_group, dp_rank, init_distributed, select_device
+from meshrun.mesh import (
+    Layout,
+    build_mesh,
+    dp_group,
+    dp_rank,
+    init_distributed,
+    pp_group,
+    select_device,
+)
+from meshrun.metrics.bubble import bubble_per_rank
 from meshrun.metrics.memory import MemoryMeter
-from meshrun.models.llama import build_model, count_params
-from meshrun.parallel import parallelize, uses_fsdp
+from meshrun.models.llama import build_model
+from meshrun.parallel import parallelize
 from meshrun.sinks.console import rank_progress
-from meshrun.train.data import MicroBatches, build_dataset
+from meshrun.train.data import LocalBatches, build_dataset
 from meshrun.train.loop import LoopContext, train_loop
 from meshrun.train.optim import build_optimizer
 
@@ -81,18 +90,20 @@ def _train(
     tc = cfg.train
     memory = MemoryMeter(device)
     memory.start()
-    model = build_model(cfg.model, tc.seq_len, device)
-    model.init_weights(tc.seed)
-    total_params, matmul_params = count_params(model)
     bf16 = tc.precision == "bf16"
     model = parallelize(
-        model, mesh, layout, cfg.parallel, device, torch.bfloat16 if bf16 else torch.float32
+        build_model(cfg.model, tc.seq_len, "meta"),
+        mesh,
+        layout,
+        cfg.parallel,
+        device,
+        tc.seed,
+        torch.bfloat16 if bf16 else torch.float32,
     )
     optimizer = build_optimizer(model, tc)
-    batches = MicroBatches(
+    batches = LocalBatches(
         build_dataset(cfg.data, cfg.model.vocab_size, tc.seed),
         tc.global_batch_size,
-        tc.micro_batch_size,
         tc.seq_len,
         dp_rank(layout, rank),
         layout.dp_size,
@@ -103,24 +114,30 @@ def _train(
         ctx = LoopContext(
             device=device,
             dp_group=dp_group(mesh),
-            autocast_dtype=torch.bfloat16 if bf16 and not uses_fsdp(model) else None,
+            pp_group=pp_group(mesh, layout),
+            autocast_dtype=torch.bfloat16 if bf16 and not model.casts_params else None,
             memory=memory,
             on_log=MetricsLog(metrics_path),
             progress=progress,
             fault=fault_injector(cfg.debug, rank),
         )
         state = train_loop(model, optimizer, batches, tc, ctx)
-    peaks = [memory.peak_bytes()]
+    mine = {
+        "peak_memory_bytes": memory.peak_bytes(),
+        "busy": state.pipeline_busy_s,
+        "span": state.pipeline_span_s,
+    }
+    ranks = [mine]
     if dist.is_initialized():
-        gathered: list[list[int]] = [[] for _ in range(dist.get_world_size())]
-        dist.all_gather_object(gathered, peaks)
-        peaks = [p for rank_peaks in gathered for p in rank_peaks]
+        ranks = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(ranks, mine)
     if rank != 0:
         return None
     return {
-        "losses": state.losses,
-        "step_times": state.step_times,
-        "peak_memory_bytes": peaks,
-        "params": total_params,
-        "matmul_params": matmul_params,
+        "peak_memory_bytes": [r["peak_memory_bytes"] for r in ranks],
+        "pipeline_bubble_per_rank": bubble_per_rank(
+            [r["busy"] for r in ranks], [r["span"] for r in ranks]
+        )
+        if state.pipeline_span_s
+        else None,
     }

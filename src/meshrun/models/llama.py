@@ -105,9 +105,13 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
+        """Token ids -> logits; a pipeline stage without the embedding takes hidden states,
+        one without the head returns them."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, self.rope_cos, self.rope_sin)
+        if self.output is None:
+            return h
         return self.output(self.norm(h))
 
     @torch.no_grad()
@@ -118,7 +122,7 @@ class Transformer(nn.Module):
         values do not depend on creation order, on which layers a pipeline stage keeps, or
         on the device (draws happen on CPU, then are copied).
         """
-        device = self.tok_embeddings.weight.device
+        device = self.rope_cos.device
         cos, sin = rope_tables(
             self.cfg.dim // self.cfg.n_heads, self.max_seq_len, self.cfg.rope_theta
         )
@@ -153,4 +157,6 @@ def count_params(model: Transformer) -> tuple[int, int]:
     """(total, in matmuls): the second is N in 6N FLOPs per token; the embedding lookup is
     no matmul, but a tied embedding is also the output head, which is."""
     total = sum(p.numel() for p in model.parameters())
-    return total, total if model.cfg.tie_embeddings else total - model.tok_embeddings.weight.numel()
+    if model.cfg.tie_embeddings or model.tok_embeddings is None:
+        return total, total
+    return total, total - model.tok_embeddings.weight.numel()

@@ -1,4 +1,5 @@
-"""Sharded data parallelism with FSDP2 (`fully_shard`); a 2-D (replicate, shard) mesh is HSDP."""
+"""Sharded data parallelism with FSDP2 (`fully_shard`) over the data-parallel dims: 1-D for
+FSDP, 2-D (replicate, shard) for HSDP, or (replicate, 1) for plain replication beside TP/PP."""
 
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from meshrun.config import FSDPConfig
 from meshrun.mesh import Layout
 
 
 def apply_fsdp(
-    model: nn.Module, mesh: DeviceMesh, layout: Layout, cfg: FSDPConfig, param_dtype: torch.dtype
+    model: nn.Module,
+    mesh: DeviceMesh,
+    layout: Layout,
+    reshard_after_forward: bool,
+    param_dtype: torch.dtype,
 ) -> nn.Module:
     """Shard each transformer block as its own unit (so only one block is gathered at a
     time), then the root, which holds the embedding, final norm and head."""
@@ -21,9 +25,7 @@ def apply_fsdp(
     blocks = list(model.layers.values())
     for index, block in enumerate(blocks):
         # The last block is resharded by the root right after anyway: keep it gathered.
-        reshard = cfg.reshard_after_forward and index < len(blocks) - 1
+        reshard = reshard_after_forward and index < len(blocks) - 1
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
-    fully_shard(
-        model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward
-    )
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     return model

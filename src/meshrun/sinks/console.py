@@ -60,6 +60,12 @@ def print_summary(results: dict[str, Any]) -> None:
         ("loss first -> last", _loss_span(results["losses"])),
         ("run dir", results["run_dir"]),
     ]
+    if results.get("pp_schedule"):
+        bubble = f"{_fmt(results['bubble_measured'])} measured, "
+        bubble += f"{_fmt(results['bubble_theoretical'])} theory"
+        rows.insert(
+            -2, (f"bubble ({results['pp_schedule']}, m={results['pp_microbatches']})", bubble)
+        )
     if results.get("error"):
         rows.insert(1, ("error", results["error"]))
     for key, value in rows:

@@ -32,6 +32,8 @@ COLUMNS = {
     "scaling_efficiency": "REAL",
     "mfu": "REAL",
     "peak_memory_max_bytes": "INTEGER",
+    "bubble_measured": "REAL",
+    "bubble_theoretical": "REAL",
     "baseline_key": "TEXT",
     "role": "TEXT",
     "run_dir": "TEXT",
@@ -46,6 +48,11 @@ class ResultsStore:
         with self._connect() as db:
             columns = ", ".join(f"{name} {kind}" for name, kind in COLUMNS.items())
             db.execute(f"CREATE TABLE IF NOT EXISTS runs ({columns})")
+            # A store written by an older meshrun lacks newer columns: add them.
+            present = {row[1] for row in db.execute("PRAGMA table_info(runs)")}
+            for name, kind in COLUMNS.items():
+                if name not in present:
+                    db.execute(f"ALTER TABLE runs ADD COLUMN {name} {kind}")
 
     @contextmanager
     def _connect(self) -> Iterator[sqlite3.Connection]:

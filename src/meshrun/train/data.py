@@ -1,10 +1,11 @@
 """Token sources and their split over data-parallel ranks.
 
 A global step consumes samples [step * global_batch, (step + 1) * global_batch) of an
-index-addressed stream. Data-parallel rank r takes a contiguous slice of that range, then cuts
-it into micro-batches. Ranks of one DP group therefore never share a sample, together they
-cover the global batch, and TP/PP peers (same dp rank) see the same data. Any layout with the
-same global batch sees the same samples per step, which is what makes losses comparable.
+index-addressed stream. Data-parallel rank r takes a contiguous slice of that range. Ranks
+of one DP group therefore never share a sample, together they cover the global batch, and
+TP/PP peers (same dp rank) see the same data. Any layout with the same global batch sees the
+same samples per step, which is what makes losses comparable. The training loop cuts a
+rank's share into micro-batches (gradient accumulation), or the pipeline schedule does.
 """
 
 from __future__ import annotations
@@ -63,14 +64,13 @@ def dp_sample_range(step: int, global_batch: int, dp_rank: int, dp_size: int) ->
     return range(first, first + per_rank)
 
 
-class MicroBatches:
-    """Yields (inputs, targets) micro-batches of one rank for a given step."""
+class LocalBatches:
+    """One rank's share of each step's global batch, as (inputs, targets)."""
 
     def __init__(
         self,
         dataset: SyntheticTokens | TextBytes,
         global_batch: int,
-        micro_batch: int,
         seq_len: int,
         dp_rank: int,
         dp_size: int,
@@ -78,13 +78,12 @@ class MicroBatches:
     ) -> None:
         self.dataset = dataset
         self.global_batch = global_batch
-        self.micro_batch = micro_batch
         self.seq_len = seq_len
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.device = device
 
-    def for_step(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def for_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         samples = dp_sample_range(step, self.global_batch, self.dp_rank, self.dp_size)
         tokens = self.dataset.batch(samples, self.seq_len + 1, self.device)
-        return [(chunk[:, :-1], chunk[:, 1:]) for chunk in tokens.split(self.micro_batch, dim=0)]
+        return tokens[:, :-1], tokens[:, 1:]

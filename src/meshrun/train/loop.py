@@ -1,8 +1,9 @@
-"""The training loop: micro-batches with gradient accumulation, clipping, AdamW.
+"""The training loop: one optimizer step per global batch, its rank-local share either cut
+into micro-batches with gradient accumulation or handed to the pipeline schedule.
 
-The only host syncs are at log steps, where the buffered per-step losses are averaged over
-the data-parallel group and the step times are read. The first `warmup_steps` are excluded
-from timing; on CPU they are also where peak memory is traced.
+The only host syncs are at log steps, where the buffered per-step losses are reduced and the
+step times read. The first `warmup_steps` are excluded from timing; on CPU they are also
+where peak memory is traced.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from meshrun.config import TrainConfig
+from meshrun.metrics.bubble import BubbleClock
 from meshrun.metrics.memory import MemoryMeter
 from meshrun.metrics.throughput import StepClock
-from meshrun.parallel import gradient_sync
-from meshrun.train.data import MicroBatches
+from meshrun.parallel import ParallelModel, gradient_sync
+from meshrun.train.data import LocalBatches
+from meshrun.train.optim import clip_grad_norm
 
 LogFn = Callable[[list[dict]], None]
 
@@ -31,12 +33,15 @@ class LoopState:
 
     losses: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
+    pipeline_busy_s: float | None = None
+    pipeline_span_s: float | None = None
 
 
 @dataclass
 class LoopContext:
     device: torch.device
     dp_group: dist.ProcessGroup | None
+    pp_group: dist.ProcessGroup | None
     autocast_dtype: torch.dtype | None
     memory: MemoryMeter
     on_log: LogFn
@@ -50,44 +55,76 @@ def _autocast(ctx: LoopContext) -> contextlib.AbstractContextManager:
     return torch.autocast(ctx.device.type, dtype=ctx.autocast_dtype)
 
 
+def _accumulate(model: ParallelModel, inputs, targets, micro_batch: int, ctx) -> torch.Tensor:
+    """Forward/backward each micro-batch; gradients reduced over DP on the last one only."""
+    module = model.parts[0]
+    chunks = list(zip(inputs.split(micro_batch), targets.split(micro_batch), strict=True))
+    total = torch.zeros((), device=ctx.device)
+    for index, (x, y) in enumerate(chunks):
+        with gradient_sync(module, enabled=index == len(chunks) - 1):
+            with _autocast(ctx):
+                logits = module(x)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+            (loss / len(chunks)).backward()
+        total += loss.detach()
+    return total / len(chunks)
+
+
+def _pipeline_step(model: ParallelModel, inputs, targets, ctx: LoopContext) -> torch.Tensor:
+    """One schedule step; the loss exists on the last stage only (zero elsewhere)."""
+    losses: list[torch.Tensor] = []
+    kwargs = {"target": targets if model.is_last_stage else None, "losses": losses}
+    with _autocast(ctx):
+        if model.is_first_stage:
+            model.schedule.step(inputs, **kwargs)
+        else:
+            model.schedule.step(**kwargs)
+    if not losses:
+        return torch.zeros((), device=ctx.device)
+    return torch.stack([loss.detach() for loss in losses]).mean()
+
+
 def train_loop(
-    model: nn.Module,
+    model: ParallelModel,
     optimizer: torch.optim.Optimizer,
-    batches: MicroBatches,
+    batches: LocalBatches,
     cfg: TrainConfig,
     ctx: LoopContext,
 ) -> LoopState:
     state = LoopState()
     clock = StepClock(ctx.device)
+    bubble = BubbleClock(model.schedule, ctx.device) if model.schedule is not None else None
     pending: list[torch.Tensor] = []
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = model.parameters()
     for step in range(cfg.steps):
         if step == cfg.warmup_steps:
             ctx.memory.stop_tracing()
+            if dist.is_initialized():
+                dist.barrier()  # ranks leave warmup at different times: start the clocks level
             clock.mark()
+            if bubble is not None:
+                bubble.start()
         if ctx.fault is not None:
             ctx.fault(step)
-        micro_batches = batches.for_step(step)
-        step_loss = torch.zeros((), device=ctx.device)
-        for index, (inputs, targets) in enumerate(micro_batches):
-            with gradient_sync(model, enabled=index == len(micro_batches) - 1):
-                with _autocast(ctx):
-                    logits = model(inputs)
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-                (loss / len(micro_batches)).backward()
-            step_loss += loss.detach()
+        inputs, targets = batches.for_step(step)
+        if model.schedule is not None:
+            step_loss = _pipeline_step(model, inputs, targets, ctx)
+        else:
+            step_loss = _accumulate(model, inputs, targets, cfg.micro_batch_size, ctx)
         if cfg.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip, foreach=True)
+            clip_grad_norm(params, cfg.grad_clip, ctx.pp_group)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        pending.append(step_loss / len(micro_batches))
+        pending.append(step_loss)
         if step >= cfg.warmup_steps:
             clock.mark()
         if ctx.progress is not None:
             ctx.progress(step + 1)
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-            _flush(state, pending, clock, step, cfg, ctx)
+            _flush(state, pending, clock, step, ctx)
             pending = []
+    if bubble is not None:
+        state.pipeline_busy_s, state.pipeline_span_s = bubble.totals()
     return state
 
 
@@ -96,11 +133,12 @@ def _flush(
     pending: list[torch.Tensor],
     clock: StepClock,
     last_step: int,
-    cfg: TrainConfig,
     ctx: LoopContext,
 ) -> None:
     """The log step: one reduction of the buffered losses, one read of the step clock."""
     losses = torch.stack(pending)
+    if ctx.pp_group is not None:
+        dist.all_reduce(losses, group=ctx.pp_group)  # only the last stage's are non-zero
     if ctx.dp_group is not None:
         dist.all_reduce(losses, group=ctx.dp_group)  # gloo has no AVG
         losses /= dist.get_world_size(ctx.dp_group)

@@ -1,0 +1,57 @@
+"""Megatron-style tensor parallelism with torch.distributed.tensor.parallel.
+
+Attention: q/k/v column-wise (each rank owns n_heads/tp heads), output row-wise. MLP: gate and
+up column-wise, down row-wise. One all-reduce per sub-block in forward and backward. The
+embedding is sharded over the vocabulary (row-wise) and the output head column-wise with its
+logits gathered. With sequence parallelism the norms and residual stream are sharded over
+the sequence instead of replicated, turning each all-reduce into reduce-scatter + all-gather.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Shard `model` in place over `tp_mesh` (a pipeline stage may lack embedding/head)."""
+    residual = Shard(1) if sequence_parallel else Replicate()
+    outer: dict = {}
+    if model.tok_embeddings is not None:
+        outer["tok_embeddings"] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=residual
+        )
+    if model.output is not None:
+        outer["output"] = ColwiseParallel(input_layouts=residual, output_layouts=Replicate())
+        if sequence_parallel:
+            outer["norm"] = SequenceParallel()
+    parallelize_module(model, tp_mesh, outer)
+    for block in model.layers.values():
+        plan: dict = {
+            "attention": PrepareModuleInput(
+                input_layouts=(residual, None, None),
+                desired_input_layouts=(Replicate(), None, None),
+            ),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=residual),
+            "feed_forward": PrepareModuleInput(
+                input_layouts=(residual,), desired_input_layouts=(Replicate(),)
+            ),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=residual),
+        }
+        if sequence_parallel:
+            plan["attention_norm"] = SequenceParallel()
+            plan["ffn_norm"] = SequenceParallel()
+        parallelize_module(block, tp_mesh, plan)
