@@ -54,6 +54,8 @@ class ParallelConfig:
     tp or pp, replication also goes through FSDP2 (DTensor-aware). `microbatches` is the
     pipeline's per step (default: local batch / train.micro_batch_size); `pp_layers` an
     explicit layers-per-stage split; `stages_per_rank` > 1 for the interleaved schedules.
+    `tp_plan` ("module:function") replaces the built-in tensor-parallel plan with a user's
+    own, called as function(model, tp_mesh, sequence_parallel).
     """
 
     name: str = MISSING
@@ -66,6 +68,7 @@ class ParallelConfig:
     stages_per_rank: int = 1
     pp_layers: list[int] | None = None
     sequence_parallel: bool = False
+    tp_plan: str | None = None
     activation_checkpointing: str = "none"
     data_parallel: str = "auto"
     dataparallel_devices: int = -1

@@ -160,6 +160,7 @@ def assemble(
         "peak_memory_bytes": peak_memory,
         "peak_memory_max_bytes": max(peak_memory) if peak_memory else None,
         "losses": [r["loss"] for r in steps],
+        "grad_norms": [r.get("grad_norm") for r in steps],
         "baseline_key": baseline_key(cfg),
         "run_dir": cfg.run_dir,
     }

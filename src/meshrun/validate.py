@@ -20,6 +20,7 @@ from meshrun.hardware import HostFacts, resolve_hardware
 from meshrun.mesh import MESH_DIMS, Layout
 from meshrun.models.llama import ffn_dim
 from meshrun.parallel.pipeline import MULTI_STAGE_SCHEDULES, SCHEDULES, stage_layer_counts
+from meshrun.parallel.tensor import resolve_tp_plan
 
 CPU_DEFAULT_RANKS = 2
 
@@ -266,6 +267,16 @@ def _check_tensor_parallel(cfg: ExperimentConfig) -> None:
             "shards the sequence over tensor-parallel ranks and there are none (tp=1)",
             "false, or tp > 1",
         )
+    if p.tp_plan is not None:
+        try:
+            resolve_tp_plan(p.tp_plan)
+        except (ImportError, ValueError) as err:
+            fail(
+                "parallel.tp_plan",
+                p.tp_plan,
+                f"cannot be loaded ({err})",
+                '"package.module:function", importable from here',
+            )
     if p.tp == 1:
         return
     dims = {

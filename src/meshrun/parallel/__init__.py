@@ -26,7 +26,7 @@ from meshrun.parallel.dataparallel import apply_dataparallel
 from meshrun.parallel.ddp import apply_ddp
 from meshrun.parallel.fsdp import apply_fsdp
 from meshrun.parallel.pipeline import build_schedule, cut_stage, local_stage_ids, stage_layer_counts
-from meshrun.parallel.tensor import apply_tp
+from meshrun.parallel.tensor import resolve_tp_plan
 
 
 @dataclass
@@ -70,7 +70,7 @@ def parallelize(
         part.to_empty(device=device)
         part.init_weights(seed)
         if layout.tp > 1:
-            apply_tp(part, mesh["tp"], cfg.sequence_parallel)
+            resolve_tp_plan(cfg.tp_plan)(part, mesh["tp"], cfg.sequence_parallel)
         apply_activation_checkpointing(part, cfg.activation_checkpointing)
         wrapped.append(_data_parallel(part, mesh, layout, cfg, device, param_dtype))
     schedule = None

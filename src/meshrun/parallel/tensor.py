@@ -9,6 +9,9 @@ the sequence instead of replicated, turning each all-reduce into reduce-scatter 
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -55,3 +58,17 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> 
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
         parallelize_module(block, tp_mesh, plan)
+
+
+TpPlan = Callable[[nn.Module, DeviceMesh, bool], None]
+
+
+def resolve_tp_plan(path: str | None) -> TpPlan:
+    """The built-in plan, or a user's "package.module:function" with apply_tp's signature."""
+    if path is None:
+        return apply_tp
+    module, _, name = path.partition(":")
+    plan = getattr(importlib.import_module(module), name, None)
+    if not callable(plan):
+        raise ValueError(f"{path} is not a callable")
+    return plan

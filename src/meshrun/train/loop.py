@@ -22,7 +22,7 @@ from meshrun.metrics.memory import MemoryMeter
 from meshrun.metrics.throughput import StepClock
 from meshrun.parallel import ParallelModel, gradient_sync
 from meshrun.train.data import LocalBatches
-from meshrun.train.optim import clip_grad_norm
+from meshrun.train.optim import clip_grads, grad_norm
 
 LogFn = Callable[[list[dict]], None]
 
@@ -111,11 +111,12 @@ def train_loop(
             step_loss = _pipeline_step(model, inputs, targets, ctx)
         else:
             step_loss = _accumulate(model, inputs, targets, cfg.micro_batch_size, ctx)
+        norm = grad_norm(params, ctx.pp_group)
         if cfg.grad_clip is not None:
-            clip_grad_norm(params, cfg.grad_clip, ctx.pp_group)
+            clip_grads(params, cfg.grad_clip, norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        pending.append(step_loss)
+        pending.append(torch.stack([step_loss, norm]))
         if step >= cfg.warmup_steps:
             clock.mark()
         if ctx.progress is not None:
@@ -135,21 +136,25 @@ def _flush(
     last_step: int,
     ctx: LoopContext,
 ) -> None:
-    """The log step: one reduction of the buffered losses, one read of the step clock."""
-    losses = torch.stack(pending)
+    """The log step: one reduction of the buffered losses, one read of the step clock.
+    Gradient norms are already global (the same on every rank)."""
+    stacked = torch.stack(pending)
+    losses = stacked[:, 0].contiguous()
     if ctx.pp_group is not None:
         dist.all_reduce(losses, group=ctx.pp_group)  # only the last stage's are non-zero
     if ctx.dp_group is not None:
         dist.all_reduce(losses, group=ctx.dp_group)  # gloo has no AVG
         losses /= dist.get_world_size(ctx.dp_group)
     values = losses.tolist()
+    norms = stacked[:, 1].tolist()
     times = clock.drain()
     first_step = last_step - len(values) + 1
     timed_from = len(values) - len(times)
     records = []
     for offset, loss in enumerate(values):
         step_time = times[offset - timed_from] if offset >= timed_from else None
-        records.append({"step": first_step + offset, "loss": loss, "step_time_s": step_time})
+        records.append({"step": first_step + offset, "loss": loss, "grad_norm": norms[offset],
+                        "step_time_s": step_time})  # fmt: skip
     state.losses.extend(values)
     state.step_times.extend(times)
     ctx.on_log(records)

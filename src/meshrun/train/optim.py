@@ -20,31 +20,35 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
-def clip_grad_norm(
-    params: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None
-) -> torch.Tensor:
-    """Clip by the norm of the whole model's gradient, whatever the layout.
+def grad_norm(params: list[nn.Parameter], pp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The norm of the whole model's gradient, whatever the layout.
 
     Gradients may be plain tensors (single, DDP) or DTensors on different meshes (FSDP, TP,
     both): each mesh's group is normed by DTensor itself (which knows what is sharded and
     what replicated), the squares are added, and pipeline stages, which hold disjoint
     layers, add theirs over the pp group.
     """
-    by_mesh: dict[object, list[nn.Parameter]] = {}
-    for p in params:
-        if p.grad is not None:
-            mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
-            by_mesh.setdefault(mesh, []).append(p)
     squares = []
-    for group in by_mesh.values():
+    for group in _by_mesh(params).values():
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         squares.append(norm.float() ** 2)
-    total_sq = torch.stack(squares).sum() if squares else torch.zeros(())
+    total_sq = torch.stack(squares).sum()
     if pp_group is not None:
         dist.all_reduce(total_sq, group=pp_group)
-    total = total_sq.sqrt()
-    for group in by_mesh.values():  # one mesh at a time: foreach ops cannot mix them
+    return total_sq.sqrt()
+
+
+def clip_grads(params: list[nn.Parameter], max_norm: float, total: torch.Tensor) -> None:
+    for group in _by_mesh(params).values():  # one mesh at a time: foreach ops cannot mix them
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
-    return total
+
+
+def _by_mesh(params: list[nn.Parameter]) -> dict[object, list[nn.Parameter]]:
+    groups: dict[object, list[nn.Parameter]] = {}
+    for p in params:
+        if p.grad is not None:
+            mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            groups.setdefault(mesh, []).append(p)
+    return groups
