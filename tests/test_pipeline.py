@@ -1,0 +1,97 @@
+"""Pipeline specifics: how layers are cut into stages, the bubble measured beside the theory,
+and 1F1B holding fewer micro-batches of activations than GPipe."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshrun.config import ModelConfig
+from meshrun.models.llama import build_model
+from meshrun.parallel.pipeline import (
+    cut_stage,
+    local_stage_ids,
+    stage_layer_counts,
+    theoretical_bubble,
+)
+
+
+def test_even_split_puts_extra_layers_on_later_stages():
+    assert stage_layer_counts(8, 2, None) == [4, 4]
+    assert stage_layer_counts(7, 3, None) == [2, 2, 3]
+    assert stage_layer_counts(6, 4, [1, 2, 2, 1]) == [1, 2, 2, 1]
+
+
+def test_interleaved_ranks_own_looped_stages():
+    assert local_stage_ids(0, 2, 2) == [0, 2]
+    assert local_stage_ids(1, 4, 2) == [1, 5]
+
+
+def test_cut_stage_keeps_layer_names_and_ends_only_where_they_belong():
+    full = build_model(ModelConfig(name="t", dim=32, n_layers=5, n_heads=4, vocab_size=64),
+                       16, "meta")  # fmt: skip
+    first, middle, last = (cut_stage(full, s, [2, 2, 1]) for s in range(3))
+    assert list(first.layers) == ["0", "1"] and first.tok_embeddings is not None
+    assert first.output is None and first.norm is None
+    assert list(middle.layers) == ["2", "3"] and middle.tok_embeddings is None
+    assert list(last.layers) == ["4"] and last.output is not None and last.norm is not None
+
+
+@pytest.mark.parametrize(("pp", "m", "v", "expected"), [(2, 1, 1, 1 / 2), (4, 8, 1, 3 / 11),
+                                                         (2, 4, 2, 1 / 9)])  # fmt: skip
+def test_theoretical_bubble(pp, m, v, expected):
+    assert theoretical_bubble(pp, m, v) == pytest.approx(expected)
+
+
+PP_SMALL = ("model=small", "parallel=pp2", "train.global_batch_size=8", "train.steps=4",
+            "train.warmup_steps=2", "metrics.baseline=false")  # fmt: skip
+
+
+def test_bubble_is_measured_and_recorded_beside_the_theory(meshrun):
+    run = meshrun("model=tiny", "parallel=pp2", "parallel.schedule=gpipe",
+                  "parallel.microbatches=2", "train.steps=5", "metrics.baseline=false")  # fmt: skip
+    assert run.returncode == 0, run.output
+    results = run.results
+    assert results["pp_schedule"] == "gpipe" and results["pp_microbatches"] == 2
+    assert results["bubble_theoretical"] == pytest.approx(1 / 3)
+    assert len(results["bubble_per_rank"]) == 2
+    assert 0 < results["bubble_measured"] < 1
+    [row] = run.stored()
+    assert row["bubble_measured"] == results["bubble_measured"]
+    assert "bubble (gpipe, m=2)" in run.output
+
+
+def test_1f1b_holds_fewer_activations_than_gpipe(meshrun):
+    """With 8 micro-batches, GPipe's first stage keeps all 8 micro-batches' activations
+    until the backward starts; 1F1B keeps at most pp=2 of them."""
+    peaks = {}
+    for schedule in ("gpipe", "1f1b"):
+        run = meshrun(*PP_SMALL, f"parallel.schedule={schedule}", "parallel.microbatches=8")
+        assert run.returncode == 0, run.output
+        peaks[schedule] = run.results["peak_memory_bytes"][0]  # rank 0: the first stage
+    assert peaks["gpipe"] > peaks["1f1b"] + 20 * 2**20
+
+
+GLOO_LATENCY = pytest.mark.xfail(
+    strict=True,
+    reason="gloo p2p latency on 2 CPU cores (~5 ms per hop, two hops per steady-state cycle) "
+    "adds 0.03-0.05 of idle time that the formula leaves out; it dominates at m=8",
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("schedule", "microbatches"),
+    [("gpipe", 1), ("gpipe", 2), ("gpipe", 4), pytest.param("gpipe", 8, marks=GLOO_LATENCY),
+     ("1f1b", 2), ("1f1b", 4), pytest.param("1f1b", 8, marks=GLOO_LATENCY)],
+)  # fmt: skip
+def test_measured_bubble_follows_theory_on_a_balanced_pipeline(meshrun, schedule, microbatches):
+    """small with a 64-token vocabulary: the head no longer makes the last stage slower, so
+    the two stages are compute-balanced, which the formula assumes."""
+    run = meshrun("model=small", "model.vocab_size=64", "parallel=pp2",
+                  f"parallel.schedule={schedule}", f"parallel.microbatches={microbatches}",
+                  "train.global_batch_size=16", "train.steps=6",
+                  "metrics.baseline=false")  # fmt: skip
+    assert run.returncode == 0, run.output
+    results = run.results
+    theory = results["bubble_theoretical"]
+    assert abs(results["bubble_measured"] - theory) <= 0.25 * theory, results["bubble_per_rank"]
