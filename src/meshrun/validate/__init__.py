@@ -1,0 +1,150 @@
+"""Every rule about a legal experiment, checked in the driver before any process starts.
+
+`validate` turns the composed config into a fully resolved one (no `auto`, no -1 degrees) or
+raises ConfigError naming the key, the bad value and what would be valid. Shapes of values
+(types, unknown keys, unknown presets) are Hydra's job at compose time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch.distributed as dist
+
+from meshrun.config import ExperimentConfig, HardwareConfig
+from meshrun.errors import choice, fail, positive
+from meshrun.hardware import HostFacts, resolve_hardware
+from meshrun.validate.layout import (
+    check_batch,
+    check_tensor_parallel,
+    resolve_layout,
+    resolve_pipeline,
+)
+
+
+def validate(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:
+    _check_train(cfg)
+    _check_model(cfg)
+    _check_data(cfg)
+    choice("metrics.scaling", cfg.metrics.scaling, ("weak", "strong"))
+    choice("logger.name", cfg.logger.name, ("wandb", "none"))
+    choice("logger.mode", cfg.logger.mode, ("auto", "online", "offline", "disabled"))
+    hardware = resolve_hardware(cfg.hardware, facts)
+    backend = _resolve_backend(cfg, hardware, facts)
+    parallel, launcher = resolve_layout(cfg, facts)
+    resolved = dataclasses.replace(
+        cfg, backend=backend, hardware=hardware, parallel=parallel, launcher=launcher
+    )
+    check_tensor_parallel(resolved)
+    resolved = resolve_pipeline(resolved)
+    check_batch(resolved)
+    _check_debug(resolved)
+    return resolved
+
+
+def _check_train(cfg: ExperimentConfig) -> None:
+    t = cfg.train
+    for key in ("steps", "global_batch_size", "micro_batch_size", "seq_len", "lr", "log_every"):
+        positive(f"train.{key}", getattr(t, key))
+    positive("train.grad_clip", t.grad_clip, allow_none=True)
+    if not 1 <= t.warmup_steps < t.steps:
+        fail(
+            "train.warmup_steps",
+            t.warmup_steps,
+            f"needs 1 <= warmup_steps < train.steps ({t.steps}); warmup is untimed and is "
+            "where CPU memory is traced",
+            f"an integer from 1 to {max(1, t.steps - 1)}",
+        )
+    choice("train.precision", t.precision, ("fp32", "bf16"))
+    if t.weight_decay < 0:
+        fail("train.weight_decay", t.weight_decay, "must not be negative", "a number >= 0")
+
+
+def _check_model(cfg: ExperimentConfig) -> None:
+    m = cfg.model
+    for key in ("dim", "n_layers", "n_heads", "vocab_size"):
+        positive(f"model.{key}", getattr(m, key))
+    if m.dim % m.n_heads:
+        fail(
+            "model.n_heads",
+            m.n_heads,
+            f"does not divide model.dim ({m.dim})",
+            f"a divisor of {m.dim}",
+        )
+    if (m.dim // m.n_heads) % 2:
+        fail(
+            "model.n_heads",
+            m.n_heads,
+            f"head dim {m.dim // m.n_heads} is odd; RoPE rotates pairs",
+            "n_heads giving an even dim / n_heads",
+        )
+    kv = m.n_kv_heads or m.n_heads
+    if kv <= 0 or m.n_heads % kv:
+        fail(
+            "model.n_kv_heads",
+            m.n_kv_heads,
+            f"must divide model.n_heads ({m.n_heads})",
+            f"a divisor of {m.n_heads}, or null for n_heads",
+        )
+
+
+def _check_data(cfg: ExperimentConfig) -> None:
+    choice("data.name", cfg.data.name, ("synthetic", "text"))
+    if cfg.data.name != "text":
+        return
+    path = Path(str(cfg.data.path))
+    if not path.is_file():
+        fail("data.path", cfg.data.path, "no such file", "the path of a local text file")
+    if path.stat().st_size <= cfg.train.seq_len + 1:
+        fail(
+            "data.path",
+            cfg.data.path,
+            f"file is shorter than train.seq_len + 1 ({cfg.train.seq_len + 1} bytes)",
+            "a longer file or a smaller seq_len",
+        )
+    if cfg.model.vocab_size < 256:
+        fail(
+            "model.vocab_size",
+            cfg.model.vocab_size,
+            "data=text uses byte tokens (256 values)",
+            ">= 256",
+        )
+
+
+def _resolve_backend(cfg: ExperimentConfig, hardware: HardwareConfig, facts: HostFacts):
+    b = cfg.backend
+    choice("backend.name", b.name, ("auto", "gloo", "nccl", "mpi"))
+    positive("backend.timeout_s", b.timeout_s)
+    on_cuda = hardware.device_type == "cuda"
+    name = b.name if b.name != "auto" else ("nccl" if on_cuda else "gloo")
+    if name == "nccl" and not (on_cuda and facts.cuda_devices):
+        fail(
+            "backend",
+            "nccl",
+            f"nccl needs CUDA devices ({len(facts.cuda_devices)} visible, "
+            f"hardware={hardware.name})",
+            "gloo (CPU), or auto",
+        )
+    if name == "mpi" and not dist.is_mpi_available():
+        fail(
+            "backend",
+            "mpi",
+            "this torch build has no MPI support (torch.distributed.is_mpi_available() is False)",
+            "gloo | nccl | auto",
+        )
+    return dataclasses.replace(b, name=name)
+
+
+def _check_debug(cfg: ExperimentConfig) -> None:
+    d, world = cfg.debug, cfg.launcher.nproc_per_node
+    choice("debug.fail_mode", d.fail_mode, ("raise", "hang"))
+    if d.fail_rank is not None and not 0 <= d.fail_rank < world:
+        fail(
+            "debug.fail_rank",
+            d.fail_rank,
+            f"no such rank in a run of {world}",
+            f"0..{world - 1}, or null",
+        )
+    if not 0 <= d.fail_step < cfg.train.steps:
+        fail("debug.fail_step", d.fail_step, "outside the run", f"0..{cfg.train.steps - 1}")
