@@ -16,7 +16,6 @@ os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # before anything touc
 import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
-from rich.text import Text
 
 from meshrun.config import ExperimentConfig
 from meshrun.errors import ConfigError
@@ -25,7 +24,7 @@ from meshrun.hardware import HostFacts
 from meshrun.launch.local import launch_local
 from meshrun.launch.torchrun import attached_rank, launch_attached, run_dir_override
 from meshrun.paths import CONF_DIR
-from meshrun.sinks.console import console, print_summary
+from meshrun.sinks.console import print_error, print_summary
 from meshrun.validate import validate
 from meshrun.worker import run_rank
 
@@ -52,21 +51,17 @@ def run(dict_cfg: DictConfig) -> int:
         if rank is not None:
             _check_attached_world(cfg)
     except ConfigError as err:
-        console.print(
-            Text("meshrun: config error ", style="bold red") + Text(str(err)), soft_wrap=True
-        )
+        print_error("config error", str(err))
         return 2
     if rank not in (None, 0):
         run_rank(asdict(cfg))
         return 0
-    launch = launch_attached if rank == 0 else (lambda c: launch_local(c.launcher, asdict(c)))
+    launch = launch_attached if rank == 0 else launch_local
     try:
         results = run_experiment(cfg, launch)
     except RunFailed as failed:
         print_summary(failed.results)
-        console.print(
-            Text("meshrun: run failed ", style="bold red") + Text(str(failed)), soft_wrap=True
-        )
+        print_error("run failed", str(failed))
         return 1
     print_summary(results)
     return 0

@@ -4,6 +4,7 @@ itself, then results.json, the store row and W&B. Failed runs go through the sam
 from __future__ import annotations
 
 import json
+import shutil
 import time
 import uuid
 from collections.abc import Callable
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from meshrun.config import ExperimentConfig
+from meshrun.failures import FAILURES_DIR
 from meshrun.launch import RankFailure
 from meshrun.results import assemble, baseline_config, baseline_key, is_own_baseline
 from meshrun.sinks.store import ResultsStore
@@ -68,6 +70,7 @@ def measure(cfg: ExperimentConfig, role: str, launch: Launch) -> Measured:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / METRICS_FILE).unlink(missing_ok=True)
+    shutil.rmtree(run_dir / FAILURES_DIR, ignore_errors=True)
     meta: dict[str, Any] = {
         "run_id": uuid.uuid4().hex[:12],
         "role": role,

@@ -15,7 +15,7 @@ import json
 import math
 import os
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ from meshrun.hardware import HostFacts
 from meshrun.launch.local import launch_local
 from meshrun.paths import CONF_DIR
 from meshrun.results import layout_name
-from meshrun.sinks.console import console
+from meshrun.sinks.console import console, print_error
 from meshrun.validate import validate
 
 REPORT_FILE = "verify.json"
@@ -107,14 +107,6 @@ def compare(
     }
 
 
-def _say(what: str, message: str) -> None:
-    console.print(Text(f"meshrun: {what} ", style="bold red") + Text(message), soft_wrap=True)
-
-
-def _launch(cfg: ExperimentConfig) -> dict[str, Any]:
-    return launch_local(cfg.launcher, asdict(cfg))
-
-
 def _print_report(report: dict[str, Any]) -> None:
     tolerance = report["tolerance"]
     table = Table(title="layout vs single device, per step")
@@ -162,7 +154,7 @@ def run(dict_cfg: DictConfig) -> int:
         positive("verify.tolerance", tolerance)
         cfg = validate(_experiment(composed), HostFacts.detect())
     except ConfigError as err:
-        _say("config error", str(err))
+        print_error("config error", str(err))
         return 2
     runs = {
         "layout": dataclasses.replace(cfg, run_dir=f"{cfg.run_dir}/layout"),
@@ -176,7 +168,7 @@ def run(dict_cfg: DictConfig) -> int:
     )
     measured: dict[str, Measured] = {}
     for role, run_cfg in runs.items():  # the layout first: if it crashes, skip the reference
-        measured[role] = measure(run_cfg, role, _launch)
+        measured[role] = measure(run_cfg, role, launch_local)
         if not measured[role].ok:
             error = measured[role].meta["error"]
             report = {"passed": False, "tolerance": tolerance, "failed_run": role, "error": error}
@@ -192,7 +184,7 @@ def run(dict_cfg: DictConfig) -> int:
     }
     (Path(cfg.run_dir) / REPORT_FILE).write_text(json.dumps(report, indent=2))
     if report["error"]:
-        _say(f"{report['failed_run']} run failed", report["error"])
+        print_error(f"{report['failed_run']} run failed", report["error"])
         return 1
     _print_report(report)
     return 0 if report["passed"] else 1

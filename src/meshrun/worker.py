@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from meshrun.config import DebugConfig, ExperimentConfig, from_dict
+from meshrun.failures import record_failure
 from meshrun.mesh import (
     Layout,
     build_mesh,
@@ -79,6 +80,9 @@ def run_rank(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
         mesh = build_mesh(layout, device.type)
     try:
         return _train(cfg, layout, rank, device, mesh)
+    except Exception as err:
+        record_failure(cfg.run_dir, rank, err)
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import logging
 import uuid
+from dataclasses import asdict
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from meshrun.config import LauncherConfig
+from meshrun.config import ExperimentConfig
+from meshrun.failures import first_failure
 from meshrun.launch import RankFailure
 from meshrun.worker import run_rank
 
@@ -30,7 +32,8 @@ def _error_text(failure: Any) -> str:
     return str(message).strip()
 
 
-def launch_local(launcher: LauncherConfig, cfg_dict: dict[str, Any]) -> dict[str, Any]:
+def launch_local(cfg: ExperimentConfig) -> dict[str, Any]:
+    launcher = cfg.launcher
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -43,8 +46,11 @@ def launch_local(launcher: LauncherConfig, cfg_dict: dict[str, Any]) -> dict[str
         start_method=launcher.start_method,
     )
     try:
-        returns = elastic_launch(config, run_rank)(cfg_dict)
+        returns = elastic_launch(config, run_rank)(asdict(cfg))
     except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
-        raise RankFailure(rank, _error_text(failure)) from None
+        recorded = first_failure(cfg.run_dir)
+        if recorded is None:  # died without raising (killed, segfault): elastic's record
+            rank, failure = err.get_first_failure()
+            recorded = rank, _error_text(failure)
+        raise RankFailure(*recorded) from None
     return returns[0]

@@ -26,6 +26,11 @@ def rank_progress(total: int, enabled: bool) -> Iterator[Callable[[int], None] |
         yield lambda completed: progress.update(task, completed=completed)
 
 
+def print_error(what: str, message: str) -> None:
+    """One unwrapped line, so the key and value stay greppable in logs."""
+    console.print(Text(f"meshrun: {what} ", style="bold red") + Text(message), soft_wrap=True)
+
+
 def _fmt(value: Any, unit: str = "") -> str:
     if value is None:
         return "n/a"
