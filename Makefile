@@ -31,3 +31,5 @@ format: install
 
 bench: install
 	$(PY) benchmarks/ddp_overhead.py
+	$(PY) benchmarks/pipeline_overhead.py
+	$(PY) benchmarks/tensor_parallel_overhead.py

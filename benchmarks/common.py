@@ -1,0 +1,405 @@
+"""What the side-by-side benchmarks share: the setup, the hand-written side's process spawning
+and step timing, the meshrun side's CLI run, the CPU-contention measurement, and the driver
+(ABAB rounds, ratio table, JSON record).
+
+A benchmark is a meshrun `parallel` preset and a `build` function that sets up one rank of
+the same training written by hand with the torch APIs (its optimizer, its forward/backward of
+a step and its gradient clipping; `hand_rank` runs the steps around them).
+Both sides train meshrun's LLaMA model on its synthetic tokens with the same hyperparameters
+and threads per rank, and both time only the steps after warmup (tokens/s = timed tokens /
+timed seconds, rank 0's clock), so process start-up, Hydra and model construction are not
+counted on either side.
+
+Rounds run hand then meshrun (ABAB...) so slow drift of the machine hits both alike. The ratio
+is meshrun tokens/s over hand tokens/s of the same round; the median over rounds is the
+result. 1.0 means no overhead, the target is >= 0.98. The losses of both sides are compared
+too: a non-zero difference means they did not train the same thing and the ratio is
+meaningless. "other CPU s" is CPU time other processes took while a side ran; with every core
+busy with a rank it comes straight out of that side's throughput, so rounds where it is large
+are flagged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.table import Table
+from torch import nn
+
+from meshrun.config import ModelConfig
+from meshrun.paths import CONF_DIR, REPO_ROOT
+from meshrun.train.data import SyntheticTokens
+
+# Hyperparameters of both sides; meshrun gets them as overrides, so they cannot drift apart.
+LR = 3e-4
+WEIGHT_DECAY = 0.1
+GRAD_CLIP = 1.0
+SEED = 0
+# CPU seconds other processes may take during one side before its round is flagged.
+CONTENDED_CPU_S = 1.0
+
+console = Console()
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    model: str
+    ranks: int
+    steps: int
+    warmup_steps: int
+    global_batch_size: int
+    micro_batch_size: int
+    seq_len: int
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.seq_len
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    tokens_per_s: float
+    step_time_s: float
+    losses: list[float]
+    other_cpu_s: float = 0.0
+    wall_s: float = 0.0
+
+
+def measurement(setup: Setup, step_times: list[float], losses: list[float]) -> Measurement:
+    """The same summary as meshrun's results.json (metrics/throughput.py summarize_steps)."""
+    tokens_per_s = setup.tokens_per_step * len(step_times) / sum(step_times)
+    return Measurement(tokens_per_s, statistics.median(step_times), losses)
+
+
+@dataclasses.dataclass(frozen=True)
+class HandRank:
+    """One rank of a hand-written run, as its `Build` set it up."""
+
+    optimizer: torch.optim.Optimizer
+    # Forward and backward of a step (its index in): this rank's loss, or None where the
+    # rank computes none (a pipeline stage without the head).
+    forward_backward: Callable[[int], torch.Tensor | None]
+    clip: Callable[[], None]  # clips the gradients to GRAD_CLIP by their global norm
+
+
+# Sets up one rank of the hand-written run: (rank, setup, model config) -> the rank. Must be a
+# module-level function: it is pickled to the spawned ranks.
+Build = Callable[[int, Setup, ModelConfig], HandRank]
+
+
+@dataclasses.dataclass(frozen=True)
+class Benchmark:
+    name: str  # output file stem
+    title: str  # table title, before "<model> on <n> gloo ranks"
+    parallel: str  # the meshrun `parallel` preset of the meshrun side
+    degree: str | None  # its degree that --ranks sets (None: the preset fills the world)
+    build: Build  # the hand-written side
+    doc: str  # the script's docstring; its first line is the --help description
+
+
+# --- helpers for the hand-written sides ------------------------------------------------------
+
+
+def model_config(name: str) -> ModelConfig:
+    preset = OmegaConf.load(CONF_DIR / "model" / f"{name}.yaml")
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), preset))
+
+
+def adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """LLaMA's AdamW: weight decay on matrices only."""
+    return torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": WEIGHT_DECAY},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=LR,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
+
+
+def step_tokens(
+    data: SyntheticTokens, setup: Setup, step: int, dp_rank: int = 0, dp_size: int = 1
+) -> torch.Tensor:
+    """A data-parallel rank's contiguous share of the step's global batch, seq_len + 1 long."""
+    per_rank = setup.global_batch_size // dp_size
+    first = step * setup.global_batch_size + dp_rank * per_rank
+    return data.batch(range(first, first + per_rank), setup.seq_len + 1, torch.device("cpu"))
+
+
+def accumulate(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    micro_batch_size: int,
+    no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+) -> torch.Tensor:
+    """Forward/backward each micro-batch (gradient accumulation); `no_sync` wraps all but the
+    last. Returns the mean loss."""
+    chunks = tokens.split(micro_batch_size)
+    total = torch.zeros(())
+    for index, chunk in enumerate(chunks):
+        inputs, targets = chunk[:, :-1], chunk[:, 1:]
+        last = index == len(chunks) - 1
+        with contextlib.nullcontext() if no_sync is None or last else no_sync():
+            logits = model(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+            (loss / len(chunks)).backward()
+        total += loss.detach()
+    return total / len(chunks)
+
+
+def hand_rank(rank: int, setup: Setup, port: int, out: Path, build: Build) -> None:
+    """One rank of the hand-written run; rank 0 writes its step times and the mean losses."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // setup.ranks))
+    dist.init_process_group("gloo", rank=rank, world_size=setup.ranks)
+    hand = build(rank, setup, model_config(setup.model))
+
+    step_times: list[float] = []
+    losses: list[torch.Tensor] = []
+    for step in range(setup.steps):
+        if step == setup.warmup_steps:
+            start = time.perf_counter()
+        loss = hand.forward_backward(step)
+        hand.clip()
+        hand.optimizer.step()
+        hand.optimizer.zero_grad(set_to_none=True)
+        # (loss, 1) where this rank has a loss, (0, 0) where not: summed over ranks, the
+        # ratio is the mean over the ranks that have one.
+        losses.append(torch.stack([loss, torch.ones(())]) if loss is not None else torch.zeros(2))
+        if step >= setup.warmup_steps:
+            now = time.perf_counter()
+            step_times.append(now - start)
+            start = now
+
+    summed = torch.stack(losses)
+    dist.all_reduce(summed)
+    if rank == 0:
+        mean_losses = (summed[:, 0] / summed[:, 1]).tolist()
+        out.write_text(json.dumps({"step_times": step_times, "losses": mean_losses}))
+    dist.barrier()  # no rank tears down while another still talks to it
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_hand(bench: Benchmark, setup: Setup, work: Path) -> Measurement:
+    out = work / "hand.json"
+    mp.spawn(hand_rank, args=(setup, free_port(), out, bench.build), nprocs=setup.ranks)
+    raw = json.loads(out.read_text())
+    return measurement(setup, raw["step_times"], raw["losses"])
+
+
+# --- the meshrun side ------------------------------------------------------------------------
+
+
+def run_meshrun(bench: Benchmark, setup: Setup, work: Path) -> Measurement:
+    run_dir = work / "meshrun"
+    overrides = [
+        f"model={setup.model}",
+        f"parallel={bench.parallel}",
+        *([f"parallel.{bench.degree}={setup.ranks}"] if bench.degree else []),
+        "logger=none",
+        "metrics.baseline=false",
+        f"launcher.nproc_per_node={setup.ranks}",
+        f"train.steps={setup.steps}",
+        f"train.warmup_steps={setup.warmup_steps}",
+        f"train.global_batch_size={setup.global_batch_size}",
+        f"train.micro_batch_size={setup.micro_batch_size}",
+        f"train.seq_len={setup.seq_len}",
+        f"train.lr={LR}",
+        f"train.weight_decay={WEIGHT_DECAY}",
+        f"train.grad_clip={GRAD_CLIP}",
+        f"train.seed={SEED}",
+        "train.precision=fp32",
+        "train.progress_bar=false",
+        f"hydra.run.dir={run_dir}",
+        f"store.path={work / 'meshrun.db'}",
+    ]
+    cli = Path(sys.executable).with_name("meshrun")
+    proc = subprocess.run([cli, *overrides], capture_output=True, text=True, check=False)
+    if proc.returncode:
+        sys.exit(f"meshrun failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}")
+    results = json.loads((run_dir / "results.json").read_text())
+    return Measurement(results["tokens_per_s"], results["step_time_s"], results["losses"])
+
+
+# --- contention: the machine must be otherwise idle ------------------------------------------
+
+
+def busy_cpu_s() -> float:
+    """CPU seconds every process on this machine has used so far (Linux /proc/stat)."""
+    # cpu  user nice system idle iowait irq softirq steal ...: all but idle and iowait are busy.
+    ticks = [int(t) for t in Path("/proc/stat").read_text().split(maxsplit=9)[1:9]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    """CPU seconds of this process and its waited-for descendants (both sides' ranks)."""
+    me, kids = (resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+Side = Callable[[Benchmark, Setup, Path], Measurement]
+
+
+def run_side(side: Side, bench: Benchmark, setup: Setup) -> Measurement:
+    """Runs one side and adds the CPU time other processes took meanwhile: with every core
+    busy with a rank, any of it is stolen from the ranks and slows that side down."""
+    busy, own, started = busy_cpu_s(), own_cpu_s(), time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"{bench.name}_") as tmp:
+        result = side(bench, setup, Path(tmp))
+    other = (busy_cpu_s() - busy) - (own_cpu_s() - own)
+    wall = time.perf_counter() - started
+    return dataclasses.replace(result, other_cpu_s=max(0.0, other), wall_s=wall)
+
+
+# --- driver ----------------------------------------------------------------------------------
+
+DEFAULTS = {
+    "model": "small",
+    "ranks": 2,
+    "steps": 36,
+    "warmup_steps": 3,
+    "global_batch_size": 16,
+    "micro_batch_size": 4,
+    "seq_len": 128,
+    "rounds": 3,
+}
+
+
+def parse_args(bench: Benchmark, defaults: dict[str, Any]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=bench.doc.splitlines()[0])
+    parser.add_argument("--model", help="a conf/model preset")
+    for name in ("ranks", "steps", "warmup-steps", "global-batch-size", "micro-batch-size"):
+        parser.add_argument(f"--{name}", type=int)
+    parser.add_argument("--seq-len", type=int)
+    parser.add_argument("--rounds", type=int)
+    parser.add_argument(
+        "--out", type=Path, default=REPO_ROOT / "outputs" / "benchmarks" / f"{bench.name}.json"
+    )
+    parser.set_defaults(**(DEFAULTS | defaults))
+    return parser.parse_args()
+
+
+def run_rounds(bench: Benchmark, setup: Setup, rounds: int) -> tuple[list[dict[str, Any]], float]:
+    """Per-round records, and the largest loss difference between the sides (0 expected)."""
+    records: list[dict[str, Any]] = []
+    max_loss_diff = 0.0
+    for index in range(rounds):
+        hand = run_side(run_hand, bench, setup)
+        ours = run_side(run_meshrun, bench, setup)
+        diff = max(abs(a - b) for a, b in zip(hand.losses, ours.losses, strict=True))
+        max_loss_diff = max(max_loss_diff, diff)
+        records.append(
+            {"round": index + 1}
+            | {f"hand_{key}": value for key, value in _summary(hand).items()}
+            | {f"meshrun_{key}": value for key, value in _summary(ours).items()}
+            | {"ratio": ours.tokens_per_s / hand.tokens_per_s, "loss_diff": diff}
+        )
+        console.print(
+            f"round {index + 1}/{rounds}: hand {hand.tokens_per_s:,.0f} tok/s, meshrun "
+            f"{ours.tokens_per_s:,.0f} tok/s, ratio {records[-1]['ratio']:.3f}"
+        )
+    return records, max_loss_diff
+
+
+def _summary(m: Measurement) -> dict[str, float]:
+    return {
+        "tokens_per_s": m.tokens_per_s,
+        "step_time_s": m.step_time_s,
+        "other_cpu_s": m.other_cpu_s,
+        "wall_s": m.wall_s,
+    }
+
+
+def contended(record: dict[str, Any]) -> bool:
+    return max(record["hand_other_cpu_s"], record["meshrun_other_cpu_s"]) > CONTENDED_CPU_S
+
+
+def print_table(
+    bench: Benchmark, setup: Setup, rounds: list[dict[str, Any]], median_ratio: float
+) -> None:
+    title = f"{bench.title}, {setup.model} on {setup.ranks} gloo ranks: ratio = meshrun / hand"
+    table = Table(title=title)
+    for column in ("round", "hand tok/s", "meshrun tok/s", "other CPU s", "ratio"):
+        table.add_column(column, justify="right")
+    for r in rounds:
+        table.add_row(
+            f"{r['round']}{'*' if contended(r) else ''}",
+            f"{r['hand_tokens_per_s']:,.0f}",
+            f"{r['meshrun_tokens_per_s']:,.0f}",
+            f"{r['hand_other_cpu_s']:.1f} / {r['meshrun_other_cpu_s']:.1f}",
+            f"{r['ratio']:.3f}",
+        )
+    table.add_section()
+    table.add_row("median", "", "", "", f"{median_ratio:.3f}", style="bold")
+    console.print(table)
+    if any(contended(r) for r in rounds):
+        console.print(
+            f"* other processes took > {CONTENDED_CPU_S:g} CPU s during this round: its ratio "
+            "measures them as much as meshrun; rerun on an idle machine",
+            style="yellow",
+        )
+
+
+def main(
+    title: str,
+    parallel: str,
+    build: Build,
+    script: str,
+    doc: str,
+    degree: str | None = None,
+    **defaults: Any,
+) -> None:
+    """Runs a benchmark script: `script` is its __file__ (which names the output), `doc` its
+    docstring, `degree` the `parallel` degree that --ranks sets, `defaults` overrides
+    DEFAULTS (the command-line defaults)."""
+    bench = Benchmark(Path(script).stem, title, parallel, degree, build, doc)
+    args = parse_args(bench, defaults)
+    setup = Setup(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Setup)})
+    started = time.perf_counter()
+    rounds, max_loss_diff = run_rounds(bench, setup, args.rounds)
+    median_ratio = statistics.median(r["ratio"] for r in rounds)
+    wall_s = time.perf_counter() - started
+    print_table(bench, setup, rounds, median_ratio)
+    console.print(f"max |loss hand - loss meshrun|: {max_loss_diff:.2e}; wall time {wall_s:.0f} s")
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    record = {
+        "benchmark": bench.name,
+        "parallel": bench.parallel,
+        "setup": vars(args) | {"out": str(args.out)},
+        "torch": torch.__version__,
+        "rounds": rounds,
+        "median_ratio": median_ratio,
+        "max_loss_diff": max_loss_diff,
+        "wall_s": wall_s,
+    }
+    args.out.write_text(json.dumps(record, indent=2))
+    console.print(f"wrote {args.out}")
