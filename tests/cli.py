@@ -36,10 +36,11 @@ def run_meshrun(
     *overrides: str,
     timeout: float = 240,
     env: dict[str, str] | None = None,
+    entrypoint: tuple[str, ...] = (sys.executable, "-m", "meshrun.cli"),
 ) -> CliRun:
     """Isolated run: own run dir and store, no W&B unless an override asks for it."""
     command = [
-        sys.executable, "-m", "meshrun.cli",
+        *entrypoint,
         f"hydra.run.dir={run_dir}", f"store.path={store_path}",
         "logger=none", "train.progress_bar=false", *overrides,
     ]  # fmt: skip

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -24,8 +25,16 @@ from torch.distributed.tensor.parallel import (
 )
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """Shard `model` in place over `tp_mesh` (a pipeline stage may lack embedding/head)."""
+def apply_tp(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    sequence_parallel: bool,
+    block_overrides: dict[str, ParallelStyle] | None = None,
+) -> None:
+    """Shard `model` in place over `tp_mesh` (a pipeline stage may lack embedding/head).
+
+    `block_overrides` replaces entries of each block's plan (keys like "attention.wo"): a
+    user's plan that differs in a few layers calls this instead of restating the rest."""
     residual = Shard(1) if sequence_parallel else Replicate()
     outer: dict = {}
     if model.tok_embeddings is not None:
@@ -57,7 +66,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> 
         if sequence_parallel:
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, {**plan, **(block_overrides or {})})
 
 
 TpPlan = Callable[[nn.Module, DeviceMesh, bool], None]

@@ -22,7 +22,7 @@ from meshrun.metrics.memory import MemoryMeter
 from meshrun.metrics.throughput import StepClock
 from meshrun.parallel import ParallelModel, gradient_sync
 from meshrun.train.data import LocalBatches
-from meshrun.train.optim import clip_grads, grad_norm
+from meshrun.train.optim import clip_grads, grad_norm, grads_by_mesh
 
 LogFn = Callable[[list[dict]], None]
 
@@ -111,9 +111,10 @@ def train_loop(
             step_loss = _pipeline_step(model, inputs, targets, ctx)
         else:
             step_loss = _accumulate(model, inputs, targets, cfg.micro_batch_size, ctx)
-        norm = grad_norm(params, ctx.pp_group)
+        groups = grads_by_mesh(params)
+        norm = grad_norm(groups, ctx.pp_group)
         if cfg.grad_clip is not None:
-            clip_grads(params, cfg.grad_clip, norm)
+            clip_grads(groups, cfg.grad_clip, norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         pending.append(torch.stack([step_loss, norm]))

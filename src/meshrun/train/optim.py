@@ -20,7 +20,10 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
-def grad_norm(params: list[nn.Parameter], pp_group: dist.ProcessGroup | None) -> torch.Tensor:
+GradGroups = dict[object, list[nn.Parameter]]
+
+
+def grad_norm(groups: GradGroups, pp_group: dist.ProcessGroup | None) -> torch.Tensor:
     """The norm of the whole model's gradient, whatever the layout.
 
     Gradients may be plain tensors (single, DDP) or DTensors on different meshes (FSDP, TP,
@@ -29,7 +32,7 @@ def grad_norm(params: list[nn.Parameter], pp_group: dist.ProcessGroup | None) ->
     layers, add theirs over the pp group.
     """
     squares = []
-    for group in _by_mesh(params).values():
+    for group in groups.values():
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
@@ -40,13 +43,14 @@ def grad_norm(params: list[nn.Parameter], pp_group: dist.ProcessGroup | None) ->
     return total_sq.sqrt()
 
 
-def clip_grads(params: list[nn.Parameter], max_norm: float, total: torch.Tensor) -> None:
-    for group in _by_mesh(params).values():  # one mesh at a time: foreach ops cannot mix them
+def clip_grads(groups: GradGroups, max_norm: float, total: torch.Tensor) -> None:
+    for group in groups.values():  # one mesh at a time: foreach ops cannot mix them
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
 
 
-def _by_mesh(params: list[nn.Parameter]) -> dict[object, list[nn.Parameter]]:
-    groups: dict[object, list[nn.Parameter]] = {}
+def grads_by_mesh(params: list[nn.Parameter]) -> GradGroups:
+    """Parameters with a gradient, grouped by the mesh of their (DTensor) gradient."""
+    groups: GradGroups = {}
     for p in params:
         if p.grad is not None:
             mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
