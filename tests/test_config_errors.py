@@ -55,6 +55,8 @@ BAD_CONFIGS = [
     (["parallel=pp2", "parallel.microbatches=3"], "parallel.microbatches", "divide the local"),
     (["parallel=pp2", "model=gpt2-124m"], "model.tie_embeddings", "different pipeline stages"),
     (["parallel.microbatches=4"], "parallel.microbatches", "only applies to pipelines"),
+    (["parallel.tp_plan=nowhere.plans:apply"], "parallel.tp_plan", "cannot be loaded"),
+    (["parallel.tp_plan=tests.plans:missing"], "parallel.tp_plan", "module:function"),
     (["parallel.activation_checkpointing=some"], "parallel.activation_checkpointing", "full"),
     (["parallel.data_parallel=zero3"], "parallel.data_parallel", "auto | dataparallel"),
     (["parallel=dataparallel"], "parallel", "needs >= 2 CUDA devices"),

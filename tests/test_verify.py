@@ -76,3 +76,9 @@ def test_failing_rank_exits_1_naming_it(tmp_path):
     assert result["failed_run"] == "layout"
     assert "injected failure on rank 1" in result["error"]
     assert not (run.run_dir / "reference").exists()  # no reference for a layout that crashed
+
+
+def test_non_positive_tolerance_is_a_config_error(tmp_path):
+    run = run_verify(tmp_path, "verify.tolerance=0")
+    assert run.returncode == 2, run.output
+    assert "meshrun: config error verify.tolerance=0.0: must be positive" in run.output
