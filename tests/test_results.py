@@ -141,7 +141,9 @@ def test_assemble_of_a_single_run_without_baseline_is_its_own_baseline(single):
 
 
 def test_assemble_of_a_multi_device_run_without_baseline_has_no_speedup(ddp):
-    results = assemble(ddp, steps([None, None, 1.0]), [{"peak": 10}, {"peak": 10}], None, None, meta())
+    results = assemble(
+        ddp, steps([None, None, 1.0]), [{"peak": 10}, {"peak": 10}], None, None, meta()
+    )
     assert results["tokens_per_s"] is not None
     assert results["speedup"] is None
     assert results["scaling_efficiency"] is None
