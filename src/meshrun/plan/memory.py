@@ -19,13 +19,15 @@ keeps no s*s scores here):
     selective    (2h + 2hk + 3f + a) / tp + h per layer (matmul and attention outputs kept)
     first stage  8 bytes of token ids ; last stage 3h + 1 + V, and 8 bytes of targets
     transients   at the loss: 3V (logits, their log-softmax gradient, logits gradient);
-                 elsewhere one block's backward temporaries, (3f + 2h) / tp
+                 elsewhere one block's backward temporaries, (3f + 2h) / tp; checkpointed,
+                 the recomputed block plus those temporaries (last stage: h + V/tp)
 
 A pipeline rank holds several micro-batches at once: GPipe all m, 1F1B min(m, p - stage),
-interleaved 1F1B its warmup chunks + 1 (each a 1/v share of the rank's layers). FSDP adds the
-gathered parameters of the root module and of two blocks (the current and the prefetched
-one) and one block's unsharded gradient. "other" holds the DDP buckets and allocator
-slack, which the CPU measurement does not see.
+interleaved 1F1B its warmup chunks + 1 (each a 1/v share of the rank's layers). FSDP keeps
+the root module and two blocks gathered between steps (other), and in a step gathers the
+root and three blocks (current, prefetched, collective staging) and one block's unsharded
+gradient (activations): measured on gloo, where these vary by a block between runs. "other" holds the DDP buckets and a pipeline
+stage's receive buffers (one T x h tensor per micro-batch).
 """
 
 from __future__ import annotations
@@ -98,8 +100,13 @@ def activation_bytes(cfg: ExperimentConfig, layout: Layout, share: StageShare, p
     if share.last:
         per_mb += (3 * d.h + 1 + d.vocab) * FP32 + 2
     held = in_flight(p.schedule, microbatches, layout.pp, pp_rank, share.chunks) * per_mb
-    transient = 3 * d.vocab * FP32 if share.last else (3 * d.f + 2 * d.h) / layout.tp * width
-    return tokens * (held + max(transient, recompute * width))
+    backward_temps = (3 * d.f + 2 * d.h) / layout.tp * width
+    if recompute:  # one block recomputed, with its backward temporaries or the held logits
+        tail = (d.h + d.vocab / layout.tp) * FP32 if share.last else backward_temps
+        transient = recompute * width + tail
+    else:
+        transient = 3 * d.vocab * FP32 if share.last else backward_temps
+    return tokens * (held + transient)
 
 
 def predict_rank(cfg: ExperimentConfig, layout: Layout, share: StageShare, pp_rank: int,
@@ -114,9 +121,14 @@ def predict_rank(cfg: ExperimentConfig, layout: Layout, share: StageShare, pp_ra
         gathered = local_param_elements(d, StageShare(0, share.first, share.last, 1), layout.tp, 1)
         block = layer_param_elements(d, layout.tp)
         param_width = 2 if cfg.train.precision == "bf16" else FP32
-        activations += gathered * param_width + 2 * block * param_width + block * FP32
+        # kept gathered between steps: the root and the last blocks; in a step, the
+        # current, prefetched and collective-staging blocks and one unsharded gradient
+        other += gathered * param_width + 2 * block * param_width
+        activations += gathered * param_width + 3 * block * param_width + block * FP32
     elif layout.dp_replicate > 1 and not cfg.parallel.ddp.gradient_as_bucket_view:
         other += state  # DDP's gradient buckets
+    if layout.pp > 1:  # the stage's receive buffers, one per micro-batch
+        other += microbatches * micro_batch * cfg.train.seq_len * d.h * FP32
     return MemoryPrediction(state, state, elements * ADAM_BYTES, int(activations), other)
 
 
