@@ -69,7 +69,8 @@ def run(cfg: ReportConfig) -> int:
     return 0
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="report", version_base="1.3")
+# Its own config dir: in conf/ `model=` would name the model group, not the filter.
+@hydra.main(config_path=str(CONF_DIR / "report"), config_name="report", version_base="1.3")
 def main(dict_cfg: DictConfig) -> None:
     code = run(OmegaConf.to_object(dict_cfg))
     if code:
