@@ -49,7 +49,7 @@ def skip_reason(batch: int, micro: int) -> str | None:
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sweep")
-    overrides = ("+sweep=batch_microbatch", *POINT, "logger=wandb", "logger.mode=offline")
+    overrides = ("+sweeps=batch_microbatch", *POINT, "logger=wandb", "logger.mode=offline")
     run = run_meshrun(tmp / "unused", tmp / "meshrun.db", *overrides, timeout=900,
                       entrypoint=MULTIRUN)  # fmt: skip
     print(f"3x3 sweep took {run.seconds:.0f} s")
@@ -93,6 +93,7 @@ def test_one_offline_wandb_run_per_point_all_in_the_sweeps_group(sweep):
         assert logged["summary"]["sweep"] == row["sweep"]
         if row["status"] == "skipped":
             assert logged["summary"]["error"] == row["error"]
+            assert "skipped" in logged["run"]["tags"]
             continue
         assert f"layout:{row['layout_name']}" in logged["run"]["tags"]
         assert logged["summary"]["tokens_per_s"] == pytest.approx(row["tokens_per_s"])

@@ -1,4 +1,4 @@
-"""The ready sweeps in sweeps/: each composes as `+sweep=<name>` and declares a grid whose
+"""The ready sweeps in sweeps/: each composes as `+sweeps=<name>` and declares a grid whose
 points meshrun either accepts or refuses for a swept key; the W&B sweep definition expands,
 the way a W&B agent expands it, into commands meshrun accepts; a sweep's job that fails or is
 refused does not stop the sweep, a single run's bad config still does (test_config_errors)."""
@@ -32,9 +32,9 @@ TINY = ("model=tiny", "train.steps=3", "train.warmup_steps=1", "train.seq_len=32
 
 
 def hydra_grid(name: str) -> dict[str, list[str]]:
-    """hydra.sweeper.params of `meshrun -m +sweep=<name>`, as composed by Hydra."""
+    """hydra.sweeper.params of `meshrun -m +sweeps=<name>`, as composed by Hydra."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=[f"+sweep={name}", "logger=none"],
+        cfg = compose("train", overrides=[f"+sweeps={name}", "logger=none"],
                       return_hydra_config=True)  # fmt: skip
     assert Path(str(cfg.hydra.sweep.dir)).name.startswith(f"{name}_")
     return {k: str(v).split(",") for k, v in cfg.hydra.sweeper.params.items()}
@@ -53,6 +53,12 @@ def accepted(point: tuple[str, ...], swept: set[str]) -> bool:
         assert err.key in swept or err.key.split(".")[0] in swept, err
         return False
     return True
+
+
+def test_a_sweep_is_named_by_the_sweep_key_beside_a_ready_sweep():
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=["+sweeps=layouts", "sweep=my-grid", "logger=none"])
+    assert cfg.sweep == "my-grid"
 
 
 def test_there_are_the_three_ready_sweeps():

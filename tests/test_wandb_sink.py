@@ -28,6 +28,7 @@ def test_tags_name_layout_model_hardware_and_backend():
                "backend": "gloo"}  # fmt: skip
     assert run_tags(results) == ["layout:dp_shard2 x tp2", "model:tiny", "hardware:cpu",
                                  "backend:gloo"]  # fmt: skip
+    assert run_tags({**results, "status": "skipped"})[-1] == "skipped"
 
 
 def test_memory_table_without_a_breakdown_has_the_peaks():

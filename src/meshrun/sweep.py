@@ -1,9 +1,11 @@
-"""Sweeps: the ready grids in `sweeps/` as the Hydra group `sweep`, and what makes a job part
+"""Sweeps: the ready grids in `sweeps/` as the Hydra group `sweeps`, and what makes a job part
 of a sweep (its shared name, and skipping invalid grid points instead of stopping).
 
-`meshrun -m +sweep=batch_microbatch` selects sweeps/batch_microbatch.yaml. The files live
+`meshrun -m +sweeps=batch_microbatch` selects sweeps/batch_microbatch.yaml. The files live
 beside conf/ rather than in it so that they read as what they are: ready-made commands, not
-experiment presets. A W&B agent's runs are sweep jobs too (the agent sets WANDB_SWEEP_ID).
+experiment presets. The group is not called `sweep`: that is the config key naming a sweep
+(`sweep=my-grid`), and Hydra reads `<group>=` as a group choice. A W&B agent's runs are sweep
+jobs too (the agent sets WANDB_SWEEP_ID).
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ class SweepJobFailed(RuntimeError):
 
 
 def register_sweeps(store: ConfigStore) -> None:
-    """Each sweeps/*.yaml becomes `+sweep=<stem>`, merged at the top level (like
+    """Each sweeps/*.yaml becomes `+sweeps=<stem>`, merged at the top level (like
     `# @package _global_`) since a sweep sets hydra.sweeper.params and hydra.sweep.dir."""
     for path in sorted(SWEEPS_DIR.glob("*.yaml")):
-        store.store(group="sweep", name=path.stem, node=OmegaConf.load(path), package="_global_")
+        store.store(group="sweeps", name=path.stem, node=OmegaConf.load(path), package="_global_")
 
 
 def in_multirun() -> bool:

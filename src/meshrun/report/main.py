@@ -59,7 +59,7 @@ def run(cfg: ReportConfig) -> int:
         print_error("config error", str(err))
         return 2
     if not runs:
-        print_error("no runs", f"nothing in {cfg.selection()}")
+        print_error("no runs", f"match {cfg.selection()}")
         return 1
     print_table(runs, cfg.title)
     out = Path(cfg.html)

@@ -96,13 +96,15 @@ def log_run(
             run.log({"memory/per_rank": wandb.Table(columns=columns, data=rows)})
         run.summary.update({k: results.get(k) for k in SUMMARY_KEYS})
     finally:
-        run.finish(exit_code=0 if results["status"] == "completed" else 1)
+        run.finish(exit_code=1 if results["status"] == "failed" else 0)
 
 
 def run_tags(results: dict[str, Any]) -> list[str]:
-    """`key:value` tags, so that the W&B run table filters by each."""
+    """`key:value` tags, so that the W&B run table filters by each; a sweep's skipped point
+    (a finished W&B run, not a crashed one) is tagged `skipped`."""
     keys = {"layout": "layout_name", "model": "model", "hardware": "hardware", "backend": "backend"}
-    return [f"{tag}:{results[key]}" for tag, key in keys.items() if results.get(key)]
+    tags = [f"{tag}:{results[key]}" for tag, key in keys.items() if results.get(key)]
+    return [*tags, "skipped"] if results.get("status") == "skipped" else tags
 
 
 def memory_rows(results: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
