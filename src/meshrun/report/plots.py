@@ -23,10 +23,9 @@ def completed(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def run_label(run: dict[str, Any]) -> str:
-    return (
-        f"{run.get('layout_name') or run['parallel']} "
-        f"b{run['global_batch_size']}/m{run['micro_batch_size']} ({run['run_id'][:6]})"
-    )
+    """By preset, not layout name: ddp and ddp_bucket_view are both `dp_replicate2`."""
+    batch = f"b{run['global_batch_size']}/m{run['micro_batch_size']}"
+    return f"{run['parallel']} {batch} ({run['run_id'][:6]})"
 
 
 def speedup_scaling(runs: list[dict[str, Any]]) -> Figure | None:
