@@ -13,6 +13,9 @@ from typing import Any
 
 from meshrun.sinks.store import ResultsStore
 
+# `meshrun -m`: Hydra's flags go before the overrides.
+MULTIRUN = (sys.executable, "-m", "meshrun.cli", "-m")
+
 
 @dataclass
 class CliRun:

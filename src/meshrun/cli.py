@@ -7,6 +7,7 @@ measures the baseline if needed and writes the results.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import asdict
@@ -19,17 +20,19 @@ from omegaconf import DictConfig, OmegaConf
 
 from meshrun.config import ExperimentConfig
 from meshrun.errors import ConfigError
-from meshrun.experiment import RunFailed, run_experiment
+from meshrun.experiment import RunFailed, record_skipped, run_experiment
 from meshrun.hardware import HostFacts
 from meshrun.launch.local import launch_local
 from meshrun.launch.torchrun import attached_rank, launch_attached, run_dir_override
 from meshrun.paths import CONF_DIR
 from meshrun.plan.search import target_facts
 from meshrun.sinks.console import print_error, print_summary
+from meshrun.sweep import SweepJobFailed, in_multirun, is_sweep_job, register_sweeps, sweep_name
 from meshrun.validate import validate
 from meshrun.worker import run_rank
 
 ConfigStore.instance().store(name="experiment_schema", node=ExperimentConfig)
+register_sweeps(ConfigStore.instance())
 
 
 def _check_attached_world(cfg: ExperimentConfig) -> None:
@@ -46,6 +49,7 @@ def _check_attached_world(cfg: ExperimentConfig) -> None:
 
 def run(dict_cfg: DictConfig) -> int:
     cfg: ExperimentConfig = OmegaConf.to_object(dict_cfg)
+    cfg = dataclasses.replace(cfg, sweep=sweep_name(cfg.sweep))
     rank = attached_rank()
     try:
         facts = HostFacts.detect()
@@ -56,6 +60,10 @@ def run(dict_cfg: DictConfig) -> int:
         if rank is not None:
             _check_attached_world(cfg)
     except ConfigError as err:
+        if is_sweep_job():  # an invalid grid point: recorded, and the sweep goes on
+            record_skipped(cfg, err)
+            print_error("skipped", str(err))
+            return 0
         print_error("config error", str(err))
         return 2
     if rank not in (None, 0):
@@ -75,6 +83,8 @@ def run(dict_cfg: DictConfig) -> int:
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
 def _hydra_main(dict_cfg: DictConfig) -> None:
     code = run(dict_cfg)
+    if code and in_multirun():
+        raise SweepJobFailed(f"this job of the sweep exited {code} (see its error above)")
     if code:
         sys.exit(code)
 

@@ -196,6 +196,9 @@ class ExperimentConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
     run_dir: str = "."
     name: str | None = None
+    # Shared by the runs of one sweep (store column, W&B group); null: the Hydra sweep dir's
+    # name in multirun, `wandb-<id>` under a W&B agent, none for a single run.
+    sweep: str | None = None
 
 
 def from_dict(data: dict[str, Any]) -> ExperimentConfig:

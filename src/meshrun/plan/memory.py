@@ -26,7 +26,8 @@ A pipeline rank holds several micro-batches at once: GPipe all m, 1F1B min(m, p 
 interleaved 1F1B its warmup chunks + 1 (each a 1/v share of the rank's layers). FSDP keeps
 the root module and two blocks gathered between steps (other), and in a step gathers the
 root and three blocks (current, prefetched, collective staging) and one block's unsharded
-gradient (activations): measured on gloo, where these vary by a block between runs. "other" holds the DDP buckets and a pipeline
+gradient (activations): measured on gloo, where these vary by a block between runs. "other"
+also holds the DDP buckets and a pipeline
 stage's receive buffers (one T x h tensor per micro-batch).
 """
 

@@ -16,6 +16,7 @@ COLUMNS = {
     "status": "TEXT",
     "error": "TEXT",
     "name": "TEXT",
+    "sweep": "TEXT",
     "model": "TEXT",
     "parallel": "TEXT",
     "layout_name": "TEXT",
