@@ -37,7 +37,7 @@ def validate(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:
     if cfg.parallel.name == "auto":
         cfg = _auto_layout(dataclasses.replace(cfg, hardware=hardware), facts)
     backend = _resolve_backend(cfg, hardware, facts)
-    parallel, launcher = resolve_layout(cfg, facts)
+    parallel, launcher = resolve_layout(dataclasses.replace(cfg, hardware=hardware), facts)
     resolved = dataclasses.replace(
         cfg, backend=backend, hardware=hardware, parallel=parallel, launcher=launcher
     )

@@ -52,8 +52,10 @@ def resolve_layout(cfg: ExperimentConfig, facts: HostFacts):
         )
     fixed = math.prod(n for n in degrees.values() if n != -1)
     nproc = launcher.nproc_per_node
+    # A CPU profile on a GPU host runs on the CPU: its GPUs neither size nor limit the world.
+    gpus = facts.cuda_devices if cfg.hardware.device_type == "cuda" else []
     if fill:
-        world = nproc or (len(facts.cuda_devices) if facts.cuda_devices else CPU_DEFAULT_RANKS)
+        world = nproc or (len(gpus) if gpus else CPU_DEFAULT_RANKS)
         if world % fixed:
             fail(
                 "launcher.nproc_per_node",
@@ -72,12 +74,12 @@ def resolve_layout(cfg: ExperimentConfig, facts: HostFacts):
             f"layout {layout} of parallel={p.name} needs {world} ranks",
             f"{world}, or null to follow the layout",
         )
-    if facts.cuda_devices and world > len(facts.cuda_devices):
+    if gpus and world > len(gpus):
         fail(
             "launcher.nproc_per_node",
             world,
-            f"only {len(facts.cuda_devices)} CUDA devices are visible",
-            f"at most {len(facts.cuda_devices)}",
+            f"only {len(gpus)} CUDA devices are visible",
+            f"at most {len(gpus)}",
         )
     threads = launcher.threads_per_rank or max(1, facts.cpu_count // world)
     return (
