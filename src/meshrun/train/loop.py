@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from meshrun.config import TrainConfig
+from meshrun.diag.watchdog import Watchdog
 from meshrun.metrics.bubble import BubbleClock
 from meshrun.metrics.memory import MemoryMeter
 from meshrun.metrics.throughput import StepClock
@@ -47,6 +48,13 @@ class LoopContext:
     on_log: LogFn
     progress: Callable[[int], None] | None = None
     fault: Callable[[int], None] | None = None
+    watchdog: Watchdog | None = None
+    step_collectives: str = "forward/backward"
+
+
+def _inside(ctx: LoopContext, step: int, op: str) -> contextlib.AbstractContextManager:
+    """Tells the hang watchdog that `op` of `step` runs collectives."""
+    return ctx.watchdog.inside(step, op) if ctx.watchdog else contextlib.nullcontext()
 
 
 def _autocast(ctx: LoopContext) -> contextlib.AbstractContextManager:
@@ -100,19 +108,24 @@ def train_loop(
         if step == cfg.warmup_steps:
             ctx.memory.stop_tracing()
             if dist.is_initialized():
-                dist.barrier()  # ranks leave warmup at different times: start the clocks level
+                with _inside(ctx, step, "barrier (end of warmup)"):
+                    dist.barrier()  # ranks leave warmup at different times: level the clocks
             clock.mark()
             if bubble is not None:
                 bubble.start()
+        if ctx.watchdog is not None:
+            ctx.watchdog.at(step)
         if ctx.fault is not None:
             ctx.fault(step)
         inputs, targets = batches.for_step(step)
-        if model.schedule is not None:
-            step_loss = _pipeline_step(model, inputs, targets, ctx)
-        else:
-            step_loss = _accumulate(model, inputs, targets, cfg.micro_batch_size, ctx)
+        with _inside(ctx, step, ctx.step_collectives):
+            if model.schedule is not None:
+                step_loss = _pipeline_step(model, inputs, targets, ctx)
+            else:
+                step_loss = _accumulate(model, inputs, targets, cfg.micro_batch_size, ctx)
         groups = grads_by_mesh(params)
-        norm = grad_norm(groups, ctx.pp_group)
+        with _inside(ctx, step, "all_reduce (gradient norm)"):
+            norm = grad_norm(groups, ctx.pp_group)
         if cfg.grad_clip is not None:
             clip_grads(groups, cfg.grad_clip, norm)
         optimizer.step()
@@ -123,7 +136,8 @@ def train_loop(
         if ctx.progress is not None:
             ctx.progress(step + 1)
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-            _flush(state, pending, clock, step, ctx)
+            with _inside(ctx, step, "all_reduce (losses of the log step)"):
+                _flush(state, pending, clock, step, ctx)
             pending = []
     if bubble is not None:
         state.pipeline_busy_s, state.pipeline_span_s = bubble.totals()

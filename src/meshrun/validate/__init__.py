@@ -31,7 +31,7 @@ def validate(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:
     choice("logger.name", cfg.logger.name, ("wandb", "none"))
     choice("logger.mode", cfg.logger.mode, ("auto", "online", "offline", "disabled"))
     hardware = resolve_hardware(cfg.hardware, facts)
-    backend = _resolve_backend(cfg, hardware, facts)
+    backend = resolve_backend(cfg, hardware, facts)
     parallel, launcher = resolve_layout(cfg, facts)
     resolved = dataclasses.replace(
         cfg, backend=backend, hardware=hardware, parallel=parallel, launcher=launcher
@@ -112,7 +112,7 @@ def _check_data(cfg: ExperimentConfig) -> None:
         )
 
 
-def _resolve_backend(cfg: ExperimentConfig, hardware: HardwareConfig, facts: HostFacts):
+def resolve_backend(cfg: ExperimentConfig, hardware: HardwareConfig, facts: HostFacts):
     b = cfg.backend
     choice("backend.name", b.name, ("auto", "gloo", "nccl", "mpi"))
     positive("backend.timeout_s", b.timeout_s)
