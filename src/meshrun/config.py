@@ -232,3 +232,21 @@ class CommRunConfig:
 
 def comm_from_dict(data: dict[str, Any]) -> CommRunConfig:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(CommRunConfig), data))
+
+
+@dataclass
+class DoctorConfig:
+    """`timeout_s` is each health check's collective timeout; a check still running
+    `grace_s` after it (start-up included) is killed with all its ranks. `backends` empty:
+    every backend this torch has."""
+
+    timeout_s: float = 30.0
+    grace_s: float = 30.0
+    backends: list[str] = field(default_factory=list)
+
+
+@dataclass
+class DoctorRunConfig:
+    doctor: DoctorConfig = field(default_factory=DoctorConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    run_dir: str = "."

@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from meshrun.config import CommRunConfig
 from meshrun.diag.busbw import OPS
 from meshrun.diag.collectives import DTYPES, REDOPS, measurements, run_comm_rank
-from meshrun.diag.report import print_tables, record, summarize
+from meshrun.diag.report import print_tables, record, summarize, write_json
 from meshrun.diag.watchdog import clear_records, with_diagnosis
 from meshrun.errors import ConfigError, choice, fail, positive
 from meshrun.hardware import HostFacts, resolve_hardware
@@ -165,6 +165,7 @@ def run(dict_cfg: DictConfig) -> int:
         run_comm_rank(asdict(cfg))
         return 0
     report = measure(cfg)
+    write_json(report)
     if cfg.comm.record:
         record(report, cfg.store.path, cfg.logger, asdict(cfg))
     print_tables(report)

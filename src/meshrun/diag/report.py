@@ -76,8 +76,12 @@ def print_tables(report: dict[str, Any]) -> None:
         )  # fmt: skip
 
 
-def record(report: dict[str, Any], store_path: str, logger: LoggerConfig, config: dict) -> None:
+def write_json(report: dict[str, Any]) -> None:
     (Path(report["run_dir"]) / REPORT_FILE).write_text(json.dumps(report, indent=2))
+
+
+def record(report: dict[str, Any], store_path: str, logger: LoggerConfig, config: dict) -> None:
+    """The store row and W&B: a comm run's measurements, for comparison with others."""
     ResultsStore(store_path).record_comm(report)
     if logger.name == "wandb":
         _log_wandb(logger, config, report)

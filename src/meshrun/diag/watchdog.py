@@ -113,7 +113,7 @@ def diagnose(run_dir: str, failed_rank: int) -> str | None:
     if failed is None or not failed.op:
         return None
     waiting = [p.rank for p in positions.values() if (p.step, p.op) == (failed.step, failed.op)]
-    parts = [f"rank(s) {_ranks(waiting)} waited in {failed.where()}"]
+    parts = [f"{_ranks(waiting)} waited in {failed.where()}"]
     parts += [
         f"rank {p.rank} never entered it (was at {p.where()})"
         for p in sorted(positions.values(), key=lambda p: p.rank)
@@ -123,7 +123,8 @@ def diagnose(run_dir: str, failed_rank: int) -> str | None:
 
 
 def _ranks(ranks: list[int]) -> str:
-    return ", ".join(map(str, sorted(ranks)))
+    listed = ", ".join(map(str, sorted(ranks)))
+    return f"rank {listed}" if len(ranks) == 1 else f"ranks {listed}"
 
 
 def step_collectives(degrees: dict[str, int]) -> str:
