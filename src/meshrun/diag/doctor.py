@@ -6,6 +6,9 @@ container, /dev/shm, network interfaces, relevant env), the devices (CUDA index 
 nvidia-smi's number and PCI bus id, memory, mixed types, peer access, NVLink), then runs a
 short health check of each backend under a hard time limit (`health.py`). Exit 0 when every
 check passed, 1 when one failed or hung (with next steps), 2 on a config error.
+
+Unlike meshrun's other commands, the doctor leaves CUDA_DEVICE_ORDER as the user has it, so
+cuda:N below is what a plain torch program in this environment calls cuda:N.
 """
 
 from __future__ import annotations
@@ -17,9 +20,6 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
-
-ORIGINAL_DEVICE_ORDER = os.environ.get("CUDA_DEVICE_ORDER")  # the user's, before our default
-os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # before anything touches CUDA
 
 import hydra
 import torch
@@ -83,22 +83,22 @@ def host(facts: HostFacts) -> dict[str, Any]:
         "/dev/shm (GiB)": None if shm is None else round(shm, 1),
         "network interfaces": ", ".join(_interfaces()),
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
-        | {"CUDA_DEVICE_ORDER": ORIGINAL_DEVICE_ORDER or "unset (CUDA: fastest first)"},
+        | {"CUDA_DEVICE_ORDER": os.environ.get("CUDA_DEVICE_ORDER", "unset (fastest first)")},
     }
 
 
 def device_report() -> dict[str, Any]:
     smi, driver = devices.query_smi()
     cuda = devices.query_cuda()
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    predicted, notes = devices.visible_smi_indices(smi, visible, ORIGINAL_DEVICE_ORDER)
+    visible, order = os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("CUDA_DEVICE_ORDER")
+    predicted, notes = devices.visible_smi_indices(smi, visible, order)
     rows = devices.match(cuda, smi)
-    notes += devices.explain(rows, visible, ORIGINAL_DEVICE_ORDER)
+    notes += devices.explain(rows, visible, order)
     if smi and not cuda:
+        would = f"; CUDA would see nvidia-smi GPU(s) {predicted}" if predicted is not None else ""
         notes.append(
-            f"nvidia-smi sees {len(smi)} GPU(s) but torch sees none "
-            f"(torch CUDA build: {torch.version.cuda}, CUDA_VISIBLE_DEVICES={visible!r}); "
-            f"by CUDA_VISIBLE_DEVICES they would be nvidia-smi GPU(s) {predicted}"
+            f"nvidia-smi sees {len(smi)} GPU(s) but torch sees none (torch's CUDA build: "
+            f"{torch.version.cuda}, CUDA_VISIBLE_DEVICES={visible!r}){would}"
         )
     peers = devices.query_peer_access(len(cuda)) if cuda else {}
     links = devices.query_topology() if len(smi) > 1 else {}

@@ -8,6 +8,7 @@ by killing the check's whole session, so no rank outlives the doctor.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -66,10 +67,8 @@ def next_steps(backend: str, interfaces: list[str], shm_gib: float | None) -> li
 
 
 def _kill_session(proc: subprocess.Popen) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     proc.wait()
 
 
