@@ -5,6 +5,8 @@ errors before any rank starts, and a rank that never enters a collective."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -16,7 +18,7 @@ from omegaconf import OmegaConf
 
 from meshrun.config import CommConfig, CommRunConfig
 from meshrun.diag.busbw import OPS, bus_factor, element_count, sizes
-from meshrun.diag.collectives import measurements, wrong_values
+from meshrun.diag.collectives import device_type, measurements, wrong_values
 from meshrun.diag.comm import validate_comm
 from meshrun.diag.watchdog import read_positions
 from meshrun.errors import ConfigError
@@ -65,6 +67,11 @@ def test_one_rank_skips_point_to_point_only():
     plan = measurements(CommConfig(min_bytes=1024, max_bytes=4096), 1)
     assert {op for op, *_ in plan} == set(OPS) - {"sendrecv"}
     assert len(plan) == 2 * (len(OPS) - 1)
+
+
+def test_only_nccl_measures_gpu_memory():
+    assert device_type("nccl") == "cuda"
+    assert device_type("gloo") == device_type("mpi") == "cpu"  # gloo on host memory, even on GPUs
 
 
 def test_check_counts_every_wrong_value():
@@ -185,3 +192,30 @@ def test_rank_that_never_enters_a_collective_is_named(comm, marked_env):
     assert "collective hang" in run.output
     hang_started = read_positions(str(run.run_dir))[1].since
     assert ended - hang_started < timeout + 15
+
+
+def test_torchrun_ranks_run_the_same_benchmark(tmp_path):
+    """Started by torchrun, every process is one rank; rank 0 reports once."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "-m", "meshrun.diag.comm", "logger=none", f"store.path={tmp_path / 'meshrun.db'}",
+         "comm.ops=[all_reduce,sendrecv]", *SMALL],
+        check=False, capture_output=True, text=True, timeout=240, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [report_file] = (tmp_path / "outputs" / "torchrun").glob("*/comm.json")
+    rep = json.loads(report_file.read_text())
+    assert rep["world_size"] == 2 and rep["wrong"] == 0
+    assert {r["op"] for r in rep["rows"]} == {"all_reduce", "sendrecv"}
+    assert proc.stdout.count("# Avg bus bandwidth:") == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_nccl_one_rank_per_gpu(comm):
+    run = comm("backend=nccl", *SMALL)
+    assert run.returncode == 0, run.output
+    rep = report(run)
+    assert rep["device_type"] == "cuda" and rep["wrong"] == 0
+    assert rep["world_size"] == torch.cuda.device_count()

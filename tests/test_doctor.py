@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from meshrun.diag.devices import (
     CudaGpu,
@@ -126,6 +127,10 @@ def test_doctor_on_this_machine_exits_zero_with_a_report(doctor):
     for section in ("versions", "host", "gloo available"):
         assert section in run.output
     assert "gloo: ok: 2 rank(s), all results correct" in run.output
+    if torch.cuda.is_available():
+        assert f"nccl: ok: {torch.cuda.device_count()} rank(s)" in run.output
+    else:
+        assert "devices: no GPU (CPU only)" in run.output
     report = json.loads((run.run_dir / "doctor.json").read_text())
     assert report["versions"]["torch"]
     assert report["health"][0]["backend"] == "gloo"

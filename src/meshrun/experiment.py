@@ -15,6 +15,7 @@ from typing import Any
 from meshrun.config import ExperimentConfig
 from meshrun.diag.watchdog import clear_records, with_diagnosis
 from meshrun.launch import RankFailure
+from meshrun.launch.torchrun import attached_rank
 from meshrun.results import assemble, baseline_config, baseline_key, is_own_baseline
 from meshrun.sinks.store import ResultsStore
 from meshrun.worker import METRICS_FILE
@@ -69,7 +70,8 @@ def measure(cfg: ExperimentConfig, role: str, launch: Launch) -> Measured:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / METRICS_FILE).unlink(missing_ok=True)
-    clear_records(cfg.run_dir)
+    if attached_rank() is None:  # under torchrun the peers may have written theirs already
+        clear_records(cfg.run_dir)
     meta: dict[str, Any] = {
         "run_id": uuid.uuid4().hex[:12],
         "role": role,

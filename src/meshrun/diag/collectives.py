@@ -50,6 +50,12 @@ ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
+def device_type(backend: str) -> str:
+    """nccl measures GPU memory; gloo (and mpi) host memory, also on a GPU box, where gloo's
+    CUDA path lacks some collectives and stages through the host anyway."""
+    return "cuda" if backend == "nccl" else "cpu"
+
+
 def fill(rank: int, count: int, dtype: torch.dtype, device: torch.device, offset: int = 0):
     """Values 1..5 that differ by rank and position: every reduction of them is exact."""
     values = (torch.arange(offset, offset + count, device=device) + rank) % 5 + 1
@@ -179,7 +185,8 @@ def run_comm_rank(cfg_dict: dict[str, Any]) -> list[dict[str, Any]] | None:
         os.environ.setdefault(key, value)
     if cfg.launcher.threads_per_rank:
         torch.set_num_threads(cfg.launcher.threads_per_rank)
-    device = select_device(cfg.hardware.device_type, int(os.environ.get("LOCAL_RANK", "0")))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = select_device(device_type(cfg.backend.name), local_rank)
     watchdog = Watchdog(cfg.run_dir, rank, cfg.backend.timeout_s)
     try:
         init_distributed(cfg.backend.name, cfg.backend.timeout_s)

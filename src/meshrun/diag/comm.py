@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from meshrun.config import CommRunConfig
 from meshrun.diag.busbw import OPS
-from meshrun.diag.collectives import DTYPES, REDOPS, measurements, run_comm_rank
+from meshrun.diag.collectives import DTYPES, REDOPS, device_type, measurements, run_comm_rank
 from meshrun.diag.report import print_tables, record, summarize, write_json
 from meshrun.diag.watchdog import clear_records, with_diagnosis
 from meshrun.errors import ConfigError, choice, fail, positive
@@ -45,11 +45,6 @@ ConfigStore.instance().store(name="comm_schema", node=CommRunConfig)
 Launch = Callable[[CommRunConfig, Callable[[dict[str, Any]], Any]], Any]
 LAUNCHERS: dict[str, Launch] = {"local": launch_local}
 CPU_DEFAULT_RANKS = 2
-
-
-def device_type(backend: str) -> str:
-    """nccl measures GPU memory; gloo (and mpi) host memory."""
-    return "cuda" if backend == "nccl" else "cpu"
 
 
 def validate_comm(cfg: CommRunConfig, facts: HostFacts) -> CommRunConfig:
@@ -77,7 +72,8 @@ def validate_comm(cfg: CommRunConfig, facts: HostFacts) -> CommRunConfig:
         fail("comm.step_factor", c.step_factor, "sizes would never grow", "an integer >= 2")
     if c.warmup_iters < 0:
         fail("comm.warmup_iters", c.warmup_iters, "must not be negative", "an integer >= 0")
-    backend = resolve_backend(cfg, resolve_hardware(cfg.hardware, facts), facts)
+    hardware = resolve_hardware(cfg.hardware, facts)
+    backend = resolve_backend(cfg, hardware, facts)
     launcher = _resolve_launcher(cfg, backend.name, facts)
     world = launcher.nproc_per_node
     plan = measurements(c, world)
@@ -93,7 +89,9 @@ def validate_comm(cfg: CommRunConfig, facts: HostFacts) -> CommRunConfig:
         fail("debug.fail_step", d.fail_step, f"outside the {len(plan)} measurements",
              f"0..{len(plan) - 1}")  # fmt: skip
     name = cfg.name or f"comm_{backend.name}_{world}"
-    return dataclasses.replace(cfg, backend=backend, launcher=launcher, name=name)
+    return dataclasses.replace(
+        cfg, backend=backend, hardware=hardware, launcher=launcher, name=name
+    )
 
 
 def _resolve_launcher(cfg: CommRunConfig, backend: str, facts: HostFacts):
@@ -140,7 +138,8 @@ def measure(cfg: CommRunConfig) -> dict[str, Any]:
         "ops": ",".join(cfg.comm.ops), "dtypes": ",".join(cfg.comm.dtypes),
         "max_bytes": cfg.comm.max_bytes, "run_dir": cfg.run_dir,
     }  # fmt: skip
-    clear_records(cfg.run_dir)
+    if attached_rank() is None:  # under torchrun the peers may have written theirs already
+        clear_records(cfg.run_dir)
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
     try:

@@ -48,7 +48,8 @@ BACKENDS = ("gloo", "nccl")
 def versions(driver: str | None) -> dict[str, Any]:
     nccl = None
     if torch.cuda.is_available() and dist.is_nccl_available():
-        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        found = torch.cuda.nccl.version()  # a tuple in current torch, an int in old ones
+        nccl = ".".join(map(str, found)) if isinstance(found, tuple) else str(found)
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,

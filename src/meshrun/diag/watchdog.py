@@ -91,7 +91,8 @@ class Watchdog:
 
 
 def clear_records(run_dir: str) -> None:
-    """Forget a previous launch's failure records and positions in this run dir."""
+    """Forget a previous launch's failure records and positions in this run dir (before the
+    ranks start: a torchrun run's dir is its own, so there is nothing to forget)."""
     for folder in (FAILURES_DIR, POSITIONS_DIR):
         shutil.rmtree(Path(run_dir) / folder, ignore_errors=True)
 
