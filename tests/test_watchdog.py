@@ -39,7 +39,7 @@ def test_watchdog_ends_a_rank_the_backend_does_not_time_out(tmp_path):
         import time
         from meshrun.diag.watchdog import Watchdog
         watchdog = Watchdog({str(tmp_path)!r}, rank=3, timeout_s=1)
-        with watchdog.inside(7, "all_reduce (stuck)"):
+        with watchdog.inside(7, "all_reduce (stuck)", one_collective=True):
             time.sleep(120)
     """)
     started = time.monotonic()
@@ -53,6 +53,21 @@ def test_watchdog_ends_a_rank_the_backend_does_not_time_out(tmp_path):
     assert error.startswith("CollectiveHang: rank 3 stuck in all_reduce (stuck) at step 7")
     assert "backend.timeout_s=1" in error
     assert diagnose(str(tmp_path), 3) == "rank 3 waited in all_reduce (stuck) at step 7"
+
+
+def test_watchdog_leaves_phases_that_also_compute_to_the_backend(tmp_path):
+    """A long forward/backward is not a hang: only one-collective phases have a deadline."""
+    code = textwrap.dedent(f"""
+        import time
+        from meshrun.diag.watchdog import GRACE_S, Watchdog
+        watchdog = Watchdog({str(tmp_path)!r}, rank=0, timeout_s=0.5)
+        with watchdog.inside(0, "forward/backward (gradient all_reduce)"):
+            time.sleep(0.5 + GRACE_S + 2)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60,
+                          check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert first_failure(str(tmp_path)) is None
 
 
 def test_an_error_outside_collectives_is_no_hang(tmp_path):

@@ -145,7 +145,7 @@ def _train(
     ranks = [mine]
     if dist.is_initialized():
         ranks = [{} for _ in range(dist.get_world_size())]
-        with watchdog.inside(tc.steps, "all_gather_object (measurements)"):
+        with watchdog.inside(tc.steps, "all_gather_object (measurements)", one_collective=True):
             dist.all_gather_object(ranks, mine)
     if rank != 0:
         return None

@@ -3,8 +3,9 @@ nccl-tests does, and count wrong values.
 
 Every buffer is filled with small integers that depend on rank and position, so each op's
 exact result is known without a reference run: sums, products and extremes of such values
-are exact in every dtype (avg to one rounding). The check runs on fresh buffers before the
-warmup; the timed loop then issues `iters` back-to-back ops and synchronises once. The time
+are exact in every dtype (avg to one rounding). The first op runs on fresh buffers and is
+checked; after `warmup_iters` more, the timed loop issues `iters` back-to-back ops and
+synchronises once. The time
 reported is the mean over ranks of each rank's mean per op (nccl-tests' default, `-a 1`).
 """
 
@@ -63,7 +64,8 @@ def fill(rank: int, count: int, dtype: torch.dtype, device: torch.device, offset
 
 
 def reduce_values(parts: list[torch.Tensor], redop: str) -> torch.Tensor:
-    stacked = torch.stack([p.double() for p in parts])
+    """The exact reduction, in float64 or int64 (whose cast back wraps like the ranks' ints)."""
+    stacked = torch.stack([p.double() if p.is_floating_point() else p.long() for p in parts])
     if redop == "avg":
         return stacked.mean(0)
     return {"sum": stacked.sum, "prod": stacked.prod, "min": stacked.amin, "max": stacked.amax}[
@@ -212,20 +214,20 @@ def _benchmark(
         watchdog.at(index)
         if fault is not None:
             fault(index)
-        redop = comm.redop if op in REDUCING else "none"
-        with watchdog.inside(index, f"{op} of {size} B {dtype}"):
-            case = build_case(op, count, DTYPES[dtype], comm.redop, device)
-            wrong = 0
-            if comm.check:
-                case.run()
-                _synchronize(device)
-                wrong = wrong_values(case.output, case.expected())
+        label = f"{op} of {size} B {dtype}"
+        case = build_case(op, count, DTYPES[dtype], comm.redop, device)
+        with watchdog.inside(index, label, one_collective=True):  # NCCL's setup happens here
+            case.run()
+            _synchronize(device)
+        wrong = wrong_values(case.output, case.expected()) if comm.check else 0
+        with watchdog.inside(index, label):
             for _ in range(comm.warmup_iters):
                 case.run()
             seconds = time_per_op(case.run, comm.iters, device)
             totals = torch.tensor([seconds, wrong], dtype=torch.float64, device=device)
             dist.all_reduce(totals)
         seconds, wrong = totals[0].item() / n, int(totals[1].item())
+        redop = comm.redop if op in REDUCING else "none"
         rows.append({
             "op": op, "size_bytes": size, "count": count, "dtype": dtype, "redop": redop,
             "root": 0 if op == "broadcast" else None, "time_us": seconds * 1e6,

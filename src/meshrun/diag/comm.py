@@ -75,7 +75,7 @@ def validate_comm(cfg: CommRunConfig, facts: HostFacts) -> CommRunConfig:
     hardware = resolve_hardware(cfg.hardware, facts)
     backend = resolve_backend(cfg, hardware, facts)
     launcher = _resolve_launcher(cfg, backend.name, facts)
-    world = launcher.nproc_per_node
+    world = launcher.nproc_per_node * launcher.nnodes
     plan = measurements(c, world)
     if not plan:
         fail("comm.max_bytes", c.max_bytes, f"no size holds one element per rank ({world})",
@@ -102,10 +102,12 @@ def _resolve_launcher(cfg: CommRunConfig, backend: str, facts: HostFacts):
     positive("launcher.nproc_per_node", launcher.nproc_per_node, allow_none=True)
     positive("launcher.threads_per_rank", launcher.threads_per_rank, allow_none=True)
     gpus = len(facts.cuda_devices)
-    started = os.environ.get("WORLD_SIZE") if attached_rank() is not None else None
+    attached = attached_rank() is not None
+    started = os.environ["WORLD_SIZE"] if attached else None
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", started or 0)) if attached else None
     nproc = (
         launcher.nproc_per_node
-        or int(started or 0)
+        or local
         or (gpus if device_type(backend) == "cuda" else CPU_DEFAULT_RANKS)
     )
     if started and int(started) != nproc * launcher.nnodes:

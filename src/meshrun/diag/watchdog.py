@@ -5,9 +5,10 @@ Each rank keeps its position in a small memory-mapped file in the run dir: an up
 memory write (no syscall, no host-device sync), and the file outlives the rank, so the driver
 reads every rank's last position after a failure, whatever killed the rank (an exception, or
 the NCCL watchdog's abort). The backend's own timeout (`backend.timeout_s`) normally ends a
-stuck collective; when it does not fire (a hang the backend does not see), this rank's
-watchdog thread records the failure itself and exits, `GRACE_S` later, so the launcher tears
-all ranks down either way.
+stuck collective. When it does not fire (NCCL blocked while setting up a communicator, say),
+this rank's watchdog thread records the failure and exits `GRACE_S` later, so the launcher
+tears all ranks down either way; it does so only in phases that are one collective, since a
+phase that also computes (a training step's forward/backward) may legitimately run longer.
 """
 
 from __future__ import annotations
@@ -54,13 +55,13 @@ class Watchdog:
         with path.open("r+b") as f:
             self._map = mmap.mmap(f.fileno(), _RECORD.size)
         self.run_dir, self.rank, self.timeout_s = run_dir, rank, timeout_s
-        self._step, self._op, self._since = -1, "", time.time()
+        self._step, self._op, self._since, self._bounded = -1, "", time.time(), False
         self._stop = threading.Event()
         self._set(-1, "")
         threading.Thread(target=self._watch, name="meshrun-watchdog", daemon=True).start()
 
-    def _set(self, step: int, op: str) -> None:
-        self._step, self._op, self._since = step, op, time.time()
+    def _set(self, step: int, op: str, bounded: bool = False) -> None:
+        self._step, self._op, self._since, self._bounded = step, op, time.time(), bounded
         _RECORD.pack_into(self._map, 0, step, self._since, op.encode()[: _RECORD.size - 16])
 
     def at(self, step: int) -> None:
@@ -68,10 +69,11 @@ class Watchdog:
         self._set(step, "")
 
     @contextmanager
-    def inside(self, step: int, op: str) -> Iterator[None]:
-        """`op` (which runs collectives) of `step`. Left only on success: after a failure the
-        position stays, for the diagnosis."""
-        self._set(step, op)
+    def inside(self, step: int, op: str, one_collective: bool = False) -> Iterator[None]:
+        """`op` (which runs collectives) of `step`; `one_collective`: it is a single collective,
+        bounded by the timeout. Left only on success: after a failure the position stays, for
+        the diagnosis."""
+        self._set(step, op, one_collective)
         yield
         self._set(step, "")
 
@@ -81,7 +83,7 @@ class Watchdog:
     def _watch(self) -> None:
         while not self._stop.wait(1.0):
             op, step, stuck_s = self._op, self._step, time.time() - self._since
-            if op and stuck_s > self.timeout_s + GRACE_S:
+            if op and self._bounded and stuck_s > self.timeout_s + GRACE_S:
                 hang = CollectiveHang(
                     f"rank {self.rank} stuck in {op} at step {step} for {stuck_s:.0f} s, past "
                     f"backend.timeout_s={self.timeout_s:g} (the backend did not time out)"

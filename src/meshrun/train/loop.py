@@ -52,9 +52,13 @@ class LoopContext:
     step_collectives: str = "forward/backward"
 
 
-def _inside(ctx: LoopContext, step: int, op: str) -> contextlib.AbstractContextManager:
+def _inside(
+    ctx: LoopContext, step: int, op: str, one_collective: bool = True
+) -> contextlib.AbstractContextManager:
     """Tells the hang watchdog that `op` of `step` runs collectives."""
-    return ctx.watchdog.inside(step, op) if ctx.watchdog else contextlib.nullcontext()
+    if ctx.watchdog is None:
+        return contextlib.nullcontext()
+    return ctx.watchdog.inside(step, op, one_collective)
 
 
 def _autocast(ctx: LoopContext) -> contextlib.AbstractContextManager:
@@ -118,7 +122,7 @@ def train_loop(
         if ctx.fault is not None:
             ctx.fault(step)
         inputs, targets = batches.for_step(step)
-        with _inside(ctx, step, ctx.step_collectives):
+        with _inside(ctx, step, ctx.step_collectives, one_collective=False):
             if model.schedule is not None:
                 step_loss = _pipeline_step(model, inputs, targets, ctx)
             else:
