@@ -139,8 +139,8 @@ def test_doctor_on_this_machine_exits_zero_with_a_report(doctor):
 
 def test_hung_health_check_is_diagnosed_within_timeout(doctor, marked_env):
     timeout = 5
-    run = doctor(f"doctor.timeout_s={timeout}", "doctor.backends=[gloo]", "debug.fail_rank=1",
-                 "debug.fail_mode=hang", env=marked_env)  # fmt: skip
+    run = doctor(f"doctor.timeout_s={timeout}", "doctor.grace_s=120", "doctor.backends=[gloo]",
+                 "debug.fail_rank=1", "debug.fail_mode=hang", env=marked_env)  # fmt: skip
     ended = time.time()
     assert run.returncode == 1
     assert "gloo: hang:" in run.output

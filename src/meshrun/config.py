@@ -241,7 +241,7 @@ class DoctorConfig:
     every backend this torch has."""
 
     timeout_s: float = 30.0
-    grace_s: float = 30.0
+    grace_s: float = 60.0
     backends: list[str] = field(default_factory=list)
 
 

@@ -103,10 +103,13 @@ def check(
         output, _ = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
         _kill_session(proc)
-        return Health(backend, False, f"hung: no result within {limit:g} s (backend timeout "
-                      f"{cfg.timeout_s:g} s + {cfg.grace_s:g} s); all its processes were "
-                      "killed. The backend's own timeout did not fire, as when NCCL blocks "
-                      "inside a container", time.monotonic() - started, steps)  # fmt: skip
+        verdict = (
+            f"hung: no result within {limit:g} s (backend timeout {cfg.timeout_s:g} s + "
+            f"{cfg.grace_s:g} s); all its processes were killed. The backend's own timeout did "
+            "not fire, as when NCCL blocks inside a container (or start-up is slow here: raise "
+            "doctor.grace_s)"
+        )
+        return Health(backend, False, verdict, time.monotonic() - started, steps)
     seconds = time.monotonic() - started
     report_file = run_dir / REPORT_FILE
     if not report_file.exists():  # stopped before launching: a config error
