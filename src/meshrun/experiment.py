@@ -51,7 +51,7 @@ def run_experiment(cfg: ExperimentConfig, launch: Launch) -> dict[str, Any]:
 class Measured:
     meta: dict[str, Any]
     steps: list[dict[str, Any]]
-    peak_memory: list[int] | None
+    memory: list[dict[str, int]] | None
     bubbles: list[float] | None
 
     @property
@@ -92,7 +92,7 @@ def measure(cfg: ExperimentConfig, role: str, launch: Launch) -> Measured:
     return Measured(
         meta,
         read_steps(cfg.run_dir),
-        raw.get("peak_memory_bytes"),
+        raw.get("memory_per_rank"),
         raw.get("pipeline_bubble_per_rank"),
     )
 
@@ -105,7 +105,7 @@ def record(
 ) -> dict[str, Any]:
     """results.json, the store row, and (for the run itself) W&B; raises RunFailed after."""
     results = assemble(
-        cfg, measured.steps, measured.peak_memory, measured.bubbles, baseline, measured.meta
+        cfg, measured.steps, measured.memory, measured.bubbles, baseline, measured.meta
     )
     (Path(cfg.run_dir) / "results.json").write_text(json.dumps(results, indent=2))
     store.record(results)
