@@ -43,8 +43,12 @@ def comm(tmp_path: Path) -> Callable[..., CliRun]:
     return run
 
 
-def report(run: CliRun, run_dir: Path | None = None) -> dict:
-    return json.loads(((run_dir or run.run_dir) / "comm.json").read_text())
+def report(run: CliRun) -> dict:
+    return json.loads((run.run_dir / "comm.json").read_text())
+
+
+def comm_rows(run: CliRun) -> list[dict]:
+    return ResultsStore(run.store_path).runs("comm_runs")
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
@@ -98,7 +102,7 @@ def test_gloo_two_ranks_prints_every_op_with_no_wrong_values(comm):
         assert r["busbw_gbs"] == pytest.approx(r["algbw_gbs"] * bus_factor(r["op"], 2), rel=1e-9)
         assert r["wrong"] == 0
         assert f"{r['busbw_gbs']:.3f}" in run.output
-    [row] = _comm_rows(run)
+    [row] = comm_rows(run)
     assert row["run_id"] == rep["run_id"] and row["avg_busbw_gbs"] == rep["avg_busbw_gbs"]
     summary = read_offline_run(run.run_dir)["summary"]
     assert summary["backend"] == "gloo"
@@ -107,18 +111,15 @@ def test_gloo_two_ranks_prints_every_op_with_no_wrong_values(comm):
     )
 
 
-def _comm_rows(run: CliRun) -> list[dict]:
-    return ResultsStore(run.store_path).runs("comm_runs")
-
-
 def test_backend_sweep_records_one_run_per_backend(comm, tmp_path):
     sweep = tmp_path / "sweep"
     run = comm("backend=gloo,auto", f"hydra.sweep.dir={sweep}", "comm.ops=[all_reduce]",
                *SMALL, multirun=True)  # fmt: skip
     assert run.returncode == 0, run.output
     reports = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/comm.json"))]
-    assert [r["backend"] for r in reports] == ["gloo", "gloo"]  # auto is gloo without CUDA
-    assert len(_comm_rows(run)) == 2
+    auto = "nccl" if torch.cuda.is_available() else "gloo"
+    assert [r["backend"] for r in reports] == ["gloo", auto]
+    assert len(comm_rows(run)) == 2
 
 
 @pytest.mark.parametrize(
