@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install run test test-all lint format bench
+.PHONY: install run test test-all lint format bench doctor comm
 
 install: $(VENV)/.installed
 
@@ -33,3 +33,9 @@ bench: install
 	$(PY) benchmarks/ddp_overhead.py
 	$(PY) benchmarks/pipeline_overhead.py
 	$(PY) benchmarks/tensor_parallel_overhead.py
+
+doctor: install
+	$(VENV)/bin/meshrun-doctor
+
+comm: install
+	$(VENV)/bin/meshrun-comm

@@ -5,7 +5,6 @@ so do a sweep's skipped points."""
 from __future__ import annotations
 
 import json
-import shutil
 import time
 import uuid
 from collections.abc import Callable
@@ -15,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from meshrun.config import ExperimentConfig
+from meshrun.diag.watchdog import clear_records, with_diagnosis
 from meshrun.errors import ConfigError
-from meshrun.failures import FAILURES_DIR
 from meshrun.launch import RankFailure
+from meshrun.launch.torchrun import attached_rank
 from meshrun.results import assemble, baseline_config, baseline_key, is_own_baseline
 from meshrun.sinks.console import print_warning
 from meshrun.sinks.store import ResultsStore
@@ -73,7 +73,8 @@ def measure(cfg: ExperimentConfig, role: str, launch: Launch) -> Measured:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / METRICS_FILE).unlink(missing_ok=True)
-    shutil.rmtree(run_dir / FAILURES_DIR, ignore_errors=True)
+    if attached_rank() is None:  # under torchrun the peers may have written theirs already
+        clear_records(cfg.run_dir)
     meta: dict[str, Any] = {
         "run_id": uuid.uuid4().hex[:12],
         "role": role,
@@ -87,7 +88,8 @@ def measure(cfg: ExperimentConfig, role: str, launch: Launch) -> Measured:
     try:
         raw = launch(cfg)
     except RankFailure as failure:
-        meta.update(status="failed", error=str(failure), failed_rank=failure.rank)
+        error = with_diagnosis(str(failure), cfg.run_dir, failure.rank)
+        meta.update(status="failed", error=error, failed_rank=failure.rank)
     meta["duration_s"] = round(time.perf_counter() - started, 3)
     raw = raw or {}
     return Measured(
