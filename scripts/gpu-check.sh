@@ -15,7 +15,7 @@ log "host: $(nproc) cores; $(nvidia-smi --query-gpu=name,memory.total,driver_ver
 $py -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())" | tee -a "$out/summary.log"
 
 log "gpu tests"
-$py -m pytest -q -p no:cacheprovider -s tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.log" | tail -25
+$py -m pytest -q -p no:cacheprovider -s -m gpu tests/ 2>&1 | tee "$out/gpu_tests.log" | tail -25
 
 log "CUDA memory: predicted vs measured"
 work=$(mktemp -d)
@@ -23,7 +23,7 @@ for args in "model=small train.precision=fp32" \
             "model=gpt2-124m train.precision=bf16 train.seq_len=1024 train.micro_batch_size=4" \
             "model=llama-1b train.precision=bf16 train.seq_len=2048 train.micro_batch_size=2" \
             "model=llama-1b train.precision=bf16 train.seq_len=2048 train.micro_batch_size=2 parallel.activation_checkpointing=full"; do
-  dir="$work/$(echo "$args" | tr ' =/' '_--')"
+  dir="$work/$(echo "$args" | tr ' =/' '_-_')"
   $py -m meshrun.cli parallel=single logger=none train.progress_bar=false metrics.baseline=false \
     train.steps=6 train.warmup_steps=2 "hydra.run.dir=$dir" "store.path=$work/meshrun.db" $args \
     > "$dir.log" 2>&1 || { log "FAILED: $args"; tail -5 "$dir.log"; continue; }

@@ -148,6 +148,14 @@ def check_tensor_parallel(cfg: ExperimentConfig) -> None:
             )
     if p.tp == 1:
         return
+    if m.tie_embeddings:
+        fail(
+            "model.tie_embeddings",
+            True,
+            "tensor parallelism shards the embedding (by rows) and the head (by columns) as "
+            "two tensors, which silently unties them",
+            "false with tp > 1, or tp=1",
+        )
     dims = {
         "model.n_heads": m.n_heads,
         "model.n_kv_heads": m.n_kv_heads or m.n_heads,
