@@ -88,8 +88,9 @@ def record(report: dict[str, Any], store_path: str, logger: LoggerConfig, config
     try:
         _log_wandb(logger, config, report)
     except Exception as err:  # as for training runs: W&B costs the dashboard copy only
+        saved = f"{report['run_dir']}/{REPORT_FILE}"
         print_warning(f"W&B logging failed ({type(err).__name__}: {err}); the comm run is "
-                      f"recorded in {store_path} and {report['run_dir']}/{REPORT_FILE}")  # fmt: skip
+                      f"recorded in {store_path} and {saved}")  # fmt: skip
 
 
 def _log_wandb(cfg: LoggerConfig, config: dict[str, Any], report: dict[str, Any]) -> None:
