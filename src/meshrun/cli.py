@@ -7,6 +7,7 @@ measures the baseline if needed and writes the results.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import asdict
@@ -15,37 +16,58 @@ os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # before anything touc
 
 import hydra
 from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from meshrun.collect import submit_pending
 from meshrun.config import ExperimentConfig
 from meshrun.errors import ConfigError
 from meshrun.experiment import RunFailed, run_experiment
 from meshrun.hardware import HostFacts
 from meshrun.launch.local import launch_local
-from meshrun.launch.torchrun import attached_rank, launch_attached, run_dir_override
+from meshrun.launch.slurm import launch_slurm
+from meshrun.launch.torchrun import (
+    attached_nodes,
+    attached_rank,
+    launch_attached,
+    run_dir_override,
+)
 from meshrun.paths import CONF_DIR
 from meshrun.sinks.console import print_error, print_summary
 from meshrun.validate import validate
 from meshrun.worker import run_rank
 
 ConfigStore.instance().store(name="experiment_schema", node=ExperimentConfig)
+LAUNCHERS = {"local": launch_local, "slurm": launch_slurm}
 
 
 def _check_attached_world(cfg: ExperimentConfig) -> None:
     started = int(os.environ["WORLD_SIZE"])
-    if started != cfg.launcher.nproc_per_node * cfg.launcher.nnodes:
+    nodes, per_node = cfg.launcher.nnodes, cfg.launcher.nproc_per_node
+    if started != per_node * nodes:
         raise ConfigError(
             "WORLD_SIZE",
             started,
-            f"torchrun started {started} ranks but parallel="
-            f"{cfg.parallel.name} needs {cfg.launcher.nproc_per_node}",
-            f"torchrun --nproc-per-node {cfg.launcher.nproc_per_node}, or another layout",
+            f"torchrun started {started} ranks but parallel={cfg.parallel.name} needs "
+            f"{per_node * nodes}",
+            f"torchrun --nnodes {nodes} --nproc-per-node {per_node}, or another layout",
         )
+
+
+def _waits_here(cfg: ExperimentConfig) -> bool:
+    """A SLURM job of a multirun is collected at the sweep's end (collect.CollectSweep), so
+    that the sweep's jobs run concurrently; with launcher.wait=false, by meshrun-collect."""
+    return cfg.launcher.wait and HydraConfig.get().mode != RunMode.MULTIRUN
 
 
 def run(dict_cfg: DictConfig) -> int:
     cfg: ExperimentConfig = OmegaConf.to_object(dict_cfg)
     rank = attached_rank()
+    if rank is not None:
+        cfg = dataclasses.replace(
+            cfg, launcher=dataclasses.replace(cfg.launcher, nnodes=attached_nodes())
+        )
     try:
         cfg = validate(cfg, HostFacts.detect())
         if rank is not None:
@@ -56,7 +78,10 @@ def run(dict_cfg: DictConfig) -> int:
     if rank not in (None, 0):
         run_rank(asdict(cfg))
         return 0
-    launch = launch_attached if rank == 0 else launch_local
+    if rank is None and cfg.launcher.name == "slurm" and not _waits_here(cfg):
+        submit_pending(cfg)
+        return 0
+    launch = launch_attached if rank == 0 else LAUNCHERS[cfg.launcher.name]
     try:
         results = run_experiment(cfg, launch)
     except RunFailed as failed:

@@ -21,6 +21,7 @@ from meshrun.validate.layout import (
     resolve_layout,
     resolve_pipeline,
 )
+from meshrun.validate.slurm import check_slurm
 
 
 def validate(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:
@@ -40,6 +41,8 @@ def validate(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:
     resolved = resolve_pipeline(resolved)
     check_batch(resolved)
     _check_debug(resolved)
+    if launcher.name == "slurm":
+        resolved = dataclasses.replace(resolved, launcher=check_slurm(resolved))
     return resolved
 
 
@@ -137,7 +140,7 @@ def _resolve_backend(cfg: ExperimentConfig, hardware: HardwareConfig, facts: Hos
 
 
 def _check_debug(cfg: ExperimentConfig) -> None:
-    d, world = cfg.debug, cfg.launcher.nproc_per_node
+    d, world = cfg.debug, cfg.launcher.nproc_per_node * cfg.launcher.nnodes
     choice("debug.fail_mode", d.fail_mode, ("raise", "hang"))
     if d.fail_rank is not None and not 0 <= d.fail_rank < world:
         fail(
