@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install run test test-all lint format bench
+.PHONY: install run test test-all lint format bench slurm-start slurm-stop
 
 install: $(VENV)/.installed
 
@@ -33,3 +33,10 @@ bench: install
 	$(PY) benchmarks/ddp_overhead.py
 	$(PY) benchmarks/pipeline_overhead.py
 	$(PY) benchmarks/tensor_parallel_overhead.py
+
+# A real two-node SLURM cluster on this machine (root), for launcher=slurm and its tests.
+slurm-start:
+	scripts/slurm-cluster.sh start
+
+slurm-stop:
+	scripts/slurm-cluster.sh stop

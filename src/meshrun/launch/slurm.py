@@ -45,7 +45,7 @@ def executor(cfg: ExperimentConfig) -> submitit.SlurmExecutor:
         ntasks_per_node=launcher.nproc_per_node,
         cpus_per_task=launcher.cpus_per_task,
         gpus_per_node=launcher.gpus_per_node or None,
-        mem=launcher.mem_gb,
+        mem=f"{round(launcher.mem_gb * 1024)}M" if launcher.mem_gb else None,
         time=launcher.time_min,
         partition=launcher.partition,
         account=launcher.account,
