@@ -7,10 +7,9 @@ measures the baseline if needed and writes the results.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # before anything touches CUDA
 
@@ -65,9 +64,7 @@ def run(dict_cfg: DictConfig) -> int:
     cfg: ExperimentConfig = OmegaConf.to_object(dict_cfg)
     rank = attached_rank()
     if rank is not None:
-        cfg = dataclasses.replace(
-            cfg, launcher=dataclasses.replace(cfg.launcher, nnodes=attached_nodes())
-        )
+        cfg = replace(cfg, launcher=replace(cfg.launcher, nnodes=attached_nodes()))
     try:
         cfg = validate(cfg, HostFacts.detect())
         if rank is not None:
