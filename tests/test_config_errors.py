@@ -16,6 +16,11 @@ from tests.helpers import compose_config
 BAD_CONFIGS = [
     # (overrides, key named in the error, fragment of the message)
     (["train.steps=0"], "train.steps", "must be positive"),
+    (["plan.efficiency=0"], "plan.efficiency", "(0, 1]"),
+    (["plan.efficiency=1.5"], "plan.efficiency", "(0, 1]"),
+    (["plan.headroom_gib=-1"], "plan.headroom_gib", ">= 0"),
+    (["model=llama-7b", "parallel=ddp"], "parallel", "predicted peak memory"),
+    (["model=small", "plan.headroom_gib=1e9"], "parallel", "exceeds the"),
     (["train.steps=-5"], "train.steps", "must be positive"),
     (["train.warmup_steps=0"], "train.warmup_steps", "1 <= warmup_steps"),
     (["train.steps=4", "train.warmup_steps=4"], "train.warmup_steps", "< train.steps"),

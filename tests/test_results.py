@@ -113,7 +113,7 @@ def test_assemble_computes_throughput_speedup_and_scaling_efficiency(ddp):
     tokens_per_step = ddp.train.global_batch_size * ddp.train.seq_len
     tokens_per_s = 3 * tokens_per_step / 2.0
     baseline = {"tokens_per_s": tokens_per_s / 1.5, "run_id": "base1"}
-    results = assemble(ddp, steps(times), [100, 300], None, baseline, meta())
+    results = assemble(ddp, steps(times), [{"peak": 100}, {"peak": 300}], None, baseline, meta())
     assert results["tokens_per_s"] == pytest.approx(tokens_per_s)
     assert results["step_time_s"] == pytest.approx(0.5)
     assert results["samples_per_s"] == pytest.approx(3 * 8 / 2.0)
@@ -134,14 +134,16 @@ def test_assemble_computes_throughput_speedup_and_scaling_efficiency(ddp):
 
 
 def test_assemble_of_a_single_run_without_baseline_is_its_own_baseline(single):
-    results = assemble(single, steps([None, None, 1.0, 1.0]), [10], None, None, meta())
+    results = assemble(single, steps([None, None, 1.0, 1.0]), [{"peak": 10}], None, None, meta())
     assert results["speedup"] == pytest.approx(1.0)
     assert results["scaling_efficiency"] == pytest.approx(1.0)
     assert results["baseline_run_id"] == "run123"
 
 
 def test_assemble_of_a_multi_device_run_without_baseline_has_no_speedup(ddp):
-    results = assemble(ddp, steps([None, None, 1.0]), [10, 10], None, None, meta())
+    results = assemble(
+        ddp, steps([None, None, 1.0]), [{"peak": 10}, {"peak": 10}], None, None, meta()
+    )
     assert results["tokens_per_s"] is not None
     assert results["speedup"] is None
     assert results["scaling_efficiency"] is None

@@ -33,6 +33,7 @@ from meshrun.launch.torchrun import (
     run_dir_override,
 )
 from meshrun.paths import CONF_DIR
+from meshrun.plan.search import target_facts
 from meshrun.sinks.console import print_error, print_summary
 from meshrun.validate import validate
 from meshrun.worker import run_rank
@@ -66,7 +67,11 @@ def run(dict_cfg: DictConfig) -> int:
     if rank is not None:
         cfg = replace(cfg, launcher=replace(cfg.launcher, nnodes=attached_nodes()))
     try:
-        cfg = validate(cfg, HostFacts.detect())
+        facts = HostFacts.detect()
+        # First on the box the hardware profile describes (its layout, whether it fits), then
+        # on this host; for hardware=auto they are the same.
+        validate(cfg, target_facts(cfg.hardware, facts))
+        cfg = validate(cfg, facts)
         if rank is not None:
             _check_attached_world(cfg)
     except ConfigError as err:

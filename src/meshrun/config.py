@@ -187,6 +187,17 @@ class StoreConfig:
 
 
 @dataclass
+class PlanConfig:
+    """The planner: `efficiency` is the MFU a good run reaches (for predicted speed);
+    `headroom_gib` of each device is kept free (CUDA context, allocator fragmentation);
+    `allow_oom` launches a run predicted not to fit anyway."""
+
+    allow_oom: bool = False
+    efficiency: float = 0.4
+    headroom_gib: float = 1.0
+
+
+@dataclass
 class ExperimentConfig:
     model: ModelConfig = MISSING
     parallel: ParallelConfig = MISSING
@@ -199,6 +210,7 @@ class ExperimentConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     run_dir: str = "."
     name: str | None = None
 

@@ -55,7 +55,7 @@ def finish_experiment(cfg: ExperimentConfig, measured: Measured, launch: Launch)
 class Measured:
     meta: dict[str, Any]
     steps: list[dict[str, Any]]
-    peak_memory: list[int] | None
+    memory: list[dict[str, int]] | None
     bubbles: list[float] | None
 
     @property
@@ -107,7 +107,7 @@ def outcome(
     return Measured(
         meta,
         read_steps(cfg.run_dir),
-        raw.get("peak_memory_bytes"),
+        raw.get("memory_per_rank"),
         raw.get("pipeline_bubble_per_rank"),
     )
 
@@ -120,7 +120,7 @@ def record(
 ) -> dict[str, Any]:
     """results.json, the store row, and (for the run itself) W&B; raises RunFailed after."""
     results = assemble(
-        cfg, measured.steps, measured.peak_memory, measured.bubbles, baseline, measured.meta
+        cfg, measured.steps, measured.memory, measured.bubbles, baseline, measured.meta
     )
     (Path(cfg.run_dir) / "results.json").write_text(json.dumps(results, indent=2))
     store.record(results)

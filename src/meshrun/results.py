@@ -12,9 +12,13 @@ from typing import Any
 from meshrun.config import ExperimentConfig, ParallelConfig
 from meshrun.mesh import Layout
 from meshrun.metrics.flops import device_for_rank, flops_per_token, mfu, peak_flops
+from meshrun.metrics.memory import MEMORY_CATEGORIES
 from meshrun.metrics.throughput import summarize_steps
 from meshrun.models.llama import build_model, count_params
 from meshrun.parallel.pipeline import theoretical_bubble
+from meshrun.plan.memory import predict_memory
+from meshrun.plan.search import host_flops
+from meshrun.plan.speed import predict_speed
 
 
 def dp_size(cfg: ExperimentConfig) -> int:
@@ -97,6 +101,30 @@ def pipeline_fields(cfg: ExperimentConfig, bubbles: list[float] | None) -> dict[
     }
 
 
+def memory_fields(cfg: ExperimentConfig, memory: list[dict[str, int]] | None) -> dict[str, Any]:
+    """Per-rank peaks and breakdowns, the categories of the rank with the highest peak, and
+    the planner's prediction for each rank beside them."""
+    peaks = [m["peak"] for m in memory] if memory else None
+    top = max(memory, key=lambda m: m["peak"]) if memory else {}
+    predicted = [p.as_dict() for p in predict_memory(cfg)]
+    return {
+        "peak_memory_bytes": peaks,
+        "peak_memory_max_bytes": max(peaks) if peaks else None,
+        "memory_per_rank": memory,
+        **{f"memory_{c}_bytes": top.get(c) for c in MEMORY_CATEGORIES},
+        "memory_predicted": predicted,
+        "predicted_peak_memory_bytes": max(p["peak"] for p in predicted),
+    }
+
+
+def predicted_speed_fields(cfg: ExperimentConfig) -> dict[str, Any]:
+    speed = predict_speed(cfg, cfg.plan.efficiency, host_flops(cfg))
+    return {
+        "predicted_step_time_s": speed.step_time_s if speed else None,
+        "predicted_tokens_per_s": speed.tokens_per_s if speed else None,
+    }
+
+
 def matmul_params(cfg: ExperimentConfig) -> tuple[int, int]:
     return count_params(build_model(cfg.model, cfg.train.seq_len, "meta"))
 
@@ -104,12 +132,13 @@ def matmul_params(cfg: ExperimentConfig) -> tuple[int, int]:
 def assemble(
     cfg: ExperimentConfig,
     steps: list[dict[str, Any]],
-    peak_memory: list[int] | None,
+    memory: list[dict[str, int]] | None,
     bubbles: list[float] | None,
     baseline: dict[str, Any] | None,
     meta: dict[str, Any],
 ) -> dict[str, Any]:
-    """`steps`: rank 0's per-step records; `meta`: run id, role, status, error, times."""
+    """`steps`: rank 0's per-step records; `memory`: each rank's peak and its breakdown;
+    `meta`: run id, role, status, error, times."""
     t = cfg.train
     tokens_per_step = t.global_batch_size * t.seq_len
     step_times = [r["step_time_s"] for r in steps if r["step_time_s"] is not None]
@@ -157,8 +186,8 @@ def assemble(
         if tokens_per_s
         else None,
         **pipeline_fields(cfg, bubbles),
-        "peak_memory_bytes": peak_memory,
-        "peak_memory_max_bytes": max(peak_memory) if peak_memory else None,
+        **memory_fields(cfg, memory),
+        **predicted_speed_fields(cfg),
         "losses": [r["loss"] for r in steps],
         "grad_norms": [r.get("grad_norm") for r in steps],
         "baseline_key": baseline_key(cfg),

@@ -26,7 +26,7 @@ from meshrun.mesh import (
     select_device,
 )
 from meshrun.metrics.bubble import bubble_per_rank
-from meshrun.metrics.memory import MemoryMeter
+from meshrun.metrics.memory import MemoryMeter, ModelState
 from meshrun.models.llama import build_model
 from meshrun.parallel import parallelize
 from meshrun.sinks.console import rank_progress
@@ -126,8 +126,9 @@ def _train(
             fault=fault_injector(cfg.debug, rank),
         )
         state = train_loop(model, optimizer, batches, tc, ctx)
+    split = memory.breakdown(ModelState.of(model.parameters(), optimizer))
     mine = {
-        "peak_memory_bytes": memory.peak_bytes(),
+        "memory": {"rank": rank, **(split or {"peak": memory.peak_bytes()})},
         "busy": state.pipeline_busy_s,
         "span": state.pipeline_span_s,
     }
@@ -138,7 +139,7 @@ def _train(
     if rank != 0:
         return None
     return {
-        "peak_memory_bytes": [r["peak_memory_bytes"] for r in ranks],
+        "memory_per_rank": [r["memory"] for r in ranks],
         "pipeline_bubble_per_rank": bubble_per_rank(
             [r["busy"] for r in ranks], [r["span"] for r in ranks]
         )

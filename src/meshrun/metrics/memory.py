@@ -1,10 +1,18 @@
-"""Peak tensor memory of one rank.
+"""Peak tensor memory of one rank, and what it is made of.
 
-CUDA: the caching allocator's own peak (`max_memory_allocated`) over the whole run.
+CUDA: the caching allocator's own counters (allocated now, peak allocated, peak reserved).
 CPU: torch has no allocator statistics there, so the profiler records every allocation and
 free of the CPU allocator (profile_memory) from before the model is built to the end of the
-warmup steps; the peak of the running sum is the measured peak. Steady-state steps repeat the
-warmup steps' pattern, and keeping the profiler out of timed steps keeps timings honest.
+warmup steps; live bytes at any moment are the running sum of those events. Steady-state
+steps repeat the warmup steps' pattern, and keeping the profiler out of timed steps keeps
+timings honest.
+
+The breakdown splits the peak into the model state (parameters, gradients, optimizer state:
+exact sizes of the tensors this rank holds), activations (what the last warmup step's
+forward and backward add on top of the live bytes at its start, at their highest: tensors
+saved for backward with the transients at that moment) and other (the rest of the peak:
+communication buckets, buffers, optimizer-step temporaries). The loop keeps gradients
+allocated between steps, so the step start already holds the whole model state.
 """
 
 from __future__ import annotations
@@ -12,10 +20,16 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.distributed.tensor import DTensor
+from torch.profiler import ProfilerActivity, profile, record_function
+
+MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
+STEP_START = "meshrun/step_start"
+FWD_BWD_END = "meshrun/fwd_bwd_end"
 
 
 @contextlib.contextmanager
@@ -32,37 +46,129 @@ def _quiet_stderr() -> Iterator[None]:
             os.close(saved)
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the storages behind `tensors`, each storage once (views share one)."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        storage = _local(tensor).untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+@dataclass
+class ModelState:
+    params: int
+    grads: int
+    optimizer: int
+
+    @classmethod
+    def of(cls, params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> ModelState:
+        states = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        return cls(tensor_bytes(params), tensor_bytes(p.grad for p in params),
+                   tensor_bytes(states))  # fmt: skip
+
+
 class MemoryMeter:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._profiler: profile | None = None
         self._cpu_peak: int | None = None
+        self._cuda_peak = 0
+        self._marks: list[tuple[str, int, int]] = []  # CUDA: (label, live, peak since last)
+        self.step_start: int | None = None
+        self.fwd_bwd_peak: int | None = None
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
 
     def start(self) -> None:
-        if self.device.type == "cuda":
+        if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
             return
         self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         with _quiet_stderr():
             self._profiler.__enter__()
 
+    def mark(self, label: str) -> None:
+        """A point of the warmup step whose live bytes the breakdown needs."""
+        if self.cuda:
+            peak = torch.cuda.max_memory_allocated(self.device)
+            self._cuda_peak = max(self._cuda_peak, peak)
+            self._marks.append((label, torch.cuda.memory_allocated(self.device), peak))
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self._profiler is not None:
+            with record_function(label):
+                pass
+
     def stop_tracing(self) -> None:
         """End CPU allocation tracing (call after the warmup steps)."""
+        if self.cuda:
+            self._read_cuda_marks()
         if self._profiler is None:
             return
         with _quiet_stderr():
             self._profiler.__exit__(None, None, None)
         events = self._profiler.profiler.kineto_results.events()
-        changes = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
-        live = peak = 0
-        for _, nbytes in changes:
-            live += nbytes
-            peak = max(peak, live)
-        self._cpu_peak = peak
         self._profiler = None
+        changes = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+        marks = sorted((e.start_ns(), e.name()) for e in events if e.name().startswith("meshrun/"))
+        self._read_cpu_marks(changes, marks)
+
+    def _read_cpu_marks(self, changes: list[tuple[int, int]], marks: list) -> None:
+        live = peak = since_mark = 0
+        changes_iter = iter(changes)
+        pending = next(changes_iter, None)
+        for at, label in [*marks, (float("inf"), "")]:
+            while pending is not None and pending[0] <= at:
+                live += pending[1]
+                peak = max(peak, live)
+                since_mark = max(since_mark, live)
+                pending = next(changes_iter, None)
+            self._on_mark(label, live, since_mark)
+            since_mark = live
+        self._cpu_peak = peak
+
+    def _read_cuda_marks(self) -> None:
+        for label, live, peak in self._marks:
+            self._on_mark(label, live, peak)
+        self._marks = []
+
+    def _on_mark(self, label: str, live: int, peak_since_last: int) -> None:
+        """The last step_start / fwd_bwd_end pair wins: the last warmup step, in steady state."""
+        if label == STEP_START:
+            self.step_start = live
+        elif label == FWD_BWD_END and self.step_start is not None:
+            self.fwd_bwd_peak = peak_since_last
 
     def peak_bytes(self) -> int:
-        if self.device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.device))
+        if self.cuda:
+            self.stop_tracing()
+            return max(self._cuda_peak, int(torch.cuda.max_memory_allocated(self.device)))
         self.stop_tracing()
         return int(self._cpu_peak or 0)
+
+    def breakdown(self, state: ModelState) -> dict[str, int] | None:
+        """Peak split by category (bytes); None without a measured warmup step."""
+        peak = self.peak_bytes()
+        if self.step_start is None or self.fwd_bwd_peak is None:
+            return None
+        activations = max(0, self.fwd_bwd_peak - self.step_start)
+        split = {
+            "peak": peak,
+            "params": state.params,
+            "grads": state.grads,
+            "optimizer": state.optimizer,
+            "activations": activations,
+        }
+        split["other"] = peak - state.params - state.grads - state.optimizer - activations
+        if self.cuda:
+            split["allocated"] = peak
+            split["reserved"] = int(torch.cuda.max_memory_reserved(self.device))
+        return split

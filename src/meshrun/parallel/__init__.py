@@ -105,11 +105,12 @@ def _data_parallel(
 
 @contextlib.contextmanager
 def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
-    """Skip the data-parallel gradient reduction on all but the last micro-batch."""
+    """Skip DDP's gradient all-reduce on all but the last micro-batch.
+
+    FSDP reduce-scatters every micro-batch instead: skipping it would accumulate unsharded
+    gradients, a full-size copy per rank, which is the memory FSDP exists to save."""
     if isinstance(model, DistributedDataParallel) and not enabled:
         with model.no_sync():
             yield
         return
-    if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(enabled)
     yield

@@ -2,8 +2,12 @@
 into micro-batches with gradient accumulation or handed to the pipeline schedule.
 
 The only host syncs are at log steps, where the buffered per-step losses are reduced and the
-step times read. The first `warmup_steps` are excluded from timing; on CPU they are also
-where peak memory is traced.
+step times read. The first `warmup_steps` are excluded from timing; they are also where the
+memory breakdown is measured (and on CPU, peak memory traced).
+
+Gradients stay allocated between steps (zeroed, not freed), as in Megatron's persistent
+gradient buffers: every step then holds the same memory, the sum the planner predicts,
+instead of the first micro-batch of a step running lighter than the rest.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import torch.nn.functional as F
 
 from meshrun.config import TrainConfig
 from meshrun.metrics.bubble import BubbleClock
-from meshrun.metrics.memory import MemoryMeter
+from meshrun.metrics.memory import FWD_BWD_END, STEP_START, MemoryMeter
 from meshrun.metrics.throughput import StepClock
 from meshrun.parallel import ParallelModel, gradient_sync
 from meshrun.train.data import LocalBatches
@@ -106,17 +110,23 @@ def train_loop(
                 bubble.start()
         if ctx.fault is not None:
             ctx.fault(step)
+        # The breakdown is read from a warmup step after the first: optimizer state exists then.
+        measured = 1 <= step < cfg.warmup_steps
+        if measured:
+            ctx.memory.mark(STEP_START)
         inputs, targets = batches.for_step(step)
         if model.schedule is not None:
             step_loss = _pipeline_step(model, inputs, targets, ctx)
         else:
             step_loss = _accumulate(model, inputs, targets, cfg.micro_batch_size, ctx)
+        if measured:
+            ctx.memory.mark(FWD_BWD_END)
         groups = grads_by_mesh(params)
         norm = grad_norm(groups, ctx.pp_group)
         if cfg.grad_clip is not None:
             clip_grads(groups, cfg.grad_clip, norm)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=False)
         pending.append(torch.stack([step_loss, norm]))
         if step >= cfg.warmup_steps:
             clock.mark()

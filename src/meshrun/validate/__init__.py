@@ -15,7 +15,9 @@ import torch.distributed as dist
 from meshrun.config import ExperimentConfig, HardwareConfig
 from meshrun.errors import choice, fail, positive
 from meshrun.hardware import HostFacts, resolve_hardware
+from meshrun.validate.fit import check_fit
 from meshrun.validate.layout import (
+    CPU_DEFAULT_RANKS,
     check_batch,
     check_tensor_parallel,
     resolve_layout,
@@ -28,10 +30,13 @@ def validate(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:
     _check_train(cfg)
     _check_model(cfg)
     _check_data(cfg)
+    _check_plan(cfg)
     choice("metrics.scaling", cfg.metrics.scaling, ("weak", "strong"))
     choice("logger.name", cfg.logger.name, ("wandb", "none"))
     choice("logger.mode", cfg.logger.mode, ("auto", "online", "offline", "disabled"))
     hardware = resolve_hardware(cfg.hardware, facts)
+    if cfg.parallel.name == "auto":
+        cfg = _auto_layout(dataclasses.replace(cfg, hardware=hardware), facts)
     backend = _resolve_backend(cfg, hardware, facts)
     parallel, launcher = resolve_layout(cfg, facts)
     resolved = dataclasses.replace(
@@ -39,11 +44,28 @@ def validate(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:
     )
     check_tensor_parallel(resolved)
     resolved = resolve_pipeline(resolved)
+    check_fit(resolved, facts)
     check_batch(resolved)
     _check_debug(resolved)
     if launcher.name == "slurm":
         resolved = dataclasses.replace(resolved, launcher=check_slurm(resolved))
     return resolved
+
+
+def _check_plan(cfg: ExperimentConfig) -> None:
+    if not 0 < cfg.plan.efficiency <= 1:
+        fail("plan.efficiency", cfg.plan.efficiency, "is the MFU a run reaches, a fraction",
+             "a number in (0, 1], e.g. 0.4")  # fmt: skip
+    if cfg.plan.headroom_gib < 0:
+        fail("plan.headroom_gib", cfg.plan.headroom_gib, "is memory kept free on each device",
+             "a number >= 0")  # fmt: skip
+
+
+def _auto_layout(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:
+    from meshrun.plan.search import best_layout
+
+    world = cfg.launcher.nproc_per_node or len(facts.cuda_devices) or CPU_DEFAULT_RANKS
+    return best_layout(cfg, world, facts)
 
 
 def _check_train(cfg: ExperimentConfig) -> None:

@@ -1,0 +1,137 @@
+"""Predicted peak memory per rank, split like the measured breakdown (metrics/memory.py).
+
+Model state, per parameter this rank holds: 4 bytes of fp32 weights (bf16 runs keep fp32
+master weights and cast on the fly), 4 of fp32 gradients, 8 of AdamW state (exp_avg,
+exp_avg_sq): 16 bytes, divided by FSDP's shard degree and by tensor parallelism for the
+sharded matrices. DDP adds a bucket copy of the gradients (4 bytes a parameter) unless
+`ddp.gradient_as_bucket_view`.
+
+Activations, per micro-batch of T = b*s tokens, in 4-byte floats per token (2-byte for the
+matmul-side tensors under bf16 autocast), counted from the tensors autograd saves in meshrun's
+block (RMSNorm -> q/k/v -> RoPE -> SDPA -> o; RMSNorm -> SwiGLU), in the manner of
+Korthikanti et al. 2022 (whose 16-bit GPT figure is s*b*h*(34 + 5*a*s/h) bytes a layer; SDPA
+keeps no s*s scores here):
+
+    per layer    (4h + 2) replicated + (4h + 2hk + 4f + a) / tp      (+2h under TP: the
+                 all-reduced branch outputs) ; with sequence parallelism the replicated part
+                 is / tp too
+    full ckpt    h per layer (the block input) + one block recomputed in backward
+    selective    (2h + 2hk + 3f + a) / tp + h per layer (matmul and attention outputs kept)
+    first stage  8 bytes of token ids ; last stage 3h + 1 + V, and 8 bytes of targets
+    transients   at the loss: 3V (logits, their log-softmax gradient, logits gradient);
+                 elsewhere one block's backward temporaries, (3f + 2h) / tp
+
+A pipeline rank holds several micro-batches at once: GPipe all m, 1F1B min(m, p - stage),
+interleaved 1F1B its warmup chunks + 1 (each a 1/v share of the rank's layers). FSDP adds the
+gathered parameters of the root module and of two blocks (the current and the prefetched
+one) and one block's unsharded gradient. "other" holds the DDP buckets and allocator
+slack, which the CPU measurement does not see.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from meshrun.config import ExperimentConfig
+from meshrun.mesh import Layout
+from meshrun.plan.shapes import (
+    Dims,
+    StageShare,
+    layer_param_elements,
+    local_param_elements,
+    stage_shares,
+)
+
+FP32 = 4
+ADAM_BYTES = 8
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class MemoryPrediction:
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    other: int
+
+    @property
+    def peak(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.other
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "peak": self.peak}
+
+
+def in_flight(schedule: str, microbatches: int, pp: int, pp_rank: int, chunks: int) -> float:
+    """Micro-batches whose activations one pipeline rank holds at its peak (in units of its
+    whole share of layers: an interleaved chunk is 1/chunks of it)."""
+    if pp == 1:
+        return 1
+    if schedule == "gpipe":
+        return microbatches
+    if schedule == "1f1b":
+        return min(microbatches, pp - pp_rank)
+    warmup = (pp - pp_rank - 1) * 2 + (chunks - 1) * pp + 1
+    return min(warmup, microbatches * chunks) / chunks
+
+
+def _layer_floats(d: Dims, tp: int, sp: bool, ckpt: str) -> tuple[float, float]:
+    """(kept per layer, recomputed transient of one layer), floats per token."""
+    replicated = (4 * d.h + 2) / (tp if sp else 1) + (2 * d.h if tp > 1 else 0)
+    full = replicated + (4 * d.h + 2 * d.hk + 4 * d.f + d.a) / tp
+    if ckpt == "full":
+        return d.h / (tp if sp else 1), full
+    if ckpt == "selective":
+        return (2 * d.h + 2 * d.hk + 3 * d.f + d.a) / tp + d.h, full
+    return full, 0.0
+
+
+def activation_bytes(cfg: ExperimentConfig, layout: Layout, share: StageShare, pp_rank: int,
+                     microbatches: int, micro_batch: int) -> float:  # fmt: skip
+    d = Dims.of(cfg.model)
+    p = cfg.parallel
+    tokens = micro_batch * cfg.train.seq_len
+    kept, recompute = _layer_floats(d, layout.tp, p.sequence_parallel, p.activation_checkpointing)
+    width = 2 if cfg.train.precision == "bf16" else FP32
+    per_mb = share.layers * kept * width + (2 if share.first else 0)
+    if share.last:
+        per_mb += (3 * d.h + 1 + d.vocab) * FP32 + 2
+    held = in_flight(p.schedule, microbatches, layout.pp, pp_rank, share.chunks) * per_mb
+    transient = 3 * d.vocab * FP32 if share.last else (3 * d.f + 2 * d.h) / layout.tp * width
+    return tokens * (held + max(transient, recompute * width))
+
+
+def predict_rank(cfg: ExperimentConfig, layout: Layout, share: StageShare, pp_rank: int,
+                 microbatches: int, micro_batch: int) -> MemoryPrediction:  # fmt: skip
+    d = Dims.of(cfg.model)
+    elements = local_param_elements(d, share, layout.tp, layout.dp_shard)
+    state = elements * FP32
+    activations = activation_bytes(cfg, layout, share, pp_rank, microbatches, micro_batch)
+    other = 0
+    fsdp = layout.dp_shard > 1 or (layout.dp_size > 1 and (layout.tp > 1 or layout.pp > 1))
+    if fsdp:
+        gathered = local_param_elements(d, StageShare(0, share.first, share.last, 1), layout.tp, 1)
+        block = layer_param_elements(d, layout.tp)
+        param_width = 2 if cfg.train.precision == "bf16" else FP32
+        activations += gathered * param_width + 2 * block * param_width + block * FP32
+    elif layout.dp_replicate > 1 and not cfg.parallel.ddp.gradient_as_bucket_view:
+        other += state  # DDP's gradient buckets
+    return MemoryPrediction(state, state, elements * ADAM_BYTES, int(activations), other)
+
+
+def predict_memory(cfg: ExperimentConfig) -> list[MemoryPrediction]:
+    """One prediction per rank, in rank order (a resolved config: no -1 degrees left)."""
+    layout = Layout.of(cfg.parallel)
+    t = cfg.train
+    local_batch = t.global_batch_size // layout.dp_size
+    if layout.pp > 1:
+        microbatches = cfg.parallel.microbatches
+        micro_batch = local_batch // microbatches
+    else:
+        microbatches, micro_batch = 1, min(t.micro_batch_size, local_batch)
+    shares = stage_shares(cfg.model, cfg.parallel, layout)
+    per_stage = [predict_rank(cfg, layout, share, pp_rank, microbatches, micro_batch)
+                 for pp_rank, share in enumerate(shares)]  # fmt: skip
+    ranks_per_stage = layout.world_size // layout.pp
+    return [per_stage[rank // ranks_per_stage] for rank in range(layout.world_size)]

@@ -1,0 +1,86 @@
+"""Parameter tensors of the model as one rank holds them, from the config alone (nothing is
+allocated): which layers its pipeline stages own, what tensor parallelism leaves of each
+matrix, and FSDP2's dim-0 shard (padded to equal shards)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from meshrun.config import ModelConfig, ParallelConfig
+from meshrun.mesh import Layout
+from meshrun.models.llama import ffn_dim, kv_heads
+from meshrun.parallel.pipeline import local_stage_ids, stage_layer_counts
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The sizes every formula uses: hidden h, kv width hk, FFN f, heads a, vocab V."""
+
+    h: int
+    hk: int
+    f: int
+    a: int
+    vocab: int
+    layers: int
+    tied: bool
+
+    @classmethod
+    def of(cls, model: ModelConfig) -> Dims:
+        head_dim = model.dim // model.n_heads
+        return cls(model.dim, kv_heads(model) * head_dim, ffn_dim(model), model.n_heads,
+                   model.vocab_size, model.n_layers, model.tie_embeddings)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StageShare:
+    """What one pipeline rank owns: its layers and whether it holds the embedding / head."""
+
+    layers: int
+    first: bool
+    last: bool
+    chunks: int  # stages (model chunks) on this rank
+
+
+def stage_shares(model: ModelConfig, parallel: ParallelConfig, layout: Layout) -> list[StageShare]:
+    """One entry per pp rank."""
+    chunks = parallel.stages_per_rank if layout.pp > 1 else 1
+    n_stages = layout.pp * chunks
+    counts = stage_layer_counts(model.n_layers, n_stages, parallel.pp_layers or None)
+    shares = []
+    for pp_rank in range(layout.pp):
+        ids = local_stage_ids(pp_rank, layout.pp, chunks)
+        shares.append(StageShare(sum(counts[i] for i in ids), 0 in ids, n_stages - 1 in ids,
+                                 chunks))  # fmt: skip
+    return shares
+
+
+def _sharded(shape: tuple[int, ...], tp_dim: int | None, tp: int, fsdp: int) -> int:
+    """Elements this rank stores of a tensor split over tp along `tp_dim`, then by FSDP2."""
+    dims = list(shape)
+    if tp_dim is not None:
+        dims[tp_dim] //= tp
+    dims[0] = math.ceil(dims[0] / fsdp)
+    return math.prod(dims)
+
+
+def local_param_elements(d: Dims, share: StageShare, tp: int, fsdp: int) -> int:
+    """Elements of the parameters one rank holds (TP shards, then FSDP2 shards)."""
+    block = [
+        ((d.h, d.h), 0), ((d.hk, d.h), 0), ((d.hk, d.h), 0), ((d.h, d.h), 1),  # q k v o
+        ((d.f, d.h), 0), ((d.f, d.h), 0), ((d.h, d.f), 1),  # w1 w3 w2
+        ((d.h,), None), ((d.h,), None),  # the two norms
+    ]  # fmt: skip
+    tensors = block * share.layers
+    if share.first:
+        tensors.append(((d.vocab, d.h), 0))
+    if share.last:
+        tensors.append(((d.h,), None))
+        if not (d.tied and share.first):
+            tensors.append(((d.vocab, d.h), 0))
+    return sum(_sharded(shape, tp_dim, tp, fsdp) for shape, tp_dim in tensors)
+
+
+def layer_param_elements(d: Dims, tp: int) -> int:
+    """One transformer block, TP-sharded, unsharded by FSDP (what FSDP gathers at a time)."""
+    return (2 * d.h * d.h + 2 * d.hk * d.h + 3 * d.f * d.h) // tp + 2 * d.h

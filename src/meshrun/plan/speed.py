@@ -1,0 +1,103 @@
+"""Predicted step time: compute from FLOPs, communication from bytes moved per layout, and the
+pipeline bubble stretching whatever the pipeline does.
+
+    compute   FLOPs per token (PaLM: 6N + 12*L*h*s, +1/3 of the forward-heavy part again
+              under full checkpointing) x the rank's tokens x its share of the layers,
+              over the device's peak x `plan.efficiency` (the MFU one expects of a good run)
+    DP        DDP all-reduce of the gradients, 2(n-1)/n x grad bytes; FSDP all-gather in
+              forward and backward and reduce-scatter, 3(n-1)/n x (unsharded) param bytes
+    TP        4 all-reduces a layer (2 forward, 2 backward) of the T x h activations
+    PP        each micro-batch's activations sent forward and their gradients back
+    step      (compute + TP + PP) / (1 - bubble) + DP; no overlap assumed
+
+Bandwidths are the hardware profile's (GB/s): intra-node unless the world spans nodes. On a
+CPU host the peak is measured (plan/probe.py), since none is published.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from meshrun.config import ExperimentConfig
+from meshrun.mesh import Layout
+from meshrun.metrics.flops import device_for_rank, flops_per_token
+from meshrun.parallel.pipeline import theoretical_bubble
+from meshrun.plan.shapes import Dims, StageShare, local_param_elements, stage_shares
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class SpeedPrediction:
+    compute_s: float
+    comm_s: float
+    bubble: float
+    step_time_s: float
+    tokens_per_s: float
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def _ring(n: int) -> float:
+    return (n - 1) / n if n > 1 else 0.0
+
+
+def device_flops(cfg: ExperimentConfig, rank: int) -> float | None:
+    """Peak FLOP/s of the device `rank` runs on, for the run's precision."""
+    precision = "tf32" if cfg.train.precision == "fp32" and cfg.hardware.device_type == "cuda" \
+        else cfg.train.precision  # fmt: skip
+    spec = device_for_rank(cfg.hardware.devices, rank % max(1, _devices_per_node(cfg)))
+    if spec is None:
+        return None
+    peak = spec.peak_tflops.get(precision) or spec.peak_tflops.get(cfg.train.precision)
+    return peak * 1e12 if peak else None
+
+
+def _devices_per_node(cfg: ExperimentConfig) -> int:
+    return cfg.launcher.nproc_per_node or sum(d.count for d in cfg.hardware.devices)
+
+
+def predict_speed(
+    cfg: ExperimentConfig, efficiency: float, host_flops: float | None = None
+) -> SpeedPrediction | None:
+    """None when a device's peak is unknown (and no host measurement stands in for it)."""
+    layout = Layout.of(cfg.parallel)
+    t = cfg.train
+    d = Dims.of(cfg.model)
+    total = local_param_elements(d, StageShare(d.layers, True, True, 1), 1, 1)
+    matmul = total if d.tied else total - d.vocab * d.h  # the embedding lookup is no matmul
+    per_token = flops_per_token(cfg.model, matmul, t.seq_len)
+    if cfg.parallel.activation_checkpointing == "full":
+        per_token *= 4 / 3
+    tokens_dp_rank = t.global_batch_size * t.seq_len / layout.dp_size
+    shares = stage_shares(cfg.model, cfg.parallel, layout)
+    width = 2 if t.precision == "bf16" else 4
+    bw = (cfg.hardware.inter_node_bw_gbs if cfg.launcher.nnodes > 1 else None) or \
+        cfg.hardware.intra_node_bw_gbs or 1.0  # fmt: skip
+    compute = 0.0
+    for rank in range(layout.world_size):
+        peak = host_flops if cfg.hardware.device_type == "cpu" else device_flops(cfg, rank)
+        if not peak:
+            return None
+        share = shares[rank // (layout.world_size // layout.pp)]
+        layer_share = (share.layers + (0.5 if share.last else 0)) / (d.layers + 0.5)
+        flops = per_token * tokens_dp_rank * layer_share / layout.tp
+        compute = max(compute, flops / (peak * efficiency))
+    elements = max(local_param_elements(d, s, layout.tp, 1) for s in shares)
+    dp_bytes = 0.0
+    if layout.dp_shard > 1 or (layout.dp_size > 1 and (layout.tp > 1 or layout.pp > 1)):
+        dp_bytes = 3 * _ring(layout.dp_size) * elements * width
+    elif layout.dp_replicate > 1:
+        dp_bytes = 2 * _ring(layout.dp_replicate) * elements * 4
+    activation_bytes = tokens_dp_rank * d.h * width
+    tp_bytes = 4 * 2 * _ring(layout.tp) * activation_bytes * max(s.layers for s in shares)
+    pp_bytes = 2 * activation_bytes / layout.tp if layout.pp > 1 else 0.0
+    bubble = 0.0
+    if layout.pp > 1:
+        p = cfg.parallel
+        bubble = theoretical_bubble(layout.pp, p.microbatches, p.stages_per_rank)
+    pipeline_s = (compute + (tp_bytes + pp_bytes) / (bw * GB)) / (1 - bubble)
+    step = pipeline_s + dp_bytes / (bw * GB)
+    comm = (tp_bytes + pp_bytes + dp_bytes) / (bw * GB)
+    return SpeedPrediction(compute, comm, bubble, step, t.global_batch_size * t.seq_len / step)

@@ -1,0 +1,82 @@
+"""Uneven pipeline splits for mixed boxes: a stage's time is its layers over its devices'
+speed, so giving each stage layers in proportion to its (slowest) device's peak FLOP/s
+levels the stages; then layers move off any stage whose memory would overflow."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from meshrun.config import DeviceSpec, ExperimentConfig
+from meshrun.hardware import HostFacts
+from meshrun.mesh import Layout
+from meshrun.metrics.flops import device_for_rank
+
+GiB = 2**30
+
+
+def stage_devices(cfg: ExperimentConfig) -> list[DeviceSpec]:
+    """Per pp rank, the weakest device among its ranks (it paces the stage)."""
+    layout = Layout.of(cfg.parallel)
+    per_stage = layout.world_size // layout.pp
+    precision = cfg.train.precision
+    weakest = []
+    for stage in range(layout.pp):
+        specs = [device_for_rank(cfg.hardware.devices, r)
+                 for r in range(stage * per_stage, (stage + 1) * per_stage)]  # fmt: skip
+        weakest.append(min(specs, key=lambda s: (s.peak_tflops.get(precision, 0), s.memory_gib)))
+    return weakest
+
+
+def proportional(n_layers: int, weights: list[float]) -> list[int]:
+    """Largest-remainder split of n_layers by weight, each stage at least one layer."""
+    total = sum(weights)
+    raw = [n_layers * w / total for w in weights]
+    counts = [max(1, int(x)) for x in raw]
+    order = sorted(range(len(raw)), key=lambda i: raw[i] - int(raw[i]), reverse=True)
+    for i in order[: max(0, n_layers - sum(counts))]:
+        counts[i] += 1
+    while sum(counts) > n_layers:
+        counts[counts.index(max(counts))] -= 1
+    return counts
+
+
+def uneven_variant(candidate, facts: HostFacts):
+    """The candidate with a proportional split, or None where all stages run the same device
+    kind (an even split is already right) or the layout has no single-stage pipeline."""
+    from meshrun.plan.search import evaluate, legal
+
+    cfg = candidate.cfg
+    p = cfg.parallel
+    if cfg.hardware.device_type != "cuda" or p.pp == 1 or p.stages_per_rank != 1 or p.pp_layers:
+        return None
+    devices = stage_devices(cfg)
+    if len({d.name for d in devices}) == 1:
+        return None
+    weights = [d.peak_tflops.get(cfg.train.precision, 1.0) for d in devices]
+    counts = proportional(cfg.model.n_layers, weights)
+    trial = None
+    for _ in range(cfg.model.n_layers):
+        parallel = dataclasses.replace(p, pp_layers=counts)
+        resolved = legal(dataclasses.replace(cfg, parallel=parallel), facts)
+        if resolved is None:
+            return None
+        trial = evaluate(resolved)
+        per_stage = len(trial.memory) // p.pp
+        spare = [trial.capacity[s * per_stage] - trial.memory[s * per_stage].peak
+                 for s in range(p.pp)]  # fmt: skip
+        worst, best = spare.index(min(spare)), spare.index(max(spare))
+        if spare[worst] >= 0 or counts[worst] == 1 or worst == best:
+            break
+        counts = [c - (i == worst) + (i == best) for i, c in enumerate(counts)]
+    stages = ", ".join(
+        f"stage {i} on {d.name} ({d.peak_tflops.get(cfg.train.precision, 0):g} TFLOP/s, "
+        f"{d.memory_gib:g} GiB): {n} layers, {m.peak / GiB:.1f} GiB"
+        for i, (d, n, m) in enumerate(
+            zip(devices, counts, trial.memory[:: len(trial.memory) // p.pp], strict=True)
+        )
+    )
+    trial.notes.append(
+        "uneven split: layers in proportion to each stage's peak FLOP/s so stages take equal "
+        f"time, then moved off stages that would not fit; {stages}"
+    )
+    return trial

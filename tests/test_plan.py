@@ -1,0 +1,111 @@
+"""The planner: parameter arithmetic, `meshrun-plan` (fit, ranking, uneven splits for mixed
+boxes, JSON), the pre-launch fit check and `parallel=auto`. Accuracy against measured runs is
+in test_plan_accuracy.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshrun.models.llama import build_model
+from meshrun.plan.shapes import Dims, StageShare, local_param_elements
+from meshrun.plan.split import proportional
+from tests.helpers import compose_config
+
+GiB = 2**30
+
+
+def meshrun_plan(tmp_path: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "plan.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "meshrun.plan.command", f"json={out}", *overrides],
+        capture_output=True, text=True, timeout=240, cwd=tmp_path, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc, json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("model", ["tiny", "small", "gpt2-124m", "llama-7b", "llama-13b"])
+def test_parameter_arithmetic_matches_the_built_model(model):
+    cfg = compose_config(f"model={model}").model
+    built = sum(p.numel() for p in build_model(cfg, 128, "meta").parameters())
+    d = Dims.of(cfg)
+    assert local_param_elements(d, StageShare(d.layers, True, True, 1), 1, 1) == built
+
+
+def test_llama_7b_ddp_does_not_fit_an_a6000_and_the_plan_names_layouts_that_do(tmp_path):
+    proc, plan = meshrun_plan(tmp_path, "model=llama-7b", "hardware=a6000", "world_size=8")
+    layouts = {tuple(sorted(entry["degrees"].items())): entry for entry in plan["layouts"]}
+    ddp = layouts[(("dp_replicate", 8), ("dp_shard", 1), ("pp", 1), ("tp", 1))]
+    assert not ddp["fits"]
+    # 16 bytes a parameter (fp32 weights, grads, AdamW) for 6.7e9 parameters alone: > 48 GiB
+    assert ddp["peak_bytes"] > 6.7e9 * 16 > 47.5 * GiB
+    fitting = [e for e in plan["layouts"] if e["fits"]]
+    assert fitting and plan["layouts"][0]["fits"]  # fitting layouts are ranked first
+    speeds = [e["speed"]["tokens_per_s"] for e in fitting]
+    assert speeds == sorted(speeds, reverse=True)
+    assert all(e["peak_bytes"] <= min(e["capacity_bytes"]) for e in fitting)
+    not_fitting = next(line for line in proc.stdout.splitlines() if line.startswith("do not fit"))
+    assert f"dp_replicate8 ({ddp['peak_bytes'] / GiB:.2f} > 46.50 GiB)" in not_fitting
+
+
+def test_mixed_box_gets_an_uneven_split_with_more_layers_on_the_faster_devices(tmp_path):
+    proc, plan = meshrun_plan(tmp_path, "model=llama-7b", "hardware=2xa100-6xa6000",
+                              "train.precision=bf16")  # fmt: skip
+    assert plan["world_size"] == 8
+    uneven = [e for e in plan["layouts"] if e["pp_layers"]]
+    assert uneven
+    pp4 = next(e for e in uneven if e["degrees"]["pp"] == 4 and e["degrees"]["tp"] == 2)
+    # stage 0 runs on the two A100s (312 bf16 TFLOP/s), the others on A6000s (154.8)
+    first, *rest = pp4["pp_layers"]
+    assert sum(pp4["pp_layers"]) == 32 and all(first > n for n in rest)
+    assert "uneven split" in pp4["notes"][0] and "A100" in pp4["notes"][0]
+    assert "uneven split" in proc.stdout
+
+
+def test_proportional_split_keeps_every_stage_and_all_layers():
+    assert proportional(32, [312.0, 154.8, 154.8, 154.8]) == [13, 7, 6, 6]
+    assert proportional(4, [100.0, 1.0, 1.0]) == [2, 1, 1]
+    assert sum(proportional(7, [1.0, 1.0])) == 7
+
+
+def test_plan_rejects_a_bad_world_size_before_planning(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "meshrun.plan.command", "world_size=0"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "world_size=0" in proc.stdout + proc.stderr
+
+
+def test_llama_13b_ddp_on_a100_is_refused_before_launch_with_the_prediction(meshrun):
+    run = meshrun("model=llama-13b", "parallel=ddp", "hardware=a100-80g", timeout=120)
+    assert run.returncode == 2
+    assert "predicted peak memory" in run.output and "GiB" in run.output
+    assert "exceeds the 78.2 GiB usable" in run.output
+    assert "parallel.tp=" in run.output  # names layouts that would fit
+    assert not (run.run_dir / "results.json").exists()
+    assert not run.store_path.exists() or run.stored() == []
+
+
+def test_allow_oom_launches_a_run_predicted_not_to_fit_and_stores_the_prediction(meshrun):
+    refused = meshrun("parallel=single", "model=tiny", "plan.headroom_gib=1e6")
+    assert refused.returncode == 2 and "plan.allow_oom=true" in refused.output
+    run = meshrun("parallel=single", "model=tiny", "plan.headroom_gib=1e6", "plan.allow_oom=true",
+                  "train.steps=3")  # fmt: skip
+    assert run.returncode == 0, run.output
+    row = run.stored()[0]
+    assert row["predicted_peak_memory_bytes"] > 0 and row["peak_memory_max_bytes"] > 0
+    assert row["memory_predicted"][0]["params"] == row["memory_per_rank"][0]["params"]
+
+
+def test_parallel_auto_runs_the_best_predicted_layout(meshrun):
+    run = meshrun("parallel=auto", "model=tiny", "train.steps=3", "metrics.baseline=false")
+    assert run.returncode == 0, run.output
+    results = run.results
+    assert results["parallel"] != "auto" and results["world_size"] == 2
+    assert results["predicted_step_time_s"] > 0
