@@ -70,8 +70,10 @@ def run(dict_cfg: DictConfig) -> int:
         facts = HostFacts.detect()
         # First on the box the hardware profile describes (its layout, whether it fits), then
         # on this host; for hardware=auto they are the same.
-        validate(cfg, target_facts(cfg.hardware, facts))
-        cfg = validate(cfg, facts)
+        target = target_facts(cfg.hardware, facts)
+        validate(cfg, target)
+        # SLURM ranks run on the profile's box, not on this (login) host.
+        cfg = validate(cfg, target if cfg.launcher.name == "slurm" else facts)
         if rank is not None:
             _check_attached_world(cfg)
     except ConfigError as err:

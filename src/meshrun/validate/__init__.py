@@ -64,7 +64,8 @@ def _check_plan(cfg: ExperimentConfig) -> None:
 def _auto_layout(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:
     from meshrun.plan.search import best_layout
 
-    world = cfg.launcher.nproc_per_node or len(facts.cuda_devices) or CPU_DEFAULT_RANKS
+    per_node = cfg.launcher.nproc_per_node or len(facts.cuda_devices) or CPU_DEFAULT_RANKS
+    world = per_node * cfg.launcher.nnodes
     return best_layout(cfg, world, facts)
 
 

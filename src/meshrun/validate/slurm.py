@@ -4,6 +4,7 @@ controller and the partition exists, all before anything is submitted."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import shutil
 import subprocess
@@ -86,6 +87,14 @@ def _check_cluster(partition: str | None) -> None:
             "no SLURM client on this host (sbatch is not on PATH)",
             "launcher=local, or run meshrun where sbatch works (a login node)",
         )
+    listed = _partitions()
+    if partition is not None and partition not in listed:
+        fail("launcher.partition", partition, "no such partition", " | ".join(listed))
+
+
+@functools.cache
+def _partitions() -> list[str]:
+    """Asked once per process: the planner validates many candidate layouts."""
     try:
         listed = subprocess.run(
             ["sinfo", "--noheader", "--format=%R"],
@@ -99,5 +108,4 @@ def _check_cluster(partition: str | None) -> None:
             f"the SLURM controller does not answer (sinfo: {str(stderr).strip()})",
             "a reachable cluster (check with `scontrol ping`)",
         )
-    if partition is not None and partition not in listed:
-        fail("launcher.partition", partition, "no such partition", " | ".join(listed))
+    return listed
