@@ -58,14 +58,14 @@ def pending(dirs: Iterable[str | Path]) -> list[Path]:
     for folder in map(Path, dirs):
         for path in folder.glob(f"**/{SLURM_DIR}/{SUBMITTED_FILE}"):
             record = json.loads(path.read_text())
-            results = path.parent.parent / "results.json"
-            if (
-                results.exists()
-                and json.loads(results.read_text())["run_id"] == (record["meta"]["run_id"])
-            ):
-                continue
-            found.append((record["submitted_at"], path))
+            if _recorded_run_id(path.parent.parent) != record["meta"]["run_id"]:
+                found.append((record["submitted_at"], path))
     return [path for _, path in sorted(found)]
+
+
+def _recorded_run_id(run_dir: Path) -> str | None:
+    results = run_dir / "results.json"
+    return json.loads(results.read_text())["run_id"] if results.exists() else None
 
 
 def collect_one(path: Path) -> int:

@@ -100,4 +100,10 @@ def _last_line(err: Exception) -> str:
 
 
 def launch_slurm(cfg: ExperimentConfig) -> dict[str, Any] | None:
-    return wait(cfg, submit(cfg))
+    """Submits and waits; an interrupted driver (Ctrl-C) cancels its job."""
+    job_id = submit(cfg)
+    try:
+        return wait(cfg, job_id)
+    except KeyboardInterrupt:
+        submitit.SlurmJob(log_dir(cfg, job_id), job_id).cancel(check=False)
+        raise
