@@ -15,6 +15,7 @@ import pytest
 
 from meshrun.paths import REPO_ROOT
 from tests.cli import run_meshrun
+from tests.test_torchrun import torchrun
 
 CLUSTER_SCRIPT = REPO_ROOT / "scripts" / "slurm-cluster.sh"
 NODES = {"meshrun-node1", "meshrun-node2"}
@@ -154,19 +155,12 @@ def test_partition_that_does_not_exist_is_a_config_error(meshrun):
 def test_torchrun_across_two_nodes_runs_ddp(tmp_path):
     """Two torchrun agents, one per node (placed by srun), meet at a c10d rendezvous on the
     first node's address; the ranks train DDP across the two network namespaces."""
-    store = tmp_path / "meshrun.db"
-    torchrun = [
+    command = [
+        "srun", "--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--time=5",
         sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
         "--rdzv-backend=c10d", "--rdzv-endpoint=meshrun-node1:29431", f"--rdzv-id={tmp_path.name}",
     ]  # fmt: skip
-    proc = subprocess.run(
-        ["srun", "--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--time=5",
-         *torchrun, "-m", "meshrun.cli", "parallel=ddp", "launcher.nproc_per_node=1",
-         "model=tiny", "train.steps=6", "logger=none", "train.progress_bar=false",
-         f"store.path={store}"],
-        capture_output=True, text=True, timeout=360, cwd=tmp_path, check=False,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )  # fmt: skip
+    proc = torchrun(tmp_path, "parallel=ddp", "launcher.nproc_per_node=1", command=command)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     [results_file] = (tmp_path / "outputs" / "torchrun").glob("*/results.json")
     results = json.loads(results_file.read_text())

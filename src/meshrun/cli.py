@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from meshrun.collect import submit_pending
 from meshrun.config import ExperimentConfig
 from meshrun.errors import ConfigError
-from meshrun.experiment import RunFailed, run_experiment
+from meshrun.experiment import reported, run_experiment
 from meshrun.hardware import HostFacts
 from meshrun.launch.local import launch_local
 from meshrun.launch.slurm import launch_slurm
@@ -34,7 +34,7 @@ from meshrun.launch.torchrun import (
 )
 from meshrun.paths import CONF_DIR
 from meshrun.plan.search import target_facts
-from meshrun.sinks.console import print_error, print_summary
+from meshrun.sinks.console import print_error
 from meshrun.validate import validate
 from meshrun.worker import run_rank
 
@@ -86,14 +86,7 @@ def run(dict_cfg: DictConfig) -> int:
         submit_pending(cfg)
         return 0
     launch = launch_attached if rank == 0 else LAUNCHERS[cfg.launcher.name]
-    try:
-        results = run_experiment(cfg, launch)
-    except RunFailed as failed:
-        print_summary(failed.results)
-        print_error("run failed", str(failed))
-        return 1
-    print_summary(results)
-    return 0
+    return reported(lambda: run_experiment(cfg, launch))
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")

@@ -26,9 +26,9 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from meshrun.config import ExperimentConfig, from_dict
-from meshrun.experiment import RunFailed, begin, finish_experiment, outcome
+from meshrun.experiment import begin, finish_experiment, outcome, reported
 from meshrun.launch.slurm import SLURM_DIR, launch_slurm, submit, wait
-from meshrun.sinks.console import console, print_error, print_summary
+from meshrun.sinks.console import console
 
 SUBMITTED_FILE = "submitted.json"
 
@@ -74,14 +74,7 @@ def collect_one(path: Path) -> int:
     cfg = from_dict(record["config"])
     job_id = record["job_id"]
     measured = outcome(cfg, record["meta"], record["submitted_at"], lambda: wait(cfg, job_id))
-    try:
-        results = finish_experiment(cfg, measured, launch_slurm)
-    except RunFailed as failed:
-        print_summary(failed.results)
-        print_error("run failed", str(failed))
-        return 1
-    print_summary(results)
-    return 0
+    return reported(lambda: finish_experiment(cfg, measured, launch_slurm))
 
 
 def collect(paths: list[Path]) -> int:

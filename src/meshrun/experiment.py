@@ -17,6 +17,7 @@ from meshrun.config import ExperimentConfig
 from meshrun.failures import FAILURES_DIR
 from meshrun.launch import RankFailure
 from meshrun.results import assemble, baseline_config, baseline_key, is_own_baseline
+from meshrun.sinks.console import print_error, print_summary
 from meshrun.sinks.store import ResultsStore
 from meshrun.worker import METRICS_FILE
 
@@ -27,6 +28,18 @@ class RunFailed(RuntimeError):
     def __init__(self, results: dict[str, Any]) -> None:
         self.results = results
         super().__init__(results["error"])
+
+
+def reported(run: Callable[[], dict[str, Any]]) -> int:
+    """Runs an experiment to its record and prints the summary; the command's exit code."""
+    try:
+        results = run()
+    except RunFailed as failed:
+        print_summary(failed.results)
+        print_error("run failed", str(failed))
+        return 1
+    print_summary(results)
+    return 0
 
 
 def run_experiment(cfg: ExperimentConfig, launch: Launch) -> dict[str, Any]:
