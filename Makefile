@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install run test test-all lint format bench slurm-start slurm-stop
+.PHONY: install run test test-all lint format bench doctor comm slurm-start slurm-stop
 
 install: $(VENV)/.installed
 
@@ -33,6 +33,12 @@ bench: install
 	$(PY) benchmarks/ddp_overhead.py
 	$(PY) benchmarks/pipeline_overhead.py
 	$(PY) benchmarks/tensor_parallel_overhead.py
+
+doctor: install
+	$(VENV)/bin/meshrun-doctor
+
+comm: install
+	$(VENV)/bin/meshrun-comm
 
 # A real two-node SLURM cluster on this machine (root), for launcher=slurm and its tests.
 slurm-start:

@@ -13,13 +13,17 @@ from typing import Any
 
 from meshrun.sinks.store import ResultsStore
 
+# `meshrun -m`: Hydra's flags go before the overrides.
+MULTIRUN = (sys.executable, "-m", "meshrun.cli", "-m")
+TRAIN_DEFAULTS = ("logger=none", "train.progress_bar=false")
+
 
 @dataclass
 class CliRun:
     returncode: int
     output: str
     run_dir: Path
-    store_path: Path
+    store_path: Path | None
     seconds: float
 
     @property
@@ -32,18 +36,17 @@ class CliRun:
 
 def run_meshrun(
     run_dir: Path,
-    store_path: Path,
+    store_path: Path | None,
     *overrides: str,
     timeout: float = 240,
     env: dict[str, str] | None = None,
     entrypoint: tuple[str, ...] = (sys.executable, "-m", "meshrun.cli"),
+    defaults: tuple[str, ...] = TRAIN_DEFAULTS,
 ) -> CliRun:
-    """Isolated run: own run dir and store, no W&B unless an override asks for it."""
-    command = [
-        *entrypoint,
-        f"hydra.run.dir={run_dir}", f"store.path={store_path}",
-        "logger=none", "train.progress_bar=false", *overrides,
-    ]  # fmt: skip
+    """Isolated run: own run dir and store (None: a command without one), no W&B unless an
+    override asks for it; `defaults` are the entrypoint's quiet settings."""
+    store = [f"store.path={store_path}"] if store_path is not None else []
+    command = [*entrypoint, f"hydra.run.dir={run_dir}", *store, *defaults, *overrides]
     started = time.monotonic()
     proc = subprocess.run(
         command, check=False, capture_output=True, text=True, timeout=timeout,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,3 +22,23 @@ def meshrun(tmp_path: Path) -> Callable[..., CliRun]:
                            *overrides, **kwargs)  # fmt: skip
 
     return run
+
+
+def processes_with(token: str) -> set[int]:
+    """Live processes whose environment carries `token` (a run's ranks inherit it)."""
+    found = set()
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if token.encode() in environ.read_bytes():
+                found.add(int(environ.parent.name))
+        except OSError:  # exited meanwhile, or not ours to read
+            continue
+    return found
+
+
+@pytest.fixture
+def marked_env():
+    """An env marker for one run; afterwards no process may still carry it."""
+    token = f"run-{uuid.uuid4().hex}"
+    yield {"MESHRUN_TEST_MARK": token}
+    assert processes_with(token) == set(), "rank processes outlived meshrun"

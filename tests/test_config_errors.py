@@ -33,6 +33,7 @@ BAD_CONFIGS = [
     (["parallel=hsdp", "launcher.nproc_per_node=3"], "launcher.nproc_per_node", "multiple of 2"),
     (["parallel.dp_shard=0"], "parallel.dp_shard", "-1 for 'the rest'"),
     (["parallel.dp_replicate=-1", "parallel.dp_shard=-1"], "parallel.dp_shard", "only one"),
+    (["parallel=tp2", "model.tie_embeddings=true"], "model.tie_embeddings", "unties them"),
     (["parallel=tp4"], "parallel.tp", "model.n_heads (6) is not divisible by tp"),
     (["model=tiny", "parallel=tp4", "model.n_kv_heads=2"], "parallel.tp", "n_kv_heads (2)"),
     (["parallel=tp2", "model.vocab_size=511"], "parallel.tp", "model.vocab_size (511)"),

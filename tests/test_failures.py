@@ -3,32 +3,6 @@ naming the rank, leaves no process behind, and still records the run and its fin
 
 from __future__ import annotations
 
-import uuid
-from pathlib import Path
-
-import pytest
-
-
-def processes_with(token: str) -> set[int]:
-    """Live processes whose environment carries `token` (a run's ranks inherit it)."""
-    found = set()
-    for environ in Path("/proc").glob("[0-9]*/environ"):
-        try:
-            if token.encode() in environ.read_bytes():
-                found.add(int(environ.parent.name))
-        except OSError:  # exited meanwhile, or not ours to read
-            continue
-    return found
-
-
-@pytest.fixture
-def marked_env():
-    """An env marker for one run; afterwards no process may still carry it."""
-    token = f"run-{uuid.uuid4().hex}"
-    yield {"MESHRUN_TEST_MARK": token}
-    assert processes_with(token) == set(), "rank processes outlived meshrun"
-
-
 FAIL = ("model=tiny", "parallel=ddp", "train.steps=8", "train.warmup_steps=1", "train.log_every=1")
 
 

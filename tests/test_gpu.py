@@ -33,3 +33,15 @@ def test_ddp_over_nccl_matches_single_gpu_losses(meshrun):
     assert single.returncode == ddp.returncode == 0, single.output + ddp.output
     assert ddp.results["backend"] == "nccl"
     assert ddp.results["losses"] == pytest.approx(single.results["losses"], rel=1e-4)
+
+
+def test_cuda_memory_breakdown_carries_allocator_figures_beside_the_prediction(meshrun):
+    run = meshrun("parallel=single", *CUDA_RUN)
+    assert run.returncode == 0, run.output
+    [measured] = run.results["memory_per_rank"]
+    [predicted] = run.results["memory_predicted"]
+    assert measured["reserved"] >= measured["allocated"] == measured["peak"]
+    for category in ("params", "grads", "optimizer"):
+        assert measured[category] == pytest.approx(predicted[category], rel=1e-3)
+    assert measured["activations"] > 0
+    print(f"CUDA breakdown measured {measured}\npredicted {predicted}")

@@ -138,3 +138,12 @@ def test_flops_per_token_is_6n_plus_12_layers_dim_seq():
     n = 12_345_678
     assert flops_per_token(cfg, n, 256) == 6 * n + 12 * 6 * 512 * 256
     assert flops_per_token(cfg, n, 1024) - flops_per_token(cfg, n, 512) == 12 * 6 * 512 * 512
+
+
+def test_cpu_profile_on_a_gpu_host_runs_ranks_on_the_cpu_whatever_the_gpu_count():
+    from meshrun.validate import validate
+    from tests.helpers import compose_config
+
+    one_gpu = HostFacts([CudaDevice("NVIDIA H200", 139.8)], cpu_count=16, memory_gib=128)
+    cfg = validate(compose_config("hardware=cpu", "backend=gloo", "parallel=pp2"), one_gpu)
+    assert cfg.launcher.nproc_per_node == 2 and cfg.hardware.device_type == "cpu"

@@ -247,3 +247,10 @@ def test_changing_a_future_token_does_not_change_earlier_logits(tiny):
     before, after = model(tokens), model(changed)
     torch.testing.assert_close(after[:, :position], before[:, :position], rtol=0, atol=1e-6)
     assert not torch.allclose(after[:, position:], before[:, position:])
+
+
+def test_a_tied_head_stays_tied_when_materialised_from_meta(tiny):
+    model = build_model(dataclasses.replace(tiny, tie_embeddings=True), SEQ, "meta")
+    model.to_empty(device="cpu")
+    assert model.output.weight is model.tok_embeddings.weight
+    assert len(list(model.parameters())) == len(list(cpu_model(tiny).parameters())) - 1

@@ -3,6 +3,8 @@ and 1F1B holding fewer micro-batches of activations than GPipe."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from meshrun.config import ModelConfig
@@ -71,19 +73,38 @@ def test_1f1b_holds_fewer_activations_than_gpipe(meshrun):
     assert peaks["gpipe"] > peaks["1f1b"] + 20 * 2**20
 
 
+# Ranks of the bubble test, and the cores it needs to leave the gloo transport threads idle.
+BUBBLE_RANKS = 2
+SPARE_CORES = 2
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("schedule", "microbatches"), [("gpipe", 1), ("gpipe", 2), ("1f1b", 2)])
+@pytest.mark.parametrize(
+    ("schedule", "microbatches"),
+    [("gpipe", 1), ("gpipe", 2), ("gpipe", 4), ("gpipe", 8), ("1f1b", 2), ("1f1b", 4),
+     ("1f1b", 8)],
+)  # fmt: skip
 def test_measured_bubble_follows_theory_on_a_balanced_pipeline(meshrun, schedule, microbatches):
     """small with a 64-token vocabulary: the head no longer makes the last stage slower, so
-    the two stages are compute-balanced, which the formula assumes. From m=4 on, gloo's p2p
-    latency on 2 shared CPU cores (~5 ms a hop, two hops per steady-state cycle) adds idle
-    time the formula leaves out: measured 0.23-0.28 against 0.2 at m=4, 0.16-0.18 against
-    0.11 at m=8, so those are reported (see the note of issue 3), not asserted."""
+    the two stages are compute-balanced, which the formula assumes. The formula also assumes
+    free transfers: a gloo hop costs ~0.1 ms when its transport thread finds an idle core,
+    but ~5 ms on a host whose every core runs a rank (two hops a steady-state cycle), which
+    at m >= 4 adds idle time the formula leaves out. So m >= 4 is asserted where cores are to
+    spare (measured on a 16-core host: see the note of issue 3) and skipped on 2-core hosts."""
+    cores = len(os.sched_getaffinity(0))
+    threads = max(1, min(4, (cores - SPARE_CORES) // BUBBLE_RANKS))
+    if microbatches >= 4 and cores < BUBBLE_RANKS * threads + SPARE_CORES:
+        pytest.skip(f"{cores} cores leave none idle for gloo's transport threads")
     run = meshrun("model=small", "model.vocab_size=64", "parallel=pp2",
                   f"parallel.schedule={schedule}", f"parallel.microbatches={microbatches}",
-                  "train.global_batch_size=16", "train.steps=6",
+                  "train.global_batch_size=16", "train.steps=6", "hardware=cpu",
+                  "backend=gloo", f"launcher.threads_per_rank={threads}",
                   "metrics.baseline=false")  # fmt: skip
     assert run.returncode == 0, run.output
     results = run.results
     theory = results["bubble_theoretical"]
+    print(
+        f"bubble {schedule} m={microbatches}: measured {results['bubble_measured']:.3f} "
+        f"theory {theory:.3f} per rank {results['bubble_per_rank']} ({threads} threads/rank)"
+    )
     assert abs(results["bubble_measured"] - theory) <= 0.25 * theory, results["bubble_per_rank"]

@@ -39,17 +39,22 @@ def _chunks(data: bytes) -> list[bytes]:
 
 
 def read_offline_run(run_dir: Path) -> dict[str, Any]:
-    """{'summary': {...}, 'config': {...}, 'history': [{...}, ...]} of the one offline run."""
+    """{'summary': {...}, 'config': {...}, 'history': [{...}, ...], 'run': {group, tags,
+    job_type, name}, 'files': <the run's files dir>} of the one offline run."""
     [log] = run_dir.glob("wandb/offline-run-*/run-*.wandb")
     data = log.read_bytes()
     assert data.startswith(b":W&B"), "not a W&B transaction log"
     summary: dict[str, Any] = {}
     config: dict[str, Any] = {}
     history: list[dict[str, Any]] = []
+    run: dict[str, Any] = {}
     for raw in _chunks(data):
         record = wandb_internal_pb2.Record()
         record.ParseFromString(raw)
         kind = record.WhichOneof("record_type")
+        if kind == "run":
+            run = {"group": record.run.run_group, "tags": list(record.run.tags),
+                   "job_type": record.run.job_type, "name": record.run.display_name}  # fmt: skip
         if kind == "summary":
             for item in record.summary.update:
                 summary[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
@@ -60,4 +65,11 @@ def read_offline_run(run_dir: Path) -> dict[str, Any]:
         elif kind == "history":
             history.append({i.key or "/".join(i.nested_key): json.loads(i.value_json)
                             for i in record.history.item})  # fmt: skip
-    return {"summary": summary, "config": config, "history": history}
+    return {"summary": summary, "config": config, "history": history, "run": run,
+            "files": log.parent / "files"}  # fmt: skip
+
+
+def read_table(wandb_run: dict[str, Any], key: str) -> dict[str, Any]:
+    """{'columns': [...], 'data': [[...], ...]} of the wandb.Table logged under `key`."""
+    [path] = [h[f"{key}/path"] for h in wandb_run["history"] if f"{key}/path" in h]
+    return json.loads((wandb_run["files"] / path).read_text())

@@ -15,14 +15,12 @@ os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # before anything touc
 
 import hydra
 from hydra.core.config_store import ConfigStore
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from meshrun.collect import submit_pending
 from meshrun.config import ExperimentConfig
 from meshrun.errors import ConfigError
-from meshrun.experiment import reported, run_experiment
+from meshrun.experiment import record_skipped, reported, run_experiment
 from meshrun.hardware import HostFacts
 from meshrun.launch.local import launch_local
 from meshrun.launch.slurm import launch_slurm
@@ -35,10 +33,12 @@ from meshrun.launch.torchrun import (
 from meshrun.paths import CONF_DIR
 from meshrun.plan.search import target_facts
 from meshrun.sinks.console import print_error
+from meshrun.sweep import SweepJobFailed, in_multirun, is_sweep_job, register_sweeps, sweep_name
 from meshrun.validate import validate
 from meshrun.worker import run_rank
 
 ConfigStore.instance().store(name="experiment_schema", node=ExperimentConfig)
+register_sweeps(ConfigStore.instance())
 LAUNCHERS = {"local": launch_local, "slurm": launch_slurm}
 
 
@@ -58,11 +58,12 @@ def _check_attached_world(cfg: ExperimentConfig) -> None:
 def _waits_here(cfg: ExperimentConfig) -> bool:
     """A SLURM job of a multirun is collected at the sweep's end (collect.CollectSweep), so
     that the sweep's jobs run concurrently; with launcher.wait=false, by meshrun-collect."""
-    return cfg.launcher.wait and HydraConfig.get().mode != RunMode.MULTIRUN
+    return cfg.launcher.wait and not in_multirun()
 
 
 def run(dict_cfg: DictConfig) -> int:
     cfg: ExperimentConfig = OmegaConf.to_object(dict_cfg)
+    cfg = replace(cfg, sweep=sweep_name(cfg.sweep))
     rank = attached_rank()
     if rank is not None:
         cfg = replace(cfg, launcher=replace(cfg.launcher, nnodes=attached_nodes()))
@@ -77,6 +78,10 @@ def run(dict_cfg: DictConfig) -> int:
         if rank is not None:
             _check_attached_world(cfg)
     except ConfigError as err:
+        if is_sweep_job():  # an invalid grid point: recorded, and the sweep goes on
+            record_skipped(cfg, err)
+            print_error("skipped", str(err))
+            return 0
         print_error("config error", str(err))
         return 2
     if rank not in (None, 0):
@@ -92,6 +97,8 @@ def run(dict_cfg: DictConfig) -> int:
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
 def _hydra_main(dict_cfg: DictConfig) -> None:
     code = run(dict_cfg)
+    if code and in_multirun():
+        raise SweepJobFailed(f"this job of the sweep exited {code} (see its error above)")
     if code:
         sys.exit(code)
 

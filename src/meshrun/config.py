@@ -213,8 +213,72 @@ class ExperimentConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
     run_dir: str = "."
     name: str | None = None
+    # Shared by the runs of one sweep (store column, W&B group); null: the Hydra sweep dir's
+    # name in multirun, `wandb-<id>` under a W&B agent, none for a single run.
+    sweep: str | None = None
 
 
 def from_dict(data: dict[str, Any]) -> ExperimentConfig:
     """Rebuild the typed config from the driver's resolved dict (no Hydra needed)."""
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ExperimentConfig), data))
+
+
+@dataclass
+class CommConfig:
+    """What `meshrun-comm` measures, in nccl-tests' terms: sizes from `min_bytes` to
+    `max_bytes` multiplied by `step_factor` (-b/-e/-f), `warmup_iters` and `iters` (-w/-n),
+    result check (-c), data types (-d) and reduction (-o). `record` false keeps a run out of
+    the store and W&B (doctor's health checks)."""
+
+    ops: list[str] = field(
+        default_factory=lambda: [
+            "all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "sendrecv"
+        ]
+    )  # fmt: skip
+    dtypes: list[str] = field(default_factory=lambda: ["float32"])
+    redop: str = "sum"
+    min_bytes: int = 1024
+    max_bytes: int = 16 * 2**20
+    step_factor: int = 4
+    warmup_iters: int = 5
+    iters: int = 20
+    check: bool = True
+    record: bool = True
+
+
+@dataclass
+class CommRunConfig:
+    """One `meshrun-comm` run: the training run's backend, hardware, launcher, logger, store
+    and fault injection (debug.fail_step counts measurements), plus what to measure."""
+
+    backend: BackendConfig = MISSING
+    hardware: HardwareConfig = MISSING
+    launcher: LauncherConfig = MISSING
+    logger: LoggerConfig = MISSING
+    comm: CommConfig = field(default_factory=CommConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    run_dir: str = "."
+    name: str | None = None
+
+
+def comm_from_dict(data: dict[str, Any]) -> CommRunConfig:
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(CommRunConfig), data))
+
+
+@dataclass
+class DoctorConfig:
+    """`timeout_s` is each health check's collective timeout; a check still running
+    `grace_s` after it (start-up included) is killed with all its ranks. `backends` empty:
+    every backend this torch has."""
+
+    timeout_s: float = 30.0
+    grace_s: float = 60.0
+    backends: list[str] = field(default_factory=list)
+
+
+@dataclass
+class DoctorRunConfig:
+    doctor: DoctorConfig = field(default_factory=DoctorConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    run_dir: str = "."

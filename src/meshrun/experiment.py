@@ -1,10 +1,10 @@
 """The driver's flow for one experiment: baseline (from the store, or measured first), the run
-itself, then results.json, the store row and W&B. Failed runs go through the same path."""
+itself, then results.json, the store row and W&B. Failed runs go through the same path, and
+so do a sweep's skipped points."""
 
 from __future__ import annotations
 
 import json
-import shutil
 import time
 import uuid
 from collections.abc import Callable
@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from meshrun.config import ExperimentConfig
-from meshrun.failures import FAILURES_DIR
+from meshrun.diag.watchdog import clear_records, with_diagnosis
+from meshrun.errors import ConfigError
 from meshrun.launch import RankFailure
+from meshrun.launch.torchrun import attached_rank
 from meshrun.results import assemble, baseline_config, baseline_key, is_own_baseline
-from meshrun.sinks.console import print_error, print_summary
+from meshrun.sinks.console import print_error, print_summary, print_warning
 from meshrun.sinks.store import ResultsStore
 from meshrun.worker import METRICS_FILE
 
@@ -93,7 +95,8 @@ def begin(cfg: ExperimentConfig, role: str) -> dict[str, Any]:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / METRICS_FILE).unlink(missing_ok=True)
-    shutil.rmtree(run_dir / FAILURES_DIR, ignore_errors=True)
+    if attached_rank() is None:  # under torchrun the peers may have written theirs already
+        clear_records(cfg.run_dir)
     return {
         "run_id": uuid.uuid4().hex[:12],
         "role": role,
@@ -114,7 +117,8 @@ def outcome(
     try:
         raw = wait()
     except RankFailure as failure:
-        meta.update(status="failed", error=str(failure), failed_rank=failure.rank)
+        error = with_diagnosis(str(failure), cfg.run_dir, failure.rank)
+        meta.update(status="failed", error=error, failed_rank=failure.rank)
     meta["duration_s"] = round(time.time() - started, 3)
     raw = raw or {}
     return Measured(
@@ -135,13 +139,56 @@ def record(
     results = assemble(
         cfg, measured.steps, measured.memory, measured.bubbles, baseline, measured.meta
     )
-    (Path(cfg.run_dir) / "results.json").write_text(json.dumps(results, indent=2))
-    store.record(results)
-    if results["role"] == "run" and cfg.logger.name == "wandb":
-        from meshrun.sinks.wandb_sink import log_run
-
-        tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
-        log_run(cfg.logger, asdict(cfg), results, measured.steps, tokens_per_step)
+    publish(cfg, results, measured.steps, store)
     if not measured.ok:
         raise RunFailed(results)
     return results
+
+
+def record_skipped(cfg: ExperimentConfig, reason: ConfigError) -> dict[str, Any]:
+    """A sweep's invalid point: recorded like a run (status `skipped`, the reason as its
+    error) so that the grid stays complete in the store and on W&B; no process starts."""
+    results = {
+        "run_id": uuid.uuid4().hex[:12],
+        "role": "run",
+        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "status": "skipped",
+        "error": str(reason),
+        "name": cfg.name,
+        "sweep": cfg.sweep,
+        "model": cfg.model.name,
+        "parallel": cfg.parallel.name,
+        "layout_name": cfg.parallel.name,
+        "backend": cfg.backend.name,
+        "hardware": cfg.hardware.name,
+        "precision": cfg.train.precision,
+        "seq_len": cfg.train.seq_len,
+        "global_batch_size": cfg.train.global_batch_size,
+        "micro_batch_size": cfg.train.micro_batch_size,
+        "losses": [],
+        "run_dir": cfg.run_dir,
+    }
+    Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+    publish(cfg, results, [], ResultsStore(cfg.store.path))
+    return results
+
+
+def publish(
+    cfg: ExperimentConfig, results: dict[str, Any], steps: list[dict[str, Any]], store: ResultsStore
+) -> None:
+    """results.json and the store row first; W&B (the run itself only) last and fallible: a
+    W&B failure costs the dashboard copy, never the run."""
+    (Path(cfg.run_dir) / "results.json").write_text(json.dumps(results, indent=2))
+    store.record(results)
+    if results["role"] != "run" or cfg.logger.name != "wandb":
+        return
+    from meshrun.sinks.wandb_sink import log_run
+
+    tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
+    try:
+        log_run(cfg.logger, asdict(cfg), results, steps, tokens_per_step)
+    except Exception as err:  # wandb raises anything from OSError to its own errors
+        print_warning(
+            f"W&B logging failed ({type(err).__name__}: {err}); the run is recorded in "
+            f"{store.path} and {cfg.run_dir}/results.json"
+        )

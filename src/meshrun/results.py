@@ -157,6 +157,7 @@ def assemble(
     return {
         **meta,
         "name": cfg.name,
+        "sweep": cfg.sweep,
         "model": cfg.model.name,
         "parallel": cfg.parallel.name,
         "layout": Layout.of(cfg.parallel).degrees(),

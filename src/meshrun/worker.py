@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from meshrun.config import DebugConfig, ExperimentConfig, from_dict
+from meshrun.diag.watchdog import Watchdog, step_collectives
 from meshrun.failures import record_failure
 from meshrun.mesh import (
     Layout,
@@ -74,22 +75,30 @@ def run_rank(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
     if cfg.launcher.threads_per_rank:
         torch.set_num_threads(cfg.launcher.threads_per_rank)
     device = select_device(cfg.hardware.device_type, local_rank)
-    mesh = None
+    mesh = watchdog = None
     if layout.world_size > 1:
+        watchdog = Watchdog(cfg.run_dir, rank, cfg.backend.timeout_s)
         init_distributed(cfg.backend.name, cfg.backend.timeout_s)
         mesh = build_mesh(layout, device.type)
     try:
-        return _train(cfg, layout, rank, device, mesh)
+        return _train(cfg, layout, rank, device, mesh, watchdog)
     except Exception as err:
         record_failure(cfg.run_dir, rank, err)
         raise
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 def _train(
-    cfg: ExperimentConfig, layout: Layout, rank: int, device: torch.device, mesh
+    cfg: ExperimentConfig,
+    layout: Layout,
+    rank: int,
+    device: torch.device,
+    mesh,
+    watchdog: Watchdog | None,
 ) -> dict | None:
     tc = cfg.train
     memory = MemoryMeter(device)
@@ -124,6 +133,8 @@ def _train(
             on_log=MetricsLog(metrics_path),
             progress=progress,
             fault=fault_injector(cfg.debug, rank),
+            watchdog=watchdog,
+            step_collectives=step_collectives(layout.degrees()),
         )
         state = train_loop(model, optimizer, batches, tc, ctx)
     split = memory.breakdown(ModelState.of(model.parameters(), optimizer))
@@ -135,7 +146,8 @@ def _train(
     ranks = [mine]
     if dist.is_initialized():
         ranks = [{} for _ in range(dist.get_world_size())]
-        dist.all_gather_object(ranks, mine)
+        with watchdog.inside(tc.steps, "all_gather_object (measurements)", one_collective=True):
+            dist.all_gather_object(ranks, mine)
     if rank != 0:
         return None
     return {

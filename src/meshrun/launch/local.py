@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from meshrun.config import ExperimentConfig
+from meshrun.config import CommRunConfig, ExperimentConfig
 from meshrun.failures import first_failure
 from meshrun.launch import RankFailure
 from meshrun.worker import run_rank
@@ -32,7 +33,11 @@ def _error_text(failure: Any) -> str:
     return str(message).strip()
 
 
-def launch_local(cfg: ExperimentConfig) -> dict[str, Any]:
+def launch_local(
+    cfg: ExperimentConfig | CommRunConfig,
+    entry: Callable[[dict[str, Any]], Any] = run_rank,
+) -> Any:
+    """Rank 0's return value; `entry` is the per-rank function (training, or meshrun-comm's)."""
     launcher = cfg.launcher
     config = LaunchConfig(
         min_nodes=1,
@@ -46,7 +51,7 @@ def launch_local(cfg: ExperimentConfig) -> dict[str, Any]:
         start_method=launcher.start_method,
     )
     try:
-        returns = elastic_launch(config, run_rank)(asdict(cfg))
+        returns = elastic_launch(config, entry)(asdict(cfg))
     except ChildFailedError as err:
         recorded = first_failure(cfg.run_dir)
         if recorded is None:  # died without raising (killed, segfault): elastic's record

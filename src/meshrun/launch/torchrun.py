@@ -4,10 +4,11 @@ WORLD_SIZE, MASTER_ADDR/PORT) and is one rank; torchrun owns teardown on failure
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from meshrun.config import ExperimentConfig
+from meshrun.config import CommRunConfig, ExperimentConfig
 from meshrun.launch import RankFailure
 from meshrun.worker import run_rank
 
@@ -32,8 +33,11 @@ def run_dir_override() -> str:
     return f"hydra.run.dir=outputs/torchrun/{run_id}"
 
 
-def launch_attached(cfg: ExperimentConfig) -> dict[str, Any] | None:
+def launch_attached(
+    cfg: ExperimentConfig | CommRunConfig,
+    entry: Callable[[dict[str, Any]], Any] = run_rank,
+) -> Any:
     try:
-        return run_rank(asdict(cfg))
+        return entry(asdict(cfg))
     except Exception as err:
         raise RankFailure(attached_rank() or 0, f"{type(err).__name__}: {err}") from err

@@ -18,6 +18,7 @@ allocated between steps, so the step start already holds the whole model state.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 from collections.abc import Iterable, Iterator
@@ -97,7 +98,12 @@ class MemoryMeter:
             self._profiler.__enter__()
 
     def mark(self, label: str) -> None:
-        """A point of the warmup step whose live bytes the breakdown needs."""
+        """A point of the warmup step whose live bytes the breakdown needs. A step starts
+        after a garbage collection: tensors kept only by reference cycles (autograd graphs,
+        FSDP hooks) are not the step's memory, and whether the collector ran before it or not
+        would otherwise move the breakdown by whole blocks."""
+        if label == STEP_START:
+            gc.collect()
         if self.cuda:
             peak = torch.cuda.max_memory_allocated(self.device)
             self._cuda_peak = max(self._cuda_peak, peak)

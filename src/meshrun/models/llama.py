@@ -104,6 +104,14 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
 
+    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> Transformer:
+        """Materialise (from meta); `nn.Module.to_empty` gives each module its own new
+        tensor, which would silently untie a tied head from the embedding."""
+        super().to_empty(device=device, recurse=recurse)
+        if self.cfg.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
+            self.output.weight = self.tok_embeddings.weight
+        return self
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids -> logits; a pipeline stage without the embedding takes hidden states,
         one without the head returns them."""

@@ -14,18 +14,23 @@ keeps no s*s scores here):
 
     per layer    (4h + 2) replicated + (4h + 2hk + 4f + a) / tp      (+2h under TP: the
                  all-reduced branch outputs) ; with sequence parallelism the replicated part
-                 is / tp too
+                 is / tp too ; under bf16 autocast the replicated part (residual stream,
+                 norms) stays fp32, and autocast's bf16 copies of the weights (2 bytes a
+                 parameter) are kept for backward
     full ckpt    h per layer (the block input) + one block recomputed in backward
     selective    (2h + 2hk + 3f + a) / tp + h per layer (matmul and attention outputs kept)
     first stage  8 bytes of token ids ; last stage 3h + 1 + V, and 8 bytes of targets
     transients   at the loss: 3V (logits, their log-softmax gradient, logits gradient);
-                 elsewhere one block's backward temporaries, (3f + 2h) / tp
+                 elsewhere one block's backward temporaries, (3f + 2h) / tp; checkpointed,
+                 the recomputed block plus those temporaries (last stage: h + V/tp)
 
 A pipeline rank holds several micro-batches at once: GPipe all m, 1F1B min(m, p - stage),
-interleaved 1F1B its warmup chunks + 1 (each a 1/v share of the rank's layers). FSDP adds the
-gathered parameters of the root module and of two blocks (the current and the prefetched
-one) and one block's unsharded gradient. "other" holds the DDP buckets and allocator
-slack, which the CPU measurement does not see.
+interleaved 1F1B its warmup chunks + 1 (each a 1/v share of the rank's layers). FSDP keeps
+the root module and two blocks gathered between steps (other), and in a step gathers the
+root and three blocks (current, prefetched, collective staging) and one block's unsharded
+gradient (activations): measured on gloo, where these vary by a block between runs. "other"
+also holds the DDP buckets and a pipeline
+stage's receive buffers (one T x h tensor per micro-batch).
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ from meshrun.plan.shapes import (
 FP32 = 4
 ADAM_BYTES = 8
 MiB = 2**20
+# cuBLAS/cuBLASLt workspaces come from the caching allocator: 65-84 MiB measured on an H200
+# (torch 2.11, CUDA 13) whatever the model.
+CUBLAS_WORKSPACES = 64 * MiB
 
 
 @dataclass(frozen=True)
@@ -76,14 +84,16 @@ def in_flight(schedule: str, microbatches: int, pp: int, pp_rank: int, chunks: i
     return min(warmup, microbatches * chunks) / chunks
 
 
-def _layer_floats(d: Dims, tp: int, sp: bool, ckpt: str) -> tuple[float, float]:
-    """(kept per layer, recomputed transient of one layer), floats per token."""
-    replicated = (4 * d.h + 2) / (tp if sp else 1) + (2 * d.h if tp > 1 else 0)
-    full = replicated + (4 * d.h + 2 * d.hk + 4 * d.f + d.a) / tp
+def _layer_bytes(d: Dims, tp: int, sp: bool, ckpt: str, width: int) -> tuple[float, float]:
+    """(kept per layer, recomputed transient of one layer), bytes per token. The residual
+    stream and norms stay fp32 under autocast (the weights are fp32); the matmul side is
+    `width` bytes."""
+    replicated = ((4 * d.h + 2) / (tp if sp else 1) + (2 * d.h if tp > 1 else 0)) * FP32
+    full = replicated + (4 * d.h + 2 * d.hk + 4 * d.f + d.a) / tp * width
     if ckpt == "full":
-        return d.h / (tp if sp else 1), full
+        return d.h / (tp if sp else 1) * FP32, full
     if ckpt == "selective":
-        return (2 * d.h + 2 * d.hk + 3 * d.f + d.a) / tp + d.h, full
+        return (2 * d.h + 2 * d.hk + 3 * d.f + d.a) / tp * width + d.h * FP32, full
     return full, 0.0
 
 
@@ -92,14 +102,20 @@ def activation_bytes(cfg: ExperimentConfig, layout: Layout, share: StageShare, p
     d = Dims.of(cfg.model)
     p = cfg.parallel
     tokens = micro_batch * cfg.train.seq_len
-    kept, recompute = _layer_floats(d, layout.tp, p.sequence_parallel, p.activation_checkpointing)
     width = 2 if cfg.train.precision == "bf16" else FP32
-    per_mb = share.layers * kept * width + (2 if share.first else 0)
+    kept, recompute = _layer_bytes(d, layout.tp, p.sequence_parallel,
+                                   p.activation_checkpointing, width)  # fmt: skip
+    per_mb = share.layers * kept + (8 if share.first else 0)
     if share.last:
-        per_mb += (3 * d.h + 1 + d.vocab) * FP32 + 2
+        per_mb += (3 * d.h + 1 + d.vocab) * FP32 + 8
     held = in_flight(p.schedule, microbatches, layout.pp, pp_rank, share.chunks) * per_mb
-    transient = 3 * d.vocab * FP32 if share.last else (3 * d.f + 2 * d.h) / layout.tp * width
-    return tokens * (held + max(transient, recompute * width))
+    backward_temps = (3 * d.f + 2 * d.h) / layout.tp * width
+    if recompute:  # one block recomputed, with its backward temporaries or the held logits
+        tail = (d.h + d.vocab / layout.tp) * FP32 if share.last else backward_temps
+        transient = recompute + tail
+    else:
+        transient = 3 * d.vocab * FP32 if share.last else backward_temps
+    return tokens * (held + transient)
 
 
 def predict_rank(cfg: ExperimentConfig, layout: Layout, share: StageShare, pp_rank: int,
@@ -114,9 +130,21 @@ def predict_rank(cfg: ExperimentConfig, layout: Layout, share: StageShare, pp_ra
         gathered = local_param_elements(d, StageShare(0, share.first, share.last, 1), layout.tp, 1)
         block = layer_param_elements(d, layout.tp)
         param_width = 2 if cfg.train.precision == "bf16" else FP32
-        activations += gathered * param_width + 2 * block * param_width + block * FP32
-    elif layout.dp_replicate > 1 and not cfg.parallel.ddp.gradient_as_bucket_view:
-        other += state  # DDP's gradient buckets
+        # kept gathered between steps: the root and the last blocks; in a step, the
+        # current, prefetched and collective-staging blocks and one unsharded gradient
+        other += gathered * param_width + 2 * block * param_width
+        activations += gathered * param_width + 3 * block * param_width + block * FP32
+    else:
+        if (
+            cfg.train.precision == "bf16"
+        ):  # autocast's bf16 copies of the weights, kept for backward
+            activations += elements * 2
+        if layout.dp_replicate > 1 and not cfg.parallel.ddp.gradient_as_bucket_view:
+            other += state  # DDP's gradient buckets
+    if cfg.hardware.device_type == "cuda":
+        other += CUBLAS_WORKSPACES
+    if layout.pp > 1:  # the stage's receive buffers, one per micro-batch
+        other += microbatches * micro_batch * cfg.train.seq_len * d.h * FP32
     return MemoryPrediction(state, state, elements * ADAM_BYTES, int(activations), other)
 
 

@@ -31,6 +31,10 @@ def print_error(what: str, message: str) -> None:
     console.print(Text(f"meshrun: {what} ", style="bold red") + Text(message), soft_wrap=True)
 
 
+def print_warning(message: str) -> None:
+    console.print(Text("meshrun: warning ", style="bold yellow") + Text(message), soft_wrap=True)
+
+
 def _fmt(value: Any, unit: str = "") -> str:
     if value is None:
         return "n/a"

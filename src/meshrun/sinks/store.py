@@ -1,5 +1,6 @@
 """The local results store: one SQLite row per run (failed ones too), with the full results
-JSON beside the columns one filters and compares on. Baselines are found here by key."""
+JSON beside the columns one filters and compares on. Baselines are found here by key.
+`meshrun-comm` runs go to their own table, `comm_runs`, in the same file."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ COLUMNS = {
     "status": "TEXT",
     "error": "TEXT",
     "name": "TEXT",
+    "sweep": "TEXT",
     "model": "TEXT",
     "parallel": "TEXT",
     "layout_name": "TEXT",
@@ -47,19 +49,45 @@ COLUMNS = {
     "results_json": "TEXT",
 }
 
+COMM_COLUMNS = {
+    "run_id": "TEXT PRIMARY KEY",
+    "created_at": "TEXT",
+    "status": "TEXT",
+    "error": "TEXT",
+    "name": "TEXT",
+    "backend": "TEXT",
+    "launcher": "TEXT",
+    "world_size": "INTEGER",
+    "device_type": "TEXT",
+    "hardware": "TEXT",
+    "ops": "TEXT",
+    "dtypes": "TEXT",
+    "max_bytes": "INTEGER",
+    "avg_busbw_gbs": "REAL",
+    "peak_busbw_gbs": "REAL",
+    "wrong": "INTEGER",
+    "run_dir": "TEXT",
+    "results_json": "TEXT",
+}
+
+
+def _ensure_table(db: sqlite3.Connection, table: str, columns: dict[str, str]) -> None:
+    """Create the table, or add the columns a store written by an older meshrun lacks."""
+    spec = ", ".join(f"{name} {kind}" for name, kind in columns.items())
+    db.execute(f"CREATE TABLE IF NOT EXISTS {table} ({spec})")
+    present = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+    for name, kind in columns.items():
+        if name not in present:
+            db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
+
 
 class ResultsStore:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self._connect() as db:
-            columns = ", ".join(f"{name} {kind}" for name, kind in COLUMNS.items())
-            db.execute(f"CREATE TABLE IF NOT EXISTS runs ({columns})")
-            # A store written by an older meshrun lacks newer columns: add them.
-            present = {row[1] for row in db.execute("PRAGMA table_info(runs)")}
-            for name, kind in COLUMNS.items():
-                if name not in present:
-                    db.execute(f"ALTER TABLE runs ADD COLUMN {name} {kind}")
+            _ensure_table(db, "runs", COLUMNS)
+            _ensure_table(db, "comm_runs", COMM_COLUMNS)
 
     @contextmanager
     def _connect(self) -> Iterator[sqlite3.Connection]:
@@ -72,13 +100,19 @@ class ResultsStore:
             db.close()
 
     def record(self, results: dict[str, Any]) -> None:
-        row = {name: results.get(name) for name in COLUMNS if name != "results_json"}
+        self._insert("runs", COLUMNS, results)
+
+    def record_comm(self, report: dict[str, Any]) -> None:
+        self._insert("comm_runs", COMM_COLUMNS, report)
+
+    def _insert(self, table: str, columns: dict[str, str], results: dict[str, Any]) -> None:
+        row = {name: results.get(name) for name in columns if name != "results_json"}
         row["results_json"] = json.dumps(results)
         names = ", ".join(row)
         marks = ", ".join("?" for _ in row)
         with self._connect() as db:
             db.execute(
-                f"INSERT OR REPLACE INTO runs ({names}) VALUES ({marks})", list(row.values())
+                f"INSERT OR REPLACE INTO {table} ({names}) VALUES ({marks})", list(row.values())
             )
 
     def find_baseline(self, key: str) -> dict[str, Any] | None:
@@ -91,7 +125,8 @@ class ResultsStore:
             ).fetchone()
         return json.loads(row[0]) if row else None
 
-    def runs(self) -> list[dict[str, Any]]:
+    def runs(self, table: str = "runs") -> list[dict[str, Any]]:
+        """Every row's full record, oldest first (`comm_runs` for meshrun-comm's)."""
         with self._connect() as db:
-            rows = db.execute("SELECT results_json FROM runs ORDER BY created_at").fetchall()
+            rows = db.execute(f"SELECT results_json FROM {table} ORDER BY created_at").fetchall()
         return [json.loads(r[0]) for r in rows]

@@ -1,4 +1,6 @@
-"""W&B: the resolved config, per-step metrics and a summary, from the driver after the run.
+"""W&B: one run per experiment (never per rank), logged by the driver after the ranks have
+exited: the resolved config, per-step metrics, per-rank memory as a table and a summary.
+Grouped by sweep (else by experiment name), tagged by layout, model, hardware and backend.
 
 Offline unless a key is available (WANDB_API_KEY or a netrc login), so no account or network
 is needed; `wandb sync` uploads an offline run later. The key is wandb's to read: it never
@@ -28,7 +30,26 @@ SUMMARY_KEYS = (
     "layout_name",
     "scaling",
     "error",
+    "sweep",
+    "model",
+    "backend",
+    "hardware",
+    "global_batch_size",
+    "micro_batch_size",
+    "bubble_measured",
+    "bubble_theoretical",
+    "memory_params_bytes",
+    "memory_grads_bytes",
+    "memory_optimizer_bytes",
+    "memory_activations_bytes",
+    "memory_other_bytes",
+    "predicted_peak_memory_bytes",
+    "predicted_step_time_s",
 )
+# Byte counts per rank in results["memory_per_rank"], in table order; CUDA adds the last two.
+MEMORY_COLUMNS = (
+    "peak", "params", "grads", "optimizer", "activations", "other", "allocated", "reserved"
+)  # fmt: skip
 
 
 def _has_key() -> bool:
@@ -60,9 +81,9 @@ def log_run(
     run = wandb.init(
         project=cfg.project,
         entity=cfg.entity,
-        group=cfg.group,
+        group=cfg.group or results.get("sweep") or results["name"],
         name=results["name"],
-        tags=list(cfg.tags),
+        tags=[*run_tags(results), *cfg.tags],
         job_type=results["role"],
         config=config,
         dir=results["run_dir"],
@@ -77,6 +98,36 @@ def log_run(
                 metrics["train/step_time_s"] = record["step_time_s"]
                 metrics["train/tokens_per_s"] = tokens_per_step / record["step_time_s"]
             run.log(metrics, step=record["step"])
+        columns, rows = memory_rows(results)
+        if rows:
+            run.log({"memory/per_rank": wandb.Table(columns=columns, data=rows)})
         run.summary.update({k: results.get(k) for k in SUMMARY_KEYS})
     finally:
-        run.finish(exit_code=0 if results["status"] == "completed" else 1)
+        run.finish(exit_code=1 if results["status"] == "failed" else 0)
+
+
+def run_tags(results: dict[str, Any]) -> list[str]:
+    """`key:value` tags, so that the W&B run table filters by each; a sweep's skipped point
+    (a finished W&B run, not a crashed one) is tagged `skipped`."""
+    keys = {"layout": "layout_name", "model": "model", "hardware": "hardware", "backend": "backend"}
+    tags = [f"{tag}:{results[key]}" for tag, key in keys.items() if results.get(key)]
+    return [*tags, "skipped"] if results.get("status") == "skipped" else tags
+
+
+def memory_rows(results: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
+    """One row per rank: the measured breakdown where the run has one (predicted beside it as
+    `predicted_<category>`), else the peak alone; no rows for a run without memory figures."""
+    measured = results.get("memory_per_rank")
+    if not measured:
+        peaks = results.get("peak_memory_bytes") or []
+        return ["rank", "peak"], [[rank, peak] for rank, peak in enumerate(peaks)]
+    keys = [k for k in MEMORY_COLUMNS if k in measured[0]]
+    predicted = {p.get("rank", i): p for i, p in enumerate(results.get("memory_predicted") or [])}
+    predicted_keys = [k for k in MEMORY_COLUMNS if any(k in p for p in predicted.values())]
+    columns = ["rank", *keys, *(f"predicted_{k}" for k in predicted_keys)]
+    rows = [
+        [r["rank"], *(r.get(k) for k in keys),
+         *(predicted.get(r["rank"], {}).get(k) for k in predicted_keys)]
+        for r in measured
+    ]  # fmt: skip
+    return columns, rows

@@ -86,4 +86,5 @@ class LocalBatches:
     def for_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         samples = dp_sample_range(step, self.global_batch, self.dp_rank, self.dp_size)
         tokens = self.dataset.batch(samples, self.seq_len + 1, self.device)
-        return tokens[:, :-1], tokens[:, 1:]
+        # Contiguous: pipeline stages check the strides of what they receive (torch < 2.13).
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from meshrun.config import TrainConfig
+from meshrun.diag.watchdog import Watchdog
 from meshrun.metrics.bubble import BubbleClock
 from meshrun.metrics.memory import FWD_BWD_END, STEP_START, MemoryMeter
 from meshrun.metrics.throughput import StepClock
@@ -51,6 +52,17 @@ class LoopContext:
     on_log: LogFn
     progress: Callable[[int], None] | None = None
     fault: Callable[[int], None] | None = None
+    watchdog: Watchdog | None = None
+    step_collectives: str = "forward/backward"
+
+
+def _inside(
+    ctx: LoopContext, step: int, op: str, one_collective: bool = True
+) -> contextlib.AbstractContextManager:
+    """Tells the hang watchdog that `op` of `step` runs collectives."""
+    if ctx.watchdog is None:
+        return contextlib.nullcontext()
+    return ctx.watchdog.inside(step, op, one_collective)
 
 
 def _autocast(ctx: LoopContext) -> contextlib.AbstractContextManager:
@@ -104,10 +116,13 @@ def train_loop(
         if step == cfg.warmup_steps:
             ctx.memory.stop_tracing()
             if dist.is_initialized():
-                dist.barrier()  # ranks leave warmup at different times: start the clocks level
+                with _inside(ctx, step, "barrier (end of warmup)"):
+                    dist.barrier()  # ranks leave warmup at different times: level the clocks
             clock.mark()
             if bubble is not None:
                 bubble.start()
+        if ctx.watchdog is not None:
+            ctx.watchdog.at(step)
         if ctx.fault is not None:
             ctx.fault(step)
         # The breakdown is read from a warmup step after the first: optimizer state exists then.
@@ -115,14 +130,16 @@ def train_loop(
         if measured:
             ctx.memory.mark(STEP_START)
         inputs, targets = batches.for_step(step)
-        if model.schedule is not None:
-            step_loss = _pipeline_step(model, inputs, targets, ctx)
-        else:
-            step_loss = _accumulate(model, inputs, targets, cfg.micro_batch_size, ctx)
+        with _inside(ctx, step, ctx.step_collectives, one_collective=False):
+            if model.schedule is not None:
+                step_loss = _pipeline_step(model, inputs, targets, ctx)
+            else:
+                step_loss = _accumulate(model, inputs, targets, cfg.micro_batch_size, ctx)
         if measured:
             ctx.memory.mark(FWD_BWD_END)
         groups = grads_by_mesh(params)
-        norm = grad_norm(groups, ctx.pp_group)
+        with _inside(ctx, step, "all_reduce (gradient norm)"):
+            norm = grad_norm(groups, ctx.pp_group)
         if cfg.grad_clip is not None:
             clip_grads(groups, cfg.grad_clip, norm)
         optimizer.step()
@@ -133,7 +150,8 @@ def train_loop(
         if ctx.progress is not None:
             ctx.progress(step + 1)
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-            _flush(state, pending, clock, step, ctx)
+            with _inside(ctx, step, "all_reduce (losses of the log step)"):
+                _flush(state, pending, clock, step, ctx)
             pending = []
     if bubble is not None:
         state.pipeline_busy_s, state.pipeline_span_s = bubble.totals()

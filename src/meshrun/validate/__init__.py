@@ -37,8 +37,8 @@ def validate(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:
     hardware = resolve_hardware(cfg.hardware, facts)
     if cfg.parallel.name == "auto":
         cfg = _auto_layout(dataclasses.replace(cfg, hardware=hardware), facts)
-    backend = _resolve_backend(cfg, hardware, facts)
-    parallel, launcher = resolve_layout(cfg, facts)
+    backend = resolve_backend(cfg, hardware, facts)
+    parallel, launcher = resolve_layout(dataclasses.replace(cfg, hardware=hardware), facts)
     resolved = dataclasses.replace(
         cfg, backend=backend, hardware=hardware, parallel=parallel, launcher=launcher
     )
@@ -138,7 +138,7 @@ def _check_data(cfg: ExperimentConfig) -> None:
         )
 
 
-def _resolve_backend(cfg: ExperimentConfig, hardware: HardwareConfig, facts: HostFacts):
+def resolve_backend(cfg: ExperimentConfig, hardware: HardwareConfig, facts: HostFacts):
     b = cfg.backend
     choice("backend.name", b.name, ("auto", "gloo", "nccl", "mpi"))
     positive("backend.timeout_s", b.timeout_s)

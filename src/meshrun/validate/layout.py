@@ -59,9 +59,10 @@ def resolve_layout(cfg: ExperimentConfig, facts: HostFacts):
         )
     fixed = math.prod(n for n in degrees.values() if n != -1)
     nproc, nodes = launcher.nproc_per_node, launcher.nnodes
+    # A CPU profile on a GPU host runs on the CPU: its GPUs neither size nor limit the world.
+    gpus = facts.cuda_devices if cfg.hardware.device_type == "cuda" else []
     if fill:
-        per_node = nproc or (len(facts.cuda_devices) if facts.cuda_devices else CPU_DEFAULT_RANKS)
-        world = per_node * nodes
+        world = (nproc or (len(gpus) if gpus else CPU_DEFAULT_RANKS)) * nodes
         if world % fixed:
             fail(
                 "launcher.nproc_per_node",
@@ -89,12 +90,12 @@ def resolve_layout(cfg: ExperimentConfig, facts: HostFacts):
             f"{world // nodes}, or null to follow the layout",
         )
     nproc = world // nodes
-    if facts.cuda_devices and nproc > len(facts.cuda_devices):
+    if gpus and nproc > len(gpus):
         fail(
             "launcher.nproc_per_node",
             nproc,
-            f"only {len(facts.cuda_devices)} CUDA devices are visible",
-            f"at most {len(facts.cuda_devices)}",
+            f"only {len(gpus)} CUDA devices are visible",
+            f"at most {len(gpus)}",
         )
     threads = (
         launcher.threads_per_rank or launcher.cpus_per_task or max(1, facts.cpu_count // nproc)
@@ -165,6 +166,14 @@ def check_tensor_parallel(cfg: ExperimentConfig) -> None:
             )
     if p.tp == 1:
         return
+    if m.tie_embeddings:
+        fail(
+            "model.tie_embeddings",
+            True,
+            "tensor parallelism shards the embedding (by rows) and the head (by columns) as "
+            "two tensors, which silently unties them",
+            "false with tp > 1, or tp=1",
+        )
     dims = {
         "model.n_heads": m.n_heads,
         "model.n_kv_heads": m.n_kv_heads or m.n_heads,

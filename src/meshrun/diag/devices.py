@@ -1,0 +1,241 @@
+"""CUDA device numbers against nvidia-smi's, peer access and NVLink.
+
+nvidia-smi numbers GPUs in PCI bus order. CUDA numbers the devices it sees: those listed in
+CUDA_VISIBLE_DEVICES, renumbered from 0 in the listed order, where an index in that list
+counts in CUDA's enumeration order: fastest device first unless CUDA_DEVICE_ORDER=PCI_BUS_ID.
+On a mixed box cuda:0 is therefore often not nvidia-smi's GPU 0. The functions here are pure
+(text and lists in, facts and sentences out) so the mapping logic is tested without a GPU;
+`query_*` read the live system.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections import Counter
+from dataclasses import dataclass
+
+SMI_FIELDS = "index,pci.bus_id,name,memory.total,uuid"
+# nvidia-smi topo -m legend, worst to best for peer traffic.
+LINK_KINDS = {
+    "SYS": "across the CPU interconnect (QPI/UPI/Infinity Fabric): slowest",
+    "NODE": "PCIe through host bridges within one NUMA node",
+    "PHB": "PCIe through a host bridge (the CPU)",
+    "PXB": "PCIe through several PCIe switches, not the CPU",
+    "PIX": "PCIe through a single switch",
+    "NV": "NVLink",
+}
+
+
+@dataclass(frozen=True)
+class SmiGpu:
+    """nvidia-smi's view of one GPU; `index` is its PCI-bus-order number."""
+
+    index: int
+    pci_bus_id: str
+    name: str
+    memory_mib: int
+    uuid: str
+
+
+@dataclass(frozen=True)
+class CudaGpu:
+    """torch's view of one CUDA device (`index` is cuda:<index>)."""
+
+    index: int
+    name: str
+    memory_gib: float
+    uuid: str | None
+    pci_bus_id: str | None
+
+
+@dataclass(frozen=True)
+class DeviceRow:
+    cuda_index: int
+    smi_index: int | None
+    name: str
+    pci_bus_id: str | None
+    memory_gib: float
+
+
+def normalize_pci(bus_id: str) -> str:
+    """'00000000:17:00.0' (nvidia-smi) and '0000:17:00.0' name one device: 4-digit domain."""
+    domain, rest = bus_id.strip().lower().split(":", 1)
+    return f"{int(domain, 16):04x}:{rest}"
+
+
+def parse_smi(csv_text: str) -> list[SmiGpu]:
+    """Lines of `nvidia-smi --query-gpu=SMI_FIELDS --format=csv,noheader,nounits`."""
+    gpus = []
+    for line in csv_text.strip().splitlines():
+        index, bus, name, memory, uuid = (part.strip() for part in line.split(","))
+        gpus.append(SmiGpu(int(index), normalize_pci(bus), name, int(float(memory)), uuid))
+    return gpus
+
+
+def _uuid(text: str) -> str:
+    return text.lower().removeprefix("gpu-")
+
+
+def visible_smi_indices(
+    smi: list[SmiGpu], visible: str | None, order: str | None
+) -> tuple[list[int] | None, list[str]]:
+    """nvidia-smi numbers of cuda:0, cuda:1, ... under CUDA_VISIBLE_DEVICES, and notes on
+    entries CUDA ignores. None when the numbers cannot be known without asking CUDA (indices
+    under the fastest-first order)."""
+    if visible is None:
+        return ([g.index for g in smi] if order == "PCI_BUS_ID" else None), []
+    chosen: list[int] = []
+    notes: list[str] = []
+    entries = [e.strip() for e in visible.split(",")] if visible.strip() else []
+    for position, entry in enumerate(entries):
+        if entry.isdigit():
+            if order != "PCI_BUS_ID":
+                return None, notes
+            found = [g.index for g in smi if g.index == int(entry)]
+        else:
+            found = [g.index for g in smi if _uuid(g.uuid).startswith(_uuid(entry))]
+        if len(found) != 1 or found[0] in chosen:
+            ignored = ",".join(entries[position:])
+            notes.append(
+                f"CUDA_VISIBLE_DEVICES entry {entry!r} names no single unused device, so CUDA "
+                f"ignores it and every entry after it ({ignored}): only "
+                f"{len(chosen)} device(s) are visible"
+            )
+            break
+        chosen.append(found[0])
+    return chosen, notes
+
+
+def match(cuda: list[CudaGpu], smi: list[SmiGpu]) -> list[DeviceRow]:
+    """Each CUDA device with its nvidia-smi number, by UUID, else by PCI bus id."""
+    rows = []
+    for dev in cuda:
+        found = [
+            g
+            for g in smi
+            if (dev.uuid and _uuid(g.uuid) == _uuid(dev.uuid))
+            or (dev.pci_bus_id and g.pci_bus_id == normalize_pci(dev.pci_bus_id))
+        ]
+        smi_index = found[0].index if found else None
+        bus = dev.pci_bus_id or (found[0].pci_bus_id if found else None)
+        rows.append(DeviceRow(dev.index, smi_index, dev.name, bus, dev.memory_gib))
+    return rows
+
+
+def explain(rows: list[DeviceRow], visible: str | None, order: str | None) -> list[str]:
+    """Sentences on how cuda:N relates to nvidia-smi's GPU N, and on mixed device types."""
+    notes = []
+    moved = [r for r in rows if r.smi_index is not None and r.smi_index != r.cuda_index]
+    if moved:
+        pairs = ", ".join(f"cuda:{r.cuda_index} is nvidia-smi GPU {r.smi_index}" for r in moved)
+        why = []
+        if visible is not None:
+            why.append(
+                f"CUDA_VISIBLE_DEVICES={visible} renumbers the devices it lists from 0, in the "
+                "listed order"
+            )
+        if order != "PCI_BUS_ID":
+            why.append(
+                f"CUDA_DEVICE_ORDER={order or 'unset'} numbers the fastest device first, not "
+                "in PCI bus order as nvidia-smi does; set CUDA_DEVICE_ORDER=PCI_BUS_ID "
+                "(meshrun sets it for its own processes when it is unset)"
+            )
+        notes.append(
+            f"CUDA numbers differ from nvidia-smi's: {pairs}. "
+            + ("; ".join(why) or "the order differs")
+            + ". Tools that read NVML (nvidia-smi -i, DCGM) use nvidia-smi's numbers; torch "
+            "and meshrun use cuda:N."
+        )
+    unmatched = [r.cuda_index for r in rows if r.smi_index is None]
+    if unmatched:
+        notes.append(
+            f"cuda:{', cuda:'.join(map(str, unmatched))} matched no nvidia-smi GPU by UUID or "
+            "PCI bus id (a MIG instance, or nvidia-smi sees another set of devices)"
+        )
+    kinds = Counter(r.name for r in rows)
+    if len(kinds) > 1:
+        mix = ", ".join(f"{count}x {name}" for name, count in kinds.items())
+        notes.append(
+            f"mixed device types ({mix}): a layout spread over both runs at the pace of the "
+            "slowest; pick a hardware profile that lists them in this order, or restrict "
+            "CUDA_VISIBLE_DEVICES to one kind"
+        )
+    return notes
+
+
+def parse_topology(text: str) -> dict[tuple[int, int], str]:
+    """GPU pairs -> link kind from `nvidia-smi topo -m` (NV<n>, PIX, PXB, PHB, NODE, SYS)."""
+    lines = [line.split() for line in text.splitlines() if line.strip()]
+    header = next((cells for cells in lines if cells and cells[0] == "GPU0"), None)
+    if header is None:
+        return {}
+    gpus = [cell for cell in header if cell.startswith("GPU") and cell[3:].isdigit()]
+    links = {}
+    for cells in lines:
+        if cells[0] not in gpus or cells == header:
+            continue
+        row = int(cells[0][3:])
+        for col, kind in enumerate(cells[1 : len(gpus) + 1]):
+            if col != row:
+                links[(row, col)] = kind
+    return links
+
+
+def describe_link(kind: str) -> str:
+    if kind.startswith("NV") and kind[2:].isdigit():
+        return f"NVLink x{kind[2:]}"
+    return f"{kind}: {LINK_KINDS.get(kind, 'unknown link')}"
+
+
+def _smi(*args: str) -> str | None:
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        proc = subprocess.run(
+            ["nvidia-smi", *args], capture_output=True, text=True, timeout=30, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return None
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def query_smi() -> tuple[list[SmiGpu], str | None]:
+    """nvidia-smi's GPUs and the driver version ([] and None without nvidia-smi)."""
+    gpus = _smi(f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader,nounits")
+    driver = _smi("--query-gpu=driver_version", "--format=csv,noheader")
+    return (parse_smi(gpus) if gpus else []), (driver.splitlines()[0].strip() if driver else None)
+
+
+def query_topology() -> dict[tuple[int, int], str]:
+    text = _smi("topo", "-m")
+    return parse_topology(text) if text else {}
+
+
+def query_cuda() -> list[CudaGpu]:
+    import torch
+
+    devices = []
+    if not torch.cuda.is_available():
+        return devices
+    for index in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(index)
+        bus = getattr(props, "pci_bus_id", None)
+        pci = None
+        if bus is not None:
+            domain, device = getattr(props, "pci_domain_id", 0), getattr(props, "pci_device_id", 0)
+            pci = f"{domain:04x}:{bus:02x}:{device:02x}.0"
+        uuid = str(props.uuid) if getattr(props, "uuid", None) else None
+        devices.append(CudaGpu(index, props.name, props.total_memory / 2**30, uuid, pci))
+    return devices
+
+
+def query_peer_access(count: int) -> dict[tuple[int, int], bool]:
+    import torch
+
+    return {
+        (a, b): torch.cuda.can_device_access_peer(a, b)
+        for a in range(count)
+        for b in range(count)
+        if a != b
+    }

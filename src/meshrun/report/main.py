@@ -1,0 +1,81 @@
+"""`meshrun-report`: select runs from the results store, print them as a table, write the
+HTML page with the plots. Reads the store only; no run, no W&B."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from meshrun.config import StoreConfig
+from meshrun.errors import ConfigError
+from meshrun.paths import CONF_DIR
+from meshrun.report.html import render
+from meshrun.report.query import RunFilter, select_runs
+from meshrun.report.table import print_table
+from meshrun.sinks.console import console, print_error
+from meshrun.sinks.store import ResultsStore
+
+
+@dataclass
+class ReportConfig:
+    """Filters (unset: all runs) as in RunFilter; `html` is where the page is written."""
+
+    store: StoreConfig = field(default_factory=StoreConfig)
+    sweep: str | None = None
+    model: str | None = None
+    layout: str | None = None
+    since: str | None = None
+    until: str | None = None
+    baselines: bool = False
+    html: str = "report.html"
+    title: str = "meshrun: run comparison"
+
+    def run_filter(self) -> RunFilter:
+        return RunFilter(self.sweep, self.model, self.layout, self.since, self.until,
+                         self.baselines)  # fmt: skip
+
+    def selection(self) -> str:
+        chosen = {k: getattr(self, k) for k in ("sweep", "model", "layout", "since", "until")}
+        words = ", ".join(f"{k}={v}" for k, v in chosen.items() if v is not None)
+        return f"{self.store.path} ({words or 'all runs'})"
+
+
+ConfigStore.instance().store(name="report_schema", node=ReportConfig)
+
+
+def run(cfg: ReportConfig) -> int:
+    """0: page written; 1: no run matched; 2: bad config."""
+    try:
+        if not Path(cfg.store.path).is_file():
+            raise ConfigError("store.path", cfg.store.path, "no results store there",
+                              "the meshrun.db that meshrun wrote (its store.path)")  # fmt: skip
+        runs = select_runs(ResultsStore(cfg.store.path), cfg.run_filter())
+    except ConfigError as err:
+        print_error("config error", str(err))
+        return 2
+    if not runs:
+        print_error("no runs", f"match {cfg.selection()}")
+        return 1
+    print_table(runs, cfg.title)
+    out = Path(cfg.html)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render(runs, cfg.title, cfg.selection()))
+    console.print(f"report: {out}", soft_wrap=True)
+    return 0
+
+
+# Its own config dir: in conf/ `model=` would name the model group, not the filter.
+@hydra.main(config_path=str(CONF_DIR / "report"), config_name="report", version_base="1.3")
+def main(dict_cfg: DictConfig) -> None:
+    code = run(OmegaConf.to_object(dict_cfg))
+    if code:
+        sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

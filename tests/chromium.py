@@ -1,0 +1,49 @@
+"""Render a page in headless Chromium (Debian's `chromium`): a screenshot, and the DOM after
+load with each image's load state written into it by a small script added to a copy."""
+
+from __future__ import annotations
+
+import html
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+CHROMIUM = shutil.which("chromium")
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install chromium)"
+)
+FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars")
+# Runs at `load`, when every <img> has loaded or failed; naturalWidth is 0 for a failed one.
+IMAGE_CHECK = """<script>
+window.addEventListener("load", () => {
+  const out = document.createElement("pre");
+  out.id = "image-check";
+  out.textContent = JSON.stringify([...document.images].map(
+    (img) => ({alt: img.alt, complete: img.complete, width: img.naturalWidth})));
+  document.body.appendChild(out);
+});
+</script>"""
+
+
+def _chromium(*args: str) -> str:
+    assert CHROMIUM is not None
+    proc = subprocess.run([CHROMIUM, *FLAGS, *args], capture_output=True, text=True,
+                          timeout=120, check=True)  # fmt: skip
+    return proc.stdout
+
+
+def screenshot(page: Path, png: Path, width: int = 1400, height: int = 2400) -> None:
+    _chromium(f"--screenshot={png}", f"--window-size={width},{height}", page.as_uri())
+
+
+def loaded_dom(page: Path) -> tuple[str, list[dict[str, Any]]]:
+    """(the DOM after load, [{alt, complete, width}] per image)."""
+    probe = page.with_name(f"{page.stem}.probe.html")
+    probe.write_text(page.read_text().replace("</body>", IMAGE_CHECK + "</body>"))
+    dom = _chromium("--dump-dom", probe.as_uri())
+    start = dom.index('<pre id="image-check">') + len('<pre id="image-check">')
+    return dom, json.loads(html.unescape(dom[start : dom.index("</pre>", start)]))

@@ -1,0 +1,98 @@
+"""Hang watchdog: a rank stuck in a collective ends the training run with a message naming
+the rank, the step and the operation, within timeout + 15 s, and tears every rank down; when
+the backend's timeout does not fire, the rank's own watchdog thread ends it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+from meshrun.diag.watchdog import GRACE_S, Watchdog, diagnose, read_positions, step_collectives
+from meshrun.failures import first_failure
+
+HANG = ("model=tiny", "parallel=ddp", "train.steps=8", "train.warmup_steps=1", "train.log_every=1",
+        "debug.fail_rank=1", "debug.fail_step=2", "debug.fail_mode=hang")  # fmt: skip
+
+
+def test_hung_training_run_names_rank_step_and_operation(meshrun, marked_env):
+    timeout = 5
+    run = meshrun(*HANG, f"backend.timeout_s={timeout}", env=marked_env)
+    ended = time.time()
+    assert run.returncode == 1
+    expected = (
+        "collective hang: rank 0 waited in forward/backward (gradient all_reduce) at step 2; "
+        "rank 1 never entered it (was at step 2, outside any collective)"
+    )
+    assert expected in run.output
+    results = run.results
+    assert results["status"] == "failed" and expected in results["error"]
+    assert len(results["losses"]) == 2  # steps 0 and 1 finished and are kept
+    hang_started = read_positions(str(run.run_dir))[1].since
+    assert ended - hang_started < timeout + 15
+
+
+def test_watchdog_ends_a_rank_the_backend_does_not_time_out(tmp_path):
+    """No process group at all: only the watchdog thread can end this 'collective'."""
+    code = textwrap.dedent(f"""
+        import time
+        from meshrun.diag.watchdog import Watchdog
+        watchdog = Watchdog({str(tmp_path)!r}, rank=3, timeout_s=1)
+        with watchdog.inside(7, "all_reduce (stuck)", one_collective=True):
+            time.sleep(120)
+    """)
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, timeout=60, check=False
+    )
+    assert proc.returncode == 1
+    assert time.monotonic() - started < 1 + GRACE_S + 15
+    rank, error = first_failure(str(tmp_path))
+    assert rank == 3
+    assert error.startswith("CollectiveHang: rank 3 stuck in all_reduce (stuck) at step 7")
+    assert "backend.timeout_s=1" in error
+    assert diagnose(str(tmp_path), 3) == "rank 3 waited in all_reduce (stuck) at step 7"
+
+
+def test_watchdog_leaves_phases_that_also_compute_to_the_backend(tmp_path):
+    """A long forward/backward is not a hang: only one-collective phases have a deadline."""
+    code = textwrap.dedent(f"""
+        import time
+        from meshrun.diag.watchdog import GRACE_S, Watchdog
+        watchdog = Watchdog({str(tmp_path)!r}, rank=0, timeout_s=0.5)
+        with watchdog.inside(0, "forward/backward (gradient all_reduce)"):
+            time.sleep(0.5 + GRACE_S + 2)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60,
+                          check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert first_failure(str(tmp_path)) is None
+
+
+def test_an_error_outside_collectives_is_no_hang(tmp_path):
+    watchdogs = [Watchdog(str(tmp_path), rank, timeout_s=60) for rank in (0, 1)]
+    watchdogs[0].at(4)
+    try:
+        with watchdogs[1].inside(4, "all_reduce (gradient norm)"):
+            raise RuntimeError("peer closed the connection")
+    except RuntimeError:
+        pass
+    assert diagnose(str(tmp_path), 0) is None  # rank 0 failed outside any collective
+    assert diagnose(str(tmp_path), 1) == (
+        "rank 1 waited in all_reduce (gradient norm) at step 4; "
+        "rank 0 never entered it (was at step 4, outside any collective)"
+    )
+    for watchdog in watchdogs:
+        watchdog.stop()
+    assert sorted(read_positions(str(tmp_path))) == [0, 1]
+
+
+def test_step_collectives_follow_the_layout():
+    assert step_collectives({"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1}) == (
+        "forward/backward"
+    )
+    assert step_collectives({"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 2}) == (
+        "forward/backward (pipeline send/recv, FSDP all_gather/reduce_scatter, "
+        "tensor-parallel collectives)"
+    )
