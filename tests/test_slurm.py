@@ -162,6 +162,22 @@ def test_a_failing_rank_is_recorded_as_failed_with_its_error(meshrun):
     assert stored["error"] == results["error"]
 
 
+def test_a_hanging_rank_ends_the_job_and_the_run_is_recorded(meshrun):
+    """Rank 1 hangs: rank 0's collective times out, srun kills rank 1, which leaves no result;
+    submitit learns from sacct that the job is over, so the driver does not wait forever."""
+    run = meshrun(*TINY, *DP2_ONE_PER_NODE, "debug.fail_rank=1", "debug.fail_mode=hang",
+                  "debug.fail_step=2", "backend.timeout_s=5")  # fmt: skip
+    assert run.returncode == 1, run.output
+    results = run.results
+    assert results["status"] == "failed"
+    assert results["failed_rank"] == 0
+    assert "Timed out" in results["error"]
+    [job_id] = job_ids(run.run_dir)
+    assert sacct(job_id)["state"] == "FAILED"
+    [stored] = run.stored()
+    assert stored["status"] == "failed"
+
+
 def test_partition_that_does_not_exist_is_a_config_error(meshrun):
     run = meshrun(*TINY, "launcher.partition=nope")
     assert run.returncode == 2
