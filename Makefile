@@ -33,6 +33,7 @@ bench: install
 	$(PY) benchmarks/ddp_overhead.py
 	$(PY) benchmarks/pipeline_overhead.py
 	$(PY) benchmarks/tensor_parallel_overhead.py
+	$(PY) benchmarks/planner_accuracy.py
 
 doctor: install
 	$(VENV)/bin/meshrun-doctor

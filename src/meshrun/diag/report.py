@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from meshrun.config import LoggerConfig
-from meshrun.sinks.console import console
+from meshrun.sinks.console import console, print_warning
 from meshrun.sinks.store import ResultsStore
 from meshrun.sinks.wandb_sink import resolve_mode
 
@@ -83,8 +83,14 @@ def write_json(report: dict[str, Any]) -> None:
 def record(report: dict[str, Any], store_path: str, logger: LoggerConfig, config: dict) -> None:
     """The store row and W&B: a comm run's measurements, for comparison with others."""
     ResultsStore(store_path).record_comm(report)
-    if logger.name == "wandb":
+    if logger.name != "wandb":
+        return
+    try:
         _log_wandb(logger, config, report)
+    except Exception as err:  # as for training runs: W&B costs the dashboard copy only
+        saved = f"{report['run_dir']}/{REPORT_FILE}"
+        print_warning(f"W&B logging failed ({type(err).__name__}: {err}); the comm run is "
+                      f"recorded in {store_path} and {saved}")  # fmt: skip
 
 
 def _log_wandb(cfg: LoggerConfig, config: dict[str, Any], report: dict[str, Any]) -> None:

@@ -143,6 +143,11 @@ def step_collectives(degrees: dict[str, int]) -> str:
 
 
 def with_diagnosis(error: str, run_dir: str, failed_rank: int) -> str:
-    """A rank's error, followed by where every rank was when it was inside a collective."""
+    """A rank's error, followed by where every rank was when it was inside a collective. Only
+    a timeout is called a hang: a phase that communicates also computes, and an ordinary
+    error raised there (a shape mismatch, say) is no hang."""
     found = diagnose(run_dir, failed_rank)
-    return f"{error} -- collective hang: {found}" if found else error
+    if not found:
+        return error
+    timed_out = any(marker in error.lower() for marker in ("timed out", "timeout"))
+    return f"{error} -- {'collective hang' if timed_out else 'ranks at the failure'}: {found}"

@@ -1,0 +1,44 @@
+"""The planner's memory prediction against real runs on this host: peak within 10% per rank,
+params / grads / optimizer / activations within 15%. A few layouts run by default, the rest
+of the set with -m slow; benchmarks/planner_accuracy.py prints the whole table.
+
+FSDP is not in the asserted set: on gloo its measured peak moves by whole gathered blocks
+between identical runs (100-141 MiB for the same config), more than the bar allows; the
+benchmark reports it."""
+
+from __future__ import annotations
+
+import pytest
+
+CATEGORIES = ("params", "grads", "optimizer", "activations")
+LAYOUTS = {
+    "single": ("parallel=single",),
+    "ddp": ("parallel=ddp",),
+    "tp2": ("parallel=tp2",),
+    "pp2-1f1b": ("parallel=pp2", "parallel.schedule=1f1b"),
+    "pp2-gpipe": ("parallel=pp2", "parallel.schedule=gpipe"),
+    "tp2_pp2": ("parallel=tp2_pp2",),
+}
+FAST = {("single", "none"), ("tp2", "full"), ("pp2-gpipe", "none"), ("tp2_pp2", "full")}
+CASES = [
+    pytest.param(name, ckpt, marks=() if (name, ckpt) in FAST else pytest.mark.slow,
+                 id=f"{name}-ckpt_{ckpt}")
+    for name in LAYOUTS
+    for ckpt in ("none", "full")
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "ckpt"), CASES)
+def test_predicted_memory_per_rank_is_within_the_bars(meshrun, name, ckpt):
+    run = meshrun(*LAYOUTS[name], f"parallel.activation_checkpointing={ckpt}", "train.steps=4",
+                  "metrics.baseline=false")  # fmt: skip
+    assert run.returncode == 0, run.output
+    results = run.results
+    pairs = list(zip(results["memory_per_rank"], results["memory_predicted"], strict=True))
+    assert len(pairs) == results["world_size"]
+    for measured, predicted in pairs:
+        rank = measured["rank"]
+        assert predicted["peak"] == pytest.approx(measured["peak"], rel=0.10), (rank, pairs)
+        for category in CATEGORIES:
+            assert predicted[category] == pytest.approx(measured[category], rel=0.15), (
+                rank, category, pairs)  # fmt: skip
