@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install run test test-all lint format bench doctor comm
+.PHONY: install run test test-all lint format bench doctor comm slurm-start slurm-stop
 
 install: $(VENV)/.installed
 
@@ -40,3 +40,10 @@ doctor: install
 
 comm: install
 	$(VENV)/bin/meshrun-comm
+
+# A real two-node SLURM cluster on this machine (root), for launcher=slurm and its tests.
+slurm-start:
+	scripts/slurm-cluster.sh start
+
+slurm-stop:
+	scripts/slurm-cluster.sh stop

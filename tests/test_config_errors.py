@@ -78,6 +78,32 @@ BAD_CONFIGS = [
     (["metrics.scaling=linear"], "metrics.scaling", "weak | strong"),
     (["logger.mode=sometimes"], "logger.mode", "offline"),
     (["launcher.nnodes=2"], "launcher.nnodes", "one node"),
+    (["launcher.nnodes=0"], "launcher.nnodes", "must be positive"),
+    (["launcher.name=pbs"], "launcher.name", "local | slurm"),
+    (
+        ["launcher=slurm", "launcher.nnodes=2", "parallel=single"],
+        "launcher.nnodes",
+        "has 1 ranks, not a multiple of nnodes",
+    ),
+    (
+        ["launcher=slurm", "launcher.nnodes=2", "launcher.nproc_per_node=2", "parallel=tp2"],
+        "launcher.nproc_per_node",
+        "needs 2 ranks (1 on each of 2 nodes)",
+    ),
+    (["launcher=slurm", "launcher.time_min=0"], "launcher.time_min", "must be positive"),
+    (["launcher=slurm", "launcher.cpus_per_task=0"], "launcher.cpus_per_task", "positive"),
+    (["launcher=slurm", "launcher.mem_gb=-4"], "launcher.mem_gb", "must be positive"),
+    (["launcher=slurm", "launcher.gpus_per_node=-1"], "launcher.gpus_per_node", "negative"),
+    (
+        ["launcher=slurm", "+launcher.sbatch_extra.partition=gpu"],
+        "launcher.sbatch_extra",
+        "set by the launcher itself. Valid: launcher.partition",
+    ),
+    (
+        ["launcher=slurm", "+launcher.sbatch_extra.Mail_Type=END"],
+        "launcher.sbatch_extra",
+        "not an sbatch flag name",
+    ),
     (["debug.fail_rank=5"], "debug.fail_rank", "0..1"),
 ]
 
@@ -98,6 +124,12 @@ def test_bad_config_names_key_value_and_fix(overrides, key, fragment):
 def test_mpi_backend_without_mpi_build_is_refused():
     with pytest.raises(ConfigError, match="no MPI support"):
         validate(compose_config("backend=mpi"), HostFacts.detect())
+
+
+def test_slurm_without_a_slurm_client_is_refused(monkeypatch, tmp_path: Path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # a host where sbatch does not exist
+    with pytest.raises(ConfigError, match=r"launcher='slurm': no SLURM client on this host"):
+        validate(compose_config("launcher=slurm"), HostFacts.detect())
 
 
 def test_text_data_needs_byte_vocabulary(tmp_path: Path):

@@ -14,9 +14,9 @@ ARGS = ["-m", "meshrun.cli", "model=tiny", "logger=none", "train.progress_bar=fa
         "train.steps=6"]  # fmt: skip
 
 
-def torchrun(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
+def torchrun(cwd: Path, *overrides: str, command=tuple(TORCHRUN)) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [*TORCHRUN, *ARGS, f"store.path={cwd / 'meshrun.db'}", *overrides],
+        [*command, *ARGS, f"store.path={cwd / 'meshrun.db'}", *overrides],
         check=False, capture_output=True, text=True, timeout=240, cwd=cwd,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )  # fmt: skip

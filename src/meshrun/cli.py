@@ -7,10 +7,9 @@ measures the baseline if needed and writes the results.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # before anything touches CUDA
 
@@ -18,45 +17,64 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from meshrun.collect import submit_pending
 from meshrun.config import ExperimentConfig
 from meshrun.errors import ConfigError
-from meshrun.experiment import RunFailed, record_skipped, run_experiment
+from meshrun.experiment import record_skipped, reported, run_experiment
 from meshrun.hardware import HostFacts
 from meshrun.launch.local import launch_local
-from meshrun.launch.torchrun import attached_rank, launch_attached, run_dir_override
+from meshrun.launch.slurm import launch_slurm
+from meshrun.launch.torchrun import (
+    attached_nodes,
+    attached_rank,
+    launch_attached,
+    run_dir_override,
+)
 from meshrun.paths import CONF_DIR
 from meshrun.plan.search import target_facts
-from meshrun.sinks.console import print_error, print_summary
+from meshrun.sinks.console import print_error
 from meshrun.sweep import SweepJobFailed, in_multirun, is_sweep_job, register_sweeps, sweep_name
 from meshrun.validate import validate
 from meshrun.worker import run_rank
 
 ConfigStore.instance().store(name="experiment_schema", node=ExperimentConfig)
 register_sweeps(ConfigStore.instance())
+LAUNCHERS = {"local": launch_local, "slurm": launch_slurm}
 
 
 def _check_attached_world(cfg: ExperimentConfig) -> None:
     started = int(os.environ["WORLD_SIZE"])
-    if started != cfg.launcher.nproc_per_node * cfg.launcher.nnodes:
+    nodes, per_node = cfg.launcher.nnodes, cfg.launcher.nproc_per_node
+    if started != per_node * nodes:
         raise ConfigError(
             "WORLD_SIZE",
             started,
-            f"torchrun started {started} ranks but parallel="
-            f"{cfg.parallel.name} needs {cfg.launcher.nproc_per_node}",
-            f"torchrun --nproc-per-node {cfg.launcher.nproc_per_node}, or another layout",
+            f"torchrun started {started} ranks but parallel={cfg.parallel.name} needs "
+            f"{per_node * nodes}",
+            f"torchrun --nnodes {nodes} --nproc-per-node {per_node}, or another layout",
         )
+
+
+def _waits_here(cfg: ExperimentConfig) -> bool:
+    """A SLURM job of a multirun is collected at the sweep's end (collect.CollectSweep), so
+    that the sweep's jobs run concurrently; with launcher.wait=false, by meshrun-collect."""
+    return cfg.launcher.wait and not in_multirun()
 
 
 def run(dict_cfg: DictConfig) -> int:
     cfg: ExperimentConfig = OmegaConf.to_object(dict_cfg)
-    cfg = dataclasses.replace(cfg, sweep=sweep_name(cfg.sweep))
+    cfg = replace(cfg, sweep=sweep_name(cfg.sweep))
     rank = attached_rank()
+    if rank is not None:
+        cfg = replace(cfg, launcher=replace(cfg.launcher, nnodes=attached_nodes()))
     try:
         facts = HostFacts.detect()
         # First on the box the hardware profile describes (its layout, whether it fits), then
         # on this host; for hardware=auto they are the same.
-        validate(cfg, target_facts(cfg.hardware, facts))
-        cfg = validate(cfg, facts)
+        target = target_facts(cfg.hardware, facts)
+        validate(cfg, target)
+        # SLURM ranks run on the profile's box, not on this (login) host.
+        cfg = validate(cfg, target if cfg.launcher.name == "slurm" else facts)
         if rank is not None:
             _check_attached_world(cfg)
     except ConfigError as err:
@@ -69,15 +87,11 @@ def run(dict_cfg: DictConfig) -> int:
     if rank not in (None, 0):
         run_rank(asdict(cfg))
         return 0
-    launch = launch_attached if rank == 0 else launch_local
-    try:
-        results = run_experiment(cfg, launch)
-    except RunFailed as failed:
-        print_summary(failed.results)
-        print_error("run failed", str(failed))
-        return 1
-    print_summary(results)
-    return 0
+    if rank is None and cfg.launcher.name == "slurm" and not _waits_here(cfg):
+        submit_pending(cfg)
+        return 0
+    launch = launch_attached if rank == 0 else LAUNCHERS[cfg.launcher.name]
+    return reported(lambda: run_experiment(cfg, launch))
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")

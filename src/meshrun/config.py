@@ -107,12 +107,29 @@ class HardwareConfig:
 
 @dataclass
 class LauncherConfig:
+    """`nproc_per_node` ranks on each of `nnodes` nodes. The fields after `start_method` are
+    launcher=slurm's: sbatch resources (one task per rank), `setup` shell lines run before
+    srun, `sbatch_extra` any other sbatch flag ({"mail-type": "END"}); `wait` false returns
+    after submitting, and `meshrun-collect` records the results later."""
+
     name: str = "local"
     nnodes: int = 1
     nproc_per_node: int | None = None
     threads_per_rank: int | None = None
     monitor_interval_s: float = 0.1
     start_method: str = "spawn"
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    gpus_per_node: int | None = None
+    cpus_per_task: int | None = None
+    mem_gb: float | None = None
+    time_min: int = 60
+    constraint: str | None = None
+    exclusive: bool = False
+    setup: list[str] = field(default_factory=list)
+    sbatch_extra: dict[str, str] = field(default_factory=dict)
+    wait: bool = True
 
 
 @dataclass

@@ -19,7 +19,7 @@ from meshrun.errors import ConfigError
 from meshrun.launch import RankFailure
 from meshrun.launch.torchrun import attached_rank
 from meshrun.results import assemble, baseline_config, baseline_key, is_own_baseline
-from meshrun.sinks.console import print_warning
+from meshrun.sinks.console import print_error, print_summary, print_warning
 from meshrun.sinks.store import ResultsStore
 from meshrun.worker import METRICS_FILE
 
@@ -32,14 +32,30 @@ class RunFailed(RuntimeError):
         super().__init__(results["error"])
 
 
+def reported(run: Callable[[], dict[str, Any]]) -> int:
+    """Runs an experiment to its record and prints the summary; the command's exit code."""
+    try:
+        results = run()
+    except RunFailed as failed:
+        print_summary(failed.results)
+        print_error("run failed", str(failed))
+        return 1
+    print_summary(results)
+    return 0
+
+
 def run_experiment(cfg: ExperimentConfig, launch: Launch) -> dict[str, Any]:
     """Returns the results record; raises RunFailed (after recording) if a rank failed.
 
     The baseline is measured after the run, when the store has none: under torchrun the
     other ranks are then already gone and rank 0 measures it alone.
     """
+    return finish_experiment(cfg, measure(cfg, "run", launch), launch)
+
+
+def finish_experiment(cfg: ExperimentConfig, measured: Measured, launch: Launch) -> dict[str, Any]:
+    """Baseline and record of a run measured already (here, or by a job submitted earlier)."""
     store = ResultsStore(cfg.store.path)
-    measured = measure(cfg, "run", launch)
     baseline = None
     if cfg.metrics.baseline:
         twin = baseline_config(cfg)
@@ -70,27 +86,40 @@ def read_steps(run_dir: str) -> list[dict[str, Any]]:
 
 
 def measure(cfg: ExperimentConfig, role: str, launch: Launch) -> Measured:
+    meta = begin(cfg, role)
+    return outcome(cfg, meta, time.time(), lambda: launch(cfg))
+
+
+def begin(cfg: ExperimentConfig, role: str) -> dict[str, Any]:
+    """Clears what an earlier attempt left in the run dir; the new run's identity."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / METRICS_FILE).unlink(missing_ok=True)
     if attached_rank() is None:  # under torchrun the peers may have written theirs already
         clear_records(cfg.run_dir)
-    meta: dict[str, Any] = {
+    return {
         "run_id": uuid.uuid4().hex[:12],
         "role": role,
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "status": "completed",
-        "error": None,
-        "failed_rank": None,
     }
-    started = time.perf_counter()
+
+
+def outcome(
+    cfg: ExperimentConfig,
+    meta: dict[str, Any],
+    started: float,
+    wait: Callable[[], dict[str, Any] | None],
+) -> Measured:
+    """`wait` returns rank 0's raw measurements once the ranks are done, or raises
+    RankFailure; `started` is the epoch second the launch began."""
+    meta = {**meta, "status": "completed", "error": None, "failed_rank": None}
     raw: dict[str, Any] | None = None
     try:
-        raw = launch(cfg)
+        raw = wait()
     except RankFailure as failure:
         error = with_diagnosis(str(failure), cfg.run_dir, failure.rank)
         meta.update(status="failed", error=error, failed_rank=failure.rank)
-    meta["duration_s"] = round(time.perf_counter() - started, 3)
+    meta["duration_s"] = round(time.time() - started, 3)
     raw = raw or {}
     return Measured(
         meta,

@@ -51,7 +51,7 @@ def baseline_config(cfg: ExperimentConfig) -> ExperimentConfig:
     return dataclasses.replace(
         cfg,
         parallel=ParallelConfig(name="single"),
-        launcher=dataclasses.replace(cfg.launcher, nproc_per_node=1),
+        launcher=dataclasses.replace(cfg.launcher, nnodes=1, nproc_per_node=1),
         train=dataclasses.replace(cfg.train, global_batch_size=global_batch, progress_bar=False),
         run_dir=f"{cfg.run_dir}/baseline",
         name=f"{cfg.name}-baseline",

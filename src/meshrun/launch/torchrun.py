@@ -20,6 +20,11 @@ def attached_rank() -> int | None:
     return None
 
 
+def attached_nodes() -> int:
+    """How many nodes torchrun started ranks on (its --nnodes)."""
+    return int(os.environ["WORLD_SIZE"]) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def run_dir_override() -> str:
     """One run dir for all ranks: `${now:}` would differ per process."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")

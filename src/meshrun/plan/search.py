@@ -144,7 +144,9 @@ def with_parallel(cfg: ExperimentConfig, world: int, **degrees) -> ExperimentCon
                                                               "dp_shard")}).describe()  # fmt: skip
     parallel = ParallelConfig(name=name.replace(" x ", "_"), **degrees)
     plan = dataclasses.replace(cfg.plan, allow_oom=True)  # judged here, not refused
-    launcher = dataclasses.replace(cfg.launcher, nproc_per_node=world, threads_per_rank=None)
+    launcher = dataclasses.replace(
+        cfg.launcher, nproc_per_node=world // cfg.launcher.nnodes, threads_per_rank=None
+    )
     # A layout is not illegal for the micro-batch the run happened to ask for: shrink it
     # to what the layout's data-parallel share of the batch allows.
     t = cfg.train

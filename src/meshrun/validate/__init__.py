@@ -23,6 +23,7 @@ from meshrun.validate.layout import (
     resolve_layout,
     resolve_pipeline,
 )
+from meshrun.validate.slurm import check_slurm
 
 
 def validate(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:
@@ -46,6 +47,8 @@ def validate(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:
     check_fit(resolved, facts)
     check_batch(resolved)
     _check_debug(resolved)
+    if launcher.name == "slurm":
+        resolved = dataclasses.replace(resolved, launcher=check_slurm(resolved))
     return resolved
 
 
@@ -61,7 +64,8 @@ def _check_plan(cfg: ExperimentConfig) -> None:
 def _auto_layout(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:
     from meshrun.plan.search import best_layout
 
-    world = cfg.launcher.nproc_per_node or len(facts.cuda_devices) or CPU_DEFAULT_RANKS
+    per_node = cfg.launcher.nproc_per_node or len(facts.cuda_devices) or CPU_DEFAULT_RANKS
+    world = per_node * cfg.launcher.nnodes
     return best_layout(cfg, world, facts)
 
 
@@ -159,7 +163,7 @@ def resolve_backend(cfg: ExperimentConfig, hardware: HardwareConfig, facts: Host
 
 
 def _check_debug(cfg: ExperimentConfig) -> None:
-    d, world = cfg.debug, cfg.launcher.nproc_per_node
+    d, world = cfg.debug, cfg.launcher.nproc_per_node * cfg.launcher.nnodes
     choice("debug.fail_mode", d.fail_mode, ("raise", "hang"))
     if d.fail_rank is not None and not 0 <= d.fail_rank < world:
         fail(

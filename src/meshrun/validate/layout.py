@@ -11,6 +11,7 @@ import os
 from meshrun.config import ExperimentConfig
 from meshrun.errors import choice, fail, positive
 from meshrun.hardware import HostFacts
+from meshrun.launch.torchrun import attached_rank
 from meshrun.mesh import MESH_DIMS, Layout
 from meshrun.models.llama import ffn_dim
 from meshrun.parallel.pipeline import MULTI_STAGE_SCHEDULES, SCHEDULES, stage_layer_counts
@@ -21,9 +22,15 @@ CPU_DEFAULT_RANKS = 2
 
 def resolve_layout(cfg: ExperimentConfig, facts: HostFacts):
     p, launcher = cfg.parallel, cfg.launcher
-    choice("launcher.name", launcher.name, ("local",))
-    if launcher.nnodes != 1:
-        fail("launcher.nnodes", launcher.nnodes, "launcher=local runs on one node", "1")
+    choice("launcher.name", launcher.name, ("local", "slurm"))
+    positive("launcher.nnodes", launcher.nnodes)
+    if launcher.name == "local" and launcher.nnodes != 1 and attached_rank() is None:
+        fail(
+            "launcher.nnodes",
+            launcher.nnodes,
+            "launcher=local runs on one node",
+            "1; for several nodes launcher=slurm, or start meshrun with torchrun --nnodes",
+        )
     positive("launcher.nproc_per_node", launcher.nproc_per_node, allow_none=True)
     positive("launcher.threads_per_rank", launcher.threads_per_rank, allow_none=True)
     choice("parallel.data_parallel", p.data_parallel, ("auto", "dataparallel"))
@@ -51,11 +58,11 @@ def resolve_layout(cfg: ExperimentConfig, facts: HostFacts):
             "explicit degrees for all but one dim",
         )
     fixed = math.prod(n for n in degrees.values() if n != -1)
-    nproc = launcher.nproc_per_node
+    nproc, nodes = launcher.nproc_per_node, launcher.nnodes
     # A CPU profile on a GPU host runs on the CPU: its GPUs neither size nor limit the world.
     gpus = facts.cuda_devices if cfg.hardware.device_type == "cuda" else []
     if fill:
-        world = nproc or (len(gpus) if gpus else CPU_DEFAULT_RANKS)
+        world = (nproc or (len(gpus) if gpus else CPU_DEFAULT_RANKS)) * nodes
         if world % fixed:
             fail(
                 "launcher.nproc_per_node",
@@ -66,25 +73,36 @@ def resolve_layout(cfg: ExperimentConfig, facts: HostFacts):
             )
         degrees[fill[0]] = world // fixed
     world = math.prod(degrees.values())
-    if nproc is not None and nproc != world:
-        layout = Layout(**degrees).describe()
+    layout = Layout(**degrees).describe()
+    if world % nodes:
+        fail(
+            "launcher.nnodes",
+            nodes,
+            f"layout {layout} of parallel={p.name} has {world} ranks, not a multiple of nnodes",
+            f"a divisor of {world}",
+        )
+    if nproc is not None and nproc * nodes != world:
         fail(
             "launcher.nproc_per_node",
             nproc,
-            f"layout {layout} of parallel={p.name} needs {world} ranks",
-            f"{world}, or null to follow the layout",
+            f"layout {layout} of parallel={p.name} needs {world} ranks"
+            + (f" ({world // nodes} on each of {nodes} nodes)" if nodes > 1 else ""),
+            f"{world // nodes}, or null to follow the layout",
         )
-    if gpus and world > len(gpus):
+    nproc = world // nodes
+    if gpus and nproc > len(gpus):
         fail(
             "launcher.nproc_per_node",
-            world,
+            nproc,
             f"only {len(gpus)} CUDA devices are visible",
             f"at most {len(gpus)}",
         )
-    threads = launcher.threads_per_rank or max(1, facts.cpu_count // world)
+    threads = (
+        launcher.threads_per_rank or launcher.cpus_per_task or max(1, facts.cpu_count // nproc)
+    )
     return (
         dataclasses.replace(p, **degrees),
-        dataclasses.replace(launcher, nproc_per_node=world, threads_per_rank=threads),
+        dataclasses.replace(launcher, nproc_per_node=nproc, threads_per_rank=threads),
     )
 
 

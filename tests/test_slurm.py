@@ -1,0 +1,203 @@
+"""launcher=slurm and torchrun across nodes, against the real two-node cluster that
+scripts/slurm-cluster.sh starts on this machine (nodes meshrun-node1 and -2, each a network
+namespace with its own address). Without a cluster these tests skip, unless
+MESHRUN_REQUIRE_SLURM=1 (CI) turns the skip into a failure."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from meshrun.paths import REPO_ROOT
+from tests.cli import run_meshrun
+from tests.test_torchrun import torchrun
+
+CLUSTER_SCRIPT = REPO_ROOT / "scripts" / "slurm-cluster.sh"
+NODES = {"meshrun-node1", "meshrun-node2"}
+TINY = ["model=tiny", "train.steps=6", "launcher=slurm"]
+DP2_ONE_PER_NODE = ["parallel=ddp", "launcher.nnodes=2", "launcher.nproc_per_node=1"]
+FORMAT = ["JobID", "State", "Submit", "Start", "End", "NodeList"]
+
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(420)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def slurm_cluster() -> None:
+    try:
+        status = subprocess.run(
+            [str(CLUSTER_SCRIPT), "status"], capture_output=True, text=True, timeout=30,
+            check=False,
+        )  # fmt: skip
+        up, detail = status.returncode == 0, status.stderr.strip()
+    except (OSError, subprocess.TimeoutExpired) as err:
+        up, detail = False, str(err)
+    if up:
+        return
+    reason = f"no SLURM cluster ({detail}); start one with scripts/slurm-cluster.sh start"
+    if os.environ.get("MESHRUN_REQUIRE_SLURM") == "1":
+        pytest.fail(f"MESHRUN_REQUIRE_SLURM=1 but {reason}")
+    pytest.skip(reason)
+
+
+def sacct(job_id: str) -> dict[str, str]:
+    """The job's own accounting line (not its steps), once SLURM has finished it: the
+    driver may see the ranks' results a moment before SLURM ends the job."""
+    fields = ["job_id", "state", "submit", "start", "end", "nodes"]
+    deadline = time.monotonic() + 60
+    while True:
+        out = subprocess.run(
+            ["sacct", "-j", job_id, "-X", "-n", "-P", "-o", ",".join(FORMAT)],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout.strip()  # fmt: skip
+        job = dict(zip(fields, out.splitlines()[0].split("|"), strict=True)) if out else {}
+        if job.get("state") not in (None, "PENDING", "RUNNING", "COMPLETING"):
+            return job
+        assert time.monotonic() < deadline, f"job {job_id} not finished: {job}"
+        time.sleep(0.5)
+
+
+def queue_state(job_id: str) -> str:
+    """The job's state as the controller has it now (squeue; sacct may lag)."""
+    return subprocess.run(
+        ["squeue", "-h", "-j", job_id, "-o", "%T"],
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout.strip()  # fmt: skip
+
+
+def node_names(nodelist: str) -> set[str]:
+    out = subprocess.run(
+        ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True
+    ).stdout
+    return set(out.split())
+
+
+def job_ids(folder: Path) -> list[str]:
+    """The SLURM jobs whose submitit folders lie below `folder` (run dir or sweep dir)."""
+    return sorted((p.parent.name for p in folder.glob("**/slurm/*/*_submission.sh")), key=int)
+
+
+def test_dp2_with_one_rank_per_node_lands_in_the_store_with_speedup_and_memory(meshrun):
+    run = meshrun(*TINY, *DP2_ONE_PER_NODE)
+    assert run.returncode == 0, run.output
+    results = run.results
+    assert results["status"] == "completed"
+    assert results["world_size"] == 2
+    assert results["layout_name"] == "dp_replicate2"
+    assert results["speedup"] is not None and results["speedup"] > 0
+    assert len(results["peak_memory_bytes"]) == 2
+    assert all(peak > 0 for peak in results["peak_memory_bytes"])
+    [stored] = [r for r in run.stored() if r["role"] == "run"]
+    assert stored["status"] == "completed"
+    assert stored["speedup"] == results["speedup"]
+    assert stored["peak_memory_max_bytes"] == max(results["peak_memory_bytes"])
+    # One rank on each node, and each rank's output and errors under the run dir.
+    [job_id, _] = job_ids(run.run_dir)  # the run and its baseline twin
+    assert node_names(sacct(job_id)["nodes"]) == NODES
+    logs = run.run_dir / "slurm" / job_id
+    assert f"logs: {logs}" in run.output
+    for rank in (0, 1):
+        assert (logs / f"{job_id}_{rank}_log.out").exists()
+        assert (logs / f"{job_id}_{rank}_log.err").exists()
+
+
+def test_sweep_submits_both_jobs_before_either_finishes(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    run = run_meshrun(
+        tmp_path / "unused", tmp_path / "meshrun.db",
+        f"hydra.sweep.dir={sweep_dir}", *TINY, *DP2_ONE_PER_NODE,
+        "metrics.baseline=false", "train.micro_batch_size=1,2",
+        timeout=400, entrypoint=(sys.executable, "-m", "meshrun.cli", "--multirun"),
+    )  # fmt: skip
+    assert run.returncode == 0, run.output
+    ids = job_ids(sweep_dir)
+    assert len(ids) == 2
+    jobs = [sacct(job_id) for job_id in ids]
+    assert all(job["state"] == "COMPLETED" for job in jobs), jobs
+    # SLURM's own clock: the second job was submitted before the first one ended.
+    assert max(job["submit"] for job in jobs) < min(job["end"] for job in jobs), jobs
+    stored = run.stored()
+    assert sorted(r["micro_batch_size"] for r in stored) == [1, 2]
+    assert all(r["status"] == "completed" and r["world_size"] == 2 for r in stored)
+
+
+def test_wait_false_returns_the_job_id_and_collect_records_it_later(meshrun):
+    run = meshrun(*TINY, "parallel=single", "launcher.wait=false", "metrics.baseline=false")
+    assert run.returncode == 0, run.output
+    [job_id] = job_ids(run.run_dir)
+    assert f"submitted SLURM job {job_id}" in run.output
+    assert queue_state(job_id) in ("PENDING", "CONFIGURING", "RUNNING")  # not waited for
+    assert not run.store_path.exists() or run.stored() == []
+    collect = subprocess.run(
+        [sys.executable, "-m", "meshrun.collect", str(run.run_dir)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert collect.returncode == 0, collect.stdout + collect.stderr
+    [stored] = run.stored()
+    assert stored["status"] == "completed"
+    assert stored["run_id"] == json.loads((run.run_dir / "results.json").read_text())["run_id"]
+    again = subprocess.run(
+        [sys.executable, "-m", "meshrun.collect", str(run.run_dir)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert again.returncode == 0
+    assert "nothing to collect" in again.stdout
+
+
+def test_a_failing_rank_is_recorded_as_failed_with_its_error(meshrun):
+    run = meshrun(*TINY, *DP2_ONE_PER_NODE, "debug.fail_rank=1", "debug.fail_step=2")
+    assert run.returncode == 1, run.output
+    results = run.results
+    assert results["status"] == "failed"
+    assert results["failed_rank"] == 1
+    assert "injected failure on rank 1 at step 2" in results["error"]
+    assert "/slurm/" in results["error"]  # where the failing rank's log is
+    [stored] = run.stored()
+    assert stored["status"] == "failed"
+    assert stored["error"] == results["error"]
+
+
+def test_a_hanging_rank_ends_the_job_and_the_run_is_recorded(meshrun):
+    """Rank 1 hangs: rank 0's collective times out, srun kills rank 1, which leaves no result;
+    submitit learns from sacct that the job is over, so the driver does not wait forever."""
+    run = meshrun(*TINY, *DP2_ONE_PER_NODE, "debug.fail_rank=1", "debug.fail_mode=hang",
+                  "debug.fail_step=2", "backend.timeout_s=5")  # fmt: skip
+    assert run.returncode == 1, run.output
+    results = run.results
+    assert results["status"] == "failed"
+    assert results["failed_rank"] == 0
+    assert "Timed out" in results["error"]
+    [job_id] = job_ids(run.run_dir)
+    assert sacct(job_id)["state"] == "FAILED"
+    [stored] = run.stored()
+    assert stored["status"] == "failed"
+
+
+def test_partition_that_does_not_exist_is_a_config_error(meshrun):
+    run = meshrun(*TINY, "launcher.partition=nope")
+    assert run.returncode == 2
+    assert "launcher.partition='nope': no such partition. Valid: debug" in run.output
+    assert job_ids(run.run_dir) == []
+
+
+def test_torchrun_across_two_nodes_runs_ddp(tmp_path):
+    """Two torchrun agents, one per node (placed by srun), meet at a c10d rendezvous on the
+    first node's address; the ranks train DDP across the two network namespaces."""
+    command = [
+        "srun", "--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--time=5",
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+        "--rdzv-backend=c10d", "--rdzv-endpoint=meshrun-node1:29431", f"--rdzv-id={tmp_path.name}",
+    ]  # fmt: skip
+    proc = torchrun(tmp_path, "parallel=ddp", "launcher.nproc_per_node=1", command=command)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [results_file] = (tmp_path / "outputs" / "torchrun").glob("*/results.json")
+    results = json.loads(results_file.read_text())
+    assert results["status"] == "completed"
+    assert results["world_size"] == 2
+    assert results["speedup"] is not None
+    assert proc.stdout.count("meshrun: tiny / dp_replicate2") == 1
