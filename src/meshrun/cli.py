@@ -8,17 +8,16 @@ measures the baseline if needed and writes the results.
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import asdict, replace
 
 os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # before anything touches CUDA
 
-import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from meshrun.collect import submit_pending
 from meshrun.config import ExperimentConfig
+from meshrun.entrypoint import hydra_command
 from meshrun.errors import ConfigError
 from meshrun.experiment import record_skipped, reported, run_experiment
 from meshrun.hardware import HostFacts
@@ -28,9 +27,7 @@ from meshrun.launch.torchrun import (
     attached_nodes,
     attached_rank,
     launch_attached,
-    run_dir_override,
 )
-from meshrun.paths import CONF_DIR
 from meshrun.plan.search import target_facts
 from meshrun.sinks.console import print_error
 from meshrun.sweep import SweepJobFailed, in_multirun, is_sweep_job, register_sweeps, sweep_name
@@ -94,19 +91,12 @@ def run(dict_cfg: DictConfig) -> int:
     return reported(lambda: run_experiment(cfg, launch))
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
-def _hydra_main(dict_cfg: DictConfig) -> None:
-    code = run(dict_cfg)
-    if code and in_multirun():
+def _fail_sweep_job(code: int) -> None:
+    if in_multirun():
         raise SweepJobFailed(f"this job of the sweep exited {code} (see its error above)")
-    if code:
-        sys.exit(code)
 
 
-def main() -> None:
-    if attached_rank() is not None and not any(a.startswith("hydra.run.dir=") for a in sys.argv):
-        sys.argv.append(run_dir_override())
-    _hydra_main()
+main = hydra_command("train", run, on_failure=_fail_sweep_job)
 
 
 if __name__ == "__main__":

@@ -14,25 +14,23 @@ import dataclasses
 import json
 import math
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # before anything touches CUDA
 
-import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from rich.table import Table
 from rich.text import Text
 
 from meshrun.config import DebugConfig, ExperimentConfig, ParallelConfig
+from meshrun.entrypoint import hydra_command
 from meshrun.errors import ConfigError, positive
 from meshrun.experiment import Measured, measure
 from meshrun.hardware import HostFacts
 from meshrun.launch.local import launch_local
-from meshrun.paths import CONF_DIR
 from meshrun.results import layout_name
 from meshrun.sinks.console import console, print_error
 from meshrun.validate import validate
@@ -190,11 +188,7 @@ def run(dict_cfg: DictConfig) -> int:
     return 0 if report["passed"] else 1
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="verify", version_base="1.3")
-def main(dict_cfg: DictConfig) -> None:
-    code = run(dict_cfg)
-    if code:
-        sys.exit(code)
+main = hydra_command("verify", run)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -22,7 +21,6 @@ from typing import Any
 
 os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # before anything touches CUDA
 
-import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
@@ -31,12 +29,12 @@ from meshrun.diag.busbw import OPS
 from meshrun.diag.collectives import DTYPES, REDOPS, device_type, measurements, run_comm_rank
 from meshrun.diag.report import print_tables, record, summarize, write_json
 from meshrun.diag.watchdog import clear_records, with_diagnosis
+from meshrun.entrypoint import hydra_command
 from meshrun.errors import ConfigError, choice, fail, positive
 from meshrun.hardware import HostFacts, resolve_hardware
 from meshrun.launch import RankFailure
 from meshrun.launch.local import launch_local
-from meshrun.launch.torchrun import attached_rank, launch_attached, run_dir_override
-from meshrun.paths import CONF_DIR
+from meshrun.launch.torchrun import attached_rank, launch_attached
 from meshrun.sinks.console import console, print_error
 from meshrun.validate import resolve_backend
 
@@ -180,17 +178,7 @@ def run(dict_cfg: DictConfig) -> int:
     return 0
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="comm", version_base="1.3")
-def _hydra_main(dict_cfg: DictConfig) -> None:
-    code = run(dict_cfg)
-    if code:
-        sys.exit(code)
-
-
-def main() -> None:
-    if attached_rank() is not None and not any(a.startswith("hydra.run.dir=") for a in sys.argv):
-        sys.argv.append(run_dir_override())
-    _hydra_main()
+main = hydra_command("comm", run)
 
 
 if __name__ == "__main__":

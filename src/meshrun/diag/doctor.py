@@ -16,12 +16,10 @@ from __future__ import annotations
 import json
 import os
 import platform
-import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import hydra
 import torch
 import torch.distributed as dist
 from hydra.core.config_store import ConfigStore
@@ -32,9 +30,9 @@ from rich.text import Text
 from meshrun.config import DoctorRunConfig
 from meshrun.diag import devices
 from meshrun.diag.health import Health, check
+from meshrun.entrypoint import hydra_command
 from meshrun.errors import ConfigError, choice, positive
 from meshrun.hardware import HostFacts
-from meshrun.paths import CONF_DIR
 from meshrun.sinks.console import console, print_error
 
 ConfigStore.instance().store(name="doctor_schema", node=DoctorRunConfig)
@@ -206,11 +204,7 @@ def run(dict_cfg: DictConfig) -> int:
     return 0
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="doctor", version_base="1.3")
-def main(dict_cfg: DictConfig) -> None:
-    code = run(dict_cfg)
-    if code:
-        sys.exit(code)
+main = hydra_command("doctor", run)
 
 
 if __name__ == "__main__":

@@ -6,20 +6,18 @@ meshrun-plan model=llama-7b hardware=a6000 world_size=8
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
 from meshrun.config import ExperimentConfig
+from meshrun.entrypoint import hydra_command
 from meshrun.errors import ConfigError, positive
 from meshrun.hardware import HostFacts, resolve_hardware
-from meshrun.paths import CONF_DIR
 from meshrun.plan.search import Candidate, search, suggest_micro_batch, target_facts
 from meshrun.sinks.console import print_error
 
@@ -121,11 +119,7 @@ def run(dict_cfg: DictConfig) -> int:
     return 0
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="plan", version_base="1.3")
-def main(dict_cfg: DictConfig) -> None:
-    code = run(dict_cfg)
-    if code:
-        sys.exit(code)
+main = hydra_command("plan", run)
 
 
 if __name__ == "__main__":

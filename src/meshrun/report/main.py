@@ -3,15 +3,13 @@ HTML page with the plots. Reads the store only; no run, no W&B."""
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import hydra
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
 
 from meshrun.config import StoreConfig
+from meshrun.entrypoint import hydra_command
 from meshrun.errors import ConfigError
 from meshrun.paths import CONF_DIR
 from meshrun.report.html import render
@@ -70,11 +68,7 @@ def run(cfg: ReportConfig) -> int:
 
 
 # Its own config dir: in conf/ `model=` would name the model group, not the filter.
-@hydra.main(config_path=str(CONF_DIR / "report"), config_name="report", version_base="1.3")
-def main(dict_cfg: DictConfig) -> None:
-    code = run(OmegaConf.to_object(dict_cfg))
-    if code:
-        sys.exit(code)
+main = hydra_command("report", run, CONF_DIR / "report")
 
 
 if __name__ == "__main__":
