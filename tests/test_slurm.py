@@ -201,3 +201,19 @@ def test_torchrun_across_two_nodes_runs_ddp(tmp_path):
     assert results["world_size"] == 2
     assert results["speedup"] is not None
     assert proc.stdout.count("meshrun: tiny / dp_replicate2") == 1
+
+
+def test_comm_benchmark_runs_one_rank_per_node_through_slurm(tmp_path):
+    """meshrun-comm goes through the same SLURM launcher as training."""
+    run = run_meshrun(tmp_path / "comm", tmp_path / "meshrun.db", "launcher=slurm",
+                      "launcher.nnodes=2", "launcher.nproc_per_node=1", "backend=gloo",
+                      "comm.ops=[all_reduce,sendrecv]", "comm.max_bytes=65536",
+                      "comm.warmup_iters=2", "comm.iters=5",
+                      entrypoint=(sys.executable, "-m", "meshrun.diag.comm"),
+                      defaults=("logger=none",))  # fmt: skip
+    assert run.returncode == 0, run.output
+    report = json.loads((run.run_dir / "comm.json").read_text())
+    assert report["status"] == "completed" and report["world_size"] == 2
+    assert report["wrong"] == 0 and {r["op"] for r in report["rows"]} == {"all_reduce", "sendrecv"}
+    [job_id] = job_ids(run.run_dir)
+    assert node_names(sacct(job_id)["nodes"]) == NODES

@@ -34,14 +34,16 @@ from meshrun.errors import ConfigError, choice, fail, positive
 from meshrun.hardware import HostFacts, resolve_hardware
 from meshrun.launch import RankFailure
 from meshrun.launch.local import launch_local
+from meshrun.launch.slurm import launch_slurm
 from meshrun.launch.torchrun import attached_rank, launch_attached
 from meshrun.sinks.console import console, print_error
 from meshrun.validate import resolve_backend
+from meshrun.validate.slurm import check_slurm
 
 ConfigStore.instance().store(name="comm_schema", node=CommRunConfig)
 
 Launch = Callable[[CommRunConfig, Callable[[dict[str, Any]], Any]], Any]
-LAUNCHERS: dict[str, Launch] = {"local": launch_local}
+LAUNCHERS: dict[str, Launch] = {"local": launch_local, "slurm": launch_slurm}
 CPU_DEFAULT_RANKS = 2
 
 
@@ -111,6 +113,11 @@ def _resolve_launcher(cfg: CommRunConfig, backend: str, facts: HostFacts):
     if started and int(started) != nproc * launcher.nnodes:
         fail("WORLD_SIZE", started, f"torchrun started {started} ranks, the config asks for "
              f"{nproc * launcher.nnodes}", "launcher.nproc_per_node=null")  # fmt: skip
+    if launcher.name == "slurm":  # the cluster's nodes, not this login host, hold the devices
+        sized = dataclasses.replace(launcher, nproc_per_node=launcher.nproc_per_node or 1)
+        checked = check_slurm(dataclasses.replace(cfg, launcher=sized))
+        threads = launcher.threads_per_rank or launcher.cpus_per_task or 1
+        return dataclasses.replace(checked, threads_per_rank=threads)
     if device_type(backend) == "cuda" and nproc > gpus:
         fail("launcher.nproc_per_node", nproc, f"only {gpus} CUDA devices are visible",
              f"at most {gpus}")  # fmt: skip

@@ -11,13 +11,14 @@ a sweep's jobs run concurrently (meshrun.collect).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import submitit
 
-from meshrun.config import ExperimentConfig
+from meshrun.config import CommRunConfig, ExperimentConfig
 from meshrun.failures import first_failure
 from meshrun.launch import RankFailure
 from meshrun.sinks.console import console
@@ -26,17 +27,20 @@ from meshrun.worker import run_rank
 SLURM_DIR = "slurm"
 
 
-def slurm_task(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
+Entry = Callable[[dict[str, Any]], Any]
+
+
+def slurm_task(cfg_dict: dict[str, Any], entry: Entry = run_rank) -> Any:
     """One rank, inside its SLURM task: MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK from
-    SLURM's environment, then the rank itself. GPUs are picked by LOCAL_RANK among the job's
-    (CUDA_VISIBLE_DEVICES stays as SLURM set it)."""
+    SLURM's environment, then the rank itself (training's, or meshrun-comm's). GPUs are
+    picked by LOCAL_RANK among the job's (CUDA_VISIBLE_DEVICES stays as SLURM set it)."""
     submitit.helpers.TorchDistributedEnvironment().export(
         set_cuda_visible_devices=False, overwrite=True
     )
-    return run_rank(cfg_dict)
+    return entry(cfg_dict)
 
 
-def executor(cfg: ExperimentConfig) -> submitit.SlurmExecutor:
+def executor(cfg: ExperimentConfig | CommRunConfig) -> submitit.SlurmExecutor:
     launcher = cfg.launcher
     ex = submitit.SlurmExecutor(folder=Path(cfg.run_dir).absolute() / SLURM_DIR / "%j")
     ex.update_parameters(
@@ -59,9 +63,9 @@ def executor(cfg: ExperimentConfig) -> submitit.SlurmExecutor:
     return ex
 
 
-def submit(cfg: ExperimentConfig) -> str:
+def submit(cfg: ExperimentConfig | CommRunConfig, entry: Entry = run_rank) -> str:
     """Submits the job, returns its id at once."""
-    job = executor(cfg).submit(slurm_task, asdict(cfg))
+    job = executor(cfg).submit(slurm_task, asdict(cfg), entry)
     console.print(
         f"submitted SLURM job {job.job_id} ({cfg.launcher.nnodes} node(s) x "
         f"{cfg.launcher.nproc_per_node} task(s)); logs: {log_dir(cfg, job.job_id)}",
@@ -71,11 +75,11 @@ def submit(cfg: ExperimentConfig) -> str:
     return job.job_id
 
 
-def log_dir(cfg: ExperimentConfig, job_id: str) -> Path:
+def log_dir(cfg: ExperimentConfig | CommRunConfig, job_id: str) -> Path:
     return Path(cfg.run_dir).absolute() / SLURM_DIR / job_id
 
 
-def wait(cfg: ExperimentConfig, job_id: str) -> dict[str, Any] | None:
+def wait(cfg: ExperimentConfig | CommRunConfig, job_id: str) -> dict[str, Any] | None:
     """Rank 0's raw measurements once the job is done; RankFailure naming the first rank
     that failed (by the ranks' own records, else submitit's) with where its log is."""
     ranks = cfg.launcher.nnodes * cfg.launcher.nproc_per_node
@@ -99,9 +103,9 @@ def _last_line(err: Exception) -> str:
     return (traced or lines or [type(err).__name__])[-1].strip()
 
 
-def launch_slurm(cfg: ExperimentConfig) -> dict[str, Any] | None:
+def launch_slurm(cfg: ExperimentConfig | CommRunConfig, entry: Entry = run_rank) -> Any:
     """Submits and waits; an interrupted driver (Ctrl-C) cancels its job."""
-    job_id = submit(cfg)
+    job_id = submit(cfg, entry)
     try:
         return wait(cfg, job_id)
     except KeyboardInterrupt:
