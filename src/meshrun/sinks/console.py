@@ -43,6 +43,15 @@ def _fmt(value: Any, unit: str = "") -> str:
     return f"{value}{unit}"
 
 
+def _breakdown(results: dict[str, Any]) -> str:
+    """The categories of the rank with the highest peak, in MiB."""
+    values = [results.get(f"memory_{c}_bytes") for c in
+              ("params", "grads", "optimizer", "activations", "other")]  # fmt: skip
+    if any(v is None for v in values):
+        return "n/a"
+    return " / ".join(f"{v / 2**20:.1f}" for v in values) + " MiB"
+
+
 def print_summary(results: dict[str, Any]) -> None:
     table = Table(
         title=f"meshrun: {results['model']} / {results['layout_name']}", show_header=False
@@ -66,6 +75,8 @@ def print_summary(results: dict[str, Any]) -> None:
         ("scaling efficiency", _fmt(results["scaling_efficiency"])),
         ("MFU", _fmt(results["mfu"])),
         ("peak memory (max rank)", _fmt_bytes(results["peak_memory_max_bytes"])),
+        ("  params/grads/optim/activ/other", _breakdown(results)),
+        ("  predicted peak", _fmt_bytes(results.get("predicted_peak_memory_bytes"))),
         ("loss first -> last", _loss_span(results["losses"])),
         ("run dir", results["run_dir"]),
     ]
