@@ -19,7 +19,10 @@ LAYOUTS = {
     "pp2-gpipe": ("parallel=pp2", "parallel.schedule=gpipe"),
     "tp2_pp2": ("parallel=tp2_pp2",),
 }
-FAST = {("single", "none"), ("tp2", "full"), ("pp2-gpipe", "none"), ("tp2_pp2", "full")}
+# By default the layouts whose measured peak repeats to the byte; under TP the buffers that
+# gloo's async collectives hold move the peak by up to ~11 MiB between runs (tp2 with full
+# checkpointing measured 70.0 and 77.2 MiB against 69.2 predicted), so TP runs with -m slow.
+FAST = {("single", "none"), ("ddp", "full"), ("pp2-gpipe", "none"), ("pp2-1f1b", "full")}
 CASES = [
     pytest.param(name, ckpt, marks=() if (name, ckpt) in FAST else pytest.mark.slow,
                  id=f"{name}-ckpt_{ckpt}")
