@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
 
 from meshrun.config import StoreConfig
 from meshrun.entrypoint import hydra_command
@@ -46,8 +47,9 @@ class ReportConfig:
 ConfigStore.instance().store(name="report_schema", node=ReportConfig)
 
 
-def run(cfg: ReportConfig) -> int:
+def run(dict_cfg: DictConfig) -> int:
     """0: page written; 1: no run matched; 2: bad config."""
+    cfg: ReportConfig = OmegaConf.to_object(dict_cfg)
     try:
         if not Path(cfg.store.path).is_file():
             raise ConfigError("store.path", cfg.store.path, "no results store there",
