@@ -38,6 +38,12 @@ class Layout:
     def dp_size(self) -> int:
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def uses_fsdp(self) -> bool:
+        """Data parallelism through FSDP2: sharded, or replicated beside TP/PP (where DDP
+        cannot hold DTensor parameters)."""
+        return self.dp_shard > 1 or (self.dp_size > 1 and (self.tp > 1 or self.pp > 1))
+
     @classmethod
     def of(cls, parallel: ParallelConfig) -> Layout:
         """The layout of a resolved parallel config (no -1 degrees left)."""

@@ -93,11 +93,10 @@ def _data_parallel(
         return apply_dataparallel(part, cfg.dataparallel_devices)
     if mesh is None or layout.dp_size == 1:
         return part
-    composed = layout.tp > 1 or layout.pp > 1
-    if layout.dp_shard > 1 or composed:
-        # DDP cannot hold DTensor parameters: replication next to TP/PP goes through FSDP2
-        # on a (replicate, shard=1) mesh. Under PP, keep parameters gathered across the
-        # micro-batches of a step instead of re-gathering for each.
+    if layout.uses_fsdp:
+        # Replication next to TP/PP goes through FSDP2 on a (replicate, shard=1) mesh.
+        # Under PP, keep parameters gathered across the micro-batches of a step instead of
+        # re-gathering for each.
         reshard = cfg.fsdp.reshard_after_forward and layout.pp == 1
         return apply_fsdp(part, mesh, layout, reshard, param_dtype)
     return apply_ddp(part, mesh, cfg.ddp, device)

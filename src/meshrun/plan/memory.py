@@ -127,8 +127,7 @@ def predict_rank(cfg: ExperimentConfig, layout: Layout, share: StageShare, pp_ra
     state = elements * FP32
     activations = activation_bytes(cfg, layout, share, pp_rank, microbatches, micro_batch)
     other = 0
-    fsdp = layout.dp_shard > 1 or (layout.dp_size > 1 and (layout.tp > 1 or layout.pp > 1))
-    if fsdp:
+    if layout.uses_fsdp:
         gathered = local_param_elements(d, StageShare(0, share.first, share.last, 1), layout.tp, 1)
         block = layer_param_elements(d, layout.tp)
         param_width = 2 if cfg.train.precision == "bf16" else FP32
@@ -137,10 +136,8 @@ def predict_rank(cfg: ExperimentConfig, layout: Layout, share: StageShare, pp_ra
         other += gathered * param_width + 2 * block * param_width
         activations += gathered * param_width + 3 * block * param_width + block * FP32
     else:
-        if (
-            cfg.train.precision == "bf16"
-        ):  # autocast's bf16 copies of the weights, kept for backward
-            activations += elements * 2
+        if cfg.train.precision == "bf16":
+            activations += elements * 2  # autocast's bf16 weight copies, kept for backward
         if layout.dp_replicate > 1 and not cfg.parallel.ddp.gradient_as_bucket_view:
             other += state  # DDP's gradient buckets
     if cfg.hardware.device_type == "cuda":

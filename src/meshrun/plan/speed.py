@@ -86,7 +86,7 @@ def predict_speed(
         compute = max(compute, flops / (peak * efficiency))
     elements = max(local_param_elements(d, s, layout.tp, 1) for s in shares)
     dp_bytes = 0.0
-    if layout.dp_shard > 1 or (layout.dp_size > 1 and (layout.tp > 1 or layout.pp > 1)):
+    if layout.uses_fsdp:
         dp_bytes = 3 * _ring(layout.dp_size) * elements * width
     elif layout.dp_replicate > 1:
         dp_bytes = 2 * _ring(layout.dp_replicate) * elements * 4
