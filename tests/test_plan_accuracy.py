@@ -19,10 +19,12 @@ LAYOUTS = {
     "pp2-gpipe": ("parallel=pp2", "parallel.schedule=gpipe"),
     "tp2_pp2": ("parallel=tp2_pp2",),
 }
-# By default the layouts whose measured peak repeats to the byte; under TP the buffers that
+# By default the layouts whose measured peak repeats to the byte. Under TP the buffers that
 # gloo's async collectives hold move the peak by up to ~11 MiB between runs (tp2 with full
-# checkpointing measured 70.0 and 77.2 MiB against 69.2 predicted), so TP runs with -m slow.
-FAST = {("single", "none"), ("ddp", "full"), ("pp2-gpipe", "none"), ("pp2-1f1b", "full")}
+# checkpointing measured 70.0 and 77.2 MiB against 69.2 predicted), and once in a loaded CI
+# run DDP with full checkpointing peaked one gradient-size buffer higher (183.4 against the
+# usual 154.9 MiB: a bucket rebuild's transient copy), so those run with -m slow.
+FAST = {("single", "none"), ("single", "full"), ("pp2-gpipe", "none"), ("pp2-1f1b", "full")}
 CASES = [
     pytest.param(name, ckpt, marks=() if (name, ckpt) in FAST else pytest.mark.slow,
                  id=f"{name}-ckpt_{ckpt}")
