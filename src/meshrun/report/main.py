@@ -21,22 +21,12 @@ from meshrun.sinks.store import ResultsStore
 
 
 @dataclass
-class ReportConfig:
-    """Filters (unset: all runs) as in RunFilter; `html` is where the page is written."""
+class ReportConfig(RunFilter):
+    """The filters of RunFilter (unset: all runs), the store, and where the page goes."""
 
     store: StoreConfig = field(default_factory=StoreConfig)
-    sweep: str | None = None
-    model: str | None = None
-    layout: str | None = None
-    since: str | None = None
-    until: str | None = None
-    baselines: bool = False
     html: str = "report.html"
     title: str = "meshrun: run comparison"
-
-    def run_filter(self) -> RunFilter:
-        return RunFilter(self.sweep, self.model, self.layout, self.since, self.until,
-                         self.baselines)  # fmt: skip
 
     def selection(self) -> str:
         chosen = {k: getattr(self, k) for k in ("sweep", "model", "layout", "since", "until")}
@@ -54,7 +44,7 @@ def run(dict_cfg: DictConfig) -> int:
         if not Path(cfg.store.path).is_file():
             raise ConfigError("store.path", cfg.store.path, "no results store there",
                               "the meshrun.db that meshrun wrote (its store.path)")  # fmt: skip
-        runs = select_runs(ResultsStore(cfg.store.path), cfg.run_filter())
+        runs = select_runs(ResultsStore(cfg.store.path), cfg)
     except ConfigError as err:
         print_error("config error", str(err))
         return 2

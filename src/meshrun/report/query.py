@@ -10,7 +10,7 @@ from meshrun.errors import ConfigError
 from meshrun.sinks.store import ResultsStore
 
 
-@dataclass(frozen=True)
+@dataclass
 class RunFilter:
     """Unset fields match everything. `layout` matches the preset (`ddp`) or the layout's
     name (`dp_shard2 x tp2`); dates are UTC days, both inclusive; `latest` as the sweep picks
