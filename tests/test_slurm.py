@@ -16,7 +16,7 @@ import pytest
 
 from meshrun.paths import REPO_ROOT
 from tests.cli import run_meshrun
-from tests.test_torchrun import torchrun
+from tests.test_torchrun import check_ddp_recorded_once, torchrun
 
 CLUSTER_SCRIPT = REPO_ROOT / "scripts" / "slurm-cluster.sh"
 NODES = {"meshrun-node1", "meshrun-node2"}
@@ -194,13 +194,7 @@ def test_torchrun_across_two_nodes_runs_ddp(tmp_path):
         "--rdzv-backend=c10d", "--rdzv-endpoint=meshrun-node1:29431", f"--rdzv-id={tmp_path.name}",
     ]  # fmt: skip
     proc = torchrun(tmp_path, "parallel=ddp", "launcher.nproc_per_node=1", command=command)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    [results_file] = (tmp_path / "outputs" / "torchrun").glob("*/results.json")
-    results = json.loads(results_file.read_text())
-    assert results["status"] == "completed"
-    assert results["world_size"] == 2
-    assert results["speedup"] is not None
-    assert proc.stdout.count("meshrun: tiny / dp_replicate2") == 1
+    check_ddp_recorded_once(tmp_path, proc)
 
 
 def test_comm_benchmark_runs_one_rank_per_node_through_slurm(tmp_path):

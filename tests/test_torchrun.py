@@ -22,16 +22,21 @@ def torchrun(cwd: Path, *overrides: str, command=tuple(TORCHRUN)) -> subprocess.
     )  # fmt: skip
 
 
-def test_torchrun_ranks_share_one_run_dir_and_record_once(tmp_path):
-    proc = torchrun(tmp_path, "parallel=ddp")
+def check_ddp_recorded_once(cwd: Path, proc: subprocess.CompletedProcess) -> Path:
+    """A completed 2-rank DDP run, reported by rank 0 alone; returns its results.json."""
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    [results_file] = (tmp_path / "outputs" / "torchrun").glob("*/results.json")
+    [results_file] = (cwd / "outputs" / "torchrun").glob("*/results.json")
     results = json.loads(results_file.read_text())
     assert results["status"] == "completed"
     assert results["world_size"] == 2
     assert results["speedup"] is not None
-    assert (results_file.parent / "baseline" / "results.json").exists()
     assert proc.stdout.count("meshrun: tiny / dp_replicate2") == 1  # rank 0 reports
+    return results_file
+
+
+def test_torchrun_ranks_share_one_run_dir_and_record_once(tmp_path):
+    results_file = check_ddp_recorded_once(tmp_path, torchrun(tmp_path, "parallel=ddp"))
+    assert (results_file.parent / "baseline" / "results.json").exists()
 
 
 def test_torchrun_world_that_does_not_fit_the_layout_is_a_config_error(tmp_path):
