@@ -218,14 +218,23 @@ def run_hand(bench: Benchmark, setup: Setup, work: Path) -> Measurement:
 # --- the meshrun side ------------------------------------------------------------------------
 
 
-def run_meshrun(bench: Benchmark, setup: Setup, work: Path) -> Measurement:
+def meshrun_results(overrides: list[str], work: Path) -> dict[str, Any]:
+    """results.json of one `meshrun` run in `work`: its own store, no W&B, no baseline run."""
     run_dir = work / "meshrun"
+    command = [Path(sys.executable).with_name("meshrun"), f"hydra.run.dir={run_dir}",
+               f"store.path={work / 'meshrun.db'}", "logger=none", "metrics.baseline=false",
+               "train.progress_bar=false", *overrides]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, check=False, cwd=REPO_ROOT)
+    if proc.returncode:
+        sys.exit(f"meshrun failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}")
+    return json.loads((run_dir / "results.json").read_text())
+
+
+def run_meshrun(bench: Benchmark, setup: Setup, work: Path) -> Measurement:
     overrides = [
         f"model={setup.model}",
         f"parallel={bench.parallel}",
         *([f"parallel.{bench.degree}={setup.ranks}"] if bench.degree else []),
-        "logger=none",
-        "metrics.baseline=false",
         f"launcher.nproc_per_node={setup.ranks}",
         f"train.steps={setup.steps}",
         f"train.warmup_steps={setup.warmup_steps}",
@@ -237,19 +246,9 @@ def run_meshrun(bench: Benchmark, setup: Setup, work: Path) -> Measurement:
         f"train.grad_clip={GRAD_CLIP}",
         f"train.seed={SEED}",
         "train.precision=fp32",
-        "train.progress_bar=false",
-        f"hydra.run.dir={run_dir}",
-        f"store.path={work / 'meshrun.db'}",
     ]
-    cli = Path(sys.executable).with_name("meshrun")
-    proc = subprocess.run([cli, *overrides], capture_output=True, text=True, check=False)
-    if proc.returncode:
-        sys.exit(f"meshrun failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}")
-    results = json.loads((run_dir / "results.json").read_text())
+    results = meshrun_results(overrides, work)
     return Measurement(results["tokens_per_s"], results["step_time_s"], results["losses"])
-
-
-# --- contention: the machine must be otherwise idle ------------------------------------------
 
 
 def busy_cpu_s() -> float:

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from common import meshrun_results
 from rich.console import Console
 from rich.table import Table
 
@@ -36,15 +35,6 @@ LAYOUTS = {
     "tp2_pp2": ["parallel=tp2_pp2"],
 }
 CHECKPOINTING = ("none", "full")
-
-
-def run(overrides: list[str], work: Path, steps: int) -> dict[str, Any]:
-    run_dir = work / "run"
-    command = [sys.executable, "-m", "meshrun.cli", f"hydra.run.dir={run_dir}",
-               f"store.path={work / 'meshrun.db'}", "logger=none", "train.progress_bar=false",
-               "metrics.baseline=false", f"train.steps={steps}", *overrides]  # fmt: skip
-    subprocess.run(command, check=True, capture_output=True, cwd=REPO_ROOT, timeout=600)
-    return json.loads((run_dir / "results.json").read_text())
 
 
 def relative(predicted: float, measured: float) -> float:
@@ -74,8 +64,9 @@ def main() -> None:
         for ckpt in CHECKPOINTING:
             label = f"{name}, ckpt {ckpt}"
             with tempfile.TemporaryDirectory() as work:
-                results = run([*overrides, f"parallel.activation_checkpointing={ckpt}"],
-                              Path(work), args.steps)  # fmt: skip
+                results = meshrun_results([*overrides, f"train.steps={args.steps}",
+                                           f"parallel.activation_checkpointing={ckpt}"],
+                                          Path(work))  # fmt: skip
             rows += compare(label, results)
             speeds.append({"layout": label, "measured_s": results["step_time_s"],
                            "predicted_s": results["predicted_step_time_s"]})  # fmt: skip

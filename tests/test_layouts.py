@@ -27,6 +27,7 @@ LAYOUTS = {
     "pp2_naive_one_microbatch": ("parallel=pp2", "parallel.schedule=gpipe",
                                  "parallel.microbatches=1"),
     "pp4": ("parallel=pp4",),
+    "pp4_gpipe_prefetching_receives": ("parallel=pp4", "parallel.schedule=gpipe"),
     "pp2_interleaved": ("parallel=pp2_interleaved",),
     "pp2_interleaved_zero_bubble": ("parallel=pp2_interleaved",
                                     "parallel.schedule=interleaved_zb"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from meshrun.config import ModelConfig
+from meshrun.metrics.bubble import bubble_per_rank
 from meshrun.models.llama import build_model
 from meshrun.parallel.pipeline import (
     cut_stage,
@@ -71,20 +72,27 @@ def test_1f1b_holds_fewer_activations_than_gpipe(meshrun):
     assert peaks["gpipe"] > peaks["1f1b"] + 20 * 2**20
 
 
+def test_bubble_of_a_rank_is_its_median_step_against_the_longest_rank():
+    """Step 2 was disturbed (rank 1 computed slowly, rank 0 waited): the median ignores it.
+    Each step's pipeline time is the longest rank's span, not the rank's own."""
+    busy = [[0.9, 0.9, 0.5], [0.8, 0.8, 1.2]]
+    spans = [[1.0, 1.0, 1.4], [0.95, 0.9, 1.3]]
+    assert bubble_per_rank(busy, spans) == pytest.approx([0.1, 0.2])
+
+
+BALANCED_CASES = [("gpipe", 1), ("gpipe", 2), ("gpipe", 4), ("1f1b", 2), ("1f1b", 4), ("1f1b", 8)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("schedule", "microbatches"), [("gpipe", 1), ("gpipe", 2), ("1f1b", 2)])
+@pytest.mark.parametrize(("schedule", "microbatches"), BALANCED_CASES)
 def test_measured_bubble_follows_theory_on_a_balanced_pipeline(meshrun, schedule, microbatches):
-    """small with a 64-token vocabulary: the head no longer makes the last stage slower, so
-    the two stages are compute-balanced, which the formula assumes. From m=4 on the measured
-    bubble exceeds (p-1)/(m+p-1) by 16-60%, and not only because of gloo's ~5 ms hops on 2
-    shared cores: on a 16-core host (4 threads a rank, cores to spare) gpipe m=4 measured
-    0.27 against 0.20, the first stage idle 0.35 and the last 0.19. Each micro-batch carries
-    fixed schedule costs (p2p setup, the loss) the formula leaves out; those cases are
-    reported in the note of issue 3, not asserted."""
-    run = meshrun("model=small", "model.vocab_size=64", "parallel=pp2",
-                  f"parallel.schedule={schedule}", f"parallel.microbatches={microbatches}",
-                  "train.global_batch_size=16", "train.steps=6", "hardware=cpu",
-                  "backend=gloo", "metrics.baseline=false")  # fmt: skip
+    """The compute-balanced pipeline of conf/experiment/pipeline_bubble.yaml: measured bubble
+    within 25% of (p-1)/(m+p-1). gpipe with m=8 is left to benchmarks/pipeline_bubble.py: on
+    2 shared cores its bubble spread over +8..+42% in nine runs of one config (the jitter of
+    two ranks computing at once adds up over GPipe's 8 dependent hops), which a test cannot
+    assert without failing at random."""
+    run = meshrun("experiment=pipeline_bubble", f"parallel.schedule={schedule}",
+                  f"parallel.microbatches={microbatches}", timeout=600)  # fmt: skip
     assert run.returncode == 0, run.output
     results = run.results
     theory = results["bubble_theoretical"]

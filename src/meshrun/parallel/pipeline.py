@@ -10,8 +10,10 @@ the seed-derived init, are those of the full model.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -65,6 +67,48 @@ def cut_stage(full: Transformer, stage: int, counts: list[int]) -> Transformer:
     return part
 
 
+def prefetches(schedule: str, device: torch.device) -> bool:
+    """GPipe over gloo receives ahead. GPipe posts each receive only when it needs it, and
+    gloo starts a transfer once the receive is posted: every hop waits out a handshake and a
+    copy, which add up along the forward (on 2 CPU ranks, m=8: measured bubble +32% over
+    theory in three runs, +16% with prefetching). 1F1B already posts receives with its sends;
+    NCCL was not measured this way, so it keeps torch's order."""
+    return schedule == "gpipe" and device.type == "cpu"
+
+
+class PrefetchingStage(PipelineStage):
+    """A stage that posts micro-batch i+1's receive when the schedule asks for i's, so that
+    transfer runs while i computes. Only for schedules that wait on a receive as soon as they
+    post it (GPipe): the wait moves into get_*_recv_ops, which hand the schedule nothing."""
+
+    def __init__(self, *args, n_microbatches: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._n_microbatches = n_microbatches
+        self._posted: dict[tuple[str, int], list[dist.Work]] = {}
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        self._receive("fwd", fwd_chunk_id, super().get_fwd_recv_ops)
+        return []
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        self._receive("bwd", bwd_chunk_id, super().get_bwd_recv_ops)
+        return []
+
+    def _receive(self, kind: str, chunk: int, ops_of: Callable[[int], list[dist.P2POp]]) -> None:
+        """Wait for `chunk`'s receive, having posted the next chunk's first."""
+        works = self._posted.pop((kind, chunk), None)
+        if works is None:
+            works = _post(ops_of(chunk))
+        if chunk + 1 < self._n_microbatches:
+            self._posted[(kind, chunk + 1)] = _post(ops_of(chunk + 1))
+        for work in works:
+            work.wait()
+
+
+def _post(ops: list[dist.P2POp]) -> list[dist.Work]:
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
 def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
@@ -78,8 +122,13 @@ def build_schedule(
     n_microbatches: int,
     device: torch.device,
 ) -> _PipelineSchedule:
+    group = pp_mesh.get_group()
     stages = [
-        PipelineStage(part, stage_id, n_stages, device, group=pp_mesh.get_group())
+        PrefetchingStage(
+            part, stage_id, n_stages, device, group=group, n_microbatches=n_microbatches
+        )
+        if prefetches(cfg.schedule, device)
+        else PipelineStage(part, stage_id, n_stages, device, group=group)
         for part, stage_id in zip(parts, stage_ids, strict=True)
     ]
     schedule_cls = SCHEDULES[cfg.schedule]
