@@ -140,8 +140,8 @@ def _train(
     split = memory.breakdown(ModelState.of(model.parameters(), optimizer))
     mine = {
         "memory": {"rank": rank, **(split or {"peak": memory.peak_bytes()})},
-        "busy": state.pipeline_busy_s,
-        "span": state.pipeline_span_s,
+        "busy": state.pipeline_busy_per_step,
+        "span": state.pipeline_span_per_step,
     }
     ranks = [mine]
     if dist.is_initialized():
@@ -155,6 +155,6 @@ def _train(
         "pipeline_bubble_per_rank": bubble_per_rank(
             [r["busy"] for r in ranks], [r["span"] for r in ranks]
         )
-        if state.pipeline_span_s
+        if state.pipeline_span_per_step
         else None,
     }

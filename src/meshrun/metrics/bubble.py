@@ -98,7 +98,7 @@ class _PerStep:
 
     def totals(self) -> list[float]:
         if any(self.events):
-            next(step for step in reversed(self.events) if step)[-1][1].synchronize()
+            torch.cuda.synchronize()  # every recorded event has completed
         return [
             seconds + sum(a.elapsed_time(b) / 1e3 for a, b in events)
             for seconds, events in zip(self.seconds, self.events, strict=True)

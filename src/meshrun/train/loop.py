@@ -38,8 +38,8 @@ class LoopState:
 
     losses: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
-    pipeline_busy_s: list[float] | None = None  # per timed step
-    pipeline_span_s: list[float] | None = None
+    pipeline_busy_per_step: list[float] | None = None  # seconds, per timed step
+    pipeline_span_per_step: list[float] | None = None
 
 
 @dataclass
@@ -154,7 +154,7 @@ def train_loop(
                 _flush(state, pending, clock, step, ctx)
             pending = []
     if bubble is not None:
-        state.pipeline_busy_s, state.pipeline_span_s = bubble.per_step()
+        state.pipeline_busy_per_step, state.pipeline_span_per_step = bubble.per_step()
     return state
 
 
