@@ -1,7 +1,5 @@
 """The planner against measurement: for each layout of the accuracy set, one real meshrun run
-(gloo, this host) and the prediction its results.json carries beside the measurement. FSDP
-runs `--fsdp-runs` times and is read at each rank's median (identical FSDP runs on gloo peak
-whole blocks apart); the spread of its peaks is printed.
+(gloo, this host) and the prediction its results.json carries beside the measurement.
 
 Prints, per rank, measured/predicted MiB and the relative error of the peak and of each
 category, and step time predicted vs measured; writes outputs/benchmarks/planner_accuracy.json.
@@ -14,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -56,39 +53,20 @@ def compare(label: str, results: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The first run's results with each rank's memory and the step time at their medians."""
-    per_rank = [
-        {key: statistics.median(r["memory_per_rank"][rank][key] for r in runs)
-         for key in runs[0]["memory_per_rank"][rank]}
-        for rank in range(len(runs[0]["memory_per_rank"]))
-    ]  # fmt: skip
-    step_time = statistics.median(r["step_time_s"] for r in runs)
-    return {**runs[0], "memory_per_rank": per_rank, "step_time_s": step_time}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--fsdp-runs", type=int, default=5)
     parser.add_argument("--out", type=Path,
                         default=REPO_ROOT / "outputs/benchmarks/planner_accuracy.json")  # fmt: skip
     args = parser.parse_args()
-    rows, speeds, spreads = [], [], []
+    rows, speeds = [], []
     for name, overrides in LAYOUTS.items():
         for ckpt in CHECKPOINTING:
             label = f"{name}, ckpt {ckpt}"
-            runs = []
-            for _ in range(args.fsdp_runs if name == "fsdp" else 1):
-                with tempfile.TemporaryDirectory() as work:
-                    runs.append(meshrun_results([*overrides, f"train.steps={args.steps}",
-                                                 f"parallel.activation_checkpointing={ckpt}"],
-                                                Path(work)))  # fmt: skip
-            results = median_run(runs)
-            if len(runs) > 1:
-                spreads.append(f"{label}: peaks per run (MiB) " + "; ".join(
-                    ", ".join(f"{m['peak'] / MiB:.1f}" for m in r["memory_per_rank"])
-                    for r in runs))  # fmt: skip
+            with tempfile.TemporaryDirectory() as work:
+                results = meshrun_results([*overrides, f"train.steps={args.steps}",
+                                           f"parallel.activation_checkpointing={ckpt}"],
+                                          Path(work))  # fmt: skip
             rows += compare(label, results)
             speeds.append({"layout": label, "measured_s": results["step_time_s"],
                            "predicted_s": results["predicted_step_time_s"]})  # fmt: skip
@@ -112,8 +90,6 @@ def main() -> None:
                             f"{ratio:.2f}" if ratio else "n/a")  # fmt: skip
     console = Console(width=200)
     console.print(table)
-    for spread in spreads:
-        console.print(spread)
     console.print(speed_table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"memory": rows, "speed": speeds}, indent=2))

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import random
 import statistics
+import threading
 import time
 
 import numpy as np
 import pytest
 import torch
 
-from meshrun.metrics.memory import MemoryMeter
+from meshrun.metrics.memory import FWD_BWD_END, STEP_START, MemoryMeter
 from meshrun.metrics.throughput import StepClock, percentile, summarize_steps
 
 MIB = 2**20
@@ -105,3 +106,22 @@ def test_memory_meter_peak_bytes_stops_tracing_itself_and_is_stable():
     assert 16 * MIB <= peak < 24 * MIB
     assert meter.peak_bytes() == peak
     del tensor, later
+
+
+def test_memory_meter_on_cpu_sees_frees_on_other_threads():
+    """A collective's work often drops the last reference to its tensors on a gloo worker
+    thread; the profiler records only its own thread's events, so the meter must not rely
+    on them alone."""
+    meter = MemoryMeter(CPU)
+    meter.start()
+    held = [torch.ones(32 * MIB // 4)]
+    worker = threading.Thread(target=held.clear)  # the last reference dies on that thread
+    worker.start()
+    worker.join()
+    meter.mark(STEP_START)
+    after = torch.ones(16 * MIB // 4)
+    meter.mark(FWD_BWD_END)
+    meter.stop_tracing()
+    assert meter.step_start is not None and meter.step_start < 1 * MIB
+    assert 32 * MIB <= meter.peak_bytes() < 40 * MIB
+    del after

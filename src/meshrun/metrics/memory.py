@@ -1,11 +1,16 @@
 """Peak tensor memory of one rank, and what it is made of.
 
 CUDA: the caching allocator's own counters (allocated now, peak allocated, peak reserved).
-CPU: torch has no allocator statistics there, so the profiler records every allocation and
-free of the CPU allocator (profile_memory) from before the model is built to the end of the
-warmup steps; live bytes at any moment are the running sum of those events. Steady-state
-steps repeat the warmup steps' pattern, and keeping the profiler out of timed steps keeps
-timings honest.
+CPU: torch has no allocator statistics there, so the profiler records the CPU allocator's
+events (profile_memory) from before the model is built to the end of the warmup steps.
+It records only the events of the thread that started it, and a tensor whose last holder is
+a collective's work is freed on a gloo worker thread: a running sum of the recorded events
+would keep such a tensor live for ever (one whole FSDP block or TP output more or less,
+depending on which thread won the race). So c10's process-wide CPU memory counter is switched
+on while tracing (its `caffe2_report_cpu_memory_usage` flag), and live bytes at any moment are
+that counter as of the latest recorded event, which counts every thread's allocations and
+frees. Steady-state steps repeat the warmup steps' pattern, and keeping the profiler out of
+timed steps keeps timings honest.
 
 The breakdown splits the peak into the model state (parameters, gradients, optimizer state:
 exact sizes of the tensors this rank holds), activations (what the last warmup step's
@@ -18,6 +23,7 @@ allocated between steps, so the step start already holds the whole model state.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import os
 import sys
@@ -25,6 +31,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
+from torch._C._profiler import _ExtraFields_Allocation, _ProfilerEvent
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -45,6 +52,28 @@ def _quiet_stderr() -> Iterator[None]:
         finally:
             os.dup2(saved, 2)
             os.close(saved)
+
+
+@contextlib.contextmanager
+def _process_wide_cpu_counter() -> Iterator[None]:
+    """c10 counts CPU allocations of every thread only while this flag is set (otherwise only
+    on threads the profiler runs on); the flag is a plain exported bool of libc10."""
+    library = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+    flag = ctypes.c_bool.in_dll(library, "FLAGS_caffe2_report_cpu_memory_usage")
+    saved = flag.value
+    flag.value = True
+    try:
+        yield
+    finally:
+        flag.value = saved
+
+
+def _walk(roots: list[_ProfilerEvent]) -> Iterator[_ProfilerEvent]:
+    stack = list(roots)
+    while stack:
+        event = stack.pop()
+        yield event
+        stack.extend(event.children)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -79,6 +108,7 @@ class MemoryMeter:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._profiler: profile | None = None
+        self._counter: contextlib.ExitStack | None = None
         self._cpu_peak: int | None = None
         self._cuda_peak = 0
         self._marks: list[tuple[str, int, int]] = []  # CUDA: (label, live, peak since last)
@@ -93,6 +123,8 @@ class MemoryMeter:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
             return
+        self._counter = contextlib.ExitStack()
+        self._counter.enter_context(_process_wide_cpu_counter())
         self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         with _quiet_stderr():
             self._profiler.__enter__()
@@ -111,7 +143,7 @@ class MemoryMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
         elif self._profiler is not None:
             with record_function(label):
-                pass
+                torch.empty(1)  # an event that reads the counter, in case other threads freed
 
     def stop_tracing(self) -> None:
         """End CPU allocation tracing (call after the warmup steps)."""
@@ -121,22 +153,33 @@ class MemoryMeter:
             return
         with _quiet_stderr():
             self._profiler.__exit__(None, None, None)
-        events = self._profiler.profiler.kineto_results.events()
-        self._profiler = None
-        changes = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
-        marks = sorted((e.start_ns(), e.name()) for e in events if e.name().startswith("meshrun/"))
-        self._read_cpu_marks(changes, marks)
+        if self._counter is not None:
+            self._counter.close()
+        roots = self._profiler.profiler.kineto_results.experimental_event_tree()
+        self._profiler = self._counter = None
+        totals, marks = [], []
+        for event in _walk(roots):
+            fields = event.extra_fields
+            if isinstance(fields, _ExtraFields_Allocation) and fields.device.type == "cpu":
+                totals.append((event.start_time_ns, fields.total_allocated, fields.alloc_size))
+            elif event.name.startswith("meshrun/"):
+                marks.append((event.end_time_ns, event.name))
+        totals.sort()
+        self._read_cpu_marks(totals, sorted(marks))
 
-    def _read_cpu_marks(self, changes: list[tuple[int, int]], marks: list) -> None:
+    def _read_cpu_marks(self, totals: list[tuple[int, int, int]], marks: list) -> None:
+        """`totals`: (time, process-wide allocated after the event, the event's size); live
+        bytes are counted from the counter's value when tracing began."""
+        base = totals[0][1] - totals[0][2] if totals else 0
         live = peak = since_mark = 0
-        changes_iter = iter(changes)
-        pending = next(changes_iter, None)
+        totals_iter = iter(totals)
+        pending = next(totals_iter, None)
         for at, label in [*marks, (float("inf"), "")]:
             while pending is not None and pending[0] <= at:
-                live += pending[1]
+                live = pending[1] - base
                 peak = max(peak, live)
                 since_mark = max(since_mark, live)
-                pending = next(changes_iter, None)
+                pending = next(totals_iter, None)
             self._on_mark(label, live, since_mark)
             since_mark = live
         self._cpu_peak = peak

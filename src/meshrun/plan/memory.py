@@ -12,11 +12,12 @@ block (RMSNorm -> q/k/v -> RoPE -> SDPA -> o; RMSNorm -> SwiGLU), in the manner 
 Korthikanti et al. 2022 (whose 16-bit GPT figure is s*b*h*(34 + 5*a*s/h) bytes a layer; SDPA
 keeps no s*s scores here):
 
-    per layer    (4h + 2) replicated + (4h + 2hk + 4f + a) / tp      (+2h under TP: the
-                 all-reduced branch outputs) ; with sequence parallelism the replicated part
-                 is / tp too ; under bf16 autocast the replicated part (residual stream,
-                 norms) stays fp32, and autocast's bf16 copies of the weights (2 bytes a
-                 parameter) are kept for backward
+    per layer    (4h + 2) replicated + (4h + 2hk + 4f + a) / tp      (+h under TP: the
+                 attention's all-reduced output is saved as well, per saved-tensor hooks) ;
+                 with sequence parallelism the replicated part is / tp too ; under bf16
+                 autocast the replicated part (residual stream, norms) stays fp32, and
+                 autocast's bf16 copies of the weights (2 bytes a parameter) are kept for
+                 backward
     full ckpt    h per layer (the block input) + one block recomputed in backward
     selective    (2h + 2hk + 3f + a) / tp + h per layer (matmul and attention outputs kept)
     first stage  8 bytes of token ids ; last stage 3h + 1 + V, and 8 bytes of targets
@@ -25,14 +26,13 @@ keeps no s*s scores here):
                  the recomputed block plus those temporaries (last stage: h + V/tp)
 
 A pipeline rank holds several micro-batches at once: GPipe all m, 1F1B min(m, p - stage),
-interleaved 1F1B its warmup chunks + 1 (each a 1/v share of the rank's layers). FSDP keeps
-the root module and two blocks gathered between steps (other), and in a step gathers the
-root and three blocks (current, prefetched, collective staging) and one block's unsharded
-gradient (activations): measured on gloo, where these vary by a block between runs. "other"
-also holds the DDP buckets, a pipeline stage's receive buffers (one T x h tensor per
-micro-batch) and, under TP, the all-reduced outputs of two sub-blocks a layer for each
-micro-batch in flight, which the collectives' async work keeps alive (measured on gloo
-between 0.4 and 11.5 MiB for tp2 of small, depending on timing).
+interleaved 1F1B its warmup chunks + 1 (each a 1/v share of the rank's layers). FSDP
+reshards everything between steps; its peak comes in backward, with the root module and two
+blocks gathered (the current one and the one prefetched for the next backward) and a third
+block-sized buffer (gloo's staging copy of the prefetch's all-gather output, or the current
+block's unsharded gradient, whichever comes at the peak): those count as activations, since
+a step allocates and frees them. "other" holds the DDP buckets and a pipeline stage's receive
+buffers (one T x h tensor per micro-batch).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def _layer_bytes(d: Dims, tp: int, sp: bool, ckpt: str, width: int) -> tuple[flo
     """(kept per layer, recomputed transient of one layer), bytes per token. The residual
     stream and norms stay fp32 under autocast (the weights are fp32); the matmul side is
     `width` bytes."""
-    replicated = ((4 * d.h + 2) / (tp if sp else 1) + (2 * d.h if tp > 1 else 0)) * FP32
+    replicated = ((4 * d.h + 2) / (tp if sp else 1) + (d.h if tp > 1 else 0)) * FP32
     full = replicated + (4 * d.h + 2 * d.hk + 4 * d.f + d.a) / tp * width
     if ckpt == "full":
         return d.h / (tp if sp else 1) * FP32, full
@@ -131,10 +131,9 @@ def predict_rank(cfg: ExperimentConfig, layout: Layout, share: StageShare, pp_ra
         gathered = local_param_elements(d, StageShare(0, share.first, share.last, 1), layout.tp, 1)
         block = layer_param_elements(d, layout.tp)
         param_width = 2 if cfg.train.precision == "bf16" else FP32
-        # kept gathered between steps: the root and the last blocks; in a step, the
-        # current, prefetched and collective-staging blocks and one unsharded gradient
-        other += gathered * param_width + 2 * block * param_width
-        activations += gathered * param_width + 3 * block * param_width + block * FP32
+        # at the backward peak: the root, the current and the prefetched block gathered,
+        # and one more block-sized buffer (all-gather staging or unsharded gradient)
+        activations += (gathered + 2 * block) * param_width + block * FP32
     else:
         if cfg.train.precision == "bf16":
             activations += elements * 2  # autocast's bf16 weight copies, kept for backward
@@ -142,9 +141,6 @@ def predict_rank(cfg: ExperimentConfig, layout: Layout, share: StageShare, pp_ra
             other += state  # DDP's gradient buckets
     if cfg.hardware.device_type == "cuda":
         other += CUBLAS_WORKSPACES
-    if layout.tp > 1:  # the all-reduced sub-block outputs, which async collective work holds
-        held = in_flight(cfg.parallel.schedule, microbatches, layout.pp, pp_rank, share.chunks)
-        other += 2 * share.layers * held * micro_batch * cfg.train.seq_len * d.h * FP32
     if layout.pp > 1:  # the stage's receive buffers, one per micro-batch
         other += microbatches * micro_batch * cfg.train.seq_len * d.h * FP32
     return MemoryPrediction(state, state, elements * ADAM_BYTES, int(activations), other)
