@@ -6,8 +6,15 @@ import dataclasses
 
 import pytest
 
-from meshrun.config import DeviceSpec, ModelConfig
-from meshrun.hardware import CudaDevice, HostFacts, detect_profile, load_profile, profile_names
+from meshrun.config import DeviceSpec, HardwareConfig, ModelConfig
+from meshrun.hardware import (
+    CudaDevice,
+    HostFacts,
+    detect_profile,
+    load_profile,
+    profile_names,
+    resolve_hardware,
+)
 from meshrun.metrics.flops import device_for_rank, flops_per_token, mfu, peak_flops
 from meshrun.paths import CONF_DIR
 
@@ -100,6 +107,15 @@ def test_no_cuda_gives_the_cpu_profile_with_the_host_memory():
     assert profile.device_type == "cpu"
     assert len(profile.devices) == 1
     assert profile.devices[0].memory_gib == pytest.approx(23.5)
+
+
+def test_link_figures_given_beside_auto_win_over_the_detected_profile():
+    facts = HostFacts(cuda_devices=[], cpu_count=2, memory_gib=8.0)
+    given = HardwareConfig(name="auto", intra_node_bw_gbs=5.0, collective_latency_us=20.0)
+    profile = resolve_hardware(given, facts)
+    assert (profile.name, profile.intra_node_bw_gbs, profile.collective_latency_us) == (
+        "cpu", 5.0, 20.0)  # fmt: skip
+    assert resolve_hardware(HardwareConfig(name="auto"), facts) == detect_profile(facts)
 
 
 def test_device_for_rank_follows_pci_order_on_the_mixed_box():

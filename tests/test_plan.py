@@ -1,6 +1,6 @@
-"""The planner: parameter arithmetic, `meshrun-plan` (fit, ranking, uneven splits for mixed
-boxes, JSON), the pre-launch fit check and `parallel=auto`. Accuracy against measured runs is
-in test_plan_accuracy.py."""
+"""The planner: parameter arithmetic, the step-time model's terms, `meshrun-plan` (fit,
+ranking, uneven splits for mixed boxes, JSON), the pre-launch fit check and `parallel=auto`.
+Accuracy against measured runs is in test_plan_accuracy.py."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 
 from meshrun.models.llama import build_model
+from meshrun.plan.probe import host_matmul_flops
 from meshrun.plan.shapes import Dims, StageShare, local_param_elements
+from meshrun.plan.speed import predict_speed
 from meshrun.plan.split import proportional
-from tests.helpers import compose_config
+from tests.helpers import compose_config, resolved_config
 
 GiB = 2**30
 
@@ -35,6 +37,39 @@ def test_parameter_arithmetic_matches_the_built_model(model):
     built = sum(p.numel() for p in build_model(cfg, 128, "meta").parameters())
     d = Dims.of(cfg)
     assert local_param_elements(d, StageShare(d.layers, True, True, 1), 1, 1) == built
+
+
+HOST_FLOPS = 1e11  # a fixed CPU rate: these tests are about the model, not the probe
+
+
+def test_each_collective_costs_the_profiles_latency():
+    """tp2 of `small`: 4 all-reduces a layer x 4 layers x 4 micro-batches (8 samples of 2)."""
+    fast, slow = (
+        predict_speed(resolved_config("parallel=tp2", f"hardware.collective_latency_us={us}"),
+                      HOST_FLOPS)
+        for us in (500, 1500)
+    )  # fmt: skip
+    assert slow.comm_s - fast.comm_s == pytest.approx(64 * 1e-3)
+    assert slow.compute_s == fast.compute_s
+
+
+def test_fsdp_gathers_and_reduces_every_micro_batch():
+    one, two = (
+        predict_speed(resolved_config("parallel=fsdp", f"train.micro_batch_size={b}"), HOST_FLOPS)
+        for b in (4, 2)
+    )
+    assert two.comm_s == pytest.approx(2 * one.comm_s)
+
+
+def test_cpu_efficiency_defaults_to_the_device_types():
+    default = predict_speed(resolved_config("parallel=single"), HOST_FLOPS)
+    half = predict_speed(resolved_config("parallel=single", "plan.efficiency=0.35"), HOST_FLOPS)
+    assert half.compute_s == pytest.approx(2 * default.compute_s)
+
+
+def test_host_probe_measures_concurrent_streams():
+    rate = host_matmul_flops(1, ranks=2, size=128, repeats=2)
+    assert 1e8 < rate < 1e14
 
 
 def test_llama_7b_ddp_does_not_fit_an_a6000_and_the_plan_names_layouts_that_do(tmp_path):

@@ -96,13 +96,15 @@ class DeviceSpec:
 
 @dataclass
 class HardwareConfig:
-    """A box: its devices in PCI bus order, and link bandwidths in GB/s (for the planner)."""
+    """A box: its devices in PCI bus order, and for the planner its links' bandwidths in GB/s
+    and the fixed cost of one collective in microseconds (0: not modelled)."""
 
     name: str = "auto"
     device_type: str = "cpu"
     devices: list[DeviceSpec] = field(default_factory=list)
     intra_node_bw_gbs: float | None = None
     inter_node_bw_gbs: float | None = None
+    collective_latency_us: float = 0.0
 
 
 @dataclass
@@ -188,12 +190,13 @@ class StoreConfig:
 
 @dataclass
 class PlanConfig:
-    """The planner: `efficiency` is the MFU a good run reaches (for predicted speed);
-    `headroom_gib` of each device is kept free (CUDA context, allocator fragmentation);
-    `allow_oom` launches a run predicted not to fit anyway."""
+    """The planner: `efficiency` is the MFU a good run reaches (for predicted speed; null:
+    the device type's, plan/speed.py); `headroom_gib` of each device is kept free (CUDA
+    context, allocator fragmentation); `allow_oom` launches a run predicted not to fit
+    anyway."""
 
     allow_oom: bool = False
-    efficiency: float = 0.4
+    efficiency: float | None = None
     headroom_gib: float = 1.0
 
 

@@ -72,6 +72,9 @@ def _unused_kinds(profile: HardwareConfig, n_devices: int) -> int:
     return unused
 
 
+LINK_FIELDS = ("intra_node_bw_gbs", "inter_node_bw_gbs", "collective_latency_us")
+
+
 def detect_profile(facts: HostFacts) -> HardwareConfig:
     if not facts.cuda_devices:
         cpu = load_profile("cpu")
@@ -96,7 +99,10 @@ def detect_profile(facts: HostFacts) -> HardwareConfig:
 def resolve_hardware(hw: HardwareConfig, facts: HostFacts) -> HardwareConfig:
     choice("hardware.device_type", hw.device_type, ("cpu", "cuda"))
     if hw.name == "auto":
-        return detect_profile(facts)
+        # link figures given beside hardware=auto (overrides) win over the detected profile's
+        blank = HardwareConfig()
+        given = {f: getattr(hw, f) for f in LINK_FIELDS if getattr(hw, f) != getattr(blank, f)}
+        return dataclasses.replace(detect_profile(facts), **given)
     if hw.device_type == "cuda" and not facts.cuda_devices:
         fail(
             "hardware",

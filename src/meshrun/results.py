@@ -118,7 +118,7 @@ def memory_fields(cfg: ExperimentConfig, memory: list[dict[str, int]] | None) ->
 
 
 def predicted_speed_fields(cfg: ExperimentConfig) -> dict[str, Any]:
-    speed = predict_speed(cfg, cfg.plan.efficiency, host_flops(cfg))
+    speed = predict_speed(cfg, host_flops(cfg))
     return {
         "predicted_step_time_s": speed.step_time_s if speed else None,
         "predicted_tokens_per_s": speed.tokens_per_s if speed else None,

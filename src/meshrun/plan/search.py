@@ -107,15 +107,17 @@ def capacities(cfg: ExperimentConfig) -> list[int]:
 
 
 def host_flops(cfg: ExperimentConfig) -> float | None:
+    """A rank's matmul rate on this host with the run's ranks on it all computing."""
     if cfg.hardware.device_type != "cpu":
         return None
-    return host_matmul_flops(cfg.launcher.threads_per_rank or 1)
+    ranks = Layout.of(cfg.parallel).world_size // cfg.launcher.nnodes
+    return host_matmul_flops(cfg.launcher.threads_per_rank or 1, ranks)
 
 
 def evaluate(cfg: ExperimentConfig) -> Candidate:
     """`cfg` resolved (validated)."""
     return Candidate(cfg, predict_memory(cfg), capacities(cfg),
-                     predict_speed(cfg, cfg.plan.efficiency, host_flops(cfg)))  # fmt: skip
+                     predict_speed(cfg, host_flops(cfg)))  # fmt: skip
 
 
 def _divisors(n: int) -> list[int]:
@@ -209,7 +211,7 @@ def add_speedups(cfg: ExperimentConfig, candidates: list[Candidate], facts: Host
         twin = legal(baseline_config(c.cfg), facts)
         if twin is None or c.speed is None:
             continue
-        single = predict_speed(twin, cfg.plan.efficiency, host_flops(twin))
+        single = predict_speed(twin, host_flops(twin))
         if single is not None:
             c.speedup = c.speed.tokens_per_s / single.tokens_per_s
 

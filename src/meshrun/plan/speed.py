@@ -3,19 +3,26 @@ pipeline bubble stretching whatever the pipeline does.
 
     compute   FLOPs per token (PaLM: 6N + 12*L*h*s, +1/3 of the forward-heavy part again
               under full checkpointing) x the rank's tokens x its share of the layers,
-              over the device's peak x `plan.efficiency` (the MFU one expects of a good run)
-    DP        DDP all-reduce of the gradients, 2(n-1)/n x grad bytes; FSDP all-gather in
-              forward and backward and reduce-scatter, 3(n-1)/n x (unsharded) param bytes
-    TP        4 all-reduces a layer (2 forward, 2 backward) of the T x h activations
+              over the device's peak x `plan.efficiency` (the MFU one expects of a good run;
+              by default 0.4 of a GPU's datasheet peak, and on CPU 0.7 of the matmul rate
+              measured with the layout's ranks all computing, plan/probe.py)
+    DP        DDP all-reduce of the gradients once a step, 2(n-1)/n x grad bytes, one
+              collective per bucket; FSDP all-gather in forward and backward and
+              reduce-scatter every micro-batch, 3(n-1)/n x (unsharded) param bytes, three
+              collectives per block and root
+    TP        4 all-reduces a layer (2 forward, 2 backward) of each micro-batch's T x h
+              activations
     PP        each micro-batch's activations sent forward and their gradients back
     step      (compute + TP + PP) / (1 - bubble) + DP; no overlap assumed
 
-Bandwidths are the hardware profile's (GB/s): intra-node unless the world spans nodes. On a
-CPU host the peak is measured (plan/probe.py), since none is published.
+A collective costs the hardware profile's `collective_latency_us` plus its bytes over the
+link bandwidth (GB/s): intra-node unless the world spans nodes. On a CPU host the peak is
+measured (plan/probe.py), since none is published.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from meshrun.config import ExperimentConfig
@@ -25,6 +32,10 @@ from meshrun.parallel.pipeline import theoretical_bubble
 from meshrun.plan.shapes import Dims, StageShare, local_param_elements, stage_shares
 
 GB = 1e9
+# GPUs: the MFU of well-tuned large-model runs. CPU: of the probe's matmul rate, which the
+# model's own matmuls come close to (single, DDP and pipeline runs of `small` on a 2-vCPU VM
+# reached 0.6-0.8 of it, benchmarks/planner_accuracy.py).
+DEFAULT_EFFICIENCY = {"cuda": 0.4, "cpu": 0.7}
 
 
 @dataclass(frozen=True)
@@ -58,10 +69,9 @@ def _devices_per_node(cfg: ExperimentConfig) -> int:
     return cfg.launcher.nproc_per_node or sum(d.count for d in cfg.hardware.devices)
 
 
-def predict_speed(
-    cfg: ExperimentConfig, efficiency: float, host_flops: float | None = None
-) -> SpeedPrediction | None:
+def predict_speed(cfg: ExperimentConfig, host_flops: float | None = None) -> SpeedPrediction | None:
     """None when a device's peak is unknown (and no host measurement stands in for it)."""
+    efficiency = cfg.plan.efficiency or DEFAULT_EFFICIENCY[cfg.hardware.device_type]
     layout = Layout.of(cfg.parallel)
     t = cfg.train
     d = Dims.of(cfg.model)
@@ -75,6 +85,11 @@ def predict_speed(
     width = 2 if t.precision == "bf16" else 4
     bw = (cfg.hardware.inter_node_bw_gbs if cfg.launcher.nnodes > 1 else None) or \
         cfg.hardware.intra_node_bw_gbs or 1.0  # fmt: skip
+    latency = cfg.hardware.collective_latency_us * 1e-6
+    if layout.pp > 1:
+        passes = cfg.parallel.microbatches
+    else:  # gradient accumulation
+        passes = math.ceil(tokens_dp_rank / t.seq_len / t.micro_batch_size)
     compute = 0.0
     for rank in range(layout.world_size):
         peak = host_flops if cfg.hardware.device_type == "cpu" else device_flops(cfg, rank)
@@ -85,19 +100,25 @@ def predict_speed(
         flops = per_token * tokens_dp_rank * layer_share / layout.tp
         compute = max(compute, flops / (peak * efficiency))
     elements = max(local_param_elements(d, s, layout.tp, 1) for s in shares)
-    dp_bytes = 0.0
+    layers = max(s.layers for s in shares)
+    dp_bytes = dp_count = 0.0
     if layout.uses_fsdp:
-        dp_bytes = 3 * _ring(layout.dp_size) * elements * width
+        dp_bytes = 3 * _ring(layout.dp_size) * elements * width * passes
+        dp_count = 3 * (layers + 1) * passes
     elif layout.dp_replicate > 1:
         dp_bytes = 2 * _ring(layout.dp_replicate) * elements * 4
+        dp_count = math.ceil(elements * 4 / (cfg.parallel.ddp.bucket_cap_mb * 2**20))
     activation_bytes = tokens_dp_rank * d.h * width
-    tp_bytes = 4 * 2 * _ring(layout.tp) * activation_bytes * max(s.layers for s in shares)
+    tp_bytes = 4 * 2 * _ring(layout.tp) * activation_bytes * layers
+    tp_count = 4 * layers * passes if layout.tp > 1 else 0
     pp_bytes = 2 * activation_bytes / layout.tp if layout.pp > 1 else 0.0
+    pp_count = 2 * passes if layout.pp > 1 else 0
     bubble = 0.0
     if layout.pp > 1:
         p = cfg.parallel
         bubble = theoretical_bubble(layout.pp, p.microbatches, p.stages_per_rank)
-    pipeline_s = (compute + (tp_bytes + pp_bytes) / (bw * GB)) / (1 - bubble)
-    step = pipeline_s + dp_bytes / (bw * GB)
-    comm = (tp_bytes + pp_bytes + dp_bytes) / (bw * GB)
+    pipeline_comm = (tp_bytes + pp_bytes) / (bw * GB) + (tp_count + pp_count) * latency
+    dp_comm = dp_bytes / (bw * GB) + dp_count * latency
+    step = (compute + pipeline_comm) / (1 - bubble) + dp_comm
+    comm = pipeline_comm + dp_comm
     return SpeedPrediction(compute, comm, bubble, step, t.global_batch_size * t.seq_len / step)

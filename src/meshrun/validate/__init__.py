@@ -53,9 +53,9 @@ def validate(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:
 
 
 def _check_plan(cfg: ExperimentConfig) -> None:
-    if not 0 < cfg.plan.efficiency <= 1:
+    if cfg.plan.efficiency is not None and not 0 < cfg.plan.efficiency <= 1:
         fail("plan.efficiency", cfg.plan.efficiency, "is the MFU a run reaches, a fraction",
-             "a number in (0, 1], e.g. 0.4")  # fmt: skip
+             "a number in (0, 1], e.g. 0.4, or null for the device type's")  # fmt: skip
     if cfg.plan.headroom_gib < 0:
         fail("plan.headroom_gib", cfg.plan.headroom_gib, "is memory kept free on each device",
              "a number >= 0")  # fmt: skip
