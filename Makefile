@@ -16,7 +16,7 @@ run: install
 	$(VENV)/bin/meshrun
 
 test: install
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=25
 
 test-all: install
 	$(PY) -m pytest -m "slow or not slow"

@@ -31,8 +31,9 @@ reshards everything between steps; its peak comes in backward, with the root mod
 blocks gathered (the current one and the one prefetched for the next backward) and a third
 block-sized buffer (gloo's staging copy of the prefetch's all-gather output, or the current
 block's unsharded gradient, whichever comes at the peak): those count as activations, since
-a step allocates and frees them. "other" holds the DDP buckets and a pipeline stage's receive
-buffers (one T x h tensor per micro-batch).
+a step allocates and frees them. "other" holds the DDP buckets, a pipeline stage's receive
+buffers (one T x h tensor per micro-batch) and on the last stage the logits of every
+micro-batch, which torch's schedule keeps (`output_chunks`) until the next step.
 """
 
 from __future__ import annotations
@@ -142,7 +143,10 @@ def predict_rank(cfg: ExperimentConfig, layout: Layout, share: StageShare, pp_ra
     if cfg.hardware.device_type == "cuda":
         other += CUBLAS_WORKSPACES
     if layout.pp > 1:  # the stage's receive buffers, one per micro-batch
-        other += microbatches * micro_batch * cfg.train.seq_len * d.h * FP32
+        tokens = microbatches * micro_batch * cfg.train.seq_len
+        other += tokens * d.h * FP32
+        if share.last:  # the schedule keeps each micro-batch's logits until the next step
+            other += tokens * d.vocab * (2 if cfg.train.precision == "bf16" else FP32)
     return MemoryPrediction(state, state, elements * ADAM_BYTES, int(activations), other)
 
 
