@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from meshrun.metrics import memory as memory_module
 from meshrun.metrics.memory import FWD_BWD_END, STEP_START, MemoryMeter
 from meshrun.metrics.throughput import StepClock, percentile, summarize_steps
 
@@ -125,3 +126,13 @@ def test_memory_meter_on_cpu_sees_frees_on_other_threads():
     assert meter.step_start is not None and meter.step_start < 1 * MIB
     assert 32 * MIB <= meter.peak_bytes() < 40 * MIB
     del after
+
+
+def test_memory_meter_without_the_c10_counter_warns_and_still_measures(monkeypatch):
+    monkeypatch.setattr(memory_module, "_counter_flag", lambda: None)
+    meter = MemoryMeter(CPU)
+    with pytest.warns(UserWarning, match="process-wide counter was not found"):
+        meter.start()
+    tensor = torch.ones(16 * MIB // 4)
+    assert 16 * MIB <= meter.peak_bytes() < 24 * MIB
+    del tensor

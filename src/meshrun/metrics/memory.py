@@ -27,8 +27,10 @@ import ctypes
 import gc
 import os
 import sys
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch._C._profiler import _ExtraFields_Allocation, _ProfilerEvent
@@ -54,12 +56,25 @@ def _quiet_stderr() -> Iterator[None]:
             os.close(saved)
 
 
+def _counter_flag() -> ctypes.c_bool | None:
+    """c10 counts CPU allocations of every thread only while this flag is set (otherwise only
+    on threads the profiler runs on); it is a plain exported bool of libc10."""
+    for library in sorted(Path(torch.__file__).parent.joinpath("lib").glob("libc10.*")):
+        with contextlib.suppress(OSError, ValueError):
+            return ctypes.c_bool.in_dll(ctypes.CDLL(str(library)),
+                                        "FLAGS_caffe2_report_cpu_memory_usage")  # fmt: skip
+    return None
+
+
 @contextlib.contextmanager
 def _process_wide_cpu_counter() -> Iterator[None]:
-    """c10 counts CPU allocations of every thread only while this flag is set (otherwise only
-    on threads the profiler runs on); the flag is a plain exported bool of libc10."""
-    library = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
-    flag = ctypes.c_bool.in_dll(library, "FLAGS_caffe2_report_cpu_memory_usage")
+    flag = _counter_flag()
+    if flag is None:
+        warnings.warn("CPU memory: c10's process-wide counter was not found in this torch "
+                      "build; frees on other threads (gloo's) go unseen and the peak may be "
+                      "overstated", stacklevel=2)  # fmt: skip
+        yield
+        return
     saved = flag.value
     flag.value = True
     try:
