@@ -15,8 +15,8 @@ import torch
 
 @functools.cache
 def host_matmul_flops(threads: int, ranks: int = 1, size: int = 1024, repeats: int = 10) -> float:
-    """The slowest stream's best time per matmul (best of `repeats`: the rate the host
-    sustains when nothing else runs, which is what a peak means)."""
+    """From the slowest stream's best time per matmul: the best of `repeats`, so that a
+    passing disturbance of the host does not count as its rate."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     a, b = torch.randn(size, size), torch.randn(size, size)
