@@ -5,7 +5,7 @@ Prints, per rank, measured/predicted MiB and the relative error of the peak and 
 category, and step time predicted vs measured; writes outputs/benchmarks/planner_accuracy.json.
 The bar: peak within 10%, params/grads/optimizer/activations within 15%.
 
-    .venv/bin/python benchmarks/planner_accuracy.py            # ~10 min on 2 cores
+    .venv/bin/python benchmarks/planner_accuracy.py            # ~4 min on 2 cores
 """
 
 from __future__ import annotations
