@@ -19,6 +19,8 @@ BAD_CONFIGS = [
     (["plan.efficiency=0"], "plan.efficiency", "(0, 1]"),
     (["plan.efficiency=1.5"], "plan.efficiency", "(0, 1]"),
     (["plan.headroom_gib=-1"], "plan.headroom_gib", ">= 0"),
+    (["hardware.collective_latency_us=-5"], "hardware.collective_latency_us", ">= 0"),
+    (["hardware=cpu", "hardware.intra_node_bw_gbs=0"], "hardware.intra_node_bw_gbs", "> 0"),
     (["model=llama-7b", "parallel=ddp"], "parallel", "predicted peak memory"),
     (["model=small", "plan.headroom_gib=1e9"], "parallel", "exceeds the"),
     (["train.steps=-5"], "train.steps", "must be positive"),

@@ -47,6 +47,7 @@ from meshrun.plan.shapes import (
     StageShare,
     layer_param_elements,
     local_param_elements,
+    micro_batching,
     stage_shares,
 )
 
@@ -153,13 +154,7 @@ def predict_rank(cfg: ExperimentConfig, layout: Layout, share: StageShare, pp_ra
 def predict_memory(cfg: ExperimentConfig) -> list[MemoryPrediction]:
     """One prediction per rank, in rank order (a resolved config: no -1 degrees left)."""
     layout = Layout.of(cfg.parallel)
-    t = cfg.train
-    local_batch = t.global_batch_size // layout.dp_size
-    if layout.pp > 1:
-        microbatches = cfg.parallel.microbatches
-        micro_batch = local_batch // microbatches
-    else:
-        microbatches, micro_batch = 1, min(t.micro_batch_size, local_batch)
+    microbatches, micro_batch = micro_batching(cfg, layout)
     shares = stage_shares(cfg.model, cfg.parallel, layout)
     per_stage = [predict_rank(cfg, layout, share, pp_rank, microbatches, micro_batch)
                  for pp_rank, share in enumerate(shares)]  # fmt: skip

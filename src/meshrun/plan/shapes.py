@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from meshrun.config import ModelConfig, ParallelConfig
+from meshrun.config import ExperimentConfig, ModelConfig, ParallelConfig
 from meshrun.mesh import Layout
 from meshrun.models.llama import ffn_dim, kv_heads
 from meshrun.parallel.pipeline import local_stage_ids, stage_layer_counts
@@ -53,6 +53,16 @@ def stage_shares(model: ModelConfig, parallel: ParallelConfig, layout: Layout) -
         shares.append(StageShare(sum(counts[i] for i in ids), 0 in ids, n_stages - 1 in ids,
                                  chunks))  # fmt: skip
     return shares
+
+
+def micro_batching(cfg: ExperimentConfig, layout: Layout) -> tuple[int, int]:
+    """(micro-batches of a step, samples in each) on one data-parallel rank: the pipeline
+    schedule's m, or gradient accumulation over `train.micro_batch_size`."""
+    local = cfg.train.global_batch_size // layout.dp_size
+    if layout.pp > 1:
+        return cfg.parallel.microbatches, local // cfg.parallel.microbatches
+    micro = min(cfg.train.micro_batch_size, local)
+    return local // micro, micro
 
 
 def _sharded(shape: tuple[int, ...], tp_dim: int | None, tp: int, fsdp: int) -> int:

@@ -29,7 +29,13 @@ from meshrun.config import ExperimentConfig
 from meshrun.mesh import Layout
 from meshrun.metrics.flops import device_for_rank, flops_per_token
 from meshrun.parallel.pipeline import theoretical_bubble
-from meshrun.plan.shapes import Dims, StageShare, local_param_elements, stage_shares
+from meshrun.plan.shapes import (
+    Dims,
+    StageShare,
+    local_param_elements,
+    micro_batching,
+    stage_shares,
+)
 
 GB = 1e9
 # GPUs: the MFU of well-tuned large-model runs. CPU: of the probe's matmul rate, which the
@@ -86,10 +92,7 @@ def predict_speed(cfg: ExperimentConfig, host_flops: float | None = None) -> Spe
     bw = (cfg.hardware.inter_node_bw_gbs if cfg.launcher.nnodes > 1 else None) or \
         cfg.hardware.intra_node_bw_gbs or 1.0  # fmt: skip
     latency = cfg.hardware.collective_latency_us * 1e-6
-    if layout.pp > 1:
-        passes = cfg.parallel.microbatches
-    else:  # gradient accumulation
-        passes = math.ceil(tokens_dp_rank / t.seq_len / t.micro_batch_size)
+    passes, _ = micro_batching(cfg, layout)
     compute = 0.0
     for rank in range(layout.world_size):
         peak = host_flops if cfg.hardware.device_type == "cpu" else device_flops(cfg, rank)

@@ -59,6 +59,11 @@ def _check_plan(cfg: ExperimentConfig) -> None:
     if cfg.plan.headroom_gib < 0:
         fail("plan.headroom_gib", cfg.plan.headroom_gib, "is memory kept free on each device",
              "a number >= 0")  # fmt: skip
+    positive("hardware.intra_node_bw_gbs", cfg.hardware.intra_node_bw_gbs, allow_none=True)
+    positive("hardware.inter_node_bw_gbs", cfg.hardware.inter_node_bw_gbs, allow_none=True)
+    if cfg.hardware.collective_latency_us < 0:
+        fail("hardware.collective_latency_us", cfg.hardware.collective_latency_us,
+             "is the fixed cost of one collective", "a number >= 0 (0: not modelled)")  # fmt: skip
 
 
 def _auto_layout(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:
