@@ -46,9 +46,9 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-from meshrun.config import ModelConfig
-from meshrun.paths import CONF_DIR, REPO_ROOT
-from meshrun.train.data import SyntheticTokens
+from meshrun.core.config import ModelConfig
+from meshrun.core.paths import CONF_DIR, REPO_ROOT
+from meshrun.rank.train.data import SyntheticTokens
 
 # Hyperparameters of both sides; meshrun gets them as overrides, so they cannot drift apart.
 LR = 3e-4

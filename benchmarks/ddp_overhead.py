@@ -14,9 +14,9 @@ import torch
 from common import GRAD_CLIP, SEED, HandRank, Setup, accumulate, adamw, main, step_tokens
 from torch.nn.parallel import DistributedDataParallel
 
-from meshrun.config import ModelConfig
-from meshrun.models.llama import build_model
-from meshrun.train.data import SyntheticTokens
+from meshrun.core.config import ModelConfig
+from meshrun.rank.models.llama import build_model
+from meshrun.rank.train.data import SyntheticTokens
 
 
 def build_ddp(rank: int, setup: Setup, model_cfg: ModelConfig) -> HandRank:

@@ -23,7 +23,7 @@ from common import meshrun_results
 from rich.console import Console
 from rich.table import Table
 
-from meshrun.paths import REPO_ROOT
+from meshrun.core.paths import REPO_ROOT
 
 BAR = 0.25
 CASES = [("gpipe", m) for m in (1, 2, 4, 8)] + [("1f1b", m) for m in (2, 4, 8)]

@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from common import GRAD_CLIP, SEED, HandRank, Setup, adamw, main, step_tokens
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-from meshrun.config import ModelConfig
-from meshrun.models.llama import Transformer, build_model
-from meshrun.train.data import SyntheticTokens
+from meshrun.core.config import ModelConfig
+from meshrun.rank.models.llama import Transformer, build_model
+from meshrun.rank.train.data import SyntheticTokens
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

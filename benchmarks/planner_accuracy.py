@@ -20,7 +20,7 @@ from common import meshrun_results
 from rich.console import Console
 from rich.table import Table
 
-from meshrun.paths import REPO_ROOT
+from meshrun.core.paths import REPO_ROOT
 
 MiB = 2**20
 CATEGORIES = ("params", "grads", "optimizer", "activations")

@@ -27,9 +27,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from meshrun.config import ModelConfig
-from meshrun.models.llama import build_model
-from meshrun.train.data import SyntheticTokens
+from meshrun.core.config import ModelConfig
+from meshrun.rank.models.llama import build_model
+from meshrun.rank.train.data import SyntheticTokens
 
 OUTER_PLAN = {
     "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),

@@ -27,7 +27,7 @@ for args in "model=small train.precision=fp32" \
             "model=llama-1b train.precision=bf16 train.seq_len=2048 train.micro_batch_size=2" \
             "model=llama-1b train.precision=bf16 train.seq_len=2048 train.micro_batch_size=2 parallel.activation_checkpointing=full"; do
   dir="$work/$(echo "$args" | tr ' =/' '_-_')"
-  $py -m meshrun.cli parallel=single logger=none train.progress_bar=false metrics.baseline=false \
+  $py -m meshrun.driver.cli parallel=single logger=none train.progress_bar=false metrics.baseline=false \
     train.steps=6 train.warmup_steps=2 "hydra.run.dir=$dir" "store.path=$work/meshrun.db" $args \
     > "$dir.log" 2>&1 || { log "FAILED: $args"; tail -5 "$dir.log"; continue; }
   $py - "$dir/results.json" "$args" <<'PY' | tee -a "$out/summary.log"
@@ -46,7 +46,7 @@ $py -m pytest -q -p no:cacheprovider -s -m slow -k bubble tests/test_pipeline.py
 
 if $py -c "import meshrun.diag" 2>/dev/null; then
   log "meshrun-comm backend=nccl"
-  $py -m meshrun.diag.comm backend=nccl 2>&1 | tee "$out/comm_nccl.log" | tail -40
+  $py -m meshrun.tools.comm.main backend=nccl 2>&1 | tee "$out/comm_nccl.log" | tail -40
   log "meshrun-doctor"
-  $py -m meshrun.diag.doctor 2>&1 | tee "$out/doctor.log" | tail -60
+  $py -m meshrun.tools.doctor.main 2>&1 | tee "$out/doctor.log" | tail -60
 fi

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from meshrun.sinks.store import ResultsStore
+from meshrun.driver.sinks.store import ResultsStore
 
 # `meshrun -m`: Hydra's flags go before the overrides.
-MULTIRUN = (sys.executable, "-m", "meshrun.cli", "-m")
+MULTIRUN = (sys.executable, "-m", "meshrun.driver.cli", "-m")
 TRAIN_DEFAULTS = ("logger=none", "train.progress_bar=false")
 
 
@@ -40,7 +40,7 @@ def run_meshrun(
     *overrides: str,
     timeout: float = 240,
     env: dict[str, str] | None = None,
-    entrypoint: tuple[str, ...] = (sys.executable, "-m", "meshrun.cli"),
+    entrypoint: tuple[str, ...] = (sys.executable, "-m", "meshrun.driver.cli"),
     defaults: tuple[str, ...] = TRAIN_DEFAULTS,
 ) -> CliRun:
     """Isolated run: own run dir and store (None: a command without one), no W&B unless an

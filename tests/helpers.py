@@ -1,7 +1,7 @@
 """Compose experiment configs in-process with Hydra's compose API (no subprocess, no run dir).
 
 `compose_config` returns the typed config exactly as Hydra composes it (before validation);
-`resolved_config` runs it through `meshrun.validate.validate` against this host's facts.
+`resolved_config` runs it through `meshrun.driver.resolve.resolve` against this host's facts.
 
 `conf/train.yaml` takes `run_dir` and `store.path` from `${hydra:...}` interpolations that only
 a running Hydra job can resolve, so unless the overrides set them these helpers pin them to
@@ -19,10 +19,10 @@ from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from meshrun.config import ExperimentConfig
-from meshrun.hardware import HostFacts
-from meshrun.paths import CONF_DIR
-from meshrun.validate import validate
+from meshrun.core.config import ExperimentConfig
+from meshrun.core.hardware import HostFacts
+from meshrun.core.paths import CONF_DIR
+from meshrun.driver.resolve import resolve
 
 _SCRATCH = Path(tempfile.gettempdir()) / "meshrun-tests"
 _DEFAULTS = {
@@ -47,5 +47,5 @@ def compose_config(*overrides: str) -> ExperimentConfig:
 
 
 def resolved_config(*overrides: str) -> ExperimentConfig:
-    """`compose_config(*overrides)` after `validate` on this host (layout and hardware resolved)."""
-    return validate(compose_config(*overrides), HostFacts.detect())
+    """`compose_config(*overrides)` after `resolve` on this host (layout and hardware resolved)."""
+    return resolve(compose_config(*overrides), HostFacts.detect())

@@ -7,7 +7,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial
 from torch.distributed.tensor.parallel import RowwiseParallel
 
-from meshrun.parallel.tensor import apply_tp
+from meshrun.rank.parallel.tensor import apply_tp
 
 
 def wrong_wo_sharding(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:

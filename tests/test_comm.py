@@ -16,18 +16,18 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from meshrun.config import CommConfig, CommRunConfig
-from meshrun.diag.busbw import OPS, bus_factor, element_count, sizes
-from meshrun.diag.collectives import device_type, measurements, wrong_values
-from meshrun.diag.comm import validate_comm
-from meshrun.diag.watchdog import read_positions
-from meshrun.errors import ConfigError
-from meshrun.hardware import HostFacts
-from meshrun.sinks.store import ResultsStore
+from meshrun.core.config import CommConfig, CommRunConfig
+from meshrun.core.errors import ConfigError
+from meshrun.core.hardware import HostFacts
+from meshrun.driver.sinks.store import ResultsStore
+from meshrun.rank.watchdog import read_positions
+from meshrun.tools.comm.busbw import OPS, bus_factor, element_count, sizes
+from meshrun.tools.comm.collectives import device_type, measurements, wrong_values
+from meshrun.tools.comm.main import validate_comm
 from tests.cli import CliRun, run_meshrun
 from tests.wandb_records import read_offline_run
 
-COMM = (sys.executable, "-m", "meshrun.diag.comm")
+COMM = (sys.executable, "-m", "meshrun.tools.comm.main")
 SMALL = ("comm.max_bytes=65536", "comm.warmup_iters=2", "comm.iters=5")
 
 
@@ -199,7 +199,7 @@ def test_torchrun_ranks_run_the_same_benchmark(tmp_path):
     """Started by torchrun, every process is one rank; rank 0 reports once."""
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         "-m", "meshrun.diag.comm", "logger=none", f"store.path={tmp_path / 'meshrun.db'}",
+         "-m", "meshrun.tools.comm.main", "logger=none", f"store.path={tmp_path / 'meshrun.db'}",
          "comm.ops=[all_reduce,sendrecv]", *SMALL],
         check=False, capture_output=True, text=True, timeout=240, cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from meshrun.errors import ConfigError
-from meshrun.hardware import HostFacts
-from meshrun.validate import validate
+from meshrun.core.errors import ConfigError
+from meshrun.core.hardware import HostFacts
+from meshrun.driver.resolve import resolve
 from tests.helpers import compose_config
 
 BAD_CONFIGS = [
@@ -114,7 +114,7 @@ BAD_CONFIGS = [
 def test_bad_config_names_key_value_and_fix(overrides, key, fragment):
     cfg = compose_config(*overrides)
     with pytest.raises(ConfigError) as caught:
-        validate(cfg, HostFacts.detect())
+        resolve(cfg, HostFacts.detect())
     message = str(caught.value)
     assert caught.value.key == key
     assert message.startswith(f"{key}=")
@@ -125,13 +125,13 @@ def test_bad_config_names_key_value_and_fix(overrides, key, fragment):
 @pytest.mark.skipif(dist.is_mpi_available(), reason="this torch build has MPI")
 def test_mpi_backend_without_mpi_build_is_refused():
     with pytest.raises(ConfigError, match="no MPI support"):
-        validate(compose_config("backend=mpi"), HostFacts.detect())
+        resolve(compose_config("backend=mpi"), HostFacts.detect())
 
 
 def test_slurm_without_a_slurm_client_is_refused(monkeypatch, tmp_path: Path):
     monkeypatch.setenv("PATH", str(tmp_path))  # a host where sbatch does not exist
     with pytest.raises(ConfigError, match=r"launcher='slurm': no SLURM client on this host"):
-        validate(compose_config("launcher=slurm"), HostFacts.detect())
+        resolve(compose_config("launcher=slurm"), HostFacts.detect())
 
 
 def test_text_data_needs_byte_vocabulary(tmp_path: Path):
@@ -139,7 +139,7 @@ def test_text_data_needs_byte_vocabulary(tmp_path: Path):
     corpus.write_text("hello world " * 100)
     cfg = compose_config("data=text", f"data.path={corpus}", "model.vocab_size=128")
     with pytest.raises(ConfigError, match=r"model.vocab_size=128: data=text uses byte tokens"):
-        validate(cfg, HostFacts.detect())
+        resolve(cfg, HostFacts.detect())
 
 
 def test_cli_config_error_exits_2_before_any_rank_starts(meshrun):

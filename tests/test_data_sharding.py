@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from meshrun.mesh import Layout, build_mesh, dp_rank, init_distributed
-from meshrun.train.data import LocalBatches, SyntheticTokens, dp_sample_range
+from meshrun.core.layout import Layout, dp_rank
+from meshrun.rank.mesh import build_mesh, init_distributed
+from meshrun.rank.train.data import LocalBatches, SyntheticTokens, dp_sample_range
 
 GLOBAL_BATCH, SEQ, STEPS = 8, 16, 3
 

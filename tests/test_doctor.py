@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshrun.diag.devices import (
+from meshrun.rank.watchdog import read_positions
+from meshrun.tools.doctor.devices import (
     CudaGpu,
     describe_link,
     explain,
@@ -23,10 +24,9 @@ from meshrun.diag.devices import (
     parse_topology,
     visible_smi_indices,
 )
-from meshrun.diag.watchdog import read_positions
 from tests.cli import CliRun, run_meshrun
 
-DOCTOR = (sys.executable, "-m", "meshrun.diag.doctor")
+DOCTOR = (sys.executable, "-m", "meshrun.tools.doctor.main")
 
 # A mixed box as nvidia-smi lists it (PCI bus order): two A6000s around an A100.
 SMI_CSV = """\

@@ -6,17 +6,18 @@ import dataclasses
 
 import pytest
 
-from meshrun.config import DeviceSpec, HardwareConfig, ModelConfig
-from meshrun.hardware import (
+from meshrun.core.config import DeviceSpec, HardwareConfig, ModelConfig
+from meshrun.core.hardware import (
     CudaDevice,
     HostFacts,
     detect_profile,
+    device_for_rank,
     load_profile,
     profile_names,
     resolve_hardware,
 )
-from meshrun.metrics.flops import device_for_rank, flops_per_token, mfu, peak_flops
-from meshrun.paths import CONF_DIR
+from meshrun.core.paths import CONF_DIR
+from meshrun.rank.metrics.flops import flops_per_token, mfu, peak_flops
 
 # What torch reports (props.total_memory / 2**30) for these cards, give or take.
 A100_80 = CudaDevice("NVIDIA A100-SXM4-80GB", 79.15)

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshrun.mesh import MESH_DIMS, Layout, build_mesh, dp_group, dp_rank, rank_coords
+from meshrun.core.layout import MESH_DIMS, Layout, dp_rank, rank_coords
+from meshrun.rank.mesh import build_mesh, dp_group
 
 LAYOUTS = [
     Layout(),

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from meshrun.metrics import memory as memory_module
-from meshrun.metrics.memory import FWD_BWD_END, STEP_START, MemoryMeter
-from meshrun.metrics.throughput import StepClock, percentile, summarize_steps
+from meshrun.rank.metrics import memory as memory_module
+from meshrun.rank.metrics.memory import FWD_BWD_END, STEP_START, MemoryMeter
+from meshrun.rank.metrics.throughput import StepClock, percentile, summarize_steps
 
 MIB = 2**20
 CPU = torch.device("cpu")

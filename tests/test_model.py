@@ -9,9 +9,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from meshrun.config import ModelConfig
-from meshrun.models.llama import build_model, count_params, ffn_dim
-from meshrun.paths import CONF_DIR
+from meshrun.core.config import ModelConfig
+from meshrun.core.paths import CONF_DIR
+from meshrun.rank.models.llama import build_model, count_params, ffn_dim
 
 SEQ = 16
 

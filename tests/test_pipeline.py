@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from meshrun.config import ModelConfig
-from meshrun.metrics.bubble import bubble_per_rank
-from meshrun.models.llama import build_model
-from meshrun.parallel.pipeline import (
+from meshrun.core.config import ModelConfig
+from meshrun.rank.metrics.bubble import bubble_per_rank
+from meshrun.rank.models.llama import build_model
+from meshrun.rank.parallel.pipeline import (
     cut_stage,
     local_stage_ids,
     stage_layer_counts,

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.models.llama import build_model
 from meshrun.plan.probe import host_matmul_flops
 from meshrun.plan.shapes import Dims, StageShare, local_param_elements
 from meshrun.plan.speed import predict_speed
 from meshrun.plan.split import proportional
+from meshrun.rank.models.llama import build_model
 from tests.helpers import compose_config, resolved_config
 
 GiB = 2**30
@@ -24,7 +24,7 @@ GiB = 2**30
 def meshrun_plan(tmp_path: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "plan.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "meshrun.plan.command", f"json={out}", *overrides],
+        [sys.executable, "-m", "meshrun.tools.plan_command", f"json={out}", *overrides],
         capture_output=True, text=True, timeout=240, cwd=tmp_path, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -110,7 +110,7 @@ def test_proportional_split_keeps_every_stage_and_all_layers():
 
 def test_plan_rejects_a_bad_world_size_before_planning(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "meshrun.plan.command", "world_size=0"],
+        [sys.executable, "-m", "meshrun.tools.plan_command", "world_size=0"],
         capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False,
     )  # fmt: skip
     assert proc.returncode == 2

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from meshrun.report import plots
-from meshrun.report.html import render
-from meshrun.sinks.store import ResultsStore
+from meshrun.driver.sinks.store import ResultsStore
+from meshrun.tools.report import plots
+from meshrun.tools.report.html import render
 
 MIB = 2**20
 CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
@@ -113,7 +113,7 @@ def test_plots_without_data_are_left_out():
 
 def report(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "meshrun.report.main", f"hydra.run.dir={tmp_path / 'out'}",
+        [sys.executable, "-m", "meshrun.tools.report.main", f"hydra.run.dir={tmp_path / 'out'}",
          *overrides],
         capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path,
     )  # fmt: skip

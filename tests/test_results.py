@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from meshrun.results import assemble, baseline_config, baseline_key
+from meshrun.core.baseline import baseline_config, baseline_key
+from meshrun.driver.results import assemble
 from tests.helpers import compose_config, resolved_config
 
 RUN = ("run_dir=/tmp/meshrun-tests/x", "store.path=/tmp/meshrun-tests/x.db", "logger=none")

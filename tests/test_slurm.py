@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.paths import REPO_ROOT
+from meshrun.core.paths import REPO_ROOT
 from tests.cli import run_meshrun
 from tests.test_torchrun import check_ddp_recorded_once, torchrun
 
@@ -112,7 +112,7 @@ def test_sweep_submits_both_jobs_before_either_finishes(tmp_path):
         tmp_path / "unused", tmp_path / "meshrun.db",
         f"hydra.sweep.dir={sweep_dir}", *TINY, *DP2_ONE_PER_NODE,
         "metrics.baseline=false", "train.micro_batch_size=1,2",
-        timeout=400, entrypoint=(sys.executable, "-m", "meshrun.cli", "--multirun"),
+        timeout=400, entrypoint=(sys.executable, "-m", "meshrun.driver.cli", "--multirun"),
     )  # fmt: skip
     assert run.returncode == 0, run.output
     ids = job_ids(sweep_dir)
@@ -134,7 +134,7 @@ def test_wait_false_returns_the_job_id_and_collect_records_it_later(meshrun):
     assert queue_state(job_id) in ("PENDING", "CONFIGURING", "RUNNING")  # not waited for
     assert not run.store_path.exists() or run.stored() == []
     collect = subprocess.run(
-        [sys.executable, "-m", "meshrun.collect", str(run.run_dir)],
+        [sys.executable, "-m", "meshrun.driver.collect", str(run.run_dir)],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert collect.returncode == 0, collect.stdout + collect.stderr
@@ -142,7 +142,7 @@ def test_wait_false_returns_the_job_id_and_collect_records_it_later(meshrun):
     assert stored["status"] == "completed"
     assert stored["run_id"] == json.loads((run.run_dir / "results.json").read_text())["run_id"]
     again = subprocess.run(
-        [sys.executable, "-m", "meshrun.collect", str(run.run_dir)],
+        [sys.executable, "-m", "meshrun.driver.collect", str(run.run_dir)],
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert again.returncode == 0
@@ -203,7 +203,7 @@ def test_comm_benchmark_runs_one_rank_per_node_through_slurm(tmp_path):
                       "launcher.nnodes=2", "launcher.nproc_per_node=1", "backend=gloo",
                       "comm.ops=[all_reduce,sendrecv]", "comm.max_bytes=65536",
                       "comm.warmup_iters=2", "comm.iters=5",
-                      entrypoint=(sys.executable, "-m", "meshrun.diag.comm"),
+                      entrypoint=(sys.executable, "-m", "meshrun.tools.comm.main"),
                       defaults=("logger=none",))  # fmt: skip
     assert run.returncode == 0, run.output
     report = json.loads((run.run_dir / "comm.json").read_text())

@@ -3,7 +3,7 @@ launcher key reaches its sbatch flag (no cluster needed to check that)."""
 
 from __future__ import annotations
 
-from meshrun.launch.slurm import executor
+from meshrun.driver.launch.slurm import executor
 from tests.helpers import compose_config
 
 

@@ -7,7 +7,7 @@ from contextlib import closing
 
 import pytest
 
-from meshrun.sinks.store import ResultsStore
+from meshrun.driver.sinks.store import ResultsStore
 
 
 def result(run_id: str, created_at: str, **fields) -> dict:

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from meshrun.errors import ConfigError
-from meshrun.report.query import RunFilter, select_runs
-from meshrun.sinks.store import ResultsStore
-from meshrun.sweep import SWEEPS_DIR
+from meshrun.core.errors import ConfigError
+from meshrun.driver.sinks.store import ResultsStore
+from meshrun.driver.sweep import SWEEPS_DIR
+from meshrun.tools.report.query import RunFilter, select_runs
 from tests.chromium import loaded_dom, needs_chromium, screenshot
 from tests.cli import MULTIRUN, run_meshrun
 from tests.helpers import resolved_config
@@ -136,7 +136,7 @@ def report(sweep):
     run, rows = sweep
     out = run.run_dir.parent / "report"
     proc = subprocess.run(
-        [sys.executable, "-m", "meshrun.report.main", f"hydra.run.dir={out}",
+        [sys.executable, "-m", "meshrun.tools.report.main", f"hydra.run.dir={out}",
          f"store.path={run.store_path}", f"sweep={rows[0]['sweep']}", f"html={out}/report.html"],
         capture_output=True, text=True, timeout=120, check=False, cwd=out.parent,
     )  # fmt: skip

@@ -17,11 +17,11 @@ import yaml
 from hydra import compose, initialize_config_dir
 from wandb.sdk.launch.sweeps.utils import create_sweep_command, create_sweep_command_args
 
-import meshrun.cli  # noqa: F401  (registers the `sweep` group, as the entrypoint does)
-from meshrun.errors import ConfigError
-from meshrun.paths import CONF_DIR
-from meshrun.sinks.wandb_sink import SUMMARY_KEYS
-from meshrun.sweep import SWEEPS_DIR
+import meshrun.driver.cli  # noqa: F401  (registers the `sweep` group, as the entrypoint does)
+from meshrun.core.errors import ConfigError
+from meshrun.core.paths import CONF_DIR
+from meshrun.driver.sinks.wandb_sink import SUMMARY_KEYS
+from meshrun.driver.sweep import SWEEPS_DIR
 from tests.cli import MULTIRUN, run_meshrun
 from tests.helpers import resolved_config
 from tests.wandb_records import read_offline_run

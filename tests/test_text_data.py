@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from meshrun.config import DataConfig
-from meshrun.train.data import TextBytes, build_dataset
+from meshrun.core.config import DataConfig
+from meshrun.rank.train.data import TextBytes, build_dataset
 
 
 def test_text_samples_are_consecutive_windows_of_the_file(tmp_path):

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-ARGS = ["-m", "meshrun.cli", "model=tiny", "logger=none", "train.progress_bar=false",
+ARGS = ["-m", "meshrun.driver.cli", "model=tiny", "logger=none", "train.progress_bar=false",
         "train.steps=6"]  # fmt: skip
 
 

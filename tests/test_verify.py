@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from meshrun.paths import REPO_ROOT
+from meshrun.core.paths import REPO_ROOT
 from tests.cli import CliRun, run_meshrun
 
 TOLERANCE = 1e-4
-VERIFY_MODULE = (sys.executable, "-m", "meshrun.verify")
+VERIFY_MODULE = (sys.executable, "-m", "meshrun.tools.verify")
 
 
 def run_verify(

@@ -4,7 +4,7 @@ breakdown (and the prediction) where a run has them, else the peaks."""
 
 from __future__ import annotations
 
-from meshrun.sinks.wandb_sink import memory_rows, run_tags
+from meshrun.driver.sinks.wandb_sink import memory_rows, run_tags
 from tests.cli import run_meshrun
 
 TINY = ("model=tiny", "parallel=single", "train.steps=3", "train.warmup_steps=1",

@@ -9,8 +9,8 @@ import sys
 import textwrap
 import time
 
-from meshrun.diag.watchdog import GRACE_S, Watchdog, diagnose, read_positions, step_collectives
-from meshrun.failures import first_failure
+from meshrun.rank.failures import first_failure
+from meshrun.rank.watchdog import GRACE_S, Watchdog, diagnose, read_positions, step_collectives
 
 HANG = ("model=tiny", "parallel=ddp", "train.steps=8", "train.warmup_steps=1", "train.log_every=1",
         "debug.fail_rank=1", "debug.fail_step=2", "debug.fail_mode=hang")  # fmt: skip
@@ -37,7 +37,7 @@ def test_watchdog_ends_a_rank_the_backend_does_not_time_out(tmp_path):
     """No process group at all: only the watchdog thread can end this 'collective'."""
     code = textwrap.dedent(f"""
         import time
-        from meshrun.diag.watchdog import Watchdog
+        from meshrun.rank.watchdog import Watchdog
         watchdog = Watchdog({str(tmp_path)!r}, rank=3, timeout_s=1)
         with watchdog.inside(7, "all_reduce (stuck)", one_collective=True):
             time.sleep(120)
@@ -59,7 +59,7 @@ def test_watchdog_leaves_phases_that_also_compute_to_the_backend(tmp_path):
     """A long forward/backward is not a hang: only one-collective phases have a deadline."""
     code = textwrap.dedent(f"""
         import time
-        from meshrun.diag.watchdog import GRACE_S, Watchdog
+        from meshrun.rank.watchdog import GRACE_S, Watchdog
         watchdog = Watchdog({str(tmp_path)!r}, rank=0, timeout_s=0.5)
         with watchdog.inside(0, "forward/backward (gradient all_reduce)"):
             time.sleep(0.5 + GRACE_S + 2)

@@ -40,8 +40,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from meshrun.config import ExperimentConfig
-from meshrun.mesh import Layout
+from meshrun.core.config import ExperimentConfig
+from meshrun.core.layout import Layout
 from meshrun.plan.shapes import (
     Dims,
     StageShare,

@@ -6,118 +6,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
 
-from meshrun.config import ExperimentConfig, HardwareConfig, ParallelConfig
-from meshrun.errors import ConfigError, fail
-from meshrun.hardware import CudaDevice, HostFacts
-from meshrun.mesh import Layout
-from meshrun.metrics.flops import device_for_rank
-from meshrun.plan.memory import MemoryPrediction, predict_memory
-from meshrun.plan.probe import host_matmul_flops
-from meshrun.plan.speed import SpeedPrediction, predict_speed
-from meshrun.validate import validate
+from meshrun.core.baseline import baseline_config
+from meshrun.core.config import ExperimentConfig, ParallelConfig
+from meshrun.core.errors import fail
+from meshrun.core.hardware import HostFacts
+from meshrun.core.layout import Layout
+from meshrun.plan.candidate import Candidate, evaluate, host_flops, legal
+from meshrun.plan.speed import predict_speed
+from meshrun.plan.split import uneven_variant
 
-GiB = 2**30
 SCHEDULE_CHOICES = (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2))
-
-
-@dataclass
-class Candidate:
-    cfg: ExperimentConfig
-    memory: list[MemoryPrediction]
-    capacity: list[int]
-    speed: SpeedPrediction | None
-    speedup: float | None = None
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def fits(self) -> bool:
-        return all(m.peak <= c for m, c in zip(self.memory, self.capacity, strict=True))
-
-    @property
-    def peak(self) -> int:
-        return max(m.peak for m in self.memory)
-
-    @property
-    def label(self) -> str:
-        p = self.cfg.parallel
-        parts = [Layout.of(p).describe()]
-        if p.pp > 1:
-            parts.append(f"{p.schedule} m={p.microbatches}")
-            if p.pp_layers:
-                parts.append(f"layers {list(p.pp_layers)}")
-        if p.activation_checkpointing != "none":
-            parts.append(f"ckpt {p.activation_checkpointing}")
-        return ", ".join(parts)
-
-    def overrides(self) -> str:
-        """The command-line overrides that select this layout."""
-        p = self.cfg.parallel
-        keys = ["dp_replicate", "dp_shard", "tp", "pp"]
-        if p.pp > 1:
-            keys += ["schedule", "stages_per_rank"]
-        parts = [f"parallel.{k}={getattr(p, k)}" for k in keys]
-        if p.pp_layers:
-            parts.append(f"parallel.pp_layers=[{','.join(map(str, p.pp_layers))}]")
-        if p.activation_checkpointing != "none":
-            parts.append(f"parallel.activation_checkpointing={p.activation_checkpointing}")
-        parts.append(f"train.micro_batch_size={self.cfg.train.micro_batch_size}")
-        return " ".join(parts)
-
-    def as_dict(self) -> dict:
-        p = self.cfg.parallel
-        return {
-            "layout": self.label,
-            "degrees": Layout.of(p).degrees(),
-            "schedule": p.schedule if p.pp > 1 else None,
-            "microbatches": p.microbatches,
-            "micro_batch_size": self.cfg.train.micro_batch_size,
-            "pp_layers": list(p.pp_layers) if p.pp_layers else None,
-            "activation_checkpointing": p.activation_checkpointing,
-            "fits": self.fits,
-            "peak_bytes": self.peak,
-            "memory_per_rank": [m.as_dict() for m in self.memory],
-            "capacity_bytes": self.capacity,
-            "speed": self.speed.as_dict() if self.speed else None,
-            "speedup": self.speedup,
-            "notes": self.notes,
-        }
-
-
-def target_facts(hardware: HardwareConfig, host: HostFacts) -> HostFacts:
-    """The box a profile describes, as `validate` would see it there."""
-    if hardware.device_type != "cuda" or hardware.name == "auto":
-        return host
-    devices = [CudaDevice(s.name, s.memory_gib) for s in hardware.devices for _ in range(s.count)]
-    return HostFacts(devices, host.cpu_count, host.memory_gib)
-
-
-def capacities(cfg: ExperimentConfig) -> list[int]:
-    """Usable bytes per rank: its device's memory less the headroom; on CPU an equal share of
-    the host's memory (the ranks share it)."""
-    world = Layout.of(cfg.parallel).world_size
-    headroom = cfg.plan.headroom_gib * GiB
-    if cfg.hardware.device_type == "cpu":
-        total = cfg.hardware.devices[0].memory_gib * GiB
-        return [int((total - headroom) / world)] * world
-    per_node = cfg.launcher.nproc_per_node or world
-    specs = [device_for_rank(cfg.hardware.devices, r % per_node) for r in range(world)]
-    return [int(s.memory_gib * GiB - headroom) if s else 0 for s in specs]
-
-
-def host_flops(cfg: ExperimentConfig) -> float | None:
-    """A rank's matmul rate on this host with the run's ranks on it all computing."""
-    if cfg.hardware.device_type != "cpu":
-        return None
-    ranks = Layout.of(cfg.parallel).world_size // cfg.launcher.nnodes
-    return host_matmul_flops(cfg.launcher.threads_per_rank or 1, ranks)
-
-
-def evaluate(cfg: ExperimentConfig) -> Candidate:
-    """`cfg` resolved (validated)."""
-    return Candidate(cfg, predict_memory(cfg), capacities(cfg),
-                     predict_speed(cfg, host_flops(cfg)))  # fmt: skip
 
 
 def _divisors(n: int) -> list[int]:
@@ -145,7 +44,6 @@ def with_parallel(cfg: ExperimentConfig, world: int, **degrees) -> ExperimentCon
     name = Layout(**{k: v for k, v in degrees.items() if k in ("pp", "tp", "dp_replicate",
                                                               "dp_shard")}).describe()  # fmt: skip
     parallel = ParallelConfig(name=name.replace(" x ", "_"), **degrees)
-    plan = dataclasses.replace(cfg.plan, allow_oom=True)  # judged here, not refused
     launcher = dataclasses.replace(
         cfg.launcher, nproc_per_node=world // cfg.launcher.nnodes, threads_per_rank=None
     )
@@ -155,21 +53,12 @@ def with_parallel(cfg: ExperimentConfig, world: int, **degrees) -> ExperimentCon
     local = t.global_batch_size // max(1, degrees["dp_replicate"] * degrees["dp_shard"])
     micro = math.gcd(t.micro_batch_size, local) or t.micro_batch_size
     train = dataclasses.replace(t, micro_batch_size=micro)
-    return dataclasses.replace(cfg, parallel=parallel, launcher=launcher, train=train, plan=plan)
-
-
-def legal(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig | None:
-    try:
-        return validate(cfg, facts)
-    except ConfigError:
-        return None
+    return dataclasses.replace(cfg, parallel=parallel, launcher=launcher, train=train)
 
 
 def search(cfg: ExperimentConfig, world: int, facts: HostFacts) -> list[Candidate]:
     """Ranked candidates; a layout that does not fit is retried with full activation
     checkpointing, and pipelines on mixed boxes get an uneven split as well."""
-    from meshrun.plan.split import uneven_variant
-
     candidates = []
     for degrees in layout_grid(world, cfg.model.n_layers):
         resolved = legal(with_parallel(cfg, world, **degrees), facts)
@@ -205,8 +94,6 @@ def _rank(c: Candidate) -> tuple:
 
 def add_speedups(cfg: ExperimentConfig, candidates: list[Candidate], facts: HostFacts) -> None:
     """Against the single-device twin of each (weak scaling: one device's share of the batch)."""
-    from meshrun.results import baseline_config
-
     for c in candidates:
         twin = legal(baseline_config(c.cfg), facts)
         if twin is None or c.speed is None:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from meshrun.config import ExperimentConfig, ModelConfig, ParallelConfig
-from meshrun.mesh import Layout
-from meshrun.models.llama import ffn_dim, kv_heads
-from meshrun.parallel.pipeline import local_stage_ids, stage_layer_counts
+from meshrun.core.config import ExperimentConfig, ModelConfig, ParallelConfig
+from meshrun.core.layout import Layout
+from meshrun.rank.models.llama import ffn_dim, kv_heads
+from meshrun.rank.parallel.pipeline import local_stage_ids, stage_layer_counts
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from meshrun.config import ExperimentConfig
-from meshrun.mesh import Layout
-from meshrun.metrics.flops import device_for_rank, flops_per_token
-from meshrun.parallel.pipeline import theoretical_bubble
+from meshrun.core.config import ExperimentConfig
+from meshrun.core.hardware import device_for_rank
+from meshrun.core.layout import Layout
 from meshrun.plan.shapes import (
     Dims,
     StageShare,
@@ -36,6 +35,8 @@ from meshrun.plan.shapes import (
     micro_batching,
     stage_shares,
 )
+from meshrun.rank.metrics.flops import flops_per_token
+from meshrun.rank.parallel.pipeline import theoretical_bubble
 
 GB = 1e9
 # GPUs: the MFU of well-tuned large-model runs. CPU: of the probe's matmul rate, which the

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshrun.config import DeviceSpec, ExperimentConfig
-from meshrun.hardware import HostFacts
-from meshrun.mesh import Layout
-from meshrun.metrics.flops import device_for_rank
+from meshrun.core.config import DeviceSpec, ExperimentConfig
+from meshrun.core.hardware import HostFacts, device_for_rank
+from meshrun.core.layout import Layout
+from meshrun.plan.candidate import Candidate, evaluate, legal
 
 GiB = 2**30
 
@@ -40,11 +40,9 @@ def proportional(n_layers: int, weights: list[float]) -> list[int]:
     return counts
 
 
-def uneven_variant(candidate, facts: HostFacts):
+def uneven_variant(candidate: Candidate, facts: HostFacts) -> Candidate | None:
     """The candidate with a proportional split, or None where all stages run the same device
     kind (an even split is already right) or the layout has no single-stage pipeline."""
-    from meshrun.plan.search import evaluate, legal
-
     cfg = candidate.cfg
     p = cfg.parallel
     if cfg.hardware.device_type != "cuda" or p.pp == 1 or p.stages_per_rank != 1 or p.pp_layers:

@@ -1,8 +1,10 @@
 """Every rule about a legal experiment, checked in the driver before any process starts.
 
-`validate` turns the composed config into a fully resolved one (no `auto`, no -1 degrees) or
-raises ConfigError naming the key, the bad value and what would be valid. Shapes of values
-(types, unknown keys, unknown presets) are Hydra's job at compose time.
+`validate` turns a composed config with a concrete layout into a fully resolved one (no
+`auto` backend or hardware, no -1 degrees) or raises ConfigError naming the key, the bad
+value and what would be valid. Choosing a layout (`parallel=auto`) and the memory check are
+predictions, one layer up (plan/, composed by driver/resolve.py). Shapes of values (types,
+unknown keys, unknown presets) are checked at compose time (driver/compose.py).
 """
 
 from __future__ import annotations
@@ -12,12 +14,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from meshrun.config import ExperimentConfig, HardwareConfig
-from meshrun.errors import choice, fail, positive
-from meshrun.hardware import HostFacts, resolve_hardware
-from meshrun.validate.fit import check_fit
+from meshrun.core.config import ExperimentConfig, HardwareConfig
+from meshrun.core.errors import choice, fail, positive
+from meshrun.core.hardware import HostFacts, resolve_hardware
 from meshrun.validate.layout import (
-    CPU_DEFAULT_RANKS,
     check_batch,
     check_tensor_parallel,
     resolve_layout,
@@ -26,7 +26,8 @@ from meshrun.validate.layout import (
 from meshrun.validate.slurm import check_slurm
 
 
-def validate(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:
+def check_experiment(cfg: ExperimentConfig) -> None:
+    """The rules that hold whatever the layout (checked before one is searched for)."""
     _check_train(cfg)
     _check_model(cfg)
     _check_data(cfg)
@@ -34,21 +35,31 @@ def validate(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:
     choice("metrics.scaling", cfg.metrics.scaling, ("weak", "strong"))
     choice("logger.name", cfg.logger.name, ("wandb", "none"))
     choice("logger.mode", cfg.logger.mode, ("auto", "online", "offline", "disabled"))
+
+
+def validate(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:
+    return validate_run(validate_layout(cfg, facts))
+
+
+def validate_layout(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:
+    """Backend, hardware, degrees, ranks and pipeline resolved: enough to predict memory."""
+    check_experiment(cfg)
     hardware = resolve_hardware(cfg.hardware, facts)
-    if cfg.parallel.name == "auto":
-        cfg = _auto_layout(dataclasses.replace(cfg, hardware=hardware), facts)
     backend = resolve_backend(cfg, hardware, facts)
     parallel, launcher = resolve_layout(dataclasses.replace(cfg, hardware=hardware), facts)
     resolved = dataclasses.replace(
         cfg, backend=backend, hardware=hardware, parallel=parallel, launcher=launcher
     )
     check_tensor_parallel(resolved)
-    resolved = resolve_pipeline(resolved)
-    check_fit(resolved, facts)
+    return resolve_pipeline(resolved)
+
+
+def validate_run(resolved: ExperimentConfig) -> ExperimentConfig:
+    """The rest of the rules, on a config from `validate_layout`."""
     check_batch(resolved)
     _check_debug(resolved)
-    if launcher.name == "slurm":
-        resolved = dataclasses.replace(resolved, launcher=check_slurm(resolved))
+    if resolved.launcher.name == "slurm":
+        return dataclasses.replace(resolved, launcher=check_slurm(resolved))
     return resolved
 
 
@@ -64,14 +75,6 @@ def _check_plan(cfg: ExperimentConfig) -> None:
     if cfg.hardware.collective_latency_us < 0:
         fail("hardware.collective_latency_us", cfg.hardware.collective_latency_us,
              "is the fixed cost of one collective", "a number >= 0 (0: not modelled)")  # fmt: skip
-
-
-def _auto_layout(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:
-    from meshrun.plan.search import best_layout
-
-    per_node = cfg.launcher.nproc_per_node or len(facts.cuda_devices) or CPU_DEFAULT_RANKS
-    world = per_node * cfg.launcher.nnodes
-    return best_layout(cfg, world, facts)
 
 
 def _check_train(cfg: ExperimentConfig) -> None:

@@ -8,14 +8,14 @@ import dataclasses
 import math
 import os
 
-from meshrun.config import ExperimentConfig
-from meshrun.errors import choice, fail, positive
-from meshrun.hardware import HostFacts
-from meshrun.launch.torchrun import attached_rank
-from meshrun.mesh import MESH_DIMS, Layout
-from meshrun.models.llama import ffn_dim
-from meshrun.parallel.pipeline import MULTI_STAGE_SCHEDULES, SCHEDULES, stage_layer_counts
-from meshrun.parallel.tensor import resolve_tp_plan
+from meshrun.core.attached import attached_rank
+from meshrun.core.config import ExperimentConfig
+from meshrun.core.errors import choice, fail, positive
+from meshrun.core.hardware import HostFacts
+from meshrun.core.layout import MESH_DIMS, Layout
+from meshrun.rank.models.llama import ffn_dim
+from meshrun.rank.parallel.pipeline import MULTI_STAGE_SCHEDULES, SCHEDULES, stage_layer_counts
+from meshrun.rank.parallel.tensor import resolve_tp_plan
 
 CPU_DEFAULT_RANKS = 2
 

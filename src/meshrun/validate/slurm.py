@@ -9,8 +9,8 @@ import re
 import shutil
 import subprocess
 
-from meshrun.config import ExperimentConfig, LauncherConfig
-from meshrun.errors import fail, positive
+from meshrun.core.config import ExperimentConfig, LauncherConfig
+from meshrun.core.errors import fail, positive
 
 SBATCH_FLAG = re.compile(r"^[a-z][a-z0-9-]*$")
 # sbatch flags the launcher sets from its own keys; sbatch_extra must not set them again.

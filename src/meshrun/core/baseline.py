@@ -1,0 +1,74 @@
+"""The single-device twin a run is compared with, and the key that identifies such a
+measurement in the store (the planner's predicted speedups use the same twin)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+from meshrun.core.config import ExperimentConfig, ParallelConfig
+from meshrun.core.layout import Layout
+
+
+def dp_size(cfg: ExperimentConfig) -> int:
+    return cfg.parallel.dp_replicate * cfg.parallel.dp_shard
+
+
+def n_devices(cfg: ExperimentConfig) -> int:
+    if cfg.parallel.data_parallel == "dataparallel":
+        return cfg.parallel.dataparallel_devices
+    return Layout.of(cfg.parallel).world_size
+
+
+def layout_name(cfg: ExperimentConfig) -> str:
+    if cfg.parallel.data_parallel == "dataparallel":
+        return f"dataparallel x{cfg.parallel.dataparallel_devices}"
+    return Layout.of(cfg.parallel).describe()
+
+
+def baseline_config(cfg: ExperimentConfig) -> ExperimentConfig:
+    """The single-device twin a run is compared with.
+
+    Weak scaling keeps what one device does per step (micro-batch and accumulation steps), so
+    the baseline's global batch is the run's per-data-parallel-rank batch; strong scaling keeps
+    the global batch. Either way the model, sequence length, precision, steps and the CPU
+    threads of one rank stay the same.
+    """
+    global_batch = cfg.train.global_batch_size
+    if cfg.metrics.scaling == "weak":
+        global_batch //= dp_size(cfg) * max(1, n_devices(cfg) // Layout.of(cfg.parallel).world_size)
+    return dataclasses.replace(
+        cfg,
+        parallel=ParallelConfig(name="single"),
+        launcher=dataclasses.replace(cfg.launcher, nnodes=1, nproc_per_node=1),
+        train=dataclasses.replace(cfg.train, global_batch_size=global_batch, progress_bar=False),
+        run_dir=f"{cfg.run_dir}/baseline",
+        name=f"{cfg.name}-baseline",
+    )
+
+
+def baseline_key(cfg: ExperimentConfig) -> str:
+    """Identity of a single-device measurement: everything that changes its throughput."""
+    t = cfg.train
+    ident = {
+        "model": dataclasses.asdict(cfg.model),
+        "hardware": cfg.hardware.name,
+        "backend": cfg.backend.name,
+        "threads": cfg.launcher.threads_per_rank,
+        "data": cfg.data.name,
+        "train": [
+            t.steps,
+            t.warmup_steps,
+            t.global_batch_size,
+            t.micro_batch_size,
+            t.seq_len,
+            t.precision,
+        ],
+    }
+    return hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def is_own_baseline(cfg: ExperimentConfig) -> bool:
+    """A single-device run is the baseline of itself."""
+    return n_devices(cfg) == 1 and baseline_key(cfg) == baseline_key(baseline_config(cfg))

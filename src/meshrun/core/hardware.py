@@ -1,0 +1,130 @@
+"""What this host has, and which hardware profile (conf/hardware) describes it.
+
+Detection matches torch's device names in PCI bus order (CUDA_DEVICE_ORDER=PCI_BUS_ID, the
+order nvidia-smi shows) against each profile's `match` strings. A device no profile knows
+gets a profile without peak FLOP/s, so MFU is reported as unknown rather than wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+import torch
+from omegaconf import OmegaConf
+
+from meshrun.core.config import DeviceSpec, HardwareConfig
+from meshrun.core.errors import choice, fail
+from meshrun.core.paths import CONF_DIR
+
+
+@dataclass(frozen=True)
+class CudaDevice:
+    name: str
+    memory_gib: float
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    cuda_devices: list[CudaDevice] = field(default_factory=list)
+    cpu_count: int = 1
+    memory_gib: float = 0.0
+
+    @classmethod
+    def detect(cls) -> HostFacts:
+        os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+        devices = []
+        if torch.cuda.is_available():
+            for index in range(torch.cuda.device_count()):
+                props = torch.cuda.get_device_properties(index)
+                devices.append(CudaDevice(props.name, props.total_memory / 2**30))
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        return cls(devices, len(os.sched_getaffinity(0)), memory)
+
+
+def device_for_rank(devices: list[DeviceSpec], local_rank: int) -> DeviceSpec | None:
+    """The spec of the local_rank-th device of a box (devices listed in PCI bus order)."""
+    index = local_rank
+    for spec in devices:
+        if index < spec.count:
+            return spec
+        index -= spec.count
+    return None
+
+
+def load_profile(name: str) -> HardwareConfig:
+    raw = OmegaConf.load(CONF_DIR / "hardware" / f"{name}.yaml")
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(HardwareConfig), raw))
+
+
+def profile_names() -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / "hardware").glob("*.yaml") if p.stem != "auto")
+
+
+def _matches(profile: HardwareConfig, devices: list[CudaDevice]) -> bool:
+    for index, device in enumerate(devices):
+        spec = device_for_rank(profile.devices, index)
+        if spec is None or not any(m.lower() in device.name.lower() for m in spec.match):
+            return False
+    return True
+
+
+def _unused_kinds(profile: HardwareConfig, n_devices: int) -> int:
+    """Device kinds of a profile that this host has none of (a 2-GPU A100 box is not the
+    mixed box whose first two slots are A100s)."""
+    first_index = 0
+    unused = 0
+    for spec in profile.devices:
+        unused += first_index >= n_devices
+        first_index += spec.count
+    return unused
+
+
+LINK_FIELDS = ("intra_node_bw_gbs", "inter_node_bw_gbs", "collective_latency_us")
+
+
+def detect_profile(facts: HostFacts) -> HardwareConfig:
+    if not facts.cuda_devices:
+        cpu = load_profile("cpu")
+        spec = dataclasses.replace(cpu.devices[0], memory_gib=round(facts.memory_gib, 1))
+        return dataclasses.replace(cpu, devices=[spec])
+    candidates = [p for p in map(load_profile, profile_names()) if p.device_type == "cuda"]
+    matching = [p for p in candidates if _matches(p, facts.cuda_devices)]
+    if matching:
+        first = facts.cuda_devices[0].memory_gib
+        return min(
+            matching,
+            key=lambda p: (_unused_kinds(p, len(facts.cuda_devices)),
+                           abs(p.devices[0].memory_gib - first)),
+        )  # fmt: skip
+    first = facts.cuda_devices[0]
+    unknown = DeviceSpec(
+        name=first.name, count=len(facts.cuda_devices), memory_gib=round(first.memory_gib, 1)
+    )
+    return HardwareConfig(name=f"unknown ({first.name})", device_type="cuda", devices=[unknown])
+
+
+def resolve_hardware(hw: HardwareConfig, facts: HostFacts) -> HardwareConfig:
+    choice("hardware.device_type", hw.device_type, ("cpu", "cuda"))
+    if hw.name == "auto":
+        # link figures given beside hardware=auto (overrides) win over the detected profile's
+        blank = HardwareConfig()
+        given = {f: getattr(hw, f) for f in LINK_FIELDS if getattr(hw, f) != getattr(blank, f)}
+        return dataclasses.replace(detect_profile(facts), **given)
+    if hw.device_type == "cuda" and not facts.cuda_devices:
+        fail(
+            "hardware",
+            hw.name,
+            "this profile describes CUDA devices and none are visible",
+            "cpu, or auto",
+        )
+    return hw
+
+
+def target_facts(hardware: HardwareConfig, host: HostFacts) -> HostFacts:
+    """The box a profile describes, as `validate` would see it there."""
+    if hardware.device_type != "cuda" or hardware.name == "auto":
+        return host
+    devices = [CudaDevice(s.name, s.memory_gib) for s in hardware.devices for _ in range(s.count)]
+    return HostFacts(devices, host.cpu_count, host.memory_gib)

@@ -1,0 +1,69 @@
+"""Rank order: the one place that knows which rank sits where.
+
+Ranks are laid out row-major over (pp, dp_replicate, dp_shard, tp): tensor-parallel peers are
+adjacent ranks (same node, fastest links), pipeline stages the outermost dimension. This is
+also init_device_mesh's order, so `rank_coords` (pure, for the driver and tests) and the
+DeviceMesh a worker builds (rank/mesh.py) always agree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from meshrun.core.config import ParallelConfig
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Resolved degrees of each mesh dimension (all >= 1)."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.degrees().values())
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def uses_fsdp(self) -> bool:
+        """Data parallelism through FSDP2: sharded, or replicated beside TP/PP (where DDP
+        cannot hold DTensor parameters)."""
+        return self.dp_shard > 1 or (self.dp_size > 1 and (self.tp > 1 or self.pp > 1))
+
+    @classmethod
+    def of(cls, parallel: ParallelConfig) -> Layout:
+        """The layout of a resolved parallel config (no -1 degrees left)."""
+        return cls(**{dim: getattr(parallel, dim) for dim in MESH_DIMS})
+
+    def degrees(self) -> dict[str, int]:
+        return {dim: getattr(self, dim) for dim in MESH_DIMS}
+
+    def describe(self) -> str:
+        """Short human name of the non-trivial dims, e.g. 'dp_shard2 x tp2'."""
+        parts = [f"{dim}{n}" for dim, n in self.degrees().items() if n > 1]
+        return " x ".join(parts) or "single"
+
+
+def rank_coords(layout: Layout, rank: int) -> dict[str, int]:
+    """Coordinate of `rank` along each mesh dim (row-major, tp fastest)."""
+    coords = {}
+    for dim in reversed(MESH_DIMS):
+        size = getattr(layout, dim)
+        coords[dim] = rank % size
+        rank //= size
+    return {dim: coords[dim] for dim in MESH_DIMS}
+
+
+def dp_rank(layout: Layout, rank: int) -> int:
+    """Index among data-parallel peers: TP and PP peers share it (and thus their data)."""
+    coords = rank_coords(layout, rank)
+    return coords["dp_replicate"] * layout.dp_shard + coords["dp_shard"]

@@ -1,2 +1,0 @@
-"""Diagnostics: `meshrun-comm` (collective benchmark in the manner of nccl-tests) and
-`meshrun-doctor` (versions, devices, backend health checks)."""

@@ -1,0 +1,105 @@
+"""`meshrun`: compose the experiment (Hydra), validate it, launch its ranks, record results.
+
+Runs once per experiment and starts the ranks itself (torch elastic). Started by torchrun
+instead, every process is one rank: all compose and validate the same config, rank 0 then
+measures the baseline if needed and writes the results.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, replace
+
+os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # before anything touches CUDA
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from meshrun.core.attached import attached_nodes, attached_rank
+from meshrun.core.config import ExperimentConfig
+from meshrun.core.errors import ConfigError
+from meshrun.core.hardware import HostFacts, target_facts
+from meshrun.driver.collect import submit_pending
+from meshrun.driver.command import hydra_command
+from meshrun.driver.experiment import record_skipped, reported, run_experiment
+from meshrun.driver.launch.local import launch_local
+from meshrun.driver.launch.slurm import launch_slurm
+from meshrun.driver.launch.torchrun import launch_attached
+from meshrun.driver.resolve import resolve
+from meshrun.driver.sinks.console import print_error
+from meshrun.driver.sweep import (
+    SweepJobFailed,
+    in_multirun,
+    is_sweep_job,
+    register_sweeps,
+    sweep_name,
+)
+from meshrun.rank.worker import run_rank
+
+ConfigStore.instance().store(name="experiment_schema", node=ExperimentConfig)
+register_sweeps(ConfigStore.instance())
+LAUNCHERS = {"local": launch_local, "slurm": launch_slurm}
+
+
+def _check_attached_world(cfg: ExperimentConfig) -> None:
+    started = int(os.environ["WORLD_SIZE"])
+    nodes, per_node = cfg.launcher.nnodes, cfg.launcher.nproc_per_node
+    if started != per_node * nodes:
+        raise ConfigError(
+            "WORLD_SIZE",
+            started,
+            f"torchrun started {started} ranks but parallel={cfg.parallel.name} needs "
+            f"{per_node * nodes}",
+            f"torchrun --nnodes {nodes} --nproc-per-node {per_node}, or another layout",
+        )
+
+
+def _waits_here(cfg: ExperimentConfig) -> bool:
+    """A SLURM job of a multirun is collected at the sweep's end (collect.CollectSweep), so
+    that the sweep's jobs run concurrently; with launcher.wait=false, by meshrun-collect."""
+    return cfg.launcher.wait and not in_multirun()
+
+
+def run(dict_cfg: DictConfig) -> int:
+    cfg: ExperimentConfig = OmegaConf.to_object(dict_cfg)
+    cfg = replace(cfg, sweep=sweep_name(cfg.sweep))
+    rank = attached_rank()
+    if rank is not None:
+        cfg = replace(cfg, launcher=replace(cfg.launcher, nnodes=attached_nodes()))
+    try:
+        facts = HostFacts.detect()
+        # First on the box the hardware profile describes (its layout, whether it fits), then
+        # on this host; for hardware=auto they are the same.
+        target = target_facts(cfg.hardware, facts)
+        resolve(cfg, target)
+        # SLURM ranks run on the profile's box, not on this (login) host.
+        cfg = resolve(cfg, target if cfg.launcher.name == "slurm" else facts)
+        if rank is not None:
+            _check_attached_world(cfg)
+    except ConfigError as err:
+        if is_sweep_job():  # an invalid grid point: recorded, and the sweep goes on
+            record_skipped(cfg, err)
+            print_error("skipped", str(err))
+            return 0
+        print_error("config error", str(err))
+        return 2
+    if rank not in (None, 0):
+        run_rank(asdict(cfg))
+        return 0
+    if rank is None and cfg.launcher.name == "slurm" and not _waits_here(cfg):
+        submit_pending(cfg)
+        return 0
+    launch = launch_attached if rank == 0 else LAUNCHERS[cfg.launcher.name]
+    return reported(lambda: run_experiment(cfg, launch))
+
+
+def _fail_sweep_job(code: int) -> None:
+    if in_multirun():
+        raise SweepJobFailed(f"this job of the sweep exited {code} (see its error above)")
+
+
+main = hydra_command("train", run, on_failure=_fail_sweep_job)
+
+
+if __name__ == "__main__":
+    main()

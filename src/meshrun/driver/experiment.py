@@ -1,0 +1,195 @@
+"""The driver's flow for one experiment: baseline (from the store, or measured first), the run
+itself, then results.json, the store row and W&B. Failed runs go through the same path, and
+so do a sweep's skipped points."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from meshrun.core.attached import attached_rank
+from meshrun.core.baseline import baseline_config, baseline_key, is_own_baseline
+from meshrun.core.config import ExperimentConfig
+from meshrun.core.errors import ConfigError
+from meshrun.driver.launch import RankFailure
+from meshrun.driver.results import assemble
+from meshrun.driver.sinks.console import print_error, print_summary, print_warning
+from meshrun.driver.sinks.store import ResultsStore
+from meshrun.rank.watchdog import clear_records, with_diagnosis
+from meshrun.rank.worker import METRICS_FILE
+
+Launch = Callable[[ExperimentConfig], dict[str, Any] | None]
+
+
+class RunFailed(RuntimeError):
+    def __init__(self, results: dict[str, Any]) -> None:
+        self.results = results
+        super().__init__(results["error"])
+
+
+def reported(run: Callable[[], dict[str, Any]]) -> int:
+    """Runs an experiment to its record and prints the summary; the command's exit code."""
+    try:
+        results = run()
+    except RunFailed as failed:
+        print_summary(failed.results)
+        print_error("run failed", str(failed))
+        return 1
+    print_summary(results)
+    return 0
+
+
+def run_experiment(cfg: ExperimentConfig, launch: Launch) -> dict[str, Any]:
+    """Returns the results record; raises RunFailed (after recording) if a rank failed.
+
+    The baseline is measured after the run, when the store has none: under torchrun the
+    other ranks are then already gone and rank 0 measures it alone.
+    """
+    return finish_experiment(cfg, measure(cfg, "run", launch), launch)
+
+
+def finish_experiment(cfg: ExperimentConfig, measured: Measured, launch: Launch) -> dict[str, Any]:
+    """Baseline and record of a run measured already (here, or by a job submitted earlier)."""
+    store = ResultsStore(cfg.store.path)
+    baseline = None
+    if cfg.metrics.baseline:
+        twin = baseline_config(cfg)
+        key = baseline_key(twin)
+        baseline = store.find_baseline(key)
+        if baseline is None and measured.ok and not is_own_baseline(cfg):
+            baseline = record(twin, measure(twin, "baseline", launch), None, store)
+    return record(cfg, measured, baseline, store)
+
+
+@dataclass
+class Measured:
+    meta: dict[str, Any]
+    steps: list[dict[str, Any]]
+    memory: list[dict[str, int]] | None
+    bubbles: list[float] | None
+
+    @property
+    def ok(self) -> bool:
+        return self.meta["status"] == "completed"
+
+
+def read_steps(run_dir: str) -> list[dict[str, Any]]:
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def measure(cfg: ExperimentConfig, role: str, launch: Launch) -> Measured:
+    meta = begin(cfg, role)
+    return outcome(cfg, meta, time.time(), lambda: launch(cfg))
+
+
+def begin(cfg: ExperimentConfig, role: str) -> dict[str, Any]:
+    """Clears what an earlier attempt left in the run dir; the new run's identity."""
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / METRICS_FILE).unlink(missing_ok=True)
+    if attached_rank() is None:  # under torchrun the peers may have written theirs already
+        clear_records(cfg.run_dir)
+    return {
+        "run_id": uuid.uuid4().hex[:12],
+        "role": role,
+        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def outcome(
+    cfg: ExperimentConfig,
+    meta: dict[str, Any],
+    started: float,
+    wait: Callable[[], dict[str, Any] | None],
+) -> Measured:
+    """`wait` returns rank 0's raw measurements once the ranks are done, or raises
+    RankFailure; `started` is the epoch second the launch began."""
+    meta = {**meta, "status": "completed", "error": None, "failed_rank": None}
+    raw: dict[str, Any] | None = None
+    try:
+        raw = wait()
+    except RankFailure as failure:
+        error = with_diagnosis(str(failure), cfg.run_dir, failure.rank)
+        meta.update(status="failed", error=error, failed_rank=failure.rank)
+    meta["duration_s"] = round(time.time() - started, 3)
+    raw = raw or {}
+    return Measured(
+        meta,
+        read_steps(cfg.run_dir),
+        raw.get("memory_per_rank"),
+        raw.get("pipeline_bubble_per_rank"),
+    )
+
+
+def record(
+    cfg: ExperimentConfig,
+    measured: Measured,
+    baseline: dict[str, Any] | None,
+    store: ResultsStore,
+) -> dict[str, Any]:
+    """results.json, the store row, and (for the run itself) W&B; raises RunFailed after."""
+    results = assemble(
+        cfg, measured.steps, measured.memory, measured.bubbles, baseline, measured.meta
+    )
+    publish(cfg, results, measured.steps, store)
+    if not measured.ok:
+        raise RunFailed(results)
+    return results
+
+
+def record_skipped(cfg: ExperimentConfig, reason: ConfigError) -> dict[str, Any]:
+    """A sweep's invalid point: recorded like a run (status `skipped`, the reason as its
+    error) so that the grid stays complete in the store and on W&B; no process starts."""
+    results = {
+        "run_id": uuid.uuid4().hex[:12],
+        "role": "run",
+        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "status": "skipped",
+        "error": str(reason),
+        "name": cfg.name,
+        "sweep": cfg.sweep,
+        "model": cfg.model.name,
+        "parallel": cfg.parallel.name,
+        "layout_name": cfg.parallel.name,
+        "backend": cfg.backend.name,
+        "hardware": cfg.hardware.name,
+        "precision": cfg.train.precision,
+        "seq_len": cfg.train.seq_len,
+        "global_batch_size": cfg.train.global_batch_size,
+        "micro_batch_size": cfg.train.micro_batch_size,
+        "losses": [],
+        "run_dir": cfg.run_dir,
+    }
+    Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+    publish(cfg, results, [], ResultsStore(cfg.store.path))
+    return results
+
+
+def publish(
+    cfg: ExperimentConfig, results: dict[str, Any], steps: list[dict[str, Any]], store: ResultsStore
+) -> None:
+    """results.json and the store row first; W&B (the run itself only) last and fallible: a
+    W&B failure costs the dashboard copy, never the run."""
+    (Path(cfg.run_dir) / "results.json").write_text(json.dumps(results, indent=2))
+    store.record(results)
+    if results["role"] != "run" or cfg.logger.name != "wandb":
+        return
+    from meshrun.driver.sinks.wandb_sink import log_run
+
+    tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
+    try:
+        log_run(cfg.logger, asdict(cfg), results, steps, tokens_per_step)
+    except Exception as err:  # wandb raises anything from OSError to its own errors
+        print_warning(
+            f"W&B logging failed ({type(err).__name__}: {err}); the run is recorded in "
+            f"{store.path} and {cfg.run_dir}/results.json"
+        )

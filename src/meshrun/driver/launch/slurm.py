@@ -1,0 +1,113 @@
+"""launcher=slurm: the ranks of one experiment as the tasks of one SLURM job, via submitit.
+
+One task per rank (`nproc_per_node` tasks on each of `nnodes` nodes); each task exports the
+torch distributed environment from SLURM's (rendezvous on the job's first node) and runs the
+same `run_rank` as a local launch. `srun --kill-on-bad-exit` stops every task when one fails.
+submitit's logs, one stdout and stderr per task, land in `<run dir>/slurm/<job id>/`.
+
+`launch_slurm` submits and waits (a single run, and baselines); `submit` and `wait` apart let
+a sweep's jobs run concurrently (meshrun.driver.collect).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import submitit
+
+from meshrun.core.config import CommRunConfig, ExperimentConfig
+from meshrun.driver.launch import RankFailure
+from meshrun.driver.sinks.console import console
+from meshrun.rank.failures import first_failure
+from meshrun.rank.worker import run_rank
+
+SLURM_DIR = "slurm"
+
+
+Entry = Callable[[dict[str, Any]], Any]
+
+
+def slurm_task(cfg_dict: dict[str, Any], entry: Entry = run_rank) -> Any:
+    """One rank, inside its SLURM task: MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK from
+    SLURM's environment, then the rank itself (training's, or meshrun-comm's). GPUs are
+    picked by LOCAL_RANK among the job's (CUDA_VISIBLE_DEVICES stays as SLURM set it)."""
+    submitit.helpers.TorchDistributedEnvironment().export(
+        set_cuda_visible_devices=False, overwrite=True
+    )
+    return entry(cfg_dict)
+
+
+def executor(cfg: ExperimentConfig | CommRunConfig) -> submitit.SlurmExecutor:
+    launcher = cfg.launcher
+    ex = submitit.SlurmExecutor(folder=Path(cfg.run_dir).absolute() / SLURM_DIR / "%j")
+    ex.update_parameters(
+        job_name=f"meshrun-{cfg.name}",
+        nodes=launcher.nnodes,
+        ntasks_per_node=launcher.nproc_per_node,
+        cpus_per_task=launcher.cpus_per_task,
+        gpus_per_node=launcher.gpus_per_node or None,
+        mem=f"{round(launcher.mem_gb * 1024)}M" if launcher.mem_gb else None,
+        time=launcher.time_min,
+        partition=launcher.partition,
+        account=launcher.account,
+        qos=launcher.qos,
+        constraint=launcher.constraint,
+        exclusive=True if launcher.exclusive else None,
+        setup=list(launcher.setup),
+        additional_parameters=dict(launcher.sbatch_extra),
+        srun_args=["--kill-on-bad-exit=1"],
+    )
+    return ex
+
+
+def submit(cfg: ExperimentConfig | CommRunConfig, entry: Entry = run_rank) -> str:
+    """Submits the job, returns its id at once."""
+    job = executor(cfg).submit(slurm_task, asdict(cfg), entry)
+    console.print(
+        f"submitted SLURM job {job.job_id} ({cfg.launcher.nnodes} node(s) x "
+        f"{cfg.launcher.nproc_per_node} task(s)); logs: {log_dir(cfg, job.job_id)}",
+        highlight=False,
+        soft_wrap=True,
+    )
+    return job.job_id
+
+
+def log_dir(cfg: ExperimentConfig | CommRunConfig, job_id: str) -> Path:
+    return Path(cfg.run_dir).absolute() / SLURM_DIR / job_id
+
+
+def wait(cfg: ExperimentConfig | CommRunConfig, job_id: str) -> dict[str, Any] | None:
+    """Rank 0's raw measurements once the job is done; RankFailure naming the first rank
+    that failed (by the ranks' own records, else submitit's) with where its log is."""
+    ranks = cfg.launcher.nnodes * cfg.launcher.nproc_per_node
+    job: submitit.Job = submitit.SlurmJob(log_dir(cfg, job_id), job_id, tasks=range(ranks))
+    job.wait()
+    failures = [(rank, job.task(rank).exception()) for rank in range(ranks)]
+    failures = [(rank, err) for rank, err in failures if err is not None]
+    if not failures:
+        return job.task(0).result()
+    recorded = first_failure(cfg.run_dir)
+    rank, text = recorded or (failures[0][0], _last_line(failures[0][1]))
+    stderr = job.task(rank).paths.stderr
+    raise RankFailure(rank, f"{text} (SLURM job {job_id}, state {job.state}; log: {stderr})")
+
+
+def _last_line(err: Exception) -> str:
+    """submitit's message ends with the trace; its last line is the exception itself."""
+    lines = [line for line in str(err).splitlines() if line.strip() and set(line) != {"-"}]
+    footer = ("You can check", "or at paths", "  -")
+    traced = [line for line in lines if not line.startswith(footer)]
+    return (traced or lines or [type(err).__name__])[-1].strip()
+
+
+def launch_slurm(cfg: ExperimentConfig | CommRunConfig, entry: Entry = run_rank) -> Any:
+    """Submits and waits; an interrupted driver (Ctrl-C) cancels its job."""
+    job_id = submit(cfg, entry)
+    try:
+        return wait(cfg, job_id)
+    except KeyboardInterrupt:
+        submitit.SlurmJob(log_dir(cfg, job_id), job_id).cancel(check=False)
+        raise

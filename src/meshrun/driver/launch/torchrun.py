@@ -1,0 +1,32 @@
+"""Attach mode: this process was started by torchrun (or any launcher that sets RANK,
+WORLD_SIZE, MASTER_ADDR/PORT) and is one rank; torchrun owns teardown on failure."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+from meshrun.core.attached import attached_rank
+from meshrun.core.config import CommRunConfig, ExperimentConfig
+from meshrun.driver.launch import RankFailure
+from meshrun.rank.worker import run_rank
+
+
+def run_dir_override() -> str:
+    """One run dir for all ranks: `${now:}` would differ per process."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if run_id == "none":
+        run_id = f"port{os.environ.get('MASTER_PORT', '0')}"
+    return f"hydra.run.dir=outputs/torchrun/{run_id}"
+
+
+def launch_attached(
+    cfg: ExperimentConfig | CommRunConfig,
+    entry: Callable[[dict[str, Any]], Any] = run_rank,
+) -> Any:
+    try:
+        return entry(asdict(cfg))
+    except Exception as err:
+        raise RankFailure(attached_rank() or 0, f"{type(err).__name__}: {err}") from err

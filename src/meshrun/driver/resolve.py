@@ -1,0 +1,27 @@
+"""From a composed experiment to the one that runs: the rules (validate), then the layout if
+the planner is to pick it (`parallel=auto`), then the memory check (plan.fit) between the layout's rules and the rest. The only place
+that composes the two layers, so that neither calls the other."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from meshrun.core.config import ExperimentConfig
+from meshrun.core.hardware import HostFacts, resolve_hardware
+from meshrun.plan.fit import check_fit
+from meshrun.plan.search import best_layout
+from meshrun.validate import check_experiment, validate_layout, validate_run
+from meshrun.validate.layout import CPU_DEFAULT_RANKS
+
+
+def resolve(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:
+    """The resolved config for `facts`' box, or ConfigError before any process starts."""
+    if cfg.parallel.name == "auto":
+        check_experiment(cfg)
+        hardware = resolve_hardware(cfg.hardware, facts)
+        per_node = cfg.launcher.nproc_per_node or len(facts.cuda_devices) or CPU_DEFAULT_RANKS
+        world = per_node * cfg.launcher.nnodes
+        cfg = best_layout(dataclasses.replace(cfg, hardware=hardware), world, facts)
+    resolved = validate_layout(cfg, facts)
+    check_fit(resolved, facts)  # before the batch rules: "does not fit" is the news to give
+    return validate_run(resolved)

@@ -1,0 +1,132 @@
+"""From raw measurements to the results record: throughput, speedup against the single-device
+baseline, scaling efficiency, MFU, memory. One function builds the record for completed and
+failed runs alike, so a failed run keeps the metrics of the steps it finished."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from meshrun.core.baseline import baseline_key, dp_size, is_own_baseline, layout_name, n_devices
+from meshrun.core.config import ExperimentConfig
+from meshrun.core.hardware import device_for_rank
+from meshrun.core.layout import Layout
+from meshrun.plan.candidate import host_flops
+from meshrun.plan.memory import predict_memory
+from meshrun.plan.speed import predict_speed
+from meshrun.rank.metrics.flops import flops_per_token, mfu, peak_flops
+from meshrun.rank.metrics.memory import MEMORY_CATEGORIES
+from meshrun.rank.metrics.throughput import summarize_steps
+from meshrun.rank.models.llama import build_model, count_params
+from meshrun.rank.parallel.pipeline import theoretical_bubble
+
+
+def pipeline_fields(cfg: ExperimentConfig, bubbles: list[float] | None) -> dict[str, Any]:
+    """Measured bubble (mean over ranks, and each rank's) beside the schedule's theory."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return dict.fromkeys(
+            ("pp_schedule", "pp_microbatches", "bubble_theoretical", "bubble_measured",
+             "bubble_per_rank")
+        )  # fmt: skip
+    return {
+        "pp_schedule": p.schedule,
+        "pp_microbatches": p.microbatches,
+        "bubble_theoretical": theoretical_bubble(p.pp, p.microbatches, p.stages_per_rank),
+        "bubble_measured": sum(bubbles) / len(bubbles) if bubbles else None,
+        "bubble_per_rank": bubbles,
+    }
+
+
+def memory_fields(cfg: ExperimentConfig, memory: list[dict[str, int]] | None) -> dict[str, Any]:
+    """Per-rank peaks and breakdowns, the categories of the rank with the highest peak, and
+    the planner's prediction for each rank beside them."""
+    peaks = [m["peak"] for m in memory] if memory else None
+    top = max(memory, key=lambda m: m["peak"]) if memory else {}
+    predicted = [p.as_dict() for p in predict_memory(cfg)]
+    return {
+        "peak_memory_bytes": peaks,
+        "peak_memory_max_bytes": max(peaks) if peaks else None,
+        "memory_per_rank": memory,
+        **{f"memory_{c}_bytes": top.get(c) for c in MEMORY_CATEGORIES},
+        "memory_predicted": predicted,
+        "predicted_peak_memory_bytes": max(p["peak"] for p in predicted),
+    }
+
+
+def predicted_speed_fields(cfg: ExperimentConfig) -> dict[str, Any]:
+    speed = predict_speed(cfg, host_flops(cfg))
+    return {
+        "predicted_step_time_s": speed.step_time_s if speed else None,
+        "predicted_tokens_per_s": speed.tokens_per_s if speed else None,
+    }
+
+
+def matmul_params(cfg: ExperimentConfig) -> tuple[int, int]:
+    return count_params(build_model(cfg.model, cfg.train.seq_len, "meta"))
+
+
+def assemble(
+    cfg: ExperimentConfig,
+    steps: list[dict[str, Any]],
+    memory: list[dict[str, int]] | None,
+    bubbles: list[float] | None,
+    baseline: dict[str, Any] | None,
+    meta: dict[str, Any],
+) -> dict[str, Any]:
+    """`steps`: rank 0's per-step records; `memory`: each rank's peak and its breakdown;
+    `meta`: run id, role, status, error, times."""
+    t = cfg.train
+    tokens_per_step = t.global_batch_size * t.seq_len
+    step_times = [r["step_time_s"] for r in steps if r["step_time_s"] is not None]
+    timing = dict.fromkeys(("step_time_s", "step_time_p90_s", "tokens_per_s", "samples_per_s"))
+    if step_times:
+        timing = summarize_steps(step_times, tokens_per_step, t.global_batch_size)
+    total, matmul = matmul_params(cfg)
+    devices = n_devices(cfg)
+    specs = [device_for_rank(cfg.hardware.devices, i) for i in range(devices)]
+    peak = peak_flops(specs, t.precision)
+    tokens_per_s = timing["tokens_per_s"]
+    if baseline is None and is_own_baseline(cfg):
+        baseline = {"tokens_per_s": tokens_per_s, "run_id": meta["run_id"]}
+    baseline_tps = baseline["tokens_per_s"] if baseline else None
+    speedup = tokens_per_s / baseline_tps if tokens_per_s and baseline_tps else None
+    return {
+        **meta,
+        "name": cfg.name,
+        "sweep": cfg.sweep,
+        "model": cfg.model.name,
+        "parallel": cfg.parallel.name,
+        "layout": Layout.of(cfg.parallel).degrees(),
+        "layout_name": layout_name(cfg),
+        "world_size": Layout.of(cfg.parallel).world_size,
+        "devices": devices,
+        "hardware": cfg.hardware.name,
+        "device_type": cfg.hardware.device_type,
+        "backend": cfg.backend.name,
+        "precision": t.precision,
+        "seq_len": t.seq_len,
+        "global_batch_size": t.global_batch_size,
+        "micro_batch_size": t.micro_batch_size,
+        "grad_accum_steps": t.global_batch_size // (t.micro_batch_size * dp_size(cfg)),
+        "steps": t.steps,
+        "warmup_steps": t.warmup_steps,
+        "steps_completed": len(steps),
+        "params": total,
+        **timing,
+        "scaling": cfg.metrics.scaling,
+        "baseline_tokens_per_s": baseline_tps,
+        "baseline_run_id": baseline["run_id"] if baseline else None,
+        "speedup": speedup,
+        "scaling_efficiency": speedup / devices if speedup else None,
+        "flops_per_token": flops_per_token(cfg.model, matmul, t.seq_len),
+        "mfu": mfu(tokens_per_s, flops_per_token(cfg.model, matmul, t.seq_len), peak)
+        if tokens_per_s
+        else None,
+        **pipeline_fields(cfg, bubbles),
+        **memory_fields(cfg, memory),
+        **predicted_speed_fields(cfg),
+        "losses": [r["loss"] for r in steps],
+        "grad_norms": [r.get("grad_norm") for r in steps],
+        "baseline_key": baseline_key(cfg),
+        "run_dir": cfg.run_dir,
+    }

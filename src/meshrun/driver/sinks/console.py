@@ -1,0 +1,86 @@
+"""Terminal output of the driver: errors, warnings and the summary table at the end."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+console = Console()
+
+
+def print_error(what: str, message: str) -> None:
+    """One unwrapped line, so the key and value stay greppable in logs."""
+    console.print(Text(f"meshrun: {what} ", style="bold red") + Text(message), soft_wrap=True)
+
+
+def print_warning(message: str) -> None:
+    console.print(Text("meshrun: warning ", style="bold yellow") + Text(message), soft_wrap=True)
+
+
+def _fmt(value: Any, unit: str = "") -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:,.3g}{unit}" if abs(value) < 100 else f"{value:,.0f}{unit}"
+    return f"{value}{unit}"
+
+
+def _breakdown(results: dict[str, Any]) -> str:
+    """The categories of the rank with the highest peak, in MiB."""
+    values = [results.get(f"memory_{c}_bytes") for c in
+              ("params", "grads", "optimizer", "activations", "other")]  # fmt: skip
+    if any(v is None for v in values):
+        return "n/a"
+    return " / ".join(f"{v / 2**20:.1f}" for v in values) + " MiB"
+
+
+def print_summary(results: dict[str, Any]) -> None:
+    table = Table(
+        title=f"meshrun: {results['model']} / {results['layout_name']}", show_header=False
+    )
+    table.add_column(style="bold")
+    table.add_column()
+    step_time = _fmt(results["step_time_s"], " s")
+    step_time_p90 = _fmt(results["step_time_p90_s"], " s")
+    rows = [
+        ("status", results["status"]),
+        (
+            "layout",
+            f"{results['layout_name']} on {results['world_size']} rank(s), {results['backend']}",
+        ),
+        ("hardware", results["hardware"]),
+        ("batch", f"global {results['global_batch_size']}, micro {results['micro_batch_size']}"),
+        ("tokens/s", _fmt(results["tokens_per_s"])),
+        ("step time (median, p90)", f"{step_time}, {step_time_p90}"),
+        ("baseline tokens/s", _fmt(results["baseline_tokens_per_s"])),
+        (f"speedup ({results['scaling']} scaling)", _fmt(results["speedup"], "x")),
+        ("scaling efficiency", _fmt(results["scaling_efficiency"])),
+        ("MFU", _fmt(results["mfu"])),
+        ("peak memory (max rank)", _fmt_bytes(results["peak_memory_max_bytes"])),
+        ("  params/grads/optim/activ/other", _breakdown(results)),
+        ("  predicted peak", _fmt_bytes(results.get("predicted_peak_memory_bytes"))),
+        ("loss first -> last", _loss_span(results["losses"])),
+        ("run dir", results["run_dir"]),
+    ]
+    if results.get("pp_schedule"):
+        bubble = f"{_fmt(results['bubble_measured'])} measured, "
+        bubble += f"{_fmt(results['bubble_theoretical'])} theory"
+        rows.insert(
+            -2, (f"bubble ({results['pp_schedule']}, m={results['pp_microbatches']})", bubble)
+        )
+    if results.get("error"):
+        rows.insert(1, ("error", results["error"]))
+    for key, value in rows:
+        table.add_row(key, Text(str(value)))
+    console.print(table)
+
+
+def _fmt_bytes(value: int | None) -> str:
+    return "n/a" if value is None else f"{value / 2**20:,.1f} MiB"
+
+
+def _loss_span(losses: list[float]) -> str:
+    return "n/a" if not losses else f"{losses[0]:.4f} -> {losses[-1]:.4f}"

@@ -1,0 +1,56 @@
+"""Sweeps: the ready grids in `sweeps/` as the Hydra group `sweeps`, and what makes a job part
+of a sweep (its shared name, and skipping invalid grid points instead of stopping).
+
+`meshrun -m +sweeps=batch_microbatch` selects sweeps/batch_microbatch.yaml. The files live
+beside conf/ rather than in it so that they read as what they are: ready-made commands, not
+experiment presets. The group is not called `sweep`: that is the config key naming a sweep
+(`sweep=my-grid`), and Hydra reads `<group>=` as a group choice. A W&B agent's runs are sweep
+jobs too (the agent sets WANDB_SWEEP_ID).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import OmegaConf
+
+from meshrun.core.paths import REPO_ROOT
+
+SWEEPS_DIR = REPO_ROOT / "sweeps"
+
+
+class SweepJobFailed(RuntimeError):
+    """Raised instead of exiting, so Hydra still runs the sweep's other jobs and then exits
+    non-zero naming this one."""
+
+
+def register_sweeps(store: ConfigStore) -> None:
+    """Each sweeps/*.yaml becomes `+sweeps=<stem>`, merged at the top level (like
+    `# @package _global_`) since a sweep sets hydra.sweeper.params and hydra.sweep.dir."""
+    for path in sorted(SWEEPS_DIR.glob("*.yaml")):
+        store.store(group="sweeps", name=path.stem, node=OmegaConf.load(path), package="_global_")
+
+
+def in_multirun() -> bool:
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def is_sweep_job() -> bool:
+    """One point of a grid: a Hydra multirun job, or a run started by a W&B agent."""
+    return in_multirun() or "WANDB_SWEEP_ID" in os.environ
+
+
+def sweep_name(configured: str | None) -> str | None:
+    """The configured name, else the multirun's sweep dir name (one per `meshrun -m`), else
+    the W&B sweep's id; None for a single run."""
+    if configured:
+        return configured
+    if in_multirun():
+        return Path(HydraConfig.get().sweep.dir).name
+    if "WANDB_SWEEP_ID" in os.environ:
+        return f"wandb-{os.environ['WANDB_SWEEP_ID']}"
+    return None

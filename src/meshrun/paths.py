@@ -1,6 +1,0 @@
-"""Where the project's files live (configs ship beside the package in the source tree)."""
-
-from pathlib import Path
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-CONF_DIR = REPO_ROOT / "conf"

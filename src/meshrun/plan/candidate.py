@@ -1,0 +1,114 @@
+"""One layout judged: its resolved config, predicted memory per rank against each rank's
+capacity, and predicted speed. `legal` asks the same `validate` a run goes through."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from meshrun.core.config import ExperimentConfig
+from meshrun.core.errors import ConfigError
+from meshrun.core.hardware import HostFacts, device_for_rank
+from meshrun.core.layout import Layout
+from meshrun.plan.memory import MemoryPrediction, predict_memory
+from meshrun.plan.probe import host_matmul_flops
+from meshrun.plan.speed import SpeedPrediction, predict_speed
+from meshrun.validate import validate
+
+GiB = 2**30
+
+
+@dataclass
+class Candidate:
+    cfg: ExperimentConfig
+    memory: list[MemoryPrediction]
+    capacity: list[int]
+    speed: SpeedPrediction | None
+    speedup: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return all(m.peak <= c for m, c in zip(self.memory, self.capacity, strict=True))
+
+    @property
+    def peak(self) -> int:
+        return max(m.peak for m in self.memory)
+
+    @property
+    def label(self) -> str:
+        p = self.cfg.parallel
+        parts = [Layout.of(p).describe()]
+        if p.pp > 1:
+            parts.append(f"{p.schedule} m={p.microbatches}")
+            if p.pp_layers:
+                parts.append(f"layers {list(p.pp_layers)}")
+        if p.activation_checkpointing != "none":
+            parts.append(f"ckpt {p.activation_checkpointing}")
+        return ", ".join(parts)
+
+    def overrides(self) -> str:
+        """The command-line overrides that select this layout."""
+        p = self.cfg.parallel
+        keys = ["dp_replicate", "dp_shard", "tp", "pp"]
+        if p.pp > 1:
+            keys += ["schedule", "stages_per_rank"]
+        parts = [f"parallel.{k}={getattr(p, k)}" for k in keys]
+        if p.pp_layers:
+            parts.append(f"parallel.pp_layers=[{','.join(map(str, p.pp_layers))}]")
+        if p.activation_checkpointing != "none":
+            parts.append(f"parallel.activation_checkpointing={p.activation_checkpointing}")
+        parts.append(f"train.micro_batch_size={self.cfg.train.micro_batch_size}")
+        return " ".join(parts)
+
+    def as_dict(self) -> dict:
+        p = self.cfg.parallel
+        return {
+            "layout": self.label,
+            "degrees": Layout.of(p).degrees(),
+            "schedule": p.schedule if p.pp > 1 else None,
+            "microbatches": p.microbatches,
+            "micro_batch_size": self.cfg.train.micro_batch_size,
+            "pp_layers": list(p.pp_layers) if p.pp_layers else None,
+            "activation_checkpointing": p.activation_checkpointing,
+            "fits": self.fits,
+            "peak_bytes": self.peak,
+            "memory_per_rank": [m.as_dict() for m in self.memory],
+            "capacity_bytes": self.capacity,
+            "speed": self.speed.as_dict() if self.speed else None,
+            "speedup": self.speedup,
+            "notes": self.notes,
+        }
+
+
+def capacities(cfg: ExperimentConfig) -> list[int]:
+    """Usable bytes per rank: its device's memory less the headroom; on CPU an equal share of
+    the host's memory (the ranks share it)."""
+    world = Layout.of(cfg.parallel).world_size
+    headroom = cfg.plan.headroom_gib * GiB
+    if cfg.hardware.device_type == "cpu":
+        total = cfg.hardware.devices[0].memory_gib * GiB
+        return [int((total - headroom) / world)] * world
+    per_node = cfg.launcher.nproc_per_node or world
+    specs = [device_for_rank(cfg.hardware.devices, r % per_node) for r in range(world)]
+    return [int(s.memory_gib * GiB - headroom) if s else 0 for s in specs]
+
+
+def host_flops(cfg: ExperimentConfig) -> float | None:
+    """A rank's matmul rate on this host with the run's ranks on it all computing."""
+    if cfg.hardware.device_type != "cpu":
+        return None
+    ranks = Layout.of(cfg.parallel).world_size // cfg.launcher.nnodes
+    return host_matmul_flops(cfg.launcher.threads_per_rank or 1, ranks)
+
+
+def evaluate(cfg: ExperimentConfig) -> Candidate:
+    """`cfg` resolved (validated)."""
+    return Candidate(cfg, predict_memory(cfg), capacities(cfg),
+                     predict_speed(cfg, host_flops(cfg)))  # fmt: skip
+
+
+def legal(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig | None:
+    try:
+        return validate(cfg, facts)
+    except ConfigError:
+        return None

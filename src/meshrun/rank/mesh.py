@@ -1,0 +1,40 @@
+"""Process groups and the DeviceMesh of a rank, in the rank order of core/layout.py."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from meshrun.core.layout import MESH_DIMS, Layout
+
+
+def init_distributed(backend: str, timeout_s: float) -> None:
+    """Default process group from torchrun-style env vars, with a collective timeout."""
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+
+
+def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
+    return init_device_mesh(device_type, tuple(layout.degrees().values()), mesh_dim_names=MESH_DIMS)
+
+
+def dp_group(mesh: DeviceMesh | None) -> dist.ProcessGroup | None:
+    """One group spanning both data-parallel dims (for averaging metrics like the loss)."""
+    if mesh is None:
+        return None
+    return mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
+
+
+def pp_group(mesh: DeviceMesh | None, layout: Layout) -> dist.ProcessGroup | None:
+    """The pipeline stages of this rank's (dp, tp) coordinate, when there is a pipeline."""
+    return mesh["pp"].get_group() if mesh is not None and layout.pp > 1 else None
+
+
+def select_device(device_type: str, local_rank: int) -> torch.device:
+    """Rank -> device; CUDA indices follow PCI bus order (set by the driver) like nvidia-smi."""
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")

@@ -1,0 +1,28 @@
+"""Model FLOPs per token and MFU.
+
+FLOPs per token for a training step (forward + backward) follow PaLM's appendix B:
+6 * N + 12 * n_layers * dim * seq_len, N being the parameters that take part in matmuls
+(the attention term counts QK^T and AV, which have no parameters).
+"""
+
+from __future__ import annotations
+
+from meshrun.core.config import DeviceSpec, ModelConfig
+
+
+def flops_per_token(cfg: ModelConfig, matmul_params: int, seq_len: int) -> float:
+    return 6.0 * matmul_params + 12.0 * cfg.n_layers * cfg.dim * seq_len
+
+
+def peak_flops(specs: list[DeviceSpec | None], precision: str) -> float | None:
+    """Sum of the peaks of the devices a run uses; None if any of them has no known peak."""
+    total = 0.0
+    for spec in specs:
+        if spec is None or precision not in spec.peak_tflops:
+            return None
+        total += spec.peak_tflops[precision] * 1e12
+    return total
+
+
+def mfu(tokens_per_s: float, flops_token: float, peak: float | None) -> float | None:
+    return None if not peak else tokens_per_s * flops_token / peak

@@ -1,0 +1,170 @@
+"""LLaMA-style decoder: RMSNorm, RoPE, SwiGLU, causal SDPA attention with optional GQA.
+
+Layers live in a ModuleDict keyed by their global index so a pipeline stage can drop the
+ones it does not own and keep names (and thus checkpoints and init) stable.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshrun.core.config import ModelConfig
+
+
+def ffn_dim(cfg: ModelConfig) -> int:
+    if cfg.ffn_dim is not None:
+        return cfg.ffn_dim
+    hidden = int(2 * (4 * cfg.dim) / 3)
+    return cfg.multiple_of * math.ceil(hidden / cfg.multiple_of)
+
+
+def kv_heads(cfg: ModelConfig) -> int:
+    return cfg.n_kv_heads or cfg.n_heads
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), freqs)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (even, odd) pairs of x: [batch, seq, heads, head_dim]."""
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[: x.shape[1], None, :], sin[: x.shape[1], None, :]
+    rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = kv_heads(cfg)
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds a slice of the heads.
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
+        )
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        hidden = ffn_dim(cfg)
+        self.w1 = nn.Linear(cfg.dim, hidden, bias=False)
+        self.w3 = nn.Linear(cfg.dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_seq_len: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.max_seq_len = max_seq_len
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+
+    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> Transformer:
+        """Materialise (from meta); `nn.Module.to_empty` gives each module its own new
+        tensor, which would silently untie a tied head from the embedding."""
+        super().to_empty(device=device, recurse=recurse)
+        if self.cfg.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
+            self.output.weight = self.tok_embeddings.weight
+        return self
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids -> logits; a pipeline stage without the embedding takes hidden states,
+        one without the head returns them."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, self.rope_cos, self.rope_sin)
+        if self.output is None:
+            return h
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Same seed, same weights, whatever the device or layout that follows.
+
+        Each parameter draws from its own generator seeded by (seed, its name), so the
+        values do not depend on creation order, on which layers a pipeline stage keeps, or
+        on the device (draws happen on CPU, then are copied).
+        """
+        device = self.rope_cos.device
+        cos, sin = rope_tables(
+            self.cfg.dim // self.cfg.n_heads, self.max_seq_len, self.cfg.rope_theta
+        )
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+        depth_scale = 1.0 / math.sqrt(2 * self.cfg.n_layers)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+                continue
+            std = 0.02 * (depth_scale if name.endswith(("wo.weight", "w2.weight")) else 1.0)
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + _stable_hash(name))
+            values = torch.empty(param.shape, dtype=torch.float32)
+            values.normal_(0.0, std, generator=gen)
+            param.copy_(values)
+
+
+def _stable_hash(name: str) -> int:
+    """Python's hash() is salted per process; ranks need the same number for the same name."""
+    value = 0
+    for char in name.encode():
+        value = (value * 131 + char) % 2_147_483_647
+    return value
+
+
+def build_model(cfg: ModelConfig, max_seq_len: int, device: torch.device | str) -> Transformer:
+    """Build on `device`; on "meta" nothing is allocated (shape and size questions only)."""
+    with torch.device(device):
+        return Transformer(cfg, max_seq_len)
+
+
+def count_params(model: Transformer) -> tuple[int, int]:
+    """(total, in matmuls): the second is N in 6N FLOPs per token; the embedding lookup is
+    no matmul, but a tied embedding is also the output head, which is."""
+    total = sum(p.numel() for p in model.parameters())
+    if model.cfg.tie_embeddings or model.tok_embeddings is None:
+        return total, total
+    return total, total - model.tok_embeddings.weight.numel()

@@ -1,0 +1,120 @@
+"""Turn the model into its parallel form for a layout.
+
+Composition order (as in torchtitan): pipeline cut (on the meta device), materialise and
+init, tensor parallel, activation checkpointing, then the data-parallel wrapper outermost
+(FSDP2, HSDP, DDP or DataParallel), then the pipeline schedule over the stages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining.schedules import _PipelineSchedule
+from torch.nn.parallel import DistributedDataParallel
+
+from meshrun.core.config import ParallelConfig
+from meshrun.core.layout import Layout
+from meshrun.rank.models.llama import Transformer
+from meshrun.rank.parallel.checkpointing import apply_activation_checkpointing
+from meshrun.rank.parallel.dataparallel import apply_dataparallel
+from meshrun.rank.parallel.ddp import apply_ddp
+from meshrun.rank.parallel.fsdp import apply_fsdp
+from meshrun.rank.parallel.pipeline import (
+    build_schedule,
+    cut_stage,
+    local_stage_ids,
+    stage_layer_counts,
+)
+from meshrun.rank.parallel.tensor import resolve_tp_plan
+
+
+@dataclass
+class ParallelModel:
+    """What one rank trains: its model part(s) and, under PP, the schedule that drives them."""
+
+    parts: list[nn.Module]
+    schedule: _PipelineSchedule | None = None
+    is_first_stage: bool = True
+    is_last_stage: bool = True
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for part in self.parts for p in part.parameters() if p.requires_grad]
+
+    @property
+    def casts_params(self) -> bool:
+        """FSDP casts parameters itself (MixedPrecisionPolicy); other wrappers need autocast."""
+        return isinstance(self.parts[0], FSDPModule)
+
+
+def parallelize(
+    model: Transformer,
+    mesh: DeviceMesh | None,
+    layout: Layout,
+    cfg: ParallelConfig,
+    device: torch.device,
+    seed: int,
+    param_dtype: torch.dtype,
+) -> ParallelModel:
+    """`model` is the full model on the meta device; returns this rank's materialised share."""
+    stage_ids = [0]
+    n_stages = 1
+    parts = [model]
+    if layout.pp > 1:
+        n_stages = layout.pp * cfg.stages_per_rank
+        counts = stage_layer_counts(model.cfg.n_layers, n_stages, cfg.pp_layers)
+        stage_ids = local_stage_ids(mesh.get_local_rank("pp"), layout.pp, cfg.stages_per_rank)
+        parts = [cut_stage(model, stage, counts) for stage in stage_ids]
+    wrapped = []
+    for part in parts:
+        part.to_empty(device=device)
+        part.init_weights(seed)
+        if layout.tp > 1:
+            resolve_tp_plan(cfg.tp_plan)(part, mesh["tp"], cfg.sequence_parallel)
+        apply_activation_checkpointing(part, cfg.activation_checkpointing)
+        wrapped.append(_data_parallel(part, mesh, layout, cfg, device, param_dtype))
+    schedule = None
+    if layout.pp > 1:
+        schedule = build_schedule(
+            wrapped, stage_ids, n_stages, mesh["pp"], cfg, cfg.microbatches, device
+        )
+    return ParallelModel(wrapped, schedule, 0 in stage_ids, n_stages - 1 in stage_ids)
+
+
+def _data_parallel(
+    part: nn.Module,
+    mesh: DeviceMesh | None,
+    layout: Layout,
+    cfg: ParallelConfig,
+    device: torch.device,
+    param_dtype: torch.dtype,
+) -> nn.Module:
+    if cfg.data_parallel == "dataparallel":
+        return apply_dataparallel(part, cfg.dataparallel_devices)
+    if mesh is None or layout.dp_size == 1:
+        return part
+    if layout.uses_fsdp:
+        # Replication next to TP/PP goes through FSDP2 on a (replicate, shard=1) mesh.
+        # Under PP, keep parameters gathered across the micro-batches of a step instead of
+        # re-gathering for each.
+        reshard = cfg.fsdp.reshard_after_forward and layout.pp == 1
+        return apply_fsdp(part, mesh, layout, reshard, param_dtype)
+    return apply_ddp(part, mesh, cfg.ddp, device)
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Skip DDP's gradient all-reduce on all but the last micro-batch.
+
+    FSDP reduce-scatters every micro-batch instead: skipping it would accumulate unsharded
+    gradients, a full-size copy per rank, which is the memory FSDP exists to save."""
+    if isinstance(model, DistributedDataParallel) and not enabled:
+        with model.no_sync():
+            yield
+        return
+    yield

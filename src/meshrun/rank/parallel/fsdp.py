@@ -1,0 +1,31 @@
+"""Sharded data parallelism with FSDP2 (`fully_shard`) over the data-parallel dims: 1-D for
+FSDP, 2-D (replicate, shard) for HSDP, or (replicate, 1) for plain replication beside TP/PP."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from meshrun.core.layout import Layout
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    layout: Layout,
+    reshard_after_forward: bool,
+    param_dtype: torch.dtype,
+) -> nn.Module:
+    """Shard each transformer block as its own unit (so only one block is gathered at a
+    time), then the root, which holds the embedding, final norm and head."""
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    blocks = list(model.layers.values())
+    for index, block in enumerate(blocks):
+        # The last block is resharded by the root right after anyway: keep it gathered.
+        reshard = reshard_after_forward and index < len(blocks) - 1
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    return model

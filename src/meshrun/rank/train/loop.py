@@ -1,0 +1,189 @@
+"""The training loop: one optimizer step per global batch, its rank-local share either cut
+into micro-batches with gradient accumulation or handed to the pipeline schedule.
+
+The only host syncs are at log steps, where the buffered per-step losses are reduced and the
+step times read. The first `warmup_steps` are excluded from timing; they are also where the
+memory breakdown is measured (and on CPU, peak memory traced).
+
+Gradients stay allocated between steps (zeroed, not freed), as in Megatron's persistent
+gradient buffers: every step then holds the same memory, the sum the planner predicts,
+instead of the first micro-batch of a step running lighter than the rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from meshrun.core.config import TrainConfig
+from meshrun.rank.metrics.bubble import BubbleClock
+from meshrun.rank.metrics.memory import FWD_BWD_END, STEP_START, MemoryMeter
+from meshrun.rank.metrics.throughput import StepClock
+from meshrun.rank.parallel import ParallelModel, gradient_sync
+from meshrun.rank.train.data import LocalBatches
+from meshrun.rank.train.optim import clip_grads, grad_norm, grads_by_mesh
+from meshrun.rank.watchdog import Watchdog
+
+LogFn = Callable[[list[dict]], None]
+
+
+@dataclass
+class LoopState:
+    """What the loop has measured so far; survives (in part) a crash mid-run."""
+
+    losses: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    pipeline_busy_per_step: list[float] | None = None  # seconds, per timed step
+    pipeline_span_per_step: list[float] | None = None
+
+
+@dataclass
+class LoopContext:
+    device: torch.device
+    dp_group: dist.ProcessGroup | None
+    pp_group: dist.ProcessGroup | None
+    autocast_dtype: torch.dtype | None
+    memory: MemoryMeter
+    on_log: LogFn
+    progress: Callable[[int], None] | None = None
+    fault: Callable[[int], None] | None = None
+    watchdog: Watchdog | None = None
+    step_collectives: str = "forward/backward"
+
+
+def _inside(
+    ctx: LoopContext, step: int, op: str, one_collective: bool = True
+) -> contextlib.AbstractContextManager:
+    """Tells the hang watchdog that `op` of `step` runs collectives."""
+    if ctx.watchdog is None:
+        return contextlib.nullcontext()
+    return ctx.watchdog.inside(step, op, one_collective)
+
+
+def _autocast(ctx: LoopContext) -> contextlib.AbstractContextManager:
+    if ctx.autocast_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(ctx.device.type, dtype=ctx.autocast_dtype)
+
+
+def _accumulate(model: ParallelModel, inputs, targets, micro_batch: int, ctx) -> torch.Tensor:
+    """Forward/backward each micro-batch; gradients reduced over DP on the last one only."""
+    module = model.parts[0]
+    chunks = list(zip(inputs.split(micro_batch), targets.split(micro_batch), strict=True))
+    total = torch.zeros((), device=ctx.device)
+    for index, (x, y) in enumerate(chunks):
+        with gradient_sync(module, enabled=index == len(chunks) - 1):
+            with _autocast(ctx):
+                logits = module(x)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+            (loss / len(chunks)).backward()
+        total += loss.detach()
+    return total / len(chunks)
+
+
+def _pipeline_step(model: ParallelModel, inputs, targets, ctx: LoopContext) -> torch.Tensor:
+    """One schedule step; the loss exists on the last stage only (zero elsewhere)."""
+    losses: list[torch.Tensor] = []
+    kwargs = {"target": targets if model.is_last_stage else None, "losses": losses}
+    with _autocast(ctx):
+        if model.is_first_stage:
+            model.schedule.step(inputs, **kwargs)
+        else:
+            model.schedule.step(**kwargs)
+    if not losses:
+        return torch.zeros((), device=ctx.device)
+    return torch.stack([loss.detach() for loss in losses]).mean()
+
+
+def train_loop(
+    model: ParallelModel,
+    optimizer: torch.optim.Optimizer,
+    batches: LocalBatches,
+    cfg: TrainConfig,
+    ctx: LoopContext,
+) -> LoopState:
+    state = LoopState()
+    clock = StepClock(ctx.device)
+    bubble = BubbleClock(model.schedule, ctx.device) if model.schedule is not None else None
+    pending: list[torch.Tensor] = []
+    params = model.parameters()
+    for step in range(cfg.steps):
+        if step == cfg.warmup_steps:
+            ctx.memory.stop_tracing()
+            if dist.is_initialized():
+                with _inside(ctx, step, "barrier (end of warmup)"):
+                    dist.barrier()  # ranks leave warmup at different times: level the clocks
+            clock.mark()
+            if bubble is not None:
+                bubble.start()
+        if ctx.watchdog is not None:
+            ctx.watchdog.at(step)
+        if ctx.fault is not None:
+            ctx.fault(step)
+        # The breakdown is read from a warmup step after the first: optimizer state exists then.
+        measured = 1 <= step < cfg.warmup_steps
+        if measured:
+            ctx.memory.mark(STEP_START)
+        inputs, targets = batches.for_step(step)
+        with _inside(ctx, step, ctx.step_collectives, one_collective=False):
+            if model.schedule is not None:
+                step_loss = _pipeline_step(model, inputs, targets, ctx)
+            else:
+                step_loss = _accumulate(model, inputs, targets, cfg.micro_batch_size, ctx)
+        if measured:
+            ctx.memory.mark(FWD_BWD_END)
+        groups = grads_by_mesh(params)
+        with _inside(ctx, step, "all_reduce (gradient norm)"):
+            norm = grad_norm(groups, ctx.pp_group)
+        if cfg.grad_clip is not None:
+            clip_grads(groups, cfg.grad_clip, norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        pending.append(torch.stack([step_loss, norm]))
+        if step >= cfg.warmup_steps:
+            clock.mark()
+        if ctx.progress is not None:
+            ctx.progress(step + 1)
+        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+            with _inside(ctx, step, "all_reduce (losses of the log step)"):
+                _flush(state, pending, clock, step, ctx)
+            pending = []
+    if bubble is not None:
+        state.pipeline_busy_per_step, state.pipeline_span_per_step = bubble.per_step()
+    return state
+
+
+def _flush(
+    state: LoopState,
+    pending: list[torch.Tensor],
+    clock: StepClock,
+    last_step: int,
+    ctx: LoopContext,
+) -> None:
+    """The log step: one reduction of the buffered losses, one read of the step clock.
+    Gradient norms are already global (the same on every rank)."""
+    stacked = torch.stack(pending)
+    losses = stacked[:, 0].contiguous()
+    if ctx.pp_group is not None:
+        dist.all_reduce(losses, group=ctx.pp_group)  # only the last stage's are non-zero
+    if ctx.dp_group is not None:
+        dist.all_reduce(losses, group=ctx.dp_group)  # gloo has no AVG
+        losses /= dist.get_world_size(ctx.dp_group)
+    values = losses.tolist()
+    norms = stacked[:, 1].tolist()
+    times = clock.drain()
+    first_step = last_step - len(values) + 1
+    timed_from = len(values) - len(times)
+    records = []
+    for offset, loss in enumerate(values):
+        step_time = times[offset - timed_from] if offset >= timed_from else None
+        records.append({"step": first_step + offset, "loss": loss, "grad_norm": norms[offset],
+                        "step_time_s": step_time})  # fmt: skip
+    state.losses.extend(values)
+    state.step_times.extend(times)
+    ctx.on_log(records)

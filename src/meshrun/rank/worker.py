@@ -1,0 +1,153 @@
+"""One rank of an experiment, top to bottom: process group and mesh, model, parallel form,
+training, measurements. Takes the driver's fully resolved config as a plain dict (no Hydra,
+no `auto` left in it) and returns rank 0's raw measurements."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshrun.core.config import DebugConfig, ExperimentConfig, from_dict
+from meshrun.core.layout import Layout, dp_rank
+from meshrun.rank.failures import record_failure
+from meshrun.rank.mesh import build_mesh, dp_group, init_distributed, pp_group, select_device
+from meshrun.rank.metrics.bubble import bubble_per_rank
+from meshrun.rank.metrics.memory import MemoryMeter, ModelState
+from meshrun.rank.models.llama import build_model
+from meshrun.rank.parallel import parallelize
+from meshrun.rank.progress import rank_progress
+from meshrun.rank.train.data import LocalBatches, build_dataset
+from meshrun.rank.train.loop import LoopContext, train_loop
+from meshrun.rank.train.optim import build_optimizer
+from meshrun.rank.watchdog import Watchdog, step_collectives
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsLog:
+    """Rank 0 appends each log step's records at once, so a crash keeps the steps done."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+
+    def __call__(self, records: list[dict]) -> None:
+        if self.path is None:
+            return
+        with self.path.open("a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def fault_injector(debug: DebugConfig, rank: int) -> Callable[[int], None] | None:
+    if debug.fail_rank != rank:
+        return None
+
+    def inject(step: int) -> None:
+        if step != debug.fail_step:
+            return
+        if debug.fail_mode == "hang":
+            threading.Event().wait()  # the peers' collectives must time out
+        raise RuntimeError(f"injected failure on rank {rank} at step {step} (debug.fail_rank)")
+
+    return inject
+
+
+def run_rank(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
+    cfg = from_dict(cfg_dict)
+    layout = Layout.of(cfg.parallel)
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    for key, value in cfg.backend.env.items():
+        os.environ.setdefault(key, value)
+    if cfg.launcher.threads_per_rank:
+        torch.set_num_threads(cfg.launcher.threads_per_rank)
+    device = select_device(cfg.hardware.device_type, local_rank)
+    mesh = watchdog = None
+    if layout.world_size > 1:
+        watchdog = Watchdog(cfg.run_dir, rank, cfg.backend.timeout_s)
+        init_distributed(cfg.backend.name, cfg.backend.timeout_s)
+        mesh = build_mesh(layout, device.type)
+    try:
+        return _train(cfg, layout, rank, device, mesh, watchdog)
+    except Exception as err:
+        record_failure(cfg.run_dir, rank, err)
+        raise
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(
+    cfg: ExperimentConfig,
+    layout: Layout,
+    rank: int,
+    device: torch.device,
+    mesh,
+    watchdog: Watchdog | None,
+) -> dict | None:
+    tc = cfg.train
+    memory = MemoryMeter(device)
+    memory.start()
+    bf16 = tc.precision == "bf16"
+    model = parallelize(
+        build_model(cfg.model, tc.seq_len, "meta"),
+        mesh,
+        layout,
+        cfg.parallel,
+        device,
+        tc.seed,
+        torch.bfloat16 if bf16 else torch.float32,
+    )
+    optimizer = build_optimizer(model, tc)
+    batches = LocalBatches(
+        build_dataset(cfg.data, cfg.model.vocab_size, tc.seed),
+        tc.global_batch_size,
+        tc.seq_len,
+        dp_rank(layout, rank),
+        layout.dp_size,
+        device,
+    )
+    metrics_path = Path(cfg.run_dir) / METRICS_FILE if rank == 0 else None
+    with rank_progress(tc.steps, enabled=rank == 0 and tc.progress_bar) as progress:
+        ctx = LoopContext(
+            device=device,
+            dp_group=dp_group(mesh),
+            pp_group=pp_group(mesh, layout),
+            autocast_dtype=torch.bfloat16 if bf16 and not model.casts_params else None,
+            memory=memory,
+            on_log=MetricsLog(metrics_path),
+            progress=progress,
+            fault=fault_injector(cfg.debug, rank),
+            watchdog=watchdog,
+            step_collectives=step_collectives(layout.degrees()),
+        )
+        state = train_loop(model, optimizer, batches, tc, ctx)
+    split = memory.breakdown(ModelState.of(model.parameters(), optimizer))
+    mine = {
+        "memory": {"rank": rank, **(split or {"peak": memory.peak_bytes()})},
+        "busy": state.pipeline_busy_per_step,
+        "span": state.pipeline_span_per_step,
+    }
+    ranks = [mine]
+    if dist.is_initialized():
+        ranks = [{} for _ in range(dist.get_world_size())]
+        with watchdog.inside(tc.steps, "all_gather_object (measurements)", one_collective=True):
+            dist.all_gather_object(ranks, mine)
+    if rank != 0:
+        return None
+    return {
+        "memory_per_rank": [r["memory"] for r in ranks],
+        "pipeline_bubble_per_rank": bubble_per_rank(
+            [r["busy"] for r in ranks], [r["span"] for r in ranks]
+        )
+        if state.pipeline_span_per_step
+        else None,
+    }

@@ -1,0 +1,1 @@
+"""`meshrun-comm`: collectives timed like nccl-tests, over the training launchers."""

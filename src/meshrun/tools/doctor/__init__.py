@@ -1,0 +1,1 @@
+"""`meshrun-doctor`: versions, devices (CUDA vs nvidia-smi order), backend health checks."""

@@ -1,0 +1,63 @@
+"""The runs table: every column on the HTML page, the narrower set in the terminal (with the
+reasons of skipped and failed runs listed under it rather than in a column)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from meshrun.driver.sinks.console import _fmt, _fmt_bytes, console
+
+HEADERS = (
+    "run", "created (UTC)", "sweep", "model", "layout", "ranks", "backend", "batch / micro",
+    "status", "tokens/s", "speedup", "efficiency", "peak memory", "bubble (theory)", "reason",
+)  # fmt: skip
+TERMINAL = tuple(h for h in HEADERS if h not in ("created (UTC)", "sweep", "backend", "reason"))
+STATUS_STYLE = {"completed": "green", "failed": "red", "skipped": "yellow"}
+
+
+def cells(run: dict[str, Any]) -> dict[str, str]:
+    """The text of each column for one run; a skipped or failed run's reason is its error."""
+    bubble = "n/a"
+    if run.get("bubble_theoretical") is not None:
+        bubble = f"{_fmt(run.get('bubble_measured'))} ({_fmt(run['bubble_theoretical'])})"
+    values = (
+        run["run_id"],
+        run["created_at"][:19].replace("T", " "),
+        run.get("sweep") or "",
+        run.get("model") or "",
+        run.get("layout_name") or run.get("parallel") or "",
+        _fmt(run.get("world_size")),
+        run.get("backend") or "",
+        f"{_fmt(run.get('global_batch_size'))} / {_fmt(run.get('micro_batch_size'))}",
+        run["status"],
+        _fmt(run.get("tokens_per_s")),
+        _fmt(run.get("speedup"), "x"),
+        _fmt(run.get("scaling_efficiency")),
+        _fmt_bytes(run.get("peak_memory_max_bytes")),
+        bubble,
+        run.get("error") or "",
+    )
+    return dict(zip(HEADERS, values, strict=True))
+
+
+def print_table(runs: list[dict[str, Any]], title: str) -> None:
+    """Fitted to a terminal; written to a pipe or log, at full width rather than rich's 80."""
+    table = Table(title=title, box=box.SIMPLE_HEAD)
+    for header in TERMINAL:
+        table.add_column(header, overflow="fold", no_wrap=header == "run")
+    for run in runs:
+        row = cells(run)
+        texts = [Text(row[h]) for h in TERMINAL]
+        texts[TERMINAL.index("status")].stylize(STATUS_STYLE.get(run["status"], ""))
+        table.add_row(*texts)
+    out = console if console.is_terminal else Console(width=160)
+    out.print(table)
+    for run in runs:
+        if run.get("error"):
+            out.print(Text(f"{run['run_id']} {run['status']}: ", style="bold")
+                          + Text(run["error"]), soft_wrap=True)  # fmt: skip

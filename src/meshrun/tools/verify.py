@@ -1,0 +1,195 @@
+"""`meshrun-verify`: run a layout and its single-device reference from the same seed and global
+batch, and compare loss and gradient norm step by step.
+
+A correct layout computes the single device's math (in fp32 to ~1e-6 relative), so the largest
+deviation says whether a new layout, or a user's own TP plan (`parallel.tp_plan`), can be
+trusted before it spends cluster hours. The config is `meshrun`'s (conf/verify.yaml includes
+train.yaml) plus a `verify` block. Both runs go under the run dir; neither is recorded in the
+results store or W&B, since they are checks, not measurements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # before anything touches CUDA
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+from rich.table import Table
+from rich.text import Text
+
+from meshrun.core.baseline import layout_name
+from meshrun.core.config import DebugConfig, ExperimentConfig, ParallelConfig
+from meshrun.core.errors import ConfigError, positive
+from meshrun.core.hardware import HostFacts
+from meshrun.driver.command import hydra_command
+from meshrun.driver.experiment import Measured, measure
+from meshrun.driver.launch.local import launch_local
+from meshrun.driver.resolve import resolve
+from meshrun.driver.sinks.console import console, print_error
+
+REPORT_FILE = "verify.json"
+
+
+@dataclass
+class VerifyConfig:
+    tolerance: float = 1e-4
+
+
+@dataclass
+class VerifyExperimentConfig(ExperimentConfig):
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
+
+
+# train.yaml's defaults start with `experiment_schema`; in this process that name is the
+# experiment schema plus the `verify` block, so verify.yaml can reuse train.yaml whole.
+ConfigStore.instance().store(name="experiment_schema", node=VerifyExperimentConfig)
+
+
+def reference_config(cfg: ExperimentConfig) -> ExperimentConfig:
+    """The single-device twin with the SAME global batch (unlike the weak-scaling baseline).
+
+    Model, data, seed, steps, micro-batch and threads per rank stay; the layout's own options
+    (TP plan, schedule, checkpointing) and fault injection do not apply to one device.
+    """
+    return dataclasses.replace(
+        cfg,
+        parallel=ParallelConfig(name="single"),
+        launcher=dataclasses.replace(cfg.launcher, nproc_per_node=1),
+        debug=DebugConfig(),
+        run_dir=f"{cfg.run_dir}/reference",
+        name=f"{cfg.name}-reference",
+    )
+
+
+def relative_deviation(value: float, reference: float) -> float:
+    """|value - reference| / |reference|; a NaN or inf on either side is infinitely far."""
+    if not (math.isfinite(value) and math.isfinite(reference)):
+        return math.inf
+    return abs(value - reference) / max(abs(reference), 1e-30)
+
+
+def compare(
+    reference: list[dict[str, Any]], layout: list[dict[str, Any]], tolerance: float
+) -> dict[str, Any]:
+    """Per-step records of both runs (metrics.jsonl) -> the report verify.json holds."""
+    steps = [
+        {
+            "step": ref["step"],
+            "loss_reference": ref["loss"],
+            "loss_layout": lay["loss"],
+            "loss_deviation": relative_deviation(lay["loss"], ref["loss"]),
+            "grad_norm_reference": ref["grad_norm"],
+            "grad_norm_layout": lay["grad_norm"],
+            "grad_norm_deviation": relative_deviation(lay["grad_norm"], ref["grad_norm"]),
+        }
+        for ref, lay in zip(reference, layout, strict=True)
+    ]
+    max_loss = max(s["loss_deviation"] for s in steps)
+    max_grad = max(s["grad_norm_deviation"] for s in steps)
+    return {
+        "passed": max_loss <= tolerance and max_grad <= tolerance,
+        "tolerance": tolerance,
+        "max_loss_deviation": max_loss,
+        "max_grad_norm_deviation": max_grad,
+        "failed_run": None,
+        "error": None,
+        "steps": steps,
+    }
+
+
+def _print_report(report: dict[str, Any]) -> None:
+    tolerance = report["tolerance"]
+    table = Table(title="layout vs single device, per step")
+    headers = ("step", "loss\nref", "loss\nlayout", "rel\ndiff", "grad norm\nref",
+               "grad norm\nlayout", "rel\ndiff")  # fmt: skip
+    for header in headers:
+        table.add_column(header, justify="right", no_wrap=True)
+
+    def deviation(value: float) -> Text:
+        return Text(f"{value:.1e}", style="red" if value > tolerance else "green")
+
+    for s in report["steps"]:
+        table.add_row(
+            str(s["step"]),
+            f"{s['loss_reference']:.6f}",
+            f"{s['loss_layout']:.6f}",
+            deviation(s["loss_deviation"]),
+            f"{s['grad_norm_reference']:.6f}",
+            f"{s['grad_norm_layout']:.6f}",
+            deviation(s["grad_norm_deviation"]),
+        )
+    console.print(table)
+    verdict = Text("PASS", style="bold green") if report["passed"] else Text("FAIL", "bold red")
+    console.print(
+        Text(
+            f"largest deviation: loss {report['max_loss_deviation']:.2e}, grad norm "
+            f"{report['max_grad_norm_deviation']:.2e} (tolerance {tolerance:g} relative): "
+        )
+        + verdict,
+        soft_wrap=True,
+    )
+
+
+def _experiment(composed: VerifyExperimentConfig) -> ExperimentConfig:
+    """Without the `verify` block: the ranks rebuild the schema they know from a plain dict."""
+    fields = dataclasses.fields(ExperimentConfig)
+    return ExperimentConfig(**{f.name: getattr(composed, f.name) for f in fields})
+
+
+def run(dict_cfg: DictConfig) -> int:
+    """0: the layout matches the single device; 1: it does not, or a run failed; 2: bad config."""
+    composed: VerifyExperimentConfig = OmegaConf.to_object(dict_cfg)
+    tolerance = composed.verify.tolerance
+    try:
+        positive("verify.tolerance", tolerance)
+        cfg = resolve(_experiment(composed), HostFacts.detect())
+    except ConfigError as err:
+        print_error("config error", str(err))
+        return 2
+    runs = {
+        "layout": dataclasses.replace(cfg, run_dir=f"{cfg.run_dir}/layout"),
+        "reference": reference_config(cfg),
+    }
+    world = cfg.launcher.nproc_per_node
+    console.print(
+        f"meshrun-verify: {cfg.model.name} on {layout_name(cfg)} ({world} rank(s)) against one "
+        f"device, {cfg.train.steps} steps of global batch {cfg.train.global_batch_size}",
+        soft_wrap=True,
+    )
+    measured: dict[str, Measured] = {}
+    for role, run_cfg in runs.items():  # the layout first: if it crashes, skip the reference
+        measured[role] = measure(run_cfg, role, launch_local)
+        if not measured[role].ok:
+            error = measured[role].meta["error"]
+            report = {"passed": False, "tolerance": tolerance, "failed_run": role, "error": error}
+            break
+    else:
+        report = compare(measured["reference"].steps, measured["layout"].steps, tolerance)
+    report |= {
+        "model": cfg.model.name,
+        "parallel": cfg.parallel.name,
+        "layout": layout_name(cfg),
+        "tp_plan": cfg.parallel.tp_plan,
+        **{f"{role}_dir": run_cfg.run_dir for role, run_cfg in runs.items()},
+    }
+    (Path(cfg.run_dir) / REPORT_FILE).write_text(json.dumps(report, indent=2))
+    if report["error"]:
+        print_error(f"{report['failed_run']} run failed", report["error"])
+        return 1
+    _print_report(report)
+    return 0 if report["passed"] else 1
+
+
+main = hydra_command("verify", run)
+
+
+if __name__ == "__main__":
+    main()
