@@ -1,6 +1,6 @@
-"""From a composed experiment to the one that runs: the rules (validate), then the layout if
-the planner is to pick it (`parallel=auto`), then the memory check (plan.fit) between the layout's rules and the rest. The only place
-that composes the two layers, so that neither calls the other."""
+"""From a composed experiment to the one that runs: the rules (validate), the layout if the
+planner is to pick it (`parallel=auto`), and the memory check (plan.fit) between the layout's
+rules and the rest. The one place that composes the two layers, so neither calls the other."""
 
 from __future__ import annotations
 
