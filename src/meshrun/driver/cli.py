@@ -22,9 +22,7 @@ from meshrun.core.hardware import HostFacts, target_facts
 from meshrun.driver.collect import submit_pending
 from meshrun.driver.command import hydra_command
 from meshrun.driver.experiment import record_skipped, reported, run_experiment
-from meshrun.driver.launch.local import launch_local
-from meshrun.driver.launch.slurm import launch_slurm
-from meshrun.driver.launch.torchrun import launch_attached
+from meshrun.driver.launch.dispatch import launch
 from meshrun.driver.resolve import resolve
 from meshrun.driver.sinks.console import print_error
 from meshrun.driver.sweep import (
@@ -35,23 +33,10 @@ from meshrun.driver.sweep import (
     sweep_name,
 )
 from meshrun.rank.worker import run_rank
+from meshrun.validate.launcher import check_attached_world
 
 ConfigStore.instance().store(name="experiment_schema", node=ExperimentConfig)
 register_sweeps(ConfigStore.instance())
-LAUNCHERS = {"local": launch_local, "slurm": launch_slurm}
-
-
-def _check_attached_world(cfg: ExperimentConfig) -> None:
-    started = int(os.environ["WORLD_SIZE"])
-    nodes, per_node = cfg.launcher.nnodes, cfg.launcher.nproc_per_node
-    if started != per_node * nodes:
-        raise ConfigError(
-            "WORLD_SIZE",
-            started,
-            f"torchrun started {started} ranks but parallel={cfg.parallel.name} needs "
-            f"{per_node * nodes}",
-            f"torchrun --nnodes {nodes} --nproc-per-node {per_node}, or another layout",
-        )
 
 
 def _waits_here(cfg: ExperimentConfig) -> bool:
@@ -74,8 +59,7 @@ def run(dict_cfg: DictConfig) -> int:
         resolve(cfg, target)
         # SLURM ranks run on the profile's box, not on this (login) host.
         cfg = resolve(cfg, target if cfg.launcher.name == "slurm" else facts)
-        if rank is not None:
-            _check_attached_world(cfg)
+        check_attached_world(cfg.launcher, f"parallel={cfg.parallel.name}")
     except ConfigError as err:
         if is_sweep_job():  # an invalid grid point: recorded, and the sweep goes on
             record_skipped(cfg, err)
@@ -89,7 +73,6 @@ def run(dict_cfg: DictConfig) -> int:
     if rank is None and cfg.launcher.name == "slurm" and not _waits_here(cfg):
         submit_pending(cfg)
         return 0
-    launch = launch_attached if rank == 0 else LAUNCHERS[cfg.launcher.name]
     return reported(lambda: run_experiment(cfg, launch))
 
 

@@ -91,18 +91,37 @@ def measure(cfg: ExperimentConfig, role: str, launch: Launch) -> Measured:
     return outcome(cfg, meta, time.time(), lambda: launch(cfg))
 
 
-def begin(cfg: ExperimentConfig, role: str) -> dict[str, Any]:
-    """Clears what an earlier attempt left in the run dir; the new run's identity."""
-    run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / METRICS_FILE).unlink(missing_ok=True)
+def new_run(run_dir: str) -> dict[str, Any]:
+    """A run's identity, its run dir cleared of what an earlier attempt's ranks left there
+    (every command that starts ranks begins here)."""
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
     if attached_rank() is None:  # under torchrun the peers may have written theirs already
-        clear_records(cfg.run_dir)
+        clear_records(run_dir)
     return {
         "run_id": uuid.uuid4().hex[:12],
-        "role": role,
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def attempt(run_dir: str, started: float, wait: Callable[[], Any]) -> tuple[dict[str, Any], Any]:
+    """Waits for the ranks (`wait` raises RankFailure if one failed); the run's status,
+    error with the hang diagnosis, failed rank and duration, and rank 0's return value."""
+    status: dict[str, Any] = {"status": "completed", "error": None, "failed_rank": None}
+    raw = None
+    try:
+        raw = wait()
+    except RankFailure as failure:
+        error = with_diagnosis(str(failure), run_dir, failure.rank)
+        status.update(status="failed", error=error, failed_rank=failure.rank)
+    status["duration_s"] = round(time.time() - started, 3)
+    return status, raw
+
+
+def begin(cfg: ExperimentConfig, role: str) -> dict[str, Any]:
+    """A training run's identity; its metrics file from an earlier attempt removed."""
+    meta = new_run(cfg.run_dir)
+    (Path(cfg.run_dir) / METRICS_FILE).unlink(missing_ok=True)
+    return {"run_id": meta["run_id"], "role": role, "created_at": meta["created_at"]}
 
 
 def outcome(
@@ -113,14 +132,8 @@ def outcome(
 ) -> Measured:
     """`wait` returns rank 0's raw measurements once the ranks are done, or raises
     RankFailure; `started` is the epoch second the launch began."""
-    meta = {**meta, "status": "completed", "error": None, "failed_rank": None}
-    raw: dict[str, Any] | None = None
-    try:
-        raw = wait()
-    except RankFailure as failure:
-        error = with_diagnosis(str(failure), cfg.run_dir, failure.rank)
-        meta.update(status="failed", error=error, failed_rank=failure.rank)
-    meta["duration_s"] = round(time.time() - started, 3)
+    status, raw = attempt(cfg.run_dir, started, wait)
+    meta = {**meta, **status}
     raw = raw or {}
     return Measured(
         meta,

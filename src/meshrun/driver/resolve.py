@@ -11,7 +11,7 @@ from meshrun.core.hardware import HostFacts, resolve_hardware
 from meshrun.plan.fit import check_fit
 from meshrun.plan.search import best_layout
 from meshrun.validate import check_experiment, validate_layout, validate_run
-from meshrun.validate.layout import CPU_DEFAULT_RANKS
+from meshrun.validate.launcher import CPU_DEFAULT_RANKS
 
 
 def resolve(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:

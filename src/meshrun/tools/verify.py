@@ -31,7 +31,7 @@ from meshrun.core.errors import ConfigError, positive
 from meshrun.core.hardware import HostFacts
 from meshrun.driver.command import hydra_command
 from meshrun.driver.experiment import Measured, measure
-from meshrun.driver.launch.local import launch_local
+from meshrun.driver.launch.dispatch import launch
 from meshrun.driver.resolve import resolve
 from meshrun.driver.sinks.console import console, print_error
 
@@ -166,7 +166,7 @@ def run(dict_cfg: DictConfig) -> int:
     )
     measured: dict[str, Measured] = {}
     for role, run_cfg in runs.items():  # the layout first: if it crashes, skip the reference
-        measured[role] = measure(run_cfg, role, launch_local)
+        measured[role] = measure(run_cfg, role, launch)
         if not measured[role].ok:
             error = measured[role].meta["error"]
             report = {"passed": False, "tolerance": tolerance, "failed_run": role, "error": error}

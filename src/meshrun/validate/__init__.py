@@ -17,6 +17,7 @@ import torch.distributed as dist
 from meshrun.core.config import ExperimentConfig, HardwareConfig
 from meshrun.core.errors import choice, fail, positive
 from meshrun.core.hardware import HostFacts, resolve_hardware
+from meshrun.validate.launcher import check_debug
 from meshrun.validate.layout import (
     check_batch,
     check_tensor_parallel,
@@ -57,7 +58,8 @@ def validate_layout(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig
 def validate_run(resolved: ExperimentConfig) -> ExperimentConfig:
     """The rest of the rules, on a config from `validate_layout`."""
     check_batch(resolved)
-    _check_debug(resolved)
+    world = resolved.launcher.nproc_per_node * resolved.launcher.nnodes
+    check_debug(resolved.debug, world, resolved.train.steps)
     if resolved.launcher.name == "slurm":
         return dataclasses.replace(resolved, launcher=check_slurm(resolved))
     return resolved
@@ -168,17 +170,3 @@ def resolve_backend(cfg: ExperimentConfig, hardware: HardwareConfig, facts: Host
             "gloo | nccl | auto",
         )
     return dataclasses.replace(b, name=name)
-
-
-def _check_debug(cfg: ExperimentConfig) -> None:
-    d, world = cfg.debug, cfg.launcher.nproc_per_node * cfg.launcher.nnodes
-    choice("debug.fail_mode", d.fail_mode, ("raise", "hang"))
-    if d.fail_rank is not None and not 0 <= d.fail_rank < world:
-        fail(
-            "debug.fail_rank",
-            d.fail_rank,
-            f"no such rank in a run of {world}",
-            f"0..{world - 1}, or null",
-        )
-    if not 0 <= d.fail_step < cfg.train.steps:
-        fail("debug.fail_step", d.fail_step, "outside the run", f"0..{cfg.train.steps - 1}")

@@ -8,31 +8,19 @@ import dataclasses
 import math
 import os
 
-from meshrun.core.attached import attached_rank
 from meshrun.core.config import ExperimentConfig
-from meshrun.core.errors import choice, fail, positive
+from meshrun.core.errors import choice, fail
 from meshrun.core.hardware import HostFacts
 from meshrun.core.layout import MESH_DIMS, Layout
 from meshrun.rank.models.llama import ffn_dim
 from meshrun.rank.parallel.pipeline import MULTI_STAGE_SCHEDULES, SCHEDULES, stage_layer_counts
 from meshrun.rank.parallel.tensor import resolve_tp_plan
-
-CPU_DEFAULT_RANKS = 2
+from meshrun.validate.launcher import CPU_DEFAULT_RANKS, check_launcher, place_ranks
 
 
 def resolve_layout(cfg: ExperimentConfig, facts: HostFacts):
     p, launcher = cfg.parallel, cfg.launcher
-    choice("launcher.name", launcher.name, ("local", "slurm"))
-    positive("launcher.nnodes", launcher.nnodes)
-    if launcher.name == "local" and launcher.nnodes != 1 and attached_rank() is None:
-        fail(
-            "launcher.nnodes",
-            launcher.nnodes,
-            "launcher=local runs on one node",
-            "1; for several nodes launcher=slurm, or start meshrun with torchrun --nnodes",
-        )
-    positive("launcher.nproc_per_node", launcher.nproc_per_node, allow_none=True)
-    positive("launcher.threads_per_rank", launcher.threads_per_rank, allow_none=True)
+    check_launcher(launcher)
     choice("parallel.data_parallel", p.data_parallel, ("auto", "dataparallel"))
     choice(
         "parallel.activation_checkpointing", p.activation_checkpointing,
@@ -73,37 +61,8 @@ def resolve_layout(cfg: ExperimentConfig, facts: HostFacts):
             )
         degrees[fill[0]] = world // fixed
     world = math.prod(degrees.values())
-    layout = Layout(**degrees).describe()
-    if world % nodes:
-        fail(
-            "launcher.nnodes",
-            nodes,
-            f"layout {layout} of parallel={p.name} has {world} ranks, not a multiple of nnodes",
-            f"a divisor of {world}",
-        )
-    if nproc is not None and nproc * nodes != world:
-        fail(
-            "launcher.nproc_per_node",
-            nproc,
-            f"layout {layout} of parallel={p.name} needs {world} ranks"
-            + (f" ({world // nodes} on each of {nodes} nodes)" if nodes > 1 else ""),
-            f"{world // nodes}, or null to follow the layout",
-        )
-    nproc = world // nodes
-    if gpus and nproc > len(gpus):
-        fail(
-            "launcher.nproc_per_node",
-            nproc,
-            f"only {len(gpus)} CUDA devices are visible",
-            f"at most {len(gpus)}",
-        )
-    threads = (
-        launcher.threads_per_rank or launcher.cpus_per_task or max(1, facts.cpu_count // nproc)
-    )
-    return (
-        dataclasses.replace(p, **degrees),
-        dataclasses.replace(launcher, nproc_per_node=nproc, threads_per_rank=threads),
-    )
+    what = f"layout {Layout(**degrees).describe()} of parallel={p.name}"
+    return dataclasses.replace(p, **degrees), place_ranks(launcher, world, len(gpus), facts, what)
 
 
 def _resolve_dataparallel(cfg: ExperimentConfig, facts: HostFacts):

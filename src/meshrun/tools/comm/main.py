@@ -1,10 +1,11 @@
 """`meshrun-comm`: time collectives like nccl-tests, on any backend, through the training
 launchers, and check their results.
 
-The per-rank function (`collectives.run_comm_rank`) is started by the same launch path as a
-training run's `worker.run_rank`: torch elastic here, torchrun when started by it, and any
-launcher in `LAUNCHERS` (which takes the config and the per-rank function). Rank 0's rows come
-back to this driver, which prints the tables and records comm.json, a `comm_runs` row and W&B.
+The per-rank function (`collectives.run_comm_rank`) goes through the driver's path of a
+training run: the launcher rules (validate/launcher.py), a new run id with the run dir
+cleared (`new_run`), `driver.launch.dispatch.launch` (torch elastic here, rank 0 itself under
+torchrun, submitit for SLURM) and `attempt` (a failed rank with its hang diagnosis). Rank 0's
+rows come back here, printed as tables and recorded as comm.json, a `comm_runs` row and W&B.
 `meshrun-comm -m backend=gloo,nccl` compares backends in one sweep.
 """
 
@@ -13,10 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-import uuid
-from collections.abc import Callable
 from dataclasses import asdict
-from datetime import datetime, timezone
 from typing import Any
 
 os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # before anything touches CUDA
@@ -29,23 +27,23 @@ from meshrun.core.config import CommRunConfig
 from meshrun.core.errors import ConfigError, choice, fail, positive
 from meshrun.core.hardware import HostFacts, resolve_hardware
 from meshrun.driver.command import hydra_command
-from meshrun.driver.launch import RankFailure
-from meshrun.driver.launch.local import launch_local
-from meshrun.driver.launch.slurm import launch_slurm
-from meshrun.driver.launch.torchrun import launch_attached
+from meshrun.driver.experiment import attempt, new_run
+from meshrun.driver.launch.dispatch import launch
 from meshrun.driver.sinks.console import console, print_error
-from meshrun.rank.watchdog import clear_records, with_diagnosis
 from meshrun.tools.comm.busbw import OPS
 from meshrun.tools.comm.collectives import DTYPES, REDOPS, device_type, measurements, run_comm_rank
 from meshrun.tools.comm.report import print_tables, record, summarize, write_json
 from meshrun.validate import resolve_backend
+from meshrun.validate.launcher import (
+    CPU_DEFAULT_RANKS,
+    check_attached_world,
+    check_debug,
+    check_launcher,
+    place_ranks,
+)
 from meshrun.validate.slurm import check_slurm
 
 ConfigStore.instance().store(name="comm_schema", node=CommRunConfig)
-
-Launch = Callable[[CommRunConfig, Callable[[dict[str, Any]], Any]], Any]
-LAUNCHERS: dict[str, Launch] = {"local": launch_local, "slurm": launch_slurm}
-CPU_DEFAULT_RANKS = 2
 
 
 def validate_comm(cfg: CommRunConfig, facts: HostFacts) -> CommRunConfig:
@@ -81,14 +79,7 @@ def validate_comm(cfg: CommRunConfig, facts: HostFacts) -> CommRunConfig:
     if not plan:
         fail("comm.max_bytes", c.max_bytes, f"no size holds one element per rank ({world})",
              "larger sizes")  # fmt: skip
-    d = cfg.debug
-    choice("debug.fail_mode", d.fail_mode, ("raise", "hang"))
-    if d.fail_rank is not None and not 0 <= d.fail_rank < world:
-        fail("debug.fail_rank", d.fail_rank, f"no such rank in a run of {world}",
-             f"0..{world - 1}, or null")  # fmt: skip
-    if not 0 <= d.fail_step < len(plan):
-        fail("debug.fail_step", d.fail_step, f"outside the {len(plan)} measurements",
-             f"0..{len(plan) - 1}")  # fmt: skip
+    check_debug(cfg.debug, world, len(plan), "measurements")
     name = cfg.name or f"comm_{backend.name}_{world}"
     return dataclasses.replace(
         cfg, backend=backend, hardware=hardware, launcher=launcher, name=name
@@ -97,65 +88,36 @@ def validate_comm(cfg: CommRunConfig, facts: HostFacts) -> CommRunConfig:
 
 def _resolve_launcher(cfg: CommRunConfig, backend: str, facts: HostFacts):
     launcher = cfg.launcher
-    choice("launcher.name", launcher.name, tuple(LAUNCHERS))
-    if launcher.name == "local" and launcher.nnodes != 1:
-        fail("launcher.nnodes", launcher.nnodes, "launcher=local runs on one node", "1")
-    positive("launcher.nproc_per_node", launcher.nproc_per_node, allow_none=True)
-    positive("launcher.threads_per_rank", launcher.threads_per_rank, allow_none=True)
-    gpus = len(facts.cuda_devices)
-    attached = attached_rank() is not None
-    started = os.environ["WORLD_SIZE"] if attached else None
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", started or 0)) if attached else None
-    nproc = (
-        launcher.nproc_per_node
-        or local
-        or (gpus if device_type(backend) == "cuda" else CPU_DEFAULT_RANKS)
-    )
-    if started and int(started) != nproc * launcher.nnodes:
-        fail("WORLD_SIZE", started, f"torchrun started {started} ranks, the config asks for "
-             f"{nproc * launcher.nnodes}", "launcher.nproc_per_node=null")  # fmt: skip
+    check_launcher(launcher)
+    on_cuda = device_type(backend) == "cuda"
     if launcher.name == "slurm":  # the cluster's nodes, not this login host, hold the devices
         sized = dataclasses.replace(launcher, nproc_per_node=launcher.nproc_per_node or 1)
         checked = check_slurm(dataclasses.replace(cfg, launcher=sized))
         threads = launcher.threads_per_rank or launcher.cpus_per_task or 1
         return dataclasses.replace(checked, threads_per_rank=threads)
-    if device_type(backend) == "cuda" and nproc > gpus:
-        fail("launcher.nproc_per_node", nproc, f"only {gpus} CUDA devices are visible",
-             f"at most {gpus}")  # fmt: skip
-    threads = launcher.threads_per_rank
-    if device_type(backend) == "cpu" and threads is None:
-        threads = max(1, facts.cpu_count // nproc)
-    return dataclasses.replace(launcher, nproc_per_node=nproc, threads_per_rank=threads)
-
-
-def _launch(cfg: CommRunConfig) -> list[dict[str, Any]]:
-    if attached_rank() == 0:
-        return launch_attached(cfg, run_comm_rank)
-    return LAUNCHERS[cfg.launcher.name](cfg, run_comm_rank)
+    gpus = len(facts.cuda_devices) if on_cuda else 0
+    started = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE"))
+    local = int(started) if attached_rank() is not None and started else None
+    nproc = launcher.nproc_per_node or local or (gpus if on_cuda else CPU_DEFAULT_RANKS)
+    sized = dataclasses.replace(launcher, nproc_per_node=nproc)
+    placed = place_ranks(sized, nproc * launcher.nnodes, gpus, facts, "meshrun-comm")
+    check_attached_world(placed, "meshrun-comm")
+    return placed
 
 
 def measure(cfg: CommRunConfig) -> dict[str, Any]:
     """Launch the ranks and assemble the report (a failed run too: status, error, rank)."""
+    identity = new_run(cfg.run_dir)
+    status, rows = attempt(cfg.run_dir, time.time(), lambda: launch(cfg, run_comm_rank))
     report: dict[str, Any] = {
-        "run_id": uuid.uuid4().hex[:12],
-        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "status": "completed", "error": None, "failed_rank": None, "name": cfg.name,
+        **identity, **status, "name": cfg.name,
         "backend": cfg.backend.name, "launcher": cfg.launcher.name,
         "world_size": cfg.launcher.nproc_per_node * cfg.launcher.nnodes,
         "device_type": device_type(cfg.backend.name), "hardware": cfg.hardware.name,
         "ops": ",".join(cfg.comm.ops), "dtypes": ",".join(cfg.comm.dtypes),
         "max_bytes": cfg.comm.max_bytes, "run_dir": cfg.run_dir,
     }  # fmt: skip
-    if attached_rank() is None:  # under torchrun the peers may have written theirs already
-        clear_records(cfg.run_dir)
-    started = time.perf_counter()
-    rows: list[dict[str, Any]] = []
-    try:
-        rows = _launch(cfg)
-    except RankFailure as failure:
-        error = with_diagnosis(str(failure), cfg.run_dir, failure.rank)
-        report.update(status="failed", error=error, failed_rank=failure.rank)
-    report["duration_s"] = round(time.perf_counter() - started, 3)
+    rows = rows or []
     return report | summarize(rows) | {"rows": rows}
 
 

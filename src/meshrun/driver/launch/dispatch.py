@@ -1,0 +1,24 @@
+"""Which launcher starts a run's ranks: the configured one (torch elastic here, submitit for
+SLURM), or, in a process torchrun started as rank 0, that rank itself. Every command that
+starts ranks (`meshrun`, `meshrun-comm`, `meshrun-verify`) goes through `launch`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from meshrun.core.attached import attached_rank
+from meshrun.driver.launch.local import launch_local
+from meshrun.driver.launch.slurm import launch_slurm
+from meshrun.driver.launch.torchrun import launch_attached
+from meshrun.rank.worker import run_rank
+
+Entry = Callable[[dict[str, Any]], Any]
+LAUNCHERS = {"local": launch_local, "slurm": launch_slurm}
+
+
+def launch(cfg: Any, entry: Entry = run_rank) -> Any:
+    """Rank 0's return value of `entry` run on every rank; RankFailure if a rank failed."""
+    if attached_rank() == 0:
+        return launch_attached(cfg, entry)
+    return LAUNCHERS[cfg.launcher.name](cfg, entry)

@@ -1,0 +1,81 @@
+"""Rules of the launcher, shared by every command that starts ranks (`meshrun`,
+`meshrun-comm`): how many ranks on how many nodes, attach mode under torchrun, CPU threads,
+and fault injection."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from meshrun.core.attached import attached_rank
+from meshrun.core.config import DebugConfig, LauncherConfig
+from meshrun.core.errors import choice, fail, positive
+from meshrun.core.hardware import HostFacts
+
+CPU_DEFAULT_RANKS = 2
+LAUNCHER_NAMES = ("local", "slurm")
+
+
+def check_launcher(launcher: LauncherConfig) -> None:
+    choice("launcher.name", launcher.name, LAUNCHER_NAMES)
+    positive("launcher.nnodes", launcher.nnodes)
+    if launcher.name == "local" and launcher.nnodes != 1 and attached_rank() is None:
+        fail(
+            "launcher.nnodes",
+            launcher.nnodes,
+            "launcher=local runs on one node",
+            "1; for several nodes launcher=slurm, or start meshrun with torchrun --nnodes",
+        )
+    positive("launcher.nproc_per_node", launcher.nproc_per_node, allow_none=True)
+    positive("launcher.threads_per_rank", launcher.threads_per_rank, allow_none=True)
+
+
+def place_ranks(
+    launcher: LauncherConfig, world: int, gpus: int, facts: HostFacts, what: str
+) -> LauncherConfig:
+    """`world` ranks over `launcher.nnodes` nodes (`what` names who asks for them), each
+    rank's CPU threads filled in; CUDA runs need a device per rank on a node."""
+    nproc, nodes = launcher.nproc_per_node, launcher.nnodes
+    if world % nodes:
+        fail("launcher.nnodes", nodes, f"{what} has {world} ranks, not a multiple of nnodes",
+             f"a divisor of {world}")  # fmt: skip
+    if nproc is not None and nproc * nodes != world:
+        fail(
+            "launcher.nproc_per_node",
+            nproc,
+            f"{what} needs {world} ranks"
+            + (f" ({world // nodes} on each of {nodes} nodes)" if nodes > 1 else ""),
+            f"{world // nodes}, or null to follow the layout",
+        )
+    nproc = world // nodes
+    if gpus and nproc > gpus:
+        fail("launcher.nproc_per_node", nproc, f"only {gpus} CUDA devices are visible",
+             f"at most {gpus}")  # fmt: skip
+    threads = (
+        launcher.threads_per_rank or launcher.cpus_per_task or max(1, facts.cpu_count // nproc)
+    )
+    return dataclasses.replace(launcher, nproc_per_node=nproc, threads_per_rank=threads)
+
+
+def check_attached_world(launcher: LauncherConfig, what: str) -> None:
+    """Under torchrun the ranks exist already: their number must be the run's."""
+    if attached_rank() is None:
+        return
+    started = int(os.environ["WORLD_SIZE"])
+    needed = launcher.nproc_per_node * launcher.nnodes
+    if started != needed:
+        fail("WORLD_SIZE", started, f"torchrun started {started} ranks but {what} needs {needed}",
+             f"torchrun --nnodes {launcher.nnodes} --nproc-per-node {launcher.nproc_per_node}, "
+             "or another layout")  # fmt: skip
+
+
+def check_debug(debug: DebugConfig, world: int, steps: int, unit: str = "steps") -> None:
+    """Fault injection names a rank of the run and one of its `steps` (training steps, or
+    meshrun-comm's measurements)."""
+    choice("debug.fail_mode", debug.fail_mode, ("raise", "hang"))
+    if debug.fail_rank is not None and not 0 <= debug.fail_rank < world:
+        fail("debug.fail_rank", debug.fail_rank, f"no such rank in a run of {world}",
+             f"0..{world - 1}, or null")  # fmt: skip
+    if not 0 <= debug.fail_step < steps:
+        fail("debug.fail_step", debug.fail_step, f"outside the {steps} {unit} of the run",
+             f"0..{steps - 1}")  # fmt: skip
