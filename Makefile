@@ -24,6 +24,7 @@ test-all: install
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/lint-imports --no-cache
 
 format: install
 	$(VENV)/bin/ruff check --fix src tests benchmarks

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.cli import run_meshrun
 from tests.wandb_records import read_offline_run
 
 SMALL_DDP = (
@@ -18,8 +19,6 @@ SECRET = "meshrun-test-secret-0123456789abcdef0123456789abcdef"
 
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
-    from tests.cli import run_meshrun
-
     tmp = tmp_path_factory.mktemp("e2e")
     run = run_meshrun(tmp / "run", tmp / "meshrun.db", *SMALL_DDP,
                       env={"WANDB_API_KEY": SECRET})  # fmt: skip
@@ -76,8 +75,6 @@ def test_wandb_key_never_lands_in_outputs(ddp_run):
 
 
 def test_second_run_reuses_stored_baseline(ddp_run, tmp_path):
-    from tests.cli import run_meshrun
-
     again = run_meshrun(tmp_path / "again", ddp_run.store_path, *SMALL_DDP[:-2])
     assert again.returncode == 0, again.output
     assert not (again.run_dir / "baseline").exists()

@@ -18,6 +18,8 @@ from meshrun.core.hardware import (
 )
 from meshrun.core.paths import CONF_DIR
 from meshrun.rank.metrics.flops import flops_per_token, mfu, peak_flops
+from meshrun.validate import validate
+from tests.helpers import compose_config
 
 # What torch reports (props.total_memory / 2**30) for these cards, give or take.
 A100_80 = CudaDevice("NVIDIA A100-SXM4-80GB", 79.15)
@@ -158,9 +160,6 @@ def test_flops_per_token_is_6n_plus_12_layers_dim_seq():
 
 
 def test_cpu_profile_on_a_gpu_host_runs_ranks_on_the_cpu_whatever_the_gpu_count():
-    from meshrun.validate import validate
-    from tests.helpers import compose_config
-
     one_gpu = HostFacts([CudaDevice("NVIDIA H200", 139.8)], cpu_count=16, memory_gib=128)
     cfg = validate(compose_config("hardware=cpu", "backend=gloo", "parallel=pp2"), one_gpu)
     assert cfg.launcher.nproc_per_node == 2 and cfg.hardware.device_type == "cpu"

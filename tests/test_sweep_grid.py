@@ -11,6 +11,7 @@ import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import matplotlib.image
 import pytest
 from omegaconf import OmegaConf
 
@@ -161,8 +162,6 @@ def test_report_page_renders_in_headless_chromium(report, tmp_path):
     _, page, rows = report
     png = tmp_path / "report.png"
     screenshot(page, png)
-    import matplotlib.image
-
     pixels = matplotlib.image.imread(png)
     assert pixels.shape[0] > 1000 and pixels.std() > 0.05  # not a blank page
     dom, images = loaded_dom(page)

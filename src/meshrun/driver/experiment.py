@@ -21,6 +21,7 @@ from meshrun.driver.launch import RankFailure
 from meshrun.driver.results import assemble
 from meshrun.driver.sinks.console import print_error, print_summary, print_warning
 from meshrun.driver.sinks.store import ResultsStore
+from meshrun.driver.sinks.wandb_sink import log_run
 from meshrun.rank.watchdog import clear_records, with_diagnosis
 from meshrun.rank.worker import METRICS_FILE
 
@@ -196,8 +197,6 @@ def publish(
     store.record(results)
     if results["role"] != "run" or cfg.logger.name != "wandb":
         return
-    from meshrun.driver.sinks.wandb_sink import log_run
-
     tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
     try:
         log_run(cfg.logger, asdict(cfg), results, steps, tokens_per_step)

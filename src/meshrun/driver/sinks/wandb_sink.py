@@ -75,7 +75,7 @@ def log_run(
     tokens_per_step: int,
 ) -> None:
     """Offline runs land in <run_dir>/wandb/offline-run-*, where `wandb sync` finds them."""
-    import wandb
+    import wandb  # noqa: PLC0415 (seconds to import: only runs logged to W&B pay it)
 
     os.environ.setdefault("WANDB_SILENT", "true")
     run = wandb.init(

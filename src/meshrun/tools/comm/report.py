@@ -96,7 +96,7 @@ def record(report: dict[str, Any], store_path: str, logger: LoggerConfig, config
 def _log_wandb(cfg: LoggerConfig, config: dict[str, Any], report: dict[str, Any]) -> None:
     """One W&B run per comm run: the rows as a table (size on x, busbw on y per op), peak
     busbw per op and the run's summary."""
-    import wandb
+    import wandb  # noqa: PLC0415 (seconds to import: only runs logged to W&B pay it)
 
     os.environ.setdefault("WANDB_SILENT", "true")
     run = wandb.init(

@@ -213,7 +213,7 @@ def query_topology() -> dict[tuple[int, int], str]:
 
 
 def query_cuda() -> list[CudaGpu]:
-    import torch
+    import torch  # noqa: PLC0415 (the nvidia-smi side of the doctor works without torch)
 
     devices = []
     if not torch.cuda.is_available():
@@ -231,7 +231,7 @@ def query_cuda() -> list[CudaGpu]:
 
 
 def query_peer_access(count: int) -> dict[tuple[int, int], bool]:
-    import torch
+    import torch  # noqa: PLC0415 (the nvidia-smi side of the doctor works without torch)
 
     return {
         (a, b): torch.cuda.can_device_access_peer(a, b)
