@@ -27,11 +27,14 @@ from meshrun.core.paths import REPO_ROOT
 
 BAR = 0.25
 CASES = [("gpipe", m) for m in (1, 2, 4, 8)] + [("1f1b", m) for m in (2, 4, 8)]
+BATCH = 64  # the experiment's global batch (one data-parallel rank: its local batch too)
 
 
 def measure(schedule: str, microbatches: int, steps: int) -> dict[str, Any]:
+    """`microbatches` m, run as train.micro_batch_size = BATCH / m (the one knob)."""
     overrides = ["experiment=pipeline_bubble", f"parallel.schedule={schedule}",
-                 f"parallel.microbatches={microbatches}", f"train.steps={steps}"]  # fmt: skip
+                 f"train.micro_batch_size={BATCH // microbatches}",
+                 f"train.steps={steps}"]  # fmt: skip
     with tempfile.TemporaryDirectory() as work:
         return meshrun_results(overrides, Path(work))
 

@@ -25,7 +25,7 @@ LAYOUTS = {
     "pp2_1f1b": ("parallel=pp2",),
     "pp2_gpipe": ("parallel=pp2", "parallel.schedule=gpipe"),
     "pp2_naive_one_microbatch": ("parallel=pp2", "parallel.schedule=gpipe",
-                                 "parallel.microbatches=1"),
+                                 "train.micro_batch_size=8"),
     "pp4": ("parallel=pp4",),
     "pp4_gpipe_prefetching_receives": ("parallel=pp4", "parallel.schedule=gpipe"),
     "pp2_interleaved": ("parallel=pp2_interleaved",),

@@ -49,10 +49,11 @@ PP_SMALL = ("model=small", "parallel=pp2", "train.global_batch_size=8", "train.s
 
 def test_bubble_is_measured_and_recorded_beside_the_theory(meshrun):
     run = meshrun("model=tiny", "parallel=pp2", "parallel.schedule=gpipe",
-                  "parallel.microbatches=2", "train.steps=5", "metrics.baseline=false")  # fmt: skip
+                  "train.micro_batch_size=4", "train.steps=5",
+                  "metrics.baseline=false")  # fmt: skip
     assert run.returncode == 0, run.output
     results = run.results
-    assert results["pp_schedule"] == "gpipe" and results["pp_microbatches"] == 2
+    assert results["pp_schedule"] == "gpipe" and results["n_microbatches"] == 2
     assert results["bubble_theoretical"] == pytest.approx(1 / 3)
     assert len(results["bubble_per_rank"]) == 2
     assert 0 < results["bubble_measured"] < 1
@@ -66,7 +67,7 @@ def test_1f1b_holds_fewer_activations_than_gpipe(meshrun):
     until the backward starts; 1F1B keeps at most pp=2 of them."""
     peaks = {}
     for schedule in ("gpipe", "1f1b"):
-        run = meshrun(*PP_SMALL, f"parallel.schedule={schedule}", "parallel.microbatches=8")
+        run = meshrun(*PP_SMALL, f"parallel.schedule={schedule}", "train.micro_batch_size=1")
         assert run.returncode == 0, run.output
         peaks[schedule] = run.results["peak_memory_bytes"][0]  # rank 0: the first stage
     assert peaks["gpipe"] > peaks["1f1b"] + 20 * 2**20
@@ -92,7 +93,7 @@ def test_measured_bubble_follows_theory_on_a_balanced_pipeline(meshrun, schedule
     two ranks computing at once adds up over GPipe's 8 dependent hops), which a test cannot
     assert without failing at random."""
     run = meshrun("experiment=pipeline_bubble", f"parallel.schedule={schedule}",
-                  f"parallel.microbatches={microbatches}", timeout=600)  # fmt: skip
+                  f"train.micro_batch_size={64 // microbatches}", timeout=600)  # fmt: skip
     assert run.returncode == 0, run.output
     results = run.results
     theory = results["bubble_theoretical"]

@@ -49,7 +49,7 @@ def runs() -> list[dict[str, Any]]:
         row("ddp3", "ddp", 2, 4, 4, status="skipped", error="train.global_batch_size=4: ...",
             tokens_per_s=None, speedup=None, scaling_efficiency=None, peak_memory_bytes=None),
         row("pp1", "pp2", 2, 8, 1, bubble_theoretical=0.2, bubble_measured=0.35,
-            pp_schedule="1f1b", pp_microbatches=4),
+            pp_schedule="1f1b", n_microbatches=4),
     ]  # fmt: skip
 
 

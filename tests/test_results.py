@@ -7,10 +7,16 @@ import dataclasses
 import pytest
 
 from meshrun.core.baseline import baseline_config, baseline_key
+from meshrun.core.record import RunRecord
 from meshrun.driver.results import assemble
 from tests.helpers import compose_config, resolved_config
 
 RUN = ("run_dir=/tmp/meshrun-tests/x", "store.path=/tmp/meshrun-tests/x.db", "logger=none")
+
+
+def assembled(*args) -> dict:
+    """results.json's content: the record as a dict."""
+    return assemble(*args).as_dict()
 
 
 def meta(status: str = "completed", error: str | None = None) -> dict:
@@ -113,8 +119,8 @@ def test_assemble_computes_throughput_speedup_and_scaling_efficiency(ddp):
     times = [None, None, 0.5, 0.5, 1.0]  # two untimed warmup steps
     tokens_per_step = ddp.train.global_batch_size * ddp.train.seq_len
     tokens_per_s = 3 * tokens_per_step / 2.0
-    baseline = {"tokens_per_s": tokens_per_s / 1.5, "run_id": "base1"}
-    results = assemble(ddp, steps(times), [{"peak": 100}, {"peak": 300}], None, baseline, meta())
+    baseline = RunRecord(run_id="base1", tokens_per_s=tokens_per_s / 1.5)
+    results = assembled(ddp, steps(times), [{"peak": 100}, {"peak": 300}], None, baseline, meta())
     assert results["tokens_per_s"] == pytest.approx(tokens_per_s)
     assert results["step_time_s"] == pytest.approx(0.5)
     assert results["samples_per_s"] == pytest.approx(3 * 8 / 2.0)
@@ -127,7 +133,7 @@ def test_assemble_computes_throughput_speedup_and_scaling_efficiency(ddp):
     assert results["steps_completed"] == 5
     assert results["losses"] == pytest.approx([5.0, 4.9, 4.8, 4.7, 4.6])
     assert results["grad_accum_steps"] == 2  # 8 / (micro 2 x dp 2)
-    assert results["layout_name"] == "dp_replicate2"
+    assert results["layout_name"] == "ddp2"
     assert results["status"] == "completed"
     assert results["mfu"] is None  # the cpu profile has no peak FLOP/s
     assert results["flops_per_token"] > 0
@@ -135,14 +141,14 @@ def test_assemble_computes_throughput_speedup_and_scaling_efficiency(ddp):
 
 
 def test_assemble_of_a_single_run_without_baseline_is_its_own_baseline(single):
-    results = assemble(single, steps([None, None, 1.0, 1.0]), [{"peak": 10}], None, None, meta())
+    results = assembled(single, steps([None, None, 1.0, 1.0]), [{"peak": 10}], None, None, meta())
     assert results["speedup"] == pytest.approx(1.0)
     assert results["scaling_efficiency"] == pytest.approx(1.0)
     assert results["baseline_run_id"] == "run123"
 
 
 def test_assemble_of_a_multi_device_run_without_baseline_has_no_speedup(ddp):
-    results = assemble(
+    results = assembled(
         ddp, steps([None, None, 1.0]), [{"peak": 10}, {"peak": 10}], None, None, meta()
     )
     assert results["tokens_per_s"] is not None
@@ -151,9 +157,9 @@ def test_assemble_of_a_multi_device_run_without_baseline_has_no_speedup(ddp):
 
 
 def test_assemble_of_a_failed_run_keeps_losses_of_the_finished_steps(ddp):
-    baseline = {"tokens_per_s": 1000.0, "run_id": "base1"}
+    baseline = RunRecord(run_id="base1", tokens_per_s=1000.0)
     failed = meta("failed", "rank 1 failed at step 3")
-    results = assemble(ddp, steps([None, None, 0.5]), None, None, baseline, failed)
+    results = assembled(ddp, steps([None, None, 0.5]), None, None, baseline, failed)
     assert results["status"] == "failed"
     assert results["error"] == "rank 1 failed at step 3"
     assert results["losses"] == pytest.approx([5.0, 4.9, 4.8])
@@ -165,8 +171,8 @@ def test_assemble_of_a_failed_run_keeps_losses_of_the_finished_steps(ddp):
 
 
 def test_assemble_of_a_run_that_failed_in_warmup_has_no_timing(ddp):
-    baseline = {"tokens_per_s": 1000.0, "run_id": "base1"}
-    results = assemble(ddp, steps([None]), None, None, baseline, meta("failed", "boom"))
+    baseline = RunRecord(run_id="base1", tokens_per_s=1000.0)
+    results = assembled(ddp, steps([None]), None, None, baseline, meta("failed", "boom"))
     assert results["losses"] == [5.0]
     assert results["tokens_per_s"] is None
     assert results["step_time_s"] is None

@@ -88,7 +88,7 @@ def test_dp2_with_one_rank_per_node_lands_in_the_store_with_speedup_and_memory(m
     results = run.results
     assert results["status"] == "completed"
     assert results["world_size"] == 2
-    assert results["layout_name"] == "dp_replicate2"
+    assert results["layout_name"] == "ddp2"
     assert results["speedup"] is not None and results["speedup"] > 0
     assert len(results["peak_memory_bytes"]) == 2
     assert all(peak > 0 for peak in results["peak_memory_bytes"])

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import sqlite3
 from contextlib import closing
 
 import pytest
 
-from meshrun.driver.sinks.store import ResultsStore
+from meshrun.core.record import RunRecord
+from meshrun.driver.sinks.store import COLUMNS, ResultsStore
 
 
 def result(run_id: str, created_at: str, **fields) -> dict:
@@ -38,9 +41,43 @@ def test_store_creates_its_directory_and_starts_empty(tmp_path):
 
 
 def test_record_keeps_the_full_results_dict(store):
-    row = result("r1", "2024-01-01T00:00:00+00:00", extra={"nested": [1, 2]})
+    row = result("r1", "2024-01-01T00:00:00+00:00", memory_per_rank=[{"rank": 0, "peak": 2}])
     store.record(row)
-    assert store.runs() == [row]
+    assert store.runs() == [RunRecord(**row).as_dict()]
+    assert store.records() == [RunRecord(**row)]
+
+
+def test_rows_of_an_older_meshrun_read_as_todays_record(store):
+    """Renamed keys followed, unknown ones dropped, missing ones defaulted; a store without
+    today's columns gets them."""
+    old = result("r1", "2024-01-01", pp_microbatches=4, extra={"nested": [1, 2]})
+    del old["losses"]
+    with closing(sqlite3.connect(store.path)) as db, db:
+        db.execute("DROP TABLE runs")
+        db.execute(
+            "CREATE TABLE runs (run_id TEXT PRIMARY KEY, created_at TEXT, status TEXT, "
+            "baseline_key TEXT, world_size INTEGER, parallel TEXT, results_json TEXT)"
+        )
+        db.execute(
+            "INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?, ?)",
+            ("r1", "2024-01-01", "completed", "key-a", 1, "single", json.dumps(old)),
+        )
+    reopened = ResultsStore(store.path)
+    (record,) = reopened.records()
+    assert record.n_microbatches == 4 and record.losses == [] and record.layout_name is None
+    assert "extra" not in reopened.runs()[0]
+    assert reopened.find_baseline("key-a").tokens_per_s == 100.0
+    with closing(sqlite3.connect(store.path)) as db:
+        present = {row[1] for row in db.execute("PRAGMA table_info(runs)")}
+    assert set(COLUMNS) <= present
+
+
+def test_store_columns_are_the_records_with_sqlite_types():
+    assert COLUMNS["run_id"] == "TEXT PRIMARY KEY"
+    assert COLUMNS["world_size"] == "INTEGER" and COLUMNS["tokens_per_s"] == "REAL"
+    assert COLUMNS["layout_name"] == "TEXT" and COLUMNS["results_json"] == "TEXT"
+    assert "losses" not in COLUMNS  # series stay in results_json
+    assert set(COLUMNS) - {"results_json"} <= {f.name for f in dataclasses.fields(RunRecord)}
 
 
 def test_find_baseline_returns_the_newest_completed_single_device_run_with_the_key(store):
@@ -58,9 +95,9 @@ def test_find_baseline_returns_the_newest_completed_single_device_run_with_the_k
         store.record(row)
     baseline = store.find_baseline("key-a")
     assert baseline is not None
-    assert baseline["run_id"] == "newest-ok"
-    assert baseline["tokens_per_s"] == 110.0
-    assert store.find_baseline("key-b")["run_id"] == "other-key"
+    assert baseline.run_id == "newest-ok"
+    assert baseline.tokens_per_s == 110.0
+    assert store.find_baseline("key-b").run_id == "other-key"
 
 
 def test_find_baseline_is_none_without_a_matching_completed_run(store):

@@ -123,7 +123,7 @@ def test_report_filters_the_real_rows(sweep):
     assert count(model="tiny") == 9 and count(model="small") == 0
     assert count(layout="ddp") == 9  # the preset, completed and skipped alike
     completed = [r for r in rows if r["status"] == "completed"]
-    [layout_name] = {r["layout_name"] for r in completed}  # e.g. dp_replicate2
+    [layout_name] = {r["layout_name"] for r in completed}  # e.g. ddp2
     assert count(layout=layout_name) == len(completed)
     assert count(since=str(today - timedelta(days=1)), until=str(today + timedelta(days=1))) == 9
     assert count(until=str(today - timedelta(days=1))) == 0

@@ -30,7 +30,7 @@ def check_ddp_recorded_once(cwd: Path, proc: subprocess.CompletedProcess) -> Pat
     assert results["status"] == "completed"
     assert results["world_size"] == 2
     assert results["speedup"] is not None
-    assert proc.stdout.count("meshrun: tiny / dp_replicate2") == 1  # rank 0 reports
+    assert proc.stdout.count("meshrun: tiny / ddp2") == 1  # rank 0 reports
     return results_file
 
 

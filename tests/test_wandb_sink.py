@@ -24,9 +24,9 @@ def test_a_wandb_failure_warns_and_loses_nothing(tmp_path):
 
 
 def test_tags_name_layout_model_hardware_and_backend():
-    results = {"layout_name": "dp_shard2 x tp2", "model": "tiny", "hardware": "cpu",
+    results = {"layout_name": "fsdp2 x tp2", "model": "tiny", "hardware": "cpu",
                "backend": "gloo"}  # fmt: skip
-    assert run_tags(results) == ["layout:dp_shard2 x tp2", "model:tiny", "hardware:cpu",
+    assert run_tags(results) == ["layout:fsdp2 x tp2", "model:tiny", "hardware:cpu",
                                  "backend:gloo"]  # fmt: skip
     assert run_tags({**results, "status": "skipped"})[-1] == "skipped"
 

@@ -8,7 +8,10 @@ import hashlib
 import json
 
 from meshrun.core.config import ExperimentConfig, ParallelConfig
-from meshrun.core.layout import Layout
+from meshrun.core.layout import Layout, layout_name
+
+__all__ = ["baseline_config", "baseline_key", "dp_size", "is_own_baseline", "layout_name",
+           "n_devices"]  # fmt: skip
 
 
 def dp_size(cfg: ExperimentConfig) -> int:
@@ -19,12 +22,6 @@ def n_devices(cfg: ExperimentConfig) -> int:
     if cfg.parallel.data_parallel == "dataparallel":
         return cfg.parallel.dataparallel_devices
     return Layout.of(cfg.parallel).world_size
-
-
-def layout_name(cfg: ExperimentConfig) -> str:
-    if cfg.parallel.data_parallel == "dataparallel":
-        return f"dataparallel x{cfg.parallel.dataparallel_devices}"
-    return Layout.of(cfg.parallel).describe()
 
 
 def baseline_config(cfg: ExperimentConfig) -> ExperimentConfig:

@@ -51,9 +51,9 @@ class ParallelConfig:
     """Degrees of each mesh dimension; -1 fills the rest of the world size (at most one).
 
     dp_replicate > 1 alone is DDP, dp_shard > 1 is FSDP2, both together HSDP; composed with
-    tp or pp, replication also goes through FSDP2 (DTensor-aware). `microbatches` is the
-    pipeline's per step (default: local batch / train.micro_batch_size); `pp_layers` an
-    explicit layers-per-stage split; `stages_per_rank` > 1 for the interleaved schedules.
+    tp or pp, replication also goes through FSDP2 (DTensor-aware). A pipeline runs local
+    batch / train.micro_batch_size micro-batches a step; `pp_layers` is an explicit
+    layers-per-stage split; `stages_per_rank` > 1 for the interleaved schedules.
     `tp_plan` ("module:function") replaces the built-in tensor-parallel plan with a user's
     own, called as function(model, tp_mesh, sequence_parallel).
     """
@@ -64,7 +64,6 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     schedule: str = "1f1b"
-    microbatches: int | None = None
     stages_per_rank: int = 1
     pp_layers: list[int] | None = None
     sequence_parallel: bool = False

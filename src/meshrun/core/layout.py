@@ -1,4 +1,6 @@
-"""Rank order: the one place that knows which rank sits where.
+"""Rank order: the one place that knows which rank sits where; and the one name of a layout
+(`layout_name`), the overrides that run it again (`layout_overrides`) and its pipeline
+micro-batch count (`n_microbatches`), all from a resolved config.
 
 Ranks are laid out row-major over (pp, dp_replicate, dp_shard, tp): tensor-parallel peers are
 adjacent ranks (same node, fastest links), pipeline stages the outermost dimension. This is
@@ -8,10 +10,16 @@ DeviceMesh a worker builds (rank/mesh.py) always agree.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 from dataclasses import dataclass
+from functools import cache
 
-from meshrun.core.config import ParallelConfig
+from omegaconf import OmegaConf
+
+from meshrun.core.config import ExperimentConfig, ParallelConfig
+from meshrun.core.paths import CONF_DIR
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -48,7 +56,8 @@ class Layout:
         return {dim: getattr(self, dim) for dim in MESH_DIMS}
 
     def describe(self) -> str:
-        """Short human name of the non-trivial dims, e.g. 'dp_shard2 x tp2'."""
+        """The non-trivial degrees, e.g. 'dp_shard2 x tp2' (for messages about degrees; a
+        run's name is `layout_name`)."""
         parts = [f"{dim}{n}" for dim, n in self.degrees().items() if n > 1]
         return " x ".join(parts) or "single"
 
@@ -67,3 +76,98 @@ def dp_rank(layout: Layout, rank: int) -> int:
     """Index among data-parallel peers: TP and PP peers share it (and thus their data)."""
     coords = rank_coords(layout, rank)
     return coords["dp_replicate"] * layout.dp_shard + coords["dp_shard"]
+
+
+def n_microbatches(cfg: ExperimentConfig) -> int:
+    """Micro-batches of one step on a data-parallel rank: its share of the global batch over
+    `train.micro_batch_size` (the one knob; a pipeline's m, else gradient accumulation)."""
+    p = cfg.parallel
+    local = cfg.train.global_batch_size // max(1, p.dp_replicate * p.dp_shard)
+    return max(1, local // cfg.train.micro_batch_size)
+
+
+def layout_name(cfg: ExperimentConfig) -> str:
+    """The one readable name of a resolved config's layout, e.g. `ddp4(bucket-view)`,
+    `hsdp2x2`, `fsdp-replicate2 x tp2`, `pp2(1f1b, m=4) x tp2, ckpt=full`; `single` for one
+    device. Shown by the console, store, report, planner and W&B alike."""
+    p = cfg.parallel
+    if p.data_parallel == "dataparallel":
+        parts = [f"dataparallel{p.dataparallel_devices}"]
+    else:
+        layout = Layout.of(p)
+        parts = []
+        if p.pp > 1:
+            inner = [p.schedule]
+            if p.stages_per_rank > 1:
+                inner.append(f"{p.stages_per_rank} stages/rank")
+            inner.append(f"m={n_microbatches(cfg)}")
+            if p.pp_layers:
+                inner.append(f"layers=[{','.join(map(str, p.pp_layers))}]")
+            parts.append(f"pp{p.pp}({', '.join(inner)})")
+        if p.dp_replicate > 1 and p.dp_shard > 1:
+            parts.append(f"hsdp{p.dp_replicate}x{p.dp_shard}")
+        elif p.dp_shard > 1:
+            parts.append(f"fsdp{p.dp_shard}")
+        elif p.dp_replicate > 1 and layout.uses_fsdp:
+            parts.append(f"fsdp-replicate{p.dp_replicate}")
+        elif p.dp_replicate > 1:
+            view = "(bucket-view)" if p.ddp.gradient_as_bucket_view else ""
+            parts.append(f"ddp{p.dp_replicate}{view}")
+        if p.tp > 1:
+            extras = (["sp"] if p.sequence_parallel else []) + (
+                [f"plan={p.tp_plan}"] if p.tp_plan else []
+            )
+            parts.append(f"tp{p.tp}" + (f"({', '.join(extras)})" if extras else ""))
+    name = " x ".join(parts) or "single"
+    if p.activation_checkpointing != "none":
+        name += f", ckpt={p.activation_checkpointing}"
+    return name
+
+
+@cache
+def _preset(name: str) -> ParallelConfig | None:
+    """conf/parallel/<name>.yaml on the schema, or None where there is no such preset."""
+    path = CONF_DIR / "parallel" / f"{name}.yaml"
+    if not re.fullmatch(r"[\w.-]+", name) or not path.is_file():
+        return None
+    merged = OmegaConf.merge(OmegaConf.structured(ParallelConfig), OmegaConf.load(path))
+    return OmegaConf.to_object(merged)
+
+
+def _flat(value, prefix: str) -> dict:
+    if dataclasses.is_dataclass(value):
+        out = {}
+        for f in dataclasses.fields(value):
+            out.update(_flat(getattr(value, f.name), f"{prefix}.{f.name}"))
+        return out
+    return {prefix: value}
+
+
+def _literal(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list | tuple):
+        return f"[{','.join(map(_literal, value))}]"
+    return str(value)
+
+
+def layout_overrides(cfg: ExperimentConfig) -> str:
+    """The command-line overrides that run this layout again: its preset (`single` where it
+    has none, e.g. a planner's pick) and each parallel key that differs from the preset,
+    then the micro-batch size (which sets the micro-batch count)."""
+    p = cfg.parallel
+    preset = _preset(p.name) if p.name != "auto" else None
+    base = preset or ParallelConfig(name="single")
+    parts = [f"parallel={base.name}"]
+    if preset is None and p.name != "auto" and re.fullmatch(r"[\w.-]+", p.name):
+        parts.append(f"parallel.name={p.name}")
+    given, default = _flat(p, "parallel"), _flat(base, "parallel")
+    parts += [
+        f"{key}={_literal(value)}"
+        for key, value in given.items()
+        if key != "parallel.name" and value != default[key]
+    ]
+    parts.append(f"train.micro_batch_size={cfg.train.micro_batch_size}")
+    return " ".join(parts)

@@ -17,6 +17,8 @@ from meshrun.core.attached import attached_rank
 from meshrun.core.baseline import baseline_config, baseline_key, is_own_baseline
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import ConfigError
+from meshrun.core.layout import Layout, layout_name, layout_overrides
+from meshrun.core.record import RunRecord
 from meshrun.driver.launch import RankFailure
 from meshrun.driver.results import assemble
 from meshrun.driver.sinks.console import print_error, print_summary, print_warning
@@ -29,12 +31,12 @@ Launch = Callable[[ExperimentConfig], dict[str, Any] | None]
 
 
 class RunFailed(RuntimeError):
-    def __init__(self, results: dict[str, Any]) -> None:
+    def __init__(self, results: RunRecord) -> None:
         self.results = results
-        super().__init__(results["error"])
+        super().__init__(results.error)
 
 
-def reported(run: Callable[[], dict[str, Any]]) -> int:
+def reported(run: Callable[[], RunRecord]) -> int:
     """Runs an experiment to its record and prints the summary; the command's exit code."""
     try:
         results = run()
@@ -46,7 +48,7 @@ def reported(run: Callable[[], dict[str, Any]]) -> int:
     return 0
 
 
-def run_experiment(cfg: ExperimentConfig, launch: Launch) -> dict[str, Any]:
+def run_experiment(cfg: ExperimentConfig, launch: Launch) -> RunRecord:
     """Returns the results record; raises RunFailed (after recording) if a rank failed.
 
     The baseline is measured after the run, when the store has none: under torchrun the
@@ -55,7 +57,7 @@ def run_experiment(cfg: ExperimentConfig, launch: Launch) -> dict[str, Any]:
     return finish_experiment(cfg, measure(cfg, "run", launch), launch)
 
 
-def finish_experiment(cfg: ExperimentConfig, measured: Measured, launch: Launch) -> dict[str, Any]:
+def finish_experiment(cfg: ExperimentConfig, measured: Measured, launch: Launch) -> RunRecord:
     """Baseline and record of a run measured already (here, or by a job submitted earlier)."""
     store = ResultsStore(cfg.store.path)
     baseline = None
@@ -147,9 +149,9 @@ def outcome(
 def record(
     cfg: ExperimentConfig,
     measured: Measured,
-    baseline: dict[str, Any] | None,
+    baseline: RunRecord | None,
     store: ResultsStore,
-) -> dict[str, Any]:
+) -> RunRecord:
     """results.json, the store row, and (for the run itself) W&B; raises RunFailed after."""
     results = assemble(
         cfg, measured.steps, measured.memory, measured.bubbles, baseline, measured.meta
@@ -160,42 +162,46 @@ def record(
     return results
 
 
-def record_skipped(cfg: ExperimentConfig, reason: ConfigError) -> dict[str, Any]:
+def record_skipped(cfg: ExperimentConfig, reason: ConfigError) -> RunRecord:
     """A sweep's invalid point: recorded like a run (status `skipped`, the reason as its
-    error) so that the grid stays complete in the store and on W&B; no process starts."""
-    results = {
-        "run_id": uuid.uuid4().hex[:12],
-        "role": "run",
-        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "status": "skipped",
-        "error": str(reason),
-        "name": cfg.name,
-        "sweep": cfg.sweep,
-        "model": cfg.model.name,
-        "parallel": cfg.parallel.name,
-        "layout_name": cfg.parallel.name,
-        "backend": cfg.backend.name,
-        "hardware": cfg.hardware.name,
-        "precision": cfg.train.precision,
-        "seq_len": cfg.train.seq_len,
-        "global_batch_size": cfg.train.global_batch_size,
-        "micro_batch_size": cfg.train.micro_batch_size,
-        "losses": [],
-        "run_dir": cfg.run_dir,
-    }
+    error) so that the grid stays complete in the store and on W&B; no process starts. Its
+    layout is named like a run's where its degrees are known, else by its preset."""
+    p = cfg.parallel
+    known = all(getattr(p, dim) >= 1 for dim in Layout().degrees())
+    known = known and p.name != "auto" and p.data_parallel != "dataparallel"
+    known = known and cfg.train.micro_batch_size >= 1
+    results = RunRecord(
+        run_id=uuid.uuid4().hex[:12],
+        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        error=str(reason),
+        name=cfg.name,
+        sweep=cfg.sweep,
+        model=cfg.model.name,
+        parallel=p.name,
+        layout_name=layout_name(cfg) if known else p.name,
+        overrides=layout_overrides(cfg) if known else None,
+        backend=cfg.backend.name,
+        hardware=cfg.hardware.name,
+        precision=cfg.train.precision,
+        seq_len=cfg.train.seq_len,
+        global_batch_size=cfg.train.global_batch_size,
+        micro_batch_size=cfg.train.micro_batch_size,
+        run_dir=cfg.run_dir,
+    )
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     publish(cfg, results, [], ResultsStore(cfg.store.path))
     return results
 
 
 def publish(
-    cfg: ExperimentConfig, results: dict[str, Any], steps: list[dict[str, Any]], store: ResultsStore
+    cfg: ExperimentConfig, record: RunRecord, steps: list[dict[str, Any]], store: ResultsStore
 ) -> None:
     """results.json and the store row first; W&B (the run itself only) last and fallible: a
     W&B failure costs the dashboard copy, never the run."""
+    results = record.as_dict()
     (Path(cfg.run_dir) / "results.json").write_text(json.dumps(results, indent=2))
-    store.record(results)
-    if results["role"] != "run" or cfg.logger.name != "wandb":
+    store.record(record)
+    if record.role != "run" or cfg.logger.name != "wandb":
         return
     tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
     try:

@@ -1,15 +1,17 @@
 """From raw measurements to the results record: throughput, speedup against the single-device
-baseline, scaling efficiency, MFU, memory. One function builds the record for completed and
-failed runs alike, so a failed run keeps the metrics of the steps it finished."""
+baseline, scaling efficiency, MFU, memory. One function builds the record (core.record's
+RunRecord) for completed and failed runs alike, so a failed run keeps the metrics of the steps
+it finished."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from meshrun.core.baseline import baseline_key, dp_size, is_own_baseline, layout_name, n_devices
+from meshrun.core.baseline import baseline_key, dp_size, is_own_baseline, n_devices
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.hardware import device_for_rank
-from meshrun.core.layout import Layout
+from meshrun.core.layout import Layout, layout_name, layout_overrides, n_microbatches
+from meshrun.core.record import RunRecord
 from meshrun.plan.candidate import host_flops
 from meshrun.plan.memory import predict_memory
 from meshrun.plan.speed import predict_speed
@@ -25,13 +27,14 @@ def pipeline_fields(cfg: ExperimentConfig, bubbles: list[float] | None) -> dict[
     p = cfg.parallel
     if p.pp == 1:
         return dict.fromkeys(
-            ("pp_schedule", "pp_microbatches", "bubble_theoretical", "bubble_measured",
+            ("pp_schedule", "n_microbatches", "bubble_theoretical", "bubble_measured",
              "bubble_per_rank")
         )  # fmt: skip
+    m = n_microbatches(cfg)
     return {
         "pp_schedule": p.schedule,
-        "pp_microbatches": p.microbatches,
-        "bubble_theoretical": theoretical_bubble(p.pp, p.microbatches, p.stages_per_rank),
+        "n_microbatches": m,
+        "bubble_theoretical": theoretical_bubble(p.pp, m, p.stages_per_rank),
         "bubble_measured": sum(bubbles) / len(bubbles) if bubbles else None,
         "bubble_per_rank": bubbles,
     }
@@ -70,9 +73,9 @@ def assemble(
     steps: list[dict[str, Any]],
     memory: list[dict[str, int]] | None,
     bubbles: list[float] | None,
-    baseline: dict[str, Any] | None,
+    baseline: RunRecord | None,
     meta: dict[str, Any],
-) -> dict[str, Any]:
+) -> RunRecord:
     """`steps`: rank 0's per-step records; `memory`: each rank's peak and its breakdown;
     `meta`: run id, role, status, error, times."""
     t = cfg.train
@@ -87,10 +90,10 @@ def assemble(
     peak = peak_flops(specs, t.precision)
     tokens_per_s = timing["tokens_per_s"]
     if baseline is None and is_own_baseline(cfg):
-        baseline = {"tokens_per_s": tokens_per_s, "run_id": meta["run_id"]}
-    baseline_tps = baseline["tokens_per_s"] if baseline else None
+        baseline = RunRecord(run_id=meta["run_id"], tokens_per_s=tokens_per_s)
+    baseline_tps = baseline.tokens_per_s if baseline else None
     speedup = tokens_per_s / baseline_tps if tokens_per_s and baseline_tps else None
-    return {
+    return RunRecord(**{
         **meta,
         "name": cfg.name,
         "sweep": cfg.sweep,
@@ -98,6 +101,7 @@ def assemble(
         "parallel": cfg.parallel.name,
         "layout": Layout.of(cfg.parallel).degrees(),
         "layout_name": layout_name(cfg),
+        "overrides": layout_overrides(cfg),
         "world_size": Layout.of(cfg.parallel).world_size,
         "devices": devices,
         "hardware": cfg.hardware.name,
@@ -115,7 +119,7 @@ def assemble(
         **timing,
         "scaling": cfg.metrics.scaling,
         "baseline_tokens_per_s": baseline_tps,
-        "baseline_run_id": baseline["run_id"] if baseline else None,
+        "baseline_run_id": baseline.run_id if baseline else None,
         "speedup": speedup,
         "scaling_efficiency": speedup / devices if speedup else None,
         "flops_per_token": flops_per_token(cfg.model, matmul, t.seq_len),
@@ -129,4 +133,4 @@ def assemble(
         "grad_norms": [r.get("grad_norm") for r in steps],
         "baseline_key": baseline_key(cfg),
         "run_dir": cfg.run_dir,
-    }
+    })  # fmt: skip

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import HostFacts, device_for_rank
-from meshrun.core.layout import Layout
+from meshrun.core.layout import Layout, layout_name, layout_overrides, n_microbatches
 from meshrun.plan.memory import MemoryPrediction, predict_memory
 from meshrun.plan.probe import host_matmul_flops
 from meshrun.plan.speed import SpeedPrediction, predict_speed
@@ -36,29 +36,11 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        p = self.cfg.parallel
-        parts = [Layout.of(p).describe()]
-        if p.pp > 1:
-            parts.append(f"{p.schedule} m={p.microbatches}")
-            if p.pp_layers:
-                parts.append(f"layers {list(p.pp_layers)}")
-        if p.activation_checkpointing != "none":
-            parts.append(f"ckpt {p.activation_checkpointing}")
-        return ", ".join(parts)
+        return layout_name(self.cfg)
 
     def overrides(self) -> str:
-        """The command-line overrides that select this layout."""
-        p = self.cfg.parallel
-        keys = ["dp_replicate", "dp_shard", "tp", "pp"]
-        if p.pp > 1:
-            keys += ["schedule", "stages_per_rank"]
-        parts = [f"parallel.{k}={getattr(p, k)}" for k in keys]
-        if p.pp_layers:
-            parts.append(f"parallel.pp_layers=[{','.join(map(str, p.pp_layers))}]")
-        if p.activation_checkpointing != "none":
-            parts.append(f"parallel.activation_checkpointing={p.activation_checkpointing}")
-        parts.append(f"train.micro_batch_size={self.cfg.train.micro_batch_size}")
-        return " ".join(parts)
+        """The command-line overrides that run this layout."""
+        return layout_overrides(self.cfg)
 
     def as_dict(self) -> dict:
         p = self.cfg.parallel
@@ -66,7 +48,7 @@ class Candidate:
             "layout": self.label,
             "degrees": Layout.of(p).degrees(),
             "schedule": p.schedule if p.pp > 1 else None,
-            "microbatches": p.microbatches,
+            "n_microbatches": n_microbatches(self.cfg) if p.pp > 1 else None,
             "micro_batch_size": self.cfg.train.micro_batch_size,
             "pp_layers": list(p.pp_layers) if p.pp_layers else None,
             "activation_checkpointing": p.activation_checkpointing,
@@ -77,6 +59,7 @@ class Candidate:
             "speed": self.speed.as_dict() if self.speed else None,
             "speedup": self.speedup,
             "notes": self.notes,
+            "overrides": self.overrides(),
         }
 
 

@@ -75,17 +75,19 @@ class MemoryPrediction:
         return {**asdict(self), "peak": self.peak}
 
 
-def in_flight(schedule: str, microbatches: int, pp: int, pp_rank: int, chunks: int) -> float:
+def in_flight(
+    schedule: str, microbatches: int, pp: int, pp_rank: int, stages_per_rank: int
+) -> float:
     """Micro-batches whose activations one pipeline rank holds at its peak (in units of its
-    whole share of layers: an interleaved chunk is 1/chunks of it)."""
+    whole share of layers: an interleaved chunk is 1/stages_per_rank of it)."""
     if pp == 1:
         return 1
     if schedule == "gpipe":
         return microbatches
     if schedule == "1f1b":
         return min(microbatches, pp - pp_rank)
-    warmup = (pp - pp_rank - 1) * 2 + (chunks - 1) * pp + 1
-    return min(warmup, microbatches * chunks) / chunks
+    warmup = (pp - pp_rank - 1) * 2 + (stages_per_rank - 1) * pp + 1
+    return min(warmup, microbatches * stages_per_rank) / stages_per_rank
 
 
 def _layer_bytes(d: Dims, tp: int, sp: bool, ckpt: str, width: int) -> tuple[float, float]:
@@ -112,7 +114,7 @@ def activation_bytes(cfg: ExperimentConfig, layout: Layout, share: StageShare, p
     per_mb = share.layers * kept + (8 if share.first else 0)
     if share.last:
         per_mb += (3 * d.h + 1 + d.vocab) * FP32 + 8
-    held = in_flight(p.schedule, microbatches, layout.pp, pp_rank, share.chunks) * per_mb
+    held = in_flight(p.schedule, microbatches, layout.pp, pp_rank, share.stages_per_rank) * per_mb
     backward_temps = (3 * d.f + 2 * d.h) / layout.tp * width
     if recompute:  # one block recomputed, with its backward temporaries or the held logits
         tail = (d.h + d.vocab / layout.tp) * FP32 if share.last else backward_temps

@@ -16,6 +16,7 @@ from meshrun.plan.candidate import Candidate, evaluate, host_flops, legal
 from meshrun.plan.speed import predict_speed
 from meshrun.plan.split import uneven_variant
 
+# (schedule, stages_per_rank)
 SCHEDULE_CHOICES = (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2))
 
 
@@ -34,16 +35,18 @@ def layout_grid(world: int, n_layers: int) -> list[dict]:
             if dp >= 4:
                 dps.append((2, dp // 2))
             schedules = SCHEDULE_CHOICES if pp > 1 else (("1f1b", 1),)
-            for (rep, shard), (schedule, chunks) in ((d, s) for d in dps for s in schedules):
+            for (rep, shard), (schedule, stages_per_rank) in (
+                (d, s) for d in dps for s in schedules
+            ):
                 grid.append(dict(pp=pp, tp=tp, dp_replicate=rep, dp_shard=shard,
-                                 schedule=schedule, stages_per_rank=chunks))  # fmt: skip
+                                 schedule=schedule, stages_per_rank=stages_per_rank))  # fmt: skip
     return grid
 
 
 def with_parallel(cfg: ExperimentConfig, world: int, **degrees) -> ExperimentConfig:
-    name = Layout(**{k: v for k, v in degrees.items() if k in ("pp", "tp", "dp_replicate",
-                                                              "dp_shard")}).describe()  # fmt: skip
-    parallel = ParallelConfig(name=name.replace(" x ", "_"), **degrees)
+    """A layout of the planner's, named as `parallel=auto` (what picks it; `single` for one
+    rank): its display name is layout_name's, the overrides that run it layout_overrides'."""
+    parallel = ParallelConfig(name="single" if world == 1 else "auto", **degrees)
     launcher = dataclasses.replace(
         cfg.launcher, nproc_per_node=world // cfg.launcher.nnodes, threads_per_rank=None
     )
@@ -110,10 +113,8 @@ def suggest_micro_batch(c: Candidate, facts: HostFacts) -> int | None:
     local = t.global_batch_size // Layout.of(c.cfg.parallel).dp_size
     best: tuple[float, int] | None = None
     for size in [2**i for i in range(int(math.log2(local)) + 1) if local % 2**i == 0]:
-        parallel = dataclasses.replace(c.cfg.parallel, microbatches=None)
-        trial = legal(dataclasses.replace(c.cfg, parallel=parallel,
-                                          train=dataclasses.replace(t, micro_batch_size=size)),
-                      facts)  # fmt: skip
+        sized = dataclasses.replace(t, micro_batch_size=size)
+        trial = legal(dataclasses.replace(c.cfg, train=sized), facts)
         if trial is None:
             continue
         scored = evaluate(trial)

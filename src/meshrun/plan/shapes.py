@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 
 from meshrun.core.config import ExperimentConfig, ModelConfig, ParallelConfig
-from meshrun.core.layout import Layout
+from meshrun.core.layout import Layout, n_microbatches
 from meshrun.rank.models.llama import ffn_dim, kv_heads
 from meshrun.rank.parallel.pipeline import local_stage_ids, stage_layer_counts
 
@@ -39,19 +39,19 @@ class StageShare:
     layers: int
     first: bool
     last: bool
-    chunks: int  # stages (model chunks) on this rank
+    stages_per_rank: int  # stages (model chunks) on this rank
 
 
 def stage_shares(model: ModelConfig, parallel: ParallelConfig, layout: Layout) -> list[StageShare]:
     """One entry per pp rank."""
-    chunks = parallel.stages_per_rank if layout.pp > 1 else 1
-    n_stages = layout.pp * chunks
+    stages_per_rank = parallel.stages_per_rank if layout.pp > 1 else 1
+    n_stages = layout.pp * stages_per_rank
     counts = stage_layer_counts(model.n_layers, n_stages, parallel.pp_layers or None)
     shares = []
     for pp_rank in range(layout.pp):
-        ids = local_stage_ids(pp_rank, layout.pp, chunks)
+        ids = local_stage_ids(pp_rank, layout.pp, stages_per_rank)
         shares.append(StageShare(sum(counts[i] for i in ids), 0 in ids, n_stages - 1 in ids,
-                                 chunks))  # fmt: skip
+                                 stages_per_rank))  # fmt: skip
     return shares
 
 
@@ -60,7 +60,8 @@ def micro_batching(cfg: ExperimentConfig, layout: Layout) -> tuple[int, int]:
     schedule's m, or gradient accumulation over `train.micro_batch_size`."""
     local = cfg.train.global_batch_size // layout.dp_size
     if layout.pp > 1:
-        return cfg.parallel.microbatches, local // cfg.parallel.microbatches
+        m = n_microbatches(cfg)
+        return m, local // m
     micro = min(cfg.train.micro_batch_size, local)
     return local // micro, micro
 

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.hardware import device_for_rank
-from meshrun.core.layout import Layout
+from meshrun.core.layout import Layout, n_microbatches
 from meshrun.plan.shapes import (
     Dims,
     StageShare,
@@ -120,7 +120,7 @@ def predict_speed(cfg: ExperimentConfig, host_flops: float | None = None) -> Spe
     bubble = 0.0
     if layout.pp > 1:
         p = cfg.parallel
-        bubble = theoretical_bubble(layout.pp, p.microbatches, p.stages_per_rank)
+        bubble = theoretical_bubble(layout.pp, n_microbatches(cfg), p.stages_per_rank)
     pipeline_comm = (tp_bytes + pp_bytes) / (bw * GB) + (tp_count + pp_count) * latency
     dp_comm = dp_bytes / (bw * GB) + dp_count * latency
     step = (compute + pipeline_comm) / (1 - bubble) + dp_comm

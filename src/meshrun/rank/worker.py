@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from meshrun.core.config import DebugConfig, ExperimentConfig, from_dict
-from meshrun.core.layout import Layout, dp_rank
+from meshrun.core.layout import Layout, dp_rank, n_microbatches
 from meshrun.rank.failures import record_failure
 from meshrun.rank.mesh import build_mesh, dp_group, init_distributed, pp_group, select_device
 from meshrun.rank.metrics.bubble import bubble_per_rank
@@ -105,6 +105,7 @@ def _train(
         device,
         tc.seed,
         torch.bfloat16 if bf16 else torch.float32,
+        n_microbatches(cfg),
     )
     optimizer = build_optimizer(model, tc)
     batches = LocalBatches(

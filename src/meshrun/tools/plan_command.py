@@ -88,6 +88,9 @@ def render(cfg: PlanCommandConfig, world: int, ranked: list[Candidate], facts) -
             str(micro) if micro else "-",
         )  # fmt: skip
     console.print(table)
+    console.print("run a row again with:")
+    for index, c in enumerate(ranked[: cfg.top], start=1):
+        console.print(f"  {index:>2}  meshrun {c.overrides()}", soft_wrap=True, highlight=False)
     for c in ranked[: cfg.top]:
         for note in c.notes:
             console.print(f"[bold]{c.label}[/bold]: {note}")

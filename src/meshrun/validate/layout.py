@@ -1,6 +1,6 @@
 """Rules of legal layouts: degrees and world size, tensor-parallel divisibility, pipeline
-stages, schedules and micro-batches, batch divisibility. Resolves -1 degrees, rank counts,
-CPU threads and pipeline micro-batches."""
+stages, schedules and micro-batches, batch divisibility. Resolves -1 degrees, rank counts
+and CPU threads; a pipeline's micro-batch count follows from train.micro_batch_size."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import os
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import choice, fail
 from meshrun.core.hardware import HostFacts
-from meshrun.core.layout import MESH_DIMS, Layout
+from meshrun.core.layout import MESH_DIMS, Layout, n_microbatches
 from meshrun.rank.models.llama import ffn_dim
 from meshrun.rank.parallel.pipeline import MULTI_STAGE_SCHEDULES, SCHEDULES, stage_layer_counts
 from meshrun.rank.parallel.tensor import resolve_tp_plan
@@ -155,11 +155,10 @@ def check_tensor_parallel(cfg: ExperimentConfig) -> None:
 def resolve_pipeline(cfg: ExperimentConfig) -> ExperimentConfig:
     p, t = cfg.parallel, cfg.train
     if p.pp == 1:
-        if p.microbatches is not None or p.pp_layers:
-            key = "parallel.microbatches" if p.microbatches is not None else "parallel.pp_layers"
+        if p.pp_layers:
             fail(
-                key,
-                getattr(p, key.split(".")[1]),
+                "parallel.pp_layers",
+                list(p.pp_layers),
                 "only applies to pipelines (pp > 1)",
                 "null, or set parallel.pp",
             )
@@ -206,24 +205,22 @@ def resolve_pipeline(cfg: ExperimentConfig) -> ExperimentConfig:
             "false with pp > 1",
         )
     local = t.global_batch_size // (p.dp_replicate * p.dp_shard)
-    m = p.microbatches if p.microbatches is not None else max(1, local // t.micro_batch_size)
-    if m < 1 or local % m:
+    if t.micro_batch_size > local or local % t.micro_batch_size:
         fail(
-            "parallel.microbatches",
-            m,
+            "train.micro_batch_size",
+            t.micro_batch_size,
             f"must divide the local batch (global "
-            f"{t.global_batch_size} / dp {p.dp_replicate * p.dp_shard} = {local})",
+            f"{t.global_batch_size} / dp {p.dp_replicate * p.dp_shard} = {local}); the "
+            "pipeline runs local / micro_batch_size micro-batches",
             f"a divisor of {local}",
         )
+    m = n_microbatches(cfg)
     if p.schedule != "gpipe" and m < p.pp:
         fail(
-            "parallel.microbatches",
-            m,
+            "train.micro_batch_size",
+            t.micro_batch_size,
+            f"gives {m} micro-batch(es) (local batch {local} / {t.micro_batch_size}) and "
             f"schedule {p.schedule} needs at least one micro-batch per stage rank (pp={p.pp})",
-            f">= {p.pp}, or schedule=gpipe",
+            f"at most {local // p.pp}, or schedule=gpipe",
         )
-    return dataclasses.replace(
-        cfg,
-        parallel=dataclasses.replace(p, microbatches=m),
-        train=dataclasses.replace(t, micro_batch_size=local // m),
-    )
+    return cfg

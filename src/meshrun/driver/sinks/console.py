@@ -8,6 +8,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from meshrun.core.record import RunRecord
+
 console = Console()
 
 
@@ -37,42 +39,37 @@ def _breakdown(results: dict[str, Any]) -> str:
     return " / ".join(f"{v / 2**20:.1f}" for v in values) + " MiB"
 
 
-def print_summary(results: dict[str, Any]) -> None:
-    table = Table(
-        title=f"meshrun: {results['model']} / {results['layout_name']}", show_header=False
-    )
+def print_summary(r: RunRecord) -> None:
+    table = Table(title=f"meshrun: {r.model} / {r.layout_name}", show_header=False)
     table.add_column(style="bold")
     table.add_column()
-    step_time = _fmt(results["step_time_s"], " s")
-    step_time_p90 = _fmt(results["step_time_p90_s"], " s")
+    step_time = _fmt(r.step_time_s, " s")
+    step_time_p90 = _fmt(r.step_time_p90_s, " s")
     rows = [
-        ("status", results["status"]),
-        (
-            "layout",
-            f"{results['layout_name']} on {results['world_size']} rank(s), {results['backend']}",
-        ),
-        ("hardware", results["hardware"]),
-        ("batch", f"global {results['global_batch_size']}, micro {results['micro_batch_size']}"),
-        ("tokens/s", _fmt(results["tokens_per_s"])),
+        ("status", r.status),
+        ("layout", f"{r.layout_name} on {r.world_size} rank(s), {r.backend}"),
+        ("hardware", r.hardware),
+        ("batch", f"global {r.global_batch_size}, micro {r.micro_batch_size}"),
+        ("tokens/s", _fmt(r.tokens_per_s)),
         ("step time (median, p90)", f"{step_time}, {step_time_p90}"),
-        ("baseline tokens/s", _fmt(results["baseline_tokens_per_s"])),
-        (f"speedup ({results['scaling']} scaling)", _fmt(results["speedup"], "x")),
-        ("scaling efficiency", _fmt(results["scaling_efficiency"])),
-        ("MFU", _fmt(results["mfu"])),
-        ("peak memory (max rank)", _fmt_bytes(results["peak_memory_max_bytes"])),
-        ("  params/grads/optim/activ/other", _breakdown(results)),
-        ("  predicted peak", _fmt_bytes(results.get("predicted_peak_memory_bytes"))),
-        ("loss first -> last", _loss_span(results["losses"])),
-        ("run dir", results["run_dir"]),
+        ("baseline tokens/s", _fmt(r.baseline_tokens_per_s)),
+        (f"speedup ({r.scaling} scaling)", _fmt(r.speedup, "x")),
+        ("scaling efficiency", _fmt(r.scaling_efficiency)),
+        ("MFU", _fmt(r.mfu)),
+        ("peak memory (max rank)", _fmt_bytes(r.peak_memory_max_bytes)),
+        ("  params/grads/optim/activ/other", _breakdown(r.as_dict())),
+        ("  predicted peak", _fmt_bytes(r.predicted_peak_memory_bytes)),
+        ("loss first -> last", _loss_span(r.losses)),
+        ("run dir", r.run_dir),
     ]
-    if results.get("pp_schedule"):
-        bubble = f"{_fmt(results['bubble_measured'])} measured, "
-        bubble += f"{_fmt(results['bubble_theoretical'])} theory"
-        rows.insert(
-            -2, (f"bubble ({results['pp_schedule']}, m={results['pp_microbatches']})", bubble)
-        )
-    if results.get("error"):
-        rows.insert(1, ("error", results["error"]))
+    if r.overrides:
+        rows.append(("run again", f"meshrun {r.overrides}"))
+    if r.pp_schedule:
+        bubble = f"{_fmt(r.bubble_measured)} measured, {_fmt(r.bubble_theoretical)} theory"
+        rows.insert(-3 if r.overrides else -2,
+                    (f"bubble ({r.pp_schedule}, m={r.n_microbatches})", bubble))  # fmt: skip
+    if r.error:
+        rows.insert(1, ("error", r.error))
     for key, value in rows:
         table.add_row(key, Text(str(value)))
     console.print(table)

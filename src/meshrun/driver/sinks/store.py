@@ -11,43 +11,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-COLUMNS = {
-    "run_id": "TEXT PRIMARY KEY",
-    "created_at": "TEXT",
-    "status": "TEXT",
-    "error": "TEXT",
-    "name": "TEXT",
-    "sweep": "TEXT",
-    "model": "TEXT",
-    "parallel": "TEXT",
-    "layout_name": "TEXT",
-    "world_size": "INTEGER",
-    "backend": "TEXT",
-    "hardware": "TEXT",
-    "precision": "TEXT",
-    "seq_len": "INTEGER",
-    "global_batch_size": "INTEGER",
-    "micro_batch_size": "INTEGER",
-    "tokens_per_s": "REAL",
-    "step_time_s": "REAL",
-    "speedup": "REAL",
-    "scaling_efficiency": "REAL",
-    "mfu": "REAL",
-    "peak_memory_max_bytes": "INTEGER",
-    "memory_params_bytes": "INTEGER",
-    "memory_grads_bytes": "INTEGER",
-    "memory_optimizer_bytes": "INTEGER",
-    "memory_activations_bytes": "INTEGER",
-    "memory_other_bytes": "INTEGER",
-    "predicted_peak_memory_bytes": "INTEGER",
-    "predicted_step_time_s": "REAL",
-    "bubble_measured": "REAL",
-    "bubble_theoretical": "REAL",
-    "baseline_key": "TEXT",
-    "role": "TEXT",
-    "run_dir": "TEXT",
-    "results_json": "TEXT",
-}
+from meshrun.core.record import RunRecord, store_columns
+
+# The record's store columns (core/record.py), and the whole record as JSON beside them.
+COLUMNS = {**store_columns(), "results_json": "TEXT"}
 
 COMM_COLUMNS = {
     "run_id": "TEXT PRIMARY KEY",
@@ -99,8 +66,10 @@ class ResultsStore:
         finally:
             db.close()
 
-    def record(self, results: dict[str, Any]) -> None:
-        self._insert("runs", COLUMNS, results)
+    def record(self, results: RunRecord | dict[str, Any]) -> None:
+        if not isinstance(results, RunRecord):
+            results = RunRecord.from_dict(results)
+        self._insert("runs", COLUMNS, results.as_dict())
 
     def record_comm(self, report: dict[str, Any]) -> None:
         self._insert("comm_runs", COMM_COLUMNS, report)
@@ -115,7 +84,7 @@ class ResultsStore:
                 f"INSERT OR REPLACE INTO {table} ({names}) VALUES ({marks})", list(row.values())
             )
 
-    def find_baseline(self, key: str) -> dict[str, Any] | None:
+    def find_baseline(self, key: str) -> RunRecord | None:
         """The newest completed single-device run measured under `key`."""
         with self._connect() as db:
             row = db.execute(
@@ -123,10 +92,20 @@ class ResultsStore:
                 "AND world_size = 1 AND parallel = 'single' ORDER BY created_at DESC LIMIT 1",
                 (key,),
             ).fetchone()
-        return json.loads(row[0]) if row else None
+        return RunRecord.from_dict(json.loads(row[0])) if row else None
+
+    def records(self) -> list[RunRecord]:
+        """Every run's record, oldest first; rows of older meshruns read as today's record
+        (renamed keys followed, missing ones defaulted, unknown ones dropped)."""
+        return [RunRecord.from_dict(row) for row in self._rows("runs")]
 
     def runs(self, table: str = "runs") -> list[dict[str, Any]]:
-        """Every row's full record, oldest first (`comm_runs` for meshrun-comm's)."""
+        """Every row's full record as a dict, oldest first (`comm_runs`: meshrun-comm's)."""
+        if table == "runs":
+            return [record.as_dict() for record in self.records()]
+        return self._rows(table)
+
+    def _rows(self, table: str) -> list[dict[str, Any]]:
         with self._connect() as db:
             rows = db.execute(f"SELECT results_json FROM {table} ORDER BY created_at").fetchall()
         return [json.loads(r[0]) for r in rows]

@@ -14,38 +14,9 @@ import os
 from typing import Any
 
 from meshrun.core.config import LoggerConfig
+from meshrun.core.record import summary_keys
 
-SUMMARY_KEYS = (
-    "status",
-    "tokens_per_s",
-    "samples_per_s",
-    "step_time_s",
-    "step_time_p90_s",
-    "speedup",
-    "scaling_efficiency",
-    "baseline_tokens_per_s",
-    "mfu",
-    "peak_memory_max_bytes",
-    "world_size",
-    "layout_name",
-    "scaling",
-    "error",
-    "sweep",
-    "model",
-    "backend",
-    "hardware",
-    "global_batch_size",
-    "micro_batch_size",
-    "bubble_measured",
-    "bubble_theoretical",
-    "memory_params_bytes",
-    "memory_grads_bytes",
-    "memory_optimizer_bytes",
-    "memory_activations_bytes",
-    "memory_other_bytes",
-    "predicted_peak_memory_bytes",
-    "predicted_step_time_s",
-)
+SUMMARY_KEYS = summary_keys()  # the record's fields marked `summary` (core/record.py)
 # Byte counts per rank in results["memory_per_rank"], in table order; CUDA adds the last two.
 MEMORY_COLUMNS = (
     "peak", "params", "grads", "optimizer", "activations", "other", "allocated", "reserved"

@@ -60,8 +60,10 @@ def parallelize(
     device: torch.device,
     seed: int,
     param_dtype: torch.dtype,
+    n_microbatches: int = 1,
 ) -> ParallelModel:
-    """`model` is the full model on the meta device; returns this rank's materialised share."""
+    """`model` is the full model on the meta device; returns this rank's materialised share.
+    `n_microbatches`: a pipeline's per step (core.layout.n_microbatches)."""
     stage_ids = [0]
     n_stages = 1
     parts = [model]
@@ -81,7 +83,7 @@ def parallelize(
     schedule = None
     if layout.pp > 1:
         schedule = build_schedule(
-            wrapped, stage_ids, n_stages, mesh["pp"], cfg, cfg.microbatches, device
+            wrapped, stage_ids, n_stages, mesh["pp"], cfg, n_microbatches, device
         )
     return ParallelModel(wrapped, schedule, 0 in stage_ids, n_stages - 1 in stage_ids)
 

@@ -23,7 +23,7 @@ def completed(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def run_label(run: dict[str, Any]) -> str:
-    """By preset, not layout name: ddp and ddp_bucket_view are both `dp_replicate2`."""
+    """By preset (short; the table has the layout name, core.layout.layout_name)."""
     batch = f"b{run['global_batch_size']}/m{run['micro_batch_size']}"
     return f"{run['parallel']} {batch} ({run['run_id'][:6]})"
 
@@ -166,7 +166,7 @@ def bubble(runs: list[dict[str, Any]]) -> Figure | None:
     ax.bar([x - 0.2 for x in xs], measured, width=0.4, label="measured")
     ax.bar([x + 0.2 for x in xs], [r["bubble_theoretical"] for r in piped], width=0.4,
            label="theory (p-1)/(v·m+p-1)")  # fmt: skip
-    labels = [f"{r['pp_schedule']} m={r['pp_microbatches']}\n{run_label(r)}" for r in piped]
+    labels = [f"{r['pp_schedule']} m={r['n_microbatches']}\n{run_label(r)}" for r in piped]
     ax.set_xticks(list(xs), labels, fontsize="x-small", rotation=20, ha="right")
     ax.set_ylabel("bubble fraction of the step")
     ax.set_ylim(0, 1)

@@ -13,8 +13,8 @@ from meshrun.driver.sinks.store import ResultsStore
 @dataclass
 class RunFilter:
     """Unset fields match everything. `layout` matches the preset (`ddp`) or the layout's
-    name (`dp_shard2 x tp2`); dates are UTC days, both inclusive; `latest` as the sweep picks
-    the newest sweep in the store."""
+    name (`fsdp2 x tp2`, core.layout.layout_name); dates are UTC days, both inclusive;
+    `latest` as the sweep picks the newest sweep in the store."""
 
     sweep: str | None = None
     model: str | None = None

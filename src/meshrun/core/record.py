@@ -1,0 +1,143 @@
+"""The results record of one run: every field typed, once. results.json is `as_dict()`; the
+store's columns (SQLite types from the annotations), the W&B summary keys and the report's
+columns are read off each field's metadata. A sweep's skipped point is the same record with
+its defaults; a completed or failed run fills it in (driver/results.py)."""
+
+# ruff: noqa: RUF009 (`_f` returns a dataclasses.field)
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
+
+# Keys older meshruns wrote under another name.
+RENAMED = {"pp_microbatches": "n_microbatches"}
+SQLITE_TYPES = {str: "TEXT", int: "INTEGER", float: "REAL", bool: "INTEGER"}
+
+
+def _f(default: Any = None, *, column: bool = False, summary: bool = False,
+       report: tuple[int, str] | None = None, factory: Any = None) -> Any:  # fmt: skip
+    """A dataclasses.field with its metadata. `column`: a store column; `summary`: in the W&B
+    run summary; `report`: (position, header) of the report column showing it."""
+    meta = {"column": column, "summary": summary, "report": report}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class RunRecord:
+    # identity and outcome
+    run_id: str = _f("", column=True, report=(0, "run"))
+    role: str = _f("run", column=True)
+    created_at: str = _f("", column=True, report=(1, "created (UTC)"))
+    status: str = _f("skipped", column=True, summary=True, report=(8, "status"))
+    error: str | None = _f(column=True, summary=True, report=(14, "reason"))
+    failed_rank: int | None = _f()
+    duration_s: float | None = _f()
+    name: str | None = _f(column=True)
+    sweep: str | None = _f(column=True, summary=True, report=(2, "sweep"))
+    # what ran
+    model: str | None = _f(column=True, summary=True, report=(3, "model"))
+    parallel: str | None = _f(column=True)  # preset (auto: planner's pick)
+    layout: dict[str, int] | None = _f()
+    layout_name: str | None = _f(column=True, summary=True, report=(4, "layout"))
+    overrides: str | None = _f()  # `meshrun <these>` runs it again
+    world_size: int | None = _f(column=True, summary=True, report=(5, "ranks"))
+    devices: int | None = _f()
+    hardware: str | None = _f(column=True, summary=True)
+    device_type: str | None = _f()
+    backend: str | None = _f(column=True, summary=True, report=(6, "backend"))
+    precision: str | None = _f(column=True)
+    seq_len: int | None = _f(column=True)
+    global_batch_size: int | None = _f(column=True, summary=True, report=(7, "batch / micro"))
+    micro_batch_size: int | None = _f(column=True, summary=True)
+    n_microbatches: int | None = _f()  # a pipeline's per step
+    grad_accum_steps: int | None = _f()
+    steps: int | None = _f()
+    warmup_steps: int | None = _f()
+    steps_completed: int | None = _f()
+    params: int | None = _f()
+    # speed
+    step_time_s: float | None = _f(column=True, summary=True)
+    step_time_p90_s: float | None = _f(summary=True)
+    tokens_per_s: float | None = _f(column=True, summary=True, report=(9, "tokens/s"))
+    samples_per_s: float | None = _f(summary=True)
+    scaling: str | None = _f(summary=True)
+    baseline_tokens_per_s: float | None = _f(summary=True)
+    baseline_run_id: str | None = _f()
+    speedup: float | None = _f(column=True, summary=True, report=(10, "speedup"))
+    scaling_efficiency: float | None = _f(column=True, summary=True, report=(11, "efficiency"))
+    flops_per_token: float | None = _f()
+    mfu: float | None = _f(column=True, summary=True)
+    # pipeline
+    pp_schedule: str | None = _f()
+    bubble_theoretical: float | None = _f(column=True, summary=True, report=(13, "bubble (theory)"))
+    bubble_measured: float | None = _f(column=True, summary=True)
+    bubble_per_rank: list[float] | None = _f()
+    # memory
+    peak_memory_bytes: list[int] | None = _f()
+    peak_memory_max_bytes: int | None = _f(column=True, summary=True, report=(12, "peak memory"))
+    memory_per_rank: list[dict[str, int]] | None = _f()
+    memory_params_bytes: int | None = _f(column=True, summary=True)
+    memory_grads_bytes: int | None = _f(column=True, summary=True)
+    memory_optimizer_bytes: int | None = _f(column=True, summary=True)
+    memory_activations_bytes: int | None = _f(column=True, summary=True)
+    memory_other_bytes: int | None = _f(column=True, summary=True)
+    memory_predicted: list[dict[str, int]] | None = _f()
+    predicted_peak_memory_bytes: int | None = _f(column=True, summary=True)
+    predicted_step_time_s: float | None = _f(column=True, summary=True)
+    predicted_tokens_per_s: float | None = _f()
+    # series and bookkeeping
+    losses: list[float] = _f(factory=list)
+    grad_norms: list[float | None] = _f(factory=list)
+    baseline_key: str | None = _f(column=True)
+    run_dir: str | None = _f(column=True)
+
+    def as_dict(self) -> dict[str, Any]:
+        """results.json's content (and the store's results_json)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunRecord:
+        """A stored record, from any meshrun: older names renamed, missing keys defaulted,
+        keys this meshrun no longer knows dropped."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        given = {RENAMED.get(k, k): v for k, v in data.items()}
+        return cls(**{k: v for k, v in given.items() if k in known})
+
+
+def _sqlite_type(annotation: Any) -> str:
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
+        annotation = args[0]
+    return SQLITE_TYPES.get(annotation, "TEXT")
+
+
+@cache
+def store_columns() -> dict[str, str]:
+    """Store column -> SQLite type, in record order; run_id is the primary key."""
+    hints = typing.get_type_hints(RunRecord)
+    columns = {}
+    for f in dataclasses.fields(RunRecord):
+        if f.metadata["column"]:
+            kind = _sqlite_type(hints[f.name])
+            columns[f.name] = f"{kind} PRIMARY KEY" if f.name == "run_id" else kind
+    return columns
+
+
+def summary_keys() -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(RunRecord) if f.metadata["summary"])
+
+
+def report_columns() -> tuple[tuple[str, str], ...]:
+    """(field, header) of each column the report shows, in the report's order."""
+    shown = [f for f in dataclasses.fields(RunRecord) if f.metadata["report"]]
+    return tuple((f.name, f.metadata["report"][1]) for f in sorted(shown, key=_position))
+
+
+def _position(f: dataclasses.Field) -> int:
+    return f.metadata["report"][0]

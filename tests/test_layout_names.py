@@ -1,0 +1,124 @@
+"""One name per layout (core.layout.layout_name), from the resolved config through the record
+to the store and the report; the overrides that run a layout again (layout_overrides) compose
+back to the same name; the micro-batch count follows from train.micro_batch_size alone."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hydra.errors import ConfigCompositionException
+
+from meshrun.core.config import ParallelConfig
+from meshrun.core.hardware import HostFacts
+from meshrun.core.layout import layout_name, layout_overrides, n_microbatches
+from meshrun.driver.results import assemble
+from meshrun.driver.sinks.console import console, print_summary
+from meshrun.driver.sinks.store import ResultsStore
+from meshrun.plan.search import search
+from meshrun.tools.report.query import RunFilter, select_runs
+from meshrun.tools.report.table import cells
+from tests.helpers import compose_config, resolved_config
+
+TINY = ("model=tiny", "train.global_batch_size=8", "train.micro_batch_size=2")
+
+NAMES = {
+    ("parallel=single",): "single",
+    ("parallel=ddp",): "ddp2",
+    ("parallel=ddp_bucket_view",): "ddp2(bucket-view)",
+    ("parallel=fsdp",): "fsdp2",
+    ("parallel=hsdp", "launcher.nproc_per_node=4"): "hsdp2x2",
+    ("parallel=dp2_tp2",): "fsdp-replicate2 x tp2",
+    ("parallel=fsdp2_tp2", "parallel.sequence_parallel=true"): "fsdp2 x tp2(sp)",
+    ("parallel=tp2_pp2",): "pp2(1f1b, m=4) x tp2",
+    ("parallel=dp2_pp2",): "pp2(1f1b, m=2) x fsdp-replicate2",
+    ("parallel=pp2_interleaved", "train.micro_batch_size=1", "parallel.pp_layers=[1,1,1,1]"):
+        "pp2(interleaved_1f1b, 2 stages/rank, m=8, layers=[1,1,1,1])",
+    ("parallel=pp2", "parallel.schedule=gpipe", "train.micro_batch_size=8"): "pp2(gpipe, m=1)",
+    ("parallel=tp2", "parallel.activation_checkpointing=full"): "tp2, ckpt=full",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("overrides", "name"), NAMES.items(), ids=str)
+def test_canonical_name_of_a_resolved_layout(overrides, name):
+    assert layout_name(resolved_config(*TINY, *overrides)) == name
+
+
+def test_dataparallel_is_named_by_its_devices():
+    cfg = compose_config(*TINY, "parallel=single")
+    parallel = ParallelConfig(name="dataparallel", data_parallel="dataparallel",
+                              dataparallel_devices=4)  # fmt: skip
+    assert layout_name(dataclasses.replace(cfg, parallel=parallel)) == "dataparallel4"
+
+
+def meta(run_id: str) -> dict:
+    return {"run_id": run_id, "role": "run", "created_at": "2026-01-02T03:04:05+00:00",
+            "status": "completed", "error": None, "failed_rank": None,
+            "duration_s": 1.0}  # fmt: skip
+
+
+def test_ddp_bucket_view_fsdp_and_dp2_tp2_have_different_names_in_store_and_report(tmp_path):
+    store = ResultsStore(tmp_path / "meshrun.db")
+    presets = ("ddp", "ddp_bucket_view", "fsdp", "dp2_tp2")
+    for preset in presets:
+        cfg = resolved_config(*TINY, f"parallel={preset}")
+        store.record(assemble(cfg, [], None, None, None, meta(preset)))
+    stored = {r.parallel: r.layout_name for r in store.records()}
+    assert len(set(stored.values())) == len(presets), stored
+    shown = {run["parallel"]: cells(run)["layout"] for run in store.runs()}
+    assert shown == stored == {"ddp": "ddp2", "ddp_bucket_view": "ddp2(bucket-view)",
+                               "fsdp": "fsdp2", "dp2_tp2": "fsdp-replicate2 x tp2"}  # fmt: skip
+    # the report's filter takes the preset or the canonical name
+    for preset, name in stored.items():
+        assert [r["run_id"] for r in select_runs(store, RunFilter(layout=preset))] == [preset]
+        assert [r["run_id"] for r in select_runs(store, RunFilter(layout=name))] == [preset]
+
+
+RERUN = [
+    (*TINY, "parallel=ddp"),
+    (*TINY, "parallel=ddp_bucket_view"),
+    (*TINY, "parallel=ddp_bucket_view", "parallel.ddp.gradient_as_bucket_view=false"),
+    (*TINY, "parallel=hsdp", "launcher.nproc_per_node=4"),
+    (*TINY, "parallel=fsdp2_tp2", "parallel.sequence_parallel=true"),
+    (*TINY, "parallel=pp2", "parallel.pp_layers=[3,1]", "parallel.schedule=gpipe"),
+    (*TINY, "parallel=pp2_interleaved", "train.micro_batch_size=1"),
+    (*TINY, "parallel=tp2_pp2", "parallel.activation_checkpointing=selective"),
+]
+
+
+@pytest.mark.parametrize("overrides", RERUN, ids=str)
+def test_printed_overrides_run_the_same_layout_again(overrides):
+    cfg = resolved_config(*overrides)
+    again = resolved_config("model=tiny", "train.global_batch_size=8",
+                            *layout_overrides(cfg).split())  # fmt: skip
+    assert layout_name(again) == layout_name(cfg)
+    assert again.parallel == cfg.parallel
+    assert again.train.micro_batch_size == cfg.train.micro_batch_size
+
+
+def test_planner_rows_rerun_as_themselves():
+    ranked = search(resolved_config(*TINY, "parallel=single", "hardware=cpu"), 4,
+                    HostFacts.detect())  # fmt: skip
+    assert len({c.label for c in ranked}) == len(ranked)  # one name per planner row
+    for c in ranked:
+        again = resolved_config(*TINY[:2], "hardware=cpu", *c.overrides().split())
+        assert layout_name(again) == c.label, c.overrides()
+        assert c.as_dict()["overrides"] == c.overrides()
+
+
+def test_console_summary_shows_the_name_and_the_rerun(tmp_path):
+    cfg = resolved_config(*TINY, "parallel=pp2", f"run_dir={tmp_path}")
+    record = assemble(cfg, [], None, None, None, meta("r1"))
+    with console.capture() as out:
+        print_summary(record)
+    text = out.get()
+    assert "pp2(1f1b, m=4)" in text
+    assert "run again" in text and "meshrun parallel=pp2" in text
+    assert "bubble (1f1b, m=4)" in text
+
+
+def test_micro_batch_size_is_the_one_knob():
+    assert n_microbatches(resolved_config(*TINY, "parallel=pp2")) == 4
+    assert n_microbatches(resolved_config(*TINY, "parallel=dp2_pp2")) == 2  # 8 / dp 2 / 2
+    with pytest.raises(ConfigCompositionException):
+        compose_config("parallel=pp2", "parallel.microbatches=4")
