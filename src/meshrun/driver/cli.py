@@ -36,7 +36,6 @@ from meshrun.driver.sweep import (
 )
 from meshrun.rank.worker import run_rank
 
-ConfigStore.instance().store(name="experiment_schema", node=ExperimentConfig)
 register_sweeps(ConfigStore.instance())
 LAUNCHERS = {"local": launch_local, "slurm": launch_slurm}
 

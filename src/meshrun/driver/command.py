@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 
 from meshrun.core.attached import attached_rank
 from meshrun.core.paths import CONF_DIR
+from meshrun.core.schemas import register_schemas
 from meshrun.driver.launch.torchrun import run_dir_override
 
 
@@ -32,6 +33,8 @@ def hydra_command(
             on_failure(code)
         if code:
             sys.exit(code)
+
+    register_schemas()
 
     def main() -> None:
         pinned = any(arg.startswith("hydra.run.dir=") for arg in sys.argv)

@@ -9,12 +9,12 @@ import math
 import os
 
 from meshrun.core.attached import attached_rank
-from meshrun.core.config import ExperimentConfig
+from meshrun.core.config import ExperimentConfig, SlurmLauncherConfig
 from meshrun.core.errors import choice, fail, positive
 from meshrun.core.hardware import HostFacts
 from meshrun.core.layout import MESH_DIMS, Layout
 from meshrun.rank.models.llama import ffn_dim
-from meshrun.rank.parallel.pipeline import MULTI_STAGE_SCHEDULES, SCHEDULES, stage_layer_counts
+from meshrun.rank.parallel.pipeline import MULTI_STAGE_SCHEDULES, stage_layer_counts
 from meshrun.rank.parallel.tensor import resolve_tp_plan
 
 CPU_DEFAULT_RANKS = 2
@@ -33,11 +33,6 @@ def resolve_layout(cfg: ExperimentConfig, facts: HostFacts):
         )
     positive("launcher.nproc_per_node", launcher.nproc_per_node, allow_none=True)
     positive("launcher.threads_per_rank", launcher.threads_per_rank, allow_none=True)
-    choice("parallel.data_parallel", p.data_parallel, ("auto", "dataparallel"))
-    choice(
-        "parallel.activation_checkpointing", p.activation_checkpointing,
-        ("none", "full", "selective"),
-    )  # fmt: skip
     degrees = {dim: getattr(p, dim) for dim in MESH_DIMS}
     for dim, n in degrees.items():
         if n == 0 or n < -1:
@@ -97,9 +92,9 @@ def resolve_layout(cfg: ExperimentConfig, facts: HostFacts):
             f"only {len(gpus)} CUDA devices are visible",
             f"at most {len(gpus)}",
         )
-    threads = (
-        launcher.threads_per_rank or launcher.cpus_per_task or max(1, facts.cpu_count // nproc)
-    )
+    # a SLURM task's CPUs are its rank's threads; only the SLURM schema has cpus_per_task
+    slurm_cpus = launcher.cpus_per_task if isinstance(launcher, SlurmLauncherConfig) else None
+    threads = launcher.threads_per_rank or slurm_cpus or max(1, facts.cpu_count // nproc)
     return (
         dataclasses.replace(p, **degrees),
         dataclasses.replace(launcher, nproc_per_node=nproc, threads_per_rank=threads),
@@ -205,7 +200,6 @@ def resolve_pipeline(cfg: ExperimentConfig) -> ExperimentConfig:
                 "null, or set parallel.pp",
             )
         return cfg
-    choice("parallel.schedule", p.schedule, tuple(SCHEDULES))
     multi = p.schedule in MULTI_STAGE_SCHEDULES
     if multi and p.stages_per_rank < 2:
         fail(

@@ -26,16 +26,17 @@ from torch.distributed.pipelining.schedules import (
     _PipelineSchedule,
 )
 
-from meshrun.core.config import ParallelConfig
+from meshrun.core.config import ParallelConfig, Schedule
 from meshrun.rank.models.llama import Transformer
 
+# Keyed by the config's enum, which is the one list of schedule names (tests check they agree).
 SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-    "interleaved_zb": ScheduleInterleavedZeroBubble,
+    Schedule["gpipe"]: ScheduleGPipe,
+    Schedule["1f1b"]: Schedule1F1B,
+    Schedule["interleaved_1f1b"]: ScheduleInterleaved1F1B,
+    Schedule["interleaved_zb"]: ScheduleInterleavedZeroBubble,
 }
-MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "interleaved_zb")
+MULTI_STAGE_SCHEDULES = (Schedule["interleaved_1f1b"], Schedule["interleaved_zb"])
 
 
 def stage_layer_counts(n_layers: int, n_stages: int, explicit: list[int] | None) -> list[int]:

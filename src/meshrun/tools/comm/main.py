@@ -21,7 +21,6 @@ from typing import Any
 
 os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # before anything touches CUDA
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from meshrun.core.attached import attached_rank
@@ -40,8 +39,6 @@ from meshrun.tools.comm.collectives import DTYPES, REDOPS, device_type, measurem
 from meshrun.tools.comm.report import print_tables, record, summarize, write_json
 from meshrun.validate import resolve_backend
 from meshrun.validate.slurm import check_slurm
-
-ConfigStore.instance().store(name="comm_schema", node=CommRunConfig)
 
 Launch = Callable[[CommRunConfig, Callable[[dict[str, Any]], Any]], Any]
 LAUNCHERS: dict[str, Launch] = {"local": launch_local, "slurm": launch_slurm}
@@ -82,7 +79,6 @@ def validate_comm(cfg: CommRunConfig, facts: HostFacts) -> CommRunConfig:
         fail("comm.max_bytes", c.max_bytes, f"no size holds one element per rank ({world})",
              "larger sizes")  # fmt: skip
     d = cfg.debug
-    choice("debug.fail_mode", d.fail_mode, ("raise", "hang"))
     if d.fail_rank is not None and not 0 <= d.fail_rank < world:
         fail("debug.fail_rank", d.fail_rank, f"no such rank in a run of {world}",
              f"0..{world - 1}, or null")  # fmt: skip
@@ -117,7 +113,7 @@ def _resolve_launcher(cfg: CommRunConfig, backend: str, facts: HostFacts):
     if launcher.name == "slurm":  # the cluster's nodes, not this login host, hold the devices
         sized = dataclasses.replace(launcher, nproc_per_node=launcher.nproc_per_node or 1)
         checked = check_slurm(dataclasses.replace(cfg, launcher=sized))
-        threads = launcher.threads_per_rank or launcher.cpus_per_task or 1
+        threads = launcher.threads_per_rank or checked.cpus_per_task or 1
         return dataclasses.replace(checked, threads_per_rank=threads)
     if device_type(backend) == "cuda" and nproc > gpus:
         fail("launcher.nproc_per_node", nproc, f"only {gpus} CUDA devices are visible",
