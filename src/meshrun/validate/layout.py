@@ -157,7 +157,7 @@ def check_tensor_parallel(cfg: ExperimentConfig) -> None:
                 "parallel.tp_plan",
                 p.tp_plan,
                 f"cannot be loaded ({err})",
-                '"package.module:function", importable from here',
+                '"package.module:function", importable from the current directory or sys.path',
             )
     if p.tp == 1:
         return
