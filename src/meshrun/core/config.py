@@ -279,9 +279,9 @@ class ExperimentConfig:
 def _rebuild(schema: type, data: dict[str, Any]) -> Any:
     """`schema` typed again from a plain dict; the launcher by its `name`'s schema."""
     base = OmegaConf.structured(schema)
-    launcher = (data.get("launcher") or {}).get("name")
-    if launcher in LAUNCHER_SCHEMAS:
-        base.launcher = OmegaConf.structured(LAUNCHER_SCHEMAS[launcher])
+    launcher = (data.get("launcher") or {}).get("name", "local")  # local: as if unnamed
+    # an unknown name keeps the common fields, so validation can name the launcher
+    base.launcher = OmegaConf.structured(LAUNCHER_SCHEMAS.get(launcher, LauncherConfig))
     return OmegaConf.to_object(OmegaConf.merge(base, data))
 
 

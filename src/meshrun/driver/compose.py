@@ -212,7 +212,7 @@ def _omegaconf_error(cause: OmegaConfBaseException, overrides: list[str]) -> Con
     enum_values = re.match(r"Invalid value '([^']*)', expected one of \[(.*)\]", message)
     if enum_values:
         options = [o.strip() for o in enum_values.group(2).split(",")]
-        return ConfigError(full_key, value, "not one of the choices",
+        return ConfigError(full_key, value, "unknown choice",
                            _with_nearest(str(value), options, "choices"))  # fmt: skip
     problem = message.replace("$VALUE", str(value)).rstrip(".")
     if "could not be converted" in problem or "is not Optional" in problem:
