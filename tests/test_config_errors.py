@@ -277,3 +277,30 @@ def test_cli_composition_error_exits_2_in_meshrun_format_before_anything_runs(
     assert not (run.run_dir / "results.json").exists()
     assert not run.store_path.exists()
     assert not (tmp_path / "multirun").exists()
+
+
+USER_PLAN = """
+import os
+from pathlib import Path
+
+from meshrun.rank.parallel.tensor import apply_tp
+
+
+def plan(model, tp_mesh, sequence_parallel):
+    Path(f"plan_called_by_rank{os.environ['RANK']}").touch()
+    apply_tp(model, tp_mesh, sequence_parallel)
+"""
+
+
+def test_tp_plan_module_in_the_working_directory_is_imported_by_driver_and_ranks(
+    meshrun, tmp_path: Path
+):
+    """`python -P` keeps the working directory off sys.path, as a console script does."""
+    (tmp_path / "my_tp_plan.py").write_text(USER_PLAN)
+    run = meshrun("model=tiny", "parallel=tp2", "parallel.tp_plan=my_tp_plan:plan",
+                  "train.steps=2", "train.warmup_steps=1", "metrics.baseline=false",
+                  entrypoint=(sys.executable, "-P", "-m", "meshrun.driver.cli"))  # fmt: skip
+    assert run.returncode == 0, run.output
+    assert {p.name for p in tmp_path.glob("plan_called_by_rank*")} == {
+        "plan_called_by_rank0", "plan_called_by_rank1"
+    }  # fmt: skip
