@@ -7,14 +7,24 @@ import dataclasses
 import json
 import sqlite3
 import sys
+import typing
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+import yaml
+from omegaconf import OmegaConf
 
 from meshrun.core.config import (
+    LAUNCHER_SCHEMAS,
+    BackendConfig,
     CommRunConfig,
+    DataConfig,
+    HardwareConfig,
     LocalLauncherConfig,
+    LoggerConfig,
+    ModelConfig,
+    ParallelConfig,
     Schedule,
     SlurmLauncherConfig,
     comm_from_dict,
@@ -22,6 +32,8 @@ from meshrun.core.config import (
 )
 from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import HostFacts
+from meshrun.core.paths import CONF_DIR
+from meshrun.core.schemas import ROOT_SCHEMAS
 from meshrun.driver.resolve import resolve
 from meshrun.rank.parallel.pipeline import SCHEDULES
 from tests.cli import MULTIRUN
@@ -304,3 +316,33 @@ def test_tp_plan_module_in_the_working_directory_is_imported_by_driver_and_ranks
     assert {p.name for p in tmp_path.glob("plan_called_by_rank*")} == {
         "plan_called_by_rank0", "plan_called_by_rank1"
     }  # fmt: skip
+
+
+def _restated(data: dict, schema: type, prefix: str = "") -> list[str]:
+    """Keys of a YAML mapping whose value is the schema's own default (`name` identifies a
+    preset and may repeat it)."""
+    defaults = OmegaConf.to_container(OmegaConf.structured(schema), resolve=False)
+    hints = typing.get_type_hints(schema)
+    found = []
+    for key, value in data.items():
+        if key in ("defaults", "hydra", "name") or key not in defaults:
+            continue
+        if isinstance(value, dict) and dataclasses.is_dataclass(hints[key]):
+            found += _restated(value, hints[key], f"{prefix}{key}.")
+        elif value == defaults[key]:
+            found.append(f"{prefix}{key}")
+    return found
+
+
+def test_yaml_presets_do_not_restate_the_schema_defaults():
+    groups = {"backend": BackendConfig, "hardware": HardwareConfig, "logger": LoggerConfig,
+              "data": DataConfig, "model": ModelConfig, "parallel": ParallelConfig,
+              **{f"launcher/{n}": s for n, s in LAUNCHER_SCHEMAS.items()}}  # fmt: skip
+    files = {p: s for g, s in groups.items() for p in CONF_DIR.glob(f"{g}*.yaml")}
+    files |= {p: s for g, s in groups.items() for p in CONF_DIR.glob(f"{g}/*.yaml")}
+    files |= {CONF_DIR / f"{name}.yaml": ROOT_SCHEMAS[schema] for name, schema in
+              [("train", "experiment"), ("plan", "plan"), ("verify", "verify"),
+               ("comm", "comm"), ("doctor", "doctor")]}  # fmt: skip
+    restated = {p.name: keys for p, s in files.items()
+                if (keys := _restated(yaml.safe_load(p.read_text()) or {}, s))}  # fmt: skip
+    assert restated == {}
