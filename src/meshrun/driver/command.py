@@ -88,7 +88,7 @@ def hydra_command(
                 if user_wants_tracebacks:
                     raise
                 if isinstance(exc, SweepJobFailed):
-                    print_error("sweep failed", str(exc))
+                    print_error("sweep failed", f"{type(exc).__name__}: {exc}")
                 else:
                     traceback.print_exc()
                 sys.exit(1)
