@@ -16,12 +16,13 @@ import tempfile
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
-from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.hardware import HostFacts
 from meshrun.core.paths import CONF_DIR
+from meshrun.core.schemas import register_schemas
+from meshrun.driver.compose import check_keys, config_error
 from meshrun.driver.resolve import resolve
 
 _SCRATCH = Path(tempfile.gettempdir()) / "meshrun-tests"
@@ -37,12 +38,23 @@ def _key(override: str) -> str:
 
 
 def compose_config(*overrides: str) -> ExperimentConfig:
-    """The raw typed config of `meshrun <overrides>` (unvalidated: `auto`s and -1s remain)."""
-    ConfigStore.instance().store(name="experiment_schema", node=ExperimentConfig)
+    """The raw typed config of `meshrun <overrides>` (unvalidated: `auto`s and -1s remain).
+
+    Composition is as strict as the CLI's: an unknown key (with or without `+`), preset,
+    type or enum value raises the ConfigError `meshrun` would print (driver/compose.py)."""
+    register_schemas()
     given = {_key(o) for o in overrides}
     defaults = [f"{key}={value}" for key, value in _DEFAULTS.items() if key not in given]
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[*defaults, *overrides])
+    composed = [*defaults, *overrides]
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name="train", overrides=composed)
+        check_keys(cfg)
+    except Exception as exc:
+        error = config_error(exc, composed)
+        if error is None:
+            raise
+        raise error from exc
     return OmegaConf.to_object(cfg)
 
 

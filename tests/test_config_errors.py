@@ -3,14 +3,40 @@ the bad value and what would be valid."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import sqlite3
+import sys
+import typing
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+import yaml
+from omegaconf import OmegaConf
 
+from meshrun.core.config import (
+    LAUNCHER_SCHEMAS,
+    BackendConfig,
+    CommRunConfig,
+    DataConfig,
+    HardwareConfig,
+    LocalLauncherConfig,
+    LoggerConfig,
+    ModelConfig,
+    ParallelConfig,
+    Schedule,
+    SlurmLauncherConfig,
+    comm_from_dict,
+    from_dict,
+)
 from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import HostFacts
+from meshrun.core.paths import CONF_DIR
+from meshrun.core.schemas import ROOT_SCHEMAS
 from meshrun.driver.resolve import resolve
+from meshrun.rank.parallel.pipeline import SCHEDULES
+from tests.cli import MULTIRUN
 from tests.helpers import compose_config
 
 BAD_CONFIGS = [
@@ -28,7 +54,6 @@ BAD_CONFIGS = [
     (["train.steps=4", "train.warmup_steps=4"], "train.warmup_steps", "< train.steps"),
     (["parallel=ddp", "train.global_batch_size=10"], "train.global_batch_size", "multiple of 4"),
     (["train.micro_batch_size=0"], "train.micro_batch_size", "must be positive"),
-    (["train.precision=fp8"], "train.precision", "fp32 | bf16"),
     (["train.lr=0"], "train.lr", "must be positive"),
     (["train.grad_clip=-1"], "train.grad_clip", "must be positive"),
     (["parallel=single", "launcher.nproc_per_node=2"], "launcher.nproc_per_node", "needs 1"),
@@ -48,7 +73,6 @@ BAD_CONFIGS = [
     (["parallel=tp2_pp2", "launcher.nproc_per_node=2"], "launcher.nproc_per_node", "needs 4"),
     (["parallel=pp4", "model.n_layers=3"], "parallel.pp", "4 pipeline stages but model.n_layers"),
     (["parallel=pp2", "parallel.pp_layers=[3,2]"], "parallel.pp_layers", "adding up to"),
-    (["parallel=pp2", "parallel.schedule=zb"], "parallel.schedule", "gpipe | 1f1b"),
     (["parallel=pp2", "parallel.stages_per_rank=2"], "parallel.stages_per_rank", "one stage"),
     (
         ["parallel=pp2_interleaved", "parallel.stages_per_rank=1"],
@@ -65,20 +89,14 @@ BAD_CONFIGS = [
     (["parallel.pp_layers=[1,1]"], "parallel.pp_layers", "only applies to pipelines"),
     (["parallel.tp_plan=nowhere.plans:apply"], "parallel.tp_plan", "cannot be loaded"),
     (["parallel.tp_plan=tests.plans:missing"], "parallel.tp_plan", "module:function"),
-    (["parallel.activation_checkpointing=some"], "parallel.activation_checkpointing", "full"),
-    (["parallel.data_parallel=zero3"], "parallel.data_parallel", "auto | dataparallel"),
     (["parallel=dataparallel"], "parallel", "needs >= 2 CUDA devices"),
     (["backend=nccl"], "backend", "nccl needs CUDA devices"),
-    (["backend.name=ucc"], "backend.name", "gloo | nccl | mpi"),
     (["backend.timeout_s=0"], "backend.timeout_s", "must be positive"),
     (["hardware=a100-80g"], "hardware", "describes CUDA devices"),
-    (["hardware.device_type=tpu"], "hardware.device_type", "cpu | cuda"),
     (["model.n_heads=5"], "model.n_heads", "divisor of 384"),
     (["model.n_kv_heads=4"], "model.n_kv_heads", "divisor of 6"),
     (["model=tiny", "model.n_kv_heads=3"], "model.n_kv_heads", "divisor of 8"),
     (["data=text", "data.path=/nonexistent/corpus.txt"], "data.path", "no such file"),
-    (["metrics.scaling=linear"], "metrics.scaling", "weak | strong"),
-    (["logger.mode=sometimes"], "logger.mode", "offline"),
     (["launcher.nnodes=2"], "launcher.nnodes", "one node"),
     (["launcher.nnodes=0"], "launcher.nnodes", "must be positive"),
     (["launcher.name=pbs"], "launcher.name", "local | slurm"),
@@ -151,17 +169,180 @@ def test_cli_config_error_exits_2_before_any_rank_starts(meshrun):
     assert not run.store_path.exists()
 
 
+ENUM_CHOICES = [
+    # (override, key, the valid values OmegaConf lists when composing)
+    ("train.precision=fp8", "train.precision", "fp32 | bf16"),
+    ("parallel.schedule=zb", "parallel.schedule", "gpipe | 1f1b | interleaved_1f1b"),
+    ("parallel.activation_checkpointing=some", "parallel.activation_checkpointing",
+     "none | full | selective"),
+    ("parallel.data_parallel=zero3", "parallel.data_parallel", "auto | dataparallel"),
+    ("backend.name=ucc", "backend.name", "auto | gloo | nccl | mpi"),
+    ("hardware.device_type=tpu", "hardware.device_type", "cpu | cuda"),
+    ("metrics.scaling=linear", "metrics.scaling", "weak | strong"),
+    ("logger.mode=sometimes", "logger.mode", "auto | online | offline | disabled"),
+    ("debug.fail_mode=crash", "debug.fail_mode", "raise | hang"),
+    ("launcher.start_method=thread", "launcher.start_method", "spawn | fork | forkserver"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("override", "key", "valid"), ENUM_CHOICES, ids=str)
+def test_closed_choice_is_rejected_at_compose_time_listing_the_valid_values(override, key, valid):
+    with pytest.raises(ConfigError) as caught:
+        compose_config(override)
+    assert caught.value.key == key
+    assert "Valid: " in str(caught.value)
+    assert valid in str(caught.value)
+
+
+def test_enum_values_behave_as_their_strings(tmp_path: Path):
+    cfg = compose_config("parallel=pp2", "parallel.schedule=gpipe", "train.precision=bf16")
+    schedule, precision = cfg.parallel.schedule, cfg.train.precision
+    assert schedule == "gpipe" and f"{schedule}" == "gpipe" and str(precision) == "bf16"
+    assert json.loads(json.dumps({"s": schedule})) == {"s": "gpipe"}
+    db = sqlite3.connect(tmp_path / "enum.db")
+    db.execute("create table t (schedule text)")
+    db.execute("insert into t values (?)", (schedule,))
+    assert db.execute("select schedule, typeof(schedule) from t").fetchone() == ("gpipe", "text")
+
+
+def test_pipeline_schedules_are_exactly_the_schedule_enum():
+    assert set(SCHEDULES) == set(Schedule) and set(Schedule.values()) == set(SCHEDULES)
+
+
 @pytest.mark.parametrize(
-    ("override", "fragment"),
+    ("overrides", "key", "fragment"),
     [
-        ("parallel=tp9", "Could not find 'parallel/tp9'"),
-        ("train.stepz=3", "Key 'stepz' not in 'TrainConfig'"),
-        ("train.steps=many", "Value 'many' of type 'str' could not be converted to Integer"),
-        ("hardware.flops=1", "Key 'flops' not in 'HardwareConfig'"),
+        (["+train.micro_batchsize=2"], "train.micro_batchsize", "train.micro_batch_size (nearest)"),
+        (["+hardware.flops=1"], "hardware.flops", "keys of hardware: name | device_type"),
+        (["+foo=1"], "foo", "keys of the config: model | parallel"),
+        (["hardware=cpu", "+hardware.devices.0.memory=1"], "hardware.devices[0].memory",
+         "hardware.devices[0].memory_gib (nearest)"),
+        (["launcher=local", "launcher.partition=gpu"], "launcher.partition",
+         "not a key of launcher=local (launcher=slurm has it)"),
+        (["parallel=tp2pp2"], "parallel", "tp2_pp2 (nearest); parallel presets: auto"),
+        (["train.steps=many"], "train.steps", "Valid: an integer"),
     ],
-)
-def test_cli_rejects_unknown_presets_keys_and_types(meshrun, override, fragment):
-    run = meshrun(override)
-    assert run.returncode != 0
-    assert fragment in run.output
+    ids=str,
+)  # fmt: skip
+def test_unknown_key_preset_or_type_is_a_config_error_with_the_nearest(overrides, key, fragment):
+    """`+` or not: OmegaConf.to_object would silently drop a key the schema does not have."""
+    with pytest.raises(ConfigError) as caught:
+        compose_config(*overrides)
+    assert caught.value.key == key
+    assert fragment in str(caught.value)
+    assert "use +" not in str(caught.value)
+
+
+def test_open_dicts_take_any_key():
+    cfg = compose_config("+backend.env.NCCL_DEBUG=INFO")
+    assert cfg.backend.env == {"NCCL_DEBUG": "INFO"}
+    cfg = compose_config("launcher=slurm", "+launcher.sbatch_extra.mail-type=END")
+    assert cfg.launcher.sbatch_extra == {"mail-type": "END"}
+
+
+def test_each_launcher_preset_has_its_own_schema_and_workers_rebuild_it():
+    local = compose_config("launcher=local")
+    slurm = compose_config("launcher=slurm", "launcher.partition=gpu")
+    assert type(local.launcher) is LocalLauncherConfig and not hasattr(local.launcher, "partition")
+    assert type(slurm.launcher) is SlurmLauncherConfig and slurm.launcher.partition == "gpu"
+    for cfg in (local, slurm):
+        assert from_dict(dataclasses.asdict(cfg)) == cfg
+    comm = CommRunConfig(backend=local.backend, hardware=local.hardware,
+                         launcher=slurm.launcher, logger=local.logger)  # fmt: skip
+    assert comm_from_dict(dataclasses.asdict(comm)) == comm
+
+
+PLAN = (sys.executable, "-m", "meshrun.tools.plan_command")
+# (entrypoint, overrides, what the one-line error must name: key, valid choices / nearest)
+CLI_CONFIG_ERRORS = [
+    (None, ["+train.micro_batchsize=2"], ["train.micro_batchsize=2: not a key of train",
+                                          "Valid: train.micro_batch_size (nearest)"]),
+    (None, ["train.micro_batchsize=2"], ["train.micro_batchsize='2': not a key of train",
+                                         "Valid: train.micro_batch_size (nearest)"]),
+    (None, ["parallel=tp2pp2"], ["parallel='tp2pp2': no such preset",
+                                 "Valid: tp2_pp2 (nearest); parallel presets: auto | "]),
+    (None, ["train.precision=fp16"], ["train.precision='fp16': unknown choice",
+                                      "Valid: bf16 (nearest); choices: fp32 | bf16"]),
+    (None, ["launcher=local", "launcher.partition=gpu"],
+     ["launcher.partition='gpu': not a key of launcher=local (launcher=slurm has it)",
+      "keys of launcher: name | nnodes"]),
+    (None, ["train.steps=many"], ["train.steps='many': wrong type", "Valid: an integer"]),
+    (PLAN, ["parallel=tp2pp2"], ["parallel='tp2pp2'", "Valid: tp2_pp2 (nearest)"]),
+    # a multirun stops before its first job when any job's config is bad
+    (MULTIRUN, ["train.steps=2,3", "+train.stepz=4"], ["train.stepz=4: not a key of train",
+                                                       "Valid: train.steps (nearest)"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("entrypoint", "overrides", "fragments"), CLI_CONFIG_ERRORS, ids=str)
+def test_cli_composition_error_exits_2_in_meshrun_format_before_anything_runs(
+    meshrun, tmp_path: Path, entrypoint, overrides, fragments
+):
+    run = meshrun(*overrides, **({"entrypoint": entrypoint} if entrypoint else {}))
+    assert run.returncode == 2, run.output
+    assert "meshrun: config error " in run.output
+    for fragment in fragments:
+        assert fragment in run.output
+    assert "Traceback" not in run.output
+    assert "use +" not in run.output and "HYDRA_FULL_ERROR" not in run.output
+    assert not (run.run_dir / "metrics.jsonl").exists()
+    assert not (run.run_dir / "results.json").exists()
     assert not run.store_path.exists()
+    assert not (tmp_path / "multirun").exists()
+
+
+USER_PLAN = """
+import os
+from pathlib import Path
+
+from meshrun.rank.parallel.tensor import apply_tp
+
+
+def plan(model, tp_mesh, sequence_parallel):
+    Path(f"plan_called_by_rank{os.environ['RANK']}").touch()
+    apply_tp(model, tp_mesh, sequence_parallel)
+"""
+
+
+def test_tp_plan_module_in_the_working_directory_is_imported_by_driver_and_ranks(
+    meshrun, tmp_path: Path
+):
+    """`python -P` keeps the working directory off sys.path, as a console script does."""
+    (tmp_path / "my_tp_plan.py").write_text(USER_PLAN)
+    run = meshrun("model=tiny", "parallel=tp2", "parallel.tp_plan=my_tp_plan:plan",
+                  "train.steps=2", "train.warmup_steps=1", "metrics.baseline=false",
+                  entrypoint=(sys.executable, "-P", "-m", "meshrun.driver.cli"))  # fmt: skip
+    assert run.returncode == 0, run.output
+    assert {p.name for p in tmp_path.glob("plan_called_by_rank*")} == {
+        "plan_called_by_rank0", "plan_called_by_rank1"
+    }  # fmt: skip
+
+
+def _restated(data: dict, schema: type, prefix: str = "") -> list[str]:
+    """Keys of a YAML mapping whose value is the schema's own default (`name` identifies a
+    preset and may repeat it)."""
+    defaults = OmegaConf.to_container(OmegaConf.structured(schema), resolve=False)
+    hints = typing.get_type_hints(schema)
+    found = []
+    for key, value in data.items():
+        if key in ("defaults", "hydra", "name") or key not in defaults:
+            continue
+        if isinstance(value, dict) and dataclasses.is_dataclass(hints[key]):
+            found += _restated(value, hints[key], f"{prefix}{key}.")
+        elif value == defaults[key]:
+            found.append(f"{prefix}{key}")
+    return found
+
+
+def test_yaml_presets_do_not_restate_the_schema_defaults():
+    groups = {"backend": BackendConfig, "hardware": HardwareConfig, "logger": LoggerConfig,
+              "data": DataConfig, "model": ModelConfig, "parallel": ParallelConfig,
+              **{f"launcher/{n}": s for n, s in LAUNCHER_SCHEMAS.items()}}  # fmt: skip
+    files = {p: s for g, s in groups.items() for p in CONF_DIR.glob(f"{g}*.yaml")}
+    files |= {p: s for g, s in groups.items() for p in CONF_DIR.glob(f"{g}/*.yaml")}
+    files |= {CONF_DIR / f"{name}.yaml": ROOT_SCHEMAS[schema] for name, schema in
+              [("train", "experiment"), ("plan", "plan"), ("verify", "verify"),
+               ("comm", "comm"), ("doctor", "doctor")]}  # fmt: skip
+    restated = {p.name: keys for p, s in files.items()
+                if (keys := _restated(yaml.safe_load(p.read_text()) or {}, s))}  # fmt: skip
+    assert restated == {}

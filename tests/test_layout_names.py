@@ -7,9 +7,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from hydra.errors import ConfigCompositionException
 
 from meshrun.core.config import ParallelConfig
+from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import HostFacts
 from meshrun.core.layout import layout_name, layout_overrides, n_microbatches
 from meshrun.driver.results import assemble
@@ -120,5 +120,6 @@ def test_console_summary_shows_the_name_and_the_rerun(tmp_path):
 def test_micro_batch_size_is_the_one_knob():
     assert n_microbatches(resolved_config(*TINY, "parallel=pp2")) == 4
     assert n_microbatches(resolved_config(*TINY, "parallel=dp2_pp2")) == 2  # 8 / dp 2 / 2
-    with pytest.raises(ConfigCompositionException):
+    with pytest.raises(ConfigError) as caught:
         compose_config("parallel=pp2", "parallel.microbatches=4")
+    assert caught.value.key == "parallel.microbatches"

@@ -9,9 +9,42 @@ so they never import Hydra.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from omegaconf import MISSING, OmegaConf
+
+
+class Choice(str, Enum):
+    """A closed set of string values: OmegaConf rejects any other at compose time, listing
+    these. Members are their own strings (==, dict keys, f-strings, json, sqlite)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @classmethod
+    def values(cls) -> tuple[str, ...]:
+        return tuple(member.value for member in cls)
+
+
+def _choice(name: str, *values: str) -> type[Choice]:
+    # The functional form: OmegaConf looks members up by name, and "1f1b" is no identifier.
+    return Choice(name, [(v, v) for v in values], module=__name__, qualname=name)
+
+
+Backend = _choice("Backend", "auto", "gloo", "nccl", "mpi")
+Precision = _choice("Precision", "fp32", "bf16")
+Schedule = _choice("Schedule", "gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb")
+Checkpointing = _choice("Checkpointing", "none", "full", "selective")
+DataParallel = _choice("DataParallel", "auto", "dataparallel")
+Scaling = _choice("Scaling", "weak", "strong")
+LoggerMode = _choice("LoggerMode", "auto", "online", "offline", "disabled")
+FailMode = _choice("FailMode", "raise", "hang")
+DeviceType = _choice("DeviceType", "cpu", "cuda")
+StartMethod = _choice("StartMethod", "spawn", "fork", "forkserver")
 
 
 @dataclass
@@ -63,13 +96,13 @@ class ParallelConfig:
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
-    schedule: str = "1f1b"
+    schedule: Schedule = Schedule["1f1b"]
     stages_per_rank: int = 1
     pp_layers: list[int] | None = None
     sequence_parallel: bool = False
     tp_plan: str | None = None
-    activation_checkpointing: str = "none"
-    data_parallel: str = "auto"
+    activation_checkpointing: Checkpointing = Checkpointing["none"]
+    data_parallel: DataParallel = DataParallel["auto"]
     dataparallel_devices: int = -1
     ddp: DDPConfig = field(default_factory=DDPConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
@@ -77,7 +110,7 @@ class ParallelConfig:
 
 @dataclass
 class BackendConfig:
-    name: str = "auto"
+    name: Backend = Backend["auto"]
     timeout_s: float = 120.0
     env: dict[str, str] = field(default_factory=dict)
 
@@ -99,7 +132,7 @@ class HardwareConfig:
     and the fixed cost of one collective in microseconds (0: not modelled)."""
 
     name: str = "auto"
-    device_type: str = "cpu"
+    device_type: DeviceType = DeviceType["cpu"]
     devices: list[DeviceSpec] = field(default_factory=list)
     intra_node_bw_gbs: float | None = None
     inter_node_bw_gbs: float | None = None
@@ -108,17 +141,31 @@ class HardwareConfig:
 
 @dataclass
 class LauncherConfig:
-    """`nproc_per_node` ranks on each of `nnodes` nodes. The fields after `start_method` are
-    launcher=slurm's: sbatch resources (one task per rank), `setup` shell lines run before
-    srun, `sbatch_extra` any other sbatch flag ({"mail-type": "END"}); `wait` false returns
-    after submitting, and `meshrun-collect` records the results later."""
+    """What every launcher has: `nproc_per_node` ranks on each of `nnodes` nodes, each with
+    `threads_per_rank` CPU threads. conf/launcher/<name>.yaml picks its own schema below."""
 
-    name: str = "local"
+    name: str = MISSING
     nnodes: int = 1
     nproc_per_node: int | None = None
     threads_per_rank: int | None = None
+
+
+@dataclass
+class LocalLauncherConfig(LauncherConfig):
+    """launcher=local: ranks on this machine through torch.distributed.elastic."""
+
+    name: str = "local"
     monitor_interval_s: float = 0.1
-    start_method: str = "spawn"
+    start_method: StartMethod = StartMethod["spawn"]
+
+
+@dataclass
+class SlurmLauncherConfig(LauncherConfig):
+    """launcher=slurm: sbatch resources (one task per rank), `setup` shell lines run before
+    srun, `sbatch_extra` any other sbatch flag ({"mail-type": "END"}); `wait` false returns
+    after submitting, and `meshrun-collect` records the results later."""
+
+    name: str = "slurm"
     partition: str | None = None
     account: str | None = None
     qos: str | None = None
@@ -133,13 +180,19 @@ class LauncherConfig:
     wait: bool = True
 
 
+LAUNCHER_SCHEMAS: dict[str, type[LauncherConfig]] = {
+    "local": LocalLauncherConfig,
+    "slurm": SlurmLauncherConfig,
+}
+
+
 @dataclass
 class LoggerConfig:
     name: str = "wandb"
     project: str = "meshrun"
     entity: str | None = None
     group: str | None = None
-    mode: str = "auto"
+    mode: LoggerMode = LoggerMode["auto"]
     tags: list[str] = field(default_factory=list)
 
 
@@ -159,7 +212,7 @@ class TrainConfig:
     lr: float = 3e-4
     weight_decay: float = 0.1
     grad_clip: float | None = 1.0
-    precision: str = "fp32"
+    precision: Precision = Precision["fp32"]
     seed: int = 0
     log_every: int = 5
     progress_bar: bool = True
@@ -169,7 +222,7 @@ class TrainConfig:
 class MetricsConfig:
     """`scaling`: weak keeps the per-device batch of the baseline, strong its global batch."""
 
-    scaling: str = "weak"
+    scaling: Scaling = Scaling["weak"]
     baseline: bool = True
 
 
@@ -179,7 +232,7 @@ class DebugConfig:
 
     fail_rank: int | None = None
     fail_step: int = 0
-    fail_mode: str = "raise"
+    fail_mode: FailMode = FailMode["raise"]
 
 
 @dataclass
@@ -205,7 +258,9 @@ class ExperimentConfig:
     parallel: ParallelConfig = MISSING
     backend: BackendConfig = MISSING
     hardware: HardwareConfig = MISSING
-    launcher: LauncherConfig = MISSING
+    # LocalLauncherConfig or SlurmLauncherConfig: OmegaConf has no union of structured types,
+    # so the field is untyped and the node keeps the type of the schema its preset selected.
+    launcher: Any = MISSING
     logger: LoggerConfig = MISSING
     data: DataConfig = MISSING
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -220,9 +275,39 @@ class ExperimentConfig:
     sweep: str | None = None
 
 
+def _rebuild(schema: type, data: dict[str, Any]) -> Any:
+    """`schema` typed again from a plain dict; the launcher by its `name`'s schema."""
+    base = OmegaConf.structured(schema)
+    launcher = (data.get("launcher") or {}).get("name", "local")  # local: as if unnamed
+    # an unknown name keeps the common fields, so validation can name the launcher
+    base.launcher = OmegaConf.structured(LAUNCHER_SCHEMAS.get(launcher, LauncherConfig))
+    return OmegaConf.to_object(OmegaConf.merge(base, data))
+
+
 def from_dict(data: dict[str, Any]) -> ExperimentConfig:
     """Rebuild the typed config from the driver's resolved dict (no Hydra needed)."""
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ExperimentConfig), data))
+    return _rebuild(ExperimentConfig, data)
+
+
+@dataclass
+class PlanCommandConfig(ExperimentConfig):
+    """`meshrun-plan`: the experiment, and the number of ranks to plan for."""
+
+    world_size: int | None = None
+    json: str | None = None
+    top: int = 20
+
+
+@dataclass
+class VerifyConfig:
+    tolerance: float = 1e-4
+
+
+@dataclass
+class VerifyExperimentConfig(ExperimentConfig):
+    """`meshrun-verify`: the experiment plus the `verify` block."""
+
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
 
 
 @dataclass
@@ -255,7 +340,7 @@ class CommRunConfig:
 
     backend: BackendConfig = MISSING
     hardware: HardwareConfig = MISSING
-    launcher: LauncherConfig = MISSING
+    launcher: Any = MISSING  # as in ExperimentConfig
     logger: LoggerConfig = MISSING
     comm: CommConfig = field(default_factory=CommConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
@@ -265,7 +350,7 @@ class CommRunConfig:
 
 
 def comm_from_dict(data: dict[str, Any]) -> CommRunConfig:
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(CommRunConfig), data))
+    return _rebuild(CommRunConfig, data)
 
 
 @dataclass

@@ -15,7 +15,7 @@ import torch
 from omegaconf import OmegaConf
 
 from meshrun.core.config import DeviceSpec, HardwareConfig
-from meshrun.core.errors import choice, fail
+from meshrun.core.errors import fail
 from meshrun.core.paths import CONF_DIR
 
 
@@ -106,7 +106,6 @@ def detect_profile(facts: HostFacts) -> HardwareConfig:
 
 
 def resolve_hardware(hw: HardwareConfig, facts: HostFacts) -> HardwareConfig:
-    choice("hardware.device_type", hw.device_type, ("cpu", "cuda"))
     if hw.name == "auto":
         # link figures given beside hardware=auto (overrides) win over the detected profile's
         blank = HardwareConfig()

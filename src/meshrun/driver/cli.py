@@ -35,7 +35,6 @@ from meshrun.driver.sweep import (
 from meshrun.rank.worker import run_rank
 from meshrun.validate.launcher import check_attached_world
 
-ConfigStore.instance().store(name="experiment_schema", node=ExperimentConfig)
 register_sweeps(ConfigStore.instance())
 
 

@@ -76,18 +76,18 @@ class MemoryPrediction:
 
 
 def in_flight(
-    schedule: str, microbatches: int, pp: int, pp_rank: int, stages_per_rank: int
+    schedule: str, n_microbatches: int, pp: int, pp_rank: int, stages_per_rank: int
 ) -> float:
     """Micro-batches whose activations one pipeline rank holds at its peak (in units of its
     whole share of layers: an interleaved chunk is 1/stages_per_rank of it)."""
     if pp == 1:
         return 1
     if schedule == "gpipe":
-        return microbatches
+        return n_microbatches
     if schedule == "1f1b":
-        return min(microbatches, pp - pp_rank)
+        return min(n_microbatches, pp - pp_rank)
     warmup = (pp - pp_rank - 1) * 2 + (stages_per_rank - 1) * pp + 1
-    return min(warmup, microbatches * stages_per_rank) / stages_per_rank
+    return min(warmup, n_microbatches * stages_per_rank) / stages_per_rank
 
 
 def _layer_bytes(d: Dims, tp: int, sp: bool, ckpt: str, width: int) -> tuple[float, float]:
@@ -104,7 +104,7 @@ def _layer_bytes(d: Dims, tp: int, sp: bool, ckpt: str, width: int) -> tuple[flo
 
 
 def activation_bytes(cfg: ExperimentConfig, layout: Layout, share: StageShare, pp_rank: int,
-                     microbatches: int, micro_batch: int) -> float:  # fmt: skip
+                     n_microbatches: int, micro_batch: int) -> float:  # fmt: skip
     d = Dims.of(cfg.model)
     p = cfg.parallel
     tokens = micro_batch * cfg.train.seq_len
@@ -114,7 +114,7 @@ def activation_bytes(cfg: ExperimentConfig, layout: Layout, share: StageShare, p
     per_mb = share.layers * kept + (8 if share.first else 0)
     if share.last:
         per_mb += (3 * d.h + 1 + d.vocab) * FP32 + 8
-    held = in_flight(p.schedule, microbatches, layout.pp, pp_rank, share.stages_per_rank) * per_mb
+    held = in_flight(p.schedule, n_microbatches, layout.pp, pp_rank, share.stages_per_rank) * per_mb
     backward_temps = (3 * d.f + 2 * d.h) / layout.tp * width
     if recompute:  # one block recomputed, with its backward temporaries or the held logits
         tail = (d.h + d.vocab / layout.tp) * FP32 if share.last else backward_temps
@@ -125,11 +125,11 @@ def activation_bytes(cfg: ExperimentConfig, layout: Layout, share: StageShare, p
 
 
 def predict_rank(cfg: ExperimentConfig, layout: Layout, share: StageShare, pp_rank: int,
-                 microbatches: int, micro_batch: int) -> MemoryPrediction:  # fmt: skip
+                 n_microbatches: int, micro_batch: int) -> MemoryPrediction:  # fmt: skip
     d = Dims.of(cfg.model)
     elements = local_param_elements(d, share, layout.tp, layout.dp_shard)
     state = elements * FP32
-    activations = activation_bytes(cfg, layout, share, pp_rank, microbatches, micro_batch)
+    activations = activation_bytes(cfg, layout, share, pp_rank, n_microbatches, micro_batch)
     other = 0
     if layout.uses_fsdp:
         gathered = local_param_elements(d, StageShare(0, share.first, share.last, 1), layout.tp, 1)
@@ -146,7 +146,7 @@ def predict_rank(cfg: ExperimentConfig, layout: Layout, share: StageShare, pp_ra
     if cfg.hardware.device_type == "cuda":
         other += CUBLAS_WORKSPACES
     if layout.pp > 1:  # the stage's receive buffers, one per micro-batch
-        tokens = microbatches * micro_batch * cfg.train.seq_len
+        tokens = n_microbatches * micro_batch * cfg.train.seq_len
         other += tokens * d.h * FP32
         if share.last:  # the schedule keeps each micro-batch's logits until the next step
             other += tokens * d.vocab * (2 if cfg.train.precision == "bf16" else FP32)
@@ -156,9 +156,9 @@ def predict_rank(cfg: ExperimentConfig, layout: Layout, share: StageShare, pp_ra
 def predict_memory(cfg: ExperimentConfig) -> list[MemoryPrediction]:
     """One prediction per rank, in rank order (a resolved config: no -1 degrees left)."""
     layout = Layout.of(cfg.parallel)
-    microbatches, micro_batch = micro_batching(cfg, layout)
+    n_microbatches, micro_batch = micro_batching(cfg, layout)
     shares = stage_shares(cfg.model, cfg.parallel, layout)
-    per_stage = [predict_rank(cfg, layout, share, pp_rank, microbatches, micro_batch)
+    per_stage = [predict_rank(cfg, layout, share, pp_rank, n_microbatches, micro_batch)
                  for pp_rank, share in enumerate(shares)]  # fmt: skip
     ranks_per_stage = layout.world_size // layout.pp
     return [per_stage[rank // ranks_per_stage] for rank in range(layout.world_size)]

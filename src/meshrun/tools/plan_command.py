@@ -6,15 +6,13 @@ meshrun-plan model=llama-7b hardware=a6000 world_size=8
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from meshrun.core.config import ExperimentConfig
+from meshrun.core.config import ExperimentConfig, PlanCommandConfig
 from meshrun.core.errors import ConfigError, positive
 from meshrun.core.hardware import HostFacts, resolve_hardware, target_facts
 from meshrun.driver.command import hydra_command
@@ -23,16 +21,6 @@ from meshrun.plan.candidate import Candidate
 from meshrun.plan.search import search, suggest_micro_batch
 
 GiB = 2**30
-
-
-@dataclass
-class PlanCommandConfig(ExperimentConfig):
-    world_size: int | None = None
-    json: str | None = None
-    top: int = 20
-
-
-ConfigStore.instance().store(name="experiment_schema", node=PlanCommandConfig)
 
 
 def default_world(cfg: ExperimentConfig) -> int:

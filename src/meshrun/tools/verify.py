@@ -14,19 +14,22 @@ import dataclasses
 import json
 import math
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # before anything touches CUDA
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from rich.table import Table
 from rich.text import Text
 
 from meshrun.core.baseline import layout_name
-from meshrun.core.config import DebugConfig, ExperimentConfig, ParallelConfig
+from meshrun.core.config import (
+    DebugConfig,
+    ExperimentConfig,
+    ParallelConfig,
+    VerifyExperimentConfig,
+)
 from meshrun.core.errors import ConfigError, positive
 from meshrun.core.hardware import HostFacts
 from meshrun.driver.command import hydra_command
@@ -36,21 +39,6 @@ from meshrun.driver.resolve import resolve
 from meshrun.driver.sinks.console import console, print_error
 
 REPORT_FILE = "verify.json"
-
-
-@dataclass
-class VerifyConfig:
-    tolerance: float = 1e-4
-
-
-@dataclass
-class VerifyExperimentConfig(ExperimentConfig):
-    verify: VerifyConfig = field(default_factory=VerifyConfig)
-
-
-# train.yaml's defaults start with `experiment_schema`; in this process that name is the
-# experiment schema plus the `verify` block, so verify.yaml can reuse train.yaml whole.
-ConfigStore.instance().store(name="experiment_schema", node=VerifyExperimentConfig)
 
 
 def reference_config(cfg: ExperimentConfig) -> ExperimentConfig:

@@ -8,7 +8,7 @@ import dataclasses
 import os
 
 from meshrun.core.attached import attached_rank
-from meshrun.core.config import DebugConfig, LauncherConfig
+from meshrun.core.config import DebugConfig, LauncherConfig, SlurmLauncherConfig
 from meshrun.core.errors import choice, fail, positive
 from meshrun.core.hardware import HostFacts
 
@@ -51,9 +51,9 @@ def place_ranks(
     if gpus and nproc > gpus:
         fail("launcher.nproc_per_node", nproc, f"only {gpus} CUDA devices are visible",
              f"at most {gpus}")  # fmt: skip
-    threads = (
-        launcher.threads_per_rank or launcher.cpus_per_task or max(1, facts.cpu_count // nproc)
-    )
+    # a SLURM task's CPUs are its rank's threads; only the SLURM schema has cpus_per_task
+    slurm_cpus = launcher.cpus_per_task if isinstance(launcher, SlurmLauncherConfig) else None
+    threads = launcher.threads_per_rank or slurm_cpus or max(1, facts.cpu_count // nproc)
     return dataclasses.replace(launcher, nproc_per_node=nproc, threads_per_rank=threads)
 
 
@@ -72,7 +72,6 @@ def check_attached_world(launcher: LauncherConfig, what: str) -> None:
 def check_debug(debug: DebugConfig, world: int, steps: int, unit: str = "steps") -> None:
     """Fault injection names a rank of the run and one of its `steps` (training steps, or
     meshrun-comm's measurements)."""
-    choice("debug.fail_mode", debug.fail_mode, ("raise", "hang"))
     if debug.fail_rank is not None and not 0 <= debug.fail_rank < world:
         fail("debug.fail_rank", debug.fail_rank, f"no such rank in a run of {world}",
              f"0..{world - 1}, or null")  # fmt: skip

@@ -9,11 +9,11 @@ import math
 import os
 
 from meshrun.core.config import ExperimentConfig
-from meshrun.core.errors import choice, fail
+from meshrun.core.errors import fail
 from meshrun.core.hardware import HostFacts
 from meshrun.core.layout import MESH_DIMS, Layout, n_microbatches
 from meshrun.rank.models.llama import ffn_dim
-from meshrun.rank.parallel.pipeline import MULTI_STAGE_SCHEDULES, SCHEDULES, stage_layer_counts
+from meshrun.rank.parallel.pipeline import MULTI_STAGE_SCHEDULES, stage_layer_counts
 from meshrun.rank.parallel.tensor import resolve_tp_plan
 from meshrun.validate.launcher import CPU_DEFAULT_RANKS, check_launcher, place_ranks
 
@@ -21,11 +21,6 @@ from meshrun.validate.launcher import CPU_DEFAULT_RANKS, check_launcher, place_r
 def resolve_layout(cfg: ExperimentConfig, facts: HostFacts):
     p, launcher = cfg.parallel, cfg.launcher
     check_launcher(launcher)
-    choice("parallel.data_parallel", p.data_parallel, ("auto", "dataparallel"))
-    choice(
-        "parallel.activation_checkpointing", p.activation_checkpointing,
-        ("none", "full", "selective"),
-    )  # fmt: skip
     degrees = {dim: getattr(p, dim) for dim in MESH_DIMS}
     for dim, n in degrees.items():
         if n == 0 or n < -1:
@@ -121,7 +116,7 @@ def check_tensor_parallel(cfg: ExperimentConfig) -> None:
                 "parallel.tp_plan",
                 p.tp_plan,
                 f"cannot be loaded ({err})",
-                '"package.module:function", importable from here',
+                '"package.module:function", importable from the current directory or sys.path',
             )
     if p.tp == 1:
         return
@@ -163,7 +158,6 @@ def resolve_pipeline(cfg: ExperimentConfig) -> ExperimentConfig:
                 "null, or set parallel.pp",
             )
         return cfg
-    choice("parallel.schedule", p.schedule, tuple(SCHEDULES))
     multi = p.schedule in MULTI_STAGE_SCHEDULES
     if multi and p.stages_per_rank < 2:
         fail(

@@ -9,7 +9,7 @@ import re
 import shutil
 import subprocess
 
-from meshrun.core.config import ExperimentConfig, LauncherConfig
+from meshrun.core.config import ExperimentConfig, SlurmLauncherConfig
 from meshrun.core.errors import fail, positive
 
 SBATCH_FLAG = re.compile(r"^[a-z][a-z0-9-]*$")
@@ -32,9 +32,11 @@ OWN_FLAGS = {
 SINFO_TIMEOUT_S = 30
 
 
-def check_slurm(cfg: ExperimentConfig) -> LauncherConfig:
+def check_slurm(cfg: ExperimentConfig) -> SlurmLauncherConfig:
     """The launcher with `gpus_per_node` resolved; raises ConfigError on a bad value."""
     launcher = cfg.launcher
+    if not isinstance(launcher, SlurmLauncherConfig):
+        fail("launcher", launcher.name, "the SLURM rules apply to launcher=slurm only", "slurm")
     positive("launcher.time_min", launcher.time_min)
     positive("launcher.cpus_per_task", launcher.cpus_per_task, allow_none=True)
     positive("launcher.mem_gb", launcher.mem_gb, allow_none=True)

@@ -18,7 +18,7 @@ from typing import Any
 
 import submitit
 
-from meshrun.core.config import CommRunConfig, ExperimentConfig
+from meshrun.core.config import CommRunConfig, ExperimentConfig, SlurmLauncherConfig
 from meshrun.driver.launch import RankFailure
 from meshrun.driver.sinks.console import console
 from meshrun.rank.failures import first_failure
@@ -42,6 +42,8 @@ def slurm_task(cfg_dict: dict[str, Any], entry: Entry = run_rank) -> Any:
 
 def executor(cfg: ExperimentConfig | CommRunConfig) -> submitit.SlurmExecutor:
     launcher = cfg.launcher
+    if not isinstance(launcher, SlurmLauncherConfig):
+        raise TypeError(f"launcher={launcher.name} is not a SLURM launcher")
     ex = submitit.SlurmExecutor(folder=Path(cfg.run_dir).absolute() / SLURM_DIR / "%j")
     ex.update_parameters(
         job_name=f"meshrun-{cfg.name}",

@@ -26,16 +26,17 @@ from torch.distributed.pipelining.schedules import (
     _PipelineSchedule,
 )
 
-from meshrun.core.config import ParallelConfig
+from meshrun.core.config import ParallelConfig, Schedule
 from meshrun.rank.models.llama import Transformer
 
+# Keyed by the config's enum, which is the one list of schedule names (tests check they agree).
 SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-    "interleaved_zb": ScheduleInterleavedZeroBubble,
+    Schedule["gpipe"]: ScheduleGPipe,
+    Schedule["1f1b"]: Schedule1F1B,
+    Schedule["interleaved_1f1b"]: ScheduleInterleaved1F1B,
+    Schedule["interleaved_zb"]: ScheduleInterleavedZeroBubble,
 }
-MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "interleaved_zb")
+MULTI_STAGE_SCHEDULES = (Schedule["interleaved_1f1b"], Schedule["interleaved_zb"])
 
 
 def stage_layer_counts(n_layers: int, n_stages: int, explicit: list[int] | None) -> list[int]:
@@ -137,6 +138,6 @@ def build_schedule(
     return schedule_cls(stages[0], n_microbatches=n_microbatches, loss_fn=pipeline_loss)
 
 
-def theoretical_bubble(pp: int, microbatches: int, stages_per_rank: int) -> float:
+def theoretical_bubble(pp: int, n_microbatches: int, stages_per_rank: int) -> float:
     """Idle fraction of a step: (p-1)/(m+p-1), or (p-1)/(v*m+p-1) interleaved (v stages a rank)."""
-    return (pp - 1) / (stages_per_rank * microbatches + pp - 1)
+    return (pp - 1) / (stages_per_rank * n_microbatches + pp - 1)

@@ -9,7 +9,6 @@ the sequence instead of replicated, turning each all-reduce into reduce-scatter 
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
 from torch import nn
@@ -23,6 +22,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+
+from meshrun.core.imports import import_target
 
 
 def apply_tp(
@@ -76,8 +77,7 @@ def resolve_tp_plan(path: str | None) -> TpPlan:
     """The built-in plan, or a user's "package.module:function" with apply_tp's signature."""
     if path is None:
         return apply_tp
-    module, _, name = path.partition(":")
-    plan = getattr(importlib.import_module(module), name, None)
+    plan = import_target(path)
     if not callable(plan):
         raise ValueError(f"{path} is not a callable")
     return plan

@@ -19,7 +19,6 @@ from typing import Any
 
 os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # before anything touches CUDA
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from meshrun.core.attached import attached_rank
@@ -42,8 +41,6 @@ from meshrun.validate.launcher import (
     place_ranks,
 )
 from meshrun.validate.slurm import check_slurm
-
-ConfigStore.instance().store(name="comm_schema", node=CommRunConfig)
 
 
 def validate_comm(cfg: CommRunConfig, facts: HostFacts) -> CommRunConfig:
@@ -93,7 +90,7 @@ def _resolve_launcher(cfg: CommRunConfig, backend: str, facts: HostFacts):
     if launcher.name == "slurm":  # the cluster's nodes, not this login host, hold the devices
         sized = dataclasses.replace(launcher, nproc_per_node=launcher.nproc_per_node or 1)
         checked = check_slurm(dataclasses.replace(cfg, launcher=sized))
-        threads = launcher.threads_per_rank or launcher.cpus_per_task or 1
+        threads = launcher.threads_per_rank or checked.cpus_per_task or 1
         return dataclasses.replace(checked, threads_per_rank=threads)
     gpus = len(facts.cuda_devices) if on_cuda else 0
     started = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE"))

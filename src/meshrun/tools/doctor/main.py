@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from rich.table import Table
 from rich.text import Text
@@ -34,8 +33,6 @@ from meshrun.driver.command import hydra_command
 from meshrun.driver.sinks.console import console, print_error
 from meshrun.tools.doctor import devices
 from meshrun.tools.doctor.health import Health, check
-
-ConfigStore.instance().store(name="doctor_schema", node=DoctorRunConfig)
 
 REPORT_FILE = "doctor.json"
 ENV_PREFIXES = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "NCCL_", "TORCH_NCCL_", "GLOO_",
@@ -153,7 +150,6 @@ def _validate(cfg: DoctorRunConfig) -> None:
     positive("doctor.grace_s", cfg.doctor.grace_s)
     for backend in cfg.doctor.backends:
         choice("doctor.backends", backend, BACKENDS)
-    choice("debug.fail_mode", cfg.debug.fail_mode, ("raise", "hang"))
 
 
 def _backends(cfg: DoctorRunConfig, cuda_devices: int) -> list[str]:

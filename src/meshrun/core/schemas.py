@@ -1,0 +1,41 @@
+"""Every config schema, registered once in Hydra's ConfigStore under its own name.
+
+A primary config names its schema first in its defaults list (`- schema: experiment`, or
+`- override schema: plan` in a config that includes train.yaml); a launcher preset picks its
+own (`- local_schema` in conf/launcher/local.yaml). `hydra_command` registers them before
+Hydra composes, so no console script depends on another's import side effects.
+"""
+
+from __future__ import annotations
+
+from hydra.core.config_store import ConfigStore
+
+from meshrun.core.config import (
+    CommRunConfig,
+    DoctorRunConfig,
+    ExperimentConfig,
+    LocalLauncherConfig,
+    PlanCommandConfig,
+    SlurmLauncherConfig,
+    VerifyExperimentConfig,
+)
+
+# group "schema" (package _global_): the root schema of a primary config
+ROOT_SCHEMAS = {
+    "experiment": ExperimentConfig,
+    "plan": PlanCommandConfig,
+    "verify": VerifyExperimentConfig,
+    "comm": CommRunConfig,
+    "doctor": DoctorRunConfig,
+}
+# group "launcher": the schema a conf/launcher/<name>.yaml selects
+LAUNCHER_SCHEMA_NAMES = {"local_schema": LocalLauncherConfig, "slurm_schema": SlurmLauncherConfig}
+
+
+def register_schemas(store: ConfigStore | None = None) -> ConfigStore:
+    store = store or ConfigStore.instance()
+    for name, node in ROOT_SCHEMAS.items():
+        store.store(group="schema", name=name, node=node, package="_global_")
+    for name, node in LAUNCHER_SCHEMA_NAMES.items():
+        store.store(group="launcher", name=name, node=node)
+    return store
