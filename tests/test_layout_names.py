@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from meshrun.core.config import ParallelConfig
+from meshrun.core.config import ParallelConfig, RunFilter
 from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import HostFacts
 from meshrun.core.layout import layout_name, layout_overrides, n_microbatches
@@ -16,7 +16,7 @@ from meshrun.driver.results import assemble
 from meshrun.driver.sinks.console import console, print_summary
 from meshrun.driver.sinks.store import ResultsStore
 from meshrun.plan.search import search
-from meshrun.tools.report.query import RunFilter, select_runs
+from meshrun.tools.report.query import select_runs
 from meshrun.tools.report.table import cells
 from tests.helpers import compose_config, resolved_config
 

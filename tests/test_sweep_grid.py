@@ -15,10 +15,11 @@ import matplotlib.image
 import pytest
 from omegaconf import OmegaConf
 
+from meshrun.core.config import RunFilter
 from meshrun.core.errors import ConfigError
 from meshrun.driver.sinks.store import ResultsStore
 from meshrun.driver.sweep import SWEEPS_DIR
-from meshrun.tools.report.query import RunFilter, select_runs
+from meshrun.tools.report.query import select_runs
 from tests.chromium import loaded_dom, needs_chromium, screenshot
 from tests.cli import MULTIRUN, run_meshrun
 from tests.helpers import resolved_config

@@ -354,6 +354,34 @@ def comm_from_dict(data: dict[str, Any]) -> CommRunConfig:
 
 
 @dataclass
+class RunFilter:
+    """Unset fields match everything. `layout` matches the preset (`ddp`) or the layout's
+    name (`fsdp2 x tp2`, core.layout.layout_name); dates are UTC days, both inclusive;
+    `latest` as the sweep picks the newest sweep in the store."""
+
+    sweep: str | None = None
+    model: str | None = None
+    layout: str | None = None
+    since: str | None = None
+    until: str | None = None
+    baselines: bool = False
+
+
+@dataclass
+class ReportConfig(RunFilter):
+    """The filters of RunFilter (unset: all runs), the store, and where the page goes."""
+
+    store: StoreConfig = field(default_factory=StoreConfig)
+    html: str = "report.html"
+    title: str = "meshrun: run comparison"
+
+    def selection(self) -> str:
+        chosen = {k: getattr(self, k) for k in ("sweep", "model", "layout", "since", "until")}
+        words = ", ".join(f"{k}={v}" for k, v in chosen.items() if v is not None)
+        return f"{self.store.path} ({words or 'all runs'})"
+
+
+@dataclass
 class DoctorConfig:
     """`timeout_s` is each health check's collective timeout; a check still running
     `grace_s` after it (start-up included) is killed with all its ranks. `backends` empty:

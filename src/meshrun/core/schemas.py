@@ -16,6 +16,7 @@ from meshrun.core.config import (
     ExperimentConfig,
     LocalLauncherConfig,
     PlanCommandConfig,
+    ReportConfig,
     SlurmLauncherConfig,
     VerifyExperimentConfig,
 )
@@ -27,6 +28,7 @@ ROOT_SCHEMAS = {
     "verify": VerifyExperimentConfig,
     "comm": CommRunConfig,
     "doctor": DoctorRunConfig,
+    "report": ReportConfig,
 }
 # group "launcher": the schema a conf/launcher/<name>.yaml selects
 LAUNCHER_SCHEMA_NAMES = {"local_schema": LocalLauncherConfig, "slurm_schema": SlurmLauncherConfig}

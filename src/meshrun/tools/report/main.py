@@ -3,38 +3,19 @@ HTML page with the plots. Reads the store only; no run, no W&B."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from meshrun.core.config import StoreConfig
+from meshrun.core.config import ReportConfig
 from meshrun.core.errors import ConfigError
 from meshrun.core.paths import CONF_DIR
 from meshrun.driver.command import hydra_command
 from meshrun.driver.sinks.console import console, print_error
 from meshrun.driver.sinks.store import ResultsStore
 from meshrun.tools.report.html import render
-from meshrun.tools.report.query import RunFilter, select_runs
+from meshrun.tools.report.query import select_runs
 from meshrun.tools.report.table import print_table
-
-
-@dataclass
-class ReportConfig(RunFilter):
-    """The filters of RunFilter (unset: all runs), the store, and where the page goes."""
-
-    store: StoreConfig = field(default_factory=StoreConfig)
-    html: str = "report.html"
-    title: str = "meshrun: run comparison"
-
-    def selection(self) -> str:
-        chosen = {k: getattr(self, k) for k in ("sweep", "model", "layout", "since", "until")}
-        words = ", ".join(f"{k}={v}" for k, v in chosen.items() if v is not None)
-        return f"{self.store.path} ({words or 'all runs'})"
-
-
-ConfigStore.instance().store(name="report_schema", node=ReportConfig)
 
 
 def run(dict_cfg: DictConfig) -> int:

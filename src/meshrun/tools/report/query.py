@@ -2,26 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import date, datetime, timezone
 from typing import Any
 
+from meshrun.core.config import RunFilter
 from meshrun.core.errors import ConfigError
 from meshrun.driver.sinks.store import ResultsStore
-
-
-@dataclass
-class RunFilter:
-    """Unset fields match everything. `layout` matches the preset (`ddp`) or the layout's
-    name (`fsdp2 x tp2`, core.layout.layout_name); dates are UTC days, both inclusive;
-    `latest` as the sweep picks the newest sweep in the store."""
-
-    sweep: str | None = None
-    model: str | None = None
-    layout: str | None = None
-    since: str | None = None
-    until: str | None = None
-    baselines: bool = False
 
 
 def parse_day(key: str, value: str | None) -> date | None:
