@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshrun.core.config import CommConfig, CommRunConfig, comm_from_dict
 from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import HostFacts
+from meshrun.core.tool_config import CommConfig, CommRunConfig, comm_from_dict
 from meshrun.driver.sinks.store import ResultsStore
 from meshrun.rank.watchdog import read_positions
 from meshrun.tools.comm.busbw import OPS, bus_factor, element_count, sizes

@@ -18,7 +18,6 @@ from omegaconf import OmegaConf
 from meshrun.core.config import (
     LAUNCHER_SCHEMAS,
     BackendConfig,
-    CommRunConfig,
     DataConfig,
     HardwareConfig,
     LocalLauncherConfig,
@@ -27,13 +26,13 @@ from meshrun.core.config import (
     ParallelConfig,
     Schedule,
     SlurmLauncherConfig,
-    comm_from_dict,
     from_dict,
 )
 from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import HostFacts
 from meshrun.core.paths import CONF_DIR
 from meshrun.core.schemas import ROOT_SCHEMAS
+from meshrun.core.tool_config import CommRunConfig, comm_from_dict
 from meshrun.driver.resolve import resolve
 from meshrun.rank.parallel.pipeline import SCHEDULES
 from tests.cli import MULTIRUN

@@ -8,10 +8,11 @@ import dataclasses
 
 import pytest
 
-from meshrun.core.config import ParallelConfig, RunFilter
+from meshrun.core.config import ParallelConfig
 from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import HostFacts
 from meshrun.core.layout import layout_name, layout_overrides, n_microbatches
+from meshrun.core.tool_config import RunFilter
 from meshrun.driver.results import assemble
 from meshrun.driver.sinks.console import console, print_summary
 from meshrun.driver.sinks.store import ResultsStore

@@ -15,8 +15,8 @@ import matplotlib.image
 import pytest
 from omegaconf import OmegaConf
 
-from meshrun.core.config import RunFilter
 from meshrun.core.errors import ConfigError
+from meshrun.core.tool_config import RunFilter
 from meshrun.driver.sinks.store import ResultsStore
 from meshrun.driver.sweep import SWEEPS_DIR
 from meshrun.tools.report.query import select_runs

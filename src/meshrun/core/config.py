@@ -1,4 +1,4 @@
-"""Typed schema of an experiment.
+"""Typed schema of an experiment (the other commands' schemas build on it: tool_config.py).
 
 Hydra composes YAML presets onto these dataclasses, so a wrong type or an unknown key fails
 at compose time; the cross-field rules (layout vs world size, batch divisibility, ...) live in
@@ -275,7 +275,7 @@ class ExperimentConfig:
     sweep: str | None = None
 
 
-def _rebuild(schema: type, data: dict[str, Any]) -> Any:
+def rebuild(schema: type, data: dict[str, Any]) -> Any:
     """`schema` typed again from a plain dict; the launcher by its `name`'s schema."""
     base = OmegaConf.structured(schema)
     launcher = (data.get("launcher") or {}).get("name", "local")  # local: as if unnamed
@@ -286,114 +286,4 @@ def _rebuild(schema: type, data: dict[str, Any]) -> Any:
 
 def from_dict(data: dict[str, Any]) -> ExperimentConfig:
     """Rebuild the typed config from the driver's resolved dict (no Hydra needed)."""
-    return _rebuild(ExperimentConfig, data)
-
-
-@dataclass
-class PlanCommandConfig(ExperimentConfig):
-    """`meshrun-plan`: the experiment, and the number of ranks to plan for."""
-
-    world_size: int | None = None
-    json: str | None = None
-    top: int = 20
-
-
-@dataclass
-class VerifyConfig:
-    tolerance: float = 1e-4
-
-
-@dataclass
-class VerifyExperimentConfig(ExperimentConfig):
-    """`meshrun-verify`: the experiment plus the `verify` block."""
-
-    verify: VerifyConfig = field(default_factory=VerifyConfig)
-
-
-@dataclass
-class CommConfig:
-    """What `meshrun-comm` measures, in nccl-tests' terms: sizes from `min_bytes` to
-    `max_bytes` multiplied by `step_factor` (-b/-e/-f), `warmup_iters` and `iters` (-w/-n),
-    result check (-c), data types (-d) and reduction (-o). `record` false keeps a run out of
-    the store and W&B (doctor's health checks)."""
-
-    ops: list[str] = field(
-        default_factory=lambda: [
-            "all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "sendrecv"
-        ]
-    )  # fmt: skip
-    dtypes: list[str] = field(default_factory=lambda: ["float32"])
-    redop: str = "sum"
-    min_bytes: int = 1024
-    max_bytes: int = 16 * 2**20
-    step_factor: int = 4
-    warmup_iters: int = 5
-    iters: int = 20
-    check: bool = True
-    record: bool = True
-
-
-@dataclass
-class CommRunConfig:
-    """One `meshrun-comm` run: the training run's backend, hardware, launcher, logger, store
-    and fault injection (debug.fail_step counts measurements), plus what to measure."""
-
-    backend: BackendConfig = MISSING
-    hardware: HardwareConfig = MISSING
-    launcher: Any = MISSING  # as in ExperimentConfig
-    logger: LoggerConfig = MISSING
-    comm: CommConfig = field(default_factory=CommConfig)
-    store: StoreConfig = field(default_factory=StoreConfig)
-    debug: DebugConfig = field(default_factory=DebugConfig)
-    run_dir: str = "."
-    name: str | None = None
-
-
-def comm_from_dict(data: dict[str, Any]) -> CommRunConfig:
-    return _rebuild(CommRunConfig, data)
-
-
-@dataclass
-class RunFilter:
-    """Unset fields match everything. `layout` matches the preset (`ddp`) or the layout's
-    name (`fsdp2 x tp2`, core.layout.layout_name); dates are UTC days, both inclusive;
-    `latest` as the sweep picks the newest sweep in the store."""
-
-    sweep: str | None = None
-    model: str | None = None
-    layout: str | None = None
-    since: str | None = None
-    until: str | None = None
-    baselines: bool = False
-
-
-@dataclass
-class ReportConfig(RunFilter):
-    """The filters of RunFilter (unset: all runs), the store, and where the page goes."""
-
-    store: StoreConfig = field(default_factory=StoreConfig)
-    html: str = "report.html"
-    title: str = "meshrun: run comparison"
-
-    def selection(self) -> str:
-        chosen = {k: getattr(self, k) for k in ("sweep", "model", "layout", "since", "until")}
-        words = ", ".join(f"{k}={v}" for k, v in chosen.items() if v is not None)
-        return f"{self.store.path} ({words or 'all runs'})"
-
-
-@dataclass
-class DoctorConfig:
-    """`timeout_s` is each health check's collective timeout; a check still running
-    `grace_s` after it (start-up included) is killed with all its ranks. `backends` empty:
-    every backend this torch has."""
-
-    timeout_s: float = 30.0
-    grace_s: float = 60.0
-    backends: list[str] = field(default_factory=list)
-
-
-@dataclass
-class DoctorRunConfig:
-    doctor: DoctorConfig = field(default_factory=DoctorConfig)
-    debug: DebugConfig = field(default_factory=DebugConfig)
-    run_dir: str = "."
+    return rebuild(ExperimentConfig, data)

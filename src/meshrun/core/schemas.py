@@ -10,14 +10,12 @@ from __future__ import annotations
 
 from hydra.core.config_store import ConfigStore
 
-from meshrun.core.config import (
+from meshrun.core.config import ExperimentConfig, LocalLauncherConfig, SlurmLauncherConfig
+from meshrun.core.tool_config import (
     CommRunConfig,
     DoctorRunConfig,
-    ExperimentConfig,
-    LocalLauncherConfig,
     PlanCommandConfig,
     ReportConfig,
-    SlurmLauncherConfig,
     VerifyExperimentConfig,
 )
 

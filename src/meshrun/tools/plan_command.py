@@ -12,9 +12,10 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from meshrun.core.config import ExperimentConfig, PlanCommandConfig
+from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import ConfigError, positive
 from meshrun.core.hardware import HostFacts, resolve_hardware, target_facts
+from meshrun.core.tool_config import PlanCommandConfig
 from meshrun.driver.command import hydra_command
 from meshrun.driver.sinks.console import print_error
 from meshrun.plan.candidate import Candidate

@@ -24,14 +24,10 @@ from rich.table import Table
 from rich.text import Text
 
 from meshrun.core.baseline import layout_name
-from meshrun.core.config import (
-    DebugConfig,
-    ExperimentConfig,
-    ParallelConfig,
-    VerifyExperimentConfig,
-)
+from meshrun.core.config import DebugConfig, ExperimentConfig, ParallelConfig
 from meshrun.core.errors import ConfigError, positive
 from meshrun.core.hardware import HostFacts
+from meshrun.core.tool_config import VerifyExperimentConfig
 from meshrun.driver.command import hydra_command
 from meshrun.driver.experiment import Measured, measure
 from meshrun.driver.launch.dispatch import launch

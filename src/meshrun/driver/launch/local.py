@@ -16,7 +16,8 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from meshrun.core.config import CommRunConfig, ExperimentConfig
+from meshrun.core.config import ExperimentConfig
+from meshrun.core.tool_config import CommRunConfig
 from meshrun.driver.launch import RankFailure
 from meshrun.rank.failures import first_failure
 from meshrun.rank.worker import run_rank

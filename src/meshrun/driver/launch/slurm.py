@@ -18,7 +18,8 @@ from typing import Any
 
 import submitit
 
-from meshrun.core.config import CommRunConfig, ExperimentConfig, SlurmLauncherConfig
+from meshrun.core.config import ExperimentConfig, SlurmLauncherConfig
+from meshrun.core.tool_config import CommRunConfig
 from meshrun.driver.launch import RankFailure
 from meshrun.driver.sinks.console import console
 from meshrun.rank.failures import first_failure

@@ -9,7 +9,8 @@ from dataclasses import asdict
 from typing import Any
 
 from meshrun.core.attached import attached_rank
-from meshrun.core.config import CommRunConfig, ExperimentConfig
+from meshrun.core.config import ExperimentConfig
+from meshrun.core.tool_config import CommRunConfig
 from meshrun.driver.launch import RankFailure
 from meshrun.rank.worker import run_rank
 

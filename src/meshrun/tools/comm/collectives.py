@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshrun.core.config import CommConfig, comm_from_dict
+from meshrun.core.tool_config import CommConfig, comm_from_dict
 from meshrun.rank.failures import record_failure
 from meshrun.rank.mesh import init_distributed, select_device
 from meshrun.rank.watchdog import Watchdog

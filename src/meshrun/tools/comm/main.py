@@ -22,9 +22,9 @@ os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # before anything touc
 from omegaconf import DictConfig, OmegaConf
 
 from meshrun.core.attached import attached_rank
-from meshrun.core.config import CommRunConfig
 from meshrun.core.errors import ConfigError, choice, fail, positive
 from meshrun.core.hardware import HostFacts, resolve_hardware
+from meshrun.core.tool_config import CommRunConfig
 from meshrun.driver.command import hydra_command
 from meshrun.driver.experiment import attempt, new_run
 from meshrun.driver.launch.dispatch import launch

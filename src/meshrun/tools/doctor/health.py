@@ -18,7 +18,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meshrun.core.config import DebugConfig, DoctorConfig
+from meshrun.core.config import DebugConfig
+from meshrun.core.tool_config import DoctorConfig
 from meshrun.tools.comm.report import REPORT_FILE
 
 CHECK = ("comm.ops=[all_reduce,all_gather,broadcast]", "comm.dtypes=[float32]",

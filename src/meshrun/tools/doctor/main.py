@@ -26,9 +26,9 @@ from omegaconf import DictConfig, OmegaConf
 from rich.table import Table
 from rich.text import Text
 
-from meshrun.core.config import DoctorRunConfig
 from meshrun.core.errors import ConfigError, choice, positive
 from meshrun.core.hardware import HostFacts
+from meshrun.core.tool_config import DoctorRunConfig
 from meshrun.driver.command import hydra_command
 from meshrun.driver.sinks.console import console, print_error
 from meshrun.tools.doctor import devices

@@ -7,9 +7,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from meshrun.core.config import ReportConfig
 from meshrun.core.errors import ConfigError
 from meshrun.core.paths import CONF_DIR
+from meshrun.core.tool_config import ReportConfig
 from meshrun.driver.command import hydra_command
 from meshrun.driver.sinks.console import console, print_error
 from meshrun.driver.sinks.store import ResultsStore

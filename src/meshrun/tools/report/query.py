@@ -5,8 +5,8 @@ from __future__ import annotations
 from datetime import date, datetime, timezone
 from typing import Any
 
-from meshrun.core.config import RunFilter
 from meshrun.core.errors import ConfigError
+from meshrun.core.tool_config import RunFilter
 from meshrun.driver.sinks.store import ResultsStore
 
 
