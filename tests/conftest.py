@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli import CliRun, run_meshrun
+from tests.ranks import RankPool, config_in
 
 
 @pytest.fixture
@@ -42,3 +43,26 @@ def marked_env():
     token = f"run-{uuid.uuid4().hex}"
     yield {"MESHRUN_TEST_MARK": token}
     assert processes_with(token) == set(), "rank processes outlived meshrun"
+
+
+@pytest.fixture(scope="session")
+def rank_pool():
+    """Eight real worker processes for the session (dp2 x tp2 x pp2 is the widest layout)."""
+    pool = RankPool(8)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture
+def experiment(tmp_path: Path, rank_pool: RankPool):
+    """Call with Hydra overrides: the run measured on the pool (driver.experiment.measure,
+    no CLI); each call gets its own run dir under tmp_path."""
+    from meshrun.driver.experiment import measure
+
+    counter = iter(range(1000))
+
+    def run(*overrides: str, role: str = "run"):
+        cfg = config_in(tmp_path / f"exp{next(counter)}", *overrides)
+        return cfg, measure(cfg, role, rank_pool.launch)
+
+    return run
