@@ -55,3 +55,16 @@ def run_meshrun(
     )  # fmt: skip
     seconds = time.monotonic() - started
     return CliRun(proc.returncode, proc.stdout + proc.stderr, run_dir, store_path, seconds)
+
+
+def compose_command(config_name: str, run_dir: Path, *overrides: str):
+    """conf/<config_name>.yaml composed as the console script's Hydra would (its schema is
+    registered when its module is imported), with `run_dir` set and created as Hydra's job
+    dir is: to call the command's `run` in-process."""
+    from hydra import compose, initialize_config_dir
+
+    from meshrun.core.paths import CONF_DIR
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name, overrides=[f"run_dir={run_dir}", *overrides])

@@ -39,7 +39,12 @@ def processes_with(token: str) -> set[int]:
 
 @pytest.fixture
 def marked_env():
-    """An env marker for one run; afterwards no process may still carry it."""
+    """An env marker for one run; afterwards no process may still carry it. Started first,
+    multiprocessing's resource tracker (this process's helper, alive until it exits) does not
+    inherit the marker when the test sets it in this process's env for an in-process launch."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
     token = f"run-{uuid.uuid4().hex}"
     yield {"MESHRUN_TEST_MARK": token}
     assert processes_with(token) == set(), "rank processes outlived meshrun"

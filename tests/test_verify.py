@@ -12,12 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 
-from meshrun.core.paths import CONF_DIR
 from meshrun.tools import verify
-from tests.cli import run_meshrun
+from tests.cli import compose_command, run_meshrun
 
 TOLERANCE = 1e-4
 
@@ -25,9 +23,8 @@ TOLERANCE = 1e-4
 def verify_run(tmp_path: Path, *overrides: str) -> int:
     """`meshrun-verify <overrides>`'s exit code: conf/verify.yaml composed as Hydra does."""
     ConfigStore.instance().store(name="experiment_schema", node=verify.VerifyExperimentConfig)
-    paths = [f"run_dir={tmp_path / 'verify'}", f"store.path={tmp_path / 'meshrun.db'}"]
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("verify", overrides=[*paths, "train.seq_len=64", *overrides])
+    store = f"store.path={tmp_path / 'meshrun.db'}"
+    cfg = compose_command("verify", tmp_path / "verify", store, "train.seq_len=64", *overrides)
     return verify.run(cfg)
 
 
