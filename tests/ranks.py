@@ -1,10 +1,10 @@
 """Multi-rank work in real gloo processes without the CLI.
 
-`RankPool` keeps `size` spawned worker processes alive for the whole test session, so torch is
-imported once per worker instead of once per rank of every run. A job runs one function on
-the first `world_size` workers at once, each with torchrun's env (RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR and a fresh MASTER_PORT), and returns every rank's return value. The
-function creates and destroys its own process group (`meshrun.rank.worker.run_rank` does).
+`RankPool` keeps `size` worker processes alive for the whole test session, forked from a
+server that imported torch once, instead of every rank of every run importing it. A job
+runs one function on the first `world_size` workers at once, each with torchrun's env (RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and a fresh MASTER_PORT), and returns every rank's return
+value. The function creates and destroys its own process group (as `rank.worker.run_rank`).
 
 Every job has a deadline. A rank that raises, dies or misses the deadline tears the whole
 pool down (its peers may be stuck in a collective); the next job starts a fresh one. So a
@@ -77,7 +77,9 @@ class RankPool:
     def _start(self) -> None:
         import torch.multiprocessing as mp
 
-        ctx = mp.get_context("spawn")
+        # Forked from a server that imported torch once (not 8 interpreters importing it).
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["tests.rank_preload"])
         self.results = ctx.Queue()
         self.jobs = [ctx.Queue() for _ in range(self.size)]
         self.procs = [
