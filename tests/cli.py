@@ -11,6 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hydra import compose, initialize_config_dir
+
+from meshrun.core.paths import CONF_DIR
+from meshrun.core.schemas import register_schemas
 from meshrun.driver.sinks.store import ResultsStore
 
 # `meshrun -m`: Hydra's flags go before the overrides.
@@ -55,3 +59,13 @@ def run_meshrun(
     )  # fmt: skip
     seconds = time.monotonic() - started
     return CliRun(proc.returncode, proc.stdout + proc.stderr, run_dir, store_path, seconds)
+
+
+def compose_command(config_name: str, run_dir: Path, *overrides: str):
+    """conf/<config_name>.yaml composed as the console script's Hydra would (schemas
+    registered first, as hydra_command does), with `run_dir` set and created as Hydra's job
+    dir is: to call the command's `run` in-process."""
+    register_schemas()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name, overrides=[f"run_dir={run_dir}", *overrides])

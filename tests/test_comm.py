@@ -20,10 +20,11 @@ from meshrun.core.hardware import HostFacts
 from meshrun.core.tool_config import CommConfig, CommRunConfig, comm_from_dict
 from meshrun.driver.sinks.store import ResultsStore
 from meshrun.rank.watchdog import read_positions
+from meshrun.tools.comm import main as comm_main
 from meshrun.tools.comm.busbw import OPS, bus_factor, element_count, sizes
 from meshrun.tools.comm.collectives import device_type, measurements, wrong_values
 from meshrun.tools.comm.main import validate_comm
-from tests.cli import CliRun, run_meshrun
+from tests.cli import CliRun, compose_command, run_meshrun
 from tests.wandb_records import read_offline_run
 
 COMM = (sys.executable, "-m", "meshrun.tools.comm.main")
@@ -157,13 +158,23 @@ def test_launch_config_errors(override, message):
         validate_comm(cfg, HostFacts.detect())
 
 
+def comm_run(tmp_path: Path, monkeypatch, env: dict[str, str], *overrides: str) -> int:
+    """`meshrun-comm <overrides>`'s exit code, its `run` in-process over the real launcher
+    (the ranks inherit `env`)."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    store = f"store.path={tmp_path / 'meshrun.db'}"
+    return comm_main.run(
+        compose_command("comm", tmp_path / "comm", store, "logger=none", *overrides)
+    )
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a CPU-only host")
-def test_nccl_without_cuda_is_a_config_error(comm):
-    run = comm("backend=nccl", *SMALL)
-    assert run.returncode == 2
-    assert "backend='nccl': nccl needs CUDA devices" in run.output
-    assert not (run.run_dir / "comm.json").exists()
-    assert not run.store_path.exists()
+def test_nccl_without_cuda_is_a_config_error(tmp_path, monkeypatch, capsys):
+    assert comm_run(tmp_path, monkeypatch, {}, "backend=nccl", *SMALL) == 2
+    assert "backend='nccl': nccl needs CUDA devices" in capsys.readouterr().out
+    assert not (tmp_path / "comm" / "comm.json").exists()
+    assert not (tmp_path / "meshrun.db").exists()
 
 
 def _config(comm: dict, **sections: dict) -> CommRunConfig:
@@ -178,18 +189,19 @@ def _config(comm: dict, **sections: dict) -> CommRunConfig:
     return comm_from_dict(raw)  # the launcher's schema by its name, as the ranks rebuild it
 
 
-def test_rank_that_never_enters_a_collective_is_named(comm, marked_env):
+def test_rank_that_never_enters_a_collective_is_named(tmp_path, monkeypatch, marked_env, capsys):
     timeout = 5
-    run = comm("backend=gloo", f"backend.timeout_s={timeout}", "debug.fail_rank=1",
-               "debug.fail_step=1", "debug.fail_mode=hang", *SMALL, env=marked_env)  # fmt: skip
+    code = comm_run(tmp_path, monkeypatch, marked_env, "backend=gloo",
+                    f"backend.timeout_s={timeout}", "debug.fail_rank=1", "debug.fail_step=1",
+                    "debug.fail_mode=hang", *SMALL)  # fmt: skip
     ended = time.time()
-    assert run.returncode == 1
-    rep = report(run)
+    assert code == 1
+    rep = json.loads((tmp_path / "comm" / "comm.json").read_text())
     assert rep["status"] == "failed" and rep["failed_rank"] == 0
     assert "rank 0 waited in all_reduce of 4096 B float32 at step 1" in rep["error"]
     assert "rank 1 never entered it (was at step 1, outside any collective)" in rep["error"]
-    assert "collective hang" in run.output
-    hang_started = read_positions(str(run.run_dir))[1].since
+    assert "collective hang" in capsys.readouterr().out
+    hang_started = read_positions(str(tmp_path / "comm"))[1].since
     assert ended - hang_started < timeout + 15
 
 

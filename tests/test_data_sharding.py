@@ -3,12 +3,9 @@
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from meshrun.core.layout import Layout, dp_rank
 from meshrun.rank.mesh import build_mesh, init_distributed
@@ -40,22 +37,13 @@ def rank_tokens(layout: Layout) -> dict:
         dist.destroy_process_group()
 
 
-def launch(layout: Layout) -> list[dict]:
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=layout.world_size,
-        run_id=f"sharding-{uuid.uuid4().hex[:6]}", rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1, start_method="spawn",
-    )  # fmt: skip
-    return elastic_launch(config, rank_tokens)(layout)[0]["ranks"]
-
-
 @pytest.mark.parametrize(
     "layout",
     [Layout(dp_replicate=2, dp_shard=2), Layout(dp_shard=2, tp=2)],
     ids=lambda layout: layout.describe(),
 )
-def test_dp_ranks_split_the_global_batch_and_tp_peers_share_it(layout):
-    ranks = launch(layout)
+def test_dp_ranks_split_the_global_batch_and_tp_peers_share_it(rank_pool, layout):
+    ranks = rank_pool.run(rank_tokens, layout, layout.world_size)[0]["ranks"]
     assert all(r["dp"] == r["mesh_dp"] for r in ranks), "dp_rank disagrees with the mesh"
     whole = batches_for(0, 1)
     for step in range(STEPS):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from meshrun.rank.watchdog import read_positions
+from meshrun.tools.doctor import main as doctor_main
 from meshrun.tools.doctor.devices import (
     CudaGpu,
     describe_link,
@@ -24,7 +25,7 @@ from meshrun.tools.doctor.devices import (
     parse_topology,
     visible_smi_indices,
 )
-from tests.cli import CliRun, run_meshrun
+from tests.cli import CliRun, compose_command, run_meshrun
 
 DOCTOR = (sys.executable, "-m", "meshrun.tools.doctor.main")
 
@@ -137,27 +138,41 @@ def test_doctor_on_this_machine_exits_zero_with_a_report(doctor):
     assert all(h["ok"] for h in report["health"])
 
 
-def test_hung_health_check_is_diagnosed_within_timeout(doctor, marked_env):
+def doctor_run(tmp_path: Path, monkeypatch, env: dict[str, str], *overrides: str) -> int:
+    """`meshrun-doctor <overrides>`'s exit code, its `run` in-process (the health checks start
+    their ranks as from the console script, with `env` for them to inherit)."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return doctor_main.run(compose_command("doctor", tmp_path / "doctor", *overrides))
+
+
+def test_hung_health_check_is_diagnosed_within_timeout(tmp_path, monkeypatch, marked_env, capsys):
     timeout = 5
-    run = doctor(f"doctor.timeout_s={timeout}", "doctor.grace_s=120", "doctor.backends=[gloo]",
-                 "debug.fail_rank=1", "debug.fail_mode=hang", env=marked_env)  # fmt: skip
+    code = doctor_run(tmp_path, monkeypatch, marked_env, f"doctor.timeout_s={timeout}",
+                      "doctor.grace_s=120", "doctor.backends=[gloo]", "debug.fail_rank=1",
+                      "debug.fail_mode=hang")  # fmt: skip
     ended = time.time()
-    assert run.returncode == 1
-    assert "gloo: hang:" in run.output
-    assert "rank 0 waited in all_reduce of 4096 B float32 at step 0" in run.output
-    assert "rank 1 never entered it" in run.output
-    assert "next: GLOO_SOCKET_IFNAME=" in run.output
-    assert "gloo failed the health check" in run.output
-    hang_started = read_positions(str(run.run_dir / "health" / "gloo"))[1].since
+    output = capsys.readouterr().out
+    assert code == 1
+    assert "gloo: hang:" in output
+    assert "rank 0 waited in all_reduce of 4096 B float32 at step 0" in output
+    assert "rank 1 never entered it" in output
+    assert "next: GLOO_SOCKET_IFNAME=" in output
+    assert "gloo failed the health check" in output
+    hang_started = read_positions(str(tmp_path / "doctor" / "health" / "gloo"))[1].since
     assert ended - hang_started < timeout + 15
 
 
-def test_check_past_its_hard_limit_is_killed_with_all_ranks(doctor, marked_env):
-    run = doctor("doctor.timeout_s=3", "doctor.grace_s=2", "doctor.backends=[gloo]",
-                 "debug.fail_rank=1", "debug.fail_mode=hang", env=marked_env)  # fmt: skip
-    assert run.returncode == 1
-    assert "gloo: hung: no result within 5 s" in run.output
-    assert "all its processes were killed" in run.output
+def test_check_past_its_hard_limit_is_killed_with_all_ranks(
+    tmp_path, monkeypatch, marked_env, capsys
+):
+    code = doctor_run(tmp_path, monkeypatch, marked_env, "doctor.timeout_s=3", "doctor.grace_s=2",
+                      "doctor.backends=[gloo]", "debug.fail_rank=1",
+                      "debug.fail_mode=hang")  # fmt: skip
+    output = capsys.readouterr().out
+    assert code == 1
+    assert "gloo: hung: no result within 5 s" in output
+    assert "all its processes were killed" in output
 
 
 @pytest.mark.parametrize(
@@ -168,8 +183,7 @@ def test_check_past_its_hard_limit_is_killed_with_all_ranks(doctor, marked_env):
         ("debug.fail_mode=explode", "debug.fail_mode='explode': unknown choice"),
     ],
 )
-def test_config_errors(doctor, override, message):
-    run = doctor(override)
-    assert run.returncode == 2
-    assert message in run.output
-    assert not (run.run_dir / "doctor.json").exists()
+def test_config_errors(tmp_path, monkeypatch, capsys, override, message):
+    assert doctor_run(tmp_path, monkeypatch, {}, override) == 2
+    assert message in capsys.readouterr().out
+    assert not (tmp_path / "doctor" / "doctor.json").exists()

@@ -1,12 +1,14 @@
 """Every layout (data, tensor, pipeline parallel and their compositions, every schedule)
 trains the same model on the same global batch as a single device: per-step losses agree to
-1e-4 (relative, fp32), each run in real gloo processes."""
+1e-4 (relative, fp32), each run in real gloo processes (the session's rank pool)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.cli import run_meshrun
+from meshrun.core.layout import Layout
+from meshrun.driver.experiment import measure
+from tests.ranks import config_in, losses
 
 STEPS = 10
 COMMON = (
@@ -24,6 +26,7 @@ LAYOUTS = {
     "tp4": ("parallel=tp4",),
     "pp2_1f1b": ("parallel=pp2",),
     "pp2_gpipe": ("parallel=pp2", "parallel.schedule=gpipe"),
+    # the whole global batch as one micro-batch: no pipelining at all
     "pp2_naive_one_microbatch": ("parallel=pp2", "parallel.schedule=gpipe",
                                  "train.micro_batch_size=8"),
     "pp4": ("parallel=pp4",),
@@ -44,25 +47,23 @@ LAYOUTS = {
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def single_losses(tmp_path_factory) -> list[float]:
-    tmp = tmp_path_factory.mktemp("single")
-    run = run_meshrun(tmp / "run", tmp / "meshrun.db", "parallel=single", *COMMON)
-    assert run.returncode == 0, run.output
-    return run.results["losses"]
+@pytest.fixture(scope="session")
+def single_losses(tmp_path_factory, rank_pool) -> list[float]:
+    cfg = config_in(tmp_path_factory.mktemp("single"), "parallel=single", *COMMON)
+    measured = measure(cfg, "run", rank_pool.launch)
+    assert measured.ok, measured.meta["error"]
+    return losses(measured)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_layout_losses_match_single_device(meshrun, single_losses, layout):
-    run = meshrun(*LAYOUTS[layout], *COMMON, timeout=400)
-    assert run.returncode == 0, run.output
-    results = run.results
-    layout_cfg = results["layout"]
-    assert results["world_size"] == layout_cfg["dp_replicate"] * layout_cfg["dp_shard"] * (
-        layout_cfg["tp"] * layout_cfg["pp"]
-    )
-    losses = results["losses"]
-    assert len(losses) == len(single_losses) == STEPS
-    for step, (got, want) in enumerate(zip(losses, single_losses, strict=True)):
-        assert abs(got - want) <= 1e-4 * abs(want), f"step {step}: {got} vs {want}"
-    assert losses[-1] < losses[0]  # it trains, not just agrees
+def test_layout_losses_match_single_device(experiment, single_losses, layout):
+    cfg, measured = experiment(*LAYOUTS[layout], *COMMON)
+    assert measured.ok, measured.meta["error"]
+    resolved = Layout.of(cfg.parallel)
+    assert resolved.world_size == cfg.launcher.nproc_per_node > 1  # really distributed
+    assert len(measured.memory) == resolved.world_size  # every rank reported back
+    got = losses(measured)
+    assert len(got) == len(single_losses) == STEPS
+    for step, (loss, want) in enumerate(zip(got, single_losses, strict=True)):
+        assert abs(loss - want) <= 1e-4 * abs(want), f"step {step}: {loss} vs {want}"
+    assert got[-1] < got[0]  # it trains, not just agrees

@@ -28,10 +28,6 @@ def shape(layout: Layout) -> tuple[int, ...]:
     return tuple(getattr(layout, dim) for dim in MESH_DIMS)
 
 
-def test_mesh_dims_run_from_pipeline_outermost_to_tensor_parallel_fastest():
-    assert MESH_DIMS == ("pp", "dp_replicate", "dp_shard", "tp")
-
-
 def test_layout_world_size_is_the_product_of_all_degrees():
     assert Layout().world_size == 1
     assert Layout(dp_shard=4).world_size == 4

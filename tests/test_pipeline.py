@@ -6,6 +6,9 @@ from __future__ import annotations
 import pytest
 
 from meshrun.core.config import ModelConfig
+from meshrun.driver.experiment import record
+from meshrun.driver.sinks.console import print_summary
+from meshrun.driver.sinks.store import ResultsStore
 from meshrun.rank.metrics.bubble import bubble_per_rank
 from meshrun.rank.models.llama import build_model
 from meshrun.rank.parallel.pipeline import (
@@ -47,29 +50,32 @@ PP_SMALL = ("model=small", "parallel=pp2", "train.global_batch_size=8", "train.s
             "train.warmup_steps=2", "metrics.baseline=false")  # fmt: skip
 
 
-def test_bubble_is_measured_and_recorded_beside_the_theory(meshrun):
-    run = meshrun("model=tiny", "parallel=pp2", "parallel.schedule=gpipe",
-                  "train.micro_batch_size=4", "train.steps=5",
-                  "metrics.baseline=false")  # fmt: skip
-    assert run.returncode == 0, run.output
-    results = run.results
-    assert results["pp_schedule"] == "gpipe" and results["n_microbatches"] == 2
-    assert results["bubble_theoretical"] == pytest.approx(1 / 3)
-    assert len(results["bubble_per_rank"]) == 2
-    assert 0 < results["bubble_measured"] < 1
-    [row] = run.stored()
-    assert row["bubble_measured"] == results["bubble_measured"]
-    assert "bubble (gpipe, m=2)" in run.output
+def test_bubble_is_measured_and_recorded_beside_the_theory(experiment, capsys):
+    cfg, measured = experiment("model=tiny", "parallel=pp2", "parallel.schedule=gpipe",
+                               "train.global_batch_size=8", "train.micro_batch_size=4",
+                               "train.steps=5", "metrics.baseline=false")  # fmt: skip
+    assert measured.ok, measured.meta["error"]
+    store = ResultsStore(cfg.store.path)
+    results = record(cfg, measured, None, store)  # results.json and the store row
+    assert results.pp_schedule == "gpipe" and results.n_microbatches == 2
+    assert results.bubble_theoretical == pytest.approx(1 / 3)
+    assert len(results.bubble_per_rank) == 2
+    assert 0 < results.bubble_measured < 1
+    [row] = store.runs()
+    assert row["bubble_measured"] == results.bubble_measured
+    print_summary(results)
+    assert "bubble (gpipe, m=2)" in capsys.readouterr().out
 
 
-def test_1f1b_holds_fewer_activations_than_gpipe(meshrun):
+def test_1f1b_holds_fewer_activations_than_gpipe(experiment):
     """With 8 micro-batches, GPipe's first stage keeps all 8 micro-batches' activations
     until the backward starts; 1F1B keeps at most pp=2 of them."""
     peaks = {}
     for schedule in ("gpipe", "1f1b"):
-        run = meshrun(*PP_SMALL, f"parallel.schedule={schedule}", "train.micro_batch_size=1")
-        assert run.returncode == 0, run.output
-        peaks[schedule] = run.results["peak_memory_bytes"][0]  # rank 0: the first stage
+        _, measured = experiment(*PP_SMALL, f"parallel.schedule={schedule}",
+                                 "train.micro_batch_size=1")  # fmt: skip
+        assert measured.ok, measured.meta["error"]
+        peaks[schedule] = measured.memory[0]["peak"]  # rank 0: the first stage
     assert peaks["gpipe"] > peaks["1f1b"] + 20 * 2**20
 
 

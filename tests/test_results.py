@@ -9,7 +9,7 @@ import pytest
 from meshrun.core.baseline import baseline_config, baseline_key
 from meshrun.core.record import RunRecord
 from meshrun.driver.results import assemble
-from tests.helpers import compose_config, resolved_config
+from tests.helpers import resolved_config
 
 RUN = ("run_dir=/tmp/meshrun-tests/x", "store.path=/tmp/meshrun-tests/x.db", "logger=none")
 
@@ -48,21 +48,6 @@ def ddp():
 @pytest.fixture(scope="module")
 def single():
     return resolved_config("parallel=single", *RUN)
-
-
-def test_compose_config_is_the_raw_typed_config():
-    cfg = compose_config("parallel=ddp", *RUN)
-    assert cfg.parallel.dp_replicate == -1  # unresolved
-    assert cfg.hardware.name == "auto"
-    assert cfg.run_dir == "/tmp/meshrun-tests/x"
-    assert cfg.name == "small_ddp"
-
-
-def test_compose_config_without_run_paths_still_composes():
-    cfg = compose_config()
-    assert (cfg.model.name, cfg.parallel.name) == ("small", "ddp")  # the quick start
-    assert cfg.logger.name == "none"
-    assert cfg.run_dir and cfg.store.path
 
 
 def test_weak_scaling_baseline_is_one_device_with_the_per_dp_rank_batch(ddp):

@@ -61,10 +61,6 @@ def test_a_sweep_is_named_by_the_sweep_key_beside_a_ready_sweep():
     assert cfg.sweep == "my-grid"
 
 
-def test_there_are_the_three_ready_sweeps():
-    assert set(SWEEPS) == {"batch_microbatch", "layouts", "backends"}
-
-
 @pytest.mark.parametrize("name", SWEEPS)
 def test_each_sweep_composes_and_its_points_are_accepted_or_refused_for_a_swept_key(name):
     grid = hydra_grid(name)

@@ -11,25 +11,25 @@ import time
 
 from meshrun.rank.failures import first_failure
 from meshrun.rank.watchdog import GRACE_S, Watchdog, diagnose, read_positions, step_collectives
+from tests.test_failures import failed_run
 
 HANG = ("model=tiny", "parallel=ddp", "train.steps=8", "train.warmup_steps=1", "train.log_every=1",
         "debug.fail_rank=1", "debug.fail_step=2", "debug.fail_mode=hang")  # fmt: skip
 
 
-def test_hung_training_run_names_rank_step_and_operation(meshrun, marked_env):
+def test_hung_training_run_names_rank_step_and_operation(tmp_path, monkeypatch, marked_env):
+    """The real launcher (torch elastic), so that every rank is proven torn down."""
     timeout = 5
-    run = meshrun(*HANG, f"backend.timeout_s={timeout}", env=marked_env)
+    results, _, _ = failed_run(tmp_path, monkeypatch, marked_env, *HANG,
+                               f"backend.timeout_s={timeout}")  # fmt: skip
     ended = time.time()
-    assert run.returncode == 1
     expected = (
         "collective hang: rank 0 waited in forward/backward (gradient all_reduce) at step 2; "
         "rank 1 never entered it (was at step 2, outside any collective)"
     )
-    assert expected in run.output
-    results = run.results
     assert results["status"] == "failed" and expected in results["error"]
     assert len(results["losses"]) == 2  # steps 0 and 1 finished and are kept
-    hang_started = read_positions(str(run.run_dir))[1].since
+    hang_started = read_positions(results["run_dir"])[1].since
     assert ended - hang_started < timeout + 15
 
 

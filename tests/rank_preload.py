@@ -1,0 +1,10 @@
+"""Imported once by the rank pool's fork server (tests/ranks.py): the workers forked from it
+start with torch and the rank's code already imported, one thread each."""
+
+import os
+
+os.environ["OMP_NUM_THREADS"] = "1"
+
+import torch  # noqa: F401
+
+import meshrun.rank.worker  # noqa: F401

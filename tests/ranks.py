@@ -1,0 +1,177 @@
+"""Multi-rank work in real gloo processes without the CLI.
+
+`RankPool` keeps `size` worker processes alive for the whole test session, forked from a
+server that imported torch once, instead of every rank of every run importing it. A job
+runs one function on the first `world_size` workers at once, each with torchrun's env (RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and a fresh MASTER_PORT), and returns every rank's return
+value. The function creates and destroys its own process group (as `rank.worker.run_rank`).
+
+Every job has a deadline. A rank that raises, dies or misses the deadline tears the whole
+pool down (its peers may be stuck in a collective); the next job starts a fresh one. So a
+broken test fails, it never hangs the session or leaks a process into the next test.
+
+`pool.launch` has the driver's launcher signature (`launch_local`'s): pass it to
+`meshrun.driver.experiment.measure` to run a resolved config exactly as `meshrun` does, minus
+the CLI and torch elastic. Tests about failing or hanging ranks use the real launcher instead,
+which is what proves that every rank is torn down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from meshrun.driver.launch import RankFailure
+from meshrun.rank.failures import first_failure
+from meshrun.rank.worker import run_rank
+from tests.helpers import resolved_config
+
+JOB_TIMEOUT_S = 240.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _serve(index: int, jobs, results) -> None:
+    """One worker: import torch once, then run jobs until told to stop (None)."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    results.put(("ready", index, True, None))
+    while (job := jobs.get()) is not None:
+        job_id, fn, arg, env = job
+        os.environ.update(env)
+        torch.set_num_threads(1)  # run_rank sets the config's threads_per_rank
+        try:
+            value = (True, fn(arg))
+        except BaseException:
+            value = (False, traceback.format_exc())
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        results.put((job_id, index, *value))
+
+
+class RankFailed(RuntimeError):
+    def __init__(self, rank: int, error: str) -> None:
+        self.rank, self.error = rank, error
+        super().__init__(f"rank {rank} failed: {error}")
+
+
+class RankPool:
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.procs: list = []
+        self.jobs: list = []
+        self.results = None
+        self.counter = 0
+
+    def _start(self) -> None:
+        # Forked from a server that imported torch once (not 8 interpreters importing it).
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["tests.rank_preload"])
+        self.results = ctx.Queue()
+        self.jobs = [ctx.Queue() for _ in range(self.size)]
+        self.procs = [
+            ctx.Process(target=_serve, args=(i, q, self.results), daemon=True)
+            for i, q in enumerate(self.jobs)
+        ]
+        for proc in self.procs:
+            proc.start()
+        self._collect("ready", range(self.size), time.monotonic() + JOB_TIMEOUT_S)
+
+    def close(self) -> None:
+        """Stop every worker (asked first, then killed) and wait for them to be gone."""
+        procs, self.procs = self.procs, []
+        for proc, jobs in zip(procs, self.jobs, strict=True):
+            if proc.is_alive():
+                with contextlib.suppress(Exception):
+                    jobs.put_nowait(None)
+        deadline = time.monotonic() + 5
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        self.jobs, self.results = [], None
+
+    def _collect(self, job_id, ranks, deadline: float) -> dict[int, Any]:
+        waiting, got = set(ranks), {}
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"ranks {sorted(waiting)} still running after the deadline")
+            try:
+                got_id, index, ok, value = self.results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [i for i in waiting if not self.procs[i].is_alive()]
+                if dead:
+                    code = self.procs[dead[0]].exitcode
+                    raise RankFailed(dead[0], f"process died (exit code {code})") from None
+                continue
+            if got_id != job_id:
+                continue
+            if not ok:
+                raise RankFailed(index, value)
+            waiting.discard(index)
+            got[index] = value
+        return got
+
+    def run(
+        self,
+        fn: Callable[[Any], Any],
+        arg: Any,
+        world_size: int,
+        timeout: float = JOB_TIMEOUT_S,
+        env: dict[str, str] | None = None,
+    ) -> list[Any]:
+        """`fn(arg)` on ranks 0..world_size-1 at once; every rank's return value."""
+        if world_size > self.size:
+            raise ValueError(f"the pool has {self.size} workers, not {world_size}")
+        if not self.procs:
+            self._start()
+        self.counter += 1
+        job_id = self.counter
+        common = {"WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                  "GROUP_RANK": "0", **(env or {})}  # fmt: skip
+        try:
+            for rank in range(world_size):
+                rank_env = {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+                self.jobs[rank].put((job_id, fn, arg, rank_env))
+            got = self._collect(job_id, range(world_size), time.monotonic() + timeout)
+        except BaseException:  # a failure, the deadline, or pytest-timeout's interrupt
+            self.close()
+            raise
+        return [got[rank] for rank in range(world_size)]
+
+    def launch(self, cfg) -> dict[str, Any] | None:
+        """The driver's `Launch`: run_rank on every rank of a resolved config; rank 0's return.
+        A failing rank is the driver's RankFailure, with the error the rank recorded."""
+        try:
+            return self.run(run_rank, asdict(cfg), cfg.launcher.nproc_per_node)[0]
+        except RankFailed as failed:
+            recorded = first_failure(cfg.run_dir) or (failed.rank, failed.error)
+            raise RankFailure(*recorded) from None
+
+
+def config_in(tmp, *overrides: str):
+    """The resolved config of `meshrun <overrides>` with its run dir and store under `tmp`."""
+    return resolved_config(f"run_dir={tmp}/run", f"store.path={tmp}/meshrun.db", *overrides)
+
+
+def losses(measured) -> list[float]:
+    """Per-step losses rank 0 logged (metrics.jsonl), as results.json lists them."""
+    return [step["loss"] for step in measured.steps]
