@@ -180,7 +180,6 @@ def test_check_past_its_hard_limit_is_killed_with_all_ranks(
     [
         ("doctor.timeout_s=0", "doctor.timeout_s=0.0: must be positive"),
         ("doctor.backends=[smoke]", "doctor.backends='smoke': unknown choice"),
-        ("debug.fail_mode=explode", "debug.fail_mode='explode': unknown choice"),
     ],
 )
 def test_config_errors(tmp_path, monkeypatch, capsys, override, message):

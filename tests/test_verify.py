@@ -30,7 +30,7 @@ def verify_run(tmp_path: Path, *overrides: str) -> int:
 
 @pytest.fixture
 def on_pool(monkeypatch, rank_pool):
-    monkeypatch.setattr(verify, "launch_local", rank_pool.launch)
+    monkeypatch.setattr(verify, "launch", rank_pool.launch)
 
 
 def report(tmp_path: Path) -> dict[str, Any]:
