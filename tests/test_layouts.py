@@ -10,7 +10,7 @@ from meshrun.core.layout import Layout
 from meshrun.driver.experiment import measure
 from tests.ranks import config_in, losses
 
-STEPS = 10
+STEPS = 6
 COMMON = (
     "model=tiny", f"train.steps={STEPS}", "train.warmup_steps=1", "train.global_batch_size=8",
     "train.micro_batch_size=2", "train.seq_len=64", "train.precision=fp32", "train.seed=3",
