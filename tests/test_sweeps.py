@@ -147,7 +147,8 @@ def test_wandb_agent_runs_record_one_sweep_and_skip_invalid_points(tmp_path):
 
 def test_a_failing_job_does_not_stop_the_sweep(tmp_path):
     grid = ("parallel=single", "debug.fail_rank=0,null", "debug.fail_step=1")
-    run = run_meshrun(tmp_path / "unused", tmp_path / "meshrun.db", *TINY, *grid,
+    forked = "launcher.start_method=forkserver"  # the ranks of both jobs from one server
+    run = run_meshrun(tmp_path / "unused", tmp_path / "meshrun.db", *TINY, *grid, forked,
                       entrypoint=MULTIRUN)  # fmt: skip
     assert run.returncode == 1
     assert "injected failure" in run.output

@@ -8,6 +8,7 @@ naming the first rank that failed and its error.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict
@@ -38,8 +39,15 @@ def launch_local(
     cfg: ExperimentConfig | CommRunConfig,
     entry: Callable[[dict[str, Any]], Any] = run_rank,
 ) -> Any:
-    """Rank 0's return value; `entry` is the per-rank function (training, or meshrun-comm's)."""
+    """Rank 0's return value; `entry` is the per-rank function (training, or meshrun-comm's).
+
+    With `start_method=forkserver` the ranks fork from one server per driver that imported
+    the entry's module (torch with it) once: a sweep's jobs and their baselines then start
+    their ranks in a fraction of spawn's time. The server keeps the environment it started
+    with, so a driver that changes its environment between launches wants spawn."""
     launcher = cfg.launcher
+    if launcher.start_method == "forkserver":
+        multiprocessing.set_forkserver_preload([entry.__module__])
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
