@@ -100,6 +100,11 @@ def new_run(run_dir: str) -> dict[str, Any]:
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     if attached_rank() is None:  # under torchrun the peers may have written theirs already
         clear_records(run_dir)
+    return run_identity()
+
+
+def run_identity() -> dict[str, Any]:
+    """A new run id and its creation time (UTC), for every record the store keeps."""
     return {
         "run_id": uuid.uuid4().hex[:12],
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -171,8 +176,7 @@ def record_skipped(cfg: ExperimentConfig, reason: ConfigError) -> RunRecord:
     known = known and p.name != "auto" and p.data_parallel != "dataparallel"
     known = known and cfg.train.micro_batch_size >= 1
     results = RunRecord(
-        run_id=uuid.uuid4().hex[:12],
-        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **run_identity(),
         error=str(reason),
         name=cfg.name,
         sweep=cfg.sweep,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshrun.core.baseline import baseline_key, dp_size, is_own_baseline, n_devices
+from meshrun.core.baseline import baseline_key, is_own_baseline, n_devices
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.hardware import device_for_rank
 from meshrun.core.layout import Layout, layout_name, layout_overrides, n_microbatches
@@ -89,6 +89,7 @@ def assemble(
     specs = [device_for_rank(cfg.hardware.devices, i) for i in range(devices)]
     peak = peak_flops(specs, t.precision)
     tokens_per_s = timing["tokens_per_s"]
+    per_token = flops_per_token(cfg.model, matmul, t.seq_len)
     if baseline is None and is_own_baseline(cfg):
         baseline = RunRecord(run_id=meta["run_id"], tokens_per_s=tokens_per_s)
     baseline_tps = baseline.tokens_per_s if baseline else None
@@ -111,7 +112,7 @@ def assemble(
         "seq_len": t.seq_len,
         "global_batch_size": t.global_batch_size,
         "micro_batch_size": t.micro_batch_size,
-        "grad_accum_steps": t.global_batch_size // (t.micro_batch_size * dp_size(cfg)),
+        "grad_accum_steps": n_microbatches(cfg),
         "steps": t.steps,
         "warmup_steps": t.warmup_steps,
         "steps_completed": len(steps),
@@ -122,10 +123,8 @@ def assemble(
         "baseline_run_id": baseline.run_id if baseline else None,
         "speedup": speedup,
         "scaling_efficiency": speedup / devices if speedup else None,
-        "flops_per_token": flops_per_token(cfg.model, matmul, t.seq_len),
-        "mfu": mfu(tokens_per_s, flops_per_token(cfg.model, matmul, t.seq_len), peak)
-        if tokens_per_s
-        else None,
+        "flops_per_token": per_token,
+        "mfu": mfu(tokens_per_s, per_token, peak) if tokens_per_s else None,
         **pipeline_fields(cfg, bubbles),
         **memory_fields(cfg, memory),
         **predicted_speed_fields(cfg),

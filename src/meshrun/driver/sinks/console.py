@@ -9,6 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from meshrun.core.record import RunRecord
+from meshrun.rank.metrics.memory import MEMORY_CATEGORIES
 
 console = Console()
 
@@ -30,10 +31,9 @@ def _fmt(value: Any, unit: str = "") -> str:
     return f"{value}{unit}"
 
 
-def _breakdown(results: dict[str, Any]) -> str:
+def _breakdown(r: RunRecord) -> str:
     """The categories of the rank with the highest peak, in MiB."""
-    values = [results.get(f"memory_{c}_bytes") for c in
-              ("params", "grads", "optimizer", "activations", "other")]  # fmt: skip
+    values = [getattr(r, f"memory_{c}_bytes") for c in MEMORY_CATEGORIES]
     if any(v is None for v in values):
         return "n/a"
     return " / ".join(f"{v / 2**20:.1f}" for v in values) + " MiB"
@@ -57,7 +57,7 @@ def print_summary(r: RunRecord) -> None:
         ("scaling efficiency", _fmt(r.scaling_efficiency)),
         ("MFU", _fmt(r.mfu)),
         ("peak memory (max rank)", _fmt_bytes(r.peak_memory_max_bytes)),
-        ("  params/grads/optim/activ/other", _breakdown(r.as_dict())),
+        ("  params/grads/optim/activ/other", _breakdown(r)),
         ("  predicted peak", _fmt_bytes(r.predicted_peak_memory_bytes)),
         ("loss first -> last", _loss_span(r.losses)),
         ("run dir", r.run_dir),
