@@ -15,11 +15,14 @@ $(VENV)/.installed: pyproject.toml scripts/install-torch.sh
 run: install
 	$(VENV)/bin/meshrun
 
+# Two tests at a time: most of them are multi-process runs that leave a core idle while
+# an interpreter starts, a rank waits out a timeout or SLURM schedules a job. A module whose
+# fixture is one expensive run, and the SLURM tests (one two-node cluster), are xdist groups.
 test: install
-	$(PY) -m pytest --durations=25
+	$(PY) -m pytest -n 2 --dist loadgroup --durations=25
 
 test-all: install
-	$(PY) -m pytest -m "slow or not slow"
+	$(PY) -m pytest -n 2 --dist loadgroup -m "slow or not slow"
 
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks

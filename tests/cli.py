@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,6 +62,35 @@ def run_meshrun(
     )  # fmt: skip
     seconds = time.monotonic() - started
     return CliRun(proc.returncode, proc.stdout + proc.stderr, run_dir, store_path, seconds)
+
+
+def run_console(
+    main: Callable[[], None],
+    run_dir: Path,
+    store_path: Path | None,
+    *overrides: str,
+    defaults: tuple[str, ...] = TRAIN_DEFAULTS,
+    multirun: bool = False,
+) -> CliRun:
+    """`run_meshrun` without the interpreter start: the console script's `main` called in
+    this process with the same argv, its exit code and output captured. For commands whose
+    ranks are not the subject (they run on the test's pool or not at all); the process
+    boundary itself is proven by the tests that use `run_meshrun`."""
+    store = [f"store.path={store_path}"] if store_path is not None else []
+    argv = ["meshrun", *(["-m"] if multirun else []), f"hydra.run.dir={run_dir}", *store,
+            *defaults, *overrides]  # fmt: skip
+    output = io.StringIO()
+    started = time.monotonic()
+    saved_argv, sys.argv = sys.argv, argv
+    try:
+        with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+            main()
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    finally:
+        sys.argv = saved_argv
+    return CliRun(code, output.getvalue(), run_dir, store_path, time.monotonic() - started)
 
 
 def compose_command(config_name: str, run_dir: Path, *overrides: str):

@@ -9,9 +9,23 @@ from pathlib import Path
 
 import pytest
 
+from meshrun.driver import cli
 from meshrun.driver.experiment import measure
-from tests.cli import CliRun, run_meshrun
+from tests.cli import CliRun, run_console, run_meshrun
 from tests.ranks import RankPool, config_in
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """xdist groups first (the SLURM tests, then each one-run fixture's module), so that
+    under `-n 2` their serial chains start at once instead of ending the session alone."""
+
+    def group(item: pytest.Item) -> int:
+        mark = item.get_closest_marker("xdist_group")
+        if mark is None:
+            return 2
+        return 0 if mark.args[0] == "slurm" else 1
+
+    items.sort(key=group)
 
 
 @pytest.fixture
@@ -23,6 +37,23 @@ def meshrun(tmp_path: Path) -> Callable[..., CliRun]:
     def run(*overrides: str, **kwargs) -> CliRun:
         return run_meshrun(tmp_path / f"run{next(counter)}", tmp_path / "meshrun.db",
                            *overrides, **kwargs)  # fmt: skip
+
+    return run
+
+
+@pytest.fixture
+def meshrun_here(tmp_path: Path, monkeypatch, rank_pool: RankPool) -> Callable[..., CliRun]:
+    """`meshrun` as the `meshrun` fixture calls it, but in this process (tmp_path its working
+    directory) with the ranks on the session's pool: the whole driver (Hydra, resolve, the
+    baseline, the records) without an interpreter start and a rank spawn per run."""
+    monkeypatch.setattr(cli, "launch", rank_pool.launch)
+    monkeypatch.chdir(tmp_path)
+    counter = iter(range(1000))
+
+    def run(*overrides: str, multirun: bool = False, store_path: Path | None = None) -> CliRun:
+        store = store_path or tmp_path / "meshrun.db"
+        return run_console(cli.main, tmp_path / f"run{next(counter)}", store, *overrides,
+                           multirun=multirun)  # fmt: skip
 
     return run
 

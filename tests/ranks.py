@@ -157,11 +157,12 @@ class RankPool:
             raise
         return [got[rank] for rank in range(world_size)]
 
-    def launch(self, cfg) -> dict[str, Any] | None:
-        """The driver's `Launch`: run_rank on every rank of a resolved config; rank 0's return.
-        A failing rank is the driver's RankFailure, with the error the rank recorded."""
+    def launch(self, cfg, entry: Callable[[dict[str, Any]], Any] = run_rank) -> Any:
+        """`dispatch.launch`'s signature: `entry` (training's run_rank, or meshrun-comm's) on
+        every rank of a resolved config; rank 0's return. A failing rank is the driver's
+        RankFailure, with the error the rank recorded."""
         try:
-            return self.run(run_rank, asdict(cfg), cfg.launcher.nproc_per_node)[0]
+            return self.run(entry, asdict(cfg), cfg.launcher.nproc_per_node)[0]
         except RankFailed as failed:
             recorded = first_failure(cfg.run_dir) or (failed.rank, failed.error)
             raise RankFailure(*recorded) from None

@@ -24,7 +24,7 @@ from meshrun.tools.comm import main as comm_main
 from meshrun.tools.comm.busbw import OPS, bus_factor, element_count, sizes
 from meshrun.tools.comm.collectives import device_type, measurements, wrong_values
 from meshrun.tools.comm.main import validate_comm
-from tests.cli import CliRun, compose_command, run_meshrun
+from tests.cli import CliRun, compose_command, run_console, run_meshrun
 from tests.wandb_records import read_offline_run
 
 COMM = (sys.executable, "-m", "meshrun.tools.comm.main")
@@ -111,10 +111,13 @@ def test_gloo_two_ranks_prints_every_op_with_no_wrong_values(comm):
     )
 
 
-def test_backend_sweep_records_one_run_per_backend(comm, tmp_path):
+def test_backend_sweep_records_one_run_per_backend(tmp_path, monkeypatch, rank_pool):
+    """`meshrun-comm -m` in this process, its ranks on the pool."""
+    monkeypatch.setattr(comm_main, "launch", rank_pool.launch)
     sweep = tmp_path / "sweep"
-    run = comm("backend=gloo,auto", f"hydra.sweep.dir={sweep}", "comm.ops=[all_reduce]",
-               *SMALL, multirun=True)  # fmt: skip
+    run = run_console(comm_main.main, tmp_path / "comm", tmp_path / "meshrun.db",
+                      "backend=gloo,auto", f"hydra.sweep.dir={sweep}", "comm.ops=[all_reduce]",
+                      *SMALL, defaults=("logger=none",), multirun=True)  # fmt: skip
     assert run.returncode == 0, run.output
     reports = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/comm.json"))]
     auto = "nccl" if torch.cuda.is_available() else "gloo"

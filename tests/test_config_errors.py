@@ -33,9 +33,11 @@ from meshrun.core.hardware import HostFacts
 from meshrun.core.paths import CONF_DIR
 from meshrun.core.schemas import ROOT_SCHEMAS
 from meshrun.core.tool_config import CommRunConfig, comm_from_dict
+from meshrun.driver import cli
 from meshrun.driver.resolve import resolve
 from meshrun.rank.parallel.pipeline import SCHEDULES
-from tests.cli import MULTIRUN
+from meshrun.tools import plan_command
+from tests.cli import CliRun, run_console
 from tests.helpers import compose_config
 
 BAD_CONFIGS = [
@@ -159,8 +161,8 @@ def test_text_data_needs_byte_vocabulary(tmp_path: Path):
         resolve(cfg, HostFacts.detect())
 
 
-def test_cli_config_error_exits_2_before_any_rank_starts(meshrun):
-    run = meshrun("parallel=ddp", "train.global_batch_size=10")
+def test_cli_config_error_exits_2_before_any_rank_starts(meshrun_here):
+    run = meshrun_here("parallel=ddp", "train.global_batch_size=10")
     assert run.returncode == 2
     assert "train.global_batch_size=10" in run.output
     assert "Traceback" not in run.output
@@ -251,33 +253,28 @@ def test_each_launcher_preset_has_its_own_schema_and_workers_rebuild_it():
     assert comm_from_dict(dataclasses.asdict(comm)) == comm
 
 
-PLAN = (sys.executable, "-m", "meshrun.tools.plan_command")
-# (entrypoint, overrides, what the one-line error must name: key, valid choices / nearest)
+# (command, overrides, what the one-line error must name: key, valid choices / nearest)
 CLI_CONFIG_ERRORS = [
-    (None, ["+train.micro_batchsize=2"], ["train.micro_batchsize=2: not a key of train",
-                                          "Valid: train.micro_batch_size (nearest)"]),
-    (None, ["train.micro_batchsize=2"], ["train.micro_batchsize='2': not a key of train",
-                                         "Valid: train.micro_batch_size (nearest)"]),
-    (None, ["parallel=tp2pp2"], ["parallel='tp2pp2': no such preset",
-                                 "Valid: tp2_pp2 (nearest); parallel presets: auto | "]),
-    (None, ["train.precision=fp16"], ["train.precision='fp16': unknown choice",
-                                      "Valid: bf16 (nearest); choices: fp32 | bf16"]),
-    (None, ["launcher=local", "launcher.partition=gpu"],
+    ("meshrun", ["train.micro_batchsize=2"], ["train.micro_batchsize='2': not a key of train",
+                                              "Valid: train.micro_batch_size (nearest)"]),
+    ("meshrun", ["parallel=tp2pp2"], ["parallel='tp2pp2': no such preset",
+                                      "Valid: tp2_pp2 (nearest); parallel presets: auto | "]),
+    ("meshrun", ["train.precision=fp16"], ["train.precision='fp16': unknown choice",
+                                           "Valid: bf16 (nearest); choices: fp32 | bf16"]),
+    ("meshrun", ["launcher=local", "launcher.partition=gpu"],
      ["launcher.partition='gpu': not a key of launcher=local (launcher=slurm has it)",
       "keys of launcher: name | nnodes"]),
-    (None, ["train.steps=many"], ["train.steps='many': wrong type", "Valid: an integer"]),
-    (PLAN, ["parallel=tp2pp2"], ["parallel='tp2pp2'", "Valid: tp2_pp2 (nearest)"]),
+    ("meshrun", ["train.steps=many"], ["train.steps='many': wrong type", "Valid: an integer"]),
+    ("meshrun-plan", ["parallel=tp2pp2"], ["parallel='tp2pp2'", "Valid: tp2_pp2 (nearest)"]),
     # a multirun stops before its first job when any job's config is bad
-    (MULTIRUN, ["train.steps=2,3", "+train.stepz=4"], ["train.stepz=4: not a key of train",
-                                                       "Valid: train.steps (nearest)"]),
+    ("meshrun -m", ["train.steps=2,3", "+train.stepz=4"], ["train.stepz=4: not a key of train",
+                                                           "Valid: train.steps (nearest)"]),
 ]  # fmt: skip
+COMMANDS = {"meshrun": (cli.main, False), "meshrun-plan": (plan_command.main, False),
+            "meshrun -m": (cli.main, True)}  # fmt: skip
 
 
-@pytest.mark.parametrize(("entrypoint", "overrides", "fragments"), CLI_CONFIG_ERRORS, ids=str)
-def test_cli_composition_error_exits_2_in_meshrun_format_before_anything_runs(
-    meshrun, tmp_path: Path, entrypoint, overrides, fragments
-):
-    run = meshrun(*overrides, **({"entrypoint": entrypoint} if entrypoint else {}))
+def check_exit_2_before_anything_ran(run: CliRun, fragments: list[str], tmp_path: Path) -> None:
     assert run.returncode == 2, run.output
     assert "meshrun: config error " in run.output
     for fragment in fragments:
@@ -288,6 +285,24 @@ def test_cli_composition_error_exits_2_in_meshrun_format_before_anything_runs(
     assert not (run.run_dir / "results.json").exists()
     assert not run.store_path.exists()
     assert not (tmp_path / "multirun").exists()
+
+
+def test_console_script_exits_2_on_a_key_added_with_plus(meshrun, tmp_path: Path):
+    """The issue's headline case through the real console script, in its own process."""
+    fragments = ["train.micro_batchsize=2: not a key of train",
+                 "Valid: train.micro_batch_size (nearest)"]  # fmt: skip
+    check_exit_2_before_anything_ran(meshrun("+train.micro_batchsize=2"), fragments, tmp_path)
+
+
+@pytest.mark.parametrize(("command", "overrides", "fragments"), CLI_CONFIG_ERRORS, ids=str)
+def test_cli_composition_error_exits_2_in_meshrun_format_before_anything_runs(
+    tmp_path: Path, monkeypatch, command, overrides, fragments
+):
+    monkeypatch.chdir(tmp_path)
+    main, multirun = COMMANDS[command]
+    run = run_console(main, tmp_path / "run", tmp_path / "meshrun.db", *overrides,
+                      multirun=multirun)  # fmt: skip
+    check_exit_2_before_anything_ran(run, fragments, tmp_path)
 
 
 USER_PLAN = """

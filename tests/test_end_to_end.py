@@ -14,10 +14,11 @@ SMALL_DDP = (
     "train.global_batch_size=8", "train.micro_batch_size=2", "train.seq_len=128",
     "logger=wandb", "logger.mode=offline",
 )  # fmt: skip
+pytestmark = pytest.mark.xdist_group("end_to_end")  # its fixture is one run: one worker
 SECRET = "meshrun-test-secret-0123456789abcdef0123456789abcdef"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # session: xdist may run other tests in between
 def ddp_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e")
     run = run_meshrun(tmp / "run", tmp / "meshrun.db", *SMALL_DDP,
@@ -74,8 +75,8 @@ def test_wandb_key_never_lands_in_outputs(ddp_run):
     assert SECRET not in ddp_run.output
 
 
-def test_second_run_reuses_stored_baseline(ddp_run, tmp_path):
-    again = run_meshrun(tmp_path / "again", ddp_run.store_path, *SMALL_DDP[:-2])
+def test_second_run_reuses_stored_baseline(ddp_run, meshrun_here):
+    again = meshrun_here(*SMALL_DDP[:-2], store_path=ddp_run.store_path)
     assert again.returncode == 0, again.output
     assert not (again.run_dir / "baseline").exists()
     baseline = next(r for r in ddp_run.stored() if r["role"] == "baseline")

@@ -5,8 +5,6 @@ Accuracy against measured runs is in test_plan_accuracy.py."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,19 +14,23 @@ from meshrun.plan.shapes import Dims, StageShare, local_param_elements
 from meshrun.plan.speed import predict_speed
 from meshrun.plan.split import proportional
 from meshrun.rank.models.llama import build_model
+from meshrun.tools import plan_command
+from tests.cli import CliRun, run_console
 from tests.helpers import compose_config, resolved_config
 
 GiB = 2**30
 
 
-def meshrun_plan(tmp_path: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, dict]:
+def plan_run(tmp_path: Path, *overrides: str) -> CliRun:
+    """`meshrun-plan <overrides>` (its console script's main, in this process)."""
+    return run_console(plan_command.main, tmp_path / "plan", None, *overrides, defaults=())
+
+
+def meshrun_plan(tmp_path: Path, *overrides: str) -> tuple[CliRun, dict]:
     out = tmp_path / "plan.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "meshrun.tools.plan_command", f"json={out}", *overrides],
-        capture_output=True, text=True, timeout=240, cwd=tmp_path, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc, json.loads(out.read_text())
+    run = plan_run(tmp_path, f"json={out}", *overrides)
+    assert run.returncode == 0, run.output
+    return run, json.loads(out.read_text())
 
 
 @pytest.mark.parametrize("model", ["tiny", "small", "gpt2-124m", "llama-7b", "llama-13b"])
@@ -73,7 +75,7 @@ def test_host_probe_measures_concurrent_streams():
 
 
 def test_llama_7b_ddp_does_not_fit_an_a6000_and_the_plan_names_layouts_that_do(tmp_path):
-    proc, plan = meshrun_plan(tmp_path, "model=llama-7b", "hardware=a6000", "world_size=8")
+    run, plan = meshrun_plan(tmp_path, "model=llama-7b", "hardware=a6000", "world_size=8")
     layouts = {tuple(sorted(entry["degrees"].items())): entry for entry in plan["layouts"]}
     ddp = layouts[(("dp_replicate", 8), ("dp_shard", 1), ("pp", 1), ("tp", 1))]
     assert not ddp["fits"]
@@ -84,12 +86,12 @@ def test_llama_7b_ddp_does_not_fit_an_a6000_and_the_plan_names_layouts_that_do(t
     speeds = [e["speed"]["tokens_per_s"] for e in fitting]
     assert speeds == sorted(speeds, reverse=True)
     assert all(e["peak_bytes"] <= min(e["capacity_bytes"]) for e in fitting)
-    not_fitting = next(line for line in proc.stdout.splitlines() if line.startswith("do not fit"))
+    not_fitting = next(line for line in run.output.splitlines() if line.startswith("do not fit"))
     assert f"ddp8 ({ddp['peak_bytes'] / GiB:.2f} > 46.50 GiB)" in not_fitting
 
 
 def test_mixed_box_gets_an_uneven_split_with_more_layers_on_the_faster_devices(tmp_path):
-    proc, plan = meshrun_plan(tmp_path, "model=llama-7b", "hardware=2xa100-6xa6000",
+    run, plan = meshrun_plan(tmp_path, "model=llama-7b", "hardware=2xa100-6xa6000",
                               "train.precision=bf16")  # fmt: skip
     assert plan["world_size"] == 8
     uneven = [e for e in plan["layouts"] if e["pp_layers"]]
@@ -99,7 +101,7 @@ def test_mixed_box_gets_an_uneven_split_with_more_layers_on_the_faster_devices(t
     first, *rest = pp4["pp_layers"]
     assert sum(pp4["pp_layers"]) == 32 and all(first > n for n in rest)
     assert "uneven split" in pp4["notes"][0] and "A100" in pp4["notes"][0]
-    assert "uneven split" in proc.stdout
+    assert "uneven split" in run.output
 
 
 def test_proportional_split_keeps_every_stage_and_all_layers():
@@ -109,16 +111,13 @@ def test_proportional_split_keeps_every_stage_and_all_layers():
 
 
 def test_plan_rejects_a_bad_world_size_before_planning(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "meshrun.tools.plan_command", "world_size=0"],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 2
-    assert "world_size=0" in proc.stdout + proc.stderr
+    run = plan_run(tmp_path, "world_size=0")
+    assert run.returncode == 2
+    assert "world_size=0" in run.output
 
 
-def test_llama_13b_ddp_on_a100_is_refused_before_launch_with_the_prediction(meshrun):
-    run = meshrun("model=llama-13b", "parallel=ddp", "hardware=a100-80g", timeout=120)
+def test_llama_13b_ddp_on_a100_is_refused_before_launch_with_the_prediction(meshrun_here):
+    run = meshrun_here("model=llama-13b", "parallel=ddp", "hardware=a100-80g")
     assert run.returncode == 2
     assert "predicted peak memory" in run.output and "GiB" in run.output
     assert "exceeds the 78.2 GiB usable" in run.output
@@ -127,19 +126,19 @@ def test_llama_13b_ddp_on_a100_is_refused_before_launch_with_the_prediction(mesh
     assert not run.store_path.exists() or run.stored() == []
 
 
-def test_allow_oom_launches_a_run_predicted_not_to_fit_and_stores_the_prediction(meshrun):
-    refused = meshrun("parallel=single", "model=tiny", "plan.headroom_gib=1e6")
+def test_allow_oom_launches_a_run_predicted_not_to_fit_and_stores_the_prediction(meshrun_here):
+    refused = meshrun_here("parallel=single", "model=tiny", "plan.headroom_gib=1e6")
     assert refused.returncode == 2 and "plan.allow_oom=true" in refused.output
-    run = meshrun("parallel=single", "model=tiny", "plan.headroom_gib=1e6", "plan.allow_oom=true",
-                  "train.steps=3")  # fmt: skip
+    run = meshrun_here("parallel=single", "model=tiny", "plan.headroom_gib=1e6",
+                       "plan.allow_oom=true", "train.steps=3")  # fmt: skip
     assert run.returncode == 0, run.output
     row = run.stored()[0]
     assert row["predicted_peak_memory_bytes"] > 0 and row["peak_memory_max_bytes"] > 0
     assert row["memory_predicted"][0]["params"] == row["memory_per_rank"][0]["params"]
 
 
-def test_parallel_auto_runs_the_best_predicted_layout(meshrun):
-    run = meshrun("parallel=auto", "model=tiny", "train.steps=3", "metrics.baseline=false")
+def test_parallel_auto_runs_the_best_predicted_layout(meshrun_here):
+    run = meshrun_here("parallel=auto", "model=tiny", "train.steps=3", "metrics.baseline=false")
     assert run.returncode == 0, run.output
     results = run.results
     # the preset asked for stays `auto`; the layout it resolved to is named like any other

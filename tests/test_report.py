@@ -4,16 +4,16 @@ where an older row has not), and the command's errors."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from meshrun.driver.sinks.store import ResultsStore
+from meshrun.tools.report import main as report_main
 from meshrun.tools.report import plots
 from meshrun.tools.report.html import render
+from tests.cli import CliRun, run_console
 
 MIB = 2**20
 CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
@@ -111,25 +111,22 @@ def test_plots_without_data_are_left_out():
     assert "No completed pipeline-parallel run." in html
 
 
-def report(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "meshrun.tools.report.main", f"hydra.run.dir={tmp_path / 'out'}",
-         *overrides],
-        capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path,
-    )  # fmt: skip
+def report(tmp_path: Path, *overrides: str) -> CliRun:
+    """`meshrun-report <overrides>` (its console script's main, in this process)."""
+    return run_console(report_main.main, tmp_path / "out", None, *overrides, defaults=())
 
 
 def test_report_errors(tmp_path):
     missing = report(tmp_path, f"store.path={tmp_path / 'none.db'}")
     assert missing.returncode == 2
-    assert "store.path=" in missing.stdout and "no results store there" in missing.stdout
+    assert "store.path=" in missing.output and "no results store there" in missing.output
     assert not (tmp_path / "none.db").exists()
     store = tmp_path / "meshrun.db"
     ResultsStore(store).record(row("a", "ddp", 2, 8, 2))
     bad_date = report(tmp_path, f"store.path={store}", "since=yesterday")
     assert bad_date.returncode == 2
-    assert "since='yesterday': not a date" in bad_date.stdout
+    assert "since='yesterday': not a date" in bad_date.output
     nothing = report(tmp_path, f"store.path={store}", "model=llama-7b")
     assert nothing.returncode == 1
-    assert "no runs" in nothing.stdout
+    assert "no runs" in nothing.output
     assert not (tmp_path / "out" / "report.html").exists()
