@@ -9,20 +9,21 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml scripts/install-torch.sh
 	test -x $(PY) || python3 -m venv $(VENV)
 	scripts/install-torch.sh $(PY)
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,hf]'
 	touch $@
 
 run: install
 	$(VENV)/bin/meshrun
 
-# Two tests at a time: most of them are multi-process runs that leave a core idle while
-# an interpreter starts, a rank waits out a timeout or SLURM schedules a job. A module whose
-# fixture is one expensive run, and the SLURM tests (one two-node cluster), are xdist groups.
+# Two test modules at a time: most tests are multi-process runs that leave a core idle while
+# an interpreter starts, a rank waits out a timeout or SLURM schedules a job; a module's tests
+# stay together (its fixtures run once, the SLURM tests share one cluster). tests/conftest.py
+# orders the modules longest first.
 test: install
-	$(PY) -m pytest -n 2 --dist loadgroup --durations=25
+	$(PY) -m pytest -n 2 --dist loadscope --durations=25
 
 test-all: install
-	$(PY) -m pytest -n 2 --dist loadgroup -m "slow or not slow"
+	$(PY) -m pytest -n 2 --dist loadscope -m "slow or not slow"
 
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks

@@ -46,7 +46,7 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-from meshrun.core.config import ModelConfig
+from meshrun.core.config import LlamaModelConfig
 from meshrun.core.paths import CONF_DIR, REPO_ROOT
 from meshrun.rank.train.data import SyntheticTokens
 
@@ -104,7 +104,7 @@ class HandRank:
 
 # Sets up one rank of the hand-written run: (rank, setup, model config) -> the rank. Must be a
 # module-level function: it is pickled to the spawned ranks.
-Build = Callable[[int, Setup, ModelConfig], HandRank]
+Build = Callable[[int, Setup, LlamaModelConfig], HandRank]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,9 +120,10 @@ class Benchmark:
 # --- helpers for the hand-written sides ------------------------------------------------------
 
 
-def model_config(name: str) -> ModelConfig:
+def model_config(name: str) -> LlamaModelConfig:
     preset = OmegaConf.load(CONF_DIR / "model" / f"{name}.yaml")
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), preset))
+    del preset["defaults"]  # the schema it names is the one merged here
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(LlamaModelConfig), preset))
 
 
 def adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:

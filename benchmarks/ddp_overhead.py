@@ -14,12 +14,12 @@ import torch
 from common import GRAD_CLIP, SEED, HandRank, Setup, accumulate, adamw, main, step_tokens
 from torch.nn.parallel import DistributedDataParallel
 
-from meshrun.core.config import ModelConfig
-from meshrun.rank.models.llama import build_model
+from meshrun.core.config import LlamaModelConfig
+from meshrun.rank.models import build_model
 from meshrun.rank.train.data import SyntheticTokens
 
 
-def build_ddp(rank: int, setup: Setup, model_cfg: ModelConfig) -> HandRank:
+def build_ddp(rank: int, setup: Setup, model_cfg: LlamaModelConfig) -> HandRank:
     """One rank of hand-written DDP."""
     model = build_model(model_cfg, setup.seq_len, torch.device("cpu"))
     model.init_weights(SEED)

@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from common import GRAD_CLIP, SEED, HandRank, Setup, adamw, main, step_tokens
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-from meshrun.core.config import ModelConfig
-from meshrun.rank.models.llama import Transformer, build_model
+from meshrun.core.config import LlamaModelConfig
+from meshrun.rank.models import build_model
+from meshrun.rank.models.llama import Transformer
 from meshrun.rank.train.data import SyntheticTokens
 
 
@@ -28,7 +29,7 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def build_stage(rank: int, stages: int, setup: Setup, model_cfg: ModelConfig) -> Transformer:
+def build_stage(rank: int, stages: int, setup: Setup, model_cfg: LlamaModelConfig) -> Transformer:
     """Stage `rank`'s part of the model, cut on the meta device, then materialised."""
     # Layers split as evenly as possible, later stages taking the remainder (they do not
     # hold the embedding), e.g. 4 layers over 2 stages: [0, 1] | [2, 3].
@@ -50,7 +51,7 @@ def build_stage(rank: int, stages: int, setup: Setup, model_cfg: ModelConfig) ->
     return model
 
 
-def build_pipeline(rank: int, setup: Setup, model_cfg: ModelConfig) -> HandRank:
+def build_pipeline(rank: int, setup: Setup, model_cfg: LlamaModelConfig) -> HandRank:
     """Stage `rank` of a hand-written 1F1B pipeline over `setup.ranks` stages."""
     stages = setup.ranks
     model = build_stage(rank, stages, setup, model_cfg)

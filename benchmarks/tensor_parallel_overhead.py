@@ -27,8 +27,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from meshrun.core.config import ModelConfig
-from meshrun.rank.models.llama import build_model
+from meshrun.core.config import LlamaModelConfig
+from meshrun.rank.models import build_model
 from meshrun.rank.train.data import SyntheticTokens
 
 OUTER_PLAN = {
@@ -65,7 +65,7 @@ def clip_grads(sharded: list[nn.Parameter], replicated: list[nn.Parameter]) -> N
         torch.nn.utils.clip_grads_with_norm_(params, GRAD_CLIP, total, foreach=True)
 
 
-def build_tensor_parallel(rank: int, setup: Setup, model_cfg: ModelConfig) -> HandRank:
+def build_tensor_parallel(rank: int, setup: Setup, model_cfg: LlamaModelConfig) -> HandRank:
     """One rank of hand-written tensor parallelism over all `setup.ranks`."""
     mesh = init_device_mesh("cpu", (setup.ranks,))
     model = build_model(model_cfg, setup.seq_len, torch.device("cpu"))

@@ -14,18 +14,20 @@ from meshrun.driver.experiment import measure
 from tests.cli import CliRun, run_console, run_meshrun
 from tests.ranks import RankPool, config_in
 
+# `make test` runs two test modules at a time (xdist --dist loadscope: a module's tests, and
+# its module fixtures, stay on one worker; the SLURM tests share one two-node cluster). The
+# longest modules go first, so that the last to finish is a short one.
+LONGEST_FIRST = ("test_slurm", "test_layouts", "test_sweep_grid", "test_end_to_end",
+                 "test_plan_accuracy", "test_hf_models", "test_comm", "test_doctor",
+                 "test_sweeps", "test_torchrun", "test_watchdog", "test_config_errors")  # fmt: skip
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """xdist groups first (the SLURM tests, then each one-run fixture's module), so that
-    under `-n 2` their serial chains start at once instead of ending the session alone."""
+    def rank(item: pytest.Item) -> int:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        return LONGEST_FIRST.index(module) if module in LONGEST_FIRST else len(LONGEST_FIRST)
 
-    def group(item: pytest.Item) -> int:
-        mark = item.get_closest_marker("xdist_group")
-        if mark is None:
-            return 2
-        return 0 if mark.args[0] == "slurm" else 1
-
-    items.sort(key=group)
+    items.sort(key=rank)
 
 
 @pytest.fixture

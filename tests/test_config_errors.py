@@ -20,9 +20,10 @@ from meshrun.core.config import (
     BackendConfig,
     DataConfig,
     HardwareConfig,
+    HFModelConfig,
+    LlamaModelConfig,
     LocalLauncherConfig,
     LoggerConfig,
-    ModelConfig,
     ParallelConfig,
     Schedule,
     SlurmLauncherConfig,
@@ -72,7 +73,7 @@ BAD_CONFIGS = [
     ),
     (["parallel.sequence_parallel=true"], "parallel.sequence_parallel", "tp > 1"),
     (["parallel=tp2_pp2", "launcher.nproc_per_node=2"], "launcher.nproc_per_node", "needs 4"),
-    (["parallel=pp4", "model.n_layers=3"], "parallel.pp", "4 pipeline stages but model.n_layers"),
+    (["parallel=pp4", "model.n_layers=3"], "parallel.pp", "4 pipeline stages but the model has 3 layers"),
     (["parallel=pp2", "parallel.pp_layers=[3,2]"], "parallel.pp_layers", "adding up to"),
     (["parallel=pp2", "parallel.stages_per_rank=2"], "parallel.stages_per_rank", "one stage"),
     (
@@ -350,7 +351,8 @@ def _restated(data: dict, schema: type, prefix: str = "") -> list[str]:
 
 def test_yaml_presets_do_not_restate_the_schema_defaults():
     groups = {"backend": BackendConfig, "hardware": HardwareConfig, "logger": LoggerConfig,
-              "data": DataConfig, "model": ModelConfig, "parallel": ParallelConfig,
+              "data": DataConfig, "model": LlamaModelConfig, "model/hf": HFModelConfig,
+              "parallel": ParallelConfig,
               **{f"launcher/{n}": s for n, s in LAUNCHER_SCHEMAS.items()}}  # fmt: skip
     files = {p: s for g, s in groups.items() for p in CONF_DIR.glob(f"{g}*.yaml")}
     files |= {p: s for g, s in groups.items() for p in CONF_DIR.glob(f"{g}/*.yaml")}

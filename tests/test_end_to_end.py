@@ -14,11 +14,10 @@ SMALL_DDP = (
     "train.global_batch_size=8", "train.micro_batch_size=2", "train.seq_len=128",
     "logger=wandb", "logger.mode=offline",
 )  # fmt: skip
-pytestmark = pytest.mark.xdist_group("end_to_end")  # its fixture is one run: one worker
 SECRET = "meshrun-test-secret-0123456789abcdef0123456789abcdef"
 
 
-@pytest.fixture(scope="session")  # session: xdist may run other tests in between
+@pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e")
     run = run_meshrun(tmp / "run", tmp / "meshrun.db", *SMALL_DDP,

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from meshrun.core.config import DeviceSpec, HardwareConfig, ModelConfig
+from meshrun.core.config import DeviceSpec, HardwareConfig, LlamaModelConfig
 from meshrun.core.hardware import (
     CudaDevice,
     HostFacts,
@@ -153,7 +153,7 @@ def test_mfu_is_achieved_over_peak_and_none_for_unknown_peak():
 
 
 def test_flops_per_token_is_6n_plus_12_layers_dim_seq():
-    cfg = ModelConfig(name="m", dim=512, n_layers=6, n_heads=8, vocab_size=1000)
+    cfg = LlamaModelConfig(name="m", dim=512, n_layers=6, n_heads=8, vocab_size=1000)
     n = 12_345_678
     assert flops_per_token(cfg, n, 256) == 6 * n + 12 * 6 * 512 * 256
     assert flops_per_token(cfg, n, 1024) - flops_per_token(cfg, n, 512) == 12 * 6 * 512 * 512

@@ -9,9 +9,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from meshrun.core.config import ModelConfig
+from meshrun.core.config import LlamaModelConfig
 from meshrun.core.paths import CONF_DIR
-from meshrun.rank.models.llama import build_model, count_params, ffn_dim
+from meshrun.rank.models import build_model, count_params
+from meshrun.rank.models.llama import ffn_dim
 
 SEQ = 16
 
@@ -27,19 +28,20 @@ PUBLISHED_PARAMS = {
 PRESETS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
 
 
-def load_model_config(name: str) -> ModelConfig:
+def load_model_config(name: str) -> LlamaModelConfig:
     raw = OmegaConf.load(CONF_DIR / "model" / f"{name}.yaml")
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), raw))
+    del raw["defaults"]  # the schema it names is the one merged here
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(LlamaModelConfig), raw))
 
 
 @pytest.fixture(scope="module")
-def tiny() -> ModelConfig:
+def tiny() -> LlamaModelConfig:
     cfg = load_model_config("tiny")
     assert cfg.n_kv_heads is not None and cfg.n_kv_heads < cfg.n_heads, "tiny should use GQA"
     return cfg
 
 
-def cpu_model(cfg: ModelConfig, seed: int = 0):
+def cpu_model(cfg: LlamaModelConfig, seed: int = 0):
     model = build_model(cfg, SEQ, "cpu")
     model.init_weights(seed)
     return model
@@ -49,7 +51,7 @@ def state(model) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def random_tokens(cfg: ModelConfig, batch: int = 2, seq: int = SEQ, seed: int = 0):
+def random_tokens(cfg: LlamaModelConfig, batch: int = 2, seq: int = SEQ, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
 

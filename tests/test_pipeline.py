@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from meshrun.core.config import ModelConfig
+from meshrun.core.config import LlamaModelConfig
 from meshrun.driver.experiment import record
 from meshrun.driver.sinks.console import print_summary
 from meshrun.driver.sinks.store import ResultsStore
 from meshrun.rank.metrics.bubble import bubble_per_rank
-from meshrun.rank.models.llama import build_model
+from meshrun.rank.models import build_model
 from meshrun.rank.parallel.pipeline import (
     cut_stage,
     local_stage_ids,
@@ -31,7 +31,7 @@ def test_interleaved_ranks_own_looped_stages():
 
 
 def test_cut_stage_keeps_layer_names_and_ends_only_where_they_belong():
-    full = build_model(ModelConfig(name="t", dim=32, n_layers=5, n_heads=4, vocab_size=64),
+    full = build_model(LlamaModelConfig(name="t", dim=32, n_layers=5, n_heads=4, vocab_size=64),
                        16, "meta")  # fmt: skip
     first, middle, last = (cut_stage(full, s, [2, 2, 1]) for s in range(3))
     assert list(first.layers) == ["0", "1"] and first.tok_embeddings is not None

@@ -13,7 +13,7 @@ from meshrun.plan.probe import host_matmul_flops
 from meshrun.plan.shapes import Dims, StageShare, local_param_elements
 from meshrun.plan.speed import predict_speed
 from meshrun.plan.split import proportional
-from meshrun.rank.models.llama import build_model
+from meshrun.rank.models import build_model
 from meshrun.tools import plan_command
 from tests.cli import CliRun, run_console
 from tests.helpers import compose_config, resolved_config

@@ -24,8 +24,7 @@ TINY = ["model=tiny", "train.steps=6", "launcher=slurm"]
 DP2_ONE_PER_NODE = ["parallel=ddp", "launcher.nnodes=2", "launcher.nproc_per_node=1"]
 FORMAT = ["JobID", "State", "Submit", "Start", "End", "NodeList"]
 
-# One worker runs them all, in order: the cluster has two nodes, and concurrent jobs would queue.
-pytestmark = [pytest.mark.slurm, pytest.mark.timeout(420), pytest.mark.xdist_group("slurm")]
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(420)]
 
 
 @pytest.fixture(scope="module", autouse=True)

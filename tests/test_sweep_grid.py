@@ -25,8 +25,7 @@ from tests.cli import MULTIRUN, run_meshrun
 from tests.helpers import resolved_config
 from tests.wandb_records import read_offline_run, read_table
 
-# The sweep: ~30 s here, minutes on shared cores; its fixture is one run, so one xdist worker.
-pytestmark = [pytest.mark.timeout(600), pytest.mark.xdist_group("sweep_grid")]
+pytestmark = pytest.mark.timeout(600)  # the sweep: ~30 s here, minutes on shared cores
 # A sweep's jobs run in one driver: with forkserver their ranks (and baselines) fork from one
 # server that imported torch once (spawn is every other CLI test's start method).
 POINT = ("model=tiny", "train.steps=3", "train.warmup_steps=1", "train.seq_len=32",
@@ -52,7 +51,7 @@ def skip_reason(batch: int, micro: int) -> str | None:
     return None
 
 
-@pytest.fixture(scope="session")  # session: xdist may run other tests in between
+@pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sweep")
     overrides = ("+sweeps=batch_microbatch", *POINT, "logger=wandb", "logger.mode=offline")
@@ -137,7 +136,7 @@ def test_report_filters_the_real_rows(sweep):
     assert count(sweep="no-such-sweep") == 0
 
 
-@pytest.fixture(scope="session")  # session: xdist may run other tests in between
+@pytest.fixture(scope="module")
 def report(sweep):
     run, rows = sweep
     out = run.run_dir.parent / "report"

@@ -37,8 +37,14 @@ def report(tmp_path: Path) -> dict[str, Any]:
     return json.loads((tmp_path / "verify" / verify.REPORT_FILE).read_text())
 
 
-def test_correct_layout_passes(tmp_path, on_pool, capsys):
-    assert verify_run(tmp_path, "parallel=tp2_pp2") == 0
+@pytest.mark.parametrize(
+    "overrides",
+    [("parallel=tp2_pp2",), ("model=hf/tiny-llama", "parallel=tp2_pp2"),
+     ("model=hf/tiny-llama", "parallel=dp2_tp2_pp2")],
+    ids=" ".join,
+)  # fmt: skip
+def test_correct_layout_passes(tmp_path, on_pool, capsys, overrides):
+    assert verify_run(tmp_path, *overrides) == 0
     assert "PASS" in capsys.readouterr().out
     result = report(tmp_path)
     assert result["passed"] is True

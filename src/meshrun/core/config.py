@@ -8,6 +8,7 @@ so they never import Hydra.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -45,13 +46,23 @@ LoggerMode = _choice("LoggerMode", "auto", "online", "offline", "disabled")
 FailMode = _choice("FailMode", "raise", "hang")
 DeviceType = _choice("DeviceType", "cpu", "cuda")
 StartMethod = _choice("StartMethod", "spawn", "fork", "forkserver")
+ModelKind = _choice("ModelKind", "meshrun", "hf")
 
 
 @dataclass
 class ModelConfig:
-    """A LLaMA-style decoder; `ffn_dim` None means SwiGLU's 8/3*dim rounded to `multiple_of`."""
+    """What every model has: its preset's name, and its kind, which picks the schema below
+    (conf/model/<name>.yaml selects it: `- meshrun_schema`, `- /model/hf_schema@_here_`)."""
 
     name: str = MISSING
+    kind: ModelKind = ModelKind["meshrun"]
+
+
+@dataclass
+class LlamaModelConfig(ModelConfig):
+    """kind=meshrun: meshrun's own LLaMA-style decoder; `ffn_dim` None means SwiGLU's 8/3*dim
+    rounded to `multiple_of`."""
+
     dim: int = MISSING
     n_layers: int = MISSING
     n_heads: int = MISSING
@@ -62,6 +73,22 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
+
+
+@dataclass
+class HFModelConfig(ModelConfig):
+    """kind=hf: a Hugging Face transformers causal LM, built from its config on the meta
+    device (no hub): `architecture` is the transformers class (LlamaForCausalLM), `config` the
+    fields of its config class that differ from that class's defaults. `pretrained`: a local
+    directory of save_pretrained's files (config.json and safetensors) to load weights from."""
+
+    kind: ModelKind = ModelKind["hf"]
+    architecture: str = MISSING
+    config: dict[str, Any] = field(default_factory=dict)
+    pretrained: str | None = None
+
+
+MODEL_SCHEMAS: dict[str, type[ModelConfig]] = {"meshrun": LlamaModelConfig, "hf": HFModelConfig}
 
 
 @dataclass
@@ -254,7 +281,8 @@ class PlanConfig:
 
 @dataclass
 class ExperimentConfig:
-    model: ModelConfig = MISSING
+    # A schema of MODEL_SCHEMAS (by `kind`), as `launcher` below.
+    model: Any = MISSING
     parallel: ParallelConfig = MISSING
     backend: BackendConfig = MISSING
     hardware: HardwareConfig = MISSING
@@ -276,11 +304,15 @@ class ExperimentConfig:
 
 
 def rebuild(schema: type, data: dict[str, Any]) -> Any:
-    """`schema` typed again from a plain dict; the launcher by its `name`'s schema."""
+    """`schema` typed again from a plain dict; the launcher by its `name`'s schema, the
+    model (where the schema has one) by its `kind`'s."""
     base = OmegaConf.structured(schema)
     launcher = (data.get("launcher") or {}).get("name", "local")  # local: as if unnamed
     # an unknown name keeps the common fields, so validation can name the launcher
     base.launcher = OmegaConf.structured(LAUNCHER_SCHEMAS.get(launcher, LauncherConfig))
+    if any(f.name == "model" for f in dataclasses.fields(schema)):
+        kind = (data.get("model") or {}).get("kind", "meshrun")
+        base.model = OmegaConf.structured(MODEL_SCHEMAS[kind])
     return OmegaConf.to_object(OmegaConf.merge(base, data))
 
 

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from hydra.core.config_store import ConfigStore
 
-from meshrun.core.config import ExperimentConfig, LocalLauncherConfig, SlurmLauncherConfig
+from meshrun.core.config import (
+    ExperimentConfig,
+    HFModelConfig,
+    LlamaModelConfig,
+    LocalLauncherConfig,
+    SlurmLauncherConfig,
+)
 from meshrun.core.tool_config import (
     CommRunConfig,
     DoctorRunConfig,
@@ -30,6 +36,8 @@ ROOT_SCHEMAS = {
 }
 # group "launcher": the schema a conf/launcher/<name>.yaml selects
 LAUNCHER_SCHEMA_NAMES = {"local_schema": LocalLauncherConfig, "slurm_schema": SlurmLauncherConfig}
+# group "model": the schema of a model kind (conf/model/hf/<name>.yaml: `/model/hf_schema@_here_`)
+MODEL_SCHEMA_NAMES = {"meshrun_schema": LlamaModelConfig, "hf_schema": HFModelConfig}
 
 
 def register_schemas(store: ConfigStore | None = None) -> ConfigStore:
@@ -38,4 +46,6 @@ def register_schemas(store: ConfigStore | None = None) -> ConfigStore:
         store.store(group="schema", name=name, node=node, package="_global_")
     for name, node in LAUNCHER_SCHEMA_NAMES.items():
         store.store(group="launcher", name=name, node=node)
+    for name, node in MODEL_SCHEMA_NAMES.items():
+        store.store(group="model", name=name, node=node)
     return store

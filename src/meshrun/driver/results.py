@@ -18,7 +18,7 @@ from meshrun.plan.speed import predict_speed
 from meshrun.rank.metrics.flops import flops_per_token, mfu, peak_flops
 from meshrun.rank.metrics.memory import MEMORY_CATEGORIES
 from meshrun.rank.metrics.throughput import summarize_steps
-from meshrun.rank.models.llama import build_model, count_params
+from meshrun.rank.models import build_model, count_params, model_shape
 from meshrun.rank.parallel.pipeline import theoretical_bubble
 
 
@@ -89,7 +89,7 @@ def assemble(
     specs = [device_for_rank(cfg.hardware.devices, i) for i in range(devices)]
     peak = peak_flops(specs, t.precision)
     tokens_per_s = timing["tokens_per_s"]
-    per_token = flops_per_token(cfg.model, matmul, t.seq_len)
+    per_token = flops_per_token(model_shape(cfg.model), matmul, t.seq_len)
     if baseline is None and is_own_baseline(cfg):
         baseline = RunRecord(run_id=meta["run_id"], tokens_per_s=tokens_per_s)
     baseline_tps = baseline.tokens_per_s if baseline else None

@@ -15,6 +15,7 @@ from meshrun.core.layout import Layout
 from meshrun.plan.candidate import Candidate, evaluate, host_flops, legal
 from meshrun.plan.speed import predict_speed
 from meshrun.plan.split import uneven_variant
+from meshrun.rank.models import model_shape
 
 # (schedule, stages_per_rank)
 SCHEDULE_CHOICES = (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2))
@@ -63,7 +64,7 @@ def search(cfg: ExperimentConfig, world: int, facts: HostFacts) -> list[Candidat
     """Ranked candidates; a layout that does not fit is retried with full activation
     checkpointing, and pipelines on mixed boxes get an uneven split as well."""
     candidates = []
-    for degrees in layout_grid(world, cfg.model.n_layers):
+    for degrees in layout_grid(world, model_shape(cfg.model).n_layers):
         resolved = legal(with_parallel(cfg, world, **degrees), facts)
         if resolved is None:
             continue

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from meshrun.core.config import ExperimentConfig, ModelConfig, ParallelConfig
 from meshrun.core.layout import Layout, n_microbatches
+from meshrun.rank.models import model_shape
 from meshrun.rank.models.llama import ffn_dim, kv_heads
 from meshrun.rank.parallel.pipeline import local_stage_ids, stage_layer_counts
 
@@ -26,7 +27,8 @@ class Dims:
     tied: bool
 
     @classmethod
-    def of(cls, model: ModelConfig) -> Dims:
+    def of(cls, model_cfg: ModelConfig) -> Dims:
+        model = model_shape(model_cfg)
         head_dim = model.dim // model.n_heads
         return cls(model.dim, kv_heads(model) * head_dim, ffn_dim(model), model.n_heads,
                    model.vocab_size, model.n_layers, model.tie_embeddings)  # fmt: skip
@@ -46,7 +48,7 @@ def stage_shares(model: ModelConfig, parallel: ParallelConfig, layout: Layout) -
     """One entry per pp rank."""
     stages_per_rank = parallel.stages_per_rank if layout.pp > 1 else 1
     n_stages = layout.pp * stages_per_rank
-    counts = stage_layer_counts(model.n_layers, n_stages, parallel.pp_layers or None)
+    counts = stage_layer_counts(model_shape(model).n_layers, n_stages, parallel.pp_layers or None)
     shares = []
     for pp_rank in range(layout.pp):
         ids = local_stage_ids(pp_rank, layout.pp, stages_per_rank)

@@ -36,6 +36,7 @@ from meshrun.plan.shapes import (
     stage_shares,
 )
 from meshrun.rank.metrics.flops import flops_per_token
+from meshrun.rank.models import model_shape
 from meshrun.rank.parallel.pipeline import theoretical_bubble
 
 GB = 1e9
@@ -84,7 +85,7 @@ def predict_speed(cfg: ExperimentConfig, host_flops: float | None = None) -> Spe
     d = Dims.of(cfg.model)
     total = local_param_elements(d, StageShare(d.layers, True, True, 1), 1, 1)
     matmul = total if d.tied else total - d.vocab * d.h  # the embedding lookup is no matmul
-    per_token = flops_per_token(cfg.model, matmul, t.seq_len)
+    per_token = flops_per_token(model_shape(cfg.model), matmul, t.seq_len)
     if cfg.parallel.activation_checkpointing == "full":
         per_token *= 4 / 3
     tokens_dp_rank = t.global_batch_size * t.seq_len / layout.dp_size

@@ -10,6 +10,7 @@ from meshrun.core.config import DeviceSpec, ExperimentConfig
 from meshrun.core.hardware import HostFacts, device_for_rank
 from meshrun.core.layout import Layout
 from meshrun.plan.candidate import Candidate, evaluate, legal
+from meshrun.rank.models import model_shape
 
 GiB = 2**30
 
@@ -51,9 +52,10 @@ def uneven_variant(candidate: Candidate, facts: HostFacts) -> Candidate | None:
     if len({d.name for d in devices}) == 1:
         return None
     weights = [d.peak_tflops.get(cfg.train.precision, 1.0) for d in devices]
-    counts = proportional(cfg.model.n_layers, weights)
+    n_layers = model_shape(cfg.model).n_layers
+    counts = proportional(n_layers, weights)
     trial = None
-    for _ in range(cfg.model.n_layers):
+    for _ in range(n_layers):
         parallel = dataclasses.replace(p, pp_layers=counts)
         resolved = legal(dataclasses.replace(cfg, parallel=parallel), facts)
         if resolved is None:

@@ -20,7 +20,7 @@ from meshrun.rank.failures import record_failure
 from meshrun.rank.mesh import build_mesh, dp_group, init_distributed, pp_group, select_device
 from meshrun.rank.metrics.bubble import bubble_per_rank
 from meshrun.rank.metrics.memory import MemoryMeter, ModelState
-from meshrun.rank.models.llama import build_model
+from meshrun.rank.models import build_model, model_shape
 from meshrun.rank.parallel import parallelize
 from meshrun.rank.progress import rank_progress
 from meshrun.rank.train.data import LocalBatches, build_dataset
@@ -106,10 +106,11 @@ def _train(
         tc.seed,
         torch.bfloat16 if bf16 else torch.float32,
         n_microbatches(cfg),
+        getattr(cfg.model, "pretrained", None),
     )
     optimizer = build_optimizer(model, tc)
     batches = LocalBatches(
-        build_dataset(cfg.data, cfg.model.vocab_size, tc.seed),
+        build_dataset(cfg.data, model_shape(cfg.model).vocab_size, tc.seed),
         tc.global_batch_size,
         tc.seq_len,
         dp_rank(layout, rank),

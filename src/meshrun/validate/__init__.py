@@ -17,6 +17,7 @@ import torch.distributed as dist
 from meshrun.core.config import ExperimentConfig, HardwareConfig
 from meshrun.core.errors import choice, fail, positive
 from meshrun.core.hardware import HostFacts, resolve_hardware
+from meshrun.rank.models import model_shape
 from meshrun.validate.launcher import check_debug
 from meshrun.validate.layout import (
     check_batch,
@@ -24,13 +25,14 @@ from meshrun.validate.layout import (
     resolve_layout,
     resolve_pipeline,
 )
+from meshrun.validate.model import check_model
 from meshrun.validate.slurm import check_slurm
 
 
 def check_experiment(cfg: ExperimentConfig) -> None:
     """The rules that hold whatever the layout (checked before one is searched for)."""
     _check_train(cfg)
-    _check_model(cfg)
+    check_model(cfg.model)
     _check_data(cfg)
     _check_plan(cfg)
     choice("logger.name", cfg.logger.name, ("wandb", "none"))
@@ -94,34 +96,6 @@ def _check_train(cfg: ExperimentConfig) -> None:
         fail("train.weight_decay", t.weight_decay, "must not be negative", "a number >= 0")
 
 
-def _check_model(cfg: ExperimentConfig) -> None:
-    m = cfg.model
-    for key in ("dim", "n_layers", "n_heads", "vocab_size"):
-        positive(f"model.{key}", getattr(m, key))
-    if m.dim % m.n_heads:
-        fail(
-            "model.n_heads",
-            m.n_heads,
-            f"does not divide model.dim ({m.dim})",
-            f"a divisor of {m.dim}",
-        )
-    if (m.dim // m.n_heads) % 2:
-        fail(
-            "model.n_heads",
-            m.n_heads,
-            f"head dim {m.dim // m.n_heads} is odd; RoPE rotates pairs",
-            "n_heads giving an even dim / n_heads",
-        )
-    kv = m.n_kv_heads or m.n_heads
-    if kv <= 0 or m.n_heads % kv:
-        fail(
-            "model.n_kv_heads",
-            m.n_kv_heads,
-            f"must divide model.n_heads ({m.n_heads})",
-            f"a divisor of {m.n_heads}, or null for n_heads",
-        )
-
-
 def _check_data(cfg: ExperimentConfig) -> None:
     choice("data.name", cfg.data.name, ("synthetic", "text"))
     if cfg.data.name != "text":
@@ -136,10 +110,10 @@ def _check_data(cfg: ExperimentConfig) -> None:
             f"file is shorter than train.seq_len + 1 ({cfg.train.seq_len + 1} bytes)",
             "a longer file or a smaller seq_len",
         )
-    if cfg.model.vocab_size < 256:
+    if model_shape(cfg.model).vocab_size < 256:
         fail(
             "model.vocab_size",
-            cfg.model.vocab_size,
+            model_shape(cfg.model).vocab_size,
             "data=text uses byte tokens (256 values)",
             ">= 256",
         )

@@ -12,6 +12,7 @@ from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import fail
 from meshrun.core.hardware import HostFacts
 from meshrun.core.layout import MESH_DIMS, Layout, n_microbatches
+from meshrun.rank.models import model_shape
 from meshrun.rank.models.llama import ffn_dim
 from meshrun.rank.parallel.pipeline import MULTI_STAGE_SCHEDULES, stage_layer_counts
 from meshrun.rank.parallel.tensor import resolve_tp_plan
@@ -100,7 +101,7 @@ def check_batch(cfg: ExperimentConfig) -> None:
 
 
 def check_tensor_parallel(cfg: ExperimentConfig) -> None:
-    p, m = cfg.parallel, cfg.model
+    p, m = cfg.parallel, model_shape(cfg.model)
     if p.sequence_parallel and p.tp == 1:
         fail(
             "parallel.sequence_parallel",
@@ -174,24 +175,25 @@ def resolve_pipeline(cfg: ExperimentConfig) -> ExperimentConfig:
             f"1, or schedule in {MULTI_STAGE_SCHEDULES}",
         )
     stages = p.pp * p.stages_per_rank
-    if cfg.model.n_layers < stages:
+    n_layers = model_shape(cfg.model).n_layers
+    if n_layers < stages:
         fail(
             "parallel.pp",
             p.pp,
-            f"{stages} pipeline stages but model.n_layers is {cfg.model.n_layers}",
-            f"at most {cfg.model.n_layers} stages in all",
+            f"{stages} pipeline stages but the model has {n_layers} layers",
+            f"at most {n_layers} stages in all",
         )
     if p.pp_layers and (
-        len(p.pp_layers) != stages or sum(p.pp_layers) != cfg.model.n_layers or min(p.pp_layers) < 1
+        len(p.pp_layers) != stages or sum(p.pp_layers) != n_layers or min(p.pp_layers) < 1
     ):
         fail(
             "parallel.pp_layers",
             list(p.pp_layers),
             f"needs {stages} entries (one per "
-            f"stage), each >= 1, adding up to model.n_layers ({cfg.model.n_layers})",
-            f"e.g. {stage_layer_counts(cfg.model.n_layers, stages, None)}",
+            f"stage), each >= 1, adding up to the model's {n_layers} layers",
+            f"e.g. {stage_layer_counts(n_layers, stages, None)}",
         )
-    if cfg.model.tie_embeddings:
+    if model_shape(cfg.model).tie_embeddings:
         fail(
             "model.tie_embeddings",
             True,

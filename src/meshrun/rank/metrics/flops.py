@@ -7,10 +7,10 @@ FLOPs per token for a training step (forward + backward) follow PaLM's appendix 
 
 from __future__ import annotations
 
-from meshrun.core.config import DeviceSpec, ModelConfig
+from meshrun.core.config import DeviceSpec, LlamaModelConfig
 
 
-def flops_per_token(cfg: ModelConfig, matmul_params: int, seq_len: int) -> float:
+def flops_per_token(cfg: LlamaModelConfig, matmul_params: int, seq_len: int) -> float:
     return 6.0 * matmul_params + 12.0 * cfg.n_layers * cfg.dim * seq_len
 
 

@@ -1,1 +1,52 @@
-"""The model family; sizes are presets in conf/model."""
+"""The models a layout can train: meshrun's own LLaMA-style decoder (llama.py, sizes in
+conf/model) and Hugging Face transformers causal LMs (hf.py, conf/model/hf; the optional
+extra meshrun[hf]). Both present the same parts to the layouts: `tok_embeddings`, `layers`
+by global index, `norm`, `output`, with `tp_plan()`, `init_weights(seed)` and `to_empty`."""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import asdict
+
+import torch
+from torch import nn
+
+from meshrun.core.config import HFModelConfig, LlamaModelConfig, ModelConfig
+from meshrun.rank.models.llama import build_llama
+
+
+def build_model(cfg: ModelConfig, max_seq_len: int, device: torch.device | str) -> nn.Module:
+    """Build on `device`; on "meta" nothing is allocated (shape and size questions only)."""
+    if isinstance(cfg, HFModelConfig):
+        from meshrun.rank.models import hf  # noqa: PLC0415 (optional dependency: meshrun[hf])
+
+        return hf.build_hf(cfg, device)
+    return build_llama(cfg, max_seq_len, device)
+
+
+def model_shape(cfg: ModelConfig) -> LlamaModelConfig:
+    """The LLaMA-style sizes the layout rules and the analytic planner compute with."""
+    if isinstance(cfg, HFModelConfig):
+        return _hf_shape(json.dumps(asdict(cfg), sort_keys=True))
+    return cfg
+
+
+@functools.cache
+def _hf_shape(cfg_json: str) -> LlamaModelConfig:
+    from meshrun.rank.models import hf  # noqa: PLC0415 (optional dependency: meshrun[hf])
+
+    return hf.llama_shape(HFModelConfig(**json.loads(cfg_json)))
+
+
+def count_params(model: nn.Module) -> tuple[int, int]:
+    """(total, in matmuls): the second is N in 6N FLOPs per token; an embedding lookup is no
+    matmul, but a tied embedding is also the output head, which is."""
+    total = sum(p.numel() for p in model.parameters())
+    head = getattr(model, "output", None)
+    lookups = {
+        id(m.weight): m.weight.numel()
+        for m in model.modules()
+        if isinstance(m, nn.Embedding) and (head is None or m.weight is not head.weight)
+    }
+    return total, total - sum(lookups.values())

@@ -12,17 +12,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshrun.core.config import ModelConfig
+from meshrun.core.config import LlamaModelConfig
+from meshrun.rank.models.init import seeded_normal
 
 
-def ffn_dim(cfg: ModelConfig) -> int:
+def ffn_dim(cfg: LlamaModelConfig) -> int:
     if cfg.ffn_dim is not None:
         return cfg.ffn_dim
     hidden = int(2 * (4 * cfg.dim) / 3)
     return cfg.multiple_of * math.ceil(hidden / cfg.multiple_of)
 
 
-def kv_heads(cfg: ModelConfig) -> int:
+def kv_heads(cfg: LlamaModelConfig) -> int:
     return cfg.n_kv_heads or cfg.n_heads
 
 
@@ -41,7 +42,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: LlamaModelConfig) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
         self.n_kv_heads = kv_heads(cfg)
@@ -66,7 +67,7 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: LlamaModelConfig) -> None:
         super().__init__()
         hidden = ffn_dim(cfg)
         self.w1 = nn.Linear(cfg.dim, hidden, bias=False)
@@ -78,7 +79,7 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: LlamaModelConfig) -> None:
         super().__init__()
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = Attention(cfg)
@@ -91,7 +92,7 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_seq_len: int) -> None:
+    def __init__(self, cfg: LlamaModelConfig, max_seq_len: int) -> None:
         super().__init__()
         self.cfg = cfg
         self.max_seq_len = max_seq_len
@@ -122,14 +123,29 @@ class Transformer(nn.Module):
             return h
         return self.output(self.norm(h))
 
+    def tp_plan(self) -> dict[str, str]:
+        """Attention: q/k/v column-wise (each rank owns n_heads/tp heads), output row-wise;
+        MLP: gate and up column-wise, down row-wise (parallel/tensor.py's styles)."""
+        return {
+            "tok_embeddings": "embedding",
+            "norm": "sequence_parallel",
+            "output": "head",
+            "layers.*.attention_norm": "sequence_parallel",
+            "layers.*.attention": "gather_input",
+            "layers.*.attention.wq": "colwise",
+            "layers.*.attention.wk": "colwise",
+            "layers.*.attention.wv": "colwise",
+            "layers.*.attention.wo": "rowwise",
+            "layers.*.ffn_norm": "sequence_parallel",
+            "layers.*.feed_forward": "gather_input",
+            "layers.*.feed_forward.w1": "colwise",
+            "layers.*.feed_forward.w3": "colwise",
+            "layers.*.feed_forward.w2": "rowwise",
+        }
+
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Same seed, same weights, whatever the device or layout that follows.
-
-        Each parameter draws from its own generator seeded by (seed, its name), so the
-        values do not depend on creation order, on which layers a pipeline stage keeps, or
-        on the device (draws happen on CPU, then are copied).
-        """
+        """Same seed, same weights, whatever the device or layout that follows (init.py)."""
         device = self.rope_cos.device
         cos, sin = rope_tables(
             self.cfg.dim // self.cfg.n_heads, self.max_seq_len, self.cfg.rope_theta
@@ -141,30 +157,10 @@ class Transformer(nn.Module):
                 param.fill_(1.0)
                 continue
             std = 0.02 * (depth_scale if name.endswith(("wo.weight", "w2.weight")) else 1.0)
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + _stable_hash(name))
-            values = torch.empty(param.shape, dtype=torch.float32)
-            values.normal_(0.0, std, generator=gen)
-            param.copy_(values)
+            param.copy_(seeded_normal(seed, name, param.shape, std))
 
 
-def _stable_hash(name: str) -> int:
-    """Python's hash() is salted per process; ranks need the same number for the same name."""
-    value = 0
-    for char in name.encode():
-        value = (value * 131 + char) % 2_147_483_647
-    return value
-
-
-def build_model(cfg: ModelConfig, max_seq_len: int, device: torch.device | str) -> Transformer:
+def build_llama(cfg: LlamaModelConfig, max_seq_len: int, device: torch.device | str) -> Transformer:
     """Build on `device`; on "meta" nothing is allocated (shape and size questions only)."""
     with torch.device(device):
         return Transformer(cfg, max_seq_len)
-
-
-def count_params(model: Transformer) -> tuple[int, int]:
-    """(total, in matmuls): the second is N in 6N FLOPs per token; the embedding lookup is
-    no matmul, but a tied embedding is also the output head, which is."""
-    total = sum(p.numel() for p in model.parameters())
-    if model.cfg.tie_embeddings or model.tok_embeddings is None:
-        return total, total
-    return total, total - model.tok_embeddings.weight.numel()

@@ -20,7 +20,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from meshrun.core.config import ParallelConfig
 from meshrun.core.layout import Layout
-from meshrun.rank.models.llama import Transformer
 from meshrun.rank.parallel.checkpointing import apply_activation_checkpointing
 from meshrun.rank.parallel.dataparallel import apply_dataparallel
 from meshrun.rank.parallel.ddp import apply_ddp
@@ -53,7 +52,7 @@ class ParallelModel:
 
 
 def parallelize(
-    model: Transformer,
+    model: nn.Module,
     mesh: DeviceMesh | None,
     layout: Layout,
     cfg: ParallelConfig,
@@ -61,21 +60,26 @@ def parallelize(
     seed: int,
     param_dtype: torch.dtype,
     n_microbatches: int = 1,
+    pretrained: str | None = None,
 ) -> ParallelModel:
-    """`model` is the full model on the meta device; returns this rank's materialised share.
+    """`model` is the full model on the meta device (rank/models); returns this rank's
+    materialised share, its weights seeded or read from `pretrained` (a local HF directory).
     `n_microbatches`: a pipeline's per step (core.layout.n_microbatches)."""
     stage_ids = [0]
     n_stages = 1
     parts = [model]
     if layout.pp > 1:
         n_stages = layout.pp * cfg.stages_per_rank
-        counts = stage_layer_counts(model.cfg.n_layers, n_stages, cfg.pp_layers)
+        counts = stage_layer_counts(len(model.layers), n_stages, cfg.pp_layers)
         stage_ids = local_stage_ids(mesh.get_local_rank("pp"), layout.pp, cfg.stages_per_rank)
         parts = [cut_stage(model, stage, counts) for stage in stage_ids]
     wrapped = []
     for part in parts:
         part.to_empty(device=device)
-        part.init_weights(seed)
+        if pretrained is None:
+            part.init_weights(seed)
+        else:
+            part.load_pretrained(pretrained)
         if layout.tp > 1:
             resolve_tp_plan(cfg.tp_plan)(part, mesh["tp"], cfg.sequence_parallel)
         apply_activation_checkpointing(part, cfg.activation_checkpointing)

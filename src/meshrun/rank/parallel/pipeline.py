@@ -27,7 +27,6 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from meshrun.core.config import ParallelConfig, Schedule
-from meshrun.rank.models.llama import Transformer
 
 # Keyed by the config's enum, which is the one list of schedule names (tests check they agree).
 SCHEDULES = {
@@ -52,7 +51,7 @@ def local_stage_ids(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
     return [pp_rank + i * pp for i in range(stages_per_rank)]
 
 
-def cut_stage(full: Transformer, stage: int, counts: list[int]) -> Transformer:
+def cut_stage(full: nn.Module, stage: int, counts: list[int]) -> nn.Module:
     """A copy of the (meta) model holding only `stage`'s layers and ends."""
     first = sum(counts[:stage])
     keep = {str(i) for i in range(first, first + counts[stage])}

@@ -1,23 +1,28 @@
-"""Megatron-style tensor parallelism with torch.distributed.tensor.parallel.
+"""Megatron-style tensor parallelism with torch.distributed.tensor.parallel, from a plan.
 
-Attention: q/k/v column-wise (each rank owns n_heads/tp heads), output row-wise. MLP: gate and
-up column-wise, down row-wise. One all-reduce per sub-block in forward and backward. The
-embedding is sharded over the vocabulary (row-wise) and the output head column-wise with its
-logits gathered. With sequence parallelism the norms and residual stream are sharded over
-the sequence instead of replicated, turning each all-reduce into reduce-scatter + all-gather.
+A TP plan maps module-name patterns (`*` matches one name, as in transformers'
+`base_model_tp_plan`) to a style: `colwise` (output features sharded: q/k/v, gate and up),
+`rowwise` (input features sharded, output all-reduced: attention output, down), `embedding`
+(sharded over the vocabulary), `head` (vocabulary-sharded logits, gathered), and for
+sequence parallelism `sequence_parallel` (a norm computed on its sequence shard) and
+`gather_input` (a sub-block whose input is all-gathered over the sequence first). Written
+once, a plan serves both modes: without SP the last two are no-ops and the residual stream
+is replicated; with SP it is sharded over the sequence, each all-reduce becoming a
+reduce-scatter + all-gather. A value may also be a ParallelStyle, used as it is.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from fnmatch import fnmatch
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
-    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -25,56 +30,78 @@ from torch.distributed.tensor.parallel import (
 
 from meshrun.core.imports import import_target
 
+TP_STYLES = ("colwise", "rowwise", "embedding", "head", "sequence_parallel", "gather_input")
+TpPlan = Callable[[nn.Module, DeviceMesh, bool], None]
+
+
+class GatherSequence(ParallelStyle):
+    """The module's input (first positional, or `hidden_states=`), sequence-sharded, is
+    all-gathered before it runs: Megatron's g before a column-parallel block."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gather(x: torch.Tensor) -> torch.Tensor:
+            # a SequenceParallel norm hands on a DTensor, the residual stream a local shard
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, [Shard(1)], run_check=False)
+            return x.redistribute(device_mesh, [Replicate()]).to_local()
+
+        def hook(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if args:
+                return (gather(args[0]), *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": gather(kwargs["hidden_states"])}
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+def parallel_styles(
+    plan: dict[str, str | ParallelStyle], sequence_parallel: bool
+) -> dict[str, ParallelStyle]:
+    """The torch styles of a plan in one mode (see the module docstring)."""
+    residual = Shard(1) if sequence_parallel else Replicate()
+    styles: dict[str, ParallelStyle] = {}
+    for pattern, style in plan.items():
+        if isinstance(style, ParallelStyle):
+            styles[pattern] = style
+        elif style == "colwise":
+            styles[pattern] = ColwiseParallel()
+        elif style == "rowwise":
+            styles[pattern] = RowwiseParallel(output_layouts=residual)
+        elif style == "embedding":
+            styles[pattern] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+        elif style == "head":
+            styles[pattern] = ColwiseParallel(input_layouts=residual, output_layouts=Replicate())
+        elif style == "sequence_parallel":
+            if sequence_parallel:
+                styles[pattern] = SequenceParallel()
+        elif style == "gather_input":
+            if sequence_parallel:
+                styles[pattern] = GatherSequence()
+        else:
+            raise ValueError(f"{pattern}: unknown TP style {style!r} (one of {TP_STYLES})")
+    return styles
+
 
 def apply_tp(
     model: nn.Module,
     tp_mesh: DeviceMesh,
     sequence_parallel: bool,
-    block_overrides: dict[str, ParallelStyle] | None = None,
+    block_overrides: dict[str, str | ParallelStyle] | None = None,
 ) -> None:
-    """Shard `model` in place over `tp_mesh` (a pipeline stage may lack embedding/head).
+    """Shard `model` in place over `tp_mesh` by its own plan (`model.tp_plan()`); a pipeline
+    stage lacks some of the modules it names, which are skipped.
 
     `block_overrides` replaces entries of each block's plan (keys like "attention.wo"): a
     user's plan that differs in a few layers calls this instead of restating the rest."""
-    residual = Shard(1) if sequence_parallel else Replicate()
-    outer: dict = {}
-    if model.tok_embeddings is not None:
-        outer["tok_embeddings"] = RowwiseParallel(
-            input_layouts=Replicate(), output_layouts=residual
-        )
-    if model.output is not None:
-        outer["output"] = ColwiseParallel(input_layouts=residual, output_layouts=Replicate())
-        if sequence_parallel:
-            outer["norm"] = SequenceParallel()
-    parallelize_module(model, tp_mesh, outer)
-    for block in model.layers.values():
-        plan: dict = {
-            "attention": PrepareModuleInput(
-                input_layouts=(residual, None, None),
-                desired_input_layouts=(Replicate(), None, None),
-            ),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=residual),
-            "feed_forward": PrepareModuleInput(
-                input_layouts=(residual,), desired_input_layouts=(Replicate(),)
-            ),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=residual),
-        }
-        if sequence_parallel:
-            plan["attention_norm"] = SequenceParallel()
-            plan["ffn_norm"] = SequenceParallel()
-        parallelize_module(block, tp_mesh, {**plan, **(block_overrides or {})})
-
-
-TpPlan = Callable[[nn.Module, DeviceMesh, bool], None]
+    plan = {**model.tp_plan(), **{f"layers.*.{k}": v for k, v in (block_overrides or {}).items()}}
+    names = [name for name, _ in model.named_modules()]
+    held = {k: v for k, v in plan.items() if any(fnmatch(name, k) for name in names)}
+    parallelize_module(model, tp_mesh, parallel_styles(held, sequence_parallel))
+    model.seq_shards = tp_mesh.size() if sequence_parallel else 1
 
 
 def resolve_tp_plan(path: str | None) -> TpPlan:
-    """The built-in plan, or a user's "package.module:function" with apply_tp's signature."""
+    """The model's own plan, or a user's "package.module:function" with apply_tp's signature."""
     if path is None:
         return apply_tp
     plan = import_target(path)

@@ -1,0 +1,207 @@
+"""Hugging Face transformers causal LMs, as meshrun's layouts see a decoder.
+
+The transformers model is built from its config on the meta device (no hub), then taken
+apart into what a layout needs, under the names meshrun's own decoder uses: the token
+embedding `tok_embeddings`, the decoder layers `layers` keyed by their global index (a
+pipeline stage drops those it does not own and names stay stable), the final `norm` and the
+head `output`. Which modules those are comes from the model's own `base_model_pp_plan` (its
+first entry the embedding, then the layer list, its last entry the final norm) and its output
+embeddings; the TP plan from its `base_model_tp_plan`. The forward is the base model's,
+unrolled: embed, the rotary position embeddings, each layer with the causal mask left to
+SDPA (no padding in training windows), norm, head.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import transformers
+from safetensors import safe_open
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+
+from meshrun.core.config import HFModelConfig, LlamaModelConfig
+from meshrun.rank.models.init import seeded_normal
+
+SAFETENSORS = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def model_class(architecture: str) -> type[PreTrainedModel]:
+    cls = getattr(transformers, architecture, None)
+    if not (isinstance(cls, type) and issubclass(cls, PreTrainedModel)):
+        raise ValueError(f"transformers has no model class {architecture!r}")
+    return cls
+
+
+def hf_config(cfg: HFModelConfig) -> PretrainedConfig:
+    """The architecture's config class with the preset's fields over its defaults."""
+    return model_class(cfg.architecture).config_class(**cfg.config)
+
+
+def pretrained_config(directory: str) -> dict:
+    return json.loads((Path(directory) / "config.json").read_text())
+
+
+def stage_names(config: PretrainedConfig) -> tuple[str, str, str]:
+    """(embedding, layer list, final norm) attribute names of the base model."""
+    plan = list(getattr(config, "base_model_pp_plan", None) or {})
+    if len(plan) < 3:
+        raise ValueError(f"{type(config).__name__} has no base_model_pp_plan to cut by")
+    return plan[0], plan[1], plan[-1]
+
+
+def llama_shape(cfg: HFModelConfig) -> LlamaModelConfig:
+    """The LLaMA-style sizes of a Llama-family config (Llama, Qwen2, Mistral): what the
+    analytic planner and the layout rules compute with."""
+    c = hf_config(cfg)
+    return LlamaModelConfig(
+        name=cfg.name,
+        dim=c.hidden_size,
+        n_layers=c.num_hidden_layers,
+        n_heads=c.num_attention_heads,
+        n_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+        vocab_size=c.vocab_size,
+        ffn_dim=c.intermediate_size,
+        norm_eps=getattr(c, "rms_norm_eps", 1e-5),
+        tie_embeddings=bool(c.tie_word_embeddings),
+    )
+
+
+class HFCausalLM(nn.Module):
+    def __init__(self, hf: PreTrainedModel) -> None:
+        super().__init__()
+        self.config = hf.config
+        embed, layers, norm = stage_names(hf.config)
+        base = hf.base_model
+        head = hf.get_output_embeddings()
+        [head_name] = [name for name, module in hf.named_children() if module is head]
+        prefix = hf.base_model_prefix
+        self.layers_name = layers
+        # our name -> its name in the transformers model (and so in its checkpoints)
+        self.source_prefixes = {
+            "tok_embeddings.": f"{prefix}.{embed}.",
+            "layers.": f"{prefix}.{layers}.",
+            "norm.": f"{prefix}.{norm}.",
+            "output.": f"{head_name}.",
+        }
+        self.tok_embeddings = getattr(base, embed)
+        self.layers = nn.ModuleDict(
+            {str(i): layer for i, layer in enumerate(getattr(base, layers))}
+        )
+        self.norm = getattr(base, norm)
+        self.output = head
+        self.rotary_emb = getattr(base, "rotary_emb", None)
+        self.tied = bool(hf.config.tie_word_embeddings)
+        self.seq_shards = 1  # sequence shards of a stage's input under SP (set by apply_tp)
+        self._tie()
+
+    def _tie(self) -> None:
+        if self.tied and self.output is not None and self.tok_embeddings is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> HFCausalLM:
+        """Materialise (from meta) keeping a tied head tied (to_empty gives each its own)."""
+        super().to_empty(device=device, recurse=recurse)
+        self._tie()
+        return self
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids -> logits; a pipeline stage without the embedding takes hidden states
+        (sequence-sharded under SP), one without the head returns them."""
+        if self.tok_embeddings is not None:
+            seq = tokens.shape[1]
+            h = self.tok_embeddings(tokens)
+        else:
+            h, seq = tokens, tokens.shape[1] * self.seq_shards
+        positions = torch.arange(seq, device=h.device).unsqueeze(0)
+        kwargs = {"attention_mask": None, "position_ids": positions}
+        if self.rotary_emb is not None:
+            kwargs["position_embeddings"] = self.rotary_emb(h, positions)
+        for layer in self.layers.values():
+            out = layer(h, **kwargs)
+            h = out[0] if isinstance(out, tuple) else out
+        if self.output is None:
+            return h
+        return self.output(self.norm(h))
+
+    def tp_plan(self) -> dict[str, str]:
+        """The model's `base_model_tp_plan` in parallel/tensor.py's styles, with what SP adds:
+        each block's norms sharded over the sequence, its column-wise sub-blocks gathering
+        their input first."""
+        plan = {"tok_embeddings": "embedding", "norm": "sequence_parallel", "output": "head"}
+        own = f"{self.layers_name}.*."
+        for pattern, style in (self.config.base_model_tp_plan or {}).items():
+            if not pattern.startswith(own) or style not in ("colwise", "rowwise"):
+                raise ValueError(
+                    f"{type(self.config).__name__}.base_model_tp_plan: {pattern}={style} is not "
+                    "a colwise/rowwise entry of its layers; set parallel.tp_plan"
+                )
+            key = "layers.*." + pattern.removeprefix(own)
+            if style == "colwise":
+                plan.setdefault(key.rsplit(".", 1)[0], "gather_input")
+            plan[key] = style
+        block = next(iter(self.layers.values()))
+        for name, child in block.named_children():
+            if "norm" in type(child).__name__.lower():
+                plan[f"layers.*.{name}"] = "sequence_parallel"
+        return plan
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Seeded normal(0, initializer_range) matrices (init.py), zero biases, unit norms:
+        transformers' own `_init_weights` scheme, layout-independent."""
+        std = getattr(self.config, "initializer_range", 0.02)
+        norms = {f"{n}." for n, m in self.named_modules() if "norm" in type(m).__name__.lower()}
+        for name, param in self.named_parameters():
+            if name.rsplit(".", 1)[0] + "." in norms:
+                param.fill_(1.0 if name.endswith("weight") else 0.0)
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                param.copy_(seeded_normal(seed, name, param.shape, std))
+        self._reset_buffers()
+
+    @torch.no_grad()
+    def load_pretrained(self, directory: str) -> None:
+        """This stage's tensors from a save_pretrained directory (sharded or not), each read
+        on its own (safetensors maps the file; nothing else is loaded)."""
+        root = Path(directory)
+        index = root / SAFETENSORS_INDEX
+        files = (
+            json.loads(index.read_text())["weight_map"]
+            if index.exists()
+            else dict.fromkeys(safe_open(root / SAFETENSORS, "pt").keys(), SAFETENSORS)
+        )
+        for name, param in self.named_parameters():
+            key = self.source_name(name)
+            with safe_open(root / files[key], "pt") as f:
+                param.copy_(f.get_tensor(key))
+        self._reset_buffers()
+
+    def source_name(self, name: str) -> str:
+        for ours, theirs in self.source_prefixes.items():
+            if name.startswith(ours):
+                return theirs + name.removeprefix(ours)
+        raise KeyError(name)
+
+    def _reset_buffers(self) -> None:
+        """Rotary tables are computed when the module is built, which on meta is nothing."""
+        if self.rotary_emb is None:
+            return
+        device = self.rotary_emb.inv_freq.device
+        with torch.device(device):
+            fresh = type(self.rotary_emb)(config=self.config)
+        for name, buffer in fresh.named_buffers():
+            self.rotary_emb.get_buffer(name).copy_(buffer)
+
+
+def build_hf(cfg: HFModelConfig, device: torch.device | str) -> HFCausalLM:
+    """Built on `device` (meta: nothing allocated) with SDPA attention, in float32."""
+    with torch.device(device):
+        hf = model_class(cfg.architecture)._from_config(
+            hf_config(cfg), attn_implementation="sdpa", dtype=torch.float32
+        )
+        return HFCausalLM(hf)

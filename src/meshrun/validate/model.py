@@ -1,0 +1,82 @@
+"""The model's rules: meshrun's own decoder's sizes; for a Hugging Face model, that
+transformers is installed, the architecture exists and can be cut into stages, every config
+key is one its config class has, and a `pretrained` directory matches the preset."""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+from pathlib import Path
+
+from meshrun.core.config import HFModelConfig, LlamaModelConfig, ModelConfig
+from meshrun.core.errors import fail, positive
+
+
+def check_model(m: ModelConfig) -> None:
+    if isinstance(m, HFModelConfig):
+        _check_hf(m)
+    else:
+        _check_llama(m)
+
+
+def _check_llama(m: LlamaModelConfig) -> None:
+    for key in ("dim", "n_layers", "n_heads", "vocab_size"):
+        positive(f"model.{key}", getattr(m, key))
+    if m.dim % m.n_heads:
+        fail("model.n_heads", m.n_heads, f"does not divide model.dim ({m.dim})",
+             f"a divisor of {m.dim}")  # fmt: skip
+    if (m.dim // m.n_heads) % 2:
+        fail("model.n_heads", m.n_heads, f"head dim {m.dim // m.n_heads} is odd; RoPE rotates "
+             "pairs", "n_heads giving an even dim / n_heads")  # fmt: skip
+    kv = m.n_kv_heads or m.n_heads
+    if kv <= 0 or m.n_heads % kv:
+        fail("model.n_kv_heads", m.n_kv_heads, f"must divide model.n_heads ({m.n_heads})",
+             f"a divisor of {m.n_heads}, or null for n_heads")  # fmt: skip
+
+
+def _check_hf(m: HFModelConfig) -> None:
+    if importlib.util.find_spec("transformers") is None:
+        fail("model.architecture", m.architecture, f"model={m.name} needs Hugging Face "
+             "transformers, which is not installed", "pip install 'meshrun[hf]'")  # fmt: skip
+    from meshrun.rank.models import hf  # noqa: PLC0415 (optional dependency: meshrun[hf])
+
+    try:
+        cls = hf.model_class(m.architecture)
+    except ValueError:
+        known = [n for n in dir(hf.transformers) if n.endswith("ForCausalLM")]
+        nearest = difflib.get_close_matches(m.architecture, known, n=3)
+        fail("model.architecture", m.architecture, "is not a transformers model class",
+             f"{' | '.join(nearest) or 'a *ForCausalLM class'} (nearest)")  # fmt: skip
+    defaults = cls.config_class().to_dict()
+    for key in m.config:
+        if key not in defaults:
+            nearest = difflib.get_close_matches(key, list(defaults), n=1)
+            fail(f"model.config.{key}", m.config[key], f"not a field of "
+                 f"{cls.config_class.__name__}", f"model.config.{nearest[0]} (nearest)"
+                 if nearest else "a field of the config class")  # fmt: skip
+    try:
+        hf.stage_names(hf.hf_config(m))
+    except ValueError as err:
+        fail("model.architecture", m.architecture, str(err), "a Llama-family architecture "
+             "(Llama, Qwen2, Mistral)")  # fmt: skip
+    if m.pretrained is not None:
+        _check_pretrained(m, hf.pretrained_config, defaults)
+
+
+def _check_pretrained(m: HFModelConfig, read_config, defaults: dict) -> None:
+    root = Path(m.pretrained)
+    if not (root / "config.json").is_file():
+        fail("model.pretrained", m.pretrained, "no config.json there",
+             "a directory written by save_pretrained")  # fmt: skip
+    if not any(root.glob("*.safetensors")):
+        fail("model.pretrained", m.pretrained, "no .safetensors weights there",
+             "save_pretrained(..., safe_serialization=True) output")  # fmt: skip
+    saved = read_config(m.pretrained)
+    if m.architecture not in saved.get("architectures", [m.architecture]):
+        fail("model.pretrained", m.pretrained, f"holds {saved['architectures']}, the preset is "
+             f"{m.architecture}", "a checkpoint of the preset's architecture")  # fmt: skip
+    for key, value in m.config.items():
+        if saved.get(key, defaults.get(key)) != value:
+            fail("model.pretrained", m.pretrained, f"its config.json has {key}="
+                 f"{saved.get(key)!r}, the preset {value!r}", f"model.config.{key}="
+                 f"{saved.get(key)!r}, or a checkpoint of this preset")  # fmt: skip

@@ -1,0 +1,153 @@
+"""Hugging Face transformers models (model=hf/...) under meshrun's layouts: meshrun's view of
+the model computes exactly transformers' own forward; every kind of layout trains it like one
+device; weights load from a local save_pretrained directory; config mistakes are refused
+with the key and the valid choices before anything runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from meshrun.core.errors import ConfigError
+from meshrun.core.hardware import HostFacts
+from meshrun.driver.experiment import measure
+from meshrun.driver.resolve import resolve
+from meshrun.rank.models import build_model, model_shape
+from meshrun.rank.models.hf import build_hf, model_class
+from meshrun.rank.train.data import LocalBatches, build_dataset
+from tests.helpers import compose_config
+from tests.ranks import config_in, losses
+
+STEPS = 6
+COMMON = (
+    "model=hf/tiny-llama", f"train.steps={STEPS}", "train.warmup_steps=1",
+    "train.global_batch_size=8", "train.micro_batch_size=2", "train.seq_len=64",
+    "train.seed=3", "metrics.baseline=false",
+)  # fmt: skip
+LAYOUTS = {
+    "ddp": ("parallel=ddp",),
+    "fsdp": ("parallel=fsdp",),
+    "hsdp": ("parallel=hsdp", "launcher.nproc_per_node=4"),
+    "tp2": ("parallel=tp2",),
+    "tp2_sequence_parallel": ("parallel=tp2", "parallel.sequence_parallel=true"),
+    "pp2_1f1b": ("parallel=pp2",),
+    "pp2_gpipe": ("parallel=pp2", "parallel.schedule=gpipe"),
+    "pp2_interleaved": ("parallel=pp2_interleaved",),
+    "tp2_pp2_sequence_parallel": ("parallel=tp2_pp2", "parallel.sequence_parallel=true"),
+    "dp2_tp2_pp2": ("parallel=dp2_tp2_pp2",),
+    "fsdp_selective_checkpointing": ("parallel=fsdp",
+                                     "parallel.activation_checkpointing=selective"),
+}  # fmt: skip
+
+
+def tiny_llama():
+    return compose_config("model=hf/tiny-llama").model
+
+
+def transformers_twin(model) -> torch.nn.Module:
+    """The transformers model itself with meshrun's view's weights."""
+    twin = model_class("LlamaForCausalLM")._from_config(model.config, attn_implementation="sdpa")
+    ours = {model.source_name(n): p for n, p in model.named_parameters()}
+    missing, _ = twin.load_state_dict(ours, strict=False)
+    assert set(missing) <= {"lm_head.weight"} if model.tied else not missing
+    return twin
+
+
+def test_meshrun_view_computes_transformers_own_forward():
+    model = build_hf(tiny_llama(), "cpu")
+    model.init_weights(seed=0)
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model(tokens)
+        theirs = transformers_twin(model)(input_ids=tokens).logits
+    assert ours.shape == (2, 32, 256)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_shape_and_plans_come_from_the_transformers_config():
+    cfg = compose_config("model=hf/llama-3.1-8b").model
+    shape = model_shape(cfg)
+    assert (shape.dim, shape.n_layers, shape.n_heads, shape.n_kv_heads) == (4096, 32, 32, 8)
+    assert (shape.ffn_dim, shape.vocab_size, shape.tie_embeddings) == (14336, 128256, False)
+    meta = build_model(cfg, 128, "meta")
+    assert len(meta.layers) == 32 and sum(p.numel() for p in meta.parameters()) == 8_030_261_248
+    plan = meta.tp_plan()
+    assert plan["layers.*.self_attn.q_proj"] == "colwise"
+    assert plan["layers.*.mlp.down_proj"] == "rowwise"
+    assert plan["layers.*.self_attn"] == plan["layers.*.mlp"] == "gather_input"
+    assert plan["layers.*.input_layernorm"] == "sequence_parallel"
+    assert compose_config("model=hf/llama-3.2-1b").model.config["tie_word_embeddings"] is True
+
+
+@pytest.fixture(scope="session")
+def single_hf_losses(tmp_path_factory, rank_pool) -> list[float]:
+    cfg = config_in(tmp_path_factory.mktemp("hf_single"), "parallel=single", *COMMON)
+    measured = measure(cfg, "run", rank_pool.launch)
+    assert measured.ok, measured.meta["error"]
+    return losses(measured)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_kind_of_layout_trains_the_hf_model_like_one_device(
+    experiment, single_hf_losses, layout
+):
+    _, measured = experiment(*LAYOUTS[layout], *COMMON)
+    assert measured.ok, measured.meta["error"]
+    got = losses(measured)
+    assert len(got) == len(single_hf_losses) == STEPS
+    for step, (loss, want) in enumerate(zip(got, single_hf_losses, strict=True)):
+        assert abs(loss - want) <= 1e-4 * abs(want), f"step {step}: {loss} vs {want}"
+    assert got[-1] < got[0]
+
+
+def saved_tiny_llama(directory, tie: bool = False) -> torch.nn.Module:
+    """A checkpoint as a user has one: transformers' own init, save_pretrained (safetensors)."""
+    cfg = tiny_llama()
+    config = model_class(cfg.architecture).config_class(**cfg.config)
+    torch.manual_seed(7)
+    model = model_class(cfg.architecture)(config)
+    model.save_pretrained(directory)
+    return model
+
+
+@pytest.mark.parametrize("layout", [("parallel=single",), ("parallel=tp2_pp2",)], ids=str)
+def test_pretrained_weights_give_transformers_own_first_loss(experiment, tmp_path, layout):
+    saved = saved_tiny_llama(tmp_path / "ckpt")
+    cfg, measured = experiment(*layout, *COMMON, f"model.pretrained={tmp_path / 'ckpt'}")
+    assert measured.ok, measured.meta["error"]
+    t = cfg.train
+    data = build_dataset(cfg.data, 256, t.seed)
+    inputs, targets = LocalBatches(data, t.global_batch_size, t.seq_len, 0, 1, "cpu").for_step(0)
+    with torch.no_grad():
+        logits = saved(input_ids=inputs).logits
+    want = F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
+    assert losses(measured)[0] == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "fragment"),
+    [
+        (["+model.config.num_hiden_layers=2"], "model.config.num_hiden_layers",
+         "model.config.num_hidden_layers (nearest)"),
+        (["model.architecture=LlamaForCasualLM"], "model.architecture",
+         "LlamaForCausalLM"),
+        (["model.pretrained=/nonexistent"], "model.pretrained", "no config.json there"),
+        (["parallel=tp2", "model.config.num_key_value_heads=1"], "parallel.tp",
+         "model.n_kv_heads (1) is not divisible by tp"),
+    ],
+    ids=str,
+)  # fmt: skip
+def test_hf_config_mistakes_are_refused_before_launch(overrides, key, fragment):
+    with pytest.raises(ConfigError) as caught:
+        resolve(compose_config("model=hf/tiny-llama", *overrides), HostFacts.detect())
+    assert caught.value.key == key
+    assert fragment in str(caught.value)
+
+
+def test_a_checkpoint_of_another_shape_is_refused(tmp_path):
+    saved_tiny_llama(tmp_path / "ckpt")
+    cfg = compose_config("model=hf/tiny-llama", "model.config.num_hidden_layers=2",
+                         f"model.pretrained={tmp_path / 'ckpt'}")  # fmt: skip
+    with pytest.raises(ConfigError, match=r"its config.json has num_hidden_layers=4, the preset 2"):
+        resolve(cfg, HostFacts.detect())
