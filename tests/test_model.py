@@ -252,3 +252,18 @@ def test_a_tied_head_stays_tied_when_materialised_from_meta(tiny):
     model.to_empty(device="cpu")
     assert model.output.weight is model.tok_embeddings.weight
     assert len(list(model.parameters())) == len(list(cpu_model(tiny).parameters())) - 1
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_vocabulary_padded_for_tp_gives_the_unpadded_logits(tiny, tied):
+    """250 tokens padded for tp=4: 252 rows, the extra ones zero; logits cut to 250."""
+    cfg = dataclasses.replace(tiny, vocab_size=250, tie_embeddings=tied)
+    plain, padded = (build_model(cfg, SEQ, "cpu", vocab_multiple=m) for m in (1, 4))
+    for model in (plain, padded):
+        model.init_weights(seed=0)
+    assert padded.tok_embeddings.weight.shape == (252, cfg.dim)
+    assert (padded.output.weight is padded.tok_embeddings.weight) == tied
+    assert torch.all(padded.output.weight[250:] == 0)
+    tokens = random_tokens(cfg)
+    with torch.no_grad():
+        torch.testing.assert_close(padded(tokens), plain(tokens), rtol=0, atol=0)

@@ -90,6 +90,14 @@ def test_llama_7b_ddp_does_not_fit_an_a6000_and_the_plan_names_layouts_that_do(t
     assert f"ddp8 ({ddp['peak_bytes'] / GiB:.2f} > 46.50 GiB)" in not_fitting
 
 
+def test_a_vocabulary_no_tp_degree_divides_still_plans_tensor_parallel_layouts(tmp_path):
+    """gpt3-175b: 50257 tokens, padded per TP degree (and counted so)."""
+    _, plan = meshrun_plan(tmp_path, "model=gpt3-175b", "hardware=a100-80g", "world_size=8")
+    tp = [e for e in plan["layouts"] if e["degrees"]["tp"] > 1]
+    assert {e["degrees"]["tp"] for e in tp} >= {2, 4, 8}
+    assert all(e["peak_bytes"] > 0 for e in tp)
+
+
 def test_mixed_box_gets_an_uneven_split_with_more_layers_on_the_faster_devices(tmp_path):
     run, plan = meshrun_plan(tmp_path, "model=llama-7b", "hardware=2xa100-6xa6000",
                               "train.precision=bf16")  # fmt: skip

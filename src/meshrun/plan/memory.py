@@ -105,7 +105,7 @@ def _layer_bytes(d: Dims, tp: int, sp: bool, ckpt: str, width: int) -> tuple[flo
 
 def activation_bytes(cfg: ExperimentConfig, layout: Layout, share: StageShare, pp_rank: int,
                      n_microbatches: int, micro_batch: int) -> float:  # fmt: skip
-    d = Dims.of(cfg.model)
+    d = Dims.of(cfg.model, layout.tp)
     p = cfg.parallel
     tokens = micro_batch * cfg.train.seq_len
     width = 2 if cfg.train.precision == "bf16" else FP32
@@ -126,7 +126,7 @@ def activation_bytes(cfg: ExperimentConfig, layout: Layout, share: StageShare, p
 
 def predict_rank(cfg: ExperimentConfig, layout: Layout, share: StageShare, pp_rank: int,
                  n_microbatches: int, micro_batch: int) -> MemoryPrediction:  # fmt: skip
-    d = Dims.of(cfg.model)
+    d = Dims.of(cfg.model, layout.tp)
     elements = local_param_elements(d, share, layout.tp, layout.dp_shard)
     state = elements * FP32
     activations = activation_bytes(cfg, layout, share, pp_rank, n_microbatches, micro_batch)

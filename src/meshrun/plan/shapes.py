@@ -11,6 +11,7 @@ from meshrun.core.config import ExperimentConfig, ModelConfig, ParallelConfig
 from meshrun.core.layout import Layout, n_microbatches
 from meshrun.rank.models import model_shape
 from meshrun.rank.models.llama import ffn_dim, kv_heads
+from meshrun.rank.models.vocab import padded_vocab
 from meshrun.rank.parallel.pipeline import local_stage_ids, stage_layer_counts
 
 
@@ -27,11 +28,13 @@ class Dims:
     tied: bool
 
     @classmethod
-    def of(cls, model_cfg: ModelConfig) -> Dims:
+    def of(cls, model_cfg: ModelConfig, tp: int = 1) -> Dims:
+        """`tp`: the degree the vocabulary is padded for (rank/models/vocab.py)."""
         model = model_shape(model_cfg)
         head_dim = model.dim // model.n_heads
         return cls(model.dim, kv_heads(model) * head_dim, ffn_dim(model), model.n_heads,
-                   model.vocab_size, model.n_layers, model.tie_embeddings)  # fmt: skip
+                   padded_vocab(model.vocab_size, tp), model.n_layers,
+                   model.tie_embeddings)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -98,7 +98,7 @@ def _train(
     memory.start()
     bf16 = tc.precision == "bf16"
     model = parallelize(
-        build_model(cfg.model, tc.seq_len, "meta"),
+        build_model(cfg.model, tc.seq_len, "meta", vocab_multiple=layout.tp),
         mesh,
         layout,
         cfg.parallel,

@@ -121,20 +121,11 @@ def check_tensor_parallel(cfg: ExperimentConfig) -> None:
             )
     if p.tp == 1:
         return
-    if m.tie_embeddings:
-        fail(
-            "model.tie_embeddings",
-            True,
-            "tensor parallelism shards the embedding (by rows) and the head (by columns) as "
-            "two tensors, which silently unties them",
-            "false with tp > 1, or tp=1",
-        )
     dims = {
         "model.n_heads": m.n_heads,
         "model.n_kv_heads": m.n_kv_heads or m.n_heads,
         "model ffn hidden size": ffn_dim(m),
-        "model.vocab_size": m.vocab_size,
-    }
+    }  # the vocabulary is padded to a multiple of tp (rank/models/vocab.py)
     if p.sequence_parallel:
         dims["train.seq_len"] = cfg.train.seq_len
     for name, size in dims.items():

@@ -16,13 +16,16 @@ from meshrun.core.config import HFModelConfig, LlamaModelConfig, ModelConfig
 from meshrun.rank.models.llama import build_llama
 
 
-def build_model(cfg: ModelConfig, max_seq_len: int, device: torch.device | str) -> nn.Module:
-    """Build on `device`; on "meta" nothing is allocated (shape and size questions only)."""
+def build_model(
+    cfg: ModelConfig, max_seq_len: int, device: torch.device | str, vocab_multiple: int = 1
+) -> nn.Module:
+    """Build on `device`; on "meta" nothing is allocated (shape and size questions only).
+    `vocab_multiple`: the TP degree, which the vocabulary is padded to (vocab.py)."""
     if isinstance(cfg, HFModelConfig):
         from meshrun.rank.models import hf  # noqa: PLC0415 (optional dependency: meshrun[hf])
 
-        return hf.build_hf(cfg, device)
-    return build_llama(cfg, max_seq_len, device)
+        return hf.build_hf(cfg, device, vocab_multiple)
+    return build_llama(cfg, max_seq_len, device, vocab_multiple)
 
 
 def model_shape(cfg: ModelConfig) -> LlamaModelConfig:

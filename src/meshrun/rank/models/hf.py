@@ -24,6 +24,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from meshrun.core.config import HFModelConfig, LlamaModelConfig
 from meshrun.rank.models.init import seeded_normal
+from meshrun.rank.models.vocab import fill, pad_vocab, unpad_logits, unpadded_shape
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -96,16 +97,17 @@ class HFCausalLM(nn.Module):
         self.rotary_emb = getattr(base, "rotary_emb", None)
         self.tied = bool(hf.config.tie_word_embeddings)
         self.seq_shards = 1  # sequence shards of a stage's input under SP (set by apply_tp)
-        self._tie()
+        self.vocab_size = hf.config.vocab_size
+        self.tie_weights()
 
-    def _tie(self) -> None:
+    def tie_weights(self) -> None:
         if self.tied and self.output is not None and self.tok_embeddings is not None:
             self.output.weight = self.tok_embeddings.weight
 
     def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> HFCausalLM:
         """Materialise (from meta) keeping a tied head tied (to_empty gives each its own)."""
         super().to_empty(device=device, recurse=recurse)
-        self._tie()
+        self.tie_weights()
         return self
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -125,7 +127,7 @@ class HFCausalLM(nn.Module):
             h = out[0] if isinstance(out, tuple) else out
         if self.output is None:
             return h
-        return self.output(self.norm(h))
+        return unpad_logits(self.output(self.norm(h)), self.vocab_size)
 
     def tp_plan(self) -> dict[str, str]:
         """The model's `base_model_tp_plan` in parallel/tensor.py's styles, with what SP adds:
@@ -161,7 +163,8 @@ class HFCausalLM(nn.Module):
             elif name.endswith("bias"):
                 param.zero_()
             else:
-                param.copy_(seeded_normal(seed, name, param.shape, std))
+                shape = unpadded_shape(name, param, self.vocab_size)
+                fill(param, seeded_normal(seed, name, shape, std))
         self._reset_buffers()
 
     @torch.no_grad()
@@ -178,7 +181,7 @@ class HFCausalLM(nn.Module):
         for name, param in self.named_parameters():
             key = self.source_name(name)
             with safe_open(root / files[key], "pt") as f:
-                param.copy_(f.get_tensor(key))
+                fill(param, f.get_tensor(key))
         self._reset_buffers()
 
     def source_name(self, name: str) -> str:
@@ -198,10 +201,13 @@ class HFCausalLM(nn.Module):
             self.rotary_emb.get_buffer(name).copy_(buffer)
 
 
-def build_hf(cfg: HFModelConfig, device: torch.device | str) -> HFCausalLM:
-    """Built on `device` (meta: nothing allocated) with SDPA attention, in float32."""
+def build_hf(cfg: HFModelConfig, device: torch.device | str, vocab_multiple: int = 1) -> HFCausalLM:
+    """Built on `device` (meta: nothing allocated) with SDPA attention, in float32;
+    `vocab_multiple`: the TP degree the vocabulary is padded for (vocab.py)."""
     with torch.device(device):
         hf = model_class(cfg.architecture)._from_config(
             hf_config(cfg), attn_implementation="sdpa", dtype=torch.float32
         )
-        return HFCausalLM(hf)
+        model = HFCausalLM(hf)
+    pad_vocab(model, model.vocab_size, vocab_multiple)
+    return model

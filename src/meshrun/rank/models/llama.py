@@ -14,6 +14,7 @@ from torch import nn
 
 from meshrun.core.config import LlamaModelConfig
 from meshrun.rank.models.init import seeded_normal
+from meshrun.rank.models.vocab import fill, pad_vocab, unpad_logits, unpadded_shape
 
 
 def ffn_dim(cfg: LlamaModelConfig) -> int:
@@ -104,13 +105,18 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self.vocab_size = cfg.vocab_size
+        self.tied = cfg.tie_embeddings
+
+    def tie_weights(self) -> None:
+        if self.tied and self.output is not None and self.tok_embeddings is not None:
+            self.output.weight = self.tok_embeddings.weight
 
     def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> Transformer:
         """Materialise (from meta); `nn.Module.to_empty` gives each module its own new
         tensor, which would silently untie a tied head from the embedding."""
         super().to_empty(device=device, recurse=recurse)
-        if self.cfg.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
-            self.output.weight = self.tok_embeddings.weight
+        self.tie_weights()
         return self
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -121,7 +127,7 @@ class Transformer(nn.Module):
             h = layer(h, self.rope_cos, self.rope_sin)
         if self.output is None:
             return h
-        return self.output(self.norm(h))
+        return unpad_logits(self.output(self.norm(h)), self.vocab_size)
 
     def tp_plan(self) -> dict[str, str]:
         """Attention: q/k/v column-wise (each rank owns n_heads/tp heads), output row-wise;
@@ -157,10 +163,17 @@ class Transformer(nn.Module):
                 param.fill_(1.0)
                 continue
             std = 0.02 * (depth_scale if name.endswith(("wo.weight", "w2.weight")) else 1.0)
-            param.copy_(seeded_normal(seed, name, param.shape, std))
+            fill(
+                param, seeded_normal(seed, name, unpadded_shape(name, param, self.vocab_size), std)
+            )
 
 
-def build_llama(cfg: LlamaModelConfig, max_seq_len: int, device: torch.device | str) -> Transformer:
-    """Build on `device`; on "meta" nothing is allocated (shape and size questions only)."""
+def build_llama(
+    cfg: LlamaModelConfig, max_seq_len: int, device: torch.device | str, vocab_multiple: int = 1
+) -> Transformer:
+    """Build on `device`; on "meta" nothing is allocated (shape and size questions only).
+    `vocab_multiple`: the TP degree the vocabulary is padded for (vocab.py)."""
     with torch.device(device):
-        return Transformer(cfg, max_seq_len)
+        model = Transformer(cfg, max_seq_len)
+    pad_vocab(model, cfg.vocab_size, vocab_multiple)
+    return model

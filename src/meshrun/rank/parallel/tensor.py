@@ -97,6 +97,9 @@ def apply_tp(
     names = [name for name, _ in model.named_modules()]
     held = {k: v for k, v in plan.items() if any(fnmatch(name, k) for name in names)}
     parallelize_module(model, tp_mesh, parallel_styles(held, sequence_parallel))
+    # The embedding and the head are both sharded over the vocabulary (dim 0 of each weight):
+    # a tied pair, distributed as two tensors, is one again.
+    model.tie_weights()
     model.seq_shards = tp_mesh.size() if sequence_parallel else 1
 
 
