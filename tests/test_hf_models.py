@@ -41,27 +41,41 @@ LAYOUTS = {
 }  # fmt: skip
 
 
+GPT2_COMMON = (*(o for o in COMMON if not o.startswith("model=")), "model=hf/tiny-gpt2")
+GPT2_LAYOUTS = {  # tied embeddings: no pipeline (the two would sit on different stages)
+    "ddp": ("parallel=ddp",),
+    "fsdp": ("parallel=fsdp",),
+    "tp2": ("parallel=tp2",),
+    "tp2_sequence_parallel": ("parallel=tp2", "parallel.sequence_parallel=true"),
+    "fsdp2_tp2": ("parallel=fsdp2_tp2",),
+}
+
+
 def tiny_llama():
     return compose_config("model=hf/tiny-llama").model
 
 
-def transformers_twin(model) -> torch.nn.Module:
+def transformers_twin(model, architecture: str) -> torch.nn.Module:
     """The transformers model itself with meshrun's view's weights."""
-    twin = model_class("LlamaForCausalLM")._from_config(model.config, attn_implementation="sdpa")
-    ours = {model.source_name(n): p for n, p in model.named_parameters()}
+    twin = model_class(architecture)._from_config(model.config, attn_implementation="sdpa")
+    ours = {model.source_name(n): p.T if n in model.transposed else p
+            for n, p in model.named_parameters()}  # fmt: skip
     missing, _ = twin.load_state_dict(ours, strict=False)
     assert set(missing) <= {"lm_head.weight"} if model.tied else not missing
     return twin
 
 
-def test_meshrun_view_computes_transformers_own_forward():
-    model = build_hf(tiny_llama(), "cpu")
+@pytest.mark.parametrize(("preset", "architecture", "vocab"),
+                         [("hf/tiny-llama", "LlamaForCausalLM", 256),
+                          ("hf/tiny-gpt2", "GPT2LMHeadModel", 509)])  # fmt: skip
+def test_meshrun_view_computes_transformers_own_forward(preset, architecture, vocab):
+    model = build_hf(compose_config(f"model={preset}").model, "cpu")
     model.init_weights(seed=0)
-    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours = model(tokens)
-        theirs = transformers_twin(model)(input_ids=tokens).logits
-    assert ours.shape == (2, 32, 256)
+        theirs = transformers_twin(model, architecture)(input_ids=tokens).logits
+    assert ours.shape == (2, 32, vocab)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
@@ -69,7 +83,14 @@ def test_shape_and_plans_come_from_the_transformers_config():
     cfg = compose_config("model=hf/llama-3.1-8b").model
     shape = model_shape(cfg)
     assert (shape.dim, shape.n_layers, shape.n_heads, shape.n_kv_heads) == (4096, 32, 32, 8)
-    assert (shape.ffn_dim, shape.vocab_size, shape.tie_embeddings) == (14336, 128256, False)
+    assert (shape.ffn_dim, shape.vocab_size, shape.tied, shape.mlp_matrices) == (
+        14336,
+        128256,
+        False,
+        3,
+    )
+    gpt2 = model_shape(compose_config("model=hf/gpt2").model)
+    assert (gpt2.ffn_dim, gpt2.vocab_size, gpt2.tied, gpt2.mlp_matrices) == (3072, 50257, True, 2)
     meta = build_model(cfg, 128, "meta")
     assert len(meta.layers) == 32 and sum(p.numel() for p in meta.parameters()) == 8_030_261_248
     plan = meta.tp_plan()
@@ -80,25 +101,42 @@ def test_shape_and_plans_come_from_the_transformers_config():
     assert compose_config("model=hf/llama-3.2-1b").model.config["tie_word_embeddings"] is True
 
 
-@pytest.fixture(scope="session")
-def single_hf_losses(tmp_path_factory, rank_pool) -> list[float]:
-    cfg = config_in(tmp_path_factory.mktemp("hf_single"), "parallel=single", *COMMON)
-    measured = measure(cfg, "run", rank_pool.launch)
+@pytest.fixture(scope="module")
+def single_losses(tmp_path_factory, rank_pool) -> dict[tuple[str, ...], list[float]]:
+    """Per common setting (model), the single-device losses, measured on first use."""
+    cache: dict[tuple[str, ...], list[float]] = {}
+
+    def of(common: tuple[str, ...]) -> list[float]:
+        if common not in cache:
+            cfg = config_in(tmp_path_factory.mktemp("single"), "parallel=single", *common)
+            measured = measure(cfg, "run", rank_pool.launch)
+            assert measured.ok, measured.meta["error"]
+            cache[common] = losses(measured)
+        return cache[common]
+
+    return of
+
+
+def check_like_one_device(experiment, single_losses, overrides, common) -> None:
+    _, measured = experiment(*overrides, *common)
     assert measured.ok, measured.meta["error"]
-    return losses(measured)
+    got, want = losses(measured), single_losses(common)
+    assert len(got) == len(want) == STEPS
+    for step, (loss, ref) in enumerate(zip(got, want, strict=True)):
+        assert abs(loss - ref) <= 1e-4 * abs(ref), f"step {step}: {loss} vs {ref}"
+    assert got[-1] < got[0]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_every_kind_of_layout_trains_the_hf_model_like_one_device(
-    experiment, single_hf_losses, layout
-):
-    _, measured = experiment(*LAYOUTS[layout], *COMMON)
-    assert measured.ok, measured.meta["error"]
-    got = losses(measured)
-    assert len(got) == len(single_hf_losses) == STEPS
-    for step, (loss, want) in enumerate(zip(got, single_hf_losses, strict=True)):
-        assert abs(loss - want) <= 1e-4 * abs(want), f"step {step}: {loss} vs {want}"
-    assert got[-1] < got[0]
+def test_every_kind_of_layout_trains_hf_llama_like_one_device(experiment, single_losses, layout):
+    check_like_one_device(experiment, single_losses, LAYOUTS[layout], COMMON)
+
+
+@pytest.mark.parametrize("layout", GPT2_LAYOUTS)
+def test_gpt2_with_its_shipped_plan_trains_like_one_device(experiment, single_losses, layout):
+    """Conv1D as Linear, q|k|v regrouped per TP rank, positions sharded under SP, 509 tokens
+    padded, the head tied to the embedding."""
+    check_like_one_device(experiment, single_losses, GPT2_LAYOUTS[layout], GPT2_COMMON)
 
 
 def saved_tiny_llama(directory, tie: bool = False) -> torch.nn.Module:

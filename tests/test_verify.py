@@ -40,7 +40,7 @@ def report(tmp_path: Path) -> dict[str, Any]:
 @pytest.mark.parametrize(
     "overrides",
     [("parallel=tp2_pp2",), ("model=hf/tiny-llama", "parallel=tp2_pp2"),
-     ("model=hf/tiny-llama", "parallel=dp2_tp2_pp2"),
+     ("model=hf/tiny-llama", "parallel=dp2_tp2_pp2"), ("model=hf/tiny-gpt2", "parallel=tp2"),
      # a vocabulary no TP degree divides, tied embeddings: padded, still tied
      ("model.vocab_size=251", "model.tie_embeddings=true", "parallel=tp2"),
      pytest.param(("model=gpt2-124m", "model.n_layers=2", "parallel=tp2"),  # 50257 tokens

@@ -52,7 +52,7 @@ ModelKind = _choice("ModelKind", "meshrun", "hf")
 @dataclass
 class ModelConfig:
     """What every model has: its preset's name, and its kind, which picks the schema below
-    (conf/model/<name>.yaml selects it: `- meshrun_schema`, `- /model/hf_schema@_here_`)."""
+    (conf/model/<name>.yaml names it first: `- /schema/model/meshrun@_here_`)."""
 
     name: str = MISSING
     kind: ModelKind = ModelKind["meshrun"]

@@ -36,8 +36,10 @@ ROOT_SCHEMAS = {
 }
 # group "launcher": the schema a conf/launcher/<name>.yaml selects
 LAUNCHER_SCHEMA_NAMES = {"local_schema": LocalLauncherConfig, "slurm_schema": SlurmLauncherConfig}
-# group "model": the schema of a model kind (conf/model/hf/<name>.yaml: `/model/hf_schema@_here_`)
-MODEL_SCHEMA_NAMES = {"meshrun_schema": LlamaModelConfig, "hf_schema": HFModelConfig}
+# group "schema/model": the schema of a model kind, which a model preset names first
+# (`- /schema/model/hf@_here_`); not in group "model", where meshrun-report's `model=` filter
+# would read as a preset choice
+MODEL_SCHEMA_NAMES = {"meshrun": LlamaModelConfig, "hf": HFModelConfig}
 
 
 def register_schemas(store: ConfigStore | None = None) -> ConfigStore:
@@ -47,5 +49,5 @@ def register_schemas(store: ConfigStore | None = None) -> ConfigStore:
     for name, node in LAUNCHER_SCHEMA_NAMES.items():
         store.store(group="launcher", name=name, node=node)
     for name, node in MODEL_SCHEMA_NAMES.items():
-        store.store(group="model", name=name, node=node)
+        store.store(group="schema/model", name=name, node=node)
     return store

@@ -10,14 +10,14 @@ from dataclasses import dataclass
 from meshrun.core.config import ExperimentConfig, ModelConfig, ParallelConfig
 from meshrun.core.layout import Layout, n_microbatches
 from meshrun.rank.models import model_shape
-from meshrun.rank.models.llama import ffn_dim, kv_heads
 from meshrun.rank.models.vocab import padded_vocab
 from meshrun.rank.parallel.pipeline import local_stage_ids, stage_layer_counts
 
 
 @dataclass(frozen=True)
 class Dims:
-    """The sizes every formula uses: hidden h, kv width hk, FFN f, heads a, vocab V."""
+    """The sizes every formula uses: hidden h, kv width hk, FFN f, heads a, vocab V (padded
+    for TP), and the MLP's matrices (3 gated, 2 plain)."""
 
     h: int
     hk: int
@@ -26,15 +26,15 @@ class Dims:
     vocab: int
     layers: int
     tied: bool
+    mlp: int = 3
 
     @classmethod
     def of(cls, model_cfg: ModelConfig, tp: int = 1) -> Dims:
         """`tp`: the degree the vocabulary is padded for (rank/models/vocab.py)."""
-        model = model_shape(model_cfg)
-        head_dim = model.dim // model.n_heads
-        return cls(model.dim, kv_heads(model) * head_dim, ffn_dim(model), model.n_heads,
-                   padded_vocab(model.vocab_size, tp), model.n_layers,
-                   model.tie_embeddings)  # fmt: skip
+        m = model_shape(model_cfg)
+        head_dim = m.dim // m.n_heads
+        return cls(m.dim, m.n_kv_heads * head_dim, m.ffn_dim, m.n_heads,
+                   padded_vocab(m.vocab_size, tp), m.n_layers, m.tied, m.mlp_matrices)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def local_param_elements(d: Dims, share: StageShare, tp: int, fsdp: int) -> int:
     """Elements of the parameters one rank holds (TP shards, then FSDP2 shards)."""
     block = [
         ((d.h, d.h), 0), ((d.hk, d.h), 0), ((d.hk, d.h), 0), ((d.h, d.h), 1),  # q k v o
-        ((d.f, d.h), 0), ((d.f, d.h), 0), ((d.h, d.f), 1),  # w1 w3 w2
+        *[((d.f, d.h), 0)] * (d.mlp - 1), ((d.h, d.f), 1),  # w1 (w3) w2
         ((d.h,), None), ((d.h,), None),  # the two norms
     ]  # fmt: skip
     tensors = block * share.layers
@@ -99,4 +99,4 @@ def local_param_elements(d: Dims, share: StageShare, tp: int, fsdp: int) -> int:
 
 def layer_param_elements(d: Dims, tp: int) -> int:
     """One transformer block, TP-sharded, unsharded by FSDP (what FSDP gathers at a time)."""
-    return (2 * d.h * d.h + 2 * d.hk * d.h + 3 * d.f * d.h) // tp + 2 * d.h
+    return (2 * d.h * d.h + 2 * d.hk * d.h + d.mlp * d.f * d.h) // tp + 2 * d.h

@@ -13,7 +13,6 @@ from meshrun.core.errors import fail
 from meshrun.core.hardware import HostFacts
 from meshrun.core.layout import MESH_DIMS, Layout, n_microbatches
 from meshrun.rank.models import model_shape
-from meshrun.rank.models.llama import ffn_dim
 from meshrun.rank.parallel.pipeline import MULTI_STAGE_SCHEDULES, stage_layer_counts
 from meshrun.rank.parallel.tensor import resolve_tp_plan
 from meshrun.validate.launcher import CPU_DEFAULT_RANKS, check_launcher, place_ranks
@@ -123,8 +122,8 @@ def check_tensor_parallel(cfg: ExperimentConfig) -> None:
         return
     dims = {
         "model.n_heads": m.n_heads,
-        "model.n_kv_heads": m.n_kv_heads or m.n_heads,
-        "model ffn hidden size": ffn_dim(m),
+        "model.n_kv_heads": m.n_kv_heads,
+        "model ffn hidden size": m.ffn_dim,
     }  # the vocabulary is padded to a multiple of tp (rank/models/vocab.py)
     if p.sequence_parallel:
         dims["train.seq_len"] = cfg.train.seq_len
@@ -184,7 +183,7 @@ def resolve_pipeline(cfg: ExperimentConfig) -> ExperimentConfig:
             f"stage), each >= 1, adding up to the model's {n_layers} layers",
             f"e.g. {stage_layer_counts(n_layers, stages, None)}",
         )
-    if model_shape(cfg.model).tie_embeddings:
+    if model_shape(cfg.model).tied:
         fail(
             "model.tie_embeddings",
             True,

@@ -55,10 +55,10 @@ def _check_hf(m: HFModelConfig) -> None:
                  f"{cls.config_class.__name__}", f"model.config.{nearest[0]} (nearest)"
                  if nearest else "a field of the config class")  # fmt: skip
     try:
-        hf.stage_names(hf.hf_config(m))
+        hf.stage_names(m.architecture, hf.hf_config(m))
     except ValueError as err:
         fail("model.architecture", m.architecture, str(err), "a Llama-family architecture "
-             "(Llama, Qwen2, Mistral)")  # fmt: skip
+             f"(Llama, Qwen2, Mistral) or one of {sorted(hf.SHIPPED_PLANS)}")  # fmt: skip
     if m.pretrained is not None:
         _check_pretrained(m, hf.pretrained_config, defaults)
 

@@ -12,8 +12,9 @@ from dataclasses import asdict
 import torch
 from torch import nn
 
-from meshrun.core.config import HFModelConfig, LlamaModelConfig, ModelConfig
-from meshrun.rank.models.llama import build_llama
+from meshrun.core.config import HFModelConfig, ModelConfig
+from meshrun.rank.models.llama import build_llama, llama_shape
+from meshrun.rank.models.shape import ModelShape
 
 
 def build_model(
@@ -28,18 +29,18 @@ def build_model(
     return build_llama(cfg, max_seq_len, device, vocab_multiple)
 
 
-def model_shape(cfg: ModelConfig) -> LlamaModelConfig:
-    """The LLaMA-style sizes the layout rules and the analytic planner compute with."""
+def model_shape(cfg: ModelConfig) -> ModelShape:
+    """The sizes the layout rules and the analytic planner compute with (shape.py)."""
     if isinstance(cfg, HFModelConfig):
         return _hf_shape(json.dumps(asdict(cfg), sort_keys=True))
-    return cfg
+    return llama_shape(cfg)
 
 
 @functools.cache
-def _hf_shape(cfg_json: str) -> LlamaModelConfig:
+def _hf_shape(cfg_json: str) -> ModelShape:
     from meshrun.rank.models import hf  # noqa: PLC0415 (optional dependency: meshrun[hf])
 
-    return hf.llama_shape(HFModelConfig(**json.loads(cfg_json)))
+    return hf.hf_shape(HFModelConfig(**json.loads(cfg_json)))
 
 
 def count_params(model: nn.Module) -> tuple[int, int]:

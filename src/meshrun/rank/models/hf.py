@@ -14,6 +14,7 @@ SDPA (no padding in training windows), norm, head.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,13 +22,44 @@ import transformers
 from safetensors import safe_open
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
+from transformers.pytorch_utils import Conv1D
 
-from meshrun.core.config import HFModelConfig, LlamaModelConfig
+from meshrun.core.config import HFModelConfig
 from meshrun.rank.models.init import seeded_normal
+from meshrun.rank.models.shape import ModelShape
 from meshrun.rank.models.vocab import fill, pad_vocab, unpad_logits, unpadded_shape
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class ShippedPlan:
+    """What meshrun supplies for an architecture whose config has no pp/tp plan: the base
+    model's (embedding, layer list, final norm), a learned position table on the first stage,
+    a TP plan in transformers' naming, and the (attention, projection) of each block whose
+    projection computes q|k|v fused, which TP needs regrouped per rank (prepare_tp)."""
+
+    stages: tuple[str, str, str]
+    tp_plan: dict[str, str]
+    positions: str | None = None
+    fused_qkv: tuple[str, str] | None = None
+
+
+SHIPPED_PLANS = {
+    # GPT-2's Conv1D layers (weights stored transposed) become nn.Linear when built.
+    "GPT2LMHeadModel": ShippedPlan(
+        stages=("wte", "h", "ln_f"),
+        tp_plan={
+            "h.*.attn.c_attn": "colwise",
+            "h.*.attn.c_proj": "rowwise",
+            "h.*.mlp.c_fc": "colwise",
+            "h.*.mlp.c_proj": "rowwise",
+        },
+        positions="wpe",
+        fused_qkv=("attn", "c_attn"),
+    ),
+}
 
 
 def model_class(architecture: str) -> type[PreTrainedModel]:
@@ -46,28 +78,31 @@ def pretrained_config(directory: str) -> dict:
     return json.loads((Path(directory) / "config.json").read_text())
 
 
-def stage_names(config: PretrainedConfig) -> tuple[str, str, str]:
+def stage_names(architecture: str, config: PretrainedConfig) -> tuple[str, str, str]:
     """(embedding, layer list, final norm) attribute names of the base model."""
+    if architecture in SHIPPED_PLANS:
+        return SHIPPED_PLANS[architecture].stages
     plan = list(getattr(config, "base_model_pp_plan", None) or {})
     if len(plan) < 3:
-        raise ValueError(f"{type(config).__name__} has no base_model_pp_plan to cut by")
+        raise ValueError(f"{architecture} has no base_model_pp_plan to cut by")
     return plan[0], plan[1], plan[-1]
 
 
-def llama_shape(cfg: HFModelConfig) -> LlamaModelConfig:
-    """The LLaMA-style sizes of a Llama-family config (Llama, Qwen2, Mistral): what the
-    analytic planner and the layout rules compute with."""
+def hf_shape(cfg: HFModelConfig) -> ModelShape:
+    """From the config: the Llama family (Llama, Qwen2, Mistral) has a gated MLP of
+    `intermediate_size`; GPT-2 a plain one of `n_inner` or 4h (its position table and biases
+    are left out of the planner's count)."""
     c = hf_config(cfg)
-    return LlamaModelConfig(
-        name=cfg.name,
+    gated = getattr(c, "intermediate_size", None)
+    return ModelShape(
         dim=c.hidden_size,
         n_layers=c.num_hidden_layers,
         n_heads=c.num_attention_heads,
         n_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
         vocab_size=c.vocab_size,
-        ffn_dim=c.intermediate_size,
-        norm_eps=getattr(c, "rms_norm_eps", 1e-5),
-        tie_embeddings=bool(c.tie_word_embeddings),
+        ffn_dim=gated or getattr(c, "n_inner", None) or 4 * c.hidden_size,
+        tied=bool(c.tie_word_embeddings),
+        mlp_matrices=3 if gated else 2,
     )
 
 
@@ -75,7 +110,9 @@ class HFCausalLM(nn.Module):
     def __init__(self, hf: PreTrainedModel) -> None:
         super().__init__()
         self.config = hf.config
-        embed, layers, norm = stage_names(hf.config)
+        architecture = type(hf).__name__
+        self.shipped = SHIPPED_PLANS.get(architecture)
+        embed, layers, norm = stage_names(architecture, hf.config)
         base = hf.base_model
         head = hf.get_output_embeddings()
         [head_name] = [name for name, module in hf.named_children() if module is head]
@@ -95,6 +132,11 @@ class HFCausalLM(nn.Module):
         self.norm = getattr(base, norm)
         self.output = head
         self.rotary_emb = getattr(base, "rotary_emb", None)
+        positions = self.shipped.positions if self.shipped else None
+        self.pos_embeddings = getattr(base, positions) if positions else None
+        if positions:
+            self.source_prefixes["pos_embeddings."] = f"{prefix}.{positions}."
+        self.transposed = _conv1d_to_linear(self.layers)
         self.tied = bool(hf.config.tie_word_embeddings)
         self.seq_shards = 1  # sequence shards of a stage's input under SP (set by apply_tp)
         self.vocab_size = hf.config.vocab_size
@@ -119,6 +161,8 @@ class HFCausalLM(nn.Module):
         else:
             h, seq = tokens, tokens.shape[1] * self.seq_shards
         positions = torch.arange(seq, device=h.device).unsqueeze(0)
+        if self.tok_embeddings is not None and self.pos_embeddings is not None:
+            h = h + self.pos_embeddings(positions)  # [1, seq, dim]: sharded over seq under SP
         kwargs = {"attention_mask": None, "position_ids": positions}
         if self.rotary_emb is not None:
             kwargs["position_embeddings"] = self.rotary_emb(h, positions)
@@ -134,8 +178,11 @@ class HFCausalLM(nn.Module):
         each block's norms sharded over the sequence, its column-wise sub-blocks gathering
         their input first."""
         plan = {"tok_embeddings": "embedding", "norm": "sequence_parallel", "output": "head"}
+        if self.pos_embeddings is not None:  # sharded over positions: Shard(1) out under SP
+            plan["pos_embeddings"] = "embedding"
         own = f"{self.layers_name}.*."
-        for pattern, style in (self.config.base_model_tp_plan or {}).items():
+        base_plan = self.shipped.tp_plan if self.shipped else self.config.base_model_tp_plan
+        for pattern, style in (base_plan or {}).items():
             if not pattern.startswith(own) or style not in ("colwise", "rowwise"):
                 raise ValueError(
                     f"{type(self.config).__name__}.base_model_tp_plan: {pattern}={style} is not "
@@ -181,8 +228,29 @@ class HFCausalLM(nn.Module):
         for name, param in self.named_parameters():
             key = self.source_name(name)
             with safe_open(root / files[key], "pt") as f:
-                fill(param, f.get_tensor(key))
+                tensor = f.get_tensor(key)
+            fill(param, tensor.T if name in self.transposed else tensor)
         self._reset_buffers()
+
+    @torch.no_grad()
+    def prepare_tp(self, tp: int) -> None:
+        """A fused q|k|v projection regrouped as [q_r | k_r | v_r] per rank r, so that its
+        column-wise shard on rank r holds that rank's heads of all three (and each split of
+        the local output is h/tp wide)."""
+        if self.shipped is None or self.shipped.fused_qkv is None or tp == 1:
+            return
+        attention, projection = self.shipped.fused_qkv
+        for block in self.layers.values():
+            attn = getattr(block, attention)
+            proj = getattr(attn, projection)
+            width = proj.out_features // 3 // tp
+            order = torch.cat([torch.arange(part * width * tp + r * width, part * width * tp +
+                                            (r + 1) * width)
+                               for r in range(tp) for part in range(3)])  # fmt: skip
+            proj.weight.copy_(proj.weight[order])
+            if proj.bias is not None:
+                proj.bias.copy_(proj.bias[order])
+            attn.split_size = width
 
     def source_name(self, name: str) -> str:
         for ours, theirs in self.source_prefixes.items():
@@ -199,6 +267,20 @@ class HFCausalLM(nn.Module):
             fresh = type(self.rotary_emb)(config=self.config)
         for name, buffer in fresh.named_buffers():
             self.rotary_emb.get_buffer(name).copy_(buffer)
+
+
+def _conv1d_to_linear(layers: nn.ModuleDict) -> set[str]:
+    """transformers' Conv1D (y = x W + b, W stored [in, out]) as nn.Linear, which torch's
+    parallel styles take; the names of the weights a checkpoint stores transposed."""
+    transposed = set()
+    for prefix, module in list(layers.named_modules(prefix="layers")):
+        for name, child in list(module.named_children()):
+            if isinstance(child, Conv1D):
+                n_in, n_out = child.weight.shape
+                linear = nn.Linear(n_in, n_out, device=child.weight.device)
+                setattr(module, name, linear)
+                transposed.add(f"{prefix}.{name}.weight")
+    return transposed
 
 
 def build_hf(cfg: HFModelConfig, device: torch.device | str, vocab_multiple: int = 1) -> HFCausalLM:

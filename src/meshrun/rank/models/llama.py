@@ -14,6 +14,7 @@ from torch import nn
 
 from meshrun.core.config import LlamaModelConfig
 from meshrun.rank.models.init import seeded_normal
+from meshrun.rank.models.shape import ModelShape
 from meshrun.rank.models.vocab import fill, pad_vocab, unpad_logits, unpadded_shape
 
 
@@ -26,6 +27,11 @@ def ffn_dim(cfg: LlamaModelConfig) -> int:
 
 def kv_heads(cfg: LlamaModelConfig) -> int:
     return cfg.n_kv_heads or cfg.n_heads
+
+
+def llama_shape(cfg: LlamaModelConfig) -> ModelShape:
+    return ModelShape(cfg.dim, cfg.n_layers, cfg.n_heads, kv_heads(cfg), cfg.vocab_size,
+                      ffn_dim(cfg), cfg.tie_embeddings)  # fmt: skip
 
 
 def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
