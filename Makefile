@@ -15,15 +15,19 @@ $(VENV)/.installed: pyproject.toml scripts/install-torch.sh
 run: install
 	$(VENV)/bin/meshrun
 
-# Two test modules at a time: most tests are multi-process runs that leave a core idle while
-# an interpreter starts, a rank waits out a timeout or SLURM schedules a job; a module's tests
-# stay together (its fixtures run once, the SLURM tests share one cluster). tests/conftest.py
-# orders the modules longest first.
+# The fast suite in two passes. First two test modules at a time (xdist, --dist loadscope: a
+# module's tests and its fixtures stay on one worker; tests/conftest.py orders the modules
+# longest first): most tests are multi-process runs that leave a core idle while an
+# interpreter starts or a rank waits out a timeout. Then the SLURM tests on their own: on a
+# loaded box every job of theirs starts and is polled slower (measured: 143 s alone, 520 s
+# beside another worker).
 test: install
-	$(PY) -m pytest -n 2 --dist loadscope --durations=25
+	$(PY) -m pytest -n 2 --dist loadscope -m "not slow and not slurm" --durations=25
+	$(PY) -m pytest -m "slurm and not slow" --durations=10
 
 test-all: install
-	$(PY) -m pytest -n 2 --dist loadscope -m "slow or not slow"
+	$(PY) -m pytest -n 2 --dist loadscope -m "not slurm"
+	$(PY) -m pytest -m slurm
 
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks

@@ -15,10 +15,10 @@ from tests.cli import CliRun, run_console, run_meshrun
 from tests.ranks import RankPool, config_in
 
 # `make test` runs two test modules at a time (xdist --dist loadscope: a module's tests, and
-# its module fixtures, stay on one worker; the SLURM tests share one two-node cluster). The
-# longest modules go first, so that the last to finish is a short one.
-LONGEST_FIRST = ("test_slurm", "test_layouts", "test_sweep_grid", "test_end_to_end",
-                 "test_plan_accuracy", "test_hf_models", "test_comm", "test_doctor",
+# its module fixtures, stay on one worker). The longest go first, so that the last to finish
+# is a short one.
+LONGEST_FIRST = ("test_doctor", "test_layouts", "test_sweep_grid", "test_end_to_end",
+                 "test_plan_accuracy", "test_hf_models", "test_verify", "test_comm",
                  "test_sweeps", "test_torchrun", "test_watchdog", "test_config_errors")  # fmt: skip
 
 

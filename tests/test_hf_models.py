@@ -25,6 +25,10 @@ COMMON = (
     "train.global_batch_size=8", "train.micro_batch_size=2", "train.seq_len=64",
     "train.seed=3", "metrics.baseline=false",
 )  # fmt: skip
+# By default one layout of each kind not already proven by test_verify.py's HF cases
+# (tp2_pp2, dp2_tp2_pp2, tiny-gpt2 tp2); the rest with -m slow (make test-all).
+DEFAULT = {"fsdp", "tp2_sequence_parallel", "pp2_interleaved", "tp2_pp2_sequence_parallel",
+           "fsdp2_tp2"}  # fmt: skip
 LAYOUTS = {
     "ddp": ("parallel=ddp",),
     "fsdp": ("parallel=fsdp",),
@@ -47,7 +51,7 @@ GPT2_LAYOUTS = {  # tied embeddings: no pipeline (the two would sit on different
     "fsdp": ("parallel=fsdp",),
     "tp2": ("parallel=tp2",),
     "tp2_sequence_parallel": ("parallel=tp2", "parallel.sequence_parallel=true"),
-    "fsdp2_tp2": ("parallel=fsdp2_tp2",),
+    "fsdp2_tp2": ("parallel=fsdp2_tp2", "parallel.sequence_parallel=true"),
 }
 
 
@@ -127,12 +131,17 @@ def check_like_one_device(experiment, single_losses, overrides, common) -> None:
     assert got[-1] < got[0]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+def cases(layouts: dict) -> list:
+    return [pytest.param(name, marks=() if name in DEFAULT else pytest.mark.slow)
+            for name in layouts]  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", cases(LAYOUTS))
 def test_every_kind_of_layout_trains_hf_llama_like_one_device(experiment, single_losses, layout):
     check_like_one_device(experiment, single_losses, LAYOUTS[layout], COMMON)
 
 
-@pytest.mark.parametrize("layout", GPT2_LAYOUTS)
+@pytest.mark.parametrize("layout", cases(GPT2_LAYOUTS))
 def test_gpt2_with_its_shipped_plan_trains_like_one_device(experiment, single_losses, layout):
     """Conv1D as Linear, q|k|v regrouped per TP rank, positions sharded under SP, 509 tokens
     padded, the head tied to the embedding."""
