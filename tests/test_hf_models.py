@@ -28,7 +28,7 @@ COMMON = (
 # By default one layout of each kind not already proven by test_verify.py's HF cases
 # (tp2_pp2, dp2_tp2_pp2, tiny-gpt2 tp2); the rest with -m slow (make test-all).
 DEFAULT = {"fsdp", "tp2_sequence_parallel", "pp2_interleaved", "tp2_pp2_sequence_parallel",
-           "fsdp2_tp2"}  # fmt: skip
+           "fsdp2_tp2_sequence_parallel"}  # fmt: skip
 LAYOUTS = {
     "ddp": ("parallel=ddp",),
     "fsdp": ("parallel=fsdp",),
@@ -51,7 +51,7 @@ GPT2_LAYOUTS = {  # tied embeddings: no pipeline (the two would sit on different
     "fsdp": ("parallel=fsdp",),
     "tp2": ("parallel=tp2",),
     "tp2_sequence_parallel": ("parallel=tp2", "parallel.sequence_parallel=true"),
-    "fsdp2_tp2": ("parallel=fsdp2_tp2", "parallel.sequence_parallel=true"),
+    "fsdp2_tp2_sequence_parallel": ("parallel=fsdp2_tp2", "parallel.sequence_parallel=true"),
 }
 
 

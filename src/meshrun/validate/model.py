@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import json
 from pathlib import Path
 
 from meshrun.core.config import HFModelConfig, LlamaModelConfig, ModelConfig
@@ -60,10 +61,10 @@ def _check_hf(m: HFModelConfig) -> None:
         fail("model.architecture", m.architecture, str(err), "a Llama-family architecture "
              f"(Llama, Qwen2, Mistral) or one of {sorted(hf.SHIPPED_PLANS)}")  # fmt: skip
     if m.pretrained is not None:
-        _check_pretrained(m, hf.pretrained_config, defaults)
+        _check_pretrained(m, defaults)
 
 
-def _check_pretrained(m: HFModelConfig, read_config, defaults: dict) -> None:
+def _check_pretrained(m: HFModelConfig, defaults: dict) -> None:
     root = Path(m.pretrained)
     if not (root / "config.json").is_file():
         fail("model.pretrained", m.pretrained, "no config.json there",
@@ -71,7 +72,7 @@ def _check_pretrained(m: HFModelConfig, read_config, defaults: dict) -> None:
     if not any(root.glob("*.safetensors")):
         fail("model.pretrained", m.pretrained, "no .safetensors weights there",
              "save_pretrained(..., safe_serialization=True) output")  # fmt: skip
-    saved = read_config(m.pretrained)
+    saved = json.loads((root / "config.json").read_text())
     if m.architecture not in saved.get("architectures", [m.architecture]):
         fail("model.pretrained", m.pretrained, f"holds {saved['architectures']}, the preset is "
              f"{m.architecture}", "a checkpoint of the preset's architecture")  # fmt: skip

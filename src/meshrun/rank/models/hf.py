@@ -74,10 +74,6 @@ def hf_config(cfg: HFModelConfig) -> PretrainedConfig:
     return model_class(cfg.architecture).config_class(**cfg.config)
 
 
-def pretrained_config(directory: str) -> dict:
-    return json.loads((Path(directory) / "config.json").read_text())
-
-
 def stage_names(architecture: str, config: PretrainedConfig) -> tuple[str, str, str]:
     """(embedding, layer list, final norm) attribute names of the base model."""
     if architecture in SHIPPED_PLANS:
