@@ -198,3 +198,16 @@ def test_a_checkpoint_of_another_shape_is_refused(tmp_path):
                          f"model.pretrained={tmp_path / 'ckpt'}")  # fmt: skip
     with pytest.raises(ConfigError, match=r"its config.json has num_hidden_layers=4, the preset 2"):
         resolve(cfg, HostFacts.detect())
+
+
+def test_a_directory_without_weights_or_of_another_architecture_is_refused(tmp_path):
+    saved_tiny_llama(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "model.safetensors").unlink()
+    cfg = compose_config("model=hf/tiny-llama", f"model.pretrained={tmp_path / 'ckpt'}")
+    with pytest.raises(ConfigError, match=r"no \.safetensors weights there"):
+        resolve(cfg, HostFacts.detect())
+    saved_tiny_llama(tmp_path / "ckpt")
+    cfg = compose_config("model=hf/tiny-llama", "model.architecture=MistralForCausalLM",
+                         f"model.pretrained={tmp_path / 'ckpt'}")  # fmt: skip
+    with pytest.raises(ConfigError, match=r"holds \['LlamaForCausalLM'\], the preset is Mistral"):
+        resolve(cfg, HostFacts.detect())

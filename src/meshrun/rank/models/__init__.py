@@ -1,7 +1,8 @@
 """The models a layout can train: meshrun's own LLaMA-style decoder (llama.py, sizes in
 conf/model) and Hugging Face transformers causal LMs (hf.py, conf/model/hf; the optional
-extra meshrun[hf]). Both present the same parts to the layouts: `tok_embeddings`, `layers`
-by global index, `norm`, `output`, with `tp_plan()`, `init_weights(seed)` and `to_empty`."""
+extra meshrun[hf]). Both present the same parts to the layouts: `tok_embeddings`,
+`pos_embeddings` (None unless learned), `layers` by global index, `norm`, `output`, with
+`tp_plan()`, `prepare_tp(tp)`, `tie_weights()`, `init_weights(seed)` and `to_empty`."""
 
 from __future__ import annotations
 

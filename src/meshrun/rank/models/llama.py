@@ -111,6 +111,7 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self.pos_embeddings = None  # positions are rotary
         self.vocab_size = cfg.vocab_size
         self.tied = cfg.tie_embeddings
 
@@ -134,6 +135,9 @@ class Transformer(nn.Module):
         if self.output is None:
             return h
         return unpad_logits(self.output(self.norm(h)), self.vocab_size)
+
+    def prepare_tp(self, tp: int) -> None:
+        """Nothing to regroup: q, k and v are separate projections."""
 
     def tp_plan(self) -> dict[str, str]:
         """Attention: q/k/v column-wise (each rank owns n_heads/tp heads), output row-wise;

@@ -61,8 +61,7 @@ def cut_stage(full: nn.Module, stage: int, counts: list[int]) -> nn.Module:
             del part.layers[name]
     if stage != 0:
         part.tok_embeddings = None
-        if getattr(part, "pos_embeddings", None) is not None:  # a learned position table
-            part.pos_embeddings = None
+        part.pos_embeddings = None  # a learned position table, where the model has one
     if stage != len(counts) - 1:
         part.norm = None
         part.output = None

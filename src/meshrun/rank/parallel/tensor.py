@@ -93,9 +93,7 @@ def apply_tp(
 
     `block_overrides` replaces entries of each block's plan (keys like "attention.wo"): a
     user's plan that differs in a few layers calls this instead of restating the rest."""
-    prepare = getattr(model, "prepare_tp", None)  # e.g. a fused q|k|v regrouped per rank
-    if prepare is not None:
-        prepare(tp_mesh.size())
+    model.prepare_tp(tp_mesh.size())  # e.g. a fused q|k|v regrouped per rank
     plan = {**model.tp_plan(), **{f"layers.*.{k}": v for k, v in (block_overrides or {}).items()}}
     names = [name for name, _ in model.named_modules()]
     held = {k: v for k, v in plan.items() if any(fnmatch(name, k) for name in names)}
