@@ -11,6 +11,7 @@ import pytest
 
 from meshrun.driver import cli
 from meshrun.driver.experiment import measure
+from meshrun.tools import verify
 from tests.cli import CliRun, run_console, run_meshrun
 from tests.ranks import RankPool, config_in
 
@@ -89,6 +90,12 @@ def rank_pool():
     pool = RankPool(8)
     yield pool
     pool.close()
+
+
+@pytest.fixture
+def on_pool(monkeypatch, rank_pool):
+    """meshrun-verify's runs on the session's rank pool."""
+    monkeypatch.setattr(verify, "launch", rank_pool.launch)
 
 
 @pytest.fixture

@@ -25,7 +25,9 @@ PUBLISHED_PARAMS = {
     "llama-13b": 13.0e9,
     "gpt3-175b": 175e9,
 }
-PRESETS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
+# meshrun's own decoder's presets (conf/model/custom.yaml is a user's module, hf/ transformers')
+PRESETS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml")
+                 if "/schema/model/meshrun@" in p.read_text())  # fmt: skip
 
 
 def load_model_config(name: str) -> LlamaModelConfig:

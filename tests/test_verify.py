@@ -28,11 +28,6 @@ def verify_run(tmp_path: Path, *overrides: str) -> int:
     return verify.run(cfg)
 
 
-@pytest.fixture
-def on_pool(monkeypatch, rank_pool):
-    monkeypatch.setattr(verify, "launch", rank_pool.launch)
-
-
 def report(tmp_path: Path) -> dict[str, Any]:
     return json.loads((tmp_path / "verify" / verify.REPORT_FILE).read_text())
 

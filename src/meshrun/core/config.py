@@ -46,7 +46,7 @@ LoggerMode = _choice("LoggerMode", "auto", "online", "offline", "disabled")
 FailMode = _choice("FailMode", "raise", "hang")
 DeviceType = _choice("DeviceType", "cpu", "cuda")
 StartMethod = _choice("StartMethod", "spawn", "fork", "forkserver")
-ModelKind = _choice("ModelKind", "meshrun", "hf")
+ModelKind = _choice("ModelKind", "meshrun", "hf", "custom")
 
 
 @dataclass
@@ -61,7 +61,8 @@ class ModelConfig:
 @dataclass
 class LlamaModelConfig(ModelConfig):
     """kind=meshrun: meshrun's own LLaMA-style decoder; `ffn_dim` None means SwiGLU's 8/3*dim
-    rounded to `multiple_of`."""
+    rounded to `multiple_of`. `pretrained`: a local save_pretrained directory of a Hugging Face
+    LlamaForCausalLM of the preset's sizes to load weights from (rank/models/convert.py)."""
 
     dim: int = MISSING
     n_layers: int = MISSING
@@ -73,6 +74,7 @@ class LlamaModelConfig(ModelConfig):
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
+    pretrained: str | None = None
 
 
 @dataclass
@@ -88,7 +90,33 @@ class HFModelConfig(ModelConfig):
     pretrained: str | None = None
 
 
-MODEL_SCHEMAS: dict[str, type[ModelConfig]] = {"meshrun": LlamaModelConfig, "hf": HFModelConfig}
+@dataclass
+class CustomModelConfig(ModelConfig):
+    """kind=custom: your own nn.Module. `target` ("module:callable", importable from the
+    current directory) is called with `kwargs` and returns a module whose forward maps token
+    ids [batch, seq] to logits [batch, seq, vocab]. The optional keys name what a layout needs
+    and cannot guess, as dotted paths into that module: `layers` its list of blocks (the FSDP
+    units, what activation checkpointing wraps, where a pipeline cuts), `embedding`, `norm`
+    and `head` (a pipeline stage runs embedding -> layers -> norm -> head in that order), and
+    `tp_plan`, module-name patterns to TP styles (rank/parallel/tensor.py) or a
+    "module:callable" returning such a dict. `vocab_size`: the embedding's when null."""
+
+    kind: ModelKind = ModelKind["custom"]
+    target: str = MISSING
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    vocab_size: int | None = None
+    layers: str | None = None
+    embedding: str | None = None
+    norm: str | None = None
+    head: str | None = None
+    tp_plan: Any = None
+
+
+MODEL_SCHEMAS: dict[str, type[ModelConfig]] = {
+    "meshrun": LlamaModelConfig,
+    "hf": HFModelConfig,
+    "custom": CustomModelConfig,
+}
 
 
 @dataclass

@@ -11,9 +11,8 @@ from __future__ import annotations
 from hydra.core.config_store import ConfigStore
 
 from meshrun.core.config import (
+    MODEL_SCHEMAS,
     ExperimentConfig,
-    HFModelConfig,
-    LlamaModelConfig,
     LocalLauncherConfig,
     SlurmLauncherConfig,
 )
@@ -39,7 +38,7 @@ LAUNCHER_SCHEMA_NAMES = {"local_schema": LocalLauncherConfig, "slurm_schema": Sl
 # group "schema/model": the schema of a model kind, which a model preset names first
 # (`- /schema/model/hf@_here_`); not in group "model", where meshrun-report's `model=` filter
 # would read as a preset choice
-MODEL_SCHEMA_NAMES = {"meshrun": LlamaModelConfig, "hf": HFModelConfig}
+MODEL_SCHEMA_NAMES = MODEL_SCHEMAS
 
 
 def register_schemas(store: ConfigStore | None = None) -> ConfigStore:

@@ -12,13 +12,12 @@ from meshrun.core.config import ExperimentConfig
 from meshrun.core.hardware import device_for_rank
 from meshrun.core.layout import Layout, layout_name, layout_overrides, n_microbatches
 from meshrun.core.record import RunRecord
+from meshrun.plan import predict
 from meshrun.plan.candidate import host_flops
-from meshrun.plan.memory import predict_memory
-from meshrun.plan.speed import predict_speed
-from meshrun.rank.metrics.flops import flops_per_token, mfu, peak_flops
+from meshrun.rank.metrics.flops import mfu, peak_flops
 from meshrun.rank.metrics.memory import MEMORY_CATEGORIES
 from meshrun.rank.metrics.throughput import summarize_steps
-from meshrun.rank.models import build_model, count_params, model_shape
+from meshrun.rank.models import build_model, count_params
 from meshrun.rank.parallel.pipeline import theoretical_bubble
 
 
@@ -45,7 +44,7 @@ def memory_fields(cfg: ExperimentConfig, memory: list[dict[str, int]] | None) ->
     the planner's prediction for each rank beside them."""
     peaks = [m["peak"] for m in memory] if memory else None
     top = max(memory, key=lambda m: m["peak"]) if memory else {}
-    predicted = [p.as_dict() for p in predict_memory(cfg)]
+    predicted = [p.as_dict() for p in predict.memory(cfg)]
     return {
         "peak_memory_bytes": peaks,
         "peak_memory_max_bytes": max(peaks) if peaks else None,
@@ -57,15 +56,15 @@ def memory_fields(cfg: ExperimentConfig, memory: list[dict[str, int]] | None) ->
 
 
 def predicted_speed_fields(cfg: ExperimentConfig) -> dict[str, Any]:
-    speed = predict_speed(cfg, host_flops(cfg))
+    speed = predict.speed(cfg, host_flops(cfg))
     return {
         "predicted_step_time_s": speed.step_time_s if speed else None,
         "predicted_tokens_per_s": speed.tokens_per_s if speed else None,
     }
 
 
-def matmul_params(cfg: ExperimentConfig) -> tuple[int, int]:
-    return count_params(build_model(cfg.model, cfg.train.seq_len, "meta"))
+def params(cfg: ExperimentConfig) -> int:
+    return count_params(build_model(cfg.model, cfg.train.seq_len, "meta"))[0]
 
 
 def assemble(
@@ -84,12 +83,11 @@ def assemble(
     timing = dict.fromkeys(("step_time_s", "step_time_p90_s", "tokens_per_s", "samples_per_s"))
     if step_times:
         timing = summarize_steps(step_times, tokens_per_step, t.global_batch_size)
-    total, matmul = matmul_params(cfg)
     devices = n_devices(cfg)
     specs = [device_for_rank(cfg.hardware.devices, i) for i in range(devices)]
     peak = peak_flops(specs, t.precision)
     tokens_per_s = timing["tokens_per_s"]
-    per_token = flops_per_token(model_shape(cfg.model), matmul, t.seq_len)
+    per_token = predict.training_flops_per_token(cfg)
     if baseline is None and is_own_baseline(cfg):
         baseline = RunRecord(run_id=meta["run_id"], tokens_per_s=tokens_per_s)
     baseline_tps = baseline.tokens_per_s if baseline else None
@@ -116,7 +114,7 @@ def assemble(
         "steps": t.steps,
         "warmup_steps": t.warmup_steps,
         "steps_completed": len(steps),
-        "params": total,
+        "params": params(cfg),
         **timing,
         "scaling": cfg.metrics.scaling,
         "baseline_tokens_per_s": baseline_tps,

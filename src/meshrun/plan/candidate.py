@@ -9,9 +9,10 @@ from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import HostFacts, device_for_rank
 from meshrun.core.layout import Layout, layout_name, layout_overrides, n_microbatches
-from meshrun.plan.memory import MemoryPrediction, predict_memory
+from meshrun.plan import predict
+from meshrun.plan.memory import MemoryPrediction
 from meshrun.plan.probe import host_matmul_flops
-from meshrun.plan.speed import SpeedPrediction, predict_speed
+from meshrun.plan.speed import SpeedPrediction
 from meshrun.validate import validate
 
 GiB = 2**30
@@ -86,8 +87,8 @@ def host_flops(cfg: ExperimentConfig) -> float | None:
 
 def evaluate(cfg: ExperimentConfig) -> Candidate:
     """`cfg` resolved (validated)."""
-    return Candidate(cfg, predict_memory(cfg), capacities(cfg),
-                     predict_speed(cfg, host_flops(cfg)))  # fmt: skip
+    return Candidate(cfg, predict.memory(cfg), capacities(cfg),
+                     predict.speed(cfg, host_flops(cfg)))  # fmt: skip
 
 
 def legal(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig | None:

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from meshrun.core.config import ExperimentConfig, HardwareConfig
+from meshrun.core.config import CustomModelConfig, ExperimentConfig, HardwareConfig
 from meshrun.core.errors import choice, fail, positive
 from meshrun.core.hardware import HostFacts, resolve_hardware
 from meshrun.rank.models import model_shape
+from meshrun.validate.custom import check_custom_layout
 from meshrun.validate.launcher import check_debug
 from meshrun.validate.layout import (
     check_batch,
@@ -52,6 +53,8 @@ def validate_layout(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig
         cfg, backend=backend, hardware=hardware, parallel=parallel, launcher=launcher
     )
     check_tensor_parallel(resolved)
+    if isinstance(resolved.model, CustomModelConfig):
+        check_custom_layout(resolved)
     return resolve_pipeline(resolved)
 
 

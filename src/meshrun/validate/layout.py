@@ -99,6 +99,14 @@ def check_batch(cfg: ExperimentConfig) -> None:
         )
 
 
+# per model kind: the key that ties weights, and what would let a pipeline cut the model
+TIE_KEYS = {
+    "meshrun": ("model.tie_embeddings", "false with pp > 1"),
+    "hf": ("model.config.tie_word_embeddings", "false with pp > 1"),
+    "custom": ("model.target", "a module without tied parameters with pp > 1"),
+}
+
+
 def check_tensor_parallel(cfg: ExperimentConfig) -> None:
     p, m = cfg.parallel, model_shape(cfg.model)
     if p.sequence_parallel and p.tp == 1:
@@ -128,7 +136,7 @@ def check_tensor_parallel(cfg: ExperimentConfig) -> None:
     if p.sequence_parallel:
         dims["train.seq_len"] = cfg.train.seq_len
     for name, size in dims.items():
-        if size % p.tp:
+        if size is not None and size % p.tp:  # None: a custom module's (validate/custom.py)
             valid = [t for t in range(2, size + 1) if size % t == 0 and t <= 8] or [1]
             fail(
                 "parallel.tp",
@@ -184,12 +192,8 @@ def resolve_pipeline(cfg: ExperimentConfig) -> ExperimentConfig:
             f"e.g. {stage_layer_counts(n_layers, stages, None)}",
         )
     if model_shape(cfg.model).tied:
-        fail(
-            "model.tie_embeddings",
-            True,
-            "the embedding and the head sit on different pipeline stages",
-            "false with pp > 1",
-        )
+        key, valid = TIE_KEYS[cfg.model.kind]
+        fail(key, True, "tied weights would sit on different pipeline stages", valid)
     local = t.global_batch_size // (p.dp_replicate * p.dp_shard)
     if t.micro_batch_size > local or local % t.micro_batch_size:
         fail(

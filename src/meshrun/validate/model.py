@@ -1,4 +1,5 @@
-"""The model's rules: meshrun's own decoder's sizes; for a Hugging Face model, that
+"""The model's rules: meshrun's own decoder's sizes, and that a `pretrained` Llama
+checkpoint is one it can hold, of the preset's sizes; for a Hugging Face model, that
 transformers is installed, the architecture exists and can be cut into stages, every config
 key is one its config class has, and a `pretrained` directory matches the preset."""
 
@@ -9,13 +10,17 @@ import importlib.util
 import json
 from pathlib import Path
 
-from meshrun.core.config import HFModelConfig, LlamaModelConfig, ModelConfig
+from meshrun.core.config import CustomModelConfig, HFModelConfig, LlamaModelConfig, ModelConfig
 from meshrun.core.errors import fail, positive
+from meshrun.rank.models.llama import ffn_dim, kv_heads
+from meshrun.validate.custom import check_custom
 
 
 def check_model(m: ModelConfig) -> None:
     if isinstance(m, HFModelConfig):
         _check_hf(m)
+    elif isinstance(m, CustomModelConfig):
+        check_custom(m)
     else:
         _check_llama(m)
 
@@ -33,6 +38,28 @@ def _check_llama(m: LlamaModelConfig) -> None:
     if kv <= 0 or m.n_heads % kv:
         fail("model.n_kv_heads", m.n_kv_heads, f"must divide model.n_heads ({m.n_heads})",
              f"a divisor of {m.n_heads}, or null for n_heads")  # fmt: skip
+    if m.pretrained is not None:
+        _check_llama_pretrained(m)
+
+
+def _check_llama_pretrained(m: LlamaModelConfig) -> None:
+    if importlib.util.find_spec("safetensors") is None:
+        fail("model.pretrained", m.pretrained, "reading a checkpoint needs safetensors, which "
+             "is not installed", "pip install 'meshrun[hf]'")  # fmt: skip
+    from meshrun.rank.models import convert  # noqa: PLC0415 (optional dependency: meshrun[hf])
+
+    saved = _saved_config(m.pretrained, convert.ARCHITECTURE)
+    try:
+        fields = convert.llama_config_from_hf(saved)
+    except ValueError as err:
+        fail("model.pretrained", m.pretrained, str(err), "a Llama checkpoint meshrun's LLaMA "
+             "can hold, or model=hf/... (transformers' own Llama) to load it")  # fmt: skip
+    preset = {**vars(m), "n_kv_heads": kv_heads(m), "ffn_dim": ffn_dim(m)}
+    for key, value in fields.items():
+        if preset[key] != value:
+            fail("model.pretrained", m.pretrained, f"its config.json has "
+                 f"{convert.CONFIG_FIELDS[key]}={value!r}, the preset model.{key}={preset[key]!r}",
+                 f"model.{key}={value!r}, or a checkpoint of this preset")  # fmt: skip
 
 
 def _check_hf(m: HFModelConfig) -> None:
@@ -64,18 +91,24 @@ def _check_hf(m: HFModelConfig) -> None:
         _check_pretrained(m, defaults)
 
 
-def _check_pretrained(m: HFModelConfig, defaults: dict) -> None:
-    root = Path(m.pretrained)
+def _saved_config(pretrained: str, architecture: str) -> dict:
+    """The config.json of a save_pretrained directory with safetensors of `architecture`."""
+    root = Path(pretrained)
     if not (root / "config.json").is_file():
-        fail("model.pretrained", m.pretrained, "no config.json there",
+        fail("model.pretrained", pretrained, "no config.json there",
              "a directory written by save_pretrained")  # fmt: skip
     if not any(root.glob("*.safetensors")):
-        fail("model.pretrained", m.pretrained, "no .safetensors weights there",
+        fail("model.pretrained", pretrained, "no .safetensors weights there",
              "save_pretrained(..., safe_serialization=True) output")  # fmt: skip
     saved = json.loads((root / "config.json").read_text())
-    if m.architecture not in saved.get("architectures", [m.architecture]):
-        fail("model.pretrained", m.pretrained, f"holds {saved['architectures']}, the preset is "
-             f"{m.architecture}", "a checkpoint of the preset's architecture")  # fmt: skip
+    if architecture not in saved.get("architectures", [architecture]):
+        fail("model.pretrained", pretrained, f"holds {saved['architectures']}, the preset is "
+             f"{architecture}", f"a {architecture} checkpoint")  # fmt: skip
+    return saved
+
+
+def _check_pretrained(m: HFModelConfig, defaults: dict) -> None:
+    saved = _saved_config(m.pretrained, m.architecture)
     for key, value in m.config.items():
         if saved.get(key, defaults.get(key)) != value:
             fail("model.pretrained", m.pretrained, f"its config.json has {key}="

@@ -1,8 +1,9 @@
 """The models a layout can train: meshrun's own LLaMA-style decoder (llama.py, sizes in
-conf/model) and Hugging Face transformers causal LMs (hf.py, conf/model/hf; the optional
-extra meshrun[hf]). Both present the same parts to the layouts: `tok_embeddings`,
-`pos_embeddings` (None unless learned), `layers` by global index, `norm`, `output`, with
-`tp_plan()`, `prepare_tp(tp)`, `tie_weights()`, `init_weights(seed)` and `to_empty`."""
+conf/model), Hugging Face transformers causal LMs (hf.py, conf/model/hf; the optional extra
+meshrun[hf]) and a user's own nn.Module (custom.py, model=custom). All present the same parts
+to the layouts: `tok_embeddings`, `pos_embeddings` (None unless learned), `layers` by name,
+`norm`, `output`, with `tp_plan()`, `prepare_tp(tp)`, `tie_weights()`, `init_weights(seed)`
+and `to_empty`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from dataclasses import asdict
 import torch
 from torch import nn
 
-from meshrun.core.config import HFModelConfig, ModelConfig
+from meshrun.core.config import CustomModelConfig, HFModelConfig, ModelConfig
+from meshrun.rank.models.custom import build_custom, custom_shape
 from meshrun.rank.models.llama import build_llama, llama_shape
 from meshrun.rank.models.shape import ModelShape
 
@@ -27,6 +29,8 @@ def build_model(
         from meshrun.rank.models import hf  # noqa: PLC0415 (optional dependency: meshrun[hf])
 
         return hf.build_hf(cfg, device, vocab_multiple)
+    if isinstance(cfg, CustomModelConfig):
+        return build_custom(cfg, device, vocab_multiple)
     return build_llama(cfg, max_seq_len, device, vocab_multiple)
 
 
@@ -34,7 +38,14 @@ def model_shape(cfg: ModelConfig) -> ModelShape:
     """The sizes the layout rules and the analytic planner compute with (shape.py)."""
     if isinstance(cfg, HFModelConfig):
         return _hf_shape(json.dumps(asdict(cfg), sort_keys=True))
+    if isinstance(cfg, CustomModelConfig):
+        return _custom_shape(json.dumps(asdict(cfg), sort_keys=True))
     return llama_shape(cfg)
+
+
+@functools.cache
+def _custom_shape(cfg_json: str) -> ModelShape:
+    return custom_shape(CustomModelConfig(**json.loads(cfg_json)))
 
 
 @functools.cache

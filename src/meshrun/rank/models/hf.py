@@ -13,24 +13,19 @@ SDPA (no padding in training windows), norm, head.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import transformers
-from safetensors import safe_open
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
 from meshrun.core.config import HFModelConfig
+from meshrun.rank.models.checkpoint_files import SavedTensors
 from meshrun.rank.models.init import seeded_normal
 from meshrun.rank.models.shape import ModelShape
 from meshrun.rank.models.vocab import fill, pad_vocab, unpad_logits, unpadded_shape
-
-SAFETENSORS = "model.safetensors"
-SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True)
@@ -212,19 +207,10 @@ class HFCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_pretrained(self, directory: str) -> None:
-        """This stage's tensors from a save_pretrained directory (sharded or not), each read
-        on its own (safetensors maps the file; nothing else is loaded)."""
-        root = Path(directory)
-        index = root / SAFETENSORS_INDEX
-        files = (
-            json.loads(index.read_text())["weight_map"]
-            if index.exists()
-            else dict.fromkeys(safe_open(root / SAFETENSORS, "pt").keys(), SAFETENSORS)
-        )
+        """This stage's tensors from a save_pretrained directory (checkpoint_files.py)."""
+        saved = SavedTensors(directory)
         for name, param in self.named_parameters():
-            key = self.source_name(name)
-            with safe_open(root / files[key], "pt") as f:
-                tensor = f.get_tensor(key)
+            tensor = saved[self.source_name(name)]
             fill(param, tensor.T if name in self.transposed else tensor)
         self._reset_buffers()
 

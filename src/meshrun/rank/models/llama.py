@@ -162,11 +162,7 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Same seed, same weights, whatever the device or layout that follows (init.py)."""
-        device = self.rope_cos.device
-        cos, sin = rope_tables(
-            self.cfg.dim // self.cfg.n_heads, self.max_seq_len, self.cfg.rope_theta
-        )
-        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+        self._reset_rope()
         depth_scale = 1.0 / math.sqrt(2 * self.cfg.n_layers)
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):
@@ -176,6 +172,22 @@ class Transformer(nn.Module):
             fill(
                 param, seeded_normal(seed, name, unpadded_shape(name, param, self.vocab_size), std)
             )
+
+    @torch.no_grad()
+    def load_pretrained(self, directory: str) -> None:
+        """This part's weights from a Hugging Face Llama save_pretrained directory (convert.py)."""
+        from meshrun.rank.models import convert  # noqa: PLC0415 (optional: meshrun[hf])
+
+        convert.load_hf(self, directory)
+        self._reset_rope()
+
+    def _reset_rope(self) -> None:
+        """The rotary tables, which a model built on meta does not have."""
+        device = self.rope_cos.device
+        cos, sin = rope_tables(
+            self.cfg.dim // self.cfg.n_heads, self.max_seq_len, self.cfg.rope_theta
+        )
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
 
 
 def build_llama(

@@ -65,25 +65,10 @@ def parallelize(
     """`model` is the full model on the meta device (rank/models); returns this rank's
     materialised share, its weights seeded or read from `pretrained` (a local HF directory).
     `n_microbatches`: a pipeline's per step (core.layout.n_microbatches)."""
-    stage_ids = [0]
-    n_stages = 1
-    parts = [model]
-    if layout.pp > 1:
-        n_stages = layout.pp * cfg.stages_per_rank
-        counts = stage_layer_counts(len(model.layers), n_stages, cfg.pp_layers)
-        stage_ids = local_stage_ids(mesh.get_local_rank("pp"), layout.pp, cfg.stages_per_rank)
-        parts = [cut_stage(model, stage, counts) for stage in stage_ids]
-    wrapped = []
-    for part in parts:
-        part.to_empty(device=device)
-        if pretrained is None:
-            part.init_weights(seed)
-        else:
-            part.load_pretrained(pretrained)
-        if layout.tp > 1:
-            resolve_tp_plan(cfg.tp_plan)(part, mesh["tp"], cfg.sequence_parallel)
-        apply_activation_checkpointing(part, cfg.activation_checkpointing)
-        wrapped.append(_data_parallel(part, mesh, layout, cfg, device, param_dtype))
+    pp_rank = mesh.get_local_rank("pp") if layout.pp > 1 else 0
+    stage_ids, n_stages = pipeline_stages(pp_rank, layout, cfg)
+    wrapped = [parallel_part(part, mesh, layout, cfg, device, seed, param_dtype, pretrained)
+               for part in stage_parts(model, pp_rank, layout, cfg)]  # fmt: skip
     schedule = None
     if layout.pp > 1:
         schedule = build_schedule(
@@ -92,7 +77,61 @@ def parallelize(
     return ParallelModel(wrapped, schedule, 0 in stage_ids, n_stages - 1 in stage_ids)
 
 
-def _data_parallel(
+def pipeline_stages(pp_rank: int, layout: Layout, cfg: ParallelConfig) -> tuple[list[int], int]:
+    """(the stage ids of pipeline rank `pp_rank`, the number of stages)."""
+    if layout.pp == 1:
+        return [0], 1
+    return local_stage_ids(pp_rank, layout.pp, cfg.stages_per_rank), layout.pp * cfg.stages_per_rank
+
+
+def stage_parts(model: nn.Module, pp_rank: int, layout: Layout, cfg: ParallelConfig
+                ) -> list[nn.Module]:  # fmt: skip
+    """Pipeline rank `pp_rank`'s model part(s) on meta, one per stage it owns."""
+    if layout.pp == 1:
+        return [model]
+    stage_ids, n_stages = pipeline_stages(pp_rank, layout, cfg)
+    counts = stage_layer_counts(len(model.layers), n_stages, cfg.pp_layers)
+    return [cut_stage(model, stage, counts) for stage in stage_ids]
+
+
+def parallel_part(
+    part: nn.Module,
+    mesh: DeviceMesh | None,
+    layout: Layout,
+    cfg: ParallelConfig,
+    device: torch.device,
+    seed: int,
+    param_dtype: torch.dtype,
+    pretrained: str | None = None,
+) -> nn.Module:
+    """One part materialised, its weights seeded or loaded, sharded and wrapped."""
+    part = sharded_part(part, mesh, layout, cfg, device, seed, pretrained)
+    return data_parallel(part, mesh, layout, cfg, device, param_dtype)
+
+
+def sharded_part(
+    part: nn.Module,
+    mesh: DeviceMesh | None,
+    layout: Layout,
+    cfg: ParallelConfig,
+    device: torch.device,
+    seed: int,
+    pretrained: str | None = None,
+) -> nn.Module:
+    """Materialised, its weights seeded or loaded, tensor-parallel and checkpointed: all but
+    the data-parallel wrapper (which the planner applies apart, plan/traced.py)."""
+    part.to_empty(device=device)
+    if pretrained is None:
+        part.init_weights(seed)
+    else:
+        part.load_pretrained(pretrained)
+    if layout.tp > 1:
+        resolve_tp_plan(cfg.tp_plan)(part, mesh["tp"], cfg.sequence_parallel)
+    apply_activation_checkpointing(part, cfg.activation_checkpointing)
+    return part
+
+
+def data_parallel(
     part: nn.Module,
     mesh: DeviceMesh | None,
     layout: Layout,

@@ -1,0 +1,33 @@
+"""The planner's predictions for any model: by formula where the model has one (memory.py,
+speed.py: meshrun's decoder, the transformers families), otherwise from its parallel module
+traced on fake tensors (traced.py), with no speed prediction (speed.py's model needs the
+widths of each matmul)."""
+
+from __future__ import annotations
+
+from meshrun.core.config import ExperimentConfig
+from meshrun.plan.memory import MemoryPrediction, predict_memory
+from meshrun.plan.speed import SpeedPrediction, predict_speed
+from meshrun.plan.traced import counted_flops_per_token, traced_memory
+from meshrun.rank.metrics.flops import flops_per_token
+from meshrun.rank.models import build_model, count_params, model_shape
+
+
+def has_formula(cfg: ExperimentConfig) -> bool:
+    return model_shape(cfg.model).formula
+
+
+def memory(cfg: ExperimentConfig) -> list[MemoryPrediction]:
+    return predict_memory(cfg) if has_formula(cfg) else traced_memory(cfg)
+
+
+def speed(cfg: ExperimentConfig, host_flops: float | None) -> SpeedPrediction | None:
+    return predict_speed(cfg, host_flops) if has_formula(cfg) else None
+
+
+def training_flops_per_token(cfg: ExperimentConfig) -> float:
+    """For MFU: PaLM's formula (metrics/flops.py) where it applies, else counted."""
+    if not has_formula(cfg):
+        return counted_flops_per_token(cfg)
+    _, matmul = count_params(build_model(cfg.model, cfg.train.seq_len, "meta"))
+    return flops_per_token(model_shape(cfg.model), matmul, cfg.train.seq_len)

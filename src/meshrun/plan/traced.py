@@ -1,0 +1,182 @@
+"""Memory and FLOPs of any model, from its actual parallel module run on fake tensors.
+
+The formulas of memory.py know meshrun's decoder and the transformers families it models;
+a user's own module (model=custom) has none. So, for each pipeline rank, this builds the
+rank's real share exactly as the worker does (rank/parallel: cut, TP, checkpointing, FSDP2)
+on a fake process group, under torch's FakeTensorMode, and runs two training steps of one
+micro-batch under torch's MemTracker (FSDPMemTracker with FSDP2): every tensor has a shape
+and no storage, so nothing is allocated and nothing is communicated, and the peak is the
+sum of the tensors alive at its worst moment, by kind. FLOPs per token come from
+FlopCounterMode over one forward and backward of the whole model on the meta device.
+
+What the trace of one micro-batch does not see is added as memory.py does: a pipeline rank
+holds several micro-batches' activations at once (memory.in_flight), its receive buffers
+and, on the last stage, every micro-batch's logits; DDP (whose constructor needs real
+tensors, so its replicas are traced unwrapped) adds its gradient buckets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.device_mesh import DeviceMesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils.flop_counter import FlopCounterMode
+
+from meshrun.core.config import ExperimentConfig, ParallelConfig
+from meshrun.core.layout import Layout
+from meshrun.plan.memory import MemoryPrediction, in_flight
+from meshrun.plan.shapes import micro_batching
+from meshrun.rank.mesh import build_mesh
+from meshrun.rank.models import build_model
+from meshrun.rank.parallel import data_parallel, sharded_part, stage_parts
+from meshrun.rank.train.optim import build_optimizer
+
+FP32 = 4
+# MemTracker's kinds (and FSDPMemTracker's) -> the breakdown's; what a step allocates and
+# frees (FSDP's unsharded parameters and its collectives' buffers) counts as activations
+KINDS = {
+    "Parameter": "params", "Buffer": "params", "Sharded Param": "params",
+    "Gradient": "grads", "Sharded Grad": "grads",
+    "Optstate": "optimizer", "OptState": "optimizer",
+    "Activation": "activations", "Temp": "activations", "Inputs": "activations",
+    "Unsharded Param": "activations", "Unsharded Grad": "activations",
+    "All Gather": "activations", "Reduce Scatter": "activations",
+    "Other": "other",
+}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Trace:
+    """One pipeline rank's traced step: the peak by kind, and the stage's tensors a pipeline
+    keeps per micro-batch (its input, received; its output's logits, on the last stage)."""
+
+    peak: dict[str, int]
+    input_bytes: int
+    logits_bytes: int
+
+
+def traced_memory(cfg: ExperimentConfig) -> list[MemoryPrediction]:
+    """One prediction per rank, in rank order, for a resolved config (as predict_memory).
+    Each pipeline rank is traced in turn as rank 0 of a fake group of the layout's world
+    size; DDP's replicas as one (DDP's constructor needs real tensors)."""
+    layout = Layout.of(cfg.parallel)
+    n_microbatches, micro_batch = micro_batching(cfg, layout)
+    traced = layout if layout.uses_fsdp else dataclasses.replace(layout, dp_replicate=1)
+    # DataParallel: one process driving several devices, each holding what one alone would
+    parallel = dataclasses.replace(cfg.parallel, dp_replicate=traced.dp_replicate,
+                                   data_parallel="auto")  # fmt: skip
+    if dist.is_initialized():
+        raise RuntimeError("the planner traces on a fake process group of its own")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=traced.world_size)
+    try:
+        mesh = build_mesh(traced, "cpu") if traced.world_size > 1 else None
+        traces = [_trace_rank(cfg, traced, parallel, mesh, pp_rank, micro_batch)
+                  for pp_rank in range(layout.pp)]  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+    per_stage = [_prediction(cfg, layout, pp_rank, n_microbatches, trace)
+                 for pp_rank, trace in enumerate(traces)]  # fmt: skip
+    ranks_per_stage = layout.world_size // layout.pp
+    return [per_stage[rank // ranks_per_stage] for rank in range(layout.world_size)]
+
+
+def _prediction(cfg: ExperimentConfig, layout: Layout, pp_rank: int, n_microbatches: int,
+                trace: Trace) -> MemoryPrediction:  # fmt: skip
+    split = dict.fromkeys(("params", "grads", "optimizer", "activations", "other"), 0)
+    for kind, size in trace.peak.items():
+        split[KINDS[kind]] += size
+    p = cfg.parallel
+    if layout.pp > 1:
+        held = in_flight(p.schedule, n_microbatches, layout.pp, pp_rank, p.stages_per_rank)
+        split["activations"] = int(split["activations"] * held)
+        split["other"] += n_microbatches * (trace.input_bytes + trace.logits_bytes)
+    if not layout.uses_fsdp and layout.dp_replicate > 1 and not p.ddp.gradient_as_bucket_view:
+        split["other"] += split["params"]  # DDP's gradient buckets, fp32 like the parameters
+    return MemoryPrediction(**split)
+
+
+def _trace_rank(cfg: ExperimentConfig, traced: Layout, parallel: ParallelConfig,
+                mesh: DeviceMesh | None, pp_rank: int, micro_batch: int) -> Trace:  # fmt: skip
+    t = cfg.train
+    meta = build_model(cfg.model, t.seq_len, "meta", vocab_multiple=traced.tp)
+    hidden = _stage_input(meta, micro_batch, t.seq_len, traced.tp, parallel.sequence_parallel)
+    cut = stage_parts(meta, pp_rank, traced, parallel)  # copies of meta tensors: not fakes
+    bf16 = t.precision == "bf16"
+    cpu = torch.device("cpu")
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+        sharded = [sharded_part(part, mesh, traced, parallel, cpu, t.seed) for part in cut]
+    # FSDP2 builds device meshes, whose own (real) tensors FakeTensorMode would turn fake;
+    # the parameters stay fake outside the mode
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    parts = [data_parallel(part, mesh, traced, parallel, cpu, dtype) for part in sharded]
+    with fake:
+        optimizer = build_optimizer(nn.ModuleList(parts), t)
+        # FSDPMemTracker takes one FSDP root; an interleaved rank has several
+        fsdp = traced.uses_fsdp and len(parts) == 1
+        tracker = FSDPMemTracker(parts[0], optimizer) if fsdp else MemTracker()
+        if not fsdp:
+            tracker.track_external(*parts, optimizer)
+        with tracker:
+            for _ in range(2):  # the second step holds the optimizer state
+                logits = _step(parts, micro_batch, t.seq_len, hidden, bf16 and not fsdp)
+                optimizer.step()
+                optimizer.zero_grad()
+                tracker.reset_mod_stats()
+        peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    # received per micro-batch: activations from the stage before, or gradients of its output
+    input_bytes = hidden.numel() * FP32
+    logits_bytes = logits.numel() * logits.element_size() if logits is not None else 0
+    kinds = {k.value: v for k, v in peak.items() if k != "Total"}
+    return Trace(kinds, input_bytes, logits_bytes)
+
+
+def _stage_input(meta: nn.Module, batch: int, seq: int, tp: int, sp: bool) -> torch.Tensor:
+    """What a stage without the embedding receives: hidden states (sequence-sharded under
+    SP), shaped by the embedding of the whole model (on meta)."""
+    with torch.device("meta"):
+        h = meta.tok_embeddings(torch.zeros(batch, seq // (tp if sp else 1), dtype=torch.long))
+    return torch.empty(h.shape, device="meta")
+
+
+def _step(parts: list[nn.Module], batch: int, seq: int, hidden: torch.Tensor,
+          autocast: bool) -> torch.Tensor | None:  # fmt: skip
+    """One micro-batch forward and backward through each part (an interleaved rank's chunks
+    one after the other); the last stage's logits, if this rank has it."""
+    logits = None
+    for part in parts:
+        first, last = part.tok_embeddings is not None, part.output is not None
+        x = (torch.zeros(batch, seq, dtype=torch.long) if first
+             else torch.empty(hidden.shape, requires_grad=True))  # fmt: skip
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            out = part(x)
+        if last:
+            loss = F.cross_entropy(
+                out.flatten(0, 1).float(), torch.zeros(batch * seq, dtype=torch.long)
+            )
+            logits = out
+        else:
+            loss = out.float().sum()
+        loss.backward()
+    return logits
+
+
+def counted_flops_per_token(cfg: ExperimentConfig) -> float:
+    """Training FLOPs per token (one forward and backward of the whole model) as torch's
+    FlopCounterMode counts them, on fake tensors."""
+    t = cfg.train
+    model = build_model(cfg.model, t.seq_len, "meta")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        model.init_weights(t.seed)  # buffers such as rotary tables
+        tokens = torch.zeros(1, t.seq_len, dtype=torch.long)
+        with FlopCounterMode(display=False) as counter:
+            model(tokens).float().sum().backward()
+    return counter.get_total_flops() / t.seq_len

@@ -1,0 +1,205 @@
+"""Your own nn.Module (model=custom), as meshrun's layouts see a decoder.
+
+The module stays as you wrote it: without a pipeline, its own forward runs. What a layout
+needs and cannot guess comes from the config, as dotted paths into the module: `layers` the
+block list, `embedding`, `norm` and `head` the ends, and `tp_plan`. A pipeline stage keeps
+the ends only where it is first or last and its own blocks only (the others become None in
+the list, so every name stays the whole model's), and runs its parts in sequence:
+embedding -> blocks -> norm -> head.
+
+Values: the callable is called on the meta device (shapes, nothing allocated) and, on each
+rank, once more on the CPU under torch.manual_seed(train.seed), which gives the module's own
+initialisation and buffers, the same whatever the layout; each rank keeps what it holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, MutableMapping
+
+import torch
+from torch import nn
+
+from meshrun.core.config import CustomModelConfig
+from meshrun.core.imports import import_target
+from meshrun.rank.models.shape import ModelShape
+from meshrun.rank.models.vocab import fill, pad_vocab, unpad_logits
+
+# our name for a part -> the config key that holds its path in the user's module
+PARTS = {"tok_embeddings": "embedding", "norm": "norm", "output": "head"}
+
+
+def build_user_module(cfg: CustomModelConfig) -> nn.Module:
+    """`cfg.target(**cfg.kwargs)`; ImportError/ValueError if it cannot be imported, TypeError
+    if it does not return a module."""
+    module = import_target(cfg.target)(**cfg.kwargs)
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"returned a {type(module).__name__}, not a torch.nn.Module")
+    return module
+
+
+def user_tp_plan(cfg: CustomModelConfig, module: nn.Module) -> dict:
+    """The plan as given (a mapping), or what a "module:callable" returns for the module."""
+    if isinstance(cfg.tp_plan, str):
+        return dict(import_target(cfg.tp_plan)(module))
+    return dict(cfg.tp_plan or {})
+
+
+def tied_names(module: nn.Module) -> list[list[str]]:
+    """The parameters that are one tensor under several names (a tied head, say)."""
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+class Blocks(MutableMapping):
+    """The user's block container (ModuleList, Sequential or ModuleDict) as a mapping from
+    its names; a deleted block becomes None in place, so the others keep their names."""
+
+    def __init__(self, container: nn.Module) -> None:
+        self.container = container
+
+    def __getitem__(self, key: str) -> nn.Module:
+        module = self.container._modules[key]
+        if module is None:
+            raise KeyError(key)
+        return module
+
+    def __setitem__(self, key: str, module: nn.Module | None) -> None:
+        setattr(self.container, key, module)
+
+    def __delitem__(self, key: str) -> None:
+        self[key] = None
+
+    def __iter__(self) -> Iterator[str]:
+        return (k for k, m in self.container._modules.items() if m is not None)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    @property
+    def complete(self) -> bool:
+        return None not in self.container._modules.values()
+
+
+class CustomLM(nn.Module):
+    def __init__(self, module: nn.Module, cfg: CustomModelConfig) -> None:
+        super().__init__()
+        self.module = module
+        self.cfg = cfg
+        self.paths = {ours: getattr(cfg, key) for ours, key in PARTS.items()}
+        self.pos_embeddings = None  # positions, if any, are the user's embedding's or blocks'
+        self.seq_shards = 1
+        self.ties = tied_names(module)
+        self.tied = bool(self.ties)
+        self.vocab_size = cfg.vocab_size or token_lookup(self.tok_embeddings).num_embeddings
+
+    def __getattr__(self, name: str):
+        paths = self.__dict__.get("paths")
+        if paths is not None and name in PARTS:
+            return _find(self.module, paths[name])
+        if paths is not None and name == "layers":
+            return Blocks(self.module.get_submodule(self.cfg.layers)) if self.cfg.layers else {}
+        return super().__getattr__(name)
+
+    def __setattr__(self, name: str, value) -> None:
+        paths = self.__dict__.get("paths")
+        if paths is not None and name in PARTS and paths[name] is not None:
+            owner, _, attr = paths[name].rpartition(".")
+            setattr(self.module.get_submodule(owner), attr, value)
+        elif paths is not None and name in PARTS and value is not None:
+            raise AttributeError(f"model.{PARTS[name]} is not set: the module has no {name}")
+        else:
+            super().__setattr__(name, value)
+
+    def tie_weights(self) -> None:
+        for first, *rest in self.ties:
+            for name in rest:
+                owner, _, attr = name.rpartition(".")
+                setattr(self.module.get_submodule(owner), attr, self.module.get_parameter(first))
+
+    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> CustomLM:
+        """Materialise (from meta) keeping tied parameters tied (to_empty gives each its own)."""
+        super().to_empty(device=device, recurse=recurse)
+        self.tie_weights()
+        return self
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The module's own forward; a pipeline stage runs its parts in sequence (taking and
+        returning hidden states where it lacks the embedding or the head)."""
+        blocks = self.layers
+        whole = all(self.paths[p] is None or getattr(self, p) is not None for p in PARTS)
+        if whole and (not isinstance(blocks, Blocks) or blocks.complete):
+            return unpad_logits(self.module(tokens), self.vocab_size)
+        h = tokens
+        for part in (self.tok_embeddings, *blocks.values(), self.norm, self.output):
+            if part is not None:
+                h = part(h)
+        return h if self.output is None else unpad_logits(h, self.vocab_size)
+
+    def tp_plan(self) -> dict:
+        """The user's plan, its patterns relative to their module."""
+        return {f"module.{k}": v for k, v in user_tp_plan(self.cfg, self.module).items()}
+
+    def prepare_tp(self, tp: int) -> None:
+        """Nothing to regroup: the plan is the user's."""
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """The module's own initialisation: built whole on the CPU from `seed`, this part's
+        parameters and buffers copied from it (vocabulary padding zero)."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            with torch.device("cpu"):
+                reference = build_user_module(self.cfg)
+        values = {**dict(reference.named_parameters()), **dict(reference.named_buffers())}
+        for name, tensor in (*self.module.named_parameters(), *self.module.named_buffers()):
+            fill(tensor, values[name])
+
+
+def token_lookup(embedding: nn.Module | None) -> nn.Embedding:
+    """The (first) nn.Embedding of the named embedding: the vocabulary and the width."""
+    lookups = [m for m in embedding.modules() if isinstance(m, nn.Embedding)] if embedding else []
+    if not lookups:
+        raise ValueError("model.vocab_size is null and model.embedding holds no nn.Embedding")
+    return lookups[0]
+
+
+def _find(module: nn.Module, path: str | None) -> nn.Module | None:
+    """The submodule at `path`, or None where the path is unset or a pipeline cut it away."""
+    for attr in path.split(".") if path else ():
+        module = getattr(module, attr)
+        if module is None:
+            return None
+    return module if path else None
+
+
+def custom_shape(cfg: CustomModelConfig) -> ModelShape:
+    """What the layout rules can know without a formula: blocks, vocabulary, ties; the
+    widths only the embedding tells (the planner's formulas need more)."""
+    model = build_custom(cfg, "meta")
+    embedding = model.tok_embeddings
+    return ModelShape(
+        dim=token_lookup(embedding).embedding_dim if embedding is not None else None,
+        n_layers=len(model.layers),
+        n_heads=None,
+        n_kv_heads=None,
+        vocab_size=model.vocab_size,
+        ffn_dim=None,
+        tied=model.tied,
+    )
+
+
+def build_custom(cfg: CustomModelConfig, device: torch.device | str, vocab_multiple: int = 1):
+    """Built on `device` (meta: nothing allocated); `vocab_multiple`: the TP degree the
+    vocabulary is padded for, where the embedding and head are named (vocab.py)."""
+    with torch.device(device):
+        model = CustomLM(build_user_module(cfg), cfg)
+    if paddable(model):
+        pad_vocab(model, model.vocab_size, vocab_multiple)
+    return model
+
+
+def paddable(model: CustomLM) -> bool:
+    """Whether meshrun can pad the vocabulary: the ends are named and of torch's own kinds."""
+    return isinstance(model.tok_embeddings, nn.Embedding) and isinstance(model.output, nn.Linear)

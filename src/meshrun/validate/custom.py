@@ -1,0 +1,121 @@
+"""A user's own nn.Module (model=custom): that the callable imports and returns a module, that
+the names given are its submodules, and what each layout needs of it and it does not say
+(a TP plan for tp > 1, the parts a pipeline runs in sequence, the blocks checkpointing wraps).
+The module is built on the meta device for this: nothing is allocated."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from fnmatch import fnmatch
+
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from meshrun.core.config import CustomModelConfig, ExperimentConfig
+from meshrun.core.errors import fail
+from meshrun.rank.models.custom import (
+    PARTS,
+    CustomLM,
+    build_custom,
+    build_user_module,
+    paddable,
+    user_tp_plan,
+)
+from meshrun.rank.parallel.tensor import TP_STYLES
+
+CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+README = "see README, Your own nn.Module"
+
+
+def check_custom(m: CustomModelConfig) -> None:
+    try:
+        with torch.device("meta"):
+            module = build_user_module(m)
+    except (ImportError, ValueError) as err:
+        fail("model.target", m.target, f"cannot be imported ({err})",
+             '"module:callable", importable from the current directory')  # fmt: skip
+    except TypeError as err:
+        fail("model.target", m.target, f"called with model.kwargs={m.kwargs}: {err}",
+             "a callable returning an nn.Module, and kwargs it takes")  # fmt: skip
+    names = dict(module.named_modules())
+    for key in ("layers", *PARTS.values()):
+        path = getattr(m, key)
+        if path is not None and path not in names:
+            nearest = difflib.get_close_matches(path, [n for n in names if n], n=3)
+            fail(f"model.{key}", path, "is not a submodule of the model",
+                 f"{' | '.join(nearest) or 'a name from named_modules()'} (nearest)")  # fmt: skip
+    if m.layers is not None and not isinstance(names[m.layers], CONTAINERS):
+        fail("model.layers", m.layers, f"is a {type(names[m.layers]).__name__}",
+             "the ModuleList, Sequential or ModuleDict of the blocks")  # fmt: skip
+    try:
+        CustomLM(module, m)
+    except ValueError as err:
+        fail("model.vocab_size", m.vocab_size, str(err), "the vocabulary size, or "
+             "model.embedding naming the module's nn.Embedding")  # fmt: skip
+    if m.tp_plan is not None:
+        _check_plan(m, module)
+
+
+def _check_plan(m: CustomModelConfig, module: nn.Module) -> None:
+    try:
+        plan = user_tp_plan(m, module)
+    except (ImportError, ValueError, TypeError) as err:
+        fail("model.tp_plan", m.tp_plan, f"cannot be loaded ({err})", "a mapping of module-"
+             'name patterns to TP styles, or "module:callable" returning one')  # fmt: skip
+    if not isinstance(m.tp_plan, (str, Mapping)):
+        fail("model.tp_plan", m.tp_plan, "is neither a mapping nor a callable's path",
+             "{pattern: style}, or \"module:callable\"")  # fmt: skip
+    names = [n for n, _ in module.named_modules() if n]
+    for pattern, style in plan.items():
+        if not isinstance(style, ParallelStyle) and style not in TP_STYLES:
+            fail(f"model.tp_plan.{pattern}", style, "is not a TP style",
+                 " | ".join(TP_STYLES) + ", or a ParallelStyle from a callable")  # fmt: skip
+        if not any(fnmatch(name, pattern) for name in names):
+            nearest = difflib.get_close_matches(pattern, names, n=3)
+            fail("model.tp_plan", pattern, "matches no module of the model",
+                 f"{' | '.join(nearest) or 'a pattern of named_modules()'} (nearest)")  # fmt: skip
+
+
+def check_custom_layout(cfg: ExperimentConfig) -> None:
+    """What the resolved layout needs of the module."""
+    m, p = cfg.model, cfg.parallel
+    model = build_custom(m, "meta", vocab_multiple=p.tp)
+    if p.tp > 1:
+        if m.tp_plan is None:
+            fail("parallel.tp", p.tp, "needs a TP plan and model=custom has none",
+                 f"set model.tp_plan ({README}), or tp=1")  # fmt: skip
+        _check_divisible(model, p.tp)
+    if p.pp > 1:
+        missing = [f"model.{k}" for k in ("layers", "embedding", "head") if getattr(m, k) is None]
+        if missing:
+            fail("parallel.pp", p.pp, "a pipeline stage runs embedding -> layers -> norm -> head "
+                 f"in sequence, and {', '.join(missing)} is not set",
+                 f"set {', '.join(missing)} ({README}), or pp=1")  # fmt: skip
+    if p.activation_checkpointing != "none" and m.layers is None:
+        fail("parallel.activation_checkpointing", p.activation_checkpointing,
+             "wraps each block of model.layers, which is not set",
+             "set model.layers to the module's block list, or none")  # fmt: skip
+
+
+def _check_divisible(model: CustomLM, tp: int) -> None:
+    """Each matrix the plan shards splits evenly; the vocabulary is padded where meshrun can
+    (model.embedding an nn.Embedding and model.head an nn.Linear)."""
+    plan = model.tp_plan()
+    for name, module in model.named_modules():
+        style = next((s for k, s in plan.items() if fnmatch(name, k)), None)
+        if style in ("colwise", "head") and isinstance(module, nn.Linear):
+            size, what = module.out_features, "output features"
+        elif style == "rowwise" and isinstance(module, nn.Linear):
+            size, what = module.in_features, "input features"
+        elif style == "embedding" and isinstance(module, nn.Embedding):
+            size, what = module.num_embeddings, "rows"
+        else:
+            continue
+        if size % tp:
+            pad = "" if paddable(model) else (
+                "; name model.embedding (an nn.Embedding) and model.head (an nn.Linear) "
+                "and meshrun pads the vocabulary")  # fmt: skip
+            fail("parallel.tp", tp, f"{name.removeprefix('module.')} ({style}) has {size} "
+                 f"{what}, which tp does not divide{pad}", "a tp that divides it")  # fmt: skip

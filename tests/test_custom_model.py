@@ -1,0 +1,147 @@
+"""A user's own nn.Module (model=custom) under meshrun's layouts: its own forward and init run
+unchanged; every kind of layout trains it like one device from the names and TP plan the
+config gives; meshrun-verify passes its plan and fails a sabotaged one; what a layout needs
+and the config does not say is refused before launch, with the key and what would be valid."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshrun.core.errors import ConfigError
+from meshrun.core.hardware import HostFacts
+from meshrun.driver.resolve import resolve
+from meshrun.rank.models import build_model, model_shape
+from meshrun.rank.parallel.pipeline import cut_stage
+from tests.helpers import compose_config
+from tests.ranks import losses
+from tests.test_verify import report, verify_run
+
+MODEL = ("model=custom", "model.target=tests.user_model:build")
+NAMED = (*MODEL, "model.layers=blocks", "model.embedding=embed", "model.norm=norm",
+         "model.head=head", "model.tp_plan=tests.user_model:tp_plan")  # fmt: skip
+STEPS = 6
+COMMON = (
+    f"train.steps={STEPS}", "train.warmup_steps=1", "train.global_batch_size=8",
+    "train.micro_batch_size=2", "train.seq_len=64", "train.seed=3", "metrics.baseline=false",
+)  # fmt: skip
+DEFAULT = {"ddp", "tp2", "pp2_1f1b", "fsdp_full_checkpointing"}
+LAYOUTS = {
+    "ddp": ("parallel=ddp",),
+    "fsdp": ("parallel=fsdp",),
+    "fsdp_full_checkpointing": ("parallel=fsdp", "parallel.activation_checkpointing=full"),
+    "hsdp": ("parallel=hsdp", "launcher.nproc_per_node=4"),
+    "tp2": ("parallel=tp2",),
+    "pp2_1f1b": ("parallel=pp2",),
+    "pp2_gpipe": ("parallel=pp2", "parallel.schedule=gpipe"),
+    "pp2_interleaved": ("parallel=pp2_interleaved",),
+    "tp2_pp2": ("parallel=tp2_pp2",),
+    "dp2_tp2_pp2": ("parallel=dp2_tp2_pp2",),
+}
+
+
+def custom(*overrides: str):
+    return compose_config(*NAMED, *overrides).model
+
+
+def test_the_module_is_the_users_own_forward_and_init():
+    from tests.user_model import build  # noqa: PLC0415 (the user's code, as meshrun imports it)
+
+    model = build_model(custom(), 64, "meta")
+    model.to_empty(device="cpu")
+    model.init_weights(seed=5)
+    torch.manual_seed(5)
+    theirs = build()
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), theirs(tokens), rtol=0, atol=0)
+    shape = model_shape(custom())
+    assert (shape.n_layers, shape.vocab_size, shape.dim, shape.tied) == (4, 256, 64, False)
+    assert not shape.formula  # no widths to plan by formula
+
+
+def test_pipeline_stages_run_the_named_parts_in_sequence_under_the_whole_models_names():
+    full = build_model(custom(), 64, "meta")
+    first, last = cut_stage(full, 0, [2, 2]), cut_stage(full, 1, [2, 2])
+    assert list(first.layers) == ["0", "1"] and list(last.layers) == ["2", "3"]
+    assert first.output is None and last.tok_embeddings is None
+    names = {n for part in (first, last) for n, _ in part.named_parameters()}
+    assert names == {n for n, _ in full.named_parameters()}
+    for part in (full, first, last):
+        part.to_empty(device="cpu")
+        part.init_weights(seed=1)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(last(first(tokens)), full(tokens), rtol=1e-6, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, rank_pool) -> list[float]:
+    from meshrun.driver.experiment import measure  # noqa: PLC0415
+    from tests.ranks import config_in  # noqa: PLC0415
+
+    cfg = config_in(tmp_path_factory.mktemp("single"), "parallel=single", *NAMED, *COMMON)
+    measured = measure(cfg, "run", rank_pool.launch)
+    assert measured.ok, measured.meta["error"]
+    return losses(measured)
+
+
+@pytest.mark.parametrize(
+    "layout", [pytest.param(n, marks=() if n in DEFAULT else pytest.mark.slow) for n in LAYOUTS]
+)
+def test_every_kind_of_layout_trains_the_users_module_like_one_device(experiment, single, layout):
+    _, measured = experiment(*LAYOUTS[layout], *NAMED, *COMMON)
+    assert measured.ok, measured.meta["error"]
+    got = losses(measured)
+    assert len(got) == len(single) == STEPS
+    for step, (loss, ref) in enumerate(zip(got, single, strict=True)):
+        assert abs(loss - ref) <= 1e-4 * abs(ref), f"step {step}: {loss} vs {ref}"
+    assert got[-1] < got[0]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [("parallel=fsdp",), ("parallel=tp2",),
+     ("parallel=tp2", "model.tp_plan={blocks.*.up:colwise,blocks.*.down:rowwise}")],
+    ids=" ".join,
+)  # fmt: skip
+def test_verify_passes_the_users_module_with_its_own_plan(tmp_path, on_pool, overrides):
+    assert verify_run(tmp_path, *NAMED, *overrides) == 0
+    assert report(tmp_path)["passed"] is True
+
+
+def test_verify_fails_a_sabotaged_plan_on_the_numbers(tmp_path, on_pool):
+    code = verify_run(tmp_path, *NAMED, "parallel=tp2",
+                      "model.tp_plan=tests.user_model:sabotaged_tp_plan")  # fmt: skip
+    result = report(tmp_path)
+    assert code == 1 and result["error"] is None and result["passed"] is False
+    assert result["max_grad_norm_deviation"] > 1e-2
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "fragment"),
+    [
+        (["model.target=tests.user_model:nothing"], "model.target", "no attribute 'nothing'"),
+        (["model.target=tests.user_model:not_a_module"], "model.target",
+         "returned a str, not a torch.nn.Module"),
+        (["+model.kwargs.width=3"], "model.target", "unexpected keyword argument 'width'"),
+        (["model.layers=block"], "model.layers", "Valid: blocks |"),
+        (["model.layers=norm"], "model.layers", "is a LayerNorm"),
+        (["model.tp_plan={blocks.*.qq:colwise}"], "model.tp_plan", "matches no module"),
+        (["model.tp_plan={blocks.*.q:columnwise}"], "model.tp_plan.blocks.*.q", "colwise |"),
+        (["model.embedding=null", "model.head=null"], "model.vocab_size", "model.embedding"),
+        (["parallel=tp2", "model.tp_plan=null"], "parallel.tp",
+         "needs a TP plan and model=custom has none"),
+        (["parallel=tp4", "+model.kwargs.dim=66", "+model.kwargs.heads=2"], "parallel.tp",
+         "blocks.0.q (colwise) has 66 output features, which tp does not divide"),
+        (["parallel=pp2", "model.head=null"], "parallel.pp", "model.head is not set"),
+        (["parallel=fsdp", "parallel.activation_checkpointing=full", "model.layers=null"],
+         "parallel.activation_checkpointing", "model.layers, which is not set"),
+    ],
+    ids=str,
+)  # fmt: skip
+def test_config_mistakes_are_refused_before_launch(overrides, key, fragment):
+    with pytest.raises(ConfigError) as caught:
+        resolve(compose_config(*NAMED, *overrides), HostFacts.detect())
+    assert caught.value.key == key
+    assert fragment in str(caught.value)

@@ -1,0 +1,93 @@
+"""A researcher's own model for model=custom (`model.target=tests.user_model:build`): a small
+GPT written with plain torch, nothing meshrun-specific, and TP plans for it."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import Partial
+from torch.distributed.tensor.parallel import RowwiseParallel
+
+TP_PLAN = {
+    "blocks.*.q": "colwise",
+    "blocks.*.k": "colwise",
+    "blocks.*.v": "colwise",
+    "blocks.*.out": "rowwise",
+    "blocks.*.up": "colwise",
+    "blocks.*.down": "rowwise",
+}
+
+
+class Embed(nn.Module):
+    """Token embedding plus a fixed sinusoidal position table (a buffer)."""
+
+    def __init__(self, vocab: int, dim: int, max_seq: int) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, dim)
+        position = torch.arange(max_seq).unsqueeze(1)
+        freq = torch.exp(torch.arange(0, dim, 2) * (-math.log(10000.0) / dim))
+        table = torch.zeros(max_seq, dim)
+        table[:, 0::2], table[:, 1::2] = torch.sin(position * freq), torch.cos(position * freq)
+        self.register_buffer("positions", table, persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.tokens(ids) + self.positions[: ids.shape[1]]
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, hidden: int) -> None:
+        super().__init__()
+        self.head_dim = dim // heads
+        self.attn_norm = nn.LayerNorm(dim)
+        self.q, self.k, self.v = (nn.Linear(dim, dim) for _ in range(3))
+        self.out = nn.Linear(dim, dim)
+        self.mlp_norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        h = self.attn_norm(x)
+        # -1 heads: a tensor-parallel rank holds a share of them
+        q, k, v = (p(h).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+                   for p in (self.q, self.k, self.v))  # fmt: skip
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(a.transpose(1, 2).reshape(batch, seq, -1))
+        return x + self.down(F.gelu(self.up(self.mlp_norm(x))))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab: int, dim: int, n_layers: int, heads: int, max_seq: int) -> None:
+        super().__init__()
+        self.embed = Embed(vocab, dim, max_seq)
+        self.blocks = nn.ModuleList(Block(dim, heads, 4 * dim) for _ in range(n_layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def build(vocab: int = 256, dim: int = 64, n_layers: int = 4, heads: int = 4,
+          max_seq: int = 128) -> TinyGPT:  # fmt: skip
+    return TinyGPT(vocab, dim, n_layers, heads, max_seq)
+
+
+def tp_plan(module: nn.Module) -> dict:
+    return TP_PLAN
+
+
+def sabotaged_tp_plan(module: nn.Module) -> dict:
+    """One mistake: the attention output is row-wise but left Partial, so the per-rank partial
+    sums are never all-reduced; shapes fit, so it trains, wrongly."""
+    return {**TP_PLAN, "blocks.*.out": RowwiseParallel(output_layouts=Partial())}
+
+
+def not_a_module() -> str:
+    return "a string"
