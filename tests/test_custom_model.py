@@ -11,9 +11,10 @@ import torch
 from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import HostFacts
 from meshrun.driver.resolve import resolve
+from meshrun.plan.traced import traced_memory
 from meshrun.rank.models import build_model, model_shape
 from meshrun.rank.parallel.pipeline import cut_stage
-from tests.helpers import compose_config
+from tests.helpers import compose_config, resolved_config
 from tests.ranks import losses
 from tests.test_verify import report, verify_run
 
@@ -145,3 +146,38 @@ def test_config_mistakes_are_refused_before_launch(overrides, key, fragment):
         resolve(compose_config(*NAMED, *overrides), HostFacts.detect())
     assert caught.value.key == key
     assert fragment in str(caught.value)
+
+
+def test_the_planner_traces_a_module_without_formulas():
+    """Each rank's memory from its parallel module run on fake tensors (plan/traced.py)."""
+    model = build_model(custom(), 64, "meta")
+    params = sum(p.numel() for p in model.parameters()) * 4
+    buffers = sum(b.numel() for b in model.buffers()) * 4
+    fsdp, tp2 = (traced_memory(resolved_config(*NAMED, p, "train.seq_len=64"))
+                 for p in ("parallel=fsdp", "parallel=tp2"))  # fmt: skip
+    # fp32 weights and AdamW's two moments: half the model on each rank under FSDP, more under
+    # TP (the plan leaves the embedding, the head and the norms whole); the buffers whole
+    assert fsdp[0].params == pytest.approx(params / 2 + buffers, rel=0.02)
+    assert fsdp[0].optimizer == pytest.approx(params, rel=0.02)
+    assert params / 2 < tp2[0].params - buffers < params
+    assert tp2[0].optimizer == pytest.approx(2 * (tp2[0].params - buffers), rel=0.01)
+    assert all(m.activations > 0 for m in (*fsdp, *tp2))
+
+
+@pytest.mark.slow
+def test_meshrun_plan_lists_every_layout_of_a_module_without_formulas(tmp_path):
+    from tests.test_plan import meshrun_plan  # noqa: PLC0415
+
+    run, plan = meshrun_plan(tmp_path, *NAMED, "world_size=2")
+    kinds = {(e["degrees"]["dp_shard"], e["degrees"]["tp"], e["degrees"]["pp"])
+             for e in plan["layouts"]}  # fmt: skip
+    assert {(2, 1, 1), (1, 2, 1), (1, 1, 2)} <= kinds
+    assert all(e["speed"] is None and e["peak_bytes"] > 0 for e in plan["layouts"])
+    assert "n/a" in run.output
+
+
+@pytest.mark.slow
+def test_a_module_predicted_not_to_fit_is_refused_before_launch(meshrun_here):
+    run = meshrun_here(*NAMED, "parallel=fsdp", "plan.headroom_gib=1e6")
+    assert run.returncode == 2, run.output
+    assert "predicted peak memory" in run.output and "exceeds the" in run.output

@@ -1,6 +1,7 @@
 """The planner's memory prediction against real runs on this host: peak within 10% per rank,
 params / grads / optimizer / activations within 15%. A few layouts run by default, the rest
-of the set with -m slow; benchmarks/planner_accuracy.py prints the whole table."""
+of the set with -m slow; benchmarks/planner_accuracy.py prints the whole table (with HF
+models, and every model traced on fake tensors beside the formulas)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 
 from meshrun.driver.experiment import measure
 from meshrun.driver.launch.local import launch_local
-from meshrun.plan.memory import predict_memory
+from meshrun.plan import predict
 from tests.ranks import config_in
 
 CATEGORIES = ("params", "grads", "optimizer", "activations")
@@ -20,12 +21,16 @@ LAYOUTS = {
     "pp2-1f1b": ("parallel=pp2", "parallel.schedule=1f1b"),
     "pp2-gpipe": ("parallel=pp2", "parallel.schedule=gpipe"),
     "tp2_pp2": ("parallel=tp2_pp2",),
-}
+    # no formula: the rank's parallel module traced on fake tensors (plan/traced.py)
+    "custom-tp2": ("parallel=tp2", "model=custom", "model.target=tests.user_model:build",
+                   "+model.kwargs.dim=384", "+model.kwargs.heads=6", "model.layers=blocks",
+                   "model.embedding=embed", "model.tp_plan=tests.user_model:tp_plan"),
+}  # fmt: skip
 # By default a layout of each kind of memory: plain, pipelined, and those whose collectives
 # free gathered blocks (FSDP) or outputs (TP) on gloo's worker threads, which the meter
 # must see (metrics/memory.py).
 FAST = {("single", "full"), ("pp2-gpipe", "none"), ("pp2-1f1b", "full"), ("fsdp", "none"),
-        ("tp2", "full")}  # fmt: skip
+        ("tp2", "full"), ("custom-tp2", "full")}  # fmt: skip
 CASES = [
     pytest.param(name, ckpt, marks=() if (name, ckpt) in FAST else pytest.mark.slow,
                  id=f"{name}-ckpt_{ckpt}")
@@ -43,7 +48,7 @@ def test_predicted_memory_per_rank_is_within_the_bars(tmp_path, name, ckpt):
                     "train.progress_bar=false", "metrics.baseline=false")  # fmt: skip
     measured = measure(cfg, "run", launch_local)
     assert measured.ok, measured.meta["error"]
-    pairs = list(zip(measured.memory, [p.as_dict() for p in predict_memory(cfg)], strict=True))
+    pairs = list(zip(measured.memory, [p.as_dict() for p in predict.memory(cfg)], strict=True))
     assert len(pairs) == cfg.launcher.nproc_per_node
     for measured, predicted in pairs:
         rank = measured["rank"]

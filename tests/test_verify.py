@@ -55,6 +55,23 @@ def test_correct_layout_passes(tmp_path, on_pool, capsys, overrides):
         assert (tmp_path / "verify" / role / "metrics.jsonl").exists()
 
 
+def test_bf16_layout_passes_within_one_bf16_rounding(tmp_path, on_pool):
+    """FSDP in bf16 deviates by more than fp32's tolerance, and by far less than bf16's
+    unit roundoff 2^-8 (the derived default)."""
+    assert verify_run(tmp_path, "parallel=fsdp", "train.precision=bf16") == 0
+    result = report(tmp_path)
+    assert result["tolerance"] == 2**-8
+    assert TOLERANCE < result["max_grad_norm_deviation"] < 2**-8 / 4
+
+
+def test_bf16_tolerance_still_fails_a_wrong_plan(tmp_path, on_pool):
+    code = verify_run(tmp_path, "parallel=tp2", "parallel.tp_plan=tests.plans:wrong_wo_sharding",
+                      "train.precision=bf16")  # fmt: skip
+    result = report(tmp_path)
+    assert code == 1 and result["error"] is None and result["passed"] is False
+    assert result["max_grad_norm_deviation"] > 4 * 2**-8
+
+
 def test_wrong_tp_plan_fails_on_the_numbers(tmp_path, on_pool, capsys):
     code = verify_run(tmp_path, "parallel=tp2", "parallel.tp_plan=tests.plans:wrong_wo_sharding")
     assert code == 1

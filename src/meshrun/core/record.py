@@ -72,6 +72,7 @@ class RunRecord:
     speedup: float | None = _f(column=True, summary=True, report=(10, "speedup"))
     scaling_efficiency: float | None = _f(column=True, summary=True, report=(11, "efficiency"))
     flops_per_token: float | None = _f()
+    flops_per_token_counted: float | None = _f()  # plan.trace: torch's FlopCounterMode
     mfu: float | None = _f(column=True, summary=True)
     # pipeline
     pp_schedule: str | None = _f()
@@ -88,6 +89,7 @@ class RunRecord:
     memory_activations_bytes: int | None = _f(column=True, summary=True)
     memory_other_bytes: int | None = _f(column=True, summary=True)
     memory_predicted: list[dict[str, int]] | None = _f()
+    memory_traced: list[dict[str, int]] | None = _f()  # plan.trace: on fake tensors
     predicted_peak_memory_bytes: int | None = _f(column=True, summary=True)
     predicted_step_time_s: float | None = _f(column=True, summary=True)
     predicted_tokens_per_s: float | None = _f()

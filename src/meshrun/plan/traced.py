@@ -2,22 +2,25 @@
 
 The formulas of memory.py know meshrun's decoder and the transformers families it models;
 a user's own module (model=custom) has none. So, for each pipeline rank, this builds the
-rank's real share exactly as the worker does (rank/parallel: cut, TP, checkpointing, FSDP2)
-on a fake process group, under torch's FakeTensorMode, and runs two training steps of one
-micro-batch under torch's MemTracker (FSDPMemTracker with FSDP2): every tensor has a shape
-and no storage, so nothing is allocated and nothing is communicated, and the peak is the
-sum of the tensors alive at its worst moment, by kind. FLOPs per token come from
-FlopCounterMode over one forward and backward of the whole model on the meta device.
+rank's real share as the worker does (rank/parallel: cut, TP, checkpointing, FSDP2) on a
+fake process group under torch's FakeTensorMode, and runs two training steps under torch's
+MemTracker (FSDPMemTracker with FSDP2), each of two micro-batches where a step has more (the
+second one runs with the first one's gradients held). Every tensor has a shape and no
+storage: nothing is allocated or communicated, and the peak is the sum of the tensors alive
+at the worst moment, by kind. FLOPs per token: FlopCounterMode over one forward and backward
+of the whole model, on fake tensors too.
 
-What the trace of one micro-batch does not see is added as memory.py does: a pipeline rank
-holds several micro-batches' activations at once (memory.in_flight), its receive buffers
-and, on the last stage, every micro-batch's logits; DDP (whose constructor needs real
-tensors, so its replicas are traced unwrapped) adds its gradient buckets.
+What a trace of micro-batches one after the other does not see is added as memory.py does:
+a pipeline rank holds several micro-batches' activations at once (memory.in_flight), its
+receive buffers and, on the last stage, every micro-batch's logits; DDP (whose constructor
+needs real tensors, so its replicas are traced unwrapped) adds its gradient buckets.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 
 import torch
 import torch.distributed as dist
@@ -30,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.flop_counter import FlopCounterMode
 
-from meshrun.core.config import ExperimentConfig, ParallelConfig
+from meshrun.core.config import ExperimentConfig, ParallelConfig, from_dict
 from meshrun.core.layout import Layout
 from meshrun.plan.memory import MemoryPrediction, in_flight
 from meshrun.plan.shapes import micro_batching
@@ -66,7 +69,14 @@ class Trace:
 def traced_memory(cfg: ExperimentConfig) -> list[MemoryPrediction]:
     """One prediction per rank, in rank order, for a resolved config (as predict_memory).
     Each pipeline rank is traced in turn as rank 0 of a fake group of the layout's world
-    size; DDP's replicas as one (DDP's constructor needs real tensors)."""
+    size; DDP's replicas as one (DDP's constructor needs real tensors). Cached: the
+    pre-launch check and the record ask for the same config."""
+    return list(_traced(json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str)))
+
+
+@functools.lru_cache(maxsize=256)
+def _traced(cfg_json: str) -> tuple[MemoryPrediction, ...]:
+    cfg = from_dict(json.loads(cfg_json))
     layout = Layout.of(cfg.parallel)
     n_microbatches, micro_batch = micro_batching(cfg, layout)
     traced = layout if layout.uses_fsdp else dataclasses.replace(layout, dp_replicate=1)
@@ -78,14 +88,17 @@ def traced_memory(cfg: ExperimentConfig) -> list[MemoryPrediction]:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=traced.world_size)
     try:
         mesh = build_mesh(traced, "cpu") if traced.world_size > 1 else None
-        traces = [_trace_rank(cfg, traced, parallel, mesh, pp_rank, micro_batch)
+        # two micro-batches a step where there are more: the second one's forward and
+        # backward run with the first one's gradients held
+        accumulated = min(2, n_microbatches)
+        traces = [_trace_rank(cfg, traced, parallel, mesh, pp_rank, micro_batch, accumulated)
                   for pp_rank in range(layout.pp)]  # fmt: skip
     finally:
         dist.destroy_process_group()
     per_stage = [_prediction(cfg, layout, pp_rank, n_microbatches, trace)
                  for pp_rank, trace in enumerate(traces)]  # fmt: skip
     ranks_per_stage = layout.world_size // layout.pp
-    return [per_stage[rank // ranks_per_stage] for rank in range(layout.world_size)]
+    return tuple(per_stage[rank // ranks_per_stage] for rank in range(layout.world_size))
 
 
 def _prediction(cfg: ExperimentConfig, layout: Layout, pp_rank: int, n_microbatches: int,
@@ -104,10 +117,13 @@ def _prediction(cfg: ExperimentConfig, layout: Layout, pp_rank: int, n_microbatc
 
 
 def _trace_rank(cfg: ExperimentConfig, traced: Layout, parallel: ParallelConfig,
-                mesh: DeviceMesh | None, pp_rank: int, micro_batch: int) -> Trace:  # fmt: skip
+                mesh: DeviceMesh | None, pp_rank: int, micro_batch: int,
+                accumulated: int) -> Trace:  # fmt: skip
     t = cfg.train
     meta = build_model(cfg.model, t.seq_len, "meta", vocab_multiple=traced.tp)
-    hidden = _stage_input(meta, micro_batch, t.seq_len, traced.tp, parallel.sequence_parallel)
+    hidden = None
+    if traced.pp > 1:
+        hidden = _stage_input(meta, micro_batch, t.seq_len, traced.tp, parallel.sequence_parallel)
     cut = stage_parts(meta, pp_rank, traced, parallel)  # copies of meta tensors: not fakes
     bf16 = t.precision == "bf16"
     cpu = torch.device("cpu")
@@ -126,13 +142,14 @@ def _trace_rank(cfg: ExperimentConfig, traced: Layout, parallel: ParallelConfig,
             tracker.track_external(*parts, optimizer)
         with tracker:
             for _ in range(2):  # the second step holds the optimizer state
-                logits = _step(parts, micro_batch, t.seq_len, hidden, bf16 and not fsdp)
+                for _ in range(accumulated):
+                    logits = _step(parts, micro_batch, t.seq_len, hidden, bf16 and not fsdp)
+                    tracker.reset_mod_stats()  # per module per call; the peak stays
                 optimizer.step()
                 optimizer.zero_grad()
-                tracker.reset_mod_stats()
         peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
     # received per micro-batch: activations from the stage before, or gradients of its output
-    input_bytes = hidden.numel() * FP32
+    input_bytes = hidden.numel() * FP32 if hidden is not None else 0
     logits_bytes = logits.numel() * logits.element_size() if logits is not None else 0
     kinds = {k.value: v for k, v in peak.items() if k != "Total"}
     return Trace(kinds, input_bytes, logits_bytes)
@@ -146,7 +163,7 @@ def _stage_input(meta: nn.Module, batch: int, seq: int, tp: int, sp: bool) -> to
     return torch.empty(h.shape, device="meta")
 
 
-def _step(parts: list[nn.Module], batch: int, seq: int, hidden: torch.Tensor,
+def _step(parts: list[nn.Module], batch: int, seq: int, hidden: torch.Tensor | None,
           autocast: bool) -> torch.Tensor | None:  # fmt: skip
     """One micro-batch forward and backward through each part (an interleaved rank's chunks
     one after the other); the last stage's logits, if this rank has it."""

@@ -27,7 +27,7 @@ from meshrun.core.baseline import layout_name
 from meshrun.core.config import DebugConfig, ExperimentConfig, ParallelConfig
 from meshrun.core.errors import ConfigError, positive
 from meshrun.core.hardware import HostFacts
-from meshrun.core.tool_config import VerifyExperimentConfig
+from meshrun.core.tool_config import TOLERANCES, VerifyExperimentConfig
 from meshrun.driver.command import hydra_command
 from meshrun.driver.experiment import Measured, measure
 from meshrun.driver.launch.dispatch import launch
@@ -131,9 +131,9 @@ def _experiment(composed: VerifyExperimentConfig) -> ExperimentConfig:
 def run(dict_cfg: DictConfig) -> int:
     """0: the layout matches the single device; 1: it does not, or a run failed; 2: bad config."""
     composed: VerifyExperimentConfig = OmegaConf.to_object(dict_cfg)
-    tolerance = composed.verify.tolerance
+    tolerance = composed.verify.tolerance or TOLERANCES[composed.train.precision]
     try:
-        positive("verify.tolerance", tolerance)
+        positive("verify.tolerance", composed.verify.tolerance, allow_none=True)
         cfg = resolve(_experiment(composed), HostFacts.detect())
     except ConfigError as err:
         print_error("config error", str(err))
