@@ -192,6 +192,20 @@ def test_hf_config_mistakes_are_refused_before_launch(overrides, key, fragment):
     assert fragment in str(caught.value)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [(("model=hf/mistral-7b", "model.config.sliding_window=64"),
+      "longer than the model's sliding window (model.config.sliding_window=64)"),
+     (("model=hf/tiny-gpt2", "model.config.n_positions=32"),
+      "longer than the learned position table (32 positions)")],
+    ids=("sliding-window", "positions"),
+)  # fmt: skip
+def test_a_sequence_the_model_cannot_attend_over_is_refused(overrides, fragment):
+    with pytest.raises(ConfigError) as caught:
+        resolve(compose_config(*overrides, "train.seq_len=128"), HostFacts.detect())
+    assert caught.value.key == "train.seq_len" and fragment in str(caught.value)
+
+
 def test_a_checkpoint_of_another_shape_is_refused(tmp_path):
     saved_tiny_llama(tmp_path / "ckpt")
     cfg = compose_config("model=hf/tiny-llama", "model.config.num_hidden_layers=2",

@@ -58,10 +58,12 @@ KINDS = {
 
 @dataclasses.dataclass(frozen=True)
 class Trace:
-    """One pipeline rank's traced step: the peak by kind, and the stage's tensors a pipeline
-    keeps per micro-batch (its input, received; its output's logits, on the last stage)."""
+    """One pipeline rank's traced step: the peak by kind; what one micro-batch's forward
+    leaves for its backward (the activations a pipeline holds per micro-batch in flight); the
+    tensors a pipeline keeps per micro-batch (its input, received; the last stage's logits)."""
 
     peak: dict[str, int]
+    kept: int
     input_bytes: int
     logits_bytes: int
 
@@ -108,8 +110,10 @@ def _prediction(cfg: ExperimentConfig, layout: Layout, pp_rank: int, n_microbatc
         split[KINDS[kind]] += size
     p = cfg.parallel
     if layout.pp > 1:
+        # the traced peak holds one micro-batch's kept activations (and the transients of a
+        # backward, recomputation included); in flight, `held` of them
         held = in_flight(p.schedule, n_microbatches, layout.pp, pp_rank, p.stages_per_rank)
-        split["activations"] = int(split["activations"] * held)
+        split["activations"] += int(trace.kept * (held - 1))
         split["other"] += n_microbatches * (trace.input_bytes + trace.logits_bytes)
     if not layout.uses_fsdp and layout.dp_replicate > 1 and not p.ddp.gradient_as_bucket_view:
         split["other"] += split["params"]  # DDP's gradient buckets, fp32 like the parameters
@@ -143,7 +147,8 @@ def _trace_rank(cfg: ExperimentConfig, traced: Layout, parallel: ParallelConfig,
         with tracker:
             for _ in range(2):  # the second step holds the optimizer state
                 for _ in range(accumulated):
-                    logits = _step(parts, micro_batch, t.seq_len, hidden, bf16 and not fsdp)
+                    logits, kept = _step(parts, micro_batch, t.seq_len, hidden,
+                                         bf16 and not fsdp, tracker)  # fmt: skip
                     tracker.reset_mod_stats()  # per module per call; the peak stays
                 optimizer.step()
                 optimizer.zero_grad()
@@ -152,7 +157,7 @@ def _trace_rank(cfg: ExperimentConfig, traced: Layout, parallel: ParallelConfig,
     input_bytes = hidden.numel() * FP32 if hidden is not None else 0
     logits_bytes = logits.numel() * logits.element_size() if logits is not None else 0
     kinds = {k.value: v for k, v in peak.items() if k != "Total"}
-    return Trace(kinds, input_bytes, logits_bytes)
+    return Trace(kinds, kept, input_bytes, logits_bytes)
 
 
 def _stage_input(meta: nn.Module, batch: int, seq: int, tp: int, sp: bool) -> torch.Tensor:
@@ -164,16 +169,19 @@ def _stage_input(meta: nn.Module, batch: int, seq: int, tp: int, sp: bool) -> to
 
 
 def _step(parts: list[nn.Module], batch: int, seq: int, hidden: torch.Tensor | None,
-          autocast: bool) -> torch.Tensor | None:  # fmt: skip
+          autocast: bool, tracker: MemTracker) -> tuple[torch.Tensor | None, int]:  # fmt: skip
     """One micro-batch forward and backward through each part (an interleaved rank's chunks
-    one after the other); the last stage's logits, if this rank has it."""
-    logits = None
+    one after the other): the last stage's logits, if this rank has it, and the activations
+    the forwards left for the backwards."""
+    logits, kept = None, 0
     for part in parts:
+        before = _activations(tracker)
         first, last = part.tok_embeddings is not None, part.output is not None
         x = (torch.zeros(batch, seq, dtype=torch.long) if first
              else torch.empty(hidden.shape, requires_grad=True))  # fmt: skip
         with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
             out = part(x)
+        kept += _activations(tracker) - before
         if last:
             loss = F.cross_entropy(
                 out.flatten(0, 1).float(), torch.zeros(batch * seq, dtype=torch.long)
@@ -182,7 +190,12 @@ def _step(parts: list[nn.Module], batch: int, seq: int, hidden: torch.Tensor | N
         else:
             loss = out.float().sum()
         loss.backward()
-    return logits
+    return logits, kept
+
+
+def _activations(tracker: MemTracker) -> int:
+    current = next(iter(tracker.get_tracker_snapshot("current").values()), {})
+    return sum(size for kind, size in current.items() if getattr(kind, "value", "") == "Activation")
 
 
 def counted_flops_per_token(cfg: ExperimentConfig) -> float:

@@ -26,7 +26,7 @@ from meshrun.validate.layout import (
     resolve_layout,
     resolve_pipeline,
 )
-from meshrun.validate.model import check_model
+from meshrun.validate.model import check_model, check_sequence
 from meshrun.validate.slurm import check_slurm
 
 
@@ -34,6 +34,7 @@ def check_experiment(cfg: ExperimentConfig) -> None:
     """The rules that hold whatever the layout (checked before one is searched for)."""
     _check_train(cfg)
     check_model(cfg.model)
+    check_sequence(cfg)
     _check_data(cfg)
     _check_plan(cfg)
     choice("logger.name", cfg.logger.name, ("wandb", "none"))

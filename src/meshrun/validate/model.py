@@ -1,7 +1,8 @@
 """The model's rules: meshrun's own decoder's sizes, and that a `pretrained` Llama
 checkpoint is one it can hold, of the preset's sizes; for a Hugging Face model, that
 transformers is installed, the architecture exists and can be cut into stages, every config
-key is one its config class has, and a `pretrained` directory matches the preset."""
+key is one its config class has, a `pretrained` directory matches the preset, and the
+sequence fits its attention and positions; for a user's module, validate/custom.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ import importlib.util
 import json
 from pathlib import Path
 
-from meshrun.core.config import CustomModelConfig, HFModelConfig, LlamaModelConfig, ModelConfig
+from meshrun.core.config import (
+    CustomModelConfig,
+    ExperimentConfig,
+    HFModelConfig,
+    LlamaModelConfig,
+    ModelConfig,
+)
 from meshrun.core.errors import fail, positive
 from meshrun.rank.models.llama import ffn_dim, kv_heads
 from meshrun.validate.custom import check_custom
@@ -23,6 +30,28 @@ def check_model(m: ModelConfig) -> None:
         check_custom(m)
     else:
         _check_llama(m)
+
+
+def check_sequence(cfg: ExperimentConfig) -> None:
+    """What a transformers model's attention and positions hold of train.seq_len: meshrun
+    runs full causal attention (no sliding-window mask), and a learned position table has
+    rows for so many positions only."""
+    m, seq = cfg.model, cfg.train.seq_len
+    if not isinstance(m, HFModelConfig):
+        return
+    from meshrun.rank.models import hf  # noqa: PLC0415 (optional dependency: meshrun[hf])
+
+    c = hf.hf_config(m)
+    window = getattr(c, "sliding_window", None) if getattr(c, "use_sliding_window", True) else None
+    if window and seq > window:
+        fail("train.seq_len", seq, f"is longer than the model's sliding window "
+             f"(model.config.sliding_window={window}), which meshrun's full causal attention "
+             "does not apply", f"<= {window}, or model.config.sliding_window=null")  # fmt: skip
+    shipped = hf.SHIPPED_PLANS.get(m.architecture)
+    if shipped and shipped.positions and seq > c.max_position_embeddings:
+        fail("train.seq_len", seq, f"is longer than the learned position table "
+             f"({c.max_position_embeddings} positions)", f"<= {c.max_position_embeddings}, or "
+             "a larger table in model.config")  # fmt: skip
 
 
 def _check_llama(m: LlamaModelConfig) -> None:
