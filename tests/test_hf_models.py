@@ -27,8 +27,7 @@ COMMON = (
 )  # fmt: skip
 # By default one layout of each kind not already proven by test_verify.py's HF cases
 # (tp2_pp2, dp2_tp2_pp2, tiny-gpt2 tp2); the rest with -m slow (make test-all).
-DEFAULT = {"fsdp", "tp2_sequence_parallel", "pp2_interleaved", "tp2_pp2_sequence_parallel",
-           "fsdp2_tp2_sequence_parallel"}  # fmt: skip
+DEFAULT = {"fsdp", "pp2_interleaved", "tp2_pp2_sequence_parallel", "fsdp2_tp2_sequence_parallel"}
 LAYOUTS = {
     "ddp": ("parallel=ddp",),
     "fsdp": ("parallel=fsdp",),
