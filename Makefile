@@ -22,7 +22,7 @@ run: install
 # loaded box every job of theirs starts and is polled slower (measured: 143 s alone, 520 s
 # beside another worker).
 test: install
-	$(PY) -m pytest -n 2 --dist loadscope -m "not slow and not slurm" --durations=25
+	$(PY) -m pytest -n 2 --dist loadscope -m "not slow and not slurm" --durations=60
 	$(PY) -m pytest -m "slurm and not slow" --durations=10
 
 test-all: install

@@ -15,6 +15,8 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -24,6 +26,7 @@ from meshrun.core.paths import CONF_DIR
 from meshrun.core.schemas import register_schemas
 from meshrun.driver.compose import check_keys, config_error
 from meshrun.driver.resolve import resolve
+from meshrun.rank.train.data import LocalBatches, build_dataset
 
 _SCRATCH = Path(tempfile.gettempdir()) / "meshrun-tests"
 _DEFAULTS = {
@@ -61,3 +64,13 @@ def compose_config(*overrides: str) -> ExperimentConfig:
 def resolved_config(*overrides: str) -> ExperimentConfig:
     """`compose_config(*overrides)` after `resolve` on this host (layout and hardware resolved)."""
     return resolve(compose_config(*overrides), HostFacts.detect())
+
+
+def transformers_first_loss(cfg: ExperimentConfig, model: torch.nn.Module) -> float:
+    """A transformers model's own loss on the batch a run of `cfg` trains its first step on."""
+    t = cfg.train
+    data = build_dataset(cfg.data, model.config.vocab_size, t.seed)
+    inputs, targets = LocalBatches(data, t.global_batch_size, t.seq_len, 0, 1, "cpu").for_step(0)
+    with torch.no_grad():
+        logits = model(input_ids=inputs).logits
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()

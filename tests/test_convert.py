@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from meshrun.core.config import LlamaModelConfig
@@ -22,8 +21,7 @@ from meshrun.rank.models import convert
 from meshrun.rank.models.checkpoint_files import SAFETENSORS_INDEX, SavedTensors
 from meshrun.rank.models.llama import Transformer, build_llama
 from meshrun.rank.parallel.pipeline import cut_stage
-from meshrun.rank.train.data import LocalBatches, build_dataset
-from tests.helpers import compose_config
+from tests.helpers import compose_config, transformers_first_loss
 from tests.ranks import losses
 
 SEQ = 32
@@ -161,10 +159,4 @@ def test_pretrained_weights_give_transformers_first_loss_through_the_driver(expe
                                "train.global_batch_size=4", "train.micro_batch_size=2",
                                "train.seq_len=64", "metrics.baseline=false")  # fmt: skip
     assert measured.ok, measured.meta["error"]
-    t = cfg.train
-    data = build_dataset(cfg.data, 256, t.seed)
-    inputs, targets = LocalBatches(data, t.global_batch_size, t.seq_len, 0, 1, "cpu").for_step(0)
-    with torch.no_grad():
-        logits = saved(input_ids=inputs).logits
-    want = F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
-    assert losses(measured)[0] == pytest.approx(want, rel=1e-5)
+    assert losses(measured)[0] == pytest.approx(transformers_first_loss(cfg, saved), rel=1e-5)

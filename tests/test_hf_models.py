@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import HostFacts
@@ -15,8 +14,7 @@ from meshrun.driver.experiment import measure
 from meshrun.driver.resolve import resolve
 from meshrun.rank.models import build_model, model_shape
 from meshrun.rank.models.hf import build_hf, model_class
-from meshrun.rank.train.data import LocalBatches, build_dataset
-from tests.helpers import compose_config
+from tests.helpers import compose_config, transformers_first_loss
 from tests.ranks import config_in, losses
 
 STEPS = 6
@@ -162,13 +160,7 @@ def test_pretrained_weights_give_transformers_own_first_loss(experiment, tmp_pat
     saved = saved_tiny_llama(tmp_path / "ckpt")
     cfg, measured = experiment(*layout, *COMMON, f"model.pretrained={tmp_path / 'ckpt'}")
     assert measured.ok, measured.meta["error"]
-    t = cfg.train
-    data = build_dataset(cfg.data, 256, t.seed)
-    inputs, targets = LocalBatches(data, t.global_batch_size, t.seq_len, 0, 1, "cpu").for_step(0)
-    with torch.no_grad():
-        logits = saved(input_ids=inputs).logits
-    want = F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
-    assert losses(measured)[0] == pytest.approx(want, rel=1e-5)
+    assert losses(measured)[0] == pytest.approx(transformers_first_loss(cfg, saved), rel=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -67,7 +67,8 @@ def parallelize(
     `n_microbatches`: a pipeline's per step (core.layout.n_microbatches)."""
     pp_rank = mesh.get_local_rank("pp") if layout.pp > 1 else 0
     stage_ids, n_stages = pipeline_stages(pp_rank, layout, cfg)
-    wrapped = [parallel_part(part, mesh, layout, cfg, device, seed, param_dtype, pretrained)
+    wrapped = [data_parallel(sharded_part(part, mesh, layout, cfg, device, seed, pretrained),
+                             mesh, layout, cfg, device, param_dtype)
                for part in stage_parts(model, pp_rank, layout, cfg)]  # fmt: skip
     schedule = None
     if layout.pp > 1:
@@ -92,21 +93,6 @@ def stage_parts(model: nn.Module, pp_rank: int, layout: Layout, cfg: ParallelCon
     stage_ids, n_stages = pipeline_stages(pp_rank, layout, cfg)
     counts = stage_layer_counts(len(model.layers), n_stages, cfg.pp_layers)
     return [cut_stage(model, stage, counts) for stage in stage_ids]
-
-
-def parallel_part(
-    part: nn.Module,
-    mesh: DeviceMesh | None,
-    layout: Layout,
-    cfg: ParallelConfig,
-    device: torch.device,
-    seed: int,
-    param_dtype: torch.dtype,
-    pretrained: str | None = None,
-) -> nn.Module:
-    """One part materialised, its weights seeded or loaded, sharded and wrapped."""
-    part = sharded_part(part, mesh, layout, cfg, device, seed, pretrained)
-    return data_parallel(part, mesh, layout, cfg, device, param_dtype)
 
 
 def sharded_part(
