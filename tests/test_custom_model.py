@@ -124,6 +124,7 @@ def test_verify_fails_a_sabotaged_plan_on_the_numbers(tmp_path, on_pool):
     ("overrides", "key", "fragment"),
     [
         (["model.target=tests.user_model:nothing"], "model.target", "no attribute 'nothing'"),
+        (["model.pretrained=/tmp"], "model.pretrained", "load them in model.target's callable"),
         (["model.target=tests.user_model:not_a_module"], "model.target",
          "returned a str, not a torch.nn.Module"),
         (["+model.kwargs.width=3"], "model.target", "unexpected keyword argument 'width'"),

@@ -51,18 +51,21 @@ ModelKind = _choice("ModelKind", "meshrun", "hf", "custom")
 
 @dataclass
 class ModelConfig:
-    """What every model has: its preset's name, and its kind, which picks the schema below
-    (conf/model/<name>.yaml names it first: `- /schema/model/meshrun@_here_`)."""
+    """What every model has: its preset's name, its kind, which picks the schema below
+    (conf/model/<name>.yaml names it first: `- /schema/model/meshrun@_here_`), and
+    `pretrained`, a local Hugging Face save_pretrained directory (config.json, safetensors)
+    to load weights from instead of the seeded init (a user's own module loads its own)."""
 
     name: str = MISSING
     kind: ModelKind = ModelKind["meshrun"]
+    pretrained: str | None = None
 
 
 @dataclass
 class LlamaModelConfig(ModelConfig):
     """kind=meshrun: meshrun's own LLaMA-style decoder; `ffn_dim` None means SwiGLU's 8/3*dim
-    rounded to `multiple_of`. `pretrained`: a local save_pretrained directory of a Hugging Face
-    LlamaForCausalLM of the preset's sizes to load weights from (rank/models/convert.py)."""
+    rounded to `multiple_of`; `pretrained` is a LlamaForCausalLM of the preset's sizes
+    (rank/models/convert.py)."""
 
     dim: int = MISSING
     n_layers: int = MISSING
@@ -74,20 +77,17 @@ class LlamaModelConfig(ModelConfig):
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
-    pretrained: str | None = None
 
 
 @dataclass
 class HFModelConfig(ModelConfig):
     """kind=hf: a Hugging Face transformers causal LM, built from its config on the meta
     device (no hub): `architecture` is the transformers class (LlamaForCausalLM), `config` the
-    fields of its config class that differ from that class's defaults. `pretrained`: a local
-    directory of save_pretrained's files (config.json and safetensors) to load weights from."""
+    fields of its config class that differ from that class's defaults."""
 
     kind: ModelKind = ModelKind["hf"]
     architecture: str = MISSING
     config: dict[str, Any] = field(default_factory=dict)
-    pretrained: str | None = None
 
 
 @dataclass

@@ -14,7 +14,6 @@ from meshrun.core.layout import Layout, layout_name, layout_overrides, n_microba
 from meshrun.core.record import RunRecord
 from meshrun.plan import predict
 from meshrun.plan.candidate import host_flops
-from meshrun.plan.traced import counted_flops_per_token, traced_memory
 from meshrun.rank.metrics.flops import mfu, peak_flops
 from meshrun.rank.metrics.memory import MEMORY_CATEGORIES
 from meshrun.rank.metrics.throughput import summarize_steps
@@ -46,15 +45,14 @@ def memory_fields(cfg: ExperimentConfig, memory: list[dict[str, int]] | None) ->
     peaks = [m["peak"] for m in memory] if memory else None
     top = max(memory, key=lambda m: m["peak"]) if memory else {}
     predicted = [p.as_dict() for p in predict.memory(cfg)]
-    traced = predicted if not predict.has_formula(cfg) else (
-        [p.as_dict() for p in traced_memory(cfg)] if cfg.plan.trace else None)  # fmt: skip
+    traced = predict.traced(cfg)
     return {
         "peak_memory_bytes": peaks,
         "peak_memory_max_bytes": max(peaks) if peaks else None,
         "memory_per_rank": memory,
         **{f"memory_{c}_bytes": top.get(c) for c in MEMORY_CATEGORIES},
         "memory_predicted": predicted,
-        "memory_traced": traced,
+        "memory_traced": [p.as_dict() for p in traced] if traced else None,
         "predicted_peak_memory_bytes": max(p["peak"] for p in predicted),
     }
 
@@ -126,7 +124,7 @@ def assemble(
         "speedup": speedup,
         "scaling_efficiency": speedup / devices if speedup else None,
         "flops_per_token": per_token,
-        "flops_per_token_counted": counted_flops_per_token(cfg) if cfg.plan.trace else None,
+        "flops_per_token_counted": predict.counted_flops(cfg),
         "mfu": mfu(tokens_per_s, per_token, peak) if tokens_per_s else None,
         **pipeline_fields(cfg, bubbles),
         **memory_fields(cfg, memory),

@@ -25,6 +25,16 @@ def speed(cfg: ExperimentConfig, host_flops: float | None) -> SpeedPrediction | 
     return predict_speed(cfg, host_flops) if has_formula(cfg) else None
 
 
+def traced(cfg: ExperimentConfig) -> list[MemoryPrediction] | None:
+    """The trace a run records: its only prediction without a formula, or with plan.trace."""
+    return traced_memory(cfg) if cfg.plan.trace or not has_formula(cfg) else None
+
+
+def counted_flops(cfg: ExperimentConfig) -> float | None:
+    """torch's count of the training FLOPs per token, where a run records the trace."""
+    return counted_flops_per_token(cfg) if cfg.plan.trace or not has_formula(cfg) else None
+
+
 def training_flops_per_token(cfg: ExperimentConfig) -> float:
     """For MFU: PaLM's formula (metrics/flops.py) where it applies, else counted."""
     if not has_formula(cfg):

@@ -14,13 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshrun.core.config import (
-    DebugConfig,
-    ExperimentConfig,
-    HFModelConfig,
-    LlamaModelConfig,
-    from_dict,
-)
+from meshrun.core.config import DebugConfig, ExperimentConfig, from_dict
 from meshrun.core.layout import Layout, dp_rank, n_microbatches
 from meshrun.rank.failures import record_failure
 from meshrun.rank.mesh import build_mesh, dp_group, init_distributed, pp_group, select_device
@@ -112,7 +106,7 @@ def _train(
         tc.seed,
         torch.bfloat16 if bf16 else torch.float32,
         n_microbatches(cfg),
-        cfg.model.pretrained if isinstance(cfg.model, (HFModelConfig, LlamaModelConfig)) else None,
+        cfg.model.pretrained,
     )
     optimizer = build_optimizer(model, tc)
     batches = LocalBatches(

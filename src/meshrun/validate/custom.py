@@ -30,6 +30,9 @@ README = "see README, Your own nn.Module"
 
 
 def check_custom(m: CustomModelConfig) -> None:
+    if m.pretrained is not None:
+        fail("model.pretrained", m.pretrained, "model=custom builds its weights itself",
+             "null; load them in model.target's callable (it runs on each rank's CPU)")  # fmt: skip
     try:
         with torch.device("meta"):
             module = build_user_module(m)

@@ -7,11 +7,12 @@ FLOPs per token for a training step (forward + backward) follow PaLM's appendix 
 
 from __future__ import annotations
 
-from meshrun.core.config import DeviceSpec, LlamaModelConfig
+from meshrun.core.config import DeviceSpec
+from meshrun.rank.models.shape import ModelShape
 
 
-def flops_per_token(cfg: LlamaModelConfig, matmul_params: int, seq_len: int) -> float:
-    return 6.0 * matmul_params + 12.0 * cfg.n_layers * cfg.dim * seq_len
+def flops_per_token(shape: ModelShape, matmul_params: int, seq_len: int) -> float:
+    return 6.0 * matmul_params + 12.0 * shape.n_layers * shape.dim * seq_len
 
 
 def peak_flops(specs: list[DeviceSpec | None], precision: str) -> float | None:

@@ -36,23 +36,20 @@ def build_model(
 
 def model_shape(cfg: ModelConfig) -> ModelShape:
     """The sizes the layout rules and the analytic planner compute with (shape.py)."""
-    if isinstance(cfg, HFModelConfig):
-        return _hf_shape(json.dumps(asdict(cfg), sort_keys=True))
-    if isinstance(cfg, CustomModelConfig):
-        return _custom_shape(json.dumps(asdict(cfg), sort_keys=True))
+    if isinstance(cfg, (HFModelConfig, CustomModelConfig)):
+        return _built_shape(type(cfg), json.dumps(asdict(cfg), sort_keys=True))
     return llama_shape(cfg)
 
 
 @functools.cache
-def _custom_shape(cfg_json: str) -> ModelShape:
-    return custom_shape(CustomModelConfig(**json.loads(cfg_json)))
-
-
-@functools.cache
-def _hf_shape(cfg_json: str) -> ModelShape:
+def _built_shape(schema: type[ModelConfig], cfg_json: str) -> ModelShape:
+    """A transformers config or a user's module is built to be measured: once per config."""
+    cfg = schema(**json.loads(cfg_json))
+    if schema is CustomModelConfig:
+        return custom_shape(cfg)
     from meshrun.rank.models import hf  # noqa: PLC0415 (optional dependency: meshrun[hf])
 
-    return hf.hf_shape(HFModelConfig(**json.loads(cfg_json)))
+    return hf.hf_shape(cfg)
 
 
 def count_params(model: nn.Module) -> tuple[int, int]:
