@@ -6,19 +6,32 @@
 #   - with an NVIDIA driver (nvidia-smi), pip's default build for this platform (CUDA on Linux);
 #   - otherwise the CPU wheel: from pip's configured sources if they have it (a local wheel
 #     directory), else from PyTorch's CPU index.
+# With uv beside the python (make install puts it there) uv installs, pip otherwise: unpacking
+# the CPU wheel takes pip 33 s on 2 cores, uv 3 s.
 set -euo pipefail
 python=${1:?usage: install-torch.sh PYTHON}
 cpu_version=2.13.0
+uv="$(dirname "$python")/uv"
+
+install() {
+  if [ -x "$uv" ]; then
+    # uv reads no pip config: hand it pip's local wheel directory, if there is one
+    local links=${PIP_FIND_LINKS:-$("$python" -m pip config get global.find-links 2>/dev/null || true)}
+    "$uv" pip install --quiet --python "$python" ${links:+--find-links "$links"} "$@"
+  else
+    "$python" -m pip install "$@"
+  fi
+}
 
 if "$python" -c "import torch" 2>/dev/null; then
   echo "torch $("$python" -c 'import torch; print(torch.__version__)') already installed: kept"
 elif [ -n "${MESHRUN_TORCH_SPEC:-}" ]; then
-  "$python" -m pip install "$MESHRUN_TORCH_SPEC"
+  install "$MESHRUN_TORCH_SPEC"
 elif command -v nvidia-smi >/dev/null 2>&1; then
-  "$python" -m pip install "torch>=2.6"
+  install "torch>=2.6"
 else
-  "$python" -m pip install "torch==${cpu_version}+cpu" 2>/dev/null \
-    || "$python" -m pip install "torch==${cpu_version}+cpu" \
+  install "torch==${cpu_version}+cpu" 2>/dev/null \
+    || install "torch==${cpu_version}+cpu" \
          --index-url https://download.pytorch.org/whl/cpu \
          --extra-index-url https://pypi.org/simple
 fi

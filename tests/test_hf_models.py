@@ -5,15 +5,18 @@ with the key and the valid choices before anything runs."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import HostFacts
 from meshrun.driver.experiment import measure
 from meshrun.driver.resolve import resolve
 from meshrun.rank.models import build_model, model_shape
-from meshrun.rank.models.hf import build_hf, model_class
+from meshrun.rank.models.hf import build_hf, hf_config, model_class
 from tests.helpers import compose_config, transformers_first_loss
 from tests.ranks import config_in, losses
 
@@ -50,10 +53,6 @@ GPT2_LAYOUTS = {  # tied embeddings: no pipeline (the two would sit on different
     "tp2_sequence_parallel": ("parallel=tp2", "parallel.sequence_parallel=true"),
     "fsdp2_tp2_sequence_parallel": ("parallel=fsdp2_tp2", "parallel.sequence_parallel=true"),
 }
-
-
-def tiny_llama():
-    return compose_config("model=hf/tiny-llama").model
 
 
 def transformers_twin(model, architecture: str) -> torch.nn.Module:
@@ -145,22 +144,41 @@ def test_gpt2_with_its_shipped_plan_trains_like_one_device(experiment, single_lo
     check_like_one_device(experiment, single_losses, GPT2_LAYOUTS[layout], GPT2_COMMON)
 
 
-def saved_tiny_llama(directory, tie: bool = False) -> torch.nn.Module:
+def saved_hf(directory: Path, preset: str = "hf/tiny-llama") -> torch.nn.Module:
     """A checkpoint as a user has one: transformers' own init, save_pretrained (safetensors)."""
-    cfg = tiny_llama()
-    config = model_class(cfg.architecture).config_class(**cfg.config)
+    cfg = compose_config(f"model={preset}").model
     torch.manual_seed(7)
-    model = model_class(cfg.architecture)(config)
+    model = model_class(cfg.architecture)(hf_config(cfg))
     model.save_pretrained(directory)
     return model
 
 
-@pytest.mark.parametrize("layout", [("parallel=single",), ("parallel=tp2_pp2",)], ids=str)
-def test_pretrained_weights_give_transformers_own_first_loss(experiment, tmp_path, layout):
-    saved = saved_tiny_llama(tmp_path / "ckpt")
-    cfg, measured = experiment(*layout, *COMMON, f"model.pretrained={tmp_path / 'ckpt'}")
+PRETRAINED = {  # (common overrides, layout, ranks each tensor is split over)
+    "tiny-llama single": (COMMON, ("parallel=single",), 1),
+    "tiny-llama tp2_pp2": (COMMON, ("parallel=tp2_pp2",), 4),
+    "tiny-llama fsdp": (COMMON, ("parallel=fsdp",), 2),
+    # Conv1D weights stored transposed, q|k|v regrouped per TP rank, the vocabulary tied and
+    # padded (509 tokens), FSDP's shards of TP's shards
+    "tiny-gpt2 fsdp2_tp2": (GPT2_COMMON, ("parallel=fsdp2_tp2",), 4),
+}
+
+
+@pytest.mark.parametrize("case", PRETRAINED)
+def test_pretrained_weights_give_transformers_own_first_loss_each_rank_reading_its_share(
+    experiment, tmp_path, case
+):
+    common, layout, split = PRETRAINED[case]
+    preset = next(o for o in common if o.startswith("model=")).removeprefix("model=")
+    saved = saved_hf(tmp_path / "ckpt", preset)
+    cfg, measured = experiment(*layout, *common, f"model.pretrained={tmp_path / 'ckpt'}")
     assert measured.ok, measured.meta["error"]
     assert losses(measured)[0] == pytest.approx(transformers_first_loss(cfg, saved), rel=1e-5)
+    tensors = load_file(tmp_path / "ckpt" / "model.safetensors").values()
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    read = measured.pretrained_read
+    assert sum(read) >= total  # every byte by some rank
+    # each rank its share (the norms TP replicates are 1-2% more); a whole copy would be 1.0
+    assert max(read) <= 1.02 * total / split, [r / total for r in read]
 
 
 @pytest.mark.parametrize(
@@ -198,7 +216,7 @@ def test_a_sequence_the_model_cannot_attend_over_is_refused(overrides, fragment)
 
 
 def test_a_checkpoint_of_another_shape_is_refused(tmp_path):
-    saved_tiny_llama(tmp_path / "ckpt")
+    saved_hf(tmp_path / "ckpt")
     cfg = compose_config("model=hf/tiny-llama", "model.config.num_hidden_layers=2",
                          f"model.pretrained={tmp_path / 'ckpt'}")  # fmt: skip
     with pytest.raises(ConfigError, match=r"its config.json has num_hidden_layers=4, the preset 2"):
@@ -206,12 +224,12 @@ def test_a_checkpoint_of_another_shape_is_refused(tmp_path):
 
 
 def test_a_directory_without_weights_or_of_another_architecture_is_refused(tmp_path):
-    saved_tiny_llama(tmp_path / "ckpt")
+    saved_hf(tmp_path / "ckpt")
     (tmp_path / "ckpt" / "model.safetensors").unlink()
     cfg = compose_config("model=hf/tiny-llama", f"model.pretrained={tmp_path / 'ckpt'}")
     with pytest.raises(ConfigError, match=r"no \.safetensors weights there"):
         resolve(cfg, HostFacts.detect())
-    saved_tiny_llama(tmp_path / "ckpt")
+    saved_hf(tmp_path / "ckpt")
     cfg = compose_config("model=hf/tiny-llama", "model.architecture=MistralForCausalLM",
                          f"model.pretrained={tmp_path / 'ckpt'}")  # fmt: skip
     with pytest.raises(ConfigError, match=r"holds \['LlamaForCausalLM'\], the preset is Mistral"):

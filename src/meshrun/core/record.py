@@ -89,6 +89,7 @@ class RunRecord:
     memory_activations_bytes: int | None = _f(column=True, summary=True)
     memory_other_bytes: int | None = _f(column=True, summary=True)
     memory_predicted: list[dict[str, int]] | None = _f()
+    pretrained_read_bytes_per_rank: list[int] | None = _f()  # each rank reads its share
     memory_traced: list[dict[str, int]] | None = _f()  # plan.trace: on fake tensors
     predicted_peak_memory_bytes: int | None = _f(column=True, summary=True)
     predicted_step_time_s: float | None = _f(column=True, summary=True)

@@ -76,6 +76,7 @@ class Measured:
     steps: list[dict[str, Any]]
     memory: list[dict[str, int]] | None
     bubbles: list[float] | None
+    pretrained_read: list[int] | None = None
 
     @property
     def ok(self) -> bool:
@@ -148,6 +149,7 @@ def outcome(
         read_steps(cfg.run_dir),
         raw.get("memory_per_rank"),
         raw.get("pipeline_bubble_per_rank"),
+        raw.get("pretrained_read_bytes_per_rank"),
     )
 
 
@@ -158,9 +160,8 @@ def record(
     store: ResultsStore,
 ) -> RunRecord:
     """results.json, the store row, and (for the run itself) W&B; raises RunFailed after."""
-    results = assemble(
-        cfg, measured.steps, measured.memory, measured.bubbles, baseline, measured.meta
-    )
+    results = assemble(cfg, measured.steps, measured.memory, measured.bubbles, baseline,
+                       measured.meta, measured.pretrained_read)  # fmt: skip
     publish(cfg, results, measured.steps, store)
     if not measured.ok:
         raise RunFailed(results)

@@ -76,9 +76,11 @@ def assemble(
     bubbles: list[float] | None,
     baseline: RunRecord | None,
     meta: dict[str, Any],
+    pretrained_read: list[int] | None = None,
 ) -> RunRecord:
     """`steps`: rank 0's per-step records; `memory`: each rank's peak and its breakdown;
-    `meta`: run id, role, status, error, times."""
+    `meta`: run id, role, status, error, times; `pretrained_read`: the checkpoint bytes each
+    rank read."""
     t = cfg.train
     tokens_per_step = t.global_batch_size * t.seq_len
     step_times = [r["step_time_s"] for r in steps if r["step_time_s"] is not None]
@@ -128,6 +130,7 @@ def assemble(
         "mfu": mfu(tokens_per_s, per_token, peak) if tokens_per_s else None,
         **pipeline_fields(cfg, bubbles),
         **memory_fields(cfg, memory),
+        "pretrained_read_bytes_per_rank": pretrained_read,
         **predicted_speed_fields(cfg),
         "losses": [r["loss"] for r in steps],
         "grad_norms": [r.get("grad_norm") for r in steps],

@@ -39,7 +39,7 @@ from meshrun.plan.memory import MemoryPrediction, in_flight
 from meshrun.plan.shapes import micro_batching
 from meshrun.rank.mesh import build_mesh
 from meshrun.rank.models import build_model
-from meshrun.rank.parallel import data_parallel, sharded_part, stage_parts
+from meshrun.rank.parallel import materialise, sharded_part, stage_parts
 from meshrun.rank.train.optim import build_optimizer
 
 FP32 = 4
@@ -128,16 +128,15 @@ def _trace_rank(cfg: ExperimentConfig, traced: Layout, parallel: ParallelConfig,
     hidden = None
     if traced.pp > 1:
         hidden = _stage_input(meta, micro_batch, t.seq_len, traced.tp, parallel.sequence_parallel)
-    cut = stage_parts(meta, pp_rank, traced, parallel)  # copies of meta tensors: not fakes
     bf16 = t.precision == "bf16"
-    cpu = torch.device("cpu")
-    with FakeTensorMode(allow_non_fake_inputs=True) as fake:
-        sharded = [sharded_part(part, mesh, traced, parallel, cpu, t.seed) for part in cut]
-    # FSDP2 builds device meshes, whose own (real) tensors FakeTensorMode would turn fake;
-    # the parameters stay fake outside the mode
     dtype = torch.bfloat16 if bf16 else torch.float32
-    parts = [data_parallel(part, mesh, traced, parallel, cpu, dtype) for part in sharded]
-    with fake:
+    # on meta, outside the fake mode: FSDP2 builds device meshes, whose own (real) tensors
+    # FakeTensorMode would turn fake
+    parts = [sharded_part(part, mesh, traced, parallel, dtype)
+             for part in stage_parts(meta, pp_rank, traced, parallel)]  # fmt: skip
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for part in parts:
+            materialise(part, torch.device("cpu"), t.seed, None)
         optimizer = build_optimizer(nn.ModuleList(parts), t)
         # FSDPMemTracker takes one FSDP root; an interleaved rank has several
         fsdp = traced.uses_fsdp and len(parts) == 1

@@ -137,6 +137,7 @@ def _train(
         "memory": {"rank": rank, **(split or {"peak": memory.peak_bytes()})},
         "busy": state.pipeline_busy_per_step,
         "span": state.pipeline_span_per_step,
+        "pretrained_read": model.pretrained_bytes_read,
     }
     ranks = [mine]
     if dist.is_initialized():
@@ -151,5 +152,8 @@ def _train(
             [r["busy"] for r in ranks], [r["span"] for r in ranks]
         )
         if state.pipeline_span_per_step
+        else None,
+        "pretrained_read_bytes_per_rank": [r["pretrained_read"] for r in ranks]
+        if cfg.model.pretrained
         else None,
     }

@@ -1,6 +1,6 @@
 """The weights of a save_pretrained directory (model.safetensors, or shards listed by
-model.safetensors.index.json), read one tensor at a time: safetensors maps the file, so a
-pipeline stage reads only its own tensors and nothing else is loaded."""
+model.safetensors.index.json), read a box at a time: safetensors maps the file, so a rank
+reads only the slices of the tensors it holds (shards.py) and nothing else is loaded."""
 
 from __future__ import annotations
 
@@ -10,13 +10,18 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from meshrun.rank.models.shards import Box
+
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
 class SavedTensors:
+    """The directory's tensors by name; `bytes_read` counts what the slices read held."""
+
     def __init__(self, directory: str | Path) -> None:
         self.root = Path(directory)
+        self.bytes_read = 0
         index = self.root / SAFETENSORS_INDEX
         if index.exists():
             self.files: dict[str, str] = json.loads(index.read_text())["weight_map"]
@@ -24,6 +29,27 @@ class SavedTensors:
             with safe_open(self.root / SAFETENSORS, "pt") as f:
                 self.files = dict.fromkeys(f.keys(), SAFETENSORS)
 
-    def __getitem__(self, key: str) -> torch.Tensor:
+    def __getitem__(self, key: str) -> Saved:
+        return Saved(self, key)
+
+    def read(self, key: str, box: Box) -> torch.Tensor:
         with safe_open(self.root / self.files[key], "pt") as f:
-            return f.get_tensor(key)
+            tensor = f.get_slice(key)[box]
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def shape(self, key: str) -> torch.Size:
+        with safe_open(self.root / self.files[key], "pt") as f:
+            return torch.Size(f.get_slice(key).get_shape())
+
+
+class Saved:
+    """One saved tensor as a source: its shape from the header, its values on reading."""
+
+    def __init__(self, saved: SavedTensors, key: str) -> None:
+        self.saved = saved
+        self.key = key
+        self.shape = saved.shape(key)
+
+    def __getitem__(self, box: Box) -> torch.Tensor:
+        return self.saved.read(self.key, box)

@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from meshrun.rank.models.checkpoint_files import SAFETENSORS, SavedTensors
-from meshrun.rank.models.vocab import fill, unpadded_shape
+from meshrun.rank.models.shards import Reordered, fill, named_tensors
+from meshrun.rank.models.vocab import unpadded_shape
 
 ARCHITECTURE = "LlamaForCausalLM"
 # LlamaModelConfig field -> the LlamaConfig field it is (rope_theta: in rope_parameters).
@@ -116,15 +117,18 @@ def llama_config_from_hf(config: dict[str, Any]) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def load_hf(model: nn.Module, directory: str | Path) -> None:
-    """Each of `model`'s parameters (a pipeline stage has only its own) from a Hugging Face
-    Llama save_pretrained directory, q and k permuted to pairs, into an embedding and head
-    that may be padded (vocab.py)."""
+def load_hf(model: nn.Module, directory: str | Path) -> int:
+    """This rank's share of each of `model`'s parameters (a pipeline stage has only its
+    own) from a Hugging Face Llama save_pretrained directory, q and k permuted to pairs, into
+    an embedding and head that may be padded (vocab.py); the bytes read."""
     saved = SavedTensors(directory)
     head_dim = model.cfg.dim // model.cfg.n_heads
-    for name, param in model.named_parameters():
-        tensor = saved[hf_name(name)]
-        fill(param, interleave(tensor, head_dim) if name.endswith(ROTATED) else tensor)
+    for name, param in named_tensors(model):
+        source = saved[hf_name(name)]
+        if name.endswith(ROTATED):
+            source = Reordered(source, interleave(torch.arange(source.shape[0]), head_dim))
+        fill(param, source)
+    return saved.bytes_read
 
 
 def hf_config(model: nn.Module) -> dict[str, Any]:

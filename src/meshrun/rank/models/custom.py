@@ -22,7 +22,8 @@ from torch import nn
 from meshrun.core.config import CustomModelConfig
 from meshrun.core.imports import import_target
 from meshrun.rank.models.shape import ModelShape
-from meshrun.rank.models.vocab import fill, pad_vocab, unpad_logits
+from meshrun.rank.models.shards import fill, named_tensors
+from meshrun.rank.models.vocab import pad_vocab, unpad_logits
 
 # our name for a part -> the config key that holds its path in the user's module
 PARTS = {"tok_embeddings": "embedding", "norm": "norm", "output": "head"}
@@ -153,7 +154,7 @@ class CustomLM(nn.Module):
             with torch.device("cpu"):
                 reference = build_user_module(self.cfg)
         values = {**dict(reference.named_parameters()), **dict(reference.named_buffers())}
-        for name, tensor in (*self.module.named_parameters(), *self.module.named_buffers()):
+        for name, tensor in named_tensors(self.module, buffers=True):
             fill(tensor, values[name])
 
 

@@ -25,7 +25,8 @@ from meshrun.core.config import HFModelConfig
 from meshrun.rank.models.checkpoint_files import SavedTensors
 from meshrun.rank.models.init import seeded_normal
 from meshrun.rank.models.shape import ModelShape
-from meshrun.rank.models.vocab import fill, pad_vocab, unpad_logits, unpadded_shape
+from meshrun.rank.models.shards import Reordered, Source, Transposed, fill, named_tensors
+from meshrun.rank.models.vocab import pad_vocab, unpad_logits, unpadded_shape
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,7 @@ class HFCausalLM(nn.Module):
         self.transposed = _conv1d_to_linear(self.layers)
         self.tied = bool(hf.config.tie_word_embeddings)
         self.seq_shards = 1  # sequence shards of a stage's input under SP (set by apply_tp)
+        self.row_orders: dict[str, torch.Tensor] = {}  # set by prepare_tp
         self.vocab_size = hf.config.vocab_size
         self.tie_weights()
 
@@ -195,44 +197,49 @@ class HFCausalLM(nn.Module):
         transformers' own `_init_weights` scheme, layout-independent."""
         std = getattr(self.config, "initializer_range", 0.02)
         norms = {f"{n}." for n, m in self.named_modules() if "norm" in type(m).__name__.lower()}
-        for name, param in self.named_parameters():
+        for name, param in named_tensors(self):
             if name.rsplit(".", 1)[0] + "." in norms:
                 param.fill_(1.0 if name.endswith("weight") else 0.0)
             elif name.endswith("bias"):
                 param.zero_()
             else:
                 shape = unpadded_shape(name, param, self.vocab_size)
-                fill(param, seeded_normal(seed, name, shape, std))
+                fill(param, self._ordered(name, seeded_normal(seed, name, shape, std)))
         self._reset_buffers()
 
     @torch.no_grad()
-    def load_pretrained(self, directory: str) -> None:
-        """This stage's tensors from a save_pretrained directory (checkpoint_files.py)."""
+    def load_pretrained(self, directory: str) -> int:
+        """This rank's share of this stage's tensors from a save_pretrained directory
+        (checkpoint_files.py); the bytes it read."""
         saved = SavedTensors(directory)
-        for name, param in self.named_parameters():
-            tensor = saved[self.source_name(name)]
-            fill(param, tensor.T if name in self.transposed else tensor)
+        for name, param in named_tensors(self):
+            source = saved[self.source_name(name)]
+            fill(param, self._ordered(name, Transposed(source) if name in self.transposed
+                                      else source))  # fmt: skip
         self._reset_buffers()
+        return saved.bytes_read
 
-    @torch.no_grad()
     def prepare_tp(self, tp: int) -> None:
         """A fused q|k|v projection regrouped as [q_r | k_r | v_r] per rank r, so that its
         column-wise shard on rank r holds that rank's heads of all three (and each split of
-        the local output is h/tp wide)."""
+        the local output is h/tp wide). Runs before the weights exist (on meta): the row
+        order is kept for init and loading to apply."""
         if self.shipped is None or self.shipped.fused_qkv is None or tp == 1:
             return
         attention, projection = self.shipped.fused_qkv
-        for block in self.layers.values():
+        for index, block in self.layers.items():
             attn = getattr(block, attention)
-            proj = getattr(attn, projection)
-            width = proj.out_features // 3 // tp
+            width = getattr(attn, projection).out_features // 3 // tp
             order = torch.cat([torch.arange(part * width * tp + r * width, part * width * tp +
                                             (r + 1) * width)
                                for r in range(tp) for part in range(3)])  # fmt: skip
-            proj.weight.copy_(proj.weight[order])
-            if proj.bias is not None:
-                proj.bias.copy_(proj.bias[order])
+            for leaf in ("weight", "bias"):
+                self.row_orders[f"layers.{index}.{attention}.{projection}.{leaf}"] = order
             attn.split_size = width
+
+    def _ordered(self, name: str, source: Source) -> Source:
+        order = self.row_orders.get(name)
+        return source if order is None else Reordered(source, order)
 
     def source_name(self, name: str) -> str:
         for ours, theirs in self.source_prefixes.items():

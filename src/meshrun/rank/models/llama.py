@@ -15,7 +15,8 @@ from torch import nn
 from meshrun.core.config import LlamaModelConfig
 from meshrun.rank.models.init import seeded_normal
 from meshrun.rank.models.shape import ModelShape
-from meshrun.rank.models.vocab import fill, pad_vocab, unpad_logits, unpadded_shape
+from meshrun.rank.models.shards import fill, named_tensors
+from meshrun.rank.models.vocab import pad_vocab, unpad_logits, unpadded_shape
 
 
 def ffn_dim(cfg: LlamaModelConfig) -> int:
@@ -164,7 +165,7 @@ class Transformer(nn.Module):
         """Same seed, same weights, whatever the device or layout that follows (init.py)."""
         self._reset_rope()
         depth_scale = 1.0 / math.sqrt(2 * self.cfg.n_layers)
-        for name, param in self.named_parameters():
+        for name, param in named_tensors(self):
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
                 continue
@@ -174,12 +175,14 @@ class Transformer(nn.Module):
             )
 
     @torch.no_grad()
-    def load_pretrained(self, directory: str) -> None:
-        """This part's weights from a Hugging Face Llama save_pretrained directory (convert.py)."""
+    def load_pretrained(self, directory: str) -> int:
+        """This rank's share of this part's weights from a Hugging Face Llama
+        save_pretrained directory (convert.py); the bytes it read."""
         from meshrun.rank.models import convert  # noqa: PLC0415 (optional: meshrun[hf])
 
-        convert.load_hf(self, directory)
+        read = convert.load_hf(self, directory)
         self._reset_rope()
+        return read
 
     def _reset_rope(self) -> None:
         """The rotary tables, which a model built on meta does not have."""

@@ -32,16 +32,6 @@ def unpad_logits(logits: torch.Tensor, vocab: int) -> torch.Tensor:
     return logits if logits.shape[-1] == vocab else logits[..., :vocab]
 
 
-@torch.no_grad()
-def fill(param: torch.Tensor, values: torch.Tensor) -> None:
-    """`values` into `param`, whose vocabulary rows beyond them (padding) become zero."""
-    if param.shape == values.shape:
-        param.copy_(values)
-        return
-    param.zero_()
-    param[: values.shape[0]].copy_(values)
-
-
 def unpadded_shape(name: str, param: torch.Tensor, vocab: int) -> torch.Size:
     """The shape `name` has without padding: the values a layout-independent init draws."""
     if name.split(".", 1)[0] in VOCAB_MODULES and param.shape[0] != vocab:

@@ -1,8 +1,9 @@
 """Turn the model into its parallel form for a layout.
 
-Composition order (as in torchtitan): pipeline cut (on the meta device), materialise and
-init, tensor parallel, activation checkpointing, then the data-parallel wrapper outermost
-(FSDP2, HSDP, DDP or DataParallel), then the pipeline schedule over the stages.
+Composition order (as in torchtitan): on the meta device, the pipeline cut, tensor
+parallel, activation checkpointing and FSDP2 (HSDP); then each rank materialises what it
+holds, seeded or read from a checkpoint (no rank ever holds the whole model); then the
+wrappers that need real tensors (DDP, DataParallel); then the pipeline schedule.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class ParallelModel:
     schedule: _PipelineSchedule | None = None
     is_first_stage: bool = True
     is_last_stage: bool = True
+    pretrained_bytes_read: int = 0
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for part in self.parts for p in part.parameters() if p.requires_grad]
@@ -67,15 +69,17 @@ def parallelize(
     `n_microbatches`: a pipeline's per step (core.layout.n_microbatches)."""
     pp_rank = mesh.get_local_rank("pp") if layout.pp > 1 else 0
     stage_ids, n_stages = pipeline_stages(pp_rank, layout, cfg)
-    wrapped = [data_parallel(sharded_part(part, mesh, layout, cfg, device, seed, pretrained),
-                             mesh, layout, cfg, device, param_dtype)
-               for part in stage_parts(model, pp_rank, layout, cfg)]  # fmt: skip
+    wrapped, read = [], 0
+    for cut in stage_parts(model, pp_rank, layout, cfg):
+        part = sharded_part(cut, mesh, layout, cfg, param_dtype)
+        read += materialise(part, device, seed, pretrained)
+        wrapped.append(replicated(part, mesh, layout, cfg, device))
     schedule = None
     if layout.pp > 1:
         schedule = build_schedule(
             wrapped, stage_ids, n_stages, mesh["pp"], cfg, n_microbatches, device
         )
-    return ParallelModel(wrapped, schedule, 0 in stage_ids, n_stages - 1 in stage_ids)
+    return ParallelModel(wrapped, schedule, 0 in stage_ids, n_stages - 1 in stage_ids, read)
 
 
 def pipeline_stages(pp_rank: int, layout: Layout, cfg: ParallelConfig) -> tuple[list[int], int]:
@@ -100,41 +104,44 @@ def sharded_part(
     mesh: DeviceMesh | None,
     layout: Layout,
     cfg: ParallelConfig,
-    device: torch.device,
-    seed: int,
-    pretrained: str | None = None,
+    param_dtype: torch.dtype,
 ) -> nn.Module:
-    """Materialised, its weights seeded or loaded, tensor-parallel and checkpointed: all but
-    the data-parallel wrapper (which the planner applies apart, plan/traced.py)."""
-    part.to_empty(device=device)
-    if pretrained is None:
-        part.init_weights(seed)
-    else:
-        part.load_pretrained(pretrained)
+    """On meta: tensor-parallel, checkpointed and FSDP2-sharded, every parameter already
+    the DTensor it trains as, so that materialising fills only this rank's share."""
     if layout.tp > 1:
         resolve_tp_plan(cfg.tp_plan)(part, mesh["tp"], cfg.sequence_parallel)
     apply_activation_checkpointing(part, cfg.activation_checkpointing)
-    return part
+    if cfg.data_parallel == "dataparallel" or mesh is None or not layout.uses_fsdp:
+        return part
+    # Replication next to TP/PP goes through FSDP2 on a (replicate, shard=1) mesh. Under PP,
+    # keep parameters gathered across the micro-batches of a step instead of re-gathering.
+    reshard = cfg.fsdp.reshard_after_forward and layout.pp == 1
+    return apply_fsdp(part, mesh, layout, reshard, param_dtype)
 
 
-def data_parallel(
+def materialise(part: nn.Module, device: torch.device, seed: int, pretrained: str | None
+                ) -> int:  # fmt: skip
+    """This rank's share of `part` on `device`, seeded or read from `pretrained` (a local HF
+    directory); the checkpoint bytes it read."""
+    part.to_empty(device=device)
+    if pretrained is None:
+        part.init_weights(seed)
+        return 0
+    return part.load_pretrained(pretrained)
+
+
+def replicated(
     part: nn.Module,
     mesh: DeviceMesh | None,
     layout: Layout,
     cfg: ParallelConfig,
     device: torch.device,
-    param_dtype: torch.dtype,
 ) -> nn.Module:
+    """The data-parallel wrappers whose constructors need real tensors: DataParallel, DDP."""
     if cfg.data_parallel == "dataparallel":
         return apply_dataparallel(part, cfg.dataparallel_devices)
-    if mesh is None or layout.dp_size == 1:
+    if mesh is None or layout.dp_size == 1 or layout.uses_fsdp:
         return part
-    if layout.uses_fsdp:
-        # Replication next to TP/PP goes through FSDP2 on a (replicate, shard=1) mesh.
-        # Under PP, keep parameters gathered across the micro-batches of a step instead of
-        # re-gathering for each.
-        reshard = cfg.fsdp.reshard_after_forward and layout.pp == 1
-        return apply_fsdp(part, mesh, layout, reshard, param_dtype)
     return apply_ddp(part, mesh, cfg.ddp, device)
 
 

@@ -1,0 +1,103 @@
+"""A parameter filled with its rank's share of a full tensor, and only that share.
+
+Layouts shard on the meta device (rank/parallel), so when a parameter gets its values it
+may already be a DTensor (TP, FSDP2, both) holding one box of the full tensor. `fill` asks
+its source for exactly that box: a tensor drawn whole (a seeded init) is sliced, a checkpoint
+(checkpoint_files.Saved) reads just those bytes from disk. Sources compose: `Transposed` for
+weights a checkpoint stores [in, out], `Reordered` for rows a layout regroups (GPT-2's fused
+q|k|v per TP rank, LLaMA's rotary pairs). Vocabulary rows past the source (vocab.py's
+padding) are zero.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+Box = tuple[slice, ...]
+
+
+class Source(Protocol):
+    """A full tensor that can be read a box at a time (a torch.Tensor is one)."""
+
+    @property
+    def shape(self) -> torch.Size: ...
+
+    def __getitem__(self, box: Box) -> torch.Tensor: ...
+
+
+class Transposed:
+    """A 2-D source read as its transpose."""
+
+    def __init__(self, source: Source) -> None:
+        self.source = source
+        self.shape = torch.Size(reversed(source.shape))
+
+    def __getitem__(self, box: Box) -> torch.Tensor:
+        return self.source[box[::-1]].T
+
+
+class Reordered:
+    """Row i of this is row `order[i]` of the source; a box reads each run of consecutive
+    source rows it needs once."""
+
+    def __init__(self, source: Source, order: torch.Tensor) -> None:
+        self.source = source
+        self.order = order
+        self.shape = source.shape
+
+    def __getitem__(self, box: Box) -> torch.Tensor:
+        rows, positions = self.order[box[0]].sort()
+        if len(rows) == 0:
+            return self.source[box]
+        starts = [0, *(torch.nonzero(rows.diff() != 1).flatten() + 1).tolist(), len(rows)]
+        runs = [self.source[(slice(int(rows[a]), int(rows[b - 1]) + 1), *box[1:])]
+                for a, b in itertools.pairwise(starts)]  # fmt: skip
+        block = torch.cat(runs)
+        values = torch.empty_like(block)
+        values[positions] = block
+        return values
+
+
+def held_box(param: torch.Tensor) -> tuple[torch.Tensor, Box]:
+    """(the tensor this rank writes, which box of the full tensor it holds)."""
+    if not isinstance(param, DTensor):
+        return param, tuple(slice(0, n) for n in param.shape)
+    # the planner fills fake parameters (plan/traced.py); the mesh's coordinates stay real
+    with unset_fake_temporarily():
+        shape, offset = compute_local_shape_and_global_offset(
+            param.shape, param.device_mesh, param.placements
+        )
+    return param.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
+@torch.no_grad()
+def fill(param: torch.Tensor, values: Source) -> None:
+    """This rank's box of `values` into `param`; rows past them (vocabulary padding) zero."""
+    local, box = held_box(param)
+    rows = values.shape[0] if values.shape else 0
+    if not box:  # a scalar
+        local.copy_(values[()])
+        return
+    start, stop = box[0].start, min(box[0].stop, rows)
+    if stop - start < local.shape[0]:
+        local.zero_()
+    if stop > start:
+        local[: stop - start].copy_(values[(slice(start, stop), *box[1:])])
+
+
+def named_tensors(module: nn.Module, buffers: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Parameters (and buffers) by the names the model gave them: activation checkpointing's
+    wrapper, applied before the weights are filled, adds a prefix that init seeds and
+    checkpoint keys must not see."""
+    tensors = [*module.named_parameters(), *(module.named_buffers() if buffers else ())]
+    for name, tensor in tensors:
+        yield name.replace(_CHECKPOINT_PREFIX, ""), tensor
