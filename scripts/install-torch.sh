@@ -7,7 +7,9 @@
 #   - otherwise the CPU wheel: from pip's configured sources if they have it (a local wheel
 #     directory), else from PyTorch's CPU index.
 # With uv beside the python (make install puts it there) uv installs, pip otherwise: unpacking
-# the CPU wheel takes pip 33 s on 2 cores, uv 3 s.
+# the CPU wheel takes pip 33 s on 2 cores, uv 3 s (and 20 s more to compile its bytecode,
+# which pip also does: where PYTHONDONTWRITEBYTECODE is set, as on CI, every process
+# would otherwise compile torch anew on import, which doubled the test suite's time).
 set -euo pipefail
 python=${1:?usage: install-torch.sh PYTHON}
 cpu_version=2.13.0
@@ -17,7 +19,8 @@ install() {
   if [ -x "$uv" ]; then
     # uv reads no pip config: hand it pip's local wheel directory, if there is one
     local links=${PIP_FIND_LINKS:-$("$python" -m pip config get global.find-links 2>/dev/null || true)}
-    "$uv" pip install --quiet --python "$python" ${links:+--find-links "$links"} "$@"
+    "$uv" pip install --quiet --compile-bytecode --python "$python" \
+      ${links:+--find-links "$links"} "$@"
   else
     "$python" -m pip install "$@"
   fi

@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from meshrun.core.layout import Layout
 from meshrun.plan.probe import host_matmul_flops
 from meshrun.plan.shapes import Dims, StageShare, local_param_elements
-from meshrun.plan.speed import predict_speed
+from meshrun.plan.speed import formula_cost, predict_speed
 from meshrun.plan.split import proportional
+from meshrun.plan.traced import traced_cost
 from meshrun.rank.models import build_model
 from meshrun.tools import plan_command
 from tests.cli import CliRun, run_console
@@ -42,6 +44,20 @@ def test_parameter_arithmetic_matches_the_built_model(model):
 
 
 HOST_FLOPS = 1e11  # a fixed CPU rate: these tests are about the model, not the probe
+
+
+@pytest.mark.parametrize("layout", ["parallel=single", "parallel=fsdp", "parallel=tp2_pp2"])
+def test_what_is_counted_costs_a_run_as_the_formulas_do(layout):
+    """The speed of a model without formulas comes from its trace and torch's FLOP count;
+    where both exist they agree (the formulas leave out the norms' and softmax's FLOPs)."""
+    cfg = resolved_config("model=small", "train.seq_len=64", layout)
+    formula, counted = formula_cost(cfg, Layout.of(cfg.parallel)), traced_cost(cfg)
+    assert counted.rank_elements == pytest.approx(formula.rank_elements, rel=0.01)
+    assert counted.flops_per_token == pytest.approx(formula.flops_per_token, rel=0.1)
+    assert counted.width == formula.width
+    by_formula = predict_speed(cfg, HOST_FLOPS)
+    by_count = predict_speed(cfg, HOST_FLOPS, counted)
+    assert by_count.step_time_s == pytest.approx(by_formula.step_time_s, rel=0.1)
 
 
 def test_each_collective_costs_the_profiles_latency():

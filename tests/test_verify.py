@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hydra.core.config_store import ConfigStore
 
 from meshrun.tools import verify
 from tests.cli import compose_command, run_meshrun
@@ -22,7 +21,6 @@ TOLERANCE = 1e-4
 
 def verify_run(tmp_path: Path, *overrides: str) -> int:
     """`meshrun-verify <overrides>`'s exit code: conf/verify.yaml composed as Hydra does."""
-    ConfigStore.instance().store(name="experiment_schema", node=verify.VerifyExperimentConfig)
     store = f"store.path={tmp_path / 'meshrun.db'}"
     cfg = compose_command("verify", tmp_path / "verify", store, "train.seq_len=64", *overrides)
     return verify.run(cfg)

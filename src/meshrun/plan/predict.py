@@ -1,14 +1,13 @@
 """The planner's predictions for any model: by formula where the model has one (memory.py,
 speed.py: meshrun's decoder, the transformers families), otherwise from its parallel module
-traced on fake tensors (traced.py), with no speed prediction (speed.py's model needs the
-widths of each matmul)."""
+traced on fake tensors (traced.py), the speed model then costing what was counted."""
 
 from __future__ import annotations
 
 from meshrun.core.config import ExperimentConfig
 from meshrun.plan.memory import MemoryPrediction, predict_memory
 from meshrun.plan.speed import SpeedPrediction, predict_speed
-from meshrun.plan.traced import counted_flops_per_token, traced_memory
+from meshrun.plan.traced import counted_flops_per_token, traced_cost, traced_memory
 from meshrun.rank.metrics.flops import flops_per_token
 from meshrun.rank.models import build_model, count_params, model_shape
 
@@ -22,7 +21,10 @@ def memory(cfg: ExperimentConfig) -> list[MemoryPrediction]:
 
 
 def speed(cfg: ExperimentConfig, host_flops: float | None) -> SpeedPrediction | None:
-    return predict_speed(cfg, host_flops) if has_formula(cfg) else None
+    if has_formula(cfg):
+        return predict_speed(cfg, host_flops)
+    cost = traced_cost(cfg)
+    return predict_speed(cfg, host_flops, cost) if cost else None
 
 
 def traced(cfg: ExperimentConfig) -> list[MemoryPrediction] | None:

@@ -12,8 +12,8 @@ from meshrun.core.config import ExperimentConfig, ParallelConfig
 from meshrun.core.errors import fail
 from meshrun.core.hardware import HostFacts
 from meshrun.core.layout import Layout
+from meshrun.plan import predict
 from meshrun.plan.candidate import Candidate, evaluate, host_flops, legal
-from meshrun.plan.speed import predict_speed
 from meshrun.plan.split import uneven_variant
 from meshrun.rank.models import model_shape
 
@@ -102,7 +102,7 @@ def add_speedups(cfg: ExperimentConfig, candidates: list[Candidate], facts: Host
         twin = legal(baseline_config(c.cfg), facts)
         if twin is None or c.speed is None:
             continue
-        single = predict_speed(twin, host_flops(twin))
+        single = predict.speed(twin, host_flops(twin))
         if single is not None:
             c.speedup = c.speed.tokens_per_s / single.tokens_per_s
 

@@ -15,6 +15,10 @@ pipeline bubble stretching whatever the pipeline does.
     PP        each micro-batch's activations sent forward and their gradients back
     step      (compute + TP + PP) / (1 - bubble) + DP; no overlap assumed
 
+A model without formulas (model=custom) is costed the same way from what is counted instead
+(ModelCost: torch's FLOP count, the parameters of each rank's traced module, the width of its
+embedding; plan/traced.py).
+
 A collective costs the hardware profile's `collective_latency_us` plus its bytes over the
 link bandwidth (GB/s): intra-node unless the world spans nodes. On a CPU host the peak is
 measured (plan/probe.py), since none is published.
@@ -44,6 +48,27 @@ GB = 1e9
 # model's own matmuls come close to (single, DDP and pipeline runs of `small` on a 2-vCPU VM
 # reached 0.6-0.8 of it, benchmarks/planner_accuracy.py).
 DEFAULT_EFFICIENCY = {"cuda": 0.4, "cpu": 0.7}
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What the speed model needs of a model under a layout: training FLOPs per token of
+    the whole model, the parameter elements of the rank holding most (TP-sharded, before
+    FSDP's shards: what DP moves), and the width of the activations TP and PP move."""
+
+    flops_per_token: float
+    rank_elements: int
+    width: int
+
+
+def formula_cost(cfg: ExperimentConfig, layout: Layout) -> ModelCost:
+    d = Dims.of(cfg.model)
+    total = local_param_elements(d, StageShare(d.layers, True, True, 1), 1, 1)
+    matmul = total if d.tied else total - d.vocab * d.h  # the embedding lookup is no matmul
+    per_token = flops_per_token(model_shape(cfg.model), matmul, cfg.train.seq_len)
+    shares = stage_shares(cfg.model, cfg.parallel, layout)
+    return ModelCost(per_token, max(local_param_elements(d, s, layout.tp, 1) for s in shares),
+                     d.h)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -77,15 +102,16 @@ def _devices_per_node(cfg: ExperimentConfig) -> int:
     return cfg.launcher.nproc_per_node or sum(d.count for d in cfg.hardware.devices)
 
 
-def predict_speed(cfg: ExperimentConfig, host_flops: float | None = None) -> SpeedPrediction | None:
-    """None when a device's peak is unknown (and no host measurement stands in for it)."""
+def predict_speed(cfg: ExperimentConfig, host_flops: float | None = None,
+                  cost: ModelCost | None = None) -> SpeedPrediction | None:  # fmt: skip
+    """None when a device's peak is unknown (and no host measurement stands in for it).
+    `cost`: what was counted of a model without formulas (formula_cost's otherwise)."""
     efficiency = cfg.plan.efficiency or DEFAULT_EFFICIENCY[cfg.hardware.device_type]
     layout = Layout.of(cfg.parallel)
     t = cfg.train
-    d = Dims.of(cfg.model)
-    total = local_param_elements(d, StageShare(d.layers, True, True, 1), 1, 1)
-    matmul = total if d.tied else total - d.vocab * d.h  # the embedding lookup is no matmul
-    per_token = flops_per_token(model_shape(cfg.model), matmul, t.seq_len)
+    cost = cost or formula_cost(cfg, layout)
+    n_layers = model_shape(cfg.model).n_layers
+    per_token = cost.flops_per_token
     if cfg.parallel.activation_checkpointing == "full":
         per_token *= 4 / 3
     tokens_dp_rank = t.global_batch_size * t.seq_len / layout.dp_size
@@ -101,10 +127,10 @@ def predict_speed(cfg: ExperimentConfig, host_flops: float | None = None) -> Spe
         if not peak:
             return None
         share = shares[rank // (layout.world_size // layout.pp)]
-        layer_share = (share.layers + (0.5 if share.last else 0)) / (d.layers + 0.5)
+        layer_share = (share.layers + (0.5 if share.last else 0)) / (n_layers + 0.5)
         flops = per_token * tokens_dp_rank * layer_share / layout.tp
         compute = max(compute, flops / (peak * efficiency))
-    elements = max(local_param_elements(d, s, layout.tp, 1) for s in shares)
+    elements = cost.rank_elements
     layers = max(s.layers for s in shares)
     dp_bytes = dp_count = 0.0
     if layout.uses_fsdp:
@@ -113,7 +139,7 @@ def predict_speed(cfg: ExperimentConfig, host_flops: float | None = None) -> Spe
     elif layout.dp_replicate > 1:
         dp_bytes = 2 * _ring(layout.dp_replicate) * elements * 4
         dp_count = math.ceil(elements * 4 / (cfg.parallel.ddp.bucket_cap_mb * 2**20))
-    activation_bytes = tokens_dp_rank * d.h * width
+    activation_bytes = tokens_dp_rank * cost.width * width
     tp_bytes = 4 * 2 * _ring(layout.tp) * activation_bytes * layers
     tp_count = 4 * layers * passes if layout.tp > 1 else 0
     pp_bytes = 2 * activation_bytes / layout.tp if layout.pp > 1 else 0.0

@@ -33,12 +33,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.flop_counter import FlopCounterMode
 
-from meshrun.core.config import ExperimentConfig, ParallelConfig, from_dict
+from meshrun.core.config import ExperimentConfig, ModelConfig, ParallelConfig, from_dict
 from meshrun.core.layout import Layout
 from meshrun.plan.memory import MemoryPrediction, in_flight
 from meshrun.plan.shapes import micro_batching
+from meshrun.plan.speed import ModelCost
 from meshrun.rank.mesh import build_mesh
-from meshrun.rank.models import build_model
+from meshrun.rank.models import build_model, model_shape
 from meshrun.rank.parallel import materialise, sharded_part, stage_parts
 from meshrun.rank.train.optim import build_optimizer
 
@@ -72,8 +73,12 @@ def traced_memory(cfg: ExperimentConfig) -> list[MemoryPrediction]:
     """One prediction per rank, in rank order, for a resolved config (as predict_memory).
     Each pipeline rank is traced in turn as rank 0 of a fake group of the layout's world
     size; DDP's replicas as one (DDP's constructor needs real tensors). Cached: the
-    pre-launch check and the record ask for the same config."""
-    return list(_traced(json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str)))
+    pre-launch check and the record ask for the same config; a tool's config (meshrun-plan's)
+    is traced as the experiment it holds."""
+    experiment = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(ExperimentConfig)}
+    cfg_json = json.dumps(dataclasses.asdict(ExperimentConfig(**experiment)), sort_keys=True,
+                          default=str)  # fmt: skip
+    return list(_traced(cfg_json))
 
 
 @functools.lru_cache(maxsize=256)
@@ -197,15 +202,34 @@ def _activations(tracker: MemTracker) -> int:
     return sum(size for kind, size in current.items() if getattr(kind, "value", "") == "Activation")
 
 
+def traced_cost(cfg: ExperimentConfig) -> ModelCost | None:
+    """What the speed model needs, counted (speed.py): FLOPs by torch, each rank's
+    parameters from its trace (FSDP's shards undone), the width of the embedding; None where
+    TP or PP move activations of a width the model does not tell."""
+    layout = Layout.of(cfg.parallel)
+    width = model_shape(cfg.model).dim
+    if width is None and (layout.tp > 1 or layout.pp > 1):
+        return None
+    fsdp = layout.dp_shard if layout.uses_fsdp else 1
+    elements = max(p.params for p in traced_memory(cfg)) * fsdp // FP32
+    return ModelCost(counted_flops_per_token(cfg), elements, width or 0)
+
+
 def counted_flops_per_token(cfg: ExperimentConfig) -> float:
     """Training FLOPs per token (one forward and backward of the whole model) as torch's
-    FlopCounterMode counts them, on fake tensors."""
+    FlopCounterMode counts them, on fake tensors; once per model and sequence."""
     t = cfg.train
-    model = build_model(cfg.model, t.seq_len, "meta")
+    model_json = json.dumps(dataclasses.asdict(cfg.model), sort_keys=True, default=str)
+    return _counted_flops(type(cfg.model), model_json, t.seq_len, t.seed)
+
+
+@functools.lru_cache(maxsize=64)
+def _counted_flops(schema: type[ModelConfig], model_json: str, seq_len: int, seed: int) -> float:
+    model = build_model(schema(**json.loads(model_json)), seq_len, "meta")
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
-        model.init_weights(t.seed)  # buffers such as rotary tables
-        tokens = torch.zeros(1, t.seq_len, dtype=torch.long)
+        model.init_weights(seed)  # buffers such as rotary tables
+        tokens = torch.zeros(1, seq_len, dtype=torch.long)
         with FlopCounterMode(display=False) as counter:
             model(tokens).float().sum().backward()
-    return counter.get_total_flops() / t.seq_len
+    return counter.get_total_flops() / seq_len

@@ -20,6 +20,7 @@ from meshrun.driver.command import hydra_command
 from meshrun.driver.sinks.console import print_error
 from meshrun.plan.candidate import Candidate
 from meshrun.plan.search import search, suggest_micro_batch
+from meshrun.validate import check_experiment
 
 GiB = 2**30
 
@@ -32,6 +33,7 @@ def default_world(cfg: ExperimentConfig) -> int:
 
 def plan(cfg: PlanCommandConfig, host: HostFacts) -> tuple[int, list[Candidate], HostFacts]:
     positive("world_size", cfg.world_size, allow_none=True)
+    check_experiment(cfg)  # the model's own mistakes before any layout is tried
     hardware = resolve_hardware(cfg.hardware, target_facts(cfg.hardware, host))
     facts = target_facts(hardware, host)
     cfg.hardware = hardware
