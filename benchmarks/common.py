@@ -66,7 +66,7 @@ class Setup:
     model: str
     ranks: int
     steps: int
-    warmup_steps: int
+    untimed_steps: int
     global_batch_size: int
     micro_batch_size: int
     seq_len: int
@@ -180,7 +180,7 @@ def hand_rank(rank: int, setup: Setup, port: int, out: Path, build: Build) -> No
     step_times: list[float] = []
     losses: list[torch.Tensor] = []
     for step in range(setup.steps):
-        if step == setup.warmup_steps:
+        if step == setup.untimed_steps:
             start = time.perf_counter()
         loss = hand.forward_backward(step)
         hand.clip()
@@ -189,7 +189,7 @@ def hand_rank(rank: int, setup: Setup, port: int, out: Path, build: Build) -> No
         # (loss, 1) where this rank has a loss, (0, 0) where not: summed over ranks, the
         # ratio is the mean over the ranks that have one.
         losses.append(torch.stack([loss, torch.ones(())]) if loss is not None else torch.zeros(2))
-        if step >= setup.warmup_steps:
+        if step >= setup.untimed_steps:
             now = time.perf_counter()
             step_times.append(now - start)
             start = now
@@ -238,7 +238,7 @@ def run_meshrun(bench: Benchmark, setup: Setup, work: Path) -> Measurement:
         *([f"parallel.{bench.degree}={setup.ranks}"] if bench.degree else []),
         f"launcher.nproc_per_node={setup.ranks}",
         f"train.steps={setup.steps}",
-        f"train.warmup_steps={setup.warmup_steps}",
+        f"train.untimed_steps={setup.untimed_steps}",
         f"train.global_batch_size={setup.global_batch_size}",
         f"train.micro_batch_size={setup.micro_batch_size}",
         f"train.seq_len={setup.seq_len}",
@@ -285,7 +285,7 @@ DEFAULTS = {
     "model": "small",
     "ranks": 2,
     "steps": 36,
-    "warmup_steps": 3,
+    "untimed_steps": 3,
     "global_batch_size": 16,
     "micro_batch_size": 4,
     "seq_len": 128,
@@ -296,7 +296,7 @@ DEFAULTS = {
 def parse_args(bench: Benchmark, defaults: dict[str, Any]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=bench.doc.splitlines()[0])
     parser.add_argument("--model", help="a conf/model preset")
-    for name in ("ranks", "steps", "warmup-steps", "global-batch-size", "micro-batch-size"):
+    for name in ("ranks", "steps", "untimed-steps", "global-batch-size", "micro-batch-size"):
         parser.add_argument(f"--{name}", type=int)
     parser.add_argument("--seq-len", type=int)
     parser.add_argument("--rounds", type=int)

@@ -28,7 +28,7 @@ for args in "model=small train.precision=fp32" \
             "model=llama-1b train.precision=bf16 train.seq_len=2048 train.micro_batch_size=2 parallel.activation_checkpointing=full"; do
   dir="$work/$(echo "$args" | tr ' =/' '_-_')"
   $py -m meshrun parallel=single logger=none train.progress_bar=false metrics.baseline=false \
-    train.steps=6 train.warmup_steps=2 "hydra.run.dir=$dir" "store.path=$work/meshrun.db" $args \
+    train.steps=6 train.untimed_steps=2 "hydra.run.dir=$dir" "store.path=$work/meshrun.db" $args \
     > "$dir.log" 2>&1 || { log "FAILED: $args"; tail -5 "$dir.log"; continue; }
   $py - "$dir/results.json" "$args" <<'PY' | tee -a "$out/summary.log"
 import json, sys

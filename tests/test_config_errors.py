@@ -52,8 +52,14 @@ BAD_CONFIGS = [
     (["model=llama-7b", "parallel=ddp"], "parallel", "predicted peak memory"),
     (["model=small", "plan.headroom_gib=1e9"], "parallel", "exceeds the"),
     (["train.steps=-5"], "train.steps", "must be positive"),
-    (["train.warmup_steps=0"], "train.warmup_steps", "1 <= warmup_steps"),
-    (["train.steps=4", "train.warmup_steps=4"], "train.warmup_steps", "< train.steps"),
+    (["train.untimed_steps=0"], "train.untimed_steps", "1 <= untimed_steps"),
+    (["train.steps=4", "train.untimed_steps=4"], "train.untimed_steps", "< train.steps"),
+    (
+        ["train.steps=4", "train.lr_schedule.warmup_steps=4"],
+        "train.lr_schedule.warmup_steps",
+        "< train.steps (4)",
+    ),
+    (["train.lr_schedule.min_lr_ratio=1.5"], "train.lr_schedule.min_lr_ratio", "fraction"),
     (["parallel=ddp", "train.global_batch_size=10"], "train.global_batch_size", "multiple of 4"),
     (["train.micro_batch_size=0"], "train.micro_batch_size", "must be positive"),
     (["train.lr=0"], "train.lr", "must be positive"),
@@ -323,7 +329,7 @@ def test_tp_plan_module_in_the_working_directory_is_imported_by_driver_and_ranks
     """`python -P` keeps the working directory off sys.path, as a console script does."""
     (tmp_path / "my_tp_plan.py").write_text(USER_PLAN)
     run = meshrun("model=tiny", "parallel=tp2", "parallel.tp_plan=my_tp_plan:plan",
-                  "train.steps=2", "train.warmup_steps=1", "metrics.baseline=false",
+                  "train.steps=2", "train.untimed_steps=1", "metrics.baseline=false",
                   entrypoint=(sys.executable, "-P", "-m", "meshrun.driver.cli"))  # fmt: skip
     assert run.returncode == 0, run.output
     assert {p.name for p in tmp_path.glob("plan_called_by_rank*")} == {

@@ -155,7 +155,7 @@ def test_a_checkpoint_unlike_the_preset_is_refused_before_launch(tmp_path, confi
 def test_pretrained_weights_give_transformers_first_loss_through_the_driver(experiment, tmp_path):
     saved = saved_llama(tmp_path / "ckpt", **TINY)
     cfg, measured = experiment("model=tiny", f"model.pretrained={tmp_path / 'ckpt'}",
-                               "parallel=single", "train.steps=2", "train.warmup_steps=1",
+                               "parallel=single", "train.steps=2", "train.untimed_steps=1",
                                "train.global_batch_size=4", "train.micro_batch_size=2",
                                "train.seq_len=64", "metrics.baseline=false")  # fmt: skip
     assert measured.ok, measured.meta["error"]

@@ -24,7 +24,7 @@ NAMED = (*MODEL, "model.layers=blocks", "model.embedding=embed", "model.norm=nor
          "model.head=head", "model.tp_plan=tests.user_model:tp_plan")  # fmt: skip
 STEPS = 6
 COMMON = (
-    f"train.steps={STEPS}", "train.warmup_steps=1", "train.global_batch_size=8",
+    f"train.steps={STEPS}", "train.untimed_steps=1", "train.global_batch_size=8",
     "train.micro_batch_size=2", "train.seq_len=64", "train.seed=3", "metrics.baseline=false",
 )  # fmt: skip
 # by default beside verify's (fsdp, tp2 with the callable and with the YAML plan)

@@ -10,7 +10,7 @@ from tests.cli import run_meshrun
 from tests.wandb_records import read_offline_run
 
 SMALL_DDP = (
-    "train.steps=8", "train.warmup_steps=2",
+    "train.steps=8", "train.untimed_steps=2",
     "train.global_batch_size=8", "train.micro_batch_size=2", "train.seq_len=128",
     "logger=wandb", "logger.mode=offline",
 )  # fmt: skip
@@ -63,8 +63,10 @@ def test_wandb_offline_run_holds_config_steps_and_summary(ddp_run):
         assert summary[key] == pytest.approx(results[key]), key
     assert "mfu" in summary  # None on CPU: no published peak to divide by
     assert wandb_run["config"]["parallel"]["name"] == "ddp"
-    losses = [h["train/loss"] for h in wandb_run["history"] if "train/loss" in h]
-    assert losses == pytest.approx(results["losses"])
+    steps = [h for h in wandb_run["history"] if "train/loss" in h]
+    assert [h["train/loss"] for h in steps] == pytest.approx(results["losses"])
+    assert [h["train/grad_norm"] for h in steps] == pytest.approx(results["grad_norms"])
+    assert {h["train/lr"] for h in steps} == {3e-4}  # train.lr, the constant schedule
 
 
 def test_wandb_key_never_lands_in_outputs(ddp_run):

@@ -15,7 +15,7 @@ from meshrun.driver.launch.local import launch_local
 from meshrun.driver.sinks.store import ResultsStore
 from tests.ranks import config_in
 
-FAIL = ("model=tiny", "parallel=ddp", "train.steps=8", "train.warmup_steps=1", "train.log_every=1")
+FAIL = ("model=tiny", "parallel=ddp", "train.steps=8", "train.untimed_steps=1", "train.log_every=1")
 
 
 def failed_run(tmp_path, monkeypatch, env, *overrides):

@@ -22,7 +22,7 @@ from tests.ranks import config_in, losses
 
 STEPS = 6
 COMMON = (
-    "model=hf/tiny-llama", f"train.steps={STEPS}", "train.warmup_steps=1",
+    "model=hf/tiny-llama", f"train.steps={STEPS}", "train.untimed_steps=1",
     "train.global_batch_size=8", "train.micro_batch_size=2", "train.seq_len=64",
     "train.seed=3", "metrics.baseline=false",
 )  # fmt: skip

@@ -12,7 +12,7 @@ from tests.ranks import config_in, losses
 
 STEPS = 6
 COMMON = (
-    "model=tiny", f"train.steps={STEPS}", "train.warmup_steps=1", "train.global_batch_size=8",
+    "model=tiny", f"train.steps={STEPS}", "train.untimed_steps=1", "train.global_batch_size=8",
     "train.micro_batch_size=2", "train.seq_len=64", "train.precision=fp32", "train.seed=3",
     "metrics.baseline=false",
 )  # fmt: skip

@@ -47,7 +47,7 @@ def test_theoretical_bubble(pp, m, v, expected):
 
 
 PP_SMALL = ("model=small", "parallel=pp2", "train.global_batch_size=8", "train.steps=4",
-            "train.warmup_steps=2", "metrics.baseline=false")  # fmt: skip
+            "train.untimed_steps=2", "metrics.baseline=false")  # fmt: skip
 
 
 def test_bubble_is_measured_and_recorded_beside_the_theory(experiment, capsys):

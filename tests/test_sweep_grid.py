@@ -28,7 +28,7 @@ from tests.wandb_records import read_offline_run, read_table
 pytestmark = pytest.mark.timeout(600)  # the sweep: ~30 s here, minutes on shared cores
 # A sweep's jobs run in one driver: with forkserver their ranks (and baselines) fork from one
 # server that imported torch once (spawn is every other CLI test's start method).
-POINT = ("model=tiny", "train.steps=3", "train.warmup_steps=1", "train.seq_len=32",
+POINT = ("model=tiny", "train.steps=3", "train.untimed_steps=1", "train.seq_len=32",
          "launcher.start_method=forkserver")  # fmt: skip
 PARAMS = OmegaConf.load(SWEEPS_DIR / "batch_microbatch.yaml").hydra.sweeper.params
 

@@ -28,7 +28,7 @@ from tests.wandb_records import read_offline_run
 
 SWEEPS = sorted(p.stem for p in SWEEPS_DIR.glob("*.yaml"))
 WANDB_SWEEP = SWEEPS_DIR / "wandb" / "batch_microbatch.yaml"
-TINY = ("model=tiny", "train.steps=3", "train.warmup_steps=1", "train.seq_len=32")
+TINY = ("model=tiny", "train.steps=3", "train.untimed_steps=1", "train.seq_len=32")
 
 
 def hydra_grid(name: str) -> dict[str, list[str]]:

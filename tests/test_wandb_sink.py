@@ -7,7 +7,7 @@ from __future__ import annotations
 from meshrun.driver.sinks.wandb_sink import memory_rows, run_tags
 from tests.cli import run_meshrun
 
-TINY = ("model=tiny", "parallel=single", "train.steps=3", "train.warmup_steps=1",
+TINY = ("model=tiny", "parallel=single", "train.steps=3", "train.untimed_steps=1",
         "train.seq_len=32", "logger=wandb", "logger.mode=offline")  # fmt: skip
 
 

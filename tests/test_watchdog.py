@@ -13,7 +13,7 @@ from meshrun.rank.failures import first_failure
 from meshrun.rank.watchdog import GRACE_S, Watchdog, diagnose, read_positions, step_collectives
 from tests.test_failures import failed_run
 
-HANG = ("model=tiny", "parallel=ddp", "train.steps=8", "train.warmup_steps=1", "train.log_every=1",
+HANG = ("model=tiny", "parallel=ddp", "train.steps=8", "train.untimed_steps=1", "train.log_every=1",
         "debug.fail_rank=1", "debug.fail_step=2", "debug.fail_mode=hang")  # fmt: skip
 
 

@@ -56,7 +56,7 @@ def baseline_key(cfg: ExperimentConfig) -> str:
         "data": cfg.data.name,
         "train": [
             t.steps,
-            t.warmup_steps,
+            t.untimed_steps,
             t.global_batch_size,
             t.micro_batch_size,
             t.seq_len,

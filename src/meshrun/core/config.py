@@ -47,6 +47,7 @@ FailMode = _choice("FailMode", "raise", "hang")
 DeviceType = _choice("DeviceType", "cpu", "cuda")
 StartMethod = _choice("StartMethod", "spawn", "fork", "forkserver")
 ModelKind = _choice("ModelKind", "meshrun", "hf", "custom")
+LrDecay = _choice("LrDecay", "constant", "linear", "cosine")
 
 
 @dataclass
@@ -211,7 +212,7 @@ class LocalLauncherConfig(LauncherConfig):
 
     name: str = "local"
     monitor_interval_s: float = 0.1
-    start_method: StartMethod = StartMethod["spawn"]
+    start_method: StartMethod = StartMethod["forkserver"]
 
 
 @dataclass
@@ -258,13 +259,27 @@ class DataConfig:
 
 
 @dataclass
+class LrScheduleConfig:
+    """`train.lr` reached by a linear warmup over `warmup_steps`, then held (constant) or
+    decayed (linear, cosine) to `min_lr_ratio` x lr at the last step (rank/train/optim.py)."""
+
+    decay: LrDecay = LrDecay["constant"]
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+
+
+@dataclass
 class TrainConfig:
+    """`untimed_steps`: the first steps, left out of the step times (allocator and kernel
+    warm-up) and where memory is measured; not the LR warmup (lr_schedule.warmup_steps)."""
+
     steps: int = 20
-    warmup_steps: int = 2
+    untimed_steps: int = 2
     global_batch_size: int = 8
     micro_batch_size: int = 2
     seq_len: int = 128
     lr: float = 3e-4
+    lr_schedule: LrScheduleConfig = field(default_factory=LrScheduleConfig)
     weight_decay: float = 0.1
     grad_clip: float | None = 1.0
     precision: Precision = Precision["fp32"]

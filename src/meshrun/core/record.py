@@ -14,7 +14,7 @@ from functools import cache
 from typing import Any
 
 # Keys older meshruns wrote under another name.
-RENAMED = {"pp_microbatches": "n_microbatches"}
+RENAMED = {"pp_microbatches": "n_microbatches", "warmup_steps": "untimed_steps"}
 SQLITE_TYPES = {str: "TEXT", int: "INTEGER", float: "REAL", bool: "INTEGER"}
 
 
@@ -58,7 +58,7 @@ class RunRecord:
     n_microbatches: int | None = _f()  # a pipeline's per step
     grad_accum_steps: int | None = _f()
     steps: int | None = _f()
-    warmup_steps: int | None = _f()
+    untimed_steps: int | None = _f()
     steps_completed: int | None = _f()
     params: int | None = _f()
     # speed

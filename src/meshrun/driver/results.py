@@ -116,7 +116,7 @@ def assemble(
         "micro_batch_size": t.micro_batch_size,
         "grad_accum_steps": n_microbatches(cfg),
         "steps": t.steps,
-        "warmup_steps": t.warmup_steps,
+        "untimed_steps": t.untimed_steps,
         "steps_completed": len(steps),
         "params": params(cfg),
         **timing,

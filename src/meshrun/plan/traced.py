@@ -4,8 +4,9 @@ The formulas of memory.py know meshrun's decoder and the transformers families i
 a user's own module (model=custom) has none. So, for each pipeline rank, this builds the
 rank's real share as the worker does (rank/parallel: cut, TP, checkpointing, FSDP2) on a
 fake process group under torch's FakeTensorMode, and runs two training steps under torch's
-MemTracker (FSDPMemTracker with FSDP2), each of two micro-batches where a step has more (the
-second one runs with the first one's gradients held). Every tensor has a shape and no
+MemTracker (FSDPMemTracker with FSDP2): one micro-batch to make the gradients and the
+optimizer state, then two where a step has more (the second one runs with the first one's
+gradients held). Every tensor has a shape and no
 storage: nothing is allocated or communicated, and the peak is the sum of the tensors alive
 at the worst moment, by kind. FLOPs per token: FlopCounterMode over one forward and backward
 of the whole model, on fake tensors too.
@@ -149,8 +150,10 @@ def _trace_rank(cfg: ExperimentConfig, traced: Layout, parallel: ParallelConfig,
         if not fsdp:
             tracker.track_external(*parts, optimizer)
         with tracker:
-            for _ in range(2):  # the second step holds the optimizer state
-                for _ in range(accumulated):
+            # the first step makes the gradients and the optimizer state; the second, where
+            # the peak is, holds them while its micro-batches run
+            for micro_batches in (1, accumulated):
+                for _ in range(micro_batches):
                     logits, kept = _step(parts, micro_batch, t.seq_len, hidden,
                                          bf16 and not fsdp, tracker)  # fmt: skip
                     tracker.reset_mod_stats()  # per module per call; the peak stays

@@ -88,14 +88,22 @@ def _check_train(cfg: ExperimentConfig) -> None:
     for key in ("steps", "global_batch_size", "micro_batch_size", "seq_len", "lr", "log_every"):
         positive(f"train.{key}", getattr(t, key))
     positive("train.grad_clip", t.grad_clip, allow_none=True)
-    if not 1 <= t.warmup_steps < t.steps:
+    if not 1 <= t.untimed_steps < t.steps:
         fail(
-            "train.warmup_steps",
-            t.warmup_steps,
-            f"needs 1 <= warmup_steps < train.steps ({t.steps}); warmup is untimed and is "
-            "where CPU memory is traced",
+            "train.untimed_steps",
+            t.untimed_steps,
+            f"needs 1 <= untimed_steps < train.steps ({t.steps}); they are left out of the "
+            "step times and are where CPU memory is traced",
             f"an integer from 1 to {max(1, t.steps - 1)}",
         )
+    s = t.lr_schedule
+    if not 0 <= s.warmup_steps < t.steps:
+        fail("train.lr_schedule.warmup_steps", s.warmup_steps,
+             f"needs 0 <= warmup_steps < train.steps ({t.steps})",
+             f"an integer from 0 to {t.steps - 1}")  # fmt: skip
+    if not 0 <= s.min_lr_ratio <= 1:
+        fail("train.lr_schedule.min_lr_ratio", s.min_lr_ratio,
+             "is the floor as a fraction of train.lr", "a number from 0 to 1")  # fmt: skip
     if t.weight_decay < 0:
         fail("train.weight_decay", t.weight_decay, "must not be negative", "a number >= 0")
 

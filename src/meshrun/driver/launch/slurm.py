@@ -11,6 +11,7 @@ a sweep's jobs run concurrently (meshrun.driver.collect).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -82,12 +83,26 @@ def log_dir(cfg: ExperimentConfig | CommRunConfig, job_id: str) -> Path:
     return Path(cfg.run_dir).absolute() / SLURM_DIR / job_id
 
 
+def wait_until_done(job: submitit.Job) -> None:
+    """Job.wait, asking SLURM itself more often: submitit reads sacct every half of the
+    job's age (a rank killed without a result, as srun does to a hung one, is seen up to a
+    minute late); here every tenth of it, 2 to 30 s apart (one sacct call each)."""
+    started = checked = time.monotonic()
+    while not job.done():
+        time.sleep(1)
+        now = time.monotonic()
+        if now - checked >= min(30.0, max(2.0, (now - started) / 10)):
+            checked = now
+            if job.done(force_check=True):
+                return
+
+
 def wait(cfg: ExperimentConfig | CommRunConfig, job_id: str) -> dict[str, Any] | None:
     """Rank 0's raw measurements once the job is done; RankFailure naming the first rank
     that failed (by the ranks' own records, else submitit's) with where its log is."""
     ranks = cfg.launcher.nnodes * cfg.launcher.nproc_per_node
     job: submitit.Job = submitit.SlurmJob(log_dir(cfg, job_id), job_id, tasks=range(ranks))
-    job.wait()
+    wait_until_done(job)
     failures = [(rank, job.task(rank).exception()) for rank in range(ranks)]
     failures = [(rank, err) for rank, err in failures if err is not None]
     if not failures:

@@ -64,7 +64,8 @@ def log_run(
     try:
         # Per-step series live under train/ so the run-level summary keys stay the run's.
         for record in steps:
-            metrics = {"train/loss": record["loss"]}
+            metrics = {"train/loss": record["loss"], "train/grad_norm": record["grad_norm"],
+                       "train/lr": record["lr"]}  # fmt: skip
             if record["step_time_s"]:
                 metrics["train/step_time_s"] = record["step_time_s"]
                 metrics["train/tokens_per_s"] = tokens_per_step / record["step_time_s"]

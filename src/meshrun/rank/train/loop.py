@@ -2,8 +2,9 @@
 into micro-batches with gradient accumulation or handed to the pipeline schedule.
 
 The only host syncs are at log steps, where the buffered per-step losses are reduced and the
-step times read. The first `warmup_steps` are excluded from timing; they are also where the
-memory breakdown is measured (and on CPU, peak memory traced).
+step times read. The first `untimed_steps` are excluded from timing; they are also where the
+memory breakdown is measured (and on CPU, peak memory traced). The LR schedule steps after
+each optimizer step; each step's record carries the LR it trained with.
 
 Gradients stay allocated between steps (zeroed, not freed), as in Megatron's persistent
 gradient buffers: every step then holds the same memory, the sum the planner predicts,
@@ -26,7 +27,7 @@ from meshrun.rank.metrics.memory import FWD_BWD_END, STEP_START, MemoryMeter
 from meshrun.rank.metrics.throughput import StepClock
 from meshrun.rank.parallel import ParallelModel, gradient_sync
 from meshrun.rank.train.data import LocalBatches
-from meshrun.rank.train.optim import clip_grads, grad_norm, grads_by_mesh
+from meshrun.rank.train.optim import build_lr_schedule, clip_grads, grad_norm, grads_by_mesh
 from meshrun.rank.watchdog import Watchdog
 
 LogFn = Callable[[list[dict]], None]
@@ -111,9 +112,11 @@ def train_loop(
     clock = StepClock(ctx.device)
     bubble = BubbleClock(model.schedule, ctx.device) if model.schedule is not None else None
     pending: list[torch.Tensor] = []
+    lrs: list[float] = []
+    schedule = build_lr_schedule(optimizer, cfg)
     params = model.parameters()
     for step in range(cfg.steps):
-        if step == cfg.warmup_steps:
+        if step == cfg.untimed_steps:
             ctx.memory.stop_tracing()
             if dist.is_initialized():
                 with _inside(ctx, step, "barrier (end of warmup)"):
@@ -126,7 +129,7 @@ def train_loop(
         if ctx.fault is not None:
             ctx.fault(step)
         # The breakdown is read from a warmup step after the first: optimizer state exists then.
-        measured = 1 <= step < cfg.warmup_steps
+        measured = 1 <= step < cfg.untimed_steps
         if measured:
             ctx.memory.mark(STEP_START)
         inputs, targets = batches.for_step(step)
@@ -142,17 +145,19 @@ def train_loop(
             norm = grad_norm(groups, ctx.pp_group)
         if cfg.grad_clip is not None:
             clip_grads(groups, cfg.grad_clip, norm)
+        lrs.append(schedule.get_last_lr()[0])
         optimizer.step()
+        schedule.step()
         optimizer.zero_grad(set_to_none=False)
         pending.append(torch.stack([step_loss, norm]))
-        if step >= cfg.warmup_steps:
+        if step >= cfg.untimed_steps:
             clock.mark()
         if ctx.progress is not None:
             ctx.progress(step + 1)
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
             with _inside(ctx, step, "all_reduce (losses of the log step)"):
-                _flush(state, pending, clock, step, ctx)
-            pending = []
+                _flush(state, pending, lrs, clock, step, ctx)
+            pending, lrs = [], []
     if bubble is not None:
         state.pipeline_busy_per_step, state.pipeline_span_per_step = bubble.per_step()
     return state
@@ -161,6 +166,7 @@ def train_loop(
 def _flush(
     state: LoopState,
     pending: list[torch.Tensor],
+    lrs: list[float],
     clock: StepClock,
     last_step: int,
     ctx: LoopContext,
@@ -183,7 +189,7 @@ def _flush(
     for offset, loss in enumerate(values):
         step_time = times[offset - timed_from] if offset >= timed_from else None
         records.append({"step": first_step + offset, "loss": loss, "grad_norm": norms[offset],
-                        "step_time_s": step_time})  # fmt: skip
+                        "lr": lrs[offset], "step_time_s": step_time})  # fmt: skip
     state.losses.extend(values)
     state.step_times.extend(times)
     ctx.on_log(records)

@@ -1,14 +1,17 @@
-"""AdamW with LLaMA's betas (weight decay only on matrices, not norms), and gradient
-clipping that works across layouts."""
+"""AdamW with LLaMA's betas (weight decay only on matrices, not norms), its LR schedule
+(warmup, then constant, linear or cosine decay to a floor), and gradient clipping that works
+across layouts."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from meshrun.core.config import TrainConfig
+from meshrun.core.config import LrScheduleConfig, TrainConfig
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -18,6 +21,30 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def lr_factor(step: int, schedule: LrScheduleConfig, steps: int) -> float:
+    """The multiple of train.lr that step `step` (from 0) of `steps` trains with: warmup
+    reaches 1 at its last step; decay runs from 1 at the first step after it to the floor
+    at the last step of the run."""
+    if step < schedule.warmup_steps:
+        return (step + 1) / schedule.warmup_steps
+    if schedule.decay == "constant":
+        return 1.0
+    progress = (step - schedule.warmup_steps) / max(1, steps - schedule.warmup_steps - 1)
+    if schedule.decay == "linear":
+        shape = 1.0 - progress
+    else:
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return schedule.min_lr_ratio + (1.0 - schedule.min_lr_ratio) * shape
+
+
+def build_lr_schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig
+                      ) -> torch.optim.lr_scheduler.LambdaLR:  # fmt: skip
+    """Stepped once after each optimizer step: the LR of step s is lr x lr_factor(s)."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, cfg.lr_schedule, cfg.steps)
+    )
 
 
 GradGroups = dict[object, list[nn.Parameter]]
