@@ -27,6 +27,9 @@ from meshrun.rank.worker import run_rank
 
 logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
 
+# What the driver's own libraries set in its environment as it runs, which its ranks do not
+# read: torch elastic's launch settings (it sets each rank's itself), W&B's service address.
+DRIVER_ONLY_ENV = ("TORCHELASTIC_", "WANDB_")
 # The environment and working directory this process's forkserver was started in (once).
 _forkserver_started_in: list[tuple[dict[str, str], str]] = []
 
@@ -38,9 +41,7 @@ def start_method(configured: str) -> str:
     else started, spawns its ranks instead."""
     if configured != "forkserver":
         return configured
-    # torch elastic's own settings (TORCHELASTIC_*), which it sets in the driver when it
-    # launches and in each rank, do not count
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(DRIVER_ONLY_ENV)}
     here = (env, os.getcwd())
     if not _forkserver_started_in:
         if multiprocessing.forkserver._forkserver._forkserver_pid is not None:
