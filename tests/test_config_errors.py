@@ -188,6 +188,7 @@ ENUM_CHOICES = [
     ("logger.mode=sometimes", "logger.mode", "auto | online | offline | disabled"),
     ("debug.fail_mode=crash", "debug.fail_mode", "raise | hang"),
     ("launcher.start_method=thread", "launcher.start_method", "spawn | fork | forkserver"),
+    ("train.lr_schedule.decay=cosin", "train.lr_schedule.decay", "constant | linear | cosine"),
 ]  # fmt: skip
 
 

@@ -10,44 +10,24 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 from omegaconf import MISSING, OmegaConf
 
-
-class Choice(str, Enum):
-    """A closed set of string values: OmegaConf rejects any other at compose time, listing
-    these. Members are their own strings (==, dict keys, f-strings, json, sqlite)."""
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
-    @classmethod
-    def values(cls) -> tuple[str, ...]:
-        return tuple(member.value for member in cls)
-
-
-def _choice(name: str, *values: str) -> type[Choice]:
-    # The functional form: OmegaConf looks members up by name, and "1f1b" is no identifier.
-    return Choice(name, [(v, v) for v in values], module=__name__, qualname=name)
-
-
-Backend = _choice("Backend", "auto", "gloo", "nccl", "mpi")
-Precision = _choice("Precision", "fp32", "bf16")
-Schedule = _choice("Schedule", "gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb")
-Checkpointing = _choice("Checkpointing", "none", "full", "selective")
-DataParallel = _choice("DataParallel", "auto", "dataparallel")
-Scaling = _choice("Scaling", "weak", "strong")
-LoggerMode = _choice("LoggerMode", "auto", "online", "offline", "disabled")
-FailMode = _choice("FailMode", "raise", "hang")
-DeviceType = _choice("DeviceType", "cpu", "cuda")
-StartMethod = _choice("StartMethod", "spawn", "fork", "forkserver")
-ModelKind = _choice("ModelKind", "meshrun", "hf", "custom")
-LrDecay = _choice("LrDecay", "constant", "linear", "cosine")
+from meshrun.core.choices import (
+    Backend,
+    Checkpointing,
+    DataParallel,
+    DeviceType,
+    FailMode,
+    LoggerMode,
+    LrDecay,
+    ModelKind,
+    Precision,
+    Scaling,
+    Schedule,
+    StartMethod,
+)
 
 
 @dataclass

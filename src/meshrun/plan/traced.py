@@ -40,7 +40,7 @@ from meshrun.plan.memory import MemoryPrediction, in_flight
 from meshrun.plan.shapes import micro_batching
 from meshrun.plan.speed import ModelCost
 from meshrun.rank.mesh import build_mesh
-from meshrun.rank.models import build_model, model_shape
+from meshrun.rank.models import build_model, model_key, model_shape
 from meshrun.rank.parallel import materialise, sharded_part, stage_parts
 from meshrun.rank.train.optim import build_optimizer
 
@@ -221,9 +221,7 @@ def traced_cost(cfg: ExperimentConfig) -> ModelCost | None:
 def counted_flops_per_token(cfg: ExperimentConfig) -> float:
     """Training FLOPs per token (one forward and backward of the whole model) as torch's
     FlopCounterMode counts them, on fake tensors; once per model and sequence."""
-    t = cfg.train
-    model_json = json.dumps(dataclasses.asdict(cfg.model), sort_keys=True, default=str)
-    return _counted_flops(type(cfg.model), model_json, t.seq_len, t.seed)
+    return _counted_flops(*model_key(cfg.model), cfg.train.seq_len, cfg.train.seed)
 
 
 @functools.lru_cache(maxsize=64)

@@ -37,8 +37,14 @@ def build_model(
 def model_shape(cfg: ModelConfig) -> ModelShape:
     """The sizes the layout rules and the analytic planner compute with (shape.py)."""
     if isinstance(cfg, (HFModelConfig, CustomModelConfig)):
-        return _built_shape(type(cfg), json.dumps(asdict(cfg), sort_keys=True))
+        return _built_shape(*model_key(cfg))
     return llama_shape(cfg)
+
+
+def model_key(cfg: ModelConfig) -> tuple[type[ModelConfig], str]:
+    """A hashable identity of a model config, for caches: `schema(**json.loads(text))`
+    rebuilds it."""
+    return type(cfg), json.dumps(asdict(cfg), sort_keys=True, default=str)
 
 
 @functools.cache

@@ -26,7 +26,8 @@ from torch.distributed.pipelining.schedules import (
     _PipelineSchedule,
 )
 
-from meshrun.core.config import ParallelConfig, Schedule
+from meshrun.core.choices import Schedule
+from meshrun.core.config import ParallelConfig
 
 # Keyed by the config's enum, which is the one list of schedule names (tests check they agree).
 SCHEDULES = {
