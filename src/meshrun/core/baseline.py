@@ -7,7 +7,7 @@ import dataclasses
 import hashlib
 import json
 
-from meshrun.core.config import ExperimentConfig, ParallelConfig
+from meshrun.core.config import CheckpointConfig, ExperimentConfig, ParallelConfig
 from meshrun.core.layout import Layout, layout_name
 
 __all__ = ["baseline_config", "baseline_key", "dp_size", "is_own_baseline", "layout_name",
@@ -40,6 +40,7 @@ def baseline_config(cfg: ExperimentConfig) -> ExperimentConfig:
         parallel=ParallelConfig(name="single"),
         launcher=dataclasses.replace(cfg.launcher, nnodes=1, nproc_per_node=1),
         train=dataclasses.replace(cfg.train, global_batch_size=global_batch, progress_bar=False),
+        checkpoint=CheckpointConfig(),  # measured afresh, never saved or resumed
         run_dir=f"{cfg.run_dir}/baseline",
         name=f"{cfg.name}-baseline",
     )

@@ -269,6 +269,22 @@ class TrainConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """DCP checkpoints (model, optimizer, LR schedule, data position, RNG, step) after every
+    `every_steps` steps and after the last (0: none), under `dir` (null:
+    <run_dir>/checkpoints); written in the background (`async_save`) while training goes
+    on; the last `keep` complete ones are kept. `resume`: `auto` continues from the latest
+    complete checkpoint in `dir` (a fresh start where there is none), or the path of one
+    checkpoint (a step-* directory) or of a checkpoints directory (its latest)."""
+
+    every_steps: int = 0
+    dir: str | None = None
+    keep: int = 2
+    async_save: bool = True
+    resume: str | None = None
+
+
+@dataclass
 class MetricsConfig:
     """`scaling`: weak keeps the per-device batch of the baseline, strong its global batch."""
 
@@ -278,11 +294,13 @@ class MetricsConfig:
 
 @dataclass
 class DebugConfig:
-    """Fault injection, to check that a failing or hanging rank brings the whole run down."""
+    """Fault injection, to check that a failing or hanging rank brings the whole run down;
+    `slow_step_s`, a pause after every step, gives Ctrl-C and preemption a run to stop."""
 
     fail_rank: int | None = None
     fail_step: int = 0
     fail_mode: FailMode = FailMode["raise"]
+    slow_step_s: float = 0.0
 
 
 @dataclass
@@ -318,6 +336,7 @@ class ExperimentConfig:
     logger: LoggerConfig = MISSING
     data: DataConfig = MISSING
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)

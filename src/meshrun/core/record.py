@@ -90,6 +90,12 @@ class RunRecord:
     memory_other_bytes: int | None = _f(column=True, summary=True)
     memory_predicted: list[dict[str, int]] | None = _f()
     pretrained_read_bytes_per_rank: list[int] | None = _f()  # each rank reads its share
+    # checkpoints
+    resumed_from_step: int | None = _f(column=True, summary=True)
+    checkpoint_dir: str | None = _f()
+    checkpoint_saves: list[dict[str, Any]] | None = _f()  # step, blocked_s, total_s of each
+    checkpoint_blocked_s: float | None = _f(summary=True)  # training waited, per save
+    checkpoint_save_s: float | None = _f(summary=True)  # staging to the last byte, per save
     memory_traced: list[dict[str, int]] | None = _f()  # plan.trace: on fake tensors
     predicted_peak_memory_bytes: int | None = _f(column=True, summary=True)
     predicted_step_time_s: float | None = _f(column=True, summary=True)

@@ -15,6 +15,7 @@ from typing import Any
 
 from meshrun.core.attached import attached_rank
 from meshrun.core.baseline import baseline_config, baseline_key, is_own_baseline
+from meshrun.core.checkpoints import find_resume, read_manifest
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import ConfigError
 from meshrun.core.layout import Layout, layout_name, layout_overrides
@@ -24,10 +25,12 @@ from meshrun.driver.results import assemble
 from meshrun.driver.sinks.console import print_error, print_summary, print_warning
 from meshrun.driver.sinks.store import ResultsStore
 from meshrun.driver.sinks.wandb_sink import log_run
+from meshrun.rank.train.checkpoint import Stopped
 from meshrun.rank.watchdog import clear_records, with_diagnosis
 from meshrun.rank.worker import METRICS_FILE
 
 Launch = Callable[[ExperimentConfig], dict[str, Any] | None]
+RUN_FILE = "run.json"  # the run's identity, which a resume from its checkpoints keeps
 
 
 class RunFailed(RuntimeError):
@@ -36,12 +39,18 @@ class RunFailed(RuntimeError):
         super().__init__(results.error)
 
 
+INTERRUPTED_EXIT = 130  # a shell's code for a command stopped by Ctrl-C
+
+
 def reported(run: Callable[[], RunRecord]) -> int:
     """Runs an experiment to its record and prints the summary; the command's exit code."""
     try:
         results = run()
     except RunFailed as failed:
         print_summary(failed.results)
+        if failed.results.status == "interrupted":
+            print_error("run interrupted", str(failed))
+            return INTERRUPTED_EXIT
         print_error("run failed", str(failed))
         return 1
     print_summary(results)
@@ -77,6 +86,7 @@ class Measured:
     memory: list[dict[str, int]] | None
     bubbles: list[float] | None
     pretrained_read: list[int] | None = None
+    checkpoints: list[dict[str, Any]] | None = None
 
     @property
     def ok(self) -> bool:
@@ -120,17 +130,30 @@ def attempt(run_dir: str, started: float, wait: Callable[[], Any]) -> tuple[dict
     try:
         raw = wait()
     except RankFailure as failure:
-        error = with_diagnosis(str(failure), run_dir, failure.rank)
-        status.update(status="failed", error=error, failed_rank=failure.rank)
+        if failure.error.startswith(f"{Stopped.__name__}: "):
+            resume = f"resume with checkpoint.resume={Path(run_dir).absolute()}/checkpoints"
+            error = f"{failure.error.removeprefix(f'{Stopped.__name__}: ')}; {resume}"
+            status.update(status="interrupted", error=error)
+        else:
+            error = with_diagnosis(str(failure), run_dir, failure.rank)
+            status.update(status="failed", error=error, failed_rank=failure.rank)
     status["duration_s"] = round(time.time() - started, 3)
     return status, raw
 
 
 def begin(cfg: ExperimentConfig, role: str) -> dict[str, Any]:
-    """A training run's identity; its metrics file from an earlier attempt removed."""
-    meta = new_run(cfg.run_dir)
-    (Path(cfg.run_dir) / METRICS_FILE).unlink(missing_ok=True)
-    return {"run_id": meta["run_id"], "role": role, "created_at": meta["created_at"]}
+    """A training run's identity; its metrics file from an earlier attempt removed. A run
+    resumed from a checkpoint keeps its identity (run.json) and the steps before it."""
+    resume = find_resume(cfg.checkpoint, cfg.run_dir)
+    identity = Path(cfg.run_dir) / RUN_FILE
+    if resume is None or not identity.is_file():
+        meta = new_run(cfg.run_dir)
+        (Path(cfg.run_dir) / METRICS_FILE).unlink(missing_ok=True)
+        identity.write_text(json.dumps(meta))
+        return {**meta, "role": role, "resumed_from_step": None}
+    clear_records(cfg.run_dir)  # rank 0 drops the steps after the checkpoint from metrics
+    step = read_manifest(resume).step
+    return {**json.loads(identity.read_text()), "role": role, "resumed_from_step": step}
 
 
 def outcome(
@@ -150,6 +173,7 @@ def outcome(
         raw.get("memory_per_rank"),
         raw.get("pipeline_bubble_per_rank"),
         raw.get("pretrained_read_bytes_per_rank"),
+        raw.get("checkpoints"),
     )
 
 
@@ -161,7 +185,7 @@ def record(
 ) -> RunRecord:
     """results.json, the store row, and (for the run itself) W&B; raises RunFailed after."""
     results = assemble(cfg, measured.steps, measured.memory, measured.bubbles, baseline,
-                       measured.meta, measured.pretrained_read)  # fmt: skip
+                       measured.meta, measured.pretrained_read, measured.checkpoints)  # fmt: skip
     publish(cfg, results, measured.steps, store)
     if not measured.ok:
         raise RunFailed(results)

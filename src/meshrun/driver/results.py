@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshrun.core.baseline import baseline_key, is_own_baseline, n_devices
+from meshrun.core.checkpoints import checkpoint_root
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.hardware import device_for_rank
 from meshrun.core.layout import Layout, layout_name, layout_overrides, n_microbatches
@@ -65,6 +66,21 @@ def predicted_speed_fields(cfg: ExperimentConfig) -> dict[str, Any]:
     }
 
 
+def checkpoint_fields(cfg: ExperimentConfig, saves: list[dict[str, Any]] | None
+                      ) -> dict[str, Any]:  # fmt: skip
+    """Where the checkpoints are and what saving them cost training (mean over the saves in
+    the background: the last, at the end, is written whole before the ranks exit)."""
+    if not saves:
+        return {}
+    background = [s for s in saves if s["step"] != cfg.train.steps] or saves
+    return {
+        "checkpoint_dir": str(checkpoint_root(cfg.checkpoint, cfg.run_dir)),
+        "checkpoint_saves": saves,
+        "checkpoint_blocked_s": sum(s["blocked_s"] for s in background) / len(background),
+        "checkpoint_save_s": sum(s["total_s"] for s in background) / len(background),
+    }
+
+
 def params(cfg: ExperimentConfig) -> int:
     return count_params(build_model(cfg.model, cfg.train.seq_len, "meta"))[0]
 
@@ -77,10 +93,11 @@ def assemble(
     baseline: RunRecord | None,
     meta: dict[str, Any],
     pretrained_read: list[int] | None = None,
+    checkpoints: list[dict[str, Any]] | None = None,
 ) -> RunRecord:
     """`steps`: rank 0's per-step records; `memory`: each rank's peak and its breakdown;
-    `meta`: run id, role, status, error, times; `pretrained_read`: the checkpoint bytes each
-    rank read."""
+    `meta`: run id, role, status, error, times, the step a resume started at;
+    `pretrained_read`: the checkpoint bytes each rank read; `checkpoints`: rank 0's saves."""
     t = cfg.train
     tokens_per_step = t.global_batch_size * t.seq_len
     step_times = [r["step_time_s"] for r in steps if r["step_time_s"] is not None]
@@ -131,6 +148,7 @@ def assemble(
         **pipeline_fields(cfg, bubbles),
         **memory_fields(cfg, memory),
         "pretrained_read_bytes_per_rank": pretrained_read,
+        **checkpoint_fields(cfg, checkpoints),
         **predicted_speed_fields(cfg),
         "losses": [r["loss"] for r in steps],
         "grad_norms": [r.get("grad_norm") for r in steps],

@@ -19,6 +19,10 @@ def record_failure(run_dir: str, rank: int, err: BaseException) -> None:
     (folder / f"rank{rank}.json").write_text(json.dumps(record))
 
 
+def forget_failure(run_dir: str, rank: int) -> None:
+    (Path(run_dir) / FAILURES_DIR / f"rank{rank}.json").unlink(missing_ok=True)
+
+
 def first_failure(run_dir: str) -> tuple[int, str] | None:
     """(rank, error) of the earliest recorded failure, or None if no rank recorded one."""
     records = [json.loads(p.read_text()) for p in (Path(run_dir) / FAILURES_DIR).glob("*.json")]

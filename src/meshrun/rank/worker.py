@@ -4,6 +4,7 @@ no `auto` left in it) and returns rank 0's raw measurements."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -16,16 +17,17 @@ import torch.distributed as dist
 
 from meshrun.core.config import DebugConfig, ExperimentConfig, from_dict
 from meshrun.core.layout import Layout, dp_rank, n_microbatches
-from meshrun.rank.failures import record_failure
+from meshrun.rank.failures import forget_failure, record_failure
 from meshrun.rank.mesh import build_mesh, dp_group, init_distributed, pp_group, select_device
 from meshrun.rank.metrics.bubble import bubble_per_rank
 from meshrun.rank.metrics.memory import MemoryMeter, ModelState
 from meshrun.rank.models import build_model, model_shape
 from meshrun.rank.parallel import parallelize
 from meshrun.rank.progress import rank_progress
+from meshrun.rank.train.checkpoint import Checkpointer
 from meshrun.rank.train.data import LocalBatches, build_dataset
 from meshrun.rank.train.loop import LoopContext, train_loop
-from meshrun.rank.train.optim import build_optimizer
+from meshrun.rank.train.optim import build_lr_schedule, build_optimizer
 from meshrun.rank.watchdog import Watchdog, step_collectives
 
 METRICS_FILE = "metrics.jsonl"
@@ -36,6 +38,14 @@ class MetricsLog:
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
+
+    def keep_before(self, step: int) -> None:
+        """Drops the steps from `step` on, which a run resumed at `step` trains again."""
+        if self.path is None or not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines()
+                if line and json.loads(line)["step"] < step]  # fmt: skip
+        self.path.write_text("".join(line + "\n" for line in kept))
 
     def __call__(self, records: list[dict]) -> None:
         if self.path is None:
@@ -68,6 +78,7 @@ def run_rank(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
     if cfg.launcher.threads_per_rank:
         torch.set_num_threads(cfg.launcher.threads_per_rank)
     device = select_device(cfg.hardware.device_type, local_rank)
+    forget_failure(cfg.run_dir, rank)  # an earlier attempt's, in a job SLURM requeued
     mesh = watchdog = None
     if layout.world_size > 1:
         watchdog = Watchdog(cfg.run_dir, rank, cfg.backend.timeout_s)
@@ -109,6 +120,13 @@ def _train(
         cfg.model.pretrained,
     )
     optimizer = build_optimizer(model, tc)
+    schedule = build_lr_schedule(optimizer, tc)
+    checkpoints = start = None
+    if cfg.checkpoint.every_steps or cfg.checkpoint.resume:
+        checkpoints = Checkpointer(cfg, model, optimizer, schedule, rank)
+        loading = watchdog.inside(0, "checkpoint load") if watchdog else contextlib.nullcontext()
+        with loading:
+            start = checkpoints.restore()
     batches = LocalBatches(
         build_dataset(cfg.data, model_shape(cfg.model).vocab_size, tc.seed),
         tc.global_batch_size,
@@ -117,7 +135,9 @@ def _train(
         layout.dp_size,
         device,
     )
-    metrics_path = Path(cfg.run_dir) / METRICS_FILE if rank == 0 else None
+    metrics = MetricsLog(Path(cfg.run_dir) / METRICS_FILE if rank == 0 else None)
+    if start:
+        metrics.keep_before(start)
     with rank_progress(tc.steps, enabled=rank == 0 and tc.progress_bar) as progress:
         ctx = LoopContext(
             device=device,
@@ -125,13 +145,16 @@ def _train(
             pp_group=pp_group(mesh, layout),
             autocast_dtype=torch.bfloat16 if bf16 and not model.casts_params else None,
             memory=memory,
-            on_log=MetricsLog(metrics_path),
+            on_log=metrics,
             progress=progress,
             fault=fault_injector(cfg.debug, rank),
             watchdog=watchdog,
             step_collectives=step_collectives(layout.degrees()),
+            start_step=start or 0,
+            slow_step_s=cfg.debug.slow_step_s,
+            checkpoints=checkpoints,
         )
-        state = train_loop(model, optimizer, batches, tc, ctx)
+        state = train_loop(model, optimizer, schedule, batches, tc, ctx)
     split = memory.breakdown(ModelState.of(model.parameters(), optimizer))
     mine = {
         "memory": {"rank": rank, **(split or {"peak": memory.peak_bytes()})},
@@ -155,5 +178,12 @@ def _train(
         else None,
         "pretrained_read_bytes_per_rank": [r["pretrained_read"] for r in ranks]
         if cfg.model.pretrained
+        else None,
+        "resumed_from_step": start,
+        "checkpoints": [
+            {"step": s.step, "blocked_s": s.blocked_s, "total_s": s.total_s}
+            for s in checkpoints.saves
+        ]
+        if checkpoints
         else None,
     }

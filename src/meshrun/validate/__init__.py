@@ -18,6 +18,7 @@ from meshrun.core.config import CustomModelConfig, ExperimentConfig, HardwareCon
 from meshrun.core.errors import choice, fail, positive
 from meshrun.core.hardware import HostFacts, resolve_hardware
 from meshrun.rank.models import model_shape
+from meshrun.validate.checkpoint import check_checkpoint
 from meshrun.validate.custom import check_custom_layout
 from meshrun.validate.launcher import check_debug
 from meshrun.validate.layout import (
@@ -64,6 +65,7 @@ def validate_run(resolved: ExperimentConfig) -> ExperimentConfig:
     check_batch(resolved)
     world = resolved.launcher.nproc_per_node * resolved.launcher.nnodes
     check_debug(resolved.debug, world, resolved.train.steps)
+    resolved = check_checkpoint(resolved)
     if resolved.launcher.name == "slurm":
         return dataclasses.replace(resolved, launcher=check_slurm(resolved))
     return resolved

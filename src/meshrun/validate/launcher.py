@@ -75,6 +75,9 @@ def check_debug(debug: DebugConfig, world: int, steps: int, unit: str = "steps")
     if debug.fail_rank is not None and not 0 <= debug.fail_rank < world:
         fail("debug.fail_rank", debug.fail_rank, f"no such rank in a run of {world}",
              f"0..{world - 1}, or null")  # fmt: skip
+    if debug.slow_step_s < 0:
+        fail("debug.slow_step_s", debug.slow_step_s, "is a pause after each step",
+             "a number of seconds >= 0")  # fmt: skip
     if not 0 <= debug.fail_step < steps:
         fail("debug.fail_step", debug.fail_step, f"outside the {steps} {unit} of the run",
              f"0..{steps - 1}")  # fmt: skip

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -91,5 +92,8 @@ def launch_local(
         if recorded is None:  # died without raising (killed, segfault): elastic's record
             rank, failure = err.get_first_failure()
             recorded = rank, _error_text(failure)
+        raise RankFailure(*recorded) from None
+    except SignalException as err:  # Ctrl-C or SIGTERM here: the agent has stopped the ranks
+        recorded = first_failure(cfg.run_dir) or (0, f"interrupted by {err.sigval.name}")
         raise RankFailure(*recorded) from None
     return returns[0]

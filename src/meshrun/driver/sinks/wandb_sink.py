@@ -45,7 +45,9 @@ def log_run(
     steps: list[dict[str, Any]],
     tokens_per_step: int,
 ) -> None:
-    """Offline runs land in <run_dir>/wandb/offline-run-*, where `wandb sync` finds them."""
+    """Offline runs land in <run_dir>/wandb/offline-run-*, where `wandb sync` finds them.
+    The W&B run's id is meshrun's run id (a W&B agent's own where one started the run), so
+    a run resumed from a checkpoint continues its W&B run from the step it resumed at."""
     import wandb  # noqa: PLC0415 (seconds to import: only runs logged to W&B pay it)
 
     os.environ.setdefault("WANDB_SILENT", "true")
@@ -60,10 +62,13 @@ def log_run(
         dir=results["run_dir"],
         mode=resolve_mode(cfg),
         settings=wandb.Settings(console="off"),
+        id=None if "WANDB_RUN_ID" in os.environ else results["run_id"],
+        resume="allow",
     )
+    resumed = results.get("resumed_from_step") or 0
     try:
         # Per-step series live under train/ so the run-level summary keys stay the run's.
-        for record in steps:
+        for record in (r for r in steps if r["step"] >= resumed):
             metrics = {"train/loss": record["loss"], "train/grad_norm": record["grad_norm"],
                        "train/lr": record["lr"]}  # fmt: skip
             if record["step_time_s"]:

@@ -100,4 +100,9 @@ def named_tensors(module: nn.Module, buffers: bool = False) -> Iterator[tuple[st
     checkpoint keys must not see."""
     tensors = [*module.named_parameters(), *(module.named_buffers() if buffers else ())]
     for name, tensor in tensors:
-        yield name.replace(_CHECKPOINT_PREFIX, ""), tensor
+        yield model_name(name), tensor
+
+
+def model_name(name: str) -> str:
+    """A parameter's name as the model gave it, whatever wrapped its modules since."""
+    return name.replace(_CHECKPOINT_PREFIX, "")

@@ -14,6 +14,7 @@ instead of the first micro-batch of a step running lighter than the rest.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,8 +27,9 @@ from meshrun.rank.metrics.bubble import BubbleClock
 from meshrun.rank.metrics.memory import FWD_BWD_END, STEP_START, MemoryMeter
 from meshrun.rank.metrics.throughput import StepClock
 from meshrun.rank.parallel import ParallelModel, gradient_sync
+from meshrun.rank.train.checkpoint import Checkpointer
 from meshrun.rank.train.data import LocalBatches
-from meshrun.rank.train.optim import build_lr_schedule, clip_grads, grad_norm, grads_by_mesh
+from meshrun.rank.train.optim import clip_grads, grad_norm, grads_by_mesh
 from meshrun.rank.watchdog import Watchdog
 
 LogFn = Callable[[list[dict]], None]
@@ -55,6 +57,9 @@ class LoopContext:
     fault: Callable[[int], None] | None = None
     watchdog: Watchdog | None = None
     step_collectives: str = "forward/backward"
+    start_step: int = 0  # > 0: resumed from a checkpoint of that many steps
+    slow_step_s: float = 0.0  # debug.slow_step_s
+    checkpoints: Checkpointer | None = None
 
 
 def _inside(
@@ -104,19 +109,22 @@ def _pipeline_step(model: ParallelModel, inputs, targets, ctx: LoopContext) -> t
 def train_loop(
     model: ParallelModel,
     optimizer: torch.optim.Optimizer,
+    schedule: torch.optim.lr_scheduler.LRScheduler,
     batches: LocalBatches,
     cfg: TrainConfig,
     ctx: LoopContext,
 ) -> LoopState:
+    """Steps `ctx.start_step` to `cfg.steps`; the first `untimed_steps` of them untimed."""
     state = LoopState()
     clock = StepClock(ctx.device)
     bubble = BubbleClock(model.schedule, ctx.device) if model.schedule is not None else None
     pending: list[torch.Tensor] = []
     lrs: list[float] = []
-    schedule = build_lr_schedule(optimizer, cfg)
     params = model.parameters()
-    for step in range(cfg.steps):
-        if step == cfg.untimed_steps:
+    first_timed = ctx.start_step + cfg.untimed_steps
+    checkpoints = ctx.checkpoints
+    for step in range(ctx.start_step, cfg.steps):
+        if step == first_timed:
             ctx.memory.stop_tracing()
             if dist.is_initialized():
                 with _inside(ctx, step, "barrier (end of warmup)"):
@@ -129,7 +137,7 @@ def train_loop(
         if ctx.fault is not None:
             ctx.fault(step)
         # The breakdown is read from a warmup step after the first: optimizer state exists then.
-        measured = 1 <= step < cfg.untimed_steps
+        measured = ctx.start_step + 1 <= step < first_timed
         if measured:
             ctx.memory.mark(STEP_START)
         inputs, targets = batches.for_step(step)
@@ -150,14 +158,33 @@ def train_loop(
         schedule.step()
         optimizer.zero_grad(set_to_none=False)
         pending.append(torch.stack([step_loss, norm]))
-        if step >= cfg.untimed_steps:
+        if step >= first_timed:
             clock.mark()
         if ctx.progress is not None:
             ctx.progress(step + 1)
-        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+        stop = save = False
+        if checkpoints is not None:
+            with _inside(ctx, step, "all_reduce (stop signal)"):
+                stop = checkpoints.stop_requested()
+            save = stop or checkpoints.due(step + 1)
+        # A checkpoint's steps are all in metrics.jsonl: a resume appends after them.
+        if save or (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
             with _inside(ctx, step, "all_reduce (losses of the log step)"):
                 _flush(state, pending, lrs, clock, step, ctx)
             pending, lrs = [], []
+        if stop:
+            with _inside(ctx, step, "checkpoint save (stop signal)"):
+                checkpoints.stop(step + 1)
+        if save:
+            with _inside(ctx, step, "checkpoint save"):
+                checkpoints.save(step + 1)
+        elif checkpoints is not None:
+            checkpoints.poll()
+        if ctx.slow_step_s:
+            time.sleep(ctx.slow_step_s)
+    if checkpoints is not None:
+        with _inside(ctx, cfg.steps - 1, "checkpoint save (finishing)"):
+            checkpoints.wait()
     if bubble is not None:
         state.pipeline_busy_per_step, state.pipeline_span_per_step = bubble.per_step()
     return state

@@ -1,0 +1,100 @@
+"""Where a run's checkpoints live and which of them are complete.
+
+A checkpoint is a directory `step-<8 digits>` (the number of steps trained) holding DCP's
+files, each rank's RNG state and, written last and atomically by rank 0 once every rank's
+data and DCP's `.metadata` are on disk, `manifest.json`. A directory without a manifest was
+cut off mid-write: it is never loaded, and the next save of the same step replaces it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from meshrun.core.config import CheckpointConfig
+from meshrun.core.errors import fail
+
+MANIFEST = "manifest.json"
+PREFIX = "step-"
+
+
+@dataclass
+class Manifest:
+    """What a checkpoint is of: the run it continues, the model, the layout that saved it."""
+
+    step: int  # steps trained: the step a resume starts at
+    run_dir: str
+    model: str  # the model config as JSON (rank.models.model_key), checked on resume
+    layout: str
+    degrees: dict[str, int]
+    vocab_rows: int  # the embedding's rows, padded to a multiple of tp
+    lr_schedule: dict[str, Any]
+    saved_at: str
+    seconds_blocked: float  # training waited this long (staging, or the whole sync save)
+    seconds_total: float  # staging to the last byte on disk
+    bytes: int = 0
+    ranks: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def checkpoint_root(cfg: CheckpointConfig, run_dir: str) -> Path:
+    return Path(cfg.dir) if cfg.dir else Path(run_dir) / "checkpoints"
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"{PREFIX}{step:08d}"
+
+
+def is_complete(path: Path) -> bool:
+    return (path / MANIFEST).is_file()
+
+
+def complete(root: Path) -> list[Path]:
+    """The complete checkpoints under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.name.startswith(PREFIX) and is_complete(p)]
+    return sorted(found, key=lambda p: p.name)
+
+
+def read_manifest(path: Path) -> Manifest:
+    return Manifest(**json.loads((path / MANIFEST).read_text()))
+
+
+def write_manifest(path: Path, manifest: Manifest) -> None:
+    """Atomic: a reader sees no manifest or the whole of it."""
+    tmp = path / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(asdict(manifest), indent=2))
+    os.replace(tmp, path / MANIFEST)
+
+
+def find_resume(cfg: CheckpointConfig, run_dir: str) -> Path | None:
+    """The checkpoint `checkpoint.resume` names (None: start fresh), or ConfigError."""
+    if cfg.resume is None:
+        return None
+    if cfg.resume == "auto":
+        found = complete(checkpoint_root(cfg, run_dir))
+        return found[-1] if found else None
+    path = Path(cfg.resume)
+    if path.name.startswith(PREFIX):
+        if not path.is_dir():
+            fail("checkpoint.resume", cfg.resume, "no such checkpoint",
+                 "auto, a step-* checkpoint directory or a checkpoints directory")  # fmt: skip
+        if not is_complete(path):
+            fail("checkpoint.resume", cfg.resume,
+                 f"has no {MANIFEST}: it was cut off mid-write and is never loaded",
+                 f"an earlier complete checkpoint: {_listing(path.parent)}")  # fmt: skip
+        return path
+    found = complete(path)
+    if not found:
+        fail("checkpoint.resume", cfg.resume, "holds no complete checkpoint (step-* with a "
+             f"{MANIFEST})", "auto, or the path of a run's checkpoints or one of them")  # fmt: skip
+    return found[-1]
+
+
+def _listing(root: Path) -> str:
+    names = [p.name for p in complete(root)]
+    return ", ".join(names) if names else "none here"

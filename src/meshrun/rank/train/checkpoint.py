@@ -1,0 +1,292 @@
+"""Checkpoints of a training run with torch.distributed.checkpoint (DCP): saved in the
+background while training goes on, loaded under any layout.
+
+Every tensor is keyed by the model's own parameter name (no DDP `module.`, no activation
+checkpointing wrapper), its optimizer state under `optim.<name>.<key>`: a DTensor of FSDP
+or TP, a pipeline stage's plain tensor and a replicated DDP parameter are all saved as the
+global tensor they are a piece of, so DCP can load them into another layout's pieces. The
+LR schedule, step and layout go into the manifest (core/checkpoints.py), each rank's RNG
+states into a file of its own.
+
+Saves run on a gloo process group of their own: the background thread's collectives then
+never interleave with training's. A save waits for the one before it; rank 0 writes the
+manifest when its save has finished, which for DCP means every rank's data and the
+metadata are on disk.
+
+A run that checkpoints also stops cleanly: SIGINT (Ctrl-C), SIGTERM (a preemption, `scontrol
+requeue`, torch elastic's teardown) and SIGUSR2 (SLURM's warning before the time limit, as
+submitit asks for it) only raise a flag. After each step the ranks agree on it (one
+all-reduce of an integer on a third gloo group, the one collective checkpointing adds to a
+step), save at once, and raise `Stopped`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from meshrun.core.checkpoints import (
+    Manifest,
+    checkpoint_root,
+    complete,
+    find_resume,
+    read_manifest,
+    step_dir,
+    write_manifest,
+)
+from meshrun.core.config import ExperimentConfig
+from meshrun.core.layout import Layout, layout_name
+from meshrun.rank.models import model_key
+from meshrun.rank.models.shards import model_name, named_tensors
+from meshrun.rank.parallel import ParallelModel
+
+RNG_DIR = "rng"
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
+
+
+class Stopped(Exception):
+    """A signal stopped the run after it saved `step` steps in `path`."""
+
+    def __init__(self, signum: int, step: int, path: Path) -> None:
+        self.signum, self.step, self.path = signum, step, path
+        name = signal.Signals(signum).name
+        super().__init__(f"stopped by {name} after step {step - 1}; checkpoint {path}")
+
+
+@dataclass
+class Save:
+    """One checkpoint being written (or written): what the record reports of it."""
+
+    step: int
+    path: Path
+    started: float
+    blocked_s: float
+    lr_schedule: dict
+    future: Future | None = None
+    total_s: float | None = None
+
+
+def _inner(part: nn.Module) -> nn.Module:
+    return part.module if isinstance(part, DistributedDataParallel | nn.DataParallel) else part
+
+
+def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Creates the optimizer's state tensors (a step at lr 0 on zero gradients leaves every
+    parameter bit for bit as it was), so that DCP has tensors to load into."""
+    if optimizer.state:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+class Checkpointer:
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        model: ParallelModel,
+        optimizer: torch.optim.Optimizer,
+        schedule: torch.optim.lr_scheduler.LRScheduler,
+        rank: int,
+    ) -> None:
+        self.cfg = cfg
+        self.every = cfg.checkpoint.every_steps
+        self.root = checkpoint_root(cfg.checkpoint, cfg.run_dir)
+        self.model, self.optimizer, self.schedule = model, optimizer, schedule
+        self.rank = rank
+        distributed = dist.is_initialized()
+        self.group = dist.new_group(backend="gloo") if distributed else None
+        self.stop_group = dist.new_group(backend="gloo") if distributed else None
+        self.pending: Save | None = None
+        self.saves: list[Save] = []
+        self.signal = 0
+        if self.every:
+            for signum in STOP_SIGNALS:
+                signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.signal = self.signal or signum  # the first: elastic forwards Ctrl-C's again
+
+    def stop_requested(self) -> bool:
+        """Whether any rank got a stop signal (every rank gets the same answer)."""
+        if not self.every:
+            return False
+        flag = torch.tensor([self.signal])
+        if self.stop_group is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.stop_group)
+        self.signal = self.signal or int(flag.item())
+        return self.signal != 0
+
+    def stop(self, steps_done: int) -> None:
+        """Save now, whole, and stop the run."""
+        if not self.saves or self.saves[-1].step != steps_done:
+            self.save(steps_done, background=False)
+        self.wait()
+        raise Stopped(self.signal, steps_done, step_dir(self.root, steps_done))
+
+    # what is saved
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        """Model (parameters and persistent buffers) and optimizer tensors by the model's
+        names: detached views, which DCP reads from and loads into."""
+        tensors: dict[str, torch.Tensor] = {}
+        names: dict[int, str] = {}
+        for part in self.model.parts:
+            inner = _inner(part)
+            for name, tensor in inner.state_dict(keep_vars=True).items():
+                tensors[f"model.{model_name(name)}"] = tensor.detach()
+            names.update({id(param): name for name, param in named_tensors(inner)})
+        for param, state in self.optimizer.state.items():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"optim.{names[id(param)]}.{key}"] = value
+        return tensors
+
+    def due(self, steps_done: int) -> bool:
+        last = steps_done == self.cfg.train.steps
+        return self.every > 0 and (steps_done % self.every == 0 or last)
+
+    # saving
+
+    def save(self, steps_done: int, background: bool = True) -> None:
+        """Checkpoint after `steps_done` steps; returns once training may change the weights
+        again (staged to host memory when saving in the background)."""
+        self.wait()
+        started = time.perf_counter()
+        path = step_dir(self.root, steps_done)
+        if self.rank == 0:
+            if path.exists():  # a save of this step cut off earlier: never loaded, replaced
+                shutil.rmtree(path)
+            path.mkdir(parents=True)
+        self._barrier()
+        rng = path / RNG_DIR
+        rng.mkdir(exist_ok=True)
+        torch.save(_rng_state(), rng / f"rank-{self.rank:05d}.pt")
+        tensors = self._tensors()
+        save = Save(steps_done, path, started, 0.0, self.schedule.state_dict())
+        final = steps_done == self.cfg.train.steps
+        if self.cfg.checkpoint.async_save and background and not final:
+            save.future = dcp.async_save(tensors, checkpoint_id=path, process_group=self.group,
+                                         no_dist=self.group is None)  # fmt: skip
+            save.blocked_s = time.perf_counter() - started
+            self.pending = save
+        else:
+            dcp.save(
+                tensors, checkpoint_id=path, process_group=self.group, no_dist=self.group is None
+            )
+            save.blocked_s = time.perf_counter() - started
+            self._finished(save)
+        self.saves.append(save)
+
+    def poll(self) -> None:
+        """Finishes the background save if it is done (the manifest, the old ones pruned)."""
+        if self.pending is not None and self.pending.future.done():
+            self.wait()
+
+    def wait(self) -> None:
+        if self.pending is None:
+            return
+        save, self.pending = self.pending, None
+        save.future.result()  # a failed write raises here, on the rank whose write failed
+        self._finished(save)
+
+    def _finished(self, save: Save) -> None:
+        save.total_s = time.perf_counter() - save.started
+        if self.rank != 0:
+            return
+        layout = Layout.of(self.cfg.parallel)
+        write_manifest(
+            save.path,
+            Manifest(
+                step=save.step,
+                run_dir=self.cfg.run_dir,
+                model=model_key(self.cfg.model)[1],
+                layout=layout_name(self.cfg),
+                degrees=layout.degrees(),
+                vocab_rows=self._vocab_rows(),
+                lr_schedule=save.lr_schedule,
+                saved_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                seconds_blocked=round(save.blocked_s, 4),
+                seconds_total=round(save.total_s, 4),
+                bytes=sum(f.stat().st_size for f in save.path.rglob("*") if f.is_file()),
+                ranks=layout.world_size,
+            ),
+        )
+        self._prune(save.step)
+
+    def _prune(self, newest: int) -> None:
+        """Keep the last `keep` complete checkpoints; drop older ones cut off mid-write."""
+        keep = complete(self.root)[-self.cfg.checkpoint.keep :]
+        for path in self.root.iterdir():
+            if not path.name.startswith("step-") or path in keep:
+                continue
+            if int(path.name.removeprefix("step-")) < newest:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def _vocab_rows(self) -> int:
+        for part in self.model.parts:
+            for name, param in named_tensors(_inner(part)):
+                if name.startswith("tok_embeddings."):
+                    return int(param.shape[0])
+        return 0
+
+    def _barrier(self) -> None:
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+    # loading
+
+    def restore(self) -> int:
+        """Loads the checkpoint `checkpoint.resume` names; the step to start at (0: none)."""
+        found = [str(find_resume(self.cfg.checkpoint, self.cfg.run_dir) or "")]
+        if self.group is not None:  # rank 0 decides, so no rank can pick another step
+            dist.broadcast_object_list(found, src=0, group=self.group)
+        if not found[0]:
+            return 0
+        path = Path(found[0])
+        manifest = read_manifest(path)
+        _init_optimizer_state(self.optimizer)
+        dcp.load(
+            self._tensors(),
+            checkpoint_id=path,
+            process_group=self.group,
+            no_dist=self.group is None,
+        )
+        self.schedule.load_state_dict(manifest.lr_schedule)
+        for group, lr in zip(self.optimizer.param_groups, self.schedule.get_last_lr(), strict=True):
+            group["lr"] = lr
+        rng = path / RNG_DIR / f"rank-{self.rank:05d}.pt"
+        if manifest.degrees == Layout.of(self.cfg.parallel).degrees() and rng.is_file():
+            _set_rng_state(torch.load(rng, weights_only=False))
+        return manifest.step
+
+
+def _rng_state() -> dict[str, object]:
+    state: dict[str, object] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, object]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

@@ -1,0 +1,74 @@
+"""The checkpoint rules: what `checkpoint.*` may be, and whether the checkpoint a resume names
+can continue this experiment (same model, a vocabulary padded alike, room left to train, no
+later checkpoint overwritten, a disk with room for the next one)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+from meshrun.core.checkpoints import checkpoint_root, complete, find_resume, read_manifest
+from meshrun.core.config import ExperimentConfig
+from meshrun.core.errors import fail
+from meshrun.rank.models import build_model, count_params, model_key, model_shape
+from meshrun.rank.models.vocab import padded_vocab
+
+# fp32 weights and AdamW's two moments; optimizer steps and RNG states are noise beside them.
+BYTES_PER_PARAM = 12
+NOT_THE_MODEL = ("name", "pretrained")  # a resume takes the weights from the checkpoint
+
+
+def check_checkpoint(cfg: ExperimentConfig) -> ExperimentConfig:
+    """The config to run: where a resume names a checkpoint, in the run dir it continues."""
+    c = cfg.checkpoint
+    if c.every_steps < 0:
+        fail("checkpoint.every_steps", c.every_steps, "must not be negative",
+             "0 (no checkpoints) or the steps between two")  # fmt: skip
+    if c.keep < 1:
+        fail("checkpoint.keep", c.keep, "keeps at least the latest", "an integer >= 1")
+    path = find_resume(c, cfg.run_dir)
+    if c.every_steps:
+        _check_space(cfg)
+    if path is None:
+        return cfg
+    manifest = read_manifest(path)
+    saved = {k: v for k, v in json.loads(manifest.model).items() if k not in NOT_THE_MODEL}
+    ours = {k: v for k, v in json.loads(model_key(cfg.model)[1]).items() if k not in NOT_THE_MODEL}
+    if saved != ours:
+        differ = sorted(k for k in saved.keys() | ours.keys() if saved.get(k) != ours.get(k))
+        fail("checkpoint.resume", c.resume,
+             f"is a checkpoint of another model (model.{', model.'.join(differ)} differ)",
+             f"a checkpoint of this model, or the model it was saved with: {saved}")  # fmt: skip
+    rows = padded_vocab(model_shape(cfg.model).vocab_size, cfg.parallel.tp)
+    if manifest.vocab_rows and manifest.vocab_rows != rows:
+        fail("parallel.tp", cfg.parallel.tp,
+             f"pads the vocabulary to {rows} rows; the checkpoint ({manifest.layout}) has "
+             f"{manifest.vocab_rows}", f"a tp that pads it to {manifest.vocab_rows} rows, "
+             f"e.g. tp={manifest.degrees.get('tp', 1)}")  # fmt: skip
+    if manifest.step >= cfg.train.steps:
+        fail("train.steps", cfg.train.steps,
+             f"the checkpoint {path} has trained {manifest.step} steps already",
+             f"more than {manifest.step} to train on")  # fmt: skip
+    resumed = dataclasses.replace(cfg, run_dir=manifest.run_dir)
+    root = checkpoint_root(resumed.checkpoint, resumed.run_dir)
+    later = [p.name for p in complete(root) if read_manifest(p).step > manifest.step]
+    if later and c.every_steps:
+        fail("checkpoint.resume", c.resume,
+             f"is older than {', '.join(later)} in {root}: its saves would overwrite them",
+             "the latest (checkpoint.resume=auto), or a new checkpoint.dir")  # fmt: skip
+    return resumed
+
+
+def _check_space(cfg: ExperimentConfig) -> None:
+    root = checkpoint_root(cfg.checkpoint, cfg.run_dir)
+    existing = next((p for p in (root, *root.parents) if p.exists()), None)
+    if existing is None:
+        return
+    params = count_params(build_model(cfg.model, cfg.train.seq_len, "meta"))[0]
+    need = params * BYTES_PER_PARAM
+    free = shutil.disk_usage(existing).free
+    if free < need:
+        fail("checkpoint.dir", cfg.checkpoint.dir or str(root),
+             f"has {free / 2**30:.2f} GiB free; one checkpoint of {params:,} parameters "
+             f"needs about {need / 2**30:.2f} GiB", "a directory on a disk with room")  # fmt: skip

@@ -1,0 +1,156 @@
+"""Checkpoints: a run resumed from one continues bit for bit (same layout) or within 1e-5
+(another layout, DCP resharding), keeps its identity, and a bad resume is refused before
+any process starts. Every run is real gloo ranks (the session's rank pool)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from meshrun.core.checkpoints import MANIFEST, complete, read_manifest
+from meshrun.core.errors import ConfigError
+from meshrun.driver.experiment import RunFailed, measure, run_experiment
+from tests.cli import TRAIN_DEFAULTS
+from tests.ranks import config_in, losses
+
+STEPS, EVERY = 6, 3
+COMMON = (
+    "model=tiny", f"train.steps={STEPS}", "train.untimed_steps=1", "train.global_batch_size=8",
+    "train.micro_batch_size=2", "train.seq_len=32", "train.seed=5", "metrics.baseline=false",
+    "train.lr_schedule.decay=cosine", "train.lr_schedule.warmup_steps=2",
+)  # fmt: skip
+RESUMED_LAYOUTS = {
+    "single": ("parallel=single",),
+    "ddp": ("parallel=ddp",),
+    "fsdp": ("parallel=fsdp",),
+    "tp2": ("parallel=tp2",),
+    "pp2": ("parallel=pp2",),
+    "tp2_pp2": ("parallel=tp2_pp2",),
+}
+
+
+def _run(tmp: Path, rank_pool, *overrides: str):
+    cfg = config_in(tmp, *COMMON, *overrides)
+    measured = measure(cfg, "run", rank_pool.launch)
+    assert measured.ok, measured.meta["error"]
+    return cfg, measured
+
+
+@pytest.mark.parametrize("layout", RESUMED_LAYOUTS)
+def test_resumed_run_continues_bit_for_bit(tmp_path, rank_pool, layout):
+    """The uninterrupted run saves after step 3; a run resumed from that checkpoint trains
+    steps 3-5 again with exactly the losses (and LRs) the uninterrupted one had."""
+    overrides = RESUMED_LAYOUTS[layout]
+    cfg, whole = _run(tmp_path / "whole", rank_pool, *overrides,
+                      f"checkpoint.every_steps={EVERY}")  # fmt: skip
+    saved = complete(Path(cfg.run_dir) / "checkpoints")
+    assert [read_manifest(p).step for p in saved] == [EVERY, STEPS]
+    more = f"checkpoint.dir={tmp_path}/more"
+    _, resumed = _run(
+        tmp_path / "resumed", rank_pool, *overrides, f"checkpoint.resume={saved[0]}", more
+    )
+    assert resumed.meta["resumed_from_step"] == EVERY
+    tail = [(s["loss"], s["lr"]) for s in resumed.steps if s["step"] >= EVERY]
+    assert tail == [(s["loss"], s["lr"]) for s in whole.steps[EVERY:]]
+    assert len(losses(resumed)) == STEPS
+
+
+@pytest.mark.parametrize(
+    ("saved_under", "resumed_under"),
+    [(("parallel=fsdp",), ("parallel=tp2_pp2",)), (("parallel=ddp",), ("parallel=fsdp",)),
+     (("parallel=tp2_pp2",), ("parallel=single",))],
+    ids=["fsdp-to-tp2_pp2", "ddp-to-fsdp", "tp2_pp2-to-single"],
+)  # fmt: skip
+def test_checkpoint_loads_under_another_layout(tmp_path, rank_pool, saved_under, resumed_under):
+    cfg, whole = _run(tmp_path / "whole", rank_pool, *saved_under,
+                      f"checkpoint.every_steps={EVERY}")  # fmt: skip
+    first = complete(Path(cfg.run_dir) / "checkpoints")[0]
+    _, resumed = _run(tmp_path / "resumed", rank_pool, *resumed_under,
+                      f"checkpoint.resume={first}", f"checkpoint.dir={tmp_path}/more")  # fmt: skip
+    for got, want in zip(resumed.steps[EVERY:], whole.steps[EVERY:], strict=True):
+        assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (got, want)
+
+
+def test_interrupted_run_resumes_as_the_same_run(tmp_path, rank_pool):
+    """A rank fails at step 4 after the checkpoint of step 3; `resume=auto` in the same run
+    dir continues the same run: its id, its store row, its metrics file, appended."""
+    args = (*COMMON, "parallel=ddp", "checkpoint.every_steps=3", "checkpoint.async_save=false")
+    failing = config_in(tmp_path, *args, "debug.fail_rank=1", "debug.fail_step=4")
+    with pytest.raises(RunFailed) as failed:
+        run_experiment(failing, rank_pool.launch)
+    first = failed.value.results
+    assert [r["step"] for r in read_steps(failing.run_dir)] == [0, 1, 2]
+    resumed = run_experiment(config_in(tmp_path, *args, "checkpoint.resume=auto"),
+                             rank_pool.launch)  # fmt: skip
+    assert resumed.run_id == first.run_id and resumed.resumed_from_step == 3
+    assert [r["step"] for r in read_steps(failing.run_dir)] == list(range(STEPS))
+    with sqlite3.connect(tmp_path / "meshrun.db") as db:
+        rows = db.execute("SELECT run_id, status FROM runs").fetchall()
+    assert rows == [(first.run_id, "completed")]
+    assert resumed.checkpoint_blocked_s is not None and len(resumed.losses) == STEPS
+
+
+def read_steps(run_dir: str) -> list[dict]:
+    return [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
+
+
+def test_checkpoint_cut_off_mid_write_is_never_loaded(tmp_path, rank_pool):
+    cfg, _ = _run(tmp_path / "whole", rank_pool, "parallel=single", "checkpoint.every_steps=3")
+    root = Path(cfg.run_dir) / "checkpoints"
+    (root / "step-00000006" / MANIFEST).unlink()  # as if the last save had died mid-write
+    assert [p.name for p in complete(root)] == ["step-00000003"]
+    with pytest.raises(ConfigError, match="cut off mid-write"):
+        config_in(tmp_path / "again", *COMMON, f"checkpoint.resume={root}/step-00000006")
+    again = config_in(tmp_path / "auto", *COMMON, "parallel=single", f"checkpoint.dir={root}",
+                      "checkpoint.resume=auto", "train.steps=8")  # fmt: skip
+    assert again.run_dir == cfg.run_dir  # the run the checkpoint is of
+
+
+def test_resume_of_another_model_is_refused(tmp_path, rank_pool):
+    cfg, _ = _run(tmp_path / "whole", rank_pool, "parallel=single", "checkpoint.every_steps=3")
+    with pytest.raises(ConfigError, match=r"another model \(model.dim"):
+        config_in(tmp_path / "b", *COMMON, "model.dim=128",
+                  f"checkpoint.resume={cfg.run_dir}/checkpoints")  # fmt: skip
+
+
+def test_ctrl_c_saves_and_resume_auto_continues(tmp_path, rank_pool):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) mid-run: every
+    rank saves, `meshrun` exits 130 with the run recorded as interrupted; the same command
+    with `checkpoint.resume=auto` finishes it with the uninterrupted run's losses."""
+    steps = 40
+    args = (*COMMON, "parallel=ddp", f"train.steps={steps}", "checkpoint.every_steps=100",
+            "train.log_every=2")  # fmt: skip
+    run_dir, store = tmp_path / "run", tmp_path / "meshrun.db"
+    command = [sys.executable, "-m", "meshrun.driver.cli", f"hydra.run.dir={run_dir}",
+               f"store.path={store}", *TRAIN_DEFAULTS, *args]  # fmt: skip
+    proc = subprocess.Popen([*command, "debug.slow_step_s=0.2"], cwd=tmp_path,
+                            start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 4):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, output
+    interrupted = json.loads((run_dir / "results.json").read_text())
+    assert interrupted["status"] == "interrupted" and "SIGINT" in interrupted["error"], output
+    saved = complete(run_dir / "checkpoints")
+    assert len(saved) == 1 and 4 <= read_manifest(saved[0]).step < steps
+    resumed = subprocess.run([*command, "checkpoint.resume=auto"], cwd=tmp_path, timeout=240,
+                             capture_output=True, text=True, check=False)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    finished = json.loads((run_dir / "results.json").read_text())
+    assert finished["run_id"] == interrupted["run_id"]
+    assert finished["resumed_from_step"] == read_manifest(saved[0]).step
+    _, whole = _run(tmp_path / "whole", rank_pool, *args)
+    assert finished["losses"] == losses(whole)
