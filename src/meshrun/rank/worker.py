@@ -110,7 +110,7 @@ def _train(
     )
     optimizer = build_optimizer(model, tc)
     batches = LocalBatches(
-        build_dataset(cfg.data, model_shape(cfg.model).vocab_size, tc.seed),
+        build_dataset(cfg.data, model_shape(cfg.model).vocab_size, tc.seed, tc.seq_len),
         tc.global_batch_size,
         tc.seq_len,
         dp_rank(layout, rank),
