@@ -130,6 +130,7 @@ def load_dataset_file(d: DataConfig, scratch: Path):
     with offline():
         import datasets  # noqa: PLC0415 (optional: meshrun[hf]; read offline at import)
 
+        datasets.disable_progress_bars()  # the driver's console is meshrun's
         fmt = dataset_format(d)
         if fmt == "disk":
             loaded = datasets.load_from_disk(str(d.path))
