@@ -13,7 +13,7 @@ import datasets
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-VOCAB = 384  # the tokenizer's; model=tiny needs model.vocab_size=384
+VOCAB = 384  # the BPE's most (this corpus learns fewer); model=tiny needs model.vocab_size=384
 EOS = "</s>"
 SUBJECTS = ("the cat", "a dog", "my friend", "the old man", "a small bird", "the teacher")
 VERBS = ("sees", "likes", "follows", "draws", "finds", "carries")
