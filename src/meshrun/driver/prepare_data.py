@@ -154,11 +154,10 @@ def tokenize_into(out: Path, d: DataConfig, tokenizer: TextTokenizer, sep: int) 
     offsets = [0]
     with (out / TOKENS_FILE).open("wb") as tokens:
         for batch in dataset.iter(batch_size=BATCH_DOCS):
-            texts = [text or "" for text in batch[d.text_field]]
-            for ids in tokenizer.encode(texts):
-                if ids:  # an empty document adds no separator either
-                    np.asarray([*ids, sep], dtype=dtype).tofile(tokens)
-                    offsets.append(offsets[-1] + len(ids) + 1)
+            docs = [ids for ids in tokenizer.encode([t or "" for t in batch[d.text_field]]) if ids]
+            # an empty document adds no separator either
+            np.asarray([t for ids in docs for t in (*ids, sep)], dtype=dtype).tofile(tokens)
+            offsets.extend((offsets[-1] + np.cumsum([len(ids) + 1 for ids in docs])).tolist())
     np.save(out / OFFSETS_FILE, np.asarray(offsets, dtype=np.int64))
     shutil.rmtree(out / "hf-scratch", ignore_errors=True)
     return {
