@@ -13,6 +13,7 @@ from meshrun.driver import cli
 from meshrun.driver.experiment import measure
 from meshrun.tools import verify
 from tests.cli import CliRun, run_console, run_meshrun
+from tests.hf_corpus import Corpus, write_corpus
 from tests.ranks import RankPool, config_in
 
 # `make test` runs two test modules at a time (xdist --dist loadscope: a module's tests, and
@@ -109,3 +110,10 @@ def experiment(tmp_path: Path, rank_pool: RankPool):
         return cfg, measure(cfg, role, rank_pool.launch)
 
     return run
+
+
+@pytest.fixture(scope="session")
+def hf_corpus(tmp_path_factory) -> Corpus:
+    """data=hf's test corpus in every format, and its tokenizer (tests/hf_corpus.py); tests
+    that change a file write their own."""
+    return write_corpus(tmp_path_factory.mktemp("hf-corpus"))

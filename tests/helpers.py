@@ -69,7 +69,7 @@ def resolved_config(*overrides: str) -> ExperimentConfig:
 def transformers_first_loss(cfg: ExperimentConfig, model: torch.nn.Module) -> float:
     """A transformers model's own loss on the batch a run of `cfg` trains its first step on."""
     t = cfg.train
-    data = build_dataset(cfg.data, model.config.vocab_size, t.seed)
+    data = build_dataset(cfg.data, model.config.vocab_size, t.seed, t.seq_len)
     inputs, targets = LocalBatches(data, t.global_batch_size, t.seq_len, 0, 1, "cpu").for_step(0)
     with torch.no_grad():
         logits = model(input_ids=inputs).logits

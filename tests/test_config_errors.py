@@ -103,6 +103,11 @@ BAD_CONFIGS = [
     (["model.n_kv_heads=4"], "model.n_kv_heads", "divisor of 6"),
     (["model=tiny", "model.n_kv_heads=3"], "model.n_kv_heads", "divisor of 8"),
     (["data=text", "data.path=/nonexistent/corpus.txt"], "data.path", "no such file"),
+    (
+        ["data=hf", "data.path=/nonexistent/corpus.jsonl", "data.tokenizer=/nonexistent"],
+        "data.path",
+        "no such file or directory",
+    ),
     (["launcher.nnodes=2"], "launcher.nnodes", "one node"),
     (["launcher.nnodes=0"], "launcher.nnodes", "must be positive"),
     (["launcher.name=pbs"], "launcher.name", "local | slurm"),
@@ -166,6 +171,35 @@ def test_text_data_needs_byte_vocabulary(tmp_path: Path):
         resolve(cfg, HostFacts.detect())
 
 
+BAD_HF_DATA = [
+    # (overrides with {corpus paths}, key named in the error, fragment of the message)
+    (["data.path={tmp}/corpus.csv"], "data.format", "cannot tell the format of 'corpus.csv'"),
+    (["data.path={root}"], "data.path", "no save_to_disk dataset"),
+    (["data.text_field=body"], "data.text_field", "no such column in the dataset. Valid: text"),
+    (["data.tokenizer=/nonexistent/tokenizer.json"], "data.tokenizer", "no such file"),
+    (["data.tokenizer={jsonl}"], "data.tokenizer", "is not a tokenizer"),
+    (["model.vocab_size=256"], "model.vocab_size", "smaller than the tokenizer's vocabulary"),
+    (["train.global_batch_size=4096"], "data.path", "one step needs train.global_batch_size"),
+    (["train.seq_len=128", "data.heldout_fraction=0.001"], "data.heldout_fraction",
+     "not one window of 129"),
+    (["data.heldout_fraction=1"], "data.heldout_fraction", "[0, 1)"),
+    (["data.num_workers=-1"], "data.num_workers", "must not be negative"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("overrides", "key", "fragment"), BAD_HF_DATA, ids=str)
+def test_bad_hf_data_names_key_value_and_fix(hf_corpus, tmp_path, overrides, key, fragment):
+    (tmp_path / "corpus.csv").write_text("text\nhello\n")
+    paths = {"tmp": tmp_path, "root": hf_corpus.jsonl.parent, "jsonl": hf_corpus.jsonl}
+    given = [o.format(**paths) for o in overrides]
+    cfg = compose_config(*hf_corpus.overrides(), f"data.cache_dir={tmp_path}", *given)
+    with pytest.raises(ConfigError) as caught:
+        resolve(cfg, HostFacts.detect())
+    assert caught.value.key == key
+    assert fragment in str(caught.value)
+    assert "Valid:" in str(caught.value)
+
+
 def test_cli_config_error_exits_2_before_any_rank_starts(meshrun_here):
     run = meshrun_here("parallel=ddp", "train.global_batch_size=10")
     assert run.returncode == 2
@@ -189,6 +223,8 @@ ENUM_CHOICES = [
     ("debug.fail_mode=crash", "debug.fail_mode", "raise | hang"),
     ("launcher.start_method=thread", "launcher.start_method", "spawn | fork | forkserver"),
     ("train.lr_schedule.decay=cosin", "train.lr_schedule.decay", "constant | linear | cosine"),
+    ("data.name=csv", "data.name", "synthetic | text | hf"),
+    ("data.format=csv", "data.format", "json | parquet | text | disk"),
 ]  # fmt: skip
 
 

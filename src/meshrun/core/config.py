@@ -17,6 +17,8 @@ from omegaconf import MISSING, OmegaConf
 from meshrun.core.choices import (
     Backend,
     Checkpointing,
+    DataFormat,
+    DataName,
     DataParallel,
     DeviceType,
     FailMode,
@@ -234,8 +236,28 @@ class LoggerConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "synthetic"
+    """Where tokens come from. `path`: data=text's file; data=hf's local dataset (a json/jsonl,
+    parquet or text file, or a `save_to_disk` directory; `format` null: read off the path),
+    tokenized once with `tokenizer` (a local tokenizer directory or a tokenizer.json) into a
+    cache under `cache_dir` (null: `data-cache/` beside the store) that the ranks memory-map.
+    Documents are joined with the tokenizer's EOS (or `separator_id`); the last
+    `heldout_fraction` of them is held out for evaluation. The loader's knobs are
+    torch.utils.data.DataLoader's; `pin_memory` applies on CUDA only. `prepared`: set by the
+    driver (the cache directory of this run's tokens), never by hand."""
+
+    name: DataName = DataName["synthetic"]
     path: str | None = None
+    format: DataFormat | None = None
+    text_field: str = "text"
+    tokenizer: str | None = None
+    separator_id: int | None = None
+    heldout_fraction: float = 0.05
+    shuffle: bool = True
+    cache_dir: str | None = None
+    num_workers: int = 0
+    pin_memory: bool = True
+    prefetch_factor: int = 2
+    prepared: str | None = None
 
 
 @dataclass

@@ -74,6 +74,7 @@ class RunRecord:
     flops_per_token: float | None = _f()
     flops_per_token_counted: float | None = _f()  # plan.trace: torch's FlopCounterMode
     mfu: float | None = _f(column=True, summary=True)
+    data_wait_share: float | None = _f(column=True, summary=True)  # of timed step time, rank 0
     # pipeline
     pp_schedule: str | None = _f()
     bubble_theoretical: float | None = _f(column=True, summary=True, report=(13, "bubble (theory)"))

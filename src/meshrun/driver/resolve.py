@@ -1,6 +1,7 @@
 """From a composed experiment to the one that runs: the rules (validate), the layout if the
 planner is to pick it (`parallel=auto`), and the memory check (plan.fit) between the layout's
-rules and the rest. The one place that composes the two layers, so neither calls the other."""
+rules and the rest. The one place that composes the two layers, so neither calls the other.
+Last, data=hf's tokens are prepared (once; later runs find them cached)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import dataclasses
 
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.hardware import HostFacts, resolve_hardware
+from meshrun.driver.prepare_data import prepare_data
 from meshrun.plan.fit import check_fit
 from meshrun.plan.search import best_layout
 from meshrun.validate import check_experiment, validate_layout, validate_run
@@ -24,4 +26,4 @@ def resolve(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:
         cfg = best_layout(dataclasses.replace(cfg, hardware=hardware), world, facts)
     resolved = validate_layout(cfg, facts)
     check_fit(resolved, facts)  # before the batch rules: "does not fit" is the news to give
-    return validate_run(resolved)
+    return prepare_data(validate_run(resolved))

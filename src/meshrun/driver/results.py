@@ -81,6 +81,14 @@ def checkpoint_fields(cfg: ExperimentConfig, saves: list[dict[str, Any]] | None
     }
 
 
+def data_wait_share(steps: list[dict[str, Any]]) -> float | None:
+    """The share of the timed steps' time rank 0 spent waiting for its batches (records
+    older than the measurement have none)."""
+    timed = [r for r in steps if r["step_time_s"] is not None and "data_wait_s" in r]
+    total = sum(r["step_time_s"] for r in timed)
+    return sum(r["data_wait_s"] for r in timed) / total if total else None
+
+
 def params(cfg: ExperimentConfig) -> int:
     return count_params(build_model(cfg.model, cfg.train.seq_len, "meta"))[0]
 
@@ -145,6 +153,7 @@ def assemble(
         "flops_per_token": per_token,
         "flops_per_token_counted": predict.counted_flops(cfg),
         "mfu": mfu(tokens_per_s, per_token, peak) if tokens_per_s else None,
+        "data_wait_share": data_wait_share(steps),
         **pipeline_fields(cfg, bubbles),
         **memory_fields(cfg, memory),
         "pretrained_read_bytes_per_rank": pretrained_read,

@@ -128,12 +128,13 @@ def _train(
         with loading:
             start = checkpoints.restore()
     batches = LocalBatches(
-        build_dataset(cfg.data, model_shape(cfg.model).vocab_size, tc.seed),
+        build_dataset(cfg.data, model_shape(cfg.model).vocab_size, tc.seed, tc.seq_len),
         tc.global_batch_size,
         tc.seq_len,
         dp_rank(layout, rank),
         layout.dp_size,
         device,
+        start_step=start or 0,
     )
     metrics = MetricsLog(Path(cfg.run_dir) / METRICS_FILE if rank == 0 else None)
     if start:

@@ -10,16 +10,15 @@ unknown keys, unknown presets) are checked at compose time (driver/compose.py).
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import torch.distributed as dist
 
 from meshrun.core.config import CustomModelConfig, ExperimentConfig, HardwareConfig
 from meshrun.core.errors import choice, fail, positive
 from meshrun.core.hardware import HostFacts, resolve_hardware
-from meshrun.rank.models import model_shape
 from meshrun.validate.checkpoint import check_checkpoint
 from meshrun.validate.custom import check_custom_layout
+from meshrun.validate.data import check_data
 from meshrun.validate.launcher import check_debug
 from meshrun.validate.layout import (
     check_batch,
@@ -36,7 +35,7 @@ def check_experiment(cfg: ExperimentConfig) -> None:
     _check_train(cfg)
     check_model(cfg.model)
     check_sequence(cfg)
-    _check_data(cfg)
+    check_data(cfg)
     _check_plan(cfg)
     choice("logger.name", cfg.logger.name, ("wandb", "none"))
 
@@ -108,29 +107,6 @@ def _check_train(cfg: ExperimentConfig) -> None:
              "is the floor as a fraction of train.lr", "a number from 0 to 1")  # fmt: skip
     if t.weight_decay < 0:
         fail("train.weight_decay", t.weight_decay, "must not be negative", "a number >= 0")
-
-
-def _check_data(cfg: ExperimentConfig) -> None:
-    choice("data.name", cfg.data.name, ("synthetic", "text"))
-    if cfg.data.name != "text":
-        return
-    path = Path(str(cfg.data.path))
-    if not path.is_file():
-        fail("data.path", cfg.data.path, "no such file", "the path of a local text file")
-    if path.stat().st_size <= cfg.train.seq_len + 1:
-        fail(
-            "data.path",
-            cfg.data.path,
-            f"file is shorter than train.seq_len + 1 ({cfg.train.seq_len + 1} bytes)",
-            "a longer file or a smaller seq_len",
-        )
-    if model_shape(cfg.model).vocab_size < 256:
-        fail(
-            "model.vocab_size",
-            model_shape(cfg.model).vocab_size,
-            "data=text uses byte tokens (256 values)",
-            ">= 256",
-        )
 
 
 def resolve_backend(cfg: ExperimentConfig, hardware: HardwareConfig, facts: HostFacts):

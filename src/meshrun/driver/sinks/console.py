@@ -12,6 +12,8 @@ from meshrun.core.record import RunRecord
 from meshrun.rank.metrics.memory import MEMORY_CATEGORIES
 
 console = Console()
+# A run waiting this share of its step time for batches is flagged as data-bound.
+DATA_STALL_SHARE = 0.05
 
 
 def print_error(what: str, message: str) -> None:
@@ -56,6 +58,7 @@ def print_summary(r: RunRecord) -> None:
         (f"speedup ({r.scaling} scaling)", _fmt(r.speedup, "x")),
         ("scaling efficiency", _fmt(r.scaling_efficiency)),
         ("MFU", _fmt(r.mfu)),
+        *_data_stall(r),
         ("peak memory (max rank)", _fmt_bytes(r.peak_memory_max_bytes)),
         ("  params/grads/optim/activ/other", _breakdown(r)),
         ("  predicted peak", _fmt_bytes(r.predicted_peak_memory_bytes)),
@@ -73,6 +76,13 @@ def print_summary(r: RunRecord) -> None:
     for key, value in rows:
         table.add_row(key, Text(str(value)))
     console.print(table)
+
+
+def _data_stall(r: RunRecord) -> list[tuple[str, str]]:
+    if r.data_wait_share is None or r.data_wait_share <= DATA_STALL_SHARE:
+        return []
+    share = f"{r.data_wait_share:.0%}"
+    return [("data stall", f"{share} of step time waiting for batches (see data.num_workers)")]
 
 
 def _fmt_bytes(value: int | None) -> str:

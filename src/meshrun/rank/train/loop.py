@@ -170,7 +170,7 @@ def train_loop(
         # A checkpoint's steps are all in metrics.jsonl: a resume appends after them.
         if save or (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
             with _inside(ctx, step, "all_reduce (losses of the log step)"):
-                _flush(state, pending, lrs, clock, step, ctx)
+                _flush(state, pending, lrs, batches.drain_waits(), clock, step, ctx)
             pending, lrs = [], []
         if stop:
             with _inside(ctx, step, "checkpoint save (stop signal)"):
@@ -194,12 +194,13 @@ def _flush(
     state: LoopState,
     pending: list[torch.Tensor],
     lrs: list[float],
+    data_waits: list[float],
     clock: StepClock,
     last_step: int,
     ctx: LoopContext,
 ) -> None:
     """The log step: one reduction of the buffered losses, one read of the step clock.
-    Gradient norms are already global (the same on every rank)."""
+    Gradient norms are already global (the same on every rank); data waits are this rank's."""
     stacked = torch.stack(pending)
     losses = stacked[:, 0].contiguous()
     if ctx.pp_group is not None:
@@ -216,7 +217,8 @@ def _flush(
     for offset, loss in enumerate(values):
         step_time = times[offset - timed_from] if offset >= timed_from else None
         records.append({"step": first_step + offset, "loss": loss, "grad_norm": norms[offset],
-                        "lr": lrs[offset], "step_time_s": step_time})  # fmt: skip
+                        "lr": lrs[offset], "step_time_s": step_time,
+                        "data_wait_s": data_waits[offset]})  # fmt: skip
     state.losses.extend(values)
     state.step_times.extend(times)
     ctx.on_log(records)

@@ -1,0 +1,144 @@
+"""data=hf in a rank: the driver's tokenized cache (driver/prepare_data.py) memory-mapped,
+cut into windows of seq_len + 1 tokens.
+
+A cache directory holds every document's tokens, each followed by the separator, as one flat
+array (`tokens.bin`), the token offset where each document starts (`offsets.npy`, one more
+entry than documents: the end) and `meta.json`. The held-out split is the last documents, so
+no document is in both splits; each split is cut into non-overlapping windows on its own.
+Ranks only read: the cache is written once, before any rank starts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from meshrun.core.config import DataConfig
+
+TOKENS_FILE = "tokens.bin"
+OFFSETS_FILE = "offsets.npy"
+META_FILE = "meta.json"
+
+
+class TokenCache:
+    """A prepared cache directory: its meta, its document offsets, its tokens (mapped lazily,
+    so that pickling a window stream to a DataLoader worker never copies them)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.meta: dict[str, Any] = json.loads((self.path / META_FILE).read_text())
+
+    @cached_property
+    def offsets(self) -> np.ndarray:
+        return np.load(self.path / OFFSETS_FILE)
+
+    @cached_property
+    def tokens(self) -> np.ndarray:
+        return np.memmap(self.path / TOKENS_FILE, dtype=self.meta["dtype"], mode="r")
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path, "meta": self.meta}  # the maps reopen in the new process
+
+    def spans(self, heldout_fraction: float) -> tuple[range, range]:
+        """Token spans of the training and the held-out documents (the last
+        ceil(fraction x documents) of them)."""
+        n_docs = len(self.offsets) - 1
+        first_heldout = n_docs - math.ceil(n_docs * heldout_fraction)
+        cut, end = int(self.offsets[first_heldout]), int(self.offsets[-1])
+        return range(0, cut), range(cut, end)
+
+
+class WindowOrder:
+    """Global sample i -> window: epoch e = i // n, window perm_e[i % n], perm_e a permutation
+    seeded by (seed, e) (the identity without shuffle): the same sample is the same window in
+    every layout, and each epoch visits every window once."""
+
+    def __init__(self, n_windows: int, seed: int, shuffle: bool) -> None:
+        self.n_windows = n_windows
+        self.seed = seed
+        self.shuffle = shuffle
+        self._epoch: tuple[int, torch.Tensor] | None = None
+
+    def windows(self, samples: range) -> list[int]:
+        n = self.n_windows
+        if not self.shuffle:
+            return [i % n for i in samples]
+        return [int(self._permutation(i // n)[i % n]) for i in samples]
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        """The current epoch's, drawn once (steps go forward, an epoch is many steps)."""
+        if self._epoch is None or self._epoch[0] != epoch:
+            generator = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**63)
+            self._epoch = (epoch, torch.randperm(self.n_windows, generator=generator))
+        return self._epoch[1]
+
+
+class HFWindows(Dataset):
+    """One split's non-overlapping windows of `length` tokens: a map-style Dataset by window
+    (for the DataLoader), and `batch` by global sample (through `order`), the interface of
+    the other token sources."""
+
+    def __init__(
+        self, cache: TokenCache, span: range, length: int, order: WindowOrder, cfg: DataConfig
+    ) -> None:
+        self.cache = cache
+        self.span = span
+        self.length = length
+        self.order = order
+        self.cfg = cfg
+
+    def __len__(self) -> int:
+        return self.order.n_windows
+
+    def __getitem__(self, window: int) -> torch.Tensor:
+        start = self.span.start + window * self.length
+        return torch.from_numpy(self.cache.tokens[start : start + self.length].astype(np.int64))
+
+    def batch(self, samples: range, length: int, device: torch.device) -> torch.Tensor:
+        """Random access, gathered on the host (the held-out stream's evaluation reads)."""
+        assert length == self.length, f"windows are {self.length} tokens, not {length}"
+        rows = torch.stack([self[w] for w in self.order.windows(samples)])
+        return rows.to(device, non_blocking=True)
+
+    def loader(self, batches: Sampler[list[int]], device: torch.device) -> DataLoader:
+        """A DataLoader yielding one tensor of windows per index list of `batches`. Workers
+        are forked: a rank started by a forkserver would otherwise start a server of its own
+        for them, importing torch again (14 s before the first batch on a busy 2-core box)."""
+        workers = self.cfg.num_workers
+        forked = workers > 0 and "fork" in multiprocessing.get_all_start_methods()
+        return DataLoader(
+            self,
+            batch_sampler=batches,
+            num_workers=workers,
+            pin_memory=self.cfg.pin_memory and device.type == "cuda",
+            prefetch_factor=self.cfg.prefetch_factor if workers else None,
+            persistent_workers=workers > 0,
+            multiprocessing_context="fork" if forked else None,
+        )
+
+
+def n_windows(span: range, length: int) -> int:
+    return len(span) // length
+
+
+def hf_streams(cfg: DataConfig, seq_len: int, seed: int) -> tuple[HFWindows, HFWindows]:
+    """The training stream (shuffled per `cfg.shuffle`) and the held-out one (in order) of
+    the prepared cache, in windows of seq_len + 1 tokens."""
+    cache = TokenCache(str(cfg.prepared))
+    length = seq_len + 1
+    train, heldout = cache.spans(cfg.heldout_fraction)
+
+    def stream(span: range, shuffle: bool) -> HFWindows:
+        return HFWindows(
+            cache, span, length, WindowOrder(n_windows(span, length), seed, shuffle), cfg
+        )
+
+    return stream(train, cfg.shuffle), stream(heldout, False)

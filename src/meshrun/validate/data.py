@@ -1,0 +1,143 @@
+"""The rules about data: the files a source reads, before anything is read (`check_data`),
+and for data=hf what only the tokenizer and the tokenized cache can tell (`check_vocab`,
+`check_windows`, called by the driver's prepare step)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from meshrun.core.choices import DataFormat
+from meshrun.core.config import DataConfig, ExperimentConfig
+from meshrun.core.errors import fail, positive
+from meshrun.rank.models import model_shape
+from meshrun.rank.train.hf_data import TokenCache, n_windows
+
+# A file's format by its suffix; a directory is a `save_to_disk` dataset.
+SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text",
+            ".text": "text"}  # fmt: skip
+DISK_MARKERS = ("state.json", "dataset_dict.json")
+
+
+def check_data(cfg: ExperimentConfig) -> None:
+    if cfg.data.name == "text":
+        _check_text(cfg)
+    elif cfg.data.name == "hf":
+        _check_hf(cfg)
+
+
+def _check_text(cfg: ExperimentConfig) -> None:
+    path = Path(str(cfg.data.path))
+    if not path.is_file():
+        fail("data.path", cfg.data.path, "no such file", "the path of a local text file")
+    if path.stat().st_size <= cfg.train.seq_len + 1:
+        fail(
+            "data.path",
+            cfg.data.path,
+            f"file is shorter than train.seq_len + 1 ({cfg.train.seq_len + 1} bytes)",
+            "a longer file or a smaller seq_len",
+        )
+    if model_shape(cfg.model).vocab_size < 256:
+        fail(
+            "model.vocab_size",
+            model_shape(cfg.model).vocab_size,
+            "data=text uses byte tokens (256 values)",
+            ">= 256",
+        )
+
+
+def _check_hf(cfg: ExperimentConfig) -> None:
+    d = cfg.data
+    if not Path(str(d.path)).exists():
+        fail(
+            "data.path",
+            d.path,
+            "no such file or directory",
+            "a local json/jsonl, parquet or text file, or a save_to_disk directory",
+        )
+    dataset_format(d)
+    if d.tokenizer is None or not Path(d.tokenizer).exists():
+        fail(
+            "data.tokenizer",
+            d.tokenizer,
+            "no such file or directory",
+            "a local tokenizer directory (save_pretrained) or a tokenizer.json",
+        )
+    if not 0 <= d.heldout_fraction < 1:
+        fail(
+            "data.heldout_fraction",
+            d.heldout_fraction,
+            "is the share of documents held out for evaluation",
+            "a number in [0, 1)",
+        )
+    if d.num_workers < 0:
+        fail(
+            "data.num_workers",
+            d.num_workers,
+            "must not be negative",
+            "0 (load in the rank's own process) or more worker processes",
+        )
+    positive("data.prefetch_factor", d.prefetch_factor)
+    if d.separator_id is not None and d.separator_id < 0:
+        fail("data.separator_id", d.separator_id, "is a token id", "an id >= 0, or null (EOS)")
+
+
+def dataset_format(d: DataConfig) -> DataFormat:
+    """`data.format`, or the format the path's suffix (or directory) names."""
+    if d.format is not None:
+        return d.format
+    path = Path(str(d.path))
+    if path.is_dir():
+        if not any((path / marker).is_file() for marker in DISK_MARKERS):
+            fail(
+                "data.path",
+                d.path,
+                f"a directory that is no save_to_disk dataset (no {' or '.join(DISK_MARKERS)})",
+                "a save_to_disk directory, or a file",
+            )
+        return DataFormat["disk"]
+    if path.suffix not in SUFFIXES:
+        fail(
+            "data.format",
+            None,
+            f"cannot tell the format of {path.name!r} by its suffix",
+            f"data.format={' | '.join(DataFormat.values())}, or a path ending in "
+            f"{' | '.join(SUFFIXES)}",
+        )
+    return DataFormat[SUFFIXES[path.suffix]]
+
+
+def check_vocab(cfg: ExperimentConfig, tokenizer_vocab: int) -> None:
+    vocab = model_shape(cfg.model).vocab_size
+    if tokenizer_vocab > vocab:
+        fail(
+            "model.vocab_size",
+            vocab,
+            f"is smaller than the tokenizer's vocabulary "
+            f"({tokenizer_vocab} tokens, data.tokenizer={cfg.data.tokenizer})",
+            f"model.vocab_size >= {tokenizer_vocab}",
+        )
+
+
+def check_windows(cfg: ExperimentConfig, cache: TokenCache) -> None:
+    """Enough training windows for one global batch; a held-out split, if asked for, with
+    at least one window."""
+    d, t = cfg.data, cfg.train
+    length = t.seq_len + 1
+    train, heldout = cache.spans(d.heldout_fraction)
+    have = n_windows(train, length)
+    if have < t.global_batch_size:
+        fail(
+            "data.path",
+            d.path,
+            f"has {have} training windows of train.seq_len + 1 = "
+            f"{length} tokens ({len(train)} tokens), one step needs train.global_batch_size "
+            f"= {t.global_batch_size}",
+            "more documents, a smaller seq_len or global batch",
+        )
+    if d.heldout_fraction > 0 and n_windows(heldout, length) == 0:
+        fail(
+            "data.heldout_fraction",
+            d.heldout_fraction,
+            f"holds out {len(heldout)} tokens, not one window of {length}",
+            "a larger fraction, or 0 for no held-out split",
+        )
