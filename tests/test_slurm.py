@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from meshrun.core.paths import REPO_ROOT
+from meshrun.driver.experiment import measure
 from tests.cli import run_meshrun
+from tests.ranks import config_in, losses
 from tests.test_torchrun import check_ddp_recorded_once, torchrun
 
 CLUSTER_SCRIPT = REPO_ROOT / "scripts" / "slurm-cluster.sh"
@@ -211,3 +213,44 @@ def test_comm_benchmark_runs_one_rank_per_node_through_slurm(tmp_path):
     assert report["wrong"] == 0 and {r["op"] for r in report["rows"]} == {"all_reduce", "sendrecv"}
     [job_id] = job_ids(run.run_dir)
     assert node_names(sacct(job_id)["nodes"]) == NODES
+
+
+def test_a_run_longer_than_its_time_limit_finishes_through_requeues(tmp_path, rank_pool):
+    """Time limit 1 min, a run of more than 65 s (65 steps of over 1 s): SLURM's SIGUSR2
+    before the limit makes every rank save and rank 0 requeue the job, which resumes from the
+    checkpoint; the driver sees one run, completed, with the losses of an uninterrupted run.
+    SLURM holds a requeued job for two minutes (BeginTime); the test releases it at once, as
+    an idle cluster would."""
+    train = ["model=tiny", "train.steps=65", "train.log_every=5", "train.untimed_steps=1",
+             "train.global_batch_size=4", "train.micro_batch_size=2", "train.seq_len=32",
+             "launcher.threads_per_rank=1", "metrics.baseline=false", "parallel=ddp"]  # fmt: skip
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "meshrun.driver.cli", f"hydra.run.dir={run_dir}",
+               f"store.path={tmp_path}/meshrun.db", "logger=none", "train.progress_bar=false",
+               *train, "launcher=slurm", "launcher.nnodes=2", "launcher.nproc_per_node=1",
+               "launcher.time_min=1", "launcher.signal_delay_s=5", "debug.slow_step_s=1",
+               "checkpoint.every_steps=10"]  # fmt: skip
+    started = time.monotonic()
+    proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    timeline = []
+    while proc.poll() is None:
+        assert time.monotonic() - started < 400, "the requeued run did not finish"
+        for job_id in job_ids(run_dir):
+            squeue = ["squeue", "-h", "-j", job_id, "-o", "%T %r"]
+            state = subprocess.run(squeue, capture_output=True, text=True, timeout=30,
+                                   check=False).stdout.split()  # fmt: skip
+            if state == ["PENDING", "BeginTime"]:
+                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
+                               check=True, timeout=30)  # fmt: skip
+                timeline.append(f"{time.monotonic() - started:.0f} s: requeued, released")
+        time.sleep(1)
+    output = proc.communicate()[0]
+    timeline.append(f"{time.monotonic() - started:.0f} s: done")
+    print("\n".join(timeline))
+    assert proc.returncode == 0, output
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["status"] == "completed" and results["requeues"] >= 1, timeline
+    assert 0 < results["resumed_from_step"] < 65
+    reference = measure(config_in(tmp_path / "whole", *train), "run", rank_pool.launch)
+    assert results["losses"] == losses(reference)

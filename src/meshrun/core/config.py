@@ -201,7 +201,9 @@ class LocalLauncherConfig(LauncherConfig):
 class SlurmLauncherConfig(LauncherConfig):
     """launcher=slurm: sbatch resources (one task per rank), `setup` shell lines run before
     srun, `sbatch_extra` any other sbatch flag ({"mail-type": "END"}); `wait` false returns
-    after submitting, and `meshrun-collect` records the results later."""
+    after submitting, and `meshrun-collect` records the results later. `signal_delay_s`
+    before the time limit, SLURM warns the ranks (SIGUSR2): a run that checkpoints saves,
+    requeues and resumes in the same job."""
 
     name: str = "slurm"
     partition: str | None = None
@@ -216,6 +218,7 @@ class SlurmLauncherConfig(LauncherConfig):
     setup: list[str] = field(default_factory=list)
     sbatch_extra: dict[str, str] = field(default_factory=dict)
     wait: bool = True
+    signal_delay_s: int = 90
 
 
 LAUNCHER_SCHEMAS: dict[str, type[LauncherConfig]] = {

@@ -93,6 +93,7 @@ class RunRecord:
     pretrained_read_bytes_per_rank: list[int] | None = _f()  # each rank reads its share
     # checkpoints
     resumed_from_step: int | None = _f(column=True, summary=True)
+    requeues: int | None = _f(summary=True)  # SLURM requeued the job (time limit, preemption)
     checkpoint_dir: str | None = _f()
     checkpoint_saves: list[dict[str, Any]] | None = _f()  # step, blocked_s, total_s of each
     checkpoint_blocked_s: float | None = _f(summary=True)  # training waited, per save

@@ -167,6 +167,8 @@ def outcome(
     status, raw = attempt(cfg.run_dir, started, wait)
     meta = {**meta, **status}
     raw = raw or {}
+    if raw.get("requeues"):  # SLURM requeued the job, which resumed from its checkpoint
+        meta.update(requeues=raw["requeues"], resumed_from_step=raw["resumed_from_step"])
     return Measured(
         meta,
         read_steps(cfg.run_dir),

@@ -181,6 +181,7 @@ def _train(
         if cfg.model.pretrained
         else None,
         "resumed_from_step": start,
+        "requeues": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
         "checkpoints": [
             {"step": s.step, "blocked_s": s.blocked_s, "total_s": s.total_s}
             for s in checkpoints.saves

@@ -7,10 +7,21 @@ submitit's logs, one stdout and stderr per task, land in `<run dir>/slurm/<job i
 
 `launch_slurm` submits and waits (a single run, and baselines); `submit` and `wait` apart let
 a sweep's jobs run concurrently (meshrun.driver.collect).
+
+A run that checkpoints survives its time limit and preemption in the same job: SLURM sends
+SIGUSR2 `launcher.signal_delay_s` before the limit, every rank saves and stops
+(rank/train/checkpoint.py), rank 0 requeues the job, and the job's next start resumes from
+the checkpoint (SLURM_RESTART_COUNT > 0 means `checkpoint.resume=auto`). A preemption or
+`scontrol requeue` sends SIGTERM instead: the ranks save the same way and SLURM requeues.
+A stopped task exits without a result, so the driver keeps waiting for the job, which
+finishes once, with the losses of an uninterrupted run.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -24,6 +35,7 @@ from meshrun.core.tool_config import CommRunConfig
 from meshrun.driver.launch import RankFailure
 from meshrun.driver.sinks.console import console
 from meshrun.rank.failures import first_failure
+from meshrun.rank.train.checkpoint import Stopped
 from meshrun.rank.worker import run_rank
 
 SLURM_DIR = "slurm"
@@ -32,14 +44,31 @@ SLURM_DIR = "slurm"
 Entry = Callable[[dict[str, Any]], Any]
 
 
-def slurm_task(cfg_dict: dict[str, Any], entry: Entry = run_rank) -> Any:
+class SlurmTask:
     """One rank, inside its SLURM task: MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK from
     SLURM's environment, then the rank itself (training's, or meshrun-comm's). GPUs are
     picked by LOCAL_RANK among the job's (CUDA_VISIBLE_DEVICES stays as SLURM set it)."""
-    submitit.helpers.TorchDistributedEnvironment().export(
-        set_cuda_visible_devices=False, overwrite=True
-    )
-    return entry(cfg_dict)
+
+    def __call__(self, cfg_dict: dict[str, Any], entry: Entry = run_rank) -> Any:
+        submitit.helpers.TorchDistributedEnvironment().export(
+            set_cuda_visible_devices=False, overwrite=True
+        )
+        try:
+            return entry(cfg_dict)
+        except Stopped as stopped:
+            job = os.environ["SLURM_JOB_ID"]
+            if stopped.signum == signal.SIGUSR2 and os.environ.get("SLURM_PROCID") == "0":
+                subprocess.run(["scontrol", "requeue", job], check=True, timeout=60)
+            # No result: submitit would take it for the job's. The requeued job gives it.
+            raise SystemExit(0) from None
+
+    def checkpoint(self, cfg_dict: dict[str, Any], entry: Entry = run_rank
+                   ) -> submitit.helpers.DelayedSubmission | None:  # fmt: skip
+        """submitit's answer to SIGUSR2 arriving before the rank listens for it itself (while
+        it starts): requeue as it is, a checkpointing run resumes from its last save."""
+        if not cfg_dict.get("checkpoint", {}).get("every_steps"):
+            return None
+        return submitit.helpers.DelayedSubmission(SlurmTask(), cfg_dict, entry)
 
 
 def executor(cfg: ExperimentConfig | CommRunConfig) -> submitit.SlurmExecutor:
@@ -63,13 +92,14 @@ def executor(cfg: ExperimentConfig | CommRunConfig) -> submitit.SlurmExecutor:
         setup=list(launcher.setup),
         additional_parameters=dict(launcher.sbatch_extra),
         srun_args=["--kill-on-bad-exit=1"],
+        signal_delay_s=launcher.signal_delay_s,
     )
     return ex
 
 
 def submit(cfg: ExperimentConfig | CommRunConfig, entry: Entry = run_rank) -> str:
     """Submits the job, returns its id at once."""
-    job = executor(cfg).submit(slurm_task, asdict(cfg), entry)
+    job = executor(cfg).submit(SlurmTask(), asdict(cfg), entry)
     console.print(
         f"submitted SLURM job {job.job_id} ({cfg.launcher.nnodes} node(s) x "
         f"{cfg.launcher.nproc_per_node} task(s)); logs: {log_dir(cfg, job.job_id)}",

@@ -22,6 +22,8 @@ step), save at once, and raise `Stopped`.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import shutil
 import signal
 import time
@@ -256,7 +258,10 @@ class Checkpointer:
 
     def restore(self) -> int:
         """Loads the checkpoint `checkpoint.resume` names; the step to start at (0: none)."""
-        found = [str(find_resume(self.cfg.checkpoint, self.cfg.run_dir) or "")]
+        wanted = self.cfg.checkpoint
+        if wanted.resume is None and int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0:
+            wanted = dataclasses.replace(wanted, resume="auto")  # SLURM requeued this job
+        found = [str(find_resume(wanted, self.cfg.run_dir) or "")]
         if self.group is not None:  # rank 0 decides, so no rank can pick another step
             dist.broadcast_object_list(found, src=0, group=self.group)
         if not found[0]:

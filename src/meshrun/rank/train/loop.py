@@ -164,8 +164,9 @@ def train_loop(
             ctx.progress(step + 1)
         stop = save = False
         if checkpoints is not None:
-            with _inside(ctx, step, "all_reduce (stop signal)"):
-                stop = checkpoints.stop_requested()
+            if step + 1 < cfg.steps:  # after the last step, the run saves and ends anyway
+                with _inside(ctx, step, "all_reduce (stop signal)"):
+                    stop = checkpoints.stop_requested()
             save = stop or checkpoints.due(step + 1)
         # A checkpoint's steps are all in metrics.jsonl: a resume appends after them.
         if save or (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
