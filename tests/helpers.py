@@ -66,11 +66,13 @@ def resolved_config(*overrides: str) -> ExperimentConfig:
     return resolve(compose_config(*overrides), HostFacts.detect())
 
 
-def transformers_first_loss(cfg: ExperimentConfig, model: torch.nn.Module) -> float:
-    """A transformers model's own loss on the batch a run of `cfg` trains its first step on."""
+def transformers_first_loss(cfg: ExperimentConfig, model: torch.nn.Module, step: int = 0
+                            ) -> float:  # fmt: skip
+    """A transformers model's own loss on the batch a run of `cfg` trains step `step` on."""
     t = cfg.train
     data = build_dataset(cfg.data, model.config.vocab_size, t.seed, t.seq_len)
-    inputs, targets = LocalBatches(data, t.global_batch_size, t.seq_len, 0, 1, "cpu").for_step(0)
+    batches = LocalBatches(data, t.global_batch_size, t.seq_len, 0, 1, "cpu", start_step=step)
+    inputs, targets = batches.for_step(step)
     with torch.no_grad():
         logits = model(input_ids=inputs).logits
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()

@@ -18,7 +18,9 @@ import pytest
 from meshrun.core.checkpoints import MANIFEST, complete, read_manifest
 from meshrun.core.errors import ConfigError
 from meshrun.driver.experiment import RunFailed, measure, run_experiment
+from meshrun.rank.models import model_shape
 from tests.cli import TRAIN_DEFAULTS
+from tests.helpers import transformers_first_loss
 from tests.ranks import config_in, losses
 
 STEPS, EVERY = 6, 3
@@ -154,3 +156,34 @@ def test_ctrl_c_saves_and_resume_auto_continues(tmp_path, rank_pool):
     assert finished["resumed_from_step"] == read_manifest(saved[0]).step
     _, whole = _run(tmp_path / "whole", rank_pool, *args)
     assert finished["losses"] == losses(whole)
+
+
+@pytest.mark.parametrize(
+    ("model", "architecture", "resumed_under"),
+    [(("model=tiny", "model.vocab_size=251"), "LlamaForCausalLM", "single"),
+     (("model=hf/tiny-gpt2",), "GPT2LMHeadModel", "tp2")],
+    ids=["meshrun-llama", "gpt2"],
+)  # fmt: skip
+def test_export_is_the_trained_model_that_transformers_loads(
+    tmp_path, rank_pool, model, architecture, resumed_under
+):
+    """Trained under tp2 (vocabulary padded, GPT-2's q|k|v regrouped), exported as HF: the
+    model transformers' from_pretrained loads gives, on the batch of the next step, the loss
+    that meshrun's own run resumed from the final checkpoint trains that step with (under
+    single, the padded vocabulary resharded; GPT-2 under tp2, whose row order it keeps)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = config_in(tmp_path / "a", *COMMON, *model, "parallel=tp2", "train.steps=4",
+                    "checkpoint.export=hf")  # fmt: skip
+    exported = Path(run_experiment(cfg, rank_pool.launch).export_path)
+    hf = getattr(transformers, architecture).from_pretrained(exported)
+    assert type(hf).__name__ == architecture and hf.config.vocab_size == model_vocab(cfg)
+    final = complete(Path(cfg.run_dir) / "checkpoints")[-1]
+    resume = (f"parallel={resumed_under}", "train.steps=5", f"checkpoint.resume={final}",
+              f"checkpoint.dir={tmp_path}/b")  # fmt: skip
+    later, resumed = _run(tmp_path / "b", rank_pool, *model, *resume)
+    [step4] = [s["loss"] for s in resumed.steps if s["step"] == 4]
+    assert abs(transformers_first_loss(later, hf, step=4) - step4) <= 1e-5 * step4
+
+
+def model_vocab(cfg) -> int:
+    return model_shape(cfg.model).vocab_size

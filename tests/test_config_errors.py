@@ -136,6 +136,27 @@ BAD_CONFIGS = [
         "not an sbatch flag name",
     ),
     (["debug.fail_rank=5"], "debug.fail_rank", "0..1"),
+    (["debug.slow_step_s=-1"], "debug.slow_step_s", ">= 0"),
+    (["checkpoint.every_steps=-2"], "checkpoint.every_steps", "must not be negative"),
+    (["checkpoint.keep=0"], "checkpoint.keep", "at least the latest"),
+    (["checkpoint.resume=/nonexistent/step-00000010"], "checkpoint.resume", "no such checkpoint"),
+    (["checkpoint.resume=/nonexistent/run"], "checkpoint.resume", "holds no complete checkpoint"),
+    (
+        [
+            "model=custom",
+            "model.target=tests.user_model:build",
+            "model.vocab_size=256",
+            "checkpoint.export=hf",
+        ],
+        "checkpoint.export",
+        "no Hugging Face form",
+    ),
+    # A disk without room: one checkpoint of GPT-3 (fp32 weights, AdamW's two moments) is 2 TB.
+    (
+        ["model=gpt3-175b", "plan.allow_oom=true", "checkpoint.every_steps=100"],
+        "checkpoint.dir",
+        "needs about 1957.83 GiB",
+    ),
 ]
 
 

@@ -21,6 +21,7 @@ from meshrun.core.choices import (
     DataName,
     DataParallel,
     DeviceType,
+    ExportFormat,
     FailMode,
     LoggerMode,
     LrDecay,
@@ -300,13 +301,16 @@ class CheckpointConfig:
     <run_dir>/checkpoints); written in the background (`async_save`) while training goes
     on; the last `keep` complete ones are kept. `resume`: `auto` continues from the latest
     complete checkpoint in `dir` (a fresh start where there is none), or the path of one
-    checkpoint (a step-* directory) or of a checkpoints directory (its latest)."""
+    checkpoint (a step-* directory) or of a checkpoints directory (its latest). `export`:
+    the final model, whole, into <run_dir>/export: `hf` a directory transformers'
+    from_pretrained loads (meshrun's LLaMA as LlamaForCausalLM), `torch` a state dict."""
 
     every_steps: int = 0
     dir: str | None = None
     keep: int = 2
     async_save: bool = True
     resume: str | None = None
+    export: ExportFormat = ExportFormat["none"]
 
 
 @dataclass

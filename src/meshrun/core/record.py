@@ -98,6 +98,7 @@ class RunRecord:
     checkpoint_saves: list[dict[str, Any]] | None = _f()  # step, blocked_s, total_s of each
     checkpoint_blocked_s: float | None = _f(summary=True)  # training waited, per save
     checkpoint_save_s: float | None = _f(summary=True)  # staging to the last byte, per save
+    export_path: str | None = _f()  # checkpoint.export: the final model, whole
     memory_traced: list[dict[str, int]] | None = _f()  # plan.trace: on fake tensors
     predicted_peak_memory_bytes: int | None = _f(column=True, summary=True)
     predicted_step_time_s: float | None = _f(column=True, summary=True)

@@ -15,7 +15,7 @@ from typing import Any
 
 from meshrun.core.attached import attached_rank
 from meshrun.core.baseline import baseline_config, baseline_key, is_own_baseline
-from meshrun.core.checkpoints import find_resume, read_manifest
+from meshrun.core.checkpoints import checkpoint_root, find_resume, read_manifest, step_dir
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import ConfigError
 from meshrun.core.layout import Layout, layout_name, layout_overrides
@@ -25,12 +25,14 @@ from meshrun.driver.results import assemble
 from meshrun.driver.sinks.console import print_error, print_summary, print_warning
 from meshrun.driver.sinks.store import ResultsStore
 from meshrun.driver.sinks.wandb_sink import log_run
+from meshrun.rank.models.export import export_checkpoint
 from meshrun.rank.train.checkpoint import Stopped
 from meshrun.rank.watchdog import clear_records, with_diagnosis
 from meshrun.rank.worker import METRICS_FILE
 
 Launch = Callable[[ExperimentConfig], dict[str, Any] | None]
 RUN_FILE = "run.json"  # the run's identity, which a resume from its checkpoints keeps
+EXPORT_DIR = "export"
 
 
 class RunFailed(RuntimeError):
@@ -69,6 +71,8 @@ def run_experiment(cfg: ExperimentConfig, launch: Launch) -> RunRecord:
 def finish_experiment(cfg: ExperimentConfig, measured: Measured, launch: Launch) -> RunRecord:
     """Baseline and record of a run measured already (here, or by a job submitted earlier)."""
     store = ResultsStore(cfg.store.path)
+    if measured.ok and cfg.checkpoint.export != "none":
+        measured.meta["export_path"] = export(cfg)
     baseline = None
     if cfg.metrics.baseline:
         twin = baseline_config(cfg)
@@ -77,6 +81,19 @@ def finish_experiment(cfg: ExperimentConfig, measured: Measured, launch: Launch)
         if baseline is None and measured.ok and not is_own_baseline(cfg):
             baseline = record(twin, measure(twin, "baseline", launch), None, store)
     return record(cfg, measured, baseline, store)
+
+
+def export(cfg: ExperimentConfig) -> str | None:
+    """The final checkpoint's model as `checkpoint.export` asks; a failure costs the export
+    (a warning), never the run: the checkpoint stays for another try."""
+    final = step_dir(checkpoint_root(cfg.checkpoint, cfg.run_dir), cfg.train.steps)
+    try:
+        path = export_checkpoint(final, cfg.model, cfg.train.seq_len, cfg.checkpoint.export,
+                                 Path(cfg.run_dir) / EXPORT_DIR)  # fmt: skip
+    except Exception as err:  # the model's library may raise anything; the run is done
+        print_warning(f"export to {cfg.checkpoint.export} failed ({type(err).__name__}: {err})")
+        return None
+    return str(path)
 
 
 @dataclass

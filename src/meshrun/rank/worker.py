@@ -122,7 +122,8 @@ def _train(
     optimizer = build_optimizer(model, tc)
     schedule = build_lr_schedule(optimizer, tc)
     checkpoints = start = None
-    if cfg.checkpoint.every_steps or cfg.checkpoint.resume:
+    c = cfg.checkpoint
+    if c.every_steps or c.resume or c.export != "none":
         checkpoints = Checkpointer(cfg, model, optimizer, schedule, rank)
         loading = watchdog.inside(0, "checkpoint load") if watchdog else contextlib.nullcontext()
         with loading:

@@ -1,6 +1,6 @@
 """The checkpoint rules: what `checkpoint.*` may be, and whether the checkpoint a resume names
-can continue this experiment (same model, a vocabulary padded alike, room left to train, no
-later checkpoint overwritten, a disk with room for the next one)."""
+can continue this experiment (same model, rows in an order this layout reads, room left to
+train, no later checkpoint overwritten, a disk with room for the next one)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,9 @@ import json
 import shutil
 
 from meshrun.core.checkpoints import checkpoint_root, complete, find_resume, read_manifest
-from meshrun.core.config import ExperimentConfig
+from meshrun.core.config import ExperimentConfig, HFModelConfig
 from meshrun.core.errors import fail
-from meshrun.rank.models import build_model, count_params, model_key, model_shape
-from meshrun.rank.models.vocab import padded_vocab
+from meshrun.rank.models import build_model, count_params, model_key
 
 # fp32 weights and AdamW's two moments; optimizer steps and RNG states are noise beside them.
 BYTES_PER_PARAM = 12
@@ -27,8 +26,11 @@ def check_checkpoint(cfg: ExperimentConfig) -> ExperimentConfig:
              "0 (no checkpoints) or the steps between two")  # fmt: skip
     if c.keep < 1:
         fail("checkpoint.keep", c.keep, "keeps at least the latest", "an integer >= 1")
+    if c.export == "hf" and cfg.model.kind == "custom":
+        fail("checkpoint.export", c.export, "a model=custom module has no Hugging Face form",
+             "torch (a consolidated state dict) or none")  # fmt: skip
     path = find_resume(c, cfg.run_dir)
-    if c.every_steps:
+    if c.every_steps or c.export != "none":
         _check_space(cfg)
     if path is None:
         return cfg
@@ -40,12 +42,11 @@ def check_checkpoint(cfg: ExperimentConfig) -> ExperimentConfig:
         fail("checkpoint.resume", c.resume,
              f"is a checkpoint of another model (model.{', model.'.join(differ)} differ)",
              f"a checkpoint of this model, or the model it was saved with: {saved}")  # fmt: skip
-    rows = padded_vocab(model_shape(cfg.model).vocab_size, cfg.parallel.tp)
-    if manifest.vocab_rows and manifest.vocab_rows != rows:
+    saved_tp = manifest.degrees.get("tp", 1)
+    if saved_tp != cfg.parallel.tp and _regroups_rows(cfg):
         fail("parallel.tp", cfg.parallel.tp,
-             f"pads the vocabulary to {rows} rows; the checkpoint ({manifest.layout}) has "
-             f"{manifest.vocab_rows}", f"a tp that pads it to {manifest.vocab_rows} rows, "
-             f"e.g. tp={manifest.degrees.get('tp', 1)}")  # fmt: skip
+             f"the checkpoint ({manifest.layout}) holds this model's fused q|k|v regrouped "
+             f"for tp={saved_tp}", f"tp={saved_tp}")  # fmt: skip
     if manifest.step >= cfg.train.steps:
         fail("train.steps", cfg.train.steps,
              f"the checkpoint {path} has trained {manifest.step} steps already",
@@ -58,6 +59,16 @@ def check_checkpoint(cfg: ExperimentConfig) -> ExperimentConfig:
              f"is older than {', '.join(later)} in {root}: its saves would overwrite them",
              "the latest (checkpoint.resume=auto), or a new checkpoint.dir")  # fmt: skip
     return resumed
+
+
+def _regroups_rows(cfg: ExperimentConfig) -> bool:
+    """Whether TP stores a weight's rows in a tp-dependent order (GPT-2's fused q|k|v)."""
+    if not isinstance(cfg.model, HFModelConfig):
+        return False
+    from meshrun.rank.models.hf import SHIPPED_PLANS  # noqa: PLC0415 (meshrun[hf])
+
+    shipped = SHIPPED_PLANS.get(cfg.model.architecture)
+    return shipped is not None and shipped.fused_qkv is not None
 
 
 def _check_space(cfg: ExperimentConfig) -> None:

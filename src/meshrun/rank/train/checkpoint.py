@@ -49,8 +49,9 @@ from meshrun.core.checkpoints import (
 )
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.layout import Layout, layout_name
-from meshrun.rank.models import model_key
-from meshrun.rank.models.shards import model_name, named_tensors
+from meshrun.rank.models import model_key, model_shape
+from meshrun.rank.models.shards import fill, model_name, named_tensors
+from meshrun.rank.models.vocab import VOCAB_MODULES
 from meshrun.rank.parallel import ParallelModel
 
 RNG_DIR = "rng"
@@ -164,6 +165,8 @@ class Checkpointer:
 
     def due(self, steps_done: int) -> bool:
         last = steps_done == self.cfg.train.steps
+        if last and self.cfg.checkpoint.export != "none":
+            return True  # the export reads the final checkpoint
         return self.every > 0 and (steps_done % self.every == 0 or last)
 
     # saving
@@ -269,12 +272,17 @@ class Checkpointer:
         path = Path(found[0])
         manifest = read_manifest(path)
         _init_optimizer_state(self.optimizer)
-        dcp.load(
-            self._tensors(),
-            checkpoint_id=path,
-            process_group=self.group,
-            no_dist=self.group is None,
-        )
+        tensors = self._tensors()
+        # Saved with the vocabulary padded for another tp: read whole, refilled unpadded.
+        repadded = {}
+        if manifest.vocab_rows and manifest.vocab_rows != self._vocab_rows():
+            repadded = {k: torch.empty(manifest.vocab_rows, *v.shape[1:], dtype=v.dtype)
+                        for k, v in tensors.items() if _is_vocab(k) and v.ndim}  # fmt: skip
+        dcp.load({**tensors, **repadded}, checkpoint_id=path, process_group=self.group,
+                 no_dist=self.group is None)  # fmt: skip
+        vocab = model_shape(self.cfg.model).vocab_size
+        for key, whole in repadded.items():
+            fill(tensors[key], whole[:vocab])
         self.schedule.load_state_dict(manifest.lr_schedule)
         for group, lr in zip(self.optimizer.param_groups, self.schedule.get_last_lr(), strict=True):
             group["lr"] = lr
@@ -282,6 +290,12 @@ class Checkpointer:
         if manifest.degrees == Layout.of(self.cfg.parallel).degrees() and rng.is_file():
             _set_rng_state(torch.load(rng, weights_only=False))
         return manifest.step
+
+
+def _is_vocab(key: str) -> bool:
+    """A tensor of the embedding or the head, or an optimizer state of one."""
+    name = key.split(".", 1)[1]
+    return name.split(".", 1)[0] in VOCAB_MODULES
 
 
 def _rng_state() -> dict[str, object]:
