@@ -48,7 +48,7 @@ def test_watchdog_ends_a_rank_the_backend_does_not_time_out(tmp_path):
     )
     assert proc.returncode == 1
     assert time.monotonic() - started < 1 + GRACE_S + 15
-    rank, error = first_failure(str(tmp_path))
+    rank, error, _ = first_failure(str(tmp_path))
     assert rank == 3
     assert error.startswith("CollectiveHang: rank 3 stuck in all_reduce (stuck) at step 7")
     assert "backend.timeout_s=1" in error

@@ -7,9 +7,11 @@ gets a profile without peak FLOP/s, so MFU is reported as unknown rather than wr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
@@ -127,3 +129,23 @@ def target_facts(hardware: HardwareConfig, host: HostFacts) -> HostFacts:
         return host
     devices = [CudaDevice(s.name, s.memory_gib) for s in hardware.devices for _ in range(s.count)]
     return HostFacts(devices, host.cpu_count, host.memory_gib)
+
+
+def oom_kills() -> int | None:
+    """How many processes the kernel's OOM killer has taken from this process's memory cgroup
+    (v2 memory.events, v1 memory.oom_control; a container sees its own as the root), or None
+    where no counter is readable (no root needed where it is)."""
+    paths = []
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if not controllers:
+            paths.append(Path(f"/sys/fs/cgroup{path}") / "memory.events")
+        elif "memory" in controllers.split(","):
+            paths.append(Path(f"/sys/fs/cgroup/memory{path}") / "memory.oom_control")
+    paths.append(Path("/sys/fs/cgroup/memory/memory.oom_control"))
+    for path in paths:
+        with contextlib.suppress(OSError):
+            for key, value in (line.split() for line in path.read_text().splitlines()):
+                if key == "oom_kill":
+                    return int(value)
+    return None

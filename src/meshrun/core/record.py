@@ -37,6 +37,7 @@ class RunRecord:
     status: str = _f("skipped", column=True, summary=True, report=(8, "status"))
     error: str | None = _f(column=True, summary=True, report=(14, "reason"))
     failed_rank: int | None = _f()
+    traceback: str | None = _f()  # the failing rank's, where it raised
     duration_s: float | None = _f()
     name: str | None = _f(column=True)
     sweep: str | None = _f(column=True, summary=True, report=(2, "sweep"))

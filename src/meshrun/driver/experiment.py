@@ -20,9 +20,15 @@ from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import ConfigError
 from meshrun.core.layout import Layout, layout_name, layout_overrides
 from meshrun.core.record import RunRecord
+from meshrun.driver.failure import explained, with_unflushed
 from meshrun.driver.launch import RankFailure
 from meshrun.driver.results import assemble
-from meshrun.driver.sinks.console import print_error, print_summary, print_warning
+from meshrun.driver.sinks.console import (
+    print_error,
+    print_summary,
+    print_traceback,
+    print_warning,
+)
 from meshrun.driver.sinks.store import ResultsStore
 from meshrun.driver.sinks.wandb_sink import log_run
 from meshrun.rank.models.export import export_checkpoint
@@ -53,6 +59,7 @@ def reported(run: Callable[[], RunRecord]) -> int:
         if failed.results.status == "interrupted":
             print_error("run interrupted", str(failed))
             return INTERRUPTED_EXIT
+        print_traceback(failed.results.traceback)
         print_error("run failed", str(failed))
         return 1
     print_summary(results)
@@ -142,7 +149,8 @@ def run_identity() -> dict[str, Any]:
 def attempt(run_dir: str, started: float, wait: Callable[[], Any]) -> tuple[dict[str, Any], Any]:
     """Waits for the ranks (`wait` raises RankFailure if one failed); the run's status,
     error with the hang diagnosis, failed rank and duration, and rank 0's return value."""
-    status: dict[str, Any] = {"status": "completed", "error": None, "failed_rank": None}
+    status: dict[str, Any] = {"status": "completed", "error": None, "failed_rank": None,
+                              "traceback": None}  # fmt: skip
     raw = None
     try:
         raw = wait()
@@ -153,7 +161,8 @@ def attempt(run_dir: str, started: float, wait: Callable[[], Any]) -> tuple[dict
             status.update(status="interrupted", error=error)
         else:
             error = with_diagnosis(str(failure), run_dir, failure.rank)
-            status.update(status="failed", error=error, failed_rank=failure.rank)
+            status.update(status="failed", error=error, failed_rank=failure.rank,
+                          traceback=failure.traceback)  # fmt: skip
     status["duration_s"] = round(time.time() - started, 3)
     return status, raw
 
@@ -180,15 +189,16 @@ def outcome(
     wait: Callable[[], dict[str, Any] | None],
 ) -> Measured:
     """`wait` returns rank 0's raw measurements once the ranks are done, or raises
-    RankFailure; `started` is the epoch second the launch began."""
-    status, raw = attempt(cfg.run_dir, started, wait)
+    RankFailure; `started` is the epoch second the launch began. A failed run's steps are
+    completed with those its ranks had not logged yet."""
+    status, raw = attempt(cfg.run_dir, started, explained(cfg, wait))
     meta = {**meta, **status}
     raw = raw or {}
     if raw.get("requeues"):  # SLURM requeued the job, which resumed from its checkpoint
         meta.update(requeues=raw["requeues"], resumed_from_step=raw["resumed_from_step"])
     return Measured(
         meta,
-        read_steps(cfg.run_dir),
+        with_unflushed(read_steps(cfg.run_dir), cfg.run_dir, Layout.of(cfg.parallel)),
         raw.get("memory_per_rank"),
         raw.get("pipeline_bubble_per_rank"),
         raw.get("pretrained_read_bytes_per_rank"),

@@ -1,32 +1,100 @@
-"""Which rank failed first. When one rank raises, its peers soon fail too (a closed
-connection, a timed-out collective), often within the same second, which is all the
-resolution torch elastic's error files have. Each rank therefore notes the exact time of its
-own exception in the run dir, and the driver names the earliest."""
+"""Which rank failed first, and what it had not logged yet. When one rank raises, its peers
+soon fail too (a closed connection, a timed-out collective), often within the same second,
+which is all the resolution torch elastic's error files have. Each rank therefore notes the
+exact time of its own exception (and its traceback) in the run dir, and the driver names the
+earliest. A failing rank also writes the steps it finished since the last log step, which
+only a log step's collective would have put in metrics.jsonl; the driver completes the
+metrics with them (driver/failure.py)."""
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import time
+import traceback
 from pathlib import Path
+from typing import Any, NamedTuple
 
 FAILURES_DIR = "failures"
+
+
+class Failure(NamedTuple):
+    rank: int
+    error: str
+    traceback: str | None = None
+
+
+def note_process(run_dir: str, rank: int) -> None:
+    """This rank's host and pid, by which a failing peer tells whether it is already gone."""
+    folder = Path(run_dir) / FAILURES_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"process-rank{rank}.json").write_text(
+        json.dumps({"host": socket.gethostname(), "pid": os.getpid()})
+    )
+
+
+def note_finished(run_dir: str, rank: int) -> None:
+    """This rank ended well: a peer failing after it is gone must not suspect it."""
+    (Path(run_dir) / FAILURES_DIR / f"process-rank{rank}.json").unlink(missing_ok=True)
+
+
+def _gone_peers(folder: Path, rank: int) -> list[int]:
+    """Peers on this host whose process had ended (or is a zombie) when this rank failed:
+    they died first, and a peer that recorded nothing died by a signal. torch elastic
+    reports the exit of only one rank, often this one's, whose error is only the symptom."""
+    gone, host = [], socket.gethostname()
+    for path in folder.glob("process-rank*.json"):
+        peer, noted = int(path.stem.removeprefix("process-rank")), json.loads(path.read_text())
+        if peer == rank or noted["host"] != host:
+            continue
+        try:
+            state = Path(f"/proc/{noted['pid']}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            state = "X"
+        if state in "ZX":
+            gone.append(peer)
+    return sorted(gone)
 
 
 def record_failure(run_dir: str, rank: int, err: BaseException) -> None:
     folder = Path(run_dir) / FAILURES_DIR
     folder.mkdir(parents=True, exist_ok=True)
-    record = {"rank": rank, "time": time.time(), "error": f"{type(err).__name__}: {err}"}
+    record = {"rank": rank, "time": time.time(), "error": f"{type(err).__name__}: {err}",
+              "traceback": "".join(traceback.format_exception(err)),
+              "gone_peers": _gone_peers(folder, rank)}  # fmt: skip
     (folder / f"rank{rank}.json").write_text(json.dumps(record))
 
 
+def record_unflushed(run_dir: str, rank: int, steps: list[dict[str, Any]]) -> None:
+    """This rank's records of the steps after the last log step (its own loss, not reduced)."""
+    folder = Path(run_dir) / FAILURES_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"steps-rank{rank}.json").write_text(json.dumps(steps))
+
+
 def forget_failure(run_dir: str, rank: int) -> None:
-    (Path(run_dir) / FAILURES_DIR / f"rank{rank}.json").unlink(missing_ok=True)
+    for name in (f"rank{rank}.json", f"steps-rank{rank}.json"):
+        (Path(run_dir) / FAILURES_DIR / name).unlink(missing_ok=True)
 
 
-def first_failure(run_dir: str) -> tuple[int, str] | None:
-    """(rank, error) of the earliest recorded failure, or None if no rank recorded one."""
-    records = [json.loads(p.read_text()) for p in (Path(run_dir) / FAILURES_DIR).glob("*.json")]
+def recorded_failures(run_dir: str) -> dict[int, dict[str, Any]]:
+    """rank -> its failure record: error, traceback, the time it was recorded."""
+    records = [json.loads(p.read_text()) for p in (Path(run_dir) / FAILURES_DIR).glob("rank*.json")]
+    return {r["rank"]: r for r in records}
+
+
+def first_failure(run_dir: str) -> Failure | None:
+    """The earliest recorded failure, or None if no rank recorded one."""
+    records = recorded_failures(run_dir).values()
     if not records:
         return None
     first = min(records, key=lambda r: r["time"])
-    return first["rank"], first["error"]
+    return Failure(first["rank"], first["error"], first.get("traceback"))
+
+
+def read_unflushed(run_dir: str) -> dict[int, list[dict[str, Any]]]:
+    """rank -> the steps it wrote as it failed (record_unflushed)."""
+    folder = Path(run_dir) / FAILURES_DIR
+    return {int(p.stem.removeprefix("steps-rank")): json.loads(p.read_text())
+            for p in folder.glob("steps-rank*.json")}  # fmt: skip

@@ -9,6 +9,10 @@ stuck collective. When it does not fire (NCCL blocked while setting up a communi
 this rank's watchdog thread records the failure and exits `GRACE_S` later, so the launcher
 tears all ranks down either way; it does so only in phases that are one collective, since a
 phase that also computes (a training step's forward/backward) may legitimately run longer.
+
+The thread also samples the rank's resident memory into the same file each second: a rank
+the kernel kills for memory records nothing itself, and its last sample is the figure the
+driver reports.
 """
 
 from __future__ import annotations
@@ -28,7 +32,10 @@ from meshrun.rank.failures import FAILURES_DIR, record_failure
 
 POSITIONS_DIR = "watchdog"
 GRACE_S = 5.0
-_RECORD = struct.Struct("<qd96s")  # step, since (epoch s), operation ("" outside collectives)
+# step, since (epoch s), resident bytes, operation ("" outside collectives); the thread
+# writes the third field, the rank the others
+_RECORD = struct.Struct("<qdq88s")
+_POSITION, _RSS, _OP = struct.Struct("<qd"), struct.Struct("<q"), struct.Struct("88s")
 
 
 class CollectiveHang(RuntimeError):
@@ -41,6 +48,7 @@ class Position:
     step: int
     op: str
     since: float
+    rss_bytes: int  # resident memory, sampled each second (0: not yet)
 
     def where(self) -> str:
         step = f"step {self.step}" if self.step >= 0 else "before the first step"
@@ -58,11 +66,13 @@ class Watchdog:
         self._step, self._op, self._since, self._bounded = -1, "", time.time(), False
         self._stop = threading.Event()
         self._set(-1, "")
+        _RSS.pack_into(self._map, _POSITION.size, _resident_bytes())
         threading.Thread(target=self._watch, name="meshrun-watchdog", daemon=True).start()
 
     def _set(self, step: int, op: str, bounded: bool = False) -> None:
         self._step, self._op, self._since, self._bounded = step, op, time.time(), bounded
-        _RECORD.pack_into(self._map, 0, step, self._since, op.encode()[: _RECORD.size - 16])
+        _POSITION.pack_into(self._map, 0, step, self._since)
+        _OP.pack_into(self._map, _POSITION.size + _RSS.size, op.encode())
 
     def at(self, step: int) -> None:
         """This rank works on `step`, outside any collective."""
@@ -82,6 +92,7 @@ class Watchdog:
 
     def _watch(self) -> None:
         while not self._stop.wait(1.0):
+            _RSS.pack_into(self._map, _POSITION.size, _resident_bytes())
             op, step, stuck_s = self._op, self._step, time.time() - self._since
             if op and self._bounded and stuck_s > self.timeout_s + GRACE_S:
                 hang = CollectiveHang(
@@ -90,6 +101,11 @@ class Watchdog:
                 )
                 record_failure(self.run_dir, self.rank, hang)
                 os._exit(1)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def clear_records(run_dir: str) -> None:
@@ -103,8 +119,8 @@ def read_positions(run_dir: str) -> dict[int, Position]:
     positions = {}
     for path in (Path(run_dir) / POSITIONS_DIR).glob("rank*.pos"):
         rank = int(path.stem.removeprefix("rank"))
-        step, since, op = _RECORD.unpack(path.read_bytes()[: _RECORD.size])
-        positions[rank] = Position(rank, step, op.rstrip(b"\0").decode(), since)
+        step, since, rss, op = _RECORD.unpack(path.read_bytes()[: _RECORD.size])
+        positions[rank] = Position(rank, step, op.rstrip(b"\0").decode(), since, rss)
     return positions
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +18,13 @@ import torch.distributed as dist
 
 from meshrun.core.config import DebugConfig, ExperimentConfig, from_dict
 from meshrun.core.layout import Layout, dp_rank, n_microbatches
-from meshrun.rank.failures import forget_failure, record_failure
+from meshrun.rank.failures import (
+    forget_failure,
+    note_finished,
+    note_process,
+    record_failure,
+    record_unflushed,
+)
 from meshrun.rank.mesh import build_mesh, dp_group, init_distributed, pp_group, select_device
 from meshrun.rank.metrics.bubble import bubble_per_rank
 from meshrun.rank.metrics.memory import MemoryMeter, ModelState
@@ -28,6 +35,7 @@ from meshrun.rank.train.checkpoint import Checkpointer
 from meshrun.rank.train.data import LocalBatches, build_dataset
 from meshrun.rank.train.loop import LoopContext, train_loop
 from meshrun.rank.train.optim import build_lr_schedule, build_optimizer
+from meshrun.rank.train.pending import PendingSteps
 from meshrun.rank.watchdog import Watchdog, step_collectives
 
 METRICS_FILE = "metrics.jsonl"
@@ -63,6 +71,8 @@ def fault_injector(debug: DebugConfig, rank: int) -> Callable[[int], None] | Non
             return
         if debug.fail_mode == "hang":
             threading.Event().wait()  # the peers' collectives must time out
+        if debug.fail_mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)  # no exception, no record: as the OOM killer
         raise RuntimeError(f"injected failure on rank {rank} at step {step} (debug.fail_rank)")
 
     return inject
@@ -79,13 +89,16 @@ def run_rank(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
         torch.set_num_threads(cfg.launcher.threads_per_rank)
     device = select_device(cfg.hardware.device_type, local_rank)
     forget_failure(cfg.run_dir, rank)  # an earlier attempt's, in a job SLURM requeued
+    note_process(cfg.run_dir, rank)
     mesh = watchdog = None
     if layout.world_size > 1:
         watchdog = Watchdog(cfg.run_dir, rank, cfg.backend.timeout_s)
         init_distributed(cfg.backend.name, cfg.backend.timeout_s)
         mesh = build_mesh(layout, device.type)
     try:
-        return _train(cfg, layout, rank, device, mesh, watchdog)
+        measured = _train(cfg, layout, rank, device, mesh, watchdog)
+        note_finished(cfg.run_dir, rank)
+        return measured
     except Exception as err:
         record_failure(cfg.run_dir, rank, err)
         raise
@@ -148,6 +161,7 @@ def _train(
             autocast_dtype=torch.bfloat16 if bf16 and not model.casts_params else None,
             memory=memory,
             on_log=metrics,
+            pending=PendingSteps(device, start or 0),
             progress=progress,
             fault=fault_injector(cfg.debug, rank),
             watchdog=watchdog,
@@ -156,7 +170,14 @@ def _train(
             slow_step_s=cfg.debug.slow_step_s,
             checkpoints=checkpoints,
         )
-        state = train_loop(model, optimizer, schedule, batches, tc, ctx)
+        try:
+            state = train_loop(model, optimizer, schedule, batches, tc, ctx)
+        except Exception:
+            # What a log step would have written; never in place of the error (a broken
+            # device may refuse even a copy of finished values).
+            with contextlib.suppress(Exception):
+                record_unflushed(cfg.run_dir, rank, ctx.pending.salvage(batches.drain_waits()))
+            raise
     split = memory.breakdown(ModelState.of(model.parameters(), optimizer))
     mine = {
         "memory": {"rank": rank, **(split or {"peak": memory.peak_bytes()})},

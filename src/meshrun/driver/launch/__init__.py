@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+# A rank gone before its peers failed that recorded nothing (no exception, no watchdog exit)
+# died by a signal torch elastic did not report (it reports one rank's exit only).
+SIGNAL_UNSEEN = "a signal: gone before its peers failed, nothing recorded"
+
 
 class RankFailure(RuntimeError):
-    """A rank died; carries which one and its error so the run can be recorded as failed."""
+    """A rank died; carries which one, its error and traceback (where it raised), or the
+    signal that killed it (where it did not), so the run can be recorded as failed."""
 
-    def __init__(self, rank: int, error: str) -> None:
-        self.rank = rank
-        self.error = error
-        super().__init__(f"rank {rank} failed: {error}")
+    def __init__(
+        self, rank: int, error: str, traceback: str | None = None, signal: str | None = None
+    ) -> None:
+        self.rank, self.error, self.traceback, self.signal = rank, error, traceback, signal
+        if signal:
+            super().__init__(f"rank {rank} was killed ({signal})" + (f", {error}" if error else ""))
+        else:
+            super().__init__(f"rank {rank} failed: {error}")

@@ -22,8 +22,8 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.tool_config import CommRunConfig
-from meshrun.driver.launch import RankFailure
-from meshrun.rank.failures import first_failure
+from meshrun.driver.launch import SIGNAL_UNSEEN, RankFailure
+from meshrun.rank.failures import first_failure, recorded_failures
 from meshrun.rank.worker import run_rank
 
 logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
@@ -60,6 +60,26 @@ def _error_text(failure: Any) -> str:
     return str(message).strip()
 
 
+def root_cause(err: ChildFailedError, run_dir: str) -> RankFailure:
+    """The rank whose failure caused the others': one killed by a signal without recording an
+    exception (SIGKILL, SIGSEGV: its peers only saw its connection close), else the earliest
+    recorded exception, else elastic's first failure."""
+    recorded = recorded_failures(run_dir)
+    killed = [rank for rank, f in sorted(err.failures.items())
+              if f.exitcode < 0 and rank not in recorded]  # fmt: skip
+    if killed:
+        return RankFailure(killed[0], "", signal=err.failures[killed[0]].signal_name())
+    # elastic names one failed rank; a peer that failed on seeing it gone knows it died first
+    gone = sorted({r for f in recorded.values() for r in f["gone_peers"] if r not in recorded})
+    if gone:
+        return RankFailure(gone[0], "", signal=SIGNAL_UNSEEN)
+    first = first_failure(run_dir)
+    if first is not None:
+        return RankFailure(*first)
+    rank, failure = err.get_first_failure()
+    return RankFailure(rank, _error_text(failure))
+
+
 def launch_local(
     cfg: ExperimentConfig | CommRunConfig,
     entry: Callable[[dict[str, Any]], Any] = run_rank,
@@ -88,11 +108,7 @@ def launch_local(
     try:
         returns = elastic_launch(config, entry)(asdict(cfg))
     except ChildFailedError as err:
-        recorded = first_failure(cfg.run_dir)
-        if recorded is None:  # died without raising (killed, segfault): elastic's record
-            rank, failure = err.get_first_failure()
-            recorded = rank, _error_text(failure)
-        raise RankFailure(*recorded) from None
+        raise root_cause(err, cfg.run_dir) from None
     except SignalException as err:  # Ctrl-C or SIGTERM here: the agent has stopped the ranks
         recorded = first_failure(cfg.run_dir) or (0, f"interrupted by {err.sigval.name}")
         raise RankFailure(*recorded) from None

@@ -137,10 +137,13 @@ def wait(cfg: ExperimentConfig | CommRunConfig, job_id: str) -> dict[str, Any] |
     failures = [(rank, err) for rank, err in failures if err is not None]
     if not failures:
         return job.task(0).result()
-    recorded = first_failure(cfg.run_dir)
-    rank, text = recorded or (failures[0][0], _last_line(failures[0][1]))
+    rank, text, trace = first_failure(cfg.run_dir) or (
+        failures[0][0],
+        _last_line(failures[0][1]),
+        str(failures[0][1]),
+    )
     stderr = job.task(rank).paths.stderr
-    raise RankFailure(rank, f"{text} (SLURM job {job_id}, state {job.state}; log: {stderr})")
+    raise RankFailure(rank, f"{text} (SLURM job {job_id}, state {job.state}; log: {stderr})", trace)
 
 
 def _last_line(err: Exception) -> str:

@@ -21,6 +21,12 @@ def print_error(what: str, message: str) -> None:
     console.print(Text(f"meshrun: {what} ", style="bold red") + Text(message), soft_wrap=True)
 
 
+def print_traceback(traceback: str | None) -> None:
+    """The failing rank's traceback, as it raised it (a rank killed by a signal has none)."""
+    if traceback:
+        console.print(Text(traceback.rstrip(), style="dim"), soft_wrap=True, highlight=False)
+
+
 def print_warning(message: str) -> None:
     console.print(Text("meshrun: warning ", style="bold yellow") + Text(message), soft_wrap=True)
 

@@ -25,11 +25,11 @@ import torch.nn.functional as F
 from meshrun.core.config import TrainConfig
 from meshrun.rank.metrics.bubble import BubbleClock
 from meshrun.rank.metrics.memory import FWD_BWD_END, STEP_START, MemoryMeter
-from meshrun.rank.metrics.throughput import StepClock
 from meshrun.rank.parallel import ParallelModel, gradient_sync
 from meshrun.rank.train.checkpoint import Checkpointer
 from meshrun.rank.train.data import LocalBatches
 from meshrun.rank.train.optim import clip_grads, grad_norm, grads_by_mesh
+from meshrun.rank.train.pending import PendingSteps, step_records
 from meshrun.rank.watchdog import Watchdog
 
 LogFn = Callable[[list[dict]], None]
@@ -53,6 +53,7 @@ class LoopContext:
     autocast_dtype: torch.dtype | None
     memory: MemoryMeter
     on_log: LogFn
+    pending: PendingSteps  # the worker's, which it salvages if the loop raises
     progress: Callable[[int], None] | None = None
     fault: Callable[[int], None] | None = None
     watchdog: Watchdog | None = None
@@ -116,10 +117,9 @@ def train_loop(
 ) -> LoopState:
     """Steps `ctx.start_step` to `cfg.steps`; the first `untimed_steps` of them untimed."""
     state = LoopState()
-    clock = StepClock(ctx.device)
+    pending = ctx.pending
+    clock = pending.clock
     bubble = BubbleClock(model.schedule, ctx.device) if model.schedule is not None else None
-    pending: list[torch.Tensor] = []
-    lrs: list[float] = []
     params = model.parameters()
     first_timed = ctx.start_step + cfg.untimed_steps
     checkpoints = ctx.checkpoints
@@ -153,11 +153,11 @@ def train_loop(
             norm = grad_norm(groups, ctx.pp_group)
         if cfg.grad_clip is not None:
             clip_grads(groups, cfg.grad_clip, norm)
-        lrs.append(schedule.get_last_lr()[0])
+        lr = schedule.get_last_lr()[0]
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=False)
-        pending.append(torch.stack([step_loss, norm]))
+        pending.add(torch.stack([step_loss, norm]), lr)
         if step >= first_timed:
             clock.mark()
         if ctx.progress is not None:
@@ -171,8 +171,7 @@ def train_loop(
         # A checkpoint's steps are all in metrics.jsonl: a resume appends after them.
         if save or (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
             with _inside(ctx, step, "all_reduce (losses of the log step)"):
-                _flush(state, pending, lrs, batches.drain_waits(), clock, step, ctx)
-            pending, lrs = [], []
+                _flush(state, pending, batches, ctx)
         if stop:
             with _inside(ctx, step, "checkpoint save (stop signal)"):
                 checkpoints.stop(step + 1)
@@ -192,17 +191,13 @@ def train_loop(
 
 
 def _flush(
-    state: LoopState,
-    pending: list[torch.Tensor],
-    lrs: list[float],
-    data_waits: list[float],
-    clock: StepClock,
-    last_step: int,
-    ctx: LoopContext,
+    state: LoopState, pending: PendingSteps, batches: LocalBatches, ctx: LoopContext
 ) -> None:
     """The log step: one reduction of the buffered losses, one read of the step clock.
-    Gradient norms are already global (the same on every rank); data waits are this rank's."""
-    stacked = torch.stack(pending)
+    Gradient norms are already global (the same on every rank); data waits are this rank's.
+    The steps (and their data waits) leave the buffer once reduced: a peer dying in the
+    reduction leaves them to the salvage."""
+    stacked = torch.stack(pending.values)
     losses = stacked[:, 0].contiguous()
     if ctx.pp_group is not None:
         dist.all_reduce(losses, group=ctx.pp_group)  # only the last stage's are non-zero
@@ -211,15 +206,8 @@ def _flush(
         losses /= dist.get_world_size(ctx.dp_group)
     values = losses.tolist()
     norms = stacked[:, 1].tolist()
-    times = clock.drain()
-    first_step = last_step - len(values) + 1
-    timed_from = len(values) - len(times)
-    records = []
-    for offset, loss in enumerate(values):
-        step_time = times[offset - timed_from] if offset >= timed_from else None
-        records.append({"step": first_step + offset, "loss": loss, "grad_norm": norms[offset],
-                        "lr": lrs[offset], "step_time_s": step_time,
-                        "data_wait_s": data_waits[offset]})  # fmt: skip
+    times = pending.clock.drain()
+    first_step, _, lrs = pending.take()
     state.losses.extend(values)
     state.step_times.extend(times)
-    ctx.on_log(records)
+    ctx.on_log(step_records(first_step, values, norms, lrs, times, batches.drain_waits()))
