@@ -75,11 +75,13 @@ def processes_with(token: str) -> set[int]:
 
 
 @pytest.fixture
-def marked_env():
+def marked_env(rank_pool):
     """An env marker for one run; afterwards no process may still carry it. Started first,
-    multiprocessing's resource tracker (this process's helper, alive until it exits) does not
-    inherit the marker when the test sets it in this process's env for an in-process launch."""
+    multiprocessing's resource tracker and forkserver (this process's helpers, alive until it
+    exits; the rank pool starts the forkserver) do not inherit the marker when the test sets
+    it in this process's env for an in-process launch."""
     resource_tracker.ensure_running()
+    rank_pool.start()
     token = f"run-{uuid.uuid4().hex}"
     yield {"MESHRUN_TEST_MARK": token}
     assert processes_with(token) == set(), "rank processes outlived meshrun"

@@ -92,6 +92,11 @@ class RankPool:
             proc.start()
         self._collect("ready", range(self.size), time.monotonic() + JOB_TIMEOUT_S)
 
+    def start(self) -> None:
+        """The workers (and multiprocessing's forkserver, which they fork from), if not up."""
+        if not self.procs:
+            self._start()
+
     def close(self) -> None:
         """Stop every worker (asked first, then killed) and wait for them to be gone."""
         procs, self.procs = self.procs, []
@@ -140,8 +145,7 @@ class RankPool:
         """`fn(arg)` on ranks 0..world_size-1 at once; every rank's return value."""
         if world_size > self.size:
             raise ValueError(f"the pool has {self.size} workers, not {world_size}")
-        if not self.procs:
-            self._start()
+        self.start()
         self.counter += 1
         job_id = self.counter
         common = {"WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),

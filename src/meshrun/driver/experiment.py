@@ -155,9 +155,8 @@ def attempt(run_dir: str, started: float, wait: Callable[[], Any]) -> tuple[dict
     try:
         raw = wait()
     except RankFailure as failure:
-        if failure.error.startswith(f"{Stopped.__name__}: "):
-            resume = f"resume with checkpoint.resume={Path(run_dir).absolute()}/checkpoints"
-            error = f"{failure.error.removeprefix(f'{Stopped.__name__}: ')}; {resume}"
+        if failure.error.startswith(f"{Stopped.__name__}: "):  # saved, and says how to resume
+            error = failure.error.removeprefix(f"{Stopped.__name__}: ")
             status.update(status="interrupted", error=error)
         else:
             error = with_diagnosis(str(failure), run_dir, failure.rank)

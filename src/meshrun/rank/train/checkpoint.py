@@ -64,7 +64,8 @@ class Stopped(Exception):
     def __init__(self, signum: int, step: int, path: Path) -> None:
         self.signum, self.step, self.path = signum, step, path
         name = signal.Signals(signum).name
-        super().__init__(f"stopped by {name} after step {step - 1}; checkpoint {path}")
+        super().__init__(f"stopped by {name} after step {step - 1}, saved in {path}; "
+                         f"resume with checkpoint.resume={path.parent.absolute()}")  # fmt: skip
 
 
 @dataclass
