@@ -47,6 +47,24 @@ class ParallelModel:
     def parameters(self) -> list[nn.Parameter]:
         return [p for part in self.parts for p in part.parameters() if p.requires_grad]
 
+    def run_schedule(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool = True
+                     ) -> torch.Tensor:  # fmt: skip
+        """One pass of the pipeline schedule over a batch: a training step, or forward only
+        (`train` false: the schedule's `eval`, which skips every backward action and keeps
+        no outputs). The mean of the micro-batch losses on the last stage, zero elsewhere."""
+        losses: list[torch.Tensor] = []
+        kwargs = {"target": targets if self.is_last_stage else None, "losses": losses}
+        run = self.schedule.step
+        if not train:
+            run, kwargs["return_outputs"] = self.schedule.eval, False
+        if self.is_first_stage:
+            run(inputs, **kwargs)
+        else:
+            run(**kwargs)
+        if not losses:
+            return torch.zeros((), device=inputs.device)
+        return torch.stack([loss.detach() for loss in losses]).mean()
+
     @property
     def casts_params(self) -> bool:
         """FSDP casts parameters itself (MixedPrecisionPolicy); other wrappers need autocast."""

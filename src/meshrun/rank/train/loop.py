@@ -23,12 +23,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from meshrun.core.config import TrainConfig
+from meshrun.rank.mesh import mean_over_ranks
 from meshrun.rank.metrics.bubble import BubbleClock
 from meshrun.rank.metrics.memory import FWD_BWD_END, STEP_START, MemoryMeter
 from meshrun.rank.metrics.throughput import StepClock
 from meshrun.rank.parallel import ParallelModel, gradient_sync
 from meshrun.rank.train.checkpoint import Checkpointer
 from meshrun.rank.train.data import LocalBatches
+from meshrun.rank.train.evaluate import Evaluator
 from meshrun.rank.train.optim import clip_grads, grad_norm, grads_by_mesh
 from meshrun.rank.watchdog import Watchdog
 
@@ -60,6 +62,7 @@ class LoopContext:
     start_step: int = 0  # > 0: resumed from a checkpoint of that many steps
     slow_step_s: float = 0.0  # debug.slow_step_s
     checkpoints: Checkpointer | None = None
+    evaluate: Evaluator | None = None  # train.eval on
 
 
 def _inside(
@@ -71,10 +74,16 @@ def _inside(
     return ctx.watchdog.inside(step, op, one_collective)
 
 
-def _autocast(ctx: LoopContext) -> contextlib.AbstractContextManager:
-    if ctx.autocast_dtype is None:
+def autocast(device: torch.device, dtype: torch.dtype | None
+             ) -> contextlib.AbstractContextManager:  # fmt: skip
+    """bf16 autocast where the parameters are fp32 (`dtype` None: FSDP casts, or fp32)."""
+    if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(ctx.device.type, dtype=ctx.autocast_dtype)
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def _autocast(ctx: LoopContext) -> contextlib.AbstractContextManager:
+    return autocast(ctx.device, ctx.autocast_dtype)
 
 
 def _accumulate(model: ParallelModel, inputs, targets, micro_batch: int, ctx) -> torch.Tensor:
@@ -94,16 +103,8 @@ def _accumulate(model: ParallelModel, inputs, targets, micro_batch: int, ctx) ->
 
 def _pipeline_step(model: ParallelModel, inputs, targets, ctx: LoopContext) -> torch.Tensor:
     """One schedule step; the loss exists on the last stage only (zero elsewhere)."""
-    losses: list[torch.Tensor] = []
-    kwargs = {"target": targets if model.is_last_stage else None, "losses": losses}
     with _autocast(ctx):
-        if model.is_first_stage:
-            model.schedule.step(inputs, **kwargs)
-        else:
-            model.schedule.step(**kwargs)
-    if not losses:
-        return torch.zeros((), device=ctx.device)
-    return torch.stack([loss.detach() for loss in losses]).mean()
+        return model.run_schedule(inputs, targets)
 
 
 def train_loop(
@@ -162,15 +163,23 @@ def train_loop(
             clock.mark()
         if ctx.progress is not None:
             ctx.progress(step + 1)
+        evaluated = None
+        if ctx.evaluate is not None and ctx.evaluate.due(step + 1):
+            paused = bubble.paused() if bubble is not None else contextlib.nullcontext()
+            with _inside(ctx, step, "evaluation", one_collective=False), paused:
+                evaluated = ctx.evaluate()
+            if step >= first_timed:
+                clock.restart()  # the evaluation is no step's time
         stop = save = False
         if checkpoints is not None:
             with _inside(ctx, step, "all_reduce (stop signal)"):
                 stop = checkpoints.stop_requested()
             save = stop or checkpoints.due(step + 1)
         # A checkpoint's steps are all in metrics.jsonl: a resume appends after them.
-        if save or (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+        log = evaluated or save or (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps
+        if log:
             with _inside(ctx, step, "all_reduce (losses of the log step)"):
-                _flush(state, pending, lrs, batches.drain_waits(), clock, step, ctx)
+                _flush(state, pending, lrs, batches.drain_waits(), clock, step, ctx, evaluated)
             pending, lrs = [], []
         if stop:
             with _inside(ctx, step, "checkpoint save (stop signal)"):
@@ -198,17 +207,13 @@ def _flush(
     clock: StepClock,
     last_step: int,
     ctx: LoopContext,
+    evaluated: dict[str, float] | None = None,
 ) -> None:
     """The log step: one reduction of the buffered losses, one read of the step clock.
-    Gradient norms are already global (the same on every rank); data waits are this rank's."""
+    Gradient norms are already global (the same on every rank); data waits are this rank's;
+    `evaluated`: the evaluation after the last step, into its record."""
     stacked = torch.stack(pending)
-    losses = stacked[:, 0].contiguous()
-    if ctx.pp_group is not None:
-        dist.all_reduce(losses, group=ctx.pp_group)  # only the last stage's are non-zero
-    if ctx.dp_group is not None:
-        dist.all_reduce(losses, group=ctx.dp_group)  # gloo has no AVG
-        losses /= dist.get_world_size(ctx.dp_group)
-    values = losses.tolist()
+    values = mean_over_ranks(stacked[:, 0].contiguous(), ctx.dp_group, ctx.pp_group).tolist()
     norms = stacked[:, 1].tolist()
     times = clock.drain()
     first_step = last_step - len(values) + 1
@@ -219,6 +224,7 @@ def _flush(
         records.append({"step": first_step + offset, "loss": loss, "grad_norm": norms[offset],
                         "lr": lrs[offset], "step_time_s": step_time,
                         "data_wait_s": data_waits[offset]})  # fmt: skip
+    records[-1].update(evaluated or {})
     state.losses.extend(values)
     state.step_times.extend(times)
     ctx.on_log(records)
