@@ -14,11 +14,10 @@ allocation) does not stand for the schedule.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -70,15 +69,6 @@ class BubbleClock:
     def start(self) -> None:
         """Count from now on (the first timed step)."""
         self.enabled = True
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """Schedule calls in here (an evaluation's) are no training step's."""
-        enabled, self.enabled = self.enabled, False
-        try:
-            yield
-        finally:
-            self.enabled = enabled
 
     def per_step(self) -> tuple[list[float], list[float]]:
         """(busy seconds, pipeline seconds) of this rank in each timed step."""

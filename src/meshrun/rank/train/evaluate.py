@@ -1,9 +1,10 @@
 """Held-out evaluation between training steps: the mean token cross-entropy of the model as
 it stands over a fixed set of held-out batches, and its perplexity.
 
-It runs what training runs minus the backward: the same micro-batches (a pipeline, the same
-schedule through its forward-only `eval`, whose micro-batch count is training's), the same
-autocast and the same loss, under no_grad with the modules in eval mode. Every micro-batch
+It runs what training runs minus the backward: the same micro-batches (a pipeline, a
+schedule of training's kind and micro-batch count over the same modules, run through torch's
+forward-only `eval`: ParallelModel.eval_schedule), the same autocast and the same loss,
+under no_grad with the modules in eval mode. Every micro-batch
 has the same number of tokens, so the mean of the micro-batch means is the mean over all
 tokens; reduced like the training loss (mesh.mean_over_ranks), it is the same number in
 every layout. It touches no parameter, gradient, optimizer or RNG state, so training goes

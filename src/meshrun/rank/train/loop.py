@@ -165,8 +165,7 @@ def train_loop(
             ctx.progress(step + 1)
         evaluated = None
         if ctx.evaluate is not None and ctx.evaluate.due(step + 1):
-            paused = bubble.paused() if bubble is not None else contextlib.nullcontext()
-            with _inside(ctx, step, "evaluation", one_collective=False), paused:
+            with _inside(ctx, step, "evaluation", one_collective=False):
                 evaluated = ctx.evaluate()
             if step >= first_timed:
                 clock.restart()  # the evaluation is no step's time
