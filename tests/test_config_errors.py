@@ -64,6 +64,8 @@ BAD_CONFIGS = [
     (["train.micro_batch_size=0"], "train.micro_batch_size", "must be positive"),
     (["train.lr=0"], "train.lr", "must be positive"),
     (["train.grad_clip=-1"], "train.grad_clip", "must be positive"),
+    (["train.eval.every_steps=-1"], "train.eval.every_steps", "must not be negative"),
+    (["train.eval.batches=0"], "train.eval.batches", "must be positive"),
     (["parallel=single", "launcher.nproc_per_node=2"], "launcher.nproc_per_node", "needs 1"),
     (["parallel=hsdp", "launcher.nproc_per_node=3"], "launcher.nproc_per_node", "multiple of 2"),
     (["parallel.dp_shard=0"], "parallel.dp_shard", "-1 for 'the rest'"),
@@ -192,6 +194,25 @@ def test_text_data_needs_byte_vocabulary(tmp_path: Path):
         resolve(cfg, HostFacts.detect())
 
 
+def test_text_heldout_part_must_hold_one_evaluation_when_the_run_evaluates(tmp_path: Path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("hello world " * 100)  # 1200 bytes: 60 held out, one window of 33
+    common = ("data=text", f"data.path={corpus}", "train.seq_len=32")
+    resolve(compose_config(*common), HostFacts.detect())  # no evaluation: no such rule
+    cfg = compose_config(*common, "train.eval.every_steps=5")
+    with pytest.raises(ConfigError) as caught:
+        resolve(cfg, HostFacts.detect())
+    assert caught.value.key == "data.heldout_fraction"
+    assert "holds out 1 windows of train.seq_len + 1 = 33 bytes (60 bytes)" in str(caught.value)
+    assert "4 x 8 = 32" in str(caught.value)
+
+
+def test_hf_heldout_split_without_a_window_is_fine_without_evaluation(hf_corpus, tmp_path):
+    cfg = compose_config(*hf_corpus.overrides(), f"data.cache_dir={tmp_path}",
+                         "train.seq_len=128", "data.heldout_fraction=0.001")  # fmt: skip
+    assert resolve(cfg, HostFacts.detect()).data.prepared is not None
+
+
 BAD_HF_DATA = [
     # (overrides with {corpus paths}, key named in the error, fragment of the message)
     (["data.path={tmp}/corpus.csv"], "data.format", "cannot tell the format of 'corpus.csv'"),
@@ -201,8 +222,10 @@ BAD_HF_DATA = [
     (["data.tokenizer={jsonl}"], "data.tokenizer", "is not a tokenizer"),
     (["model.vocab_size=256"], "model.vocab_size", "smaller than the tokenizer's vocabulary"),
     (["train.global_batch_size=4096"], "data.path", "one step needs train.global_batch_size"),
-    (["train.seq_len=128", "data.heldout_fraction=0.001"], "data.heldout_fraction",
-     "not one window of 129"),
+    (["train.seq_len=128", "data.heldout_fraction=0.001", "train.eval.every_steps=5"],
+     "data.heldout_fraction", "holds out 0 windows of train.seq_len + 1 = 129 tokens"),
+    (["train.eval.every_steps=5", "train.eval.batches=1000"], "data.heldout_fraction",
+     "one evaluation needs train.eval.batches x train.global_batch_size = 1000 x 8 = 8000"),
     (["data.heldout_fraction=1"], "data.heldout_fraction", "[0, 1)"),
     (["data.num_workers=-1"], "data.num_workers", "must not be negative"),
 ]  # fmt: skip

@@ -76,6 +76,17 @@ def test_step_clock_keeps_the_last_mark_as_the_next_start():
     assert span >= 0.03
 
 
+def test_step_clock_restart_leaves_what_ran_since_the_last_mark_out():
+    clock = StepClock(CPU)
+    clock.mark()
+    time.sleep(0.2)  # an evaluation after a step: no step's time
+    clock.restart()
+    time.sleep(0.01)
+    clock.mark()
+    (span,) = clock.drain()
+    assert 0.01 <= span < 0.15
+
+
 def test_memory_meter_on_cpu_measures_a_known_allocation():
     meter = MemoryMeter(CPU)
     meter.start()

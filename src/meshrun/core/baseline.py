@@ -7,7 +7,7 @@ import dataclasses
 import hashlib
 import json
 
-from meshrun.core.config import CheckpointConfig, ExperimentConfig, ParallelConfig
+from meshrun.core.config import CheckpointConfig, EvalConfig, ExperimentConfig, ParallelConfig
 from meshrun.core.layout import Layout, layout_name
 
 __all__ = ["baseline_config", "baseline_key", "dp_size", "is_own_baseline", "layout_name",
@@ -30,7 +30,7 @@ def baseline_config(cfg: ExperimentConfig) -> ExperimentConfig:
     Weak scaling keeps what one device does per step (micro-batch and accumulation steps), so
     the baseline's global batch is the run's per-data-parallel-rank batch; strong scaling keeps
     the global batch. Either way the model, sequence length, precision, steps and the CPU
-    threads of one rank stay the same.
+    threads of one rank stay the same. It does not evaluate: only its speed is wanted.
     """
     global_batch = cfg.train.global_batch_size
     if cfg.metrics.scaling == "weak":
@@ -39,7 +39,9 @@ def baseline_config(cfg: ExperimentConfig) -> ExperimentConfig:
         cfg,
         parallel=ParallelConfig(name="single"),
         launcher=dataclasses.replace(cfg.launcher, nnodes=1, nproc_per_node=1),
-        train=dataclasses.replace(cfg.train, global_batch_size=global_batch, progress_bar=False),
+        train=dataclasses.replace(
+            cfg.train, global_batch_size=global_batch, progress_bar=False, eval=EvalConfig()
+        ),
         checkpoint=CheckpointConfig(),  # measured afresh, never saved or resumed
         run_dir=f"{cfg.run_dir}/baseline",
         name=f"{cfg.name}-baseline",

@@ -245,9 +245,11 @@ class DataConfig:
     tokenized once with `tokenizer` (a local tokenizer directory or a tokenizer.json) into a
     cache under `cache_dir` (null: `data-cache/` beside the store) that the ranks memory-map.
     Documents are joined with the tokenizer's EOS (or `separator_id`); the last
-    `heldout_fraction` of them is held out for evaluation. The loader's knobs are
-    torch.utils.data.DataLoader's; `pin_memory` applies on CUDA only. `prepared`: set by the
-    driver (the cache directory of this run's tokens), never by hand."""
+    `heldout_fraction` of them (data=text: of the file's bytes) is held out for evaluation
+    (train.eval), whether or not a run evaluates, so that training sees the same data either
+    way. The loader's knobs are torch.utils.data.DataLoader's; `pin_memory` applies on CUDA
+    only. `prepared`: set by the driver (the cache directory of this run's tokens), never by
+    hand."""
 
     name: DataName = DataName["synthetic"]
     path: str | None = None
@@ -275,6 +277,16 @@ class LrScheduleConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Held-out loss and perplexity after every `every_steps` steps and after the last (0:
+    never), over `batches` global batches of train.global_batch_size held-out samples: the
+    same samples every time, so that the curve compares like with like."""
+
+    every_steps: int = 0
+    batches: int = 4
+
+
+@dataclass
 class TrainConfig:
     """`untimed_steps`: the first steps, left out of the step times (allocator and kernel
     warm-up) and where memory is measured; not the LR warmup (lr_schedule.warmup_steps)."""
@@ -292,6 +304,7 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 5
     progress_bar: bool = True
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 @dataclass

@@ -92,6 +92,10 @@ class RunRecord:
     memory_other_bytes: int | None = _f(column=True, summary=True)
     memory_predicted: list[dict[str, int]] | None = _f()
     pretrained_read_bytes_per_rank: list[int] | None = _f()  # each rank reads its share
+    # evaluation (train.eval): the last one's loss and perplexity, seconds per evaluation
+    eval_loss: float | None = _f(column=True, summary=True)
+    eval_perplexity: float | None = _f(column=True, summary=True)
+    eval_time_s: float | None = _f(summary=True)
     # checkpoints
     resumed_from_step: int | None = _f(column=True, summary=True)
     requeues: int | None = _f(summary=True)  # SLURM requeued the job (time limit, preemption)
@@ -107,6 +111,7 @@ class RunRecord:
     # series and bookkeeping
     losses: list[float] = _f(factory=list)
     grad_norms: list[float | None] = _f(factory=list)
+    eval_losses: list[list[float]] = _f(factory=list)  # [step, eval loss] of each evaluation
     baseline_key: str | None = _f(column=True)
     run_dir: str | None = _f(column=True)
 

@@ -89,6 +89,19 @@ def data_wait_share(steps: list[dict[str, Any]]) -> float | None:
     return sum(r["data_wait_s"] for r in timed) / total if total else None
 
 
+def eval_fields(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """The last evaluation's loss and perplexity, the mean seconds of one, the curve."""
+    evaluated = [r for r in steps if "eval_loss" in r]
+    if not evaluated:
+        return {}
+    return {
+        "eval_loss": evaluated[-1]["eval_loss"],
+        "eval_perplexity": evaluated[-1]["eval_perplexity"],
+        "eval_time_s": sum(r["eval_time_s"] for r in evaluated) / len(evaluated),
+        "eval_losses": [[r["step"], r["eval_loss"]] for r in evaluated],
+    }
+
+
 def params(cfg: ExperimentConfig) -> int:
     return count_params(build_model(cfg.model, cfg.train.seq_len, "meta"))[0]
 
@@ -158,6 +171,7 @@ def assemble(
         **memory_fields(cfg, memory),
         "pretrained_read_bytes_per_rank": pretrained_read,
         **checkpoint_fields(cfg, checkpoints),
+        **eval_fields(steps),
         **predicted_speed_fields(cfg),
         "losses": [r["loss"] for r in steps],
         "grad_norms": [r.get("grad_norm") for r in steps],

@@ -32,6 +32,19 @@ def pp_group(mesh: DeviceMesh | None, layout: Layout) -> dist.ProcessGroup | Non
     return mesh["pp"].get_group() if mesh is not None and layout.pp > 1 else None
 
 
+def mean_over_ranks(
+    losses: torch.Tensor, dp_group: dist.ProcessGroup | None, pp_group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """Losses as every rank of the run sees them: the last pipeline stage's (they are zero on
+    the other stages), averaged over data-parallel ranks (equal shares of the batch)."""
+    if pp_group is not None:
+        dist.all_reduce(losses, group=pp_group)
+    if dp_group is not None:
+        dist.all_reduce(losses, group=dp_group)  # gloo has no AVG
+        losses /= dist.get_world_size(dp_group)
+    return losses
+
+
 def select_device(device_type: str, local_rank: int) -> torch.device:
     """Rank -> device; CUDA indices follow PCI bus order (set by the driver) like nvidia-smi."""
     if device_type == "cuda":

@@ -32,8 +32,9 @@ from meshrun.rank.models import build_model, model_shape
 from meshrun.rank.parallel import parallelize
 from meshrun.rank.progress import rank_progress
 from meshrun.rank.train.checkpoint import Checkpointer
-from meshrun.rank.train.data import LocalBatches, build_dataset
-from meshrun.rank.train.loop import LoopContext, train_loop
+from meshrun.rank.train.data import HeldoutBatches, LocalBatches, build_streams
+from meshrun.rank.train.evaluate import Evaluator
+from meshrun.rank.train.loop import LoopContext, autocast, train_loop
 from meshrun.rank.train.optim import build_lr_schedule, build_optimizer
 from meshrun.rank.train.pending import PendingSteps
 from meshrun.rank.watchdog import Watchdog, step_collectives
@@ -141,8 +142,11 @@ def _train(
         loading = watchdog.inside(0, "checkpoint load") if watchdog else contextlib.nullcontext()
         with loading:
             start = checkpoints.restore()
+    train_data, heldout = build_streams(
+        cfg.data, model_shape(cfg.model).vocab_size, tc.seed, tc.seq_len
+    )
     batches = LocalBatches(
-        build_dataset(cfg.data, model_shape(cfg.model).vocab_size, tc.seed, tc.seq_len),
+        train_data,
         tc.global_batch_size,
         tc.seq_len,
         dp_rank(layout, rank),
@@ -153,12 +157,24 @@ def _train(
     metrics = MetricsLog(Path(cfg.run_dir) / METRICS_FILE if rank == 0 else None)
     if start:
         metrics.keep_before(start)
+    autocast_dtype = torch.bfloat16 if bf16 and not model.casts_params else None
+    evaluate = None
+    if tc.eval.every_steps:
+        evaluate = Evaluator(
+            model,
+            HeldoutBatches(heldout, tc.eval.batches, tc.global_batch_size, tc.seq_len,
+                           dp_rank(layout, rank), layout.dp_size, device),
+            tc,
+            dp_group(mesh),
+            pp_group(mesh, layout),
+            lambda: autocast(device, autocast_dtype),
+        )  # fmt: skip
     with rank_progress(tc.steps, enabled=rank == 0 and tc.progress_bar) as progress:
         ctx = LoopContext(
             device=device,
             dp_group=dp_group(mesh),
             pp_group=pp_group(mesh, layout),
-            autocast_dtype=torch.bfloat16 if bf16 and not model.casts_params else None,
+            autocast_dtype=autocast_dtype,
             memory=memory,
             on_log=metrics,
             pending=PendingSteps(device, start or 0),
@@ -169,6 +185,7 @@ def _train(
             start_step=start or 0,
             slow_step_s=cfg.debug.slow_step_s,
             checkpoints=checkpoints,
+            evaluate=evaluate,
         )
         try:
             state = train_loop(model, optimizer, schedule, batches, tc, ctx)

@@ -107,6 +107,10 @@ def _check_train(cfg: ExperimentConfig) -> None:
              "is the floor as a fraction of train.lr", "a number from 0 to 1")  # fmt: skip
     if t.weight_decay < 0:
         fail("train.weight_decay", t.weight_decay, "must not be negative", "a number >= 0")
+    if t.eval.every_steps < 0:
+        fail("train.eval.every_steps", t.eval.every_steps, "must not be negative",
+             "0 (no evaluation) or the steps between two evaluations")  # fmt: skip
+    positive("train.eval.batches", t.eval.batches)
 
 
 def resolve_backend(cfg: ExperimentConfig, hardware: HardwareConfig, facts: HostFacts):

@@ -1,6 +1,7 @@
 """The rules about data: the files a source reads, before anything is read (`check_data`),
 and for data=hf what only the tokenizer and the tokenized cache can tell (`check_vocab`,
-`check_windows`, called by the driver's prepare step)."""
+`check_windows`, called by the driver's prepare step). A held-out split must hold one
+evaluation's samples only when the run evaluates (train.eval.every_steps > 0)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from meshrun.core.choices import DataFormat
 from meshrun.core.config import DataConfig, ExperimentConfig
 from meshrun.core.errors import fail, positive
 from meshrun.rank.models import model_shape
+from meshrun.rank.train.data import text_spans
 from meshrun.rank.train.hf_data import TokenCache, n_windows
 
 # A file's format by its suffix; a directory is a `save_to_disk` dataset.
@@ -19,6 +21,13 @@ DISK_MARKERS = ("state.json", "dataset_dict.json")
 
 
 def check_data(cfg: ExperimentConfig) -> None:
+    if cfg.data.name in ("text", "hf") and not 0 <= cfg.data.heldout_fraction < 1:
+        fail(
+            "data.heldout_fraction",
+            cfg.data.heldout_fraction,
+            "is the share of the data held out for evaluation",
+            "a number in [0, 1)",
+        )
     if cfg.data.name == "text":
         _check_text(cfg)
     elif cfg.data.name == "hf":
@@ -29,13 +38,18 @@ def _check_text(cfg: ExperimentConfig) -> None:
     path = Path(str(cfg.data.path))
     if not path.is_file():
         fail("data.path", cfg.data.path, "no such file", "the path of a local text file")
-    if path.stat().st_size <= cfg.train.seq_len + 1:
+    length = cfg.train.seq_len + 1
+    train, heldout = text_spans(path.stat().st_size, cfg.data.heldout_fraction)
+    if len(train) < length:
         fail(
             "data.path",
             cfg.data.path,
-            f"file is shorter than train.seq_len + 1 ({cfg.train.seq_len + 1} bytes)",
+            f"file's training part ({len(train)} bytes, data.heldout_fraction="
+            f"{cfg.data.heldout_fraction} held out) is shorter than train.seq_len + 1 "
+            f"({length} bytes)",
             "a longer file or a smaller seq_len",
         )
+    _check_heldout(cfg, heldout, "bytes")
     if model_shape(cfg.model).vocab_size < 256:
         fail(
             "model.vocab_size",
@@ -61,13 +75,6 @@ def _check_hf(cfg: ExperimentConfig) -> None:
             d.tokenizer,
             "no such file or directory",
             "a local tokenizer directory (save_pretrained) or a tokenizer.json",
-        )
-    if not 0 <= d.heldout_fraction < 1:
-        fail(
-            "data.heldout_fraction",
-            d.heldout_fraction,
-            "is the share of documents held out for evaluation",
-            "a number in [0, 1)",
         )
     if d.num_workers < 0:
         fail(
@@ -119,8 +126,8 @@ def check_vocab(cfg: ExperimentConfig, tokenizer_vocab: int) -> None:
 
 
 def check_windows(cfg: ExperimentConfig, cache: TokenCache) -> None:
-    """Enough training windows for one global batch; a held-out split, if asked for, with
-    at least one window."""
+    """Enough training windows for one global batch; when the run evaluates, enough
+    held-out windows for one evaluation."""
     d, t = cfg.data, cfg.train
     length = t.seq_len + 1
     train, heldout = cache.spans(d.heldout_fraction)
@@ -134,10 +141,23 @@ def check_windows(cfg: ExperimentConfig, cache: TokenCache) -> None:
             f"= {t.global_batch_size}",
             "more documents, a smaller seq_len or global batch",
         )
-    if d.heldout_fraction > 0 and n_windows(heldout, length) == 0:
+    _check_heldout(cfg, heldout, "tokens")
+
+
+def _check_heldout(cfg: ExperimentConfig, heldout: range, unit: str) -> None:
+    """One evaluation reads train.eval.batches global batches of distinct held-out windows."""
+    t = cfg.train
+    if not t.eval.every_steps:
+        return
+    length = t.seq_len + 1
+    have, need = n_windows(heldout, length), t.eval.batches * t.global_batch_size
+    if have < need:
         fail(
             "data.heldout_fraction",
-            d.heldout_fraction,
-            f"holds out {len(heldout)} tokens, not one window of {length}",
-            "a larger fraction, or 0 for no held-out split",
+            cfg.data.heldout_fraction,
+            f"holds out {have} windows of train.seq_len + 1 = {length} {unit} "
+            f"({len(heldout)} {unit}); one evaluation needs train.eval.batches x "
+            f"train.global_batch_size = {t.eval.batches} x {t.global_batch_size} = {need}",
+            "a larger fraction or more data, fewer train.eval.batches, or "
+            "train.eval.every_steps=0 (no evaluation)",
         )

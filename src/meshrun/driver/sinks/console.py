@@ -53,6 +53,7 @@ def print_summary(r: RunRecord) -> None:
     table.add_column()
     step_time = _fmt(r.step_time_s, " s")
     step_time_p90 = _fmt(r.step_time_p90_s, " s")
+    loss = ("loss first -> last", _loss_span(r.losses))
     rows = [
         ("status", r.status),
         ("layout", f"{r.layout_name} on {r.world_size} rank(s), {r.backend}"),
@@ -68,15 +69,15 @@ def print_summary(r: RunRecord) -> None:
         ("peak memory (max rank)", _fmt_bytes(r.peak_memory_max_bytes)),
         ("  params/grads/optim/activ/other", _breakdown(r)),
         ("  predicted peak", _fmt_bytes(r.predicted_peak_memory_bytes)),
-        ("loss first -> last", _loss_span(r.losses)),
+        loss,
+        *_evaluation(r),
         ("run dir", r.run_dir),
     ]
     if r.overrides:
         rows.append(("run again", f"meshrun {r.overrides}"))
     if r.pp_schedule:
         bubble = f"{_fmt(r.bubble_measured)} measured, {_fmt(r.bubble_theoretical)} theory"
-        rows.insert(-3 if r.overrides else -2,
-                    (f"bubble ({r.pp_schedule}, m={r.n_microbatches})", bubble))  # fmt: skip
+        rows.insert(rows.index(loss), (f"bubble ({r.pp_schedule}, m={r.n_microbatches})", bubble))
     if r.error:
         rows.insert(1, ("error", r.error))
     for key, value in rows:
@@ -89,6 +90,15 @@ def _data_stall(r: RunRecord) -> list[tuple[str, str]]:
         return []
     share = f"{r.data_wait_share:.0%}"
     return [("data stall", f"{share} of step time waiting for batches (see data.num_workers)")]
+
+
+def _evaluation(r: RunRecord) -> list[tuple[str, str]]:
+    """The last evaluation (train.eval), and what one costs."""
+    if r.eval_loss is None:
+        return []
+    after = f"after {r.eval_losses[-1][0] + 1} steps, {_fmt(r.eval_time_s, ' s')} per eval"
+    value = f"{r.eval_loss:.4f}, {_fmt(r.eval_perplexity)} ({after})"
+    return [("held-out loss, perplexity", value)]
 
 
 def _fmt_bytes(value: int | None) -> str:

@@ -74,6 +74,9 @@ def log_run(
             if record["step_time_s"]:
                 metrics["train/step_time_s"] = record["step_time_s"]
                 metrics["train/tokens_per_s"] = tokens_per_step / record["step_time_s"]
+            if "eval_loss" in record:
+                metrics["eval/loss"] = record["eval_loss"]
+                metrics["eval/perplexity"] = record["eval_perplexity"]
             run.log(metrics, step=record["step"])
         columns, rows = memory_rows(results)
         if rows:

@@ -8,35 +8,47 @@ from __future__ import annotations
 
 import statistics
 import time
-from itertools import pairwise
 
 import torch
 
 
 class StepClock:
+    """Spans between marks: each mark ends the open span and starts the next; `restart`
+    starts the open span again, so that what ran since the last mark (an evaluation between
+    two steps) is in no span."""
+
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self._marks: list = []
+        self._start = None  # the open span's start mark
+        self._spans: list[tuple] = []
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def mark(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self._marks.append(event)
-        else:
-            self._marks.append(time.perf_counter())
+        now = self._now()
+        if self._start is not None:
+            self._spans.append((self._start, now))
+        self._start = now
+
+    def restart(self) -> None:
+        self._start = self._now()
 
     def drain(self) -> list[float]:
-        """Seconds of each step between the marks so far; keeps the last mark as the start."""
-        if len(self._marks) < 2:
+        """Seconds of each span ended since the last drain; the open span stays open."""
+        if not self._spans:
             return []
         if self.cuda:
-            self._marks[-1].synchronize()
-            spans = [a.elapsed_time(b) / 1e3 for a, b in pairwise(self._marks)]
+            self._spans[-1][1].synchronize()
+            seconds = [a.elapsed_time(b) / 1e3 for a, b in self._spans]
         else:
-            spans = [b - a for a, b in pairwise(self._marks)]
-        self._marks = self._marks[-1:]
-        return spans
+            seconds = [b - a for a, b in self._spans]
+        self._spans = []
+        return seconds
 
 
 def percentile(values: list[float], q: float) -> float:

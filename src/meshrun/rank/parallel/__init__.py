@@ -9,7 +9,8 @@ wrappers that need real tensors (DDP, DataParallel); then the pipeline schedule.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -43,9 +44,37 @@ class ParallelModel:
     is_first_stage: bool = True
     is_last_stage: bool = True
     pretrained_bytes_read: int = 0
+    new_schedule: Callable[[], _PipelineSchedule] | None = None  # another one over `parts`
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for part in self.parts for p in part.parameters() if p.requires_grad]
+
+    @functools.cached_property
+    def eval_schedule(self) -> _PipelineSchedule:
+        """The evaluation's own schedule over the same modules, only ever run forward-only.
+        One schedule switched between `eval` and `step` re-initialises its stages (P2P
+        warm-up, shape inference, buffers) at every switch, and the switch back would run
+        inside the next timed training step."""
+        return self.new_schedule()
+
+    def run_schedule(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool = True
+                     ) -> torch.Tensor:  # fmt: skip
+        """One pass of a pipeline schedule over a batch: a training step, or forward only
+        (`train` false: `eval_schedule.eval`, which skips every backward action, here
+        keeping no outputs). The mean of the micro-batch losses on the last stage, zero
+        elsewhere."""
+        losses: list[torch.Tensor] = []
+        kwargs = {"target": targets if self.is_last_stage else None, "losses": losses}
+        run = self.schedule.step
+        if not train:
+            run, kwargs["return_outputs"] = self.eval_schedule.eval, False
+        if self.is_first_stage:
+            run(inputs, **kwargs)
+        else:
+            run(**kwargs)
+        if not losses:
+            return torch.zeros((), device=inputs.device)
+        return torch.stack([loss.detach() for loss in losses]).mean()
 
     @property
     def casts_params(self) -> bool:
@@ -74,12 +103,14 @@ def parallelize(
         part = sharded_part(cut, mesh, layout, cfg, param_dtype)
         read += materialise(part, device, seed, pretrained)
         wrapped.append(replicated(part, mesh, layout, cfg, device))
-    schedule = None
+    schedule = new_schedule = None
     if layout.pp > 1:
-        schedule = build_schedule(
-            wrapped, stage_ids, n_stages, mesh["pp"], cfg, n_microbatches, device
+        new_schedule = functools.partial(
+            build_schedule, wrapped, stage_ids, n_stages, mesh["pp"], cfg, n_microbatches, device
         )
-    return ParallelModel(wrapped, schedule, 0 in stage_ids, n_stages - 1 in stage_ids, read)
+        schedule = new_schedule()
+    return ParallelModel(wrapped, schedule, 0 in stage_ids, n_stages - 1 in stage_ids, read,
+                         new_schedule)  # fmt: skip
 
 
 def pipeline_stages(pp_rank: int, layout: Layout, cfg: ParallelConfig) -> tuple[list[int], int]:

@@ -9,11 +9,18 @@ rank's share into micro-batches (gradient accumulation), or the pipeline schedul
 
 Synthetic and text sources are random access; data=hf goes through a DataLoader whose batch
 sampler yields each step's index list in turn, from `start_step` (a resumed run) on.
+
+Every source has a held-out stream that shares no sample with training (`build_streams`):
+data=hf its last documents, data=text the last `data.heldout_fraction` of the file's bytes
+(training reads only the rest, evaluation or not), data=synthetic the samples from
+`HELDOUT_FIRST_SAMPLE` on, which training would take 2**40 / global batch steps to reach.
+An evaluation reads the same samples of it each time (`HeldoutBatches`).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,19 +32,22 @@ from meshrun.core.config import DataConfig
 from meshrun.rank.train.hf_data import HFWindows, hf_streams
 
 _MIX = 0x9E3779B97F4A7C15 & (2**62 - 1)
+HELDOUT_FIRST_SAMPLE = 2**40
 
 
 class SyntheticTokens:
     """Arithmetic progressions mod vocab with a per-sample start and stride: deterministic,
     free to generate on any device, and learnable (the loss falls)."""
 
-    def __init__(self, vocab_size: int, seed: int) -> None:
+    def __init__(self, vocab_size: int, seed: int, first_sample: int = 0) -> None:
         self.vocab_size = vocab_size
         self.seed = seed
+        self.first_sample = first_sample  # sample i of this stream is generator index first + i
 
     def batch(self, samples: range, length: int, device: torch.device) -> torch.Tensor:
         """Generated on `device` directly: no host-to-device copy, no sync."""
-        indices = torch.arange(samples.start, samples.stop, device=device)
+        first = self.first_sample
+        indices = torch.arange(first + samples.start, first + samples.stop, device=device)
         mixed = (indices * _MIX + self.seed * 7919) % (2**31 - 1)
         start = mixed % self.vocab_size
         stride = 1 + (mixed // self.vocab_size) % min(self.vocab_size - 1, 7)
@@ -46,29 +56,48 @@ class SyntheticTokens:
 
 
 class TextBytes:
-    """A local text file as bytes (vocabulary 256); sample i is the window at i * length."""
+    """A span of a local text file's bytes (vocabulary 256); sample i is the window at
+    i * length into the span, wrapping around: the first len(span) // length samples are
+    non-overlapping windows."""
 
-    def __init__(self, path: str) -> None:
-        self.tokens = torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8)
+    def __init__(self, tokens: torch.Tensor, span: range) -> None:
+        self.tokens = tokens
+        self.span = span
 
     def batch(self, samples: range, length: int, device: torch.device) -> torch.Tensor:
         """Gathered on the host, then copied without waiting for the device."""
-        span = self.tokens.numel() - length
-        starts = (torch.arange(samples.start, samples.stop) * length) % span
-        windows = starts[:, None] + torch.arange(length)[None, :]
+        room = len(self.span) - length + 1  # where a window may start
+        starts = (torch.arange(samples.start, samples.stop) * length) % room
+        windows = self.span.start + starts[:, None] + torch.arange(length)[None, :]
         return self.tokens[windows].long().to(device, non_blocking=True)
+
+
+def text_spans(n_bytes: int, heldout_fraction: float) -> tuple[range, range]:
+    """Byte spans of data=text's training part and held-out part (the last
+    ceil(fraction x bytes))."""
+    cut = n_bytes - math.ceil(n_bytes * heldout_fraction)
+    return range(0, cut), range(cut, n_bytes)
 
 
 Source = SyntheticTokens | TextBytes | HFWindows
 
 
-def build_dataset(cfg: DataConfig, vocab_size: int, seed: int, seq_len: int) -> Source:
-    """The training stream; data=hf's held-out stream is `hf_streams(...)[1]`."""
+def build_streams(cfg: DataConfig, vocab_size: int, seed: int, seq_len: int
+                  ) -> tuple[Source, Source]:  # fmt: skip
+    """The training stream and the held-out one; no held-out sample is a training sample."""
     if cfg.name == "text":
-        return TextBytes(str(cfg.path))
+        tokens = torch.frombuffer(bytearray(Path(str(cfg.path)).read_bytes()), dtype=torch.uint8)
+        train, heldout = text_spans(tokens.numel(), cfg.heldout_fraction)
+        return TextBytes(tokens, train), TextBytes(tokens, heldout)
     if cfg.name == "hf":
-        return hf_streams(cfg, seq_len, seed)[0]
-    return SyntheticTokens(vocab_size, seed)
+        return hf_streams(cfg, seq_len, seed)
+    heldout = SyntheticTokens(vocab_size, seed, first_sample=HELDOUT_FIRST_SAMPLE)
+    return SyntheticTokens(vocab_size, seed), heldout
+
+
+def build_dataset(cfg: DataConfig, vocab_size: int, seed: int, seq_len: int) -> Source:
+    """The training stream."""
+    return build_streams(cfg, vocab_size, seed, seq_len)[0]
 
 
 def dp_sample_range(step: int, global_batch: int, dp_rank: int, dp_size: int) -> range:
@@ -135,9 +164,44 @@ class LocalBatches:
             self.next_step += 1
             tokens = next(self._loader).to(self.device, non_blocking=True)
         self.waits.append(time.perf_counter() - started)
-        # Contiguous: pipeline stages check the strides of what they receive (torch < 2.13).
-        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        return inputs_and_targets(tokens)
 
     def drain_waits(self) -> list[float]:
         waits, self.waits = self.waits, []
         return waits
+
+
+def inputs_and_targets(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Windows of seq_len + 1 tokens as (inputs, next tokens). Contiguous: pipeline stages
+    check the strides of what they receive (torch < 2.13)."""
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+class HeldoutBatches:
+    """The evaluation set: samples [0, n_batches x global_batch) of the held-out stream, the
+    same each evaluation. Batch k is cut over DP ranks as training's step k is (contiguous
+    slices), so every layout evaluates the same tokens. Read at random access (data=hf
+    too): an evaluation is rare, and a loader's prefetching would hold its batches between."""
+
+    def __init__(
+        self,
+        dataset: Source,
+        n_batches: int,
+        global_batch: int,
+        seq_len: int,
+        dp_rank: int,
+        dp_size: int,
+        device: torch.device,
+    ) -> None:
+        self.dataset = dataset
+        self.n_batches = n_batches
+        self.global_batch = global_batch
+        self.seq_len = seq_len
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.device = device
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for k in range(self.n_batches):
+            samples = dp_sample_range(k, self.global_batch, self.dp_rank, self.dp_size)
+            yield inputs_and_targets(self.dataset.batch(samples, self.seq_len + 1, self.device))

@@ -23,11 +23,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from meshrun.core.config import TrainConfig
+from meshrun.rank.mesh import mean_over_ranks
 from meshrun.rank.metrics.bubble import BubbleClock
 from meshrun.rank.metrics.memory import FWD_BWD_END, STEP_START, MemoryMeter
 from meshrun.rank.parallel import ParallelModel, gradient_sync
 from meshrun.rank.train.checkpoint import Checkpointer
 from meshrun.rank.train.data import LocalBatches
+from meshrun.rank.train.evaluate import Evaluator
 from meshrun.rank.train.optim import clip_grads, grad_norm, grads_by_mesh
 from meshrun.rank.train.pending import PendingSteps, step_records
 from meshrun.rank.watchdog import Watchdog
@@ -61,6 +63,7 @@ class LoopContext:
     start_step: int = 0  # > 0: resumed from a checkpoint of that many steps
     slow_step_s: float = 0.0  # debug.slow_step_s
     checkpoints: Checkpointer | None = None
+    evaluate: Evaluator | None = None  # train.eval on
 
 
 def _inside(
@@ -72,10 +75,16 @@ def _inside(
     return ctx.watchdog.inside(step, op, one_collective)
 
 
-def _autocast(ctx: LoopContext) -> contextlib.AbstractContextManager:
-    if ctx.autocast_dtype is None:
+def autocast(device: torch.device, dtype: torch.dtype | None
+             ) -> contextlib.AbstractContextManager:  # fmt: skip
+    """bf16 autocast where the parameters are fp32 (`dtype` None: FSDP casts, or fp32)."""
+    if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(ctx.device.type, dtype=ctx.autocast_dtype)
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def _autocast(ctx: LoopContext) -> contextlib.AbstractContextManager:
+    return autocast(ctx.device, ctx.autocast_dtype)
 
 
 def _accumulate(model: ParallelModel, inputs, targets, micro_batch: int, ctx) -> torch.Tensor:
@@ -95,16 +104,8 @@ def _accumulate(model: ParallelModel, inputs, targets, micro_batch: int, ctx) ->
 
 def _pipeline_step(model: ParallelModel, inputs, targets, ctx: LoopContext) -> torch.Tensor:
     """One schedule step; the loss exists on the last stage only (zero elsewhere)."""
-    losses: list[torch.Tensor] = []
-    kwargs = {"target": targets if model.is_last_stage else None, "losses": losses}
     with _autocast(ctx):
-        if model.is_first_stage:
-            model.schedule.step(inputs, **kwargs)
-        else:
-            model.schedule.step(**kwargs)
-    if not losses:
-        return torch.zeros((), device=ctx.device)
-    return torch.stack([loss.detach() for loss in losses]).mean()
+        return model.run_schedule(inputs, targets)
 
 
 def train_loop(
@@ -162,6 +163,12 @@ def train_loop(
             clock.mark()
         if ctx.progress is not None:
             ctx.progress(step + 1)
+        evaluated = None
+        if ctx.evaluate is not None and ctx.evaluate.due(step + 1):
+            with _inside(ctx, step, "evaluation", one_collective=False):
+                evaluated = ctx.evaluate()
+            if step >= first_timed:
+                clock.restart()  # the evaluation is no step's time
         stop = save = False
         if checkpoints is not None:
             if step + 1 < cfg.steps:  # after the last step, the run saves and ends anyway
@@ -169,9 +176,10 @@ def train_loop(
                     stop = checkpoints.stop_requested()
             save = stop or checkpoints.due(step + 1)
         # A checkpoint's steps are all in metrics.jsonl: a resume appends after them.
-        if save or (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+        log = evaluated or save or (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps
+        if log:
             with _inside(ctx, step, "all_reduce (losses of the log step)"):
-                _flush(state, pending, batches, ctx)
+                _flush(state, pending, batches, ctx, evaluated)
         if stop:
             with _inside(ctx, step, "checkpoint save (stop signal)"):
                 checkpoints.stop(step + 1)
@@ -191,23 +199,24 @@ def train_loop(
 
 
 def _flush(
-    state: LoopState, pending: PendingSteps, batches: LocalBatches, ctx: LoopContext
+    state: LoopState,
+    pending: PendingSteps,
+    batches: LocalBatches,
+    ctx: LoopContext,
+    evaluated: dict[str, float] | None = None,
 ) -> None:
     """The log step: one reduction of the buffered losses, one read of the step clock.
-    Gradient norms are already global (the same on every rank); data waits are this rank's.
-    The steps (and their data waits) leave the buffer once reduced: a peer dying in the
-    reduction leaves them to the salvage."""
+    Gradient norms are already global (the same on every rank); data waits are this rank's;
+    `evaluated`: the evaluation after the last step, into its record. The steps (and their
+    data waits) leave the buffer once reduced: a peer dying in the reduction leaves them to
+    the salvage."""
     stacked = torch.stack(pending.values)
-    losses = stacked[:, 0].contiguous()
-    if ctx.pp_group is not None:
-        dist.all_reduce(losses, group=ctx.pp_group)  # only the last stage's are non-zero
-    if ctx.dp_group is not None:
-        dist.all_reduce(losses, group=ctx.dp_group)  # gloo has no AVG
-        losses /= dist.get_world_size(ctx.dp_group)
-    values = losses.tolist()
+    values = mean_over_ranks(stacked[:, 0].contiguous(), ctx.dp_group, ctx.pp_group).tolist()
     norms = stacked[:, 1].tolist()
     times = pending.clock.drain()
     first_step, _, lrs = pending.take()
     state.losses.extend(values)
     state.step_times.extend(times)
-    ctx.on_log(step_records(first_step, values, norms, lrs, times, batches.drain_waits()))
+    records = step_records(first_step, values, norms, lrs, times, batches.drain_waits())
+    records[-1].update(evaluated or {})
+    ctx.on_log(records)
