@@ -287,6 +287,15 @@ class EvalConfig:
 
 
 @dataclass
+class LossScaleConfig:
+    """fp16's dynamic loss scale (rank/train/loss_scale.py): starts at `init`, halves on a
+    step with non-finite gradients (skipped), doubles after `growth_interval` finite ones."""
+
+    init: float = 65536.0
+    growth_interval: int = 2000
+
+
+@dataclass
 class TrainConfig:
     """`untimed_steps`: the first steps, left out of the step times (allocator and kernel
     warm-up) and where memory is measured; not the LR warmup (lr_schedule.warmup_steps)."""
@@ -301,6 +310,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float | None = 1.0
     precision: Precision = Precision["fp32"]
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     seed: int = 0
     log_every: int = 5
     progress_bar: bool = True

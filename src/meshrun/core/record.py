@@ -61,6 +61,7 @@ class RunRecord:
     steps: int | None = _f()
     untimed_steps: int | None = _f()
     steps_completed: int | None = _f()
+    skipped_steps: list[int] | None = _f()  # fp16: overflowed gradients, weights not updated
     params: int | None = _f()
     # speed
     step_time_s: float | None = _f(column=True, summary=True)

@@ -193,6 +193,8 @@ def outcome(
     status, raw = attempt(cfg.run_dir, started, explained(cfg, wait))
     meta = {**meta, **status}
     raw = raw or {}
+    if raw.get("skipped_steps"):  # fp16: steps whose gradients overflowed, not applied
+        meta["skipped_steps"] = raw["skipped_steps"]
     if raw.get("requeues"):  # SLURM requeued the job, which resumed from its checkpoint
         meta.update(requeues=raw["requeues"], resumed_from_step=raw["resumed_from_step"])
     return Measured(

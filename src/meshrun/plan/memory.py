@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from meshrun.core.choices import HALF_PRECISIONS
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.layout import Layout
 from meshrun.plan.shapes import (
@@ -108,7 +109,7 @@ def activation_bytes(cfg: ExperimentConfig, layout: Layout, share: StageShare, p
     d = Dims.of(cfg.model, layout.tp)
     p = cfg.parallel
     tokens = micro_batch * cfg.train.seq_len
-    width = 2 if cfg.train.precision == "bf16" else FP32
+    width = 2 if cfg.train.precision in HALF_PRECISIONS else FP32
     kept, recompute = _layer_bytes(d, layout.tp, p.sequence_parallel,
                                    p.activation_checkpointing, width)  # fmt: skip
     per_mb = share.layers * kept + (8 if share.first else 0)
@@ -134,12 +135,12 @@ def predict_rank(cfg: ExperimentConfig, layout: Layout, share: StageShare, pp_ra
     if layout.uses_fsdp:
         gathered = local_param_elements(d, StageShare(0, share.first, share.last, 1), layout.tp, 1)
         block = layer_param_elements(d, layout.tp)
-        param_width = 2 if cfg.train.precision == "bf16" else FP32
+        param_width = 2 if cfg.train.precision in HALF_PRECISIONS else FP32
         # at the backward peak: the root, the current and the prefetched block gathered,
         # and one more block-sized buffer (all-gather staging or unsharded gradient)
         activations += (gathered + 2 * block) * param_width + block * FP32
     else:
-        if cfg.train.precision == "bf16":
+        if cfg.train.precision in HALF_PRECISIONS:
             activations += elements * 2  # autocast's bf16 weight copies, kept for backward
         if layout.dp_replicate > 1 and not cfg.parallel.ddp.gradient_as_bucket_view:
             other += state  # DDP's gradient buckets
@@ -149,7 +150,7 @@ def predict_rank(cfg: ExperimentConfig, layout: Layout, share: StageShare, pp_ra
         tokens = n_microbatches * micro_batch * cfg.train.seq_len
         other += tokens * d.h * FP32
         if share.last:  # the schedule keeps each micro-batch's logits until the next step
-            other += tokens * d.vocab * (2 if cfg.train.precision == "bf16" else FP32)
+            other += tokens * d.vocab * (2 if cfg.train.precision in HALF_PRECISIONS else FP32)
     return MemoryPrediction(state, state, elements * ADAM_BYTES, int(activations), other)
 
 

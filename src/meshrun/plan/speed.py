@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from meshrun.core.choices import HALF_PRECISIONS
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.hardware import device_for_rank
 from meshrun.core.layout import Layout, n_microbatches
@@ -116,7 +117,7 @@ def predict_speed(cfg: ExperimentConfig, host_flops: float | None = None,
         per_token *= 4 / 3
     tokens_dp_rank = t.global_batch_size * t.seq_len / layout.dp_size
     shares = stage_shares(cfg.model, cfg.parallel, layout)
-    width = 2 if t.precision == "bf16" else 4
+    width = 2 if t.precision in HALF_PRECISIONS else 4
     bw = (cfg.hardware.inter_node_bw_gbs if cfg.launcher.nnodes > 1 else None) or \
         cfg.hardware.intra_node_bw_gbs or 1.0  # fmt: skip
     latency = cfg.hardware.collective_latency_us * 1e-6

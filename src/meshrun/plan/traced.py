@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.flop_counter import FlopCounterMode
 
+from meshrun.core.choices import HALF_PRECISIONS
 from meshrun.core.config import ExperimentConfig, ModelConfig, ParallelConfig, from_dict
 from meshrun.core.layout import Layout
 from meshrun.plan.memory import MemoryPrediction, in_flight
@@ -134,8 +135,8 @@ def _trace_rank(cfg: ExperimentConfig, traced: Layout, parallel: ParallelConfig,
     hidden = None
     if traced.pp > 1:
         hidden = _stage_input(meta, micro_batch, t.seq_len, traced.tp, parallel.sequence_parallel)
-    bf16 = t.precision == "bf16"
-    dtype = torch.bfloat16 if bf16 else torch.float32
+    half = t.precision in HALF_PRECISIONS  # bf16 and fp16 take the same bytes
+    dtype = torch.bfloat16 if half else torch.float32
     # on meta, outside the fake mode: FSDP2 builds device meshes, whose own (real) tensors
     # FakeTensorMode would turn fake
     parts = [sharded_part(part, mesh, traced, parallel, dtype)
@@ -155,7 +156,7 @@ def _trace_rank(cfg: ExperimentConfig, traced: Layout, parallel: ParallelConfig,
             for micro_batches in (1, accumulated):
                 for _ in range(micro_batches):
                     logits, kept = _step(parts, micro_batch, t.seq_len, hidden,
-                                         bf16 and not fsdp, tracker)  # fmt: skip
+                                         half and not fsdp, tracker)  # fmt: skip
                     tracker.reset_mod_stats()  # per module per call; the peak stays
                 optimizer.step()
                 optimizer.zero_grad()

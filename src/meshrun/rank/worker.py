@@ -35,11 +35,14 @@ from meshrun.rank.train.checkpoint import Checkpointer
 from meshrun.rank.train.data import HeldoutBatches, LocalBatches, build_streams
 from meshrun.rank.train.evaluate import Evaluator
 from meshrun.rank.train.loop import LoopContext, autocast, train_loop
+from meshrun.rank.train.loss_scale import LossScale
 from meshrun.rank.train.optim import build_lr_schedule, build_optimizer
 from meshrun.rank.train.pending import PendingSteps
 from meshrun.rank.watchdog import Watchdog, step_collectives
 
 METRICS_FILE = "metrics.jsonl"
+# What a step computes in: bf16 and fp16 autocast fp32 weights (FSDP2 casts its own).
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class MetricsLog:
@@ -121,7 +124,7 @@ def _train(
     tc = cfg.train
     memory = MemoryMeter(device)
     memory.start()
-    bf16 = tc.precision == "bf16"
+    dtype = COMPUTE_DTYPES[tc.precision]
     model = parallelize(
         build_model(cfg.model, tc.seq_len, "meta", vocab_multiple=layout.tp),
         mesh,
@@ -129,16 +132,17 @@ def _train(
         cfg.parallel,
         device,
         tc.seed,
-        torch.bfloat16 if bf16 else torch.float32,
+        dtype,
         n_microbatches(cfg),
         cfg.model.pretrained,
     )
     optimizer = build_optimizer(model, tc)
     schedule = build_lr_schedule(optimizer, tc)
+    loss_scale = LossScale(tc.loss_scale) if tc.precision == "fp16" else None
     checkpoints = start = None
     c = cfg.checkpoint
     if c.every_steps or c.resume or c.export != "none":
-        checkpoints = Checkpointer(cfg, model, optimizer, schedule, rank)
+        checkpoints = Checkpointer(cfg, model, optimizer, schedule, rank, loss_scale)
         loading = watchdog.inside(0, "checkpoint load") if watchdog else contextlib.nullcontext()
         with loading:
             start = checkpoints.restore()
@@ -157,7 +161,8 @@ def _train(
     metrics = MetricsLog(Path(cfg.run_dir) / METRICS_FILE if rank == 0 else None)
     if start:
         metrics.keep_before(start)
-    autocast_dtype = torch.bfloat16 if bf16 and not model.casts_params else None
+    half = dtype != torch.float32
+    autocast_dtype = dtype if half and not model.casts_params else None
     evaluate = None
     if tc.eval.every_steps:
         evaluate = Evaluator(
@@ -186,6 +191,7 @@ def _train(
             slow_step_s=cfg.debug.slow_step_s,
             checkpoints=checkpoints,
             evaluate=evaluate,
+            loss_scale=loss_scale,
         )
         try:
             state = train_loop(model, optimizer, schedule, batches, tc, ctx)
@@ -220,6 +226,7 @@ def _train(
         if cfg.model.pretrained
         else None,
         "resumed_from_step": start,
+        "skipped_steps": loss_scale.skipped if loss_scale else None,
         "requeues": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
         "checkpoints": [
             {"step": s.step, "blocked_s": s.blocked_s, "total_s": s.total_s}

@@ -27,6 +27,7 @@ from meshrun.rank.parallel.dataparallel import apply_dataparallel
 from meshrun.rank.parallel.ddp import apply_ddp
 from meshrun.rank.parallel.fsdp import apply_fsdp
 from meshrun.rank.parallel.pipeline import (
+    ScaledLoss,
     build_schedule,
     cut_stage,
     local_stage_ids,
@@ -45,6 +46,7 @@ class ParallelModel:
     is_last_stage: bool = True
     pretrained_bytes_read: int = 0
     new_schedule: Callable[[], _PipelineSchedule] | None = None  # another one over `parts`
+    loss: ScaledLoss | None = None  # the training schedule's (its scale: fp16's loss scale)
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for part in self.parts for p in part.parameters() if p.requires_grad]
@@ -57,12 +59,13 @@ class ParallelModel:
         inside the next timed training step."""
         return self.new_schedule()
 
-    def run_schedule(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool = True
-                     ) -> torch.Tensor:  # fmt: skip
-        """One pass of a pipeline schedule over a batch: a training step, or forward only
-        (`train` false: `eval_schedule.eval`, which skips every backward action, here
-        keeping no outputs). The mean of the micro-batch losses on the last stage, zero
-        elsewhere."""
+    def run_schedule(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool = True,
+                     loss_scale: float = 1.0) -> torch.Tensor:  # fmt: skip
+        """One pass of a pipeline schedule over a batch: a training step (its backward
+        from the loss times `loss_scale`), or forward only (`train` false:
+        `eval_schedule.eval`, which skips every backward action, here keeping no outputs).
+        The mean of the micro-batch losses (unscaled) on the last stage, zero elsewhere."""
+        self.loss.scale = loss_scale if train else 1.0
         losses: list[torch.Tensor] = []
         kwargs = {"target": targets if self.is_last_stage else None, "losses": losses}
         run = self.schedule.step
@@ -74,7 +77,7 @@ class ParallelModel:
             run(**kwargs)
         if not losses:
             return torch.zeros((), device=inputs.device)
-        return torch.stack([loss.detach() for loss in losses]).mean()
+        return torch.stack([loss.detach() for loss in losses]).mean() / self.loss.scale
 
     @property
     def casts_params(self) -> bool:
@@ -104,13 +107,14 @@ def parallelize(
         read += materialise(part, device, seed, pretrained)
         wrapped.append(replicated(part, mesh, layout, cfg, device))
     schedule = new_schedule = None
+    loss = ScaledLoss()
     if layout.pp > 1:
         new_schedule = functools.partial(
             build_schedule, wrapped, stage_ids, n_stages, mesh["pp"], cfg, n_microbatches, device
         )
-        schedule = new_schedule()
+        schedule = new_schedule(loss_fn=loss)
     return ParallelModel(wrapped, schedule, 0 in stage_ids, n_stages - 1 in stage_ids, read,
-                         new_schedule)  # fmt: skip
+                         new_schedule, loss)  # fmt: skip
 
 
 def pipeline_stages(pp_rank: int, layout: Layout, cfg: ParallelConfig) -> tuple[list[int], int]:

@@ -115,6 +115,17 @@ def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+class ScaledLoss:
+    """A training schedule's loss times `scale` (fp16's loss scale, set before each step):
+    the schedule runs backward from what its loss function returns, and hands that back."""
+
+    def __init__(self) -> None:
+        self.scale = 1.0
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return pipeline_loss(logits, targets) * self.scale
+
+
 def build_schedule(
     parts: list[nn.Module],
     stage_ids: list[int],
@@ -123,6 +134,7 @@ def build_schedule(
     cfg: ParallelConfig,
     n_microbatches: int,
     device: torch.device,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = pipeline_loss,
 ) -> _PipelineSchedule:
     group = pp_mesh.get_group()
     stages = [
@@ -135,8 +147,8 @@ def build_schedule(
     ]
     schedule_cls = SCHEDULES[cfg.schedule]
     if cfg.schedule in MULTI_STAGE_SCHEDULES:
-        return schedule_cls(stages, n_microbatches=n_microbatches, loss_fn=pipeline_loss)
-    return schedule_cls(stages[0], n_microbatches=n_microbatches, loss_fn=pipeline_loss)
+        return schedule_cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
+    return schedule_cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
 
 
 def theoretical_bubble(pp: int, n_microbatches: int, stages_per_rank: int) -> float:

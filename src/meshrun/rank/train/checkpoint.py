@@ -53,6 +53,7 @@ from meshrun.rank.models import model_key, model_shape
 from meshrun.rank.models.shards import fill, model_name, named_tensors
 from meshrun.rank.models.vocab import VOCAB_MODULES
 from meshrun.rank.parallel import ParallelModel
+from meshrun.rank.train.loss_scale import LossScale
 
 RNG_DIR = "rng"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
@@ -77,6 +78,7 @@ class Save:
     started: float
     blocked_s: float
     lr_schedule: dict
+    loss_scale: dict | None = None
     future: Future | None = None
     total_s: float | None = None
 
@@ -110,8 +112,10 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer,
         schedule: torch.optim.lr_scheduler.LRScheduler,
         rank: int,
+        loss_scale: LossScale | None = None,
     ) -> None:
         self.cfg = cfg
+        self.loss_scale = loss_scale
         self.every = cfg.checkpoint.every_steps
         self.root = checkpoint_root(cfg.checkpoint, cfg.run_dir)
         self.model, self.optimizer, self.schedule = model, optimizer, schedule
@@ -187,7 +191,8 @@ class Checkpointer:
         rng.mkdir(exist_ok=True)
         torch.save(_rng_state(), rng / f"rank-{self.rank:05d}.pt")
         tensors = self._tensors()
-        save = Save(steps_done, path, started, 0.0, self.schedule.state_dict())
+        scale = self.loss_scale.state_dict() if self.loss_scale else None
+        save = Save(steps_done, path, started, 0.0, self.schedule.state_dict(), scale)
         final = steps_done == self.cfg.train.steps
         if self.cfg.checkpoint.async_save and background and not final:
             save.future = dcp.async_save(tensors, checkpoint_id=path, process_group=self.group,
@@ -234,6 +239,7 @@ class Checkpointer:
                 seconds_total=round(save.total_s, 4),
                 bytes=sum(f.stat().st_size for f in save.path.rglob("*") if f.is_file()),
                 ranks=layout.world_size,
+                extra={"loss_scale": save.loss_scale} if save.loss_scale else {},
             ),
         )
         self._prune(save.step)
@@ -272,7 +278,9 @@ class Checkpointer:
             return 0
         path = Path(found[0])
         manifest = read_manifest(path)
-        _init_optimizer_state(self.optimizer)
+        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        if any(key.startswith("optim.") for key in saved):  # none: saved before any update
+            _init_optimizer_state(self.optimizer)  # (fp16 skipped every step up to it)
         tensors = self._tensors()
         # Saved with the vocabulary padded for another tp: read whole, refilled unpadded.
         repadded = {}
@@ -285,6 +293,8 @@ class Checkpointer:
         for key, whole in repadded.items():
             fill(tensors[key], whole[:vocab])
         self.schedule.load_state_dict(manifest.lr_schedule)
+        if self.loss_scale and "loss_scale" in manifest.extra:
+            self.loss_scale.load_state_dict(manifest.extra["loss_scale"])
         for group, lr in zip(self.optimizer.param_groups, self.schedule.get_last_lr(), strict=True):
             group["lr"] = lr
         rng = path / RNG_DIR / f"rank-{self.rank:05d}.pt"

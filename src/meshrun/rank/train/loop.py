@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -30,6 +31,7 @@ from meshrun.rank.parallel import ParallelModel, gradient_sync
 from meshrun.rank.train.checkpoint import Checkpointer
 from meshrun.rank.train.data import LocalBatches
 from meshrun.rank.train.evaluate import Evaluator
+from meshrun.rank.train.loss_scale import LossScale
 from meshrun.rank.train.optim import clip_grads, grad_norm, grads_by_mesh
 from meshrun.rank.train.pending import PendingSteps, step_records
 from meshrun.rank.watchdog import Watchdog
@@ -63,6 +65,7 @@ class LoopContext:
     start_step: int = 0  # > 0: resumed from a checkpoint of that many steps
     slow_step_s: float = 0.0  # debug.slow_step_s
     checkpoints: Checkpointer | None = None
+    loss_scale: LossScale | None = None  # fp16
     evaluate: Evaluator | None = None  # train.eval on
 
 
@@ -97,15 +100,17 @@ def _accumulate(model: ParallelModel, inputs, targets, micro_batch: int, ctx) ->
             with _autocast(ctx):
                 logits = module(x)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-            (loss / len(chunks)).backward()
+            share = loss / len(chunks)
+            (share * ctx.loss_scale.scale if ctx.loss_scale else share).backward()
         total += loss.detach()
     return total / len(chunks)
 
 
 def _pipeline_step(model: ParallelModel, inputs, targets, ctx: LoopContext) -> torch.Tensor:
     """One schedule step; the loss exists on the last stage only (zero elsewhere)."""
+    scale = ctx.loss_scale.scale if ctx.loss_scale else 1.0
     with _autocast(ctx):
-        return model.run_schedule(inputs, targets)
+        return model.run_schedule(inputs, targets, loss_scale=scale)
 
 
 def train_loop(
@@ -150,13 +155,20 @@ def train_loop(
         if measured:
             ctx.memory.mark(FWD_BWD_END)
         groups = grads_by_mesh(params)
+        if ctx.loss_scale:
+            ctx.loss_scale.unscale(groups)
         with _inside(ctx, step, "all_reduce (gradient norm)"):
             norm = grad_norm(groups, ctx.pp_group)
         if cfg.grad_clip is not None:
             clip_grads(groups, cfg.grad_clip, norm)
         lr = schedule.get_last_lr()[0]
-        optimizer.step()
-        schedule.step()
+        stepped = ctx.loss_scale is None or ctx.loss_scale.update(step, norm)
+        if stepped:
+            optimizer.step()
+        with warnings.catch_warnings():
+            if not stepped:  # the LR follows the steps, applied or skipped (fp16 overflow)
+                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
+            schedule.step()
         optimizer.zero_grad(set_to_none=False)
         pending.add(torch.stack([step_loss, norm]), lr)
         if step >= first_timed:
