@@ -30,7 +30,10 @@ def single_fp16(tmp_path_factory, rank_pool) -> list[float]:
     return losses(_run(tmp_path_factory.mktemp("single"), rank_pool, "parallel=single"))
 
 
-@pytest.mark.parametrize("layout", ["ddp", "fsdp", "tp2", "pp2"])
+@pytest.mark.parametrize(
+    "layout", ["ddp", "pp2", pytest.param("fsdp", marks=pytest.mark.slow),
+               pytest.param("tp2", marks=pytest.mark.slow)]
+)  # fmt: skip
 def test_fp16_layouts_train_like_one_device(tmp_path, rank_pool, single_fp16, layout):
     got = losses(_run(tmp_path, rank_pool, f"parallel={layout}"))
     for step, (loss, want) in enumerate(zip(got, single_fp16, strict=True)):

@@ -41,7 +41,18 @@ def _chunks(data: bytes) -> list[bytes]:
 def read_offline_run(run_dir: Path) -> dict[str, Any]:
     """{'summary': {...}, 'config': {...}, 'history': [{...}, ...], 'run': {group, tags,
     job_type, name}, 'files': <the run's files dir>} of the one offline run."""
-    [log] = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    [run] = read_offline_runs(run_dir)
+    return run
+
+
+def read_offline_runs(run_dir: Path) -> list[dict[str, Any]]:
+    """Every offline run W&B wrote in `run_dir` (a resumed run writes one per attempt), in
+    the order they were made; each as `read_offline_run` has it, with its W&B `id`."""
+    logs = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"), key=lambda p: p.parent.name)
+    return [_read_log(log) for log in logs]
+
+
+def _read_log(log: Path) -> dict[str, Any]:
     data = log.read_bytes()
     assert data.startswith(b":W&B"), "not a W&B transaction log"
     summary: dict[str, Any] = {}
@@ -66,7 +77,7 @@ def read_offline_run(run_dir: Path) -> dict[str, Any]:
             history.append({i.key or "/".join(i.nested_key): json.loads(i.value_json)
                             for i in record.history.item})  # fmt: skip
     return {"summary": summary, "config": config, "history": history, "run": run,
-            "files": log.parent / "files"}  # fmt: skip
+            "files": log.parent / "files", "id": log.stem.removeprefix("run-")}  # fmt: skip
 
 
 def read_table(wandb_run: dict[str, Any], key: str) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from meshrun.core.errors import ConfigError
 from meshrun.core.layout import Layout, layout_name, layout_overrides
 from meshrun.core.record import RunRecord
 from meshrun.driver.failure import explained, with_unflushed
-from meshrun.driver.launch import RankFailure
+from meshrun.driver.launch import RankFailure, RunInterrupted
 from meshrun.driver.results import assemble
 from meshrun.driver.sinks.console import (
     print_error,
@@ -155,7 +155,8 @@ def attempt(run_dir: str, started: float, wait: Callable[[], Any]) -> tuple[dict
     try:
         raw = wait()
     except RankFailure as failure:
-        if failure.error.startswith(f"{Stopped.__name__}: "):  # saved, and says how to resume
+        stopped = failure.error.startswith(f"{Stopped.__name__}: ")  # saved, says how to resume
+        if stopped or isinstance(failure, RunInterrupted):
             error = failure.error.removeprefix(f"{Stopped.__name__}: ")
             status.update(status="interrupted", error=error)
         else:

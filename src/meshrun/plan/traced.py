@@ -182,11 +182,11 @@ def _step(parts: list[nn.Module], batch: int, seq: int, hidden: torch.Tensor | N
     one after the other): the last stage's logits, if this rank has it, and the activations
     the forwards left for the backwards."""
     logits, kept = None, 0
-    whole = len(parts) == 1 and hidden is None  # no pipeline: a user's module may name no ends
+    whole = len(parts) == 1 and hidden is None  # no pipeline: token ids in, named ends or not
     for part in parts:
         before = _activations(tracker)
         first = whole or part.tok_embeddings is not None
-        last = whole or part.output is not None
+        last = part.output is not None
         x = (torch.zeros(batch, seq, dtype=torch.long) if first
              else torch.empty(hidden.shape, requires_grad=True))  # fmt: skip
         with torch.autocast("cpu", torch.bfloat16, enabled=autocast):

@@ -19,3 +19,8 @@ class RankFailure(RuntimeError):
             super().__init__(f"rank {rank} was killed ({signal})" + (f", {error}" if error else ""))
         else:
             super().__init__(f"rank {rank} failed: {error}")
+
+
+class RunInterrupted(RankFailure):
+    """Ctrl-C or SIGTERM reached the driver, which stopped the ranks (a run that checkpoints
+    has its ranks save first: theirs is the Stopped record instead)."""

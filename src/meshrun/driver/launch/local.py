@@ -22,7 +22,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.tool_config import CommRunConfig
-from meshrun.driver.launch import SIGNAL_UNSEEN, RankFailure
+from meshrun.driver.launch import SIGNAL_UNSEEN, RankFailure, RunInterrupted
 from meshrun.rank.failures import first_failure, recorded_failures
 from meshrun.rank.worker import run_rank
 
@@ -110,6 +110,9 @@ def launch_local(
     except ChildFailedError as err:
         raise root_cause(err, cfg.run_dir) from None
     except SignalException as err:  # Ctrl-C or SIGTERM here: the agent has stopped the ranks
-        recorded = first_failure(cfg.run_dir) or (0, f"interrupted by {err.sigval.name}")
-        raise RankFailure(*recorded) from None
+        recorded = first_failure(cfg.run_dir)
+        if recorded is not None:
+            raise RankFailure(*recorded) from None
+        raise RunInterrupted(0, f"interrupted by {err.sigval.name}; without checkpoint."
+                             "every_steps nothing was saved") from None  # fmt: skip
     return returns[0]
