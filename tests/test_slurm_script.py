@@ -3,7 +3,14 @@ launcher key reaches its sbatch flag (no cluster needed to check that)."""
 
 from __future__ import annotations
 
+import os
+import signal
+
+import cloudpickle
+
+from meshrun.driver.launch import slurm_task
 from meshrun.driver.launch.slurm import executor
+from meshrun.driver.launch.slurm_task import SlurmTask
 from tests.helpers import compose_config
 
 
@@ -42,3 +49,16 @@ def test_job_logs_go_under_the_run_dir(tmp_path):
     script = sbatch_script("launcher.nproc_per_node=2", f"run_dir={tmp_path}")
     assert f"--output={tmp_path}/slurm/%j/%j_0_log.out" in script
     assert f"--error {tmp_path}/slurm/%j/%j_%t_log.err" in script
+
+
+def test_a_task_notes_slurms_warning_from_the_moment_it_is_unpickled():
+    """SLURM may warn (SIGUSR2) while a task still imports torch: unpickling the task (the
+    first thing submitit does in it) makes the signal a note instead of the task's death."""
+    before = signal.getsignal(signal.SIGUSR2)
+    try:
+        task = cloudpickle.loads(cloudpickle.dumps(SlurmTask()))
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert isinstance(task, SlurmTask) and slurm_task._warned == [signal.SIGUSR2]
+    finally:
+        signal.signal(signal.SIGUSR2, before)
+        slurm_task._warned.clear()

@@ -19,11 +19,7 @@ finishes once, with the losses of an uninterrupted run.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import time
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -33,42 +29,12 @@ import submitit
 from meshrun.core.config import ExperimentConfig, SlurmLauncherConfig
 from meshrun.core.tool_config import CommRunConfig
 from meshrun.driver.launch import RankFailure
+from meshrun.driver.launch.slurm_task import Entry, SlurmTask
 from meshrun.driver.sinks.console import console
 from meshrun.rank.failures import first_failure
-from meshrun.rank.train.checkpoint import Stopped
 from meshrun.rank.worker import run_rank
 
 SLURM_DIR = "slurm"
-
-
-Entry = Callable[[dict[str, Any]], Any]
-
-
-class SlurmTask:
-    """One rank, inside its SLURM task: MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK from
-    SLURM's environment, then the rank itself (training's, or meshrun-comm's). GPUs are
-    picked by LOCAL_RANK among the job's (CUDA_VISIBLE_DEVICES stays as SLURM set it)."""
-
-    def __call__(self, cfg_dict: dict[str, Any], entry: Entry = run_rank) -> Any:
-        submitit.helpers.TorchDistributedEnvironment().export(
-            set_cuda_visible_devices=False, overwrite=True
-        )
-        try:
-            return entry(cfg_dict)
-        except Stopped as stopped:
-            job = os.environ["SLURM_JOB_ID"]
-            if stopped.signum == signal.SIGUSR2 and os.environ.get("SLURM_PROCID") == "0":
-                subprocess.run(["scontrol", "requeue", job], check=True, timeout=60)
-            # No result: submitit would take it for the job's. The requeued job gives it.
-            raise SystemExit(0) from None
-
-    def checkpoint(self, cfg_dict: dict[str, Any], entry: Entry = run_rank
-                   ) -> submitit.helpers.DelayedSubmission | None:  # fmt: skip
-        """submitit's answer to SIGUSR2 arriving before the rank listens for it itself (while
-        it starts): requeue as it is, a checkpointing run resumes from its last save."""
-        if not cfg_dict.get("checkpoint", {}).get("every_steps"):
-            return None
-        return submitit.helpers.DelayedSubmission(SlurmTask(), cfg_dict, entry)
 
 
 def executor(cfg: ExperimentConfig | CommRunConfig) -> submitit.SlurmExecutor:

@@ -1,0 +1,77 @@
+"""One rank inside its SLURM task: what submitit pickles, and runs in each task.
+
+SLURM's warning before the time limit (SIGUSR2, `launcher.signal_delay_s`) may come up to a
+minute early, and on a loaded node a task takes seconds to import torch: a warning then
+would kill it, before any handler exists. So this module stays light, and unpickling the
+task (the first thing submitit does, before importing what it runs) starts noting the
+warning; a task warned that early requeues its job at once, with nothing to save. Later,
+submitit's own handler requeues (`checkpoint`), and once training runs, the checkpointer's
+saves first (rank/train/checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Callable
+from typing import Any
+
+import submitit
+
+Entry = Callable[[dict[str, Any]], Any]
+_warned: list[int] = []
+
+
+def _note(signum: int, frame: object) -> None:
+    _warned.append(signum)
+
+
+def _in_task() -> SlurmTask:
+    """Unpickling: from here on a SIGUSR2 is noted, not fatal."""
+    signal.signal(signal.SIGUSR2, _note)
+    return SlurmTask()
+
+
+class SlurmTask:
+    """MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK from SLURM's environment, then the
+    rank itself (training's, or meshrun-comm's). GPUs are picked by LOCAL_RANK among the
+    job's (CUDA_VISIBLE_DEVICES stays as SLURM set it)."""
+
+    def __reduce__(self) -> tuple[Callable[[], SlurmTask], tuple]:
+        return _in_task, ()
+
+    def __call__(self, cfg_dict: dict[str, Any], entry: Entry) -> Any:
+        from meshrun.rank.train.checkpoint import Stopped  # noqa: PLC0415 (torch: seconds)
+
+        submitit.helpers.TorchDistributedEnvironment().export(
+            set_cuda_visible_devices=False, overwrite=True
+        )
+        if _warned and _checkpoints(cfg_dict):
+            _requeue(signal.SIGUSR2)
+        try:
+            return entry(cfg_dict)
+        except Stopped as stopped:
+            _requeue(stopped.signum)
+
+    def checkpoint(self, cfg_dict: dict[str, Any], entry: Entry
+                   ) -> submitit.helpers.DelayedSubmission | None:  # fmt: skip
+        """submitit's answer to SIGUSR2 arriving before the rank listens for it itself (while
+        it starts): requeue as it is, a checkpointing run resumes from its last save."""
+        if not _checkpoints(cfg_dict):
+            return None
+        return submitit.helpers.DelayedSubmission(SlurmTask(), cfg_dict, entry)
+
+
+def _checkpoints(cfg_dict: dict[str, Any]) -> bool:
+    return bool(cfg_dict.get("checkpoint", {}).get("every_steps"))
+
+
+def _requeue(signum: int) -> None:
+    """The time limit's warning: rank 0 requeues the job (a preemption's SIGTERM: SLURM
+    does). No result either way: submitit would take it for the job's; the requeued job
+    gives it."""
+    if signum == signal.SIGUSR2 and os.environ.get("SLURM_PROCID") == "0":
+        subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True,
+                       timeout=60)  # fmt: skip
+    raise SystemExit(0)
