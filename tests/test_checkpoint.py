@@ -24,7 +24,7 @@ from tests.helpers import transformers_first_loss
 from tests.ranks import config_in, losses
 from tests.wandb_records import read_offline_runs
 
-STEPS, EVERY = 6, 3
+STEPS, EVERY = 4, 2
 COMMON = (
     "model=tiny", f"train.steps={STEPS}", "train.untimed_steps=1", "train.global_batch_size=8",
     "train.micro_batch_size=2", "train.seq_len=32", "train.seed=5", "metrics.baseline=false",
@@ -48,8 +48,8 @@ def _run(tmp: Path, rank_pool, *overrides: str):
 
 @pytest.mark.parametrize("layout", RESUMED_LAYOUTS)
 def test_resumed_run_continues_bit_for_bit(tmp_path, rank_pool, layout):
-    """The uninterrupted run saves after step 3; a run resumed from that checkpoint trains
-    steps 3-5 again with exactly the losses (and LRs) the uninterrupted one had."""
+    """The uninterrupted run saves after step 2; a run resumed from that checkpoint trains
+    steps 2-3 again with exactly the losses (and LRs) the uninterrupted one had."""
     overrides = RESUMED_LAYOUTS[layout]
     cfg, whole = _run(tmp_path / "whole", rank_pool, *overrides,
                       f"checkpoint.every_steps={EVERY}")  # fmt: skip
@@ -83,28 +83,28 @@ def test_checkpoint_loads_under_another_layout(tmp_path, rank_pool, saved_under,
 
 
 def test_interrupted_run_resumes_as_the_same_run(tmp_path, rank_pool):
-    """A rank fails at step 4 after the checkpoint of step 3; `resume=auto` in the same run
+    """A rank fails at step 3 after the checkpoint of step 2; `resume=auto` in the same run
     dir continues the same run: its id, its store row, its metrics file, appended."""
-    args = (*COMMON, "parallel=ddp", "checkpoint.every_steps=3", "checkpoint.async_save=false",
+    args = (*COMMON, "parallel=ddp", "checkpoint.every_steps=2", "checkpoint.async_save=false",
             "logger=wandb", "logger.mode=offline")  # fmt: skip
-    failing = config_in(tmp_path, *args, "debug.fail_rank=1", "debug.fail_step=4")
+    failing = config_in(tmp_path, *args, "debug.fail_rank=1", "debug.fail_step=3")
     with pytest.raises(RunFailed) as failed:
         run_experiment(failing, rank_pool.launch)
     first = failed.value.results
-    assert [r["step"] for r in read_steps(failing.run_dir)] == [0, 1, 2]
+    assert [r["step"] for r in read_steps(failing.run_dir)] == [0, 1]
     resumed = run_experiment(config_in(tmp_path, *args, "checkpoint.resume=auto"),
                              rank_pool.launch)  # fmt: skip
-    assert resumed.run_id == first.run_id and resumed.resumed_from_step == 3
+    assert resumed.run_id == first.run_id and resumed.resumed_from_step == 2
     assert [r["step"] for r in read_steps(failing.run_dir)] == list(range(STEPS))
     with sqlite3.connect(tmp_path / "meshrun.db") as db:
         rows = db.execute("SELECT run_id, status FROM runs").fetchall()
     assert rows == [(first.run_id, "completed")]
     assert resumed.checkpoint_blocked_s is not None and len(resumed.losses) == STEPS
-    # W&B: one run, continued: the resumed attempt logs under the same id from step 3 on.
+    # W&B: one run, continued: the resumed attempt logs under the same id from step 2 on.
     attempts = read_offline_runs(Path(failing.run_dir))
     assert [a["id"] for a in attempts] == [first.run_id] * 2
     logged = [[h["_step"] for h in a["history"] if "train/loss" in h] for a in attempts]
-    assert logged[1] == [3, 4, 5] and set(logged[0]) <= {0, 1, 2, 3}
+    assert logged[1] == [2, 3] and set(logged[0]) <= {0, 1, 2}
 
 
 def read_steps(run_dir: str) -> list[dict]:
@@ -112,19 +112,21 @@ def read_steps(run_dir: str) -> list[dict]:
 
 
 def test_checkpoint_cut_off_mid_write_is_never_loaded(tmp_path, rank_pool):
-    cfg, _ = _run(tmp_path / "whole", rank_pool, "parallel=single", "checkpoint.every_steps=3")
+    every = f"checkpoint.every_steps={EVERY}"
+    cfg, _ = _run(tmp_path / "whole", rank_pool, "parallel=single", every)
     root = Path(cfg.run_dir) / "checkpoints"
-    (root / "step-00000006" / MANIFEST).unlink()  # as if the last save had died mid-write
-    assert [p.name for p in complete(root)] == ["step-00000003"]
+    (root / "step-00000004" / MANIFEST).unlink()  # as if the last save had died mid-write
+    assert [p.name for p in complete(root)] == ["step-00000002"]
     with pytest.raises(ConfigError, match="cut off mid-write"):
-        config_in(tmp_path / "again", *COMMON, f"checkpoint.resume={root}/step-00000006")
+        config_in(tmp_path / "again", *COMMON, f"checkpoint.resume={root}/step-00000004")
     again = config_in(tmp_path / "auto", *COMMON, "parallel=single", f"checkpoint.dir={root}",
                       "checkpoint.resume=auto", "train.steps=8")  # fmt: skip
     assert again.run_dir == cfg.run_dir  # the run the checkpoint is of
 
 
 def test_resume_of_another_model_is_refused(tmp_path, rank_pool):
-    cfg, _ = _run(tmp_path / "whole", rank_pool, "parallel=single", "checkpoint.every_steps=3")
+    every = f"checkpoint.every_steps={EVERY}"
+    cfg, _ = _run(tmp_path / "whole", rank_pool, "parallel=single", every)
     with pytest.raises(ConfigError, match=r"another model \(model.dim"):
         config_in(tmp_path / "b", *COMMON, "model.dim=128",
                   f"checkpoint.resume={cfg.run_dir}/checkpoints")  # fmt: skip
@@ -135,7 +137,7 @@ def test_ctrl_c_saves_and_resume_auto_continues(tmp_path, rank_pool):
     rank saves, `meshrun` exits 130 with the run recorded as interrupted; the same run with
     `checkpoint.resume=auto` (here on the rank pool) finishes it with the uninterrupted
     run's losses."""
-    steps = 24
+    steps = 12
     args = (*COMMON, "parallel=ddp", f"train.steps={steps}", "checkpoint.every_steps=100",
             "train.log_every=2")  # fmt: skip
     run_dir, store = tmp_path / "run", tmp_path / "meshrun.db"

@@ -20,21 +20,22 @@ from meshrun.rank.models.hf import build_hf, hf_config, model_class
 from tests.helpers import compose_config, transformers_first_loss
 from tests.ranks import config_in, losses
 
-STEPS = 6
+STEPS = 4
+MICRO4 = "train.micro_batch_size=4"  # TP without a pipeline: see test_layouts.py
 COMMON = (
     "model=hf/tiny-llama", f"train.steps={STEPS}", "train.untimed_steps=1",
     "train.global_batch_size=8", "train.micro_batch_size=2", "train.seq_len=64",
     "train.seed=3", "metrics.baseline=false",
 )  # fmt: skip
-# By default one layout of each kind not already proven by test_verify.py's HF cases
-# (tp2_pp2, dp2_tp2_pp2, tiny-gpt2 tp2); the rest with -m slow (make test-all).
-DEFAULT = {"fsdp", "pp2_interleaved", "tp2_pp2_sequence_parallel", "fsdp2_tp2_sequence_parallel"}
+# By default one layout of each kind; the rest with -m slow (make test-all).
+DEFAULT = {"fsdp", "pp2_interleaved", "tp2_pp2_sequence_parallel", "dp2_tp2_pp2"}
+GPT2_DEFAULT = {"fsdp", "tp2", "fsdp2_tp2_sequence_parallel"}
 LAYOUTS = {
     "ddp": ("parallel=ddp",),
     "fsdp": ("parallel=fsdp",),
     "hsdp": ("parallel=hsdp", "launcher.nproc_per_node=4"),
-    "tp2": ("parallel=tp2",),
-    "tp2_sequence_parallel": ("parallel=tp2", "parallel.sequence_parallel=true"),
+    "tp2": ("parallel=tp2", MICRO4),
+    "tp2_sequence_parallel": ("parallel=tp2", "parallel.sequence_parallel=true", MICRO4),
     "pp2_1f1b": ("parallel=pp2",),
     "pp2_gpipe": ("parallel=pp2", "parallel.schedule=gpipe"),
     "pp2_interleaved": ("parallel=pp2_interleaved",),
@@ -49,9 +50,13 @@ GPT2_COMMON = (*(o for o in COMMON if not o.startswith("model=")), "model=hf/tin
 GPT2_LAYOUTS = {  # tied embeddings: no pipeline (the two would sit on different stages)
     "ddp": ("parallel=ddp",),
     "fsdp": ("parallel=fsdp",),
-    "tp2": ("parallel=tp2",),
-    "tp2_sequence_parallel": ("parallel=tp2", "parallel.sequence_parallel=true"),
-    "fsdp2_tp2_sequence_parallel": ("parallel=fsdp2_tp2", "parallel.sequence_parallel=true"),
+    "tp2": ("parallel=tp2", MICRO4),
+    "tp2_sequence_parallel": ("parallel=tp2", "parallel.sequence_parallel=true", MICRO4),
+    "fsdp2_tp2_sequence_parallel": (
+        "parallel=fsdp2_tp2",
+        "parallel.sequence_parallel=true",
+        MICRO4,
+    ),
 }
 
 
@@ -118,7 +123,7 @@ def single_losses(tmp_path_factory, rank_pool) -> dict[tuple[str, ...], list[flo
 
 
 def check_like_one_device(experiment, single_losses, overrides, common) -> None:
-    _, measured = experiment(*overrides, *common)
+    _, measured = experiment(*common, *overrides)
     assert measured.ok, measured.meta["error"]
     got, want = losses(measured), single_losses(common)
     assert len(got) == len(want) == STEPS
@@ -127,17 +132,17 @@ def check_like_one_device(experiment, single_losses, overrides, common) -> None:
     assert got[-1] < got[0]
 
 
-def cases(layouts: dict) -> list:
-    return [pytest.param(name, marks=() if name in DEFAULT else pytest.mark.slow)
+def cases(layouts: dict, default: set[str]) -> list:
+    return [pytest.param(name, marks=() if name in default else pytest.mark.slow)
             for name in layouts]  # fmt: skip
 
 
-@pytest.mark.parametrize("layout", cases(LAYOUTS))
+@pytest.mark.parametrize("layout", cases(LAYOUTS, DEFAULT))
 def test_every_kind_of_layout_trains_hf_llama_like_one_device(experiment, single_losses, layout):
     check_like_one_device(experiment, single_losses, LAYOUTS[layout], COMMON)
 
 
-@pytest.mark.parametrize("layout", cases(GPT2_LAYOUTS))
+@pytest.mark.parametrize("layout", cases(GPT2_LAYOUTS, GPT2_DEFAULT))
 def test_gpt2_with_its_shipped_plan_trains_like_one_device(experiment, single_losses, layout):
     """Conv1D as Linear, q|k|v regrouped per TP rank, positions sharded under SP, 509 tokens
     padded, the head tied to the embedding."""

@@ -1,6 +1,6 @@
 """`meshrun-verify` passes a correct layout, fails a user TP plan that silently changes the
 math, and stops bad configs and crashing ranks with the same messages and exit codes as
-`meshrun`. Real gloo processes, model=tiny, 10 steps: the command's `run` in-process, its
+`meshrun`. Real gloo processes, model=tiny, 5 steps: the command's `run` in-process, its
 ranks on the session's pool (a crashing rank: through the real launcher); the console script
 itself once, for a config error."""
 
@@ -17,12 +17,14 @@ from meshrun.tools import verify
 from tests.cli import compose_command, run_meshrun
 
 TOLERANCE = 1e-4
+STEPS = 5
 
 
 def verify_run(tmp_path: Path, *overrides: str) -> int:
     """`meshrun-verify <overrides>`'s exit code: conf/verify.yaml composed as Hydra does."""
     store = f"store.path={tmp_path / 'meshrun.db'}"
-    cfg = compose_command("verify", tmp_path / "verify", store, "train.seq_len=64", *overrides)
+    cfg = compose_command("verify", tmp_path / "verify", store, "train.seq_len=64",
+                          f"train.steps={STEPS}", *overrides)  # fmt: skip
     return verify.run(cfg)
 
 
@@ -32,8 +34,7 @@ def report(tmp_path: Path) -> dict[str, Any]:
 
 @pytest.mark.parametrize(
     "overrides",
-    [("parallel=tp2_pp2",), ("model=hf/tiny-llama", "parallel=tp2_pp2"),
-     ("model=hf/tiny-llama", "parallel=dp2_tp2_pp2"), ("model=hf/tiny-gpt2", "parallel=tp2"),
+    [("parallel=tp2_pp2",),
      # a vocabulary no TP degree divides, tied embeddings: padded, still tied
      pytest.param(("model.vocab_size=251", "model.tie_embeddings=true", "parallel=tp2"),
                   marks=pytest.mark.slow),
@@ -47,7 +48,7 @@ def test_correct_layout_passes(tmp_path, on_pool, capsys, overrides):
     result = report(tmp_path)
     assert result["passed"] is True
     assert result["tolerance"] == TOLERANCE
-    assert len(result["steps"]) == 10
+    assert len(result["steps"]) == STEPS
     assert result["max_loss_deviation"] < TOLERANCE
     assert result["max_grad_norm_deviation"] < TOLERANCE
     for role in ("layout", "reference"):
@@ -79,7 +80,7 @@ def test_wrong_tp_plan_fails_on_the_numbers(tmp_path, on_pool, capsys):
     result = report(tmp_path)
     # Both runs completed: the plan changes the math instead of crashing.
     assert result["error"] is None
-    assert len(result["steps"]) == 10
+    assert len(result["steps"]) == STEPS
     assert result["passed"] is False
     assert result["max_grad_norm_deviation"] > 100 * TOLERANCE
 

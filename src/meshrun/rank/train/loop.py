@@ -32,7 +32,7 @@ from meshrun.rank.train.checkpoint import Checkpointer
 from meshrun.rank.train.data import LocalBatches
 from meshrun.rank.train.evaluate import Evaluator
 from meshrun.rank.train.loss_scale import LossScale
-from meshrun.rank.train.optim import clip_grads, grad_norm, grads_by_mesh
+from meshrun.rank.train.optim import LocalGrads
 from meshrun.rank.train.pending import PendingSteps, step_records
 from meshrun.rank.watchdog import Watchdog
 
@@ -154,13 +154,13 @@ def train_loop(
                 step_loss = _accumulate(model, inputs, targets, cfg.micro_batch_size, ctx)
         if measured:
             ctx.memory.mark(FWD_BWD_END)
-        groups = grads_by_mesh(params)
+        grads = LocalGrads(params)
         if ctx.loss_scale:
-            ctx.loss_scale.unscale(groups)
+            ctx.loss_scale.unscale(grads)
         with _inside(ctx, step, "all_reduce (gradient norm)"):
-            norm = grad_norm(groups, ctx.pp_group)
+            norm = grads.norm(ctx.pp_group)
         if cfg.grad_clip is not None:
-            clip_grads(groups, cfg.grad_clip, norm)
+            grads.clip_(cfg.grad_clip, norm)
         lr = schedule.get_last_lr()[0]
         stepped = ctx.loss_scale is None or ctx.loss_scale.update(step, norm)
         if stepped:

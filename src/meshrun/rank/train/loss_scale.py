@@ -17,7 +17,7 @@ import math
 import torch
 
 from meshrun.core.config import LossScaleConfig
-from meshrun.rank.train.optim import GradGroups
+from meshrun.rank.train.optim import LocalGrads
 
 
 class LossScale:
@@ -27,9 +27,8 @@ class LossScale:
         self.good_steps = 0
         self.skipped: list[int] = []
 
-    def unscale(self, groups: GradGroups) -> None:
-        for group in groups.values():  # one mesh at a time: foreach ops cannot mix them
-            torch._foreach_mul_([p.grad for p in group], 1.0 / self.scale)
+    def unscale(self, grads: LocalGrads) -> None:
+        grads.scale_(1.0 / self.scale)
 
     def update(self, step: int, norm: torch.Tensor) -> bool:
         """Whether step `step` may update the weights (its gradients are finite)."""
