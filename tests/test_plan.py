@@ -50,7 +50,7 @@ HOST_FLOPS = 1e11  # a fixed CPU rate: these tests are about the model, not the 
 def test_what_is_counted_costs_a_run_as_the_formulas_do(layout):
     """The speed of a model without formulas comes from its trace and torch's FLOP count;
     where both exist they agree (the formulas leave out the norms' and softmax's FLOPs)."""
-    cfg = resolved_config("model=small", "train.seq_len=64", layout)
+    cfg = resolved_config("model=small", "model.n_layers=2", "train.seq_len=64", layout)
     formula, counted = formula_cost(cfg, Layout.of(cfg.parallel)), traced_cost(cfg)
     assert counted.rank_elements == pytest.approx(formula.rank_elements, rel=0.01)
     assert counted.flops_per_token == pytest.approx(formula.flops_per_token, rel=0.1)
