@@ -5,7 +5,6 @@ with no process left; the CUDA <-> nvidia-smi mapping logic on simulated boxes."
 from __future__ import annotations
 
 import json
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,9 +24,7 @@ from meshrun.tools.doctor.devices import (
     parse_topology,
     visible_smi_indices,
 )
-from tests.cli import CliRun, compose_command, run_meshrun
-
-DOCTOR = (sys.executable, "-m", "meshrun.tools.doctor.main")
+from tests.cli import CliRun, compose_command, run_console
 
 # A mixed box as nvidia-smi lists it (PCI bus order): two A6000s around an A100.
 SMI_CSV = """\
@@ -50,11 +47,13 @@ def cuda_view(smi_order: list[int]) -> list[CudaGpu]:
 
 @pytest.fixture
 def doctor(tmp_path: Path) -> Callable[..., CliRun]:
+    """The console script's `main` in this process (its health checks start their ranks in
+    a process of their own, as from the shell)."""
     counter = iter(range(100))
 
-    def run(*overrides: str, **kwargs) -> CliRun:
-        return run_meshrun(tmp_path / f"doctor{next(counter)}", None, *overrides,
-                           entrypoint=DOCTOR, defaults=(), **kwargs)  # fmt: skip
+    def run(*overrides: str) -> CliRun:
+        return run_console(doctor_main.main, tmp_path / f"doctor{next(counter)}", None,
+                           *overrides, defaults=())  # fmt: skip
 
     return run
 

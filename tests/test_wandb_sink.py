@@ -5,17 +5,16 @@ breakdown (and the prediction) where a run has them, else the peaks."""
 from __future__ import annotations
 
 from meshrun.driver.sinks.wandb_sink import memory_rows, run_tags
-from tests.cli import run_meshrun
 
 TINY = ("model=tiny", "parallel=single", "train.steps=3", "train.untimed_steps=1",
         "train.seq_len=32", "logger=wandb", "logger.mode=offline")  # fmt: skip
 
 
-def test_a_wandb_failure_warns_and_loses_nothing(tmp_path):
-    run_dir = tmp_path / "run"
+def test_a_wandb_failure_warns_and_loses_nothing(tmp_path, meshrun_here):
+    run_dir = tmp_path / "run0"  # meshrun_here's first run dir
     run_dir.mkdir()
     (run_dir / "wandb").write_text("a file where W&B needs its directory")
-    run = run_meshrun(run_dir, tmp_path / "meshrun.db", *TINY)
+    run = meshrun_here(*TINY)
     assert run.returncode == 0, run.output
     assert "warning W&B logging failed (NotADirectoryError" in run.output
     assert run.results["status"] == "completed"
