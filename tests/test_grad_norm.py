@@ -1,7 +1,7 @@
 """The global gradient norm and clipping on local shards (rank/train/optim.LocalGrads) equal
 torch's on the full gradients, whatever each gradient's placement on a 2-D mesh: sharded on
-one dim or both, replicated, partial (not yet reduced), or a plain tensor. Four real gloo
-ranks of the session's pool."""
+one dim or both, replicated, partial (not yet reduced), or a plain tensor; after an fp16-style
+unscaling too. Four real gloo ranks of the session's pool."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ PLACEMENTS = {
     "partial on dim 1": [Shard(0), Partial()],
 }
 MAX_NORM = 1.0
+UNSCALE = 0.5
 
 
 def _full_grads() -> dict[str, torch.Tensor]:
@@ -49,6 +50,7 @@ def _local_norm_and_clip(_) -> dict[str, object]:
             param.grad = grad.clone()
         params.append(param)
     grads = LocalGrads(params)
+    grads.scale_(UNSCALE)  # as fp16's unscaling does, before the norm
     norm = grads.norm(None)
     grads.clip_(MAX_NORM, norm)
     clipped = {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
@@ -57,7 +59,7 @@ def _local_norm_and_clip(_) -> dict[str, object]:
 
 
 def test_norm_and_clipping_on_local_shards_equal_torchs_on_the_full_gradients(rank_pool):
-    full = _full_grads()
+    full = {name: grad * UNSCALE for name, grad in _full_grads().items()}
     want = torch.nn.utils.get_total_norm(list(full.values())).item()
     coef = min(1.0, MAX_NORM / (want + 1e-6))
     for rank in rank_pool.run(_local_norm_and_clip, None, world_size=4):

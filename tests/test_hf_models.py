@@ -19,9 +19,9 @@ from meshrun.rank.models import build_model, model_shape
 from meshrun.rank.models.hf import build_hf, hf_config, model_class
 from tests.helpers import compose_config, transformers_first_loss
 from tests.ranks import config_in, losses
+from tests.test_layouts import MICRO4  # TP without a pipeline: 2 micro-batches
 
 STEPS = 4
-MICRO4 = "train.micro_batch_size=4"  # TP without a pipeline: see test_layouts.py
 COMMON = (
     "model=hf/tiny-llama", f"train.steps={STEPS}", "train.untimed_steps=1",
     "train.global_batch_size=8", "train.micro_batch_size=2", "train.seq_len=64",

@@ -56,58 +56,63 @@ class LocalGrads:
     on. Computed that way, not by DTensor, they cost no sharding propagation: DTensor's
     foreach strategy on a 2-D (FSDP x TP) or 3-D mesh took 2.5 s per op on first use on
     CPU, more than the whole rest of a tiny model's step 0. A Partial gradient (not yet
-    reduced over a dim) is scaled in place as it is (scaling each part scales the sum) and
-    reduced into a copy for the norm.
+    reduced over a dim) is scaled in place as it is (scaling each part scales the sum); the
+    norm reduces a copy, when it is taken (after any unscaling).
     """
 
     def __init__(self, params: list[nn.Parameter]) -> None:
         self.tensors: list[torch.Tensor] = []  # what scaling multiplies, in place
         self.norm_parts: dict[tuple[dist.ProcessGroup, ...], list[torch.Tensor]] = {}
+        self.partial: list[DTensor] = []
         for p in params:
             grad = p.grad
             if grad is None:
                 continue
-            sum_over: tuple[dist.ProcessGroup, ...] = ()
-            if isinstance(grad, DTensor):
-                self.tensors.append(grad.to_local())
-                mesh = grad.device_mesh
-                if any(placement.is_partial() for placement in grad.placements):
-                    grad = grad.redistribute(mesh, [Replicate() if pl.is_partial() else pl
-                                                    for pl in grad.placements])  # fmt: skip
-                sum_over = tuple(mesh.get_group(dim) for dim, placement
-                                 in enumerate(grad.placements) if placement.is_shard())  # fmt: skip
-                grad = grad.to_local()
-            else:
+            if not isinstance(grad, DTensor):
                 self.tensors.append(grad)
-            self.norm_parts.setdefault(sum_over, []).append(grad)
+                self.norm_parts.setdefault((), []).append(grad)
+                continue
+            self.tensors.append(grad.to_local())
+            if any(placement.is_partial() for placement in grad.placements):
+                self.partial.append(grad)
+            else:
+                self.norm_parts.setdefault(_sharded_over(grad), []).append(grad.to_local())
 
     def norm(self, pp_group: dist.ProcessGroup | None) -> torch.Tensor:
         """The norm of the whole model's gradient, whatever the layout: each part's sum of
         squares summed over the groups its shards lie on (one all-reduce per group), and
         pipeline stages, which hold disjoint layers, add theirs over the pp group."""
-        keys = list(self.norm_parts)
-        squares = torch.stack([
-            torch.stack(torch._foreach_norm(self.norm_parts[key])).float().square().sum()
-            for key in keys
-        ])  # fmt: skip
+        parts = {key: list(tensors) for key, tensors in self.norm_parts.items()}
+        for grad in self.partial:
+            reduced = grad.redistribute(grad.device_mesh, [
+                Replicate() if placement.is_partial() else placement
+                for placement in grad.placements
+            ])  # fmt: skip
+            parts.setdefault(_sharded_over(reduced), []).append(reduced.to_local())
+        keys = list(parts)
+        squares = [torch.stack(torch._foreach_norm(parts[key])).float().square().sum()
+                   for key in keys]  # fmt: skip
         for group in dict.fromkeys(g for key in keys for g in key):
-            sharded = torch.tensor([group in key for key in keys], device=squares.device)
-            summed = squares * sharded
+            over = [i for i, key in enumerate(keys) if group in key]
+            summed = torch.stack([squares[i] for i in over])
             dist.all_reduce(summed, group=group)
-            squares = torch.where(sharded, summed, squares)
-        total_sq = squares.sum()
+            for i, value in zip(over, summed.unbind(), strict=True):
+                squares[i] = value
+        total_sq = torch.stack(squares).sum()
         if pp_group is not None:
             dist.all_reduce(total_sq, group=pp_group)
         return total_sq.sqrt()
 
     def scale_(self, factor: torch.Tensor | float) -> None:
-        """Every gradient times `factor`, in place (one foreach op per device and dtype)."""
-        by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for tensor in self.tensors:
-            by_kind.setdefault((tensor.device, tensor.dtype), []).append(tensor)
-        for (device, _), tensors in by_kind.items():
-            torch._foreach_mul_(tensors, factor.to(device) if torch.is_tensor(factor) else factor)
+        """Every gradient times `factor`, in place."""
+        torch._foreach_mul_(self.tensors, factor)
 
     def clip_(self, max_norm: float, total: torch.Tensor) -> None:
         """torch's clip_grads_with_norm_: scaled by max_norm / (total + 1e-6), at most 1."""
         self.scale_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+
+
+def _sharded_over(grad: DTensor) -> tuple[dist.ProcessGroup, ...]:
+    """The process groups of the mesh dims `grad` is sharded on."""
+    return tuple(grad.device_mesh.get_group(dim) for dim, placement
+                 in enumerate(grad.placements) if placement.is_shard())  # fmt: skip
