@@ -5,6 +5,7 @@ no `auto` left in it) and returns rank 0's raw measurements."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -83,6 +84,17 @@ def fault_injector(debug: DebugConfig, rank: int) -> Callable[[int], None] | Non
 
 
 def run_rank(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
+    # What exists now (the imported libraries' objects, millions of them with torch) is left
+    # out of garbage collection during the run: the memory meter's collection before the
+    # measured step then walks only the run's own objects (1 s less per rank on a 3-D mesh).
+    gc.freeze()
+    try:
+        return _run_rank(cfg_dict)
+    finally:
+        gc.unfreeze()
+
+
+def _run_rank(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
     cfg = from_dict(cfg_dict)
     layout = Layout.of(cfg.parallel)
     rank = int(os.environ.get("RANK", "0"))
