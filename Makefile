@@ -16,16 +16,10 @@ $(VENV)/.installed: pyproject.toml scripts/install-torch.sh
 run: install
 	$(VENV)/bin/meshrun
 
-# The fast suite in two passes. First two test modules at a time (xdist, --dist loadscope: a
-# module's tests and its fixtures stay on one worker; tests/conftest.py orders the modules
-# longest first): most tests are multi-process runs that leave a core idle while an
-# interpreter starts or a rank waits out a timeout. Then the SLURM tests on their own: on a
-# loaded box every job of theirs starts and is polled slower (measured: 143 s alone, 520 s
-# beside another worker; run beside the first pass, the requeue test's attempts spent their
-# minute importing torch and it did not finish in 400 s).
+# The fast suite (two test modules at a time) and, beside it, the SLURM tests, whose jobs get
+# the CPU first (scripts/run-tests.sh says how and why).
 test: install
-	$(PY) -m pytest -n 2 --dist loadscope -m "not slow and not slurm" --durations=60
-	$(PY) -m pytest -m "slurm and not slow" --durations=10
+	scripts/run-tests.sh $(PY)
 
 test-all: install
 	$(PY) -m pytest -n 2 --dist loadscope -m "not slurm"

@@ -22,7 +22,7 @@ from tests.test_torchrun import check_ddp_recorded_once, torchrun
 
 CLUSTER_SCRIPT = REPO_ROOT / "scripts" / "slurm-cluster.sh"
 NODES = {"meshrun-node1", "meshrun-node2"}
-TINY = ["model=tiny", "train.steps=6", "launcher=slurm"]
+TINY = ["model=tiny", "train.steps=6", "launcher=slurm", "launcher.threads_per_rank=1"]
 DP2_ONE_PER_NODE = ["parallel=ddp", "launcher.nnodes=2", "launcher.nproc_per_node=1"]
 FORMAT = ["JobID", "State", "Submit", "Start", "End", "NodeList"]
 
