@@ -39,8 +39,9 @@ install_packages() {
     [ ${#missing[@]} -eq 0 ] && return
     log "installing ${missing[*]}"
     export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq -o DPkg::Lock::Timeout=600
-    apt-get install -y -qq -o DPkg::Lock::Timeout=600 "${missing[@]}" >/dev/null
+    # one apt at a time with .ci/run's Chromium install (apt-get update does not wait for a lock)
+    flock /tmp/meshrun-apt.lock sh -c 'apt-get update -qq &&
+        apt-get install -y -qq -o DPkg::Lock::Timeout=600 "$@" >/dev/null' apt "${missing[@]}"
 }
 
 write_config() {

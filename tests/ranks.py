@@ -32,9 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from meshrun.driver.launch import RankFailure
+from meshrun.driver.launch import TRAIN, RankEntry, RankFailure
 from meshrun.rank.failures import first_failure
-from meshrun.rank.worker import run_rank
 from tests.helpers import resolved_config
 
 JOB_TIMEOUT_S = 240.0
@@ -161,7 +160,7 @@ class RankPool:
             raise
         return [got[rank] for rank in range(world_size)]
 
-    def launch(self, cfg, entry: Callable[[dict[str, Any]], Any] = run_rank) -> Any:
+    def launch(self, cfg, entry: RankEntry = TRAIN) -> Any:
         """`dispatch.launch`'s signature: `entry` (training's run_rank, or meshrun-comm's) on
         every rank of a resolved config; rank 0's return. A failing rank is the driver's
         RankFailure, with the error the rank recorded."""

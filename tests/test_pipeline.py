@@ -6,17 +6,13 @@ from __future__ import annotations
 import pytest
 
 from meshrun.core.config import LlamaModelConfig
+from meshrun.core.layout import local_stage_ids, stage_layer_counts, theoretical_bubble
 from meshrun.driver.experiment import record
 from meshrun.driver.sinks.console import print_summary
 from meshrun.driver.sinks.store import ResultsStore
 from meshrun.rank.metrics.bubble import bubble_per_rank
 from meshrun.rank.models import build_model
-from meshrun.rank.parallel.pipeline import (
-    cut_stage,
-    local_stage_ids,
-    stage_layer_counts,
-    theoretical_bubble,
-)
+from meshrun.rank.parallel.pipeline import cut_stage
 
 
 def test_even_split_puts_extra_layers_on_later_stages():

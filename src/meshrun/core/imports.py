@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 
@@ -25,4 +26,12 @@ def import_target(path: str) -> Any:
     target = getattr(importlib.import_module(module), name, None)
     if target is None:
         raise ValueError(f"module {module!r} has no attribute {name!r}")
+    return target
+
+
+def import_callable(path: str) -> Callable[..., Any]:
+    """`import_target`, and ValueError if what it names cannot be called."""
+    target = import_target(path)
+    if not callable(target):
+        raise ValueError(f"{path} is not a callable")
     return target

@@ -1,6 +1,7 @@
-"""Rank order: the one place that knows which rank sits where; and the one name of a layout
-(`layout_name`), the overrides that run it again (`layout_overrides`) and its pipeline
-micro-batch count (`n_microbatches`), all from a resolved config.
+"""Rank order: the one place that knows which rank sits where; the one name of a layout
+(`layout_name`), the overrides that run it again (`layout_overrides`), its pipeline
+micro-batch count (`n_microbatches`), which layers each pipeline stage holds and the
+bubble its schedule leaves in theory; all from a resolved config, with no torch.
 
 Ranks are laid out row-major over (pp, dp_replicate, dp_shard, tp): tensor-parallel peers are
 adjacent ranks (same node, fastest links), pipeline stages the outermost dimension. This is
@@ -18,10 +19,13 @@ from functools import cache
 
 from omegaconf import OmegaConf
 
+from meshrun.core.choices import Schedule
 from meshrun.core.config import ExperimentConfig, ParallelConfig
 from meshrun.core.paths import CONF_DIR
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+# Schedules that run several stages on each pipeline rank (parallel.stages_per_rank > 1).
+MULTI_STAGE_SCHEDULES = (Schedule["interleaved_1f1b"], Schedule["interleaved_zb"])
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,24 @@ def n_microbatches(cfg: ExperimentConfig) -> int:
     p = cfg.parallel
     local = cfg.train.global_batch_size // max(1, p.dp_replicate * p.dp_shard)
     return max(1, local // cfg.train.micro_batch_size)
+
+
+def stage_layer_counts(n_layers: int, n_stages: int, explicit: list[int] | None) -> list[int]:
+    """Layers per stage: `explicit` as given, else as even as possible (earlier stages, which
+    also hold the embedding, get no more than later ones)."""
+    if explicit:
+        return list(explicit)
+    base, extra = divmod(n_layers, n_stages)
+    return [base + (1 if stage >= n_stages - extra else 0) for stage in range(n_stages)]
+
+
+def local_stage_ids(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
+    return [pp_rank + i * pp for i in range(stages_per_rank)]
+
+
+def theoretical_bubble(pp: int, n_microbatches: int, stages_per_rank: int) -> float:
+    """Idle fraction of a step: (p-1)/(m+p-1), or (p-1)/(v*m+p-1) interleaved (v stages a rank)."""
+    return (pp - 1) / (stages_per_rank * n_microbatches + pp - 1)
 
 
 def layout_name(cfg: ExperimentConfig) -> str:

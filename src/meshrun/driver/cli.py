@@ -22,6 +22,7 @@ from meshrun.core.hardware import HostFacts, target_facts
 from meshrun.driver.collect import submit_pending
 from meshrun.driver.command import hydra_command
 from meshrun.driver.experiment import record_skipped, reported, run_experiment
+from meshrun.driver.launch import TRAIN
 from meshrun.driver.launch.dispatch import launch
 from meshrun.driver.resolve import resolve
 from meshrun.driver.sinks.console import print_error
@@ -32,7 +33,6 @@ from meshrun.driver.sweep import (
     register_sweeps,
     sweep_name,
 )
-from meshrun.rank.worker import run_rank
 from meshrun.validate.launcher import check_attached_world
 
 register_sweeps(ConfigStore.instance())
@@ -67,7 +67,7 @@ def run(dict_cfg: DictConfig) -> int:
         print_error("config error", str(err))
         return 2
     if rank not in (None, 0):
-        run_rank(asdict(cfg))
+        TRAIN(asdict(cfg))
         return 0
     if rank is None and cfg.launcher.name == "slurm" and not _waits_here(cfg):
         submit_pending(cfg)

@@ -31,10 +31,9 @@ from meshrun.driver.sinks.console import (
 )
 from meshrun.driver.sinks.store import ResultsStore
 from meshrun.driver.sinks.wandb_sink import log_run
-from meshrun.rank.models.export import export_checkpoint
-from meshrun.rank.train.checkpoint import Stopped
+from meshrun.rank.failures import Stopped
+from meshrun.rank.metrics.log import METRICS_FILE
 from meshrun.rank.watchdog import clear_records, with_diagnosis
-from meshrun.rank.worker import METRICS_FILE
 
 Launch = Callable[[ExperimentConfig], dict[str, Any] | None]
 RUN_FILE = "run.json"  # the run's identity, which a resume from its checkpoints keeps
@@ -93,6 +92,9 @@ def finish_experiment(cfg: ExperimentConfig, measured: Measured, launch: Launch)
 def export(cfg: ExperimentConfig) -> str | None:
     """The final checkpoint's model as `checkpoint.export` asks; a failure costs the export
     (a warning), never the run: the checkpoint stays for another try."""
+    # DCP and the model converters: a second of imports that only exporting runs pay
+    from meshrun.rank.models.export import export_checkpoint  # noqa: PLC0415
+
     final = step_dir(checkpoint_root(cfg.checkpoint, cfg.run_dir), cfg.train.steps)
     try:
         path = export_checkpoint(final, cfg.model, cfg.train.seq_len, cfg.checkpoint.export,

@@ -11,7 +11,13 @@ from meshrun.core.baseline import baseline_key, is_own_baseline, n_devices
 from meshrun.core.checkpoints import checkpoint_root
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.hardware import device_for_rank
-from meshrun.core.layout import Layout, layout_name, layout_overrides, n_microbatches
+from meshrun.core.layout import (
+    Layout,
+    layout_name,
+    layout_overrides,
+    n_microbatches,
+    theoretical_bubble,
+)
 from meshrun.core.record import RunRecord
 from meshrun.plan import predict
 from meshrun.plan.candidate import host_flops
@@ -19,7 +25,6 @@ from meshrun.rank.metrics.flops import mfu, peak_flops
 from meshrun.rank.metrics.memory import MEMORY_CATEGORIES
 from meshrun.rank.metrics.throughput import summarize_steps
 from meshrun.rank.models import build_model, count_params
-from meshrun.rank.parallel.pipeline import theoretical_bubble
 
 
 def pipeline_fields(cfg: ExperimentConfig, bubbles: list[float] | None) -> dict[str, Any]:

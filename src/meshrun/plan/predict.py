@@ -4,10 +4,11 @@ traced on fake tensors (traced.py), the speed model then costing what was counte
 
 from __future__ import annotations
 
+from types import ModuleType
+
 from meshrun.core.config import ExperimentConfig
 from meshrun.plan.memory import MemoryPrediction, predict_memory
 from meshrun.plan.speed import SpeedPrediction, predict_speed
-from meshrun.plan.traced import counted_flops_per_token, traced_cost, traced_memory
 from meshrun.rank.metrics.flops import flops_per_token
 from meshrun.rank.models import build_model, count_params, model_shape
 
@@ -16,30 +17,41 @@ def has_formula(cfg: ExperimentConfig) -> bool:
     return model_shape(cfg.model).formula
 
 
+def _tracer() -> ModuleType:
+    """traced.py, imported when a model needs it: it builds ranks with torch's whole
+    distributed stack (DTensor, FSDP, pipelining: a second of imports every `meshrun` would
+    pay before its first message otherwise)."""
+    from meshrun.plan import traced  # noqa: PLC0415 (see the docstring)
+
+    return traced
+
+
 def memory(cfg: ExperimentConfig) -> list[MemoryPrediction]:
-    return predict_memory(cfg) if has_formula(cfg) else traced_memory(cfg)
+    return predict_memory(cfg) if has_formula(cfg) else _tracer().traced_memory(cfg)
 
 
 def speed(cfg: ExperimentConfig, host_flops: float | None) -> SpeedPrediction | None:
     if has_formula(cfg):
         return predict_speed(cfg, host_flops)
-    cost = traced_cost(cfg)
+    cost = _tracer().traced_cost(cfg)
     return predict_speed(cfg, host_flops, cost) if cost else None
 
 
 def traced(cfg: ExperimentConfig) -> list[MemoryPrediction] | None:
     """The trace a run records: its only prediction without a formula, or with plan.trace."""
-    return traced_memory(cfg) if cfg.plan.trace or not has_formula(cfg) else None
+    return _tracer().traced_memory(cfg) if cfg.plan.trace or not has_formula(cfg) else None
 
 
 def counted_flops(cfg: ExperimentConfig) -> float | None:
     """torch's count of the training FLOPs per token, where a run records the trace."""
-    return counted_flops_per_token(cfg) if cfg.plan.trace or not has_formula(cfg) else None
+    if cfg.plan.trace or not has_formula(cfg):
+        return _tracer().counted_flops_per_token(cfg)
+    return None
 
 
 def training_flops_per_token(cfg: ExperimentConfig) -> float:
     """For MFU: PaLM's formula (metrics/flops.py) where it applies, else counted."""
     if not has_formula(cfg):
-        return counted_flops_per_token(cfg)
+        return _tracer().counted_flops_per_token(cfg)
     _, matmul = count_params(build_model(cfg.model, cfg.train.seq_len, "meta"))
     return flops_per_token(model_shape(cfg.model), matmul, cfg.train.seq_len)

@@ -8,10 +8,9 @@ import math
 from dataclasses import dataclass
 
 from meshrun.core.config import ExperimentConfig, ModelConfig, ParallelConfig
-from meshrun.core.layout import Layout, n_microbatches
+from meshrun.core.layout import Layout, local_stage_ids, n_microbatches, stage_layer_counts
 from meshrun.rank.models import model_shape
 from meshrun.rank.models.vocab import padded_vocab
-from meshrun.rank.parallel.pipeline import local_stage_ids, stage_layer_counts
 
 
 @dataclass(frozen=True)

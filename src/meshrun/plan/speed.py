@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from meshrun.core.choices import HALF_PRECISIONS
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.hardware import device_for_rank
-from meshrun.core.layout import Layout, n_microbatches
+from meshrun.core.layout import Layout, n_microbatches, theoretical_bubble
 from meshrun.plan.shapes import (
     Dims,
     StageShare,
@@ -42,7 +42,6 @@ from meshrun.plan.shapes import (
 )
 from meshrun.rank.metrics.flops import flops_per_token
 from meshrun.rank.models import model_shape
-from meshrun.rank.parallel.pipeline import theoretical_bubble
 
 GB = 1e9
 # GPUs: the MFU of well-tuned large-model runs. CPU: of the probe's matmul rate, which the

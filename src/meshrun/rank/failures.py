@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import time
 import traceback
@@ -17,6 +18,16 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 FAILURES_DIR = "failures"
+
+
+class Stopped(Exception):
+    """A signal stopped the run after it saved `step` steps in `path`."""
+
+    def __init__(self, signum: int, step: int, path: Path) -> None:
+        self.signum, self.step, self.path = signum, step, path
+        name = signal.Signals(signum).name
+        super().__init__(f"stopped by {name} after step {step - 1}, saved in {path}; "
+                         f"resume with checkpoint.resume={path.parent.absolute()}")  # fmt: skip
 
 
 class Failure(NamedTuple):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import os
 import signal
 import threading
@@ -28,6 +27,7 @@ from meshrun.rank.failures import (
 )
 from meshrun.rank.mesh import build_mesh, dp_group, init_distributed, pp_group, select_device
 from meshrun.rank.metrics.bubble import bubble_per_rank
+from meshrun.rank.metrics.log import METRICS_FILE, MetricsLog
 from meshrun.rank.metrics.memory import MemoryMeter, ModelState
 from meshrun.rank.models import build_model, model_shape
 from meshrun.rank.parallel import parallelize
@@ -41,30 +41,8 @@ from meshrun.rank.train.optim import build_lr_schedule, build_optimizer
 from meshrun.rank.train.pending import PendingSteps
 from meshrun.rank.watchdog import Watchdog, step_collectives
 
-METRICS_FILE = "metrics.jsonl"
 # What a step computes in: bf16 and fp16 autocast fp32 weights (FSDP2 casts its own).
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class MetricsLog:
-    """Rank 0 appends each log step's records at once, so a crash keeps the steps done."""
-
-    def __init__(self, path: Path | None) -> None:
-        self.path = path
-
-    def keep_before(self, step: int) -> None:
-        """Drops the steps from `step` on, which a run resumed at `step` trains again."""
-        if self.path is None or not self.path.exists():
-            return
-        kept = [line for line in self.path.read_text().splitlines()
-                if line and json.loads(line)["step"] < step]  # fmt: skip
-        self.path.write_text("".join(line + "\n" for line in kept))
-
-    def __call__(self, records: list[dict]) -> None:
-        if self.path is None:
-            return
-        with self.path.open("a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
 
 
 def fault_injector(debug: DebugConfig, rank: int) -> Callable[[int], None] | None:

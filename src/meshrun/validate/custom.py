@@ -11,8 +11,8 @@ from fnmatch import fnmatch
 
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import ParallelStyle
 
+from meshrun.core.choices import TP_STYLES
 from meshrun.core.config import CustomModelConfig, ExperimentConfig
 from meshrun.core.errors import fail
 from meshrun.rank.models.custom import (
@@ -23,7 +23,6 @@ from meshrun.rank.models.custom import (
     paddable,
     user_tp_plan,
 )
-from meshrun.rank.parallel.tensor import TP_STYLES
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 README = "see README, Your own nn.Module"
@@ -72,13 +71,23 @@ def _check_plan(m: CustomModelConfig, module: nn.Module) -> None:
              "{pattern: style}, or \"module:callable\"")  # fmt: skip
     names = [n for n, _ in module.named_modules() if n]
     for pattern, style in plan.items():
-        if not isinstance(style, ParallelStyle) and style not in TP_STYLES:
+        if (isinstance(style, str) and style not in TP_STYLES) or not _is_style(style):
             fail(f"model.tp_plan.{pattern}", style, "is not a TP style",
                  " | ".join(TP_STYLES) + ", or a ParallelStyle from a callable")  # fmt: skip
         if not any(fnmatch(name, pattern) for name in names):
             nearest = difflib.get_close_matches(pattern, names, n=3)
             fail("model.tp_plan", pattern, "matches no module of the model",
                  f"{' | '.join(nearest) or 'a pattern of named_modules()'} (nearest)")  # fmt: skip
+
+
+def _is_style(style: object) -> bool:
+    """A style name, or a ParallelStyle: only a plan holding objects imports torch's tensor
+    parallelism here, the second every `meshrun` would pay at start otherwise."""
+    if isinstance(style, str):
+        return True
+    from torch.distributed.tensor.parallel import ParallelStyle  # noqa: PLC0415 (see above)
+
+    return isinstance(style, ParallelStyle)
 
 
 def check_custom_layout(cfg: ExperimentConfig) -> None:

@@ -11,10 +11,15 @@ import os
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import fail
 from meshrun.core.hardware import HostFacts
-from meshrun.core.layout import MESH_DIMS, Layout, n_microbatches
+from meshrun.core.imports import import_callable
+from meshrun.core.layout import (
+    MESH_DIMS,
+    MULTI_STAGE_SCHEDULES,
+    Layout,
+    n_microbatches,
+    stage_layer_counts,
+)
 from meshrun.rank.models import model_shape
-from meshrun.rank.parallel.pipeline import MULTI_STAGE_SCHEDULES, stage_layer_counts
-from meshrun.rank.parallel.tensor import resolve_tp_plan
 from meshrun.validate.launcher import CPU_DEFAULT_RANKS, check_launcher, place_ranks
 
 
@@ -118,7 +123,7 @@ def check_tensor_parallel(cfg: ExperimentConfig) -> None:
         )
     if p.tp_plan is not None:
         try:
-            resolve_tp_plan(p.tp_plan)
+            import_callable(p.tp_plan)
         except (ImportError, ValueError) as err:
             fail(
                 "parallel.tp_plan",

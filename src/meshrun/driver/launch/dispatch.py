@@ -4,20 +4,18 @@ starts ranks (`meshrun`, `meshrun-comm`, `meshrun-verify`) goes through `launch`
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from meshrun.core.attached import attached_rank
+from meshrun.driver.launch import TRAIN, RankEntry
 from meshrun.driver.launch.local import launch_local
 from meshrun.driver.launch.slurm import launch_slurm
 from meshrun.driver.launch.torchrun import launch_attached
-from meshrun.rank.worker import run_rank
 
-Entry = Callable[[dict[str, Any]], Any]
 LAUNCHERS = {"local": launch_local, "slurm": launch_slurm}
 
 
-def launch(cfg: Any, entry: Entry = run_rank) -> Any:
+def launch(cfg: Any, entry: RankEntry = TRAIN) -> Any:
     """Rank 0's return value of `entry` run on every rank; RankFailure if a rank failed."""
     if attached_rank() == 0:
         return launch_attached(cfg, entry)

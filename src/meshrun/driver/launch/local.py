@@ -1,6 +1,6 @@
 """Local launch through torch.distributed.elastic, the machinery torchrun runs.
 
-One agent on this node starts `nproc_per_node` worker processes running `run_rank`. When any
+One agent on this node starts `nproc_per_node` worker processes running the rank entry. When any
 of them fails, the agent stops the others at once (no restarts) and we raise RankFailure
 naming the first rank that failed and its error.
 """
@@ -12,7 +12,6 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import uuid
-from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -22,9 +21,8 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.tool_config import CommRunConfig
-from meshrun.driver.launch import SIGNAL_UNSEEN, RankFailure, RunInterrupted
+from meshrun.driver.launch import SIGNAL_UNSEEN, TRAIN, RankEntry, RankFailure, RunInterrupted
 from meshrun.rank.failures import first_failure, recorded_failures
-from meshrun.rank.worker import run_rank
 
 logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
 
@@ -82,7 +80,7 @@ def root_cause(err: ChildFailedError, run_dir: str) -> RankFailure:
 
 def launch_local(
     cfg: ExperimentConfig | CommRunConfig,
-    entry: Callable[[dict[str, Any]], Any] = run_rank,
+    entry: RankEntry = TRAIN,
 ) -> Any:
     """Rank 0's return value; `entry` is the per-rank function (training, or meshrun-comm's).
 
@@ -93,7 +91,7 @@ def launch_local(
     launcher = cfg.launcher
     method = start_method(launcher.start_method)
     if method == "forkserver":
-        multiprocessing.set_forkserver_preload([entry.__module__])
+        multiprocessing.set_forkserver_preload([entry.module])
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

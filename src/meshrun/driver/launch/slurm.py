@@ -28,11 +28,10 @@ import submitit
 
 from meshrun.core.config import ExperimentConfig, SlurmLauncherConfig
 from meshrun.core.tool_config import CommRunConfig
-from meshrun.driver.launch import RankFailure
-from meshrun.driver.launch.slurm_task import Entry, SlurmTask
+from meshrun.driver.launch import TRAIN, RankEntry, RankFailure
+from meshrun.driver.launch.slurm_task import SlurmTask
 from meshrun.driver.sinks.console import console
 from meshrun.rank.failures import first_failure
-from meshrun.rank.worker import run_rank
 
 SLURM_DIR = "slurm"
 
@@ -63,7 +62,7 @@ def executor(cfg: ExperimentConfig | CommRunConfig) -> submitit.SlurmExecutor:
     return ex
 
 
-def submit(cfg: ExperimentConfig | CommRunConfig, entry: Entry = run_rank) -> str:
+def submit(cfg: ExperimentConfig | CommRunConfig, entry: RankEntry = TRAIN) -> str:
     """Submits the job, returns its id at once."""
     job = executor(cfg).submit(SlurmTask(), asdict(cfg), entry)
     console.print(
@@ -120,7 +119,7 @@ def _last_line(err: Exception) -> str:
     return (traced or lines or [type(err).__name__])[-1].strip()
 
 
-def launch_slurm(cfg: ExperimentConfig | CommRunConfig, entry: Entry = run_rank) -> Any:
+def launch_slurm(cfg: ExperimentConfig | CommRunConfig, entry: RankEntry = TRAIN) -> Any:
     """Submits and waits; an interrupted driver (Ctrl-C) cancels its job."""
     job_id = submit(cfg, entry)
     try:

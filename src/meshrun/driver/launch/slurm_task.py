@@ -19,7 +19,9 @@ from typing import Any
 
 import submitit
 
-Entry = Callable[[dict[str, Any]], Any]
+from meshrun.driver.launch import RankEntry
+from meshrun.rank.failures import Stopped
+
 _warned: list[int] = []
 
 
@@ -41,9 +43,7 @@ class SlurmTask:
     def __reduce__(self) -> tuple[Callable[[], SlurmTask], tuple]:
         return _in_task, ()
 
-    def __call__(self, cfg_dict: dict[str, Any], entry: Entry) -> Any:
-        from meshrun.rank.train.checkpoint import Stopped  # noqa: PLC0415 (torch: seconds)
-
+    def __call__(self, cfg_dict: dict[str, Any], entry: RankEntry) -> Any:
         submitit.helpers.TorchDistributedEnvironment().export(
             set_cuda_visible_devices=False, overwrite=True
         )
@@ -54,7 +54,7 @@ class SlurmTask:
         except Stopped as stopped:
             _requeue(stopped.signum)
 
-    def checkpoint(self, cfg_dict: dict[str, Any], entry: Entry
+    def checkpoint(self, cfg_dict: dict[str, Any], entry: RankEntry
                    ) -> submitit.helpers.DelayedSubmission | None:  # fmt: skip
         """submitit's answer to SIGUSR2 arriving before the rank listens for it itself (while
         it starts): requeue as it is, a checkpointing run resumes from its last save."""

@@ -4,15 +4,13 @@ WORLD_SIZE, MASTER_ADDR/PORT) and is one rank; torchrun owns teardown on failure
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
 from meshrun.core.attached import attached_rank
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.tool_config import CommRunConfig
-from meshrun.driver.launch import RankFailure
-from meshrun.rank.worker import run_rank
+from meshrun.driver.launch import TRAIN, RankEntry, RankFailure
 
 
 def run_dir_override() -> str:
@@ -25,7 +23,7 @@ def run_dir_override() -> str:
 
 def launch_attached(
     cfg: ExperimentConfig | CommRunConfig,
-    entry: Callable[[dict[str, Any]], Any] = run_rank,
+    entry: RankEntry = TRAIN,
 ) -> Any:
     try:
         return entry(asdict(cfg))

@@ -21,18 +21,12 @@ from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.nn.parallel import DistributedDataParallel
 
 from meshrun.core.config import ParallelConfig
-from meshrun.core.layout import Layout
+from meshrun.core.layout import Layout, local_stage_ids, stage_layer_counts
 from meshrun.rank.parallel.checkpointing import apply_activation_checkpointing
 from meshrun.rank.parallel.dataparallel import apply_dataparallel
 from meshrun.rank.parallel.ddp import apply_ddp
 from meshrun.rank.parallel.fsdp import apply_fsdp
-from meshrun.rank.parallel.pipeline import (
-    ScaledLoss,
-    build_schedule,
-    cut_stage,
-    local_stage_ids,
-    stage_layer_counts,
-)
+from meshrun.rank.parallel.pipeline import ScaledLoss, build_schedule, cut_stage
 from meshrun.rank.parallel.tensor import resolve_tp_plan
 
 

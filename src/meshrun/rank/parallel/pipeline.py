@@ -28,6 +28,7 @@ from torch.distributed.pipelining.schedules import (
 
 from meshrun.core.choices import Schedule
 from meshrun.core.config import ParallelConfig
+from meshrun.core.layout import MULTI_STAGE_SCHEDULES
 
 # Keyed by the config's enum, which is the one list of schedule names (tests check they agree).
 SCHEDULES = {
@@ -36,20 +37,6 @@ SCHEDULES = {
     Schedule["interleaved_1f1b"]: ScheduleInterleaved1F1B,
     Schedule["interleaved_zb"]: ScheduleInterleavedZeroBubble,
 }
-MULTI_STAGE_SCHEDULES = (Schedule["interleaved_1f1b"], Schedule["interleaved_zb"])
-
-
-def stage_layer_counts(n_layers: int, n_stages: int, explicit: list[int] | None) -> list[int]:
-    """Layers per stage: `explicit` as given, else as even as possible (earlier stages, which
-    also hold the embedding, get no more than later ones)."""
-    if explicit:
-        return list(explicit)
-    base, extra = divmod(n_layers, n_stages)
-    return [base + (1 if stage >= n_stages - extra else 0) for stage in range(n_stages)]
-
-
-def local_stage_ids(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
-    return [pp_rank + i * pp for i in range(stages_per_rank)]
 
 
 def cut_stage(full: nn.Module, stage: int, counts: list[int]) -> nn.Module:
@@ -149,8 +136,3 @@ def build_schedule(
     if cfg.schedule in MULTI_STAGE_SCHEDULES:
         return schedule_cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
     return schedule_cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
-
-
-def theoretical_bubble(pp: int, n_microbatches: int, stages_per_rank: int) -> float:
-    """Idle fraction of a step: (p-1)/(m+p-1), or (p-1)/(v*m+p-1) interleaved (v stages a rank)."""
-    return (pp - 1) / (stages_per_rank * n_microbatches + pp - 1)

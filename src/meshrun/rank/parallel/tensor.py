@@ -28,9 +28,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from meshrun.core.imports import import_target
+from meshrun.core.choices import TP_STYLES
+from meshrun.core.imports import import_callable
 
-TP_STYLES = ("colwise", "rowwise", "embedding", "head", "sequence_parallel", "gather_input")
 TpPlan = Callable[[nn.Module, DeviceMesh, bool], None]
 
 
@@ -106,9 +106,4 @@ def apply_tp(
 
 def resolve_tp_plan(path: str | None) -> TpPlan:
     """The model's own plan, or a user's "package.module:function" with apply_tp's signature."""
-    if path is None:
-        return apply_tp
-    plan = import_target(path)
-    if not callable(plan):
-        raise ValueError(f"{path} is not a callable")
-    return plan
+    return apply_tp if path is None else import_callable(path)

@@ -49,6 +49,7 @@ from meshrun.core.checkpoints import (
 )
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.layout import Layout, layout_name
+from meshrun.rank.failures import Stopped
 from meshrun.rank.models import model_key, model_shape
 from meshrun.rank.models.shards import fill, model_name, named_tensors
 from meshrun.rank.models.vocab import VOCAB_MODULES
@@ -57,16 +58,6 @@ from meshrun.rank.train.loss_scale import LossScale
 
 RNG_DIR = "rng"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
-
-
-class Stopped(Exception):
-    """A signal stopped the run after it saved `step` steps in `path`."""
-
-    def __init__(self, signum: int, step: int, path: Path) -> None:
-        self.signum, self.step, self.path = signum, step, path
-        name = signal.Signals(signum).name
-        super().__init__(f"stopped by {name} after step {step - 1}, saved in {path}; "
-                         f"resume with checkpoint.resume={path.parent.absolute()}")  # fmt: skip
 
 
 @dataclass

@@ -27,10 +27,11 @@ from meshrun.core.hardware import HostFacts, resolve_hardware
 from meshrun.core.tool_config import CommRunConfig
 from meshrun.driver.command import hydra_command
 from meshrun.driver.experiment import attempt, new_run
+from meshrun.driver.launch import RankEntry
 from meshrun.driver.launch.dispatch import launch
 from meshrun.driver.sinks.console import console, print_error
 from meshrun.tools.comm.busbw import OPS
-from meshrun.tools.comm.collectives import DTYPES, REDOPS, device_type, measurements, run_comm_rank
+from meshrun.tools.comm.collectives import DTYPES, REDOPS, device_type, measurements
 from meshrun.tools.comm.report import print_tables, record, summarize, write_json
 from meshrun.validate import resolve_backend
 from meshrun.validate.launcher import (
@@ -41,6 +42,8 @@ from meshrun.validate.launcher import (
     place_ranks,
 )
 from meshrun.validate.slurm import check_slurm
+
+COMM = RankEntry("meshrun.tools.comm.collectives", "run_comm_rank")
 
 
 def validate_comm(cfg: CommRunConfig, facts: HostFacts) -> CommRunConfig:
@@ -105,7 +108,7 @@ def _resolve_launcher(cfg: CommRunConfig, backend: str, facts: HostFacts):
 def measure(cfg: CommRunConfig) -> dict[str, Any]:
     """Launch the ranks and assemble the report (a failed run too: status, error, rank)."""
     identity = new_run(cfg.run_dir)
-    status, rows = attempt(cfg.run_dir, time.time(), lambda: launch(cfg, run_comm_rank))
+    status, rows = attempt(cfg.run_dir, time.time(), lambda: launch(cfg, COMM))
     report: dict[str, Any] = {
         **identity, **status, "name": cfg.name,
         "backend": cfg.backend.name, "launcher": cfg.launcher.name,
@@ -128,7 +131,7 @@ def run(dict_cfg: DictConfig) -> int:
         print_error("config error", str(err))
         return 2
     if rank not in (None, 0):
-        run_comm_rank(asdict(cfg))
+        COMM(asdict(cfg))
         return 0
     report = measure(cfg)
     write_json(report)
