@@ -37,7 +37,9 @@ def test_summarize_steps_arithmetic():
     times = [0.5, 1.0, 1.5, 2.0]  # 5 s in all
     summary = summarize_steps(times, tokens_per_step=1000, samples_per_step=8)
     assert summary["step_time_s"] == pytest.approx(1.25)
+    assert summary["step_time_p10_s"] == pytest.approx(np.percentile(times, 10))
     assert summary["step_time_p90_s"] == pytest.approx(np.percentile(times, 90))
+    assert summary["step_time_cv"] == pytest.approx(np.std(times) / np.mean(times))
     assert summary["tokens_per_s"] == pytest.approx(4 * 1000 / 5)
     assert summary["samples_per_s"] == pytest.approx(4 * 8 / 5)
 

@@ -43,6 +43,7 @@ class RunRecord:
     sweep: str | None = _f(column=True, summary=True, report=(2, "sweep"))
     # what ran
     model: str | None = _f(column=True, summary=True, report=(3, "model"))
+    data: str | None = _f(column=True, summary=True)  # synthetic | text | hf
     parallel: str | None = _f(column=True)  # preset (auto: planner's pick)
     layout: dict[str, int] | None = _f()
     layout_name: str | None = _f(column=True, summary=True, report=(4, "layout"))
@@ -63,16 +64,34 @@ class RunRecord:
     steps_completed: int | None = _f()
     skipped_steps: list[int] | None = _f()  # fp16: overflowed gradients, weights not updated
     params: int | None = _f()
-    # speed
+    # speed: step times of the timed steps, their median, spread and coefficient of variation
+    step_times: list[float] = _f(factory=list)
     step_time_s: float | None = _f(column=True, summary=True)
-    step_time_p90_s: float | None = _f(summary=True)
+    step_time_p10_s: float | None = _f(column=True, summary=True)
+    step_time_p90_s: float | None = _f(column=True, summary=True)
+    step_time_cv: float | None = _f(column=True, summary=True)
     tokens_per_s: float | None = _f(column=True, summary=True, report=(9, "tokens/s"))
     samples_per_s: float | None = _f(summary=True)
+    # the host's CPU that processes other than this run's used while it was timed (share of
+    # all cores); None where not measured (another host's ranks)
+    host_other_cpu_share: float | None = _f(column=True, summary=True)
     scaling: str | None = _f(summary=True)
+    # the single-device baseline: `fresh` (measured side by side with the run, alternating),
+    # `after` (measured on its own after the run: both did not fit at once), `stored` (a
+    # stored one of the same fingerprint, `baseline_age_s` old), `own` (a single-device run)
+    baseline_mode: str | None = _f(column=True, summary=True)
+    baseline_age_s: float | None = _f(summary=True)
     baseline_tokens_per_s: float | None = _f(summary=True)
     baseline_run_id: str | None = _f()
     speedup: float | None = _f(column=True, summary=True, report=(10, "speedup"))
+    # the spread of the speedup over the alternating rounds (10th and 90th percentile)
+    speedup_p10: float | None = _f(column=True, summary=True)
+    speedup_p90: float | None = _f(column=True, summary=True)
+    speedup_rounds: int | None = _f(summary=True)
     scaling_efficiency: float | None = _f(column=True, summary=True, report=(11, "efficiency"))
+    # what makes a figure of this run untrustworthy, each a sentence (efficiency above 1 +
+    # noise, a busy host): shown beside the figures, never hidden
+    flags: list[str] = _f(factory=list)
     flops_per_token: float | None = _f()
     flops_per_token_counted: float | None = _f()  # plan.trace: torch's FlopCounterMode
     mfu: float | None = _f(column=True, summary=True)

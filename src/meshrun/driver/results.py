@@ -127,7 +127,8 @@ def assemble(
     t = cfg.train
     tokens_per_step = t.global_batch_size * t.seq_len
     step_times = [r["step_time_s"] for r in steps if r["step_time_s"] is not None]
-    timing = dict.fromkeys(("step_time_s", "step_time_p90_s", "tokens_per_s", "samples_per_s"))
+    timing = dict.fromkeys(("step_time_s", "step_time_p10_s", "step_time_p90_s", "step_time_cv",
+                            "tokens_per_s", "samples_per_s"))  # fmt: skip
     if step_times:
         timing = summarize_steps(step_times, tokens_per_step, t.global_batch_size)
     devices = n_devices(cfg)
@@ -144,6 +145,7 @@ def assemble(
         "name": cfg.name,
         "sweep": cfg.sweep,
         "model": cfg.model.name,
+        "data": cfg.data.name,
         "parallel": cfg.parallel.name,
         "layout": Layout.of(cfg.parallel).degrees(),
         "layout_name": layout_name(cfg),
@@ -162,6 +164,7 @@ def assemble(
         "untimed_steps": t.untimed_steps,
         "steps_completed": len(steps),
         "params": params(cfg),
+        "step_times": step_times,
         **timing,
         "scaling": cfg.metrics.scaling,
         "baseline_tokens_per_s": baseline_tps,

@@ -101,6 +101,9 @@ def run_rank(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
             watchdog.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
+        # The run's process groups live in reference cycles: freed here, their gloo threads
+        # stop while the interpreter still runs, not during its exit or the next run.
+        gc.collect()
 
 
 def _train(
