@@ -223,7 +223,7 @@ def meshrun_results(overrides: list[str], work: Path) -> dict[str, Any]:
     """results.json of one `meshrun` run in `work`: its own store, no W&B, no baseline run."""
     run_dir = work / "meshrun"
     command = [Path(sys.executable).with_name("meshrun"), f"hydra.run.dir={run_dir}",
-               f"store.path={work / 'meshrun.db'}", "logger=none", "metrics.baseline=false",
+               f"store.path={work / 'meshrun.db'}", "logger=none", "metrics.baseline=off",
                "train.progress_bar=false", *overrides]  # fmt: skip
     proc = subprocess.run(command, capture_output=True, text=True, check=False, cwd=REPO_ROOT)
     if proc.returncode:

@@ -27,7 +27,7 @@ from tests.wandb_records import read_offline_runs
 STEPS, EVERY = 4, 2
 COMMON = (
     "model=tiny", f"train.steps={STEPS}", "train.untimed_steps=1", "train.global_batch_size=8",
-    "train.micro_batch_size=2", "train.seq_len=32", "train.seed=5", "metrics.baseline=false",
+    "train.micro_batch_size=2", "train.seq_len=32", "train.seed=5", "metrics.baseline=off",
     "train.lr_schedule.decay=cosine", "train.lr_schedule.warmup_steps=2",
 )  # fmt: skip
 RESUMED_LAYOUTS = {

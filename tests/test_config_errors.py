@@ -410,7 +410,7 @@ def test_tp_plan_module_in_the_working_directory_is_imported_by_driver_and_ranks
     """`python -P` keeps the working directory off sys.path, as a console script does."""
     (tmp_path / "my_tp_plan.py").write_text(USER_PLAN)
     run = meshrun("model=tiny", "parallel=tp2", "parallel.tp_plan=my_tp_plan:plan",
-                  "train.steps=2", "train.untimed_steps=1", "metrics.baseline=false",
+                  "train.steps=2", "train.untimed_steps=1", "metrics.baseline=off",
                   entrypoint=(sys.executable, "-P", "-m", "meshrun.driver.cli"))  # fmt: skip
     assert run.returncode == 0, run.output
     assert {p.name for p in tmp_path.glob("plan_called_by_rank*")} == {

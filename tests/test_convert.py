@@ -157,6 +157,6 @@ def test_pretrained_weights_give_transformers_first_loss_through_the_driver(expe
     cfg, measured = experiment("model=tiny", f"model.pretrained={tmp_path / 'ckpt'}",
                                "parallel=single", "train.steps=2", "train.untimed_steps=1",
                                "train.global_batch_size=4", "train.micro_batch_size=2",
-                               "train.seq_len=64", "metrics.baseline=false")  # fmt: skip
+                               "train.seq_len=64", "metrics.baseline=off")  # fmt: skip
     assert measured.ok, measured.meta["error"]
     assert losses(measured)[0] == pytest.approx(transformers_first_loss(cfg, saved), rel=1e-5)

@@ -25,7 +25,7 @@ NAMED = (*MODEL, "model.layers=blocks", "model.embedding=embed", "model.norm=nor
 STEPS = 6
 COMMON = (
     f"train.steps={STEPS}", "train.untimed_steps=1", "train.global_batch_size=8",
-    "train.micro_batch_size=2", "train.seq_len=64", "train.seed=3", "metrics.baseline=false",
+    "train.micro_batch_size=2", "train.seq_len=64", "train.seed=3", "metrics.baseline=off",
 )  # fmt: skip
 # by default beside verify's (fsdp, tp2 with the callable and with the YAML plan)
 DEFAULT = {"ddp", "pp2_1f1b", "fsdp_full_checkpointing"}

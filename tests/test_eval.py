@@ -31,7 +31,7 @@ STEPS, EVERY = 4, 2
 COMMON = (
     "model=tiny", f"train.steps={STEPS}", "train.untimed_steps=1", "train.global_batch_size=8",
     "train.micro_batch_size=2", "train.seq_len=32", "train.precision=fp32", "train.seed=5",
-    "train.log_every=3", "train.eval.batches=2", "metrics.baseline=false",
+    "train.log_every=3", "train.eval.batches=2", "metrics.baseline=off",
 )  # fmt: skip
 EVAL = (f"train.eval.every_steps={EVERY}",)
 LAYOUTS = {
@@ -94,7 +94,7 @@ def test_eval_loss_falls_on_hf_data_and_reaches_the_record(experiment, hf_corpus
     _, measured = experiment(
         *hf_corpus.overrides(), f"data.cache_dir={tmp_path}", "parallel=single",
         "train.seq_len=32", "train.steps=12", "train.lr=3e-3", "train.seed=1",
-        "train.eval.every_steps=4", "train.eval.batches=1", "metrics.baseline=false",
+        "train.eval.every_steps=4", "train.eval.batches=1", "metrics.baseline=off",
     )  # fmt: skip
     assert measured.ok, measured.meta["error"]
     curve = evaluations(measured)

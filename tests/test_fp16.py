@@ -15,7 +15,7 @@ from tests.ranks import config_in, losses
 COMMON = (
     "model=tiny", "train.steps=8", "train.untimed_steps=1", "train.global_batch_size=8",
     "train.micro_batch_size=2", "train.seq_len=32", "train.seed=4", "train.precision=fp16",
-    "metrics.baseline=false",
+    "metrics.baseline=off",
 )  # fmt: skip
 
 

@@ -27,7 +27,7 @@ def test_single_gpu_run_measures_cuda_memory_and_mfu(meshrun):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_ddp_over_nccl_matches_single_gpu_losses(meshrun):
-    common = ("model=tiny", "train.steps=6", "train.untimed_steps=1", "metrics.baseline=false")
+    common = ("model=tiny", "train.steps=6", "train.untimed_steps=1", "metrics.baseline=off")
     single = meshrun("parallel=single", *common)
     ddp = meshrun("parallel=ddp", "launcher.nproc_per_node=2", *common)
     assert single.returncode == ddp.returncode == 0, single.output + ddp.output

@@ -197,7 +197,7 @@ def test_start_step_continues_where_a_run_from_zero_is(hf_corpus, tmp_path):
 def test_ddp_on_hf_data_learns_with_the_losses_of_one_device(experiment, hf_corpus, tmp_path):
     common = (*hf_corpus.overrides(), f"data.cache_dir={tmp_path}", f"train.seq_len={SEQ}",
               "train.steps=12",
-              "train.lr=3e-3", "train.seed=1", "metrics.baseline=false")  # fmt: skip
+              "train.lr=3e-3", "train.seed=1", "metrics.baseline=off")  # fmt: skip
     single_cfg, single = experiment("parallel=single", *common)
     cfg, ddp = experiment("parallel=ddp", *common)
     assert single.ok and ddp.ok, (single.meta["error"], ddp.meta["error"])

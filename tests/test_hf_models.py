@@ -25,7 +25,7 @@ STEPS = 4
 COMMON = (
     "model=hf/tiny-llama", f"train.steps={STEPS}", "train.untimed_steps=1",
     "train.global_batch_size=8", "train.micro_batch_size=2", "train.seq_len=64",
-    "train.seed=3", "metrics.baseline=false",
+    "train.seed=3", "metrics.baseline=off",
 )  # fmt: skip
 # By default one layout of each kind; the rest with -m slow (make test-all).
 DEFAULT = {"fsdp", "pp2_interleaved", "tp2_pp2_sequence_parallel", "dp2_tp2_pp2"}

@@ -20,7 +20,7 @@ MICRO4 = "train.micro_batch_size=4"
 COMMON = (
     "model=tiny", f"train.steps={STEPS}", "train.untimed_steps=1", "train.global_batch_size=8",
     "train.micro_batch_size=2", "train.seq_len=64", "train.precision=fp32", "train.seed=3",
-    "metrics.baseline=false",
+    "metrics.baseline=off",
 )  # fmt: skip
 LAYOUTS = {
     "ddp": ("parallel=ddp",),

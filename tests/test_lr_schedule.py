@@ -36,7 +36,7 @@ def test_warmup_reaches_the_lr_then_each_decay_ends_at_the_floor():
 
 RUN = ("model=tiny", f"train.steps={STEPS}", "train.untimed_steps=1", "train.lr=1e-3",
        "train.lr_schedule.decay=cosine", "train.lr_schedule.warmup_steps=3",
-       "train.lr_schedule.min_lr_ratio=0.1", "metrics.baseline=false")  # fmt: skip
+       "train.lr_schedule.min_lr_ratio=0.1", "metrics.baseline=off")  # fmt: skip
 
 
 def test_each_step_trains_and_logs_the_scheduled_lr_under_any_layout(experiment):
@@ -48,5 +48,5 @@ def test_each_step_trains_and_logs_the_scheduled_lr_under_any_layout(experiment)
         assert measured.ok, measured.meta["error"]
         assert [s["lr"] for s in measured.steps] == pytest.approx(expected, rel=1e-12)
     assert losses(fsdp) == pytest.approx(losses(single), rel=1e-4)
-    _, constant = experiment(*RUN[:4], "parallel=single", "metrics.baseline=false")
+    _, constant = experiment(*RUN[:4], "parallel=single", "metrics.baseline=off")
     assert losses(constant)[1] != pytest.approx(losses(single)[1], rel=1e-6)  # the LR matters

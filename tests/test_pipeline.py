@@ -43,13 +43,13 @@ def test_theoretical_bubble(pp, m, v, expected):
 
 
 PP_SMALL = ("model=small", "parallel=pp2", "train.global_batch_size=8", "train.steps=4",
-            "train.untimed_steps=2", "metrics.baseline=false")  # fmt: skip
+            "train.untimed_steps=2", "metrics.baseline=off")  # fmt: skip
 
 
 def test_bubble_is_measured_and_recorded_beside_the_theory(experiment, capsys):
     cfg, measured = experiment("model=tiny", "parallel=pp2", "parallel.schedule=gpipe",
                                "train.global_batch_size=8", "train.micro_batch_size=4",
-                               "train.steps=5", "metrics.baseline=false")  # fmt: skip
+                               "train.steps=5", "metrics.baseline=off")  # fmt: skip
     assert measured.ok, measured.meta["error"]
     store = ResultsStore(cfg.store.path)
     results = record(cfg, measured, None, store)  # results.json and the store row

@@ -162,7 +162,7 @@ def test_allow_oom_launches_a_run_predicted_not_to_fit_and_stores_the_prediction
 
 
 def test_parallel_auto_runs_the_best_predicted_layout(meshrun_here):
-    run = meshrun_here("parallel=auto", "model=tiny", "train.steps=3", "metrics.baseline=false")
+    run = meshrun_here("parallel=auto", "model=tiny", "train.steps=3", "metrics.baseline=off")
     assert run.returncode == 0, run.output
     results = run.results
     # the preset asked for stays `auto`; the layout it resolved to is named like any other

@@ -44,7 +44,7 @@ def test_predicted_memory_per_rank_is_within_the_bars(tmp_path, name, ckpt):
     would shift the measured peaks), the prediction the run's record carries beside them."""
     ckpt_override = f"parallel.activation_checkpointing={ckpt}"
     cfg = config_in(tmp_path, *LAYOUTS[name], ckpt_override, "train.steps=4",
-                    "train.progress_bar=false", "metrics.baseline=false")  # fmt: skip
+                    "train.progress_bar=false", "metrics.baseline=off")  # fmt: skip
     measured = measure(cfg, "run", launch_local)
     assert measured.ok, measured.meta["error"]
     pairs = list(zip(measured.memory, [p.as_dict() for p in predict.memory(cfg)], strict=True))

@@ -99,7 +99,9 @@ def test_dp2_with_one_rank_per_node_lands_in_the_store_with_speedup_and_memory(m
     assert stored["speedup"] == results["speedup"]
     assert stored["peak_memory_max_bytes"] == max(results["peak_memory_bytes"])
     # One rank on each node, and each rank's output and errors under the run dir.
-    [job_id, _] = job_ids(run.run_dir)  # the run and its baseline twin
+    # one job: rank 0 trained the baseline between the run's steps, on its node
+    [job_id] = job_ids(run.run_dir)
+    assert results["baseline_mode"] == "fresh" and results["speedup_rounds"] == 4  # 6 steps, 2 untimed
     assert node_names(sacct(job_id)["nodes"]) == NODES
     logs = run.run_dir / "slurm" / job_id
     assert f"logs: {logs}" in run.output
@@ -113,7 +115,7 @@ def test_sweep_submits_both_jobs_before_either_finishes(tmp_path):
     run = run_meshrun(
         tmp_path / "unused", tmp_path / "meshrun.db",
         f"hydra.sweep.dir={sweep_dir}", *TINY, *DP2_ONE_PER_NODE,
-        "metrics.baseline=false", "train.micro_batch_size=1,2",
+        "metrics.baseline=off", "train.micro_batch_size=1,2",
         timeout=400, entrypoint=(sys.executable, "-m", "meshrun.driver.cli", "--multirun"),
     )  # fmt: skip
     assert run.returncode == 0, run.output
@@ -129,7 +131,7 @@ def test_sweep_submits_both_jobs_before_either_finishes(tmp_path):
 
 
 def test_wait_false_returns_the_job_id_and_collect_records_it_later(meshrun):
-    run = meshrun(*TINY, "parallel=single", "launcher.wait=false", "metrics.baseline=false")
+    run = meshrun(*TINY, "parallel=single", "launcher.wait=false", "metrics.baseline=off")
     assert run.returncode == 0, run.output
     [job_id] = job_ids(run.run_dir)
     assert f"submitted SLURM job {job_id}" in run.output
@@ -223,7 +225,7 @@ def test_a_run_longer_than_its_time_limit_finishes_through_requeues(tmp_path, ra
     an idle cluster would."""
     train = ["model=tiny", "train.steps=65", "train.log_every=5", "train.untimed_steps=1",
              "train.global_batch_size=4", "train.micro_batch_size=2", "train.seq_len=32",
-             "launcher.threads_per_rank=1", "metrics.baseline=false", "parallel=ddp"]  # fmt: skip
+             "launcher.threads_per_rank=1", "metrics.baseline=off", "parallel=ddp"]  # fmt: skip
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "meshrun.driver.cli", f"hydra.run.dir={run_dir}",
                f"store.path={tmp_path}/meshrun.db", "logger=none", "train.progress_bar=false",

@@ -23,6 +23,7 @@ def result(run_id: str, created_at: str, **fields) -> dict:
         "parallel": "single",
         "world_size": 1,
         "baseline_key": "key-a",
+        "fingerprint_key": "host-a",
         "tokens_per_s": 100.0,
         "losses": [5.0, 4.5],
     }
@@ -51,7 +52,7 @@ def test_rows_of_an_older_meshrun_read_as_todays_record(store):
     """Renamed keys followed, unknown ones dropped, missing ones defaulted; a store without
     today's columns gets them."""
     old = result("r1", "2024-01-01", pp_microbatches=4, extra={"nested": [1, 2]})
-    del old["losses"]
+    del old["losses"], old["fingerprint_key"]
     with closing(sqlite3.connect(store.path)) as db, db:
         db.execute("DROP TABLE runs")
         db.execute(
@@ -66,7 +67,9 @@ def test_rows_of_an_older_meshrun_read_as_todays_record(store):
     (record,) = reopened.records()
     assert record.n_microbatches == 4 and record.losses == [] and record.layout_name is None
     assert "extra" not in reopened.runs()[0]
-    assert reopened.find_baseline("key-a").tokens_per_s == 100.0
+    # measured where, nobody knows: never reused as a stored baseline
+    assert record.fingerprint_key is None
+    assert reopened.find_baseline("key-a", "host-a", since="2000-01-01") is None
     with closing(sqlite3.connect(store.path)) as db:
         present = {row[1] for row in db.execute("PRAGMA table_info(runs)")}
     assert set(COLUMNS) <= present
@@ -80,7 +83,7 @@ def test_store_columns_are_the_records_with_sqlite_types():
     assert set(COLUMNS) - {"results_json"} <= {f.name for f in dataclasses.fields(RunRecord)}
 
 
-def test_find_baseline_returns_the_newest_completed_single_device_run_with_the_key(store):
+def test_find_baseline_returns_the_newest_completed_single_device_run_of_key_and_host(store):
     rows = [
         result("old", "2024-01-01T00:00:00+00:00", tokens_per_s=90.0),
         result("newest-ok", "2024-01-03T00:00:00+00:00", tokens_per_s=110.0),
@@ -90,22 +93,27 @@ def test_find_baseline_returns_the_newest_completed_single_device_run_with_the_k
         result("ddp", "2024-01-05T00:00:00+00:00", parallel="ddp", world_size=2),
         result("wide", "2024-01-06T00:00:00+00:00", world_size=2),
         result("other-key", "2024-01-07T00:00:00+00:00", baseline_key="key-b"),
+        result("other-host", "2024-01-08T00:00:00+00:00", fingerprint_key="host-b"),
     ]
     for row in rows:
         store.record(row)
-    baseline = store.find_baseline("key-a")
+    baseline = store.find_baseline("key-a", "host-a", since="2024-01-01T00:00:00+00:00")
     assert baseline is not None
     assert baseline.run_id == "newest-ok"
     assert baseline.tokens_per_s == 110.0
-    assert store.find_baseline("key-b").run_id == "other-key"
+    assert store.find_baseline("key-b", "host-a", since="2024-01-01").run_id == "other-key"
+    assert store.find_baseline("key-a", "host-b", since="2024-01-01").run_id == "other-host"
+    # too old: measured before `since`
+    assert store.find_baseline("key-a", "host-a", since="2024-01-03T00:00:01+00:00") is None
 
 
 def test_find_baseline_is_none_without_a_matching_completed_run(store):
-    assert store.find_baseline("key-a") is None
+    since = "2000-01-01"
+    assert store.find_baseline("key-a", "host-a", since) is None
     store.record(result("failed", "2024-01-01T00:00:00+00:00", status="failed", error="x"))
     store.record(result("ddp", "2024-01-02T00:00:00+00:00", parallel="ddp", world_size=2))
-    assert store.find_baseline("key-a") is None
-    assert store.find_baseline("no-such-key") is None
+    assert store.find_baseline("key-a", "host-a", since) is None
+    assert store.find_baseline("no-such-key", "host-a", since) is None
 
 
 def test_failed_runs_are_stored_with_their_error(store):

@@ -128,7 +128,7 @@ def test_wandb_agent_runs_record_one_sweep_and_skip_invalid_points(tmp_path):
             tmp_path / "meshrun.db",
             *TINY,
             *cmd[2:],
-            "metrics.baseline=false",  # the speedup is not what this test is about
+            "metrics.baseline=off",  # the speedup is not what this test is about
             "logger=wandb",
             "logger.mode=offline",
             entrypoint=tuple(cmd[:2]),

@@ -1,5 +1,6 @@
-"""Started by torchrun, `meshrun` acts as one rank: all ranks share one run dir, rank 0
-records the run (and measures the baseline alone, after the others are gone)."""
+"""Started by torchrun, `meshrun` acts as one rank: all ranks share one run dir, every rank
+takes the same decision about the baseline (rank 0 trains it between the run's steps while
+the others wait), and rank 0 records the run and its baseline."""
 
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ def check_ddp_recorded_once(cwd: Path, proc: subprocess.CompletedProcess) -> Pat
 def test_torchrun_ranks_share_one_run_dir_and_record_once(tmp_path):
     results_file = check_ddp_recorded_once(tmp_path, torchrun(tmp_path, "parallel=ddp"))
     assert (results_file.parent / "baseline" / "results.json").exists()
+    results = json.loads(results_file.read_text())
+    assert results["baseline_mode"] == "fresh" and results["speedup_rounds"] == 4  # 6 steps, 2 untimed
 
 
 def test_torchrun_world_that_does_not_fit_the_layout_is_a_config_error(tmp_path):

@@ -35,6 +35,7 @@ Schedule = _choice("Schedule", "gpipe", "1f1b", "interleaved_1f1b", "interleaved
 Checkpointing = _choice("Checkpointing", "none", "full", "selective")
 DataParallel = _choice("DataParallel", "auto", "dataparallel")
 Scaling = _choice("Scaling", "weak", "strong")
+BaselineMode = _choice("BaselineMode", "fresh", "stored", "off")
 LoggerMode = _choice("LoggerMode", "auto", "online", "offline", "disabled")
 FailMode = _choice("FailMode", "raise", "hang", "kill")
 DeviceType = _choice("DeviceType", "cpu", "cuda")

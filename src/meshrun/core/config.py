@@ -16,6 +16,7 @@ from omegaconf import MISSING, OmegaConf
 
 from meshrun.core.choices import (
     Backend,
+    BaselineMode,
     Checkpointing,
     DataFormat,
     DataName,
@@ -338,10 +339,18 @@ class CheckpointConfig:
 
 @dataclass
 class MetricsConfig:
-    """`scaling`: weak keeps the per-device batch of the baseline, strong its global batch."""
+    """`scaling`: weak keeps the per-device batch of the baseline, strong its global batch.
+    `baseline`: `fresh` measures the single-device baseline side by side with the run (rank 0
+    trains it between the run's timed steps where both fit, else on its own after the run);
+    `stored` reuses one of the same fingerprint (host, devices, versions, threads, model,
+    batch, sequence, precision) at most `baseline_max_age_h` old, else measures it fresh;
+    `off`: no speedup. `alongside` is meshrun's decision, not a setting: the ranks train the
+    baseline between their steps."""
 
     scaling: Scaling = Scaling["weak"]
-    baseline: bool = True
+    baseline: BaselineMode = BaselineMode["fresh"]
+    baseline_max_age_h: float = 24.0
+    alongside: bool = False
 
 
 @dataclass

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import json
 import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -149,3 +152,35 @@ def oom_kills() -> int | None:
                 if key == "oom_kill":
                     return int(value)
     return None
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def host_fingerprint(threads_per_rank: int | None) -> dict[str, object]:
+    """What a measurement's speed depends on beyond the config: the host, its devices and the
+    software that drives them, and the CPU threads of a rank. A stored baseline is reused only
+    where all of it is the same (metrics.baseline=stored)."""
+    facts = HostFacts.detect()
+    cuda = torch.cuda.is_available()
+    return {
+        "host": socket.gethostname(),
+        "cpu": _cpu_model(),
+        "cpus": facts.cpu_count,
+        "devices": [d.name for d in facts.cuda_devices],
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda if cuda else None,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+        "threads_per_rank": threads_per_rank,
+    }
+
+
+def fingerprint_key(fingerprint: dict[str, object]) -> str:
+    return hashlib.sha1(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
+# The breakdown of a rank's peak memory, as the record's memory_<category>_bytes fields.
+MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
 # Keys older meshruns wrote under another name.
 RENAMED = {"pp_microbatches": "n_microbatches", "warmup_steps": "untimed_steps"}
 SQLITE_TYPES = {str: "TEXT", int: "INTEGER", float: "REAL", bool: "INTEGER"}
@@ -88,6 +90,9 @@ class RunRecord:
     speedup_p10: float | None = _f(column=True, summary=True)
     speedup_p90: float | None = _f(column=True, summary=True)
     speedup_rounds: int | None = _f(summary=True)
+    # the measurement's relative noise: the spread's half-width over the speedup, or without
+    # rounds the run's and the baseline's step-time variation combined
+    speedup_noise: float | None = _f(summary=True)
     scaling_efficiency: float | None = _f(column=True, summary=True, report=(11, "efficiency"))
     # what makes a figure of this run untrustworthy, each a sentence (efficiency above 1 +
     # noise, a busy host): shown beside the figures, never hidden
@@ -133,6 +138,10 @@ class RunRecord:
     grad_norms: list[float | None] = _f(factory=list)
     eval_losses: list[list[float]] = _f(factory=list)  # [step, eval loss] of each evaluation
     baseline_key: str | None = _f(column=True)
+    # where rank 0 ran: host, devices, versions, threads (core/hardware.host_fingerprint),
+    # and its hash, which a stored baseline must match to be reused
+    fingerprint: dict[str, Any] | None = _f()
+    fingerprint_key: str | None = _f(column=True)
     run_dir: str | None = _f(column=True)
 
     def as_dict(self) -> dict[str, Any]:

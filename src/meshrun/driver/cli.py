@@ -19,6 +19,7 @@ from meshrun.core.attached import attached_nodes, attached_rank
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import HostFacts, target_facts
+from meshrun.driver.baseline import with_baseline_plan
 from meshrun.driver.collect import submit_pending
 from meshrun.driver.command import hydra_command
 from meshrun.driver.experiment import record_skipped, reported, run_experiment
@@ -59,6 +60,7 @@ def run(dict_cfg: DictConfig) -> int:
         # SLURM ranks run on the profile's box, not on this (login) host.
         cfg = resolve(cfg, target if cfg.launcher.name == "slurm" else facts)
         check_attached_world(cfg.launcher, f"parallel={cfg.parallel.name}")
+        cfg = with_baseline_plan(cfg)  # every rank under torchrun decides alike
     except ConfigError as err:
         if is_sweep_job():  # an invalid grid point: recorded, and the sweep goes on
             record_skipped(cfg, err)

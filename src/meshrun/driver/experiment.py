@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from meshrun.core.attached import attached_rank
-from meshrun.core.baseline import baseline_config, baseline_key, is_own_baseline
+from meshrun.core.baseline import baseline_config, is_own_baseline
 from meshrun.core.checkpoints import checkpoint_root, find_resume, read_manifest, step_dir
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import ConfigError
 from meshrun.core.layout import Layout, layout_name, layout_overrides
 from meshrun.core.record import RunRecord
+from meshrun.driver.baseline import age_s, needs_baseline, stored_baseline
 from meshrun.driver.failure import explained, with_unflushed
 from meshrun.driver.launch import RankFailure, RunInterrupted
 from meshrun.driver.results import assemble
@@ -67,10 +68,8 @@ def reported(run: Callable[[], RunRecord]) -> int:
 
 def run_experiment(cfg: ExperimentConfig, launch: Launch) -> RunRecord:
     """Returns the results record; raises RunFailed (after recording) if a rank failed.
-
-    The baseline is measured after the run, when the store has none: under torchrun the
-    other ranks are then already gone and rank 0 measures it alone.
-    """
+    `cfg` carries the baseline's plan (driver/baseline.with_baseline_plan): with
+    metrics.alongside, rank 0 trains it between the run's steps."""
     return finish_experiment(cfg, measure(cfg, "run", launch), launch)
 
 
@@ -80,13 +79,39 @@ def finish_experiment(cfg: ExperimentConfig, measured: Measured, launch: Launch)
     if measured.ok and cfg.checkpoint.export != "none":
         measured.meta["export_path"] = export(cfg)
     baseline = None
-    if cfg.metrics.baseline:
-        twin = baseline_config(cfg)
-        key = baseline_key(twin)
-        baseline = store.find_baseline(key)
-        if baseline is None and measured.ok and not is_own_baseline(cfg):
-            baseline = record(twin, measure(twin, "baseline", launch), None, store)
+    if is_own_baseline(cfg):
+        measured.meta["baseline_mode"] = "own"
+    elif needs_baseline(cfg):
+        baseline = baseline_of(cfg, measured, launch, store)
     return record(cfg, measured, baseline, store)
+
+
+def baseline_of(cfg: ExperimentConfig, measured: Measured, launch: Launch, store: ResultsStore
+                ) -> RunRecord | None:  # fmt: skip
+    """The run's single-device baseline, recorded in the store as a run of its own; how it
+    was had goes into the run's meta: trained beside the run (`fresh`), a stored one of the
+    same fingerprint (`stored`, its age), or, where both did not fit at once, measured by a
+    launch of its own after the run (`after`)."""
+    twin = baseline_config(cfg)
+    if measured.baseline_steps:
+        measured.meta["baseline_mode"] = "fresh"
+        return record(twin, beside(measured), None, store)
+    stored = stored_baseline(cfg, store)
+    if stored is not None:
+        measured.meta.update(baseline_mode="stored", baseline_age_s=round(age_s(stored)))
+        return stored
+    if not measured.ok:
+        return None
+    measured.meta["baseline_mode"] = "after"
+    return record(twin, measure(twin, "baseline", launch), None, store)
+
+
+def beside(measured: Measured) -> Measured:
+    """The baseline rank 0 trained between the run's steps, as a measured run of its own."""
+    meta = {**run_identity(), "role": "baseline", "status": "completed", "error": None,
+            "failed_rank": None, "traceback": None, "resumed_from_step": None,
+            "fingerprint": measured.meta.get("fingerprint")}  # fmt: skip
+    return Measured(meta, measured.baseline_steps or [], None, None)
 
 
 def export(cfg: ExperimentConfig) -> str | None:
@@ -113,6 +138,7 @@ class Measured:
     bubbles: list[float] | None
     pretrained_read: list[int] | None = None
     checkpoints: list[dict[str, Any]] | None = None
+    baseline_steps: list[dict[str, Any]] | None = None  # rank 0's, beside the run's
 
     @property
     def ok(self) -> bool:
@@ -200,6 +226,9 @@ def outcome(
         meta["skipped_steps"] = raw["skipped_steps"]
     if raw.get("requeues"):  # SLURM requeued the job, which resumed from its checkpoint
         meta.update(requeues=raw["requeues"], resumed_from_step=raw["resumed_from_step"])
+    for key in ("fingerprint", "host_other_cpu_share"):
+        if raw.get(key) is not None:
+            meta[key] = raw[key]
     return Measured(
         meta,
         with_unflushed(read_steps(cfg.run_dir), cfg.run_dir, Layout.of(cfg.parallel)),
@@ -207,6 +236,7 @@ def outcome(
         raw.get("pipeline_bubble_per_rank"),
         raw.get("pretrained_read_bytes_per_rank"),
         raw.get("checkpoints"),
+        raw.get("baseline_steps"),
     )
 
 
@@ -261,6 +291,7 @@ def publish(
     """results.json and the store row first; W&B (the run itself only) last and fallible: a
     W&B failure costs the dashboard copy, never the run."""
     results = record.as_dict()
+    Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     (Path(cfg.run_dir) / "results.json").write_text(json.dumps(results, indent=2))
     store.record(record)
     if record.role != "run" or cfg.logger.name != "wandb":

@@ -5,12 +5,13 @@ it finished."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from meshrun.core.baseline import baseline_key, is_own_baseline, n_devices
 from meshrun.core.checkpoints import checkpoint_root
 from meshrun.core.config import ExperimentConfig
-from meshrun.core.hardware import device_for_rank
+from meshrun.core.hardware import device_for_rank, fingerprint_key
 from meshrun.core.layout import (
     Layout,
     layout_name,
@@ -18,12 +19,11 @@ from meshrun.core.layout import (
     n_microbatches,
     theoretical_bubble,
 )
-from meshrun.core.record import RunRecord
+from meshrun.core.record import MEMORY_CATEGORIES, RunRecord
 from meshrun.plan import predict
 from meshrun.plan.candidate import host_flops
 from meshrun.rank.metrics.flops import mfu, peak_flops
-from meshrun.rank.metrics.memory import MEMORY_CATEGORIES
-from meshrun.rank.metrics.throughput import summarize_steps
+from meshrun.rank.metrics.throughput import percentile, summarize_steps
 from meshrun.rank.models import build_model, count_params
 
 
@@ -107,6 +107,61 @@ def eval_fields(steps: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+# Other processes' share of the host's CPU above which a run's figures are flagged.
+BUSY_HOST_SHARE = 0.10
+
+
+def speedup_fields(
+    cfg: ExperimentConfig,
+    step_times: list[float],
+    tokens_per_s: float | None,
+    baseline: RunRecord | None,
+    mode: str | None,
+    cv: float | None,
+) -> dict[str, Any]:
+    """The speedup over the single-device baseline, its spread over the rounds where the two
+    alternated (fresh: the i-th step of each, paired), and the scaling efficiency, flagged
+    where it is above 1 by more than the measurement's noise: the spread's half-width
+    relative to the speedup, or without rounds the step times' combined variation."""
+    devices = n_devices(cfg)
+    base_tps = baseline.tokens_per_s if baseline else None
+    fields: dict[str, Any] = {"baseline_tokens_per_s": base_tps,
+                              "baseline_run_id": baseline.run_id if baseline else None}  # fmt: skip
+    if not (tokens_per_s and base_tps):
+        return {**fields, "speedup": None, "scaling_efficiency": None, "flags": []}
+    speedup = tokens_per_s / base_tps
+    rounds = list(zip(step_times, baseline.step_times, strict=False)) if mode == "fresh" else []
+    ratios = [base_t / run_t * _tokens_ratio(cfg, baseline) for run_t, base_t in rounds]
+    fields.update(speedup=speedup, speedup_rounds=len(ratios) or None,
+                  speedup_p10=percentile(ratios, 10) if ratios else None,
+                  speedup_p90=percentile(ratios, 90) if ratios else None)  # fmt: skip
+    if len(ratios) >= 3:
+        noise = (fields["speedup_p90"] - fields["speedup_p10"]) / 2 / speedup
+    else:
+        noise = math.hypot(cv or 0.0, baseline.step_time_cv or 0.0)
+    efficiency = speedup / devices
+    fields["speedup_noise"] = noise
+    flags = []
+    if efficiency > 1 + noise:
+        flags.append(f"scaling efficiency {efficiency:.2f} is above 1 + its noise "
+                     f"({noise:.2f}): {devices} devices cannot do more than {devices} times "
+                     "the work of one, so the run and its baseline were not measured alike; "
+                     "not a result")  # fmt: skip
+    return {**fields, "scaling_efficiency": efficiency, "flags": flags}
+
+
+def _tokens_ratio(cfg: ExperimentConfig, baseline: RunRecord) -> float:
+    """Tokens of one of the run's steps over one of the baseline's."""
+    return cfg.train.global_batch_size / (baseline.global_batch_size or 1)
+
+
+def host_flags(share: float | None) -> list[str]:
+    if share is None or share <= BUSY_HOST_SHARE:
+        return []
+    return [f"other processes kept {share:.0%} of the host's CPU busy while the run was "
+            "timed: its figures are those of a shared host"]  # fmt: skip
+
+
 def params(cfg: ExperimentConfig) -> int:
     return count_params(build_model(cfg.model, cfg.train.seq_len, "meta"))[0]
 
@@ -136,10 +191,12 @@ def assemble(
     peak = peak_flops(specs, t.precision)
     tokens_per_s = timing["tokens_per_s"]
     per_token = predict.training_flops_per_token(cfg)
-    if baseline is None and is_own_baseline(cfg):
+    if baseline is None and is_own_baseline(cfg):  # 1.0 by definition, no spread
         baseline = RunRecord(run_id=meta["run_id"], tokens_per_s=tokens_per_s)
-    baseline_tps = baseline.tokens_per_s if baseline else None
-    speedup = tokens_per_s / baseline_tps if tokens_per_s and baseline_tps else None
+    speed = speedup_fields(cfg, step_times, tokens_per_s, baseline, meta.get("baseline_mode"),
+                           timing["step_time_cv"])  # fmt: skip
+    flags = [*speed.pop("flags"), *host_flags(meta.get("host_other_cpu_share"))]
+    fingerprint = meta.get("fingerprint")
     return RunRecord(**{
         **meta,
         "name": cfg.name,
@@ -167,10 +224,8 @@ def assemble(
         "step_times": step_times,
         **timing,
         "scaling": cfg.metrics.scaling,
-        "baseline_tokens_per_s": baseline_tps,
-        "baseline_run_id": baseline.run_id if baseline else None,
-        "speedup": speedup,
-        "scaling_efficiency": speedup / devices if speedup else None,
+        **speed,
+        "flags": flags,
         "flops_per_token": per_token,
         "flops_per_token_counted": predict.counted_flops(cfg),
         "mfu": mfu(tokens_per_s, per_token, peak) if tokens_per_s else None,
@@ -184,5 +239,6 @@ def assemble(
         "losses": [r["loss"] for r in steps],
         "grad_norms": [r.get("grad_norm") for r in steps],
         "baseline_key": baseline_key(cfg),
+        "fingerprint_key": fingerprint_key(fingerprint) if fingerprint else None,
         "run_dir": cfg.run_dir,
     })  # fmt: skip

@@ -1,13 +1,16 @@
-"""The pre-launch memory check: a run the planner predicts not to fit stops here, before any
-process starts, with the predicted figure, the device's capacity and layouts that would fit."""
+"""The pre-launch memory checks: a run the planner predicts not to fit stops here, before any
+process starts, with the predicted figure, the device's capacity and layouts that would fit;
+and whether its single-device baseline fits beside it, to be measured side by side."""
 
 from __future__ import annotations
 
+from meshrun.core.baseline import baseline_config
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import fail
 from meshrun.core.hardware import HostFacts
 from meshrun.core.layout import Layout
-from meshrun.plan.candidate import evaluate
+from meshrun.plan import predict
+from meshrun.plan.candidate import evaluate, host_flops
 from meshrun.plan.search import search
 
 GiB = 2**30
@@ -42,3 +45,19 @@ def check_fit(cfg: ExperimentConfig, facts: HostFacts) -> None:
         f"plan.headroom_gib={cfg.plan.headroom_gib:g})",
         f"{valid}; or plan.allow_oom=true to launch anyway",
     )
+
+
+def baseline_fits_beside(cfg: ExperimentConfig) -> bool:
+    """Whether rank 0 can hold the single-device baseline beside its share of the run and
+    train a step of it within the backend's timeout (metrics.alongside: the other ranks wait
+    at a barrier meanwhile). On CPU the ranks share the host's memory, so the room is what
+    all of them leave."""
+    run, twin = evaluate(cfg), baseline_config(cfg)
+    if cfg.hardware.device_type == "cpu":
+        room = sum(run.capacity) - sum(m.peak for m in run.memory)
+    else:
+        room = run.capacity[0] - run.memory[0].peak
+    if predict.memory(twin)[0].peak > room:
+        return False
+    step = predict.speed(twin, host_flops(cfg))  # the run's rate per rank: a bound from above
+    return step is None or step.step_time_s < cfg.backend.timeout_s / 2

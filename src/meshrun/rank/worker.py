@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from meshrun.core.config import DebugConfig, ExperimentConfig, from_dict
-from meshrun.core.layout import Layout, dp_rank, n_microbatches
+from meshrun.core.hardware import host_fingerprint
+from meshrun.core.layout import Layout, dp_rank
 from meshrun.rank.failures import (
     forget_failure,
     note_finished,
@@ -27,22 +28,19 @@ from meshrun.rank.failures import (
 )
 from meshrun.rank.mesh import build_mesh, dp_group, init_distributed, pp_group, select_device
 from meshrun.rank.metrics.bubble import bubble_per_rank
+from meshrun.rank.metrics.host import HostLoad, other_cpu_share
 from meshrun.rank.metrics.log import METRICS_FILE, MetricsLog
 from meshrun.rank.metrics.memory import MemoryMeter, ModelState
-from meshrun.rank.models import build_model, model_shape
-from meshrun.rank.parallel import parallelize
+from meshrun.rank.models import model_shape
 from meshrun.rank.progress import rank_progress
+from meshrun.rank.train.build import build_training
 from meshrun.rank.train.checkpoint import Checkpointer
 from meshrun.rank.train.data import HeldoutBatches, LocalBatches, build_streams
 from meshrun.rank.train.evaluate import Evaluator
 from meshrun.rank.train.loop import LoopContext, autocast, train_loop
-from meshrun.rank.train.loss_scale import LossScale
-from meshrun.rank.train.optim import build_lr_schedule, build_optimizer
 from meshrun.rank.train.pending import PendingSteps
+from meshrun.rank.train.twin import Twin
 from meshrun.rank.watchdog import Watchdog, step_collectives
-
-# What a step computes in: bf16 and fp16 autocast fp32 weights (FSDP2 casts its own).
-COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _freeze_libraries() -> None:
@@ -117,21 +115,9 @@ def _train(
     tc = cfg.train
     memory = MemoryMeter(device)
     memory.start()
-    dtype = COMPUTE_DTYPES[tc.precision]
-    model = parallelize(
-        build_model(cfg.model, tc.seq_len, "meta", vocab_multiple=layout.tp),
-        mesh,
-        layout,
-        cfg.parallel,
-        device,
-        tc.seed,
-        dtype,
-        n_microbatches(cfg),
-        cfg.model.pretrained,
-    )
-    optimizer = build_optimizer(model, tc)
-    schedule = build_lr_schedule(optimizer, tc)
-    loss_scale = LossScale(tc.loss_scale) if tc.precision == "fp16" else None
+    training = build_training(cfg, layout, device, mesh)
+    model, optimizer, schedule = training.model, training.optimizer, training.schedule
+    loss_scale, autocast_dtype = training.loss_scale, training.autocast_dtype
     checkpoints = start = None
     c = cfg.checkpoint
     if c.every_steps or c.resume or c.export != "none":
@@ -154,8 +140,6 @@ def _train(
     metrics = MetricsLog(Path(cfg.run_dir) / METRICS_FILE if rank == 0 else None)
     if start:
         metrics.keep_before(start)
-    half = dtype != torch.float32
-    autocast_dtype = dtype if half and not model.casts_params else None
     evaluate = None
     if tc.eval.every_steps:
         evaluate = Evaluator(
@@ -167,6 +151,8 @@ def _train(
             pp_group(mesh, layout),
             lambda: autocast(device, autocast_dtype),
         )  # fmt: skip
+    twin = Twin(cfg, device, rank) if cfg.metrics.alongside else None
+    host_load = HostLoad(measure_host=int(os.environ.get("LOCAL_RANK", "0")) == 0)
     with rank_progress(tc.steps, enabled=rank == 0 and tc.progress_bar) as progress:
         ctx = LoopContext(
             device=device,
@@ -185,6 +171,8 @@ def _train(
             checkpoints=checkpoints,
             evaluate=evaluate,
             loss_scale=loss_scale,
+            baseline=twin,
+            host_load=host_load,
         )
         try:
             state = train_loop(model, optimizer, schedule, batches, tc, ctx)
@@ -200,6 +188,7 @@ def _train(
         "busy": state.pipeline_busy_per_step,
         "span": state.pipeline_span_per_step,
         "pretrained_read": model.pretrained_bytes_read,
+        "host_load": state.host_load,
     }
     ranks = [mine]
     if dist.is_initialized():
@@ -221,6 +210,12 @@ def _train(
         "resumed_from_step": start,
         "skipped_steps": loss_scale.skipped if loss_scale else None,
         "requeues": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
+        # the single-device baseline's timed steps, trained beside the run's (metrics.alongside)
+        "baseline_steps": twin.steps if twin else None,
+        "host_other_cpu_share": other_cpu_share([r["host_load"] for r in ranks])
+        if all(r["host_load"] for r in ranks)
+        else None,
+        "fingerprint": host_fingerprint(cfg.launcher.threads_per_rank),
         "checkpoints": [
             {"step": s.step, "blocked_s": s.blocked_s, "total_s": s.total_s}
             for s in checkpoints.saves

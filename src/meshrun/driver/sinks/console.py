@@ -8,8 +8,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from meshrun.core.record import RunRecord
-from meshrun.rank.metrics.memory import MEMORY_CATEGORIES
+from meshrun.core.record import MEMORY_CATEGORIES, RunRecord
 
 console = Console()
 # A run waiting this share of its step time for batches is flagged as data-bound.
@@ -51,8 +50,6 @@ def print_summary(r: RunRecord) -> None:
     table = Table(title=f"meshrun: {r.model} / {r.layout_name}", show_header=False)
     table.add_column(style="bold")
     table.add_column()
-    step_time = _fmt(r.step_time_s, " s")
-    step_time_p90 = _fmt(r.step_time_p90_s, " s")
     loss = ("loss first -> last", _loss_span(r.losses))
     rows = [
         ("status", r.status),
@@ -60,10 +57,11 @@ def print_summary(r: RunRecord) -> None:
         ("hardware", r.hardware),
         ("batch", f"global {r.global_batch_size}, micro {r.micro_batch_size}"),
         ("tokens/s", _fmt(r.tokens_per_s)),
-        ("step time (median, p90)", f"{step_time}, {step_time_p90}"),
-        ("baseline tokens/s", _fmt(r.baseline_tokens_per_s)),
-        (f"speedup ({r.scaling} scaling)", _fmt(r.speedup, "x")),
-        ("scaling efficiency", _fmt(r.scaling_efficiency)),
+        ("step time (median, p10-p90, cv)", _step_times(r)),
+        *_host_load(r),
+        ("baseline tokens/s", f"{_fmt(r.baseline_tokens_per_s)}{_baseline_source(r)}"),
+        (f"speedup ({r.scaling} scaling)", _speedup(r)),
+        ("scaling efficiency", _efficiency(r)),
         ("MFU", _fmt(r.mfu)),
         *_data_stall(r),
         ("peak memory (max rank)", _fmt_bytes(r.peak_memory_max_bytes)),
@@ -80,9 +78,50 @@ def print_summary(r: RunRecord) -> None:
         rows.insert(rows.index(loss), (f"bubble ({r.pp_schedule}, m={r.n_microbatches})", bubble))
     if r.error:
         rows.insert(1, ("error", r.error))
+    rows[1:1] = [("flagged", Text(flag, style="bold yellow")) for flag in r.flags]
     for key, value in rows:
-        table.add_row(key, Text(str(value)))
+        table.add_row(key, value if isinstance(value, Text) else Text(str(value)))
     console.print(table)
+
+
+def _step_times(r: RunRecord) -> str:
+    if r.step_time_s is None:
+        return "n/a"
+    spread = f"{_fmt(r.step_time_p10_s)}-{_fmt(r.step_time_p90_s, ' s')}"
+    cv = f", cv {r.step_time_cv:.1%}" if r.step_time_cv is not None else ""
+    return f"{_fmt(r.step_time_s, ' s')}, {spread}{cv}"
+
+
+def _host_load(r: RunRecord) -> list[tuple[str, str]]:
+    if r.host_other_cpu_share is None:
+        return []
+    return [("host CPU busy with other work", f"{r.host_other_cpu_share:.0%}")]
+
+
+def _baseline_source(r: RunRecord) -> str:
+    sources = {"fresh": " (measured side by side, alternating with the run's steps)",
+               "after": " (measured after the run: both did not fit at once)",
+               "own": " (a single device is its own baseline)"}  # fmt: skip
+    if r.baseline_mode == "stored":
+        return f" (stored, measured {(r.baseline_age_s or 0) / 3600:.1f} h ago on this host)"
+    return sources.get(r.baseline_mode or "", "")
+
+
+def _speedup(r: RunRecord) -> str:
+    if r.speedup is None:
+        return "n/a"
+    if r.speedup_p10 is None:
+        return f"{r.speedup:.2f}x"
+    return (f"{r.speedup:.2f}x (p10-p90 {r.speedup_p10:.2f}-{r.speedup_p90:.2f} over "
+            f"{r.speedup_rounds} rounds)")  # fmt: skip
+
+
+def _efficiency(r: RunRecord) -> str:
+    """Above 1 + the noise, the efficiency is no result (the flag says why)."""
+    e, noise = r.scaling_efficiency, r.speedup_noise or 0.0
+    if e is not None and e > 1 + noise:
+        return f"not a result: {e:.2f} is above 1 + noise {noise:.2f}"
+    return _fmt(e)
 
 
 def _data_stall(r: RunRecord) -> list[tuple[str, str]]:

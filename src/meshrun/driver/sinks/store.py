@@ -84,13 +84,15 @@ class ResultsStore:
                 f"INSERT OR REPLACE INTO {table} ({names}) VALUES ({marks})", list(row.values())
             )
 
-    def find_baseline(self, key: str) -> RunRecord | None:
-        """The newest completed single-device run measured under `key`."""
+    def find_baseline(self, key: str, fingerprint: str, since: str) -> RunRecord | None:
+        """The newest completed single-device run measured under `key` on a host of
+        `fingerprint`, created at `since` (UTC, ISO) or later."""
         with self._connect() as db:
             row = db.execute(
-                "SELECT results_json FROM runs WHERE baseline_key = ? AND status = 'completed' "
-                "AND world_size = 1 AND parallel = 'single' ORDER BY created_at DESC LIMIT 1",
-                (key,),
+                "SELECT results_json FROM runs WHERE baseline_key = ? AND fingerprint_key = ? "
+                "AND created_at >= ? AND status = 'completed' AND world_size = 1 "
+                "AND parallel = 'single' ORDER BY created_at DESC LIMIT 1",
+                (key, fingerprint, since),
             ).fetchone()
         return RunRecord.from_dict(json.loads(row[0])) if row else None
 

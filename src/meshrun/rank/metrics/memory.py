@@ -37,7 +37,6 @@ from torch._C._profiler import _ExtraFields_Allocation, _ProfilerEvent
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile, record_function
 
-MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
 STEP_START = "meshrun/step_start"
 FWD_BWD_END = "meshrun/fwd_bwd_end"
 
@@ -129,6 +128,7 @@ class MemoryMeter:
         self._marks: list[tuple[str, int, int]] = []  # CUDA: (label, live, peak since last)
         self.step_start: int | None = None
         self.fwd_bwd_peak: int | None = None
+        self._held: tuple[int, int] | None = None  # CUDA: (peak, reserved) once held
 
     @property
     def cuda(self) -> bool:
@@ -211,9 +211,18 @@ class MemoryMeter:
         elif label == FWD_BWD_END and self.step_start is not None:
             self.fwd_bwd_peak = peak_since_last
 
+    def hold(self) -> None:
+        """The run's figures are final: what this process allocates from here on (the
+        single-device baseline trained beside the run, metrics.alongside) is not the run's."""
+        self.stop_tracing()
+        if self.cuda:
+            self._held = (self.peak_bytes(), int(torch.cuda.max_memory_reserved(self.device)))
+
     def peak_bytes(self) -> int:
         if self.cuda:
             self.stop_tracing()
+            if self._held is not None:
+                return self._held[0]
             return max(self._cuda_peak, int(torch.cuda.max_memory_allocated(self.device)))
         self.stop_tracing()
         return int(self._cpu_peak or 0)
@@ -234,5 +243,6 @@ class MemoryMeter:
         split["other"] = peak - state.params - state.grads - state.optimizer - activations
         if self.cuda:
             split["allocated"] = peak
-            split["reserved"] = int(torch.cuda.max_memory_reserved(self.device))
+            split["reserved"] = (self._held[1] if self._held is not None
+                                 else int(torch.cuda.max_memory_reserved(self.device)))  # fmt: skip
         return split

@@ -18,6 +18,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from meshrun.core.config import TrainConfig
 from meshrun.rank.mesh import mean_over_ranks
 from meshrun.rank.metrics.bubble import BubbleClock
+from meshrun.rank.metrics.host import HostLoad
 from meshrun.rank.metrics.memory import FWD_BWD_END, STEP_START, MemoryMeter
 from meshrun.rank.parallel import ParallelModel, gradient_sync
 from meshrun.rank.train.checkpoint import Checkpointer
@@ -39,6 +41,15 @@ from meshrun.rank.watchdog import Watchdog
 LogFn = Callable[[list[dict]], None]
 
 
+class BetweenSteps(Protocol):
+    """Work every rank joins between the run's timed steps, outside their clock: the
+    single-device baseline measured side by side (train/twin.py)."""
+
+    def warm_up(self) -> None: ...
+
+    def step(self) -> None: ...
+
+
 @dataclass
 class LoopState:
     """What the loop has measured so far; survives (in part) a crash mid-run."""
@@ -47,6 +58,7 @@ class LoopState:
     step_times: list[float] = field(default_factory=list)
     pipeline_busy_per_step: list[float] | None = None  # seconds, per timed step
     pipeline_span_per_step: list[float] | None = None
+    host_load: dict[str, object] | None = None  # this rank's share of metrics/host.py's
 
 
 @dataclass
@@ -67,6 +79,8 @@ class LoopContext:
     checkpoints: Checkpointer | None = None
     loss_scale: LossScale | None = None  # fp16
     evaluate: Evaluator | None = None  # train.eval on
+    baseline: BetweenSteps | None = None  # metrics.alongside: the baseline between steps
+    host_load: HostLoad | None = None  # CPU seconds over the timed steps
 
 
 def _inside(
@@ -113,6 +127,47 @@ def _pipeline_step(model: ParallelModel, inputs, targets, ctx: LoopContext) -> t
         return model.run_schedule(inputs, targets, loss_scale=scale)
 
 
+def train_step(
+    model: ParallelModel,
+    optimizer: torch.optim.Optimizer,
+    schedule: torch.optim.lr_scheduler.LRScheduler,
+    batches: LocalBatches,
+    step: int,
+    cfg: TrainConfig,
+    ctx: LoopContext,
+    measured: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """One optimizer step on the step's batch: (loss, global gradient norm, both still on
+    device; the LR it trained with). `measured`: the memory breakdown's step, marked."""
+    if measured:
+        ctx.memory.mark(STEP_START)
+    inputs, targets = batches.for_step(step)
+    with _inside(ctx, step, ctx.step_collectives, one_collective=False):
+        if model.schedule is not None:
+            step_loss = _pipeline_step(model, inputs, targets, ctx)
+        else:
+            step_loss = _accumulate(model, inputs, targets, cfg.micro_batch_size, ctx)
+    if measured:
+        ctx.memory.mark(FWD_BWD_END)
+    grads = LocalGrads(model.parameters())
+    if ctx.loss_scale:
+        ctx.loss_scale.unscale(grads)
+    with _inside(ctx, step, "all_reduce (gradient norm)"):
+        norm = grads.norm(ctx.pp_group)
+    if cfg.grad_clip is not None:
+        grads.clip_(cfg.grad_clip, norm)
+    lr = schedule.get_last_lr()[0]
+    stepped = ctx.loss_scale is None or ctx.loss_scale.update(step, norm)
+    if stepped:
+        optimizer.step()
+    with warnings.catch_warnings():
+        if not stepped:  # the LR follows the steps, applied or skipped (fp16 overflow)
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
+        schedule.step()
+    optimizer.zero_grad(set_to_none=False)
+    return step_loss, norm, lr
+
+
 def train_loop(
     model: ParallelModel,
     optimizer: torch.optim.Optimizer,
@@ -126,53 +181,38 @@ def train_loop(
     pending = ctx.pending
     clock = pending.clock
     bubble = BubbleClock(model.schedule, ctx.device) if model.schedule is not None else None
-    params = model.parameters()
     first_timed = ctx.start_step + cfg.untimed_steps
     checkpoints = ctx.checkpoints
     for step in range(ctx.start_step, cfg.steps):
         if step == first_timed:
             ctx.memory.stop_tracing()
+            if ctx.baseline is not None:
+                ctx.memory.hold()  # what the baseline allocates is not the run's
+                with _inside(ctx, step, "baseline warmup (rank 0)", one_collective=False):
+                    ctx.baseline.warm_up()
             if dist.is_initialized():
                 with _inside(ctx, step, "barrier (end of warmup)"):
                     dist.barrier()  # ranks leave warmup at different times: level the clocks
             clock.mark()
             if bubble is not None:
                 bubble.start()
+            if ctx.host_load is not None:
+                ctx.host_load.start()
         if ctx.watchdog is not None:
             ctx.watchdog.at(step)
         if ctx.fault is not None:
             ctx.fault(step)
         # The breakdown is read from a warmup step after the first: optimizer state exists then.
         measured = ctx.start_step + 1 <= step < first_timed
-        if measured:
-            ctx.memory.mark(STEP_START)
-        inputs, targets = batches.for_step(step)
-        with _inside(ctx, step, ctx.step_collectives, one_collective=False):
-            if model.schedule is not None:
-                step_loss = _pipeline_step(model, inputs, targets, ctx)
-            else:
-                step_loss = _accumulate(model, inputs, targets, cfg.micro_batch_size, ctx)
-        if measured:
-            ctx.memory.mark(FWD_BWD_END)
-        grads = LocalGrads(params)
-        if ctx.loss_scale:
-            ctx.loss_scale.unscale(grads)
-        with _inside(ctx, step, "all_reduce (gradient norm)"):
-            norm = grads.norm(ctx.pp_group)
-        if cfg.grad_clip is not None:
-            grads.clip_(cfg.grad_clip, norm)
-        lr = schedule.get_last_lr()[0]
-        stepped = ctx.loss_scale is None or ctx.loss_scale.update(step, norm)
-        if stepped:
-            optimizer.step()
-        with warnings.catch_warnings():
-            if not stepped:  # the LR follows the steps, applied or skipped (fp16 overflow)
-                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
-            schedule.step()
-        optimizer.zero_grad(set_to_none=False)
+        step_loss, norm, lr = train_step(model, optimizer, schedule, batches, step, cfg, ctx,
+                                         measured)  # fmt: skip
         pending.add(torch.stack([step_loss, norm]), lr)
         if step >= first_timed:
             clock.mark()
+            if ctx.baseline is not None:
+                with _inside(ctx, step, "baseline step (rank 0)", one_collective=False):
+                    ctx.baseline.step()
+                clock.restart()  # the baseline's step is none of the run's
         if ctx.progress is not None:
             ctx.progress(step + 1)
         evaluated = None
@@ -202,6 +242,8 @@ def train_loop(
             checkpoints.poll()
         if ctx.slow_step_s:
             time.sleep(ctx.slow_step_s)
+    if ctx.host_load is not None:
+        state.host_load = ctx.host_load.stop()
     if checkpoints is not None:
         with _inside(ctx, cfg.steps - 1, "checkpoint save (finishing)"):
             checkpoints.wait()

@@ -12,7 +12,8 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
+from meshrun.core.record import MEMORY_CATEGORIES
+
 MIB = 2**20
 MAX_MEMORY_RUNS = 12  # the newest ones; more bars stop being readable
 MAX_HEATMAPS = 4

@@ -1,0 +1,45 @@
+"""Where a run's single-device baseline comes from (metrics.baseline), decided before its
+ranks start: trained side by side with the run by rank 0 (`fresh`, where both fit), reused
+from the store (`stored`: same config, same host fingerprint, young enough), or none (`off`,
+and a single-device run, which is its own baseline)."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import datetime, timedelta, timezone
+
+from meshrun.core.baseline import baseline_config, baseline_key, is_own_baseline
+from meshrun.core.config import ExperimentConfig
+from meshrun.core.hardware import fingerprint_key, host_fingerprint
+from meshrun.core.record import RunRecord
+from meshrun.driver.sinks.store import ResultsStore
+from meshrun.plan.fit import baseline_fits_beside
+
+
+def needs_baseline(cfg: ExperimentConfig) -> bool:
+    return cfg.metrics.baseline != "off" and not is_own_baseline(cfg)
+
+
+def stored_baseline(cfg: ExperimentConfig, store: ResultsStore) -> RunRecord | None:
+    """metrics.baseline=stored: the newest stored baseline of this run's twin, measured on
+    this host as it is now (devices, versions, threads) within baseline_max_age_h. A SLURM
+    run's nodes are not known here: it measures its own."""
+    if cfg.metrics.baseline != "stored" or cfg.launcher.name == "slurm":
+        return None
+    since = datetime.now(timezone.utc) - timedelta(hours=cfg.metrics.baseline_max_age_h)
+    here = fingerprint_key(host_fingerprint(cfg.launcher.threads_per_rank))
+    key = baseline_key(baseline_config(cfg))
+    return store.find_baseline(key, here, since.isoformat(timespec="seconds"))
+
+
+def with_baseline_plan(cfg: ExperimentConfig) -> ExperimentConfig:
+    """The config the ranks get: `metrics.alongside` where rank 0 is to train the baseline
+    between the run's steps (a fresh one is needed and both fit)."""
+    beside = needs_baseline(cfg) and stored_baseline(cfg, ResultsStore(cfg.store.path)) is None
+    beside = beside and baseline_fits_beside(cfg)
+    return dataclasses.replace(cfg, metrics=dataclasses.replace(cfg.metrics, alongside=beside))
+
+
+def age_s(record: RunRecord) -> float:
+    created = datetime.fromisoformat(record.created_at)
+    return (datetime.now(timezone.utc) - created).total_seconds()
