@@ -101,7 +101,8 @@ def test_dp2_with_one_rank_per_node_lands_in_the_store_with_speedup_and_memory(m
     # One rank on each node, and each rank's output and errors under the run dir.
     # one job: rank 0 trained the baseline between the run's steps, on its node
     [job_id] = job_ids(run.run_dir)
-    assert results["baseline_mode"] == "fresh" and results["speedup_rounds"] == 4  # 6 steps, 2 untimed
+    # 6 steps, 2 untimed: 4 rounds
+    assert results["baseline_mode"] == "fresh" and results["speedup_rounds"] == 4
     assert node_names(sacct(job_id)["nodes"]) == NODES
     logs = run.run_dir / "slurm" / job_id
     assert f"logs: {logs}" in run.output

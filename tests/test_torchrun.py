@@ -39,7 +39,8 @@ def test_torchrun_ranks_share_one_run_dir_and_record_once(tmp_path):
     results_file = check_ddp_recorded_once(tmp_path, torchrun(tmp_path, "parallel=ddp"))
     assert (results_file.parent / "baseline" / "results.json").exists()
     results = json.loads(results_file.read_text())
-    assert results["baseline_mode"] == "fresh" and results["speedup_rounds"] == 4  # 6 steps, 2 untimed
+    # 6 steps, 2 untimed: 4 rounds
+    assert results["baseline_mode"] == "fresh" and results["speedup_rounds"] == 4
 
 
 def test_torchrun_world_that_does_not_fit_the_layout_is_a_config_error(tmp_path):
