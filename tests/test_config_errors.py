@@ -47,6 +47,7 @@ BAD_CONFIGS = [
     (["plan.efficiency=0"], "plan.efficiency", "(0, 1]"),
     (["plan.efficiency=1.5"], "plan.efficiency", "(0, 1]"),
     (["plan.headroom_gib=-1"], "plan.headroom_gib", ">= 0"),
+    (["metrics.baseline_max_age_h=0"], "metrics.baseline_max_age_h", "must be positive"),
     (["hardware.collective_latency_us=-5"], "hardware.collective_latency_us", ">= 0"),
     (["hardware=cpu", "hardware.intra_node_bw_gbs=0"], "hardware.intra_node_bw_gbs", "> 0"),
     (["model=llama-7b", "parallel=ddp"], "parallel", "predicted peak memory"),
@@ -351,6 +352,9 @@ CLI_CONFIG_ERRORS = [
      ["launcher.partition='gpu': not a key of launcher=local (launcher=slurm has it)",
       "keys of launcher: name | nnodes"]),
     ("meshrun", ["train.steps=many"], ["train.steps='many': wrong type", "Valid: an integer"]),
+    # the switch of older meshruns is a choice now
+    ("meshrun", ["metrics.baseline=false"], ["metrics.baseline='false': unknown choice",
+                                             "choices: fresh | stored | off"]),
     ("meshrun-plan", ["parallel=tp2pp2"], ["parallel='tp2pp2'", "Valid: tp2_pp2 (nearest)"]),
     # a multirun stops before its first job when any job's config is bad
     ("meshrun -m", ["train.steps=2,3", "+train.stepz=4"], ["train.stepz=4: not a key of train",

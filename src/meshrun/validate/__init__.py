@@ -37,6 +37,7 @@ def check_experiment(cfg: ExperimentConfig) -> None:
     check_sequence(cfg)
     check_data(cfg)
     _check_plan(cfg)
+    positive("metrics.baseline_max_age_h", cfg.metrics.baseline_max_age_h)
     choice("logger.name", cfg.logger.name, ("wandb", "none"))
 
 
