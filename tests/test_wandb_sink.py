@@ -4,7 +4,10 @@ breakdown (and the prediction) where a run has them, else the peaks."""
 
 from __future__ import annotations
 
-from meshrun.driver.sinks.wandb_sink import memory_rows, run_tags
+from meshrun.core.choices import LoggerMode
+from meshrun.core.config import LoggerConfig
+from meshrun.driver.sinks.wandb_sink import log_run, memory_rows, run_tags
+from tests.wandb_records import read_offline_run
 
 TINY = ("model=tiny", "parallel=single", "train.steps=3", "train.untimed_steps=1",
         "train.seq_len=32", "logger=wandb", "logger.mode=offline")  # fmt: skip
@@ -44,3 +47,18 @@ def test_memory_table_with_a_breakdown_and_prediction():
     assert "predicted_peak" in columns and "allocated" not in columns  # CPU: no CUDA columns
     assert [dict(zip(columns, row, strict=True))["activations"] for row in rows] == [50, 51]
     assert {dict(zip(columns, row, strict=True))["predicted_peak"] for row in rows} == {90}
+
+
+def test_an_offline_run_reads_back_whole_as_soon_as_it_is_logged(tmp_path):
+    """wandb-core empties its transaction log's buffer after `finish()` returns; meshrun waits
+    for it, so a resumed run's attempt read right after it (test_checkpoint) is whole. Before
+    it did, about one run in six read back with no history here."""
+    steps = [{"step": s, "loss": 1.0, "grad_norm": 1.0, "lr": 0.1, "step_time_s": 0.5}
+             for s in range(4)]  # fmt: skip
+    for attempt in range(8):
+        run_dir = tmp_path / f"run{attempt}"
+        results = {"name": "n", "role": "run", "run_id": f"id{attempt}", "run_dir": str(run_dir),
+                   "status": "completed"}  # fmt: skip
+        log_run(LoggerConfig(mode=LoggerMode.offline), {}, results, steps, tokens_per_step=8)
+        logged = read_offline_run(run_dir)["history"]
+        assert [h["_step"] for h in logged if "train/loss" in h] == [0, 1, 2, 3], attempt

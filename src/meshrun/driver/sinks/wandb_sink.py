@@ -15,6 +15,7 @@ from typing import Any
 
 from meshrun.core.config import LoggerConfig
 from meshrun.core.record import summary_keys
+from meshrun.rank.metrics.live import close_run
 
 SUMMARY_KEYS = summary_keys()  # the record's fields marked `summary` (core/record.py)
 # Byte counts per rank in results["memory_per_rank"], in table order; CUDA adds the last two.
@@ -83,7 +84,7 @@ def log_run(
             run.log({"memory/per_rank": wandb.Table(columns=columns, data=rows)})
         run.summary.update({k: results.get(k) for k in SUMMARY_KEYS})
     finally:
-        run.finish(exit_code=1 if results["status"] == "failed" else 0)
+        close_run(run, exit_code=1 if results["status"] == "failed" else 0)
 
 
 def run_tags(results: dict[str, Any]) -> list[str]:
