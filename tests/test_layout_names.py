@@ -108,13 +108,15 @@ def test_planner_rows_rerun_as_themselves():
 
 
 def test_console_summary_shows_the_name_and_the_rerun(tmp_path):
-    cfg = resolved_config(*TINY, "parallel=pp2", f"run_dir={tmp_path}")
+    run_dir = tmp_path / ("a-long-run-dir-name-" * 5)  # 100 columns: wider than a log's 80
+    cfg = resolved_config(*TINY, "parallel=pp2", f"run_dir={run_dir}")
     record = assemble(cfg, [], None, None, None, meta("r1"))
     with console.capture() as out:
         print_summary(record)
     text = out.get()
     assert "pp2(1f1b, m=4)" in text
-    assert "run again" in text and "meshrun parallel=pp2" in text
+    assert "run again: meshrun parallel=pp2" in text
+    assert f"run dir: {run_dir}\n" in text  # whole, not wrapped, where the output is a log
     assert "bubble (1f1b, m=4)" in text
 
 

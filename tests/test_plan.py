@@ -170,3 +170,7 @@ def test_parallel_auto_runs_the_best_predicted_layout(meshrun_here):
     assert results["layout_name"] not in ("auto", "single")
     assert results["overrides"].startswith("parallel=single parallel.")
     assert results["predicted_step_time_s"] > 0
+    # the console says what it chose and why, with the overrides that run it again
+    chose = next(line for line in run.output.splitlines() if "parallel=auto chose" in line)
+    assert results["layout_name"] in chose and results["overrides"] in chose
+    assert "predicted" in chose and "layouts that fit" in chose

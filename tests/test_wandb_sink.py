@@ -1,12 +1,13 @@
 """W&B is a mirror of the run, never its keeper: when W&B fails for real, meshrun warns and
-the run is still in the store and results.json. The per-rank memory table takes the measured
-breakdown (and the prediction) where a run has them, else the peaks."""
+the run is still in the store and results.json. The W&B run shows the run as it trains. The
+per-rank memory table takes the measured breakdown (and the prediction) where a run has
+them, else the peaks."""
 
 from __future__ import annotations
 
 from meshrun.core.choices import LoggerMode
 from meshrun.core.config import LoggerConfig
-from meshrun.driver.sinks.wandb_sink import log_run, memory_rows, run_tags
+from meshrun.driver.sinks.wandb_sink import WandbRun, memory_rows, run_tags
 from tests.wandb_records import read_offline_run
 
 TINY = ("model=tiny", "parallel=single", "train.steps=3", "train.untimed_steps=1",
@@ -59,6 +60,25 @@ def test_an_offline_run_reads_back_whole_as_soon_as_it_is_logged(tmp_path):
         run_dir = tmp_path / f"run{attempt}"
         results = {"name": "n", "role": "run", "run_id": f"id{attempt}", "run_dir": str(run_dir),
                    "status": "completed"}  # fmt: skip
-        log_run(LoggerConfig(mode=LoggerMode.offline), {}, results, steps, tokens_per_step=8)
+        run = WandbRun(LoggerConfig(mode=LoggerMode.offline), {}, results, tokens_per_step=8)
+        run.log_steps(steps)
+        run.finish(results)
         logged = read_offline_run(run_dir)["history"]
         assert [h["_step"] for h in logged if "train/loss" in h] == [0, 1, 2, 3], attempt
+
+
+def test_the_wandb_run_is_logged_while_the_run_trains(meshrun_here):
+    """60 steps with a pause after each (3.6 s of training at least): the history's rows are
+    written as rank 0 logs them, so their timestamps span the training, not its last second;
+    every log step is there once, and the summary came after the last."""
+    run = meshrun_here(*TINY[:2], "train.steps=60", "train.untimed_steps=1", "train.seq_len=32",
+                       "debug.slow_step_s=0.06", *TINY[-2:])  # fmt: skip
+    assert run.returncode == 0, run.output
+    logged = read_offline_run(run.run_dir)
+    rows = [h for h in logged["history"] if "train/loss" in h]
+    assert [h["_step"] for h in rows] == list(range(60))
+    assert [h["train/loss"] for h in rows] == run.results["losses"]
+    stamps = [h["_timestamp"] for h in rows]
+    assert stamps == sorted(stamps)
+    assert stamps[-1] - stamps[0] > 0.5 * 59 * 0.06, stamps  # all at the end: within a second
+    assert logged["summary"]["tokens_per_s"] == run.results["tokens_per_s"]

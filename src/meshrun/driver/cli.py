@@ -26,7 +26,7 @@ from meshrun.driver.experiment import record_skipped, reported, run_experiment
 from meshrun.driver.launch import TRAIN
 from meshrun.driver.launch.dispatch import launch
 from meshrun.driver.resolve import resolve
-from meshrun.driver.sinks.console import print_error
+from meshrun.driver.sinks.console import print_error, print_note
 from meshrun.driver.sweep import (
     SweepJobFailed,
     in_multirun,
@@ -58,7 +58,7 @@ def run(dict_cfg: DictConfig) -> int:
         target = target_facts(cfg.hardware, facts)
         resolve(cfg, target)
         # SLURM ranks run on the profile's box, not on this (login) host.
-        cfg = resolve(cfg, target if cfg.launcher.name == "slurm" else facts)
+        cfg = resolve(cfg, target if cfg.launcher.name == "slurm" else facts, say=print_note)
         check_attached_world(cfg.launcher, f"parallel={cfg.parallel.name}")
         cfg = with_baseline_plan(cfg)  # every rank under torchrun decides alike
     except ConfigError as err:

@@ -30,9 +30,11 @@ from meshrun.driver.sinks.console import (
     print_traceback,
     print_warning,
 )
+from meshrun.driver.sinks.live import LiveRun
 from meshrun.driver.sinks.store import ResultsStore
-from meshrun.driver.sinks.wandb_sink import log_run
+from meshrun.driver.sinks.wandb_sink import WandbRun
 from meshrun.rank.failures import Stopped
+from meshrun.rank.library_warnings import other_ranks_warnings
 from meshrun.rank.metrics.log import METRICS_FILE
 from meshrun.rank.watchdog import clear_records, with_diagnosis
 
@@ -139,6 +141,7 @@ class Measured:
     pretrained_read: list[int] | None = None
     checkpoints: list[dict[str, Any]] | None = None
     baseline_steps: list[dict[str, Any]] | None = None  # rank 0's, beside the run's
+    live: LiveRun | None = None  # the W&B run, fed while the ranks trained
 
     @property
     def ok(self) -> bool:
@@ -219,7 +222,10 @@ def outcome(
     """`wait` returns rank 0's raw measurements once the ranks are done, or raises
     RankFailure; `started` is the epoch second the launch began. A failed run's steps are
     completed with those its ranks had not logged yet."""
+    live = follow(cfg, meta)
     status, raw = attempt(cfg.run_dir, started, explained(cfg, wait))
+    for text, ranks in other_ranks_warnings(cfg.run_dir).items():
+        print_warning(f"rank(s) {', '.join(map(str, ranks))} (not rank 0) warned: {text}")
     meta = {**meta, **status}
     raw = raw or {}
     if raw.get("skipped_steps"):  # fp16: steps whose gradients overflowed, not applied
@@ -237,7 +243,20 @@ def outcome(
         raw.get("pretrained_read_bytes_per_rank"),
         raw.get("checkpoints"),
         raw.get("baseline_steps"),
+        live,
     )
+
+
+def follow(cfg: ExperimentConfig, meta: dict[str, Any]) -> LiveRun | None:
+    """The run's W&B run, fed as rank 0 logs (driver/sinks/live.py); none for a baseline."""
+    if meta["role"] != "run" or cfg.logger.name != "wandb":
+        return None
+    identity = {"name": cfg.name, "sweep": cfg.sweep, "run_dir": cfg.run_dir,
+                "layout_name": layout_name(cfg), "model": cfg.model.name,
+                "hardware": cfg.hardware.name, "backend": cfg.backend.name, **meta}  # fmt: skip
+    config, tokens_per_step = asdict(cfg), cfg.train.global_batch_size * cfg.train.seq_len
+    return LiveRun(lambda: WandbRun(cfg.logger, config, identity, tokens_per_step),
+                   Path(cfg.run_dir) / METRICS_FILE)  # fmt: skip
 
 
 def record(
@@ -249,7 +268,7 @@ def record(
     """results.json, the store row, and (for the run itself) W&B; raises RunFailed after."""
     results = assemble(cfg, measured.steps, measured.memory, measured.bubbles, baseline,
                        measured.meta, measured.pretrained_read, measured.checkpoints)  # fmt: skip
-    publish(cfg, results, measured.steps, store)
+    publish(cfg, results, measured.steps, store, measured.live)
     if not measured.ok:
         raise RunFailed(results)
     return results
@@ -285,11 +304,11 @@ def record_skipped(cfg: ExperimentConfig, reason: ConfigError) -> RunRecord:
     return results
 
 
-def publish(
-    cfg: ExperimentConfig, record: RunRecord, steps: list[dict[str, Any]], store: ResultsStore
-) -> None:
+def publish(cfg: ExperimentConfig, record: RunRecord, steps: list[dict[str, Any]],
+            store: ResultsStore, live: LiveRun | None = None) -> None:  # fmt: skip
     """results.json and the store row first; W&B (the run itself only) last and fallible: a
-    W&B failure costs the dashboard copy, never the run."""
+    W&B failure costs the dashboard copy, never the run. The W&B run gets the steps it was
+    not fed live (those a failed run's ranks had not logged; all of them without `live`)."""
     results = record.as_dict()
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     (Path(cfg.run_dir) / "results.json").write_text(json.dumps(results, indent=2))
@@ -298,7 +317,9 @@ def publish(
         return
     tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
     try:
-        log_run(cfg.logger, asdict(cfg), results, steps, tokens_per_step)
+        run = live.stop() if live else WandbRun(cfg.logger, asdict(cfg), results, tokens_per_step)
+        run.log_steps(steps)
+        run.finish(results)
     except Exception as err:  # wandb raises anything from OSError to its own errors
         print_warning(
             f"W&B logging failed ({type(err).__name__}: {err}); the run is recorded in "

@@ -6,6 +6,7 @@ Last, data=hf's tokens are prepared (once; later runs find them cached)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.hardware import HostFacts, resolve_hardware
@@ -16,14 +17,18 @@ from meshrun.validate import check_experiment, validate_layout, validate_run
 from meshrun.validate.launcher import CPU_DEFAULT_RANKS
 
 
-def resolve(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:
-    """The resolved config for `facts`' box, or ConfigError before any process starts."""
+def resolve(cfg: ExperimentConfig, facts: HostFacts, say: Callable[[str], None] | None = None
+            ) -> ExperimentConfig:  # fmt: skip
+    """The resolved config for `facts`' box, or ConfigError before any process starts. `say`
+    hears which layout `parallel=auto` chose, and why."""
     if cfg.parallel.name == "auto":
         check_experiment(cfg)
         hardware = resolve_hardware(cfg.hardware, facts)
         per_node = cfg.launcher.nproc_per_node or len(facts.cuda_devices) or CPU_DEFAULT_RANKS
         world = per_node * cfg.launcher.nnodes
-        cfg = best_layout(dataclasses.replace(cfg, hardware=hardware), world, facts)
+        cfg, why = best_layout(dataclasses.replace(cfg, hardware=hardware), world, facts)
+        if say is not None:
+            say(f"parallel=auto chose {why}")
     resolved = validate_layout(cfg, facts)
     check_fit(resolved, facts)  # before the batch rules: "does not fit" is the news to give
     return prepare_data(validate_run(resolved))

@@ -81,15 +81,30 @@ def search(cfg: ExperimentConfig, world: int, facts: HostFacts) -> list[Candidat
     return sorted(candidates, key=_rank)
 
 
-def best_layout(cfg: ExperimentConfig, world: int, facts: HostFacts) -> ExperimentConfig:
-    """`parallel=auto`: the fastest predicted layout that fits (the config to validate)."""
+def best_layout(cfg: ExperimentConfig, world: int, facts: HostFacts
+                ) -> tuple[ExperimentConfig, str]:  # fmt: skip
+    """`parallel=auto`: the fastest predicted layout that fits (the config to validate), and
+    why it was chosen, for the console."""
     ranked = [c for c in search(cfg, world, facts) if c.fits]
     if not ranked:
         fail("parallel", "auto", f"no layout of {world} ranks is predicted to fit "
              "(meshrun-plan lists them with their memory)",
              "more devices, a smaller model or a shorter train.seq_len")  # fmt: skip
     best = ranked[0].cfg
-    return dataclasses.replace(cfg, parallel=best.parallel, train=best.train)
+    return dataclasses.replace(cfg, parallel=best.parallel, train=best.train), why(ranked)
+
+
+def why(ranked: list[Candidate]) -> str:
+    """The chosen layout (the first), its prediction, and the runner-up it beat."""
+    first = ranked[0]
+    speed = f"{first.speed.tokens_per_s:,.0f} tokens/s" if first.speed else "speed unknown"
+    peak = f"peak {first.peak / 2**30:.2f} of {min(first.capacity) / 2**30:.1f} GiB"
+    text = (f"{first.label} ({first.overrides()}): predicted {speed}, {peak} per rank; the "
+            f"fastest of the {len(ranked)} layouts that fit")  # fmt: skip
+    if len(ranked) > 1 and ranked[1].speed and first.speed:
+        lead = first.speed.tokens_per_s / ranked[1].speed.tokens_per_s
+        text += f", {lead:.2f}x the next ({ranked[1].label})"
+    return text + "; meshrun-plan lists them all"
 
 
 def _rank(c: Candidate) -> tuple:

@@ -26,6 +26,7 @@ from meshrun.rank.failures import (
     record_failure,
     record_unflushed,
 )
+from meshrun.rank.library_warnings import show_once
 from meshrun.rank.mesh import build_mesh, dp_group, init_distributed, pp_group, select_device
 from meshrun.rank.metrics.bubble import bubble_per_rank
 from meshrun.rank.metrics.host import HostLoad, other_cpu_share
@@ -81,6 +82,7 @@ def run_rank(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
         torch.set_num_threads(cfg.launcher.threads_per_rank)
     device = select_device(cfg.hardware.device_type, local_rank)
     forget_failure(cfg.run_dir, rank)  # an earlier attempt's, in a job SLURM requeued
+    show_once(cfg.run_dir, rank)
     note_process(cfg.run_dir, rank)
     mesh = watchdog = None
     if layout.world_size > 1:
@@ -137,9 +139,6 @@ def _train(
         device,
         start_step=start or 0,
     )
-    metrics = MetricsLog(Path(cfg.run_dir) / METRICS_FILE if rank == 0 else None)
-    if start:
-        metrics.keep_before(start)
     evaluate = None
     if tc.eval.every_steps:
         evaluate = Evaluator(
@@ -153,7 +152,12 @@ def _train(
         )  # fmt: skip
     twin = Twin(cfg, device, rank) if cfg.metrics.alongside else None
     host_load = HostLoad(measure_host=int(os.environ.get("LOCAL_RANK", "0")) == 0)
-    with rank_progress(tc.steps, enabled=rank == 0 and tc.progress_bar) as progress:
+    tokens_per_step = tc.global_batch_size * tc.seq_len
+    with rank_progress(tc.steps, tokens_per_step, rank == 0 and tc.progress_bar) as progress:
+        metrics = MetricsLog(Path(cfg.run_dir) / METRICS_FILE if rank == 0 else None,
+                             [progress.show] if progress else [])  # fmt: skip
+        if start:
+            metrics.keep_before(start)
         ctx = LoopContext(
             device=device,
             dp_group=dp_group(mesh),

@@ -26,6 +26,11 @@ def print_traceback(traceback: str | None) -> None:
         console.print(Text(traceback.rstrip(), style="dim"), soft_wrap=True, highlight=False)
 
 
+def print_note(message: str) -> None:
+    """What meshrun decided for the user (e.g. parallel=auto's layout), unwrapped."""
+    console.print(Text("meshrun: ", style="bold") + Text(message), soft_wrap=True)
+
+
 def print_warning(message: str) -> None:
     console.print(Text("meshrun: warning ", style="bold yellow") + Text(message), soft_wrap=True)
 
@@ -69,10 +74,7 @@ def print_summary(r: RunRecord) -> None:
         ("  predicted peak", _fmt_bytes(r.predicted_peak_memory_bytes)),
         loss,
         *_evaluation(r),
-        ("run dir", r.run_dir),
     ]
-    if r.overrides:
-        rows.append(("run again", f"meshrun {r.overrides}"))
     if r.pp_schedule:
         bubble = f"{_fmt(r.bubble_measured)} measured, {_fmt(r.bubble_theoretical)} theory"
         rows.insert(rows.index(loss), (f"bubble ({r.pp_schedule}, m={r.n_microbatches})", bubble))
@@ -82,6 +84,12 @@ def print_summary(r: RunRecord) -> None:
     for key, value in rows:
         table.add_row(key, value if isinstance(value, Text) else Text(str(value)))
     console.print(table)
+    # Below the table, whole on one line each (a log's 80 columns would wrap them): what a
+    # user copies.
+    console.print(Text("run dir: ", style="bold") + Text(r.run_dir), soft_wrap=True)
+    if r.overrides:
+        again = Text("run again: ", style="bold") + Text(f"meshrun {r.overrides}")
+        console.print(again, soft_wrap=True)
 
 
 def _step_times(r: RunRecord) -> str:

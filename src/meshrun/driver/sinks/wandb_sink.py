@@ -1,6 +1,11 @@
-"""W&B: one run per experiment (never per rank), logged by the driver after the ranks have
-exited: the resolved config, per-step metrics, per-rank memory as a table and a summary.
-Grouped by sweep (else by experiment name), tagged by layout, model, hardware and backend.
+"""W&B: one run per experiment (never per rank), held by the driver: opened when the ranks
+start, fed each log step as rank 0 writes it (driver/sinks/live.py), then the per-rank memory
+table and the summary once the run is recorded. Grouped by sweep (else by experiment name),
+tagged by layout, model, hardware and backend.
+
+The driver, not rank 0, holds it: W&B's import and its service process stay out of the ranks
+being measured, and on a SLURM cluster the run is logged from the submitting host, which has
+the network that compute nodes often lack.
 
 Offline unless a key is available (WANDB_API_KEY or a netrc login), so no account or network
 is needed; `wandb sync` uploads an offline run later. The key is wandb's to read: it never
@@ -15,7 +20,6 @@ from typing import Any
 
 from meshrun.core.config import LoggerConfig
 from meshrun.core.record import summary_keys
-from meshrun.rank.metrics.live import close_run
 
 SUMMARY_KEYS = summary_keys()  # the record's fields marked `summary` (core/record.py)
 # Byte counts per rank in results["memory_per_rank"], in table order; CUDA adds the last two.
@@ -39,52 +43,82 @@ def resolve_mode(cfg: LoggerConfig) -> str:
     return "online" if _has_key() else "offline"
 
 
-def log_run(
-    cfg: LoggerConfig,
-    config: dict[str, Any],
-    results: dict[str, Any],
-    steps: list[dict[str, Any]],
-    tokens_per_step: int,
-) -> None:
-    """Offline runs land in <run_dir>/wandb/offline-run-*, where `wandb sync` finds them.
-    The W&B run's id is meshrun's run id (a W&B agent's own where one started the run), so
-    a run resumed from a checkpoint continues its W&B run from the step it resumed at."""
-    import wandb  # noqa: PLC0415 (seconds to import: only runs logged to W&B pay it)
+class WandbRun:
+    """The experiment's W&B run. Its id is meshrun's run id (a W&B agent's own where one
+    started the run), so a run resumed from a checkpoint continues its W&B run; steps before
+    the resume, and any logged already, are not logged again."""
 
-    os.environ.setdefault("WANDB_SILENT", "true")
-    run = wandb.init(
-        project=cfg.project,
-        entity=cfg.entity,
-        group=cfg.group or results.get("sweep") or results["name"],
-        name=results["name"],
-        tags=[*run_tags(results), *cfg.tags],
-        job_type=results["role"],
-        config=config,
-        dir=results["run_dir"],
-        mode=resolve_mode(cfg),
-        settings=wandb.Settings(console="off"),
-        id=None if "WANDB_RUN_ID" in os.environ else results["run_id"],
-        resume="allow",
-    )
-    resumed = results.get("resumed_from_step") or 0
-    try:
-        # Per-step series live under train/ so the run-level summary keys stay the run's.
-        for record in (r for r in steps if r["step"] >= resumed):
-            metrics = {"train/loss": record["loss"], "train/grad_norm": record["grad_norm"],
-                       "train/lr": record["lr"]}  # fmt: skip
-            if record["step_time_s"]:
-                metrics["train/step_time_s"] = record["step_time_s"]
-                metrics["train/tokens_per_s"] = tokens_per_step / record["step_time_s"]
-            if "eval_loss" in record:
-                metrics["eval/loss"] = record["eval_loss"]
-                metrics["eval/perplexity"] = record["eval_perplexity"]
-            run.log(metrics, step=record["step"])
-        columns, rows = memory_rows(results)
-        if rows:
-            run.log({"memory/per_rank": wandb.Table(columns=columns, data=rows)})
-        run.summary.update({k: results.get(k) for k in SUMMARY_KEYS})
-    finally:
-        close_run(run, exit_code=1 if results["status"] == "failed" else 0)
+    def __init__(self, cfg: LoggerConfig, config: dict[str, Any], identity: dict[str, Any],
+                 tokens_per_step: int) -> None:  # fmt: skip
+        import wandb  # noqa: PLC0415 (seconds to import: only runs logged to W&B pay it)
+
+        os.environ.setdefault("WANDB_SILENT", "true")
+        self.tokens_per_step = tokens_per_step
+        self.logged_through = (identity.get("resumed_from_step") or 0) - 1
+        self.run = wandb.init(
+            project=cfg.project,
+            entity=cfg.entity,
+            group=cfg.group or identity.get("sweep") or identity["name"],
+            name=identity["name"],
+            tags=[*run_tags(identity), *cfg.tags],
+            job_type=identity["role"],
+            config=config,
+            dir=identity["run_dir"],
+            mode=resolve_mode(cfg),
+            settings=wandb.Settings(console="off"),
+            id=None if "WANDB_RUN_ID" in os.environ else identity["run_id"],
+            resume="allow",
+        )
+
+    def log_steps(self, records: list[dict[str, Any]]) -> None:
+        for record in records:
+            if record["step"] > self.logged_through:
+                self.run.log(step_metrics(record, self.tokens_per_step), step=record["step"])
+                self.logged_through = record["step"]
+
+    def finish(self, results: dict[str, Any]) -> None:
+        """The memory table and the summary, then the run closed (also if they fail)."""
+        import wandb  # noqa: PLC0415 (imported already by __init__)
+
+        try:
+            columns, rows = memory_rows(results)
+            if rows:
+                self.run.log({"memory/per_rank": wandb.Table(columns=columns, data=rows)})
+            self.run.summary.update({k: results.get(k) for k in SUMMARY_KEYS})
+        finally:
+            self.close(exit_code=1 if results["status"] == "failed" else 0)
+
+    def close(self, exit_code: int) -> None:
+        """Finishes the run and waits until its files are complete. `finish()` returns once
+        W&B has handled the run's exit, but wandb-core writes the transaction log (an offline
+        run's `.wandb` file, all there is of it) through a buffer that it empties when a 32
+        KiB block fills, every 15 s, or when it closes the run's stream, which it does after
+        `finish()` has returned: a run read (or synced) right after it may have lost its
+        history. `teardown()` waits for the W&B service to close its streams and exit; the
+        next run starts a fresh one (0.2 s)."""
+        import wandb  # noqa: PLC0415 (imported already by __init__)
+
+        try:
+            self.run.finish(exit_code=exit_code)
+        finally:
+            try:
+                wandb.teardown()
+            except SystemExit as stopped:  # teardown exits where the service exited non-zero
+                raise RuntimeError(f"the W&B service exited with code {stopped.code}") from None
+
+
+def step_metrics(record: dict[str, Any], tokens_per_step: int) -> dict[str, float]:
+    """One step's record (metrics.jsonl's) as W&B series, under train/ and eval/ so that the
+    run-level summary keys stay the run's."""
+    metrics = {"train/loss": record["loss"], "train/grad_norm": record["grad_norm"],
+               "train/lr": record["lr"]}  # fmt: skip
+    if record["step_time_s"]:
+        metrics["train/step_time_s"] = record["step_time_s"]
+        metrics["train/tokens_per_s"] = tokens_per_step / record["step_time_s"]
+    if "eval_loss" in record:
+        metrics["eval/loss"] = record["eval_loss"]
+        metrics["eval/perplexity"] = record["eval_perplexity"]
+    return metrics
 
 
 def run_tags(results: dict[str, Any]) -> list[str]:

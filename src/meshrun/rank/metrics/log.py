@@ -1,30 +1,42 @@
-"""The run's per-step records: rank 0 appends each log step's to `<run dir>/metrics.jsonl`
-as it happens, which the driver reads once the ranks are done (completed or failed)."""
+"""The run's per-step records: rank 0 appends each log step's to `<run dir>/metrics.jsonl` as
+it happens. The driver follows the file while the ranks train (its live W&B run) and reads it
+whole once they are done (completed or failed)."""
 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
+Sink = Callable[[list[dict[str, Any]]], None]
 
 
 class MetricsLog:
-    """Rank 0 appends each log step's records at once, so a crash keeps the steps done."""
+    """Rank 0 appends each log step's records at once, so a crash keeps the steps done; then
+    each sink (the progress bar) sees them."""
 
-    def __init__(self, path: Path | None) -> None:
+    def __init__(self, path: Path | None, sinks: Iterable[Sink] = ()) -> None:
         self.path = path
+        self.sinks = list(sinks)
 
     def keep_before(self, step: int) -> None:
-        """Drops the steps from `step` on, which a run resumed at `step` trains again."""
+        """Drops the steps from `step` on, which a run resumed at `step` trains again. The
+        kept steps go to a new file that replaces the old one: a reader following the file
+        (driver/sinks/live.py) sees a new inode, never a file cut under its offset."""
         if self.path is None or not self.path.exists():
             return
         kept = [line for line in self.path.read_text().splitlines()
                 if line and json.loads(line)["step"] < step]  # fmt: skip
-        self.path.write_text("".join(line + "\n" for line in kept))
+        fresh = self.path.with_name(self.path.name + ".tmp")
+        fresh.write_text("".join(line + "\n" for line in kept))
+        os.replace(fresh, self.path)
 
-    def __call__(self, records: list[dict]) -> None:
-        if self.path is None:
-            return
-        with self.path.open("a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
+    def __call__(self, records: list[dict[str, Any]]) -> None:
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in records)
+        for sink in self.sinks:
+            sink(records)

@@ -30,6 +30,7 @@ from meshrun.rank.metrics.bubble import BubbleClock
 from meshrun.rank.metrics.host import HostLoad
 from meshrun.rank.metrics.memory import FWD_BWD_END, STEP_START, MemoryMeter
 from meshrun.rank.parallel import ParallelModel, gradient_sync
+from meshrun.rank.progress import RankProgress
 from meshrun.rank.train.checkpoint import Checkpointer
 from meshrun.rank.train.data import LocalBatches
 from meshrun.rank.train.evaluate import Evaluator
@@ -70,7 +71,7 @@ class LoopContext:
     memory: MemoryMeter
     on_log: LogFn
     pending: PendingSteps  # the worker's, which it salvages if the loop raises
-    progress: Callable[[int], None] | None = None
+    progress: RankProgress | None = None
     fault: Callable[[int], None] | None = None
     watchdog: Watchdog | None = None
     step_collectives: str = "forward/backward"
@@ -214,7 +215,7 @@ def train_loop(
                     ctx.baseline.step()
                 clock.restart()  # the baseline's step is none of the run's
         if ctx.progress is not None:
-            ctx.progress(step + 1)
+            ctx.progress.step(step + 1)
         evaluated = None
         if ctx.evaluate is not None and ctx.evaluate.due(step + 1):
             with _inside(ctx, step, "evaluation", one_collective=False):
