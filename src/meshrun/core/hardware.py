@@ -120,7 +120,7 @@ def resolve_hardware(hw: HardwareConfig, facts: HostFacts) -> HardwareConfig:
         fail(
             "hardware",
             hw.name,
-            "this profile describes CUDA devices and none are visible",
+            "no CUDA device here, and this profile describes CUDA devices",
             "cpu, or auto",
         )
     return hw

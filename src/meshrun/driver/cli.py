@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from meshrun.core.attached import attached_nodes, attached_rank
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import ConfigError
-from meshrun.core.hardware import HostFacts, target_facts
+from meshrun.core.hardware import HostFacts, resolve_hardware, target_facts
 from meshrun.driver.baseline import with_baseline_plan
 from meshrun.driver.collect import submit_pending
 from meshrun.driver.command import hydra_command
@@ -55,6 +55,8 @@ def run(dict_cfg: DictConfig) -> int:
         facts = HostFacts.detect()
         # First on the box the hardware profile describes (its layout, whether it fits), then
         # on this host; for hardware=auto they are the same.
+        if cfg.launcher.name != "slurm":  # ranks here: a GPU profile without a GPU is the news
+            resolve_hardware(cfg.hardware, facts)
         target = target_facts(cfg.hardware, facts)
         resolve(cfg, target)
         # SLURM ranks run on the profile's box, not on this (login) host.
