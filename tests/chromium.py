@@ -18,12 +18,14 @@ needs_chromium = pytest.mark.skipif(
 )
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars")
 # Runs at `load`, when every <img> has loaded or failed; naturalWidth is 0 for a failed one.
+# The page's scroll width is read before the probe's own <pre> is added.
 IMAGE_CHECK = """<script>
 window.addEventListener("load", () => {
+  const width = document.documentElement.scrollWidth;
   const out = document.createElement("pre");
   out.id = "image-check";
-  out.textContent = JSON.stringify([...document.images].map(
-    (img) => ({alt: img.alt, complete: img.complete, width: img.naturalWidth})));
+  out.textContent = JSON.stringify({width, images: [...document.images].map(
+    (img) => ({alt: img.alt, complete: img.complete, width: img.naturalWidth}))});
   document.body.appendChild(out);
 });
 </script>"""
@@ -40,10 +42,12 @@ def screenshot(page: Path, png: Path, width: int = 1400, height: int = 2400) -> 
     _chromium(f"--screenshot={png}", f"--window-size={width},{height}", page.as_uri())
 
 
-def loaded_dom(page: Path) -> tuple[str, list[dict[str, Any]]]:
-    """(the DOM after load, [{alt, complete, width}] per image)."""
+def loaded_dom(page: Path, width: int = 1400) -> tuple[str, list[dict[str, Any]], int]:
+    """(the DOM after load in a window `width` px wide, [{alt, complete, width}] per image,
+    the page's scroll width: above `width` where something overflows the window)."""
     probe = page.with_name(f"{page.stem}.probe.html")
     probe.write_text(page.read_text().replace("</body>", IMAGE_CHECK + "</body>"))
-    dom = _chromium("--dump-dom", probe.as_uri())
+    dom = _chromium(f"--window-size={width},1000", "--dump-dom", probe.as_uri())
     start = dom.index('<pre id="image-check">') + len('<pre id="image-check">')
-    return dom, json.loads(html.unescape(dom[start : dom.index("</pre>", start)]))
+    check = json.loads(html.unescape(dom[start : dom.index("</pre>", start)]))
+    return dom, check["images"], check["width"]

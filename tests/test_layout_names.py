@@ -14,11 +14,11 @@ from meshrun.core.hardware import HostFacts
 from meshrun.core.layout import layout_name, layout_overrides, n_microbatches
 from meshrun.core.tool_config import RunFilter
 from meshrun.driver.results import assemble
+from meshrun.driver.sinks.compare import cells
 from meshrun.driver.sinks.console import console, print_summary
+from meshrun.driver.sinks.selection import select_runs
 from meshrun.driver.sinks.store import ResultsStore
 from meshrun.plan.search import search
-from meshrun.tools.report.query import select_runs
-from meshrun.tools.report.table import cells
 from tests.helpers import compose_config, resolved_config
 
 TINY = ("model=tiny", "train.global_batch_size=8", "train.micro_batch_size=2")
@@ -71,8 +71,9 @@ def test_ddp_bucket_view_fsdp_and_dp2_tp2_have_different_names_in_store_and_repo
                                "fsdp": "fsdp2", "dp2_tp2": "fsdp-replicate2 x tp2"}  # fmt: skip
     # the report's filter takes the preset or the canonical name
     for preset, name in stored.items():
-        assert [r["run_id"] for r in select_runs(store, RunFilter(layout=preset))] == [preset]
-        assert [r["run_id"] for r in select_runs(store, RunFilter(layout=name))] == [preset]
+        for wanted in (preset, name):
+            chosen = select_runs(store.runs(), RunFilter(layout=wanted)).runs
+            assert [r["run_id"] for r in chosen] == [preset]
 
 
 RERUN = [

@@ -17,9 +17,9 @@ from omegaconf import OmegaConf
 
 from meshrun.core.errors import ConfigError
 from meshrun.core.tool_config import RunFilter
+from meshrun.driver.sinks.selection import select_runs
 from meshrun.driver.sinks.store import ResultsStore
 from meshrun.driver.sweep import SWEEPS_DIR
-from meshrun.tools.report.query import select_runs
 from tests.chromium import loaded_dom, needs_chromium, screenshot
 from tests.cli import MULTIRUN, run_meshrun
 from tests.helpers import resolved_config
@@ -116,12 +116,12 @@ def test_one_offline_wandb_run_per_point_all_in_the_sweeps_group(sweep):
 
 def test_report_filters_the_real_rows(sweep):
     run, rows = sweep
-    store = ResultsStore(run.store_path)
+    stored = ResultsStore(run.store_path).runs()
     name = rows[0]["sweep"]
     today = datetime.now(timezone.utc).date()
 
     def count(**kw) -> int:
-        return len(select_runs(store, RunFilter(**kw)))
+        return len(select_runs(stored, RunFilter(**kw)).runs)
 
     assert count() == count(sweep=name) == count(sweep="latest") == len(rows) == 9
     assert count(model="tiny") == 9 and count(model="small") == 0
@@ -141,8 +141,8 @@ def report(sweep):
     run, rows = sweep
     out = run.run_dir.parent / "report"
     proc = subprocess.run(
-        [sys.executable, "-m", "meshrun.tools.report.main", f"hydra.run.dir={out}",
-         f"store.path={run.store_path}", f"sweep={rows[0]['sweep']}", f"html={out}/report.html"],
+        [sys.executable, "-m", "meshrun.tools.report.main", f"store.path={run.store_path}",
+         f"sweep={rows[0]['sweep']}", f"html={out}/report.html"],
         capture_output=True, text=True, timeout=120, check=False, cwd=out.parent,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -156,7 +156,8 @@ def test_report_lists_every_run_in_the_terminal_and_the_page(report):
         assert row["run_id"] in output
         assert f'data-run-id="{row["run_id"]}"' in html
     assert html.count('class="skipped"') == sum(r["status"] == "skipped" for r in rows)
-    assert html.count("data:image/png;base64,") == 3  # speedup, memory, heatmap; no pipeline
+    # speedup, step times, losses, memory, heatmap; no pipeline
+    assert html.count("data:image/png;base64,") == 5
     assert "No completed pipeline-parallel run." in html
     assert "http://" not in html and "https://" not in html  # self-contained
 
@@ -168,10 +169,11 @@ def test_report_page_renders_in_headless_chromium(report, tmp_path):
     screenshot(page, png)
     pixels = matplotlib.image.imread(png)
     assert pixels.shape[0] > 1000 and pixels.std() > 0.05  # not a blank page
-    dom, images = loaded_dom(page)
+    dom, images, width = loaded_dom(page)
+    assert width <= 1400, f"the page is {width} px wide: something overflows a 1400 px window"
     assert sorted(r["run_id"] for r in rows) == sorted(
         line.split('data-run-id="')[1].split('"')[0] for line in dom.split("<tr")[1:]
         if 'data-run-id="' in line
     )  # fmt: skip
-    assert len(images) == 3
+    assert len(images) == 5
     assert all(img["complete"] and img["width"] > 0 for img in images), images

@@ -156,6 +156,21 @@ def _preset(name: str) -> ParallelConfig | None:
     return OmegaConf.to_object(merged)
 
 
+def preset_names() -> list[str]:
+    """The parallel presets (conf/parallel/*.yaml)."""
+    return sorted(p.stem for p in (CONF_DIR / "parallel").glob("*.yaml"))
+
+
+def is_preset_layout(preset: str, degrees: dict[str, int]) -> bool:
+    """Whether a run of `preset` with these mesh degrees is the preset as shipped: every
+    degree the preset fixes unchanged (a -1 degree, filled from the ranks, may be any)."""
+    shipped = _preset(preset)
+    if shipped is None:
+        return False
+    fixed = {dim: getattr(shipped, dim) for dim in MESH_DIMS}
+    return all(n == -1 or degrees.get(dim, 1) == n for dim, n in fixed.items())
+
+
 def _flat(value, prefix: str) -> dict:
     if dataclasses.is_dataclass(value):
         out = {}

@@ -36,8 +36,8 @@ class RunRecord:
     run_id: str = _f("", column=True, report=(0, "run"))
     role: str = _f("run", column=True)
     created_at: str = _f("", column=True, report=(1, "created (UTC)"))
-    status: str = _f("skipped", column=True, summary=True, report=(8, "status"))
-    error: str | None = _f(column=True, summary=True, report=(14, "reason"))
+    status: str = _f("skipped", column=True, summary=True, report=(11, "status"))
+    error: str | None = _f(column=True, summary=True, report=(19, "reason"))
     failed_rank: int | None = _f()
     traceback: str | None = _f()  # the failing rank's, where it raised
     duration_s: float | None = _f()
@@ -45,7 +45,7 @@ class RunRecord:
     sweep: str | None = _f(column=True, summary=True, report=(2, "sweep"))
     # what ran
     model: str | None = _f(column=True, summary=True, report=(3, "model"))
-    data: str | None = _f(column=True, summary=True)  # synthetic | text | hf
+    data: str | None = _f(column=True, summary=True, report=(6, "data"))  # synthetic|text|hf
     parallel: str | None = _f(column=True)  # preset (auto: planner's pick)
     layout: dict[str, int] | None = _f()
     layout_name: str | None = _f(column=True, summary=True, report=(4, "layout"))
@@ -54,13 +54,14 @@ class RunRecord:
     devices: int | None = _f()
     hardware: str | None = _f(column=True, summary=True)
     device_type: str | None = _f()
-    backend: str | None = _f(column=True, summary=True, report=(6, "backend"))
+    backend: str | None = _f(column=True, summary=True, report=(7, "backend"))
     precision: str | None = _f(column=True)
     seq_len: int | None = _f(column=True)
-    global_batch_size: int | None = _f(column=True, summary=True, report=(7, "batch / micro"))
+    global_batch_size: int | None = _f(column=True, summary=True, report=(8, "batch / micro"))
     micro_batch_size: int | None = _f(column=True, summary=True)
     n_microbatches: int | None = _f()  # a pipeline's per step
-    grad_accum_steps: int | None = _f()
+    # micro-batches per step on a data-parallel rank: a pipeline's m, else accumulation
+    grad_accum_steps: int | None = _f(report=(9, "micro-batches"))
     steps: int | None = _f()
     untimed_steps: int | None = _f()
     steps_completed: int | None = _f()
@@ -68,11 +69,11 @@ class RunRecord:
     params: int | None = _f()
     # speed: step times of the timed steps, their median, spread and coefficient of variation
     step_times: list[float] = _f(factory=list)
-    step_time_s: float | None = _f(column=True, summary=True)
+    step_time_s: float | None = _f(column=True, summary=True, report=(13, "step time (p10-p90)"))
     step_time_p10_s: float | None = _f(column=True, summary=True)
     step_time_p90_s: float | None = _f(column=True, summary=True)
     step_time_cv: float | None = _f(column=True, summary=True)
-    tokens_per_s: float | None = _f(column=True, summary=True, report=(9, "tokens/s"))
+    tokens_per_s: float | None = _f(column=True, summary=True, report=(12, "tokens/s"))
     samples_per_s: float | None = _f(summary=True)
     # the host's CPU that processes other than this run's used while it was timed (share of
     # all cores); None where not measured (another host's ranks)
@@ -81,11 +82,11 @@ class RunRecord:
     # the single-device baseline: `fresh` (measured side by side with the run, alternating),
     # `after` (measured on its own after the run: both did not fit at once), `stored` (a
     # stored one of the same fingerprint, `baseline_age_s` old), `own` (a single-device run)
-    baseline_mode: str | None = _f(column=True, summary=True)
+    baseline_mode: str | None = _f(column=True, summary=True, report=(15, "baseline"))
     baseline_age_s: float | None = _f(summary=True)
     baseline_tokens_per_s: float | None = _f(summary=True)
     baseline_run_id: str | None = _f()
-    speedup: float | None = _f(column=True, summary=True, report=(10, "speedup"))
+    speedup: float | None = _f(column=True, summary=True, report=(14, "speedup (p10-p90)"))
     # the spread of the speedup over the alternating rounds (10th and 90th percentile)
     speedup_p10: float | None = _f(column=True, summary=True)
     speedup_p90: float | None = _f(column=True, summary=True)
@@ -93,7 +94,7 @@ class RunRecord:
     # the measurement's relative noise: the spread's half-width over the speedup, or without
     # rounds the run's and the baseline's step-time variation combined
     speedup_noise: float | None = _f(summary=True)
-    scaling_efficiency: float | None = _f(column=True, summary=True, report=(11, "efficiency"))
+    scaling_efficiency: float | None = _f(column=True, summary=True, report=(16, "efficiency"))
     # what makes a figure of this run untrustworthy, each a sentence (efficiency above 1 +
     # noise, a busy host): shown beside the figures, never hidden
     flags: list[str] = _f(factory=list)
@@ -102,13 +103,13 @@ class RunRecord:
     mfu: float | None = _f(column=True, summary=True)
     data_wait_share: float | None = _f(column=True, summary=True)  # of timed step time, rank 0
     # pipeline
-    pp_schedule: str | None = _f()
-    bubble_theoretical: float | None = _f(column=True, summary=True, report=(13, "bubble (theory)"))
+    pp_schedule: str | None = _f(report=(10, "schedule"))
+    bubble_theoretical: float | None = _f(column=True, summary=True, report=(18, "bubble (theory)"))
     bubble_measured: float | None = _f(column=True, summary=True)
     bubble_per_rank: list[float] | None = _f()
     # memory
     peak_memory_bytes: list[int] | None = _f()
-    peak_memory_max_bytes: int | None = _f(column=True, summary=True, report=(12, "peak memory"))
+    peak_memory_max_bytes: int | None = _f(column=True, summary=True, report=(17, "peak memory"))
     memory_per_rank: list[dict[str, int]] | None = _f()
     memory_params_bytes: int | None = _f(column=True, summary=True)
     memory_grads_bytes: int | None = _f(column=True, summary=True)

@@ -99,9 +99,10 @@ def comm_from_dict(data: dict[str, Any]) -> CommRunConfig:
 
 @dataclass
 class RunFilter:
-    """Unset fields match everything. `layout` matches the preset (`ddp`) or the layout's
-    name (`fsdp2 x tp2`, core.layout.layout_name); dates are UTC days, both inclusive;
-    `latest` as the sweep picks the newest sweep in the store."""
+    """Unset fields match everything. `layout` matches the layout's name (`fsdp2 x tp2`,
+    core.layout.layout_name) or a preset run as shipped (`ddp`: not a ddp run whose degrees
+    were overridden into another layout); dates are UTC days, both inclusive; `latest` as
+    the sweep picks the newest sweep in the store."""
 
     sweep: str | None = None
     model: str | None = None
@@ -113,14 +114,18 @@ class RunFilter:
 
 @dataclass
 class ReportConfig(RunFilter):
-    """The filters of RunFilter (unset: all runs), the store, and where the page goes."""
+    """The filters of RunFilter (unset: all runs), the store, and where the page goes
+    (`html` unset: no page, the table only)."""
 
     store: StoreConfig = field(default_factory=StoreConfig)
-    html: str = "report.html"
+    html: str | None = None
     title: str = "meshrun: run comparison"
 
-    def selection(self) -> str:
+    def selection(self, picked: str | None = None) -> str:
+        """The filters in words; `picked`: the sweep that `sweep=latest` stood for."""
         chosen = {k: getattr(self, k) for k in ("sweep", "model", "layout", "since", "until")}
+        if self.sweep == "latest" and picked:
+            chosen["sweep"] = f"latest ({picked})"
         words = ", ".join(f"{k}={v}" for k, v in chosen.items() if v is not None)
         return f"{self.store.path} ({words or 'all runs'})"
 

@@ -1,48 +1,41 @@
-"""Which runs a report compares: store rows filtered by sweep, model, layout and date."""
+"""The report's filters checked against the store before selecting: a sweep, model or layout
+that no stored run has is a config error naming what the store holds (a typo says so, rather
+than `no runs`); runs that match each filter but not all of them together are no error."""
 
 from __future__ import annotations
 
-from datetime import date, datetime, timezone
 from typing import Any
 
 from meshrun.core.errors import ConfigError
-from meshrun.core.tool_config import RunFilter
-from meshrun.driver.sinks.store import ResultsStore
+from meshrun.core.layout import preset_names
+from meshrun.core.tool_config import ReportConfig
+from meshrun.driver.compose import nearest
+from meshrun.driver.sinks.selection import LATEST, layout_of, sweeps
+
+LISTED = 12  # values named in an error; the nearest is always among them
 
 
-def parse_day(key: str, value: str | None) -> date | None:
-    if value is None:
-        return None
-    try:
-        return date.fromisoformat(str(value))
-    except ValueError:
-        raise ConfigError(key, value, "not a date", "YYYY-MM-DD, e.g. 2026-01-31") from None
+def _choices(value: str, known: list[str], what: str) -> str:
+    near = nearest(value, known)
+    shown = known if len(known) <= LISTED else [*known[-LISTED:], "..."]
+    listed = f"{what}: {' | '.join(shown) if shown else 'none'}"
+    return f"{near} (nearest); {listed}" if near else listed
 
 
-def _day(created_at: str) -> date:
-    return datetime.fromisoformat(created_at).astimezone(timezone.utc).date()
-
-
-def latest_sweep(runs: list[dict[str, Any]]) -> str | None:
-    swept = [r for r in runs if r.get("sweep")]
-    return max(swept, key=lambda r: r["created_at"])["sweep"] if swept else None
-
-
-def select_runs(store: ResultsStore, flt: RunFilter) -> list[dict[str, Any]]:
-    """Matching rows, oldest first; baselines (the single-device twins measured for a
-    speedup) only when asked for, since each belongs to a run already shown."""
-    since, until = parse_day("since", flt.since), parse_day("until", flt.until)
-    runs = store.runs()
-    sweep = latest_sweep(runs) if flt.sweep == "latest" else flt.sweep
-
-    def keep(run: dict[str, Any]) -> bool:
-        return (
-            (flt.baselines or run.get("role") != "baseline")
-            and (sweep is None or run.get("sweep") == sweep)
-            and (flt.model is None or run.get("model") == flt.model)
-            and (flt.layout is None or flt.layout in (run.get("parallel"), run.get("layout_name")))
-            and (since is None or _day(run["created_at"]) >= since)
-            and (until is None or _day(run["created_at"]) <= until)
-        )
-
-    return [run for run in runs if keep(run)]
+def check_filters(cfg: ReportConfig, runs: list[dict[str, Any]]) -> None:
+    """Raise ConfigError for the first filter value that no row of the store has."""
+    names = [s.name for s in sweeps(runs)]
+    if cfg.sweep == LATEST and not names:
+        raise ConfigError("sweep", cfg.sweep, "the store has no sweep",
+                          "unset (every run), or a sweep run first (meshrun -m)")  # fmt: skip
+    if cfg.sweep not in (None, LATEST) and cfg.sweep not in names:
+        raise ConfigError("sweep", cfg.sweep, "no sweep of that name in the store",
+                          _choices(cfg.sweep, [*names, LATEST], "its sweeps"))  # fmt: skip
+    models = sorted({r["model"] for r in runs if r.get("model")})
+    if cfg.model is not None and cfg.model not in models:
+        raise ConfigError("model", cfg.model, "no run of that model in the store",
+                          _choices(cfg.model, models, "its models"))  # fmt: skip
+    layouts = sorted({layout_of(r) for r in runs})
+    if cfg.layout is not None and cfg.layout not in (*layouts, *preset_names()):
+        raise ConfigError("layout", cfg.layout, "neither a layout in the store nor a preset",
+                          _choices(cfg.layout, layouts, "its layouts"))  # fmt: skip
