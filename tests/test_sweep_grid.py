@@ -79,6 +79,9 @@ def test_every_grid_point_is_a_row_invalid_ones_skipped_with_the_reason(sweep):
         else:
             assert row["status"] == "completed", row["error"]
             assert row["tokens_per_s"] > 0 and row["speedup"] > 0
+    # The sweep ends with its comparison table: every point, the skipped ones' reasons under it.
+    closing = run.output[run.output.index(f"sweep {name}: 9 runs") :]
+    assert all(row["run_id"] in closing for row in rows)
     # The baselines measured for the speedups belong to the sweep too.
     baselines = [r for r in run.stored() if r["role"] == "baseline"]
     assert baselines and {r["sweep"] for r in baselines} == {name}

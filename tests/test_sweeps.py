@@ -145,7 +145,7 @@ def test_wandb_agent_runs_record_one_sweep_and_skip_invalid_points(tmp_path):
     assert by_status["skipped"]["error"] in runs[1].output
 
 
-def test_a_failing_job_does_not_stop_the_sweep(tmp_path):
+def test_a_failing_job_does_not_stop_the_sweep_which_still_prints_its_table(tmp_path):
     grid = ("parallel=single", "debug.fail_rank=0,null", "debug.fail_step=1")
     forked = "launcher.start_method=forkserver"  # the ranks of both jobs from one server
     run = run_meshrun(tmp_path / "unused", tmp_path / "meshrun.db", *TINY, *grid, forked,
@@ -158,3 +158,7 @@ def test_a_failing_job_does_not_stop_the_sweep(tmp_path):
     [sweep_dir] = tmp_path.glob("multirun/*")
     assert {r["sweep"] for r in rows} == {sweep_dir.name}
     assert {Path(r["run_dir"]).parent for r in rows} == {sweep_dir}
+    # Hydra skips the sweep's end after a failed job: the table is printed before the error
+    table = run.output.index(f"sweep {sweep_dir.name}: 2 runs")
+    assert all(r["run_id"] in run.output[table:] for r in rows)
+    assert table < run.output.index("SweepJobFailed")

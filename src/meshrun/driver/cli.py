@@ -40,7 +40,7 @@ register_sweeps(ConfigStore.instance())
 
 
 def _waits_here(cfg: ExperimentConfig) -> bool:
-    """A SLURM job of a multirun is collected at the sweep's end (collect.CollectSweep), so
+    """A SLURM job of a multirun is collected at the sweep's end (sweep.SweepEnd), so
     that the sweep's jobs run concurrently; with launcher.wait=false, by meshrun-collect."""
     return cfg.launcher.wait and not in_multirun()
 
@@ -79,9 +79,10 @@ def run(dict_cfg: DictConfig) -> int:
     return reported(lambda: run_experiment(cfg, launch))
 
 
-def _fail_sweep_job(code: int) -> None:
+def _fail_sweep_job(code: int, dict_cfg: DictConfig) -> None:
     if in_multirun():
-        raise SweepJobFailed(f"this job of the sweep exited {code} (see its error above)")
+        raise SweepJobFailed(f"this job of the sweep exited {code} (see its error above)",
+                             dict_cfg.store.path, sweep_name(dict_cfg.sweep))  # fmt: skip
 
 
 main = hydra_command("train", run, on_failure=_fail_sweep_job)

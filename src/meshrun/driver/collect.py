@@ -7,8 +7,8 @@ the store row, W&B, and the baseline (from the store, else measured by its own j
 
     meshrun-collect multirun/2026-11-29/10-00-00     # a sweep dir, a run dir, or several
 
-At the end of a multirun whose jobs wait, the `CollectSweep` Hydra callback (conf/train.yaml)
-collects the sweep's jobs itself.
+At the end of a multirun whose jobs wait, the `SweepEnd` Hydra callback (driver/sweep.py,
+conf/train.yaml) collects the sweep's jobs itself.
 """
 
 from __future__ import annotations
@@ -20,10 +20,6 @@ import time
 from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
-
-from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
 
 from meshrun.core.config import ExperimentConfig, from_dict
 from meshrun.driver.experiment import begin, finish_experiment, outcome, reported
@@ -82,22 +78,19 @@ def collect(paths: list[Path]) -> int:
     return max((collect_one(path) for path in paths), default=0)
 
 
-class CollectSweep(Callback):
-    """At the end of a multirun: wait for and record its SLURM jobs (those with wait=true)."""
-
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        sweep_dir = Path(config.hydra.sweep.dir)
-        code = collect([p for p in pending([sweep_dir]) if json.loads(p.read_text())["wait"]])
-        left = pending([sweep_dir])
-        if left:
-            console.print(
-                f"{len(left)} SLURM job(s) submitted with launcher.wait=false; record them "
-                f"later with: meshrun-collect {sweep_dir}",
-                highlight=False,
-                soft_wrap=True,
-            )
-        if code:
-            sys.exit(code)
+def collect_sweep(sweep_dir: Path) -> int:
+    """At a multirun's end (driver/sweep.SweepEnd): its jobs submitted with wait=true
+    recorded; those with wait=false left for meshrun-collect, saying so. 1 if a run failed."""
+    code = collect([p for p in pending([sweep_dir]) if json.loads(p.read_text())["wait"]])
+    left = pending([sweep_dir])
+    if left:
+        console.print(
+            f"{len(left)} SLURM job(s) submitted with launcher.wait=false; record them "
+            f"later with: meshrun-collect {sweep_dir}",
+            highlight=False,
+            soft_wrap=True,
+        )
+    return code
 
 
 def main() -> None:

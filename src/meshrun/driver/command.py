@@ -28,6 +28,7 @@ from meshrun.core.paths import CONF_DIR
 from meshrun.core.schemas import register_schemas
 from meshrun.driver.compose import check_keys, config_error
 from meshrun.driver.launch.torchrun import run_dir_override
+from meshrun.driver.sinks.compare import print_sweep_table
 from meshrun.driver.sinks.console import print_error
 from meshrun.driver.sweep import SweepJobFailed
 
@@ -52,10 +53,10 @@ def hydra_command(
     config_name: str,
     run: Callable[[DictConfig], int],
     config_dir: Path = CONF_DIR,
-    on_failure: Callable[[int], None] | None = None,
+    on_failure: Callable[[int, DictConfig], None] | None = None,
 ) -> Callable[[], None]:
-    """The console script's `main`. `on_failure` sees a non-zero code before the exit (a
-    sweep job raises there instead, so Hydra goes on with the other jobs)."""
+    """The console script's `main`. `on_failure` sees a non-zero code and the config before
+    the exit (a sweep job raises there instead, so Hydra goes on with the other jobs)."""
     register_schemas()
 
     @hydra.main(config_path=str(config_dir), config_name=config_name, version_base="1.3")
@@ -68,7 +69,7 @@ def hydra_command(
         else:
             code = run(dict_cfg)
         if code and on_failure is not None:
-            on_failure(code)
+            on_failure(code, dict_cfg)
         if code:
             sys.exit(code)
 
@@ -88,6 +89,7 @@ def hydra_command(
                 if user_wants_tracebacks:
                     raise
                 if isinstance(exc, SweepJobFailed):
+                    print_sweep_table(exc.store_path, exc.sweep)
                     print_error("sweep failed", f"{type(exc).__name__}: {exc}")
                 else:
                     traceback.print_exc()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import textwrap
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from rich import box
@@ -16,8 +17,10 @@ from rich.table import Table
 from rich.text import Text
 
 from meshrun.core.record import report_columns
+from meshrun.core.tool_config import RunFilter
 from meshrun.driver.sinks.console import _fmt, _fmt_bytes, console
-from meshrun.driver.sinks.selection import layout_of
+from meshrun.driver.sinks.selection import layout_of, select_runs
+from meshrun.driver.sinks.store import ResultsStore
 
 COLUMNS = report_columns()  # (record field, header), from the record's metadata
 HEADERS = tuple(header for _, header in COLUMNS)
@@ -127,3 +130,16 @@ def print_table(runs: list[dict[str, Any]], title: str) -> None:
         for flag in flags(run):
             out.print(Text(f"{FLAG} {run['run_id']} ({layout_of(run)}): ", style="bold yellow")
                           + Text(flag), soft_wrap=True)  # fmt: skip
+
+
+def print_sweep_table(store_path: str, sweep: str | None) -> None:
+    """A sweep's closing table: its runs as meshrun-report shows them, and the command that
+    draws them. Nothing where the sweep recorded no run (every job refused at compose)."""
+    if sweep is None or not Path(store_path).is_file():
+        return
+    runs = select_runs(ResultsStore(store_path).runs(), RunFilter(sweep=sweep)).runs
+    if not runs:
+        return
+    print_table(runs, f"sweep {sweep}: {len(runs)} runs")
+    console.print(f"plots: meshrun-report sweep={sweep} html={sweep}.html", highlight=False,
+                  soft_wrap=True)  # fmt: skip
