@@ -21,8 +21,9 @@ from tests.ranks import RankPool, config_in
 # is a short one.
 LONGEST_FIRST = ("test_doctor", "test_checkpoint", "test_layouts", "test_sweep_grid",
                  "test_end_to_end", "test_plan_accuracy", "test_hf_models", "test_verify",
-                 "test_comm", "test_sweeps", "test_failures", "test_fp16", "test_eval",
-                 "test_torchrun", "test_watchdog", "test_config_errors")  # fmt: skip
+                 "test_comm", "test_sweeps", "test_report_layouts", "test_failures",
+                 "test_fp16", "test_eval", "test_torchrun", "test_watchdog",
+                 "test_config_errors")  # fmt: skip
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
