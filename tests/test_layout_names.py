@@ -18,7 +18,7 @@ from meshrun.driver.sinks.compare import cells
 from meshrun.driver.sinks.console import console, print_summary
 from meshrun.driver.sinks.selection import select_runs
 from meshrun.driver.sinks.store import ResultsStore
-from meshrun.plan.search import search
+from meshrun.plan.search import Box, search
 from tests.helpers import compose_config, resolved_config
 
 TINY = ("model=tiny", "train.global_batch_size=8", "train.micro_batch_size=2")
@@ -99,8 +99,8 @@ def test_printed_overrides_run_the_same_layout_again(overrides):
 
 
 def test_planner_rows_rerun_as_themselves():
-    ranked = search(resolved_config(*TINY, "parallel=single", "hardware=cpu"), 4,
-                    HostFacts.detect())  # fmt: skip
+    ranked = search(resolved_config(*TINY, "parallel=single", "hardware=cpu"), Box(1, 4),
+                    HostFacts.detect()).ranked  # fmt: skip
     assert len({c.label for c in ranked}) == len(ranked)  # one name per planner row
     for c in ranked:
         again = resolved_config(*TINY[:2], "hardware=cpu", *c.overrides().split())

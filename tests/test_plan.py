@@ -103,7 +103,7 @@ def test_llama_7b_ddp_does_not_fit_an_a6000_and_the_plan_names_layouts_that_do(t
     assert speeds == sorted(speeds, reverse=True)
     assert all(e["peak_bytes"] <= min(e["capacity_bytes"]) for e in fitting)
     not_fitting = next(line for line in run.output.splitlines() if line.startswith("do not fit"))
-    assert f"ddp8 ({ddp['peak_bytes'] / GiB:.2f} > 46.50 GiB)" in not_fitting
+    assert f"{ddp['layout']} ({ddp['peak_bytes'] / GiB:.2f} > 46.50 GiB)" in not_fitting
 
 
 def test_a_vocabulary_no_tp_degree_divides_still_plans_tensor_parallel_layouts(tmp_path):
@@ -141,7 +141,9 @@ def test_plan_rejects_a_bad_world_size_before_planning(tmp_path):
 
 
 def test_llama_13b_ddp_on_a100_is_refused_before_launch_with_the_prediction(meshrun_here):
-    run = meshrun_here("model=llama-13b", "parallel=ddp", "hardware=a100-80g")
+    """Submitted to SLURM from a host without the GPUs, the plan is checked on the profile's
+    box (here, without SLURM, a GPU profile is refused first: no CUDA device)."""
+    run = meshrun_here("model=llama-13b", "parallel=ddp", "hardware=a100-80g", "launcher=slurm")
     assert run.returncode == 2
     assert "predicted peak memory" in run.output and "GiB" in run.output
     assert "exceeds the 78.2 GiB usable" in run.output

@@ -44,6 +44,7 @@ class ModelConfig:
     name: str = MISSING
     kind: ModelKind = ModelKind["meshrun"]
     pretrained: str | None = None
+    context_len: int | None = None  # the sequence it was pretrained at: a GPU plan's default
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 class ConfigError(ValueError):
     def __init__(self, key: str, value: object, problem: str, valid: str) -> None:
-        self.key = key
+        self.key, self.value, self.problem = key, value, problem
         super().__init__(f"{key}={value!r}: {problem}. Valid: {valid}.")
 
 

@@ -6,20 +6,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from meshrun.core.config import ExperimentConfig
-from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import HostFacts, device_for_rank
 from meshrun.core.layout import Layout, layout_name, layout_overrides, n_microbatches
 from meshrun.plan import predict
 from meshrun.plan.memory import MemoryPrediction
 from meshrun.plan.probe import host_matmul_flops
 from meshrun.plan.speed import SpeedPrediction
-from meshrun.validate import validate
+from meshrun.validate import validate_layout
+from meshrun.validate.layout import check_batch
 
 GiB = 2**30
 
 
 @dataclass
 class Candidate:
+    """Memory and capacity per pipeline rank: the ranks of a stage hold the same, and the
+    smallest device among them is the stage's capacity (plans of thousands of ranks compare
+    a few stages, not every rank)."""
+
     cfg: ExperimentConfig
     memory: list[MemoryPrediction]
     capacity: list[int]
@@ -34,6 +38,10 @@ class Candidate:
     @property
     def peak(self) -> int:
         return max(m.peak for m in self.memory)
+
+    @property
+    def ranks_per_stage(self) -> int:
+        return Layout.of(self.cfg.parallel).world_size // len(self.memory)
 
     @property
     def label(self) -> str:
@@ -55,7 +63,7 @@ class Candidate:
             "activation_checkpointing": p.activation_checkpointing,
             "fits": self.fits,
             "peak_bytes": self.peak,
-            "memory_per_rank": [m.as_dict() for m in self.memory],
+            "memory_per_stage": [m.as_dict() for m in self.memory],
             "capacity_bytes": self.capacity,
             "speed": self.speed.as_dict() if self.speed else None,
             "speedup": self.speedup,
@@ -65,16 +73,23 @@ class Candidate:
 
 
 def capacities(cfg: ExperimentConfig) -> list[int]:
-    """Usable bytes per rank: its device's memory less the headroom; on CPU an equal share of
-    the host's memory (the ranks share it)."""
-    world = Layout.of(cfg.parallel).world_size
+    """Usable bytes per pipeline rank: the smallest device among its ranks less the headroom
+    (rank r runs on its node's device r % per_node); on CPU an equal share of the host's
+    memory (the ranks share it)."""
+    layout = Layout.of(cfg.parallel)
     headroom = cfg.plan.headroom_gib * GiB
+    per_stage = layout.world_size // layout.pp
     if cfg.hardware.device_type == "cpu":
         total = cfg.hardware.devices[0].memory_gib * GiB
-        return [int((total - headroom) / world)] * world
-    per_node = cfg.launcher.nproc_per_node or world
-    specs = [device_for_rank(cfg.hardware.devices, r % per_node) for r in range(world)]
-    return [int(s.memory_gib * GiB - headroom) if s else 0 for s in specs]
+        return [int((total - headroom) / layout.world_size)] * layout.pp
+    per_node = cfg.launcher.nproc_per_node or layout.world_size
+    stages = []
+    for first in range(0, layout.world_size, per_stage):
+        # a stage of per_node ranks or more holds every device of a node
+        specs = [device_for_rank(cfg.hardware.devices, r % per_node)
+                 for r in range(first, first + min(per_stage, per_node))]  # fmt: skip
+        stages.append(min(int(s.memory_gib * GiB - headroom) if s else 0 for s in specs))
+    return stages
 
 
 def host_flops(cfg: ExperimentConfig) -> float | None:
@@ -87,12 +102,13 @@ def host_flops(cfg: ExperimentConfig) -> float | None:
 
 def evaluate(cfg: ExperimentConfig) -> Candidate:
     """`cfg` resolved (validated)."""
-    return Candidate(cfg, predict.memory(cfg), capacities(cfg),
+    return Candidate(cfg, predict.stage_memory(cfg), capacities(cfg),
                      predict.speed(cfg, host_flops(cfg)))  # fmt: skip
 
 
-def legal(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig | None:
-    try:
-        return validate(cfg, facts)
-    except ConfigError:
-        return None
+def legal(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:
+    """The layout's rules and the batch's, as a run checks them on the profile's box (not
+    the launcher's host checks: a plan needs no SLURM client); raises ConfigError."""
+    resolved = validate_layout(cfg, facts)
+    check_batch(resolved)
+    return resolved

@@ -11,7 +11,7 @@ from meshrun.core.hardware import HostFacts
 from meshrun.core.layout import Layout
 from meshrun.plan import predict
 from meshrun.plan.candidate import evaluate, host_flops
-from meshrun.plan.search import search
+from meshrun.plan.search import Box, search
 
 GiB = 2**30
 
@@ -27,11 +27,13 @@ def check_fit(cfg: ExperimentConfig, facts: HostFacts) -> None:
     if candidate.fits:
         return
     over = [m.peak - c for m, c in zip(candidate.memory, candidate.capacity, strict=True)]
-    rank = over.index(max(over))
-    m = candidate.memory[rank]
+    stage = over.index(max(over))
+    m = candidate.memory[stage]
+    rank = stage * candidate.ranks_per_stage  # the stage's first rank
     split = ", ".join(f"{k} {_gib(v)}" for k, v in m.as_dict().items() if k != "peak")
     world = Layout.of(cfg.parallel).world_size
-    fitting = [c for c in search(cfg, world, facts) if c.fits][:3]
+    box = Box(cfg.launcher.nnodes, world // cfg.launcher.nnodes)
+    fitting = [c for c in search(cfg, box, facts).ranked if c.fits][:3]
     if fitting:
         valid = "; ".join(f"{c.overrides()} (predicted {_gib(c.peak)} a rank)" for c in fitting)
     else:
@@ -41,7 +43,7 @@ def check_fit(cfg: ExperimentConfig, facts: HostFacts) -> None:
         "parallel",
         cfg.parallel.name,
         f"predicted peak memory {_gib(m.peak)} on rank {rank} ({split}) exceeds the "
-        f"{_gib(candidate.capacity[rank])} usable there ({cfg.hardware.name}, less "
+        f"{_gib(candidate.capacity[stage])} usable there ({cfg.hardware.name}, less "
         f"plan.headroom_gib={cfg.plan.headroom_gib:g})",
         f"{valid}; or plan.allow_oom=true to launch anyway",
     )
@@ -54,7 +56,7 @@ def baseline_fits_beside(cfg: ExperimentConfig) -> bool:
     all of them leave."""
     run, twin = evaluate(cfg), baseline_config(cfg)
     if cfg.hardware.device_type == "cpu":
-        room = sum(run.capacity) - sum(m.peak for m in run.memory)
+        room = (sum(run.capacity) - sum(m.peak for m in run.memory)) * run.ranks_per_stage
     else:
         room = run.capacity[0] - run.memory[0].peak
     if predict.memory(twin)[0].peak > room:

@@ -154,12 +154,18 @@ def predict_rank(cfg: ExperimentConfig, layout: Layout, share: StageShare, pp_ra
     return MemoryPrediction(state, state, elements * ADAM_BYTES, int(activations), other)
 
 
-def predict_memory(cfg: ExperimentConfig) -> list[MemoryPrediction]:
-    """One prediction per rank, in rank order (a resolved config: no -1 degrees left)."""
+def predict_stages(cfg: ExperimentConfig) -> list[MemoryPrediction]:
+    """One prediction per pipeline rank (all ranks of a stage hold the same), for a resolved
+    config (no -1 degrees left): what the planner compares, whatever the world size."""
     layout = Layout.of(cfg.parallel)
     n_microbatches, micro_batch = micro_batching(cfg, layout)
     shares = stage_shares(cfg.model, cfg.parallel, layout)
-    per_stage = [predict_rank(cfg, layout, share, pp_rank, n_microbatches, micro_batch)
-                 for pp_rank, share in enumerate(shares)]  # fmt: skip
-    ranks_per_stage = layout.world_size // layout.pp
-    return [per_stage[rank // ranks_per_stage] for rank in range(layout.world_size)]
+    return [predict_rank(cfg, layout, share, pp_rank, n_microbatches, micro_batch)
+            for pp_rank, share in enumerate(shares)]  # fmt: skip
+
+
+def predict_memory(cfg: ExperimentConfig) -> list[MemoryPrediction]:
+    """One prediction per rank, in rank order (the pipeline dim is outermost)."""
+    per_stage = predict_stages(cfg)
+    ranks_per_stage = Layout.of(cfg.parallel).world_size // len(per_stage)
+    return [m for m in per_stage for _ in range(ranks_per_stage)]

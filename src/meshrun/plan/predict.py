@@ -7,7 +7,8 @@ from __future__ import annotations
 from types import ModuleType
 
 from meshrun.core.config import ExperimentConfig
-from meshrun.plan.memory import MemoryPrediction, predict_memory
+from meshrun.core.layout import Layout
+from meshrun.plan.memory import MemoryPrediction, predict_memory, predict_stages
 from meshrun.plan.speed import SpeedPrediction, predict_speed
 from meshrun.rank.metrics.flops import flops_per_token
 from meshrun.rank.models import build_model, count_params, model_shape
@@ -28,6 +29,14 @@ def _tracer() -> ModuleType:
 
 def memory(cfg: ExperimentConfig) -> list[MemoryPrediction]:
     return predict_memory(cfg) if has_formula(cfg) else _tracer().traced_memory(cfg)
+
+
+def stage_memory(cfg: ExperimentConfig) -> list[MemoryPrediction]:
+    """Per pipeline rank (its ranks hold the same): what the planner compares."""
+    if has_formula(cfg):
+        return predict_stages(cfg)
+    per_rank = _tracer().traced_memory(cfg)
+    return per_rank[:: len(per_rank) // Layout.of(cfg.parallel).pp]
 
 
 def speed(cfg: ExperimentConfig, host_flops: float | None) -> SpeedPrediction | None:

@@ -1,15 +1,29 @@
-"""Every legal layout of a model on a box, with its predicted memory per rank (fits or not) and
-speed, ranked: those that fit first, fastest first. Legality is decided by the same
-`validate` a run goes through, on the box the hardware profile describes."""
+"""The layouts a user can write for a model on `nodes` boxes of the hardware profile, each
+with its predicted memory per pipeline rank and speed, ranked: those that fit first, fastest
+first. Legality is decided by the same `validate` a run goes through, on the box the profile
+describes; a layout ruled out keeps its reason for the "why not" of meshrun-plan.
+
+The space: pp x dp_replicate x dp_shard x tp (tp inside a node: its ranks are adjacent, so
+it stays on the node's links iff it divides the devices per node), each pipeline schedule
+with its stages per rank, sequence parallelism on and off, activation checkpointing none /
+selective / full, DDP's bucket view, the micro-batch size. A key the user gave (`fixed`)
+keeps its value. Pruning: for each layout and micro-batch size the checkpointing modes are
+tried cheapest first and the first that fits is kept (recomputing more is never faster), and
+of a layout's variants only the fastest that fits (else the smallest) is ranked.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 from meshrun.core.baseline import baseline_config
-from meshrun.core.config import ExperimentConfig, ParallelConfig
-from meshrun.core.errors import fail
+from meshrun.core.config import ExperimentConfig, SlurmLauncherConfig
+from meshrun.core.errors import ConfigError, fail
 from meshrun.core.hardware import HostFacts
 from meshrun.core.layout import Layout
 from meshrun.plan import predict
@@ -19,73 +33,189 @@ from meshrun.rank.models import model_shape
 
 # (schedule, stages_per_rank)
 SCHEDULE_CHOICES = (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2))
+CHECKPOINTING = ("none", "selective", "full")  # cheapest first
+MICRO_BATCH_SIZES = (1, 2, 4, 8)
+# A dp_replicate x dp_shard split of data parallelism: the keys it sets.
+DP_KEYS = ("parallel.dp_replicate", "parallel.dp_shard")
+
+
+@dataclass(frozen=True)
+class Box:
+    """`nodes` of the profile's box, `per_node` ranks on each (rank r on device r % per_node)."""
+
+    nodes: int
+    per_node: int
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.per_node
+
+
+@dataclass
+class Plan:
+    """The ranked candidates, and why the layouts that are not among them were ruled out
+    (reason -> how many)."""
+
+    ranked: list[Candidate]
+    ruled_out: Counter[str] = field(default_factory=Counter)
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layout_grid(world: int, n_layers: int) -> list[dict]:
-    """Parallel overrides of every layout of `world` ranks: pp x dp x tp, dp as DDP, FSDP or
-    HSDP, each pipeline schedule."""
-    grid = []
-    for pp in [d for d in _divisors(world) if d <= n_layers]:
-        for tp in [d for d in _divisors(world // pp) if d <= 8]:
-            dp = world // (pp * tp)
-            dps = [(dp, 1), (1, dp)] if dp > 1 else [(1, 1)]
-            if dp >= 4:
-                dps.append((2, dp // 2))
-            schedules = SCHEDULE_CHOICES if pp > 1 else (("1f1b", 1),)
-            for (rep, shard), (schedule, stages_per_rank) in (
-                (d, s) for d in dps for s in schedules
-            ):
-                grid.append(dict(pp=pp, tp=tp, dp_replicate=rep, dp_shard=shard,
-                                 schedule=schedule, stages_per_rank=stages_per_rank))  # fmt: skip
-    return grid
+def _dp_splits(dp: int, tp: int, box: Box) -> list[tuple[int, int]]:
+    """(replicate, shard): all-replicate (DDP), all-shard (FSDP), and HSDP sharding within a
+    node and replicating across (dp_shard is the next dim out from tp), plus 2 x dp/2."""
+    splits = {(dp, 1), (1, dp)}
+    in_node = box.per_node // tp if box.per_node % tp == 0 else 1
+    for shard in (in_node, dp // 2):
+        if 1 < shard < dp and dp % shard == 0:
+            splits.add((dp // shard, shard))
+    return sorted(splits)
 
 
-def with_parallel(cfg: ExperimentConfig, world: int, **degrees) -> ExperimentConfig:
-    """A layout of the planner's, named as `parallel=auto` (what picks it; `single` for one
-    rank): its display name is layout_name's, the overrides that run it layout_overrides'."""
-    parallel = ParallelConfig(name="single" if world == 1 else "auto", **degrees)
-    launcher = dataclasses.replace(
-        cfg.launcher, nproc_per_node=world // cfg.launcher.nnodes, threads_per_rank=None
-    )
-    # A layout is not illegal for the micro-batch the run happened to ask for: shrink it
-    # to what the layout's data-parallel share of the batch allows.
-    t = cfg.train
-    local = t.global_batch_size // max(1, degrees["dp_replicate"] * degrees["dp_shard"])
-    micro = math.gcd(t.micro_batch_size, local) or t.micro_batch_size
-    train = dataclasses.replace(t, micro_batch_size=micro)
-    return dataclasses.replace(cfg, parallel=parallel, launcher=launcher, train=train)
+def layout_grid(cfg: ExperimentConfig, box: Box, fixed: frozenset[str]) -> Iterator[dict]:
+    """Every layout's parallel keys; a key in `fixed` keeps `cfg`'s value."""
+    p, n_layers = cfg.parallel, model_shape(cfg.model).n_layers
 
+    def allowed(key: str, values: list[Any]) -> list[Any]:
+        given = getattr(p, key.removeprefix("parallel."))
+        return [given] if key in fixed else values
 
-def search(cfg: ExperimentConfig, world: int, facts: HostFacts) -> list[Candidate]:
-    """Ranked candidates; a layout that does not fit is retried with full activation
-    checkpointing, and pipelines on mixed boxes get an uneven split as well."""
-    candidates = []
-    for degrees in layout_grid(world, model_shape(cfg.model).n_layers):
-        resolved = legal(with_parallel(cfg, world, **degrees), facts)
-        if resolved is None:
+    for pp in allowed("parallel.pp", [d for d in _divisors(box.world) if d <= n_layers]):
+        if box.world % pp:
             continue
-        candidate = evaluate(resolved)
-        if not candidate.fits:
-            ckpt = dataclasses.replace(resolved.parallel, activation_checkpointing="full")
-            retry = evaluate(dataclasses.replace(resolved, parallel=ckpt))
-            candidate = retry if retry.fits else candidate
-        candidates.append(candidate)
-        uneven = uneven_variant(candidate, facts)
+        tps = [d for d in _divisors(box.world // pp) if box.per_node % d == 0]  # in a node
+        for tp in allowed("parallel.tp", tps):
+            if (box.world // pp) % tp:
+                continue
+            dp = box.world // (pp * tp)
+            splits = _dp_splits(dp, tp, box)
+            if fixed & set(DP_KEYS):
+                splits = [(p.dp_replicate, p.dp_shard)] if p.dp_replicate * p.dp_shard == dp \
+                    else []  # fmt: skip
+            schedules = SCHEDULE_CHOICES if pp > 1 else (("1f1b", 1),)
+            if "parallel.schedule" in fixed or "parallel.stages_per_rank" in fixed:
+                schedules = ((p.schedule, p.stages_per_rank),)
+            for rep, shard in splits:
+                for schedule, stages_per_rank in schedules:
+                    for sp in allowed("parallel.sequence_parallel", [False, True] if tp > 1
+                                      else [False]):  # fmt: skip
+                        yield dict(pp=pp, tp=tp, dp_replicate=rep, dp_shard=shard,
+                                   schedule=schedule, stages_per_rank=stages_per_rank,
+                                   sequence_parallel=sp)  # fmt: skip
+
+
+def with_parallel(cfg: ExperimentConfig, box: Box, **keys: Any) -> ExperimentConfig:
+    """A layout of the planner's, named as `parallel=auto` (what picks it; `single` for one
+    rank): its display name is layout_name's, the overrides that run it layout_overrides'.
+    Several nodes run through SLURM (launcher=local runs on one)."""
+    parallel = dataclasses.replace(cfg.parallel, name="single" if box.world == 1 else "auto",
+                                   data_parallel="auto", **keys)  # fmt: skip
+    launcher = cfg.launcher
+    if box.nodes > 1 and not isinstance(launcher, SlurmLauncherConfig):
+        launcher = SlurmLauncherConfig(nnodes=box.nodes)
+    launcher = dataclasses.replace(launcher, nnodes=box.nodes, nproc_per_node=box.per_node,
+                                   threads_per_rank=None)  # fmt: skip
+    return dataclasses.replace(cfg, parallel=parallel, launcher=launcher)
+
+
+def _micro_batches(cfg: ExperimentConfig, dp: int, fixed: frozenset[str]) -> list[int]:
+    if "train.micro_batch_size" in fixed:
+        return [cfg.train.micro_batch_size]
+    local = cfg.train.global_batch_size // dp
+    return [m for m in MICRO_BATCH_SIZES if m <= local and local % m == 0] or [1]
+
+
+def _variants(cfg: ExperimentConfig, fixed: frozenset[str]) -> Iterator[tuple[str, bool]]:
+    """(activation checkpointing, DDP bucket view), cheapest first."""
+    ckpts = [cfg.parallel.activation_checkpointing] if "parallel.activation_checkpointing" \
+        in fixed else list(CHECKPOINTING)  # fmt: skip
+    ddp = Layout.of(cfg.parallel).dp_replicate > 1 and not Layout.of(cfg.parallel).uses_fsdp
+    views = [cfg.parallel.ddp.gradient_as_bucket_view]
+    if ddp and "parallel.ddp.gradient_as_bucket_view" not in fixed:
+        views = [False, True]
+    for ckpt in ckpts:
+        for view in views:
+            yield ckpt, view
+
+
+def _speed_key(c: Candidate) -> float:
+    return c.speed.tokens_per_s if c.speed else 0.0
+
+
+def best_variant(cfg: ExperimentConfig, facts: HostFacts, fixed: frozenset[str],
+                 ruled_out: Counter[str]) -> Candidate | None:  # fmt: skip
+    """A layout's fastest variant that fits, else its smallest; None if none is legal."""
+    fitting: Candidate | None = None
+    smallest: Candidate | None = None
+    dp = Layout.of(cfg.parallel).dp_size
+    for micro in _micro_batches(cfg, dp, fixed):
+        train = dataclasses.replace(cfg.train, micro_batch_size=micro)
+        for ckpt, view in _variants(dataclasses.replace(cfg, train=train), fixed):
+            ddp = dataclasses.replace(cfg.parallel.ddp, gradient_as_bucket_view=view)
+            parallel = dataclasses.replace(cfg.parallel, activation_checkpointing=ckpt, ddp=ddp)
+            resolved = legal_or_reason(dataclasses.replace(cfg, train=train, parallel=parallel),
+                                       facts)  # fmt: skip
+            if isinstance(resolved, str):
+                ruled_out[resolved] += 1
+                continue
+            c = evaluate(resolved)
+            if c.fits:
+                if fitting is None or _speed_key(c) > _speed_key(fitting):
+                    fitting = c
+                break  # more recomputation or the other view: no faster
+            if smallest is None or c.peak < smallest.peak:
+                smallest = c
+    return fitting or smallest
+
+
+def legal_or_reason(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig | str:
+    try:
+        return legal(cfg, facts)
+    except ConfigError as err:
+        return f"{err.key}={err.value}: {err.problem}"
+
+
+def search(cfg: ExperimentConfig, box: Box, facts: HostFacts,
+           fixed: frozenset[str] = frozenset()) -> Plan:  # fmt: skip
+    """Ranked candidates; pipelines on mixed boxes get an uneven split as well."""
+    plan = Plan([])
+    for keys in layout_grid(cfg, box, fixed):
+        if box.per_node % keys["tp"]:  # only where the user asked for this tp
+            plan.ruled_out[_tp_across_nodes(keys["tp"], box)] += 1
+            continue
+        best = best_variant(with_parallel(cfg, box, **keys), facts, fixed, plan.ruled_out)
+        if best is None:
+            continue
+        plan.ranked.append(best)
+        uneven = uneven_variant(best, facts)
         if uneven is not None:
-            candidates.append(uneven)
-    add_speedups(cfg, candidates, facts)
-    return sorted(candidates, key=_rank)
+            plan.ranked.append(uneven)
+    if not plan.ranked and not plan.ruled_out:
+        plan.ruled_out[_no_layout_reason(cfg, box, fixed)] += 1
+    add_speedups(plan.ranked, facts)
+    plan.ranked.sort(key=_rank)
+    return plan
+
+
+def _no_layout_reason(cfg: ExperimentConfig, box: Box, fixed: frozenset[str]) -> str:
+    return f"the given keys ({', '.join(sorted(fixed))}) leave no layout of {box.world} ranks"
+
+
+def _tp_across_nodes(tp: int, box: Box) -> str:
+    where = f"spans {math.ceil(tp / box.per_node)} nodes" if tp > box.per_node \
+        else "groups straddle nodes"  # fmt: skip
+    return f"parallel.tp={tp}: {where} of {box.per_node} devices (TP stays on a node's links)"
 
 
 def best_layout(cfg: ExperimentConfig, world: int, facts: HostFacts
                 ) -> tuple[ExperimentConfig, str]:  # fmt: skip
-    """`parallel=auto`: the fastest predicted layout that fits (the config to validate), and
-    why it was chosen, for the console."""
-    ranked = [c for c in search(cfg, world, facts) if c.fits]
+    """`parallel=auto`: the top row of the plan that fits (the config to validate), and why
+    it was chosen, for the console."""
+    box = Box(cfg.launcher.nnodes, world // cfg.launcher.nnodes)
+    ranked = [c for c in search(cfg, box, facts).ranked if c.fits]
     if not ranked:
         fail("parallel", "auto", f"no layout of {world} ranks is predicted to fit "
              "(meshrun-plan lists them with their memory)",
@@ -100,7 +230,7 @@ def why(ranked: list[Candidate]) -> str:
     speed = f"{first.speed.tokens_per_s:,.0f} tokens/s" if first.speed else "speed unknown"
     peak = f"peak {first.peak / 2**30:.2f} of {min(first.capacity) / 2**30:.1f} GiB"
     text = (f"{first.label} ({first.overrides()}): predicted {speed}, {peak} per rank; the "
-            f"fastest of the {len(ranked)} layouts that fit")  # fmt: skip
+            f"top row of the plan, the fastest of the {len(ranked)} layouts that fit")  # fmt: skip
     if len(ranked) > 1 and ranked[1].speed and first.speed:
         lead = first.speed.tokens_per_s / ranked[1].speed.tokens_per_s
         text += f", {lead:.2f}x the next ({ranked[1].label})"
@@ -108,33 +238,21 @@ def why(ranked: list[Candidate]) -> str:
 
 
 def _rank(c: Candidate) -> tuple:
-    return (not c.fits, -(c.speed.tokens_per_s if c.speed else 0.0), c.peak)
+    return (not c.fits, -_speed_key(c), c.peak)
 
 
-def add_speedups(cfg: ExperimentConfig, candidates: list[Candidate], facts: HostFacts) -> None:
+def add_speedups(candidates: list[Candidate], facts: HostFacts) -> None:
     """Against the single-device twin of each (weak scaling: one device's share of the batch)."""
+    singles: dict[str, float | None] = {}
     for c in candidates:
-        twin = legal(baseline_config(c.cfg), facts)
-        if twin is None or c.speed is None:
+        if c.speed is None:
             continue
-        single = predict.speed(twin, host_flops(twin))
-        if single is not None:
-            c.speedup = c.speed.tokens_per_s / single.tokens_per_s
-
-
-def suggest_micro_batch(c: Candidate, facts: HostFacts) -> int | None:
-    """The micro-batch size with the best predicted speed among those that fit (ties: the
-    largest, which keeps a device busiest)."""
-    t = c.cfg.train
-    local = t.global_batch_size // Layout.of(c.cfg.parallel).dp_size
-    best: tuple[float, int] | None = None
-    for size in [2**i for i in range(int(math.log2(local)) + 1) if local % 2**i == 0]:
-        sized = dataclasses.replace(t, micro_batch_size=size)
-        trial = legal(dataclasses.replace(c.cfg, train=sized), facts)
-        if trial is None:
-            continue
-        scored = evaluate(trial)
-        if scored.fits and scored.speed is not None:
-            key = (scored.speed.tokens_per_s, size)
-            best = max(best, key) if best else key
-    return best[1] if best else None
+        twin = baseline_config(c.cfg)
+        key = repr((twin.train, twin.parallel))
+        if key not in singles:
+            resolved = legal_or_reason(twin, facts)
+            single = None if isinstance(resolved, str) else \
+                predict.speed(resolved, host_flops(resolved))  # fmt: skip
+            singles[key] = single.tokens_per_s if single else None
+        if singles[key]:
+            c.speedup = c.speed.tokens_per_s / singles[key]

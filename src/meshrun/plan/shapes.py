@@ -80,20 +80,23 @@ def _sharded(shape: tuple[int, ...], tp_dim: int | None, tp: int, fsdp: int) -> 
 
 
 def local_param_elements(d: Dims, share: StageShare, tp: int, fsdp: int) -> int:
-    """Elements of the parameters one rank holds (TP shards, then FSDP2 shards)."""
+    """Elements of the parameters one rank holds (TP shards, then FSDP2 shards): a block's
+    tensors times the stage's layers, not a sum over every layer (a plan of a 96-layer model
+    asks thousands of times)."""
     block = [
         ((d.h, d.h), 0), ((d.hk, d.h), 0), ((d.hk, d.h), 0), ((d.h, d.h), 1),  # q k v o
         *[((d.f, d.h), 0)] * (d.mlp - 1), ((d.h, d.f), 1),  # w1 (w3) w2
         ((d.h,), None), ((d.h,), None),  # the two norms
     ]  # fmt: skip
-    tensors = block * share.layers
+    tensors = []
     if share.first:
         tensors.append(((d.vocab, d.h), 0))
     if share.last:
         tensors.append(((d.h,), None))
         if not (d.tied and share.first):
             tensors.append(((d.vocab, d.h), 0))
-    return sum(_sharded(shape, tp_dim, tp, fsdp) for shape, tp_dim in tensors)
+    per_block = sum(_sharded(shape, tp_dim, tp, fsdp) for shape, tp_dim in block)
+    return share.layers * per_block + sum(_sharded(s, dim, tp, fsdp) for s, dim in tensors)
 
 
 def layer_param_elements(d: Dims, tp: int) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from meshrun.core.config import DeviceSpec, ExperimentConfig
+from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import HostFacts, device_for_rank
 from meshrun.core.layout import Layout
 from meshrun.plan.candidate import Candidate, evaluate, legal
@@ -19,11 +20,12 @@ def stage_devices(cfg: ExperimentConfig) -> list[DeviceSpec]:
     """Per pp rank, the weakest device among its ranks (it paces the stage)."""
     layout = Layout.of(cfg.parallel)
     per_stage = layout.world_size // layout.pp
+    per_node = cfg.launcher.nproc_per_node or layout.world_size
     precision = cfg.train.precision
     weakest = []
-    for stage in range(layout.pp):
-        specs = [device_for_rank(cfg.hardware.devices, r)
-                 for r in range(stage * per_stage, (stage + 1) * per_stage)]  # fmt: skip
+    for first in range(0, layout.world_size, per_stage):
+        specs = [device_for_rank(cfg.hardware.devices, r % per_node)
+                 for r in range(first, first + min(per_stage, per_node))]  # fmt: skip
         weakest.append(min(specs, key=lambda s: (s.peak_tflops.get(precision, 0), s.memory_gib)))
     return weakest
 
@@ -57,13 +59,12 @@ def uneven_variant(candidate: Candidate, facts: HostFacts) -> Candidate | None:
     trial = None
     for _ in range(n_layers):
         parallel = dataclasses.replace(p, pp_layers=counts)
-        resolved = legal(dataclasses.replace(cfg, parallel=parallel), facts)
-        if resolved is None:
+        try:
+            resolved = legal(dataclasses.replace(cfg, parallel=parallel), facts)
+        except ConfigError:
             return None
         trial = evaluate(resolved)
-        per_stage = len(trial.memory) // p.pp
-        spare = [trial.capacity[s * per_stage] - trial.memory[s * per_stage].peak
-                 for s in range(p.pp)]  # fmt: skip
+        spare = [c - m.peak for c, m in zip(trial.capacity, trial.memory, strict=True)]
         worst, best = spare.index(min(spare)), spare.index(max(spare))
         if spare[worst] >= 0 or counts[worst] == 1 or worst == best:
             break
@@ -71,9 +72,7 @@ def uneven_variant(candidate: Candidate, facts: HostFacts) -> Candidate | None:
     stages = ", ".join(
         f"stage {i} on {d.name} ({d.peak_tflops.get(cfg.train.precision, 0):g} TFLOP/s, "
         f"{d.memory_gib:g} GiB): {n} layers, {m.peak / GiB:.1f} GiB"
-        for i, (d, n, m) in enumerate(
-            zip(devices, counts, trial.memory[:: len(trial.memory) // p.pp], strict=True)
-        )
+        for i, (d, n, m) in enumerate(zip(devices, counts, trial.memory, strict=True))
     )
     trial.notes.append(
         "uneven split: layers in proportion to each stage's peak FLOP/s so stages take equal "

@@ -1,116 +1,202 @@
 """`meshrun-plan`: will this model fit, and which layout is fastest, before anything launches.
 
-meshrun-plan model=llama-7b hardware=a6000 world_size=8
+    meshrun-plan model=llama-7b hardware=a6000
+    meshrun-plan model=llama-13b hardware=a100-80g launcher.nnodes=8 train.seq_len=4096
+
+Plans `launcher.nnodes` boxes of the hardware profile (or `world_size` ranks, spread over
+as many boxes as it takes). The keys given on the command line constrain the search; on a
+GPU profile, precision, sequence and global batch default to what a real run of the model
+would use (bf16, its pretraining context, GLOBAL_BATCH_TOKENS), said in the title.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from meshrun.core.config import ExperimentConfig
-from meshrun.core.errors import ConfigError, positive
+from meshrun.core.config import ExperimentConfig, TrainConfig
+from meshrun.core.errors import ConfigError, fail, positive
 from meshrun.core.hardware import HostFacts, resolve_hardware, target_facts
 from meshrun.core.tool_config import PlanCommandConfig
 from meshrun.driver.command import hydra_command
 from meshrun.driver.sinks.console import print_error
 from meshrun.plan.candidate import Candidate
-from meshrun.plan.search import search, suggest_micro_batch
+from meshrun.plan.search import Box, Plan, search
 from meshrun.validate import check_experiment
 
 GiB = 2**30
+# LLaMA's and LLaMA 2's global batch (4M tokens); GPT-3 175B used 3.2M.
+GLOBAL_BATCH_TOKENS = 4 * 2**20
+# What a preset (`parallel=tp2`) fixes: the whole layout.
+PARALLEL_KEYS = ("parallel.pp", "parallel.tp", "parallel.dp_replicate", "parallel.dp_shard",
+                 "parallel.schedule", "parallel.stages_per_rank")  # fmt: skip
 
 
-def default_world(cfg: ExperimentConfig) -> int:
-    if cfg.hardware.device_type == "cpu":
-        return 2
-    return sum(spec.count for spec in cfg.hardware.devices)
+def given_keys(overrides: Iterable[str]) -> frozenset[str]:
+    """The config keys a command line sets (`+k=v`, `k=v`); a parallel preset sets its
+    layout."""
+    keys = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
+    if "parallel" in keys:
+        keys |= set(PARALLEL_KEYS)
+    return frozenset(keys)
 
 
-def plan(cfg: PlanCommandConfig, host: HostFacts) -> tuple[int, list[Candidate], HostFacts]:
+def box_of(cfg: ExperimentConfig) -> Box:
+    per_node = cfg.launcher.nproc_per_node or (
+        2 if cfg.hardware.device_type == "cpu" else sum(d.count for d in cfg.hardware.devices)
+    )
+    if cfg.world_size is None:
+        return Box(cfg.launcher.nnodes, per_node)
+    if cfg.world_size <= per_node:
+        return Box(1, cfg.world_size)
+    if cfg.world_size % per_node:
+        fail("world_size", cfg.world_size, f"spans nodes of {per_node} devices unevenly",
+             f"a multiple of {per_node}, or launcher.nnodes=N")  # fmt: skip
+    return Box(cfg.world_size // per_node, per_node)
+
+
+def gpu_defaults(cfg: PlanCommandConfig, given: frozenset[str]) -> list[str]:
+    """A GPU plan's precision, sequence and batch where the user gave none; what was set."""
+    if cfg.hardware.device_type != "cuda":
+        return []
+    t, said = cfg.train, []
+    if "train.precision" not in given and t.precision != "bf16":
+        t.precision = "bf16"
+        said.append("bf16")
+    if "train.seq_len" not in given and cfg.model.context_len:
+        t.seq_len = cfg.model.context_len
+        said.append(f"the model's context {t.seq_len}")
+    if "train.global_batch_size" not in given:
+        t.global_batch_size = max(1, GLOBAL_BATCH_TOKENS // t.seq_len)
+        said.append(f"a {GLOBAL_BATCH_TOKENS / 2**20:g}M-token batch")
+    return said
+
+
+def plan(cfg: PlanCommandConfig, host: HostFacts, given: frozenset[str] = frozenset()
+         ) -> tuple[Box, Plan, list[str]]:  # fmt: skip
     positive("world_size", cfg.world_size, allow_none=True)
+    positive("launcher.nnodes", cfg.launcher.nnodes)
     check_experiment(cfg)  # the model's own mistakes before any layout is tried
     hardware = resolve_hardware(cfg.hardware, target_facts(cfg.hardware, host))
     facts = target_facts(hardware, host)
     cfg.hardware = hardware
-    world = cfg.world_size or default_world(cfg)
-    return world, search(cfg, world, facts), facts
+    defaults = gpu_defaults(cfg, given)
+    box = box_of(cfg)
+    return box, search(cfg, box, facts, given), defaults
+
+
+def command(c: Candidate, box: Box) -> str:
+    """The `meshrun` command that runs the row: model, hardware, the layout, the training
+    keys that differ from train.yaml's, and SLURM where it spans nodes."""
+    t, default = c.cfg.train, TrainConfig()
+    train = [f"train.{k}={getattr(t, k)}" for k in ("precision", "seq_len", "global_batch_size")
+             if getattr(t, k) != getattr(default, k)]  # fmt: skip
+    nodes = [f"launcher=slurm launcher.nnodes={box.nodes}"] if box.nodes > 1 else []
+    return " ".join(["meshrun", f"model={c.cfg.model.name}", f"hardware={c.cfg.hardware.name}",
+                     c.overrides(), *train, *nodes])  # fmt: skip
 
 
 def _gib(n: int) -> str:
     return f"{n / GiB:.2f}"
 
 
-def render(cfg: PlanCommandConfig, world: int, ranked: list[Candidate], facts) -> None:
+def render(cfg: PlanCommandConfig, box: Box, found: Plan, defaults: list[str]) -> None:
     console = Console(width=max(160, Console().width))
-    title = (f"meshrun-plan: {cfg.model.name} on {cfg.hardware.name}, {world} ranks, global "
-             f"batch {cfg.train.global_batch_size} x seq {cfg.train.seq_len}, "
-             f"{cfg.train.precision}")  # fmt: skip
-    table = Table(title=title)
-    for column in (
-        "#",
-        "layout",
-        "fits",
-        "peak GiB/rank (max)",
-        "capacity GiB",
-        "params",
-        "grads",
-        "optim",
-        "activ.",
-        "other",
-        "tokens/s",
-        "speedup",
-        "micro-batch",
-    ):
-        table.add_column(column, justify="left" if column == "layout" else "right")  # fmt: skip
+    t, ranked = cfg.train, found.ranked
+    nodes = f"{box.nodes} x {cfg.hardware.name} ({box.per_node} ranks each)" if box.nodes > 1 \
+        else f"{cfg.hardware.name}, {box.world} ranks"  # fmt: skip
+    title = (f"meshrun-plan: {cfg.model.name} on {nodes}, global batch {t.global_batch_size} x "
+             f"seq {t.seq_len} ({t.global_batch_size * t.seq_len / 1e6:.2f}M tokens), "
+             f"{t.precision}")  # fmt: skip
+    if defaults:
+        title += f" (GPU plan defaults: {', '.join(defaults)})"
+    console.print(title, soft_wrap=True, highlight=False)  # whole: it says what was planned
+    table = Table()
+    for column in ("#", "layout", "fits", "peak GiB/rank", "capacity GiB", "activ. GiB",
+                   "tokens/s", "per device", "speedup", "micro-batch"):  # fmt: skip
+        table.add_column(column, justify="left" if column == "layout" else "right",
+                         no_wrap=column == "layout")  # fmt: skip
     for index, c in enumerate(ranked[: cfg.top], start=1):
         top = max(c.memory, key=lambda m: m.peak)
         tokens = f"{c.speed.tokens_per_s:,.0f}" if c.speed else "n/a"
+        per_device = f"{c.speed.tokens_per_s / box.world:,.0f}" if c.speed else "n/a"
         speedup = f"{c.speedup:.2f}x" if c.speedup else "n/a"
-        micro = suggest_micro_batch(c, facts) if c.fits else None
         table.add_row(
             str(index), c.label, "yes" if c.fits else "[red]no[/red]", _gib(c.peak),
-            _gib(min(c.capacity)), _gib(top.params), _gib(top.grads), _gib(top.optimizer),
-            _gib(top.activations), _gib(top.other), tokens, speedup,
-            str(micro) if micro else "-",
+            _gib(min(c.capacity)), _gib(top.activations), tokens, per_device, speedup,
+            str(c.cfg.train.micro_batch_size),
         )  # fmt: skip
     console.print(table)
-    console.print("run a row again with:")
+    console.print("run a row with:")
     for index, c in enumerate(ranked[: cfg.top], start=1):
-        console.print(f"  {index:>2}  meshrun {c.overrides()}", soft_wrap=True, highlight=False)
+        console.print(f"  {index:>2}  {command(c, box)}", soft_wrap=True, highlight=False)
     for c in ranked[: cfg.top]:
         for note in c.notes:
             console.print(f"[bold]{c.label}[/bold]: {note}")
-    fitting = [c for c in ranked if c.fits]
+    _why_not(console, box, found)
+
+
+def _why_not(console: Console, box: Box, found: Plan) -> None:
+    """How many fit; what rules out the rest, and by how much the closest miss."""
+    fitting = [c for c in found.ranked if c.fits]
     too_big = [f"{c.label} ({_gib(c.peak)} > {_gib(min(c.capacity))} GiB)"
-               for c in ranked if not c.fits]  # fmt: skip
+               for c in found.ranked if not c.fits]  # fmt: skip
     if too_big:
-        console.print(f"[red]do not fit[/red]: {'; '.join(too_big)}")
+        console.print(f"[red]do not fit[/red] (with the least memory of their variants): "
+                      f"{'; '.join(too_big)}", soft_wrap=True, highlight=False)  # fmt: skip
     if fitting:
-        console.print(
-            f"{len(fitting)} of {len(ranked)} legal layouts fit; best: {fitting[0].label}"
-        )
+        console.print(f"{len(fitting)} of {len(found.ranked)} layouts fit; best: "
+                      f"{fitting[0].label}", highlight=False)  # fmt: skip
     else:
-        console.print(f"[red]none of {len(ranked)} legal layouts fits[/red]: more devices, "
-                      "a smaller model or a shorter sequence")  # fmt: skip
+        console.print(f"[red]no layout of {box.world} ranks fits[/red]: more devices, a "
+                      "smaller model, a shorter sequence or a smaller batch")  # fmt: skip
+        for c in sorted(found.ranked, key=_excess)[:3]:
+            console.print(f"  closest: {c.label}: {_miss(c)}", highlight=False, soft_wrap=True)
+    if found.ruled_out:
+        console.print("ruled out by the rules a run checks (layouts and variants):")
+        for reason, count in found.ruled_out.most_common(8):
+            console.print(f"  {count:>5} x  {reason}", highlight=False, soft_wrap=True)
+
+
+def _excess(c: Candidate) -> float:
+    return max(m.peak / cap for m, cap in zip(c.memory, c.capacity, strict=True) if cap > 0)
+
+
+def _miss(c: Candidate) -> str:
+    over = [m.peak - cap for m, cap in zip(c.memory, c.capacity, strict=True)]
+    stage = over.index(max(over))
+    device = c.cfg.hardware.devices[0].name if len(c.cfg.hardware.devices) == 1 else "its device"
+    where = f"on pipeline stage {stage}" if len(c.memory) > 1 else "on every rank"
+    return (
+        f"needs {_gib(over[stage])} GiB more than {device} has {where} (predicted "
+        f"{_gib(c.memory[stage].peak)} GiB)"
+    )
 
 
 def run(dict_cfg: DictConfig) -> int:
     cfg: PlanCommandConfig = OmegaConf.to_object(dict_cfg)
+    given = given_keys(HydraConfig.get().overrides.task) if HydraConfig.initialized() \
+        else frozenset()  # fmt: skip
     try:
-        world, ranked, facts = plan(cfg, HostFacts.detect())
+        box, found, defaults = plan(cfg, HostFacts.detect(), given)
     except ConfigError as err:
         print_error("config error", str(err))
         return 2
-    render(cfg, world, ranked, facts)
+    render(cfg, box, found, defaults)
     if cfg.json:
         Path(cfg.json).write_text(json.dumps(
-            {"model": cfg.model.name, "hardware": cfg.hardware.name, "world_size": world,
-             "layouts": [c.as_dict() for c in ranked]}, indent=2))  # fmt: skip
+            {"model": cfg.model.name, "hardware": cfg.hardware.name, "nodes": box.nodes,
+             "ranks_per_node": box.per_node, "world_size": box.world,
+             "train": dataclasses.asdict(cfg.train),
+             "layouts": [{**c.as_dict(), "command": command(c, box)} for c in found.ranked],
+             "ruled_out": dict(found.ruled_out)}, indent=2))  # fmt: skip
     return 0
 
 

@@ -1,0 +1,83 @@
+"""meshrun-plan for a cluster: N boxes of the profile, TP inside a node, the user's keys
+constraining the search, a GPU plan's realistic defaults, every row a command that runs it,
+and the rules that ruled the rest out."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from meshrun.core.layout import layout_name
+from tests.helpers import compose_config
+from tests.test_plan import meshrun_plan, plan_run
+
+LLAMA_13B_8_NODES = ("model=llama-13b", "hardware=a100-80g", "launcher.nnodes=8",
+                     "train.precision=bf16", "train.seq_len=4096")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llama_13b_on_8_nodes(tmp_path_factory):
+    return meshrun_plan(tmp_path_factory.mktemp("plan13b"), *LLAMA_13B_8_NODES)
+
+
+def test_eight_nodes_plan_64_ranks_with_tp_inside_each_node(llama_13b_on_8_nodes):
+    run, plan = llama_13b_on_8_nodes
+    assert (plan["nodes"], plan["ranks_per_node"], plan["world_size"]) == (8, 8, 64)
+    fitting = [e for e in plan["layouts"] if e["fits"]]
+    assert len(fitting) >= 10
+    assert {e["degrees"]["tp"] for e in plan["layouts"]} <= {1, 2, 4, 8}  # never across nodes
+    assert {e["degrees"]["pp"] for e in fitting} > {1}  # pipelines across nodes are planned
+    assert "legal layouts" not in run.output
+
+
+def test_every_row_is_the_command_that_runs_it(llama_13b_on_8_nodes):
+    _, plan = llama_13b_on_8_nodes
+    for entry in plan["layouts"][:12]:
+        words = shlex.split(entry["command"])
+        assert words[0] == "meshrun"
+        assert "launcher=slurm" in words and "launcher.nnodes=8" in words
+        overrides = [w for w in words[1:] if not w.startswith("launcher")]
+        assert "train.seq_len=4096" in overrides and "train.precision=bf16" in overrides
+        again = compose_config(*overrides)
+        assert layout_name(again) == entry["layout"], entry["command"]
+
+
+def test_a_gpu_plan_defaults_to_bf16_the_models_context_and_a_4m_token_batch(tmp_path):
+    run, plan = meshrun_plan(tmp_path, "model=llama-13b", "hardware=a100-80g", "top=3")
+    assert plan["train"]["precision"] == "bf16"
+    assert plan["train"]["seq_len"] == 4096  # Llama 2's context
+    assert plan["train"]["global_batch_size"] * 4096 == 4 * 2**20
+    assert "GPU plan defaults: bf16, the model's context 4096, a 4M-token batch" in run.output
+
+
+def test_the_users_keys_constrain_the_search(tmp_path):
+    fixed = ("parallel.tp=8", "parallel.pp=2", "parallel.activation_checkpointing=none")
+    _, with_sp = meshrun_plan(tmp_path, *LLAMA_13B_8_NODES, *fixed,
+                              "parallel.sequence_parallel=true")  # fmt: skip
+    _, without = meshrun_plan(tmp_path, *LLAMA_13B_8_NODES, *fixed,
+                              "parallel.sequence_parallel=false")  # fmt: skip
+    for plan, sp in ((with_sp, True), (without, False)):
+        assert plan["layouts"]
+        for e in plan["layouts"]:
+            assert (e["degrees"]["tp"], e["degrees"]["pp"]) == (8, 2)
+            assert e["activation_checkpointing"] == "none"
+            assert ("parallel.sequence_parallel=true" in e["command"]) is sp
+
+    def activations(plan: dict) -> dict[str, int]:
+        return {e["layout"].replace("(sp)", ""): max(m["activations"]
+                                                     for m in e["memory_per_stage"])
+                for e in plan["layouts"]}  # fmt: skip
+
+    smaller, larger = activations(with_sp), activations(without)
+    assert smaller.keys() == larger.keys()
+    assert all(smaller[k] < larger[k] for k in smaller)  # SP splits the norms' activations
+
+
+def test_tp_across_nodes_is_ruled_out_with_the_reason(tmp_path):
+    run = plan_run(tmp_path, "model=llama-13b", "hardware=a100-80g", "launcher.nnodes=2",
+                   "parallel.tp=16")  # fmt: skip
+    assert run.returncode == 0, run.output
+    assert "parallel.tp=16: spans 2 nodes of 8 devices" in run.output
+    assert "no layout of 16 ranks fits" in run.output
+    assert "legal layouts" not in run.output
