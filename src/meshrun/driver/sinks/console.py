@@ -86,7 +86,8 @@ def print_summary(r: RunRecord) -> None:
     console.print(table)
     # Below the table, whole on one line each (a log's 80 columns would wrap them): what a
     # user copies.
-    console.print(Text("run dir: ", style="bold") + Text(r.run_dir), soft_wrap=True)
+    if r.run_dir:
+        console.print(Text("run dir: ", style="bold") + Text(r.run_dir), soft_wrap=True)
     if r.overrides:
         again = Text("run again: ", style="bold") + Text(f"meshrun {r.overrides}")
         console.print(again, soft_wrap=True)
