@@ -1,0 +1,41 @@
+"""Which links a process group's traffic crosses, from meshrun's rank order alone (O(1) in the
+world size): ranks are laid out row-major over core/layout.MESH_DIMS (pp, dp_replicate,
+dp_shard, tp), tp innermost, and ranks fill nodes in order (node = rank // devices per node,
+as torchrun and SLURM number them). A group of dim d is `degree(d)` ranks `stride` apart,
+stride being the product of the degrees inside d: TP peers are adjacent ranks, pipeline
+stages the farthest apart."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from meshrun.core.layout import MESH_DIMS, Layout
+
+
+@dataclass(frozen=True)
+class GroupSpan:
+    """One group of a mesh dim: how many of its ranks share a node, and how many nodes it
+    touches."""
+
+    ranks_per_node: int
+    nodes: int
+
+    @property
+    def crosses_nodes(self) -> bool:
+        return self.nodes > 1
+
+
+def group_span(layout: Layout, dim: str, devices_per_node: int) -> GroupSpan:
+    """The worst group of `dim` (the one touching most nodes, with fewest ranks on one)."""
+    size = getattr(layout, dim)
+    stride = math.prod(getattr(layout, d) for d in MESH_DIMS[MESH_DIMS.index(dim) + 1 :])
+    extent = size * stride  # ranks from a group's first member to past its last
+    if size == 1 or devices_per_node % extent == 0:
+        return GroupSpan(size, 1)
+    if stride >= devices_per_node:  # consecutive members a node or more apart
+        return GroupSpan(1, size)
+    # Node boundaries cut the group into runs of gcd(devices per node, extent) ranks at
+    # least: exact when one divides the other (powers of two, as on every GPU node).
+    per_node = max(1, math.gcd(devices_per_node, extent) // stride)
+    return GroupSpan(per_node, math.ceil(size / per_node))
