@@ -6,7 +6,13 @@ import dataclasses
 
 import pytest
 
-from meshrun.core.config import DeviceSpec, HardwareConfig, LlamaModelConfig
+from meshrun.core.config import (
+    DeviceSpec,
+    HardwareConfig,
+    LinkConfig,
+    LlamaModelConfig,
+    NetworkConfig,
+)
 from meshrun.core.hardware import (
     CudaDevice,
     HostFacts,
@@ -114,10 +120,14 @@ def test_no_cuda_gives_the_cpu_profile_with_the_host_memory():
 
 def test_link_figures_given_beside_auto_win_over_the_detected_profile():
     facts = HostFacts(cuda_devices=[], cpu_count=2, memory_gib=8.0)
-    given = HardwareConfig(name="auto", intra_node_bw_gbs=5.0, collective_latency_us=20.0)
+    given = HardwareConfig(name="auto", intra_node=LinkConfig(bw_gbs=5.0),
+                           network=NetworkConfig(nic_gbps=25.0))  # fmt: skip
     profile = resolve_hardware(given, facts)
-    assert (profile.name, profile.intra_node_bw_gbs, profile.collective_latency_us) == (
-        "cpu", 5.0, 20.0)  # fmt: skip
+    detected = detect_profile(facts)
+    assert profile.name == "cpu"
+    # the figures given win, the detected profile's others stay
+    assert profile.intra_node == dataclasses.replace(detected.intra_node, bw_gbs=5.0)
+    assert profile.network.nic_gbps == 25.0
     assert resolve_hardware(HardwareConfig(name="auto"), facts) == detect_profile(facts)
 
 

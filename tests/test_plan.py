@@ -60,14 +60,17 @@ def test_what_is_counted_costs_a_run_as_the_formulas_do(layout):
     assert by_count.step_time_s == pytest.approx(by_formula.step_time_s, rel=0.1)
 
 
-def test_each_collective_costs_the_profiles_latency():
-    """tp2 of `small`: 4 all-reduces a layer x 4 layers x 4 micro-batches (8 samples of 2)."""
+def test_each_hop_of_a_collective_costs_the_links_latency():
+    """tp2 of `small` (4 layers, 4 micro-batches of 2): per micro-batch 4 all-reduces a layer
+    and the head's input gradient (2 ring steps each on 2 ranks), the embedding's all-reduce
+    (2), the logits' all-gather (1)."""
     fast, slow = (
-        predict_speed(resolved_config("parallel=tp2", f"hardware.collective_latency_us={us}"),
+        predict_speed(resolved_config("parallel=tp2", f"hardware.intra_node.latency_us={us}"),
                       HOST_FLOPS)
         for us in (500, 1500)
     )  # fmt: skip
-    assert slow.comm_s - fast.comm_s == pytest.approx(64 * 1e-3)
+    hops = 4 * (4 * 4 * 2 + 2 + 2 + 1)
+    assert slow.comm_s - fast.comm_s == pytest.approx(hops * 1e-3)
     assert slow.compute_s == fast.compute_s
 
 

@@ -158,26 +158,54 @@ class BackendConfig:
 
 @dataclass
 class DeviceSpec:
-    """One kind of accelerator in a box; `match` are substrings of torch's device name."""
+    """One kind of accelerator in a box; `match` are substrings of torch's device name.
+    For the planner's matmul model (plan/compute.py), from the datasheet: `memory_bw_gbs`
+    (DRAM, GB/s) and `sms` (streaming multiprocessors); measured: `matmul_efficiency`, the
+    fraction of the dense peak the best large matmul reaches (Bekman's MAMF table)."""
 
     name: str = MISSING
     count: int = 1
     memory_gib: float = MISSING
     peak_tflops: dict[str, float] = field(default_factory=dict)
     match: list[str] = field(default_factory=list)
+    memory_bw_gbs: float | None = None
+    sms: int | None = None
+    matmul_efficiency: float = 0.8
+
+
+@dataclass
+class LinkConfig:
+    """The link between two devices of a node (NVLink, PCIe, or loopback for CPU ranks):
+    `bw_gbs` GB/s per direction per device (the datasheet's; a CPU profile states gloo's
+    measured bus bandwidth), `latency_us` one hop's latency (NCCL's per-step latency)."""
+
+    name: str = "unknown"
+    bw_gbs: float | None = None
+    latency_us: float = 0.0
+
+
+@dataclass
+class NetworkConfig:
+    """The network between nodes, per node: `nics` adapters of `nic_gbps` Gb/s each, as
+    they are sold (InfiniBand HDR 200, NDR 400, 25 Gb/s Ethernet), `latency_us` one hop's
+    latency. null `nic_gbps`: no network (one box)."""
+
+    name: str = "none"
+    nics: int = 1
+    nic_gbps: float | None = None
+    latency_us: float = 0.0
 
 
 @dataclass
 class HardwareConfig:
-    """A box: its devices in PCI bus order, and for the planner its links' bandwidths in GB/s
-    and the fixed cost of one collective in microseconds (0: not modelled)."""
+    """A node: its devices in PCI bus order, the link between them (`intra_node`) and, for
+    plans of several nodes, the `network` between nodes."""
 
     name: str = "auto"
     device_type: DeviceType = DeviceType["cpu"]
     devices: list[DeviceSpec] = field(default_factory=list)
-    intra_node_bw_gbs: float | None = None
-    inter_node_bw_gbs: float | None = None
-    collective_latency_us: float = 0.0
+    intra_node: LinkConfig = field(default_factory=LinkConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
 
 
 @dataclass

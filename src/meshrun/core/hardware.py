@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from meshrun.core.config import DeviceSpec, HardwareConfig
 from meshrun.core.errors import fail
@@ -58,9 +58,17 @@ def device_for_rank(devices: list[DeviceSpec], local_rank: int) -> DeviceSpec | 
     return None
 
 
-def load_profile(name: str) -> HardwareConfig:
+def _profile_node(name: str) -> DictConfig:
+    """conf/hardware/<name>.yaml merged over the profiles its defaults list extends (a
+    cluster preset names the node profile it puts on another network), as Hydra composes it."""
     raw = OmegaConf.load(CONF_DIR / "hardware" / f"{name}.yaml")
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(HardwareConfig), raw))
+    bases = [_profile_node(base) for base in raw.pop("defaults", []) if base != "_self_"]
+    return OmegaConf.merge(*bases, raw) if bases else raw
+
+
+def load_profile(name: str) -> HardwareConfig:
+    merged = OmegaConf.merge(OmegaConf.structured(HardwareConfig), _profile_node(name))
+    return OmegaConf.to_object(merged)
 
 
 def profile_names() -> list[str]:
@@ -86,7 +94,7 @@ def _unused_kinds(profile: HardwareConfig, n_devices: int) -> int:
     return unused
 
 
-LINK_FIELDS = ("intra_node_bw_gbs", "inter_node_bw_gbs", "collective_latency_us")
+LINK_FIELDS = ("intra_node", "network")
 
 
 def detect_profile(facts: HostFacts) -> HardwareConfig:
@@ -113,9 +121,14 @@ def detect_profile(facts: HostFacts) -> HardwareConfig:
 def resolve_hardware(hw: HardwareConfig, facts: HostFacts) -> HardwareConfig:
     if hw.name == "auto":
         # link figures given beside hardware=auto (overrides) win over the detected profile's
-        blank = HardwareConfig()
-        given = {f: getattr(hw, f) for f in LINK_FIELDS if getattr(hw, f) != getattr(blank, f)}
-        return dataclasses.replace(detect_profile(facts), **given)
+        detected, blank = detect_profile(facts), HardwareConfig()
+        links = {}
+        for name in LINK_FIELDS:
+            mine, unset = getattr(hw, name), getattr(blank, name)
+            given = {f.name: getattr(mine, f.name) for f in dataclasses.fields(mine)
+                     if getattr(mine, f.name) != getattr(unset, f.name)}  # fmt: skip
+            links[name] = dataclasses.replace(getattr(detected, name), **given)
+        return dataclasses.replace(detected, **links)
     if hw.device_type == "cuda" and not facts.cuda_devices:
         fail(
             "hardware",

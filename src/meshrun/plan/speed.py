@@ -1,38 +1,55 @@
-"""Predicted step time: compute from FLOPs, communication from bytes moved per layout, and the
-pipeline bubble stretching whatever the pipeline does.
+"""Predicted step time of a layout: each pipeline stage's compute and exposed communication
+for one micro-batch, the pipeline's schedule around them, the data-parallel sync where the
+implementations overlap it with compute, and the optimizer step. O(pipeline stages x device
+kinds): nothing loops over ranks, so 8,192-rank plans cost what 8-rank ones do.
 
-    compute   FLOPs per token (PaLM: 6N + 12*L*h*s, +1/3 of the forward-heavy part again
-              under full checkpointing) x the rank's tokens x its share of the layers,
-              over the device's peak x `plan.efficiency` (the MFU one expects of a good run;
-              by default 0.4 of a GPU's datasheet peak, and on CPU 0.7 of the matmul rate
-              measured with the layout's ranks all computing, plan/probe.py)
-    DP        DDP all-reduce of the gradients once a step, 2(n-1)/n x grad bytes, one
-              collective per bucket; FSDP all-gather in forward and backward and
-              reduce-scatter every micro-batch, 3(n-1)/n x (unsharded) param bytes, three
-              collectives per block and root
-    TP        4 all-reduces a layer (2 forward, 2 backward) of each micro-batch's T x h
-              activations
-    PP        each micro-batch's activations sent forward and their gradients back
-    step      (compute + TP + PP) / (1 - bubble) + DP; no overlap assumed
+    compute     by matmul shapes on a GPU profile (plan/compute.py); by FLOPs (PaLM's
+                6N + 12*L*h*s a token, flops.py) over a rate elsewhere: a model without
+                formulas, a CPU (0.7 of the matmul rate measured with the layout's ranks all
+                computing, plan/probe.py), or `plan.efficiency` given (the MFU one expects)
+    recompute   full checkpointing runs each block's forward again in backward (its TP
+                collectives too); selective, the attention core only (Korthikanti et al.
+                2022, "Reducing Activation Recomputation in Large Transformer Models")
+    TP          Megatron's f/g operators on the block (Shoeybi et al. 2019): 2 all-reduces
+                of the T x h activations forward, 2 backward; with sequence parallelism an
+                all-gather and a reduce-scatter for each (the same bytes, twice the
+                collectives); the embedding's all-reduce, the head's input all-reduce in
+                backward and its logits all-gathered (rank/parallel/tensor.py). On the
+                critical path: DTensor TP does not overlap them (collectives.py)
+    PP          a micro-batch's fp32 residual stream (T x h, / tp under SP) received forward
+                and its gradient backward, v times with v stages a rank: torch's schedules
+                post each receive just before the compute that needs it, so transfers are
+                exposed; the step is m micro-batches stretched by the bubble (p-1)/(v*m+p-1)
+                (GPipe, 1F1B; interleaved with v; Narayanan et al. 2021, SC21)
+    DP          DDP: fp32 gradients all-reduced once a step in `bucket_cap_mb` buckets as
+                backward produces them, only what outlasts the last micro-batch's backward
+                exposed (+ the last bucket); FSDP2: each block's parameters all-gathered in
+                forward (prefetched one block ahead, overlapped) and again in backward, fp32
+                gradients reduce-scattered (all-reduced across HSDP replicas) as each
+                block's backward ends, every micro-batch; under a pipeline once a step
+                (parameters stay gathered across micro-batches, gradients sync on the last)
+    optimizer   AdamW's step, memory-bound (plan/compute.py)
 
-A model without formulas (model=custom) is costed the same way from what is counted instead
-(ModelCost: torch's FLOP count, the parameters of each rank's traced module, the width of its
-embedding; plan/traced.py).
-
-A collective costs the hardware profile's `collective_latency_us` plus its bytes over the
-link bandwidth (GB/s): intra-node unless the world spans nodes. On a CPU host the peak is
-measured (plan/probe.py), since none is published.
+Collective costs: plan/collectives.py (bandwidth, latency, which links a group crosses).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from meshrun.core.choices import HALF_PRECISIONS
-from meshrun.core.config import ExperimentConfig
-from meshrun.core.hardware import device_for_rank
+from meshrun.core.config import DeviceSpec, ExperimentConfig
 from meshrun.core.layout import Layout, n_microbatches, theoretical_bubble
+from meshrun.plan.collectives import GB, Fabric, devices_per_node, overlapped
+from meshrun.plan.compute import (
+    MEMORY_EFFICIENCY,
+    DeviceRates,
+    block_times,
+    head_times,
+    optimizer_time,
+)
+from meshrun.plan.placement import group_span
 from meshrun.plan.shapes import (
     Dims,
     StageShare,
@@ -43,11 +60,11 @@ from meshrun.plan.shapes import (
 from meshrun.rank.metrics.flops import flops_per_token
 from meshrun.rank.models import model_shape
 
-GB = 1e9
-# GPUs: the MFU of well-tuned large-model runs. CPU: of the probe's matmul rate, which the
-# model's own matmuls come close to (single, DDP and pipeline runs of `small` on a 2-vCPU VM
-# reached 0.6-0.8 of it, benchmarks/planner_accuracy.py).
+# Where compute is costed by FLOPs: the MFU of well-tuned GPU runs; on CPU the share of the
+# probe's matmul rate the model's own matmuls reach (single, DDP and pipeline runs of
+# `small` on a 2-vCPU VM reached 0.6-0.8 of it, benchmarks/planner_accuracy.py).
 DEFAULT_EFFICIENCY = {"cuda": 0.4, "cpu": 0.7}
+FP32 = 4
 
 
 @dataclass(frozen=True)
@@ -73,83 +90,238 @@ def formula_cost(cfg: ExperimentConfig, layout: Layout) -> ModelCost:
 
 @dataclass(frozen=True)
 class SpeedPrediction:
+    """Seconds a step: `compute_s` on the slowest stage (recomputation and the optimizer
+    included), `comm_s` all its collectives and transfers take, `exposed_comm_s` what of
+    them compute does not hide; `bubble` the pipeline's idle fraction; `breakdown` seconds by
+    kind; `model_tflops_per_device` the model FLOPs (PaLM's, no recomputation) a device
+    achieves, which over its peak is the MFU."""
+
     compute_s: float
     comm_s: float
     bubble: float
     step_time_s: float
     tokens_per_s: float
+    exposed_comm_s: float = 0.0
+    model_tflops_per_device: float = 0.0
+    breakdown: dict[str, float] = field(default_factory=dict)
 
-    def as_dict(self) -> dict[str, float]:
+    def as_dict(self) -> dict:
         return asdict(self)
 
 
-def _ring(n: int) -> float:
-    return (n - 1) / n if n > 1 else 0.0
-
-
-def device_flops(cfg: ExperimentConfig, rank: int) -> float | None:
-    """Peak FLOP/s of the device `rank` runs on, for the run's precision."""
-    precision = "tf32" if cfg.train.precision == "fp32" and cfg.hardware.device_type == "cuda" \
-        else cfg.train.precision  # fmt: skip
-    spec = device_for_rank(cfg.hardware.devices, rank % max(1, _devices_per_node(cfg)))
+def _peak(cfg: ExperimentConfig, spec: DeviceSpec | None) -> float | None:
+    """Peak FLOP/s of a device for the run's precision (TF32 for fp32 matmuls on CUDA)."""
     if spec is None:
         return None
+    precision = cfg.train.precision
+    if precision == "fp32" and cfg.hardware.device_type == "cuda":
+        precision = "tf32"
     peak = spec.peak_tflops.get(precision) or spec.peak_tflops.get(cfg.train.precision)
     return peak * 1e12 if peak else None
 
 
-def _devices_per_node(cfg: ExperimentConfig) -> int:
-    return cfg.launcher.nproc_per_node or sum(d.count for d in cfg.hardware.devices)
+def stage_devices(cfg: ExperimentConfig, layout: Layout, pp_rank: int) -> list[DeviceSpec]:
+    """The distinct device kinds a pipeline stage's ranks run on (ranks fill nodes in order;
+    a box lists its devices in PCI bus order): O(device kinds)."""
+    per_node = devices_per_node(cfg)
+    ranks = layout.world_size // layout.pp
+    start = pp_rank * ranks % per_node
+    spans = [(0, per_node)] if ranks >= per_node else [(start, min(start + ranks, per_node))]
+    if start + ranks > per_node and ranks < per_node:
+        spans.append((0, start + ranks - per_node))
+    kinds, first = [], 0
+    for spec in cfg.hardware.devices:
+        if any(a < first + spec.count and first < b for a, b in spans):
+            kinds.append(spec)
+        first += spec.count
+    return kinds
+
+
+@dataclass
+class _Stage:
+    """One micro-batch on a pipeline stage's slowest device: compute by kind, TP exposed."""
+
+    forward: float = 0.0
+    backward: float = 0.0
+    recompute: float = 0.0
+    tp: float = 0.0
+    parts: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def compute(self) -> float:
+        return self.forward + self.backward + self.recompute
+
+
+def _rates(cfg: ExperimentConfig, spec: DeviceSpec) -> DeviceRates | None:
+    """The shape model's view of a device, where its datasheet gives one (a GPU profile)."""
+    peak = _peak(cfg, spec)
+    if not (peak and spec.memory_bw_gbs and spec.sms) or cfg.hardware.device_type != "cuda":
+        return None
+    memory = spec.memory_bw_gbs * GB * MEMORY_EFFICIENCY
+    return DeviceRates(peak * spec.matmul_efficiency, memory, spec.sms)
+
+
+def _by_shapes(cfg: ExperimentConfig, layout: Layout, share: StageShare, micro: int,
+               rates: DeviceRates) -> _Stage:  # fmt: skip
+    d = Dims.of(cfg.model, layout.tp)
+    width = 2 if cfg.train.precision in HALF_PRECISIONS else FP32
+    p, seq = cfg.parallel, cfg.train.seq_len
+    block = block_times(d, rates, micro, seq, layout.tp, p.sequence_parallel, width)
+    forward, backward = share.layers * block.forward, share.layers * block.backward
+    if share.last:
+        head_f, head_b = head_times(d, rates, micro * seq, layout.tp, width)
+        forward, backward = forward + head_f, backward + head_b
+    recompute = {"full": block.forward, "selective": block.attention_f}.get(
+        p.activation_checkpointing, 0.0
+    ) * share.layers
+    parts = {kind: share.layers * seconds for kind, seconds in block.by_kind().items()}
+    return _Stage(forward, backward, recompute, parts=parts)
+
+
+def _by_flops(cfg: ExperimentConfig, layout: Layout, share: StageShare, micro: int,
+              cost: ModelCost, rate: float) -> _Stage:  # fmt: skip
+    """Forward a third of a token's FLOPs, backward two; the head counts as half a layer."""
+    shape = model_shape(cfg.model)
+    layer_share = (share.layers + (0.5 if share.last else 0)) / (shape.n_layers + 0.5)
+    tokens = micro * cfg.train.seq_len
+    forward = cost.flops_per_token * tokens * layer_share / layout.tp / 3 / rate
+    recompute = 0.0
+    if cfg.parallel.activation_checkpointing == "full":
+        recompute = forward
+    elif cfg.parallel.activation_checkpointing == "selective":  # attention's 4*h*s a token
+        attention = 4 * shape.dim * cfg.train.seq_len * tokens * share.layers / layout.tp
+        recompute = attention / rate
+    return _Stage(forward, 2 * forward, recompute, parts={"matmul": 3 * forward})
+
+
+def _tp_comm(cfg: ExperimentConfig, layout: Layout, fabric: Fabric, share: StageShare,
+             micro: int, cost: ModelCost) -> float:  # fmt: skip
+    """Seconds of one micro-batch's TP collectives on a stage (recomputed ones included)."""
+    if layout.tp == 1:
+        return 0.0
+    span = group_span(layout, "tp", fabric.devices_per_node)
+    half = cfg.train.precision in HALF_PRECISIONS
+    tokens = micro * cfg.train.seq_len
+    activation = tokens * cost.width * (2 if half else FP32)
+    if cfg.parallel.sequence_parallel:  # an all-gather and a reduce-scatter for each
+        one = 2 * fabric.all_gather(span, activation)
+    else:
+        one = fabric.all_reduce(span, activation)
+    forward_ops = 2 + (2 if cfg.parallel.activation_checkpointing == "full" else 0)
+    seconds = share.layers * (forward_ops + 2) * one
+    residual = tokens * cost.width * FP32
+    if share.first:  # the vocabulary-parallel embedding's output
+        seconds += fabric.all_reduce(span, residual)
+    if share.last:  # the head's input gradient, and its logits gathered
+        vocab = model_shape(cfg.model).vocab_size
+        seconds += fabric.all_reduce(span, activation)
+        seconds += fabric.all_gather(span, tokens * vocab * (2 if half else FP32))
+    return seconds
+
+
+def _pp_comm(cfg: ExperimentConfig, layout: Layout, fabric: Fabric, micro: int,
+             cost: ModelCost) -> float:  # fmt: skip
+    """Seconds of one micro-batch's stage-to-stage transfers on a rank (receive forward,
+    send backward: 2 a stage it holds)."""
+    if layout.pp == 1:
+        return 0.0
+    nbytes = micro * cfg.train.seq_len * cost.width * FP32
+    if cfg.parallel.sequence_parallel:
+        nbytes /= layout.tp
+    crosses = group_span(layout, "pp", fabric.devices_per_node).crosses_nodes
+    return 2 * cfg.parallel.stages_per_rank * fabric.send(crosses, nbytes)
+
+
+def _dp_comm(cfg: ExperimentConfig, layout: Layout, fabric: Fabric, cost: ModelCost,
+             stage: _Stage, m: int, n_units: int) -> tuple[float, float]:  # fmt: skip
+    """(seconds of a step's data-parallel collectives, what of them compute leaves exposed)."""
+    p = cfg.parallel
+    elements = cost.rank_elements
+    per_node = fabric.devices_per_node
+    if not layout.uses_fsdp:
+        if layout.dp_replicate == 1:
+            return 0.0, 0.0
+        grads = elements * FP32
+        span = group_span(layout, "dp_replicate", per_node)
+        buckets = max(1, math.ceil(grads / (p.ddp.bucket_cap_mb * 2**20)))
+        total = fabric.all_reduce(span, grads)
+        return total, overlapped(total, stage.backward + stage.recompute, buckets)
+    param_width = 2 if cfg.train.precision in HALF_PRECISIONS else FP32
+    shard = group_span(layout, "dp_shard", per_node)
+    replicate = group_span(layout, "dp_replicate", per_node)
+    gather = fabric.all_gather(shard, elements * param_width)
+    reduce = fabric.all_gather(shard, elements * FP32)  # reduce-scatter: the same cost
+    reduce += fabric.all_reduce(replicate, elements * FP32 / layout.dp_shard)
+    backward = stage.backward + stage.recompute
+    if layout.pp > 1:  # gathered once a step, synced on the last backward
+        total = gather + reduce
+        exposed = overlapped(gather, stage.forward, n_units)
+        return total, exposed + overlapped(reduce, backward, n_units)
+    backward_gather = gather if p.fsdp.reshard_after_forward else 0.0
+    total = m * (gather + backward_gather + reduce)
+    exposed = overlapped(gather, stage.forward, n_units)
+    exposed += overlapped(backward_gather + reduce, backward, n_units)
+    return total, m * exposed
 
 
 def predict_speed(cfg: ExperimentConfig, host_flops: float | None = None,
                   cost: ModelCost | None = None) -> SpeedPrediction | None:  # fmt: skip
     """None when a device's peak is unknown (and no host measurement stands in for it).
     `cost`: what was counted of a model without formulas (formula_cost's otherwise)."""
-    efficiency = cfg.plan.efficiency or DEFAULT_EFFICIENCY[cfg.hardware.device_type]
     layout = Layout.of(cfg.parallel)
     t = cfg.train
+    by_shapes = cost is None and cfg.plan.efficiency is None
     cost = cost or formula_cost(cfg, layout)
-    n_layers = model_shape(cfg.model).n_layers
-    per_token = cost.flops_per_token
-    if cfg.parallel.activation_checkpointing == "full":
-        per_token *= 4 / 3
-    tokens_dp_rank = t.global_batch_size * t.seq_len / layout.dp_size
+    efficiency = cfg.plan.efficiency or DEFAULT_EFFICIENCY[cfg.hardware.device_type]
+    fabric = Fabric.of(cfg)
+    m, micro = micro_batching(cfg, layout)
     shares = stage_shares(cfg.model, cfg.parallel, layout)
-    width = 2 if t.precision in HALF_PRECISIONS else 4
-    bw = (cfg.hardware.inter_node_bw_gbs if cfg.launcher.nnodes > 1 else None) or \
-        cfg.hardware.intra_node_bw_gbs or 1.0  # fmt: skip
-    latency = cfg.hardware.collective_latency_us * 1e-6
-    passes, _ = micro_batching(cfg, layout)
-    compute = 0.0
-    for rank in range(layout.world_size):
-        peak = host_flops if cfg.hardware.device_type == "cpu" else device_flops(cfg, rank)
-        if not peak:
+    slowest: _Stage | None = None
+    for pp_rank, share in enumerate(shares):  # stages x device kinds, never ranks
+        specs = stage_devices(cfg, layout, pp_rank) if cfg.hardware.device_type == "cuda" \
+            else [None]  # fmt: skip
+        if not specs:
             return None
-        share = shares[rank // (layout.world_size // layout.pp)]
-        layer_share = (share.layers + (0.5 if share.last else 0)) / (n_layers + 0.5)
-        flops = per_token * tokens_dp_rank * layer_share / layout.tp
-        compute = max(compute, flops / (peak * efficiency))
-    elements = cost.rank_elements
-    layers = max(s.layers for s in shares)
-    dp_bytes = dp_count = 0.0
-    if layout.uses_fsdp:
-        dp_bytes = 3 * _ring(layout.dp_size) * elements * width * passes
-        dp_count = 3 * (layers + 1) * passes
-    elif layout.dp_replicate > 1:
-        dp_bytes = 2 * _ring(layout.dp_replicate) * elements * 4
-        dp_count = math.ceil(elements * 4 / (cfg.parallel.ddp.bucket_cap_mb * 2**20))
-    activation_bytes = tokens_dp_rank * cost.width * width
-    tp_bytes = 4 * 2 * _ring(layout.tp) * activation_bytes * layers
-    tp_count = 4 * layers * passes if layout.tp > 1 else 0
-    pp_bytes = 2 * activation_bytes / layout.tp if layout.pp > 1 else 0.0
-    pp_count = 2 * passes if layout.pp > 1 else 0
+        for spec in specs:
+            rates = _rates(cfg, spec) if by_shapes and spec else None
+            if rates:
+                stage = _by_shapes(cfg, layout, share, micro, rates)
+            else:
+                peak = host_flops if spec is None else _peak(cfg, spec)
+                if not peak:
+                    return None
+                stage = _by_flops(cfg, layout, share, micro, cost, peak * efficiency)
+            stage.tp = _tp_comm(cfg, layout, fabric, share, micro, cost)
+            if rates:
+                stage.parts["optimizer"] = optimizer_time(cost.rank_elements // layout.dp_shard,
+                                                          rates)  # fmt: skip
+            if slowest is None or _clock(stage) > _clock(slowest):
+                slowest = stage
+    pp = _pp_comm(cfg, layout, fabric, micro, cost)
+    n_units = max(s.layers for s in shares) + 1  # FSDP2 units: the blocks and the root
+    dp_total, dp_exposed = _dp_comm(cfg, layout, fabric, cost, slowest, m, n_units)
     bubble = 0.0
     if layout.pp > 1:
-        p = cfg.parallel
-        bubble = theoretical_bubble(layout.pp, n_microbatches(cfg), p.stages_per_rank)
-    pipeline_comm = (tp_bytes + pp_bytes) / (bw * GB) + (tp_count + pp_count) * latency
-    dp_comm = dp_bytes / (bw * GB) + dp_count * latency
-    step = (compute + pipeline_comm) / (1 - bubble) + dp_comm
-    comm = pipeline_comm + dp_comm
-    return SpeedPrediction(compute, comm, bubble, step, t.global_batch_size * t.seq_len / step)
+        bubble = theoretical_bubble(layout.pp, n_microbatches(cfg), cfg.parallel.stages_per_rank)
+    optimizer = slowest.parts.get("optimizer", 0.0)
+    pipeline = m * (slowest.compute + slowest.tp + pp)
+    step = pipeline / (1 - bubble) + dp_exposed + optimizer
+    tokens_per_s = t.global_batch_size * t.seq_len / step
+    breakdown = {**{k: m * v for k, v in slowest.parts.items() if k != "optimizer"},
+                 "recompute": m * slowest.recompute, "optimizer": optimizer,
+                 "tp": m * slowest.tp, "pp": m * pp, "dp": dp_total, "dp_exposed": dp_exposed,
+                 "bubble": pipeline / (1 - bubble) - pipeline}  # fmt: skip
+    return SpeedPrediction(
+        compute_s=m * slowest.compute + optimizer,
+        comm_s=m * (slowest.tp + pp) + dp_total,
+        bubble=bubble,
+        step_time_s=step,
+        tokens_per_s=tokens_per_s,
+        exposed_comm_s=m * (slowest.tp + pp) + dp_exposed,
+        model_tflops_per_device=tokens_per_s * cost.flops_per_token / layout.world_size / 1e12,
+        breakdown=breakdown,
+    )
+
+
+def _clock(stage: _Stage) -> float:
+    return stage.compute + stage.tp + stage.parts.get("optimizer", 0.0)

@@ -78,11 +78,27 @@ def _check_plan(cfg: ExperimentConfig) -> None:
     if cfg.plan.headroom_gib < 0:
         fail("plan.headroom_gib", cfg.plan.headroom_gib, "is memory kept free on each device",
              "a number >= 0")  # fmt: skip
-    positive("hardware.intra_node_bw_gbs", cfg.hardware.intra_node_bw_gbs, allow_none=True)
-    positive("hardware.inter_node_bw_gbs", cfg.hardware.inter_node_bw_gbs, allow_none=True)
-    if cfg.hardware.collective_latency_us < 0:
-        fail("hardware.collective_latency_us", cfg.hardware.collective_latency_us,
-             "is the fixed cost of one collective", "a number >= 0 (0: not modelled)")  # fmt: skip
+    _check_hardware(cfg.hardware)
+
+
+def _check_hardware(hw: HardwareConfig) -> None:
+    """The figures the speed model divides by or adds (plan/speed.py)."""
+    positive("hardware.intra_node.bw_gbs", hw.intra_node.bw_gbs, allow_none=True)
+    positive("hardware.network.nic_gbps", hw.network.nic_gbps, allow_none=True)
+    positive("hardware.network.nics", hw.network.nics)
+    for key, value in (("intra_node", hw.intra_node.latency_us),
+                       ("network", hw.network.latency_us)):  # fmt: skip
+        if value < 0:
+            fail(f"hardware.{key}.latency_us", value, "is one hop's latency",
+                 "a number >= 0 (0: not modelled)")  # fmt: skip
+    for index, spec in enumerate(hw.devices):
+        key = f"hardware.devices.{index}"
+        positive(f"{key}.memory_bw_gbs", spec.memory_bw_gbs, allow_none=True)
+        positive(f"{key}.sms", spec.sms, allow_none=True)
+        if not 0 < spec.matmul_efficiency <= 1:
+            fail(f"{key}.matmul_efficiency", spec.matmul_efficiency,
+                 "is the fraction of the peak the best large matmul reaches",
+                 "a number in (0, 1], e.g. 0.8")  # fmt: skip
 
 
 def _check_train(cfg: ExperimentConfig) -> None:

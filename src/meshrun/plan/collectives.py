@@ -1,0 +1,105 @@
+"""Seconds of one collective on a process group, from where its ranks sit (plan/placement.py)
+and the hardware profile's links, in the terms of NCCL's own cost model (src/graph/tuning.cc:
+a latency per algorithm step, a bus bandwidth) and of nccl-tests (busbw = algbw x 2(n-1)/n
+for all-reduce, (n-1)/n for all-gather and reduce-scatter).
+
+    bandwidth   inside a node, the device's link (NVLink, PCIe) at 0.8 of its datasheet rate
+                per direction (nccl-tests all_reduce busbw on 8 x A100 SXM: ~230 of NVLink 3's
+                300 GB/s); a group spanning nodes is a ring whose node-to-node hops each ride
+                a NIC: with r of its ranks on a node (and the node's other groups talking at
+                the same time, each rail its own), its bus bandwidth is r x the node's NIC
+                bandwidth / devices per node at 0.9 of the line rate, and never more than the
+                link inside the node. TP of 8 on DGX A100: NVLink; a DP group of one rank a
+                node: one HDR NIC, 25 GB/s.
+    latency     ring all-reduce takes 2(n-1) steps, all-gather and reduce-scatter n-1, of
+                which those leaving a node cost the network's per-hop latency; across nodes
+                NCCL's tree all-reduce takes 2((r-1) + log2(nodes)) steps, and NCCL picks
+                the faster.
+    p2p         a pipeline send: one hop, over the device's own link or its NIC share.
+
+On CPU (gloo) the profile's link figure is the measured bus bandwidth already.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from meshrun.core.config import ExperimentConfig
+from meshrun.plan.placement import GroupSpan
+
+GB = 1e9
+NVLINK_EFFICIENCY = 0.8  # nccl-tests all_reduce busbw / datasheet rate per direction
+NETWORK_EFFICIENCY = 0.9  # of the NICs' line rate (InfiniBand, RoCE; NCCL's net transport)
+
+
+def devices_per_node(cfg: ExperimentConfig) -> int:
+    return cfg.launcher.nproc_per_node or sum(d.count for d in cfg.hardware.devices)
+
+
+@dataclass(frozen=True)
+class Fabric:
+    """The links of a plan in bytes/s and seconds: per device inside a node, and each
+    device's share of its node's NICs (None: no network, the node's link stands in)."""
+
+    intra_bw: float
+    intra_latency: float
+    nic_bw: float | None
+    net_latency: float
+    devices_per_node: int
+
+    @classmethod
+    def of(cls, cfg: ExperimentConfig) -> Fabric:
+        hw = cfg.hardware
+        gpu = hw.device_type == "cuda"
+        intra = (hw.intra_node.bw_gbs or 1.0) * GB * (NVLINK_EFFICIENCY if gpu else 1.0)
+        net = hw.network
+        per_node = devices_per_node(cfg)
+        nic = (net.nics * net.nic_gbps / 8 * GB * NETWORK_EFFICIENCY / per_node
+               if net.nic_gbps else None)  # fmt: skip
+        return cls(intra, hw.intra_node.latency_us * 1e-6, nic, net.latency_us * 1e-6, per_node)
+
+    def bus_bw(self, span: GroupSpan) -> float:
+        if span.crosses_nodes and self.nic_bw:
+            return min(self.intra_bw, span.ranks_per_node * self.nic_bw)
+        return self.intra_bw
+
+    def _ring_latency(self, span: GroupSpan, steps_per_rank: int) -> float:
+        n = span.ranks_per_node * span.nodes
+        out = span.nodes if span.crosses_nodes else 0
+        return steps_per_rank * ((n - out) * self.intra_latency + out * self.net_latency)
+
+    def all_reduce(self, span: GroupSpan, nbytes: float) -> float:
+        n = span.ranks_per_node * span.nodes
+        if n == 1:
+            return 0.0
+        latency = self._ring_latency(span, 2) - 2 * self.intra_latency
+        if span.crosses_nodes:
+            tree = 2 * ((span.ranks_per_node - 1) * self.intra_latency
+                        + math.ceil(math.log2(span.nodes)) * self.net_latency)  # fmt: skip
+            latency = min(latency, tree)
+        return latency + 2 * (n - 1) / n * nbytes / self.bus_bw(span)
+
+    def all_gather(self, span: GroupSpan, nbytes: float) -> float:
+        """All-gather into (or reduce-scatter from) a buffer of `nbytes` on each rank."""
+        n = span.ranks_per_node * span.nodes
+        if n == 1:
+            return 0.0
+        latency = self._ring_latency(span, 1) - self.intra_latency
+        return latency + (n - 1) / n * nbytes / self.bus_bw(span)
+
+    def send(self, crosses_nodes: bool, nbytes: float) -> float:
+        """One rank's point-to-point transfer, its peer in the next pipeline stage."""
+        if crosses_nodes and self.nic_bw:
+            return self.net_latency + nbytes / self.nic_bw
+        return self.intra_latency + nbytes / self.intra_bw
+
+
+def overlapped(comm: float, compute: float, chunks: int) -> float:
+    """What `chunks` equal collectives on one stream leave exposed beside `chunks` equal
+    compute pieces they overlap (each waiting for its piece, or the piece for it): the first
+    or last chunk's collective at least, all that exceeds the compute otherwise. DDP's buckets
+    after backward, FSDP2's prefetched all-gathers before each block."""
+    if chunks < 1 or comm <= 0:
+        return max(comm, 0.0)
+    return max(comm / chunks, comm - compute * (1 - 1 / chunks))

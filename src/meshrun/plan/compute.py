@@ -1,0 +1,118 @@
+"""How long one device computes a transformer block's forward and backward for one
+micro-batch, from the shapes of its matmuls and the device's datasheet, not from one MFU.
+
+    matmul      2*M*N*K FLOPs at the device's peak x `matmul_efficiency` (the best large
+                matmul measured: 0.86 of an A100's 312 bf16 TFLOP/s, 0.80 of an H100's 989;
+                Bekman's MAMF table, ml-engineering), x the last wave's fill: cuBLAS tiles
+                the output in 128 x 128 blocks, one per SM at a time, so 160 tiles on 108 SMs
+                take two full waves (wave quantization, NVIDIA's "Matrix Multiplication
+                Background" guide); and no faster than reading A, B and writing C from DRAM
+                (roofline). Each linear runs three: forward (T x out x in), input gradient
+                (T x in x out) and weight gradient (out x in x T), T the micro-batch's tokens;
+                tensor parallelism divides out (column-parallel) or in (row-parallel) by tp.
+    attention   the causal kernel (FlashAttention through SDPA) skips the masked half of
+                QK^T and AV; its backward does 2.5x the forward's matmuls (it recomputes the
+                scores); softmax and masking keep it at ~0.7 of the large-matmul rate
+                (FlashAttention-2 reaches 50-73% of A100's peak, Dao 2023).
+    elementwise memory-bound work at 0.8 of the DRAM bandwidth (what STREAM-like kernels
+                reach), bytes per token a layer in forward: the two RMSNorms and residual
+                adds on the fp32 residual stream, 4 bytes x 12h (replicated under TP, / tp
+                with sequence parallelism), RoPE on q and k, 4(h + hk)/tp x width/2, and the
+                MLP's activation, mlp x f/tp x width; backward moves twice that.
+
+Megatron's fused kernels move fewer bytes than meshrun's unfused fp32 residual stream; these
+are meshrun's.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from meshrun.plan.shapes import Dims
+
+TILE = 128  # cuBLAS's usual output tile edge for 16-bit GEMMs on A100/H100
+ATTENTION_RATE = 0.7  # of the large-matmul rate: FlashAttention-2 (Dao 2023)
+ATTENTION_BACKWARD = 2.5  # the backward's matmuls over the forward's (5 against 2)
+MEMORY_EFFICIENCY = 0.8  # of the datasheet DRAM bandwidth, for streaming kernels
+RESIDUAL_BYTES = 4 * 12  # fp32 residual stream: 2 x (RMSNorm 7 + residual add 5) x h floats
+ADAMW_BYTES = 28  # a parameter's step: read weight, grad, m, v; write weight, m, v (fp32)
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    """A device kind for the run's precision: FLOP/s of a large matmul, DRAM bytes/s, SMs."""
+
+    matmul: float
+    memory: float
+    sms: int
+
+    def gemm(self, m: int, n: int, k: int, width: int) -> float:
+        """Seconds of an (m x k) @ (k x n) matmul of `width`-byte elements."""
+        tiles = math.ceil(m / TILE) * math.ceil(n / TILE)
+        fill = tiles / (math.ceil(tiles / self.sms) * self.sms)
+        compute = 2 * m * n * k / (self.matmul * fill)
+        return max(compute, width * (m * k + k * n + m * n) / self.memory)
+
+    def linear(self, tokens: int, out: int, inp: int, width: int) -> tuple[float, float]:
+        """(forward, backward) seconds of a linear layer: y = x W^T, dx, dW."""
+        forward = self.gemm(tokens, out, inp, width)
+        return forward, self.gemm(tokens, inp, out, width) + self.gemm(out, inp, tokens, width)
+
+
+@dataclass(frozen=True)
+class PassTimes:
+    """Seconds of one micro-batch through one block, by kind of work."""
+
+    matmul_f: float
+    matmul_b: float
+    attention_f: float
+    elementwise_f: float
+
+    @property
+    def forward(self) -> float:
+        return self.matmul_f + self.attention_f + self.elementwise_f
+
+    @property
+    def backward(self) -> float:
+        return self.matmul_b + ATTENTION_BACKWARD * self.attention_f + 2 * self.elementwise_f
+
+    def by_kind(self) -> dict[str, float]:
+        """Forward and backward together."""
+        return {"matmul": self.matmul_f + self.matmul_b,
+                "attention": (1 + ATTENTION_BACKWARD) * self.attention_f,
+                "elementwise": 3 * self.elementwise_f}  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4096)  # the planner asks again for every stage and layout
+def block_times(d: Dims, rates: DeviceRates, micro_batch: int, seq: int, tp: int, sp: bool,
+                width: int) -> PassTimes:  # fmt: skip
+    """One transformer block (meshrun's: q, k, v, o; w1, (w3,) w2) under TP degree `tp`."""
+    tokens = micro_batch * seq
+    column = [(d.h, d.h), (d.hk, d.h), (d.hk, d.h)] + [(d.f, d.h)] * (d.mlp - 1)
+    linears = [(out // tp, inp) for out, inp in column] + [(d.h, d.h // tp), (d.h, d.f // tp)]
+    forward = backward = 0.0
+    for out, inp in linears:
+        f, b = rates.linear(tokens, out, inp, width)
+        forward, backward = forward + f, backward + b
+    causal_flops = 2 * micro_batch * seq * seq * d.h / tp  # half of 4*b*s^2*h: the mask
+    attention = causal_flops / (rates.matmul * ATTENTION_RATE)
+    per_token = (RESIDUAL_BYTES * d.h / (tp if sp else 1)
+                 + (2 * (d.h + d.hk) + d.mlp * d.f) * width / tp)  # fmt: skip
+    return PassTimes(forward, backward, attention, tokens * per_token / rates.memory)
+
+
+@functools.lru_cache(maxsize=4096)
+def head_times(d: Dims, rates: DeviceRates, tokens: int, tp: int, width: int
+               ) -> tuple[float, float]:  # fmt: skip
+    """(forward, backward) of the output layer and the loss: the vocabulary-parallel head
+    and the fp32 log-softmax over the gathered logits (read, write; backward twice)."""
+    forward, backward = rates.linear(tokens, d.vocab // tp, d.h, width)
+    loss = tokens * d.vocab * 4 * 2 / rates.memory
+    return forward + loss, backward + 2 * loss
+
+
+def optimizer_time(elements: int, rates: DeviceRates) -> float:
+    """AdamW's step over the parameters a rank holds: memory-bound."""
+    return elements * ADAMW_BYTES / rates.memory
