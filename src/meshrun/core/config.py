@@ -400,12 +400,13 @@ class StoreConfig:
 
 @dataclass
 class PlanConfig:
-    """The planner: `efficiency` is the MFU a good run reaches (for predicted speed; null:
-    the device type's, plan/speed.py); `headroom_gib` of each device is kept free (CUDA
-    context, allocator fragmentation); `allow_oom` launches a run predicted not to fit
-    anyway. `trace`: a run also records the prediction of its parallel module traced on fake
-    tensors (plan/traced.py) and torch's count of its FLOPs beside the formulas' (a model
-    without formulas, model=custom, is always traced)."""
+    """The planner: `efficiency`, the MFU a good run reaches, replaces the speed model's
+    matmul-shape costing of a GPU with FLOPs over peak x efficiency (null: shapes on GPU
+    profiles, the device type's default elsewhere, plan/speed.py); `headroom_gib` of each
+    device is kept free (CUDA context, allocator fragmentation); `allow_oom` launches a run
+    predicted not to fit anyway. `trace`: a run also records the prediction of its parallel
+    module traced on fake tensors (plan/traced.py) and torch's count of its FLOPs beside the
+    formulas' (a model without formulas, model=custom, is always traced)."""
 
     allow_oom: bool = False
     efficiency: float | None = None
