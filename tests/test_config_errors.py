@@ -433,9 +433,9 @@ def test_tp_plan_module_in_the_working_directory_is_imported_by_driver_and_ranks
     }  # fmt: skip
 
 
-def _restated(data: dict, schema: type, prefix: str = "") -> list[str]:
+def _restated(data: dict, schema: type, parent: dict, prefix: str = "") -> list[str]:
     """Keys of a YAML mapping whose value is the schema's own default (`name` identifies a
-    preset and may repeat it)."""
+    preset and may repeat it), unless they undo a value of the preset it builds on."""
     defaults = OmegaConf.to_container(OmegaConf.structured(schema), resolve=False)
     hints = typing.get_type_hints(schema)
     found = []
@@ -443,10 +443,19 @@ def _restated(data: dict, schema: type, prefix: str = "") -> list[str]:
         if key in ("defaults", "hydra", "name") or key not in defaults:
             continue
         if isinstance(value, dict) and dataclasses.is_dataclass(hints[key]):
-            found += _restated(value, hints[key], f"{prefix}{key}.")
-        elif value == defaults[key]:
+            found += _restated(value, hints[key], parent.get(key) or {}, f"{prefix}{key}.")
+        elif value == defaults[key] and parent.get(key, value) == value:
             found.append(f"{prefix}{key}")
     return found
+
+
+def _parent(path: Path, data: dict) -> dict:
+    """The preset of the same group this one builds on (`defaults: [a100-80g, _self_]`)."""
+    for entry in data.get("defaults", []):
+        sibling = path.parent / f"{entry}.yaml" if isinstance(entry, str) else None
+        if sibling is not None and sibling.is_file():
+            return yaml.safe_load(sibling.read_text()) or {}
+    return {}
 
 
 def test_yaml_presets_do_not_restate_the_schema_defaults():
@@ -459,6 +468,7 @@ def test_yaml_presets_do_not_restate_the_schema_defaults():
     files |= {CONF_DIR / f"{name}.yaml": ROOT_SCHEMAS[schema] for name, schema in
               [("train", "experiment"), ("plan", "plan"), ("verify", "verify"),
                ("comm", "comm"), ("doctor", "doctor")]}  # fmt: skip
+    loaded = {p: yaml.safe_load(p.read_text()) or {} for p in files}
     restated = {p.name: keys for p, s in files.items()
-                if (keys := _restated(yaml.safe_load(p.read_text()) or {}, s))}  # fmt: skip
+                if (keys := _restated(loaded[p], s, _parent(p, loaded[p])))}  # fmt: skip
     assert restated == {}

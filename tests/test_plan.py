@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from meshrun.core.layout import Layout
+from meshrun.plan.memory import predict_stages
 from meshrun.plan.probe import host_matmul_flops
 from meshrun.plan.shapes import Dims, StageShare, local_param_elements
 from meshrun.plan.speed import formula_cost, predict_speed
@@ -179,3 +180,15 @@ def test_parallel_auto_runs_the_best_predicted_layout(meshrun_here):
     chose = next(line for line in run.output.splitlines() if "parallel=auto chose" in line)
     assert results["layout_name"] in chose and results["overrides"] in chose
     assert "predicted" in chose and "layouts that fit" in chose
+
+
+def test_fsdp_under_a_pipeline_holds_its_stage_gathered_with_unsharded_gradients():
+    """torch's pipeline schedule reshards and syncs FSDP2 only after a step's last backward:
+    each rank holds its whole stage gathered (bf16) and its gradients unsharded (fp32)."""
+    cfg = resolved_config("model=llama-7b", "parallel=pp2", "parallel.dp_shard=2",
+                          "train.precision=bf16", "plan.allow_oom=true")  # fmt: skip
+    first = predict_stages(cfg)[0]
+    d = Dims.of(cfg.model)
+    stage = local_param_elements(d, StageShare(d.layers // 2, True, False, 1), 1, 1)
+    assert first.activations > stage * (2 + 4)  # what the two gathered copies alone take
+    assert first.params == pytest.approx(stage * 4 / 2, rel=0.01)  # the sharded state
