@@ -27,13 +27,14 @@ keeps no s*s scores here):
 
 A pipeline rank holds several micro-batches at once: GPipe all m, 1F1B min(m, p - stage),
 interleaved 1F1B its warmup chunks + 1 (each a 1/v share of the rank's layers). FSDP
-reshards everything between steps; its peak comes in backward, with the root module and two
+without a pipeline reshards everything between steps; its peak comes in backward, with the root module and two
 blocks gathered (the current one and the one prefetched for the next backward) and a third
 block-sized buffer (gloo's staging copy of the prefetch's all-gather output, or the current
 block's unsharded gradient, whichever comes at the peak): those count as activations, since
-a step allocates and frees them. "other" holds the DDP buckets, a pipeline stage's receive
-buffers (one T x h tensor per micro-batch) and on the last stage the logits of every
-micro-batch, which torch's schedule keeps (`output_chunks`) until the next step.
+a step allocates and frees them. Under a pipeline FSDP stays gathered all step, with
+unsharded gradients (predict_rank). "other" holds the DDP buckets and a pipeline stage's
+receive buffers (one T x h tensor per micro-batch); the last stage keeps no logits between
+micro-batches (rank/parallel: the schedule runs with return_outputs=False).
 """
 
 from __future__ import annotations
@@ -159,8 +160,6 @@ def predict_rank(cfg: ExperimentConfig, layout: Layout, share: StageShare, pp_ra
     if layout.pp > 1:  # the stage's receive buffers, one per micro-batch
         tokens = n_microbatches * micro_batch * cfg.train.seq_len
         other += tokens * d.h * FP32
-        if share.last:  # the schedule keeps each micro-batch's logits until the next step
-            other += tokens * d.vocab * (2 if cfg.train.precision in HALF_PRECISIONS else FP32)
     return MemoryPrediction(state, state, elements * ADAM_BYTES, int(activations), other)
 
 

@@ -34,6 +34,7 @@ from meshrun.validate import check_experiment
 GiB = 2**30
 # LLaMA's and LLaMA 2's global batch (4M tokens); GPT-3 175B used 3.2M.
 GLOBAL_BATCH_TOKENS = 4 * 2**20
+TOO_BIG_LISTED = 6
 # What a preset (`parallel=tp2`) fixes: the whole layout.
 PARALLEL_KEYS = ("parallel.pp", "parallel.tp", "parallel.dp_replicate", "parallel.dp_shard",
                  "parallel.schedule", "parallel.stages_per_rank")  # fmt: skip
@@ -146,11 +147,15 @@ def render(cfg: PlanCommandConfig, box: Box, found: Plan, defaults: list[str]) -
 def _why_not(console: Console, box: Box, found: Plan) -> None:
     """How many fit; what rules out the rest, and by how much the closest miss."""
     fitting = [c for c in found.ranked if c.fits]
-    too_big = [f"{c.label} ({_gib(c.peak)} > {_gib(min(c.capacity))} GiB)"
-               for c in found.ranked if not c.fits]  # fmt: skip
+    too_big = sorted((c for c in found.ranked if not c.fits), key=_excess)
     if too_big:
-        console.print(f"[red]do not fit[/red] (with the least memory of their variants): "
-                      f"{'; '.join(too_big)}", soft_wrap=True, highlight=False)  # fmt: skip
+        listed = "; ".join(f"{c.label} ({_gib(c.peak)} > {_gib(min(c.capacity))} GiB)"
+                           for c in too_big[:TOO_BIG_LISTED])  # fmt: skip
+        more = f" and {len(too_big) - TOO_BIG_LISTED} more" if len(too_big) > TOO_BIG_LISTED \
+            else ""  # fmt: skip
+        console.print(f"[red]do not fit[/red] (each with the least memory of its variants, "
+                      f"closest first): {listed}{more}", soft_wrap=True,
+                      highlight=False)  # fmt: skip
     if fitting:
         console.print(f"{len(fitting)} of {len(found.ranked)} layouts fit; best: "
                       f"{fitting[0].label}", highlight=False)  # fmt: skip

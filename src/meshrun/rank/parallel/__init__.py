@@ -57,14 +57,15 @@ class ParallelModel:
                      loss_scale: float = 1.0) -> torch.Tensor:  # fmt: skip
         """One pass of a pipeline schedule over a batch: a training step (its backward
         from the loss times `loss_scale`), or forward only (`train` false:
-        `eval_schedule.eval`, which skips every backward action, here keeping no outputs).
+        `eval_schedule.eval`, which skips every backward action). Neither keeps the last
+        stage's outputs: torch's schedule would hold every micro-batch's logits until the
+        step ends (m x micro-batch x seq x vocab floats), for a merged output nobody reads.
         The mean of the micro-batch losses (unscaled) on the last stage, zero elsewhere."""
         self.loss.scale = loss_scale if train else 1.0
         losses: list[torch.Tensor] = []
-        kwargs = {"target": targets if self.is_last_stage else None, "losses": losses}
-        run = self.schedule.step
-        if not train:
-            run, kwargs["return_outputs"] = self.eval_schedule.eval, False
+        kwargs = {"target": targets if self.is_last_stage else None, "losses": losses,
+                  "return_outputs": False}  # fmt: skip
+        run = self.schedule.step if train else self.eval_schedule.eval
         if self.is_first_stage:
             run(inputs, **kwargs)
         else:
