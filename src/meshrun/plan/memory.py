@@ -27,8 +27,9 @@ keeps no s*s scores here):
 
 A pipeline rank holds several micro-batches at once: GPipe all m, 1F1B min(m, p - stage),
 interleaved 1F1B its warmup chunks + 1 (each a 1/v share of the rank's layers). FSDP
-without a pipeline reshards everything between steps; its peak comes in backward, with the root module and two
-blocks gathered (the current one and the one prefetched for the next backward) and a third
+without a pipeline reshards everything between steps, its peak in backward, with the root
+module and two blocks gathered (the current one and the one prefetched for the next
+backward) and a third
 block-sized buffer (gloo's staging copy of the prefetch's all-gather output, or the current
 block's unsharded gradient, whichever comes at the peak): those count as activations, since
 a step allocates and frees them. Under a pipeline FSDP stays gathered all step, with
