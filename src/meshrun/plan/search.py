@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -53,11 +54,25 @@ class Box:
 
 @dataclass
 class Plan:
-    """The ranked candidates, and why the layouts that are not among them were ruled out
-    (reason -> how many)."""
+    """The ranked candidates, and why the layouts and variants that are not among them were
+    ruled out: per rule (its message with the numbers left out), how many and the first
+    message; `alternatives`, where the user's keys left nothing that fits, the best layouts
+    without them."""
 
     ranked: list[Candidate]
     ruled_out: Counter[str] = field(default_factory=Counter)
+    examples: dict[str, str] = field(default_factory=dict)
+    alternatives: list[Candidate] = field(default_factory=list)
+    alternative_to: list[str] = field(default_factory=list)  # the keys they leave out
+
+    def rule_out(self, message: str) -> None:
+        rule = re.sub(r"\d+", "N", message)
+        self.ruled_out[rule] += 1
+        self.examples.setdefault(rule, message)
+
+    def reasons(self) -> list[tuple[str, int]]:
+        """(first message, count) per rule, the most frequent first."""
+        return [(self.examples[rule], n) for rule, n in self.ruled_out.most_common()]
 
 
 def _divisors(n: int) -> list[int]:
@@ -146,7 +161,7 @@ def _speed_key(c: Candidate) -> float:
 
 
 def best_variant(cfg: ExperimentConfig, facts: HostFacts, fixed: frozenset[str],
-                 ruled_out: Counter[str]) -> Candidate | None:  # fmt: skip
+                 plan: Plan) -> Candidate | None:  # fmt: skip
     """A layout's fastest variant that fits, else its smallest; None if none is legal."""
     fitting: Candidate | None = None
     smallest: Candidate | None = None
@@ -159,7 +174,7 @@ def best_variant(cfg: ExperimentConfig, facts: HostFacts, fixed: frozenset[str],
             resolved = legal_or_reason(dataclasses.replace(cfg, train=train, parallel=parallel),
                                        facts)  # fmt: skip
             if isinstance(resolved, str):
-                ruled_out[resolved] += 1
+                plan.rule_out(resolved)
                 continue
             c = evaluate(resolved)
             if c.fits:
@@ -184,9 +199,9 @@ def search(cfg: ExperimentConfig, box: Box, facts: HostFacts,
     plan = Plan([])
     for keys in layout_grid(cfg, box, fixed):
         if box.per_node % keys["tp"]:  # only where the user asked for this tp
-            plan.ruled_out[_tp_across_nodes(keys["tp"], box)] += 1
+            plan.rule_out(_tp_across_nodes(keys["tp"], box))
             continue
-        best = best_variant(with_parallel(cfg, box, **keys), facts, fixed, plan.ruled_out)
+        best = best_variant(with_parallel(cfg, box, **keys), facts, fixed, plan)
         if best is None:
             continue
         plan.ranked.append(best)
@@ -194,7 +209,7 @@ def search(cfg: ExperimentConfig, box: Box, facts: HostFacts,
         if uneven is not None:
             plan.ranked.append(uneven)
     if not plan.ranked and not plan.ruled_out:
-        plan.ruled_out[_no_layout_reason(cfg, box, fixed)] += 1
+        plan.rule_out(_no_layout_reason(cfg, box, fixed))
     add_speedups(plan.ranked, facts)
     plan.ranked.sort(key=_rank)
     return plan

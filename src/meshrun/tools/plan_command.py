@@ -35,6 +35,8 @@ GiB = 2**30
 # LLaMA's and LLaMA 2's global batch (4M tokens); GPT-3 175B used 3.2M.
 GLOBAL_BATCH_TOKENS = 4 * 2**20
 TOO_BIG_LISTED = 6
+REASONS_LISTED = 8
+ALTERNATIVES = 3
 # What a preset (`parallel=tp2`) fixes: the whole layout.
 PARALLEL_KEYS = ("parallel.pp", "parallel.tp", "parallel.dp_replicate", "parallel.dp_shard",
                  "parallel.schedule", "parallel.stages_per_rank")  # fmt: skip
@@ -90,7 +92,13 @@ def plan(cfg: PlanCommandConfig, host: HostFacts, given: frozenset[str] = frozen
     cfg.hardware = hardware
     defaults = gpu_defaults(cfg, given)
     box = box_of(cfg)
-    return box, search(cfg, box, facts, given), defaults
+    found = search(cfg, box, facts, given)
+    layout_keys = sorted(k for k in given if k.startswith("parallel"))
+    if layout_keys and not any(c.fits for c in found.ranked):
+        unconstrained = search(cfg, box, facts, given - set(layout_keys)).ranked
+        found.alternatives = [c for c in unconstrained if c.fits][:ALTERNATIVES]
+        found.alternative_to = layout_keys
+    return box, found, defaults
 
 
 def command(c: Candidate, box: Box) -> str:
@@ -164,10 +172,15 @@ def _why_not(console: Console, box: Box, found: Plan) -> None:
                       "smaller model, a shorter sequence or a smaller batch")  # fmt: skip
         for c in sorted(found.ranked, key=_excess)[:3]:
             console.print(f"  closest: {c.label}: {_miss(c)}", highlight=False, soft_wrap=True)
+    if found.alternatives:
+        console.print(f"layouts that fit without your {', '.join(found.alternative_to)}:")
+        for c in found.alternatives:
+            console.print(f"  {c.label}: {command(c, box)}", highlight=False, soft_wrap=True)
     if found.ruled_out:
-        console.print("ruled out by the rules a run checks (layouts and variants):")
-        for reason, count in found.ruled_out.most_common(8):
-            console.print(f"  {count:>5} x  {reason}", highlight=False, soft_wrap=True)
+        console.print("ruled out by the rules a run checks (layouts and variants, by rule):")
+        for example, count in found.reasons()[:REASONS_LISTED]:
+            alike = " (and alike)" if count > 1 else ""
+            console.print(f"  {count:>5} x  {example}{alike}", highlight=False, soft_wrap=True)
 
 
 def _excess(c: Candidate) -> float:
@@ -201,7 +214,8 @@ def run(dict_cfg: DictConfig) -> int:
              "ranks_per_node": box.per_node, "world_size": box.world,
              "train": dataclasses.asdict(cfg.train),
              "layouts": [{**c.as_dict(), "command": command(c, box)} for c in found.ranked],
-             "ruled_out": dict(found.ruled_out)}, indent=2))  # fmt: skip
+             "ruled_out": [{"rule": e, "count": n} for e, n in found.reasons()]},
+            indent=2))  # fmt: skip
     return 0
 
 
