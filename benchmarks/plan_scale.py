@@ -33,8 +33,9 @@ NODES = (1, 8, 64, 512, 1024)
 
 def plan_once(model: str, hardware: str, nodes: int) -> tuple[float, Any, Any]:
     overrides = [f"model={model}", f"hardware={hardware}", f"launcher.nnodes={nodes}"]
+    paths = ["run_dir=/tmp/meshrun-plan-scale", "store.path=/tmp/meshrun-plan-scale.db"]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = OmegaConf.to_object(compose("plan", overrides=overrides))
+        cfg = OmegaConf.to_object(compose("plan", overrides=[*overrides, *paths]))
     started = time.perf_counter()
     box, found, _ = plan(cfg, HostFacts.detect(), given_keys(overrides))
     return time.perf_counter() - started, box, found

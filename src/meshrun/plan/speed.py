@@ -27,7 +27,8 @@ kinds): nothing loops over ranks, so 8,192-rank plans cost what 8-rank ones do.
                 forward (prefetched one block ahead, overlapped) and again in backward, fp32
                 gradients reduce-scattered (all-reduced across HSDP replicas) as each
                 block's backward ends, every micro-batch; under a pipeline once a step
-                (parameters stay gathered across micro-batches, gradients sync on the last)
+                (parameters stay gathered across micro-batches; the gradients' sync comes
+                after the last backward, whole: torch's REDUCE_GRAD action)
     optimizer   AdamW's step, memory-bound (plan/compute.py)
 
 Collective costs: plan/collectives.py (bandwidth, latency, which links a group crosses).
@@ -253,10 +254,11 @@ def _dp_comm(cfg: ExperimentConfig, layout: Layout, fabric: Fabric, cost: ModelC
     reduce = fabric.all_gather(shard, elements * FP32)  # reduce-scatter: the same cost
     reduce += fabric.all_reduce(replicate, elements * FP32 / layout.dp_shard)
     backward = stage.backward + stage.recompute
-    if layout.pp > 1:  # gathered once a step, synced on the last backward
+    if layout.pp > 1:  # gathered once a step, synced after the last backward
+        # torch's schedule runs FSDP2's post-backward for every unit at once after the
+        # stage's last backward (the REDUCE_GRAD action): no compute is left to hide it
         total = gather + reduce
-        exposed = overlapped(gather, stage.forward, n_units)
-        return total, exposed + overlapped(reduce, backward, n_units)
+        return total, overlapped(gather, stage.forward, n_units) + reduce
     backward_gather = gather if p.fsdp.reshard_after_forward else 0.0
     total = m * (gather + backward_gather + reduce)
     exposed = overlapped(gather, stage.forward, n_units)
