@@ -209,13 +209,13 @@ def search(cfg: ExperimentConfig, box: Box, facts: HostFacts,
         if uneven is not None:
             plan.ranked.append(uneven)
     if not plan.ranked and not plan.ruled_out:
-        plan.rule_out(_no_layout_reason(cfg, box, fixed))
+        plan.rule_out(_no_layout_reason(box, fixed))
     add_speedups(plan.ranked, facts)
     plan.ranked.sort(key=_rank)
     return plan
 
 
-def _no_layout_reason(cfg: ExperimentConfig, box: Box, fixed: frozenset[str]) -> str:
+def _no_layout_reason(box: Box, fixed: frozenset[str]) -> str:
     return f"the given keys ({', '.join(sorted(fixed))}) leave no layout of {box.world} ranks"
 
 
