@@ -346,6 +346,10 @@ class TrainConfig:
     progress_bar: bool = True
     eval: EvalConfig = field(default_factory=EvalConfig)
 
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.seq_len
+
 
 @dataclass
 class CheckpointConfig:

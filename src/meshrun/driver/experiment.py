@@ -249,14 +249,21 @@ def outcome(
 
 def follow(cfg: ExperimentConfig, meta: dict[str, Any]) -> LiveRun | None:
     """The run's W&B run, fed as rank 0 logs (driver/sinks/live.py); none for a baseline."""
-    if meta["role"] != "run" or cfg.logger.name != "wandb":
+    if not _on_wandb(cfg, meta["role"]):
         return None
     identity = {"name": cfg.name, "sweep": cfg.sweep, "run_dir": cfg.run_dir,
                 "layout_name": layout_name(cfg), "model": cfg.model.name,
                 "hardware": cfg.hardware.name, "backend": cfg.backend.name, **meta}  # fmt: skip
-    config, tokens_per_step = asdict(cfg), cfg.train.global_batch_size * cfg.train.seq_len
-    return LiveRun(lambda: WandbRun(cfg.logger, config, identity, tokens_per_step),
-                   Path(cfg.run_dir) / METRICS_FILE)  # fmt: skip
+    return LiveRun(lambda: _wandb_run(cfg, identity), Path(cfg.run_dir) / METRICS_FILE)
+
+
+def _on_wandb(cfg: ExperimentConfig, role: str) -> bool:
+    """W&B mirrors the run itself, not its baseline."""
+    return role == "run" and cfg.logger.name == "wandb"
+
+
+def _wandb_run(cfg: ExperimentConfig, identity: dict[str, Any]) -> WandbRun:
+    return WandbRun(cfg.logger, asdict(cfg), identity, cfg.train.tokens_per_step)
 
 
 def record(
@@ -313,11 +320,10 @@ def publish(cfg: ExperimentConfig, record: RunRecord, steps: list[dict[str, Any]
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     (Path(cfg.run_dir) / "results.json").write_text(json.dumps(results, indent=2))
     store.record(record)
-    if record.role != "run" or cfg.logger.name != "wandb":
+    if not _on_wandb(cfg, record.role):
         return
-    tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
     try:
-        run = live.stop() if live else WandbRun(cfg.logger, asdict(cfg), results, tokens_per_step)
+        run = live.stop() if live else _wandb_run(cfg, results)
         run.log_steps(steps)
         run.finish(results)
     except Exception as err:  # wandb raises anything from OSError to its own errors

@@ -180,7 +180,7 @@ def assemble(
     `meta`: run id, role, status, error, times, the step a resume started at;
     `pretrained_read`: the checkpoint bytes each rank read; `checkpoints`: rank 0's saves."""
     t = cfg.train
-    tokens_per_step = t.global_batch_size * t.seq_len
+    tokens_per_step = t.tokens_per_step
     step_times = [r["step_time_s"] for r in steps if r["step_time_s"] is not None]
     timing = dict.fromkeys(("step_time_s", "step_time_p10_s", "step_time_p90_s", "step_time_cv",
                             "tokens_per_s", "samples_per_s"))  # fmt: skip

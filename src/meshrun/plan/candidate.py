@@ -6,10 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from meshrun.core.config import ExperimentConfig
-from meshrun.core.hardware import HostFacts, device_for_rank
+from meshrun.core.hardware import HostFacts
 from meshrun.core.layout import Layout, layout_name, layout_overrides, n_microbatches
 from meshrun.plan import predict
 from meshrun.plan.memory import MemoryPrediction
+from meshrun.plan.placement import stage_devices
 from meshrun.plan.probe import host_matmul_flops
 from meshrun.plan.speed import SpeedPrediction
 from meshrun.validate import validate_layout
@@ -73,23 +74,15 @@ class Candidate:
 
 
 def capacities(cfg: ExperimentConfig) -> list[int]:
-    """Usable bytes per pipeline rank: the smallest device among its ranks less the headroom
-    (rank r runs on its node's device r % per_node); on CPU an equal share of the host's
-    memory (the ranks share it)."""
+    """Usable bytes per pipeline rank: the smallest device among its ranks less the
+    headroom; on CPU an equal share of the host's memory (the ranks share it)."""
     layout = Layout.of(cfg.parallel)
     headroom = cfg.plan.headroom_gib * GiB
-    per_stage = layout.world_size // layout.pp
     if cfg.hardware.device_type == "cpu":
         total = cfg.hardware.devices[0].memory_gib * GiB
         return [int((total - headroom) / layout.world_size)] * layout.pp
-    per_node = cfg.launcher.nproc_per_node or layout.world_size
-    stages = []
-    for first in range(0, layout.world_size, per_stage):
-        # a stage of per_node ranks or more holds every device of a node
-        specs = [device_for_rank(cfg.hardware.devices, r % per_node)
-                 for r in range(first, first + min(per_stage, per_node))]  # fmt: skip
-        stages.append(min(int(s.memory_gib * GiB - headroom) if s else 0 for s in specs))
-    return stages
+    return [min((int(s.memory_gib * GiB - headroom) for s in stage_devices(cfg, layout, pp)),
+                default=0) for pp in range(layout.pp)]  # fmt: skip
 
 
 def host_flops(cfg: ExperimentConfig) -> float | None:

@@ -26,15 +26,11 @@ import math
 from dataclasses import dataclass
 
 from meshrun.core.config import ExperimentConfig
-from meshrun.plan.placement import GroupSpan
+from meshrun.plan.placement import GroupSpan, devices_per_node
 
 GB = 1e9
 NVLINK_EFFICIENCY = 0.8  # nccl-tests all_reduce busbw / datasheet rate per direction
 NETWORK_EFFICIENCY = 0.9  # of the NICs' line rate (InfiniBand, RoCE; NCCL's net transport)
-
-
-def devices_per_node(cfg: ExperimentConfig) -> int:
-    return cfg.launcher.nproc_per_node or sum(d.count for d in cfg.hardware.devices)
 
 
 @dataclass(frozen=True)

@@ -3,13 +3,15 @@ world size): ranks are laid out row-major over core/layout.MESH_DIMS (pp, dp_rep
 dp_shard, tp), tp innermost, and ranks fill nodes in order (node = rank // devices per node,
 as torchrun and SLURM number them). A group of dim d is `degree(d)` ranks `stride` apart,
 stride being the product of the degrees inside d: TP peers are adjacent ranks, pipeline
-stages the farthest apart."""
+stages the farthest apart. Which device a rank runs on follows too: rank r on its node's
+device r % devices per node, in the profile's (PCI bus) order."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
+from meshrun.core.config import DeviceSpec, ExperimentConfig
 from meshrun.core.layout import MESH_DIMS, Layout
 
 
@@ -39,3 +41,24 @@ def group_span(layout: Layout, dim: str, devices_per_node: int) -> GroupSpan:
     # least: exact when one divides the other (powers of two, as on every GPU node).
     per_node = max(1, math.gcd(devices_per_node, extent) // stride)
     return GroupSpan(per_node, math.ceil(size / per_node))
+
+
+def devices_per_node(cfg: ExperimentConfig) -> int:
+    return cfg.launcher.nproc_per_node or sum(d.count for d in cfg.hardware.devices)
+
+
+def stage_devices(cfg: ExperimentConfig, layout: Layout, pp_rank: int) -> list[DeviceSpec]:
+    """The distinct device kinds a pipeline stage's ranks run on: O(device kinds). A stage
+    of a node's worth of ranks or more holds every kind."""
+    per_node = devices_per_node(cfg)
+    ranks = layout.world_size // layout.pp
+    start = pp_rank * ranks % per_node
+    spans = [(0, per_node)] if ranks >= per_node else [(start, min(start + ranks, per_node))]
+    if start + ranks > per_node and ranks < per_node:
+        spans.append((0, start + ranks - per_node))
+    kinds, first = [], 0
+    for spec in cfg.hardware.devices:
+        if any(a < first + spec.count and first < b for a, b in spans):
+            kinds.append(spec)
+        first += spec.count
+    return kinds

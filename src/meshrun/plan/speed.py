@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from meshrun.core.choices import HALF_PRECISIONS
 from meshrun.core.config import DeviceSpec, ExperimentConfig
 from meshrun.core.layout import Layout, n_microbatches, theoretical_bubble
-from meshrun.plan.collectives import GB, Fabric, devices_per_node, overlapped
+from meshrun.plan.collectives import GB, Fabric, overlapped
 from meshrun.plan.compute import (
     MEMORY_EFFICIENCY,
     DeviceRates,
@@ -50,7 +50,7 @@ from meshrun.plan.compute import (
     head_times,
     optimizer_time,
 )
-from meshrun.plan.placement import group_span
+from meshrun.plan.placement import group_span, stage_devices
 from meshrun.plan.shapes import (
     Dims,
     StageShare,
@@ -119,23 +119,6 @@ def _peak(cfg: ExperimentConfig, spec: DeviceSpec | None) -> float | None:
         precision = "tf32"
     peak = spec.peak_tflops.get(precision) or spec.peak_tflops.get(cfg.train.precision)
     return peak * 1e12 if peak else None
-
-
-def stage_devices(cfg: ExperimentConfig, layout: Layout, pp_rank: int) -> list[DeviceSpec]:
-    """The distinct device kinds a pipeline stage's ranks run on (ranks fill nodes in order;
-    a box lists its devices in PCI bus order): O(device kinds)."""
-    per_node = devices_per_node(cfg)
-    ranks = layout.world_size // layout.pp
-    start = pp_rank * ranks % per_node
-    spans = [(0, per_node)] if ranks >= per_node else [(start, min(start + ranks, per_node))]
-    if start + ranks > per_node and ranks < per_node:
-        spans.append((0, start + ranks - per_node))
-    kinds, first = [], 0
-    for spec in cfg.hardware.devices:
-        if any(a < first + spec.count and first < b for a, b in spans):
-            kinds.append(spec)
-        first += spec.count
-    return kinds
 
 
 @dataclass
@@ -308,7 +291,7 @@ def predict_speed(cfg: ExperimentConfig, host_flops: float | None = None,
     optimizer = slowest.parts.get("optimizer", 0.0)
     pipeline = m * (slowest.compute + slowest.tp + pp)
     step = pipeline / (1 - bubble) + dp_exposed + optimizer
-    tokens_per_s = t.global_batch_size * t.seq_len / step
+    tokens_per_s = t.tokens_per_step / step
     breakdown = {**{k: m * v for k, v in slowest.parts.items() if k != "optimizer"},
                  "recompute": m * slowest.recompute, "optimizer": optimizer,
                  "tp": m * slowest.tp, "pp": m * pp, "dp": dp_total, "dp_exposed": dp_exposed,

@@ -8,26 +8,22 @@ import dataclasses
 
 from meshrun.core.config import DeviceSpec, ExperimentConfig
 from meshrun.core.errors import ConfigError
-from meshrun.core.hardware import HostFacts, device_for_rank
+from meshrun.core.hardware import HostFacts
 from meshrun.core.layout import Layout
 from meshrun.plan.candidate import Candidate, evaluate, legal
+from meshrun.plan.placement import stage_devices
 from meshrun.rank.models import model_shape
 
 GiB = 2**30
 
 
-def stage_devices(cfg: ExperimentConfig) -> list[DeviceSpec]:
+def weakest_devices(cfg: ExperimentConfig) -> list[DeviceSpec]:
     """Per pp rank, the weakest device among its ranks (it paces the stage)."""
     layout = Layout.of(cfg.parallel)
-    per_stage = layout.world_size // layout.pp
-    per_node = cfg.launcher.nproc_per_node or layout.world_size
     precision = cfg.train.precision
-    weakest = []
-    for first in range(0, layout.world_size, per_stage):
-        specs = [device_for_rank(cfg.hardware.devices, r % per_node)
-                 for r in range(first, first + min(per_stage, per_node))]  # fmt: skip
-        weakest.append(min(specs, key=lambda s: (s.peak_tflops.get(precision, 0), s.memory_gib)))
-    return weakest
+    return [min(stage_devices(cfg, layout, pp),
+                key=lambda s: (s.peak_tflops.get(precision, 0), s.memory_gib))
+            for pp in range(layout.pp)]  # fmt: skip
 
 
 def proportional(n_layers: int, weights: list[float]) -> list[int]:
@@ -50,7 +46,7 @@ def uneven_variant(candidate: Candidate, facts: HostFacts) -> Candidate | None:
     p = cfg.parallel
     if cfg.hardware.device_type != "cuda" or p.pp == 1 or p.stages_per_rank != 1 or p.pp_layers:
         return None
-    devices = stage_devices(cfg)
+    devices = weakest_devices(cfg)
     if len({d.name for d in devices}) == 1:
         return None
     weights = [d.peak_tflops.get(cfg.train.precision, 1.0) for d in devices]

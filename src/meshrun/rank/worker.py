@@ -152,7 +152,7 @@ def _train(
         )  # fmt: skip
     twin = Twin(cfg, device, rank) if cfg.metrics.alongside else None
     host_load = HostLoad(measure_host=int(os.environ.get("LOCAL_RANK", "0")) == 0)
-    tokens_per_step = tc.global_batch_size * tc.seq_len
+    tokens_per_step = tc.tokens_per_step
     with rank_progress(tc.steps, tokens_per_step, rank == 0 and tc.progress_bar) as progress:
         metrics = MetricsLog(Path(cfg.run_dir) / METRICS_FILE if rank == 0 else None,
                              [progress.show] if progress else [])  # fmt: skip

@@ -28,8 +28,10 @@ from meshrun.core.tool_config import PlanCommandConfig
 from meshrun.driver.command import hydra_command
 from meshrun.driver.sinks.console import print_error
 from meshrun.plan.candidate import Candidate
+from meshrun.plan.placement import devices_per_node
 from meshrun.plan.search import Box, Plan, search
 from meshrun.validate import check_experiment
+from meshrun.validate.launcher import CPU_DEFAULT_RANKS
 
 GiB = 2**30
 # LLaMA's and LLaMA 2's global batch (4M tokens); GPT-3 175B used 3.2M.
@@ -53,7 +55,7 @@ def given_keys(overrides: Iterable[str]) -> frozenset[str]:
 
 def box_of(cfg: ExperimentConfig) -> Box:
     per_node = cfg.launcher.nproc_per_node or (
-        2 if cfg.hardware.device_type == "cpu" else sum(d.count for d in cfg.hardware.devices)
+        CPU_DEFAULT_RANKS if cfg.hardware.device_type == "cpu" else devices_per_node(cfg)
     )
     if cfg.world_size is None:
         return Box(cfg.launcher.nnodes, per_node)
@@ -122,7 +124,7 @@ def render(cfg: PlanCommandConfig, box: Box, found: Plan, defaults: list[str]) -
     nodes = f"{box.nodes} x {cfg.hardware.name} ({box.per_node} ranks each)" if box.nodes > 1 \
         else f"{cfg.hardware.name}, {box.world} ranks"  # fmt: skip
     title = (f"meshrun-plan: {cfg.model.name} on {nodes}, global batch {t.global_batch_size} x "
-             f"seq {t.seq_len} ({t.global_batch_size * t.seq_len / 1e6:.2f}M tokens), "
+             f"seq {t.seq_len} ({t.tokens_per_step / 1e6:.2f}M tokens), "
              f"{t.precision}")  # fmt: skip
     if defaults:
         title += f" (GPU plan defaults: {', '.join(defaults)})"
