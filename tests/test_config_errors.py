@@ -111,6 +111,7 @@ BAD_CONFIGS = [
     (["backend.timeout_s=0"], "backend.timeout_s", "must be positive"),
     (["hardware=a100-80g"], "hardware", "no CUDA device here"),
     (["model.n_heads=5"], "model.n_heads", "divisor of 384"),
+    (["model.context_len=0"], "model.context_len", "must be positive"),
     (["model.n_kv_heads=4"], "model.n_kv_heads", "divisor of 6"),
     (["model=tiny", "model.n_kv_heads=3"], "model.n_kv_heads", "divisor of 8"),
     (["data=text", "data.path=/nonexistent/corpus.txt"], "data.path", "no such file"),

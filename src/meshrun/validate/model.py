@@ -24,6 +24,7 @@ from meshrun.validate.custom import check_custom
 
 
 def check_model(m: ModelConfig) -> None:
+    positive("model.context_len", m.context_len, allow_none=True)
     if isinstance(m, HFModelConfig):
         _check_hf(m)
     elif isinstance(m, CustomModelConfig):
