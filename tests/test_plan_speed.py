@@ -125,6 +125,17 @@ def test_ddp_hides_its_gradient_all_reduce_behind_a_long_backward():
     assert 0 < exposed < 0.02 * dp
 
 
+def test_a_collective_hidden_behind_compute_still_costs_the_sms_nccls_channels_take():
+    """Pure FSDP of llama-13b over 4 nodes: the all-gathers and reduce-scatters hide behind
+    compute, but compute runs on 108 - 16 SMs meanwhile; TP alone hides nothing."""
+    fsdp = speed(*LLAMA_13B, nodes=4, dp_shard=32)
+    hidden = fsdp.breakdown["dp"] - fsdp.breakdown["dp_exposed"]
+    assert hidden > 0.5 * fsdp.breakdown["dp"]
+    assert fsdp.breakdown["contention"] == pytest.approx(hidden * 16 / 108)
+    assert fsdp.exposed_comm_s >= fsdp.breakdown["dp_exposed"] + fsdp.breakdown["contention"]
+    assert speed(*LLAMA_13B, nodes=1, tp=8).breakdown["contention"] == 0
+
+
 def test_a_slower_network_slows_data_parallelism_across_nodes_only():
     """FSDP over 4 nodes: 25 Gb/s Ethernet against 8 x 200 Gb/s InfiniBand; TP stays on
     NVLink either way."""

@@ -407,7 +407,10 @@ class PlanConfig:
     """The planner: `efficiency`, the MFU a good run reaches, replaces the speed model's
     matmul-shape costing of a GPU with FLOPs over peak x efficiency (null: shapes on GPU
     profiles, the device type's default elsewhere, plan/speed.py); `headroom_gib` of each
-    device is kept free (CUDA context, allocator fragmentation); `allow_oom` launches a run
+    device is kept free (CUDA context, cuBLAS and NCCL buffers) and, on a GPU, `fragmentation`
+    of what is left: PyTorch's caching allocator reserves more than it hands out (blocks
+    split and cached by size; GMLake, Guo et al. ASPLOS 2024, measured large shares in LLM
+    training), so a plan at 99% of a device OOMs in practice; `allow_oom` launches a run
     predicted not to fit anyway. `trace`: a run also records the prediction of its parallel
     module traced on fake tensors (plan/traced.py) and torch's count of its FLOPs beside the
     formulas' (a model without formulas, model=custom, is always traced)."""
@@ -415,6 +418,7 @@ class PlanConfig:
     allow_oom: bool = False
     efficiency: float | None = None
     headroom_gib: float = 1.0
+    fragmentation: float = 0.1
     trace: bool = False
 
 

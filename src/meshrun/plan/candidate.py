@@ -75,14 +75,17 @@ class Candidate:
 
 def capacities(cfg: ExperimentConfig) -> list[int]:
     """Usable bytes per pipeline rank: the smallest device among its ranks less the
-    headroom; on CPU an equal share of the host's memory (the ranks share it)."""
+    headroom and the allocator's fragmentation share; on CPU an equal share of the host's
+    memory (the ranks share it; glibc's allocator returns what it frees)."""
     layout = Layout.of(cfg.parallel)
     headroom = cfg.plan.headroom_gib * GiB
     if cfg.hardware.device_type == "cpu":
         total = cfg.hardware.devices[0].memory_gib * GiB
         return [int((total - headroom) / layout.world_size)] * layout.pp
-    return [min((int(s.memory_gib * GiB - headroom) for s in stage_devices(cfg, layout, pp)),
-                default=0) for pp in range(layout.pp)]  # fmt: skip
+    usable = 1 - cfg.plan.fragmentation
+    return [min((int((s.memory_gib * GiB - headroom) * usable)
+                 for s in stage_devices(cfg, layout, pp)), default=0)
+            for pp in range(layout.pp)]  # fmt: skip
 
 
 def host_flops(cfg: ExperimentConfig) -> float | None:

@@ -44,7 +44,13 @@ def check_fit(cfg: ExperimentConfig, facts: HostFacts) -> None:
         cfg.parallel.name,
         f"predicted peak memory {_gib(m.peak)} on rank {rank} ({split}) exceeds the "
         f"{_gib(candidate.capacity[stage])} usable there ({cfg.hardware.name}, less "
-        f"plan.headroom_gib={cfg.plan.headroom_gib:g})",
+        f"plan.headroom_gib={cfg.plan.headroom_gib:g}"
+        + (
+            f" and plan.fragmentation={cfg.plan.fragmentation:g}"
+            if cfg.hardware.device_type == "cuda"
+            else ""
+        )
+        + ")",
         f"{valid}; or plan.allow_oom=true to launch anyway",
     )
 

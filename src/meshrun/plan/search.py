@@ -1,7 +1,9 @@
 """The layouts a user can write for a model on `nodes` boxes of the hardware profile, each
 with its predicted memory per pipeline rank and speed, ranked: those that fit first, fastest
-first. Legality is decided by the same `validate` a run goes through, on the box the profile
-describes; a layout ruled out keeps its reason for the "why not" of meshrun-plan.
+first (predictions within the speed model's resolution of each other count as equal, the one
+with more memory to spare first). Legality is decided by the same `validate` a run goes
+through, on the box the profile describes; a layout ruled out keeps its reason for the "why
+not" of meshrun-plan.
 
 The space: pp x dp_replicate x dp_shard x tp (tp inside a node: its ranks are adjacent, so
 it stays on the node's links iff it divides the devices per node), each pipeline schedule
@@ -18,7 +20,7 @@ import dataclasses
 import math
 import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +38,11 @@ from meshrun.rank.models import model_shape
 SCHEDULE_CHOICES = (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2))
 CHECKPOINTING = ("none", "selective", "full")  # cheapest first
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
+# Predictions closer than this are not told apart: the speed model's rows against published
+# runs spread 0-16% (docs/architecture.md), its errors shared by similar layouts. Within a 2%
+# band of speed the layout with the lower peak memory ranks first: it survives fragmentation,
+# a longer sequence or a larger micro-batch that the faster-on-paper one would not.
+SPEED_RESOLUTION = 0.02
 # A dp_replicate x dp_shard split of data parallelism: the keys it sets.
 DP_KEYS = ("parallel.dp_replicate", "parallel.dp_shard")
 
@@ -211,7 +218,7 @@ def search(cfg: ExperimentConfig, box: Box, facts: HostFacts,
     if not plan.ranked and not plan.ruled_out:
         plan.rule_out(_no_layout_reason(box, fixed))
     add_speedups(plan.ranked, facts)
-    plan.ranked.sort(key=_rank)
+    plan.ranked.sort(key=ranking(plan.ranked))
     return plan
 
 
@@ -245,15 +252,32 @@ def why(ranked: list[Candidate]) -> str:
     speed = f"{first.speed.tokens_per_s:,.0f} tokens/s" if first.speed else "speed unknown"
     peak = f"peak {first.peak / 2**30:.2f} of {min(first.capacity) / 2**30:.1f} GiB"
     text = (f"{first.label} ({first.overrides()}): predicted {speed}, {peak} per rank; the "
-            f"top row of the plan, the fastest of the {len(ranked)} layouts that fit")  # fmt: skip
-    if len(ranked) > 1 and ranked[1].speed and first.speed:
+            f"top row of the plan of the {len(ranked)} layouts that fit")  # fmt: skip
+    fastest = max(ranked, key=_speed_key)
+    if fastest is not first and first.speed and fastest.speed:
+        behind = 1 - first.speed.tokens_per_s / fastest.speed.tokens_per_s
+        text += (f", {behind:.1%} behind the fastest prediction ({fastest.label}, peak "
+                 f"{fastest.peak / 2**30:.2f} GiB): closer than the speed model tells apart "
+                 f"({SPEED_RESOLUTION:.0%}), so the one with more memory to spare")  # fmt: skip
+    elif len(ranked) > 1 and ranked[1].speed and first.speed:
         lead = first.speed.tokens_per_s / ranked[1].speed.tokens_per_s
-        text += f", {lead:.2f}x the next ({ranked[1].label})"
+        text += f", the fastest, {lead:.2f}x the next ({ranked[1].label})"
     return text + "; meshrun-plan lists them all"
 
 
-def _rank(c: Candidate) -> tuple:
-    return (not c.fits, -_speed_key(c), c.peak)
+def ranking(candidates: list[Candidate]) -> Callable[[Candidate], tuple]:
+    """The sort key: those that fit first; by 2% bands of speed below the fastest that fits
+    (SPEED_RESOLUTION), then by peak memory, then by speed; those that do not fit by speed."""
+    top = max((_speed_key(c) for c in candidates if c.fits), default=0.0)
+    width = -math.log1p(-SPEED_RESOLUTION)
+
+    def key(c: Candidate) -> tuple:
+        speed = _speed_key(c)
+        if not (c.fits and speed > 0 and top > 0):
+            return (not c.fits, math.inf, -speed, c.peak)
+        return (False, math.floor(math.log(top / speed) / width), c.peak, -speed)
+
+    return key
 
 
 def add_speedups(candidates: list[Candidate], facts: HostFacts) -> None:

@@ -29,6 +29,13 @@ kinds): nothing loops over ranks, so 8,192-rank plans cost what 8-rank ones do.
                 block's backward ends, every micro-batch; under a pipeline once a step
                 (parameters stay gathered across micro-batches; the gradients' sync comes
                 after the last backward, whole: torch's REDUCE_GRAD action)
+    contention  a collective hidden behind compute still costs it SMs: NCCL runs each
+                channel as one thread block on an SM of its own, and an inter-node ring
+                opens about two channels a NIC (16 on an 8-NIC node), so compute that
+                overlaps it runs on SMs - 16 (~15% slower on an A100's 108 SMs); the hidden
+                seconds x 16 / SMs are added (NCCL's channel model, src/graph/connect.cc;
+                the SM cost of overlap is why Megatron's TP overlap and NCCL's
+                user-buffer registration exist)
     optimizer   AdamW's step, memory-bound (plan/compute.py)
 
 Collective costs: plan/collectives.py (bandwidth, latency, which links a group crosses).
@@ -66,6 +73,7 @@ from meshrun.rank.models import model_shape
 # `small` on a 2-vCPU VM reached 0.6-0.8 of it, benchmarks/planner_accuracy.py).
 DEFAULT_EFFICIENCY = {"cuda": 0.4, "cpu": 0.7}
 FP32 = 4
+NCCL_CHANNELS = 16  # SMs a busy NCCL collective occupies beside compute (contention above)
 
 
 @dataclass(frozen=True)
@@ -262,6 +270,7 @@ def predict_speed(cfg: ExperimentConfig, host_flops: float | None = None,
     m, micro = micro_batching(cfg, layout)
     shares = stage_shares(cfg.model, cfg.parallel, layout)
     slowest: _Stage | None = None
+    slowest_rates: DeviceRates | None = None
     for pp_rank, share in enumerate(shares):  # stages x device kinds, never ranks
         specs = stage_devices(cfg, layout, pp_rank) if cfg.hardware.device_type == "cuda" \
             else [None]  # fmt: skip
@@ -281,7 +290,7 @@ def predict_speed(cfg: ExperimentConfig, host_flops: float | None = None,
                 stage.parts["optimizer"] = optimizer_time(cost.rank_elements // layout.dp_shard,
                                                           rates)  # fmt: skip
             if slowest is None or _clock(stage) > _clock(slowest):
-                slowest = stage
+                slowest, slowest_rates = stage, rates
     pp = _pp_comm(cfg, layout, fabric, micro, cost)
     n_units = max(s.layers for s in shares) + 1  # FSDP2 units: the blocks and the root
     dp_total, dp_exposed = _dp_comm(cfg, layout, fabric, cost, slowest, m, n_units)
@@ -289,12 +298,16 @@ def predict_speed(cfg: ExperimentConfig, host_flops: float | None = None,
     if layout.pp > 1:
         bubble = theoretical_bubble(layout.pp, n_microbatches(cfg), cfg.parallel.stages_per_rank)
     optimizer = slowest.parts.get("optimizer", 0.0)
+    contention = 0.0
+    if slowest_rates:
+        contention = (dp_total - dp_exposed) * min(1.0, NCCL_CHANNELS / slowest_rates.sms)
     pipeline = m * (slowest.compute + slowest.tp + pp)
-    step = pipeline / (1 - bubble) + dp_exposed + optimizer
+    step = pipeline / (1 - bubble) + dp_exposed + contention + optimizer
     tokens_per_s = t.tokens_per_step / step
     breakdown = {**{k: m * v for k, v in slowest.parts.items() if k != "optimizer"},
                  "recompute": m * slowest.recompute, "optimizer": optimizer,
                  "tp": m * slowest.tp, "pp": m * pp, "dp": dp_total, "dp_exposed": dp_exposed,
+                 "contention": contention,
                  "bubble": pipeline / (1 - bubble) - pipeline}  # fmt: skip
     return SpeedPrediction(
         compute_s=m * slowest.compute + optimizer,
@@ -302,7 +315,7 @@ def predict_speed(cfg: ExperimentConfig, host_flops: float | None = None,
         bubble=bubble,
         step_time_s=step,
         tokens_per_s=tokens_per_s,
-        exposed_comm_s=m * (slowest.tp + pp) + dp_exposed,
+        exposed_comm_s=m * (slowest.tp + pp) + dp_exposed + contention,
         model_tflops_per_device=tokens_per_s * cost.flops_per_token / layout.world_size / 1e12,
         breakdown=breakdown,
     )

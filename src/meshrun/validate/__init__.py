@@ -78,6 +78,10 @@ def _check_plan(cfg: ExperimentConfig) -> None:
     if cfg.plan.headroom_gib < 0:
         fail("plan.headroom_gib", cfg.plan.headroom_gib, "is memory kept free on each device",
              "a number >= 0")  # fmt: skip
+    if not 0 <= cfg.plan.fragmentation < 1:
+        fail("plan.fragmentation", cfg.plan.fragmentation,
+             "is the share of a GPU's memory the caching allocator is allowed to waste",
+             "a fraction in [0, 1), e.g. 0.1")  # fmt: skip
     _check_hardware(cfg.hardware)
 
 
