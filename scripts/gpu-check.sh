@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks in one go, for a machine with CUDA (run from the repository root):
-# the gpu-marked tests, predicted vs measured memory on CUDA, the pipeline bubble on a host
-# with CPU cores to spare, and meshrun-comm over nccl with meshrun-doctor when present.
+# the gpu-marked tests, predicted vs measured memory on CUDA, MFU and tokens/s of llama-1b
+# and hf/llama-3.2-1b in bf16 on one GPU with and without torch.compile, FSDP and TP memory
+# on NCCL (2+ GPUs), the pipeline bubble on a host with CPU cores to spare, and meshrun-comm
+# over nccl (all-reduce busbw) with meshrun-doctor (2+ GPUs).
 # Logs go to $OUT (default outputs/gpu-check). Uses the python on PATH (PYTHON=...), with the
 # repository's src/ on PYTHONPATH, so a machine's own CUDA torch is used as it is.
 set -uo pipefail
@@ -20,33 +22,69 @@ gpu_tests=tests/test_gpu.py
 $py -c "import wandb" 2>/dev/null && gpu_tests=tests/
 $py -m pytest -q -p no:cacheprovider -s -m gpu $gpu_tests 2>&1 | tee "$out/gpu_tests.log" | tail -25
 
-log "CUDA memory: predicted vs measured"
+gpus=$(nvidia-smi -L | wc -l)
 work=$(mktemp -d)
-for args in "model=small train.precision=fp32" \
-            "model=gpt2-124m train.precision=bf16 train.seq_len=1024 train.micro_batch_size=4" \
-            "model=llama-1b train.precision=bf16 train.seq_len=2048 train.micro_batch_size=2" \
-            "model=llama-1b train.precision=bf16 train.seq_len=2048 train.micro_batch_size=2 parallel.activation_checkpointing=full"; do
-  dir="$work/$(echo "$args" | tr ' =/' '_-_')"
-  $py -m meshrun parallel=single logger=none train.progress_bar=false metrics.baseline=false \
-    train.steps=6 train.untimed_steps=2 "hydra.run.dir=$dir" "store.path=$work/meshrun.db" $args \
-    > "$dir.log" 2>&1 || { log "FAILED: $args"; tail -5 "$dir.log"; continue; }
-  $py - "$dir/results.json" "$args" <<'PY' | tee -a "$out/summary.log"
+# One meshrun run ($1: a label, the rest its overrides); its results.json summarised.
+run() {
+  local label=$1; shift
+  local dir="$work/$(echo "$label" | tr ' =/' '_-_')"
+  $py -m meshrun logger=none train.progress_bar=false metrics.baseline=off \
+    "hydra.run.dir=$dir" "store.path=$work/meshrun.db" "$@" > "$dir.log" 2>&1 \
+    || { log "FAILED: $label: $*"; tail -5 "$dir.log"; return; }
+  $py - "$dir/results.json" "$label" <<'PY' | tee -a "$out/summary.log"
 import json, sys
 r = json.load(open(sys.argv[1]))
-m, p = r["memory_per_rank"][0], r["memory_predicted"][0]
-cells = " ".join(f"{k} {m[k] / 2**20:.0f}/{p[k] / 2**20:.0f}" for k in ("peak", "params", "grads", "optimizer", "activations", "other"))
-print(f"{sys.argv[2]}: MiB measured/predicted {cells}; reserved {m['reserved'] / 2**20:.0f}; "
-      f"step {r['step_time_s']:.4f}s predicted {r['predicted_step_time_s']:.4f}s; mfu {r['mfu']}")
+cells = []
+for m, p in zip(r["memory_per_rank"], r["memory_predicted"] or []):
+    cells.append(" ".join(f"{k} {m[k] / 2**20:.0f}/{p[k] / 2**20:.0f}" for k in
+                          ("peak", "params", "grads", "optimizer", "activations", "other")
+                          if k in m)
+                 + f"; reserved {m.get('reserved', 0) / 2**20:.0f}")
+mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
+compile_s = r.get("compile_s")
+print(f"{sys.argv[2]}: {r['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, step {r['step_time_s']:.4f}s "
+      f"(predicted {r['predicted_step_time_s'] or 0:.4f}s)"
+      + (f", compile {compile_s:.1f}s" if compile_s is not None else "")
+      + "".join(f"\n    rank {i} MiB measured/predicted {c}" for i, c in enumerate(cells)))
 PY
+}
+
+log "CUDA memory: predicted vs measured (one GPU)"
+run "small fp32" parallel=single train.steps=6 train.untimed_steps=2 model=small train.precision=fp32
+run "gpt2-124m bf16" parallel=single train.steps=6 train.untimed_steps=2 model=gpt2-124m \
+  train.precision=bf16 train.seq_len=1024 train.micro_batch_size=4
+run "llama-1b bf16 ckpt=full" parallel=single train.steps=6 train.untimed_steps=2 model=llama-1b \
+  train.precision=bf16 train.seq_len=2048 train.micro_batch_size=2 parallel.activation_checkpointing=full
+
+log "throughput: MFU and tokens/s on one GPU, bf16, with and without torch.compile (target MFU >= 45% on H100/H200)"
+for model in llama-1b hf/llama-3.2-1b; do
+  for compiled in false true; do
+    run "$model compile=$compiled" parallel=single "model=$model" train.precision=bf16 \
+      train.seq_len=2048 train.micro_batch_size=4 train.global_batch_size=8 train.steps=30 \
+      train.untimed_steps=5 "train.compile=$compiled"
+  done
 done
+
+if [ "$gpus" -ge 2 ]; then
+  log "FSDP and TP on NCCL, 2 GPUs: memory measured/predicted, tokens/s"
+  for layout in fsdp tp2; do
+    run "llama-1b $layout nccl" "parallel=$layout" model=llama-1b backend=nccl launcher.nproc_per_node=2 \
+      train.precision=bf16 train.seq_len=2048 train.micro_batch_size=2 train.global_batch_size=8 \
+      train.steps=10 train.untimed_steps=3
+  done
+else
+  log "FSDP and TP on NCCL: skipped, $gpus GPU here (NCCL needs a GPU a rank)"
+fi
 
 log "pipeline bubble on $(nproc) CPU cores"
 $py -m pytest -q -p no:cacheprovider -s -m slow -k bubble tests/test_pipeline.py 2>&1 \
   | tee "$out/bubble.log" | grep -E "^bubble|passed|failed|skipped"
 
-if $py -c "import meshrun.diag" 2>/dev/null; then
-  log "meshrun-comm backend=nccl"
+if [ "$gpus" -ge 2 ]; then
+  log "meshrun-comm backend=nccl (all-reduce busbw)"
   $py -m meshrun.tools.comm.main backend=nccl 2>&1 | tee "$out/comm_nccl.log" | tail -40
   log "meshrun-doctor"
   $py -m meshrun.tools.doctor.main 2>&1 | tee "$out/doctor.log" | tail -60
+else
+  log "meshrun-comm over nccl: skipped, $gpus GPU here"
 fi
