@@ -13,14 +13,18 @@ common.hand_rank's, as a peer user writes it.
   parameters and reductions (meshrun's train.precision=fp32).
 - Fabric DDP: `Fabric(strategy="ddp")`, `fabric.no_backward_sync` but the last micro-batch,
   `fabric.backward`, `fabric.clip_gradients`.
-- Fabric FSDP: `Fabric(strategy=FSDPStrategy(auto_wrap_policy={TransformerBlock}))`, which is
-  torch's FSDP1 (FULL_SHARD, flat parameters, `use_orig_params`): Fabric's FSDP2 is
-  `ModelParallelStrategy`, which applies a `fully_shard` the user writes, i.e. no FSDP of
-  Fabric's own.
+- Fabric FSDP: `ModelParallelStrategy` (Fabric's FSDP2) with a `parallelize_fn` that
+  `fully_shard`s every block (`reshard_after_forward=True`) and the root, as Fabric's FSDP2
+  example does. Fabric's `strategy="fsdp"` (torch's FSDP1) cannot run on CPU: Fabric refuses
+  it (connector.py: "FSDP is only available on GPU") and so does torch 2.13's FSDP1
+  (fsdp/_init_utils.py: "FSDP needs a non-CPU accelerator device").
 
 Under FSDP no side skips the gradient sync of a micro-batch (FSDP reduce-scatters every one,
 as meshrun does: no_sync would hold unsharded gradients). What still differs, by each
 framework's design, is in the benchmarks README. torchtitan: not run, see TORCHTITAN.
+
+All four train exactly what meshrun trains: the step losses agree bitwise (max |loss diff| 0;
+two ranks sum each gradient element in one order on every side).
 
 The meshrun side runs once per layout and round; the peers of that layout run beside it, in an
 order that reverses every round (so drift of the machine hits all sides alike). How each side
@@ -65,8 +69,13 @@ from meshrun.core.config import LlamaModelConfig
 from meshrun.rank.models.llama import TransformerBlock
 from meshrun.rank.train.data import SyntheticTokens
 
-# Why torchtitan is not among the peers (checked against torchtitan 0.3.0 from PyPI).
-TORCHTITAN = "see the benchmarks README"
+# Why torchtitan is not among the peers; the README has each step and torchtitan_cpu.patch.
+TORCHTITAN = (
+    "not run: torchtitan 0.3.0's language models take only masked attention backends (flex, "
+    "flex_flash, varlen; models/common/config_utils.py get_attention_config), and torch's "
+    "FlexAttention has no backward on CPU (torch/nn/attention/flex_attention.py "
+    "_validate_device); see benchmarks/README.md"
+)
 
 
 def _forward_backward(
