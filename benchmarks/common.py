@@ -312,9 +312,17 @@ DEFAULTS = {
 }
 
 
-def parse_args(name: str, doc: str, defaults: dict[str, Any]) -> argparse.Namespace:
-    """The command line of script `name` (its output file stem) with docstring `doc`."""
+def parse_args(
+    name: str,
+    doc: str,
+    defaults: dict[str, Any],
+    options: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> argparse.Namespace:
+    """The command line of script `name` (its output file stem) with docstring `doc`;
+    `options` adds the script's own."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    if options is not None:
+        options(parser)
     parser.add_argument("--model", help="a conf/model preset")
     for option in ("ranks", "steps", "untimed-steps", "global-batch-size", "micro-batch-size"):
         parser.add_argument(f"--{option}", type=int)

@@ -36,6 +36,7 @@ is run, timed and compared: common.py. Needs the `peers` extra (`pip install -e 
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import statistics
@@ -249,12 +250,19 @@ def print_table(setup: Setup, rows: list[dict[str, Any]]) -> None:
     )
 
 
+def _only(parser: argparse.ArgumentParser) -> None:
+    names = sorted({name for bench in PEERS for name in (bench.side, bench.parallel)})
+    parser.add_argument("--only", nargs="+", metavar="NAME", choices=names,
+                        help="run only these peers or layouts (default: all)")  # fmt: skip
+
+
 def main() -> None:
-    args = parse_args("peers", __doc__, {"steps": 24, "rounds": 3})
+    args = parse_args("peers", __doc__, {"steps": 24, "rounds": 3}, _only)
     setup = setup_of(args)
+    chosen = [b for b in PEERS if not args.only or {b.side, b.parallel} & set(args.only)]
     started = time.perf_counter()
-    records = run_rounds(PEERS, setup, args.rounds)
-    rows = [summary(bench, records[bench.title]) for bench in PEERS]
+    records = run_rounds(chosen, setup, args.rounds)
+    rows = [summary(bench, records[bench.title]) for bench in chosen]
     wall_s = time.perf_counter() - started
     print_table(setup, rows)
     wide.print(f"torchtitan: {TORCHTITAN}\nwall time {wall_s:.0f} s")
