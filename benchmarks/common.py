@@ -3,8 +3,9 @@ and step timing, the meshrun side's CLI run, the CPU-contention measurement, and
 (ABAB rounds, ratio table, JSON record).
 
 A benchmark is a meshrun `parallel` preset and a `build` function that sets up one rank of
-the same training written by hand with the torch APIs (its optimizer, its forward/backward of
-a step and its gradient clipping; `hand_rank` runs the steps around them).
+the same training written by hand with the torch APIs, or with a peer framework's (its
+optimizer, its forward/backward of a step and its gradient clipping; `hand_rank` runs the
+steps around them).
 Both sides train meshrun's LLaMA model on its synthetic tokens with the same hyperparameters
 and threads per rank, and both time only the steps after warmup (tokens/s = timed tokens /
 timed seconds, rank 0's clock), so process start-up, Hydra and model construction are not
@@ -48,6 +49,8 @@ from torch import nn
 
 from meshrun.core.config import LlamaModelConfig
 from meshrun.core.paths import CONF_DIR, REPO_ROOT
+from meshrun.rank.models import build_model
+from meshrun.rank.models.llama import Transformer
 from meshrun.rank.train.data import SyntheticTokens
 
 # Hyperparameters of both sides; meshrun gets them as overrides, so they cannot drift apart.
@@ -113,8 +116,9 @@ class Benchmark:
     title: str  # table title, before "<model> on <n> gloo ranks"
     parallel: str  # the meshrun `parallel` preset of the meshrun side
     degree: str | None  # its degree that --ranks sets (None: the preset fills the world)
-    build: Build  # the hand-written side
+    build: Build  # the other side: hand-written, or a peer framework's
     doc: str  # the script's docstring; its first line is the --help description
+    side: str = "hand"  # the other side's name
 
 
 # --- helpers for the hand-written sides ------------------------------------------------------
@@ -124,6 +128,14 @@ def model_config(name: str) -> LlamaModelConfig:
     preset = OmegaConf.load(CONF_DIR / "model" / f"{name}.yaml")
     del preset["defaults"]  # the schema it names is the one merged here
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(LlamaModelConfig), preset))
+
+
+def seeded_model(model_cfg: LlamaModelConfig, setup: Setup) -> Transformer:
+    """meshrun's model, whole on the CPU, with the weights meshrun's seeded init gives any
+    layout."""
+    model = build_model(model_cfg, setup.seq_len, torch.device("cpu"))
+    model.init_weights(SEED)
+    return model
 
 
 def adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -153,9 +165,10 @@ def accumulate(
     tokens: torch.Tensor,
     micro_batch_size: int,
     no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+    backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
 ) -> torch.Tensor:
     """Forward/backward each micro-batch (gradient accumulation); `no_sync` wraps all but the
-    last. Returns the mean loss."""
+    last; `backward`: a peer framework's. Returns the mean loss."""
     chunks = tokens.split(micro_batch_size)
     total = torch.zeros(())
     for index, chunk in enumerate(chunks):
@@ -164,16 +177,22 @@ def accumulate(
         with contextlib.nullcontext() if no_sync is None or last else no_sync():
             logits = model(inputs)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-            (loss / len(chunks)).backward()
+            backward(loss / len(chunks))
         total += loss.detach()
     return total / len(chunks)
 
 
 def hand_rank(rank: int, setup: Setup, port: int, out: Path, build: Build) -> None:
     """One rank of the hand-written run; rank 0 writes its step times and the mean losses."""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // setup.ranks))
+    threads = max(1, len(os.sched_getaffinity(0)) // setup.ranks)
+    # torchrun's environment, where a peer framework looks for the process group it joins
+    # (and its threads: accelerate sets its own where OMP_NUM_THREADS is unset).
+    os.environ |= {
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+        "LOCAL_RANK": str(rank), "WORLD_SIZE": str(setup.ranks),
+        "LOCAL_WORLD_SIZE": str(setup.ranks), "OMP_NUM_THREADS": str(threads),
+    }  # fmt: skip
+    torch.set_num_threads(threads)
     dist.init_process_group("gloo", rank=rank, world_size=setup.ranks)
     hand = build(rank, setup, model_config(setup.model))
 
@@ -293,40 +312,57 @@ DEFAULTS = {
 }
 
 
-def parse_args(bench: Benchmark, defaults: dict[str, Any]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=bench.doc.splitlines()[0])
+def parse_args(
+    name: str,
+    doc: str,
+    defaults: dict[str, Any],
+    options: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> argparse.Namespace:
+    """The command line of script `name` (its output file stem) with docstring `doc`;
+    `options` adds the script's own."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    if options is not None:
+        options(parser)
     parser.add_argument("--model", help="a conf/model preset")
-    for name in ("ranks", "steps", "untimed-steps", "global-batch-size", "micro-batch-size"):
-        parser.add_argument(f"--{name}", type=int)
+    for option in ("ranks", "steps", "untimed-steps", "global-batch-size", "micro-batch-size"):
+        parser.add_argument(f"--{option}", type=int)
     parser.add_argument("--seq-len", type=int)
     parser.add_argument("--rounds", type=int)
     parser.add_argument(
-        "--out", type=Path, default=REPO_ROOT / "outputs" / "benchmarks" / f"{bench.name}.json"
+        "--out", type=Path, default=REPO_ROOT / "outputs" / "benchmarks" / f"{name}.json"
     )
     parser.set_defaults(**(DEFAULTS | defaults))
     return parser.parse_args()
 
 
+def setup_of(args: argparse.Namespace) -> Setup:
+    return Setup(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Setup)})
+
+
 def run_rounds(bench: Benchmark, setup: Setup, rounds: int) -> tuple[list[dict[str, Any]], float]:
     """Per-round records, and the largest loss difference between the sides (0 expected)."""
     records: list[dict[str, Any]] = []
-    max_loss_diff = 0.0
     for index in range(rounds):
         hand = run_side(run_hand, bench, setup)
         ours = run_side(run_meshrun, bench, setup)
-        diff = max(abs(a - b) for a, b in zip(hand.losses, ours.losses, strict=True))
-        max_loss_diff = max(max_loss_diff, diff)
-        records.append(
-            {"round": index + 1}
-            | {f"hand_{key}": value for key, value in _summary(hand).items()}
-            | {f"meshrun_{key}": value for key, value in _summary(ours).items()}
-            | {"ratio": ours.tokens_per_s / hand.tokens_per_s, "loss_diff": diff}
-        )
+        records.append(round_record(index, "hand", hand, ours))
         console.print(
             f"round {index + 1}/{rounds}: hand {hand.tokens_per_s:,.0f} tok/s, meshrun "
             f"{ours.tokens_per_s:,.0f} tok/s, ratio {records[-1]['ratio']:.3f}"
         )
-    return records, max_loss_diff
+    return records, max(r["loss_diff"] for r in records)
+
+
+def round_record(index: int, side: str, other: Measurement, ours: Measurement) -> dict[str, Any]:
+    """Round `index`'s record: each side's figures (the other side's keys prefixed `side`),
+    the ratio meshrun / other, and the largest difference of their step losses."""
+    diff = max(abs(a - b) for a, b in zip(other.losses, ours.losses, strict=True))
+    return (
+        {"round": index + 1}
+        | {f"{side}_{key}": value for key, value in _summary(other).items()}
+        | {f"meshrun_{key}": value for key, value in _summary(ours).items()}
+        | {"ratio": ours.tokens_per_s / other.tokens_per_s, "loss_diff": diff}
+    )
 
 
 def _summary(m: Measurement) -> dict[str, float]:
@@ -339,7 +375,8 @@ def _summary(m: Measurement) -> dict[str, float]:
 
 
 def contended(record: dict[str, Any]) -> bool:
-    return max(record["hand_other_cpu_s"], record["meshrun_other_cpu_s"]) > CONTENDED_CPU_S
+    """Whether other processes took more than CONTENDED_CPU_S while either side ran."""
+    return max(v for k, v in record.items() if k.endswith("_other_cpu_s")) > CONTENDED_CPU_S
 
 
 def print_table(
@@ -381,8 +418,8 @@ def main(
     docstring, `degree` the `parallel` degree that --ranks sets, `defaults` overrides
     DEFAULTS (the command-line defaults)."""
     bench = Benchmark(Path(script).stem, title, parallel, degree, build, doc)
-    args = parse_args(bench, defaults)
-    setup = Setup(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Setup)})
+    args = parse_args(bench.name, doc, defaults)
+    setup = setup_of(args)
     started = time.perf_counter()
     rounds, max_loss_diff = run_rounds(bench, setup, args.rounds)
     median_ratio = statistics.median(r["ratio"] for r in rounds)

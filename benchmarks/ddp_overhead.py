@@ -11,18 +11,26 @@ from __future__ import annotations
 import functools
 
 import torch
-from common import GRAD_CLIP, SEED, HandRank, Setup, accumulate, adamw, main, step_tokens
+from common import (
+    GRAD_CLIP,
+    SEED,
+    HandRank,
+    Setup,
+    accumulate,
+    adamw,
+    main,
+    seeded_model,
+    step_tokens,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 from meshrun.core.config import LlamaModelConfig
-from meshrun.rank.models import build_model
 from meshrun.rank.train.data import SyntheticTokens
 
 
 def build_ddp(rank: int, setup: Setup, model_cfg: LlamaModelConfig) -> HandRank:
     """One rank of hand-written DDP."""
-    model = build_model(model_cfg, setup.seq_len, torch.device("cpu"))
-    model.init_weights(SEED)
+    model = seeded_model(model_cfg, setup)
     ddp_model = DistributedDataParallel(model)
     params = list(model.parameters())
     data = SyntheticTokens(model_cfg.vocab_size, SEED)

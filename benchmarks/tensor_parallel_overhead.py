@@ -16,7 +16,17 @@ from __future__ import annotations
 import functools
 
 import torch
-from common import GRAD_CLIP, SEED, HandRank, Setup, accumulate, adamw, main, step_tokens
+from common import (
+    GRAD_CLIP,
+    SEED,
+    HandRank,
+    Setup,
+    accumulate,
+    adamw,
+    main,
+    seeded_model,
+    step_tokens,
+)
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
@@ -28,7 +38,6 @@ from torch.distributed.tensor.parallel import (
 )
 
 from meshrun.core.config import LlamaModelConfig
-from meshrun.rank.models import build_model
 from meshrun.rank.train.data import SyntheticTokens
 
 OUTER_PLAN = {
@@ -68,8 +77,7 @@ def clip_grads(sharded: list[nn.Parameter], replicated: list[nn.Parameter]) -> N
 def build_tensor_parallel(rank: int, setup: Setup, model_cfg: LlamaModelConfig) -> HandRank:
     """One rank of hand-written tensor parallelism over all `setup.ranks`."""
     mesh = init_device_mesh("cpu", (setup.ranks,))
-    model = build_model(model_cfg, setup.seq_len, torch.device("cpu"))
-    model.init_weights(SEED)
+    model = seeded_model(model_cfg, setup)
     parallelize_module(model, mesh, OUTER_PLAN)
     for block in model.layers.values():
         parallelize_module(block, mesh, BLOCK_PLAN)

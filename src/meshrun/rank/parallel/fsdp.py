@@ -21,7 +21,9 @@ def apply_fsdp(
     param_dtype: torch.dtype,
 ) -> nn.Module:
     """Shard each transformer block as its own unit (so only one block is gathered at a
-    time), then the root, which holds the embedding, final norm and head."""
+    time), then the root, which holds the embedding, final norm and head. The root is never
+    resharded after forward (torch's own default for a root): backward starts with the head,
+    so it would be all-gathered again at once, with no compute to hide that behind."""
     dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     blocks = list(model.layers.values())
@@ -29,7 +31,7 @@ def apply_fsdp(
         # The last block is resharded by the root right after anyway: keep it gathered.
         reshard = reshard_after_forward and index < len(blocks) - 1
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False)
     # Under TP the root's logits are a slice of the padded vocabulary (models/vocab.py), a
     # view, which FSDP2 warns about on every forward: an in-place op on it would skip the
     # pre-backward hook. The loss reads the logits out of place, and dp2_tp2's parity with
