@@ -5,11 +5,12 @@ stage also embeds, the last also runs the final norm, the head and the loss (wit
 vocabulary, several blocks' worth). So every rank times, at the run's micro-batch shape and
 precision, the forward and backward of one block, of the embedding and of the norm, head and
 loss, each cut from the meta model as a stage of its own and materialised alone (no rank
-ever holds the whole model). The ranks gather their timings; a stage costs what its slowest
-rank measured (a mixed box's stages differ), and `balanced_layer_counts` picks the split
-whose slowest stage is fastest. Once per run, before the pipeline is cut, on every rank
-alike, so all cut the same split. A block's cost stands for every block's: the decoders
-meshrun builds repeat one block.
+ever holds the whole model). The ranks gather their timings; ranks on the same kind of
+device share the median of theirs (the probes of two equal CPUs another process disturbed
+once split 4 layers [3, 1]), a stage costs what its slowest kind of device measured (a mixed
+box's stages differ), and `balanced_layer_counts` picks the split whose slowest stage is
+fastest. Once per run, before the pipeline is cut, on every rank alike, so all cut the same
+split. A block's cost stands for every block's: the decoders meshrun builds repeat one block.
 """
 
 from __future__ import annotations
@@ -50,19 +51,32 @@ def balance_stages(
     """Probe this rank's parts, gather every rank's, split (the same on every rank)."""
     probed = probe_parts(cfg, device, autocast_dtype)
     _release(device)  # the probe's tensors, gone before the run's memory is measured
-    mine = torch.tensor(probed, dtype=torch.float64, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, mine)
-    # [embedding, block, head] per pipeline rank: the slowest of its ranks
+    gathered: list[tuple[str, tuple[float, float, float]]] = [
+        ("", (0.0,) * 3)
+    ] * dist.get_world_size()
+    dist.all_gather_object(gathered, (device_kind(device), probed))
+    # Ranks on the same kind of device share one figure, the median of their probes: a
+    # probe another process slowed must not move layers between equal devices.
+    by_kind: dict[str, list[tuple[float, float, float]]] = {}
+    for kind, costs in gathered:
+        by_kind.setdefault(kind, []).append(costs)
+    pooled = {kind: [statistics.median(c) for c in zip(*runs, strict=True)]
+              for kind, runs in by_kind.items()}  # fmt: skip
+    # [embedding, block, head] per pipeline rank: the slowest kind among its ranks
     per_pp = [[0.0, 0.0, 0.0] for _ in range(layout.pp)]
-    for other, costs in enumerate(gathered):
+    for other, (kind, _) in enumerate(gathered):
         slowest = per_pp[rank_coords(layout, other)["pp"]]
-        slowest[:] = [max(a, b) for a, b in zip(slowest, costs.tolist(), strict=True)]
+        slowest[:] = [max(a, b) for a, b in zip(slowest, pooled[kind], strict=True)]
     n_stages = layout.pp * cfg.parallel.stages_per_rank
     block = [per_pp[stage % layout.pp][1] for stage in range(n_stages)]
     first, last = per_pp[0][0], per_pp[(n_stages - 1) % layout.pp][2]
     counts = balanced_layer_counts(model_shape(cfg.model).n_layers, block, first, last)
     return StageSplit(counts, stage_costs(counts, block, first, last), max(block))
+
+
+def device_kind(device: torch.device) -> str:
+    """What makes two ranks' devices alike: the GPU's name, or the CPU."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 def probe_parts(
