@@ -44,18 +44,23 @@ def pipeline_fields(cfg: ExperimentConfig, bubbles: list[float] | None,
              "bubble_per_rank", "pp_layers", "pp_stage_costs_s", "pp_split_note")
         )  # fmt: skip
     m = n_microbatches(cfg)
-    n_stages = p.pp * p.stages_per_rank
+    if split:
+        layers = split["counts"]
+    elif p.pp_layers == PP_AUTO:
+        layers = None  # the ranks stopped before they chose
+    else:
+        n_layers = model_shape(cfg.model).n_layers
+        layers = stage_layer_counts(n_layers, p.pp * p.stages_per_rank, p.pp_layers or None)
     return {
         "pp_schedule": p.schedule,
         "n_microbatches": m,
         "bubble_theoretical": theoretical_bubble(p.pp, m, p.stages_per_rank),
         "bubble_measured": sum(bubbles) / len(bubbles) if bubbles else None,
         "bubble_per_rank": bubbles,
-        "pp_layers": split["counts"] if split else None if p.pp_layers == PP_AUTO else
-        stage_layer_counts(model_shape(cfg.model).n_layers, n_stages, p.pp_layers or None),
+        "pp_layers": layers,
         "pp_stage_costs_s": split["stage_costs_s"] if split else None,
         "pp_split_note": split_note(split) if split else None,
-    }  # fmt: skip
+    }
 
 
 def split_note(split: dict[str, Any]) -> str:

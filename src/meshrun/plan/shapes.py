@@ -69,8 +69,8 @@ def stage_shares(model: ModelConfig, parallel: ParallelConfig, layout: Layout) -
 def layer_counts(model: ModelConfig, parallel: ParallelConfig, n_stages: int, tp: int
                  ) -> list[int]:  # fmt: skip
     """Layers per stage; `auto` as the ranks would split by measured cost, here by formula
-    (the planner cannot time): a block's matmul FLOPs a token against the
-    head's 2hV, the embedding's lookup free, every stage on equal devices."""
+    (the planner cannot time): a block's matmul FLOPs a token against the head's 2hV, the
+    embedding's lookup free, every stage on equal devices."""
     n_layers = model_shape(model).n_layers
     if parallel.pp_layers != PP_AUTO:
         return stage_layer_counts(n_layers, n_stages, parallel.pp_layers or None)

@@ -1,6 +1,7 @@
 """One rank of an experiment, top to bottom: process group and mesh, model, parallel form,
 training, measurements. Takes the driver's fully resolved config as a plain dict (no Hydra,
-no `auto` left in it) and returns rank 0's raw measurements."""
+no `auto` left in it but `parallel.pp_layers=auto`, which only the ranks can time) and
+returns rank 0's raw measurements (with the split that auto chose)."""
 
 from __future__ import annotations
 
