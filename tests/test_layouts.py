@@ -41,6 +41,7 @@ LAYOUTS = {
     "pp2_interleaved_zero_bubble": ("parallel=pp2_interleaved",
                                     "parallel.schedule=interleaved_zb"),
     "pp2_uneven_split": ("parallel=pp2", "parallel.pp_layers=[3,1]"),
+    "pp2_split_by_measured_cost": ("parallel=pp2", "parallel.pp_layers=auto"),
     "tp2_pp2": ("parallel=tp2_pp2",),
     "dp2_tp2": ("parallel=dp2_tp2", MICRO4),
     "dp2_pp2": ("parallel=dp2_pp2",),

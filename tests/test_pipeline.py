@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 
 from meshrun.core.config import LlamaModelConfig
-from meshrun.core.layout import local_stage_ids, stage_layer_counts, theoretical_bubble
+from meshrun.core.layout import (
+    balanced_layer_counts,
+    local_stage_ids,
+    stage_layer_counts,
+    theoretical_bubble,
+)
 from meshrun.driver.experiment import record
 from meshrun.driver.sinks.console import print_summary
 from meshrun.driver.sinks.store import ResultsStore
@@ -19,6 +24,15 @@ def test_even_split_puts_extra_layers_on_later_stages():
     assert stage_layer_counts(8, 2, None) == [4, 4]
     assert stage_layer_counts(7, 3, None) == [2, 2, 3]
     assert stage_layer_counts(6, 4, [1, 2, 2, 1]) == [1, 2, 2, 1]
+
+
+def test_balanced_split_minimises_the_slowest_stage():
+    assert balanced_layer_counts(4, [1.0, 1.0], 0.0, 0.0) == [2, 2]
+    assert balanced_layer_counts(5, [1.0, 1.0], 0.0, 0.0) == stage_layer_counts(5, 2, None)
+    assert balanced_layer_counts(8, [1.0, 1.0], 0.1, 2.5) == [5, 3]  # 5.1 vs 5.5
+    assert balanced_layer_counts(4, [1.0, 1.0], 0.0, 9.0) == [3, 1]  # every stage keeps one
+    assert balanced_layer_counts(6, [2.0, 1.0], 0.0, 0.0) == [2, 4]  # a slower first rank
+    assert balanced_layer_counts(12, [1.0] * 4, 0.5, 3.0) == [3, 4, 4, 1]
 
 
 def test_interleaved_ranks_own_looped_stages():
@@ -61,6 +75,29 @@ def test_bubble_is_measured_and_recorded_beside_the_theory(experiment, capsys):
     assert row["bubble_measured"] == results.bubble_measured
     print_summary(results)
     assert "bubble (gpipe, m=2)" in capsys.readouterr().out
+
+
+HEAVY_HEAD = ("model=tiny", "model.vocab_size=16384", "parallel=pp2", "train.global_batch_size=8",
+              "train.micro_batch_size=4", "train.steps=3", "train.untimed_steps=1",
+              "metrics.baseline=off")  # fmt: skip
+
+
+def test_pp_layers_auto_moves_layers_off_a_heavy_head_and_trains_as_its_split(experiment):
+    """A 16k vocabulary's head and loss outweigh a `tiny` block many times over: the probe
+    sees it and gives the last stage one layer; the record names the split (the overrides
+    run it again) and the run's losses are those of that split written out."""
+    cfg, auto = experiment(*HEAVY_HEAD, "parallel.pp_layers=auto")
+    assert auto.ok, auto.meta["error"]
+    assert auto.pp_split["counts"] == [3, 1]
+    costs = auto.pp_split["stage_costs_s"]
+    assert costs[1] > costs[0] > 0  # the head's stage stays the slower: one layer is its least
+    results = record(cfg, auto, None, ResultsStore(cfg.store.path))
+    assert results.pp_layers == [3, 1] and "parallel.pp_layers=[3,1]" in results.overrides
+    assert "layers=[3,1]" in results.layout_name
+    assert "auto chose [3, 1]" in results.pp_split_note and "apart" in results.pp_split_note
+    _, explicit = experiment(*HEAVY_HEAD, "parallel.pp_layers=[3,1]")
+    assert explicit.ok and explicit.pp_split is None
+    assert [s["loss"] for s in auto.steps] == [s["loss"] for s in explicit.steps]
 
 
 def test_1f1b_holds_fewer_activations_than_gpipe(experiment):

@@ -13,7 +13,7 @@ import pytest
 from meshrun.core.layout import Layout
 from meshrun.plan.memory import predict_stages
 from meshrun.plan.probe import host_matmul_flops
-from meshrun.plan.shapes import Dims, StageShare, local_param_elements
+from meshrun.plan.shapes import Dims, StageShare, layer_counts, local_param_elements
 from meshrun.plan.speed import formula_cost, predict_speed
 from meshrun.plan.split import proportional
 from meshrun.plan.traced import traced_cost
@@ -144,6 +144,18 @@ def test_proportional_split_keeps_every_stage_and_all_layers():
     assert proportional(32, [312.0, 154.8, 154.8, 154.8]) == [13, 7, 6, 6]
     assert proportional(4, [100.0, 1.0, 1.0]) == [2, 1, 1]
     assert sum(proportional(7, [1.0, 1.0])) == 7
+
+
+def test_planner_predicts_pp_layers_auto_with_the_formula_split():
+    """A 16k vocabulary's head costs more than a `tiny` block's matmuls: the planner's auto
+    split (it cannot time) gives the last stage fewer layers, and predicts that split."""
+    auto = resolved_config("model=tiny", "model.vocab_size=16384", "parallel=pp2",
+                           "parallel.pp_layers=auto")  # fmt: skip
+    explicit = resolved_config("model=tiny", "model.vocab_size=16384", "parallel=pp2",
+                               "parallel.pp_layers=[3,1]")  # fmt: skip
+    assert layer_counts(auto.model, auto.parallel, 2, 1) == [3, 1]
+    assert predict_stages(auto) == predict_stages(explicit)
+    assert predict_speed(auto, HOST_FLOPS) == predict_speed(explicit, HOST_FLOPS)
 
 
 def test_plan_rejects_a_bad_world_size_before_planning(tmp_path):

@@ -127,7 +127,9 @@ class ParallelConfig:
     dp_replicate > 1 alone is DDP, dp_shard > 1 is FSDP2, both together HSDP; composed with
     tp or pp, replication also goes through FSDP2 (DTensor-aware). A pipeline runs local
     batch / train.micro_batch_size micro-batches a step; `pp_layers` is an explicit
-    layers-per-stage split; `stages_per_rank` > 1 for the interleaved schedules.
+    layers-per-stage split, or `auto`: the ranks time a block, the embedding and the head
+    with the loss, and split the layers so the slowest stage is fastest (null: even);
+    `stages_per_rank` > 1 for the interleaved schedules.
     `tp_plan` ("module:function") replaces the built-in tensor-parallel plan with a user's
     own, called as function(model, tp_mesh, sequence_parallel).
     """
@@ -139,7 +141,7 @@ class ParallelConfig:
     pp: int = 1
     schedule: Schedule = Schedule["1f1b"]
     stages_per_rank: int = 1
-    pp_layers: list[int] | None = None
+    pp_layers: Any = None  # list[int] | "auto" | None (OmegaConf has no such union)
     sequence_parallel: bool = False
     tp_plan: str | None = None
     activation_checkpointing: Checkpointing = Checkpointing["none"]

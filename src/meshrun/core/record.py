@@ -107,6 +107,11 @@ class RunRecord:
     bubble_theoretical: float | None = _f(column=True, summary=True, report=(18, "bubble (theory)"))
     bubble_measured: float | None = _f(column=True, summary=True)
     bubble_per_rank: list[float] | None = _f()
+    pp_layers: list[int] | None = _f()  # layers per stage (parallel.pp_layers=auto: its pick)
+    # pp_layers=auto: each stage's probed seconds of a micro-batch's forward and backward, and
+    # what the split left uneven (a layer is its finest step)
+    pp_stage_costs_s: list[float] | None = _f()
+    pp_split_note: str | None = _f(summary=True)
     # memory
     peak_memory_bytes: list[int] | None = _f()
     peak_memory_max_bytes: int | None = _f(column=True, summary=True, report=(17, "peak memory"))

@@ -18,7 +18,7 @@ from meshrun.core.baseline import baseline_config, is_own_baseline
 from meshrun.core.checkpoints import checkpoint_root, find_resume, read_manifest, step_dir
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import ConfigError
-from meshrun.core.layout import Layout, layout_name, layout_overrides
+from meshrun.core.layout import Layout, layout_name, layout_overrides, with_layers
 from meshrun.core.record import RunRecord
 from meshrun.driver.baseline import age_s, needs_baseline, stored_baseline
 from meshrun.driver.failure import explained, with_unflushed
@@ -142,6 +142,7 @@ class Measured:
     checkpoints: list[dict[str, Any]] | None = None
     baseline_steps: list[dict[str, Any]] | None = None  # rank 0's, beside the run's
     live: LiveRun | None = None  # the W&B run, fed while the ranks trained
+    pp_split: dict[str, Any] | None = None  # parallel.pp_layers=auto: the ranks' choice
 
     @property
     def ok(self) -> bool:
@@ -244,6 +245,7 @@ def outcome(
         raw.get("checkpoints"),
         raw.get("baseline_steps"),
         live,
+        raw.get("pp_split"),
     )
 
 
@@ -273,8 +275,11 @@ def record(
     store: ResultsStore,
 ) -> RunRecord:
     """results.json, the store row, and (for the run itself) W&B; raises RunFailed after."""
+    if measured.pp_split:  # the record names the split the ranks chose, to run it again
+        cfg = with_layers(cfg, measured.pp_split["counts"])
     results = assemble(cfg, measured.steps, measured.memory, measured.bubbles, baseline,
-                       measured.meta, measured.pretrained_read, measured.checkpoints)  # fmt: skip
+                       measured.meta, measured.pretrained_read, measured.checkpoints,
+                       measured.pp_split)  # fmt: skip
     publish(cfg, results, measured.steps, store, measured.live)
     if not measured.ok:
         raise RunFailed(results)

@@ -13,10 +13,12 @@ from meshrun.core.checkpoints import checkpoint_root
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.hardware import device_for_rank, fingerprint_key
 from meshrun.core.layout import (
+    PP_AUTO,
     Layout,
     layout_name,
     layout_overrides,
     n_microbatches,
+    stage_layer_counts,
     theoretical_bubble,
 )
 from meshrun.core.record import MEMORY_CATEGORIES, RunRecord
@@ -24,25 +26,55 @@ from meshrun.plan import predict
 from meshrun.plan.candidate import host_flops
 from meshrun.rank.metrics.flops import mfu, peak_flops
 from meshrun.rank.metrics.throughput import percentile, summarize_steps
-from meshrun.rank.models import build_model, count_params
+from meshrun.rank.models import build_model, count_params, model_shape
+
+# Stage costs further apart than this (relative) after pp_layers=auto are noted as uneven.
+UNEVEN = 0.01
 
 
-def pipeline_fields(cfg: ExperimentConfig, bubbles: list[float] | None) -> dict[str, Any]:
-    """Measured bubble (mean over ranks, and each rank's) beside the schedule's theory."""
+def pipeline_fields(cfg: ExperimentConfig, bubbles: list[float] | None,
+                    split: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Measured bubble (mean over ranks, and each rank's) beside the schedule's theory; the
+    layers each stage held, and where `parallel.pp_layers=auto` chose them (`split`, the
+    ranks' StageSplit), the stage costs it balanced and a note of what stayed uneven."""
     p = cfg.parallel
     if p.pp == 1:
         return dict.fromkeys(
             ("pp_schedule", "n_microbatches", "bubble_theoretical", "bubble_measured",
-             "bubble_per_rank")
+             "bubble_per_rank", "pp_layers", "pp_stage_costs_s", "pp_split_note")
         )  # fmt: skip
     m = n_microbatches(cfg)
+    if split:
+        layers = split["counts"]
+    elif p.pp_layers == PP_AUTO:
+        layers = None  # the ranks stopped before they chose
+    else:
+        n_layers = model_shape(cfg.model).n_layers
+        layers = stage_layer_counts(n_layers, p.pp * p.stages_per_rank, p.pp_layers or None)
     return {
         "pp_schedule": p.schedule,
         "n_microbatches": m,
         "bubble_theoretical": theoretical_bubble(p.pp, m, p.stages_per_rank),
         "bubble_measured": sum(bubbles) / len(bubbles) if bubbles else None,
         "bubble_per_rank": bubbles,
+        "pp_layers": layers,
+        "pp_stage_costs_s": split["stage_costs_s"] if split else None,
+        "pp_split_note": split_note(split) if split else None,
     }
+
+
+def split_note(split: dict[str, Any]) -> str:
+    """What `parallel.pp_layers=auto` chose, from what, and how uneven it stayed."""
+    costs = split["stage_costs_s"]
+    ms = ", ".join(f"{c * 1e3:.0f}" for c in costs)
+    note = (f"parallel.pp_layers=auto chose {split['counts']}: stages measured at {ms} ms a "
+            "micro-batch (forward + backward)")  # fmt: skip
+    spread = (max(costs) - min(costs)) / max(costs)
+    if spread > UNEVEN:
+        block = split["block_s"] * 1e3
+        note += (f"; still {spread:.0%} apart: layers move whole (one is {block:.0f} ms) and "
+                 "every stage keeps at least one")  # fmt: skip
+    return note
 
 
 def memory_fields(cfg: ExperimentConfig, memory: list[dict[str, int]] | None) -> dict[str, Any]:
@@ -175,10 +207,12 @@ def assemble(
     meta: dict[str, Any],
     pretrained_read: list[int] | None = None,
     checkpoints: list[dict[str, Any]] | None = None,
+    pp_split: dict[str, Any] | None = None,
 ) -> RunRecord:
     """`steps`: rank 0's per-step records; `memory`: each rank's peak and its breakdown;
     `meta`: run id, role, status, error, times, the step a resume started at;
-    `pretrained_read`: the checkpoint bytes each rank read; `checkpoints`: rank 0's saves."""
+    `pretrained_read`: the checkpoint bytes each rank read; `checkpoints`: rank 0's saves;
+    `pp_split`: the split `parallel.pp_layers=auto` chose (`cfg` already holds it)."""
     t = cfg.train
     tokens_per_step = t.tokens_per_step
     step_times = [r["step_time_s"] for r in steps if r["step_time_s"] is not None]
@@ -230,7 +264,7 @@ def assemble(
         "flops_per_token_counted": predict.counted_flops(cfg),
         "mfu": mfu(tokens_per_s, per_token, peak) if tokens_per_s else None,
         "data_wait_share": data_wait_share(steps),
-        **pipeline_fields(cfg, bubbles),
+        **pipeline_fields(cfg, bubbles, pp_split),
         **memory_fields(cfg, memory),
         "pretrained_read_bytes_per_rank": pretrained_read,
         **checkpoint_fields(cfg, checkpoints),

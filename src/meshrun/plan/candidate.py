@@ -12,6 +12,7 @@ from meshrun.plan import predict
 from meshrun.plan.memory import MemoryPrediction
 from meshrun.plan.placement import stage_devices
 from meshrun.plan.probe import host_matmul_flops
+from meshrun.plan.shapes import layer_counts
 from meshrun.plan.speed import SpeedPrediction
 from meshrun.validate import validate_layout
 from meshrun.validate.layout import check_batch
@@ -60,7 +61,10 @@ class Candidate:
             "schedule": p.schedule if p.pp > 1 else None,
             "n_microbatches": n_microbatches(self.cfg) if p.pp > 1 else None,
             "micro_batch_size": self.cfg.train.micro_batch_size,
-            "pp_layers": list(p.pp_layers) if p.pp_layers else None,
+            # auto: the formula's split, which the predictions are of
+            "pp_layers": layer_counts(self.cfg.model, p, p.pp * p.stages_per_rank, p.tp)
+            if p.pp_layers
+            else None,
             "activation_checkpointing": p.activation_checkpointing,
             "fits": self.fits,
             "peak_bytes": self.peak,

@@ -8,7 +8,14 @@ import math
 from dataclasses import dataclass
 
 from meshrun.core.config import ExperimentConfig, ModelConfig, ParallelConfig
-from meshrun.core.layout import Layout, local_stage_ids, n_microbatches, stage_layer_counts
+from meshrun.core.layout import (
+    PP_AUTO,
+    Layout,
+    balanced_layer_counts,
+    local_stage_ids,
+    n_microbatches,
+    stage_layer_counts,
+)
 from meshrun.rank.models import model_shape
 from meshrun.rank.models.vocab import padded_vocab
 
@@ -50,13 +57,27 @@ def stage_shares(model: ModelConfig, parallel: ParallelConfig, layout: Layout) -
     """One entry per pp rank."""
     stages_per_rank = parallel.stages_per_rank if layout.pp > 1 else 1
     n_stages = layout.pp * stages_per_rank
-    counts = stage_layer_counts(model_shape(model).n_layers, n_stages, parallel.pp_layers or None)
+    counts = layer_counts(model, parallel, n_stages, layout.tp)
     shares = []
     for pp_rank in range(layout.pp):
         ids = local_stage_ids(pp_rank, layout.pp, stages_per_rank)
         shares.append(StageShare(sum(counts[i] for i in ids), 0 in ids, n_stages - 1 in ids,
                                  stages_per_rank))  # fmt: skip
     return shares
+
+
+def layer_counts(model: ModelConfig, parallel: ParallelConfig, n_stages: int, tp: int
+                 ) -> list[int]:  # fmt: skip
+    """Layers per stage; `auto` as the ranks would split by measured cost, here by formula
+    (the planner cannot time): a block's matmul FLOPs a token against the head's 2hV, the
+    embedding's lookup free, every stage on equal devices."""
+    n_layers = model_shape(model).n_layers
+    if parallel.pp_layers != PP_AUTO:
+        return stage_layer_counts(n_layers, n_stages, parallel.pp_layers or None)
+    d = Dims.of(model, tp)
+    block = 2 * (2 * d.h * d.h + 2 * d.hk * d.h + d.mlp * d.f * d.h)
+    head = 2 * d.h * d.vocab
+    return balanced_layer_counts(n_layers, [float(block)] * n_stages, 0.0, float(head))
 
 
 def micro_batching(cfg: ExperimentConfig, layout: Layout) -> tuple[int, int]:

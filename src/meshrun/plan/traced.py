@@ -38,7 +38,7 @@ from meshrun.core.choices import HALF_PRECISIONS
 from meshrun.core.config import ExperimentConfig, ModelConfig, ParallelConfig, from_dict
 from meshrun.core.layout import Layout
 from meshrun.plan.memory import MemoryPrediction, in_flight
-from meshrun.plan.shapes import micro_batching
+from meshrun.plan.shapes import layer_counts, micro_batching
 from meshrun.plan.speed import ModelCost
 from meshrun.rank.mesh import build_mesh
 from meshrun.rank.models import build_model, model_key, model_shape
@@ -90,8 +90,11 @@ def _traced(cfg_json: str) -> tuple[MemoryPrediction, ...]:
     n_microbatches, micro_batch = micro_batching(cfg, layout)
     traced = layout if layout.uses_fsdp else dataclasses.replace(layout, dp_replicate=1)
     # DataParallel: one process driving several devices, each holding what one alone would
+    # pp_layers=auto: the formula's split, as the rest of the planner predicts with
+    counts = layer_counts(cfg.model, cfg.parallel, layout.pp * cfg.parallel.stages_per_rank,
+                          layout.tp) if layout.pp > 1 else None  # fmt: skip
     parallel = dataclasses.replace(cfg.parallel, dp_replicate=traced.dp_replicate,
-                                   data_parallel="auto")  # fmt: skip
+                                   data_parallel="auto", pp_layers=counts)  # fmt: skip
     if dist.is_initialized():
         raise RuntimeError("the planner traces on a fake process group of its own")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=traced.world_size)

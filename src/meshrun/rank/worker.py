@@ -1,10 +1,12 @@
 """One rank of an experiment, top to bottom: process group and mesh, model, parallel form,
 training, measurements. Takes the driver's fully resolved config as a plain dict (no Hydra,
-no `auto` left in it) and returns rank 0's raw measurements."""
+no `auto` left in it but `parallel.pp_layers=auto`, which only the ranks can time) and
+returns rank 0's raw measurements (with the split that auto chose)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import os
 import signal
@@ -18,7 +20,7 @@ import torch.distributed as dist
 
 from meshrun.core.config import DebugConfig, ExperimentConfig, from_dict
 from meshrun.core.hardware import host_fingerprint
-from meshrun.core.layout import Layout, dp_rank
+from meshrun.core.layout import PP_AUTO, Layout, dp_rank, with_layers
 from meshrun.rank.failures import (
     forget_failure,
     note_finished,
@@ -33,8 +35,9 @@ from meshrun.rank.metrics.host import HostLoad, other_cpu_share
 from meshrun.rank.metrics.log import METRICS_FILE, MetricsLog
 from meshrun.rank.metrics.memory import MemoryMeter, ModelState
 from meshrun.rank.models import model_shape
+from meshrun.rank.parallel.balance import balance_stages
 from meshrun.rank.progress import rank_progress
-from meshrun.rank.train.build import build_training
+from meshrun.rank.train.build import COMPUTE_DTYPES, build_training
 from meshrun.rank.train.checkpoint import Checkpointer
 from meshrun.rank.train.data import HeldoutBatches, LocalBatches, build_streams
 from meshrun.rank.train.evaluate import Evaluator
@@ -114,6 +117,12 @@ def _train(
     mesh,
     watchdog: Watchdog | None,
 ) -> dict | None:
+    pp_split = None
+    if cfg.parallel.pp_layers == PP_AUTO:
+        dtype = COMPUTE_DTYPES[cfg.train.precision]
+        with watchdog.inside(0, "pipeline stage probe (all_gather)", one_collective=False):
+            pp_split = balance_stages(cfg, layout, rank, device, dtype)
+        cfg = with_layers(cfg, pp_split.counts)
     tc = cfg.train
     memory = MemoryMeter(device)
     memory.start()
@@ -208,6 +217,7 @@ def _train(
         )
         if state.pipeline_span_per_step
         else None,
+        "pp_split": dataclasses.asdict(pp_split) if pp_split else None,
         "pretrained_read_bytes_per_rank": [r["pretrained_read"] for r in ranks]
         if cfg.model.pretrained
         else None,

@@ -15,6 +15,7 @@ from meshrun.core.imports import import_callable
 from meshrun.core.layout import (
     MESH_DIMS,
     MULTI_STAGE_SCHEDULES,
+    PP_AUTO,
     Layout,
     n_microbatches,
     stage_layer_counts,
@@ -157,7 +158,7 @@ def resolve_pipeline(cfg: ExperimentConfig) -> ExperimentConfig:
         if p.pp_layers:
             fail(
                 "parallel.pp_layers",
-                list(p.pp_layers),
+                p.pp_layers,
                 "only applies to pipelines (pp > 1)",
                 "null, or set parallel.pp",
             )
@@ -186,15 +187,21 @@ def resolve_pipeline(cfg: ExperimentConfig) -> ExperimentConfig:
             f"{stages} pipeline stages but the model has {n_layers} layers",
             f"at most {n_layers} stages in all",
         )
-    if p.pp_layers and (
-        len(p.pp_layers) != stages or sum(p.pp_layers) != n_layers or min(p.pp_layers) < 1
+    explicit = bool(p.pp_layers) and p.pp_layers != PP_AUTO
+    if explicit and (
+        not isinstance(p.pp_layers, list)
+        or not all(isinstance(n, int) and not isinstance(n, bool) for n in p.pp_layers)
+        or len(p.pp_layers) != stages
+        or sum(p.pp_layers) != n_layers
+        or min(p.pp_layers) < 1
     ):
         fail(
             "parallel.pp_layers",
-            list(p.pp_layers),
+            p.pp_layers,
             f"needs {stages} entries (one per "
             f"stage), each >= 1, adding up to the model's {n_layers} layers",
-            f"e.g. {stage_layer_counts(n_layers, stages, None)}",
+            f"e.g. {stage_layer_counts(n_layers, stages, None)}, or {PP_AUTO} (split by "
+            "measured cost)",
         )
     if model_shape(cfg.model).tied:
         key, valid = TIE_KEYS[cfg.model.kind]

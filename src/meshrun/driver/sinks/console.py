@@ -77,7 +77,11 @@ def print_summary(r: RunRecord) -> None:
     ]
     if r.pp_schedule:
         bubble = f"{_fmt(r.bubble_measured)} measured, {_fmt(r.bubble_theoretical)} theory"
+        per_rank = ", ".join(_fmt(b) for b in r.bubble_per_rank or [])
+        bubble += f" (per rank {per_rank})" if per_rank else ""
         rows.insert(rows.index(loss), (f"bubble ({r.pp_schedule}, m={r.n_microbatches})", bubble))
+        if r.pp_split_note:
+            rows.insert(rows.index(loss), ("pipeline split", r.pp_split_note))
     if r.error:
         rows.insert(1, ("error", r.error))
     rows[1:1] = [("flagged", Text(flag, style="bold yellow")) for flag in r.flags]

@@ -1,9 +1,12 @@
 """Measured pipeline bubble: the share of the pipeline's time a rank is not computing.
 
 Busy time is what a rank spends inside its stages' forward and backward compute
-(PipelineStage.forward_one_chunk / backward_one_chunk / backward_weight_one_chunk); the
-pipeline's time is the whole `schedule.step` (compute, waits and transfers). Both are timed
-around each call: wall clock on CPU, CUDA events on GPU (read at the end, no sync per call).
+(PipelineStage.forward_one_chunk / backward_one_chunk / backward_weight_one_chunk, or the
+compute a prefetching stage names) and, on the last stage, the loss (the schedule's
+`_compute_loss`, which runs outside the stage's forward: left out, the last stage's loss
+would count as idle); the pipeline's time is the whole `schedule.step` (compute, waits and
+transfers). Both are timed around each call: wall clock on CPU, CUDA events on GPU (read at
+the end, no sync per call).
 
 For each timed step, bubble = 1 - busy / pipeline time, the pipeline's time being the
 longest rank's: the definition of the theoretical (p-1)/(m+p-1), which leaves out what
@@ -34,9 +37,11 @@ class BubbleClock:
         self.pipeline = _PerStep()
         stages = getattr(schedule, "_stages", None) or [schedule._stage]
         for stage in stages:
-            for method in COMPUTE_METHODS:
+            # a stage that waits for its inputs inside forward_one_chunk names its compute
+            for method in getattr(stage, "compute_methods", COMPUTE_METHODS):
                 if hasattr(stage, method):
                     setattr(stage, method, self._timed(getattr(stage, method), self.busy))
+        schedule._compute_loss = self._timed(schedule._compute_loss, self.busy)
         schedule.step = self._timed(schedule.step, self.pipeline, starts_step=True)
 
     def _timed(
