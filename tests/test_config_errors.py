@@ -106,6 +106,11 @@ BAD_CONFIGS = [
     (["parallel=pp2", "model=gpt2-124m"], "model.tie_embeddings", "different pipeline stages"),
     (["parallel.pp_layers=[1,1]"], "parallel.pp_layers", "only applies to pipelines"),
     (["parallel.tp_plan=nowhere.plans:apply"], "parallel.tp_plan", "cannot be loaded"),
+    (
+        ["parallel=tp2", "parallel.activation_checkpointing=full", "train.compile=true"],
+        "parallel.activation_checkpointing",
+        "cannot be compiled with tensor parallelism",
+    ),
     (["parallel.tp_plan=tests.plans:missing"], "parallel.tp_plan", "module:function"),
     (["parallel=dataparallel"], "parallel", "needs >= 2 CUDA devices"),
     (["backend=nccl"], "backend", "nccl needs CUDA devices"),
