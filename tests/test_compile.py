@@ -27,6 +27,10 @@ SLOW = pytest.mark.slow
 RUNS = [
     pytest.param((*COMMON, "parallel=ddp"), id="ddp", marks=SLOW),
     pytest.param((*COMMON, "parallel=tp2", MICRO4), id="tp2"),
+    # FSDP2's hooks around the compiled blocks; checkpointing traced into them
+    pytest.param((*COMMON, "parallel=fsdp", "parallel.activation_checkpointing=selective"),
+                 id="fsdp_selective_checkpointing", marks=SLOW),
+    pytest.param((*COMMON, "parallel=pp2"), id="pp2", marks=SLOW),
     pytest.param((*HF_COMMON, "parallel=tp2", "parallel.sequence_parallel=true", MICRO4),
                  id="hf_tiny_llama_tp2_sequence_parallel", marks=SLOW),
 ]  # fmt: skip
