@@ -51,7 +51,9 @@ def _serve(index: int, jobs, results) -> None:
     its garbage is collected, as a process's ending would free it: a job's process groups
     live in reference cycles, each holding gloo's threads and sockets (without this, 90
     process groups and 276 gloo threads per worker by the end of a session). The libraries'
-    objects are frozen out of the collection first, so that it walks only the jobs' own."""
+    objects are frozen out of the collection first, so that it walks only the jobs' own.
+    torch.compile's code is dropped too: a later job's blocks would reuse an earlier one's
+    (no compile to measure), up to dynamo's limit of entries a function, then run eagerly."""
     os.environ["OMP_NUM_THREADS"] = "1"
     gc.freeze()
     results.put(("ready", index, True, None))
@@ -66,6 +68,7 @@ def _serve(index: int, jobs, results) -> None:
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
+            torch._dynamo.reset()  # the next job compiles afresh, as a new rank process would
             gc.collect()
         results.put((job_id, index, *value))
 

@@ -109,6 +109,11 @@ BAD_CONFIGS = [
     (["parallel=pp2", "parallel.pp_layers=even"], "parallel.pp_layers", "or auto"),
     (["parallel=pp2", "parallel.pp_layers=[a,b]"], "parallel.pp_layers", "each >= 1"),
     (["parallel.tp_plan=nowhere.plans:apply"], "parallel.tp_plan", "cannot be loaded"),
+    (
+        ["parallel=tp2", "parallel.activation_checkpointing=full", "train.compile=true"],
+        "parallel.activation_checkpointing",
+        "cannot be compiled with tensor parallelism",
+    ),
     (["parallel.tp_plan=tests.plans:missing"], "parallel.tp_plan", "module:function"),
     (["parallel=dataparallel"], "parallel", "needs >= 2 CUDA devices"),
     (["backend=nccl"], "backend", "nccl needs CUDA devices"),

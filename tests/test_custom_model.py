@@ -141,6 +141,8 @@ def test_verify_fails_a_sabotaged_plan_on_the_numbers(tmp_path, on_pool):
         (["parallel=pp2", "model.head=null"], "parallel.pp", "model.head is not set"),
         (["parallel=fsdp", "parallel.activation_checkpointing=full", "model.layers=null"],
          "parallel.activation_checkpointing", "model.layers, which is not set"),
+        (["train.compile=true", "model.layers=null"], "train.compile",
+         "model.layers, which is not set"),
     ],
     ids=str,
 )  # fmt: skip

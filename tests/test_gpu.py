@@ -45,3 +45,15 @@ def test_cuda_memory_breakdown_carries_allocator_figures_beside_the_prediction(m
         assert measured[category] == pytest.approx(predicted[category], rel=1e-3)
     assert measured["activations"] > 0
     print(f"CUDA breakdown measured {measured}\npredicted {predicted}")
+
+
+def test_compiled_blocks_train_the_uncompiled_losses_on_cuda(meshrun):
+    """train.compile through inductor's Triton backend; fused AdamW on the device."""
+    common = ("parallel=single", "model=tiny", "train.steps=4", "train.untimed_steps=1",
+              "train.precision=fp32", "metrics.baseline=off")  # fmt: skip
+    eager = meshrun(*common)
+    compiled = meshrun(*common, "train.compile=true")
+    assert eager.returncode == compiled.returncode == 0, eager.output + compiled.output
+    assert compiled.results["losses"] == pytest.approx(eager.results["losses"], rel=1e-4)
+    assert compiled.results["compile_s"] > 0
+    assert eager.results["compile_s"] is None

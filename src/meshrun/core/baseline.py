@@ -64,6 +64,8 @@ def baseline_key(cfg: ExperimentConfig) -> str:
             t.micro_batch_size,
             t.seq_len,
             t.precision,
+            # appended only when on, so that the keys of uncompiled runs stay as they were
+            *(["compile"] if t.compile else []),
         ],
     }
     return hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]

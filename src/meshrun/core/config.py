@@ -330,7 +330,8 @@ class LossScaleConfig:
 @dataclass
 class TrainConfig:
     """`untimed_steps`: the first steps, left out of the step times (allocator and kernel
-    warm-up) and where memory is measured; not the LR warmup (lr_schedule.warmup_steps)."""
+    warm-up, torch.compile's compilations) and where memory is measured; not the LR warmup
+    (lr_schedule.warmup_steps). `compile`: torch.compile each decoder block (inductor)."""
 
     steps: int = 20
     untimed_steps: int = 2
@@ -347,6 +348,7 @@ class TrainConfig:
     log_every: int = 5
     progress_bar: bool = True
     eval: EvalConfig = field(default_factory=EvalConfig)
+    compile: bool = False
 
     @property
     def tokens_per_step(self) -> int:

@@ -75,6 +75,9 @@ class RunRecord:
     step_time_cv: float | None = _f(column=True, summary=True)
     tokens_per_s: float | None = _f(column=True, summary=True, report=(12, "tokens/s"))
     samples_per_s: float | None = _f(summary=True)
+    # train.compile: seconds spent compiling (torch.compile's traces and code generation,
+    # forward and backward) during the untimed steps, on the slowest rank; in no step time
+    compile_s: float | None = _f(column=True, summary=True)
     # the host's CPU that processes other than this run's used while it was timed (share of
     # all cores); None where not measured (another host's ranks)
     host_other_cpu_share: float | None = _f(column=True, summary=True)

@@ -233,7 +233,7 @@ def outcome(
         meta["skipped_steps"] = raw["skipped_steps"]
     if raw.get("requeues"):  # SLURM requeued the job, which resumed from its checkpoint
         meta.update(requeues=raw["requeues"], resumed_from_step=raw["resumed_from_step"])
-    for key in ("fingerprint", "host_other_cpu_share"):
+    for key in ("fingerprint", "host_other_cpu_share", "compile_s"):
         if raw.get(key) is not None:
             meta[key] = raw[key]
     return Measured(

@@ -31,6 +31,7 @@ from meshrun.rank.failures import (
 from meshrun.rank.library_warnings import show_once
 from meshrun.rank.mesh import build_mesh, dp_group, init_distributed, pp_group, select_device
 from meshrun.rank.metrics.bubble import bubble_per_rank
+from meshrun.rank.metrics.compile_time import CompileClock
 from meshrun.rank.metrics.host import HostLoad, other_cpu_share
 from meshrun.rank.metrics.log import METRICS_FILE, MetricsLog
 from meshrun.rank.metrics.memory import MemoryMeter, ModelState
@@ -186,6 +187,7 @@ def _train(
             loss_scale=loss_scale,
             baseline=twin,
             host_load=host_load,
+            compiling=CompileClock() if tc.compile else None,
         )
         try:
             state = train_loop(model, optimizer, schedule, batches, tc, ctx)
@@ -195,6 +197,9 @@ def _train(
             with contextlib.suppress(Exception):
                 record_unflushed(cfg.run_dir, rank, ctx.pending.salvage(batches.drain_waits()))
             raise
+        finally:
+            if ctx.compiling is not None:
+                ctx.compiling.stop()  # a run that ends in its untimed steps
     split = memory.breakdown(ModelState.of(model.parameters(), optimizer))
     mine = {
         "memory": {"rank": rank, **(split or {"peak": memory.peak_bytes()})},
@@ -202,6 +207,7 @@ def _train(
         "span": state.pipeline_span_per_step,
         "pretrained_read": model.pretrained_bytes_read,
         "host_load": state.host_load,
+        "compile_s": ctx.compiling.seconds if ctx.compiling else None,
     }
     ranks = [mine]
     if dist.is_initialized():
@@ -230,6 +236,8 @@ def _train(
         if all(r["host_load"] for r in ranks)
         else None,
         "fingerprint": host_fingerprint(cfg.launcher.threads_per_rank),
+        # the ranks compile at once; the run waits for the slowest
+        "compile_s": max(r["compile_s"] for r in ranks) if ctx.compiling else None,
         "checkpoints": [
             {"step": s.step, "blocked_s": s.blocked_s, "total_s": s.total_s}
             for s in checkpoints.saves

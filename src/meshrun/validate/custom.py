@@ -109,6 +109,9 @@ def check_custom_layout(cfg: ExperimentConfig) -> None:
         fail("parallel.activation_checkpointing", p.activation_checkpointing,
              "wraps each block of model.layers, which is not set",
              "set model.layers to the module's block list, or none")  # fmt: skip
+    if cfg.train.compile and m.layers is None:
+        fail("train.compile", True, "compiles each block of model.layers, which is not set",
+             "set model.layers to the module's block list, or train.compile=false")  # fmt: skip
 
 
 def _check_divisible(model: CustomLM, tp: int) -> None:

@@ -63,6 +63,7 @@ def print_summary(r: RunRecord) -> None:
         ("batch", f"global {r.global_batch_size}, micro {r.micro_batch_size}"),
         ("tokens/s", _fmt(r.tokens_per_s)),
         ("step time (median, p10-p90, cv)", _step_times(r)),
+        *_compile_time(r),
         *_host_load(r),
         ("baseline tokens/s", f"{_fmt(r.baseline_tokens_per_s)}{_baseline_source(r)}"),
         (f"speedup ({r.scaling} scaling)", _speedup(r)),
@@ -103,6 +104,12 @@ def _step_times(r: RunRecord) -> str:
     spread = f"{_fmt(r.step_time_p10_s)}-{_fmt(r.step_time_p90_s, ' s')}"
     cv = f", cv {r.step_time_cv:.1%}" if r.step_time_cv is not None else ""
     return f"{_fmt(r.step_time_s, ' s')}, {spread}{cv}"
+
+
+def _compile_time(r: RunRecord) -> list[tuple[str, str]]:
+    if r.compile_s is None:
+        return []
+    return [("compile time (untimed steps)", _fmt(r.compile_s, " s"))]
 
 
 def _host_load(r: RunRecord) -> list[tuple[str, str]]:

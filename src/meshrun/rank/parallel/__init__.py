@@ -1,9 +1,10 @@
 """Turn the model into its parallel form for a layout.
 
 Composition order (as in torchtitan): on the meta device, the pipeline cut, tensor
-parallel, activation checkpointing and FSDP2 (HSDP); then each rank materialises what it
-holds, seeded or read from a checkpoint (no rank ever holds the whole model); then the
-wrappers that need real tensors (DDP, DataParallel); then the pipeline schedule.
+parallel, activation checkpointing, torch.compile per block and FSDP2 (HSDP); then each rank
+materialises what it holds, seeded or read from a checkpoint (no rank ever holds the whole
+model); then the wrappers that need real tensors (DDP, DataParallel); then the pipeline
+schedule.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from meshrun.core.config import ParallelConfig
 from meshrun.core.layout import Layout, local_stage_ids, stage_layer_counts
 from meshrun.rank.parallel.checkpointing import apply_activation_checkpointing
+from meshrun.rank.parallel.compile import apply_compile
 from meshrun.rank.parallel.dataparallel import apply_dataparallel
 from meshrun.rank.parallel.ddp import apply_ddp
 from meshrun.rank.parallel.fsdp import apply_fsdp
@@ -90,15 +92,17 @@ def parallelize(
     param_dtype: torch.dtype,
     n_microbatches: int = 1,
     pretrained: str | None = None,
+    compile: bool = False,
 ) -> ParallelModel:
     """`model` is the full model on the meta device (rank/models); returns this rank's
     materialised share, its weights seeded or read from `pretrained` (a local HF directory).
-    `n_microbatches`: a pipeline's per step (core.layout.n_microbatches)."""
+    `n_microbatches`: a pipeline's per step (core.layout.n_microbatches); `compile`: each
+    block through torch.compile (train.compile)."""
     pp_rank = mesh.get_local_rank("pp") if layout.pp > 1 else 0
     stage_ids, n_stages = pipeline_stages(pp_rank, layout, cfg)
     wrapped, read = [], 0
     for cut in stage_parts(model, pp_rank, layout, cfg):
-        part = sharded_part(cut, mesh, layout, cfg, param_dtype)
+        part = sharded_part(cut, mesh, layout, cfg, param_dtype, compile)
         read += materialise(part, device, seed, pretrained)
         wrapped.append(replicated(part, mesh, layout, cfg, device))
     schedule = new_schedule = None
@@ -135,12 +139,16 @@ def sharded_part(
     layout: Layout,
     cfg: ParallelConfig,
     param_dtype: torch.dtype,
+    compile: bool = False,
 ) -> nn.Module:
-    """On meta: tensor-parallel, checkpointed and FSDP2-sharded, every parameter already
-    the DTensor it trains as, so that materialising fills only this rank's share."""
+    """On meta: tensor-parallel, checkpointed, compiled (`compile`) and FSDP2-sharded, every
+    parameter already the DTensor it trains as, so that materialising fills only this rank's
+    share."""
     if layout.tp > 1:
         resolve_tp_plan(cfg.tp_plan)(part, mesh["tp"], cfg.sequence_parallel)
     apply_activation_checkpointing(part, cfg.activation_checkpointing)
+    if compile:
+        apply_compile(part)
     if cfg.data_parallel == "dataparallel" or mesh is None or not layout.uses_fsdp:
         return part
     # Replication next to TP/PP goes through FSDP2 on a (replicate, shard=1) mesh. Under PP,

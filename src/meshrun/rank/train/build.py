@@ -42,6 +42,7 @@ def build_training(cfg: ExperimentConfig, layout: Layout, device: torch.device, 
         dtype,
         n_microbatches(cfg),
         cfg.model.pretrained,
+        tc.compile,
     )
     optimizer = build_optimizer(model, tc)
     half = dtype != torch.float32

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from meshrun.core.config import TrainConfig
 from meshrun.rank.mesh import mean_over_ranks
 from meshrun.rank.metrics.bubble import BubbleClock
+from meshrun.rank.metrics.compile_time import CompileClock
 from meshrun.rank.metrics.host import HostLoad
 from meshrun.rank.metrics.memory import FWD_BWD_END, STEP_START, MemoryMeter
 from meshrun.rank.parallel import ParallelModel, gradient_sync
@@ -82,6 +83,7 @@ class LoopContext:
     evaluate: Evaluator | None = None  # train.eval on
     baseline: BetweenSteps | None = None  # metrics.alongside: the baseline between steps
     host_load: HostLoad | None = None  # CPU seconds over the timed steps
+    compiling: CompileClock | None = None  # train.compile: stopped at the first timed step
 
 
 def _inside(
@@ -187,6 +189,8 @@ def train_loop(
     for step in range(ctx.start_step, cfg.steps):
         if step == first_timed:
             ctx.memory.stop_tracing()
+            if ctx.compiling is not None:
+                ctx.compiling.stop()  # the untimed steps' compiling, not the baseline's
             if ctx.baseline is not None:
                 ctx.memory.hold()  # what the baseline allocates is not the run's
                 with _inside(ctx, step, "baseline warmup (rank 0)", one_collective=False):

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
+from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
 from meshrun.core.config import LrScheduleConfig, TrainConfig
 
@@ -20,7 +21,18 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    return LocalAdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    return LocalAdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, **step_kernels(params))
+
+
+def step_kernels(params: list[nn.Parameter]) -> dict[str, bool]:
+    """AdamW's fastest implementation for these parameters: `fused` (one kernel per device
+    and dtype updates every tensor; the step counts stay on the device) where torch has it for
+    their device (CPU and CUDA), else `foreach` (each stage of the update one op over the
+    tensor list). torch's default on CPU is a Python loop over the tensors, a dozen ops and a
+    read of the step count back to the host (`.item()`) for each."""
+    fused = all(p.device.type in _get_fused_kernels_supported_devices() and p.is_floating_point()
+                for p in params)  # fmt: skip
+    return {"fused": True} if fused else {"foreach": True}
 
 
 class LocalAdamW(torch.optim.AdamW):
@@ -50,6 +62,17 @@ class LocalAdamW(torch.optim.AdamW):
         for states in (exp_avgs, exp_avg_sqs, max_exp_avg_sqs):
             states[first:] = [_local(state) for state in states[first:]]
         return has_complex
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's, on the local tensors: under fused or foreach, torch zeroes the gradients
+        with one foreach op, which refuses DTensors beside plain tensors (TP's replicated
+        norms)."""
+        if set_to_none:
+            super().zero_grad(set_to_none=True)
+            return
+        grads = [_local(p.grad) for group in self.param_groups for p in group["params"]
+                 if p.grad is not None]  # fmt: skip
+        torch._foreach_zero_(grads)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
