@@ -49,6 +49,11 @@ BAD_CONFIGS = [
     (["plan.efficiency=1.5"], "plan.efficiency", "(0, 1]"),
     (["plan.headroom_gib=-1"], "plan.headroom_gib", ">= 0"),
     (["plan.fragmentation=1"], "plan.fragmentation", "a fraction in [0, 1)"),
+    (
+        ["parallel=ddp", "parallel.ddp.static_graph=true"],
+        "parallel.ddp.static_graph",
+        "train.micro_batch_size=4",
+    ),
     (["metrics.baseline_max_age_h=0"], "metrics.baseline_max_age_h", "must be positive"),
     (["hardware.intra_node.latency_us=-5"], "hardware.intra_node.latency_us", ">= 0"),
     (["hardware=cpu", "hardware.intra_node.bw_gbs=0"], "hardware.intra_node.bw_gbs", "> 0"),

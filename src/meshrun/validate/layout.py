@@ -103,6 +103,18 @@ def check_batch(cfg: ExperimentConfig) -> None:
             f"size ({dp}) = {unit}",
             f"a multiple of {unit}, e.g. {unit} or {2 * unit}",
         )
+    ddp = p.dp_replicate > 1 and p.dp_shard == 1 and p.tp == 1 and p.pp == 1
+    accumulates = t.global_batch_size // unit > 1
+    if ddp and p.ddp.static_graph and accumulates:
+        # torch 2.13's reducer asserts (expect_autograd_hooks_) in the first no_sync backward
+        fail(
+            "parallel.ddp.static_graph",
+            True,
+            f"fails inside torch's DDP when a step accumulates {t.global_batch_size // unit} "
+            "micro-batches (no_sync)",
+            f"false, or train.micro_batch_size={t.global_batch_size // dp} (one micro-batch "
+            "a step)",
+        )
 
 
 # per model kind: the key that ties weights, and what would let a pipeline cut the model
