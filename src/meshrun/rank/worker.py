@@ -21,6 +21,7 @@ import torch.distributed as dist
 from meshrun.core.config import DebugConfig, ExperimentConfig, from_dict
 from meshrun.core.hardware import host_fingerprint
 from meshrun.core.layout import PP_AUTO, Layout, dp_rank, with_layers
+from meshrun.rank.device import autocast
 from meshrun.rank.failures import (
     forget_failure,
     note_finished,
@@ -42,7 +43,7 @@ from meshrun.rank.train.build import COMPUTE_DTYPES, build_training
 from meshrun.rank.train.checkpoint import Checkpointer
 from meshrun.rank.train.data import HeldoutBatches, LocalBatches, build_streams
 from meshrun.rank.train.evaluate import Evaluator
-from meshrun.rank.train.loop import LoopContext, autocast, train_loop
+from meshrun.rank.train.loop import LoopContext, train_loop
 from meshrun.rank.train.pending import PendingSteps
 from meshrun.rank.train.twin import Twin
 from meshrun.rank.watchdog import Watchdog, step_collectives

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.layout import Layout, balanced_layer_counts, rank_coords, stage_costs
+from meshrun.rank.device import autocast, synchronize
 from meshrun.rank.models import build_model, model_shape
 from meshrun.rank.parallel import materialise
 from meshrun.rank.parallel.pipeline import cut_stage, pipeline_loss
@@ -95,7 +96,7 @@ def probe_parts(
     embedding, block, head = parts
     vocab = model_shape(cfg.model).vocab_size
     tokens = torch.randint(vocab, (t.micro_batch_size, t.seq_len), device=device)
-    with _autocast(device, autocast_dtype):
+    with autocast(device, autocast_dtype):
         hidden = embedding(tokens).detach()
     grad = torch.randn_like(hidden)
 
@@ -119,22 +120,12 @@ def probe_parts(
 
 
 def _timed(fn: Callable[[], None], device: torch.device, dtype: torch.dtype | None) -> float:
-    _sync(device)
+    synchronize(device)
     started = time.perf_counter()
-    with _autocast(device, dtype):
+    with autocast(device, dtype):
         fn()
-    _sync(device)
+    synchronize(device)
     return time.perf_counter() - started
-
-
-def _autocast(device: torch.device, dtype: torch.dtype | None):
-    """The run's autocast (fp32: none)."""
-    return torch.autocast(device.type, dtype=dtype, enabled=dtype not in (None, torch.float32))
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _release(device: torch.device) -> None:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from meshrun.core.config import TrainConfig
+from meshrun.rank.device import autocast
 from meshrun.rank.mesh import mean_over_ranks
 from meshrun.rank.metrics.bubble import BubbleClock
 from meshrun.rank.metrics.compile_time import CompileClock
@@ -93,14 +94,6 @@ def _inside(
     if ctx.watchdog is None:
         return contextlib.nullcontext()
     return ctx.watchdog.inside(step, op, one_collective)
-
-
-def autocast(device: torch.device, dtype: torch.dtype | None
-             ) -> contextlib.AbstractContextManager:  # fmt: skip
-    """bf16 autocast where the parameters are fp32 (`dtype` None: FSDP casts, or fp32)."""
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=dtype)
 
 
 def _autocast(ctx: LoopContext) -> contextlib.AbstractContextManager:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from meshrun.core.baseline import baseline_config
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.layout import Layout
+from meshrun.rank.device import synchronize
 from meshrun.rank.metrics.memory import MemoryMeter
 from meshrun.rank.models import model_shape
 from meshrun.rank.train.build import Training, build_training
@@ -53,10 +54,10 @@ class Twin:
         """One timed baseline step on rank 0, between two of the run's."""
         _barrier()
         if self.trains:
-            self._sync()
+            synchronize(self.device)
             started = time.perf_counter()
             loss = self._step()
-            self._sync()
+            synchronize(self.device)
             seconds = time.perf_counter() - started
             self.steps.append({"step": self._next - 1, "loss": loss.item(), "step_time_s": seconds})
         _barrier()
@@ -83,10 +84,6 @@ class Twin:
                                 self._batches, self._next, self.cfg.train, self._ctx)  # fmt: skip
         self._next += 1
         return loss
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
 
 def _barrier() -> None:
