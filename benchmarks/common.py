@@ -228,9 +228,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_hand(bench: Benchmark, setup: Setup, work: Path) -> Measurement:
+def run_hand(bench: Benchmark, setup: Setup, work: Path, attempts: int = 2) -> Measurement:
+    """The hand-written (or peer) side; run again once if a rank dies, which a peer's
+    teardown sometimes does on CPU (Fabric FSDP2: "terminate called without an active
+    exception", SIGABRT, after training)."""
     out = work / "hand.json"
-    mp.spawn(hand_rank, args=(setup, free_port(), out, bench.build), nprocs=setup.ranks)
+    for attempt in range(1, attempts + 1):
+        try:
+            mp.spawn(hand_rank, args=(setup, free_port(), out, bench.build), nprocs=setup.ranks)
+            break
+        except mp.ProcessExitedException as error:
+            if attempt == attempts:
+                raise
+            console.print(f"[yellow]{bench.title}: {error}; running it again[/yellow]")
     raw = json.loads(out.read_text())
     return measurement(setup, raw["step_times"], raw["losses"])
 
