@@ -5,6 +5,7 @@
 #   scripts/slurm-cluster.sh start    # install (Debian packages) if missing, start; idempotent
 #   scripts/slurm-cluster.sh status   # exit 0 when both nodes answer
 #   scripts/slurm-cluster.sh stop     # stop the daemons, remove namespaces and network
+#   scripts/slurm-cluster.sh missing  # the Debian packages start would install (none: empty)
 #
 # Each node is a network namespace with its own address on a bridge (meshrun-node1 and -2,
 # 10.87.0.1 and .2; the controller listens on the bridge, 10.87.0.254) and its own UTS
@@ -30,12 +31,16 @@ log() { echo "slurm-cluster: $*" >&2; }
 
 alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
-install_packages() {
-    local missing=()
+missing_packages() {
     for tool in slurmctld:slurm-wlm slurmdbd:slurmdbd munged:munge mariadbd:mariadb-server \
         ip:iproute2 nsenter:util-linux; do
-        command -v "${tool%%:*}" >/dev/null || missing+=("${tool##*:}")
+        command -v "${tool%%:*}" >/dev/null || echo "${tool##*:}"
     done
+}
+
+install_packages() {
+    local missing
+    mapfile -t missing < <(missing_packages)
     [ ${#missing[@]} -eq 0 ] && return
     log "installing ${missing[*]}"
     export DEBIAN_FRONTEND=noninteractive
@@ -212,6 +217,7 @@ stop() {
 case "${1:-}" in
 start) start ;;
 stop) stop ;;
+missing) missing_packages ;;
 status)
     if nodes_up; then
         sinfo -N -o '%N %T %c %m'
@@ -221,7 +227,7 @@ status)
     fi
     ;;
 *)
-    echo "usage: $0 start|stop|status" >&2
+    echo "usage: $0 start|stop|status|missing" >&2
     exit 2
     ;;
 esac

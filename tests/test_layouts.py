@@ -1,6 +1,9 @@
 """Every layout (data, tensor, pipeline parallel and their compositions, every schedule)
-trains the same model on the same global batch as a single device: per-step losses agree to
-1e-4 (relative, fp32), each run in real gloo processes (the session's rank pool).
+trains the same model on the same global batch as a single device: per-step losses and
+global gradient norms agree to 1e-4 (relative, fp32), each run in real gloo processes (the
+session's rank pool). The norms are compared apart: under AdamW a norm that misses a shard
+leaves the losses alone (clipping by a wrong factor scales the whole gradient, which Adam's
+update divides out), so only the norm shows it.
 
 Layouts with TP and no pipeline run two micro-batches a step (per DP rank: one), not four:
 a TP micro-batch costs ~0.15 s of CPU per rank here (every op a DTensor dispatch, every
@@ -56,22 +59,25 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="session")
-def single_losses(tmp_path_factory, rank_pool) -> list[float]:
+def single_steps(tmp_path_factory, rank_pool) -> list[dict]:
     cfg = config_in(tmp_path_factory.mktemp("single"), "parallel=single", *COMMON)
     measured = measure(cfg, "run", rank_pool.launch)
     assert measured.ok, measured.meta["error"]
-    return losses(measured)
+    return measured.steps
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_layout_losses_match_single_device(experiment, single_losses, layout):
+def test_layout_losses_and_grad_norms_match_single_device(experiment, single_steps, layout):
     cfg, measured = experiment(*COMMON, *LAYOUTS[layout])
     assert measured.ok, measured.meta["error"]
     resolved = Layout.of(cfg.parallel)
     assert resolved.world_size == cfg.launcher.nproc_per_node > 1  # really distributed
     assert len(measured.memory) == resolved.world_size  # every rank reported back
+    assert len(measured.steps) == len(single_steps) == STEPS
+    for got, want in zip(measured.steps, single_steps, strict=True):
+        for key in ("loss", "grad_norm"):
+            assert abs(got[key] - want[key]) <= 1e-4 * abs(want[key]), (
+                f"step {got['step']} {key}: {got[key]} vs {want[key]}"
+            )
     got = losses(measured)
-    assert len(got) == len(single_losses) == STEPS
-    for step, (loss, want) in enumerate(zip(got, single_losses, strict=True)):
-        assert abs(loss - want) <= 1e-4 * abs(want), f"step {step}: {loss} vs {want}"
     assert got[-1] < got[0]  # it trains, not just agrees
