@@ -16,8 +16,8 @@ $(VENV)/.installed: pyproject.toml scripts/install-torch.sh
 run: install
 	$(VENV)/bin/meshrun
 
-# The fast suite (two test modules at a time) and, beside it, the SLURM tests, whose jobs get
-# the CPU first (scripts/run-tests.sh says how and why).
+# The fast suite (two test modules at a time), then the SLURM tests (scripts/run-tests.sh
+# says why in that order).
 test: install
 	scripts/run-tests.sh $(PY)
 
