@@ -16,8 +16,8 @@ $(VENV)/.installed: pyproject.toml scripts/install-torch.sh
 run: install
 	$(VENV)/bin/meshrun
 
-# The fast suite (two test modules at a time), then the SLURM tests (scripts/run-tests.sh
-# says why in that order).
+# The fast suite (two test modules at a time) with the SLURM tests that mostly wait beside it,
+# then the other SLURM tests (scripts/run-tests.sh says how and why).
 test: install
 	scripts/run-tests.sh $(PY)
 

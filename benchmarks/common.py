@@ -138,8 +138,9 @@ def seeded_model(model_cfg: LlamaModelConfig, setup: Setup) -> Transformer:
     return model
 
 
-def adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    """LLaMA's AdamW: weight decay on matrices only."""
+def adamw(params: list[nn.Parameter], fused: bool | None = None) -> torch.optim.Optimizer:
+    """LLaMA's AdamW: weight decay on matrices only. `fused`: torch's fused kernel (what
+    meshrun steps where the device has one); None: torch's default (a for loop on CPU)."""
     return torch.optim.AdamW(
         [
             {"params": [p for p in params if p.ndim >= 2], "weight_decay": WEIGHT_DECAY},
@@ -148,6 +149,7 @@ def adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
         lr=LR,
         betas=(0.9, 0.95),
         eps=1e-8,
+        fused=fused,
     )
 
 

@@ -40,11 +40,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from common import (
     GRAD_CLIP,
-    LR,
     SEED,
-    WEIGHT_DECAY,
     Setup,
     accumulate,
+    adamw,
     console,
     free_port,
     model_config,
@@ -59,18 +58,6 @@ from meshrun.rank.train.data import SyntheticTokens
 
 MODES = ("solo", "nosync", "ddp")
 OUT = REPO_ROOT / "outputs" / "benchmarks" / "ddp_scaling.json"
-
-
-def fused_adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(
-        [
-            {"params": [p for p in params if p.ndim >= 2], "weight_decay": WEIGHT_DECAY},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-        ],
-        lr=LR,
-        betas=(0.9, 0.95),
-        fused=True,
-    )
 
 
 def _allreduce_cost(numel: int, repeats: int = 10) -> tuple[float, float]:
@@ -96,9 +83,9 @@ def rank_main(rank: int, setup: Setup, port: int, args: argparse.Namespace, out:
     ddp = DistributedDataParallel(
         model, bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=args.bucket_view
     )
-    optimizer = fused_adamw(list(model.parameters()))
+    optimizer = adamw(list(model.parameters()), fused=True)
     local = seeded_model(model_cfg, setup)  # solo's (rank 0) and nosync's (every rank)
-    local_optimizer = fused_adamw(list(local.parameters()))
+    local_optimizer = adamw(list(local.parameters()), fused=True)
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
     for step in range(setup.steps):
         tokens = step_tokens(data, setup, step, rank, setup.ranks)

@@ -167,6 +167,7 @@ def test_a_failing_rank_is_recorded_as_failed_with_its_error(meshrun):
     assert stored["error"] == results["error"]
 
 
+@pytest.mark.waits  # rank 0's 5 s timeout, then sacct's view of the job's end
 def test_a_hanging_rank_ends_the_job_and_the_run_is_recorded(meshrun):
     """Rank 1 hangs: rank 0's collective times out, srun kills rank 1, which leaves no result;
     submitit learns from sacct that the job is over, so the driver does not wait forever."""
@@ -221,6 +222,7 @@ def test_comm_benchmark_runs_one_rank_per_node_through_slurm(tmp_path):
 REQUEUE_SETTLE_S = 3  # seconds a requeued job stays held: past the second of its requeue
 
 
+@pytest.mark.waits  # steps of over 1 s (debug.slow_step_s), a 1 min limit, SLURM's holds
 def test_a_run_longer_than_its_time_limit_finishes_through_requeues(tmp_path, rank_pool):
     """Time limit 1 min, a run of more than 65 s (65 steps of over 1 s): SLURM's SIGUSR2
     before the limit makes every rank save and rank 0 requeue the job, which resumes from the
