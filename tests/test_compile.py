@@ -1,7 +1,8 @@
 """train.compile: each decoder block through torch.compile (inductor's C++ backend on CPU)
-trains the same losses as the uncompiled run, in real gloo processes: meshrun's LLaMA under
-DDP and TP (its embedding's collective settled before the compiled blocks), a transformers
-model; the seconds spent compiling are recorded apart from the step times.
+trains the same losses and gradient norms as the uncompiled run, in real gloo processes:
+meshrun's LLaMA under DDP, TP (its embedding's collective settled before the compiled
+blocks), FSDP, FSDP2 x TP, HSDP and a pipeline, a transformers model; the seconds spent
+compiling are recorded apart from the step times.
 
 Tolerance: compiled kernels fuse and reorder fp32 reductions (norms, softmax, matmul
 epilogues), which moves a loss by ~1e-7 relative at the first step and, through AdamW,
@@ -17,7 +18,6 @@ from torch import nn
 from meshrun.rank.models import build_model
 from meshrun.rank.parallel.compile import apply_compile
 from tests.helpers import compose_config
-from tests.ranks import losses
 from tests.test_layouts import COMMON, MICRO4
 
 HF_COMMON = (*(o for o in COMMON if not o.startswith("model=")), "model=hf/tiny-llama")
@@ -31,6 +31,10 @@ RUNS = [
     pytest.param((*COMMON, "parallel=fsdp", "parallel.activation_checkpointing=selective"),
                  id="fsdp_selective_checkpointing", marks=SLOW),
     pytest.param((*COMMON, "parallel=pp2"), id="pp2", marks=SLOW),
+    # FSDP2 over TP (_StridedShard gradients), and HSDP's 2-D FSDP mesh
+    pytest.param((*COMMON, "parallel=fsdp2_tp2", MICRO4), id="fsdp2_tp2", marks=SLOW),
+    pytest.param((*COMMON, "parallel=hsdp", "launcher.nproc_per_node=4"), id="hsdp",
+                 marks=SLOW),
     pytest.param((*HF_COMMON, "parallel=tp2", "parallel.sequence_parallel=true", MICRO4),
                  id="hf_tiny_llama_tp2_sequence_parallel", marks=SLOW),
 ]  # fmt: skip
@@ -47,14 +51,16 @@ def test_blocks_compile_in_place_under_their_own_names():
 
 
 @pytest.mark.parametrize("overrides", RUNS)
-def test_compiled_losses_match_uncompiled(experiment, overrides):
+def test_compiled_losses_and_grad_norms_match_uncompiled(experiment, overrides):
     _, eager = experiment(*overrides)
     _, compiled = experiment(*overrides, "train.compile=true")
     assert eager.ok, eager.meta["error"]
     assert compiled.ok, compiled.meta["error"]
-    want, got = losses(eager), losses(compiled)
-    assert len(got) == len(want)
-    for step, (loss, ref) in enumerate(zip(got, want, strict=True)):
-        assert abs(loss - ref) <= 1e-4 * abs(ref), f"step {step}: {loss} vs {ref}"
+    assert len(compiled.steps) == len(eager.steps)
+    for got, want in zip(compiled.steps, eager.steps, strict=True):
+        for key in ("loss", "grad_norm"):
+            assert abs(got[key] - want[key]) <= 1e-4 * abs(want[key]), (
+                f"step {got['step']} {key}: {got[key]} vs {want[key]}"
+            )
     assert compiled.meta["compile_s"] > 0  # measured, on its own
     assert "compile_s" not in eager.meta

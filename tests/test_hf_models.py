@@ -39,6 +39,9 @@ LAYOUTS = {
     "pp2_1f1b": ("parallel=pp2",),
     "pp2_gpipe": ("parallel=pp2", "parallel.schedule=gpipe"),
     "pp2_interleaved": ("parallel=pp2_interleaved",),
+    # stages cut by the measured cost of transformers' decoder layers
+    "pp2_interleaved_split_by_measured_cost": ("parallel=pp2_interleaved",
+                                               "parallel.pp_layers=auto"),
     "tp2_pp2_sequence_parallel": ("parallel=tp2_pp2", "parallel.sequence_parallel=true"),
     "dp2_tp2_pp2": ("parallel=dp2_tp2_pp2",),
     "fsdp_selective_checkpointing": ("parallel=fsdp",
