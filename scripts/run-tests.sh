@@ -10,7 +10,9 @@
 # a session of its own whose autogroup (the kernel's per-session CPU share, which plain nice
 # does not cross) is niced to 19. The other SLURM tests (jobs that import torch and train:
 # CPU) run after it. Measured on the 2-core box (issue 17): every SLURM test beside the
-# niced fast suite, 817 s for both; the fast suite alone 484 s, then the SLURM tests 206 s.
+# niced fast suite, 817 s for both; the fast suite alone 484 s, then the SLURM tests 206 s;
+# this way 565 s (the fast suite 492 s, the two waiting SLURM tests 137 s beside it, the
+# seven others 63 s after), .ci/run 593 s in all.
 #
 # .ci/run starts the SLURM cluster while the fast suite runs: MESHRUN_SLURM_STARTING names a
 # file the start writes its exit status to when it ends, up or not (not up: the SLURM tests
