@@ -28,7 +28,8 @@ COMMON = (
     "train.seed=3", "metrics.baseline=off",
 )  # fmt: skip
 # By default one layout of each kind; the rest with -m slow (make test-all).
-DEFAULT = {"fsdp", "pp2_interleaved", "tp2_pp2_sequence_parallel", "dp2_tp2_pp2"}
+DEFAULT = {"fsdp", "pp2_interleaved_split_by_measured_cost", "tp2_pp2_sequence_parallel",
+           "dp2_tp2_pp2"}  # fmt: skip
 GPT2_DEFAULT = {"fsdp", "tp2", "fsdp2_tp2_sequence_parallel"}
 LAYOUTS = {
     "ddp": ("parallel=ddp",),
