@@ -184,11 +184,11 @@ def accumulate(
     return total / len(chunks)
 
 
-def hand_rank(rank: int, setup: Setup, port: int, out: Path, build: Build) -> None:
-    """One rank of the hand-written run; rank 0 writes its step times and the mean losses."""
+def join_process_group(rank: int, setup: Setup, port: int) -> None:
+    """A spawned rank's gloo process group, with torchrun's environment (where a peer framework
+    looks for the group it joins) and the threads meshrun gives a rank (accelerate sets its
+    own where OMP_NUM_THREADS is unset)."""
     threads = max(1, len(os.sched_getaffinity(0)) // setup.ranks)
-    # torchrun's environment, where a peer framework looks for the process group it joins
-    # (and its threads: accelerate sets its own where OMP_NUM_THREADS is unset).
     os.environ |= {
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
         "LOCAL_RANK": str(rank), "WORLD_SIZE": str(setup.ranks),
@@ -196,6 +196,11 @@ def hand_rank(rank: int, setup: Setup, port: int, out: Path, build: Build) -> No
     }  # fmt: skip
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", rank=rank, world_size=setup.ranks)
+
+
+def hand_rank(rank: int, setup: Setup, port: int, out: Path, build: Build) -> None:
+    """One rank of the hand-written run; rank 0 writes its step times and the mean losses."""
+    join_process_group(rank, setup, port)
     hand = build(rank, setup, model_config(setup.model))
 
     step_times: list[float] = []
@@ -250,23 +255,26 @@ def run_hand(bench: Benchmark, setup: Setup, work: Path, attempts: int = 2) -> M
 # --- the meshrun side ------------------------------------------------------------------------
 
 
-def meshrun_results(overrides: list[str], work: Path) -> dict[str, Any]:
-    """results.json of one `meshrun` run in `work`: its own store, no W&B, no baseline run."""
+def meshrun_results(overrides: list[str], work: Path, baseline: bool = False) -> dict[str, Any]:
+    """results.json of one `meshrun` run in `work`: its own store, no W&B; no baseline run
+    unless `baseline` (then the config's, by default measured alongside)."""
     run_dir = work / "meshrun"
     command = [Path(sys.executable).with_name("meshrun"), f"hydra.run.dir={run_dir}",
-               f"store.path={work / 'meshrun.db'}", "logger=none", "metrics.baseline=off",
-               "train.progress_bar=false", *overrides]  # fmt: skip
+               f"store.path={work / 'meshrun.db'}", "logger=none", "train.progress_bar=false",
+               *([] if baseline else ["metrics.baseline=off"]), *overrides]  # fmt: skip
     proc = subprocess.run(command, capture_output=True, text=True, check=False, cwd=REPO_ROOT)
     if proc.returncode:
         sys.exit(f"meshrun failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}")
     return json.loads((run_dir / "results.json").read_text())
 
 
-def run_meshrun(bench: Benchmark, setup: Setup, work: Path) -> Measurement:
-    overrides = [
+def meshrun_overrides(setup: Setup, parallel: str, degree: str | None = None) -> list[str]:
+    """The `meshrun` overrides that train what the hand-written side trains: `setup` under the
+    `parallel` preset (its `degree` set to the ranks where given), the same hyperparameters."""
+    return [
         f"model={setup.model}",
-        f"parallel={bench.parallel}",
-        *([f"parallel.{bench.degree}={setup.ranks}"] if bench.degree else []),
+        f"parallel={parallel}",
+        *([f"parallel.{degree}={setup.ranks}"] if degree else []),
         f"launcher.nproc_per_node={setup.ranks}",
         f"train.steps={setup.steps}",
         f"train.untimed_steps={setup.untimed_steps}",
@@ -279,7 +287,10 @@ def run_meshrun(bench: Benchmark, setup: Setup, work: Path) -> Measurement:
         f"train.seed={SEED}",
         "train.precision=fp32",
     ]
-    results = meshrun_results(overrides, work)
+
+
+def run_meshrun(bench: Benchmark, setup: Setup, work: Path) -> Measurement:
+    results = meshrun_results(meshrun_overrides(setup, bench.parallel, bench.degree), work)
     return Measurement(results["tokens_per_s"], results["step_time_s"], results["losses"])
 
 

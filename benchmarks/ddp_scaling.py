@@ -26,10 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -46,6 +43,9 @@ from common import (
     adamw,
     console,
     free_port,
+    join_process_group,
+    meshrun_overrides,
+    meshrun_results,
     model_config,
     seeded_model,
     step_tokens,
@@ -74,9 +74,7 @@ def _allreduce_cost(numel: int, repeats: int = 10) -> tuple[float, float]:
 
 
 def rank_main(rank: int, setup: Setup, port: int, args: argparse.Namespace, out: Path) -> None:
-    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // setup.ranks))
-    dist.init_process_group("gloo", rank=rank, world_size=setup.ranks)
+    join_process_group(rank, setup, port)
     model_cfg = model_config(setup.model)
     data = SyntheticTokens(model_cfg.vocab_size, SEED)
     model = seeded_model(model_cfg, setup)
@@ -117,21 +115,11 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
 def meshrun_efficiency(setup: Setup, args: argparse.Namespace) -> dict[str, Any]:
     """One `meshrun parallel=ddp` run with the same setup: its scaling efficiency (against
     its twin, measured alongside)."""
+    overrides = [*meshrun_overrides(setup, "ddp"),
+                 f"parallel.ddp.bucket_cap_mb={args.bucket_cap_mb}",
+                 f"parallel.ddp.gradient_as_bucket_view={args.bucket_view}"]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="ddp_scaling_") as tmp:
-        command = [str(Path(sys.executable).with_name("meshrun")), f"hydra.run.dir={tmp}/run",
-                   f"store.path={tmp}/meshrun.db", "logger=none", "train.progress_bar=false",
-                   f"model={setup.model}", "parallel=ddp",
-                   f"launcher.nproc_per_node={setup.ranks}", f"train.steps={setup.steps}",
-                   f"train.untimed_steps={setup.untimed_steps}",
-                   f"train.global_batch_size={setup.global_batch_size}",
-                   f"train.micro_batch_size={setup.micro_batch_size}",
-                   f"train.seq_len={setup.seq_len}", "train.precision=fp32",
-                   f"parallel.ddp.bucket_cap_mb={args.bucket_cap_mb}",
-                   f"parallel.ddp.gradient_as_bucket_view={args.bucket_view}"]  # fmt: skip
-        proc = subprocess.run(command, capture_output=True, text=True, check=False, cwd=REPO_ROOT)
-        if proc.returncode:
-            sys.exit(f"meshrun failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}")
-        results = json.loads(Path(tmp, "run", "results.json").read_text())
+        results = meshrun_results(overrides, Path(tmp), baseline=True)
     keys = ("scaling_efficiency", "speedup_p10", "speedup_p90", "step_time_s",
             "host_other_cpu_share")  # fmt: skip
     return {key: results[key] for key in keys}

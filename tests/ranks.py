@@ -189,3 +189,13 @@ def config_in(tmp, *overrides: str):
 def losses(measured) -> list[float]:
     """Per-step losses rank 0 logged (metrics.jsonl), as results.json lists them."""
     return [step["loss"] for step in measured.steps]
+
+
+def assert_steps_match(got: list[dict], want: list[dict], rel: float = 1e-4) -> None:
+    """Two runs' per-step records agree: loss and global gradient norm within `rel`."""
+    assert len(got) == len(want)
+    for mine, ref in zip(got, want, strict=True):
+        for key in ("loss", "grad_norm"):
+            assert abs(mine[key] - ref[key]) <= rel * abs(ref[key]), (
+                f"step {mine['step']} {key}: {mine[key]} vs {ref[key]}"
+            )
