@@ -59,6 +59,15 @@ def test_ddp_reports_speedup_against_measured_baseline(ddp_run):
     assert "weak scaling" in ddp_run.output and "speedup" in ddp_run.output
 
 
+def test_run_again_line_repeats_the_command_less_hydras_keys(ddp_run):
+    again = ddp_run.results["overrides"]
+    assert f"run again: meshrun {again}\n" in ddp_run.output
+    layout = ["parallel=ddp", "parallel.dp_replicate=2", "train.micro_batch_size=2"]
+    assert again.split()[-3:] == layout  # the resolved degrees, the micro-batch once
+    assert all(o in again.split() for o in SMALL_DDP if "micro_batch" not in o)
+    assert "hydra." not in again and SECRET not in again
+
+
 def test_baseline_and_run_are_both_in_the_store(ddp_run):
     rows = {row["role"]: row for row in ddp_run.stored()}
     assert set(rows) == {"baseline", "run"}

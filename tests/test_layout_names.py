@@ -5,13 +5,14 @@ back to the same name; the micro-batch count follows from train.micro_batch_size
 from __future__ import annotations
 
 import dataclasses
+import shlex
 
 import pytest
 
 from meshrun.core.config import ParallelConfig
 from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import HostFacts
-from meshrun.core.layout import layout_name, layout_overrides, n_microbatches
+from meshrun.core.layout import layout_name, layout_overrides, n_microbatches, rerun_overrides
 from meshrun.core.tool_config import RunFilter
 from meshrun.driver.results import assemble
 from meshrun.driver.sinks.compare import cells
@@ -96,6 +97,19 @@ def test_printed_overrides_run_the_same_layout_again(overrides):
     assert layout_name(again) == layout_name(cfg)
     assert again.parallel == cfg.parallel
     assert again.train.micro_batch_size == cfg.train.micro_batch_size
+
+
+def test_run_again_keeps_what_was_given_and_writes_out_the_resolved_layout():
+    given = ("model=hf/tiny-llama", "train.global_batch_size=8", "name=my run",
+             "parallel=auto", "parallel.pp_layers=auto", "train.micro_batch_size=2",
+             "hydra.run.dir=/tmp/x")  # fmt: skip
+    cfg = resolved_config(*given[:2], "parallel=pp2", "parallel.pp_layers=[3,1]",
+                          "train.micro_batch_size=2")  # fmt: skip
+    again = shlex.split(rerun_overrides(given, cfg))
+    assert again[:3] == ["model=hf/tiny-llama", "train.global_batch_size=8", "name=my run"]
+    assert again[3:] == layout_overrides(cfg).split()  # auto resolved, stated once
+    rerun = resolved_config(*again)
+    assert (rerun.model, rerun.name, rerun.parallel) == (cfg.model, "my run", cfg.parallel)
 
 
 def test_planner_rows_rerun_as_themselves():

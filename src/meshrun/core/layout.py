@@ -1,7 +1,8 @@
 """Rank order: the one place that knows which rank sits where; the one name of a layout
-(`layout_name`), the overrides that run it again (`layout_overrides`), its pipeline
-micro-batch count (`n_microbatches`), which layers each pipeline stage holds and the
-bubble its schedule leaves in theory; all from a resolved config, with no torch.
+(`layout_name`), the overrides that run it again (`layout_overrides`; with the rest of the
+command, `rerun_overrides`), its pipeline micro-batch count (`n_microbatches`), which layers
+each pipeline stage holds and the bubble its schedule leaves in theory; all from a resolved
+config, with no torch.
 
 Ranks are laid out row-major over (pp, dp_replicate, dp_shard, tp): tensor-parallel peers are
 adjacent ranks (same node, fastest links), pipeline stages the outermost dimension. This is
@@ -14,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 
@@ -247,3 +250,16 @@ def layout_overrides(cfg: ExperimentConfig) -> str:
     ]
     parts.append(f"train.micro_batch_size={cfg.train.micro_batch_size}")
     return " ".join(parts)
+
+
+def _replaced_by_layout(override: str) -> bool:
+    key = override.lstrip("+~").split("=", 1)[0]
+    return key in ("parallel", "train.micro_batch_size") or key.startswith(("parallel.", "hydra."))
+
+
+def rerun_overrides(given: Sequence[str], cfg: ExperimentConfig) -> str:
+    """The command-line overrides that run this experiment again: the ones it was given
+    (model, data, batch, ...), less those the layout's replace with what was resolved (a
+    planner's pick, `pp_layers=auto`'s split) and Hydra's own, then the layout's."""
+    kept = [shlex.quote(o) for o in given if not _replaced_by_layout(o)]
+    return " ".join([*kept, layout_overrides(cfg)])

@@ -13,12 +13,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
+
 from meshrun.core.attached import attached_rank
 from meshrun.core.baseline import baseline_config, is_own_baseline
 from meshrun.core.checkpoints import checkpoint_root, find_resume, read_manifest, step_dir
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import ConfigError
-from meshrun.core.layout import Layout, layout_name, layout_overrides, with_layers
+from meshrun.core.layout import Layout, layout_name, rerun_overrides, with_layers
 from meshrun.core.record import RunRecord
 from meshrun.driver.baseline import age_s, needs_baseline, stored_baseline
 from meshrun.driver.failure import explained, with_unflushed
@@ -199,19 +201,28 @@ def attempt(run_dir: str, started: float, wait: Callable[[], Any]) -> tuple[dict
     return status, raw
 
 
+def _given_overrides() -> list[str]:
+    """The overrides `meshrun` was given (a sweep job's own), which its `run again` line
+    repeats; none where another command (meshrun-verify) composed a config of its own."""
+    if not HydraConfig.initialized() or HydraConfig.get().job.config_name != "train":
+        return []
+    return list(HydraConfig.get().overrides.task)
+
+
 def begin(cfg: ExperimentConfig, role: str) -> dict[str, Any]:
     """A training run's identity; its metrics file from an earlier attempt removed. A run
     resumed from a checkpoint keeps its identity (run.json) and the steps before it."""
     resume = find_resume(cfg.checkpoint, cfg.run_dir)
     identity = Path(cfg.run_dir) / RUN_FILE
+    given = {"role": role, "given_overrides": _given_overrides()}
     if resume is None or not identity.is_file():
         meta = new_run(cfg.run_dir)
         (Path(cfg.run_dir) / METRICS_FILE).unlink(missing_ok=True)
         identity.write_text(json.dumps(meta))
-        return {**meta, "role": role, "resumed_from_step": None}
+        return {**meta, **given, "resumed_from_step": None}
     clear_records(cfg.run_dir)  # rank 0 drops the steps after the checkpoint from metrics
     step = read_manifest(resume).step
-    return {**json.loads(identity.read_text()), "role": role, "resumed_from_step": step}
+    return {**json.loads(identity.read_text()), **given, "resumed_from_step": step}
 
 
 def outcome(
@@ -302,7 +313,7 @@ def record_skipped(cfg: ExperimentConfig, reason: ConfigError) -> RunRecord:
         model=cfg.model.name,
         parallel=p.name,
         layout_name=layout_name(cfg) if known else p.name,
-        overrides=layout_overrides(cfg) if known else None,
+        overrides=rerun_overrides(_given_overrides(), cfg) if known else None,
         backend=cfg.backend.name,
         hardware=cfg.hardware.name,
         precision=cfg.train.precision,

@@ -16,8 +16,8 @@ from meshrun.core.layout import (
     PP_AUTO,
     Layout,
     layout_name,
-    layout_overrides,
     n_microbatches,
+    rerun_overrides,
     stage_layer_counts,
     theoretical_bubble,
 )
@@ -210,7 +210,8 @@ def assemble(
     pp_split: dict[str, Any] | None = None,
 ) -> RunRecord:
     """`steps`: rank 0's per-step records; `memory`: each rank's peak and its breakdown;
-    `meta`: run id, role, status, error, times, the step a resume started at;
+    `meta`: run id, role, status, error, times, the step a resume started at, the
+    overrides the command was given;
     `pretrained_read`: the checkpoint bytes each rank read; `checkpoints`: rank 0's saves;
     `pp_split`: the split `parallel.pp_layers=auto` chose (`cfg` already holds it)."""
     t = cfg.train
@@ -231,8 +232,9 @@ def assemble(
                            timing["step_time_cv"])  # fmt: skip
     flags = [*speed.pop("flags"), *host_flags(meta.get("host_other_cpu_share"))]
     fingerprint = meta.get("fingerprint")
+    given = meta.get("given_overrides") or []
     return RunRecord(**{
-        **meta,
+        **{key: value for key, value in meta.items() if key != "given_overrides"},
         "name": cfg.name,
         "sweep": cfg.sweep,
         "model": cfg.model.name,
@@ -240,7 +242,7 @@ def assemble(
         "parallel": cfg.parallel.name,
         "layout": Layout.of(cfg.parallel).degrees(),
         "layout_name": layout_name(cfg),
-        "overrides": layout_overrides(cfg),
+        "overrides": rerun_overrides(given, cfg),
         "world_size": Layout.of(cfg.parallel).world_size,
         "devices": devices,
         "hardware": cfg.hardware.name,
