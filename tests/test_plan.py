@@ -195,11 +195,14 @@ def test_parallel_auto_runs_the_best_predicted_layout(meshrun_here):
     # the preset asked for stays `auto`; the layout it resolved to is named like any other
     assert results["parallel"] == "auto" and results["world_size"] == 2
     assert results["layout_name"] not in ("auto", "single")
-    assert results["overrides"].startswith("parallel=single parallel.")
+    # run again: the overrides given, `parallel=auto` replaced by what it chose
+    given, layout = results["overrides"].split(" parallel=single ")
+    assert given.endswith(" model=tiny train.steps=3 metrics.baseline=off")
+    assert layout.startswith("parallel.")
     assert results["predicted_step_time_s"] > 0
     # the console says what it chose and why, with the overrides that run it again
     chose = next(line for line in run.output.splitlines() if "parallel=auto chose" in line)
-    assert results["layout_name"] in chose and results["overrides"] in chose
+    assert results["layout_name"] in chose and f"parallel=single {layout}" in chose
     assert "predicted" in chose and "layouts that fit" in chose
 
 
