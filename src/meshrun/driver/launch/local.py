@@ -7,6 +7,7 @@ naming the first rank that failed and its error.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import multiprocessing.forkserver
@@ -46,7 +47,15 @@ def start_method(configured: str) -> str:
         if multiprocessing.forkserver._forkserver._forkserver_pid is not None:
             return "spawn"  # started by another user of multiprocessing, in unknown conditions
         _forkserver_started_in.append(here)
+        atexit.register(_stop_forkserver)
     return configured if _forkserver_started_in[0] == here else "spawn"
+
+
+def _stop_forkserver() -> None:
+    """At exit, the forkserver stopped and waited for. It has reaped the ranks, so their CPU
+    time becomes this process's children's (`time meshrun`, a benchmark's rusage); left to
+    exit on its own, the server and the ranks' CPU with it are orphaned, and counted nowhere."""
+    multiprocessing.forkserver._forkserver._stop()
 
 
 def _error_text(failure: Any) -> str:
