@@ -8,10 +8,12 @@ naming the first rank that failed and its error.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import signal
 import uuid
 from dataclasses import asdict
 from typing import Any
@@ -52,10 +54,17 @@ def start_method(configured: str) -> str:
 
 
 def _stop_forkserver() -> None:
-    """At exit, the forkserver stopped and waited for. It has reaped the ranks, so their CPU
+    """At exit, the forkserver ended and waited for. It has reaped the ranks, so their CPU
     time becomes this process's children's (`time meshrun`, a benchmark's rusage); left to
-    exit on its own, the server and the ranks' CPU with it are orphaned, and counted nowhere."""
-    multiprocessing.forkserver._forkserver._stop()
+    exit on its own, the server and the ranks' CPU with it are orphaned, and counted nowhere.
+    Killed, not asked to stop: it has nothing to finish, and its interpreter's teardown (torch
+    preloaded) would add a second to every command's exit."""
+    pid = multiprocessing.forkserver._forkserver._forkserver_pid
+    if pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError, ChildProcessError):
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
 
 
 def _error_text(failure: Any) -> str:
