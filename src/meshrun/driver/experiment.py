@@ -214,15 +214,15 @@ def begin(cfg: ExperimentConfig, role: str) -> dict[str, Any]:
     resumed from a checkpoint keeps its identity (run.json) and the steps before it."""
     resume = find_resume(cfg.checkpoint, cfg.run_dir)
     identity = Path(cfg.run_dir) / RUN_FILE
-    given = {"role": role, "given_overrides": _given_overrides()}
+    this_call = {"role": role, "given_overrides": _given_overrides()}
     if resume is None or not identity.is_file():
         meta = new_run(cfg.run_dir)
         (Path(cfg.run_dir) / METRICS_FILE).unlink(missing_ok=True)
         identity.write_text(json.dumps(meta))
-        return {**meta, **given, "resumed_from_step": None}
+        return {**meta, **this_call, "resumed_from_step": None}
     clear_records(cfg.run_dir)  # rank 0 drops the steps after the checkpoint from metrics
     step = read_manifest(resume).step
-    return {**json.loads(identity.read_text()), **given, "resumed_from_step": step}
+    return {**json.loads(identity.read_text()), **this_call, "resumed_from_step": step}
 
 
 def outcome(
