@@ -36,7 +36,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,7 @@ from torch import nn
 
 from meshrun.core.config import LlamaModelConfig
 from meshrun.core.paths import CONF_DIR, REPO_ROOT
+from meshrun.rank.metrics.host import host_busy_s
 from meshrun.rank.models import build_model
 from meshrun.rank.models.llama import Transformer
 from meshrun.rank.train.data import SyntheticTokens
@@ -294,31 +295,35 @@ def run_meshrun(bench: Benchmark, setup: Setup, work: Path) -> Measurement:
     return Measurement(results["tokens_per_s"], results["step_time_s"], results["losses"])
 
 
-def busy_cpu_s() -> float:
-    """CPU seconds every process on this machine has used so far (Linux /proc/stat)."""
-    # cpu  user nice system idle iowait irq softirq steal ...: all but idle and iowait are busy.
-    ticks = [int(t) for t in Path("/proc/stat").read_text().split(maxsplit=9)[1:9]]
-    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_s() -> float:
+def _own_cpu_s() -> float:
     """CPU seconds of this process and its waited-for descendants (both sides' ranks)."""
     me, kids = (resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+T = TypeVar("T")
+
+
+def with_others_cpu(run: Callable[[], T]) -> tuple[T, float]:
+    """`run`'s result and the CPU seconds other processes took while it ran (the host's busy
+    seconds less this process tree's): with every core busy with a rank, any of it is stolen
+    from the ranks and slows that run down."""
+    busy, own = host_busy_s(), _own_cpu_s()
+    result = run()
+    other = (host_busy_s() - busy) - (_own_cpu_s() - own)
+    return result, max(0.0, other)
 
 
 Side = Callable[[Benchmark, Setup, Path], Measurement]
 
 
 def run_side(side: Side, bench: Benchmark, setup: Setup) -> Measurement:
-    """Runs one side and adds the CPU time other processes took meanwhile: with every core
-    busy with a rank, any of it is stolen from the ranks and slows that side down."""
-    busy, own, started = busy_cpu_s(), own_cpu_s(), time.perf_counter()
+    """Runs one side and adds the CPU time other processes took meanwhile."""
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f"{bench.name}_") as tmp:
-        result = side(bench, setup, Path(tmp))
-    other = (busy_cpu_s() - busy) - (own_cpu_s() - own)
+        result, other = with_others_cpu(lambda: side(bench, setup, Path(tmp)))
     wall = time.perf_counter() - started
-    return dataclasses.replace(result, other_cpu_s=max(0.0, other), wall_s=wall)
+    return dataclasses.replace(result, other_cpu_s=other, wall_s=wall)
 
 
 # --- driver ----------------------------------------------------------------------------------

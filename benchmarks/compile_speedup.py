@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from common import CONTENDED_CPU_S, busy_cpu_s, free_port, meshrun_results, own_cpu_s
+from common import CONTENDED_CPU_S, free_port, meshrun_results, with_others_cpu
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from rich.console import Console
@@ -61,13 +61,11 @@ console = Console()
 
 def measure(overrides: list[str]) -> dict[str, Any]:
     """One run's figures and the CPU seconds other processes took while it ran."""
-    busy, own = busy_cpu_s(), own_cpu_s()
     with tempfile.TemporaryDirectory(prefix="compile_speedup_") as work:
-        results = meshrun_results(overrides, Path(work))
-    other = (busy_cpu_s() - busy) - (own_cpu_s() - own)
+        results, other = with_others_cpu(lambda: meshrun_results(overrides, Path(work)))
     return {"tokens_per_s": results["tokens_per_s"], "step_time_s": results["step_time_s"],
             "compile_s": results["compile_s"], "losses": results["losses"],
-            "other_cpu_s": max(0.0, other)}  # fmt: skip
+            "other_cpu_s": other}  # fmt: skip
 
 
 def run_layout(layout: str, args: argparse.Namespace) -> list[dict[str, Any]]:
