@@ -35,16 +35,25 @@ MODES = {
 
 
 def measure(mode: str, steps: int, every: int, model: str) -> dict[str, Any]:
-    overrides = [f"model={model}", "parallel=ddp", f"train.steps={steps}",
-                 "train.untimed_steps=2", *MODES[mode]]  # fmt: skip
+    overrides = [
+        f"model={model}",
+        "parallel=ddp",
+        f"train.steps={steps}",
+        "train.untimed_steps=2",
+        *MODES[mode],
+    ]
     if mode != "none":
         overrides.append(f"checkpoint.every_steps={every}")
     with tempfile.TemporaryDirectory() as work:
         results = meshrun_results(overrides, Path(work))
         saved = complete(Path(work) / "meshrun" / "checkpoints")
         size = read_manifest(saved[-1]).bytes if saved else None
-    return {"step_time_s": results["step_time_s"], "blocked_s": results["checkpoint_blocked_s"],
-            "save_s": results["checkpoint_save_s"], "bytes": size}  # fmt: skip
+    return {
+        "step_time_s": results["step_time_s"],
+        "blocked_s": results["checkpoint_blocked_s"],
+        "save_s": results["checkpoint_save_s"],
+        "bytes": size,
+    }
 
 
 def _cell(value: float | None, spec: str) -> str:
@@ -57,17 +66,26 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--model", default="small")
-    parser.add_argument("--out", type=Path,
-                        default=REPO_ROOT / "outputs/benchmarks/checkpoint_save.json")  # fmt: skip
+    parser.add_argument(
+        "--out", type=Path, default=REPO_ROOT / "outputs/benchmarks/checkpoint_save.json"
+    )
     args = parser.parse_args()
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
     for _ in range(args.rounds):
         for mode in MODES:
             runs[mode].append(measure(mode, args.steps, args.every, args.model))
-    table = Table(title=f"checkpoints of {args.model} (DDP x2) every {args.every} steps, "
-                  f"{args.steps} steps, {args.rounds} round(s)")  # fmt: skip
-    for column in ("mode", "step time (s)", "vs none", "waited per save (s)",
-                   "save took (s)", "checkpoint (MiB)"):  # fmt: skip
+    table = Table(
+        title=f"checkpoints of {args.model} (DDP x2) every {args.every} steps, "
+        f"{args.steps} steps, {args.rounds} round(s)"
+    )
+    for column in (
+        "mode",
+        "step time (s)",
+        "vs none",
+        "waited per save (s)",
+        "save took (s)",
+        "checkpoint (MiB)",
+    ):
         table.add_column(column)
     base = statistics.median(r["step_time_s"] for r in runs["none"])
     summary = {}
@@ -79,8 +97,14 @@ def main() -> None:
             row[key] = statistics.median(values) if values else None
         summary[mode] = row
         size = row["bytes"] / 2**20 if row["bytes"] else None
-        table.add_row(mode, f"{step:.4f}", f"{step / base:.3f}", _cell(row["blocked_s"], ".4f"),
-                      _cell(row["save_s"], ".4f"), _cell(size, ".1f"))  # fmt: skip
+        table.add_row(
+            mode,
+            f"{step:.4f}",
+            f"{step / base:.3f}",
+            _cell(row["blocked_s"], ".4f"),
+            _cell(row["save_s"], ".4f"),
+            _cell(size, ".1f"),
+        )
     Console().print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=2))

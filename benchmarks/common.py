@@ -191,10 +191,14 @@ def join_process_group(rank: int, setup: Setup, port: int) -> None:
     own where OMP_NUM_THREADS is unset)."""
     threads = max(1, len(os.sched_getaffinity(0)) // setup.ranks)
     os.environ |= {
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-        "LOCAL_RANK": str(rank), "WORLD_SIZE": str(setup.ranks),
-        "LOCAL_WORLD_SIZE": str(setup.ranks), "OMP_NUM_THREADS": str(threads),
-    }  # fmt: skip
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(setup.ranks),
+        "LOCAL_WORLD_SIZE": str(setup.ranks),
+        "OMP_NUM_THREADS": str(threads),
+    }
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", rank=rank, world_size=setup.ranks)
 
@@ -260,9 +264,15 @@ def meshrun_results(overrides: list[str], work: Path, baseline: bool = False) ->
     """results.json of one `meshrun` run in `work`: its own store, no W&B; no baseline run
     unless `baseline` (then the config's, by default measured alongside)."""
     run_dir = work / "meshrun"
-    command = [Path(sys.executable).with_name("meshrun"), f"hydra.run.dir={run_dir}",
-               f"store.path={work / 'meshrun.db'}", "logger=none", "train.progress_bar=false",
-               *([] if baseline else ["metrics.baseline=off"]), *overrides]  # fmt: skip
+    command = [
+        Path(sys.executable).with_name("meshrun"),
+        f"hydra.run.dir={run_dir}",
+        f"store.path={work / 'meshrun.db'}",
+        "logger=none",
+        "train.progress_bar=false",
+        *([] if baseline else ["metrics.baseline=off"]),
+        *overrides,
+    ]
     proc = subprocess.run(command, capture_output=True, text=True, check=False, cwd=REPO_ROOT)
     if proc.returncode:
         sys.exit(f"meshrun failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}")

@@ -63,25 +63,43 @@ def measure(overrides: list[str]) -> dict[str, Any]:
     """One run's figures and the CPU seconds other processes took while it ran."""
     with tempfile.TemporaryDirectory(prefix="compile_speedup_") as work:
         results, other = with_others_cpu(lambda: meshrun_results(overrides, Path(work)))
-    return {"tokens_per_s": results["tokens_per_s"], "step_time_s": results["step_time_s"],
-            "compile_s": results["compile_s"], "losses": results["losses"],
-            "other_cpu_s": other}  # fmt: skip
+    return {
+        "tokens_per_s": results["tokens_per_s"],
+        "step_time_s": results["step_time_s"],
+        "compile_s": results["compile_s"],
+        "losses": results["losses"],
+        "other_cpu_s": other,
+    }
 
 
 def run_layout(layout: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    common = [f"model={args.model}", *LAYOUTS[layout], f"train.steps={args.steps}",
-              f"train.seq_len={args.seq_len}", "train.precision=fp32", "train.seed=0"]  # fmt: skip
+    common = [
+        f"model={args.model}",
+        *LAYOUTS[layout],
+        f"train.steps={args.steps}",
+        f"train.seq_len={args.seq_len}",
+        "train.precision=fp32",
+        "train.seed=0",
+    ]
     rounds = []
     for index in range(args.rounds):
         eager = measure([*common, "train.compile=false"])
         compiled = measure([*common, "train.compile=true"])
         diff = max(abs(a - b) for a, b in zip(eager["losses"], compiled["losses"], strict=True))
-        rounds.append({"round": index + 1, "eager": eager, "compiled": compiled,
-                       "ratio": compiled["tokens_per_s"] / eager["tokens_per_s"],
-                       "loss_diff": diff})  # fmt: skip
-        console.print(f"{layout} round {index + 1}/{args.rounds}: {eager['tokens_per_s']:,.0f} "
-                      f"-> {compiled['tokens_per_s']:,.0f} tok/s, ratio {rounds[-1]['ratio']:.3f}, "
-                      f"compile {compiled['compile_s']:.1f} s")  # fmt: skip
+        rounds.append(
+            {
+                "round": index + 1,
+                "eager": eager,
+                "compiled": compiled,
+                "ratio": compiled["tokens_per_s"] / eager["tokens_per_s"],
+                "loss_diff": diff,
+            }
+        )
+        console.print(
+            f"{layout} round {index + 1}/{args.rounds}: {eager['tokens_per_s']:,.0f} "
+            f"-> {compiled['tokens_per_s']:,.0f} tok/s, ratio {rounds[-1]['ratio']:.3f}, "
+            f"compile {compiled['compile_s']:.1f} s"
+        )
     return rounds
 
 
@@ -97,8 +115,13 @@ def resolved(overrides: list[str], work: Path) -> ExperimentConfig:
 
 def _paired_rank(rank: int, cfgs: dict[str, dict], port: int, pairs: int, out: Path) -> None:
     """Both trainings on this rank, one step each in turn; rank 0 writes the step times."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE="2", LOCAL_RANK=str(rank))  # fmt: skip
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(1)  # a rank's share of 2 cores, as meshrun's launcher gives it
     dist.init_process_group("gloo")
     device = torch.device("cpu")
@@ -108,11 +131,18 @@ def _paired_rank(rank: int, cfgs: dict[str, dict], port: int, pairs: int, out: P
         layout, t = Layout.of(cfg.parallel), cfg.train
         mesh = build_mesh(layout, "cpu")
         data, _ = build_streams(cfg.data, model_shape(cfg.model).vocab_size, t.seed, t.seq_len)
-        ctx = LoopContext(device=device, dp_group=dp_group(mesh), pp_group=pp_group(mesh, layout),
-                          autocast_dtype=None, memory=MemoryMeter(device), on_log=lambda _: None,
-                          pending=PendingSteps(device, 0))  # fmt: skip
-        batches = LocalBatches(data, t.global_batch_size, t.seq_len, dp_rank(layout, rank),
-                               layout.dp_size, device)  # fmt: skip
+        ctx = LoopContext(
+            device=device,
+            dp_group=dp_group(mesh),
+            pp_group=pp_group(mesh, layout),
+            autocast_dtype=None,
+            memory=MemoryMeter(device),
+            on_log=lambda _: None,
+            pending=PendingSteps(device, 0),
+        )
+        batches = LocalBatches(
+            data, t.global_batch_size, t.seq_len, dp_rank(layout, rank), layout.dp_size, device
+        )
         sides[name] = (build_training(cfg, layout, device, mesh), batches, t, ctx)
     times: dict[str, list[float]] = {name: [] for name in sides}
     losses: dict[str, list[float]] = {name: [] for name in sides}
@@ -120,8 +150,9 @@ def _paired_rank(rank: int, cfgs: dict[str, dict], port: int, pairs: int, out: P
         for name, (training, batches, t, ctx) in sides.items():
             dist.barrier()
             started = time.perf_counter()
-            loss, _, _ = train_step(training.model, training.optimizer, training.schedule,
-                                    batches, step, t, ctx)  # fmt: skip
+            loss, _, _ = train_step(
+                training.model, training.optimizer, training.schedule, batches, step, t, ctx
+            )
             dist.barrier()
             if step >= UNTIMED_PAIRS:
                 times[name].append(time.perf_counter() - started)
@@ -135,11 +166,19 @@ UNTIMED_PAIRS = 2  # compile and warm-up
 
 
 def run_paired(layout: str, args: argparse.Namespace) -> dict[str, Any]:
-    common = [f"model={args.model}", *LAYOUTS[layout], f"train.seq_len={args.seq_len}",
-              "train.precision=fp32", "train.seed=0", "launcher.nproc_per_node=2"]  # fmt: skip
+    common = [
+        f"model={args.model}",
+        *LAYOUTS[layout],
+        f"train.seq_len={args.seq_len}",
+        "train.precision=fp32",
+        "train.seed=0",
+        "launcher.nproc_per_node=2",
+    ]
     with tempfile.TemporaryDirectory(prefix="compile_paired_") as work:
-        cfgs = {side: dataclasses.asdict(resolved([*common, f"train.compile={flag}"], Path(work)))
-                for side, flag in (("eager", "false"), ("compiled", "true"))}  # fmt: skip
+        cfgs = {
+            side: dataclasses.asdict(resolved([*common, f"train.compile={flag}"], Path(work)))
+            for side, flag in (("eager", "false"), ("compiled", "true"))
+        }
         out = Path(work) / "paired.json"
         mp.spawn(_paired_rank, args=(cfgs, free_port(), args.steps, out), nprocs=2)
         raw = json.loads(out.read_text())
@@ -166,17 +205,30 @@ def run_paired(layout: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def print_table(model: str, results: dict[str, list[dict[str, Any]]]) -> None:
     table = Table(title=f"train.compile, {model} on 2 gloo ranks: ratio = compiled / uncompiled")
-    for column in ("layout", "round", "uncompiled tok/s", "compiled tok/s", "ratio",
-                   "compile s", "max |loss diff|", "other CPU s"):  # fmt: skip
+    for column in (
+        "layout",
+        "round",
+        "uncompiled tok/s",
+        "compiled tok/s",
+        "ratio",
+        "compile s",
+        "max |loss diff|",
+        "other CPU s",
+    ):
         table.add_column(column, justify="right")
     for layout, rounds in results.items():
         for r in rounds:
             others = (r["eager"]["other_cpu_s"], r["compiled"]["other_cpu_s"])
-            table.add_row(layout, f"{r['round']}{'*' if max(others) > CONTENDED_CPU_S else ''}",
-                          f"{r['eager']['tokens_per_s']:,.0f}",
-                          f"{r['compiled']['tokens_per_s']:,.0f}", f"{r['ratio']:.3f}",
-                          f"{r['compiled']['compile_s']:.1f}", f"{r['loss_diff']:.1e}",
-                          f"{others[0]:.1f} / {others[1]:.1f}")  # fmt: skip
+            table.add_row(
+                layout,
+                f"{r['round']}{'*' if max(others) > CONTENDED_CPU_S else ''}",
+                f"{r['eager']['tokens_per_s']:,.0f}",
+                f"{r['compiled']['tokens_per_s']:,.0f}",
+                f"{r['ratio']:.3f}",
+                f"{r['compiled']['compile_s']:.1f}",
+                f"{r['loss_diff']:.1e}",
+                f"{others[0]:.1f} / {others[1]:.1f}",
+            )
         median = statistics.median(r["ratio"] for r in rounds)
         table.add_row(layout, "median", "", "", f"{median:.3f}", "", "", "", style="bold")
         table.add_section()
@@ -205,11 +257,19 @@ def main() -> None:
     load = {"before": load_before, "after": os.getloadavg()}
     console.print(f"load average (1, 5, 15 min) before {load_before}, after {load['after']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "setup": vars(args) | {"out": str(args.out)}, "torch": torch.__version__,
-        "results": results, "load_average": load, "wall_s": time.perf_counter() - started,
-        "median_ratio": medians,
-    }, indent=2))  # fmt: skip
+    args.out.write_text(
+        json.dumps(
+            {
+                "setup": vars(args) | {"out": str(args.out)},
+                "torch": torch.__version__,
+                "results": results,
+                "load_average": load,
+                "wall_s": time.perf_counter() - started,
+                "median_ratio": medians,
+            },
+            indent=2,
+        )
+    )
     console.print(f"wrote {args.out}")
 
 

@@ -100,8 +100,9 @@ def rank_main(rank: int, setup: Setup, port: int, args: argparse.Namespace, out:
                 times[mode].append(time.perf_counter() - started)
     wall, cpu = _allreduce_cost(sum(p.numel() for p in model.parameters()))
     if rank == 0:
-        out.write_text(json.dumps({"times": times, "allreduce_wall_s": wall,
-                                   "allreduce_cpu_s": cpu}))  # fmt: skip
+        out.write_text(
+            json.dumps({"times": times, "allreduce_wall_s": wall, "allreduce_cpu_s": cpu})
+        )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -115,13 +116,20 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
 def meshrun_efficiency(setup: Setup, args: argparse.Namespace) -> dict[str, Any]:
     """One `meshrun parallel=ddp` run with the same setup: its scaling efficiency (against
     its twin, measured alongside)."""
-    overrides = [*meshrun_overrides(setup, "ddp"),
-                 f"parallel.ddp.bucket_cap_mb={args.bucket_cap_mb}",
-                 f"parallel.ddp.gradient_as_bucket_view={args.bucket_view}"]  # fmt: skip
+    overrides = [
+        *meshrun_overrides(setup, "ddp"),
+        f"parallel.ddp.bucket_cap_mb={args.bucket_cap_mb}",
+        f"parallel.ddp.gradient_as_bucket_view={args.bucket_view}",
+    ]
     with tempfile.TemporaryDirectory(prefix="ddp_scaling_") as tmp:
         results = meshrun_results(overrides, Path(tmp), baseline=True)
-    keys = ("scaling_efficiency", "speedup_p10", "speedup_p90", "step_time_s",
-            "host_other_cpu_share")  # fmt: skip
+    keys = (
+        "scaling_efficiency",
+        "speedup_p10",
+        "speedup_p90",
+        "step_time_s",
+        "host_other_cpu_share",
+    )
     return {key: results[key] for key in keys}
 
 
@@ -142,16 +150,25 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
     batch = args.per_rank_batch * args.ranks
-    setup = Setup(args.model, args.ranks, args.steps, args.untimed_steps, batch,
-                  args.micro_batch_size, args.seq_len)  # fmt: skip
+    setup = Setup(
+        args.model,
+        args.ranks,
+        args.steps,
+        args.untimed_steps,
+        batch,
+        args.micro_batch_size,
+        args.seq_len,
+    )
     with tempfile.TemporaryDirectory(prefix="ddp_scaling_") as tmp:
         out = Path(tmp) / "ranks.json"
         mp.spawn(rank_main, args=(setup, free_port(), args, out), nprocs=setup.ranks)
         raw = json.loads(out.read_text())
     median = {mode: statistics.median(raw["times"][mode]) for mode in MODES}
-    table = Table(title=f"DDP weak scaling, {setup.model} on {setup.ranks} gloo ranks, "
-                        f"{args.per_rank_batch} samples a rank, {len(raw['times']['ddp'])} "
-                        "steps a mode")  # fmt: skip
+    table = Table(
+        title=f"DDP weak scaling, {setup.model} on {setup.ranks} gloo ranks, "
+        f"{args.per_rank_batch} samples a rank, {len(raw['times']['ddp'])} "
+        "steps a mode"
+    )
     for column in ("mode", "median step s", "solo / mode"):
         table.add_column(column, justify="right")
     for mode in MODES:
@@ -165,13 +182,20 @@ def main() -> None:
     )
     runs = [meshrun_efficiency(setup, args) for _ in range(args.meshrun)]
     for run in runs:
-        console.print(f"meshrun parallel=ddp: scaling efficiency {run['scaling_efficiency']:.3f} "
-                      f"(speedup p10-p90 {run['speedup_p10']:.2f}-{run['speedup_p90']:.2f}), "
-                      f"others' CPU share {run['host_other_cpu_share']:.0%}")  # fmt: skip
+        console.print(
+            f"meshrun parallel=ddp: scaling efficiency {run['scaling_efficiency']:.3f} "
+            f"(speedup p10-p90 {run['speedup_p10']:.2f}-{run['speedup_p90']:.2f}), "
+            f"others' CPU share {run['host_other_cpu_share']:.0%}"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    record = {"benchmark": "ddp_scaling", "setup": vars(args) | {"out": str(args.out)},
-              "torch": torch.__version__, "median_step_s": median, "raw": raw,
-              "meshrun": runs}  # fmt: skip
+    record = {
+        "benchmark": "ddp_scaling",
+        "setup": vars(args) | {"out": str(args.out)},
+        "torch": torch.__version__,
+        "median_step_s": median,
+        "raw": raw,
+        "meshrun": runs,
+    }
     args.out.write_text(json.dumps(record, indent=2))
     console.print(f"wrote {args.out}")
 

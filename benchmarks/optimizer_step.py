@@ -39,8 +39,10 @@ def main() -> None:
     params = list(model.parameters())
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
-    optimizers = {name: LocalAdamW([{"params": params, "weight_decay": 0.1}], lr=1e-4, **kw)
-                  for name, kw in KERNELS.items()}  # fmt: skip
+    optimizers = {
+        name: LocalAdamW([{"params": params, "weight_decay": 0.1}], lr=1e-4, **kw)
+        for name, kw in KERNELS.items()
+    }
     for optimizer in optimizers.values():
         optimizer.step()  # creates the state
     times: dict[str, list[float]] = {name: [] for name in KERNELS}
@@ -54,16 +56,21 @@ def main() -> None:
                 torch.cuda.synchronize()
             times[name].append(time.perf_counter() - started)
     count = sum(p.numel() for p in params)
-    table = Table(title=f"AdamW step, {args.model} ({count:,} parameters in {len(params)} "
-                        f"tensors), {args.device}, {args.threads} thread(s)")  # fmt: skip
+    table = Table(
+        title=f"AdamW step, {args.model} ({count:,} parameters in {len(params)} "
+        f"tensors), {args.device}, {args.threads} thread(s)"
+    )
     for column in ("implementation", "median ms", "p10-p90 ms", "for_loop / it"):
         table.add_column(column, justify="right")
     base = statistics.median(times["for_loop"])
     for name, values in times.items():
         deciles = statistics.quantiles(values, n=10)
-        table.add_row(name, f"{statistics.median(values) * 1e3:.2f}",
-                      f"{deciles[0] * 1e3:.2f}-{deciles[-1] * 1e3:.2f}",
-                      f"{base / statistics.median(values):.2f}x")  # fmt: skip
+        table.add_row(
+            name,
+            f"{statistics.median(values) * 1e3:.2f}",
+            f"{deciles[0] * 1e3:.2f}-{deciles[-1] * 1e3:.2f}",
+            f"{base / statistics.median(values):.2f}x",
+        )
     Console().print(table)
 
 

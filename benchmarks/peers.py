@@ -216,8 +216,17 @@ def summary(bench: Benchmark, rounds: list[dict]) -> dict[str, Any]:
 
 def print_table(setup: Setup, rows: list[dict[str, Any]]) -> None:
     table = Table(title=f"meshrun vs peers, {setup.model} on {setup.ranks} gloo ranks")
-    columns = ("peer", "layout", "rounds", "meshrun tok/s", "peer tok/s", "ratio (median)",
-               "ratio per round", "max |loss diff|", "contended")  # fmt: skip
+    columns = (
+        "peer",
+        "layout",
+        "rounds",
+        "meshrun tok/s",
+        "peer tok/s",
+        "ratio (median)",
+        "ratio per round",
+        "max |loss diff|",
+        "contended",
+    )
     for column in columns:
         table.add_column(column, justify="right")
     for row in rows:
@@ -242,8 +251,13 @@ def print_table(setup: Setup, rows: list[dict[str, Any]]) -> None:
 
 def _only(parser: argparse.ArgumentParser) -> None:
     names = sorted({name for bench in PEERS for name in (bench.side, bench.parallel)})
-    parser.add_argument("--only", nargs="+", metavar="NAME", choices=names,
-                        help="run only these peers or layouts (default: all)")  # fmt: skip
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        metavar="NAME",
+        choices=names,
+        help="run only these peers or layouts (default: all)",
+    )
 
 
 def main() -> None:

@@ -39,12 +39,17 @@ SMALL_CASES = [("gpipe", 1), ("gpipe", 2), ("1f1b", 2)]  # --all; the bar is for
 BATCH = 64  # the experiment's global batch (one data-parallel rank: its local batch too)
 
 
-def measure(schedule: str, microbatches: int, steps: int, batch: int, extra: list[str]
-            ) -> dict[str, Any]:  # fmt: skip
+def measure(
+    schedule: str, microbatches: int, steps: int, batch: int, extra: list[str]
+) -> dict[str, Any]:
     """`microbatches` m, run as train.micro_batch_size = batch / m (the one knob)."""
-    overrides = ["experiment=pipeline_bubble", f"parallel.schedule={schedule}",
-                 f"train.micro_batch_size={batch // microbatches}",
-                 f"train.steps={steps}", *extra]  # fmt: skip
+    overrides = [
+        "experiment=pipeline_bubble",
+        f"parallel.schedule={schedule}",
+        f"train.micro_batch_size={batch // microbatches}",
+        f"train.steps={steps}",
+        *extra,
+    ]
     with tempfile.TemporaryDirectory() as work:
         return meshrun_results(overrides, Path(work))
 
@@ -63,16 +68,23 @@ def summary(schedule: str, microbatches: int, rounds: list[dict[str, Any]]) -> d
             *(from_costs(microbatches, r["pp_stage_costs_s"]) for r in rounds), strict=True
         )
     ]
-    per_rank = [statistics.median(ranks) for ranks in zip(*(r["bubble_per_rank"] for r in rounds),
-                                                          strict=True)]  # fmt: skip
-    return {"schedule": schedule, "microbatches": microbatches, "theory": theory,
-            "per_rank": per_rank, "error_per_rank": [(b - theory) / theory for b in per_rank],
-            "from_stage_costs": expected,
-            "rounds": [r["bubble_per_rank"] for r in rounds],
-            "pp_layers": rounds[0]["pp_layers"],
-            "stage_costs_s": [r["pp_stage_costs_s"] for r in rounds],
-            "step_time_s": statistics.median(r["step_time_s"] for r in rounds),
-            "host_other_cpu_share": [r["host_other_cpu_share"] for r in rounds]}  # fmt: skip
+    per_rank = [
+        statistics.median(ranks)
+        for ranks in zip(*(r["bubble_per_rank"] for r in rounds), strict=True)
+    ]
+    return {
+        "schedule": schedule,
+        "microbatches": microbatches,
+        "theory": theory,
+        "per_rank": per_rank,
+        "error_per_rank": [(b - theory) / theory for b in per_rank],
+        "from_stage_costs": expected,
+        "rounds": [r["bubble_per_rank"] for r in rounds],
+        "pp_layers": rounds[0]["pp_layers"],
+        "stage_costs_s": [r["pp_stage_costs_s"] for r in rounds],
+        "step_time_s": statistics.median(r["step_time_s"] for r in rounds),
+        "host_other_cpu_share": [r["host_other_cpu_share"] for r in rounds],
+    }
 
 
 def _ms(costs: list[float] | None) -> str:
@@ -85,8 +97,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--all", action="store_true", help="also m = 1, 2 (no bar)")
     parser.add_argument("overrides", nargs="*", help="meshrun overrides for every run")
-    parser.add_argument("--out", type=Path,
-                        default=REPO_ROOT / "outputs/benchmarks/pipeline_bubble.json")  # fmt: skip
+    parser.add_argument(
+        "--out", type=Path, default=REPO_ROOT / "outputs/benchmarks/pipeline_bubble.json"
+    )
     args = parser.parse_args()
     cases = (SMALL_CASES if args.all else []) + CASES
     given = [o.split("=", 1)[1] for o in args.overrides if o.startswith("train.global_batch_size=")]
@@ -96,25 +109,47 @@ def main() -> None:
         for schedule, m in cases:
             runs[schedule, m].append(measure(schedule, m, args.steps, batch, args.overrides))
     rows = [summary(schedule, m, runs[schedule, m]) for schedule, m in cases]
-    table = Table(title=f"pipeline bubble, pp=2, each rank against (p-1)/(m+p-1) "
-                        f"(bar {BAR:.0%} at m >= 4)")  # fmt: skip
-    for column in ("schedule", "m", "theory", "rank 0", "rank 1", "error 0", "error 1",
-                   "from costs", "rounds (rank 0, rank 1)", "split, stage ms", "step s",
-                   "host busy",
-                   "ok"):  # fmt: skip
+    table = Table(
+        title=f"pipeline bubble, pp=2, each rank against (p-1)/(m+p-1) (bar {BAR:.0%} at m >= 4)"
+    )
+    for column in (
+        "schedule",
+        "m",
+        "theory",
+        "rank 0",
+        "rank 1",
+        "error 0",
+        "error 1",
+        "from costs",
+        "rounds (rank 0, rank 1)",
+        "split, stage ms",
+        "step s",
+        "host busy",
+        "ok",
+    ):
         table.add_column(column)
     for r in rows:
         rounds = "; ".join(", ".join(f"{x:.3f}" for x in ranks) for ranks in r["rounds"])
         costs = "; ".join(_ms(c) for c in r["stage_costs_s"])
         busy = ", ".join(f"{s:.0%}" if s is not None else "-" for s in r["host_other_cpu_share"])
-        ok = "-" if r["microbatches"] < 4 else (
-            "yes" if all(abs(e) <= BAR for e in r["error_per_rank"]) else "NO")  # fmt: skip
-        table.add_row(r["schedule"], str(r["microbatches"]), f"{r['theory']:.3f}",
-                      *(f"{b:.3f}" for b in r["per_rank"]),
-                      *(f"{e:+.0%}" for e in r["error_per_rank"]),
-                      ", ".join(f"{b:.3f}" for b in r["from_stage_costs"]), rounds,
-                      f"{r['pp_layers']} {costs}", f"{r['step_time_s']:.2f}", busy,
-                      ok)  # fmt: skip
+        ok = (
+            "-"
+            if r["microbatches"] < 4
+            else ("yes" if all(abs(e) <= BAR for e in r["error_per_rank"]) else "NO")
+        )
+        table.add_row(
+            r["schedule"],
+            str(r["microbatches"]),
+            f"{r['theory']:.3f}",
+            *(f"{b:.3f}" for b in r["per_rank"]),
+            *(f"{e:+.0%}" for e in r["error_per_rank"]),
+            ", ".join(f"{b:.3f}" for b in r["from_stage_costs"]),
+            rounds,
+            f"{r['pp_layers']} {costs}",
+            f"{r['step_time_s']:.2f}",
+            busy,
+            ok,
+        )
     Console(width=220).print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rows, indent=2))

@@ -55,22 +55,45 @@ def main() -> None:
             seconds, box, found = plan_once(args.model, args.hardware, nodes)
             times.append(seconds)
         fitting = [c for c in found.ranked if c.fits]
-        rows.append({"nodes": nodes, "ranks": box.world, "ranked": len(found.ranked),
-                     "fit": len(fitting), "ruled_out": sum(found.ruled_out.values()),
-                     "seconds": statistics.median(times), "rounds": times,
-                     "top": fitting[0].label if fitting else None})  # fmt: skip
+        rows.append(
+            {
+                "nodes": nodes,
+                "ranks": box.world,
+                "ranked": len(found.ranked),
+                "fit": len(fitting),
+                "ruled_out": sum(found.ruled_out.values()),
+                "seconds": statistics.median(times),
+                "rounds": times,
+                "top": fitting[0].label if fitting else None,
+            }
+        )
     table = Table(title=f"meshrun-plan: {args.model} on N x {args.hardware}, whole space")
-    for column in ("nodes", "ranks", "layouts ranked", "fit", "variants ruled out", "seconds",
-                   "top row"):  # fmt: skip
+    for column in (
+        "nodes",
+        "ranks",
+        "layouts ranked",
+        "fit",
+        "variants ruled out",
+        "seconds",
+        "top row",
+    ):
         table.add_column(column, justify="left" if column == "top row" else "right")
     for r in rows:
-        table.add_row(str(r["nodes"]), str(r["ranks"]), str(r["ranked"]), str(r["fit"]),
-                      str(r["ruled_out"]), f"{r['seconds']:.2f}", r["top"] or "-")  # fmt: skip
+        table.add_row(
+            str(r["nodes"]),
+            str(r["ranks"]),
+            str(r["ranked"]),
+            str(r["fit"]),
+            str(r["ruled_out"]),
+            f"{r['seconds']:.2f}",
+            r["top"] or "-",
+        )
     Console(width=160).print(table)
     out = REPO_ROOT / "outputs" / "benchmarks" / "plan_scale.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": args.model, "hardware": args.hardware, "rows": rows},
-                              indent=2))  # fmt: skip
+    out.write_text(
+        json.dumps({"model": args.model, "hardware": args.hardware, "rows": rows}, indent=2)
+    )
     print(f"written: {Path(out).relative_to(REPO_ROOT)}")
 
 

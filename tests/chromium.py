@@ -33,8 +33,9 @@ window.addEventListener("load", () => {
 
 def _chromium(*args: str) -> str:
     assert CHROMIUM is not None
-    proc = subprocess.run([CHROMIUM, *FLAGS, *args], capture_output=True, text=True,
-                          timeout=120, check=True)  # fmt: skip
+    proc = subprocess.run(
+        [CHROMIUM, *FLAGS, *args], capture_output=True, text=True, timeout=120, check=True
+    )
     return proc.stdout
 
 

@@ -56,10 +56,14 @@ def run_meshrun(
     command = [*entrypoint, f"hydra.run.dir={run_dir}", *store, *defaults, *overrides]
     started = time.monotonic()
     proc = subprocess.run(
-        command, check=False, capture_output=True, text=True, timeout=timeout,
+        command,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
         cwd=run_dir.parent,
         env={**os.environ, **(env or {})},
-    )  # fmt: skip
+    )
     seconds = time.monotonic() - started
     return CliRun(proc.returncode, proc.stdout + proc.stderr, run_dir, store_path, seconds)
 
@@ -77,8 +81,14 @@ def run_console(
     ranks are not the subject (they run on the test's pool or not at all); the process
     boundary itself is proven by the tests that use `run_meshrun`."""
     store = [f"store.path={store_path}"] if store_path is not None else []
-    argv = ["meshrun", *(["-m"] if multirun else []), f"hydra.run.dir={run_dir}", *store,
-            *defaults, *overrides]  # fmt: skip
+    argv = [
+        "meshrun",
+        *(["-m"] if multirun else []),
+        f"hydra.run.dir={run_dir}",
+        *store,
+        *defaults,
+        *overrides,
+    ]
     output = io.StringIO()
     started = time.monotonic()
     saved_argv, sys.argv = sys.argv, argv

@@ -19,11 +19,25 @@ from tests.ranks import RankPool, config_in
 # `make test` runs two test modules at a time (xdist --dist loadscope: a module's tests, and
 # its module fixtures, stay on one worker). The longest go first, so that the last to finish
 # is a short one.
-LONGEST_FIRST = ("test_doctor", "test_checkpoint", "test_layouts", "test_sweep_grid",
-                 "test_end_to_end", "test_plan_accuracy", "test_hf_models", "test_verify",
-                 "test_comm", "test_sweeps", "test_report_layouts", "test_failures",
-                 "test_fp16", "test_eval", "test_torchrun", "test_watchdog",
-                 "test_config_errors")  # fmt: skip
+LONGEST_FIRST = (
+    "test_doctor",
+    "test_checkpoint",
+    "test_layouts",
+    "test_sweep_grid",
+    "test_end_to_end",
+    "test_plan_accuracy",
+    "test_hf_models",
+    "test_verify",
+    "test_comm",
+    "test_sweeps",
+    "test_report_layouts",
+    "test_failures",
+    "test_fp16",
+    "test_eval",
+    "test_torchrun",
+    "test_watchdog",
+    "test_config_errors",
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -41,8 +55,9 @@ def meshrun(tmp_path: Path) -> Callable[..., CliRun]:
     counter = iter(range(1000))
 
     def run(*overrides: str, **kwargs) -> CliRun:
-        return run_meshrun(tmp_path / f"run{next(counter)}", tmp_path / "meshrun.db",
-                           *overrides, **kwargs)  # fmt: skip
+        return run_meshrun(
+            tmp_path / f"run{next(counter)}", tmp_path / "meshrun.db", *overrides, **kwargs
+        )
 
     return run
 
@@ -58,8 +73,9 @@ def meshrun_here(tmp_path: Path, monkeypatch, rank_pool: RankPool) -> Callable[.
 
     def run(*overrides: str, multirun: bool = False, store_path: Path | None = None) -> CliRun:
         store = store_path or tmp_path / "meshrun.db"
-        return run_console(cli.main, tmp_path / f"run{next(counter)}", store, *overrides,
-                           multirun=multirun)  # fmt: skip
+        return run_console(
+            cli.main, tmp_path / f"run{next(counter)}", store, *overrides, multirun=multirun
+        )
 
     return run
 

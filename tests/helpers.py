@@ -66,8 +66,7 @@ def resolved_config(*overrides: str) -> ExperimentConfig:
     return resolve(compose_config(*overrides), HostFacts.detect())
 
 
-def transformers_first_loss(cfg: ExperimentConfig, model: torch.nn.Module, step: int = 0
-                            ) -> float:  # fmt: skip
+def transformers_first_loss(cfg: ExperimentConfig, model: torch.nn.Module, step: int = 0) -> float:
     """A transformers model's own loss on the batch a run of `cfg` trains step `step` on."""
     t = cfg.train
     data = build_dataset(cfg.data, model.config.vocab_size, t.seed, t.seq_len)

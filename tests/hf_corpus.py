@@ -32,9 +32,14 @@ class Corpus:
 
     def overrides(self, path: Path | None = None, *extra: str) -> list[str]:
         """`meshrun` overrides training model=tiny on this corpus (jsonl unless `path`)."""
-        return ["data=hf", f"data.path={path or self.jsonl}",
-                f"data.tokenizer={self.tokenizer_json}", "model=tiny",
-                f"model.vocab_size={VOCAB}", *extra]  # fmt: skip
+        return [
+            "data=hf",
+            f"data.path={path or self.jsonl}",
+            f"data.tokenizer={self.tokenizer_json}",
+            "model=tiny",
+            f"model.vocab_size={VOCAB}",
+            *extra,
+        ]
 
 
 def documents(n: int, seed: int = 0) -> list[str]:
@@ -51,8 +56,9 @@ def train_tokenizer(docs: list[str]) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=[EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(docs, trainer)
     return tok
 
@@ -72,5 +78,12 @@ def write_corpus(root: Path, n_docs: int = 400) -> Corpus:
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS).save_pretrained(
         str(root / "tokenizer")
     )
-    return Corpus(docs, jsonl, root / "corpus.parquet", root / "corpus.txt",
-                  root / "corpus-disk", root / "tokenizer.json", root / "tokenizer")  # fmt: skip
+    return Corpus(
+        docs,
+        jsonl,
+        root / "corpus.parquet",
+        root / "corpus.txt",
+        root / "corpus-disk",
+        root / "tokenizer.json",
+        root / "tokenizer",
+    )

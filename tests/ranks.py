@@ -157,9 +157,14 @@ class RankPool:
         self.start()
         self.counter += 1
         job_id = self.counter
-        common = {"WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
-                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-                  "GROUP_RANK": "0", **(env or {})}  # fmt: skip
+        common = {
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+            "GROUP_RANK": "0",
+            **(env or {}),
+        }
         try:
             for rank in range(world_size):
                 rank_env = {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}

@@ -15,8 +15,15 @@ from meshrun.core.baseline import baseline_config
 from meshrun.driver.experiment import measure
 from tests.ranks import config_in, losses
 
-RUN = ("model=tiny", "train.steps=6", "train.untimed_steps=2", "train.global_batch_size=8",
-       "train.micro_batch_size=2", "train.seq_len=32", "metrics.baseline=off")  # fmt: skip
+RUN = (
+    "model=tiny",
+    "train.steps=6",
+    "train.untimed_steps=2",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "train.seq_len=32",
+    "metrics.baseline=off",
+)
 
 
 @pytest.mark.parametrize("layout", ["ddp", "pp2"])
@@ -26,8 +33,9 @@ def test_the_baseline_beside_the_run_is_the_single_device_run_and_leaves_it_alon
     beside = config_in(tmp_path / "beside", *RUN, f"parallel={layout}", "metrics.alongside=true")
     run = measure(beside, "run", rank_pool.launch)
     assert run.ok, run.meta["error"]
-    alone = measure(config_in(tmp_path / "alone", *RUN, f"parallel={layout}"), "run",
-                    rank_pool.launch)  # fmt: skip
+    alone = measure(
+        config_in(tmp_path / "alone", *RUN, f"parallel={layout}"), "run", rank_pool.launch
+    )
     assert losses(run) == losses(alone)  # training itself is untouched
     twin = measure(baseline_config(beside), "baseline", rank_pool.launch)
     steps = run.baseline_steps

@@ -26,10 +26,17 @@ from tests.wandb_records import read_offline_runs
 
 STEPS, EVERY = 4, 2
 COMMON = (
-    "model=tiny", f"train.steps={STEPS}", "train.untimed_steps=1", "train.global_batch_size=8",
-    "train.micro_batch_size=2", "train.seq_len=32", "train.seed=5", "metrics.baseline=off",
-    "train.lr_schedule.decay=cosine", "train.lr_schedule.warmup_steps=2",
-)  # fmt: skip
+    "model=tiny",
+    f"train.steps={STEPS}",
+    "train.untimed_steps=1",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "train.seq_len=32",
+    "train.seed=5",
+    "metrics.baseline=off",
+    "train.lr_schedule.decay=cosine",
+    "train.lr_schedule.warmup_steps=2",
+)
 RESUMED_LAYOUTS = {
     "ddp": ("parallel=ddp",),
     "fsdp": ("parallel=fsdp",),
@@ -51,8 +58,7 @@ def test_resumed_run_continues_bit_for_bit(tmp_path, rank_pool, layout):
     """The uninterrupted run saves after step 2; a run resumed from that checkpoint trains
     steps 2-3 again with exactly the losses (and LRs) the uninterrupted one had."""
     overrides = RESUMED_LAYOUTS[layout]
-    cfg, whole = _run(tmp_path / "whole", rank_pool, *overrides,
-                      f"checkpoint.every_steps={EVERY}")  # fmt: skip
+    cfg, whole = _run(tmp_path / "whole", rank_pool, *overrides, f"checkpoint.every_steps={EVERY}")
     saved = complete(Path(cfg.run_dir) / "checkpoints")
     assert [read_manifest(p).step for p in saved] == [EVERY, STEPS]
     more = f"checkpoint.dir={tmp_path}/more"
@@ -67,17 +73,25 @@ def test_resumed_run_continues_bit_for_bit(tmp_path, rank_pool, layout):
 
 @pytest.mark.parametrize(
     ("saved_under", "resumed_under"),
-    [(("parallel=fsdp",), ("parallel=tp2_pp2",)),
-     pytest.param(("parallel=ddp",), ("parallel=fsdp",), marks=pytest.mark.slow),
-     pytest.param(("parallel=tp2_pp2",), ("parallel=single",), marks=pytest.mark.slow)],
+    [
+        (("parallel=fsdp",), ("parallel=tp2_pp2",)),
+        pytest.param(("parallel=ddp",), ("parallel=fsdp",), marks=pytest.mark.slow),
+        pytest.param(("parallel=tp2_pp2",), ("parallel=single",), marks=pytest.mark.slow),
+    ],
     ids=["fsdp-to-tp2_pp2", "ddp-to-fsdp", "tp2_pp2-to-single"],
-)  # fmt: skip
+)
 def test_checkpoint_loads_under_another_layout(tmp_path, rank_pool, saved_under, resumed_under):
-    cfg, whole = _run(tmp_path / "whole", rank_pool, *saved_under,
-                      f"checkpoint.every_steps={EVERY}")  # fmt: skip
+    cfg, whole = _run(
+        tmp_path / "whole", rank_pool, *saved_under, f"checkpoint.every_steps={EVERY}"
+    )
     first = complete(Path(cfg.run_dir) / "checkpoints")[0]
-    _, resumed = _run(tmp_path / "resumed", rank_pool, *resumed_under,
-                      f"checkpoint.resume={first}", f"checkpoint.dir={tmp_path}/more")  # fmt: skip
+    _, resumed = _run(
+        tmp_path / "resumed",
+        rank_pool,
+        *resumed_under,
+        f"checkpoint.resume={first}",
+        f"checkpoint.dir={tmp_path}/more",
+    )
     for got, want in zip(resumed.steps[EVERY:], whole.steps[EVERY:], strict=True):
         assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (got, want)
 
@@ -85,15 +99,20 @@ def test_checkpoint_loads_under_another_layout(tmp_path, rank_pool, saved_under,
 def test_interrupted_run_resumes_as_the_same_run(tmp_path, rank_pool):
     """A rank fails at step 3 after the checkpoint of step 2; `resume=auto` in the same run
     dir continues the same run: its id, its store row, its metrics file, appended."""
-    args = (*COMMON, "parallel=ddp", "checkpoint.every_steps=2", "checkpoint.async_save=false",
-            "logger=wandb", "logger.mode=offline")  # fmt: skip
+    args = (
+        *COMMON,
+        "parallel=ddp",
+        "checkpoint.every_steps=2",
+        "checkpoint.async_save=false",
+        "logger=wandb",
+        "logger.mode=offline",
+    )
     failing = config_in(tmp_path, *args, "debug.fail_rank=1", "debug.fail_step=3")
     with pytest.raises(RunFailed) as failed:
         run_experiment(failing, rank_pool.launch)
     first = failed.value.results
     assert [r["step"] for r in read_steps(failing.run_dir)] == [0, 1]
-    resumed = run_experiment(config_in(tmp_path, *args, "checkpoint.resume=auto"),
-                             rank_pool.launch)  # fmt: skip
+    resumed = run_experiment(config_in(tmp_path, *args, "checkpoint.resume=auto"), rank_pool.launch)
     assert resumed.run_id == first.run_id and resumed.resumed_from_step == 2
     assert [r["step"] for r in read_steps(failing.run_dir)] == list(range(STEPS))
     with sqlite3.connect(tmp_path / "meshrun.db") as db:
@@ -119,8 +138,14 @@ def test_checkpoint_cut_off_mid_write_is_never_loaded(tmp_path, rank_pool):
     assert [p.name for p in complete(root)] == ["step-00000002"]
     with pytest.raises(ConfigError, match="cut off mid-write"):
         config_in(tmp_path / "again", *COMMON, f"checkpoint.resume={root}/step-00000004")
-    again = config_in(tmp_path / "auto", *COMMON, "parallel=single", f"checkpoint.dir={root}",
-                      "checkpoint.resume=auto", "train.steps=8")  # fmt: skip
+    again = config_in(
+        tmp_path / "auto",
+        *COMMON,
+        "parallel=single",
+        f"checkpoint.dir={root}",
+        "checkpoint.resume=auto",
+        "train.steps=8",
+    )
     assert again.run_dir == cfg.run_dir  # the run the checkpoint is of
 
 
@@ -128,8 +153,9 @@ def test_resume_of_another_model_is_refused(tmp_path, rank_pool):
     every = f"checkpoint.every_steps={EVERY}"
     cfg, _ = _run(tmp_path / "whole", rank_pool, "parallel=single", every)
     with pytest.raises(ConfigError, match=r"another model \(model.dim"):
-        config_in(tmp_path / "b", *COMMON, "model.dim=128",
-                  f"checkpoint.resume={cfg.run_dir}/checkpoints")  # fmt: skip
+        config_in(
+            tmp_path / "b", *COMMON, "model.dim=128", f"checkpoint.resume={cfg.run_dir}/checkpoints"
+        )
 
 
 def test_ctrl_c_saves_and_resume_auto_continues(tmp_path, rank_pool):
@@ -138,14 +164,31 @@ def test_ctrl_c_saves_and_resume_auto_continues(tmp_path, rank_pool):
     `checkpoint.resume=auto` (here on the rank pool) finishes it with the uninterrupted
     run's losses."""
     steps = 12
-    args = (*COMMON, "parallel=ddp", f"train.steps={steps}", "checkpoint.every_steps=100",
-            "train.log_every=2")  # fmt: skip
+    args = (
+        *COMMON,
+        "parallel=ddp",
+        f"train.steps={steps}",
+        "checkpoint.every_steps=100",
+        "train.log_every=2",
+    )
     run_dir, store = tmp_path / "run", tmp_path / "meshrun.db"
-    command = [sys.executable, "-m", "meshrun.driver.cli", f"hydra.run.dir={run_dir}",
-               f"store.path={store}", *TRAIN_DEFAULTS, *args]  # fmt: skip
-    proc = subprocess.Popen([*command, "debug.slow_step_s=0.2"], cwd=tmp_path,
-                            start_new_session=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "meshrun.driver.cli",
+        f"hydra.run.dir={run_dir}",
+        f"store.path={store}",
+        *TRAIN_DEFAULTS,
+        *args,
+    ]
+    proc = subprocess.Popen(
+        [*command, "debug.slow_step_s=0.2"],
+        cwd=tmp_path,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while not (metrics.exists() and metrics.read_text().count("\n") >= 4):
@@ -169,10 +212,12 @@ def test_ctrl_c_saves_and_resume_auto_continues(tmp_path, rank_pool):
 
 @pytest.mark.parametrize(
     ("model", "architecture", "resumed_under"),
-    [(("model=tiny", "model.vocab_size=251"), "LlamaForCausalLM", "single"),
-     (("model=hf/tiny-gpt2",), "GPT2LMHeadModel", "tp2")],
+    [
+        (("model=tiny", "model.vocab_size=251"), "LlamaForCausalLM", "single"),
+        (("model=hf/tiny-gpt2",), "GPT2LMHeadModel", "tp2"),
+    ],
     ids=["meshrun-llama", "gpt2"],
-)  # fmt: skip
+)
 def test_export_is_the_trained_model_that_transformers_loads(
     tmp_path, rank_pool, model, architecture, resumed_under
 ):
@@ -181,14 +226,19 @@ def test_export_is_the_trained_model_that_transformers_loads(
     that meshrun's own run resumed from the final checkpoint trains that step with (under
     single, the padded vocabulary resharded; GPT-2 under tp2, whose row order it keeps)."""
     transformers = pytest.importorskip("transformers")
-    cfg = config_in(tmp_path / "a", *COMMON, *model, "parallel=tp2", "train.steps=4",
-                    "checkpoint.export=hf")  # fmt: skip
+    cfg = config_in(
+        tmp_path / "a", *COMMON, *model, "parallel=tp2", "train.steps=4", "checkpoint.export=hf"
+    )
     exported = Path(run_experiment(cfg, rank_pool.launch).export_path)
     hf = getattr(transformers, architecture).from_pretrained(exported)
     assert type(hf).__name__ == architecture and hf.config.vocab_size == model_vocab(cfg)
     final = complete(Path(cfg.run_dir) / "checkpoints")[-1]
-    resume = (f"parallel={resumed_under}", "train.steps=5", f"checkpoint.resume={final}",
-              f"checkpoint.dir={tmp_path}/b")  # fmt: skip
+    resume = (
+        f"parallel={resumed_under}",
+        "train.steps=5",
+        f"checkpoint.resume={final}",
+        f"checkpoint.dir={tmp_path}/b",
+    )
     later, resumed = _run(tmp_path / "b", rank_pool, *model, *resume)
     [step4] = [s["loss"] for s in resumed.steps if s["step"] == 4]
     assert abs(transformers_first_loss(later, hf, step=4) - step4) <= 1e-5 * step4

@@ -37,8 +37,14 @@ def comm(tmp_path: Path) -> Callable[..., CliRun]:
 
     def run(*overrides: str, multirun: bool = False, **kwargs) -> CliRun:
         entrypoint = (*COMM, "-m") if multirun else COMM
-        return run_meshrun(tmp_path / f"comm{next(counter)}", tmp_path / "meshrun.db", *overrides,
-                           entrypoint=entrypoint, defaults=("logger=none",), **kwargs)  # fmt: skip
+        return run_meshrun(
+            tmp_path / f"comm{next(counter)}",
+            tmp_path / "meshrun.db",
+            *overrides,
+            entrypoint=entrypoint,
+            defaults=("logger=none",),
+            **kwargs,
+        )
 
     return run
 
@@ -86,8 +92,14 @@ def test_check_counts_every_wrong_value():
 
 
 def test_gloo_two_ranks_prints_every_op_with_no_wrong_values(comm):
-    run = comm("backend=gloo", "launcher.nproc_per_node=2", "comm.dtypes=[float32,bfloat16]",
-               "logger=wandb", "logger.mode=offline", *SMALL)  # fmt: skip
+    run = comm(
+        "backend=gloo",
+        "launcher.nproc_per_node=2",
+        "comm.dtypes=[float32,bfloat16]",
+        "logger=wandb",
+        "logger.mode=offline",
+        *SMALL,
+    )
     assert run.returncode == 0, run.output
     for op in OPS:
         assert f"# {op}\n" in run.output
@@ -115,9 +127,17 @@ def test_backend_sweep_records_one_run_per_backend(tmp_path, monkeypatch, rank_p
     """`meshrun-comm -m` in this process, its ranks on the pool."""
     monkeypatch.setattr(comm_main, "launch", rank_pool.launch)
     sweep = tmp_path / "sweep"
-    run = run_console(comm_main.main, tmp_path / "comm", tmp_path / "meshrun.db",
-                      "backend=gloo,auto", f"hydra.sweep.dir={sweep}", "comm.ops=[all_reduce]",
-                      *SMALL, defaults=("logger=none",), multirun=True)  # fmt: skip
+    run = run_console(
+        comm_main.main,
+        tmp_path / "comm",
+        tmp_path / "meshrun.db",
+        "backend=gloo,auto",
+        f"hydra.sweep.dir={sweep}",
+        "comm.ops=[all_reduce]",
+        *SMALL,
+        defaults=("logger=none",),
+        multirun=True,
+    )
     assert run.returncode == 0, run.output
     reports = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/comm.json"))]
     auto = "nccl" if torch.cuda.is_available() else "gloo"
@@ -194,9 +214,17 @@ def _config(comm: dict, **sections: dict) -> CommRunConfig:
 
 def test_rank_that_never_enters_a_collective_is_named(tmp_path, monkeypatch, marked_env, capsys):
     timeout = 5
-    code = comm_run(tmp_path, monkeypatch, marked_env, "backend=gloo",
-                    f"backend.timeout_s={timeout}", "debug.fail_rank=1", "debug.fail_step=1",
-                    "debug.fail_mode=hang", *SMALL)  # fmt: skip
+    code = comm_run(
+        tmp_path,
+        monkeypatch,
+        marked_env,
+        "backend=gloo",
+        f"backend.timeout_s={timeout}",
+        "debug.fail_rank=1",
+        "debug.fail_step=1",
+        "debug.fail_mode=hang",
+        *SMALL,
+    )
     ended = time.time()
     assert code == 1
     rep = json.loads((tmp_path / "comm" / "comm.json").read_text())
@@ -211,12 +239,26 @@ def test_rank_that_never_enters_a_collective_is_named(tmp_path, monkeypatch, mar
 def test_torchrun_ranks_run_the_same_benchmark(tmp_path):
     """Started by torchrun, every process is one rank; rank 0 reports once."""
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         "-m", "meshrun.tools.comm.main", "logger=none", f"store.path={tmp_path / 'meshrun.db'}",
-         "comm.ops=[all_reduce,sendrecv]", *SMALL],
-        check=False, capture_output=True, text=True, timeout=240, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "meshrun.tools.comm.main",
+            "logger=none",
+            f"store.path={tmp_path / 'meshrun.db'}",
+            "comm.ops=[all_reduce,sendrecv]",
+            *SMALL,
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     [report_file] = (tmp_path / "outputs" / "torchrun").glob("*/comm.json")
     rep = json.loads(report_file.read_text())

@@ -29,24 +29,31 @@ RUNS = [
     pytest.param((*COMMON, "parallel=ddp"), id="ddp", marks=SLOW),
     pytest.param((*COMMON, "parallel=tp2", MICRO4), id="tp2"),
     # FSDP2's hooks around the compiled blocks; checkpointing traced into them
-    pytest.param((*COMMON, "parallel=fsdp", "parallel.activation_checkpointing=selective"),
-                 id="fsdp_selective_checkpointing", marks=SLOW),
+    pytest.param(
+        (*COMMON, "parallel=fsdp", "parallel.activation_checkpointing=selective"),
+        id="fsdp_selective_checkpointing",
+        marks=SLOW,
+    ),
     pytest.param((*COMMON, "parallel=pp2"), id="pp2", marks=SLOW),
     # FSDP2 over TP (_StridedShard gradients), and HSDP's 2-D FSDP mesh
     pytest.param((*COMMON, "parallel=fsdp2_tp2", MICRO4), id="fsdp2_tp2", marks=SLOW),
-    pytest.param((*COMMON, "parallel=hsdp", "launcher.nproc_per_node=4"), id="hsdp",
-                 marks=SLOW),
-    pytest.param((*HF_COMMON, "parallel=tp2", "parallel.sequence_parallel=true", MICRO4),
-                 id="hf_tiny_llama_tp2_sequence_parallel", marks=SLOW),
-]  # fmt: skip
+    pytest.param((*COMMON, "parallel=hsdp", "launcher.nproc_per_node=4"), id="hsdp", marks=SLOW),
+    pytest.param(
+        (*HF_COMMON, "parallel=tp2", "parallel.sequence_parallel=true", MICRO4),
+        id="hf_tiny_llama_tp2_sequence_parallel",
+        marks=SLOW,
+    ),
+]
 
 
 def test_blocks_compile_in_place_under_their_own_names():
     model = build_model(compose_config("model=tiny").model, 64, "meta")
     names = [name for name, _ in model.named_parameters()]
     apply_compile(model)
-    assert all(isinstance(block, nn.Module) and block._compiled_call_impl is not None
-               for block in model.layers.values())  # fmt: skip
+    assert all(
+        isinstance(block, nn.Module) and block._compiled_call_impl is not None
+        for block in model.layers.values()
+    )
     assert model._compiled_call_impl is None  # only the blocks
     assert [name for name, _ in model.named_parameters()] == names  # checkpoints unchanged
 

@@ -232,8 +232,12 @@ def test_text_heldout_part_must_hold_one_evaluation_when_the_run_evaluates(tmp_p
 
 
 def test_hf_heldout_split_without_a_window_is_fine_without_evaluation(hf_corpus, tmp_path):
-    cfg = compose_config(*hf_corpus.overrides(), f"data.cache_dir={tmp_path}",
-                         "train.seq_len=128", "data.heldout_fraction=0.001")  # fmt: skip
+    cfg = compose_config(
+        *hf_corpus.overrides(),
+        f"data.cache_dir={tmp_path}",
+        "train.seq_len=128",
+        "data.heldout_fraction=0.001",
+    )
     assert resolve(cfg, HostFacts.detect()).data.prepared is not None
 
 
@@ -246,13 +250,19 @@ BAD_HF_DATA = [
     (["data.tokenizer={jsonl}"], "data.tokenizer", "is not a tokenizer"),
     (["model.vocab_size=256"], "model.vocab_size", "smaller than the tokenizer's vocabulary"),
     (["train.global_batch_size=4096"], "data.path", "one step needs train.global_batch_size"),
-    (["train.seq_len=128", "data.heldout_fraction=0.001", "train.eval.every_steps=5"],
-     "data.heldout_fraction", "holds out 0 windows of train.seq_len + 1 = 129 tokens"),
-    (["train.eval.every_steps=5", "train.eval.batches=1000"], "data.heldout_fraction",
-     "one evaluation needs train.eval.batches x train.global_batch_size = 1000 x 8 = 8000"),
+    (
+        ["train.seq_len=128", "data.heldout_fraction=0.001", "train.eval.every_steps=5"],
+        "data.heldout_fraction",
+        "holds out 0 windows of train.seq_len + 1 = 129 tokens",
+    ),
+    (
+        ["train.eval.every_steps=5", "train.eval.batches=1000"],
+        "data.heldout_fraction",
+        "one evaluation needs train.eval.batches x train.global_batch_size = 1000 x 8 = 8000",
+    ),
     (["data.heldout_fraction=1"], "data.heldout_fraction", "[0, 1)"),
     (["data.num_workers=-1"], "data.num_workers", "must not be negative"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("overrides", "key", "fragment"), BAD_HF_DATA, ids=str)
@@ -281,8 +291,11 @@ ENUM_CHOICES = [
     # (override, key, the valid values OmegaConf lists when composing)
     ("train.precision=fp8", "train.precision", "fp32 | bf16"),
     ("parallel.schedule=zb", "parallel.schedule", "gpipe | 1f1b | interleaved_1f1b"),
-    ("parallel.activation_checkpointing=some", "parallel.activation_checkpointing",
-     "none | full | selective"),
+    (
+        "parallel.activation_checkpointing=some",
+        "parallel.activation_checkpointing",
+        "none | full | selective",
+    ),
     ("parallel.data_parallel=zero3", "parallel.data_parallel", "auto | dataparallel"),
     ("backend.name=ucc", "backend.name", "auto | gloo | nccl | mpi"),
     ("hardware.device_type=tpu", "hardware.device_type", "cpu | cuda"),
@@ -293,7 +306,7 @@ ENUM_CHOICES = [
     ("train.lr_schedule.decay=cosin", "train.lr_schedule.decay", "constant | linear | cosine"),
     ("data.name=csv", "data.name", "synthetic | text | hf"),
     ("data.format=csv", "data.format", "json | parquet | text | disk"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("override", "key", "valid"), ENUM_CHOICES, ids=str)
@@ -326,15 +339,21 @@ def test_pipeline_schedules_are_exactly_the_schedule_enum():
         (["+train.micro_batchsize=2"], "train.micro_batchsize", "train.micro_batch_size (nearest)"),
         (["+hardware.flops=1"], "hardware.flops", "keys of hardware: name | device_type"),
         (["+foo=1"], "foo", "keys of the config: model | parallel"),
-        (["hardware=cpu", "+hardware.devices.0.memory=1"], "hardware.devices[0].memory",
-         "hardware.devices[0].memory_gib (nearest)"),
-        (["launcher=local", "launcher.partition=gpu"], "launcher.partition",
-         "not a key of launcher=local (launcher=slurm has it)"),
+        (
+            ["hardware=cpu", "+hardware.devices.0.memory=1"],
+            "hardware.devices[0].memory",
+            "hardware.devices[0].memory_gib (nearest)",
+        ),
+        (
+            ["launcher=local", "launcher.partition=gpu"],
+            "launcher.partition",
+            "not a key of launcher=local (launcher=slurm has it)",
+        ),
         (["parallel=tp2pp2"], "parallel", "tp2_pp2 (nearest); parallel presets: auto"),
         (["train.steps=many"], "train.steps", "Valid: an integer"),
     ],
     ids=str,
-)  # fmt: skip
+)
 def test_unknown_key_preset_or_type_is_a_config_error_with_the_nearest(overrides, key, fragment):
     """`+` or not: OmegaConf.to_object would silently drop a key the schema does not have."""
     with pytest.raises(ConfigError) as caught:
@@ -358,36 +377,73 @@ def test_each_launcher_preset_has_its_own_schema_and_workers_rebuild_it():
     assert type(slurm.launcher) is SlurmLauncherConfig and slurm.launcher.partition == "gpu"
     for cfg in (local, slurm):
         assert from_dict(dataclasses.asdict(cfg)) == cfg
-    comm = CommRunConfig(backend=local.backend, hardware=local.hardware,
-                         launcher=slurm.launcher, logger=local.logger)  # fmt: skip
+    comm = CommRunConfig(
+        backend=local.backend, hardware=local.hardware, launcher=slurm.launcher, logger=local.logger
+    )
     assert comm_from_dict(dataclasses.asdict(comm)) == comm
 
 
 # (command, overrides, what the one-line error must name: key, valid choices / nearest)
 CLI_CONFIG_ERRORS = [
-    ("meshrun", ["train.micro_batchsize=2"], ["train.micro_batchsize='2': not a key of train",
-                                              "Valid: train.micro_batch_size (nearest)"]),
-    ("meshrun", ["parallel=tp2pp2"], ["parallel='tp2pp2': no such preset",
-                                      "Valid: tp2_pp2 (nearest); parallel presets: auto | "]),
-    ("meshrun", ["train.precision=bf61"], ["train.precision='bf61': unknown choice",
-                                           "Valid: bf16 (nearest); choices: fp32 | bf16 | fp16"]),
-    ("meshrun", ["launcher=local", "launcher.partition=gpu"],
-     ["launcher.partition='gpu': not a key of launcher=local (launcher=slurm has it)",
-      "keys of launcher: name | nnodes"]),
+    (
+        "meshrun",
+        ["train.micro_batchsize=2"],
+        [
+            "train.micro_batchsize='2': not a key of train",
+            "Valid: train.micro_batch_size (nearest)",
+        ],
+    ),
+    (
+        "meshrun",
+        ["parallel=tp2pp2"],
+        [
+            "parallel='tp2pp2': no such preset",
+            "Valid: tp2_pp2 (nearest); parallel presets: auto | ",
+        ],
+    ),
+    (
+        "meshrun",
+        ["train.precision=bf61"],
+        [
+            "train.precision='bf61': unknown choice",
+            "Valid: bf16 (nearest); choices: fp32 | bf16 | fp16",
+        ],
+    ),
+    (
+        "meshrun",
+        ["launcher=local", "launcher.partition=gpu"],
+        [
+            "launcher.partition='gpu': not a key of launcher=local (launcher=slurm has it)",
+            "keys of launcher: name | nnodes",
+        ],
+    ),
     ("meshrun", ["train.steps=many"], ["train.steps='many': wrong type", "Valid: an integer"]),
     # the switch of older meshruns is a choice now
-    ("meshrun", ["metrics.baseline=false"], ["metrics.baseline='false': unknown choice",
-                                             "choices: fresh | stored | off"]),
+    (
+        "meshrun",
+        ["metrics.baseline=false"],
+        ["metrics.baseline='false': unknown choice", "choices: fresh | stored | off"],
+    ),
     ("meshrun-plan", ["parallel=tp2pp2"], ["parallel='tp2pp2'", "Valid: tp2_pp2 (nearest)"]),
     # a multirun stops before its first job when any job's config is bad
-    ("meshrun -m", ["train.steps=2,3", "+train.stepz=4"], ["train.stepz=4: not a key of train",
-                                                           "Valid: train.steps (nearest)"]),
+    (
+        "meshrun -m",
+        ["train.steps=2,3", "+train.stepz=4"],
+        ["train.stepz=4: not a key of train", "Valid: train.steps (nearest)"],
+    ),
     # before the rules of the profile's 8-GPU box (ddp8's batch), which do not matter here
-    pytest.param("meshrun", ["hardware=a100-80g"], ["hardware='a100-80g': no CUDA device here"],
-                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA host")),
-]  # fmt: skip
-COMMANDS = {"meshrun": (cli.main, False), "meshrun-plan": (plan_command.main, False),
-            "meshrun -m": (cli.main, True)}  # fmt: skip
+    pytest.param(
+        "meshrun",
+        ["hardware=a100-80g"],
+        ["hardware='a100-80g': no CUDA device here"],
+        marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA host"),
+    ),
+]
+COMMANDS = {
+    "meshrun": (cli.main, False),
+    "meshrun-plan": (plan_command.main, False),
+    "meshrun -m": (cli.main, True),
+}
 
 
 def check_exit_2_before_anything_ran(run: CliRun, fragments: list[str], tmp_path: Path) -> None:
@@ -405,8 +461,10 @@ def check_exit_2_before_anything_ran(run: CliRun, fragments: list[str], tmp_path
 
 def test_console_script_exits_2_on_a_key_added_with_plus(meshrun, tmp_path: Path):
     """The issue's headline case through the real console script, in its own process."""
-    fragments = ["train.micro_batchsize=2: not a key of train",
-                 "Valid: train.micro_batch_size (nearest)"]  # fmt: skip
+    fragments = [
+        "train.micro_batchsize=2: not a key of train",
+        "Valid: train.micro_batch_size (nearest)",
+    ]
     check_exit_2_before_anything_ran(meshrun("+train.micro_batchsize=2"), fragments, tmp_path)
 
 
@@ -416,8 +474,9 @@ def test_cli_composition_error_exits_2_in_meshrun_format_before_anything_runs(
 ):
     monkeypatch.chdir(tmp_path)
     main, multirun = COMMANDS[command]
-    run = run_console(main, tmp_path / "run", tmp_path / "meshrun.db", *overrides,
-                      multirun=multirun)  # fmt: skip
+    run = run_console(
+        main, tmp_path / "run", tmp_path / "meshrun.db", *overrides, multirun=multirun
+    )
     check_exit_2_before_anything_ran(run, fragments, tmp_path)
 
 
@@ -439,13 +498,20 @@ def test_tp_plan_module_in_the_working_directory_is_imported_by_driver_and_ranks
 ):
     """`python -P` keeps the working directory off sys.path, as a console script does."""
     (tmp_path / "my_tp_plan.py").write_text(USER_PLAN)
-    run = meshrun("model=tiny", "parallel=tp2", "parallel.tp_plan=my_tp_plan:plan",
-                  "train.steps=2", "train.untimed_steps=1", "metrics.baseline=off",
-                  entrypoint=(sys.executable, "-P", "-m", "meshrun.driver.cli"))  # fmt: skip
+    run = meshrun(
+        "model=tiny",
+        "parallel=tp2",
+        "parallel.tp_plan=my_tp_plan:plan",
+        "train.steps=2",
+        "train.untimed_steps=1",
+        "metrics.baseline=off",
+        entrypoint=(sys.executable, "-P", "-m", "meshrun.driver.cli"),
+    )
     assert run.returncode == 0, run.output
     assert {p.name for p in tmp_path.glob("plan_called_by_rank*")} == {
-        "plan_called_by_rank0", "plan_called_by_rank1"
-    }  # fmt: skip
+        "plan_called_by_rank0",
+        "plan_called_by_rank1",
+    }
 
 
 def _restated(data: dict, schema: type, parent: dict, prefix: str = "") -> list[str]:
@@ -474,16 +540,32 @@ def _parent(path: Path, data: dict) -> dict:
 
 
 def test_yaml_presets_do_not_restate_the_schema_defaults():
-    groups = {"backend": BackendConfig, "hardware": HardwareConfig, "logger": LoggerConfig,
-              "data": DataConfig, "model": LlamaModelConfig, "model/hf": HFModelConfig,
-              "parallel": ParallelConfig,
-              **{f"launcher/{n}": s for n, s in LAUNCHER_SCHEMAS.items()}}  # fmt: skip
+    groups = {
+        "backend": BackendConfig,
+        "hardware": HardwareConfig,
+        "logger": LoggerConfig,
+        "data": DataConfig,
+        "model": LlamaModelConfig,
+        "model/hf": HFModelConfig,
+        "parallel": ParallelConfig,
+        **{f"launcher/{n}": s for n, s in LAUNCHER_SCHEMAS.items()},
+    }
     files = {p: s for g, s in groups.items() for p in CONF_DIR.glob(f"{g}*.yaml")}
     files |= {p: s for g, s in groups.items() for p in CONF_DIR.glob(f"{g}/*.yaml")}
-    files |= {CONF_DIR / f"{name}.yaml": ROOT_SCHEMAS[schema] for name, schema in
-              [("train", "experiment"), ("plan", "plan"), ("verify", "verify"),
-               ("comm", "comm"), ("doctor", "doctor")]}  # fmt: skip
+    files |= {
+        CONF_DIR / f"{name}.yaml": ROOT_SCHEMAS[schema]
+        for name, schema in [
+            ("train", "experiment"),
+            ("plan", "plan"),
+            ("verify", "verify"),
+            ("comm", "comm"),
+            ("doctor", "doctor"),
+        ]
+    }
     loaded = {p: yaml.safe_load(p.read_text()) or {} for p in files}
-    restated = {p.name: keys for p, s in files.items()
-                if (keys := _restated(loaded[p], s, _parent(p, loaded[p])))}  # fmt: skip
+    restated = {
+        p.name: keys
+        for p, s in files.items()
+        if (keys := _restated(loaded[p], s, _parent(p, loaded[p])))
+    }
     assert restated == {}

@@ -26,9 +26,16 @@ from tests.ranks import losses
 
 SEQ = 32
 # conf/model/tiny.yaml as a LlamaConfig (ffn_dim: 8/3 * 64 rounded up to 32).
-TINY = {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 4,
-        "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 256,
-        "rms_norm_eps": 1e-5, "max_position_embeddings": 512}  # fmt: skip
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 192,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "vocab_size": 256,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 512,
+}
 SMALL = {**TINY, "intermediate_size": 128, "num_hidden_layers": 2, "rope_theta": 500000.0}
 
 
@@ -66,8 +73,9 @@ def tokens() -> torch.Tensor:
 
 
 @pytest.mark.parametrize(("vocab_multiple", "tie"), [(1, False), (3, False), (3, True)])
-def test_a_loaded_hf_checkpoint_gives_transformers_logits(tmp_path, monkeypatch,
-                                                          vocab_multiple, tie):  # fmt: skip
+def test_a_loaded_hf_checkpoint_gives_transformers_logits(
+    tmp_path, monkeypatch, vocab_multiple, tie
+):
     hf = saved_llama(tmp_path, **SMALL, tie_word_embeddings=tie)
     model = loaded_llama(tmp_path, vocab_multiple)
     assert model.output.weight.shape[0] == (258 if vocab_multiple == 3 else 256)
@@ -100,11 +108,20 @@ def test_a_pipeline_stage_reads_only_its_tensors_of_a_sharded_checkpoint(tmp_pat
 
 
 @pytest.mark.parametrize(("vocab_multiple", "tie"), [(1, False), (3, True)])
-def test_an_exported_model_loads_in_transformers_with_the_same_logits(tmp_path, vocab_multiple,
-                                                                      tie):  # fmt: skip
-    cfg = LlamaModelConfig(name="tiny", dim=64, n_layers=2, n_heads=8, n_kv_heads=4,
-                           vocab_size=256, multiple_of=32, rope_theta=500000.0,
-                           tie_embeddings=tie)  # fmt: skip
+def test_an_exported_model_loads_in_transformers_with_the_same_logits(
+    tmp_path, vocab_multiple, tie
+):
+    cfg = LlamaModelConfig(
+        name="tiny",
+        dim=64,
+        n_layers=2,
+        n_heads=8,
+        n_kv_heads=4,
+        vocab_size=256,
+        multiple_of=32,
+        rope_theta=500000.0,
+        tie_embeddings=tie,
+    )
     model = build_llama(cfg, SEQ, "cpu", vocab_multiple)
     model.init_weights(seed=3)
     convert.export_hf(model, tmp_path)
@@ -114,8 +131,9 @@ def test_an_exported_model_loads_in_transformers_with_the_same_logits(tmp_path, 
         ours, theirs = model(tokens()), hf(input_ids=tokens()).logits
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
     back = loaded_llama(tmp_path, vocab_multiple)
-    for (name, param), (_, again) in zip(model.named_parameters(), back.named_parameters(),
-                                         strict=True):  # fmt: skip
+    for (name, param), (_, again) in zip(
+        model.named_parameters(), back.named_parameters(), strict=True
+    ):
         assert torch.equal(param, again), name
 
 
@@ -124,25 +142,37 @@ def test_what_meshrun_llama_cannot_hold_is_named():
     assert convert.llama_config_from_hf({**base, "rope_theta": 5e5})["rope_theta"] == 5e5
     assert convert.llama_config_from_hf(base)["n_kv_heads"] == 4
     linear = {"rope_scaling": {"type": "linear", "factor": 2.0}}  # a transformers 4 config
-    for wrong, fragment in [({"attention_bias": True}, "no biases"),
-                            ({"head_dim": 16}, "head_dim=16"), (linear, "'linear'")]:  # fmt: skip
+    for wrong, fragment in [
+        ({"attention_bias": True}, "no biases"),
+        ({"head_dim": 16}, "head_dim=16"),
+        (linear, "'linear'"),
+    ]:
         with pytest.raises(ValueError, match=fragment):
             convert.llama_config_from_hf({**base, **wrong})
 
 
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 256}  # fmt: skip
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 256,
+}
 
 
 @pytest.mark.parametrize(
     ("config", "fragment"),
-    [({"hidden_size": 32}, "its config.json has hidden_size=32, the preset model.dim=64. "
-                           "Valid: model.dim=32"),
-     ({"rms_norm_eps": 1e-6}, "Valid: model.norm_eps=1e-06"),
-     ({"rope_parameters": LLAMA3_ROPE}, "rope_type='llama3'")],
+    [
+        (
+            {"hidden_size": 32},
+            "its config.json has hidden_size=32, the preset model.dim=64. Valid: model.dim=32",
+        ),
+        ({"rms_norm_eps": 1e-6}, "Valid: model.norm_eps=1e-06"),
+        ({"rope_parameters": LLAMA3_ROPE}, "rope_type='llama3'"),
+    ],
     ids=["hidden_size", "rms_norm_eps", "llama3_rope"],
-)  # fmt: skip
+)
 def test_a_checkpoint_unlike_the_preset_is_refused_before_launch(tmp_path, config, fragment):
     saved_llama(tmp_path, **{**TINY, **config})
     cfg = compose_config("model=tiny", f"model.pretrained={tmp_path}")
@@ -154,9 +184,16 @@ def test_a_checkpoint_unlike_the_preset_is_refused_before_launch(tmp_path, confi
 
 def test_pretrained_weights_give_transformers_first_loss_through_the_driver(experiment, tmp_path):
     saved = saved_llama(tmp_path / "ckpt", **TINY)
-    cfg, measured = experiment("model=tiny", f"model.pretrained={tmp_path / 'ckpt'}",
-                               "parallel=single", "train.steps=2", "train.untimed_steps=1",
-                               "train.global_batch_size=4", "train.micro_batch_size=2",
-                               "train.seq_len=64", "metrics.baseline=off")  # fmt: skip
+    cfg, measured = experiment(
+        "model=tiny",
+        f"model.pretrained={tmp_path / 'ckpt'}",
+        "parallel=single",
+        "train.steps=2",
+        "train.untimed_steps=1",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=2",
+        "train.seq_len=64",
+        "metrics.baseline=off",
+    )
     assert measured.ok, measured.meta["error"]
     assert losses(measured)[0] == pytest.approx(transformers_first_loss(cfg, saved), rel=1e-5)

@@ -20,13 +20,24 @@ from tests.test_plan import meshrun_plan, plan_run
 from tests.test_verify import report, verify_run
 
 MODEL = ("model=custom", "model.target=tests.user_model:build")
-NAMED = (*MODEL, "model.layers=blocks", "model.embedding=embed", "model.norm=norm",
-         "model.head=head", "model.tp_plan=tests.user_model:tp_plan")  # fmt: skip
+NAMED = (
+    *MODEL,
+    "model.layers=blocks",
+    "model.embedding=embed",
+    "model.norm=norm",
+    "model.head=head",
+    "model.tp_plan=tests.user_model:tp_plan",
+)
 STEPS = 6
 COMMON = (
-    f"train.steps={STEPS}", "train.untimed_steps=1", "train.global_batch_size=8",
-    "train.micro_batch_size=2", "train.seq_len=64", "train.seed=3", "metrics.baseline=off",
-)  # fmt: skip
+    f"train.steps={STEPS}",
+    "train.untimed_steps=1",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "train.seq_len=64",
+    "train.seed=3",
+    "metrics.baseline=off",
+)
 # by default beside verify's (fsdp, tp2 with the callable and with the YAML plan)
 DEFAULT = {"ddp", "pp2_1f1b", "fsdp_full_checkpointing"}
 LAYOUTS = {
@@ -104,18 +115,22 @@ def test_every_kind_of_layout_trains_the_users_module_like_one_device(experiment
 
 @pytest.mark.parametrize(
     "overrides",
-    [("parallel=fsdp",), pytest.param(("parallel=tp2",), marks=pytest.mark.slow),
-     ("parallel=tp2", "model.tp_plan={blocks.*.up:colwise,blocks.*.down:rowwise}")],
+    [
+        ("parallel=fsdp",),
+        pytest.param(("parallel=tp2",), marks=pytest.mark.slow),
+        ("parallel=tp2", "model.tp_plan={blocks.*.up:colwise,blocks.*.down:rowwise}"),
+    ],
     ids=" ".join,
-)  # fmt: skip
+)
 def test_verify_passes_the_users_module_with_its_own_plan(tmp_path, on_pool, overrides):
     assert verify_run(tmp_path, *NAMED, *overrides) == 0
     assert report(tmp_path)["passed"] is True
 
 
 def test_verify_fails_a_sabotaged_plan_on_the_numbers(tmp_path, on_pool):
-    code = verify_run(tmp_path, *NAMED, "parallel=tp2",
-                      "model.tp_plan=tests.user_model:sabotaged_tp_plan")  # fmt: skip
+    code = verify_run(
+        tmp_path, *NAMED, "parallel=tp2", "model.tp_plan=tests.user_model:sabotaged_tp_plan"
+    )
     result = report(tmp_path)
     assert code == 1 and result["error"] is None and result["passed"] is False
     assert result["max_grad_norm_deviation"] > 1e-2
@@ -126,26 +141,41 @@ def test_verify_fails_a_sabotaged_plan_on_the_numbers(tmp_path, on_pool):
     [
         (["model.target=tests.user_model:nothing"], "model.target", "no attribute 'nothing'"),
         (["model.pretrained=/tmp"], "model.pretrained", "load them in model.target's callable"),
-        (["model.target=tests.user_model:not_a_module"], "model.target",
-         "returned a str, not a torch.nn.Module"),
+        (
+            ["model.target=tests.user_model:not_a_module"],
+            "model.target",
+            "returned a str, not a torch.nn.Module",
+        ),
         (["+model.kwargs.width=3"], "model.target", "unexpected keyword argument 'width'"),
         (["model.layers=block"], "model.layers", "Valid: blocks |"),
         (["model.layers=norm"], "model.layers", "is a LayerNorm"),
         (["model.tp_plan={blocks.*.qq:colwise}"], "model.tp_plan", "matches no module"),
         (["model.tp_plan={blocks.*.q:columnwise}"], "model.tp_plan.blocks.*.q", "colwise |"),
         (["model.embedding=null", "model.head=null"], "model.vocab_size", "model.embedding"),
-        (["parallel=tp2", "model.tp_plan=null"], "parallel.tp",
-         "needs a TP plan and model=custom has none"),
-        (["parallel=tp4", "+model.kwargs.dim=66", "+model.kwargs.heads=2"], "parallel.tp",
-         "blocks.0.q (colwise) has 66 output features, which tp does not divide"),
+        (
+            ["parallel=tp2", "model.tp_plan=null"],
+            "parallel.tp",
+            "needs a TP plan and model=custom has none",
+        ),
+        (
+            ["parallel=tp4", "+model.kwargs.dim=66", "+model.kwargs.heads=2"],
+            "parallel.tp",
+            "blocks.0.q (colwise) has 66 output features, which tp does not divide",
+        ),
         (["parallel=pp2", "model.head=null"], "parallel.pp", "model.head is not set"),
-        (["parallel=fsdp", "parallel.activation_checkpointing=full", "model.layers=null"],
-         "parallel.activation_checkpointing", "model.layers, which is not set"),
-        (["train.compile=true", "model.layers=null"], "train.compile",
-         "model.layers, which is not set"),
+        (
+            ["parallel=fsdp", "parallel.activation_checkpointing=full", "model.layers=null"],
+            "parallel.activation_checkpointing",
+            "model.layers, which is not set",
+        ),
+        (
+            ["train.compile=true", "model.layers=null"],
+            "train.compile",
+            "model.layers, which is not set",
+        ),
     ],
     ids=str,
-)  # fmt: skip
+)
 def test_config_mistakes_are_refused_before_launch(overrides, key, fragment):
     with pytest.raises(ConfigError) as caught:
         resolve(compose_config(*NAMED, *overrides), HostFacts.detect())
@@ -159,9 +189,10 @@ def test_the_planner_traces_a_module_without_formulas():
     params = sum(p.numel() for p in model.parameters()) * 4
     buffers = sum(b.numel() for b in model.buffers()) * 4
     # plan.allow_oom: no pre-launch check, whose trace would be the one measured here
-    fsdp, tp2 = (traced_memory(resolved_config(*NAMED, p, "train.seq_len=64",
-                                               "plan.allow_oom=true"))
-                 for p in ("parallel=fsdp", "parallel=tp2"))  # fmt: skip
+    fsdp, tp2 = (
+        traced_memory(resolved_config(*NAMED, p, "train.seq_len=64", "plan.allow_oom=true"))
+        for p in ("parallel=fsdp", "parallel=tp2")
+    )
     # fp32 weights and AdamW's two moments: half the model on each rank under FSDP, more under
     # TP (the plan leaves the embedding, the head and the norms whole); the buffers whole
     assert fsdp[0].params == pytest.approx(params / 2 + buffers, rel=0.02)
@@ -180,8 +211,9 @@ def test_meshrun_plan_refuses_a_target_that_does_not_import(tmp_path):
 @pytest.mark.slow
 def test_meshrun_plan_lists_every_layout_of_a_module_without_formulas(tmp_path):
     _, plan = meshrun_plan(tmp_path, *NAMED, "world_size=2")
-    kinds = {(e["degrees"]["dp_shard"], e["degrees"]["tp"], e["degrees"]["pp"])
-             for e in plan["layouts"]}  # fmt: skip
+    kinds = {
+        (e["degrees"]["dp_shard"], e["degrees"]["tp"], e["degrees"]["pp"]) for e in plan["layouts"]
+    }
     assert {(2, 1, 1), (1, 2, 1), (1, 1, 2)} <= kinds
     assert all(e["speed"]["tokens_per_s"] > 0 and e["peak_bytes"] > 0 for e in plan["layouts"])
 

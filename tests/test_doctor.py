@@ -52,8 +52,9 @@ def doctor(tmp_path: Path) -> Callable[..., CliRun]:
     counter = iter(range(100))
 
     def run(*overrides: str) -> CliRun:
-        return run_console(doctor_main.main, tmp_path / f"doctor{next(counter)}", None,
-                           *overrides, defaults=())  # fmt: skip
+        return run_console(
+            doctor_main.main, tmp_path / f"doctor{next(counter)}", None, *overrides, defaults=()
+        )
 
     return run
 
@@ -147,9 +148,16 @@ def doctor_run(tmp_path: Path, monkeypatch, env: dict[str, str], *overrides: str
 
 def test_hung_health_check_is_diagnosed_within_timeout(tmp_path, monkeypatch, marked_env, capsys):
     timeout = 5
-    code = doctor_run(tmp_path, monkeypatch, marked_env, f"doctor.timeout_s={timeout}",
-                      "doctor.grace_s=120", "doctor.backends=[gloo]", "debug.fail_rank=1",
-                      "debug.fail_mode=hang")  # fmt: skip
+    code = doctor_run(
+        tmp_path,
+        monkeypatch,
+        marked_env,
+        f"doctor.timeout_s={timeout}",
+        "doctor.grace_s=120",
+        "doctor.backends=[gloo]",
+        "debug.fail_rank=1",
+        "debug.fail_mode=hang",
+    )
     ended = time.time()
     output = capsys.readouterr().out
     assert code == 1
@@ -167,9 +175,16 @@ def test_hung_health_check_is_diagnosed_within_timeout(tmp_path, monkeypatch, ma
 def test_check_past_its_hard_limit_is_killed_with_all_ranks(
     tmp_path, monkeypatch, marked_env, capsys
 ):
-    code = doctor_run(tmp_path, monkeypatch, marked_env, "doctor.timeout_s=3", "doctor.grace_s=2",
-                      "doctor.backends=[gloo]", "debug.fail_rank=1",
-                      "debug.fail_mode=hang")  # fmt: skip
+    code = doctor_run(
+        tmp_path,
+        monkeypatch,
+        marked_env,
+        "doctor.timeout_s=3",
+        "doctor.grace_s=2",
+        "doctor.backends=[gloo]",
+        "debug.fail_rank=1",
+        "debug.fail_mode=hang",
+    )
     output = capsys.readouterr().out
     assert code == 1
     assert "gloo: hung: no result within 5 s" in output

@@ -17,18 +17,21 @@ from tests.cli import run_meshrun
 from tests.wandb_records import read_offline_run
 
 SMALL_DDP = (
-    "train.steps=8", "train.untimed_steps=2",
-    "train.global_batch_size=8", "train.micro_batch_size=2", "train.seq_len=128",
-    "logger=wandb", "logger.mode=offline",
-)  # fmt: skip
+    "train.steps=8",
+    "train.untimed_steps=2",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "train.seq_len=128",
+    "logger=wandb",
+    "logger.mode=offline",
+)
 SECRET = "meshrun-test-secret-0123456789abcdef0123456789abcdef"
 
 
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e")
-    run = run_meshrun(tmp / "run", tmp / "meshrun.db", *SMALL_DDP,
-                      env={"WANDB_API_KEY": SECRET})  # fmt: skip
+    run = run_meshrun(tmp / "run", tmp / "meshrun.db", *SMALL_DDP, env={"WANDB_API_KEY": SECRET})
     assert run.returncode == 0, run.output
     return run
 
@@ -125,22 +128,31 @@ def test_a_stored_baseline_of_another_torch_is_not_reused(ddp_run, meshrun_here,
         stored = json.loads(text)
         stored["fingerprint"]["torch"] = "2.0.0"
         stored["fingerprint_key"] = fingerprint_key(stored["fingerprint"])
-        db.execute("UPDATE runs SET results_json = ?, fingerprint_key = ? WHERE run_id = ?",
-                   (json.dumps(stored), stored["fingerprint_key"], run_id))  # fmt: skip
+        db.execute(
+            "UPDATE runs SET results_json = ?, fingerprint_key = ? WHERE run_id = ?",
+            (json.dumps(stored), stored["fingerprint_key"], run_id),
+        )
     again = meshrun_here(*SMALL_DDP[:-2], "metrics.baseline=stored", store_path=store)
     assert again.returncode == 0, again.output
     assert again.results["baseline_mode"] == "fresh"
     assert again.results["baseline_run_id"] != run_id
 
 
-def test_single_device_is_its_own_baseline_whatever_the_store_holds(ddp_run, meshrun_here,
-                                                                     tmp_path):  # fmt: skip
+def test_single_device_is_its_own_baseline_whatever_the_store_holds(
+    ddp_run, meshrun_here, tmp_path
+):
     """A stored baseline of the same key (the quick start's twin) is not the run itself:
     a single device's speedup is 1.0 by definition."""
     store = shutil.copy(ddp_run.store_path, tmp_path / "copy.db")
-    single = ("parallel=single", "launcher.threads_per_rank=1", "train.steps=8",
-              "train.untimed_steps=2", "train.global_batch_size=4", "train.micro_batch_size=2",
-              "train.seq_len=128")  # fmt: skip
+    single = (
+        "parallel=single",
+        "launcher.threads_per_rank=1",
+        "train.steps=8",
+        "train.untimed_steps=2",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=2",
+        "train.seq_len=128",
+    )
     run = meshrun_here(*single, "metrics.baseline=stored", store_path=store)
     assert run.returncode == 0, run.output
     assert run.results["speedup"] == 1.0 and run.results["baseline_mode"] == "own"

@@ -29,10 +29,18 @@ from tests.ranks import config_in, losses
 CPU = torch.device("cpu")
 STEPS, EVERY = 4, 2
 COMMON = (
-    "model=tiny", f"train.steps={STEPS}", "train.untimed_steps=1", "train.global_batch_size=8",
-    "train.micro_batch_size=2", "train.seq_len=32", "train.precision=fp32", "train.seed=5",
-    "train.log_every=3", "train.eval.batches=2", "metrics.baseline=off",
-)  # fmt: skip
+    "model=tiny",
+    f"train.steps={STEPS}",
+    "train.untimed_steps=1",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "train.seq_len=32",
+    "train.precision=fp32",
+    "train.seed=5",
+    "train.log_every=3",
+    "train.eval.batches=2",
+    "metrics.baseline=off",
+)
 EVAL = (f"train.eval.every_steps={EVERY}",)
 LAYOUTS = {
     "single": ("parallel=single",),
@@ -92,10 +100,17 @@ def test_eval_time_is_reported_beside_the_step_times(run):
 
 def test_eval_loss_falls_on_hf_data_and_reaches_the_record(experiment, hf_corpus, tmp_path):
     _, measured = experiment(
-        *hf_corpus.overrides(), f"data.cache_dir={tmp_path}", "parallel=single",
-        "train.seq_len=32", "train.steps=12", "train.lr=3e-3", "train.seed=1",
-        "train.eval.every_steps=4", "train.eval.batches=1", "metrics.baseline=off",
-    )  # fmt: skip
+        *hf_corpus.overrides(),
+        f"data.cache_dir={tmp_path}",
+        "parallel=single",
+        "train.seq_len=32",
+        "train.steps=12",
+        "train.lr=3e-3",
+        "train.seed=1",
+        "train.eval.every_steps=4",
+        "train.eval.batches=1",
+        "metrics.baseline=off",
+    )
     assert measured.ok, measured.meta["error"]
     curve = evaluations(measured)
     assert list(curve) == [3, 7, 11]
@@ -114,8 +129,9 @@ def test_synthetic_heldout_samples_lie_beyond_any_training_step():
     train, heldout = build_streams(data, 256, seed=3, seq_len=8)
     got = next(iter(HeldoutBatches(heldout, 1, 4, 8, 0, 1, CPU)))[0]
     # held-out sample i is generator index 2**40 + i: training reaches it after 2**38 steps of 4
-    want = SyntheticTokens(256, seed=3).batch(range(HELDOUT_FIRST_SAMPLE, HELDOUT_FIRST_SAMPLE + 4),
-                                              9, CPU)[:, :-1]  # fmt: skip
+    want = SyntheticTokens(256, seed=3).batch(
+        range(HELDOUT_FIRST_SAMPLE, HELDOUT_FIRST_SAMPLE + 4), 9, CPU
+    )[:, :-1]
     assert torch.equal(got, want)
     assert not torch.equal(got, train.batch(range(4), 9, CPU)[:, :-1])
 
@@ -135,8 +151,13 @@ def test_text_trains_on_the_first_bytes_and_holds_out_the_last(tmp_path):
 
 
 def test_hf_heldout_windows_are_documents_training_never_reads(hf_corpus, tmp_path):
-    cfg = compose_config(*hf_corpus.overrides(), f"data.cache_dir={tmp_path}", "train.seq_len=32",
-                         "train.eval.every_steps=1", "train.eval.batches=1")  # fmt: skip
+    cfg = compose_config(
+        *hf_corpus.overrides(),
+        f"data.cache_dir={tmp_path}",
+        "train.seq_len=32",
+        "train.eval.every_steps=1",
+        "train.eval.batches=1",
+    )
     data = prepare_data(cfg).data
     train, heldout = build_streams(data, 384, seed=0, seq_len=32)
     offsets = train.cache.offsets
@@ -151,6 +172,7 @@ def test_hf_heldout_windows_are_documents_training_never_reads(hf_corpus, tmp_pa
     evaluated = documents(heldout, heldout.order.windows(range(8)))
     assert trained and evaluated and not trained & evaluated
     rows = next(iter(HeldoutBatches(heldout, 1, 8, 32, 0, 1, CPU)))[0]
-    first = torch.from_numpy(train.cache.tokens[heldout.span.start : heldout.span.start + 32]
-                             .astype(np.int64))  # fmt: skip
+    first = torch.from_numpy(
+        train.cache.tokens[heldout.span.start : heldout.span.start + 32].astype(np.int64)
+    )
     assert torch.equal(rows[0], first)  # in order, from the first held-out token

@@ -35,8 +35,9 @@ def failed_run(tmp_path, monkeypatch, env, *overrides):
 
 
 def test_raising_rank_fails_run_fast_and_is_recorded(tmp_path, monkeypatch, marked_env):
-    results, store, seconds = failed_run(tmp_path, monkeypatch, marked_env, *FAIL,
-                                         "debug.fail_rank=1", "debug.fail_step=3")  # fmt: skip
+    results, store, seconds = failed_run(
+        tmp_path, monkeypatch, marked_env, *FAIL, "debug.fail_rank=1", "debug.fail_step=3"
+    )
     assert seconds < 60
     assert "rank 1 failed: RuntimeError: injected failure on rank 1 at step 3" in results["error"]
     assert results["status"] == "failed"
@@ -49,9 +50,16 @@ def test_raising_rank_fails_run_fast_and_is_recorded(tmp_path, monkeypatch, mark
 
 
 def test_hanging_rank_times_out_instead_of_hanging(tmp_path, monkeypatch, marked_env):
-    results, _, seconds = failed_run(tmp_path, monkeypatch, marked_env, *FAIL, "debug.fail_rank=1",
-                                     "debug.fail_step=2", "debug.fail_mode=hang",
-                                     "backend.timeout_s=5")  # fmt: skip
+    results, _, seconds = failed_run(
+        tmp_path,
+        monkeypatch,
+        marked_env,
+        *FAIL,
+        "debug.fail_rank=1",
+        "debug.fail_step=2",
+        "debug.fail_mode=hang",
+        "backend.timeout_s=5",
+    )
     assert seconds < 90
     assert "Timed out" in results["error"]
     assert results["status"] == "failed"
@@ -59,8 +67,14 @@ def test_hanging_rank_times_out_instead_of_hanging(tmp_path, monkeypatch, marked
 
 
 # Steps 0-2 finish before rank 1 fails at step 3; the first log step would be step 4.
-UNLOGGED = ("model=tiny", "train.steps=6", "train.untimed_steps=1", "train.log_every=5",
-            "debug.fail_rank={rank}", "debug.fail_step=3")  # fmt: skip
+UNLOGGED = (
+    "model=tiny",
+    "train.steps=6",
+    "train.untimed_steps=1",
+    "train.log_every=5",
+    "debug.fail_rank={rank}",
+    "debug.fail_step=3",
+)
 
 
 def _unlogged(parallel: str, rank: int, *more: str) -> tuple[str, ...]:
@@ -69,8 +83,13 @@ def _unlogged(parallel: str, rank: int, *more: str) -> tuple[str, ...]:
 
 def test_steps_after_the_last_log_step_survive_a_failure(tmp_path, experiment):
     """A single rank: the failed run's steps are the completed run's, exactly."""
-    _, completed = experiment("model=tiny", "parallel=single", "train.steps=6",
-                              "train.untimed_steps=1", "train.log_every=5")  # fmt: skip
+    _, completed = experiment(
+        "model=tiny",
+        "parallel=single",
+        "train.steps=6",
+        "train.untimed_steps=1",
+        "train.log_every=5",
+    )
     cfg = config_in(tmp_path, *_unlogged("single", 0))
     failed = measure(cfg, "run", launch_local)
     assert failed.meta["status"] == "failed"
@@ -85,8 +104,9 @@ def test_steps_after_the_last_log_step_survive_a_failure(tmp_path, experiment):
 def test_failed_ddp_run_keeps_the_dp_mean_and_prints_the_traceback(tmp_path, experiment, capsys):
     """Both ranks write their own losses as they fail; the driver's mean is the log step's.
     The failing rank's traceback is printed once beside the one-line error, and kept."""
-    _, completed = experiment("model=tiny", "parallel=ddp", "train.steps=6",
-                              "train.untimed_steps=1", "train.log_every=5")  # fmt: skip
+    _, completed = experiment(
+        "model=tiny", "parallel=ddp", "train.steps=6", "train.untimed_steps=1", "train.log_every=5"
+    )
     cfg = config_in(tmp_path, *_unlogged("ddp", 1))
     capsys.readouterr()
     assert reported(lambda: run_experiment(cfg, launch_local)) == 1
@@ -114,8 +134,10 @@ def test_rank_killed_by_a_signal_is_the_one_named(tmp_path):
     error = failed.meta["error"]
     assert failed.meta["failed_rank"] == 1
     assert error.startswith(tuple(f"rank 1 was killed ({s}), " for s in ("SIGKILL", SIGNAL_UNSEEN)))
-    figures = (r"predicted peak \d+\.\d\d GiB per rank \(plan\), measured \d+\.\d\d GiB resident "
-               r"before it died, host has \d+\.\d GiB for 2 rank\(s\)")  # fmt: skip
+    figures = (
+        r"predicted peak \d+\.\d\d GiB per rank \(plan\), measured \d+\.\d\d GiB resident "
+        r"before it died, host has \d+\.\d GiB for 2 rank\(s\)"
+    )
     assert re.search(figures, error)
     # "out of memory" is claimed only where the kernel's counter says so
     counted = ("oom_kill count did not change" in error) or ("oom_kill count rose" in error)

@@ -13,10 +13,16 @@ from meshrun.driver.experiment import measure
 from tests.ranks import config_in, losses
 
 COMMON = (
-    "model=tiny", "train.steps=8", "train.untimed_steps=1", "train.global_batch_size=8",
-    "train.micro_batch_size=2", "train.seq_len=32", "train.seed=4", "train.precision=fp16",
+    "model=tiny",
+    "train.steps=8",
+    "train.untimed_steps=1",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "train.seq_len=32",
+    "train.seed=4",
+    "train.precision=fp16",
     "metrics.baseline=off",
-)  # fmt: skip
+)
 
 
 def _run(tmp: Path, rank_pool, *overrides: str):
@@ -31,9 +37,14 @@ def single_fp16(tmp_path_factory, rank_pool) -> list[float]:
 
 
 @pytest.mark.parametrize(
-    "layout", ["ddp", "pp2", pytest.param("fsdp", marks=pytest.mark.slow),
-               pytest.param("tp2", marks=pytest.mark.slow)]
-)  # fmt: skip
+    "layout",
+    [
+        "ddp",
+        "pp2",
+        pytest.param("fsdp", marks=pytest.mark.slow),
+        pytest.param("tp2", marks=pytest.mark.slow),
+    ],
+)
 def test_fp16_layouts_train_like_one_device(tmp_path, rank_pool, single_fp16, layout):
     got = losses(_run(tmp_path, rank_pool, f"parallel={layout}"))
     for step, (loss, want) in enumerate(zip(got, single_fp16, strict=True)):
@@ -45,8 +56,13 @@ def test_fp16_layouts_train_like_one_device(tmp_path, rank_pool, single_fp16, la
 def test_overflowing_steps_are_skipped_and_the_scale_backs_off(tmp_path, rank_pool, layout):
     """A scale of 2**26 overflows fp16's gradients: the first steps are skipped, the scale
     halves each time until the gradients fit, and the run then trains."""
-    measured = _run(tmp_path, rank_pool, f"parallel={layout}", f"train.loss_scale.init={2**26}",
-                    "train.steps=16")  # fmt: skip
+    measured = _run(
+        tmp_path,
+        rank_pool,
+        f"parallel={layout}",
+        f"train.loss_scale.init={2**26}",
+        "train.steps=16",
+    )
     skipped = measured.meta["skipped_steps"]
     assert skipped[:4] == [0, 1, 2, 3] and len(skipped) <= 10, skipped  # 2**22 still overflows
     trained = [step for step in range(16) if step not in skipped]
@@ -58,9 +74,16 @@ def test_the_loss_scale_survives_a_resume_bit_for_bit(tmp_path, rank_pool):
     """A scale that overflows at first and grows every 2 steps: the scale and its count of
     good steps are in the checkpoint, so the resumed run skips and grows as the whole did."""
     scaling = (f"train.loss_scale.init={2**26}", "train.loss_scale.growth_interval=2")
-    whole = _run(tmp_path / "whole", rank_pool, "parallel=ddp", "checkpoint.every_steps=4",
-                 *scaling)  # fmt: skip
+    whole = _run(
+        tmp_path / "whole", rank_pool, "parallel=ddp", "checkpoint.every_steps=4", *scaling
+    )
     first = complete(tmp_path / "whole" / "run" / "checkpoints")[0]
-    resumed = _run(tmp_path / "resumed", rank_pool, "parallel=ddp", f"checkpoint.resume={first}",
-                   f"checkpoint.dir={tmp_path}/more", *scaling)  # fmt: skip
+    resumed = _run(
+        tmp_path / "resumed",
+        rank_pool,
+        "parallel=ddp",
+        f"checkpoint.resume={first}",
+        f"checkpoint.dir={tmp_path}/more",
+        *scaling,
+    )
     assert losses(resumed)[4:] == losses(whole)[4:]

@@ -21,8 +21,9 @@ def _gathered_after_forward(_) -> dict[str, bool]:
     cfg = resolved_config("model=tiny")
     model = build_model(cfg.model, cfg.train.seq_len, torch.device("cpu"))
     model.init_weights(0)
-    apply_fsdp(model, mesh, Layout(dp_shard=2), reshard_after_forward=True,
-               param_dtype=torch.float32)  # fmt: skip
+    apply_fsdp(
+        model, mesh, Layout(dp_shard=2), reshard_after_forward=True, param_dtype=torch.float32
+    )
     model(torch.zeros(1, 8, dtype=torch.long))
     blocks = list(model.layers.values())
     gathered = {

@@ -49,8 +49,14 @@ def test_cuda_memory_breakdown_carries_allocator_figures_beside_the_prediction(m
 
 def test_compiled_blocks_train_the_uncompiled_losses_on_cuda(meshrun):
     """train.compile through inductor's Triton backend; fused AdamW on the device."""
-    common = ("parallel=single", "model=tiny", "train.steps=4", "train.untimed_steps=1",
-              "train.precision=fp32", "metrics.baseline=off")  # fmt: skip
+    common = (
+        "parallel=single",
+        "model=tiny",
+        "train.steps=4",
+        "train.untimed_steps=1",
+        "train.precision=fp32",
+        "metrics.baseline=off",
+    )
     eager = meshrun(*common)
     compiled = meshrun(*common, "train.compile=true")
     assert eager.returncode == compiled.returncode == 0, eager.output + compiled.output

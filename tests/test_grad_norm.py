@@ -104,12 +104,14 @@ def _local_adamw_steps(kernels: dict[str, bool]) -> dict[str, object]:
         "states": [{key: _full(value) for key, value in state.items()} for state in states],
         # DTensors of their parameter's layout, as DCP saves and reshards them
         "states_as_params": [
-            {isinstance(state[key], DTensor) == isinstance(p, DTensor)
-             and getattr(state[key], "placements", None) == getattr(p, "placements", None)
-             for key in ("exp_avg", "exp_avg_sq")}
+            {
+                isinstance(state[key], DTensor) == isinstance(p, DTensor)
+                and getattr(state[key], "placements", None) == getattr(p, "placements", None)
+                for key in ("exp_avg", "exp_avg_sq")
+            }
             for p, state in zip(params, states, strict=True)
         ],
-    }  # fmt: skip
+    }
 
 
 KERNELS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}
@@ -126,8 +128,9 @@ def test_adamw_on_local_shards_equals_torchs_on_the_full_tensors(rank_pool, kern
     for _ in range(2):
         optimizer.step()
     for rank in rank_pool.run(_local_adamw_steps, kernels, world_size=4):
-        for name, want, got, state in zip(full, params, rank["params"], rank["states"],
-                                          strict=True):  # fmt: skip
+        for name, want, got, state in zip(
+            full, params, rank["params"], rank["states"], strict=True
+        ):
             torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-6, msg=name)
             for key, value in optimizer.state[want].items():
                 torch.testing.assert_close(state[key], value, rtol=1e-6, atol=1e-6, msg=name)

@@ -120,8 +120,9 @@ def test_no_cuda_gives_the_cpu_profile_with_the_host_memory():
 
 def test_link_figures_given_beside_auto_win_over_the_detected_profile():
     facts = HostFacts(cuda_devices=[], cpu_count=2, memory_gib=8.0)
-    given = HardwareConfig(name="auto", intra_node=LinkConfig(bw_gbs=5.0),
-                           network=NetworkConfig(nic_gbps=25.0))  # fmt: skip
+    given = HardwareConfig(
+        name="auto", intra_node=LinkConfig(bw_gbs=5.0), network=NetworkConfig(nic_gbps=25.0)
+    )
     profile = resolve_hardware(given, facts)
     detected = detect_profile(facts)
     assert profile.name == "cpu"

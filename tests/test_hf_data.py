@@ -32,8 +32,11 @@ CPU = torch.device("cpu")
 
 def hf_config(corpus, tmp_path, path=None, *extra: str):
     """The composed config of data=hf on `corpus`, its cache under `tmp_path`."""
-    return compose_config(*corpus.overrides(path, f"data.cache_dir={tmp_path / 'cache'}",
-                                            f"train.seq_len={SEQ}", *extra))  # fmt: skip
+    return compose_config(
+        *corpus.overrides(
+            path, f"data.cache_dir={tmp_path / 'cache'}", f"train.seq_len={SEQ}", *extra
+        )
+    )
 
 
 def prepared(corpus, tmp_path, *extra: str) -> DataConfig:
@@ -47,9 +50,13 @@ def train_stream(data: DataConfig, seed: int = 0) -> HFWindows:
 def test_every_format_and_tokenizer_form_load_to_the_same_tokens(hf_corpus, tmp_path):
     caches = {
         name: prepare(hf_config(hf_corpus, tmp_path, path)).cache
-        for name, path in [("jsonl", hf_corpus.jsonl), ("parquet", hf_corpus.parquet),
-                           ("text", hf_corpus.text), ("disk", hf_corpus.disk)]
-    }  # fmt: skip
+        for name, path in [
+            ("jsonl", hf_corpus.jsonl),
+            ("parquet", hf_corpus.parquet),
+            ("text", hf_corpus.text),
+            ("disk", hf_corpus.disk),
+        ]
+    }
     from_dir = hf_config(hf_corpus, tmp_path, None, f"data.tokenizer={hf_corpus.tokenizer_dir}")
     caches["tokenizer directory"] = prepare(from_dir).cache
     assert len({c.path for c in caches.values()}) == len(caches)  # each its own fingerprint
@@ -79,8 +86,10 @@ def test_cache_is_reused_and_rebuilt_when_the_dataset_changes(tmp_path):
     reused_s = time.perf_counter() - started
     assert first.built and not again.built
     assert again.cache.path == first.cache.path
-    print(f"prepare: {built_s:.2f} s tokenizing {first.cache.meta['n_tokens']} tokens, "
-          f"{reused_s:.3f} s reusing the cache")  # fmt: skip
+    print(
+        f"prepare: {built_s:.2f} s tokenizing {first.cache.meta['n_tokens']} tokens, "
+        f"{reused_s:.3f} s reusing the cache"
+    )
     with corpus.jsonl.open("a") as f:
         f.write(json.dumps({"text": "the cat sees a new document."}) + "\n")
     changed = prepare(cfg)
@@ -195,9 +204,15 @@ def test_start_step_continues_where_a_run_from_zero_is(hf_corpus, tmp_path):
 
 
 def test_ddp_on_hf_data_learns_with_the_losses_of_one_device(experiment, hf_corpus, tmp_path):
-    common = (*hf_corpus.overrides(), f"data.cache_dir={tmp_path}", f"train.seq_len={SEQ}",
-              "train.steps=12",
-              "train.lr=3e-3", "train.seed=1", "metrics.baseline=off")  # fmt: skip
+    common = (
+        *hf_corpus.overrides(),
+        f"data.cache_dir={tmp_path}",
+        f"train.seq_len={SEQ}",
+        "train.steps=12",
+        "train.lr=3e-3",
+        "train.seed=1",
+        "metrics.baseline=off",
+    )
     single_cfg, single = experiment("parallel=single", *common)
     cfg, ddp = experiment("parallel=ddp", *common)
     assert single.ok and ddp.ok, (single.meta["error"], ddp.meta["error"])
@@ -210,9 +225,11 @@ def test_ddp_on_hf_data_learns_with_the_losses_of_one_device(experiment, hf_corp
 
 
 def test_data_wait_share_is_recorded_and_a_stall_shown():
-    steps = [{"step_time_s": None, "data_wait_s": 5.0},  # untimed: not counted
-             {"step_time_s": 1.0, "data_wait_s": 0.25},
-             {"step_time_s": 3.0, "data_wait_s": 0.75}]  # fmt: skip
+    steps = [
+        {"step_time_s": None, "data_wait_s": 5.0},  # untimed: not counted
+        {"step_time_s": 1.0, "data_wait_s": 0.25},
+        {"step_time_s": 3.0, "data_wait_s": 0.75},
+    ]
     assert data_wait_share(steps) == pytest.approx(0.25)
     assert data_wait_share([{"step_time_s": 1.0}]) is None  # a record from before the field
     with console.capture() as captured:

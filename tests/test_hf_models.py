@@ -23,13 +23,22 @@ from tests.test_layouts import MICRO4  # TP without a pipeline: 2 micro-batches
 
 STEPS = 4
 COMMON = (
-    "model=hf/tiny-llama", f"train.steps={STEPS}", "train.untimed_steps=1",
-    "train.global_batch_size=8", "train.micro_batch_size=2", "train.seq_len=64",
-    "train.seed=3", "metrics.baseline=off",
-)  # fmt: skip
+    "model=hf/tiny-llama",
+    f"train.steps={STEPS}",
+    "train.untimed_steps=1",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "train.seq_len=64",
+    "train.seed=3",
+    "metrics.baseline=off",
+)
 # By default one layout of each kind; the rest with -m slow (make test-all).
-DEFAULT = {"fsdp", "pp2_interleaved_split_by_measured_cost", "tp2_pp2_sequence_parallel",
-           "dp2_tp2_pp2"}  # fmt: skip
+DEFAULT = {
+    "fsdp",
+    "pp2_interleaved_split_by_measured_cost",
+    "tp2_pp2_sequence_parallel",
+    "dp2_tp2_pp2",
+}
 GPT2_DEFAULT = {"fsdp", "tp2", "fsdp2_tp2_sequence_parallel"}
 LAYOUTS = {
     "ddp": ("parallel=ddp",),
@@ -41,13 +50,17 @@ LAYOUTS = {
     "pp2_gpipe": ("parallel=pp2", "parallel.schedule=gpipe"),
     "pp2_interleaved": ("parallel=pp2_interleaved",),
     # stages cut by the measured cost of transformers' decoder layers
-    "pp2_interleaved_split_by_measured_cost": ("parallel=pp2_interleaved",
-                                               "parallel.pp_layers=auto"),
+    "pp2_interleaved_split_by_measured_cost": (
+        "parallel=pp2_interleaved",
+        "parallel.pp_layers=auto",
+    ),
     "tp2_pp2_sequence_parallel": ("parallel=tp2_pp2", "parallel.sequence_parallel=true"),
     "dp2_tp2_pp2": ("parallel=dp2_tp2_pp2",),
-    "fsdp_selective_checkpointing": ("parallel=fsdp",
-                                     "parallel.activation_checkpointing=selective"),
-}  # fmt: skip
+    "fsdp_selective_checkpointing": (
+        "parallel=fsdp",
+        "parallel.activation_checkpointing=selective",
+    ),
+}
 
 
 GPT2_COMMON = (*(o for o in COMMON if not o.startswith("model=")), "model=hf/tiny-gpt2")
@@ -67,16 +80,19 @@ GPT2_LAYOUTS = {  # tied embeddings: no pipeline (the two would sit on different
 def transformers_twin(model, architecture: str) -> torch.nn.Module:
     """The transformers model itself with meshrun's view's weights."""
     twin = model_class(architecture)._from_config(model.config, attn_implementation="sdpa")
-    ours = {model.source_name(n): p.T if n in model.transposed else p
-            for n, p in model.named_parameters()}  # fmt: skip
+    ours = {
+        model.source_name(n): p.T if n in model.transposed else p
+        for n, p in model.named_parameters()
+    }
     missing, _ = twin.load_state_dict(ours, strict=False)
     assert set(missing) <= {"lm_head.weight"} if model.tied else not missing
     return twin
 
 
-@pytest.mark.parametrize(("preset", "architecture", "vocab"),
-                         [("hf/tiny-llama", "LlamaForCausalLM", 256),
-                          ("hf/tiny-gpt2", "GPT2LMHeadModel", 509)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("preset", "architecture", "vocab"),
+    [("hf/tiny-llama", "LlamaForCausalLM", 256), ("hf/tiny-gpt2", "GPT2LMHeadModel", 509)],
+)
 def test_meshrun_view_computes_transformers_own_forward(preset, architecture, vocab):
     model = build_hf(compose_config(f"model={preset}").model, "cpu")
     model.init_weights(seed=0)
@@ -137,8 +153,9 @@ def check_like_one_device(experiment, single_losses, overrides, common) -> None:
 
 
 def cases(layouts: dict, default: set[str]) -> list:
-    return [pytest.param(name, marks=() if name in default else pytest.mark.slow)
-            for name in layouts]  # fmt: skip
+    return [
+        pytest.param(name, marks=() if name in default else pytest.mark.slow) for name in layouts
+    ]
 
 
 @pytest.mark.parametrize("layout", cases(LAYOUTS, DEFAULT))
@@ -193,16 +210,21 @@ def test_pretrained_weights_give_transformers_own_first_loss_each_rank_reading_i
 @pytest.mark.parametrize(
     ("overrides", "key", "fragment"),
     [
-        (["+model.config.num_hiden_layers=2"], "model.config.num_hiden_layers",
-         "model.config.num_hidden_layers (nearest)"),
-        (["model.architecture=LlamaForCasualLM"], "model.architecture",
-         "LlamaForCausalLM"),
+        (
+            ["+model.config.num_hiden_layers=2"],
+            "model.config.num_hiden_layers",
+            "model.config.num_hidden_layers (nearest)",
+        ),
+        (["model.architecture=LlamaForCasualLM"], "model.architecture", "LlamaForCausalLM"),
         (["model.pretrained=/nonexistent"], "model.pretrained", "no config.json there"),
-        (["parallel=tp2", "model.config.num_key_value_heads=1"], "parallel.tp",
-         "model.n_kv_heads (1) is not divisible by tp"),
+        (
+            ["parallel=tp2", "model.config.num_key_value_heads=1"],
+            "parallel.tp",
+            "model.n_kv_heads (1) is not divisible by tp",
+        ),
     ],
     ids=str,
-)  # fmt: skip
+)
 def test_hf_config_mistakes_are_refused_before_launch(overrides, key, fragment):
     with pytest.raises(ConfigError) as caught:
         resolve(compose_config("model=hf/tiny-llama", *overrides), HostFacts.detect())
@@ -212,12 +234,18 @@ def test_hf_config_mistakes_are_refused_before_launch(overrides, key, fragment):
 
 @pytest.mark.parametrize(
     ("overrides", "fragment"),
-    [(("model=hf/mistral-7b", "model.config.sliding_window=64"),
-      "longer than the model's sliding window (model.config.sliding_window=64)"),
-     (("model=hf/tiny-gpt2", "model.config.n_positions=32"),
-      "longer than the learned position table (32 positions)")],
+    [
+        (
+            ("model=hf/mistral-7b", "model.config.sliding_window=64"),
+            "longer than the model's sliding window (model.config.sliding_window=64)",
+        ),
+        (
+            ("model=hf/tiny-gpt2", "model.config.n_positions=32"),
+            "longer than the learned position table (32 positions)",
+        ),
+    ],
     ids=("sliding-window", "positions"),
-)  # fmt: skip
+)
 def test_a_sequence_the_model_cannot_attend_over_is_refused(overrides, fragment):
     with pytest.raises(ConfigError) as caught:
         resolve(compose_config(*overrides, "train.seq_len=128"), HostFacts.detect())
@@ -226,8 +254,11 @@ def test_a_sequence_the_model_cannot_attend_over_is_refused(overrides, fragment)
 
 def test_a_checkpoint_of_another_shape_is_refused(tmp_path):
     saved_hf(tmp_path / "ckpt")
-    cfg = compose_config("model=hf/tiny-llama", "model.config.num_hidden_layers=2",
-                         f"model.pretrained={tmp_path / 'ckpt'}")  # fmt: skip
+    cfg = compose_config(
+        "model=hf/tiny-llama",
+        "model.config.num_hidden_layers=2",
+        f"model.pretrained={tmp_path / 'ckpt'}",
+    )
     with pytest.raises(ConfigError, match=r"its config.json has num_hidden_layers=4, the preset 2"):
         resolve(cfg, HostFacts.detect())
 
@@ -239,7 +270,10 @@ def test_a_directory_without_weights_or_of_another_architecture_is_refused(tmp_p
     with pytest.raises(ConfigError, match=r"no \.safetensors weights there"):
         resolve(cfg, HostFacts.detect())
     saved_hf(tmp_path / "ckpt")
-    cfg = compose_config("model=hf/tiny-llama", "model.architecture=MistralForCausalLM",
-                         f"model.pretrained={tmp_path / 'ckpt'}")  # fmt: skip
+    cfg = compose_config(
+        "model=hf/tiny-llama",
+        "model.architecture=MistralForCausalLM",
+        f"model.pretrained={tmp_path / 'ckpt'}",
+    )
     with pytest.raises(ConfigError, match=r"holds \['LlamaForCausalLM'\], the preset is Mistral"):
         resolve(cfg, HostFacts.detect())

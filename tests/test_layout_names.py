@@ -34,11 +34,14 @@ NAMES = {
     ("parallel=fsdp2_tp2", "parallel.sequence_parallel=true"): "fsdp2 x tp2(sp)",
     ("parallel=tp2_pp2",): "pp2(1f1b, m=4) x tp2",
     ("parallel=dp2_pp2",): "pp2(1f1b, m=2) x fsdp-replicate2",
-    ("parallel=pp2_interleaved", "train.micro_batch_size=1", "parallel.pp_layers=[1,1,1,1]"):
-        "pp2(interleaved_1f1b, 2 stages/rank, m=8, layers=[1,1,1,1])",
+    (
+        "parallel=pp2_interleaved",
+        "train.micro_batch_size=1",
+        "parallel.pp_layers=[1,1,1,1]",
+    ): "pp2(interleaved_1f1b, 2 stages/rank, m=8, layers=[1,1,1,1])",
     ("parallel=pp2", "parallel.schedule=gpipe", "train.micro_batch_size=8"): "pp2(gpipe, m=1)",
     ("parallel=tp2", "parallel.activation_checkpointing=full"): "tp2, ckpt=full",
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize(("overrides", "name"), NAMES.items(), ids=str)
@@ -48,15 +51,22 @@ def test_canonical_name_of_a_resolved_layout(overrides, name):
 
 def test_dataparallel_is_named_by_its_devices():
     cfg = compose_config(*TINY, "parallel=single")
-    parallel = ParallelConfig(name="dataparallel", data_parallel="dataparallel",
-                              dataparallel_devices=4)  # fmt: skip
+    parallel = ParallelConfig(
+        name="dataparallel", data_parallel="dataparallel", dataparallel_devices=4
+    )
     assert layout_name(dataclasses.replace(cfg, parallel=parallel)) == "dataparallel4"
 
 
 def meta(run_id: str) -> dict:
-    return {"run_id": run_id, "role": "run", "created_at": "2026-01-02T03:04:05+00:00",
-            "status": "completed", "error": None, "failed_rank": None,
-            "duration_s": 1.0}  # fmt: skip
+    return {
+        "run_id": run_id,
+        "role": "run",
+        "created_at": "2026-01-02T03:04:05+00:00",
+        "status": "completed",
+        "error": None,
+        "failed_rank": None,
+        "duration_s": 1.0,
+    }
 
 
 def test_ddp_bucket_view_fsdp_and_dp2_tp2_have_different_names_in_store_and_report(tmp_path):
@@ -68,8 +78,16 @@ def test_ddp_bucket_view_fsdp_and_dp2_tp2_have_different_names_in_store_and_repo
     stored = {r.parallel: r.layout_name for r in store.records()}
     assert len(set(stored.values())) == len(presets), stored
     shown = {run["parallel"]: cells(run)["layout"] for run in store.runs()}
-    assert shown == stored == {"ddp": "ddp2", "ddp_bucket_view": "ddp2(bucket-view)",
-                               "fsdp": "fsdp2", "dp2_tp2": "fsdp-replicate2 x tp2"}  # fmt: skip
+    assert (
+        shown
+        == stored
+        == {
+            "ddp": "ddp2",
+            "ddp_bucket_view": "ddp2(bucket-view)",
+            "fsdp": "fsdp2",
+            "dp2_tp2": "fsdp-replicate2 x tp2",
+        }
+    )
     # the report's filter takes the preset or the canonical name
     for preset, name in stored.items():
         for wanted in (preset, name):
@@ -92,19 +110,27 @@ RERUN = [
 @pytest.mark.parametrize("overrides", RERUN, ids=str)
 def test_printed_overrides_run_the_same_layout_again(overrides):
     cfg = resolved_config(*overrides)
-    again = resolved_config("model=tiny", "train.global_batch_size=8",
-                            *layout_overrides(cfg).split())  # fmt: skip
+    again = resolved_config(
+        "model=tiny", "train.global_batch_size=8", *layout_overrides(cfg).split()
+    )
     assert layout_name(again) == layout_name(cfg)
     assert again.parallel == cfg.parallel
     assert again.train.micro_batch_size == cfg.train.micro_batch_size
 
 
 def test_run_again_keeps_what_was_given_and_writes_out_the_resolved_layout():
-    given = ("model=hf/tiny-llama", "train.global_batch_size=8", "name=my run",
-             "parallel=auto", "parallel.pp_layers=auto", "train.micro_batch_size=2",
-             "hydra.run.dir=/tmp/x")  # fmt: skip
-    cfg = resolved_config(*given[:2], "parallel=pp2", "parallel.pp_layers=[3,1]",
-                          "train.micro_batch_size=2")  # fmt: skip
+    given = (
+        "model=hf/tiny-llama",
+        "train.global_batch_size=8",
+        "name=my run",
+        "parallel=auto",
+        "parallel.pp_layers=auto",
+        "train.micro_batch_size=2",
+        "hydra.run.dir=/tmp/x",
+    )
+    cfg = resolved_config(
+        *given[:2], "parallel=pp2", "parallel.pp_layers=[3,1]", "train.micro_batch_size=2"
+    )
     again = shlex.split(rerun_overrides(given, cfg))
     assert again[:3] == ["model=hf/tiny-llama", "train.global_batch_size=8", "name=my run"]
     assert again[3:] == layout_overrides(cfg).split()  # auto resolved, stated once
@@ -113,8 +139,9 @@ def test_run_again_keeps_what_was_given_and_writes_out_the_resolved_layout():
 
 
 def test_planner_rows_rerun_as_themselves():
-    ranked = search(resolved_config(*TINY, "parallel=single", "hardware=cpu"), Box(1, 4),
-                    HostFacts.detect()).ranked  # fmt: skip
+    ranked = search(
+        resolved_config(*TINY, "parallel=single", "hardware=cpu"), Box(1, 4), HostFacts.detect()
+    ).ranked
     assert len({c.label for c in ranked}) == len(ranked)  # one name per planner row
     for c in ranked:
         again = resolved_config(*TINY[:2], "hardware=cpu", *c.overrides().split())

@@ -21,10 +21,16 @@ from tests.ranks import assert_steps_match, config_in, losses
 STEPS = 4
 MICRO4 = "train.micro_batch_size=4"
 COMMON = (
-    "model=tiny", f"train.steps={STEPS}", "train.untimed_steps=1", "train.global_batch_size=8",
-    "train.micro_batch_size=2", "train.seq_len=64", "train.precision=fp32", "train.seed=3",
+    "model=tiny",
+    f"train.steps={STEPS}",
+    "train.untimed_steps=1",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "train.seq_len=64",
+    "train.precision=fp32",
+    "train.seed=3",
     "metrics.baseline=off",
-)  # fmt: skip
+)
 LAYOUTS = {
     "ddp": ("parallel=ddp",),
     "ddp_bucket_view": ("parallel=ddp_bucket_view",),
@@ -36,26 +42,33 @@ LAYOUTS = {
     "pp2_1f1b": ("parallel=pp2",),
     "pp2_gpipe": ("parallel=pp2", "parallel.schedule=gpipe"),
     # the whole global batch as one micro-batch: no pipelining at all
-    "pp2_naive_one_microbatch": ("parallel=pp2", "parallel.schedule=gpipe",
-                                 "train.micro_batch_size=8"),
+    "pp2_naive_one_microbatch": (
+        "parallel=pp2",
+        "parallel.schedule=gpipe",
+        "train.micro_batch_size=8",
+    ),
     "pp4": ("parallel=pp4",),
     "pp4_gpipe_prefetching_receives": ("parallel=pp4", "parallel.schedule=gpipe"),
     "pp2_interleaved": ("parallel=pp2_interleaved",),
-    "pp2_interleaved_zero_bubble": ("parallel=pp2_interleaved",
-                                    "parallel.schedule=interleaved_zb"),
+    "pp2_interleaved_zero_bubble": ("parallel=pp2_interleaved", "parallel.schedule=interleaved_zb"),
     "pp2_uneven_split": ("parallel=pp2", "parallel.pp_layers=[3,1]"),
     "pp2_split_by_measured_cost": ("parallel=pp2", "parallel.pp_layers=auto"),
     "tp2_pp2": ("parallel=tp2_pp2",),
     "dp2_tp2": ("parallel=dp2_tp2", MICRO4),
     "dp2_pp2": ("parallel=dp2_pp2",),
     "fsdp2_tp2": ("parallel=fsdp2_tp2", MICRO4),
-    "fsdp2_tp2_sequence_parallel": ("parallel=fsdp2_tp2", "parallel.sequence_parallel=true",
-                                    MICRO4),
+    "fsdp2_tp2_sequence_parallel": (
+        "parallel=fsdp2_tp2",
+        "parallel.sequence_parallel=true",
+        MICRO4,
+    ),
     "dp2_tp2_pp2": ("parallel=dp2_tp2_pp2",),
     "ddp_full_checkpointing": ("parallel=ddp", "parallel.activation_checkpointing=full"),
-    "fsdp_selective_checkpointing": ("parallel=fsdp",
-                                     "parallel.activation_checkpointing=selective"),
-}  # fmt: skip
+    "fsdp_selective_checkpointing": (
+        "parallel=fsdp",
+        "parallel.activation_checkpointing=selective",
+    ),
+}
 
 
 @pytest.fixture(scope="session")

@@ -23,8 +23,9 @@ print(" ".join(seen))
 
 
 def test_forkserver_unless_the_drivers_environment_changed_since_it_started():
-    out = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True,
-                         check=True, timeout=120).stdout  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", CHECK], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
     assert out.split() == ["forkserver", "forkserver", "spawn", "spawn"]
 
 
@@ -60,7 +61,8 @@ def test_a_forkserver_ranks_cpu_time_is_the_drivers(tmp_path):
     script = tmp_path / "driver.py"
     script.write_text(BURN)
     before = _children_cpu_s()
-    driver = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                            check=True, timeout=120)  # fmt: skip
+    driver = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, check=True, timeout=120
+    )
     beyond_the_driver = _children_cpu_s() - before - float(driver.stdout)
     assert beyond_the_driver >= 1.0  # the rank's second of CPU, not lost with the server

@@ -28,15 +28,23 @@ def test_warmup_reaches_the_lr_then_each_decay_ends_at_the_floor():
         assert got[-1] == pytest.approx(1.0 if decay == "constant" else 0.1)
     linear, cosine = factors("linear"), factors("cosine")
     assert linear[2:] == pytest.approx([0.1 + 0.9 * (1 - i / 7) for i in range(8)])
-    assert cosine[2:] == pytest.approx([0.1 + 0.45 * (1 + math.cos(math.pi * i / 7))
-                                        for i in range(8)])  # fmt: skip
+    assert cosine[2:] == pytest.approx(
+        [0.1 + 0.45 * (1 + math.cos(math.pi * i / 7)) for i in range(8)]
+    )
     assert all(a >= b for a, b in itertools.pairwise(cosine[1:]))
     assert factors("constant", warmup=0) == [1.0] * STEPS
 
 
-RUN = ("model=tiny", f"train.steps={STEPS}", "train.untimed_steps=1", "train.lr=1e-3",
-       "train.lr_schedule.decay=cosine", "train.lr_schedule.warmup_steps=3",
-       "train.lr_schedule.min_lr_ratio=0.1", "metrics.baseline=off")  # fmt: skip
+RUN = (
+    "model=tiny",
+    f"train.steps={STEPS}",
+    "train.untimed_steps=1",
+    "train.lr=1e-3",
+    "train.lr_schedule.decay=cosine",
+    "train.lr_schedule.warmup_steps=3",
+    "train.lr_schedule.min_lr_ratio=0.1",
+    "metrics.baseline=off",
+)
 
 
 def test_each_step_trains_and_logs_the_scheduled_lr_under_any_layout(experiment):

@@ -26,8 +26,9 @@ PUBLISHED_PARAMS = {
     "gpt3-175b": 175e9,
 }
 # meshrun's own decoder's presets (conf/model/custom.yaml is a user's module, hf/ transformers')
-PRESETS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml")
-                 if "/schema/model/meshrun@" in p.read_text())  # fmt: skip
+PRESETS = sorted(
+    p.stem for p in (CONF_DIR / "model").glob("*.yaml") if "/schema/model/meshrun@" in p.read_text()
+)
 
 
 def load_model_config(name: str) -> LlamaModelConfig:

@@ -41,8 +41,9 @@ def test_interleaved_ranks_own_looped_stages():
 
 
 def test_cut_stage_keeps_layer_names_and_ends_only_where_they_belong():
-    full = build_model(LlamaModelConfig(name="t", dim=32, n_layers=5, n_heads=4, vocab_size=64),
-                       16, "meta")  # fmt: skip
+    full = build_model(
+        LlamaModelConfig(name="t", dim=32, n_layers=5, n_heads=4, vocab_size=64), 16, "meta"
+    )
     first, middle, last = (cut_stage(full, s, [2, 2, 1]) for s in range(3))
     assert list(first.layers) == ["0", "1"] and first.tok_embeddings is not None
     assert first.output is None and first.norm is None
@@ -50,20 +51,33 @@ def test_cut_stage_keeps_layer_names_and_ends_only_where_they_belong():
     assert list(last.layers) == ["4"] and last.output is not None and last.norm is not None
 
 
-@pytest.mark.parametrize(("pp", "m", "v", "expected"), [(2, 1, 1, 1 / 2), (4, 8, 1, 3 / 11),
-                                                         (2, 4, 2, 1 / 9)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("pp", "m", "v", "expected"), [(2, 1, 1, 1 / 2), (4, 8, 1, 3 / 11), (2, 4, 2, 1 / 9)]
+)
 def test_theoretical_bubble(pp, m, v, expected):
     assert theoretical_bubble(pp, m, v) == pytest.approx(expected)
 
 
-PP_SMALL = ("model=small", "parallel=pp2", "train.global_batch_size=8", "train.steps=4",
-            "train.untimed_steps=2", "metrics.baseline=off")  # fmt: skip
+PP_SMALL = (
+    "model=small",
+    "parallel=pp2",
+    "train.global_batch_size=8",
+    "train.steps=4",
+    "train.untimed_steps=2",
+    "metrics.baseline=off",
+)
 
 
 def test_bubble_is_measured_and_recorded_beside_the_theory(experiment, capsys):
-    cfg, measured = experiment("model=tiny", "parallel=pp2", "parallel.schedule=gpipe",
-                               "train.global_batch_size=8", "train.micro_batch_size=4",
-                               "train.steps=5", "metrics.baseline=off")  # fmt: skip
+    cfg, measured = experiment(
+        "model=tiny",
+        "parallel=pp2",
+        "parallel.schedule=gpipe",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=4",
+        "train.steps=5",
+        "metrics.baseline=off",
+    )
     assert measured.ok, measured.meta["error"]
     store = ResultsStore(cfg.store.path)
     results = record(cfg, measured, None, store)  # results.json and the store row
@@ -77,9 +91,16 @@ def test_bubble_is_measured_and_recorded_beside_the_theory(experiment, capsys):
     assert "bubble (gpipe, m=2)" in capsys.readouterr().out
 
 
-HEAVY_HEAD = ("model=tiny", "model.vocab_size=16384", "parallel=pp2", "train.global_batch_size=8",
-              "train.micro_batch_size=4", "train.steps=3", "train.untimed_steps=1",
-              "metrics.baseline=off")  # fmt: skip
+HEAVY_HEAD = (
+    "model=tiny",
+    "model.vocab_size=16384",
+    "parallel=pp2",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=4",
+    "train.steps=3",
+    "train.untimed_steps=1",
+    "metrics.baseline=off",
+)
 
 
 def test_pp_layers_auto_moves_layers_off_a_heavy_head_and_trains_as_its_split(experiment):
@@ -105,8 +126,9 @@ def test_1f1b_holds_fewer_activations_than_gpipe(experiment):
     until the backward starts; 1F1B keeps at most pp=2 of them."""
     peaks = {}
     for schedule in ("gpipe", "1f1b"):
-        _, measured = experiment(*PP_SMALL, f"parallel.schedule={schedule}",
-                                 "train.micro_batch_size=1")  # fmt: skip
+        _, measured = experiment(
+            *PP_SMALL, f"parallel.schedule={schedule}", "train.micro_batch_size=1"
+        )
         assert measured.ok, measured.meta["error"]
         peaks[schedule] = measured.memory[0]["peak"]  # rank 0: the first stage
     assert peaks["gpipe"] > peaks["1f1b"] + 20 * 2**20
@@ -131,8 +153,12 @@ def test_measured_bubble_follows_theory_on_a_balanced_pipeline(meshrun, schedule
     2 shared cores its bubble spread over +8..+42% in nine runs of one config (the jitter of
     two ranks computing at once adds up over GPipe's 8 dependent hops), which a test cannot
     assert without failing at random."""
-    run = meshrun("experiment=pipeline_bubble", f"parallel.schedule={schedule}",
-                  f"train.micro_batch_size={64 // microbatches}", timeout=600)  # fmt: skip
+    run = meshrun(
+        "experiment=pipeline_bubble",
+        f"parallel.schedule={schedule}",
+        f"train.micro_batch_size={64 // microbatches}",
+        timeout=600,
+    )
     assert run.returncode == 0, run.output
     results = run.results
     theory = results["bubble_theoretical"]

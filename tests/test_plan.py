@@ -67,10 +67,11 @@ def test_each_hop_of_a_collective_costs_the_links_latency():
     and the head's input gradient (2 ring steps each on 2 ranks), the embedding's all-reduce
     (2), the logits' all-gather (1)."""
     fast, slow = (
-        predict_speed(resolved_config("parallel=tp2", f"hardware.intra_node.latency_us={us}"),
-                      HOST_FLOPS)
+        predict_speed(
+            resolved_config("parallel=tp2", f"hardware.intra_node.latency_us={us}"), HOST_FLOPS
+        )
         for us in (500, 1500)
-    )  # fmt: skip
+    )
     hops = 4 * (4 * 4 * 2 + 2 + 2 + 1)
     assert slow.comm_s - fast.comm_s == pytest.approx(hops * 1e-3)
     assert slow.compute_s == fast.compute_s
@@ -106,8 +107,10 @@ def test_llama_7b_ddp_does_not_fit_an_a6000_and_the_plan_names_layouts_that_do(t
     assert fitting and plan["layouts"][0]["fits"]  # fitting layouts are ranked first
     # fastest first, where 2% apart; closer than that, the one with the lower peak first
     top = max(e["speed"]["tokens_per_s"] for e in fitting)
-    bands = [(math.floor(math.log(top / e["speed"]["tokens_per_s"]) / -math.log(0.98)),
-              e["peak_bytes"]) for e in fitting]  # fmt: skip
+    bands = [
+        (math.floor(math.log(top / e["speed"]["tokens_per_s"]) / -math.log(0.98)), e["peak_bytes"])
+        for e in fitting
+    ]
     assert bands == sorted(bands) and len({b for b, _ in bands}) > 3
     assert all(e["peak_bytes"] <= min(e["capacity_bytes"]) for e in fitting)
     # an A6000's 47.5 GiB less 1 GiB of headroom, less the allocator's 10% of the rest
@@ -127,8 +130,9 @@ def test_a_vocabulary_no_tp_degree_divides_still_plans_tensor_parallel_layouts(t
 
 
 def test_mixed_box_gets_an_uneven_split_with_more_layers_on_the_faster_devices(tmp_path):
-    run, plan = meshrun_plan(tmp_path, "model=llama-7b", "hardware=2xa100-6xa6000",
-                              "train.precision=bf16")  # fmt: skip
+    run, plan = meshrun_plan(
+        tmp_path, "model=llama-7b", "hardware=2xa100-6xa6000", "train.precision=bf16"
+    )
     assert plan["world_size"] == 8
     uneven = [e for e in plan["layouts"] if e["pp_layers"]]
     assert uneven
@@ -149,10 +153,12 @@ def test_proportional_split_keeps_every_stage_and_all_layers():
 def test_planner_predicts_pp_layers_auto_with_the_formula_split():
     """A 16k vocabulary's head costs more than a `tiny` block's matmuls: the planner's auto
     split (it cannot time) gives the last stage fewer layers, and predicts that split."""
-    auto = resolved_config("model=tiny", "model.vocab_size=16384", "parallel=pp2",
-                           "parallel.pp_layers=auto")  # fmt: skip
-    explicit = resolved_config("model=tiny", "model.vocab_size=16384", "parallel=pp2",
-                               "parallel.pp_layers=[3,1]")  # fmt: skip
+    auto = resolved_config(
+        "model=tiny", "model.vocab_size=16384", "parallel=pp2", "parallel.pp_layers=auto"
+    )
+    explicit = resolved_config(
+        "model=tiny", "model.vocab_size=16384", "parallel=pp2", "parallel.pp_layers=[3,1]"
+    )
     assert layer_counts(auto.model, auto.parallel, 2, 1) == [3, 1]
     assert predict_stages(auto) == predict_stages(explicit)
     assert predict_speed(auto, HOST_FLOPS) == predict_speed(explicit, HOST_FLOPS)
@@ -180,8 +186,13 @@ def test_llama_13b_ddp_on_a100_is_refused_before_launch_with_the_prediction(mesh
 def test_allow_oom_launches_a_run_predicted_not_to_fit_and_stores_the_prediction(meshrun_here):
     refused = meshrun_here("parallel=single", "model=tiny", "plan.headroom_gib=1e6")
     assert refused.returncode == 2 and "plan.allow_oom=true" in refused.output
-    run = meshrun_here("parallel=single", "model=tiny", "plan.headroom_gib=1e6",
-                       "plan.allow_oom=true", "train.steps=3")  # fmt: skip
+    run = meshrun_here(
+        "parallel=single",
+        "model=tiny",
+        "plan.headroom_gib=1e6",
+        "plan.allow_oom=true",
+        "train.steps=3",
+    )
     assert run.returncode == 0, run.output
     row = run.stored()[0]
     assert row["predicted_peak_memory_bytes"] > 0 and row["peak_memory_max_bytes"] > 0
@@ -209,8 +220,13 @@ def test_parallel_auto_runs_the_best_predicted_layout(meshrun_here):
 def test_fsdp_under_a_pipeline_holds_its_stage_gathered_with_unsharded_gradients():
     """torch's pipeline schedule reshards and syncs FSDP2 only after a step's last backward:
     each rank holds its whole stage gathered (bf16) and its gradients unsharded (fp32)."""
-    cfg = resolved_config("model=llama-7b", "parallel=pp2", "parallel.dp_shard=2",
-                          "train.precision=bf16", "plan.allow_oom=true")  # fmt: skip
+    cfg = resolved_config(
+        "model=llama-7b",
+        "parallel=pp2",
+        "parallel.dp_shard=2",
+        "train.precision=bf16",
+        "plan.allow_oom=true",
+    )
     first = predict_stages(cfg)[0]
     d = Dims.of(cfg.model)
     stage = local_param_elements(d, StageShare(d.layers // 2, True, False, 1), 1, 1)

@@ -22,20 +22,28 @@ LAYOUTS = {
     "pp2-gpipe": ("parallel=pp2", "parallel.schedule=gpipe"),
     "tp2_pp2": ("parallel=tp2_pp2",),
     # no formula: the rank's parallel module traced on fake tensors (plan/traced.py)
-    "custom-tp2": ("parallel=tp2", "model=custom", "model.target=tests.user_model:build",
-                   "+model.kwargs.dim=384", "+model.kwargs.heads=6", "model.layers=blocks",
-                   "model.embedding=embed", "model.tp_plan=tests.user_model:tp_plan"),
-}  # fmt: skip
+    "custom-tp2": (
+        "parallel=tp2",
+        "model=custom",
+        "model.target=tests.user_model:build",
+        "+model.kwargs.dim=384",
+        "+model.kwargs.heads=6",
+        "model.layers=blocks",
+        "model.embedding=embed",
+        "model.tp_plan=tests.user_model:tp_plan",
+    ),
+}
 # By default a layout of each kind of memory: plain, pipelined, and those whose collectives
 # free gathered blocks (FSDP) or outputs (TP) on gloo's worker threads, which the meter
 # must see (metrics/memory.py); TP through a user's module, whose only prediction is traced.
 FAST = {("single", "full"), ("pp2-1f1b", "full"), ("fsdp", "none"), ("custom-tp2", "none")}
 CASES = [
-    pytest.param(name, ckpt, marks=() if (name, ckpt) in FAST else pytest.mark.slow,
-                 id=f"{name}-ckpt_{ckpt}")
+    pytest.param(
+        name, ckpt, marks=() if (name, ckpt) in FAST else pytest.mark.slow, id=f"{name}-ckpt_{ckpt}"
+    )
     for name in LAYOUTS
     for ckpt in ("none", "full")
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("name", "ckpt"), CASES)
@@ -43,8 +51,14 @@ def test_predicted_memory_per_rank_is_within_the_bars(tmp_path, name, ckpt):
     """Fresh rank processes of the real launcher (a long-lived process's allocator history
     would shift the measured peaks), the prediction the run's record carries beside them."""
     ckpt_override = f"parallel.activation_checkpointing={ckpt}"
-    cfg = config_in(tmp_path, *LAYOUTS[name], ckpt_override, "train.steps=4",
-                    "train.progress_bar=false", "metrics.baseline=off")  # fmt: skip
+    cfg = config_in(
+        tmp_path,
+        *LAYOUTS[name],
+        ckpt_override,
+        "train.steps=4",
+        "train.progress_bar=false",
+        "metrics.baseline=off",
+    )
     measured = measure(cfg, "run", launch_local)
     assert measured.ok, measured.meta["error"]
     pairs = list(zip(measured.memory, [p.as_dict() for p in predict.memory(cfg)], strict=True))
@@ -54,4 +68,7 @@ def test_predicted_memory_per_rank_is_within_the_bars(tmp_path, name, ckpt):
         assert predicted["peak"] == pytest.approx(measured["peak"], rel=0.10), (rank, pairs)
         for category in CATEGORIES:
             assert predicted[category] == pytest.approx(measured[category], rel=0.15), (
-                rank, category, pairs)  # fmt: skip
+                rank,
+                category,
+                pairs,
+            )

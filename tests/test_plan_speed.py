@@ -17,8 +17,13 @@ from meshrun.plan.compute import DeviceRates
 from meshrun.plan.placement import GroupSpan, group_span
 from meshrun.plan.speed import SpeedPrediction, predict_speed
 
-LLAMA_13B = ("model=llama-13b", "hardware=a100-80g", "train.seq_len=4096",
-             "train.global_batch_size=256", "train.micro_batch_size=1")  # fmt: skip
+LLAMA_13B = (
+    "model=llama-13b",
+    "hardware=a100-80g",
+    "train.seq_len=4096",
+    "train.global_batch_size=256",
+    "train.micro_batch_size=1",
+)
 A100 = DeviceRates(matmul=312e12 * 0.86, memory=2039e9 * 0.8, sms=108)
 
 
@@ -44,8 +49,11 @@ def test_matmul_efficiency_rises_with_matmul_size():
     def efficiency(m: int, n: int, k: int) -> float:
         return 2 * m * n * k / A100.gemm(m, n, k, 2) / 312e12
 
-    small, medium, large = efficiency(256, 512, 512), efficiency(2048, 2048, 2048), \
-        efficiency(8192, 8192, 8192)  # fmt: skip
+    small, medium, large = (
+        efficiency(256, 512, 512),
+        efficiency(2048, 2048, 2048),
+        efficiency(8192, 8192, 8192),
+    )
     assert small < 0.3 < medium < large <= 0.86
     assert large == pytest.approx(0.86, rel=0.02)
 
@@ -78,8 +86,14 @@ def test_a_tp_group_split_over_two_nodes_rides_the_nics_instead_of_nvlink():
 
 
 def test_llama_13b_on_8_nodes_ranks_tp_inside_a_node_over_tp_across():
-    layouts = [dict(tp=8, pp=8), dict(tp=8, pp=2, dp_replicate=4), dict(tp=8, pp=4, dp_shard=2),
-               dict(tp=16, pp=4), dict(tp=16, pp=2, dp_replicate=2), dict(tp=32, pp=2)]  # fmt: skip
+    layouts = [
+        dict(tp=8, pp=8),
+        dict(tp=8, pp=2, dp_replicate=4),
+        dict(tp=8, pp=4, dp_shard=2),
+        dict(tp=16, pp=4),
+        dict(tp=16, pp=2, dp_replicate=2),
+        dict(tp=32, pp=2),
+    ]
     rates = {tuple(d.items()): speed(*LLAMA_13B, nodes=8, **d).tokens_per_s for d in layouts}
     inside = max(r for d, r in rates.items() if dict(d)["tp"] <= 8)
     across = max(r for d, r in rates.items() if dict(d)["tp"] > 8)
@@ -118,9 +132,15 @@ def test_overlap_leaves_only_what_outlasts_the_compute():
 def test_ddp_hides_its_gradient_all_reduce_behind_a_long_backward():
     """llama-1b, DDP over 8 A100s: the all-reduce of 5 GB of fp32 gradients (~200 buckets)
     rides NVLink while backward runs; only the last bucket is left."""
-    run = speed("model=llama-1b", "hardware=a100-80g", "train.seq_len=2048",
-                "train.global_batch_size=64", "train.micro_batch_size=8", nodes=1,
-                dp_replicate=8)  # fmt: skip
+    run = speed(
+        "model=llama-1b",
+        "hardware=a100-80g",
+        "train.seq_len=2048",
+        "train.global_batch_size=64",
+        "train.micro_batch_size=8",
+        nodes=1,
+        dp_replicate=8,
+    )
     dp, exposed = run.breakdown["dp"], run.breakdown["dp_exposed"]
     assert 0 < exposed < 0.02 * dp
 
@@ -139,8 +159,12 @@ def test_a_collective_hidden_behind_compute_still_costs_the_sms_nccls_channels_t
 def test_a_slower_network_slows_data_parallelism_across_nodes_only():
     """FSDP over 4 nodes: 25 Gb/s Ethernet against 8 x 200 Gb/s InfiniBand; TP stays on
     NVLink either way."""
-    args = ("model=llama-1b", "train.seq_len=2048", "train.global_batch_size=64",
-            "train.micro_batch_size=2")  # fmt: skip
+    args = (
+        "model=llama-1b",
+        "train.seq_len=2048",
+        "train.global_batch_size=64",
+        "train.micro_batch_size=2",
+    )
     ib = speed(*args, "hardware=a100-80g", nodes=4, dp_shard=16, tp=2)
     eth = speed(*args, "hardware=a100-80g-25gbe", nodes=4, dp_shard=16, tp=2)
     assert eth.breakdown["dp"] > 20 * ib.breakdown["dp"]
@@ -161,10 +185,18 @@ def test_gpt3_175b_on_128_nodes_of_a100_predicts_megatrons_published_throughput(
     recomputed forward included: 97.6 tokens/s a GPU). Band: 120-175 TFLOP/s, 85-120
     tokens/s a GPU. tp8 pp16 is our reading of their layout."""
     row = next(r for r in ROWS if r.what.startswith("GPT-3 175B"))
-    cfg = cluster_config(*row.model, *row.hardware, "train.seq_len=2048",
-                         "train.global_batch_size=1536", "train.micro_batch_size=1",
-                         nodes=128, tp=8, pp=16, dp_replicate=8,
-                         activation_checkpointing="full")  # fmt: skip
+    cfg = cluster_config(
+        *row.model,
+        *row.hardware,
+        "train.seq_len=2048",
+        "train.global_batch_size=1536",
+        "train.micro_batch_size=1",
+        nodes=128,
+        tp=8,
+        pp=16,
+        dp_replicate=8,
+        activation_checkpointing="full",
+    )
     per_gpu = predict_speed(cfg).tokens_per_s / 1024
     assert 85 < per_gpu < 120
     assert 120 < per_gpu * megatron_flops_per_token(cfg) / 1e12 < 175
@@ -172,11 +204,16 @@ def test_gpt3_175b_on_128_nodes_of_a100_predicts_megatrons_published_throughput(
 
 def test_prediction_does_not_grow_with_the_world_size():
     """8 ranks and 8,192 (1,024 nodes): the same stages and device kinds to cost."""
-    args = ("model=gpt3-175b", "hardware=a100-80g", "train.seq_len=2048",
-            "train.micro_batch_size=1")  # fmt: skip
+    args = (
+        "model=gpt3-175b",
+        "hardware=a100-80g",
+        "train.seq_len=2048",
+        "train.micro_batch_size=1",
+    )
     small = cluster_config(*args, "train.global_batch_size=64", nodes=1, tp=8)
-    large = cluster_config(*args, "train.global_batch_size=16384", nodes=1024, tp=8, pp=16,
-                           dp_replicate=64)  # fmt: skip
+    large = cluster_config(
+        *args, "train.global_batch_size=16384", nodes=1024, tp=8, pp=16, dp_replicate=64
+    )
     for cfg in (small, large):
         predict_speed(cfg)  # warm the block cache
     started = time.perf_counter()

@@ -13,12 +13,14 @@ from meshrun.rank.progress import rank_progress
 
 def test_the_bar_shows_loss_and_tokens_per_s(monkeypatch):
     out = io.StringIO()
-    monkeypatch.setattr(progress_module, "console", Console(file=out, force_terminal=True,
-                                                            width=160))  # fmt: skip
+    monkeypatch.setattr(
+        progress_module, "console", Console(file=out, force_terminal=True, width=160)
+    )
     with rank_progress(total=10, tokens_per_step=1024, enabled=True) as bar:
         bar.step(5)
-        records = [{"step": s, "loss": 2.5 - s / 10, "step_time_s": t}
-                   for s, t in ((3, None), (4, 0.5))]  # fmt: skip
+        records = [
+            {"step": s, "loss": 2.5 - s / 10, "step_time_s": t} for s, t in ((3, None), (4, 0.5))
+        ]
         bar.show(records)
         bar._progress.refresh()
     drawn = out.getvalue()

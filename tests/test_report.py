@@ -25,24 +25,41 @@ MIB = 2**20
 
 def row(run_id: str, name: str, devices: int, batch: int, micro: int, **fields) -> dict:
     base: dict[str, Any] = {
-        "run_id": run_id, "role": "run", "created_at": "2026-01-02T03:04:05+00:00",
-        "status": "completed", "error": None, "sweep": "s1", "model": "tiny",
-        "data": "synthetic", "parallel": name, "layout_name": name,
+        "run_id": run_id,
+        "role": "run",
+        "created_at": "2026-01-02T03:04:05+00:00",
+        "status": "completed",
+        "error": None,
+        "sweep": "s1",
+        "model": "tiny",
+        "data": "synthetic",
+        "parallel": name,
+        "layout_name": name,
         "layout": {"pp": 1, "dp_replicate": devices, "dp_shard": 1, "tp": 1},
-        "world_size": devices, "devices": devices, "backend": "gloo",
-        "global_batch_size": batch, "micro_batch_size": micro, "tokens_per_s": 1000.0 * devices,
-        "speedup": 0.9 * devices, "scaling_efficiency": 0.9,
-        "step_times": [0.02, 0.021, 0.022, 0.03], "losses": [5.0, 4.5, 4.2],
-        "peak_memory_bytes": [64 * MIB] * devices, "peak_memory_max_bytes": 64 * MIB,
-        "bubble_theoretical": None, "bubble_measured": None,
-    }  # fmt: skip
+        "world_size": devices,
+        "devices": devices,
+        "backend": "gloo",
+        "global_batch_size": batch,
+        "micro_batch_size": micro,
+        "tokens_per_s": 1000.0 * devices,
+        "speedup": 0.9 * devices,
+        "scaling_efficiency": 0.9,
+        "step_times": [0.02, 0.021, 0.022, 0.03],
+        "losses": [5.0, 4.5, 4.2],
+        "peak_memory_bytes": [64 * MIB] * devices,
+        "peak_memory_max_bytes": 64 * MIB,
+        "bubble_theoretical": None,
+        "bubble_measured": None,
+    }
     return {**base, **fields}
 
 
 def breakdown(ranks: int) -> list[dict[str, int]]:
     sizes = {"params": 4, "grads": 4, "optimizer": 8, "activations": 30, "other": 2}
-    return [{"rank": r, "peak": 48 * MIB, **{k: v * MIB for k, v in sizes.items()}}
-            for r in range(ranks)]  # fmt: skip
+    return [
+        {"rank": r, "peak": 48 * MIB, **{k: v * MIB for k, v in sizes.items()}}
+        for r in range(ranks)
+    ]
 
 
 @pytest.fixture
@@ -50,18 +67,60 @@ def runs() -> list[dict[str, Any]]:
     predicted = [{**b, "peak": 50 * MIB} for b in breakdown(2)]
     return [
         row("single1", "single", 1, 4, 1, memory_per_rank=None),  # an older row: peaks only
-        row("ddp1", "ddp2", 2, 8, 2, memory_per_rank=breakdown(2), memory_predicted=predicted,
-            speedup_p10=1.6, speedup_p90=1.9, speedup_rounds=4, parallel="ddp"),
-        row("ddp2", "ddp2", 2, 8, 4, tokens_per_s=2500.0, step_times=[0.3, 0.31, 0.33],
-            parallel="ddp"),
+        row(
+            "ddp1",
+            "ddp2",
+            2,
+            8,
+            2,
+            memory_per_rank=breakdown(2),
+            memory_predicted=predicted,
+            speedup_p10=1.6,
+            speedup_p90=1.9,
+            speedup_rounds=4,
+            parallel="ddp",
+        ),
+        row(
+            "ddp2",
+            "ddp2",
+            2,
+            8,
+            4,
+            tokens_per_s=2500.0,
+            step_times=[0.3, 0.31, 0.33],
+            parallel="ddp",
+        ),
         # refused before its degrees were known: named by its preset, as the store has it
-        row("ddp3", "ddp", 2, 4, 4, status="skipped", error="train.global_batch_size=4: ...",
-            tokens_per_s=None, speedup=None, scaling_efficiency=None, peak_memory_bytes=None,
-            step_times=[], losses=[], layout=None),
-        row("pp1", "pp2(1f1b, m=4)", 2, 8, 2, bubble_theoretical=0.2, bubble_measured=0.35,
-            bubble_per_rank=[0.3, 0.4], pp_schedule="1f1b", n_microbatches=4,
-            memory_per_rank=[{"rank": 0, "peak": 40 * MIB}, {"rank": 1, "peak": 30 * MIB}]),
-    ]  # fmt: skip
+        row(
+            "ddp3",
+            "ddp",
+            2,
+            4,
+            4,
+            status="skipped",
+            error="train.global_batch_size=4: ...",
+            tokens_per_s=None,
+            speedup=None,
+            scaling_efficiency=None,
+            peak_memory_bytes=None,
+            step_times=[],
+            losses=[],
+            layout=None,
+        ),
+        row(
+            "pp1",
+            "pp2(1f1b, m=4)",
+            2,
+            8,
+            2,
+            bubble_theoretical=0.2,
+            bubble_measured=0.35,
+            bubble_per_rank=[0.3, 0.4],
+            pp_schedule="1f1b",
+            n_microbatches=4,
+            memory_per_rank=[{"rank": 0, "peak": 40 * MIB}, {"rank": 1, "peak": 30 * MIB}],
+        ),
+    ]
 
 
 def page(runs: list[dict[str, Any]]) -> str:
@@ -94,10 +153,24 @@ def test_runs_of_one_layout_are_shown_together_in_the_order_the_layouts_first_ra
 
 def test_a_preset_overridden_into_another_layout_files_under_that_layout():
     """An 8-rank ddp run overridden to pp2 x fsdp2 x tp2 is that layout, not `ddp`."""
-    odd = row("odd", "pp2(1f1b, m=4) x fsdp2 x tp2", 8, 8, 1, parallel="ddp",
-              layout={"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 2})  # fmt: skip
-    plain = row("plain", "ddp8", 8, 8, 1, parallel="ddp",
-                layout={"pp": 1, "dp_replicate": 8, "dp_shard": 1, "tp": 1})  # fmt: skip
+    odd = row(
+        "odd",
+        "pp2(1f1b, m=4) x fsdp2 x tp2",
+        8,
+        8,
+        1,
+        parallel="ddp",
+        layout={"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 2},
+    )
+    plain = row(
+        "plain",
+        "ddp8",
+        8,
+        8,
+        1,
+        parallel="ddp",
+        layout={"pp": 1, "dp_replicate": 8, "dp_shard": 1, "tp": 1},
+    )
 
     def chosen(layout: str) -> list[str]:
         return [r["run_id"] for r in select_runs([odd, plain], RunFilter(layout=layout)).runs]
@@ -111,8 +184,11 @@ def test_speedup_plot_draws_the_spread_and_the_ideal(runs):
     ax = plots.speedup(runs).axes[0]
     labels = [t.get_text() for t in ax.get_yticklabels()]
     assert [label.split("  ")[0] for label in labels] == [
-        "single", "ddp2", "ddp2", "pp2(1f1b, m=4)"
-    ]  # fmt: skip
+        "single",
+        "ddp2",
+        "ddp2",
+        "pp2(1f1b, m=4)",
+    ]
     assert sorted(t.get_text() for t in ax.texts) == ["0.90x", "1.80x", "1.80x", "1.80x"]
     [spread] = ax.containers  # ddp1's whiskers: the only run with rounds
     (segment,) = spread.lines[2][0].get_segments()
@@ -182,8 +258,13 @@ def test_bubble_plot_puts_measured_beside_theory_and_each_rank(runs):
 
 def test_plots_without_data_are_left_out():
     lone = row("a", "ddp2", 2, 8, 2, speedup=None, step_times=[], losses=[])
-    for plot in (plots.speedup, plots.step_times, plots.loss_curves, plots.bubble,
-                 plots.throughput_heatmaps):  # fmt: skip
+    for plot in (
+        plots.speedup,
+        plots.step_times,
+        plots.loss_curves,
+        plots.bubble,
+        plots.throughput_heatmaps,
+    ):
         assert plot([lone]) is None, plot.__name__
     html = page([lone])
     assert "No completed pipeline-parallel run." in html and "No run with losses." in html
@@ -191,8 +272,10 @@ def test_plots_without_data_are_left_out():
 
 def test_sweeps_are_listed_with_the_one_latest_picked():
     newer = "2026-01-03T00:00:00+00:00"
-    rows = [row("a", "ddp2", 2, 8, 2, sweep="old"),
-            row("b", "ddp2", 2, 8, 2, sweep="new", created_at=newer)]  # fmt: skip
+    rows = [
+        row("a", "ddp2", 2, 8, 2, sweep="old"),
+        row("b", "ddp2", 2, 8, 2, sweep="new", created_at=newer),
+    ]
     picked = select_runs(rows, RunFilter(sweep="latest"))
     assert picked.sweep == "new" and [r["run_id"] for r in picked.runs] == ["b"]
     html = render(picked, "t", "sel")

@@ -23,8 +23,15 @@ from tests.cli import run_console
 pytestmark = pytest.mark.timeout(600)
 PRESETS = ("ddp", "ddp_bucket_view", "fsdp", "dp2_tp2", "pp2")
 LAYOUTS = {"ddp2", "ddp2(bucket-view)", "fsdp2", "fsdp-replicate2 x tp2", "pp2(1f1b, m=2)"}
-POINT = ("model=tiny", "train.steps=5", "train.untimed_steps=1", "train.global_batch_size=8",
-         "train.micro_batch_size=4", "train.seq_len=32", "metrics.baseline=off")  # fmt: skip
+POINT = (
+    "model=tiny",
+    "train.steps=5",
+    "train.untimed_steps=1",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=4",
+    "train.seq_len=32",
+    "metrics.baseline=off",
+)
 SWEEP = "five-layouts"
 
 
@@ -35,9 +42,15 @@ def sweep(tmp_path_factory, rank_pool):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cli, "launch", rank_pool.launch)
         patch.chdir(tmp)
-        run = run_console(cli.main, tmp / "unused", tmp / "meshrun.db",
-                          f"parallel={','.join(PRESETS)}", f"hydra.sweep.dir={tmp / SWEEP}",
-                          *POINT, multirun=True)  # fmt: skip
+        run = run_console(
+            cli.main,
+            tmp / "unused",
+            tmp / "meshrun.db",
+            f"parallel={','.join(PRESETS)}",
+            f"hydra.sweep.dir={tmp / SWEEP}",
+            *POINT,
+            multirun=True,
+        )
     assert run.returncode == 0, run.output
     return run
 
@@ -50,8 +63,9 @@ def layout_in(label: Text) -> str:
 def report(tmp_path, monkeypatch, store, *overrides: str):
     """`meshrun-report` as a user runs it, in an empty working directory."""
     monkeypatch.chdir(tmp_path)
-    return run_console(report_main.main, tmp_path, None, f"store.path={store}", *overrides,
-                       defaults=())  # fmt: skip
+    return run_console(
+        report_main.main, tmp_path, None, f"store.path={store}", *overrides, defaults=()
+    )
 
 
 def test_sweep_prints_its_comparison_table_when_it_ends(sweep):
@@ -66,9 +80,19 @@ def test_sweep_prints_its_comparison_table_when_it_ends(sweep):
 def test_report_without_html_prints_and_writes_nothing(sweep, tmp_path):
     """Run as a user runs it (no hydra.run.dir given), in an empty working directory."""
     proc = subprocess.run(
-        [sys.executable, "-m", "meshrun.tools.report.main", f"store.path={sweep.store_path}",
-         "sweep=latest"], capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "meshrun.tools.report.main",
+            f"store.path={sweep.store_path}",
+            "sweep=latest",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=tmp_path,
+    )
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output
     assert f"sweep=latest ({SWEEP})" in output  # which sweep `latest` picked
@@ -110,7 +134,10 @@ def test_report_page_fits_1400_px_in_headless_chromium(sweep, tmp_path, monkeypa
     _, images, width = loaded_dom(page, width=1400)
     assert width <= 1400, f"the page is {width} px wide: something overflows the window"
     # no speedup (metrics.baseline=off) and no heatmap (one batch point)
-    assert [img["alt"] for img in images] == ["Step-time distributions", "Loss curves",
-                                              "Memory per rank by category",
-                                              "Pipeline bubble: measured vs theory"]  # fmt: skip
+    assert [img["alt"] for img in images] == [
+        "Step-time distributions",
+        "Loss curves",
+        "Memory per rank by category",
+        "Pipeline bubble: measured vs theory",
+    ]
     assert all(img["complete"] and 0 < img["width"] <= 1400 for img in images), images

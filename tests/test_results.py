@@ -172,16 +172,21 @@ def test_assemble_of_a_run_that_failed_in_warmup_has_no_timing(ddp):
 
 def fresh_baseline(times: list[float], batch: int = 4) -> RunRecord:
     """The twin's record as rank 0 measured it beside the run: batch 4, seq 128."""
-    return RunRecord(run_id="twin1", tokens_per_s=len(times) * batch * 128 / sum(times),
-                     step_times=times, global_batch_size=batch)  # fmt: skip
+    return RunRecord(
+        run_id="twin1",
+        tokens_per_s=len(times) * batch * 128 / sum(times),
+        step_times=times,
+        global_batch_size=batch,
+    )
 
 
 def test_fresh_baseline_pairs_each_run_step_with_the_baseline_step_after_it(ddp):
     """Round i: the run's i-th timed step (8 samples) against the baseline's (4)."""
     run_times, base_times = [0.5, 0.5, 0.6, 0.5], [0.4, 0.5, 0.4, 0.4]
     fresh = {**meta(), "baseline_mode": "fresh"}
-    results = assembled(ddp, steps([None, None, *run_times]), None, None,
-                        fresh_baseline(base_times), fresh)  # fmt: skip
+    results = assembled(
+        ddp, steps([None, None, *run_times]), None, None, fresh_baseline(base_times), fresh
+    )
     ratios = sorted(2 * b / r for r, b in zip(run_times, base_times, strict=True))
     assert results["speedup_rounds"] == 4
     assert results["speedup_p10"] == pytest.approx(np.percentile(ratios, 10))
@@ -197,8 +202,9 @@ def test_efficiency_above_one_plus_noise_is_flagged_and_not_printed_as_a_result(
     why and the summary prints no efficiency (the baseline's steps were disturbed)."""
     base_times = [0.6, 0.6, 0.6, 0.605]
     fresh = {**meta(), "baseline_mode": "fresh"}
-    results = assembled(ddp, steps([None, None, 0.5, 0.5, 0.5, 0.5]), None, None,
-                        fresh_baseline(base_times), fresh)  # fmt: skip
+    results = assembled(
+        ddp, steps([None, None, 0.5, 0.5, 0.5, 0.5]), None, None, fresh_baseline(base_times), fresh
+    )
     assert results["scaling_efficiency"] == pytest.approx(1.2, rel=0.01)
     [flag] = results["flags"]
     assert flag.startswith("scaling efficiency 1.20 is above 1 + its noise")
@@ -212,8 +218,9 @@ def test_efficiency_within_its_noise_of_one_is_a_result(ddp):
     """The same efficiency of 1.05, with rounds spread wider than 5%: within the noise."""
     base_times = [1.05, 0.8, 1.3, 1.05, 0.9, 1.2]
     fresh = {**meta(), "baseline_mode": "fresh"}
-    results = assembled(ddp, steps([None, None, *[1.0] * 6]), None, None,
-                        fresh_baseline(base_times), fresh)  # fmt: skip
+    results = assembled(
+        ddp, steps([None, None, *[1.0] * 6]), None, None, fresh_baseline(base_times), fresh
+    )
     assert results["scaling_efficiency"] > 1.0
     assert results["speedup_noise"] > results["scaling_efficiency"] - 1
     assert results["flags"] == []
@@ -222,8 +229,9 @@ def test_efficiency_within_its_noise_of_one_is_a_result(ddp):
 def test_without_rounds_the_noise_is_the_step_times_variation(ddp):
     """A stored baseline: no pairs, so the two step-time coefficients of variation."""
     base = dataclasses.replace(fresh_baseline([1.0, 1.0]), step_time_cv=0.03)
-    results = assembled(ddp, steps([None, None, 0.9, 1.1]), None, None, base,
-                        {**meta(), "baseline_mode": "stored"})  # fmt: skip
+    results = assembled(
+        ddp, steps([None, None, 0.9, 1.1]), None, None, base, {**meta(), "baseline_mode": "stored"}
+    )
     assert results["speedup_rounds"] is None and results["speedup_p10"] is None
     assert results["speedup_noise"] == pytest.approx(np.hypot(0.1, 0.03))
 
@@ -232,10 +240,13 @@ def test_a_host_busy_with_other_work_is_flagged(ddp):
     busy = {**meta(), "host_other_cpu_share": 0.35}
     results = assembled(ddp, steps([None, 1.0]), None, None, None, busy)
     assert results["host_other_cpu_share"] == 0.35
-    assert results["flags"] == ["other processes kept 35% of the host's CPU busy while the run "
-                                "was timed: its figures are those of a shared host"]  # fmt: skip
-    quiet = assembled(ddp, steps([None, 1.0]), None, None, None,
-                      {**meta(), "host_other_cpu_share": 0.02})  # fmt: skip
+    assert results["flags"] == [
+        "other processes kept 35% of the host's CPU busy while the run "
+        "was timed: its figures are those of a shared host"
+    ]
+    quiet = assembled(
+        ddp, steps([None, 1.0]), None, None, None, {**meta(), "host_other_cpu_share": 0.02}
+    )
     assert quiet["flags"] == []
 
 

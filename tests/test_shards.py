@@ -11,8 +11,12 @@ from meshrun.rank.models.checkpoint_files import SavedTensors
 from meshrun.rank.models.shards import Reordered, Transposed, fill
 
 FULL = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
-BOXES = [(slice(0, 8), slice(0, 6)), (slice(2, 5), slice(1, 4)), (slice(7, 8), slice(0, 6)),
-         (slice(3, 3), slice(0, 6))]  # fmt: skip
+BOXES = [
+    (slice(0, 8), slice(0, 6)),
+    (slice(2, 5), slice(1, 4)),
+    (slice(7, 8), slice(0, 6)),
+    (slice(3, 3), slice(0, 6)),
+]
 
 
 def test_a_checkpoint_reads_just_the_box_transposed_and_reordered(tmp_path):

@@ -33,9 +33,12 @@ pytestmark = [pytest.mark.slurm, pytest.mark.timeout(420)]
 def slurm_cluster() -> None:
     try:
         status = subprocess.run(
-            [str(CLUSTER_SCRIPT), "status"], capture_output=True, text=True, timeout=30,
+            [str(CLUSTER_SCRIPT), "status"],
+            capture_output=True,
+            text=True,
+            timeout=30,
             check=False,
-        )  # fmt: skip
+        )
         up, detail = status.returncode == 0, status.stderr.strip()
     except (OSError, subprocess.TimeoutExpired) as err:
         up, detail = False, str(err)
@@ -55,8 +58,11 @@ def sacct(job_id: str) -> dict[str, str]:
     while True:
         out = subprocess.run(
             ["sacct", "-j", job_id, "-X", "-n", "-P", "-o", ",".join(FORMAT)],
-            capture_output=True, text=True, timeout=30, check=True,
-        ).stdout.strip()  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout.strip()
         job = dict(zip(fields, out.splitlines()[0].split("|"), strict=True)) if out else {}
         if job.get("state") not in (None, "PENDING", "RUNNING", "COMPLETING"):
             return job
@@ -68,8 +74,11 @@ def queue_state(job_id: str) -> str:
     """The job's state as the controller has it now (squeue; sacct may lag)."""
     return subprocess.run(
         ["squeue", "-h", "-j", job_id, "-o", "%T"],
-        capture_output=True, text=True, timeout=30, check=True,
-    ).stdout.strip()  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout.strip()
 
 
 def node_names(nodelist: str) -> set[str]:
@@ -114,11 +123,16 @@ def test_dp2_with_one_rank_per_node_lands_in_the_store_with_speedup_and_memory(m
 def test_sweep_submits_both_jobs_before_either_finishes(tmp_path):
     sweep_dir = tmp_path / "sweep"
     run = run_meshrun(
-        tmp_path / "unused", tmp_path / "meshrun.db",
-        f"hydra.sweep.dir={sweep_dir}", *TINY, *DP2_ONE_PER_NODE,
-        "metrics.baseline=off", "train.micro_batch_size=1,2",
-        timeout=400, entrypoint=(sys.executable, "-m", "meshrun.driver.cli", "--multirun"),
-    )  # fmt: skip
+        tmp_path / "unused",
+        tmp_path / "meshrun.db",
+        f"hydra.sweep.dir={sweep_dir}",
+        *TINY,
+        *DP2_ONE_PER_NODE,
+        "metrics.baseline=off",
+        "train.micro_batch_size=1,2",
+        timeout=400,
+        entrypoint=(sys.executable, "-m", "meshrun.driver.cli", "--multirun"),
+    )
     assert run.returncode == 0, run.output
     ids = job_ids(sweep_dir)
     assert len(ids) == 2
@@ -140,16 +154,22 @@ def test_wait_false_returns_the_job_id_and_collect_records_it_later(meshrun):
     assert not run.store_path.exists() or run.stored() == []
     collect = subprocess.run(
         [sys.executable, "-m", "meshrun.driver.collect", str(run.run_dir)],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert collect.returncode == 0, collect.stdout + collect.stderr
     [stored] = run.stored()
     assert stored["status"] == "completed"
     assert stored["run_id"] == json.loads((run.run_dir / "results.json").read_text())["run_id"]
     again = subprocess.run(
         [sys.executable, "-m", "meshrun.driver.collect", str(run.run_dir)],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert again.returncode == 0
     assert "nothing to collect" in again.stdout
 
@@ -171,8 +191,14 @@ def test_a_failing_rank_is_recorded_as_failed_with_its_error(meshrun):
 def test_a_hanging_rank_ends_the_job_and_the_run_is_recorded(meshrun):
     """Rank 1 hangs: rank 0's collective times out, srun kills rank 1, which leaves no result;
     submitit learns from sacct that the job is over, so the driver does not wait forever."""
-    run = meshrun(*TINY, *DP2_ONE_PER_NODE, "debug.fail_rank=1", "debug.fail_mode=hang",
-                  "debug.fail_step=2", "backend.timeout_s=5")  # fmt: skip
+    run = meshrun(
+        *TINY,
+        *DP2_ONE_PER_NODE,
+        "debug.fail_rank=1",
+        "debug.fail_mode=hang",
+        "debug.fail_step=2",
+        "backend.timeout_s=5",
+    )
     assert run.returncode == 1, run.output
     results = run.results
     assert results["status"] == "failed"
@@ -195,22 +221,40 @@ def test_torchrun_across_two_nodes_runs_ddp(tmp_path):
     """Two torchrun agents, one per node (placed by srun), meet at a c10d rendezvous on the
     first node's address; the ranks train DDP across the two network namespaces."""
     command = [
-        "srun", "--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--time=5",
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-        "--rdzv-backend=c10d", "--rdzv-endpoint=meshrun-node1:29431", f"--rdzv-id={tmp_path.name}",
-    ]  # fmt: skip
+        "srun",
+        "--nodes=2",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+        "--time=5",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=meshrun-node1:29431",
+        f"--rdzv-id={tmp_path.name}",
+    ]
     proc = torchrun(tmp_path, "parallel=ddp", "launcher.nproc_per_node=1", command=command)
     check_ddp_recorded_once(tmp_path, proc)
 
 
 def test_comm_benchmark_runs_one_rank_per_node_through_slurm(tmp_path):
     """meshrun-comm goes through the same SLURM launcher as training."""
-    run = run_meshrun(tmp_path / "comm", tmp_path / "meshrun.db", "launcher=slurm",
-                      "launcher.nnodes=2", "launcher.nproc_per_node=1", "backend=gloo",
-                      "comm.ops=[all_reduce,sendrecv]", "comm.max_bytes=65536",
-                      "comm.warmup_iters=2", "comm.iters=5",
-                      entrypoint=(sys.executable, "-m", "meshrun.tools.comm.main"),
-                      defaults=("logger=none",))  # fmt: skip
+    run = run_meshrun(
+        tmp_path / "comm",
+        tmp_path / "meshrun.db",
+        "launcher=slurm",
+        "launcher.nnodes=2",
+        "launcher.nproc_per_node=1",
+        "backend=gloo",
+        "comm.ops=[all_reduce,sendrecv]",
+        "comm.max_bytes=65536",
+        "comm.warmup_iters=2",
+        "comm.iters=5",
+        entrypoint=(sys.executable, "-m", "meshrun.tools.comm.main"),
+        defaults=("logger=none",),
+    )
     assert run.returncode == 0, run.output
     report = json.loads((run.run_dir / "comm.json").read_text())
     assert report["status"] == "completed" and report["world_size"] == 2
@@ -231,33 +275,59 @@ def test_a_run_longer_than_its_time_limit_finishes_through_requeues(tmp_path, ra
     after, as an idle cluster would: not within the second of the requeue, when the nodes
     still hold the old allocation's revoked credential (slurmd compares whole seconds) and
     kill the new start ("Job credential revoked")."""
-    train = ["model=tiny", "train.steps=65", "train.log_every=5", "train.untimed_steps=1",
-             "train.global_batch_size=4", "train.micro_batch_size=2", "train.seq_len=32",
-             "launcher.threads_per_rank=1", "metrics.baseline=off", "parallel=ddp"]  # fmt: skip
+    train = [
+        "model=tiny",
+        "train.steps=65",
+        "train.log_every=5",
+        "train.untimed_steps=1",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=2",
+        "train.seq_len=32",
+        "launcher.threads_per_rank=1",
+        "metrics.baseline=off",
+        "parallel=ddp",
+    ]
     run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "meshrun.driver.cli", f"hydra.run.dir={run_dir}",
-               f"store.path={tmp_path}/meshrun.db", "logger=none", "train.progress_bar=false",
-               *train, "launcher=slurm", "launcher.nnodes=2", "launcher.nproc_per_node=1",
-               "launcher.time_min=1", "launcher.signal_delay_s=5", "debug.slow_step_s=1",
-               "checkpoint.every_steps=10"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "meshrun.driver.cli",
+        f"hydra.run.dir={run_dir}",
+        f"store.path={tmp_path}/meshrun.db",
+        "logger=none",
+        "train.progress_bar=false",
+        *train,
+        "launcher=slurm",
+        "launcher.nnodes=2",
+        "launcher.nproc_per_node=1",
+        "launcher.time_min=1",
+        "launcher.signal_delay_s=5",
+        "debug.slow_step_s=1",
+        "checkpoint.every_steps=10",
+    ]
     started = time.monotonic()
-    proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     timeline = []
     held_since: dict[str, float] = {}
     while proc.poll() is None:
         assert time.monotonic() - started < 400, "the requeued run did not finish"
         for job_id in job_ids(run_dir):
             squeue = ["squeue", "-h", "-j", job_id, "-o", "%T %r"]
-            state = subprocess.run(squeue, capture_output=True, text=True, timeout=30,
-                                   check=False).stdout.split()  # fmt: skip
+            state = subprocess.run(
+                squeue, capture_output=True, text=True, timeout=30, check=False
+            ).stdout.split()
             if state != ["PENDING", "BeginTime"]:
                 held_since.pop(job_id, None)
                 continue
             since = held_since.setdefault(job_id, time.monotonic())
             if time.monotonic() - since >= REQUEUE_SETTLE_S:
-                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
-                               check=True, timeout=30)  # fmt: skip
+                subprocess.run(
+                    ["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
+                    check=True,
+                    timeout=30,
+                )
                 timeline.append(f"{time.monotonic() - started:.0f} s: requeued, released")
         time.sleep(1)
     output = proc.communicate()[0]

@@ -21,18 +21,35 @@ def sbatch_script(*overrides: str) -> str:
 
 def test_every_launcher_key_becomes_its_sbatch_flag():
     script = sbatch_script(
-        "launcher.nnodes=2", "launcher.nproc_per_node=4", "launcher.partition=gpu",
-        "launcher.account=lab", "launcher.qos=high", "launcher.gpus_per_node=4",
-        "launcher.cpus_per_task=8", "launcher.mem_gb=64", "launcher.time_min=90",
-        "launcher.constraint=a100", "launcher.exclusive=true",
-        "launcher.setup=['module load cuda/12.4']", "+launcher.sbatch_extra.mail-type=END",
-    )  # fmt: skip
+        "launcher.nnodes=2",
+        "launcher.nproc_per_node=4",
+        "launcher.partition=gpu",
+        "launcher.account=lab",
+        "launcher.qos=high",
+        "launcher.gpus_per_node=4",
+        "launcher.cpus_per_task=8",
+        "launcher.mem_gb=64",
+        "launcher.time_min=90",
+        "launcher.constraint=a100",
+        "launcher.exclusive=true",
+        "launcher.setup=['module load cuda/12.4']",
+        "+launcher.sbatch_extra.mail-type=END",
+    )
     flags = {line.split()[1] for line in script.splitlines() if line.startswith("#SBATCH")}
     assert {
-        "--nodes=2", "--ntasks-per-node=4", "--partition=gpu", "--account=lab", "--qos=high",
-        "--gpus-per-node=4", "--cpus-per-task=8", "--mem=65536M", "--time=90",
-        "--constraint=a100", "--exclusive", "--mail-type=END",
-    } <= flags  # fmt: skip
+        "--nodes=2",
+        "--ntasks-per-node=4",
+        "--partition=gpu",
+        "--account=lab",
+        "--qos=high",
+        "--gpus-per-node=4",
+        "--cpus-per-task=8",
+        "--mem=65536M",
+        "--time=90",
+        "--constraint=a100",
+        "--exclusive",
+        "--mail-type=END",
+    } <= flags
     setup, srun = script.index("module load cuda/12.4"), script.index("srun ")
     assert setup < srun
     assert "--kill-on-bad-exit=1" in script[srun:]
@@ -40,8 +57,16 @@ def test_every_launcher_key_becomes_its_sbatch_flag():
 
 def test_unset_keys_leave_the_cluster_defaults():
     script = sbatch_script("launcher.nproc_per_node=2")
-    for flag in ("--partition", "--account", "--qos", "--gpus-per-node", "--mem=",
-                 "--cpus-per-task", "--constraint", "--exclusive"):  # fmt: skip
+    for flag in (
+        "--partition",
+        "--account",
+        "--qos",
+        "--gpus-per-node",
+        "--mem=",
+        "--cpus-per-task",
+        "--constraint",
+        "--exclusive",
+    ):
         assert flag not in script
 
 

@@ -28,15 +28,22 @@ from tests.wandb_records import read_offline_run, read_table
 pytestmark = pytest.mark.timeout(600)  # the sweep: ~30 s here, minutes on shared cores
 # A sweep's jobs run in one driver: with forkserver their ranks (and baselines) fork from one
 # server that imported torch once (spawn is every other CLI test's start method).
-POINT = ("model=tiny", "train.steps=3", "train.untimed_steps=1", "train.seq_len=32",
-         "launcher.start_method=forkserver")  # fmt: skip
+POINT = (
+    "model=tiny",
+    "train.steps=3",
+    "train.untimed_steps=1",
+    "train.seq_len=32",
+    "launcher.start_method=forkserver",
+)
 PARAMS = OmegaConf.load(SWEEPS_DIR / "batch_microbatch.yaml").hydra.sweeper.params
 
 
 def grid() -> list[tuple[int, int]]:
     """The (global batch, micro-batch) points the sweep file declares."""
-    values = [[int(v) for v in str(PARAMS[key]).split(",")]
-              for key in ("train.global_batch_size", "train.micro_batch_size")]  # fmt: skip
+    values = [
+        [int(v) for v in str(PARAMS[key]).split(",")]
+        for key in ("train.global_batch_size", "train.micro_batch_size")
+    ]
     return list(itertools.product(*values))
 
 
@@ -55,8 +62,9 @@ def skip_reason(batch: int, micro: int) -> str | None:
 def sweep(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sweep")
     overrides = ("+sweeps=batch_microbatch", *POINT, "logger=wandb", "logger.mode=offline")
-    run = run_meshrun(tmp / "unused", tmp / "meshrun.db", *overrides, timeout=900,
-                      entrypoint=MULTIRUN)  # fmt: skip
+    run = run_meshrun(
+        tmp / "unused", tmp / "meshrun.db", *overrides, timeout=900, entrypoint=MULTIRUN
+    )
     print(f"3x3 sweep took {run.seconds:.0f} s")
     assert run.returncode == 0, run.output
     rows = [r for r in run.stored() if r["role"] == "run"]
@@ -95,8 +103,11 @@ def test_one_offline_wandb_run_per_point_all_in_the_sweeps_group(sweep):
     for run_dir, row in by_dir.items():
         logged = read_offline_run(run_dir)
         assert logged["run"]["group"] == row["sweep"]
-        assert {f"model:{row['model']}", f"backend:{row['backend']}",
-                f"hardware:{row['hardware']}"} <= set(logged["run"]["tags"])  # fmt: skip
+        assert {
+            f"model:{row['model']}",
+            f"backend:{row['backend']}",
+            f"hardware:{row['hardware']}",
+        } <= set(logged["run"]["tags"])
         assert logged["summary"]["status"] == row["status"]
         assert logged["summary"]["sweep"] == row["sweep"]
         if row["status"] == "skipped":
@@ -144,10 +155,20 @@ def report(sweep):
     run, rows = sweep
     out = run.run_dir.parent / "report"
     proc = subprocess.run(
-        [sys.executable, "-m", "meshrun.tools.report.main", f"store.path={run.store_path}",
-         f"sweep={rows[0]['sweep']}", f"html={out}/report.html"],
-        capture_output=True, text=True, timeout=120, check=False, cwd=out.parent,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "meshrun.tools.report.main",
+            f"store.path={run.store_path}",
+            f"sweep={rows[0]['sweep']}",
+            f"html={out}/report.html",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=out.parent,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout, out / "report.html", rows
 
@@ -175,8 +196,9 @@ def test_report_page_renders_in_headless_chromium(report, tmp_path):
     dom, images, width = loaded_dom(page)
     assert width <= 1400, f"the page is {width} px wide: something overflows a 1400 px window"
     assert sorted(r["run_id"] for r in rows) == sorted(
-        line.split('data-run-id="')[1].split('"')[0] for line in dom.split("<tr")[1:]
+        line.split('data-run-id="')[1].split('"')[0]
+        for line in dom.split("<tr")[1:]
         if 'data-run-id="' in line
-    )  # fmt: skip
+    )
     assert len(images) == 5
     assert all(img["complete"] and img["width"] > 0 for img in images), images

@@ -34,15 +34,18 @@ TINY = ("model=tiny", "train.steps=3", "train.untimed_steps=1", "train.seq_len=3
 def hydra_grid(name: str) -> dict[str, list[str]]:
     """hydra.sweeper.params of `meshrun -m +sweeps=<name>`, as composed by Hydra."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=[f"+sweeps={name}", "logger=none"],
-                      return_hydra_config=True)  # fmt: skip
+        cfg = compose(
+            "train", overrides=[f"+sweeps={name}", "logger=none"], return_hydra_config=True
+        )
     assert Path(str(cfg.hydra.sweep.dir)).name.startswith(f"{name}_")
     return {k: str(v).split(",") for k, v in cfg.hydra.sweeper.params.items()}
 
 
 def points(grid: dict[str, list[Any]]) -> list[tuple[str, ...]]:
-    return [tuple(f"{k}={v}" for k, v in zip(grid, values, strict=True))
-            for values in itertools.product(*grid.values())]  # fmt: skip
+    return [
+        tuple(f"{k}={v}" for k, v in zip(grid, values, strict=True))
+        for values in itertools.product(*grid.values())
+    ]
 
 
 def accepted(point: tuple[str, ...], swept: set[str]) -> bool:
@@ -76,8 +79,12 @@ def wandb_sweep() -> dict[str, Any]:
 def agent_command(definition: dict[str, Any], values: dict[str, Any]) -> list[str]:
     """The command line a W&B agent runs for one point (wandb_agent.Agent._command_run)."""
     args = create_sweep_command_args({"args": {k: {"value": v} for k, v in values.items()}})
-    macros = {**args, "env": ["/usr/bin/env"], "interpreter": ["python"],
-              "program": [definition["program"]]}  # fmt: skip
+    macros = {
+        **args,
+        "env": ["/usr/bin/env"],
+        "interpreter": ["python"],
+        "program": [definition["program"]],
+    }
     command = []
     for part in create_sweep_command(definition["command"]):
         command += macros[part[2:-1]] if part.startswith("${") else [part]
@@ -86,8 +93,10 @@ def agent_command(definition: dict[str, Any], values: dict[str, Any]) -> list[st
 
 def wandb_points() -> list[dict[str, Any]]:
     params = wandb_sweep()["parameters"]
-    return [dict(zip(params, values, strict=True))
-            for values in itertools.product(*(p["values"] for p in params.values()))]  # fmt: skip
+    return [
+        dict(zip(params, values, strict=True))
+        for values in itertools.product(*(p["values"] for p in params.values()))
+    ]
 
 
 def test_wandb_sweep_is_the_hydra_grid_and_optimizes_a_logged_metric():
@@ -120,8 +129,10 @@ def test_wandb_agent_runs_record_one_sweep_and_skip_invalid_points(tmp_path):
         cmd = agent_command(definition, values)
         (valid if accepted((*TINY, *cmd[2:]), set(values)) else invalid).append(cmd)
     sweep_id = uuid.uuid4().hex[:8]
-    env = {"WANDB_SWEEP_ID": sweep_id,
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # fmt: skip
+    env = {
+        "WANDB_SWEEP_ID": sweep_id,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    }
     runs = [
         run_meshrun(
             tmp_path / name,
@@ -148,8 +159,9 @@ def test_wandb_agent_runs_record_one_sweep_and_skip_invalid_points(tmp_path):
 def test_a_failing_job_does_not_stop_the_sweep_which_still_prints_its_table(tmp_path):
     grid = ("parallel=single", "debug.fail_rank=0,null", "debug.fail_step=1")
     forked = "launcher.start_method=forkserver"  # the ranks of both jobs from one server
-    run = run_meshrun(tmp_path / "unused", tmp_path / "meshrun.db", *TINY, *grid, forked,
-                      entrypoint=MULTIRUN)  # fmt: skip
+    run = run_meshrun(
+        tmp_path / "unused", tmp_path / "meshrun.db", *TINY, *grid, forked, entrypoint=MULTIRUN
+    )
     assert run.returncode == 1
     assert "injected failure" in run.output
     assert "SweepJobFailed" in run.output

@@ -20,9 +20,16 @@ def test_text_samples_are_consecutive_windows_of_the_file(tmp_path):
 def test_ddp_trains_on_a_text_file(experiment, tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
-    _, measured = experiment("model=tiny", "parallel=ddp", "data=text", f"data.path={corpus}",
-                             "train.steps=12", "train.seq_len=32", "train.lr=3e-3",
-                             "metrics.baseline=off")  # fmt: skip
+    _, measured = experiment(
+        "model=tiny",
+        "parallel=ddp",
+        "data=text",
+        f"data.path={corpus}",
+        "train.steps=12",
+        "train.seq_len=32",
+        "train.lr=3e-3",
+        "metrics.baseline=off",
+    )
     assert measured.ok, measured.meta["error"]
     losses = [step["loss"] for step in measured.steps]
     assert losses[-1] < 0.8 * losses[0]  # a repetitive text is quickly learnt

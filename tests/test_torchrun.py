@@ -11,16 +11,26 @@ import sys
 from pathlib import Path
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-ARGS = ["-m", "meshrun.driver.cli", "model=tiny", "logger=none", "train.progress_bar=false",
-        "train.steps=6"]  # fmt: skip
+ARGS = [
+    "-m",
+    "meshrun.driver.cli",
+    "model=tiny",
+    "logger=none",
+    "train.progress_bar=false",
+    "train.steps=6",
+]
 
 
 def torchrun(cwd: Path, *overrides: str, command=tuple(TORCHRUN)) -> subprocess.CompletedProcess:
     return subprocess.run(
         [*command, *ARGS, f"store.path={cwd / 'meshrun.db'}", *overrides],
-        check=False, capture_output=True, text=True, timeout=240, cwd=cwd,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=cwd,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )  # fmt: skip
+    )
 
 
 def check_ddp_recorded_once(cwd: Path, proc: subprocess.CompletedProcess) -> Path:

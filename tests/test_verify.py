@@ -23,8 +23,9 @@ STEPS = 5
 def verify_run(tmp_path: Path, *overrides: str) -> int:
     """`meshrun-verify <overrides>`'s exit code: conf/verify.yaml composed as Hydra does."""
     store = f"store.path={tmp_path / 'meshrun.db'}"
-    cfg = compose_command("verify", tmp_path / "verify", store, "train.seq_len=64",
-                          f"train.steps={STEPS}", *overrides)  # fmt: skip
+    cfg = compose_command(
+        "verify", tmp_path / "verify", store, "train.seq_len=64", f"train.steps={STEPS}", *overrides
+    )
     return verify.run(cfg)
 
 
@@ -34,14 +35,20 @@ def report(tmp_path: Path) -> dict[str, Any]:
 
 @pytest.mark.parametrize(
     "overrides",
-    [("parallel=tp2_pp2",),
-     # a vocabulary no TP degree divides, tied embeddings: padded, still tied
-     pytest.param(("model.vocab_size=251", "model.tie_embeddings=true", "parallel=tp2"),
-                  marks=pytest.mark.slow),
-     pytest.param(("model=gpt2-124m", "model.n_layers=2", "parallel=tp2"),  # 50257 tokens
-                  marks=pytest.mark.slow)],
+    [
+        ("parallel=tp2_pp2",),
+        # a vocabulary no TP degree divides, tied embeddings: padded, still tied
+        pytest.param(
+            ("model.vocab_size=251", "model.tie_embeddings=true", "parallel=tp2"),
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            ("model=gpt2-124m", "model.n_layers=2", "parallel=tp2"),  # 50257 tokens
+            marks=pytest.mark.slow,
+        ),
+    ],
     ids=" ".join,
-)  # fmt: skip
+)
 def test_correct_layout_passes(tmp_path, on_pool, capsys, overrides):
     assert verify_run(tmp_path, *overrides) == 0
     assert "PASS" in capsys.readouterr().out
@@ -66,8 +73,12 @@ def test_bf16_layout_passes_within_one_bf16_rounding(tmp_path, on_pool):
 
 @pytest.mark.slow
 def test_bf16_tolerance_still_fails_a_wrong_plan(tmp_path, on_pool):
-    code = verify_run(tmp_path, "parallel=tp2", "parallel.tp_plan=tests.plans:wrong_wo_sharding",
-                      "train.precision=bf16")  # fmt: skip
+    code = verify_run(
+        tmp_path,
+        "parallel=tp2",
+        "parallel.tp_plan=tests.plans:wrong_wo_sharding",
+        "train.precision=bf16",
+    )
     result = report(tmp_path)
     assert code == 1 and result["error"] is None and result["passed"] is False
     assert result["max_grad_norm_deviation"] > 4 * 2**-8
@@ -87,8 +98,14 @@ def test_wrong_tp_plan_fails_on_the_numbers(tmp_path, on_pool, capsys):
 
 def test_config_mistake_exits_2_before_any_run(tmp_path):
     script = Path(sys.executable).parent / "meshrun-verify"
-    run = run_meshrun(tmp_path / "verify", tmp_path / "meshrun.db", "parallel=tp4",
-                      "model.n_kv_heads=2", entrypoint=(str(script),), timeout=120)  # fmt: skip
+    run = run_meshrun(
+        tmp_path / "verify",
+        tmp_path / "meshrun.db",
+        "parallel=tp4",
+        "model.n_kv_heads=2",
+        entrypoint=(str(script),),
+        timeout=120,
+    )
     assert run.returncode == 2, run.output
     assert "meshrun: config error parallel.tp=4" in run.output
     assert "n_kv_heads (2) is not divisible by tp" in run.output

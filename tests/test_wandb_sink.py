@@ -10,8 +10,15 @@ from meshrun.core.config import LoggerConfig
 from meshrun.driver.sinks.wandb_sink import WandbRun, memory_rows, run_tags
 from tests.wandb_records import read_offline_run
 
-TINY = ("model=tiny", "parallel=single", "train.steps=3", "train.untimed_steps=1",
-        "train.seq_len=32", "logger=wandb", "logger.mode=offline")  # fmt: skip
+TINY = (
+    "model=tiny",
+    "parallel=single",
+    "train.steps=3",
+    "train.untimed_steps=1",
+    "train.seq_len=32",
+    "logger=wandb",
+    "logger.mode=offline",
+)
 
 
 def test_a_wandb_failure_warns_and_loses_nothing(tmp_path, meshrun_here):
@@ -27,10 +34,8 @@ def test_a_wandb_failure_warns_and_loses_nothing(tmp_path, meshrun_here):
 
 
 def test_tags_name_layout_model_hardware_and_backend():
-    results = {"layout_name": "fsdp2 x tp2", "model": "tiny", "hardware": "cpu",
-               "backend": "gloo"}  # fmt: skip
-    assert run_tags(results) == ["layout:fsdp2 x tp2", "model:tiny", "hardware:cpu",
-                                 "backend:gloo"]  # fmt: skip
+    results = {"layout_name": "fsdp2 x tp2", "model": "tiny", "hardware": "cpu", "backend": "gloo"}
+    assert run_tags(results) == ["layout:fsdp2 x tp2", "model:tiny", "hardware:cpu", "backend:gloo"]
     assert run_tags({**results, "status": "skipped"})[-1] == "skipped"
 
 
@@ -40,8 +45,18 @@ def test_memory_table_without_a_breakdown_has_the_peaks():
 
 
 def test_memory_table_with_a_breakdown_and_prediction():
-    measured = [{"rank": r, "peak": 100 + r, "params": 10, "grads": 10, "optimizer": 20,
-                 "activations": 50 + r, "other": 10} for r in (0, 1)]  # fmt: skip
+    measured = [
+        {
+            "rank": r,
+            "peak": 100 + r,
+            "params": 10,
+            "grads": 10,
+            "optimizer": 20,
+            "activations": 50 + r,
+            "other": 10,
+        }
+        for r in (0, 1)
+    ]
     predicted = [{**m, "peak": 90} for m in measured]
     columns, rows = memory_rows({"memory_per_rank": measured, "memory_predicted": predicted})
     assert columns[:7] == ["rank", "peak", "params", "grads", "optimizer", "activations", "other"]
@@ -54,12 +69,18 @@ def test_an_offline_run_reads_back_whole_as_soon_as_it_is_logged(tmp_path):
     """wandb-core empties its transaction log's buffer after `finish()` returns; meshrun waits
     for it, so a resumed run's attempt read right after it (test_checkpoint) is whole. Before
     it did, about one run in six read back with no history here."""
-    steps = [{"step": s, "loss": 1.0, "grad_norm": 1.0, "lr": 0.1, "step_time_s": 0.5}
-             for s in range(4)]  # fmt: skip
+    steps = [
+        {"step": s, "loss": 1.0, "grad_norm": 1.0, "lr": 0.1, "step_time_s": 0.5} for s in range(4)
+    ]
     for attempt in range(8):
         run_dir = tmp_path / f"run{attempt}"
-        results = {"name": "n", "role": "run", "run_id": f"id{attempt}", "run_dir": str(run_dir),
-                   "status": "completed"}  # fmt: skip
+        results = {
+            "name": "n",
+            "role": "run",
+            "run_id": f"id{attempt}",
+            "run_dir": str(run_dir),
+            "status": "completed",
+        }
         run = WandbRun(LoggerConfig(mode=LoggerMode.offline), {}, results, tokens_per_step=8)
         run.log_steps(steps)
         run.finish(results)
@@ -71,8 +92,14 @@ def test_the_wandb_run_is_logged_while_the_run_trains(meshrun_here):
     """60 steps with a pause after each (3.6 s of training at least): the history's rows are
     written as rank 0 logs them, so their timestamps span the training, not its last second;
     every log step is there once, and the summary came after the last."""
-    run = meshrun_here(*TINY[:2], "train.steps=60", "train.untimed_steps=1", "train.seq_len=32",
-                       "debug.slow_step_s=0.06", *TINY[-2:])  # fmt: skip
+    run = meshrun_here(
+        *TINY[:2],
+        "train.steps=60",
+        "train.untimed_steps=1",
+        "train.seq_len=32",
+        "debug.slow_step_s=0.06",
+        *TINY[-2:],
+    )
     assert run.returncode == 0, run.output
     logged = read_offline_run(run.run_dir)
     rows = [h for h in logged["history"] if "train/loss" in h]

@@ -13,15 +13,24 @@ from meshrun.rank.failures import first_failure
 from meshrun.rank.watchdog import GRACE_S, Watchdog, diagnose, read_positions, step_collectives
 from tests.test_failures import failed_run
 
-HANG = ("model=tiny", "parallel=ddp", "train.steps=8", "train.untimed_steps=1", "train.log_every=1",
-        "debug.fail_rank=1", "debug.fail_step=2", "debug.fail_mode=hang")  # fmt: skip
+HANG = (
+    "model=tiny",
+    "parallel=ddp",
+    "train.steps=8",
+    "train.untimed_steps=1",
+    "train.log_every=1",
+    "debug.fail_rank=1",
+    "debug.fail_step=2",
+    "debug.fail_mode=hang",
+)
 
 
 def test_hung_training_run_names_rank_step_and_operation(tmp_path, monkeypatch, marked_env):
     """The real launcher (torch elastic), so that every rank is proven torn down."""
     timeout = 5
-    results, _, _ = failed_run(tmp_path, monkeypatch, marked_env, *HANG,
-                               f"backend.timeout_s={timeout}")  # fmt: skip
+    results, _, _ = failed_run(
+        tmp_path, monkeypatch, marked_env, *HANG, f"backend.timeout_s={timeout}"
+    )
     ended = time.time()
     expected = (
         "collective hang: rank 0 waited in forward/backward (gradient all_reduce) at step 2; "
@@ -64,8 +73,9 @@ def test_watchdog_leaves_phases_that_also_compute_to_the_backend(tmp_path):
         with watchdog.inside(0, "forward/backward (gradient all_reduce)"):
             time.sleep(0.5 + GRACE_S + 2)
     """)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60,
-                          check=False)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, timeout=60, check=False
+    )
     assert proc.returncode == 0, proc.stderr
     assert first_failure(str(tmp_path)) is None
 

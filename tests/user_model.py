@@ -52,8 +52,10 @@ class Block(nn.Module):
         batch, seq, _ = x.shape
         h = self.attn_norm(x)
         # -1 heads: a tensor-parallel rank holds a share of them
-        q, k, v = (p(h).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-                   for p in (self.q, self.k, self.v))  # fmt: skip
+        q, k, v = (
+            p(h).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+            for p in (self.q, self.k, self.v)
+        )
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.out(a.transpose(1, 2).reshape(batch, seq, -1))
         return x + self.down(F.gelu(self.up(self.mlp_norm(x))))
@@ -74,8 +76,9 @@ class TinyGPT(nn.Module):
         return self.head(self.norm(h))
 
 
-def build(vocab: int = 256, dim: int = 64, n_layers: int = 4, heads: int = 4,
-          max_seq: int = 128) -> TinyGPT:  # fmt: skip
+def build(
+    vocab: int = 256, dim: int = 64, n_layers: int = 4, heads: int = 4, max_seq: int = 128
+) -> TinyGPT:
     return TinyGPT(vocab, dim, n_layers, heads, max_seq)
 
 

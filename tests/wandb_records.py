@@ -64,8 +64,12 @@ def _read_log(log: Path) -> dict[str, Any]:
         record.ParseFromString(raw)
         kind = record.WhichOneof("record_type")
         if kind == "run":
-            run = {"group": record.run.run_group, "tags": list(record.run.tags),
-                   "job_type": record.run.job_type, "name": record.run.display_name}  # fmt: skip
+            run = {
+                "group": record.run.run_group,
+                "tags": list(record.run.tags),
+                "job_type": record.run.job_type,
+                "name": record.run.display_name,
+            }
         if kind == "summary":
             for item in record.summary.update:
                 summary[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
@@ -74,10 +78,20 @@ def _read_log(log: Path) -> dict[str, Any]:
             for item in updates:
                 config[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
         elif kind == "history":
-            history.append({i.key or "/".join(i.nested_key): json.loads(i.value_json)
-                            for i in record.history.item})  # fmt: skip
-    return {"summary": summary, "config": config, "history": history, "run": run,
-            "files": log.parent / "files", "id": log.stem.removeprefix("run-")}  # fmt: skip
+            history.append(
+                {
+                    i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                    for i in record.history.item
+                }
+            )
+    return {
+        "summary": summary,
+        "config": config,
+        "history": history,
+        "run": run,
+        "files": log.parent / "files",
+        "id": log.stem.removeprefix("run-"),
+    }
 
 
 def read_table(wandb_run: dict[str, Any], key: str) -> dict[str, Any]:

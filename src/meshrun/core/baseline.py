@@ -10,8 +10,14 @@ import json
 from meshrun.core.config import CheckpointConfig, EvalConfig, ExperimentConfig, ParallelConfig
 from meshrun.core.layout import Layout, layout_name
 
-__all__ = ["baseline_config", "baseline_key", "dp_size", "is_own_baseline", "layout_name",
-           "n_devices"]  # fmt: skip
+__all__ = [
+    "baseline_config",
+    "baseline_key",
+    "dp_size",
+    "is_own_baseline",
+    "layout_name",
+    "n_devices",
+]
 
 
 def dp_size(cfg: ExperimentConfig) -> int:

@@ -81,17 +81,28 @@ def find_resume(cfg: CheckpointConfig, run_dir: str) -> Path | None:
     path = Path(cfg.resume)
     if path.name.startswith(PREFIX):
         if not path.is_dir():
-            fail("checkpoint.resume", cfg.resume, "no such checkpoint",
-                 "auto, a step-* checkpoint directory or a checkpoints directory")  # fmt: skip
+            fail(
+                "checkpoint.resume",
+                cfg.resume,
+                "no such checkpoint",
+                "auto, a step-* checkpoint directory or a checkpoints directory",
+            )
         if not is_complete(path):
-            fail("checkpoint.resume", cfg.resume,
-                 f"has no {MANIFEST}: it was cut off mid-write and is never loaded",
-                 f"an earlier complete checkpoint: {_listing(path.parent)}")  # fmt: skip
+            fail(
+                "checkpoint.resume",
+                cfg.resume,
+                f"has no {MANIFEST}: it was cut off mid-write and is never loaded",
+                f"an earlier complete checkpoint: {_listing(path.parent)}",
+            )
         return path
     found = complete(path)
     if not found:
-        fail("checkpoint.resume", cfg.resume, "holds no complete checkpoint (step-* with a "
-             f"{MANIFEST})", "auto, or the path of a run's checkpoints or one of them")  # fmt: skip
+        fail(
+            "checkpoint.resume",
+            cfg.resume,
+            f"holds no complete checkpoint (step-* with a {MANIFEST})",
+            "auto, or the path of a run's checkpoints or one of them",
+        )
     return found[-1]
 
 

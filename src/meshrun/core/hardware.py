@@ -108,9 +108,11 @@ def detect_profile(facts: HostFacts) -> HardwareConfig:
         first = facts.cuda_devices[0].memory_gib
         return min(
             matching,
-            key=lambda p: (_unused_kinds(p, len(facts.cuda_devices)),
-                           abs(p.devices[0].memory_gib - first)),
-        )  # fmt: skip
+            key=lambda p: (
+                _unused_kinds(p, len(facts.cuda_devices)),
+                abs(p.devices[0].memory_gib - first),
+            ),
+        )
     first = facts.cuda_devices[0]
     unknown = DeviceSpec(
         name=first.name, count=len(facts.cuda_devices), memory_gib=round(first.memory_gib, 1)
@@ -125,8 +127,11 @@ def resolve_hardware(hw: HardwareConfig, facts: HostFacts) -> HardwareConfig:
         links = {}
         for name in LINK_FIELDS:
             mine, unset = getattr(hw, name), getattr(blank, name)
-            given = {f.name: getattr(mine, f.name) for f in dataclasses.fields(mine)
-                     if getattr(mine, f.name) != getattr(unset, f.name)}  # fmt: skip
+            given = {
+                f.name: getattr(mine, f.name)
+                for f in dataclasses.fields(mine)
+                if getattr(mine, f.name) != getattr(unset, f.name)
+            }
             links[name] = dataclasses.replace(getattr(detected, name), **given)
         return dataclasses.replace(detected, **links)
     if hw.device_type == "cuda" and not facts.cuda_devices:

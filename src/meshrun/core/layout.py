@@ -104,8 +104,9 @@ def stage_layer_counts(n_layers: int, n_stages: int, explicit: list[int] | None)
     return [base + (1 if stage >= n_stages - extra else 0) for stage in range(n_stages)]
 
 
-def balanced_layer_counts(n_layers: int, block: list[float], first: float, last: float
-                          ) -> list[int]:  # fmt: skip
+def balanced_layer_counts(
+    n_layers: int, block: list[float], first: float, last: float
+) -> list[int]:
     """The split of `n_layers` over len(block) stages, each at least one layer, whose slowest
     stage is the fastest: stage s costs counts[s] * block[s], plus `first` on stage 0 (the
     embedding) and `last` on the last stage (norm, head, loss). Of equally slow splits, the
@@ -126,12 +127,13 @@ def balanced_layer_counts(n_layers: int, block: list[float], first: float, last:
     return list(best[n_layers][1])
 
 
-def stage_costs(counts: list[int], block: list[float], first: float, last: float
-                ) -> list[float]:  # fmt: skip
+def stage_costs(counts: list[int], block: list[float], first: float, last: float) -> list[float]:
     """Each stage's cost under `balanced_layer_counts`'s model."""
     n = len(counts)
-    return [c * b + (first if s == 0 else 0.0) + (last if s == n - 1 else 0.0)
-            for s, (c, b) in enumerate(zip(counts, block, strict=True))]  # fmt: skip
+    return [
+        c * b + (first if s == 0 else 0.0) + (last if s == n - 1 else 0.0)
+        for s, (c, b) in enumerate(zip(counts, block, strict=True))
+    ]
 
 
 def with_layers(cfg: ExperimentConfig, counts: list[int]) -> ExperimentConfig:

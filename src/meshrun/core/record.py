@@ -20,8 +20,14 @@ RENAMED = {"pp_microbatches": "n_microbatches", "warmup_steps": "untimed_steps"}
 SQLITE_TYPES = {str: "TEXT", int: "INTEGER", float: "REAL", bool: "INTEGER"}
 
 
-def _f(default: Any = None, *, column: bool = False, summary: bool = False,
-       report: tuple[int, str] | None = None, factory: Any = None) -> Any:  # fmt: skip
+def _f(
+    default: Any = None,
+    *,
+    column: bool = False,
+    summary: bool = False,
+    report: tuple[int, str] | None = None,
+    factory: Any = None,
+) -> Any:
     """A dataclasses.field with its metadata. `column`: a store column; `summary`: in the W&B
     run summary; `report`: (position, header) of the report column showing it."""
     meta = {"column": column, "summary": summary, "report": report}

@@ -63,9 +63,14 @@ class CommConfig:
 
     ops: list[str] = field(
         default_factory=lambda: [
-            "all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "sendrecv"
+            "all_reduce",
+            "all_gather",
+            "reduce_scatter",
+            "broadcast",
+            "all_to_all",
+            "sendrecv",
         ]
-    )  # fmt: skip
+    )
     dtypes: list[str] = field(default_factory=lambda: ["float32"])
     redop: str = "sum"
     min_bytes: int = 1024

@@ -81,8 +81,11 @@ def run(dict_cfg: DictConfig) -> int:
 
 def _fail_sweep_job(code: int, dict_cfg: DictConfig) -> None:
     if in_multirun():
-        raise SweepJobFailed(f"this job of the sweep exited {code} (see its error above)",
-                             dict_cfg.store.path, sweep_name(dict_cfg.sweep))  # fmt: skip
+        raise SweepJobFailed(
+            f"this job of the sweep exited {code} (see its error above)",
+            dict_cfg.store.path,
+            sweep_name(dict_cfg.sweep),
+        )
 
 
 main = hydra_command("train", run, on_failure=_fail_sweep_job)

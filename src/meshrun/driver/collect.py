@@ -43,8 +43,9 @@ def submit_pending(cfg: ExperimentConfig) -> str:
     }
     (Path(cfg.run_dir) / SLURM_DIR / SUBMITTED_FILE).write_text(json.dumps(record, indent=2))
     if not cfg.launcher.wait:
-        console.print(f"record it later with: meshrun-collect {cfg.run_dir}", highlight=False,
-                      soft_wrap=True)  # fmt: skip
+        console.print(
+            f"record it later with: meshrun-collect {cfg.run_dir}", highlight=False, soft_wrap=True
+        )
     return job_id
 
 

@@ -125,8 +125,14 @@ def _describe(schema: type | None, key: str) -> str | None:
     if optional:
         hint = next(a for a in args if a is not type(None))
     origin = typing.get_origin(hint) or hint
-    words = {int: "an integer", float: "a number", bool: "true | false", str: "a string",
-             list: "a list", dict: "a mapping"}.get(origin)  # fmt: skip
+    words = {
+        int: "an integer",
+        float: "a number",
+        bool: "true | false",
+        str: "a string",
+        list: "a list",
+        dict: "a mapping",
+    }.get(origin)
     if isinstance(origin, type) and issubclass(origin, Enum):
         words = " | ".join(str(m.value) for m in origin)
     if words is None:
@@ -163,8 +169,12 @@ def config_error(exc: BaseException, overrides: list[str]) -> ConfigError | None
     if isinstance(exc, ConfigCompositionException):
         return _composition_error(str(exc), overrides)
     if type(exc).__name__ == "OverrideParseException":
-        return ConfigError("overrides", " ".join(overrides), str(exc).splitlines()[0],
-                           "key=value, group=preset, or key=a,b,c to sweep with -m")  # fmt: skip
+        return ConfigError(
+            "overrides",
+            " ".join(overrides),
+            str(exc).splitlines()[0],
+            "key=value, group=preset, or key=a,b,c to sweep with -m",
+        )
     return None
 
 
@@ -176,11 +186,19 @@ def _composition_error(message: str, overrides: list[str]) -> ConfigError:
     key = quoted.group(1) if quoted else "overrides"
     value = _override_value(key, overrides) if quoted else " ".join(overrides)
     if "No match in the defaults list" in first:
-        return ConfigError(key, value, "not a config group of this command",
-                           "a group of its defaults list (conf/<command>.yaml)")  # fmt: skip
+        return ConfigError(
+            key,
+            value,
+            "not a config group of this command",
+            "a group of its defaults list (conf/<command>.yaml)",
+        )
     if "An item is already at" in first:
-        return ConfigError(key, value, "already set by the config (`+` adds a new key)",
-                           f"{key}=<value> to change it")  # fmt: skip
+        return ConfigError(
+            key,
+            value,
+            "already set by the config (`+` adds a new key)",
+            f"{key}=<value> to change it",
+        )
     return ConfigError(key, value, first, "see `--help` and conf/ for the keys and presets")
 
 
@@ -188,8 +206,12 @@ def _missing_preset(exc: MissingConfigException, overrides: list[str]) -> Config
     message = str(exc)
     found = NOT_A_PRESET.search(message)
     if not found or "/" not in found.group(1):
-        return ConfigError("config", found.group(1) if found else None,
-                           message.splitlines()[0], "a config under conf/")  # fmt: skip
+        return ConfigError(
+            "config",
+            found.group(1) if found else None,
+            message.splitlines()[0],
+            "a config under conf/",
+        )
     group, _, name = found.group(1).rpartition("/")
     options = _group_options(group, message)
     key = group.replace("/", ".")
@@ -216,8 +238,9 @@ def _omegaconf_error(cause: OmegaConfBaseException, overrides: list[str]) -> Con
     enum_values = re.match(r"Invalid value '([^']*)', expected one of \[(.*)\]", message)
     if enum_values:
         options = [o.strip() for o in enum_values.group(2).split(",")]
-        return ConfigError(full_key, value, "unknown choice",
-                           _with_nearest(str(value), options, "choices"))  # fmt: skip
+        return ConfigError(
+            full_key, value, "unknown choice", _with_nearest(str(value), options, "choices")
+        )
     problem = message.replace("$VALUE", str(value)).rstrip(".")
     if "could not be converted" in problem or "is not Optional" in problem:
         problem = f"wrong type ({problem})"

@@ -90,8 +90,9 @@ def finish_experiment(cfg: ExperimentConfig, measured: Measured, launch: Launch)
     return record(cfg, measured, baseline, store)
 
 
-def baseline_of(cfg: ExperimentConfig, measured: Measured, launch: Launch, store: ResultsStore
-                ) -> RunRecord | None:  # fmt: skip
+def baseline_of(
+    cfg: ExperimentConfig, measured: Measured, launch: Launch, store: ResultsStore
+) -> RunRecord | None:
     """The run's single-device baseline, recorded in the store as a run of its own; how it
     was had goes into the run's meta: trained beside the run (`fresh`), a stored one of the
     same fingerprint (`stored`, its age), or, where both did not fit at once, measured by a
@@ -112,9 +113,16 @@ def baseline_of(cfg: ExperimentConfig, measured: Measured, launch: Launch, store
 
 def beside(measured: Measured) -> Measured:
     """The baseline rank 0 trained between the run's steps, as a measured run of its own."""
-    meta = {**run_identity(), "role": "baseline", "status": "completed", "error": None,
-            "failed_rank": None, "traceback": None, "resumed_from_step": None,
-            "fingerprint": measured.meta.get("fingerprint")}  # fmt: skip
+    meta = {
+        **run_identity(),
+        "role": "baseline",
+        "status": "completed",
+        "error": None,
+        "failed_rank": None,
+        "traceback": None,
+        "resumed_from_step": None,
+        "fingerprint": measured.meta.get("fingerprint"),
+    }
     return Measured(meta, measured.baseline_steps or [], None, None)
 
 
@@ -126,8 +134,13 @@ def export(cfg: ExperimentConfig) -> str | None:
 
     final = step_dir(checkpoint_root(cfg.checkpoint, cfg.run_dir), cfg.train.steps)
     try:
-        path = export_checkpoint(final, cfg.model, cfg.train.seq_len, cfg.checkpoint.export,
-                                 Path(cfg.run_dir) / EXPORT_DIR)  # fmt: skip
+        path = export_checkpoint(
+            final,
+            cfg.model,
+            cfg.train.seq_len,
+            cfg.checkpoint.export,
+            Path(cfg.run_dir) / EXPORT_DIR,
+        )
     except Exception as err:  # the model's library may raise anything; the run is done
         print_warning(f"export to {cfg.checkpoint.export} failed ({type(err).__name__}: {err})")
         return None
@@ -183,8 +196,12 @@ def run_identity() -> dict[str, Any]:
 def attempt(run_dir: str, started: float, wait: Callable[[], Any]) -> tuple[dict[str, Any], Any]:
     """Waits for the ranks (`wait` raises RankFailure if one failed); the run's status,
     error with the hang diagnosis, failed rank and duration, and rank 0's return value."""
-    status: dict[str, Any] = {"status": "completed", "error": None, "failed_rank": None,
-                              "traceback": None}  # fmt: skip
+    status: dict[str, Any] = {
+        "status": "completed",
+        "error": None,
+        "failed_rank": None,
+        "traceback": None,
+    }
     raw = None
     try:
         raw = wait()
@@ -195,8 +212,9 @@ def attempt(run_dir: str, started: float, wait: Callable[[], Any]) -> tuple[dict
             status.update(status="interrupted", error=error)
         else:
             error = with_diagnosis(str(failure), run_dir, failure.rank)
-            status.update(status="failed", error=error, failed_rank=failure.rank,
-                          traceback=failure.traceback)  # fmt: skip
+            status.update(
+                status="failed", error=error, failed_rank=failure.rank, traceback=failure.traceback
+            )
     status["duration_s"] = round(time.time() - started, 3)
     return status, raw
 
@@ -264,9 +282,16 @@ def follow(cfg: ExperimentConfig, meta: dict[str, Any]) -> LiveRun | None:
     """The run's W&B run, fed as rank 0 logs (driver/sinks/live.py); none for a baseline."""
     if not _on_wandb(cfg, meta["role"]):
         return None
-    identity = {"name": cfg.name, "sweep": cfg.sweep, "run_dir": cfg.run_dir,
-                "layout_name": layout_name(cfg), "model": cfg.model.name,
-                "hardware": cfg.hardware.name, "backend": cfg.backend.name, **meta}  # fmt: skip
+    identity = {
+        "name": cfg.name,
+        "sweep": cfg.sweep,
+        "run_dir": cfg.run_dir,
+        "layout_name": layout_name(cfg),
+        "model": cfg.model.name,
+        "hardware": cfg.hardware.name,
+        "backend": cfg.backend.name,
+        **meta,
+    }
     return LiveRun(lambda: _wandb_run(cfg, identity), Path(cfg.run_dir) / METRICS_FILE)
 
 
@@ -288,9 +313,17 @@ def record(
     """results.json, the store row, and (for the run itself) W&B; raises RunFailed after."""
     if measured.pp_split:  # the record names the split the ranks chose, to run it again
         cfg = with_layers(cfg, measured.pp_split["counts"])
-    results = assemble(cfg, measured.steps, measured.memory, measured.bubbles, baseline,
-                       measured.meta, measured.pretrained_read, measured.checkpoints,
-                       measured.pp_split)  # fmt: skip
+    results = assemble(
+        cfg,
+        measured.steps,
+        measured.memory,
+        measured.bubbles,
+        baseline,
+        measured.meta,
+        measured.pretrained_read,
+        measured.checkpoints,
+        measured.pp_split,
+    )
     publish(cfg, results, measured.steps, store, measured.live)
     if not measured.ok:
         raise RunFailed(results)
@@ -327,8 +360,13 @@ def record_skipped(cfg: ExperimentConfig, reason: ConfigError) -> RunRecord:
     return results
 
 
-def publish(cfg: ExperimentConfig, record: RunRecord, steps: list[dict[str, Any]],
-            store: ResultsStore, live: LiveRun | None = None) -> None:  # fmt: skip
+def publish(
+    cfg: ExperimentConfig,
+    record: RunRecord,
+    steps: list[dict[str, Any]],
+    store: ResultsStore,
+    live: LiveRun | None = None,
+) -> None:
     """results.json and the store row first; W&B (the run itself only) last and fallible: a
     W&B failure costs the dashboard copy, never the run. The W&B run gets the steps it was
     not fed live (those a failed run's ranks had not logged; all of them without `live`)."""

@@ -21,8 +21,9 @@ from meshrun.rank.watchdog import read_positions
 GiB = 2**30
 
 
-def with_unflushed(steps: list[dict[str, Any]], run_dir: str, layout: Layout
-                   ) -> list[dict[str, Any]]:  # fmt: skip
+def with_unflushed(
+    steps: list[dict[str, Any]], run_dir: str, layout: Layout
+) -> list[dict[str, Any]]:
     """metrics.jsonl's steps, then those the ranks wrote as they failed. A step's loss is the
     mean over the DP ranks of the last pipeline stage (any TP peer of each), in the float32
     arithmetic of the log step's reduction; where some of them wrote nothing (killed), the
@@ -78,8 +79,10 @@ def explain(cfg: ExperimentConfig, failure: RankFailure, kills_before: int | Non
         return failure
     kills = oom_kills()
     if kills is not None and kills_before is not None and kills > kills_before:
-        cause = (f"by the kernel's OOM killer (this cgroup's oom_kill count rose by "
-                 f"{kills - kills_before} during the run)")  # fmt: skip
+        cause = (
+            f"by the kernel's OOM killer (this cgroup's oom_kill count rose by "
+            f"{kills - kills_before} during the run)"
+        )
     elif kills is not None:
         cause = "not by the kernel's OOM killer (this cgroup's oom_kill count did not change)"
     else:
@@ -87,9 +90,11 @@ def explain(cfg: ExperimentConfig, failure: RankFailure, kills_before: int | Non
     position = read_positions(cfg.run_dir).get(failure.rank)
     measured = _gib(position.rss_bytes) + " resident" if position and position.rss_bytes else "n/a"
     host = HostFacts.detect().memory_gib
-    figures = (f"predicted peak {_gib(predict.memory(cfg)[failure.rank].peak)} per rank (plan), "
-               f"measured {measured} before it died, host has {host:.1f} GiB for "
-               f"{cfg.launcher.nproc_per_node} rank(s)")  # fmt: skip
+    figures = (
+        f"predicted peak {_gib(predict.memory(cfg)[failure.rank].peak)} per rank (plan), "
+        f"measured {measured} before it died, host has {host:.1f} GiB for "
+        f"{cfg.launcher.nproc_per_node} rank(s)"
+    )
     return RankFailure(failure.rank, f"{cause}: {figures}", failure.traceback, failure.signal)
 
 

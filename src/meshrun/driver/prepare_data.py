@@ -84,8 +84,12 @@ def load_tokenizer(path: str) -> TextTokenizer:
 
             auto = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except Exception as err:  # any reader's complaint: it is not a tokenizer
-            fail("data.tokenizer", path, f"is not a tokenizer ({type(err).__name__}: {err})",
-                 "a tokenizer.json, or a directory a tokenizer was saved to")  # fmt: skip
+            fail(
+                "data.tokenizer",
+                path,
+                f"is not a tokenizer ({type(err).__name__}: {err})",
+                "a tokenizer.json, or a directory a tokenizer was saved to",
+            )
     return TextTokenizer(
         len(auto),
         auto.eos_token_id,
@@ -97,8 +101,12 @@ def separator(d: DataConfig, tokenizer: TextTokenizer) -> int:
     if d.separator_id is not None:
         return d.separator_id
     if tokenizer.eos_id is None:
-        fail("data.separator_id", None, f"the tokenizer ({d.tokenizer}) has no EOS token to "
-             "put between documents", "a token id to separate documents with")  # fmt: skip
+        fail(
+            "data.separator_id",
+            None,
+            f"the tokenizer ({d.tokenizer}) has no EOS token to put between documents",
+            "a token id to separate documents with",
+        )
     return tokenizer.eos_id
 
 
@@ -109,8 +117,10 @@ def _files(path: Path) -> list[Path]:
 def fingerprint(d: DataConfig, sep: int) -> str:
     digest = hashlib.sha256()
     data = Path(str(d.path)).resolve()
-    stats = [(str(p.relative_to(data)) if p != data else "", p.stat().st_size, p.stat().st_mtime_ns)
-             for p in _files(data)]  # fmt: skip
+    stats = [
+        (str(p.relative_to(data)) if p != data else "", p.stat().st_size, p.stat().st_mtime_ns)
+        for p in _files(data)
+    ]
     ident = [CACHE_VERSION, str(data), stats, d.text_field, dataset_format(d), sep]
     digest.update(json.dumps(ident).encode())
     for p in _files(Path(str(d.tokenizer))):
@@ -141,8 +151,12 @@ def load_dataset_file(d: DataConfig, scratch: Path):
     if isinstance(loaded, datasets.DatasetDict):
         loaded = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
     if d.text_field not in loaded.column_names:
-        fail("data.text_field", d.text_field, "no such column in the dataset",
-             " | ".join(loaded.column_names))  # fmt: skip
+        fail(
+            "data.text_field",
+            d.text_field,
+            "no such column in the dataset",
+            " | ".join(loaded.column_names),
+        )
     return loaded
 
 

@@ -17,8 +17,9 @@ from meshrun.validate import check_experiment, validate_layout, validate_run
 from meshrun.validate.launcher import CPU_DEFAULT_RANKS
 
 
-def resolve(cfg: ExperimentConfig, facts: HostFacts, say: Callable[[str], None] | None = None
-            ) -> ExperimentConfig:  # fmt: skip
+def resolve(
+    cfg: ExperimentConfig, facts: HostFacts, say: Callable[[str], None] | None = None
+) -> ExperimentConfig:
     """The resolved config for `facts`' box, or ConfigError before any process starts. `say`
     hears which layout `parallel=auto` chose, and why."""
     if cfg.parallel.name == "auto":

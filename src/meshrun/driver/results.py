@@ -32,17 +32,26 @@ from meshrun.rank.models import build_model, count_params, model_shape
 UNEVEN = 0.01
 
 
-def pipeline_fields(cfg: ExperimentConfig, bubbles: list[float] | None,
-                    split: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+def pipeline_fields(
+    cfg: ExperimentConfig, bubbles: list[float] | None, split: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Measured bubble (mean over ranks, and each rank's) beside the schedule's theory; the
     layers each stage held, and where `parallel.pp_layers=auto` chose them (`split`, the
     ranks' StageSplit), the stage costs it balanced and a note of what stayed uneven."""
     p = cfg.parallel
     if p.pp == 1:
         return dict.fromkeys(
-            ("pp_schedule", "n_microbatches", "bubble_theoretical", "bubble_measured",
-             "bubble_per_rank", "pp_layers", "pp_stage_costs_s", "pp_split_note")
-        )  # fmt: skip
+            (
+                "pp_schedule",
+                "n_microbatches",
+                "bubble_theoretical",
+                "bubble_measured",
+                "bubble_per_rank",
+                "pp_layers",
+                "pp_stage_costs_s",
+                "pp_split_note",
+            )
+        )
     m = n_microbatches(cfg)
     if split:
         layers = split["counts"]
@@ -67,13 +76,17 @@ def split_note(split: dict[str, Any]) -> str:
     """What `parallel.pp_layers=auto` chose, from what, and how uneven it stayed."""
     costs = split["stage_costs_s"]
     ms = ", ".join(f"{c * 1e3:.0f}" for c in costs)
-    note = (f"parallel.pp_layers=auto chose {split['counts']}: stages measured at {ms} ms a "
-            "micro-batch (forward + backward)")  # fmt: skip
+    note = (
+        f"parallel.pp_layers=auto chose {split['counts']}: stages measured at {ms} ms a "
+        "micro-batch (forward + backward)"
+    )
     spread = (max(costs) - min(costs)) / max(costs)
     if spread > UNEVEN:
         block = split["block_s"] * 1e3
-        note += (f"; still {spread:.0%} apart: layers move whole (one is {block:.0f} ms) and "
-                 "every stage keeps at least one")  # fmt: skip
+        note += (
+            f"; still {spread:.0%} apart: layers move whole (one is {block:.0f} ms) and "
+            "every stage keeps at least one"
+        )
     return note
 
 
@@ -103,8 +116,7 @@ def predicted_speed_fields(cfg: ExperimentConfig) -> dict[str, Any]:
     }
 
 
-def checkpoint_fields(cfg: ExperimentConfig, saves: list[dict[str, Any]] | None
-                      ) -> dict[str, Any]:  # fmt: skip
+def checkpoint_fields(cfg: ExperimentConfig, saves: list[dict[str, Any]] | None) -> dict[str, Any]:
     """Where the checkpoints are and what saving them cost training (mean over the saves in
     the background: the last, at the end, is written whole before the ranks exit)."""
     if not saves:
@@ -157,16 +169,21 @@ def speedup_fields(
     relative to the speedup, or without rounds the step times' combined variation."""
     devices = n_devices(cfg)
     base_tps = baseline.tokens_per_s if baseline else None
-    fields: dict[str, Any] = {"baseline_tokens_per_s": base_tps,
-                              "baseline_run_id": baseline.run_id if baseline else None}  # fmt: skip
+    fields: dict[str, Any] = {
+        "baseline_tokens_per_s": base_tps,
+        "baseline_run_id": baseline.run_id if baseline else None,
+    }
     if not (tokens_per_s and base_tps):
         return {**fields, "speedup": None, "scaling_efficiency": None, "flags": []}
     speedup = tokens_per_s / base_tps
     rounds = list(zip(step_times, baseline.step_times, strict=False)) if mode == "fresh" else []
     ratios = [base_t / run_t * _tokens_ratio(cfg, baseline) for run_t, base_t in rounds]
-    fields.update(speedup=speedup, speedup_rounds=len(ratios) or None,
-                  speedup_p10=percentile(ratios, 10) if ratios else None,
-                  speedup_p90=percentile(ratios, 90) if ratios else None)  # fmt: skip
+    fields.update(
+        speedup=speedup,
+        speedup_rounds=len(ratios) or None,
+        speedup_p10=percentile(ratios, 10) if ratios else None,
+        speedup_p90=percentile(ratios, 90) if ratios else None,
+    )
     if len(ratios) >= 3:
         noise = (fields["speedup_p90"] - fields["speedup_p10"]) / 2 / speedup
     else:
@@ -175,10 +192,12 @@ def speedup_fields(
     fields["speedup_noise"] = noise
     flags = []
     if efficiency > 1 + noise:
-        flags.append(f"scaling efficiency {efficiency:.2f} is above 1 + its noise "
-                     f"({noise:.2f}): {devices} devices cannot do more than {devices} times "
-                     "the work of one, so the run and its baseline were not measured alike; "
-                     "not a result")  # fmt: skip
+        flags.append(
+            f"scaling efficiency {efficiency:.2f} is above 1 + its noise "
+            f"({noise:.2f}): {devices} devices cannot do more than {devices} times "
+            "the work of one, so the run and its baseline were not measured alike; "
+            "not a result"
+        )
     return {**fields, "scaling_efficiency": efficiency, "flags": flags}
 
 
@@ -190,8 +209,10 @@ def _tokens_ratio(cfg: ExperimentConfig, baseline: RunRecord) -> float:
 def host_flags(share: float | None) -> list[str]:
     if share is None or share <= BUSY_HOST_SHARE:
         return []
-    return [f"other processes kept {share:.0%} of the host's CPU busy while the run was "
-            "timed: its figures are those of a shared host"]  # fmt: skip
+    return [
+        f"other processes kept {share:.0%} of the host's CPU busy while the run was "
+        "timed: its figures are those of a shared host"
+    ]
 
 
 def params(cfg: ExperimentConfig) -> int:
@@ -217,8 +238,16 @@ def assemble(
     t = cfg.train
     tokens_per_step = t.tokens_per_step
     step_times = [r["step_time_s"] for r in steps if r["step_time_s"] is not None]
-    timing = dict.fromkeys(("step_time_s", "step_time_p10_s", "step_time_p90_s", "step_time_cv",
-                            "tokens_per_s", "samples_per_s"))  # fmt: skip
+    timing = dict.fromkeys(
+        (
+            "step_time_s",
+            "step_time_p10_s",
+            "step_time_p90_s",
+            "step_time_cv",
+            "tokens_per_s",
+            "samples_per_s",
+        )
+    )
     if step_times:
         timing = summarize_steps(step_times, tokens_per_step, t.global_batch_size)
     devices = n_devices(cfg)
@@ -228,53 +257,56 @@ def assemble(
     per_token = predict.training_flops_per_token(cfg)
     if baseline is None and is_own_baseline(cfg):  # 1.0 by definition, no spread
         baseline = RunRecord(run_id=meta["run_id"], tokens_per_s=tokens_per_s)
-    speed = speedup_fields(cfg, step_times, tokens_per_s, baseline, meta.get("baseline_mode"),
-                           timing["step_time_cv"])  # fmt: skip
+    speed = speedup_fields(
+        cfg, step_times, tokens_per_s, baseline, meta.get("baseline_mode"), timing["step_time_cv"]
+    )
     flags = [*speed.pop("flags"), *host_flags(meta.get("host_other_cpu_share"))]
     fingerprint = meta.get("fingerprint")
     given = meta.get("given_overrides") or []
-    return RunRecord(**{
-        **{key: value for key, value in meta.items() if key != "given_overrides"},
-        "name": cfg.name,
-        "sweep": cfg.sweep,
-        "model": cfg.model.name,
-        "data": cfg.data.name,
-        "parallel": cfg.parallel.name,
-        "layout": Layout.of(cfg.parallel).degrees(),
-        "layout_name": layout_name(cfg),
-        "overrides": rerun_overrides(given, cfg),
-        "world_size": Layout.of(cfg.parallel).world_size,
-        "devices": devices,
-        "hardware": cfg.hardware.name,
-        "device_type": cfg.hardware.device_type,
-        "backend": cfg.backend.name,
-        "precision": t.precision,
-        "seq_len": t.seq_len,
-        "global_batch_size": t.global_batch_size,
-        "micro_batch_size": t.micro_batch_size,
-        "grad_accum_steps": n_microbatches(cfg),
-        "steps": t.steps,
-        "untimed_steps": t.untimed_steps,
-        "steps_completed": len(steps),
-        "params": params(cfg),
-        "step_times": step_times,
-        **timing,
-        "scaling": cfg.metrics.scaling,
-        **speed,
-        "flags": flags,
-        "flops_per_token": per_token,
-        "flops_per_token_counted": predict.counted_flops(cfg),
-        "mfu": mfu(tokens_per_s, per_token, peak) if tokens_per_s else None,
-        "data_wait_share": data_wait_share(steps),
-        **pipeline_fields(cfg, bubbles, pp_split),
-        **memory_fields(cfg, memory),
-        "pretrained_read_bytes_per_rank": pretrained_read,
-        **checkpoint_fields(cfg, checkpoints),
-        **eval_fields(steps),
-        **predicted_speed_fields(cfg),
-        "losses": [r["loss"] for r in steps],
-        "grad_norms": [r.get("grad_norm") for r in steps],
-        "baseline_key": baseline_key(cfg),
-        "fingerprint_key": fingerprint_key(fingerprint) if fingerprint else None,
-        "run_dir": cfg.run_dir,
-    })  # fmt: skip
+    return RunRecord(
+        **{
+            **{key: value for key, value in meta.items() if key != "given_overrides"},
+            "name": cfg.name,
+            "sweep": cfg.sweep,
+            "model": cfg.model.name,
+            "data": cfg.data.name,
+            "parallel": cfg.parallel.name,
+            "layout": Layout.of(cfg.parallel).degrees(),
+            "layout_name": layout_name(cfg),
+            "overrides": rerun_overrides(given, cfg),
+            "world_size": Layout.of(cfg.parallel).world_size,
+            "devices": devices,
+            "hardware": cfg.hardware.name,
+            "device_type": cfg.hardware.device_type,
+            "backend": cfg.backend.name,
+            "precision": t.precision,
+            "seq_len": t.seq_len,
+            "global_batch_size": t.global_batch_size,
+            "micro_batch_size": t.micro_batch_size,
+            "grad_accum_steps": n_microbatches(cfg),
+            "steps": t.steps,
+            "untimed_steps": t.untimed_steps,
+            "steps_completed": len(steps),
+            "params": params(cfg),
+            "step_times": step_times,
+            **timing,
+            "scaling": cfg.metrics.scaling,
+            **speed,
+            "flags": flags,
+            "flops_per_token": per_token,
+            "flops_per_token_counted": predict.counted_flops(cfg),
+            "mfu": mfu(tokens_per_s, per_token, peak) if tokens_per_s else None,
+            "data_wait_share": data_wait_share(steps),
+            **pipeline_fields(cfg, bubbles, pp_split),
+            **memory_fields(cfg, memory),
+            "pretrained_read_bytes_per_rank": pretrained_read,
+            **checkpoint_fields(cfg, checkpoints),
+            **eval_fields(steps),
+            **predicted_speed_fields(cfg),
+            "losses": [r["loss"] for r in steps],
+            "grad_norms": [r.get("grad_norm") for r in steps],
+            "baseline_key": baseline_key(cfg),
+            "fingerprint_key": fingerprint_key(fingerprint) if fingerprint else None,
+            "run_dir": cfg.run_dir,
+        }
+    )

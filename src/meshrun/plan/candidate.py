@@ -87,9 +87,13 @@ def capacities(cfg: ExperimentConfig) -> list[int]:
         total = cfg.hardware.devices[0].memory_gib * GiB
         return [int((total - headroom) / layout.world_size)] * layout.pp
     usable = 1 - cfg.plan.fragmentation
-    return [min((int((s.memory_gib * GiB - headroom) * usable)
-                 for s in stage_devices(cfg, layout, pp)), default=0)
-            for pp in range(layout.pp)]  # fmt: skip
+    return [
+        min(
+            (int((s.memory_gib * GiB - headroom) * usable) for s in stage_devices(cfg, layout, pp)),
+            default=0,
+        )
+        for pp in range(layout.pp)
+    ]
 
 
 def host_flops(cfg: ExperimentConfig) -> float | None:
@@ -102,8 +106,9 @@ def host_flops(cfg: ExperimentConfig) -> float | None:
 
 def evaluate(cfg: ExperimentConfig) -> Candidate:
     """`cfg` resolved (validated)."""
-    return Candidate(cfg, predict.stage_memory(cfg), capacities(cfg),
-                     predict.speed(cfg, host_flops(cfg)))  # fmt: skip
+    return Candidate(
+        cfg, predict.stage_memory(cfg), capacities(cfg), predict.speed(cfg, host_flops(cfg))
+    )
 
 
 def legal(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:

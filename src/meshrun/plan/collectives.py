@@ -51,8 +51,11 @@ class Fabric:
         intra = (hw.intra_node.bw_gbs or 1.0) * GB * (NVLINK_EFFICIENCY if gpu else 1.0)
         net = hw.network
         per_node = devices_per_node(cfg)
-        nic = (net.nics * net.nic_gbps / 8 * GB * NETWORK_EFFICIENCY / per_node
-               if net.nic_gbps else None)  # fmt: skip
+        nic = (
+            net.nics * net.nic_gbps / 8 * GB * NETWORK_EFFICIENCY / per_node
+            if net.nic_gbps
+            else None
+        )
         return cls(intra, hw.intra_node.latency_us * 1e-6, nic, net.latency_us * 1e-6, per_node)
 
     def bus_bw(self, span: GroupSpan) -> float:
@@ -71,8 +74,10 @@ class Fabric:
             return 0.0
         latency = self._ring_latency(span, 2) - 2 * self.intra_latency
         if span.crosses_nodes:
-            tree = 2 * ((span.ranks_per_node - 1) * self.intra_latency
-                        + math.ceil(math.log2(span.nodes)) * self.net_latency)  # fmt: skip
+            tree = 2 * (
+                (span.ranks_per_node - 1) * self.intra_latency
+                + math.ceil(math.log2(span.nodes)) * self.net_latency
+            )
             latency = min(latency, tree)
         return latency + 2 * (n - 1) / n * nbytes / self.bus_bw(span)
 

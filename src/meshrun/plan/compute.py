@@ -80,14 +80,17 @@ class PassTimes:
 
     def by_kind(self) -> dict[str, float]:
         """Forward and backward together."""
-        return {"matmul": self.matmul_f + self.matmul_b,
-                "attention": (1 + ATTENTION_BACKWARD) * self.attention_f,
-                "elementwise": 3 * self.elementwise_f}  # fmt: skip
+        return {
+            "matmul": self.matmul_f + self.matmul_b,
+            "attention": (1 + ATTENTION_BACKWARD) * self.attention_f,
+            "elementwise": 3 * self.elementwise_f,
+        }
 
 
 @functools.lru_cache(maxsize=4096)  # the planner asks again for every stage and layout
-def block_times(d: Dims, rates: DeviceRates, micro_batch: int, seq: int, tp: int, sp: bool,
-                width: int) -> PassTimes:  # fmt: skip
+def block_times(
+    d: Dims, rates: DeviceRates, micro_batch: int, seq: int, tp: int, sp: bool, width: int
+) -> PassTimes:
     """One transformer block (meshrun's: q, k, v, o; w1, (w3,) w2) under TP degree `tp`."""
     tokens = micro_batch * seq
     column = [(d.h, d.h), (d.hk, d.h), (d.hk, d.h)] + [(d.f, d.h)] * (d.mlp - 1)
@@ -98,14 +101,16 @@ def block_times(d: Dims, rates: DeviceRates, micro_batch: int, seq: int, tp: int
         forward, backward = forward + f, backward + b
     causal_flops = 2 * micro_batch * seq * seq * d.h / tp  # half of 4*b*s^2*h: the mask
     attention = causal_flops / (rates.matmul * ATTENTION_RATE)
-    per_token = (RESIDUAL_BYTES * d.h / (tp if sp else 1)
-                 + (2 * (d.h + d.hk) + d.mlp * d.f) * width / tp)  # fmt: skip
+    per_token = (
+        RESIDUAL_BYTES * d.h / (tp if sp else 1) + (2 * (d.h + d.hk) + d.mlp * d.f) * width / tp
+    )
     return PassTimes(forward, backward, attention, tokens * per_token / rates.memory)
 
 
 @functools.lru_cache(maxsize=4096)
-def head_times(d: Dims, rates: DeviceRates, tokens: int, tp: int, width: int
-               ) -> tuple[float, float]:  # fmt: skip
+def head_times(
+    d: Dims, rates: DeviceRates, tokens: int, tp: int, width: int
+) -> tuple[float, float]:
     """(forward, backward) of the output layer and the loss: the vocabulary-parallel head
     and the fp32 log-softmax over the gathered logits (read, write; backward twice)."""
     forward, backward = rates.linear(tokens, d.vocab // tp, d.h, width)

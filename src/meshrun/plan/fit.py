@@ -37,8 +37,10 @@ def check_fit(cfg: ExperimentConfig, facts: HostFacts) -> None:
     if fitting:
         valid = "; ".join(f"{c.overrides()} (predicted {_gib(c.peak)} a rank)" for c in fitting)
     else:
-        valid = (f"no layout of {world} ranks fits (meshrun-plan lists them): more devices, "
-                 "a smaller model or a shorter train.seq_len")  # fmt: skip
+        valid = (
+            f"no layout of {world} ranks fits (meshrun-plan lists them): more devices, "
+            "a smaller model or a shorter train.seq_len"
+        )
     fail(
         "parallel",
         cfg.parallel.name,

@@ -106,14 +106,21 @@ def _layer_bytes(d: Dims, tp: int, sp: bool, ckpt: str, width: int) -> tuple[flo
     return full, 0.0
 
 
-def activation_bytes(cfg: ExperimentConfig, layout: Layout, share: StageShare, pp_rank: int,
-                     n_microbatches: int, micro_batch: int) -> float:  # fmt: skip
+def activation_bytes(
+    cfg: ExperimentConfig,
+    layout: Layout,
+    share: StageShare,
+    pp_rank: int,
+    n_microbatches: int,
+    micro_batch: int,
+) -> float:
     d = Dims.of(cfg.model, layout.tp)
     p = cfg.parallel
     tokens = micro_batch * cfg.train.seq_len
     width = 2 if cfg.train.precision in HALF_PRECISIONS else FP32
-    kept, recompute = _layer_bytes(d, layout.tp, p.sequence_parallel,
-                                   p.activation_checkpointing, width)  # fmt: skip
+    kept, recompute = _layer_bytes(
+        d, layout.tp, p.sequence_parallel, p.activation_checkpointing, width
+    )
     per_mb = share.layers * kept + (8 if share.first else 0)
     if share.last:
         per_mb += (3 * d.h + 1 + d.vocab) * FP32 + 8
@@ -127,8 +134,14 @@ def activation_bytes(cfg: ExperimentConfig, layout: Layout, share: StageShare, p
     return tokens * (held + transient)
 
 
-def predict_rank(cfg: ExperimentConfig, layout: Layout, share: StageShare, pp_rank: int,
-                 n_microbatches: int, micro_batch: int) -> MemoryPrediction:  # fmt: skip
+def predict_rank(
+    cfg: ExperimentConfig,
+    layout: Layout,
+    share: StageShare,
+    pp_rank: int,
+    n_microbatches: int,
+    micro_batch: int,
+) -> MemoryPrediction:
     d = Dims.of(cfg.model, layout.tp)
     elements = local_param_elements(d, share, layout.tp, layout.dp_shard)
     state = elements * FP32
@@ -170,8 +183,10 @@ def predict_stages(cfg: ExperimentConfig) -> list[MemoryPrediction]:
     layout = Layout.of(cfg.parallel)
     n_microbatches, micro_batch = micro_batching(cfg, layout)
     shares = stage_shares(cfg.model, cfg.parallel, layout)
-    return [predict_rank(cfg, layout, share, pp_rank, n_microbatches, micro_batch)
-            for pp_rank, share in enumerate(shares)]  # fmt: skip
+    return [
+        predict_rank(cfg, layout, share, pp_rank, n_microbatches, micro_batch)
+        for pp_rank, share in enumerate(shares)
+    ]
 
 
 def predict_memory(cfg: ExperimentConfig) -> list[MemoryPrediction]:

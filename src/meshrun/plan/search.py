@@ -115,31 +115,39 @@ def layout_grid(cfg: ExperimentConfig, box: Box, fixed: frozenset[str]) -> Itera
             dp = box.world // (pp * tp)
             splits = _dp_splits(dp, tp, box)
             if fixed & set(DP_KEYS):
-                splits = [(p.dp_replicate, p.dp_shard)] if p.dp_replicate * p.dp_shard == dp \
-                    else []  # fmt: skip
+                splits = [(p.dp_replicate, p.dp_shard)] if p.dp_replicate * p.dp_shard == dp else []
             schedules = SCHEDULE_CHOICES if pp > 1 else (("1f1b", 1),)
             if "parallel.schedule" in fixed or "parallel.stages_per_rank" in fixed:
                 schedules = ((p.schedule, p.stages_per_rank),)
             for rep, shard in splits:
                 for schedule, stages_per_rank in schedules:
-                    for sp in allowed("parallel.sequence_parallel", [False, True] if tp > 1
-                                      else [False]):  # fmt: skip
-                        yield dict(pp=pp, tp=tp, dp_replicate=rep, dp_shard=shard,
-                                   schedule=schedule, stages_per_rank=stages_per_rank,
-                                   sequence_parallel=sp)  # fmt: skip
+                    for sp in allowed(
+                        "parallel.sequence_parallel", [False, True] if tp > 1 else [False]
+                    ):
+                        yield dict(
+                            pp=pp,
+                            tp=tp,
+                            dp_replicate=rep,
+                            dp_shard=shard,
+                            schedule=schedule,
+                            stages_per_rank=stages_per_rank,
+                            sequence_parallel=sp,
+                        )
 
 
 def with_parallel(cfg: ExperimentConfig, box: Box, **keys: Any) -> ExperimentConfig:
     """A layout of the planner's, named as `parallel=auto` (what picks it; `single` for one
     rank): its display name is layout_name's, the overrides that run it layout_overrides'.
     Several nodes run through SLURM (launcher=local runs on one)."""
-    parallel = dataclasses.replace(cfg.parallel, name="single" if box.world == 1 else "auto",
-                                   data_parallel="auto", **keys)  # fmt: skip
+    parallel = dataclasses.replace(
+        cfg.parallel, name="single" if box.world == 1 else "auto", data_parallel="auto", **keys
+    )
     launcher = cfg.launcher
     if box.nodes > 1 and not isinstance(launcher, SlurmLauncherConfig):
         launcher = SlurmLauncherConfig(nnodes=box.nodes)
-    launcher = dataclasses.replace(launcher, nnodes=box.nodes, nproc_per_node=box.per_node,
-                                   threads_per_rank=None)  # fmt: skip
+    launcher = dataclasses.replace(
+        launcher, nnodes=box.nodes, nproc_per_node=box.per_node, threads_per_rank=None
+    )
     return dataclasses.replace(cfg, parallel=parallel, launcher=launcher)
 
 
@@ -152,8 +160,11 @@ def _micro_batches(cfg: ExperimentConfig, dp: int, fixed: frozenset[str]) -> lis
 
 def _variants(cfg: ExperimentConfig, fixed: frozenset[str]) -> Iterator[tuple[str, bool]]:
     """(activation checkpointing, DDP bucket view), cheapest first."""
-    ckpts = [cfg.parallel.activation_checkpointing] if "parallel.activation_checkpointing" \
-        in fixed else list(CHECKPOINTING)  # fmt: skip
+    ckpts = (
+        [cfg.parallel.activation_checkpointing]
+        if "parallel.activation_checkpointing" in fixed
+        else list(CHECKPOINTING)
+    )
     ddp = Layout.of(cfg.parallel).dp_replicate > 1 and not Layout.of(cfg.parallel).uses_fsdp
     views = [cfg.parallel.ddp.gradient_as_bucket_view]
     if ddp and "parallel.ddp.gradient_as_bucket_view" not in fixed:
@@ -167,8 +178,9 @@ def _speed_key(c: Candidate) -> float:
     return c.speed.tokens_per_s if c.speed else 0.0
 
 
-def best_variant(cfg: ExperimentConfig, facts: HostFacts, fixed: frozenset[str],
-                 plan: Plan) -> Candidate | None:  # fmt: skip
+def best_variant(
+    cfg: ExperimentConfig, facts: HostFacts, fixed: frozenset[str], plan: Plan
+) -> Candidate | None:
     """A layout's fastest variant that fits, else its smallest; None if none is legal."""
     fitting: Candidate | None = None
     smallest: Candidate | None = None
@@ -178,8 +190,9 @@ def best_variant(cfg: ExperimentConfig, facts: HostFacts, fixed: frozenset[str],
         for ckpt, view in _variants(dataclasses.replace(cfg, train=train), fixed):
             ddp = dataclasses.replace(cfg.parallel.ddp, gradient_as_bucket_view=view)
             parallel = dataclasses.replace(cfg.parallel, activation_checkpointing=ckpt, ddp=ddp)
-            resolved = legal_or_reason(dataclasses.replace(cfg, train=train, parallel=parallel),
-                                       facts)  # fmt: skip
+            resolved = legal_or_reason(
+                dataclasses.replace(cfg, train=train, parallel=parallel), facts
+            )
             if isinstance(resolved, str):
                 plan.rule_out(resolved)
                 continue
@@ -200,8 +213,9 @@ def legal_or_reason(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig
         return f"{err.key}={err.value}: {err.problem}"
 
 
-def search(cfg: ExperimentConfig, box: Box, facts: HostFacts,
-           fixed: frozenset[str] = frozenset()) -> Plan:  # fmt: skip
+def search(
+    cfg: ExperimentConfig, box: Box, facts: HostFacts, fixed: frozenset[str] = frozenset()
+) -> Plan:
     """Ranked candidates; pipelines on mixed boxes get an uneven split as well."""
     plan = Plan([])
     for keys in layout_grid(cfg, box, fixed):
@@ -227,21 +241,29 @@ def _no_layout_reason(box: Box, fixed: frozenset[str]) -> str:
 
 
 def _tp_across_nodes(tp: int, box: Box) -> str:
-    where = f"spans {math.ceil(tp / box.per_node)} nodes" if tp > box.per_node \
-        else "groups straddle nodes"  # fmt: skip
+    where = (
+        f"spans {math.ceil(tp / box.per_node)} nodes"
+        if tp > box.per_node
+        else "groups straddle nodes"
+    )
     return f"parallel.tp={tp}: {where} of {box.per_node} devices (TP stays on a node's links)"
 
 
-def best_layout(cfg: ExperimentConfig, world: int, facts: HostFacts
-                ) -> tuple[ExperimentConfig, str]:  # fmt: skip
+def best_layout(
+    cfg: ExperimentConfig, world: int, facts: HostFacts
+) -> tuple[ExperimentConfig, str]:
     """`parallel=auto`: the top row of the plan that fits (the config to validate), and why
     it was chosen, for the console."""
     box = Box(cfg.launcher.nnodes, world // cfg.launcher.nnodes)
     ranked = [c for c in search(cfg, box, facts).ranked if c.fits]
     if not ranked:
-        fail("parallel", "auto", f"no layout of {world} ranks is predicted to fit "
-             "(meshrun-plan lists them with their memory)",
-             "more devices, a smaller model or a shorter train.seq_len")  # fmt: skip
+        fail(
+            "parallel",
+            "auto",
+            f"no layout of {world} ranks is predicted to fit "
+            "(meshrun-plan lists them with their memory)",
+            "more devices, a smaller model or a shorter train.seq_len",
+        )
     best = ranked[0].cfg
     return dataclasses.replace(cfg, parallel=best.parallel, train=best.train), why(ranked)
 
@@ -251,14 +273,18 @@ def why(ranked: list[Candidate]) -> str:
     first = ranked[0]
     speed = f"{first.speed.tokens_per_s:,.0f} tokens/s" if first.speed else "speed unknown"
     peak = f"peak {first.peak / 2**30:.2f} of {min(first.capacity) / 2**30:.1f} GiB"
-    text = (f"{first.label} ({first.overrides()}): predicted {speed}, {peak} per rank; the "
-            f"top row of the plan of the {len(ranked)} layouts that fit")  # fmt: skip
+    text = (
+        f"{first.label} ({first.overrides()}): predicted {speed}, {peak} per rank; the "
+        f"top row of the plan of the {len(ranked)} layouts that fit"
+    )
     fastest = max(ranked, key=_speed_key)
     if fastest is not first and first.speed and fastest.speed:
         behind = 1 - first.speed.tokens_per_s / fastest.speed.tokens_per_s
-        text += (f", {behind:.1%} behind the fastest prediction ({fastest.label}, peak "
-                 f"{fastest.peak / 2**30:.2f} GiB): closer than the speed model tells apart "
-                 f"({SPEED_RESOLUTION:.0%}), so the one with more memory to spare")  # fmt: skip
+        text += (
+            f", {behind:.1%} behind the fastest prediction ({fastest.label}, peak "
+            f"{fastest.peak / 2**30:.2f} GiB): closer than the speed model tells apart "
+            f"({SPEED_RESOLUTION:.0%}), so the one with more memory to spare"
+        )
     elif len(ranked) > 1 and ranked[1].speed and first.speed:
         lead = first.speed.tokens_per_s / ranked[1].speed.tokens_per_s
         text += f", the fastest, {lead:.2f}x the next ({ranked[1].label})"
@@ -290,8 +316,9 @@ def add_speedups(candidates: list[Candidate], facts: HostFacts) -> None:
         key = repr((twin.train, twin.parallel))
         if key not in singles:
             resolved = legal_or_reason(twin, facts)
-            single = None if isinstance(resolved, str) else \
-                predict.speed(resolved, host_flops(resolved))  # fmt: skip
+            single = (
+                None if isinstance(resolved, str) else predict.speed(resolved, host_flops(resolved))
+            )
             singles[key] = single.tokens_per_s if single else None
         if singles[key]:
             c.speedup = c.speed.tokens_per_s / singles[key]

@@ -39,8 +39,16 @@ class Dims:
         """`tp`: the degree the vocabulary is padded for (rank/models/vocab.py)."""
         m = model_shape(model_cfg)
         head_dim = m.dim // m.n_heads
-        return cls(m.dim, m.n_kv_heads * head_dim, m.ffn_dim, m.n_heads,
-                   padded_vocab(m.vocab_size, tp), m.n_layers, m.tied, m.mlp_matrices)  # fmt: skip
+        return cls(
+            m.dim,
+            m.n_kv_heads * head_dim,
+            m.ffn_dim,
+            m.n_heads,
+            padded_vocab(m.vocab_size, tp),
+            m.n_layers,
+            m.tied,
+            m.mlp_matrices,
+        )
 
 
 @dataclass(frozen=True)
@@ -61,13 +69,13 @@ def stage_shares(model: ModelConfig, parallel: ParallelConfig, layout: Layout) -
     shares = []
     for pp_rank in range(layout.pp):
         ids = local_stage_ids(pp_rank, layout.pp, stages_per_rank)
-        shares.append(StageShare(sum(counts[i] for i in ids), 0 in ids, n_stages - 1 in ids,
-                                 stages_per_rank))  # fmt: skip
+        shares.append(
+            StageShare(sum(counts[i] for i in ids), 0 in ids, n_stages - 1 in ids, stages_per_rank)
+        )
     return shares
 
 
-def layer_counts(model: ModelConfig, parallel: ParallelConfig, n_stages: int, tp: int
-                 ) -> list[int]:  # fmt: skip
+def layer_counts(model: ModelConfig, parallel: ParallelConfig, n_stages: int, tp: int) -> list[int]:
     """Layers per stage; `auto` as the ranks would split by measured cost, here by formula
     (the planner cannot time): a block's matmul FLOPs a token against the head's 2hV, the
     embedding's lookup free, every stage on equal devices."""
@@ -105,10 +113,15 @@ def local_param_elements(d: Dims, share: StageShare, tp: int, fsdp: int) -> int:
     tensors times the stage's layers, not a sum over every layer (a plan of a 96-layer model
     asks thousands of times)."""
     block = [
-        ((d.h, d.h), 0), ((d.hk, d.h), 0), ((d.hk, d.h), 0), ((d.h, d.h), 1),  # q k v o
-        *[((d.f, d.h), 0)] * (d.mlp - 1), ((d.h, d.f), 1),  # w1 (w3) w2
-        ((d.h,), None), ((d.h,), None),  # the two norms
-    ]  # fmt: skip
+        ((d.h, d.h), 0),
+        ((d.hk, d.h), 0),
+        ((d.hk, d.h), 0),
+        ((d.h, d.h), 1),  # q k v o
+        *[((d.f, d.h), 0)] * (d.mlp - 1),
+        ((d.h, d.f), 1),  # w1 (w3) w2
+        ((d.h,), None),
+        ((d.h,), None),  # the two norms
+    ]
     tensors = []
     if share.first:
         tensors.append(((d.vocab, d.h), 0))

@@ -93,8 +93,7 @@ def formula_cost(cfg: ExperimentConfig, layout: Layout) -> ModelCost:
     matmul = total if d.tied else total - d.vocab * d.h  # the embedding lookup is no matmul
     per_token = flops_per_token(model_shape(cfg.model), matmul, cfg.train.seq_len)
     shares = stage_shares(cfg.model, cfg.parallel, layout)
-    return ModelCost(per_token, max(local_param_elements(d, s, layout.tp, 1) for s in shares),
-                     d.h)  # fmt: skip
+    return ModelCost(per_token, max(local_param_elements(d, s, layout.tp, 1) for s in shares), d.h)
 
 
 @dataclass(frozen=True)
@@ -153,8 +152,9 @@ def _rates(cfg: ExperimentConfig, spec: DeviceSpec) -> DeviceRates | None:
     return DeviceRates(peak * spec.matmul_efficiency, memory, spec.sms)
 
 
-def _by_shapes(cfg: ExperimentConfig, layout: Layout, share: StageShare, micro: int,
-               rates: DeviceRates) -> _Stage:  # fmt: skip
+def _by_shapes(
+    cfg: ExperimentConfig, layout: Layout, share: StageShare, micro: int, rates: DeviceRates
+) -> _Stage:
     d = Dims.of(cfg.model, layout.tp)
     width = 2 if cfg.train.precision in HALF_PRECISIONS else FP32
     p, seq = cfg.parallel, cfg.train.seq_len
@@ -170,8 +170,14 @@ def _by_shapes(cfg: ExperimentConfig, layout: Layout, share: StageShare, micro: 
     return _Stage(forward, backward, recompute, parts=parts)
 
 
-def _by_flops(cfg: ExperimentConfig, layout: Layout, share: StageShare, micro: int,
-              cost: ModelCost, rate: float) -> _Stage:  # fmt: skip
+def _by_flops(
+    cfg: ExperimentConfig,
+    layout: Layout,
+    share: StageShare,
+    micro: int,
+    cost: ModelCost,
+    rate: float,
+) -> _Stage:
     """Forward a third of a token's FLOPs, backward two; the head counts as half a layer."""
     shape = model_shape(cfg.model)
     layer_share = (share.layers + (0.5 if share.last else 0)) / (shape.n_layers + 0.5)
@@ -186,8 +192,14 @@ def _by_flops(cfg: ExperimentConfig, layout: Layout, share: StageShare, micro: i
     return _Stage(forward, 2 * forward, recompute, parts={"matmul": 3 * forward})
 
 
-def _tp_comm(cfg: ExperimentConfig, layout: Layout, fabric: Fabric, share: StageShare,
-             micro: int, cost: ModelCost) -> float:  # fmt: skip
+def _tp_comm(
+    cfg: ExperimentConfig,
+    layout: Layout,
+    fabric: Fabric,
+    share: StageShare,
+    micro: int,
+    cost: ModelCost,
+) -> float:
     """Seconds of one micro-batch's TP collectives on a stage (recomputed ones included)."""
     if layout.tp == 1:
         return 0.0
@@ -211,8 +223,9 @@ def _tp_comm(cfg: ExperimentConfig, layout: Layout, fabric: Fabric, share: Stage
     return seconds
 
 
-def _pp_comm(cfg: ExperimentConfig, layout: Layout, fabric: Fabric, micro: int,
-             cost: ModelCost) -> float:  # fmt: skip
+def _pp_comm(
+    cfg: ExperimentConfig, layout: Layout, fabric: Fabric, micro: int, cost: ModelCost
+) -> float:
     """Seconds of one micro-batch's stage-to-stage transfers on a rank (receive forward,
     send backward: 2 a stage it holds)."""
     if layout.pp == 1:
@@ -224,8 +237,15 @@ def _pp_comm(cfg: ExperimentConfig, layout: Layout, fabric: Fabric, micro: int,
     return 2 * cfg.parallel.stages_per_rank * fabric.send(crosses, nbytes)
 
 
-def _dp_comm(cfg: ExperimentConfig, layout: Layout, fabric: Fabric, cost: ModelCost,
-             stage: _Stage, m: int, n_units: int) -> tuple[float, float]:  # fmt: skip
+def _dp_comm(
+    cfg: ExperimentConfig,
+    layout: Layout,
+    fabric: Fabric,
+    cost: ModelCost,
+    stage: _Stage,
+    m: int,
+    n_units: int,
+) -> tuple[float, float]:
     """(seconds of a step's data-parallel collectives, what of them compute leaves exposed)."""
     p = cfg.parallel
     elements = cost.rank_elements
@@ -257,8 +277,9 @@ def _dp_comm(cfg: ExperimentConfig, layout: Layout, fabric: Fabric, cost: ModelC
     return total, m * exposed
 
 
-def predict_speed(cfg: ExperimentConfig, host_flops: float | None = None,
-                  cost: ModelCost | None = None) -> SpeedPrediction | None:  # fmt: skip
+def predict_speed(
+    cfg: ExperimentConfig, host_flops: float | None = None, cost: ModelCost | None = None
+) -> SpeedPrediction | None:
     """None when a device's peak is unknown (and no host measurement stands in for it).
     `cost`: what was counted of a model without formulas (formula_cost's otherwise)."""
     layout = Layout.of(cfg.parallel)
@@ -272,8 +293,9 @@ def predict_speed(cfg: ExperimentConfig, host_flops: float | None = None,
     slowest: _Stage | None = None
     slowest_rates: DeviceRates | None = None
     for pp_rank, share in enumerate(shares):  # stages x device kinds, never ranks
-        specs = stage_devices(cfg, layout, pp_rank) if cfg.hardware.device_type == "cuda" \
-            else [None]  # fmt: skip
+        specs = (
+            stage_devices(cfg, layout, pp_rank) if cfg.hardware.device_type == "cuda" else [None]
+        )
         if not specs:
             return None
         for spec in specs:
@@ -287,8 +309,9 @@ def predict_speed(cfg: ExperimentConfig, host_flops: float | None = None,
                 stage = _by_flops(cfg, layout, share, micro, cost, peak * efficiency)
             stage.tp = _tp_comm(cfg, layout, fabric, share, micro, cost)
             if rates:
-                stage.parts["optimizer"] = optimizer_time(cost.rank_elements // layout.dp_shard,
-                                                          rates)  # fmt: skip
+                stage.parts["optimizer"] = optimizer_time(
+                    cost.rank_elements // layout.dp_shard, rates
+                )
             if slowest is None or _clock(stage) > _clock(slowest):
                 slowest, slowest_rates = stage, rates
     pp = _pp_comm(cfg, layout, fabric, micro, cost)
@@ -304,11 +327,17 @@ def predict_speed(cfg: ExperimentConfig, host_flops: float | None = None,
     pipeline = m * (slowest.compute + slowest.tp + pp)
     step = pipeline / (1 - bubble) + dp_exposed + contention + optimizer
     tokens_per_s = t.tokens_per_step / step
-    breakdown = {**{k: m * v for k, v in slowest.parts.items() if k != "optimizer"},
-                 "recompute": m * slowest.recompute, "optimizer": optimizer,
-                 "tp": m * slowest.tp, "pp": m * pp, "dp": dp_total, "dp_exposed": dp_exposed,
-                 "contention": contention,
-                 "bubble": pipeline / (1 - bubble) - pipeline}  # fmt: skip
+    breakdown = {
+        **{k: m * v for k, v in slowest.parts.items() if k != "optimizer"},
+        "recompute": m * slowest.recompute,
+        "optimizer": optimizer,
+        "tp": m * slowest.tp,
+        "pp": m * pp,
+        "dp": dp_total,
+        "dp_exposed": dp_exposed,
+        "contention": contention,
+        "bubble": pipeline / (1 - bubble) - pipeline,
+    }
     return SpeedPrediction(
         compute_s=m * slowest.compute + optimizer,
         comm_s=m * (slowest.tp + pp) + dp_total,

@@ -21,9 +21,13 @@ def weakest_devices(cfg: ExperimentConfig) -> list[DeviceSpec]:
     """Per pp rank, the weakest device among its ranks (it paces the stage)."""
     layout = Layout.of(cfg.parallel)
     precision = cfg.train.precision
-    return [min(stage_devices(cfg, layout, pp),
-                key=lambda s: (s.peak_tflops.get(precision, 0), s.memory_gib))
-            for pp in range(layout.pp)]  # fmt: skip
+    return [
+        min(
+            stage_devices(cfg, layout, pp),
+            key=lambda s: (s.peak_tflops.get(precision, 0), s.memory_gib),
+        )
+        for pp in range(layout.pp)
+    ]
 
 
 def proportional(n_layers: int, weights: list[float]) -> list[int]:

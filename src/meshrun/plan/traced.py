@@ -49,14 +49,22 @@ FP32 = 4
 # MemTracker's kinds (and FSDPMemTracker's) -> the breakdown's; what a step allocates and
 # frees (FSDP's unsharded parameters and its collectives' buffers) counts as activations
 KINDS = {
-    "Parameter": "params", "Buffer": "params", "Sharded Param": "params",
-    "Gradient": "grads", "Sharded Grad": "grads",
-    "Optstate": "optimizer", "OptState": "optimizer",
-    "Activation": "activations", "Temp": "activations", "Inputs": "activations",
-    "Unsharded Param": "activations", "Unsharded Grad": "activations",
-    "All Gather": "activations", "Reduce Scatter": "activations",
+    "Parameter": "params",
+    "Buffer": "params",
+    "Sharded Param": "params",
+    "Gradient": "grads",
+    "Sharded Grad": "grads",
+    "Optstate": "optimizer",
+    "OptState": "optimizer",
+    "Activation": "activations",
+    "Temp": "activations",
+    "Inputs": "activations",
+    "Unsharded Param": "activations",
+    "Unsharded Grad": "activations",
+    "All Gather": "activations",
+    "Reduce Scatter": "activations",
     "Other": "other",
-}  # fmt: skip
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +86,9 @@ def traced_memory(cfg: ExperimentConfig) -> list[MemoryPrediction]:
     pre-launch check and the record ask for the same config; a tool's config (meshrun-plan's)
     is traced as the experiment it holds."""
     experiment = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(ExperimentConfig)}
-    cfg_json = json.dumps(dataclasses.asdict(ExperimentConfig(**experiment)), sort_keys=True,
-                          default=str)  # fmt: skip
+    cfg_json = json.dumps(
+        dataclasses.asdict(ExperimentConfig(**experiment)), sort_keys=True, default=str
+    )
     return list(_traced(cfg_json))
 
 
@@ -91,10 +100,14 @@ def _traced(cfg_json: str) -> tuple[MemoryPrediction, ...]:
     traced = layout if layout.uses_fsdp else dataclasses.replace(layout, dp_replicate=1)
     # DataParallel: one process driving several devices, each holding what one alone would
     # pp_layers=auto: the formula's split, as the rest of the planner predicts with
-    counts = layer_counts(cfg.model, cfg.parallel, layout.pp * cfg.parallel.stages_per_rank,
-                          layout.tp) if layout.pp > 1 else None  # fmt: skip
-    parallel = dataclasses.replace(cfg.parallel, dp_replicate=traced.dp_replicate,
-                                   data_parallel="auto", pp_layers=counts)  # fmt: skip
+    counts = (
+        layer_counts(cfg.model, cfg.parallel, layout.pp * cfg.parallel.stages_per_rank, layout.tp)
+        if layout.pp > 1
+        else None
+    )
+    parallel = dataclasses.replace(
+        cfg.parallel, dp_replicate=traced.dp_replicate, data_parallel="auto", pp_layers=counts
+    )
     if dist.is_initialized():
         raise RuntimeError("the planner traces on a fake process group of its own")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=traced.world_size)
@@ -103,18 +116,23 @@ def _traced(cfg_json: str) -> tuple[MemoryPrediction, ...]:
         # two micro-batches a step where there are more: the second one's forward and
         # backward run with the first one's gradients held
         accumulated = min(2, n_microbatches)
-        traces = [_trace_rank(cfg, traced, parallel, mesh, pp_rank, micro_batch, accumulated)
-                  for pp_rank in range(layout.pp)]  # fmt: skip
+        traces = [
+            _trace_rank(cfg, traced, parallel, mesh, pp_rank, micro_batch, accumulated)
+            for pp_rank in range(layout.pp)
+        ]
     finally:
         dist.destroy_process_group()
-    per_stage = [_prediction(cfg, layout, pp_rank, n_microbatches, trace)
-                 for pp_rank, trace in enumerate(traces)]  # fmt: skip
+    per_stage = [
+        _prediction(cfg, layout, pp_rank, n_microbatches, trace)
+        for pp_rank, trace in enumerate(traces)
+    ]
     ranks_per_stage = layout.world_size // layout.pp
     return tuple(per_stage[rank // ranks_per_stage] for rank in range(layout.world_size))
 
 
-def _prediction(cfg: ExperimentConfig, layout: Layout, pp_rank: int, n_microbatches: int,
-                trace: Trace) -> MemoryPrediction:  # fmt: skip
+def _prediction(
+    cfg: ExperimentConfig, layout: Layout, pp_rank: int, n_microbatches: int, trace: Trace
+) -> MemoryPrediction:
     split = dict.fromkeys(("params", "grads", "optimizer", "activations", "other"), 0)
     for kind, size in trace.peak.items():
         split[KINDS[kind]] += size
@@ -130,9 +148,15 @@ def _prediction(cfg: ExperimentConfig, layout: Layout, pp_rank: int, n_microbatc
     return MemoryPrediction(**split)
 
 
-def _trace_rank(cfg: ExperimentConfig, traced: Layout, parallel: ParallelConfig,
-                mesh: DeviceMesh | None, pp_rank: int, micro_batch: int,
-                accumulated: int) -> Trace:  # fmt: skip
+def _trace_rank(
+    cfg: ExperimentConfig,
+    traced: Layout,
+    parallel: ParallelConfig,
+    mesh: DeviceMesh | None,
+    pp_rank: int,
+    micro_batch: int,
+    accumulated: int,
+) -> Trace:
     t = cfg.train
     meta = build_model(cfg.model, t.seq_len, "meta", vocab_multiple=traced.tp)
     hidden = None
@@ -142,8 +166,10 @@ def _trace_rank(cfg: ExperimentConfig, traced: Layout, parallel: ParallelConfig,
     dtype = torch.bfloat16 if half else torch.float32
     # on meta, outside the fake mode: FSDP2 builds device meshes, whose own (real) tensors
     # FakeTensorMode would turn fake
-    parts = [sharded_part(part, mesh, traced, parallel, dtype)
-             for part in stage_parts(meta, pp_rank, traced, parallel)]  # fmt: skip
+    parts = [
+        sharded_part(part, mesh, traced, parallel, dtype)
+        for part in stage_parts(meta, pp_rank, traced, parallel)
+    ]
     with FakeTensorMode(allow_non_fake_inputs=True):
         for part in parts:
             materialise(part, torch.device("cpu"), t.seed, None)
@@ -158,8 +184,9 @@ def _trace_rank(cfg: ExperimentConfig, traced: Layout, parallel: ParallelConfig,
             # the peak is, holds them while its micro-batches run
             for micro_batches in (1, accumulated):
                 for _ in range(micro_batches):
-                    logits, kept = _step(parts, micro_batch, t.seq_len, hidden,
-                                         half and not fsdp, tracker)  # fmt: skip
+                    logits, kept = _step(
+                        parts, micro_batch, t.seq_len, hidden, half and not fsdp, tracker
+                    )
                     tracker.reset_mod_stats()  # per module per call; the peak stays
                 optimizer.step()
                 optimizer.zero_grad()
@@ -179,8 +206,14 @@ def _stage_input(meta: nn.Module, batch: int, seq: int, tp: int, sp: bool) -> to
     return torch.empty(h.shape, device="meta")
 
 
-def _step(parts: list[nn.Module], batch: int, seq: int, hidden: torch.Tensor | None,
-          autocast: bool, tracker: MemTracker) -> tuple[torch.Tensor | None, int]:  # fmt: skip
+def _step(
+    parts: list[nn.Module],
+    batch: int,
+    seq: int,
+    hidden: torch.Tensor | None,
+    autocast: bool,
+    tracker: MemTracker,
+) -> tuple[torch.Tensor | None, int]:
     """One micro-batch forward and backward through each part (an interleaved rank's chunks
     one after the other): the last stage's logits, if this rank has it, and the activations
     the forwards left for the backwards."""
@@ -190,8 +223,11 @@ def _step(parts: list[nn.Module], batch: int, seq: int, hidden: torch.Tensor | N
         before = _activations(tracker)
         first = whole or part.tok_embeddings is not None
         last = part.output is not None
-        x = (torch.zeros(batch, seq, dtype=torch.long) if first
-             else torch.empty(hidden.shape, requires_grad=True))  # fmt: skip
+        x = (
+            torch.zeros(batch, seq, dtype=torch.long)
+            if first
+            else torch.empty(hidden.shape, requires_grad=True)
+        )
         with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
             out = part(x)
         kept += _activations(tracker) - before

@@ -8,8 +8,7 @@ import contextlib
 import torch
 
 
-def autocast(device: torch.device, dtype: torch.dtype | None
-             ) -> contextlib.AbstractContextManager:  # fmt: skip
+def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
     """bf16 autocast where the parameters are fp32 (`dtype` None: FSDP casts, or fp32)."""
     if dtype is None:
         return contextlib.nullcontext()

@@ -26,8 +26,10 @@ class Stopped(Exception):
     def __init__(self, signum: int, step: int, path: Path) -> None:
         self.signum, self.step, self.path = signum, step, path
         name = signal.Signals(signum).name
-        super().__init__(f"stopped by {name} after step {step - 1}, saved in {path}; "
-                         f"resume with checkpoint.resume={path.parent.absolute()}")  # fmt: skip
+        super().__init__(
+            f"stopped by {name} after step {step - 1}, saved in {path}; "
+            f"resume with checkpoint.resume={path.parent.absolute()}"
+        )
 
 
 class Failure(NamedTuple):
@@ -71,9 +73,13 @@ def _gone_peers(folder: Path, rank: int) -> list[int]:
 def record_failure(run_dir: str, rank: int, err: BaseException) -> None:
     folder = Path(run_dir) / FAILURES_DIR
     folder.mkdir(parents=True, exist_ok=True)
-    record = {"rank": rank, "time": time.time(), "error": f"{type(err).__name__}: {err}",
-              "traceback": "".join(traceback.format_exception(err)),
-              "gone_peers": _gone_peers(folder, rank)}  # fmt: skip
+    record = {
+        "rank": rank,
+        "time": time.time(),
+        "error": f"{type(err).__name__}: {err}",
+        "traceback": "".join(traceback.format_exception(err)),
+        "gone_peers": _gone_peers(folder, rank),
+    }
     (folder / f"rank{rank}.json").write_text(json.dumps(record))
 
 
@@ -107,5 +113,7 @@ def first_failure(run_dir: str) -> Failure | None:
 def read_unflushed(run_dir: str) -> dict[int, list[dict[str, Any]]]:
     """rank -> the steps it wrote as it failed (record_unflushed)."""
     folder = Path(run_dir) / FAILURES_DIR
-    return {int(p.stem.removeprefix("steps-rank")): json.loads(p.read_text())
-            for p in folder.glob("steps-rank*.json")}  # fmt: skip
+    return {
+        int(p.stem.removeprefix("steps-rank")): json.loads(p.read_text())
+        for p in folder.glob("steps-rank*.json")
+    }

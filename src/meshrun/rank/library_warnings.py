@@ -23,8 +23,14 @@ def show_once(run_dir: str, rank: int) -> None:
     path = Path(run_dir) / WARNINGS_DIR / f"rank{rank}.txt"
     path.unlink(missing_ok=True)  # an earlier attempt's (a job SLURM requeued)
 
-    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
-             file: TextIO | None = None, line: str | None = None) -> None:  # fmt: skip
+    def show(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
         text = f"{category.__name__}: {message}".replace("\n", " ")
         if text in seen:
             return

@@ -40,9 +40,14 @@ def rank_progress(total: int, tokens_per_step: int, enabled: bool) -> Iterator[R
     if not enabled:
         yield None
         return
-    columns = (TextColumn("training"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("{task.fields[loss]}"), TextColumn("{task.fields[speed]}"),
-               TimeRemainingColumn())  # fmt: skip
+    columns = (
+        TextColumn("training"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[loss]}"),
+        TextColumn("{task.fields[speed]}"),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("train", total=total, loss="", speed="")
         yield RankProgress(progress, task, tokens_per_step)

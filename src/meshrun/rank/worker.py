@@ -154,19 +154,28 @@ def _train(
     if tc.eval.every_steps:
         evaluate = Evaluator(
             model,
-            HeldoutBatches(heldout, tc.eval.batches, tc.global_batch_size, tc.seq_len,
-                           dp_rank(layout, rank), layout.dp_size, device),
+            HeldoutBatches(
+                heldout,
+                tc.eval.batches,
+                tc.global_batch_size,
+                tc.seq_len,
+                dp_rank(layout, rank),
+                layout.dp_size,
+                device,
+            ),
             tc,
             dp_group(mesh),
             pp_group(mesh, layout),
             lambda: autocast(device, autocast_dtype),
-        )  # fmt: skip
+        )
     twin = Twin(cfg, device, rank) if cfg.metrics.alongside else None
     host_load = HostLoad(measure_host=int(os.environ.get("LOCAL_RANK", "0")) == 0)
     tokens_per_step = tc.tokens_per_step
     with rank_progress(tc.steps, tokens_per_step, rank == 0 and tc.progress_bar) as progress:
-        metrics = MetricsLog(Path(cfg.run_dir) / METRICS_FILE if rank == 0 else None,
-                             [progress.show] if progress else [])  # fmt: skip
+        metrics = MetricsLog(
+            Path(cfg.run_dir) / METRICS_FILE if rank == 0 else None,
+            [progress.show] if progress else [],
+        )
         if start:
             metrics.keep_before(start)
         ctx = LoopContext(

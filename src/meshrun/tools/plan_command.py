@@ -40,8 +40,14 @@ TOO_BIG_LISTED = 6
 REASONS_LISTED = 8
 ALTERNATIVES = 3
 # What a preset (`parallel=tp2`) fixes: the whole layout.
-PARALLEL_KEYS = ("parallel.pp", "parallel.tp", "parallel.dp_replicate", "parallel.dp_shard",
-                 "parallel.schedule", "parallel.stages_per_rank")  # fmt: skip
+PARALLEL_KEYS = (
+    "parallel.pp",
+    "parallel.tp",
+    "parallel.dp_replicate",
+    "parallel.dp_shard",
+    "parallel.schedule",
+    "parallel.stages_per_rank",
+)
 
 
 def given_keys(overrides: Iterable[str]) -> frozenset[str]:
@@ -62,8 +68,12 @@ def box_of(cfg: ExperimentConfig) -> Box:
     if cfg.world_size <= per_node:
         return Box(1, cfg.world_size)
     if cfg.world_size % per_node:
-        fail("world_size", cfg.world_size, f"spans nodes of {per_node} devices unevenly",
-             f"a multiple of {per_node}, or launcher.nnodes=N")  # fmt: skip
+        fail(
+            "world_size",
+            cfg.world_size,
+            f"spans nodes of {per_node} devices unevenly",
+            f"a multiple of {per_node}, or launcher.nnodes=N",
+        )
     return Box(cfg.world_size // per_node, per_node)
 
 
@@ -84,8 +94,9 @@ def gpu_defaults(cfg: PlanCommandConfig, given: frozenset[str]) -> list[str]:
     return said
 
 
-def plan(cfg: PlanCommandConfig, host: HostFacts, given: frozenset[str] = frozenset()
-         ) -> tuple[Box, Plan, list[str]]:  # fmt: skip
+def plan(
+    cfg: PlanCommandConfig, host: HostFacts, given: frozenset[str] = frozenset()
+) -> tuple[Box, Plan, list[str]]:
     positive("world_size", cfg.world_size, allow_none=True)
     positive("launcher.nnodes", cfg.launcher.nnodes)
     check_experiment(cfg)  # the model's own mistakes before any layout is tried
@@ -107,11 +118,22 @@ def command(c: Candidate, box: Box) -> str:
     """The `meshrun` command that runs the row: model, hardware, the layout, the training
     keys that differ from train.yaml's, and SLURM where it spans nodes."""
     t, default = c.cfg.train, TrainConfig()
-    train = [f"train.{k}={getattr(t, k)}" for k in ("precision", "seq_len", "global_batch_size")
-             if getattr(t, k) != getattr(default, k)]  # fmt: skip
+    train = [
+        f"train.{k}={getattr(t, k)}"
+        for k in ("precision", "seq_len", "global_batch_size")
+        if getattr(t, k) != getattr(default, k)
+    ]
     nodes = [f"launcher=slurm launcher.nnodes={box.nodes}"] if box.nodes > 1 else []
-    return " ".join(["meshrun", f"model={c.cfg.model.name}", f"hardware={c.cfg.hardware.name}",
-                     c.overrides(), *train, *nodes])  # fmt: skip
+    return " ".join(
+        [
+            "meshrun",
+            f"model={c.cfg.model.name}",
+            f"hardware={c.cfg.hardware.name}",
+            c.overrides(),
+            *train,
+            *nodes,
+        ]
+    )
 
 
 def _gib(n: int) -> str:
@@ -121,29 +143,52 @@ def _gib(n: int) -> str:
 def render(cfg: PlanCommandConfig, box: Box, found: Plan, defaults: list[str]) -> None:
     console = Console(width=max(160, Console().width))
     t, ranked = cfg.train, found.ranked
-    nodes = f"{box.nodes} x {cfg.hardware.name} ({box.per_node} ranks each)" if box.nodes > 1 \
-        else f"{cfg.hardware.name}, {box.world} ranks"  # fmt: skip
-    title = (f"meshrun-plan: {cfg.model.name} on {nodes}, global batch {t.global_batch_size} x "
-             f"seq {t.seq_len} ({t.tokens_per_step / 1e6:.2f}M tokens), "
-             f"{t.precision}")  # fmt: skip
+    nodes = (
+        f"{box.nodes} x {cfg.hardware.name} ({box.per_node} ranks each)"
+        if box.nodes > 1
+        else f"{cfg.hardware.name}, {box.world} ranks"
+    )
+    title = (
+        f"meshrun-plan: {cfg.model.name} on {nodes}, global batch {t.global_batch_size} x "
+        f"seq {t.seq_len} ({t.tokens_per_step / 1e6:.2f}M tokens), "
+        f"{t.precision}"
+    )
     if defaults:
         title += f" (GPU plan defaults: {', '.join(defaults)})"
     console.print(title, soft_wrap=True, highlight=False)  # whole: it says what was planned
     table = Table()
-    for column in ("#", "layout", "fits", "peak GiB/rank", "capacity GiB", "activ. GiB",
-                   "tokens/s", "per device", "speedup", "micro-batch"):  # fmt: skip
-        table.add_column(column, justify="left" if column == "layout" else "right",
-                         no_wrap=column == "layout")  # fmt: skip
+    for column in (
+        "#",
+        "layout",
+        "fits",
+        "peak GiB/rank",
+        "capacity GiB",
+        "activ. GiB",
+        "tokens/s",
+        "per device",
+        "speedup",
+        "micro-batch",
+    ):
+        table.add_column(
+            column, justify="left" if column == "layout" else "right", no_wrap=column == "layout"
+        )
     for index, c in enumerate(ranked[: cfg.top], start=1):
         top = max(c.memory, key=lambda m: m.peak)
         tokens = f"{c.speed.tokens_per_s:,.0f}" if c.speed else "n/a"
         per_device = f"{c.speed.tokens_per_s / box.world:,.0f}" if c.speed else "n/a"
         speedup = f"{c.speedup:.2f}x" if c.speedup else "n/a"
         table.add_row(
-            str(index), c.label, "yes" if c.fits else "[red]no[/red]", _gib(c.peak),
-            _gib(min(c.capacity)), _gib(top.activations), tokens, per_device, speedup,
+            str(index),
+            c.label,
+            "yes" if c.fits else "[red]no[/red]",
+            _gib(c.peak),
+            _gib(min(c.capacity)),
+            _gib(top.activations),
+            tokens,
+            per_device,
+            speedup,
             str(c.cfg.train.micro_batch_size),
-        )  # fmt: skip
+        )
     console.print(table)
     console.print("run a row with:")
     for index, c in enumerate(ranked[: cfg.top], start=1):
@@ -159,19 +204,27 @@ def _why_not(console: Console, box: Box, found: Plan) -> None:
     fitting = [c for c in found.ranked if c.fits]
     too_big = sorted((c for c in found.ranked if not c.fits), key=_excess)
     if too_big:
-        listed = "; ".join(f"{c.label} ({_gib(c.peak)} > {_gib(min(c.capacity))} GiB)"
-                           for c in too_big[:TOO_BIG_LISTED])  # fmt: skip
-        more = f" and {len(too_big) - TOO_BIG_LISTED} more" if len(too_big) > TOO_BIG_LISTED \
-            else ""  # fmt: skip
-        console.print(f"[red]do not fit[/red] (each with the least memory of its variants, "
-                      f"closest first): {listed}{more}", soft_wrap=True,
-                      highlight=False)  # fmt: skip
+        listed = "; ".join(
+            f"{c.label} ({_gib(c.peak)} > {_gib(min(c.capacity))} GiB)"
+            for c in too_big[:TOO_BIG_LISTED]
+        )
+        more = f" and {len(too_big) - TOO_BIG_LISTED} more" if len(too_big) > TOO_BIG_LISTED else ""
+        console.print(
+            f"[red]do not fit[/red] (each with the least memory of its variants, "
+            f"closest first): {listed}{more}",
+            soft_wrap=True,
+            highlight=False,
+        )
     if fitting:
-        console.print(f"{len(fitting)} of {len(found.ranked)} layouts fit; best: "
-                      f"{fitting[0].label}", highlight=False)  # fmt: skip
+        console.print(
+            f"{len(fitting)} of {len(found.ranked)} layouts fit; best: {fitting[0].label}",
+            highlight=False,
+        )
     else:
-        console.print(f"[red]no layout of {box.world} ranks fits[/red]: more devices, a "
-                      "smaller model, a shorter sequence or a smaller batch")  # fmt: skip
+        console.print(
+            f"[red]no layout of {box.world} ranks fits[/red]: more devices, a "
+            "smaller model, a shorter sequence or a smaller batch"
+        )
         for c in sorted(found.ranked, key=_excess)[:3]:
             console.print(f"  closest: {c.label}: {_miss(c)}", highlight=False, soft_wrap=True)
     if found.alternatives:
@@ -202,8 +255,9 @@ def _miss(c: Candidate) -> str:
 
 def run(dict_cfg: DictConfig) -> int:
     cfg: PlanCommandConfig = OmegaConf.to_object(dict_cfg)
-    given = given_keys(HydraConfig.get().overrides.task) if HydraConfig.initialized() \
-        else frozenset()  # fmt: skip
+    given = (
+        given_keys(HydraConfig.get().overrides.task) if HydraConfig.initialized() else frozenset()
+    )
     try:
         box, found, defaults = plan(cfg, HostFacts.detect(), given)
     except ConfigError as err:
@@ -211,13 +265,21 @@ def run(dict_cfg: DictConfig) -> int:
         return 2
     render(cfg, box, found, defaults)
     if cfg.json:
-        Path(cfg.json).write_text(json.dumps(
-            {"model": cfg.model.name, "hardware": cfg.hardware.name, "nodes": box.nodes,
-             "ranks_per_node": box.per_node, "world_size": box.world,
-             "train": dataclasses.asdict(cfg.train),
-             "layouts": [{**c.as_dict(), "command": command(c, box)} for c in found.ranked],
-             "ruled_out": [{"rule": e, "count": n} for e, n in found.reasons()]},
-            indent=2))  # fmt: skip
+        Path(cfg.json).write_text(
+            json.dumps(
+                {
+                    "model": cfg.model.name,
+                    "hardware": cfg.hardware.name,
+                    "nodes": box.nodes,
+                    "ranks_per_node": box.per_node,
+                    "world_size": box.world,
+                    "train": dataclasses.asdict(cfg.train),
+                    "layouts": [{**c.as_dict(), "command": command(c, box)} for c in found.ranked],
+                    "ruled_out": [{"rule": e, "count": n} for e, n in found.reasons()],
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

@@ -92,8 +92,15 @@ def compare(
 def _print_report(report: dict[str, Any]) -> None:
     tolerance = report["tolerance"]
     table = Table(title="layout vs single device, per step")
-    headers = ("step", "loss\nref", "loss\nlayout", "rel\ndiff", "grad norm\nref",
-               "grad norm\nlayout", "rel\ndiff")  # fmt: skip
+    headers = (
+        "step",
+        "loss\nref",
+        "loss\nlayout",
+        "rel\ndiff",
+        "grad norm\nref",
+        "grad norm\nlayout",
+        "rel\ndiff",
+    )
     for header in headers:
         table.add_column(header, justify="right", no_wrap=True)
 

@@ -73,15 +73,26 @@ def validate_run(resolved: ExperimentConfig) -> ExperimentConfig:
 
 def _check_plan(cfg: ExperimentConfig) -> None:
     if cfg.plan.efficiency is not None and not 0 < cfg.plan.efficiency <= 1:
-        fail("plan.efficiency", cfg.plan.efficiency, "is the MFU a run reaches, a fraction",
-             "a number in (0, 1], e.g. 0.4, or null for the device type's")  # fmt: skip
+        fail(
+            "plan.efficiency",
+            cfg.plan.efficiency,
+            "is the MFU a run reaches, a fraction",
+            "a number in (0, 1], e.g. 0.4, or null for the device type's",
+        )
     if cfg.plan.headroom_gib < 0:
-        fail("plan.headroom_gib", cfg.plan.headroom_gib, "is memory kept free on each device",
-             "a number >= 0")  # fmt: skip
+        fail(
+            "plan.headroom_gib",
+            cfg.plan.headroom_gib,
+            "is memory kept free on each device",
+            "a number >= 0",
+        )
     if not 0 <= cfg.plan.fragmentation < 1:
-        fail("plan.fragmentation", cfg.plan.fragmentation,
-             "is the share of a GPU's memory the caching allocator is allowed to waste",
-             "a fraction in [0, 1), e.g. 0.1")  # fmt: skip
+        fail(
+            "plan.fragmentation",
+            cfg.plan.fragmentation,
+            "is the share of a GPU's memory the caching allocator is allowed to waste",
+            "a fraction in [0, 1), e.g. 0.1",
+        )
     _check_hardware(cfg.hardware)
 
 
@@ -90,19 +101,28 @@ def _check_hardware(hw: HardwareConfig) -> None:
     positive("hardware.intra_node.bw_gbs", hw.intra_node.bw_gbs, allow_none=True)
     positive("hardware.network.nic_gbps", hw.network.nic_gbps, allow_none=True)
     positive("hardware.network.nics", hw.network.nics)
-    for key, value in (("intra_node", hw.intra_node.latency_us),
-                       ("network", hw.network.latency_us)):  # fmt: skip
+    for key, value in (
+        ("intra_node", hw.intra_node.latency_us),
+        ("network", hw.network.latency_us),
+    ):
         if value < 0:
-            fail(f"hardware.{key}.latency_us", value, "is one hop's latency",
-                 "a number >= 0 (0: not modelled)")  # fmt: skip
+            fail(
+                f"hardware.{key}.latency_us",
+                value,
+                "is one hop's latency",
+                "a number >= 0 (0: not modelled)",
+            )
     for index, spec in enumerate(hw.devices):
         key = f"hardware.devices.{index}"
         positive(f"{key}.memory_bw_gbs", spec.memory_bw_gbs, allow_none=True)
         positive(f"{key}.sms", spec.sms, allow_none=True)
         if not 0 < spec.matmul_efficiency <= 1:
-            fail(f"{key}.matmul_efficiency", spec.matmul_efficiency,
-                 "is the fraction of the peak the best large matmul reaches",
-                 "a number in (0, 1], e.g. 0.8")  # fmt: skip
+            fail(
+                f"{key}.matmul_efficiency",
+                spec.matmul_efficiency,
+                "is the fraction of the peak the best large matmul reaches",
+                "a number in (0, 1], e.g. 0.8",
+            )
 
 
 def _check_train(cfg: ExperimentConfig) -> None:
@@ -120,17 +140,28 @@ def _check_train(cfg: ExperimentConfig) -> None:
         )
     s = t.lr_schedule
     if not 0 <= s.warmup_steps < t.steps:
-        fail("train.lr_schedule.warmup_steps", s.warmup_steps,
-             f"needs 0 <= warmup_steps < train.steps ({t.steps})",
-             f"an integer from 0 to {t.steps - 1}")  # fmt: skip
+        fail(
+            "train.lr_schedule.warmup_steps",
+            s.warmup_steps,
+            f"needs 0 <= warmup_steps < train.steps ({t.steps})",
+            f"an integer from 0 to {t.steps - 1}",
+        )
     if not 0 <= s.min_lr_ratio <= 1:
-        fail("train.lr_schedule.min_lr_ratio", s.min_lr_ratio,
-             "is the floor as a fraction of train.lr", "a number from 0 to 1")  # fmt: skip
+        fail(
+            "train.lr_schedule.min_lr_ratio",
+            s.min_lr_ratio,
+            "is the floor as a fraction of train.lr",
+            "a number from 0 to 1",
+        )
     if t.weight_decay < 0:
         fail("train.weight_decay", t.weight_decay, "must not be negative", "a number >= 0")
     if t.eval.every_steps < 0:
-        fail("train.eval.every_steps", t.eval.every_steps, "must not be negative",
-             "0 (no evaluation) or the steps between two evaluations")  # fmt: skip
+        fail(
+            "train.eval.every_steps",
+            t.eval.every_steps,
+            "must not be negative",
+            "0 (no evaluation) or the steps between two evaluations",
+        )
     positive("train.eval.batches", t.eval.batches)
 
 

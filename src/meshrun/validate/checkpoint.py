@@ -22,13 +22,21 @@ def check_checkpoint(cfg: ExperimentConfig) -> ExperimentConfig:
     """The config to run: where a resume names a checkpoint, in the run dir it continues."""
     c = cfg.checkpoint
     if c.every_steps < 0:
-        fail("checkpoint.every_steps", c.every_steps, "must not be negative",
-             "0 (no checkpoints) or the steps between two")  # fmt: skip
+        fail(
+            "checkpoint.every_steps",
+            c.every_steps,
+            "must not be negative",
+            "0 (no checkpoints) or the steps between two",
+        )
     if c.keep < 1:
         fail("checkpoint.keep", c.keep, "keeps at least the latest", "an integer >= 1")
     if c.export == "hf" and cfg.model.kind == "custom":
-        fail("checkpoint.export", c.export, "a model=custom module has no Hugging Face form",
-             "torch (a consolidated state dict) or none")  # fmt: skip
+        fail(
+            "checkpoint.export",
+            c.export,
+            "a model=custom module has no Hugging Face form",
+            "torch (a consolidated state dict) or none",
+        )
     path = find_resume(c, cfg.run_dir)
     if c.every_steps or c.export != "none":
         _check_space(cfg)
@@ -39,25 +47,38 @@ def check_checkpoint(cfg: ExperimentConfig) -> ExperimentConfig:
     ours = {k: v for k, v in json.loads(model_key(cfg.model)[1]).items() if k not in NOT_THE_MODEL}
     if saved != ours:
         differ = sorted(k for k in saved.keys() | ours.keys() if saved.get(k) != ours.get(k))
-        fail("checkpoint.resume", c.resume,
-             f"is a checkpoint of another model (model.{', model.'.join(differ)} differ)",
-             f"a checkpoint of this model, or the model it was saved with: {saved}")  # fmt: skip
+        fail(
+            "checkpoint.resume",
+            c.resume,
+            f"is a checkpoint of another model (model.{', model.'.join(differ)} differ)",
+            f"a checkpoint of this model, or the model it was saved with: {saved}",
+        )
     saved_tp = manifest.degrees.get("tp", 1)
     if saved_tp != cfg.parallel.tp and _regroups_rows(cfg):
-        fail("parallel.tp", cfg.parallel.tp,
-             f"the checkpoint ({manifest.layout}) holds this model's fused q|k|v regrouped "
-             f"for tp={saved_tp}", f"tp={saved_tp}")  # fmt: skip
+        fail(
+            "parallel.tp",
+            cfg.parallel.tp,
+            f"the checkpoint ({manifest.layout}) holds this model's fused q|k|v regrouped "
+            f"for tp={saved_tp}",
+            f"tp={saved_tp}",
+        )
     if manifest.step >= cfg.train.steps:
-        fail("train.steps", cfg.train.steps,
-             f"the checkpoint {path} has trained {manifest.step} steps already",
-             f"more than {manifest.step} to train on")  # fmt: skip
+        fail(
+            "train.steps",
+            cfg.train.steps,
+            f"the checkpoint {path} has trained {manifest.step} steps already",
+            f"more than {manifest.step} to train on",
+        )
     resumed = dataclasses.replace(cfg, run_dir=manifest.run_dir)
     root = checkpoint_root(resumed.checkpoint, resumed.run_dir)
     later = [p.name for p in complete(root) if read_manifest(p).step > manifest.step]
     if later and c.every_steps:
-        fail("checkpoint.resume", c.resume,
-             f"is older than {', '.join(later)} in {root}: its saves would overwrite them",
-             "the latest (checkpoint.resume=auto), or a new checkpoint.dir")  # fmt: skip
+        fail(
+            "checkpoint.resume",
+            c.resume,
+            f"is older than {', '.join(later)} in {root}: its saves would overwrite them",
+            "the latest (checkpoint.resume=auto), or a new checkpoint.dir",
+        )
     return resumed
 
 
@@ -80,6 +101,10 @@ def _check_space(cfg: ExperimentConfig) -> None:
     need = params * BYTES_PER_PARAM
     free = shutil.disk_usage(existing).free
     if free < need:
-        fail("checkpoint.dir", cfg.checkpoint.dir or str(root),
-             f"has {free / 2**30:.2f} GiB free; one checkpoint of {params:,} parameters "
-             f"needs about {need / 2**30:.2f} GiB", "a directory on a disk with room")  # fmt: skip
+        fail(
+            "checkpoint.dir",
+            cfg.checkpoint.dir or str(root),
+            f"has {free / 2**30:.2f} GiB free; one checkpoint of {params:,} parameters "
+            f"needs about {need / 2**30:.2f} GiB",
+            "a directory on a disk with room",
+        )

@@ -30,32 +30,56 @@ README = "see README, Your own nn.Module"
 
 def check_custom(m: CustomModelConfig) -> None:
     if m.pretrained is not None:
-        fail("model.pretrained", m.pretrained, "model=custom builds its weights itself",
-             "null; load them in model.target's callable (it runs on each rank's CPU)")  # fmt: skip
+        fail(
+            "model.pretrained",
+            m.pretrained,
+            "model=custom builds its weights itself",
+            "null; load them in model.target's callable (it runs on each rank's CPU)",
+        )
     try:
         with torch.device("meta"):
             module = build_user_module(m)
     except (ImportError, ValueError) as err:
-        fail("model.target", m.target, f"cannot be imported ({err})",
-             '"module:callable", importable from the current directory')  # fmt: skip
+        fail(
+            "model.target",
+            m.target,
+            f"cannot be imported ({err})",
+            '"module:callable", importable from the current directory',
+        )
     except TypeError as err:
-        fail("model.target", m.target, f"called with model.kwargs={m.kwargs}: {err}",
-             "a callable returning an nn.Module, and kwargs it takes")  # fmt: skip
+        fail(
+            "model.target",
+            m.target,
+            f"called with model.kwargs={m.kwargs}: {err}",
+            "a callable returning an nn.Module, and kwargs it takes",
+        )
     names = dict(module.named_modules())
     for key in ("layers", *PARTS.values()):
         path = getattr(m, key)
         if path is not None and path not in names:
             nearest = difflib.get_close_matches(path, [n for n in names if n], n=3)
-            fail(f"model.{key}", path, "is not a submodule of the model",
-                 f"{' | '.join(nearest) or 'a name from named_modules()'} (nearest)")  # fmt: skip
+            fail(
+                f"model.{key}",
+                path,
+                "is not a submodule of the model",
+                f"{' | '.join(nearest) or 'a name from named_modules()'} (nearest)",
+            )
     if m.layers is not None and not isinstance(names[m.layers], CONTAINERS):
-        fail("model.layers", m.layers, f"is a {type(names[m.layers]).__name__}",
-             "the ModuleList, Sequential or ModuleDict of the blocks")  # fmt: skip
+        fail(
+            "model.layers",
+            m.layers,
+            f"is a {type(names[m.layers]).__name__}",
+            "the ModuleList, Sequential or ModuleDict of the blocks",
+        )
     try:
         CustomLM(module, m)
     except ValueError as err:
-        fail("model.vocab_size", m.vocab_size, str(err), "the vocabulary size, or "
-             "model.embedding naming the module's nn.Embedding")  # fmt: skip
+        fail(
+            "model.vocab_size",
+            m.vocab_size,
+            str(err),
+            "the vocabulary size, or model.embedding naming the module's nn.Embedding",
+        )
     if m.tp_plan is not None:
         _check_plan(m, module)
 
@@ -64,20 +88,36 @@ def _check_plan(m: CustomModelConfig, module: nn.Module) -> None:
     try:
         plan = user_tp_plan(m, module)
     except (ImportError, ValueError, TypeError) as err:
-        fail("model.tp_plan", m.tp_plan, f"cannot be loaded ({err})", "a mapping of module-"
-             'name patterns to TP styles, or "module:callable" returning one')  # fmt: skip
+        fail(
+            "model.tp_plan",
+            m.tp_plan,
+            f"cannot be loaded ({err})",
+            'a mapping of module-name patterns to TP styles, or "module:callable" returning one',
+        )
     if not isinstance(m.tp_plan, (str, Mapping)):
-        fail("model.tp_plan", m.tp_plan, "is neither a mapping nor a callable's path",
-             "{pattern: style}, or \"module:callable\"")  # fmt: skip
+        fail(
+            "model.tp_plan",
+            m.tp_plan,
+            "is neither a mapping nor a callable's path",
+            '{pattern: style}, or "module:callable"',
+        )
     names = [n for n, _ in module.named_modules() if n]
     for pattern, style in plan.items():
         if (isinstance(style, str) and style not in TP_STYLES) or not _is_style(style):
-            fail(f"model.tp_plan.{pattern}", style, "is not a TP style",
-                 " | ".join(TP_STYLES) + ", or a ParallelStyle from a callable")  # fmt: skip
+            fail(
+                f"model.tp_plan.{pattern}",
+                style,
+                "is not a TP style",
+                " | ".join(TP_STYLES) + ", or a ParallelStyle from a callable",
+            )
         if not any(fnmatch(name, pattern) for name in names):
             nearest = difflib.get_close_matches(pattern, names, n=3)
-            fail("model.tp_plan", pattern, "matches no module of the model",
-                 f"{' | '.join(nearest) or 'a pattern of named_modules()'} (nearest)")  # fmt: skip
+            fail(
+                "model.tp_plan",
+                pattern,
+                "matches no module of the model",
+                f"{' | '.join(nearest) or 'a pattern of named_modules()'} (nearest)",
+            )
 
 
 def _is_style(style: object) -> bool:
@@ -96,22 +136,37 @@ def check_custom_layout(cfg: ExperimentConfig) -> None:
     model = build_custom(m, "meta", vocab_multiple=p.tp)
     if p.tp > 1:
         if m.tp_plan is None:
-            fail("parallel.tp", p.tp, "needs a TP plan and model=custom has none",
-                 f"set model.tp_plan ({README}), or tp=1")  # fmt: skip
+            fail(
+                "parallel.tp",
+                p.tp,
+                "needs a TP plan and model=custom has none",
+                f"set model.tp_plan ({README}), or tp=1",
+            )
         _check_divisible(model, p.tp)
     if p.pp > 1:
         missing = [f"model.{k}" for k in ("layers", "embedding", "head") if getattr(m, k) is None]
         if missing:
-            fail("parallel.pp", p.pp, "a pipeline stage runs embedding -> layers -> norm -> head "
-                 f"in sequence, and {', '.join(missing)} is not set",
-                 f"set {', '.join(missing)} ({README}), or pp=1")  # fmt: skip
+            fail(
+                "parallel.pp",
+                p.pp,
+                "a pipeline stage runs embedding -> layers -> norm -> head "
+                f"in sequence, and {', '.join(missing)} is not set",
+                f"set {', '.join(missing)} ({README}), or pp=1",
+            )
     if p.activation_checkpointing != "none" and m.layers is None:
-        fail("parallel.activation_checkpointing", p.activation_checkpointing,
-             "wraps each block of model.layers, which is not set",
-             "set model.layers to the module's block list, or none")  # fmt: skip
+        fail(
+            "parallel.activation_checkpointing",
+            p.activation_checkpointing,
+            "wraps each block of model.layers, which is not set",
+            "set model.layers to the module's block list, or none",
+        )
     if cfg.train.compile and m.layers is None:
-        fail("train.compile", True, "compiles each block of model.layers, which is not set",
-             "set model.layers to the module's block list, or train.compile=false")  # fmt: skip
+        fail(
+            "train.compile",
+            True,
+            "compiles each block of model.layers, which is not set",
+            "set model.layers to the module's block list, or train.compile=false",
+        )
 
 
 def _check_divisible(model: CustomLM, tp: int) -> None:
@@ -129,8 +184,18 @@ def _check_divisible(model: CustomLM, tp: int) -> None:
         else:
             continue
         if size % tp:
-            pad = "" if paddable(model) else (
-                "; name model.embedding (an nn.Embedding) and model.head (an nn.Linear) "
-                "and meshrun pads the vocabulary")  # fmt: skip
-            fail("parallel.tp", tp, f"{name.removeprefix('module.')} ({style}) has {size} "
-                 f"{what}, which tp does not divide{pad}", "a tp that divides it")  # fmt: skip
+            pad = (
+                ""
+                if paddable(model)
+                else (
+                    "; name model.embedding (an nn.Embedding) and model.head (an nn.Linear) "
+                    "and meshrun pads the vocabulary"
+                )
+            )
+            fail(
+                "parallel.tp",
+                tp,
+                f"{name.removeprefix('module.')} ({style}) has {size} "
+                f"{what}, which tp does not divide{pad}",
+                "a tp that divides it",
+            )

@@ -15,8 +15,13 @@ from meshrun.rank.train.data import text_spans
 from meshrun.rank.train.hf_data import TokenCache, n_windows
 
 # A file's format by its suffix; a directory is a `save_to_disk` dataset.
-SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text",
-            ".text": "text"}  # fmt: skip
+SUFFIXES = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".parquet": "parquet",
+    ".txt": "text",
+    ".text": "text",
+}
 DISK_MARKERS = ("state.json", "dataset_dict.json")
 
 

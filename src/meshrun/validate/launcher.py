@@ -37,8 +37,12 @@ def place_ranks(
     rank's CPU threads filled in; CUDA runs need a device per rank on a node."""
     nproc, nodes = launcher.nproc_per_node, launcher.nnodes
     if world % nodes:
-        fail("launcher.nnodes", nodes, f"{what} has {world} ranks, not a multiple of nnodes",
-             f"a divisor of {world}")  # fmt: skip
+        fail(
+            "launcher.nnodes",
+            nodes,
+            f"{what} has {world} ranks, not a multiple of nnodes",
+            f"a divisor of {world}",
+        )
     if nproc is not None and nproc * nodes != world:
         fail(
             "launcher.nproc_per_node",
@@ -49,8 +53,12 @@ def place_ranks(
         )
     nproc = world // nodes
     if gpus and nproc > gpus:
-        fail("launcher.nproc_per_node", nproc, f"only {gpus} CUDA devices are visible",
-             f"at most {gpus}")  # fmt: skip
+        fail(
+            "launcher.nproc_per_node",
+            nproc,
+            f"only {gpus} CUDA devices are visible",
+            f"at most {gpus}",
+        )
     # a SLURM task's CPUs are its rank's threads; only the SLURM schema has cpus_per_task
     slurm_cpus = launcher.cpus_per_task if isinstance(launcher, SlurmLauncherConfig) else None
     threads = launcher.threads_per_rank or slurm_cpus or max(1, facts.cpu_count // nproc)
@@ -64,20 +72,36 @@ def check_attached_world(launcher: LauncherConfig, what: str) -> None:
     started = int(os.environ["WORLD_SIZE"])
     needed = launcher.nproc_per_node * launcher.nnodes
     if started != needed:
-        fail("WORLD_SIZE", started, f"torchrun started {started} ranks but {what} needs {needed}",
-             f"torchrun --nnodes {launcher.nnodes} --nproc-per-node {launcher.nproc_per_node}, "
-             "or another layout")  # fmt: skip
+        fail(
+            "WORLD_SIZE",
+            started,
+            f"torchrun started {started} ranks but {what} needs {needed}",
+            f"torchrun --nnodes {launcher.nnodes} --nproc-per-node {launcher.nproc_per_node}, "
+            "or another layout",
+        )
 
 
 def check_debug(debug: DebugConfig, world: int, steps: int, unit: str = "steps") -> None:
     """Fault injection names a rank of the run and one of its `steps` (training steps, or
     meshrun-comm's measurements)."""
     if debug.fail_rank is not None and not 0 <= debug.fail_rank < world:
-        fail("debug.fail_rank", debug.fail_rank, f"no such rank in a run of {world}",
-             f"0..{world - 1}, or null")  # fmt: skip
+        fail(
+            "debug.fail_rank",
+            debug.fail_rank,
+            f"no such rank in a run of {world}",
+            f"0..{world - 1}, or null",
+        )
     if debug.slow_step_s < 0:
-        fail("debug.slow_step_s", debug.slow_step_s, "is a pause after each step",
-             "a number of seconds >= 0")  # fmt: skip
+        fail(
+            "debug.slow_step_s",
+            debug.slow_step_s,
+            "is a pause after each step",
+            "a number of seconds >= 0",
+        )
     if not 0 <= debug.fail_step < steps:
-        fail("debug.fail_step", debug.fail_step, f"outside the {steps} {unit} of the run",
-             f"0..{steps - 1}")  # fmt: skip
+        fail(
+            "debug.fail_step",
+            debug.fail_step,
+            f"outside the {steps} {unit} of the run",
+            f"0..{steps - 1}",
+        )

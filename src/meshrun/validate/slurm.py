@@ -100,8 +100,11 @@ def _partitions() -> list[str]:
     try:
         listed = subprocess.run(
             ["sinfo", "--noheader", "--format=%R"],
-            check=True, capture_output=True, text=True, timeout=SINFO_TIMEOUT_S,
-        ).stdout.split()  # fmt: skip
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=SINFO_TIMEOUT_S,
+        ).stdout.split()
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as err:
         stderr = getattr(err, "stderr", None) or "no answer"
         fail(

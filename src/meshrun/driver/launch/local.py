@@ -81,8 +81,9 @@ def root_cause(err: ChildFailedError, run_dir: str) -> RankFailure:
     exception (SIGKILL, SIGSEGV: its peers only saw its connection close), else the earliest
     recorded exception, else elastic's first failure."""
     recorded = recorded_failures(run_dir)
-    killed = [rank for rank, f in sorted(err.failures.items())
-              if f.exitcode < 0 and rank not in recorded]  # fmt: skip
+    killed = [
+        rank for rank, f in sorted(err.failures.items()) if f.exitcode < 0 and rank not in recorded
+    ]
     if killed:
         return RankFailure(killed[0], "", signal=err.failures[killed[0]].signal_name())
     # elastic names one failed rank; a peer that failed on seeing it gone knows it died first
@@ -129,6 +130,7 @@ def launch_local(
         recorded = first_failure(cfg.run_dir)
         if recorded is not None:
             raise RankFailure(*recorded) from None
-        raise RunInterrupted(0, f"interrupted by {err.sigval.name}; without checkpoint."
-                             "every_steps nothing was saved") from None  # fmt: skip
+        raise RunInterrupted(
+            0, f"interrupted by {err.sigval.name}; without checkpoint.every_steps nothing was saved"
+        ) from None
     return returns[0]

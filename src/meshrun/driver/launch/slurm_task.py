@@ -54,8 +54,9 @@ class SlurmTask:
         except Stopped as stopped:
             _requeue(stopped.signum)
 
-    def checkpoint(self, cfg_dict: dict[str, Any], entry: RankEntry
-                   ) -> submitit.helpers.DelayedSubmission | None:  # fmt: skip
+    def checkpoint(
+        self, cfg_dict: dict[str, Any], entry: RankEntry
+    ) -> submitit.helpers.DelayedSubmission | None:
         """submitit's answer to SIGUSR2 arriving before the rank listens for it itself (while
         it starts): requeue as it is, a checkpointing run resumes from its last save."""
         if not _checkpoints(cfg_dict):
@@ -72,6 +73,5 @@ def _requeue(signum: int) -> None:
     does). No result either way: submitit would take it for the job's; the requeued job
     gives it."""
     if signum == signal.SIGUSR2 and os.environ.get("SLURM_PROCID") == "0":
-        subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True,
-                       timeout=60)  # fmt: skip
+        subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True, timeout=60)
     raise SystemExit(0)

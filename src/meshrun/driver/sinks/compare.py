@@ -125,11 +125,16 @@ def print_table(runs: list[dict[str, Any]], title: str) -> None:
     out.print(table)
     for run in runs:
         if run.get("error"):
-            out.print(Text(f"{run['run_id']} {run['status']}: ", style="bold")
-                          + Text(run["error"]), soft_wrap=True)  # fmt: skip
+            out.print(
+                Text(f"{run['run_id']} {run['status']}: ", style="bold") + Text(run["error"]),
+                soft_wrap=True,
+            )
         for flag in flags(run):
-            out.print(Text(f"{FLAG} {run['run_id']} ({layout_of(run)}): ", style="bold yellow")
-                          + Text(flag), soft_wrap=True)  # fmt: skip
+            out.print(
+                Text(f"{FLAG} {run['run_id']} ({layout_of(run)}): ", style="bold yellow")
+                + Text(flag),
+                soft_wrap=True,
+            )
 
 
 def print_sweep_table(store_path: str, sweep: str | None) -> None:
@@ -141,5 +146,6 @@ def print_sweep_table(store_path: str, sweep: str | None) -> None:
     if not runs:
         return
     print_table(runs, f"sweep {sweep}: {len(runs)} runs")
-    console.print(f"plots: meshrun-report sweep={sweep} html={sweep}.html", highlight=False,
-                  soft_wrap=True)  # fmt: skip
+    console.print(
+        f"plots: meshrun-report sweep={sweep} html={sweep}.html", highlight=False, soft_wrap=True
+    )

@@ -119,9 +119,11 @@ def _host_load(r: RunRecord) -> list[tuple[str, str]]:
 
 
 def _baseline_source(r: RunRecord) -> str:
-    sources = {"fresh": " (measured side by side, alternating with the run's steps)",
-               "after": " (measured after the run: both did not fit at once)",
-               "own": " (a single device is its own baseline)"}  # fmt: skip
+    sources = {
+        "fresh": " (measured side by side, alternating with the run's steps)",
+        "after": " (measured after the run: both did not fit at once)",
+        "own": " (a single device is its own baseline)",
+    }
     if r.baseline_mode == "stored":
         return f" (stored, measured {(r.baseline_age_s or 0) / 3600:.1f} h ago on this host)"
     return sources.get(r.baseline_mode or "", "")
@@ -132,8 +134,10 @@ def _speedup(r: RunRecord) -> str:
         return "n/a"
     if r.speedup_p10 is None:
         return f"{r.speedup:.2f}x"
-    return (f"{r.speedup:.2f}x (p10-p90 {r.speedup_p10:.2f}-{r.speedup_p90:.2f} over "
-            f"{r.speedup_rounds} rounds)")  # fmt: skip
+    return (
+        f"{r.speedup:.2f}x (p10-p90 {r.speedup_p10:.2f}-{r.speedup_p90:.2f} over "
+        f"{r.speedup_rounds} rounds)"
+    )
 
 
 def _efficiency(r: RunRecord) -> str:

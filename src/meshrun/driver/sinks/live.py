@@ -49,8 +49,9 @@ class LiveRun:
     too, so the launch does not wait for it. A failure ends the following; `stop` raises it,
     where the caller turns it into a warning."""
 
-    def __init__(self, open_run: Callable[[], WandbRun], metrics: Path,
-                 poll_s: float = POLL_S) -> None:  # fmt: skip
+    def __init__(
+        self, open_run: Callable[[], WandbRun], metrics: Path, poll_s: float = POLL_S
+    ) -> None:
         self._open_run, self._records, self._poll_s = open_run, NewRecords(metrics), poll_s
         self._stopping = threading.Event()
         self._run: WandbRun | None = None

@@ -55,10 +55,14 @@ def sweeps(runs: list[dict[str, Any]]) -> list[Sweep]:
         if run.get("sweep"):
             rows.setdefault(run["sweep"], []).append(run)
     found = [
-        Sweep(name, sum(r.get("role") != "baseline" for r in group),
-              min(r["created_at"] for r in group), max(r["created_at"] for r in group))
+        Sweep(
+            name,
+            sum(r.get("role") != "baseline" for r in group),
+            min(r["created_at"] for r in group),
+            max(r["created_at"] for r in group),
+        )
         for name, group in rows.items()
-    ]  # fmt: skip
+    ]
     return sorted(found, key=lambda s: s.last)
 
 

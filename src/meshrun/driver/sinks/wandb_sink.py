@@ -24,8 +24,15 @@ from meshrun.core.record import summary_keys
 SUMMARY_KEYS = summary_keys()  # the record's fields marked `summary` (core/record.py)
 # Byte counts per rank in results["memory_per_rank"], in table order; CUDA adds the last two.
 MEMORY_COLUMNS = (
-    "peak", "params", "grads", "optimizer", "activations", "other", "allocated", "reserved"
-)  # fmt: skip
+    "peak",
+    "params",
+    "grads",
+    "optimizer",
+    "activations",
+    "other",
+    "allocated",
+    "reserved",
+)
 
 
 def _has_key() -> bool:
@@ -48,8 +55,13 @@ class WandbRun:
     started the run), so a run resumed from a checkpoint continues its W&B run; steps before
     the resume, and any logged already, are not logged again."""
 
-    def __init__(self, cfg: LoggerConfig, config: dict[str, Any], identity: dict[str, Any],
-                 tokens_per_step: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: LoggerConfig,
+        config: dict[str, Any],
+        identity: dict[str, Any],
+        tokens_per_step: int,
+    ) -> None:
         import wandb  # noqa: PLC0415 (seconds to import: only runs logged to W&B pay it)
 
         os.environ.setdefault("WANDB_SILENT", "true")
@@ -110,8 +122,11 @@ class WandbRun:
 def step_metrics(record: dict[str, Any], tokens_per_step: int) -> dict[str, float]:
     """One step's record (metrics.jsonl's) as W&B series, under train/ and eval/ so that the
     run-level summary keys stay the run's."""
-    metrics = {"train/loss": record["loss"], "train/grad_norm": record["grad_norm"],
-               "train/lr": record["lr"]}  # fmt: skip
+    metrics = {
+        "train/loss": record["loss"],
+        "train/grad_norm": record["grad_norm"],
+        "train/lr": record["lr"],
+    }
     if record["step_time_s"]:
         metrics["train/step_time_s"] = record["step_time_s"]
         metrics["train/tokens_per_s"] = tokens_per_step / record["step_time_s"]
@@ -141,8 +156,11 @@ def memory_rows(results: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
     predicted_keys = [k for k in MEMORY_COLUMNS if any(k in p for p in predicted.values())]
     columns = ["rank", *keys, *(f"predicted_{k}" for k in predicted_keys)]
     rows = [
-        [r["rank"], *(r.get(k) for k in keys),
-         *(predicted.get(r["rank"], {}).get(k) for k in predicted_keys)]
+        [
+            r["rank"],
+            *(r.get(k) for k in keys),
+            *(predicted.get(r["rank"], {}).get(k) for k in predicted_keys),
+        ]
         for r in measured
-    ]  # fmt: skip
+    ]
     return columns, rows

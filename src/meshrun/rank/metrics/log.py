@@ -28,8 +28,11 @@ class MetricsLog:
         (driver/sinks/live.py) sees a new inode, never a file cut under its offset."""
         if self.path is None or not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines()
-                if line and json.loads(line)["step"] < step]  # fmt: skip
+        kept = [
+            line
+            for line in self.path.read_text().splitlines()
+            if line and json.loads(line)["step"] < step
+        ]
         fresh = self.path.with_name(self.path.name + ".tmp")
         fresh.write_text("".join(line + "\n" for line in kept))
         os.replace(fresh, self.path)

@@ -60,8 +60,9 @@ def _counter_flag() -> ctypes.c_bool | None:
     on threads the profiler runs on); it is a plain exported bool of libc10."""
     for library in sorted(Path(torch.__file__).parent.joinpath("lib").glob("libc10.*")):
         with contextlib.suppress(OSError, ValueError):
-            return ctypes.c_bool.in_dll(ctypes.CDLL(str(library)),
-                                        "FLAGS_caffe2_report_cpu_memory_usage")  # fmt: skip
+            return ctypes.c_bool.in_dll(
+                ctypes.CDLL(str(library)), "FLAGS_caffe2_report_cpu_memory_usage"
+            )
     return None
 
 
@@ -69,9 +70,12 @@ def _counter_flag() -> ctypes.c_bool | None:
 def _process_wide_cpu_counter() -> Iterator[None]:
     flag = _counter_flag()
     if flag is None:
-        warnings.warn("CPU memory: c10's process-wide counter was not found in this torch "
-                      "build; frees on other threads (gloo's) go unseen and the peak may be "
-                      "overstated", stacklevel=2)  # fmt: skip
+        warnings.warn(
+            "CPU memory: c10's process-wide counter was not found in this torch "
+            "build; frees on other threads (gloo's) go unseen and the peak may be "
+            "overstated",
+            stacklevel=2,
+        )
         yield
         return
     saved = flag.value
@@ -114,8 +118,7 @@ class ModelState:
     @classmethod
     def of(cls, params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> ModelState:
         states = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-        return cls(tensor_bytes(params), tensor_bytes(p.grad for p in params),
-                   tensor_bytes(states))  # fmt: skip
+        return cls(tensor_bytes(params), tensor_bytes(p.grad for p in params), tensor_bytes(states))
 
 
 class MemoryMeter:
@@ -243,6 +246,9 @@ class MemoryMeter:
         split["other"] = peak - state.params - state.grads - state.optimizer - activations
         if self.cuda:
             split["allocated"] = peak
-            split["reserved"] = (self._held[1] if self._held is not None
-                                 else int(torch.cuda.max_memory_reserved(self.device)))  # fmt: skip
+            split["reserved"] = (
+                self._held[1]
+                if self._held is not None
+                else int(torch.cuda.max_memory_reserved(self.device))
+            )
         return split

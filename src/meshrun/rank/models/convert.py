@@ -35,8 +35,13 @@ CONFIG_FIELDS = {
     "rope_theta": "rope_theta",
     "tie_embeddings": "tie_word_embeddings",
 }
-REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
-            "intermediate_size")  # fmt: skip
+REQUIRED = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
+    "intermediate_size",
+)
 # LlamaConfig's defaults for the fields a config.json may leave out.
 HF_DEFAULTS = {
     "num_key_value_heads": None,
@@ -87,8 +92,11 @@ def hf_rope(config: dict[str, Any]) -> tuple[str, float]:
     """(rope type, theta) of a config with HF_DEFAULTS: transformers 5 keeps them in
     `rope_parameters`, config.json files of earlier versions in `rope_theta` and
     `rope_scaling`."""
-    rope = {"rope_theta": config["rope_theta"], **(config.get("rope_scaling") or {}),
-            **(config.get("rope_parameters") or {})}  # fmt: skip
+    rope = {
+        "rope_theta": config["rope_theta"],
+        **(config.get("rope_scaling") or {}),
+        **(config.get("rope_parameters") or {}),
+    }
     return rope.get("rope_type", rope.get("type", "default")), float(rope["rope_theta"])
 
 
@@ -103,12 +111,16 @@ def llama_config_from_hf(config: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("its attention_bias/mlp_bias are set; meshrun's LLaMA has no biases")
     rope_type, theta = hf_rope(c)
     if rope_type != "default":
-        raise ValueError(f"its rotary embedding is rope_type={rope_type!r}; meshrun's LLaMA has "
-                         "only the default (unscaled) one")  # fmt: skip
+        raise ValueError(
+            f"its rotary embedding is rope_type={rope_type!r}; meshrun's LLaMA has "
+            "only the default (unscaled) one"
+        )
     dim, heads = c["hidden_size"], c["num_attention_heads"]
     if c["head_dim"] not in (None, dim // heads) or dim % heads:
-        raise ValueError(f"its head_dim={c['head_dim']} is not hidden_size / num_attention_heads "
-                         f"({dim} / {heads}), which meshrun's LLaMA has")  # fmt: skip
+        raise ValueError(
+            f"its head_dim={c['head_dim']} is not hidden_size / num_attention_heads "
+            f"({dim} / {heads}), which meshrun's LLaMA has"
+        )
     if c["hidden_act"] != "silu":
         raise ValueError(f"its hidden_act={c['hidden_act']!r}; meshrun's LLaMA has SwiGLU (silu)")
     values = {**c, "num_key_value_heads": c["num_key_value_heads"] or heads, "rope_theta": theta}

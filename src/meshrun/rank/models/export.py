@@ -22,8 +22,9 @@ from meshrun.rank.models.vocab import unpadded_shape
 TORCH_FILE = "model.pt"
 
 
-def export_checkpoint(checkpoint: Path, cfg: ModelConfig, seq_len: int, fmt: ExportFormat,
-                      out: Path) -> Path:  # fmt: skip
+def export_checkpoint(
+    checkpoint: Path, cfg: ModelConfig, seq_len: int, fmt: ExportFormat, out: Path
+) -> Path:
     """Writes the checkpoint's model to `out` in `fmt`; returns the directory or file."""
     tp = read_manifest(checkpoint).degrees.get("tp", 1)
     model = build_model(cfg, seq_len, "cpu", vocab_multiple=tp)

@@ -214,8 +214,10 @@ class HFCausalLM(nn.Module):
         saved = SavedTensors(directory)
         for name, param in named_tensors(self):
             source = saved[self.source_name(name)]
-            fill(param, self._ordered(name, Transposed(source) if name in self.transposed
-                                      else source))  # fmt: skip
+            fill(
+                param,
+                self._ordered(name, Transposed(source) if name in self.transposed else source),
+            )
         self._reset_buffers()
         return saved.bytes_read
 
@@ -230,9 +232,13 @@ class HFCausalLM(nn.Module):
         for index, block in self.layers.items():
             attn = getattr(block, attention)
             width = getattr(attn, projection).out_features // 3 // tp
-            order = torch.cat([torch.arange(part * width * tp + r * width, part * width * tp +
-                                            (r + 1) * width)
-                               for r in range(tp) for part in range(3)])  # fmt: skip
+            order = torch.cat(
+                [
+                    torch.arange(part * width * tp + r * width, part * width * tp + (r + 1) * width)
+                    for r in range(tp)
+                    for part in range(3)
+                ]
+            )
             for leaf in ("weight", "bias"):
                 self.row_orders[f"layers.{index}.{attention}.{projection}.{leaf}"] = order
             attn.split_size = width

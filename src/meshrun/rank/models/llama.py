@@ -31,8 +31,15 @@ def kv_heads(cfg: LlamaModelConfig) -> int:
 
 
 def llama_shape(cfg: LlamaModelConfig) -> ModelShape:
-    return ModelShape(cfg.dim, cfg.n_layers, cfg.n_heads, kv_heads(cfg), cfg.vocab_size,
-                      ffn_dim(cfg), cfg.tie_embeddings)  # fmt: skip
+    return ModelShape(
+        cfg.dim,
+        cfg.n_layers,
+        cfg.n_heads,
+        kv_heads(cfg),
+        cfg.vocab_size,
+        ffn_dim(cfg),
+        cfg.tie_embeddings,
+    )
 
 
 def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

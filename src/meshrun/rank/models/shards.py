@@ -59,8 +59,10 @@ class Reordered:
         if len(rows) == 0:
             return self.source[box]
         starts = [0, *(torch.nonzero(rows.diff() != 1).flatten() + 1).tolist(), len(rows)]
-        runs = [self.source[(slice(int(rows[a]), int(rows[b - 1]) + 1), *box[1:])]
-                for a, b in itertools.pairwise(starts)]  # fmt: skip
+        runs = [
+            self.source[(slice(int(rows[a]), int(rows[b - 1]) + 1), *box[1:])]
+            for a, b in itertools.pairwise(starts)
+        ]
         block = torch.cat(runs)
         values = torch.empty_like(block)
         values[positions] = block

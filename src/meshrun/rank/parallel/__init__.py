@@ -55,8 +55,13 @@ class ParallelModel:
         inside the next timed training step."""
         return self.new_schedule()
 
-    def run_schedule(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool = True,
-                     loss_scale: float = 1.0) -> torch.Tensor:  # fmt: skip
+    def run_schedule(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        train: bool = True,
+        loss_scale: float = 1.0,
+    ) -> torch.Tensor:
         """One pass of a pipeline schedule over a batch: a training step (its backward
         from the loss times `loss_scale`), or forward only (`train` false:
         `eval_schedule.eval`, which skips every backward action). Neither keeps the last
@@ -65,8 +70,11 @@ class ParallelModel:
         The mean of the micro-batch losses (unscaled) on the last stage, zero elsewhere."""
         self.loss.scale = loss_scale if train else 1.0
         losses: list[torch.Tensor] = []
-        kwargs = {"target": targets if self.is_last_stage else None, "losses": losses,
-                  "return_outputs": False}  # fmt: skip
+        kwargs = {
+            "target": targets if self.is_last_stage else None,
+            "losses": losses,
+            "return_outputs": False,
+        }
         run = self.schedule.step if train else self.eval_schedule.eval
         if self.is_first_stage:
             run(inputs, **kwargs)
@@ -112,8 +120,9 @@ def parallelize(
             build_schedule, wrapped, stage_ids, n_stages, mesh["pp"], cfg, n_microbatches, device
         )
         schedule = new_schedule(loss_fn=loss)
-    return ParallelModel(wrapped, schedule, 0 in stage_ids, n_stages - 1 in stage_ids, read,
-                         new_schedule, loss)  # fmt: skip
+    return ParallelModel(
+        wrapped, schedule, 0 in stage_ids, n_stages - 1 in stage_ids, read, new_schedule, loss
+    )
 
 
 def pipeline_stages(pp_rank: int, layout: Layout, cfg: ParallelConfig) -> tuple[list[int], int]:
@@ -123,8 +132,9 @@ def pipeline_stages(pp_rank: int, layout: Layout, cfg: ParallelConfig) -> tuple[
     return local_stage_ids(pp_rank, layout.pp, cfg.stages_per_rank), layout.pp * cfg.stages_per_rank
 
 
-def stage_parts(model: nn.Module, pp_rank: int, layout: Layout, cfg: ParallelConfig
-                ) -> list[nn.Module]:  # fmt: skip
+def stage_parts(
+    model: nn.Module, pp_rank: int, layout: Layout, cfg: ParallelConfig
+) -> list[nn.Module]:
     """Pipeline rank `pp_rank`'s model part(s) on meta, one per stage it owns."""
     if layout.pp == 1:
         return [model]
@@ -157,8 +167,7 @@ def sharded_part(
     return apply_fsdp(part, mesh, layout, reshard, param_dtype)
 
 
-def materialise(part: nn.Module, device: torch.device, seed: int, pretrained: str | None
-                ) -> int:  # fmt: skip
+def materialise(part: nn.Module, device: torch.device, seed: int, pretrained: str | None) -> int:
     """This rank's share of `part` on `device`, seeded or read from `pretrained` (a local HF
     directory); the checkpoint bytes it read."""
     part.to_empty(device=device)

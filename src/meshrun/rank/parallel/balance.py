@@ -46,9 +46,12 @@ class StageSplit:
 
 
 def balance_stages(
-    cfg: ExperimentConfig, layout: Layout, rank: int, device: torch.device,
+    cfg: ExperimentConfig,
+    layout: Layout,
+    rank: int,
+    device: torch.device,
     autocast_dtype: torch.dtype | None,
-) -> StageSplit:  # fmt: skip
+) -> StageSplit:
     """Probe this rank's parts, gather every rank's, split (the same on every rank)."""
     probed = probe_parts(cfg, device, autocast_dtype)
     _release(device)  # the probe's tensors, gone before the run's memory is measured
@@ -61,8 +64,10 @@ def balance_stages(
     by_kind: dict[str, list[tuple[float, float, float]]] = {}
     for kind, costs in gathered:
         by_kind.setdefault(kind, []).append(costs)
-    pooled = {kind: [statistics.median(c) for c in zip(*runs, strict=True)]
-              for kind, runs in by_kind.items()}  # fmt: skip
+    pooled = {
+        kind: [statistics.median(c) for c in zip(*runs, strict=True)]
+        for kind, runs in by_kind.items()
+    }
     # [embedding, block, head] per pipeline rank: the slowest kind among its ranks
     per_pp = [[0.0, 0.0, 0.0] for _ in range(layout.pp)]
     for other, (kind, _) in enumerate(gathered):
@@ -89,8 +94,11 @@ def probe_parts(
     meta = build_model(cfg.model, t.seq_len, "meta")
     n = len(meta.layers)
     # each a stage of its own: stage 0 of [0, n], stage 1 of [0, 1, n-1], stage 1 of [n, 0]
-    parts = [cut_stage(meta, 0, [0, n]), cut_stage(meta, 1, [0, 1, n - 1]),
-             cut_stage(meta, 1, [n, 0])]  # fmt: skip
+    parts = [
+        cut_stage(meta, 0, [0, n]),
+        cut_stage(meta, 1, [0, 1, n - 1]),
+        cut_stage(meta, 1, [n, 0]),
+    ]
     for part in parts:
         materialise(part, device, t.seed, None)
     embedding, block, head = parts

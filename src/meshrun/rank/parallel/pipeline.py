@@ -103,8 +103,9 @@ class PrefetchingStage(PipelineStage):
     def compute_backward(self, bwd_chunk_id: int, *args, **kwargs):
         return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
-    def _post_through(self, kind: str, chunk: int,
-                      ops_of: Callable[[int], list[dist.P2POp]]) -> None:  # fmt: skip
+    def _post_through(
+        self, kind: str, chunk: int, ops_of: Callable[[int], list[dist.P2POp]]
+    ) -> None:
         """`chunk`'s receive posted (if the previous call did not already) and the next's."""
         for i in (chunk, chunk + 1):
             if i < self._n_microbatches and (kind, i) not in self._posted:

@@ -28,8 +28,7 @@ class Training:
     autocast_dtype: torch.dtype | None  # None: fp32, or FSDP2 casts the parameters itself
 
 
-def build_training(cfg: ExperimentConfig, layout: Layout, device: torch.device, mesh
-                   ) -> Training:  # fmt: skip
+def build_training(cfg: ExperimentConfig, layout: Layout, device: torch.device, mesh) -> Training:
     tc = cfg.train
     dtype = COMPUTE_DTYPES[tc.precision]
     model = parallelize(

@@ -186,8 +186,9 @@ class Checkpointer:
         save = Save(steps_done, path, started, 0.0, self.schedule.state_dict(), scale)
         final = steps_done == self.cfg.train.steps
         if self.cfg.checkpoint.async_save and background and not final:
-            save.future = dcp.async_save(tensors, checkpoint_id=path, process_group=self.group,
-                                         no_dist=self.group is None)  # fmt: skip
+            save.future = dcp.async_save(
+                tensors, checkpoint_id=path, process_group=self.group, no_dist=self.group is None
+            )
             save.blocked_s = time.perf_counter() - started
             self.pending = save
         else:
@@ -276,10 +277,17 @@ class Checkpointer:
         # Saved with the vocabulary padded for another tp: read whole, refilled unpadded.
         repadded = {}
         if manifest.vocab_rows and manifest.vocab_rows != self._vocab_rows():
-            repadded = {k: torch.empty(manifest.vocab_rows, *v.shape[1:], dtype=v.dtype)
-                        for k, v in tensors.items() if _is_vocab(k) and v.ndim}  # fmt: skip
-        dcp.load({**tensors, **repadded}, checkpoint_id=path, process_group=self.group,
-                 no_dist=self.group is None)  # fmt: skip
+            repadded = {
+                k: torch.empty(manifest.vocab_rows, *v.shape[1:], dtype=v.dtype)
+                for k, v in tensors.items()
+                if _is_vocab(k) and v.ndim
+            }
+        dcp.load(
+            {**tensors, **repadded},
+            checkpoint_id=path,
+            process_group=self.group,
+            no_dist=self.group is None,
+        )
         vocab = model_shape(self.cfg.model).vocab_size
         for key, whole in repadded.items():
             fill(tensors[key], whole[:vocab])

@@ -82,8 +82,9 @@ def text_spans(n_bytes: int, heldout_fraction: float) -> tuple[range, range]:
 Source = SyntheticTokens | TextBytes | HFWindows
 
 
-def build_streams(cfg: DataConfig, vocab_size: int, seed: int, seq_len: int
-                  ) -> tuple[Source, Source]:  # fmt: skip
+def build_streams(
+    cfg: DataConfig, vocab_size: int, seed: int, seq_len: int
+) -> tuple[Source, Source]:
     """The training stream and the held-out one; no held-out sample is a training sample."""
     if cfg.name == "text":
         tokens = torch.frombuffer(bytearray(Path(str(cfg.path)).read_bytes()), dtype=torch.uint8)

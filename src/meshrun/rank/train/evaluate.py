@@ -66,8 +66,11 @@ class Evaluator:
                 part.train()
         self.clock.mark()
         (seconds,) = self.clock.drain()
-        return {"eval_loss": loss.item(), "eval_perplexity": loss.exp().item(),
-                "eval_time_s": seconds}  # fmt: skip
+        return {
+            "eval_loss": loss.item(),
+            "eval_perplexity": loss.exp().item(),
+            "eval_time_s": seconds,
+        }
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One held-out batch's mean loss on this rank (zero off a pipeline's last stage)."""
@@ -75,8 +78,9 @@ class Evaluator:
             with self.autocast():
                 return self.model.run_schedule(inputs, targets, train=False)
         module = self.model.parts[0]
-        chunks = list(zip(inputs.split(self.micro_batch), targets.split(self.micro_batch),
-                          strict=True))  # fmt: skip
+        chunks = list(
+            zip(inputs.split(self.micro_batch), targets.split(self.micro_batch), strict=True)
+        )
         total = torch.zeros((), device=inputs.device)
         for x, y in chunks:
             with self.autocast():

@@ -202,8 +202,9 @@ def train_loop(
             ctx.fault(step)
         # The breakdown is read from a warmup step after the first: optimizer state exists then.
         measured = ctx.start_step + 1 <= step < first_timed
-        step_loss, norm, lr = train_step(model, optimizer, schedule, batches, step, cfg, ctx,
-                                         measured)  # fmt: skip
+        step_loss, norm, lr = train_step(
+            model, optimizer, schedule, batches, step, cfg, ctx, measured
+        )
         pending.add(torch.stack([step_loss, norm]), lr)
         if step >= first_timed:
             clock.mark()

@@ -30,8 +30,10 @@ def step_kernels(params: list[nn.Parameter]) -> dict[str, bool]:
     their device (CPU and CUDA), else `foreach` (each stage of the update one op over the
     tensor list). torch's default on CPU is a Python loop over the tensors, a dozen ops and a
     read of the step count back to the host (`.item()`) for each."""
-    fused = all(p.device.type in _get_fused_kernels_supported_devices() and p.is_floating_point()
-                for p in params)  # fmt: skip
+    fused = all(
+        p.device.type in _get_fused_kernels_supported_devices() and p.is_floating_point()
+        for p in params
+    )
     return {"fused": True} if fused else {"foreach": True}
 
 
@@ -47,11 +49,13 @@ class LocalAdamW(torch.optim.AdamW):
     is redistributed first, as DTensor would have done inside the update.
     """
 
-    def _init_group(self, group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
-                    state_steps):  # fmt: skip
+    def _init_group(
+        self, group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps
+    ):
         first = len(params)
-        has_complex = super()._init_group(group, params, grads, exp_avgs, exp_avg_sqs,
-                                          max_exp_avg_sqs, state_steps)  # fmt: skip
+        has_complex = super()._init_group(
+            group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps
+        )
         for i in range(first, len(params)):
             param, grad = params[i], grads[i]
             if not isinstance(param, DTensor):
@@ -70,8 +74,12 @@ class LocalAdamW(torch.optim.AdamW):
         if set_to_none:
             super().zero_grad(set_to_none=True)
             return
-        grads = [_local(p.grad) for group in self.param_groups for p in group["params"]
-                 if p.grad is not None]  # fmt: skip
+        grads = [
+            _local(p.grad)
+            for group in self.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
         torch._foreach_zero_(grads)
 
 
@@ -95,8 +103,9 @@ def lr_factor(step: int, schedule: LrScheduleConfig, steps: int) -> float:
     return schedule.min_lr_ratio + (1.0 - schedule.min_lr_ratio) * shape
 
 
-def build_lr_schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig
-                      ) -> torch.optim.lr_scheduler.LambdaLR:  # fmt: skip
+def build_lr_schedule(
+    optimizer: torch.optim.Optimizer, cfg: TrainConfig
+) -> torch.optim.lr_scheduler.LambdaLR:
     """Stepped once after each optimizer step: the LR of step s is lr x lr_factor(s)."""
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, cfg.lr_schedule, cfg.steps)
@@ -140,14 +149,18 @@ class LocalGrads:
         pipeline stages, which hold disjoint layers, add theirs over the pp group."""
         parts = {key: list(tensors) for key, tensors in self.norm_parts.items()}
         for grad in self.partial:
-            reduced = grad.redistribute(grad.device_mesh, [
-                Replicate() if placement.is_partial() else placement
-                for placement in grad.placements
-            ])  # fmt: skip
+            reduced = grad.redistribute(
+                grad.device_mesh,
+                [
+                    Replicate() if placement.is_partial() else placement
+                    for placement in grad.placements
+                ],
+            )
             parts.setdefault(_sharded_over(reduced), []).append(reduced.to_local())
         keys = list(parts)
-        squares = [torch.stack(torch._foreach_norm(parts[key])).float().square().sum()
-                   for key in keys]  # fmt: skip
+        squares = [
+            torch.stack(torch._foreach_norm(parts[key])).float().square().sum() for key in keys
+        ]
         for group in dict.fromkeys(g for key in keys for g in key):
             over = [i for i, key in enumerate(keys) if group in key]
             summed = torch.stack([squares[i] for i in over])
@@ -173,5 +186,8 @@ def _sharded_over(grad: DTensor) -> tuple[dist.ProcessGroup, ...]:
     replicated nor partial on. Not `is_shard()`: FSDP2 over TP shards a TP-sharded dim again
     as `_StridedShard`, which in torch 2.13 is no `Shard` and answers False, and a norm that
     skipped that dim missed the other FSDP ranks' shares (fsdp2_tp2: 0.36 for 0.47)."""
-    return tuple(grad.device_mesh.get_group(dim) for dim, placement in enumerate(grad.placements)
-                 if not (placement.is_replicate() or placement.is_partial()))  # fmt: skip
+    return tuple(
+        grad.device_mesh.get_group(dim)
+        for dim, placement in enumerate(grad.placements)
+        if not (placement.is_replicate() or placement.is_partial())
+    )

@@ -13,13 +13,27 @@ import torch
 from meshrun.rank.metrics.throughput import StepClock
 
 
-def step_records(first_step: int, losses: list[float], norms: list[float], lrs: list[float],
-                 times: list[float], data_waits: list[float]) -> list[dict[str, Any]]:  # fmt: skip
+def step_records(
+    first_step: int,
+    losses: list[float],
+    norms: list[float],
+    lrs: list[float],
+    times: list[float],
+    data_waits: list[float],
+) -> list[dict[str, Any]]:
     """metrics.jsonl's records; `times` are those of the last steps (the first may be untimed)."""
     timed_from = len(losses) - len(times)
-    return [{"step": first_step + i, "loss": loss, "grad_norm": norms[i], "lr": lrs[i],
-             "step_time_s": times[i - timed_from] if i >= timed_from else None,
-             "data_wait_s": data_waits[i]} for i, loss in enumerate(losses)]  # fmt: skip
+    return [
+        {
+            "step": first_step + i,
+            "loss": loss,
+            "grad_norm": norms[i],
+            "lr": lrs[i],
+            "step_time_s": times[i - timed_from] if i >= timed_from else None,
+            "data_wait_s": data_waits[i],
+        }
+        for i, loss in enumerate(losses)
+    ]
 
 
 class PendingSteps:
@@ -59,5 +73,6 @@ class PendingSteps:
             values = torch.stack(self.values[:done]).cpu()  # a fresh stream waits on nothing
         times = self.clock.drain() if done == len(self.values) else []
         first, _, lrs = self.take()
-        return step_records(first, values[:, 0].tolist(), values[:, 1].tolist(), lrs, times,
-                            data_waits)  # fmt: skip
+        return step_records(
+            first, values[:, 0].tolist(), values[:, 1].tolist(), lrs, times, data_waits
+        )

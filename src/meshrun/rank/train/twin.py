@@ -80,8 +80,15 @@ class Twin:
 
     def _step(self) -> torch.Tensor:
         training = self._training
-        loss, _, _ = train_step(training.model, training.optimizer, training.schedule,
-                                self._batches, self._next, self.cfg.train, self._ctx)  # fmt: skip
+        loss, _, _ = train_step(
+            training.model,
+            training.optimizer,
+            training.schedule,
+            self._batches,
+            self._next,
+            self.cfg.train,
+            self._ctx,
+        )
         self._next += 1
         return loss
 

@@ -104,21 +104,24 @@ def build_case(op: str, count: int, dtype: torch.dtype, redop: str, device: torc
     if op == "all_gather":
         src, out = inputs(rank, chunk), torch.empty(count, dtype=dtype, device=device)
         return Case(
-            lambda: ALL_GATHER(out, src), out,
+            lambda: ALL_GATHER(out, src),
+            out,
             lambda: torch.cat([inputs(r, chunk) for r in range(n)]),
-        )  # fmt: skip
+        )
     if op == "reduce_scatter":
         src, out = inputs(rank), torch.empty(chunk, dtype=dtype, device=device)
         return Case(
-            lambda: REDUCE_SCATTER(out, src, op=red), out,
+            lambda: REDUCE_SCATTER(out, src, op=red),
+            out,
             lambda: reduce_values([inputs(r, chunk, rank * chunk) for r in range(n)], redop),
-        )  # fmt: skip
+        )
     if op == "all_to_all":
         src, out = inputs(rank), torch.empty(count, dtype=dtype, device=device)
         return Case(
-            lambda: dist.all_to_all_single(out, src), out,
+            lambda: dist.all_to_all_single(out, src),
+            out,
             lambda: torch.cat([inputs(s, chunk, rank * chunk) for s in range(n)]),
-        )  # fmt: skip
+        )
     if op == "sendrecv":  # a ring: send to the next rank, receive from the previous one
         src, out = inputs(rank), torch.empty(count, dtype=dtype, device=device)
         peers = (rank + 1) % n, (rank - 1) % n
@@ -228,10 +231,18 @@ def _benchmark(
             dist.all_reduce(totals)
         seconds, wrong = totals[0].item() / n, int(totals[1].item())
         redop = comm.redop if op in REDUCING else "none"
-        rows.append({
-            "op": op, "size_bytes": size, "count": count, "dtype": dtype, "redop": redop,
-            "root": 0 if op == "broadcast" else None, "time_us": seconds * 1e6,
-            "algbw_gbs": algbw_gbs(size, seconds), "busbw_gbs": busbw_gbs(op, size, seconds, n),
-            "wrong": wrong,
-        })  # fmt: skip
+        rows.append(
+            {
+                "op": op,
+                "size_bytes": size,
+                "count": count,
+                "dtype": dtype,
+                "redop": redop,
+                "root": 0 if op == "broadcast" else None,
+                "time_us": seconds * 1e6,
+                "algbw_gbs": algbw_gbs(size, seconds),
+                "busbw_gbs": busbw_gbs(op, size, seconds, n),
+                "wrong": wrong,
+            }
+        )
     return rows if dist.get_rank() == 0 else None

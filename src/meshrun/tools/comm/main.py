@@ -60,13 +60,21 @@ def validate_comm(cfg: CommRunConfig, facts: HostFacts) -> CommRunConfig:
     choice("comm.redop", c.redop, tuple(REDOPS))
     integers = [d for d in c.dtypes if not DTYPES[d].is_floating_point]
     if c.redop == "avg" and integers:
-        fail("comm.redop", "avg", f"avg needs floating-point dtypes, not {integers}",
-             "sum | prod | min | max, or float dtypes only")  # fmt: skip
+        fail(
+            "comm.redop",
+            "avg",
+            f"avg needs floating-point dtypes, not {integers}",
+            "sum | prod | min | max, or float dtypes only",
+        )
     for key in ("min_bytes", "max_bytes", "iters"):
         positive(f"comm.{key}", getattr(c, key))
     if c.max_bytes < c.min_bytes:
-        fail("comm.max_bytes", c.max_bytes, f"below comm.min_bytes ({c.min_bytes})",
-             f">= {c.min_bytes}")  # fmt: skip
+        fail(
+            "comm.max_bytes",
+            c.max_bytes,
+            f"below comm.min_bytes ({c.min_bytes})",
+            f">= {c.min_bytes}",
+        )
     if c.step_factor < 2:
         fail("comm.step_factor", c.step_factor, "sizes would never grow", "an integer >= 2")
     if c.warmup_iters < 0:
@@ -77,8 +85,12 @@ def validate_comm(cfg: CommRunConfig, facts: HostFacts) -> CommRunConfig:
     world = launcher.nproc_per_node * launcher.nnodes
     plan = measurements(c, world)
     if not plan:
-        fail("comm.max_bytes", c.max_bytes, f"no size holds one element per rank ({world})",
-             "larger sizes")  # fmt: skip
+        fail(
+            "comm.max_bytes",
+            c.max_bytes,
+            f"no size holds one element per rank ({world})",
+            "larger sizes",
+        )
     check_debug(cfg.debug, world, len(plan), "measurements")
     name = cfg.name or f"comm_{backend.name}_{world}"
     return dataclasses.replace(
@@ -110,13 +122,19 @@ def measure(cfg: CommRunConfig) -> dict[str, Any]:
     identity = new_run(cfg.run_dir)
     status, rows = attempt(cfg.run_dir, time.time(), lambda: launch(cfg, COMM))
     report: dict[str, Any] = {
-        **identity, **status, "name": cfg.name,
-        "backend": cfg.backend.name, "launcher": cfg.launcher.name,
+        **identity,
+        **status,
+        "name": cfg.name,
+        "backend": cfg.backend.name,
+        "launcher": cfg.launcher.name,
         "world_size": cfg.launcher.nproc_per_node * cfg.launcher.nnodes,
-        "device_type": device_type(cfg.backend.name), "hardware": cfg.hardware.name,
-        "ops": ",".join(cfg.comm.ops), "dtypes": ",".join(cfg.comm.dtypes),
-        "max_bytes": cfg.comm.max_bytes, "run_dir": cfg.run_dir,
-    }  # fmt: skip
+        "device_type": device_type(cfg.backend.name),
+        "hardware": cfg.hardware.name,
+        "ops": ",".join(cfg.comm.ops),
+        "dtypes": ",".join(cfg.comm.dtypes),
+        "max_bytes": cfg.comm.max_bytes,
+        "run_dir": cfg.run_dir,
+    }
     rows = rows or []
     return report | summarize(rows) | {"rows": rows}
 

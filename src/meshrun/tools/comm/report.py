@@ -15,14 +15,40 @@ from meshrun.driver.sinks.store import ResultsStore
 from meshrun.driver.sinks.wandb_sink import resolve_mode
 
 REPORT_FILE = "comm.json"
-ROW_KEYS = ("op", "size_bytes", "count", "dtype", "redop", "root", "time_us", "algbw_gbs",
-            "busbw_gbs", "wrong")  # fmt: skip
+ROW_KEYS = (
+    "op",
+    "size_bytes",
+    "count",
+    "dtype",
+    "redop",
+    "root",
+    "time_us",
+    "algbw_gbs",
+    "busbw_gbs",
+    "wrong",
+)
 # nccl-tests' columns; widths fit its largest figures (sizes of GiB, times of seconds).
-COLUMNS = (("size", "(B)", 12), ("count", "(elements)", 12), ("type", "", 9), ("redop", "", 6),
-           ("root", "", 5), ("time", "(us)", 10), ("algbw", "(GB/s)", 8), ("busbw", "(GB/s)", 8),
-           ("#wrong", "", 7))  # fmt: skip
-SUMMARY_KEYS = ("status", "backend", "world_size", "device_type", "avg_busbw_gbs",
-                "peak_busbw_gbs", "wrong", "error")  # fmt: skip
+COLUMNS = (
+    ("size", "(B)", 12),
+    ("count", "(elements)", 12),
+    ("type", "", 9),
+    ("redop", "", 6),
+    ("root", "", 5),
+    ("time", "(us)", 10),
+    ("algbw", "(GB/s)", 8),
+    ("busbw", "(GB/s)", 8),
+    ("#wrong", "", 7),
+)
+SUMMARY_KEYS = (
+    "status",
+    "backend",
+    "world_size",
+    "device_type",
+    "avg_busbw_gbs",
+    "peak_busbw_gbs",
+    "wrong",
+    "error",
+)
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -52,11 +78,21 @@ def table_lines(op: str, rows: list[dict[str, Any]]) -> list[str]:
         "#" + _line(c[1] for c in COLUMNS)[1:],
     ]
     for r in rows:
-        lines.append(_line((
-            str(r["size_bytes"]), str(r["count"]), r["dtype"], r["redop"],
-            "-" if r["root"] is None else str(r["root"]), f"{r['time_us']:.1f}",
-            f"{r['algbw_gbs']:.3f}", f"{r['busbw_gbs']:.3f}", str(r["wrong"]),
-        )))  # fmt: skip
+        lines.append(
+            _line(
+                (
+                    str(r["size_bytes"]),
+                    str(r["count"]),
+                    r["dtype"],
+                    r["redop"],
+                    "-" if r["root"] is None else str(r["root"]),
+                    f"{r['time_us']:.1f}",
+                    f"{r['algbw_gbs']:.3f}",
+                    f"{r['busbw_gbs']:.3f}",
+                    str(r["wrong"]),
+                )
+            )
+        )
     return lines
 
 
@@ -64,16 +100,18 @@ def print_tables(report: dict[str, Any]) -> None:
     console.print(
         f"# meshrun-comm: {report['backend']}, {report['world_size']} rank(s) on "
         f"{report['device_type']}, {report['launcher']} launcher",
-        soft_wrap=True, highlight=False,
-    )  # fmt: skip
+        soft_wrap=True,
+        highlight=False,
+    )
     for op, rows in _by_op(report["rows"]):
         console.print("\n".join(table_lines(op, rows)), soft_wrap=True, highlight=False)
     if report["rows"]:
         console.print(
             f"# Avg bus bandwidth: {report['avg_busbw_gbs']:.3f} GB/s over "
             f"{len(report['rows'])} measurements; wrong values: {report['wrong']}",
-            soft_wrap=True, highlight=False,
-        )  # fmt: skip
+            soft_wrap=True,
+            highlight=False,
+        )
 
 
 def write_json(report: dict[str, Any]) -> None:
@@ -89,8 +127,10 @@ def record(report: dict[str, Any], store_path: str, logger: LoggerConfig, config
         _log_wandb(logger, config, report)
     except Exception as err:  # as for training runs: W&B costs the dashboard copy only
         saved = f"{report['run_dir']}/{REPORT_FILE}"
-        print_warning(f"W&B logging failed ({type(err).__name__}: {err}); the comm run is "
-                      f"recorded in {store_path} and {saved}")  # fmt: skip
+        print_warning(
+            f"W&B logging failed ({type(err).__name__}: {err}); the comm run is "
+            f"recorded in {store_path} and {saved}"
+        )
 
 
 def _log_wandb(cfg: LoggerConfig, config: dict[str, Any], report: dict[str, Any]) -> None:

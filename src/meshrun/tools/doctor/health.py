@@ -22,9 +22,17 @@ from meshrun.core.config import DebugConfig
 from meshrun.core.tool_config import DoctorConfig
 from meshrun.tools.comm.report import REPORT_FILE
 
-CHECK = ("comm.ops=[all_reduce,all_gather,broadcast]", "comm.dtypes=[float32]",
-         "comm.min_bytes=4096", "comm.max_bytes=1048576", "comm.step_factor=16",
-         "comm.warmup_iters=1", "comm.iters=3", "comm.record=false", "logger=none")  # fmt: skip
+CHECK = (
+    "comm.ops=[all_reduce,all_gather,broadcast]",
+    "comm.dtypes=[float32]",
+    "comm.min_bytes=4096",
+    "comm.max_bytes=1048576",
+    "comm.step_factor=16",
+    "comm.warmup_iters=1",
+    "comm.iters=3",
+    "comm.record=false",
+    "logger=none",
+)
 
 
 @dataclass
@@ -76,10 +84,14 @@ def _kill_session(proc: subprocess.Popen) -> None:
 def command(backend: str, run_dir: Path, cfg: DoctorConfig, debug: DebugConfig) -> list[str]:
     ranks = "null" if backend == "nccl" else "2"  # nccl: every visible GPU, one rank each
     overrides = [
-        f"hydra.run.dir={run_dir}", f"backend={backend}", f"backend.timeout_s={cfg.timeout_s}",
-        f"launcher.nproc_per_node={ranks}", *CHECK,
-        f"debug.fail_step={debug.fail_step}", f"debug.fail_mode={debug.fail_mode}",
-    ]  # fmt: skip
+        f"hydra.run.dir={run_dir}",
+        f"backend={backend}",
+        f"backend.timeout_s={cfg.timeout_s}",
+        f"launcher.nproc_per_node={ranks}",
+        *CHECK,
+        f"debug.fail_step={debug.fail_step}",
+        f"debug.fail_mode={debug.fail_mode}",
+    ]
     if debug.fail_rank is not None:
         overrides.append(f"debug.fail_rank={debug.fail_rank}")
     return [sys.executable, "-m", "meshrun.tools.comm.main", *overrides]
@@ -98,8 +110,11 @@ def check(
     started = time.monotonic()
     proc = subprocess.Popen(
         command(backend, run_dir, cfg, debug),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output, _ = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
@@ -121,8 +136,19 @@ def check(
         kind = "hang" if "collective hang" in report["error"] else "failure"
         return Health(backend, False, f"{kind}: {report['error']}", seconds, steps)
     if report["wrong"]:
-        return Health(backend, False, f"{report['wrong']} wrong values in the results: data is "
-                      "corrupted in transit", seconds, steps)  # fmt: skip
+        return Health(
+            backend,
+            False,
+            f"{report['wrong']} wrong values in the results: data is corrupted in transit",
+            seconds,
+            steps,
+        )
     ranks = report["world_size"]
-    return Health(backend, True, f"ok: {ranks} rank(s), all results correct", seconds, [],
-                  report["peak_busbw_gbs"])  # fmt: skip
+    return Health(
+        backend,
+        True,
+        f"ok: {ranks} rank(s), all results correct",
+        seconds,
+        [],
+        report["peak_busbw_gbs"],
+    )

@@ -35,8 +35,16 @@ from meshrun.tools.doctor import devices
 from meshrun.tools.doctor.health import Health, check
 
 REPORT_FILE = "doctor.json"
-ENV_PREFIXES = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "NCCL_", "TORCH_NCCL_", "GLOO_",
-                "TORCH_DISTRIBUTED_", "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
+ENV_PREFIXES = (
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_DEVICE_ORDER",
+    "NCCL_",
+    "TORCH_NCCL_",
+    "GLOO_",
+    "TORCH_DISTRIBUTED_",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 BACKENDS = ("gloo", "nccl")
 
 
@@ -187,8 +195,16 @@ def run(dict_cfg: DictConfig) -> int:
     for backend in _backends(cfg, len(facts.cuda_devices)):
         run_dir = Path(cfg.run_dir) / "health" / backend
         console.print(f"checking {backend} (timeout {cfg.doctor.timeout_s:g} s) ...")
-        results.append(check(backend, run_dir, cfg.doctor, cfg.debug,
-                             _interfaces(), report["host"]["/dev/shm (GiB)"]))  # fmt: skip
+        results.append(
+            check(
+                backend,
+                run_dir,
+                cfg.doctor,
+                cfg.debug,
+                _interfaces(),
+                report["host"]["/dev/shm (GiB)"],
+            )
+        )
         _print_health(results[-1:])
     report["health"] = [asdict(h) for h in results]
     (Path(cfg.run_dir) / REPORT_FILE).write_text(json.dumps(report, indent=2))

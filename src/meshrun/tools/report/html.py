@@ -21,28 +21,59 @@ from meshrun.tools.report import plots
 Plot = Callable[[list[dict[str, Any]]], Figure | None]
 # (id, title, what it shows and how to read it, plot, what the page says without data)
 SECTIONS: tuple[tuple[str, str, str, Plot, str], ...] = (
-    ("speedup", "Speedup with its spread",
-     "Each run against its single-device baseline; the bar is the ideal (its device count).",
-     plots.speedup, "No completed run with a measured speedup."),
-    ("step-times", "Step-time distributions",
-     "Every timed step of each run; a wide box is a noisy measurement.",
-     plots.step_times, "No run with timed steps."),
-    ("losses", "Loss curves",
-     "Same model, data, seed and global batch train on the same samples: under any layout "
-     "the curves should lie on each other.",
-     plots.loss_curves, "No run with losses."),
-    ("memory", "Memory per rank by category",
-     "Measured per rank; the black tick is the planner's predicted peak.",
-     plots.memory_per_rank, "No completed run with memory figures."),
-    ("bubble", "Pipeline bubble: measured vs theory",
-     "The idle share of a pipeline step, per run and per rank, beside the schedule's theory.",
-     plots.bubble, "No completed pipeline-parallel run."),
-    ("heatmap", "Throughput over global batch x micro-batch",
-     "tokens/s of each model and layout run at more than one batch point.",
-     plots.throughput_heatmaps, "No model and layout run at more than one batch point."),
-)  # fmt: skip
-CELL_CLASS = {"run": "run nw", "status": "status nw", "sweep": "sweep", "ranks": "nw",
-              "batch / micro": "nw", "tokens/s": "nw", "peak memory": "nw"}  # fmt: skip
+    (
+        "speedup",
+        "Speedup with its spread",
+        "Each run against its single-device baseline; the bar is the ideal (its device count).",
+        plots.speedup,
+        "No completed run with a measured speedup.",
+    ),
+    (
+        "step-times",
+        "Step-time distributions",
+        "Every timed step of each run; a wide box is a noisy measurement.",
+        plots.step_times,
+        "No run with timed steps.",
+    ),
+    (
+        "losses",
+        "Loss curves",
+        "Same model, data, seed and global batch train on the same samples: under any layout "
+        "the curves should lie on each other.",
+        plots.loss_curves,
+        "No run with losses.",
+    ),
+    (
+        "memory",
+        "Memory per rank by category",
+        "Measured per rank; the black tick is the planner's predicted peak.",
+        plots.memory_per_rank,
+        "No completed run with memory figures.",
+    ),
+    (
+        "bubble",
+        "Pipeline bubble: measured vs theory",
+        "The idle share of a pipeline step, per run and per rank, beside the schedule's theory.",
+        plots.bubble,
+        "No completed pipeline-parallel run.",
+    ),
+    (
+        "heatmap",
+        "Throughput over global batch x micro-batch",
+        "tokens/s of each model and layout run at more than one batch point.",
+        plots.throughput_heatmaps,
+        "No model and layout run at more than one batch point.",
+    ),
+)
+CELL_CLASS = {
+    "run": "run nw",
+    "status": "status nw",
+    "sweep": "sweep",
+    "ranks": "nw",
+    "batch / micro": "nw",
+    "tokens/s": "nw",
+    "peak memory": "nw",
+}
 BREAKS = re.compile(r" (?!(?:ms|s|MiB|/)\b)")  # spaces a line may break at
 NOTES = ("reason",)  # columns shown as a line under the run's row, not as a column
 SHARED = ("sweep",)
@@ -95,8 +126,11 @@ def _runs_table(runs: list[dict[str, Any]]) -> str:
     rows = [cells(run) for run in runs]
     same = [h for h in SHARED if len({row[h] for row in rows}) == 1]
     shown = [h for h in HEADERS if h not in NOTES and h not in same]
-    once = "".join(f'<p class="note">{escape(h)}: {escape(rows[0][h])}, every run</p>'
-                   for h in same if rows[0][h])  # fmt: skip
+    once = "".join(
+        f'<p class="note">{escape(h)}: {escape(rows[0][h])}, every run</p>'
+        for h in same
+        if rows[0][h]
+    )
     head = "".join(f"<th>{escape(h)}</th>" for h in shown)
     body = []
     for run, row in zip(runs, rows, strict=True):
@@ -125,8 +159,11 @@ def _sweeps_table(selection: Selection) -> str:
     shown = list(reversed(selection.sweeps))[:MAX_SWEEPS]
 
     def row(s: Sweep) -> str:
-        marks = [w for w, on in (("sweep=latest", s.name == latest),
-                                 ("shown", s.name == selection.sweep)) if on]  # fmt: skip
+        marks = [
+            w
+            for w, on in (("sweep=latest", s.name == latest), ("shown", s.name == selection.sweep))
+            if on
+        ]
         times = f"{s.first[:19].replace('T', ' ')} to {s.last[:19].replace('T', ' ')}"
         name = escape(s.name)
         return (
@@ -146,8 +183,10 @@ def _section(anchor: str, title: str, note: str, fig: Figure | None, empty: str)
     head = f'<section id="{anchor}"><h2>{escape(title)}</h2>'
     if fig is None:
         return f'{head}<p class="empty">{escape(empty)}</p></section>'
-    return (f'{head}<p class="note">{escape(note)}</p><figure><img alt="{escape(title)}" '
-            f'src="{png_data_uri(fig)}"></figure></section>')  # fmt: skip
+    return (
+        f'{head}<p class="note">{escape(note)}</p><figure><img alt="{escape(title)}" '
+        f'src="{png_data_uri(fig)}"></figure></section>'
+    )
 
 
 def render(selection: Selection, title: str, described: str) -> str:

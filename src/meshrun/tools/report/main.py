@@ -34,8 +34,12 @@ def page_path(value: str | None) -> Path | None:
     if path.is_dir():
         raise ConfigError("html", value, "is a directory", "a file path, e.g. html=report.html")
     if path.suffix.lower() not in PAGE_SUFFIXES:
-        raise ConfigError("html", value, "not an .html file path",
-                          "a path ending in .html, e.g. html=report.html; unset: none")  # fmt: skip
+        raise ConfigError(
+            "html",
+            value,
+            "not an .html file path",
+            "a path ending in .html, e.g. html=report.html; unset: none",
+        )
     return path
 
 
@@ -45,16 +49,21 @@ def print_sweeps(selection: Selection) -> None:
         return
     listed = selection.sweeps[-LISTED_SWEEPS:]
     older = len(selection.sweeps) - len(listed)
-    table = Table(title=f"sweeps in the store{f' ({older} older not listed)' if older else ''}",
-                  show_edge=False, box=None)  # fmt: skip
+    table = Table(
+        title=f"sweeps in the store{f' ({older} older not listed)' if older else ''}",
+        show_edge=False,
+        box=None,
+    )
     for header in ("sweep", "runs", "first run (UTC)", "last run (UTC)", ""):
         table.add_column(header)
     latest = selection.sweeps[-1].name
     for s in listed:
-        mark = ", ".join(w for w, on in ((LATEST, s.name == latest),
-                                         ("shown", s.name == selection.sweep)) if on)  # fmt: skip
-        table.add_row(s.name, str(s.runs), s.first[:19].replace("T", " "),
-                      s.last[:19].replace("T", " "), mark)  # fmt: skip
+        mark = ", ".join(
+            w for w, on in ((LATEST, s.name == latest), ("shown", s.name == selection.sweep)) if on
+        )
+        table.add_row(
+            s.name, str(s.runs), s.first[:19].replace("T", " "), s.last[:19].replace("T", " "), mark
+        )
     console.print(table)
 
 
@@ -64,8 +73,12 @@ def run(dict_cfg: DictConfig) -> int:
     try:
         page = page_path(cfg.html)
         if not Path(cfg.store.path).is_file():
-            raise ConfigError("store.path", cfg.store.path, "no results store there",
-                              "the meshrun.db that meshrun wrote (its store.path)")  # fmt: skip
+            raise ConfigError(
+                "store.path",
+                cfg.store.path,
+                "no results store there",
+                "the meshrun.db that meshrun wrote (its store.path)",
+            )
         rows = ResultsStore(cfg.store.path).runs()
         check_filters(cfg, rows)
         selection = select_runs(rows, cfg)

@@ -30,8 +30,18 @@ MAX_MEMORY_RUNS = 12  # the newest ones; more bars stop being readable
 MAX_CURVES = 12  # loss curves in one plot (the newest); more lines stop being told apart
 MAX_HEATMAPS = 8
 HEATMAPS_PER_ROW = 4
-PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
-           "#7f7f7f", "#bcbd22", "#17becf")  # fmt: skip
+PALETTE = (
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+)
 LINESTYLES = ("-", "--", "-.", ":")
 LOG_RATIO = 4  # step-time medians this many times apart: a log axis
 FLAGGED = "#b45309"  # the tick label of a flagged run
@@ -84,8 +94,16 @@ def speedup(runs: list[dict[str, Any]]) -> Figure | None:
         colour, value = colours[layout_of(run)], run["speedup"]
         low, high = run.get("speedup_p10"), run.get("speedup_p90")
         if low is not None and high is not None:
-            ax_speed.errorbar(value, y, xerr=[[value - low], [high - value]], fmt="o",
-                              color=colour, capsize=5, ms=8, lw=2)  # fmt: skip
+            ax_speed.errorbar(
+                value,
+                y,
+                xerr=[[value - low], [high - value]],
+                fmt="o",
+                color=colour,
+                capsize=5,
+                ms=8,
+                lw=2,
+            )
             top = max(top, high)
         else:
             ax_speed.plot(value, y, "o", ms=8, mfc="white", mec=colour, mew=2)
@@ -100,8 +118,15 @@ def speedup(runs: list[dict[str, Any]]) -> Figure | None:
     for y, value, end, ideal in ends:
         # the value right of its whisker, or right of the ideal's bar where it would cross it
         at = ideal if 0 <= ideal - end < LABEL_SPAN * right else end
-        ax_speed.annotate(f"{value:.2f}x", (at, y), xytext=(8, 0), textcoords="offset points",
-                          ha="left", va="center", fontsize="small")  # fmt: skip
+        ax_speed.annotate(
+            f"{value:.2f}x",
+            (at, y),
+            xytext=(8, 0),
+            textcoords="offset points",
+            ha="left",
+            va="center",
+            fontsize="small",
+        )
     ax_eff.axvline(1.0, ls="--", color="#555")
     ax_eff.set_xlim(0, max(1.1, *(r.get("scaling_efficiency") or 0 for r in measured)) * 1.08)
     _label_rows(ax_speed, measured)
@@ -110,13 +135,31 @@ def speedup(runs: list[dict[str, Any]]) -> Figure | None:
     for ax in (ax_speed, ax_eff):
         ax.grid(axis="x", alpha=0.3)
     handles = [
-        Line2D([], [], marker="o", color="#333", ms=8,
-               label="speedup, whiskers p10-p90 over rounds"),
-        Line2D([], [], marker="o", ls="", ms=8, mfc="white", mec="#333", mew=2,
-               label="speedup, spread n/a (one measurement)"),
-        Line2D([], [], marker="|", ls="", ms=16, mew=2.5, color="#555",
-               label="ideal (the run's device count)"),
-    ]  # fmt: skip
+        Line2D(
+            [], [], marker="o", color="#333", ms=8, label="speedup, whiskers p10-p90 over rounds"
+        ),
+        Line2D(
+            [],
+            [],
+            marker="o",
+            ls="",
+            ms=8,
+            mfc="white",
+            mec="#333",
+            mew=2,
+            label="speedup, spread n/a (one measurement)",
+        ),
+        Line2D(
+            [],
+            [],
+            marker="|",
+            ls="",
+            ms=16,
+            mew=2.5,
+            color="#555",
+            label="ideal (the run's device count)",
+        ),
+    ]
     fig.legend(handles=handles, loc="outside upper center", ncol=3, frameon=False)
     return fig
 
@@ -136,9 +179,16 @@ def step_times(runs: list[dict[str, Any]]) -> Figure | None:
     data = [[t * scale for t in r["step_times"]] for r in timed]
     fig = Figure(figsize=(WIDTH, _height(len(timed))), layout="constrained")
     ax = fig.subplots()
-    boxes = ax.boxplot(data, orientation="horizontal", positions=range(len(timed)), whis=(10, 90),
-                       widths=0.55, patch_artist=True, showfliers=False,
-                       medianprops={"color": "black", "lw": 2})  # fmt: skip
+    boxes = ax.boxplot(
+        data,
+        orientation="horizontal",
+        positions=range(len(timed)),
+        whis=(10, 90),
+        widths=0.55,
+        patch_artist=True,
+        showfliers=False,
+        medianprops={"color": "black", "lw": 2},
+    )
     for box, run in zip(boxes["boxes"], timed, strict=True):
         box.set(facecolor=colours[layout_of(run)], alpha=0.45)
     for y, values in enumerate(data):
@@ -151,9 +201,11 @@ def step_times(runs: list[dict[str, Any]]) -> Figure | None:
         ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
         ax.xaxis.set_minor_formatter(FuncFormatter(_minor_label))
     _label_rows(ax, timed)
-    ax.set_xlabel(f"step time ({unit}{', log scale' if logged else ''}): box quartiles and "
-                  "median, whiskers to the outermost steps within p10-p90, a dot per timed "
-                  "step")  # fmt: skip
+    ax.set_xlabel(
+        f"step time ({unit}{', log scale' if logged else ''}): box quartiles and "
+        "median, whiskers to the outermost steps within p10-p90, a dot per timed "
+        "step"
+    )
     ax.grid(axis="x", alpha=0.3, which="both")
     return fig
 
@@ -181,8 +233,14 @@ def loss_curves(runs: list[dict[str, Any]]) -> Figure | None:
     ax = fig.subplots()
     legend = []
     for i, run in enumerate(curves):
-        style = {"color": colours[layout_of(run)], "ls": LINESTYLES[i % len(LINESTYLES)],
-                 "lw": 1.6, "marker": "o", "mfc": "none", "mew": 1.6}  # fmt: skip
+        style = {
+            "color": colours[layout_of(run)],
+            "ls": LINESTYLES[i % len(LINESTYLES)],
+            "lw": 1.6,
+            "marker": "o",
+            "mfc": "none",
+            "mew": 1.6,
+        }
         ax.plot(
             range(1, len(run["losses"]) + 1),
             run["losses"],
@@ -204,8 +262,9 @@ def loss_curves(runs: list[dict[str, Any]]) -> Figure | None:
 def _memory_bars(run: dict[str, Any]) -> list[tuple[int, dict[str, float], float | None]]:
     """(rank, MiB per category, predicted total MiB) per rank; a rank without the breakdown
     (a row of an older meshrun, or a run with no measured warmup step) is one `peak` bar."""
-    predicted = {p.get("rank", i): p.get("peak")
-                 for i, p in enumerate(run.get("memory_predicted") or [])}  # fmt: skip
+    predicted = {
+        p.get("rank", i): p.get("peak") for i, p in enumerate(run.get("memory_predicted") or [])
+    }
     measured = run.get("memory_per_rank") or [
         {"rank": rank, "peak": peak} for rank, peak in enumerate(run["peak_memory_bytes"])
     ]
@@ -213,16 +272,22 @@ def _memory_bars(run: dict[str, Any]) -> list[tuple[int, dict[str, float], float
     for rank in measured:
         parts = [c for c in MEMORY_CATEGORIES if c in rank] or ["peak"]
         guess = predicted.get(rank["rank"])
-        bars.append((rank["rank"], {c: rank[c] / MIB for c in parts},
-                     guess / MIB if guess is not None else None))  # fmt: skip
+        bars.append(
+            (
+                rank["rank"],
+                {c: rank[c] / MIB for c in parts},
+                guess / MIB if guess is not None else None,
+            )
+        )
     return bars
 
 
 def memory_per_rank(runs: list[dict[str, Any]]) -> Figure | None:
     """Stacked bars per rank: params, grads, optimizer state, activations, other (where the
     run measured the breakdown), the predicted peak as a marker where there is one."""
-    newest = sorted((r for r in completed(runs) if r.get("peak_memory_bytes")),
-                    key=lambda r: r["created_at"])[-MAX_MEMORY_RUNS:]  # fmt: skip
+    newest = sorted(
+        (r for r in completed(runs) if r.get("peak_memory_bytes")), key=lambda r: r["created_at"]
+    )[-MAX_MEMORY_RUNS:]
     with_memory = [r for r in runs if r in newest]
     if not with_memory:
         return None
@@ -244,8 +309,15 @@ def memory_per_rank(runs: list[dict[str, Any]]) -> Figure | None:
         left = [a + b for a, b in zip(left, widths, strict=True)]
     guessed = [(y, g) for y, g in zip(rows, predicted, strict=True) if g is not None]
     if guessed:
-        ax.scatter([g for _, g in guessed], [y for y, _ in guessed], marker="|",
-                   s=300, color="black", label="predicted peak", zorder=3)  # fmt: skip
+        ax.scatter(
+            [g for _, g in guessed],
+            [y for y, _ in guessed],
+            marker="|",
+            s=300,
+            color="black",
+            label="predicted peak",
+            zorder=3,
+        )
     _label_rows(ax, owners, labels)
     for y in range(1, len(owners)):
         if owners[y] is not owners[y - 1]:
@@ -318,8 +390,15 @@ def throughput_heatmaps(runs: list[dict[str, Any]]) -> Figure | None:
                 ax.text(j, i, cell[-1]["status"], ha="center", va="center", fontsize="small")
                 continue
             dark = image.norm(value) < 0.6  # viridis: dark blue to yellow
-            ax.text(j, i, f"{value:,.0f}", ha="center", va="center", fontsize="small",
-                    color="white" if dark else "black")  # fmt: skip
+            ax.text(
+                j,
+                i,
+                f"{value:,.0f}",
+                ha="center",
+                va="center",
+                fontsize="small",
+                color="white" if dark else "black",
+            )
         ax.set_xticks(range(len(micros)), [str(m) for m in micros])
         ax.set_yticks(range(len(batches)), [str(b) for b in batches])
         ax.set_xlabel("micro-batch")
@@ -327,8 +406,10 @@ def throughput_heatmaps(runs: list[dict[str, Any]]) -> Figure | None:
             ax.set_ylabel("global batch")
         ax.set_title(f"{model} / {layout}", fontsize="medium")
     more = len(grids) - len(shown)
-    fig.suptitle("tokens/s" + (f" (the first {len(shown)} of {len(grids)} maps)" if more else ""),
-                 fontsize="medium")  # fmt: skip
+    fig.suptitle(
+        "tokens/s" + (f" (the first {len(shown)} of {len(grids)} maps)" if more else ""),
+        fontsize="medium",
+    )
     return fig
 
 
@@ -342,14 +423,30 @@ def bubble(runs: list[dict[str, Any]]) -> Figure | None:
     ax = fig.subplots()
     ys = range(len(piped))
     measured = [r.get("bubble_measured") or 0.0 for r in piped]
-    ax.barh([y - 0.2 for y in ys], measured, height=0.38, color="#1f77b4",
-            label="measured (mean over ranks)")  # fmt: skip
-    ax.barh([y + 0.2 for y in ys], [r["bubble_theoretical"] for r in piped], height=0.38,
-            color="#bbb", label="theory (p-1)/(v·m+p-1)")  # fmt: skip
+    ax.barh(
+        [y - 0.2 for y in ys],
+        measured,
+        height=0.38,
+        color="#1f77b4",
+        label="measured (mean over ranks)",
+    )
+    ax.barh(
+        [y + 0.2 for y in ys],
+        [r["bubble_theoretical"] for r in piped],
+        height=0.38,
+        color="#bbb",
+        label="theory (p-1)/(v·m+p-1)",
+    )
     for y, run in enumerate(piped):
         per_rank = run.get("bubble_per_rank") or []
-        ax.plot(per_rank, [y - 0.2] * len(per_rank), "o", color="black", ms=5,
-                label="a rank's measured bubble" if y == 0 and per_rank else None)  # fmt: skip
+        ax.plot(
+            per_rank,
+            [y - 0.2] * len(per_rank),
+            "o",
+            color="black",
+            ms=5,
+            label="a rank's measured bubble" if y == 0 and per_rank else None,
+        )
     _label_rows(ax, piped)
     ax.set_xlabel("bubble: idle fraction of the step")
     ax.set_xlim(0, 1)

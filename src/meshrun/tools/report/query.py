@@ -26,16 +26,32 @@ def check_filters(cfg: ReportConfig, runs: list[dict[str, Any]]) -> None:
     """Raise ConfigError for the first filter value that no row of the store has."""
     names = [s.name for s in sweeps(runs)]
     if cfg.sweep == LATEST and not names:
-        raise ConfigError("sweep", cfg.sweep, "the store has no sweep",
-                          "unset (every run), or a sweep run first (meshrun -m)")  # fmt: skip
+        raise ConfigError(
+            "sweep",
+            cfg.sweep,
+            "the store has no sweep",
+            "unset (every run), or a sweep run first (meshrun -m)",
+        )
     if cfg.sweep not in (None, LATEST) and cfg.sweep not in names:
-        raise ConfigError("sweep", cfg.sweep, "no sweep of that name in the store",
-                          _choices(cfg.sweep, [*names, LATEST], "its sweeps"))  # fmt: skip
+        raise ConfigError(
+            "sweep",
+            cfg.sweep,
+            "no sweep of that name in the store",
+            _choices(cfg.sweep, [*names, LATEST], "its sweeps"),
+        )
     models = sorted({r["model"] for r in runs if r.get("model")})
     if cfg.model is not None and cfg.model not in models:
-        raise ConfigError("model", cfg.model, "no run of that model in the store",
-                          _choices(cfg.model, models, "its models"))  # fmt: skip
+        raise ConfigError(
+            "model",
+            cfg.model,
+            "no run of that model in the store",
+            _choices(cfg.model, models, "its models"),
+        )
     layouts = sorted({layout_of(r) for r in runs})
     if cfg.layout is not None and cfg.layout not in (*layouts, *preset_names()):
-        raise ConfigError("layout", cfg.layout, "neither a layout in the store nor a preset",
-                          _choices(cfg.layout, layouts, "its layouts"))  # fmt: skip
+        raise ConfigError(
+            "layout",
+            cfg.layout,
+            "neither a layout in the store nor a preset",
+            _choices(cfg.layout, layouts, "its layouts"),
+        )
