@@ -130,7 +130,8 @@ def _paired_rank(rank: int, cfgs: dict[str, dict], port: int, pairs: int, out: P
         cfg = from_dict(raw)
         layout, t = Layout.of(cfg.parallel), cfg.train
         mesh = build_mesh(layout, "cpu")
-        data, _ = build_streams(cfg.data, model_shape(cfg.model).vocab_size, t.seed, t.seq_len)
+        vocab_size = model_shape(cfg.model).vocab_size
+        data, _ = build_streams(cfg.data, cfg.resolved.data_cache, vocab_size, t.seed, t.seq_len)
         ctx = LoopContext(
             device=device,
             dp_group=dp_group(mesh),

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from meshrun.core.config import ExperimentConfig
+from meshrun.core.config import ExperimentConfig, RunConfig
 from meshrun.core.hardware import HostFacts
 from meshrun.core.paths import CONF_DIR
 from meshrun.core.schemas import register_schemas
@@ -61,15 +61,16 @@ def compose_config(*overrides: str) -> ExperimentConfig:
     return OmegaConf.to_object(cfg)
 
 
-def resolved_config(*overrides: str) -> ExperimentConfig:
+def resolved_config(*overrides: str) -> RunConfig:
     """`compose_config(*overrides)` after `resolve` on this host (layout and hardware resolved)."""
     return resolve(compose_config(*overrides), HostFacts.detect())
 
 
-def transformers_first_loss(cfg: ExperimentConfig, model: torch.nn.Module, step: int = 0) -> float:
+def transformers_first_loss(cfg: RunConfig, model: torch.nn.Module, step: int = 0) -> float:
     """A transformers model's own loss on the batch a run of `cfg` trains step `step` on."""
     t = cfg.train
-    data = build_dataset(cfg.data, model.config.vocab_size, t.seed, t.seq_len)
+    vocab = model.config.vocab_size
+    data = build_dataset(cfg.data, cfg.resolved.data_cache, vocab, t.seed, t.seq_len)
     batches = LocalBatches(data, t.global_batch_size, t.seq_len, 0, 1, "cpu", start_step=step)
     inputs, targets = batches.for_step(step)
     with torch.no_grad():

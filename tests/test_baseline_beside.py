@@ -1,4 +1,4 @@
-"""The single-device baseline trained side by side with the run (metrics.alongside): rank 0
+"""The baseline twin: the single-device baseline trained beside the run (resolved.twin): rank 0
 trains exactly the twin a run of its own would (same losses), one step after each of the
 run's timed steps, without changing the run's training; and each rank's CPU time against the
 host's says how busy the host was with other work. Real gloo ranks of the session's pool."""
@@ -12,6 +12,7 @@ import time
 import pytest
 
 from meshrun.core.baseline import baseline_config
+from meshrun.core.config import with_resolved
 from meshrun.driver.experiment import measure
 from tests.ranks import config_in, losses
 
@@ -30,18 +31,18 @@ RUN = (
 def test_the_baseline_beside_the_run_is_the_single_device_run_and_leaves_it_alone(
     tmp_path, rank_pool, layout
 ):
-    beside = config_in(tmp_path / "beside", *RUN, f"parallel={layout}", "metrics.alongside=true")
+    beside = with_resolved(config_in(tmp_path / "beside", *RUN, f"parallel={layout}"), twin=True)
     run = measure(beside, "run", rank_pool.launch)
-    assert run.ok, run.meta["error"]
+    assert run.ok, run.meta.error
     alone = measure(
         config_in(tmp_path / "alone", *RUN, f"parallel={layout}"), "run", rank_pool.launch
     )
     assert losses(run) == losses(alone)  # training itself is untouched
     twin = measure(baseline_config(beside), "baseline", rank_pool.launch)
-    steps = run.baseline_steps
-    assert [s["step"] for s in steps] == [2, 3, 4, 5]  # after its 2 untimed steps
-    assert [s["loss"] for s in steps] == pytest.approx(losses(twin)[2:], rel=1e-6)
-    assert all(s["step_time_s"] > 0 for s in steps)
+    steps = run.report.twin_steps
+    assert [s.step for s in steps] == [2, 3, 4, 5]  # after its 2 untimed steps
+    assert [s.loss for s in steps] == pytest.approx(losses(twin)[2:], rel=1e-6)
+    assert all(s.step_time_s > 0 for s in steps)
     timed = [s["step_time_s"] for s in run.steps if s["step_time_s"] is not None]
     assert len(timed) == len(steps)  # one round per timed step
 
@@ -57,5 +58,5 @@ def test_a_cpu_hog_beside_the_run_is_the_share_other_processes_used(tmp_path, ra
     finally:
         hog.kill()
         hog.wait()
-    assert run.ok, run.meta["error"]
-    assert run.meta["host_other_cpu_share"] >= 0.2
+    assert run.ok, run.meta.error
+    assert run.report.host_other_cpu_share >= 0.2

@@ -49,7 +49,7 @@ RESUMED_LAYOUTS = {
 def _run(tmp: Path, rank_pool, *overrides: str):
     cfg = config_in(tmp, *COMMON, *overrides)
     measured = measure(cfg, "run", rank_pool.launch)
-    assert measured.ok, measured.meta["error"]
+    assert measured.ok, measured.meta.error
     return cfg, measured
 
 
@@ -65,7 +65,7 @@ def test_resumed_run_continues_bit_for_bit(tmp_path, rank_pool, layout):
     _, resumed = _run(
         tmp_path / "resumed", rank_pool, *overrides, f"checkpoint.resume={saved[0]}", more
     )
-    assert resumed.meta["resumed_from_step"] == EVERY
+    assert resumed.meta.resumed_from_step == EVERY
     tail = [(s["loss"], s["lr"]) for s in resumed.steps if s["step"] >= EVERY]
     assert tail == [(s["loss"], s["lr"]) for s in whole.steps[EVERY:]]
     assert len(losses(resumed)) == STEPS

@@ -195,5 +195,5 @@ def test_pretrained_weights_give_transformers_first_loss_through_the_driver(expe
         "train.seq_len=64",
         "metrics.baseline=off",
     )
-    assert measured.ok, measured.meta["error"]
+    assert measured.ok, measured.meta.error
     assert losses(measured)[0] == pytest.approx(transformers_first_loss(cfg, saved), rel=1e-5)

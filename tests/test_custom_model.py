@@ -96,7 +96,7 @@ def single(tmp_path_factory, rank_pool) -> list[float]:
 
     cfg = config_in(tmp_path_factory.mktemp("single"), "parallel=single", *NAMED, *COMMON)
     measured = measure(cfg, "run", rank_pool.launch)
-    assert measured.ok, measured.meta["error"]
+    assert measured.ok, measured.meta.error
     return losses(measured)
 
 
@@ -105,7 +105,7 @@ def single(tmp_path_factory, rank_pool) -> list[float]:
 )
 def test_every_kind_of_layout_trains_the_users_module_like_one_device(experiment, single, layout):
     _, measured = experiment(*LAYOUTS[layout], *NAMED, *COMMON)
-    assert measured.ok, measured.meta["error"]
+    assert measured.ok, measured.meta.error
     got = losses(measured)
     assert len(got) == len(single) == STEPS
     for step, (loss, ref) in enumerate(zip(got, single, strict=True)):

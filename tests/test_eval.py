@@ -63,7 +63,7 @@ def run(tmp_path_factory, rank_pool):
             tmp = tmp_path_factory.mktemp(layout)
             cfg = config_in(tmp, *LAYOUTS[layout], *COMMON, *(EVAL if evaluate else ()))
             result = measure(cfg, "run", rank_pool.launch)
-            assert result.ok, result.meta["error"]
+            assert result.ok, result.meta.error
             done[layout, evaluate] = result
         return done[layout, evaluate]
 
@@ -111,7 +111,7 @@ def test_eval_loss_falls_on_hf_data_and_reaches_the_record(experiment, hf_corpus
         "train.eval.batches=1",
         "metrics.baseline=off",
     )
-    assert measured.ok, measured.meta["error"]
+    assert measured.ok, measured.meta.error
     curve = evaluations(measured)
     assert list(curve) == [3, 7, 11]
     assert curve[11] < 0.8 * curve[3]  # a tiny grammar is quickly learnt, held out too
@@ -126,7 +126,7 @@ def test_eval_loss_falls_on_hf_data_and_reaches_the_record(experiment, hf_corpus
 
 def test_synthetic_heldout_samples_lie_beyond_any_training_step():
     data = DataConfig(name="synthetic")
-    train, heldout = build_streams(data, 256, seed=3, seq_len=8)
+    train, heldout = build_streams(data, None, 256, seed=3, seq_len=8)
     got = next(iter(HeldoutBatches(heldout, 1, 4, 8, 0, 1, CPU)))[0]
     # held-out sample i is generator index 2**40 + i: training reaches it after 2**38 steps of 4
     want = SyntheticTokens(256, seed=3).batch(
@@ -141,7 +141,7 @@ def test_text_trains_on_the_first_bytes_and_holds_out_the_last(tmp_path):
     trained_part, heldout_part = bytes(i % 128 for i in range(1900)), bytes(range(128, 228))
     corpus.write_bytes(trained_part + heldout_part)
     data = DataConfig(name="text", path=str(corpus), heldout_fraction=0.05)
-    train, heldout = build_streams(data, 256, seed=0, seq_len=8)
+    train, heldout = build_streams(data, None, 256, seed=0, seq_len=8)
     trained = LocalBatches(train, 8, 8, 0, 1, CPU)
     seen = torch.cat([torch.cat(trained.for_step(s)) for s in range(60)])  # wraps around the part
     assert seen.max() < 128  # never a held-out byte
@@ -158,8 +158,8 @@ def test_hf_heldout_windows_are_documents_training_never_reads(hf_corpus, tmp_pa
         "train.eval.every_steps=1",
         "train.eval.batches=1",
     )
-    data = prepare_data(cfg).data
-    train, heldout = build_streams(data, 384, seed=0, seq_len=32)
+    run = prepare_data(cfg)
+    train, heldout = build_streams(run.data, run.resolved.data_cache, 384, seed=0, seq_len=32)
     offsets = train.cache.offsets
 
     def documents(stream, windows) -> set[int]:

@@ -92,7 +92,7 @@ def test_steps_after_the_last_log_step_survive_a_failure(tmp_path, experiment):
     )
     cfg = config_in(tmp_path, *_unlogged("single", 0))
     failed = measure(cfg, "run", launch_local)
-    assert failed.meta["status"] == "failed"
+    assert failed.meta.status == "failed"
     keys = ("step", "loss", "grad_norm", "lr")
     assert [{k: s[k] for k in keys} for s in failed.steps] == [
         {k: s[k] for k in keys} for s in completed.steps[:3]
@@ -131,8 +131,8 @@ def test_rank_killed_by_a_signal_is_the_one_named(tmp_path):
     wrote its steps: their losses are rank 0's alone, and marked so."""
     cfg = config_in(tmp_path, *_unlogged("ddp", 1, "debug.fail_mode=kill"))
     failed = measure(cfg, "run", launch_local)
-    error = failed.meta["error"]
-    assert failed.meta["failed_rank"] == 1
+    error = failed.meta.error
+    assert failed.meta.failed_rank == 1
     assert error.startswith(tuple(f"rank 1 was killed ({s}), " for s in ("SIGKILL", SIGNAL_UNSEEN)))
     figures = (
         r"predicted peak \d+\.\d\d GiB per rank \(plan\), measured \d+\.\d\d GiB resident "
@@ -143,7 +143,7 @@ def test_rank_killed_by_a_signal_is_the_one_named(tmp_path):
     counted = ("oom_kill count did not change" in error) or ("oom_kill count rose" in error)
     assert counted is (oom_kills() is not None)
     assert ("most likely out of host memory" in error) is not counted
-    assert failed.meta["traceback"] is None
+    assert failed.meta.traceback is None
     assert [(s["step"], s.get("partial_loss")) for s in failed.steps] == [
         (0, True),
         (1, True),

@@ -27,7 +27,7 @@ COMMON = (
 
 def _run(tmp: Path, rank_pool, *overrides: str):
     measured = measure(config_in(tmp, *COMMON, *overrides), "run", rank_pool.launch)
-    assert measured.ok, measured.meta["error"]
+    assert measured.ok, measured.meta.error
     return measured
 
 
@@ -63,7 +63,7 @@ def test_overflowing_steps_are_skipped_and_the_scale_backs_off(tmp_path, rank_po
         f"train.loss_scale.init={2**26}",
         "train.steps=16",
     )
-    skipped = measured.meta["skipped_steps"]
+    skipped = measured.report.skipped_steps
     assert skipped[:4] == [0, 1, 2, 3] and len(skipped) <= 10, skipped  # 2**22 still overflows
     trained = [step for step in range(16) if step not in skipped]
     got = losses(measured)

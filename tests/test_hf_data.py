@@ -39,12 +39,14 @@ def hf_config(corpus, tmp_path, path=None, *extra: str):
     )
 
 
-def prepared(corpus, tmp_path, *extra: str) -> DataConfig:
-    return prepare_data(hf_config(corpus, tmp_path, None, *extra)).data
+def prepared(corpus, tmp_path, *extra: str) -> tuple[DataConfig, str]:
+    """data=hf's config and the cache the driver prepared for it."""
+    run = prepare_data(hf_config(corpus, tmp_path, None, *extra))
+    return run.data, str(run.resolved.data_cache)
 
 
-def train_stream(data: DataConfig, seed: int = 0) -> HFWindows:
-    return hf_streams(data, SEQ, seed)[0]
+def train_stream(data: tuple[DataConfig, str], seed: int = 0) -> HFWindows:
+    return hf_streams(*data, SEQ, seed)[0]
 
 
 def test_every_format_and_tokenizer_form_load_to_the_same_tokens(hf_corpus, tmp_path):
@@ -103,7 +105,7 @@ def test_cache_is_reused_and_rebuilt_when_the_dataset_changes(tmp_path):
 
 def test_windows_are_seq_len_plus_one_packed_with_eos_between_documents(hf_corpus, tmp_path):
     data = prepared(hf_corpus, tmp_path)
-    train, heldout = hf_streams(data, SEQ, seed=0)
+    train, heldout = hf_streams(*data, SEQ, seed=0)
     cache = train.cache
     eos = cache.meta["separator_id"]
     assert eos == Tokenizer.from_file(str(hf_corpus.tokenizer_json)).token_to_id(EOS)
@@ -120,7 +122,7 @@ def test_windows_are_seq_len_plus_one_packed_with_eos_between_documents(hf_corpu
 
 def test_heldout_documents_are_not_trained_on(hf_corpus, tmp_path):
     data = prepared(hf_corpus, tmp_path, "data.heldout_fraction=0.1")
-    train, heldout = hf_streams(data, SEQ, seed=0)
+    train, heldout = hf_streams(*data, SEQ, seed=0)
     offsets = train.cache.offsets.tolist()
     n_docs = len(offsets) - 1
     assert train.span.stop == heldout.span.start == offsets[n_docs - n_docs // 10]
@@ -178,7 +180,7 @@ def test_dp_ranks_split_hf_windows_and_tp_peers_share_them(rank_pool, hf_corpus,
 
 def test_loader_workers_yield_the_batches_of_the_rank_itself(hf_corpus, tmp_path):
     data = prepared(hf_corpus, tmp_path)
-    with_workers = dataclasses.replace(data, num_workers=2, prefetch_factor=3)
+    with_workers = (dataclasses.replace(data[0], num_workers=2, prefetch_factor=3), data[1])
     here = LocalBatches(train_stream(data), GLOBAL_BATCH, SEQ, 1, 2, CPU)
     workers = LocalBatches(train_stream(with_workers), GLOBAL_BATCH, SEQ, 1, 2, CPU)
     stream = train_stream(data)
@@ -215,8 +217,8 @@ def test_ddp_on_hf_data_learns_with_the_losses_of_one_device(experiment, hf_corp
     )
     single_cfg, single = experiment("parallel=single", *common)
     cfg, ddp = experiment("parallel=ddp", *common)
-    assert single.ok and ddp.ok, (single.meta["error"], ddp.meta["error"])
-    assert cfg.data.prepared == single_cfg.data.prepared  # tokenized once, shared
+    assert single.ok and ddp.ok, (single.meta.error, ddp.meta.error)
+    assert cfg.resolved.data_cache == single_cfg.resolved.data_cache  # tokenized once, shared
     got, want = losses(ddp), losses(single)
     for step, (loss, ref) in enumerate(zip(got, want, strict=True)):
         assert abs(loss - ref) <= 1e-4 * abs(ref), f"step {step}: {loss} vs {ref}"
@@ -241,5 +243,5 @@ def test_data_wait_share_is_recorded_and_a_stall_shown():
 
 def test_a_resolved_run_carries_its_cache_to_the_ranks(hf_corpus, tmp_path):
     cfg = config_in(tmp_path, *hf_corpus.overrides(), f"train.seq_len={SEQ}")
-    assert cfg.data.prepared is not None
-    assert cfg.data.prepared.startswith(str(tmp_path / "data-cache"))  # beside the store
+    assert cfg.resolved.data_cache is not None
+    assert cfg.resolved.data_cache.startswith(str(tmp_path / "data-cache"))  # beside the store

@@ -135,7 +135,7 @@ def single_losses(tmp_path_factory, rank_pool) -> dict[tuple[str, ...], list[flo
         if common not in cache:
             cfg = config_in(tmp_path_factory.mktemp("single"), "parallel=single", *common)
             measured = measure(cfg, "run", rank_pool.launch)
-            assert measured.ok, measured.meta["error"]
+            assert measured.ok, measured.meta.error
             cache[common] = losses(measured)
         return cache[common]
 
@@ -144,7 +144,7 @@ def single_losses(tmp_path_factory, rank_pool) -> dict[tuple[str, ...], list[flo
 
 def check_like_one_device(experiment, single_losses, overrides, common) -> None:
     _, measured = experiment(*common, *overrides)
-    assert measured.ok, measured.meta["error"]
+    assert measured.ok, measured.meta.error
     got, want = losses(measured), single_losses(common)
     assert len(got) == len(want) == STEPS
     for step, (loss, ref) in enumerate(zip(got, want, strict=True)):
@@ -197,11 +197,11 @@ def test_pretrained_weights_give_transformers_own_first_loss_each_rank_reading_i
     preset = next(o for o in common if o.startswith("model=")).removeprefix("model=")
     saved = saved_hf(tmp_path / "ckpt", preset)
     cfg, measured = experiment(*layout, *common, f"model.pretrained={tmp_path / 'ckpt'}")
-    assert measured.ok, measured.meta["error"]
+    assert measured.ok, measured.meta.error
     assert losses(measured)[0] == pytest.approx(transformers_first_loss(cfg, saved), rel=1e-5)
     tensors = load_file(tmp_path / "ckpt" / "model.safetensors").values()
     total = sum(t.numel() * t.element_size() for t in tensors)
-    read = measured.pretrained_read
+    read = measured.report.pretrained_read_bytes_per_rank
     assert sum(read) >= total  # every byte by some rank
     # each rank its share (the norms TP replicates are 1-2% more); a whole copy would be 1.0
     assert max(read) <= 1.02 * total / split, [r / total for r in read]

@@ -13,6 +13,7 @@ from meshrun.core.config import ParallelConfig
 from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import HostFacts
 from meshrun.core.layout import layout_name, layout_overrides, n_microbatches, rerun_overrides
+from meshrun.core.measured import Measured, RunMeta
 from meshrun.core.tool_config import RunFilter
 from meshrun.driver.results import assemble
 from meshrun.driver.sinks.compare import cells
@@ -57,16 +58,10 @@ def test_dataparallel_is_named_by_its_devices():
     assert layout_name(dataclasses.replace(cfg, parallel=parallel)) == "dataparallel4"
 
 
-def meta(run_id: str) -> dict:
-    return {
-        "run_id": run_id,
-        "role": "run",
-        "created_at": "2026-01-02T03:04:05+00:00",
-        "status": "completed",
-        "error": None,
-        "failed_rank": None,
-        "duration_s": 1.0,
-    }
+def measured(run_id: str) -> Measured:
+    """A completed run that measured nothing."""
+    meta = RunMeta(run_id=run_id, created_at="2026-01-02T03:04:05+00:00", duration_s=1.0)
+    return Measured(meta, [])
 
 
 def test_ddp_bucket_view_fsdp_and_dp2_tp2_have_different_names_in_store_and_report(tmp_path):
@@ -74,7 +69,7 @@ def test_ddp_bucket_view_fsdp_and_dp2_tp2_have_different_names_in_store_and_repo
     presets = ("ddp", "ddp_bucket_view", "fsdp", "dp2_tp2")
     for preset in presets:
         cfg = resolved_config(*TINY, f"parallel={preset}")
-        store.record(assemble(cfg, [], None, None, None, meta(preset)))
+        store.record(assemble(cfg, measured(preset), None))
     stored = {r.parallel: r.layout_name for r in store.records()}
     assert len(set(stored.values())) == len(presets), stored
     shown = {run["parallel"]: cells(run)["layout"] for run in store.runs()}
@@ -152,7 +147,7 @@ def test_planner_rows_rerun_as_themselves():
 def test_console_summary_shows_the_name_and_the_rerun(tmp_path):
     run_dir = tmp_path / ("a-long-run-dir-name-" * 5)  # 100 columns: wider than a log's 80
     cfg = resolved_config(*TINY, "parallel=pp2", f"run_dir={run_dir}")
-    record = assemble(cfg, [], None, None, None, meta("r1"))
+    record = assemble(cfg, measured("r1"), None)
     with console.capture() as out:
         print_summary(record)
     text = out.get()

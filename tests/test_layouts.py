@@ -75,17 +75,17 @@ LAYOUTS = {
 def single_steps(tmp_path_factory, rank_pool) -> list[dict]:
     cfg = config_in(tmp_path_factory.mktemp("single"), "parallel=single", *COMMON)
     measured = measure(cfg, "run", rank_pool.launch)
-    assert measured.ok, measured.meta["error"]
+    assert measured.ok, measured.meta.error
     return measured.steps
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layout_losses_and_grad_norms_match_single_device(experiment, single_steps, layout):
     cfg, measured = experiment(*COMMON, *LAYOUTS[layout])
-    assert measured.ok, measured.meta["error"]
+    assert measured.ok, measured.meta.error
     resolved = Layout.of(cfg.parallel)
     assert resolved.world_size == cfg.launcher.nproc_per_node > 1  # really distributed
-    assert len(measured.memory) == resolved.world_size  # every rank reported back
+    assert len(measured.report.memory_per_rank) == resolved.world_size  # every rank reported back
     assert len(single_steps) == STEPS
     assert_steps_match(measured.steps, single_steps)
     got = losses(measured)

@@ -53,7 +53,7 @@ def test_each_step_trains_and_logs_the_scheduled_lr_under_any_layout(experiment)
     schedule = LrScheduleConfig(decay="cosine", warmup_steps=3, min_lr_ratio=0.1)
     expected = [1e-3 * lr_factor(step, schedule, STEPS) for step in range(STEPS)]
     for measured in (single, fsdp):
-        assert measured.ok, measured.meta["error"]
+        assert measured.ok, measured.meta.error
         assert [s["lr"] for s in measured.steps] == pytest.approx(expected, rel=1e-12)
     assert losses(fsdp) == pytest.approx(losses(single), rel=1e-4)
     _, constant = experiment(*RUN[:4], "parallel=single", "metrics.baseline=off")

@@ -78,7 +78,7 @@ def test_bubble_is_measured_and_recorded_beside_the_theory(experiment, capsys):
         "train.steps=5",
         "metrics.baseline=off",
     )
-    assert measured.ok, measured.meta["error"]
+    assert measured.ok, measured.meta.error
     store = ResultsStore(cfg.store.path)
     results = record(cfg, measured, None, store)  # results.json and the store row
     assert results.pp_schedule == "gpipe" and results.n_microbatches == 2
@@ -108,16 +108,16 @@ def test_pp_layers_auto_moves_layers_off_a_heavy_head_and_trains_as_its_split(ex
     sees it and gives the last stage one layer; the record names the split (the overrides
     run it again) and the run's losses are those of that split written out."""
     cfg, auto = experiment(*HEAVY_HEAD, "parallel.pp_layers=auto")
-    assert auto.ok, auto.meta["error"]
-    assert auto.pp_split["counts"] == [3, 1]
-    costs = auto.pp_split["stage_costs_s"]
+    assert auto.ok, auto.meta.error
+    assert auto.report.pp_split.counts == [3, 1]
+    costs = auto.report.pp_split.stage_costs_s
     assert costs[1] > costs[0] > 0  # the head's stage stays the slower: one layer is its least
     results = record(cfg, auto, None, ResultsStore(cfg.store.path))
     assert results.pp_layers == [3, 1] and "parallel.pp_layers=[3,1]" in results.overrides
     assert "layers=[3,1]" in results.layout_name
     assert "auto chose [3, 1]" in results.pp_split_note and "apart" in results.pp_split_note
     _, explicit = experiment(*HEAVY_HEAD, "parallel.pp_layers=[3,1]")
-    assert explicit.ok and explicit.pp_split is None
+    assert explicit.ok and explicit.report.pp_split is None
     assert [s["loss"] for s in auto.steps] == [s["loss"] for s in explicit.steps]
 
 
@@ -129,8 +129,8 @@ def test_1f1b_holds_fewer_activations_than_gpipe(experiment):
         _, measured = experiment(
             *PP_SMALL, f"parallel.schedule={schedule}", "train.micro_batch_size=1"
         )
-        assert measured.ok, measured.meta["error"]
-        peaks[schedule] = measured.memory[0]["peak"]  # rank 0: the first stage
+        assert measured.ok, measured.meta.error
+        peaks[schedule] = measured.report.memory_per_rank[0]["peak"]  # rank 0: the first stage
     assert peaks["gpipe"] > peaks["1f1b"] + 20 * 2**20
 
 

@@ -60,8 +60,12 @@ def test_predicted_memory_per_rank_is_within_the_bars(tmp_path, name, ckpt):
         "metrics.baseline=off",
     )
     measured = measure(cfg, "run", launch_local)
-    assert measured.ok, measured.meta["error"]
-    pairs = list(zip(measured.memory, [p.as_dict() for p in predict.memory(cfg)], strict=True))
+    assert measured.ok, measured.meta.error
+    pairs = list(
+        zip(
+            measured.report.memory_per_rank, [p.as_dict() for p in predict.memory(cfg)], strict=True
+        )
+    )
     assert len(pairs) == cfg.launcher.nproc_per_node
     for measured, predicted in pairs:
         rank = measured["rank"]

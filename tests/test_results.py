@@ -9,6 +9,9 @@ import numpy as np
 import pytest
 
 from meshrun.core.baseline import baseline_config, baseline_key
+from meshrun.core.config import RunConfig
+from meshrun.core.measured import Measured, RunMeta, Status
+from meshrun.core.rank_report import RankReport
 from meshrun.core.record import RunRecord
 from meshrun.driver.results import assemble
 from meshrun.driver.sinks.console import print_summary
@@ -18,21 +21,32 @@ from tests.helpers import resolved_config
 RUN = ("run_dir=/tmp/meshrun-tests/x", "store.path=/tmp/meshrun-tests/x.db", "logger=none")
 
 
-def assembled(*args) -> dict:
+def assembled(
+    cfg: RunConfig,
+    steps: list[dict],
+    baseline: RunRecord | None = None,
+    meta: RunMeta | None = None,
+    report: RankReport | None = None,
+) -> dict:
     """results.json's content: the record as a dict."""
-    return assemble(*args).as_dict()
+    return assemble(cfg, Measured(meta or run_meta(), steps, report), baseline).as_dict()
 
 
-def meta(status: str = "completed", error: str | None = None) -> dict:
-    return {
-        "run_id": "run123",
-        "role": "run",
-        "created_at": "2024-01-01T00:00:00+00:00",
-        "status": status,
-        "error": error,
-        "failed_rank": None if status == "completed" else 1,
-        "duration_s": 1.0,
-    }
+def run_meta(status: Status = "completed", error: str | None = None, **fields) -> RunMeta:
+    return RunMeta(
+        run_id="run123",
+        created_at="2024-01-01T00:00:00+00:00",
+        status=status,
+        error=error,
+        failed_rank=None if status == "completed" else 1,
+        duration_s=1.0,
+        **fields,
+    )
+
+
+def rank_report(**fields) -> RankReport:
+    """Rank 0's report of a run on this host, with `fields` measured."""
+    return RankReport(**{"memory_per_rank": [], "fingerprint": {}, **fields})
 
 
 def steps(times: list[float | None], first_loss: float = 5.0) -> list[dict]:
@@ -109,7 +123,12 @@ def test_assemble_computes_throughput_speedup_and_scaling_efficiency(ddp):
     tokens_per_step = ddp.train.global_batch_size * ddp.train.seq_len
     tokens_per_s = 3 * tokens_per_step / 2.0
     baseline = RunRecord(run_id="base1", tokens_per_s=tokens_per_s / 1.5)
-    results = assembled(ddp, steps(times), [{"peak": 100}, {"peak": 300}], None, baseline, meta())
+    results = assembled(
+        ddp,
+        steps(times),
+        baseline,
+        report=rank_report(memory_per_rank=[{"peak": 100}, {"peak": 300}]),
+    )
     assert results["tokens_per_s"] == pytest.approx(tokens_per_s)
     assert results["step_time_s"] == pytest.approx(0.5)
     assert results["samples_per_s"] == pytest.approx(3 * 8 / 2.0)
@@ -130,16 +149,17 @@ def test_assemble_computes_throughput_speedup_and_scaling_efficiency(ddp):
 
 
 def test_assemble_of_a_single_run_without_baseline_is_its_own_baseline(single):
-    results = assembled(single, steps([None, None, 1.0, 1.0]), [{"peak": 10}], None, None, meta())
+    results = assembled(
+        single, steps([None, None, 1.0, 1.0]), report=rank_report(memory_per_rank=[{"peak": 10}])
+    )
     assert results["speedup"] == pytest.approx(1.0)
     assert results["scaling_efficiency"] == pytest.approx(1.0)
     assert results["baseline_run_id"] == "run123"
 
 
 def test_assemble_of_a_multi_device_run_without_baseline_has_no_speedup(ddp):
-    results = assembled(
-        ddp, steps([None, None, 1.0]), [{"peak": 10}, {"peak": 10}], None, None, meta()
-    )
+    memory = [{"peak": 10}, {"peak": 10}]
+    results = assembled(ddp, steps([None, None, 1.0]), report=rank_report(memory_per_rank=memory))
     assert results["tokens_per_s"] is not None
     assert results["speedup"] is None
     assert results["scaling_efficiency"] is None
@@ -147,8 +167,8 @@ def test_assemble_of_a_multi_device_run_without_baseline_has_no_speedup(ddp):
 
 def test_assemble_of_a_failed_run_keeps_losses_of_the_finished_steps(ddp):
     baseline = RunRecord(run_id="base1", tokens_per_s=1000.0)
-    failed = meta("failed", "rank 1 failed at step 3")
-    results = assembled(ddp, steps([None, None, 0.5]), None, None, baseline, failed)
+    failed = run_meta("failed", "rank 1 failed at step 3")
+    results = assembled(ddp, steps([None, None, 0.5]), baseline, failed)
     assert results["status"] == "failed"
     assert results["error"] == "rank 1 failed at step 3"
     assert results["losses"] == pytest.approx([5.0, 4.9, 4.8])
@@ -161,7 +181,7 @@ def test_assemble_of_a_failed_run_keeps_losses_of_the_finished_steps(ddp):
 
 def test_assemble_of_a_run_that_failed_in_warmup_has_no_timing(ddp):
     baseline = RunRecord(run_id="base1", tokens_per_s=1000.0)
-    results = assembled(ddp, steps([None]), None, None, baseline, meta("failed", "boom"))
+    results = assembled(ddp, steps([None]), baseline, run_meta("failed", "boom"))
     assert results["losses"] == [5.0]
     assert results["tokens_per_s"] is None
     assert results["step_time_s"] is None
@@ -183,10 +203,8 @@ def fresh_baseline(times: list[float], batch: int = 4) -> RunRecord:
 def test_fresh_baseline_pairs_each_run_step_with_the_baseline_step_after_it(ddp):
     """Round i: the run's i-th timed step (8 samples) against the baseline's (4)."""
     run_times, base_times = [0.5, 0.5, 0.6, 0.5], [0.4, 0.5, 0.4, 0.4]
-    fresh = {**meta(), "baseline_mode": "fresh"}
-    results = assembled(
-        ddp, steps([None, None, *run_times]), None, None, fresh_baseline(base_times), fresh
-    )
+    fresh = run_meta(baseline_mode="fresh")
+    results = assembled(ddp, steps([None, None, *run_times]), fresh_baseline(base_times), fresh)
     ratios = sorted(2 * b / r for r, b in zip(run_times, base_times, strict=True))
     assert results["speedup_rounds"] == 4
     assert results["speedup_p10"] == pytest.approx(np.percentile(ratios, 10))
@@ -201,9 +219,9 @@ def test_efficiency_above_one_plus_noise_is_flagged_and_not_printed_as_a_result(
     """2 ranks running 2.4 times as fast as one, steadily: impossible, so the record says
     why and the summary prints no efficiency (the baseline's steps were disturbed)."""
     base_times = [0.6, 0.6, 0.6, 0.605]
-    fresh = {**meta(), "baseline_mode": "fresh"}
+    fresh = run_meta(baseline_mode="fresh")
     results = assembled(
-        ddp, steps([None, None, 0.5, 0.5, 0.5, 0.5]), None, None, fresh_baseline(base_times), fresh
+        ddp, steps([None, None, 0.5, 0.5, 0.5, 0.5]), fresh_baseline(base_times), fresh
     )
     assert results["scaling_efficiency"] == pytest.approx(1.2, rel=0.01)
     [flag] = results["flags"]
@@ -217,10 +235,8 @@ def test_efficiency_above_one_plus_noise_is_flagged_and_not_printed_as_a_result(
 def test_efficiency_within_its_noise_of_one_is_a_result(ddp):
     """The same efficiency of 1.05, with rounds spread wider than 5%: within the noise."""
     base_times = [1.05, 0.8, 1.3, 1.05, 0.9, 1.2]
-    fresh = {**meta(), "baseline_mode": "fresh"}
-    results = assembled(
-        ddp, steps([None, None, *[1.0] * 6]), None, None, fresh_baseline(base_times), fresh
-    )
+    fresh = run_meta(baseline_mode="fresh")
+    results = assembled(ddp, steps([None, None, *[1.0] * 6]), fresh_baseline(base_times), fresh)
     assert results["scaling_efficiency"] > 1.0
     assert results["speedup_noise"] > results["scaling_efficiency"] - 1
     assert results["flags"] == []
@@ -229,24 +245,21 @@ def test_efficiency_within_its_noise_of_one_is_a_result(ddp):
 def test_without_rounds_the_noise_is_the_step_times_variation(ddp):
     """A stored baseline: no pairs, so the two step-time coefficients of variation."""
     base = dataclasses.replace(fresh_baseline([1.0, 1.0]), step_time_cv=0.03)
-    results = assembled(
-        ddp, steps([None, None, 0.9, 1.1]), None, None, base, {**meta(), "baseline_mode": "stored"}
-    )
+    stored = run_meta(baseline_mode="stored")
+    results = assembled(ddp, steps([None, None, 0.9, 1.1]), base, stored)
     assert results["speedup_rounds"] is None and results["speedup_p10"] is None
     assert results["speedup_noise"] == pytest.approx(np.hypot(0.1, 0.03))
 
 
 def test_a_host_busy_with_other_work_is_flagged(ddp):
-    busy = {**meta(), "host_other_cpu_share": 0.35}
-    results = assembled(ddp, steps([None, 1.0]), None, None, None, busy)
+    busy = rank_report(host_other_cpu_share=0.35)
+    results = assembled(ddp, steps([None, 1.0]), report=busy)
     assert results["host_other_cpu_share"] == 0.35
     assert results["flags"] == [
         "other processes kept 35% of the host's CPU busy while the run "
         "was timed: its figures are those of a shared host"
     ]
-    quiet = assembled(
-        ddp, steps([None, 1.0]), None, None, None, {**meta(), "host_other_cpu_share": 0.02}
-    )
+    quiet = assembled(ddp, steps([None, 1.0]), report=rank_report(host_other_cpu_share=0.02))
     assert quiet["flags"] == []
 
 

@@ -280,8 +280,7 @@ class DataConfig:
     `heldout_fraction` of them (data=text: of the file's bytes) is held out for evaluation
     (train.eval), whether or not a run evaluates, so that training sees the same data either
     way. The loader's knobs are torch.utils.data.DataLoader's; `pin_memory` applies on CUDA
-    only. `prepared`: set by the driver (the cache directory of this run's tokens), never by
-    hand."""
+    only."""
 
     name: DataName = DataName["synthetic"]
     path: str | None = None
@@ -295,7 +294,6 @@ class DataConfig:
     num_workers: int = 0
     pin_memory: bool = True
     prefetch_factor: int = 2
-    prepared: str | None = None
 
 
 @dataclass
@@ -381,13 +379,11 @@ class MetricsConfig:
     trains it between the run's timed steps where both fit, else on its own after the run);
     `stored` reuses one of the same fingerprint (host, devices, versions, threads, model,
     batch, sequence, precision) at most `baseline_max_age_h` old, else measures it fresh;
-    `off`: no speedup. `alongside` is meshrun's decision, not a setting: the ranks train the
-    baseline between their steps."""
+    `off`: no speedup."""
 
     scaling: Scaling = Scaling["weak"]
     baseline: BaselineMode = BaselineMode["fresh"]
     baseline_max_age_h: float = 24.0
-    alongside: bool = False
 
 
 @dataclass
@@ -451,6 +447,33 @@ class ExperimentConfig:
     sweep: str | None = None
 
 
+@dataclass
+class Resolved:
+    """What the driver decides for a run from its settings, which no user sets (as torchtitan
+    keeps JobConfig for settings and ParallelDims for what follows from them). `twin`: rank 0
+    trains the single-device baseline between the run's timed steps (driver/baseline.py:
+    a fresh one is needed and both fit); `data_cache`: data=hf's tokens, prepared for the
+    ranks to memory-map (driver/prepare_data.py)."""
+
+    twin: bool = False
+    data_cache: str | None = None
+
+
+@dataclass
+class RunConfig(ExperimentConfig):
+    """An experiment's settings with what the driver resolved from them: what the ranks get.
+    Hydra types the settings alone (ExperimentConfig), so no override can reach `resolved`."""
+
+    resolved: Resolved = field(default_factory=Resolved)
+
+
+def with_resolved(cfg: ExperimentConfig, **changes: Any) -> RunConfig:
+    """`cfg` as a RunConfig, its resolved values updated by `changes`."""
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(ExperimentConfig)}
+    resolved = cfg.resolved if isinstance(cfg, RunConfig) else Resolved()
+    return RunConfig(**fields, resolved=dataclasses.replace(resolved, **changes))
+
+
 def rebuild(schema: type, data: dict[str, Any]) -> Any:
     """`schema` typed again from a plain dict; the launcher by its `name`'s schema, the
     model (where the schema has one) by its `kind`'s."""
@@ -464,6 +487,6 @@ def rebuild(schema: type, data: dict[str, Any]) -> Any:
     return OmegaConf.to_object(OmegaConf.merge(base, data))
 
 
-def from_dict(data: dict[str, Any]) -> ExperimentConfig:
+def from_dict(data: dict[str, Any]) -> RunConfig:
     """Rebuild the typed config from the driver's resolved dict (no Hydra needed)."""
-    return rebuild(ExperimentConfig, data)
+    return rebuild(RunConfig, data)

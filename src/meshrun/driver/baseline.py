@@ -5,11 +5,10 @@ and a single-device run, which is its own baseline)."""
 
 from __future__ import annotations
 
-import dataclasses
 from datetime import datetime, timedelta, timezone
 
 from meshrun.core.baseline import baseline_config, baseline_key, is_own_baseline
-from meshrun.core.config import ExperimentConfig
+from meshrun.core.config import ExperimentConfig, RunConfig, with_resolved
 from meshrun.core.hardware import fingerprint_key, host_fingerprint
 from meshrun.core.record import RunRecord
 from meshrun.driver.sinks.store import ResultsStore
@@ -32,12 +31,11 @@ def stored_baseline(cfg: ExperimentConfig, store: ResultsStore) -> RunRecord | N
     return store.find_baseline(key, here, since.isoformat(timespec="seconds"))
 
 
-def with_baseline_plan(cfg: ExperimentConfig) -> ExperimentConfig:
-    """The config the ranks get: `metrics.alongside` where rank 0 is to train the baseline
+def with_baseline_plan(cfg: ExperimentConfig) -> RunConfig:
+    """The config the ranks get: `resolved.twin` where rank 0 is to train the baseline twin
     between the run's steps (a fresh one is needed and both fit)."""
-    beside = needs_baseline(cfg) and stored_baseline(cfg, ResultsStore(cfg.store.path)) is None
-    beside = beside and baseline_fits_beside(cfg)
-    return dataclasses.replace(cfg, metrics=dataclasses.replace(cfg.metrics, alongside=beside))
+    twin = needs_baseline(cfg) and stored_baseline(cfg, ResultsStore(cfg.store.path)) is None
+    return with_resolved(cfg, twin=twin and baseline_fits_beside(cfg))
 
 
 def age_s(record: RunRecord) -> float:

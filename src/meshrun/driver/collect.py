@@ -22,7 +22,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from meshrun.core.config import ExperimentConfig, from_dict
-from meshrun.driver.experiment import begin, finish_experiment, outcome, reported
+from meshrun.core.measured import RunMeta
+from meshrun.driver.experiment import begin, finish_experiment, follow, outcome, reported
 from meshrun.driver.launch.slurm import SLURM_DIR, launch_slurm, submit, wait
 from meshrun.driver.sinks.console import console
 
@@ -38,7 +39,7 @@ def submit_pending(cfg: ExperimentConfig) -> str:
         "job_id": job_id,
         "submitted_at": started,
         "wait": cfg.launcher.wait,
-        "meta": meta,
+        "meta": asdict(meta),
         "config": asdict(cfg),
     }
     (Path(cfg.run_dir) / SLURM_DIR / SUBMITTED_FILE).write_text(json.dumps(record, indent=2))
@@ -70,8 +71,10 @@ def collect_one(path: Path) -> int:
     record = json.loads(path.read_text())
     cfg = from_dict(record["config"])
     job_id = record["job_id"]
-    measured = outcome(cfg, record["meta"], record["submitted_at"], lambda: wait(cfg, job_id))
-    return reported(lambda: finish_experiment(cfg, measured, launch_slurm))
+    meta = RunMeta(**record["meta"])
+    live = follow(cfg, meta)
+    measured = outcome(cfg, meta, record["submitted_at"], lambda: wait(cfg, job_id))
+    return reported(lambda: finish_experiment(cfg, measured, launch_slurm, live))
 
 
 def collect(paths: list[Path]) -> int:

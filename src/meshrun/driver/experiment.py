@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,8 @@ from meshrun.core.checkpoints import checkpoint_root, find_resume, read_manifest
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import ConfigError
 from meshrun.core.layout import Layout, layout_name, rerun_overrides, with_layers
+from meshrun.core.measured import Measured, Role, RunMeta
+from meshrun.core.rank_report import RankReport, TwinStep
 from meshrun.core.record import RunRecord
 from meshrun.driver.baseline import age_s, needs_baseline, stored_baseline
 from meshrun.driver.failure import explained, with_unflushed
@@ -40,7 +40,7 @@ from meshrun.rank.library_warnings import other_ranks_warnings
 from meshrun.rank.metrics.log import METRICS_FILE
 from meshrun.rank.watchdog import clear_records, with_diagnosis
 
-Launch = Callable[[ExperimentConfig], dict[str, Any] | None]
+Launch = Callable[[ExperimentConfig], RankReport | None]
 RUN_FILE = "run.json"  # the run's identity, which a resume from its checkpoints keeps
 EXPORT_DIR = "export"
 
@@ -73,57 +73,56 @@ def reported(run: Callable[[], RunRecord]) -> int:
 def run_experiment(cfg: ExperimentConfig, launch: Launch) -> RunRecord:
     """Returns the results record; raises RunFailed (after recording) if a rank failed.
     `cfg` carries the baseline's plan (driver/baseline.with_baseline_plan): with
-    metrics.alongside, rank 0 trains it between the run's steps."""
-    return finish_experiment(cfg, measure(cfg, "run", launch), launch)
+    `resolved.twin`, rank 0 trains the baseline twin between the run's steps."""
+    meta = begin(cfg, "run")
+    live = follow(cfg, meta)
+    measured = outcome(cfg, meta, time.time(), lambda: launch(cfg))
+    return finish_experiment(cfg, measured, launch, live)
 
 
-def finish_experiment(cfg: ExperimentConfig, measured: Measured, launch: Launch) -> RunRecord:
+def finish_experiment(
+    cfg: ExperimentConfig, measured: Measured, launch: Launch, live: LiveRun | None = None
+) -> RunRecord:
     """Baseline and record of a run measured already (here, or by a job submitted earlier)."""
     store = ResultsStore(cfg.store.path)
     if measured.ok and cfg.checkpoint.export != "none":
-        measured.meta["export_path"] = export(cfg)
+        measured.meta.export_path = export(cfg)
     baseline = None
     if is_own_baseline(cfg):
-        measured.meta["baseline_mode"] = "own"
+        measured.meta.baseline_mode = "own"
     elif needs_baseline(cfg):
         baseline = baseline_of(cfg, measured, launch, store)
-    return record(cfg, measured, baseline, store)
+    return record(cfg, measured, baseline, store, live)
 
 
 def baseline_of(
     cfg: ExperimentConfig, measured: Measured, launch: Launch, store: ResultsStore
 ) -> RunRecord | None:
     """The run's single-device baseline, recorded in the store as a run of its own; how it
-    was had goes into the run's meta: trained beside the run (`fresh`), a stored one of the
-    same fingerprint (`stored`, its age), or, where both did not fit at once, measured by a
-    launch of its own after the run (`after`)."""
+    was had goes into the run's meta: the baseline twin trained beside the run (`fresh`), a
+    stored one of the same fingerprint (`stored`, its age), or, where both did not fit at
+    once, measured by a launch of its own after the run (`after`)."""
     twin = baseline_config(cfg)
-    if measured.baseline_steps:
-        measured.meta["baseline_mode"] = "fresh"
-        return record(twin, beside(measured), None, store)
+    twin_steps = measured.report.twin_steps if measured.report else None
+    if twin_steps:
+        measured.meta.baseline_mode = "fresh"
+        return record(twin, twin_measured(measured, twin_steps), None, store)
     stored = stored_baseline(cfg, store)
     if stored is not None:
-        measured.meta.update(baseline_mode="stored", baseline_age_s=round(age_s(stored)))
+        measured.meta.baseline_mode = "stored"
+        measured.meta.baseline_age_s = round(age_s(stored))
         return stored
     if not measured.ok:
         return None
-    measured.meta["baseline_mode"] = "after"
+    measured.meta.baseline_mode = "after"
     return record(twin, measure(twin, "baseline", launch), None, store)
 
 
-def beside(measured: Measured) -> Measured:
-    """The baseline rank 0 trained between the run's steps, as a measured run of its own."""
-    meta = {
-        **run_identity(),
-        "role": "baseline",
-        "status": "completed",
-        "error": None,
-        "failed_rank": None,
-        "traceback": None,
-        "resumed_from_step": None,
-        "fingerprint": measured.meta.get("fingerprint"),
-    }
-    return Measured(meta, measured.baseline_steps or [], None, None)
+def twin_measured(run: Measured, steps: list[TwinStep]) -> Measured:
+    """The baseline twin rank 0 trained between the run's steps, as a measured run of its
+    own, on the run's host."""
+    report = RankReport(memory_per_rank=[], fingerprint=run.report.fingerprint)
+    return Measured(RunMeta(role="baseline"), [asdict(s) for s in steps], report)
 
 
 def export(cfg: ExperimentConfig) -> str | None:
@@ -147,23 +146,6 @@ def export(cfg: ExperimentConfig) -> str | None:
     return str(path)
 
 
-@dataclass
-class Measured:
-    meta: dict[str, Any]
-    steps: list[dict[str, Any]]
-    memory: list[dict[str, int]] | None
-    bubbles: list[float] | None
-    pretrained_read: list[int] | None = None
-    checkpoints: list[dict[str, Any]] | None = None
-    baseline_steps: list[dict[str, Any]] | None = None  # rank 0's, beside the run's
-    live: LiveRun | None = None  # the W&B run, fed while the ranks trained
-    pp_split: dict[str, Any] | None = None  # parallel.pp_layers=auto: the ranks' choice
-
-    @property
-    def ok(self) -> bool:
-        return self.meta["status"] == "completed"
-
-
 def read_steps(run_dir: str) -> list[dict[str, Any]]:
     path = Path(run_dir) / METRICS_FILE
     if not path.exists():
@@ -171,52 +153,37 @@ def read_steps(run_dir: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line]
 
 
-def measure(cfg: ExperimentConfig, role: str, launch: Launch) -> Measured:
-    meta = begin(cfg, role)
-    return outcome(cfg, meta, time.time(), lambda: launch(cfg))
+def measure(cfg: ExperimentConfig, role: Role, launch: Launch) -> Measured:
+    """One launch, measured; no W&B run follows it (a baseline, meshrun-verify's runs)."""
+    return outcome(cfg, begin(cfg, role), time.time(), lambda: launch(cfg))
 
 
-def new_run(run_dir: str) -> dict[str, Any]:
-    """A run's identity, its run dir cleared of what an earlier attempt's ranks left there
-    (every command that starts ranks begins here)."""
+def new_run(run_dir: str) -> None:
+    """The run dir cleared of what an earlier attempt's ranks left there (every command
+    that starts ranks begins here)."""
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     if attached_rank() is None:  # under torchrun the peers may have written theirs already
         clear_records(run_dir)
-    return run_identity()
 
 
-def run_identity() -> dict[str, Any]:
-    """A new run id and its creation time (UTC), for every record the store keeps."""
-    return {
-        "run_id": uuid.uuid4().hex[:12],
-        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
-def attempt(run_dir: str, started: float, wait: Callable[[], Any]) -> tuple[dict[str, Any], Any]:
-    """Waits for the ranks (`wait` raises RankFailure if one failed); the run's status,
-    error with the hang diagnosis, failed rank and duration, and rank 0's return value."""
-    status: dict[str, Any] = {
-        "status": "completed",
-        "error": None,
-        "failed_rank": None,
-        "traceback": None,
-    }
-    raw = None
+def attempt(meta: RunMeta, run_dir: str, started: float, wait: Callable[[], Any]) -> Any:
+    """Waits for the ranks (`wait` raises RankFailure if one failed) and notes in `meta` how
+    the attempt ended (status, error with the hang diagnosis, failed rank, duration);
+    returns rank 0's return value."""
+    returned = None
     try:
-        raw = wait()
+        returned = wait()
     except RankFailure as failure:
         stopped = failure.error.startswith(f"{Stopped.__name__}: ")  # saved, says how to resume
         if stopped or isinstance(failure, RunInterrupted):
-            error = failure.error.removeprefix(f"{Stopped.__name__}: ")
-            status.update(status="interrupted", error=error)
+            meta.status = "interrupted"
+            meta.error = failure.error.removeprefix(f"{Stopped.__name__}: ")
         else:
-            error = with_diagnosis(str(failure), run_dir, failure.rank)
-            status.update(
-                status="failed", error=error, failed_rank=failure.rank, traceback=failure.traceback
-            )
-    status["duration_s"] = round(time.time() - started, 3)
-    return status, raw
+            meta.status = "failed"
+            meta.error = with_diagnosis(str(failure), run_dir, failure.rank)
+            meta.failed_rank, meta.traceback = failure.rank, failure.traceback
+    meta.duration_s = round(time.time() - started, 3)
+    return returned
 
 
 def _given_overrides() -> list[str]:
@@ -227,60 +194,43 @@ def _given_overrides() -> list[str]:
     return list(HydraConfig.get().overrides.task)
 
 
-def begin(cfg: ExperimentConfig, role: str) -> dict[str, Any]:
+def begin(cfg: ExperimentConfig, role: Role) -> RunMeta:
     """A training run's identity; its metrics file from an earlier attempt removed. A run
     resumed from a checkpoint keeps its identity (run.json) and the steps before it."""
     resume = find_resume(cfg.checkpoint, cfg.run_dir)
     identity = Path(cfg.run_dir) / RUN_FILE
-    this_call = {"role": role, "given_overrides": _given_overrides()}
+    meta = RunMeta(role=role, given_overrides=_given_overrides())
     if resume is None or not identity.is_file():
-        meta = new_run(cfg.run_dir)
+        new_run(cfg.run_dir)
         (Path(cfg.run_dir) / METRICS_FILE).unlink(missing_ok=True)
-        identity.write_text(json.dumps(meta))
-        return {**meta, **this_call, "resumed_from_step": None}
+        identity.write_text(json.dumps({"run_id": meta.run_id, "created_at": meta.created_at}))
+        return meta
     clear_records(cfg.run_dir)  # rank 0 drops the steps after the checkpoint from metrics
-    step = read_manifest(resume).step
-    return {**json.loads(identity.read_text()), **this_call, "resumed_from_step": step}
+    kept = json.loads(identity.read_text())
+    meta.run_id, meta.created_at = kept["run_id"], kept["created_at"]
+    meta.resumed_from_step = read_manifest(resume).step
+    return meta
 
 
 def outcome(
     cfg: ExperimentConfig,
-    meta: dict[str, Any],
+    meta: RunMeta,
     started: float,
-    wait: Callable[[], dict[str, Any] | None],
+    wait: Callable[[], RankReport | None],
 ) -> Measured:
-    """`wait` returns rank 0's raw measurements once the ranks are done, or raises
-    RankFailure; `started` is the epoch second the launch began. A failed run's steps are
-    completed with those its ranks had not logged yet."""
-    live = follow(cfg, meta)
-    status, raw = attempt(cfg.run_dir, started, explained(cfg, wait))
+    """`wait` returns rank 0's report once the ranks are done, or raises RankFailure;
+    `started` is the epoch second the launch began. A failed run's steps are completed with
+    those its ranks had not logged yet."""
+    report = attempt(meta, cfg.run_dir, started, explained(cfg, wait))
     for text, ranks in other_ranks_warnings(cfg.run_dir).items():
         print_warning(f"rank(s) {', '.join(map(str, ranks))} (not rank 0) warned: {text}")
-    meta = {**meta, **status}
-    raw = raw or {}
-    if raw.get("skipped_steps"):  # fp16: steps whose gradients overflowed, not applied
-        meta["skipped_steps"] = raw["skipped_steps"]
-    if raw.get("requeues"):  # SLURM requeued the job, which resumed from its checkpoint
-        meta.update(requeues=raw["requeues"], resumed_from_step=raw["resumed_from_step"])
-    for key in ("fingerprint", "host_other_cpu_share", "compile_s"):
-        if raw.get(key) is not None:
-            meta[key] = raw[key]
-    return Measured(
-        meta,
-        with_unflushed(read_steps(cfg.run_dir), cfg.run_dir, Layout.of(cfg.parallel)),
-        raw.get("memory_per_rank"),
-        raw.get("pipeline_bubble_per_rank"),
-        raw.get("pretrained_read_bytes_per_rank"),
-        raw.get("checkpoints"),
-        raw.get("baseline_steps"),
-        live,
-        raw.get("pp_split"),
-    )
+    steps = with_unflushed(read_steps(cfg.run_dir), cfg.run_dir, Layout.of(cfg.parallel))
+    return Measured(meta, steps, report)
 
 
-def follow(cfg: ExperimentConfig, meta: dict[str, Any]) -> LiveRun | None:
+def follow(cfg: ExperimentConfig, meta: RunMeta) -> LiveRun | None:
     """The run's W&B run, fed as rank 0 logs (driver/sinks/live.py); none for a baseline."""
-    if not _on_wandb(cfg, meta["role"]):
+    if not _on_wandb(cfg, meta.role):
         return None
     identity = {
         "name": cfg.name,
@@ -290,7 +240,7 @@ def follow(cfg: ExperimentConfig, meta: dict[str, Any]) -> LiveRun | None:
         "model": cfg.model.name,
         "hardware": cfg.hardware.name,
         "backend": cfg.backend.name,
-        **meta,
+        **asdict(meta),
     }
     return LiveRun(lambda: _wandb_run(cfg, identity), Path(cfg.run_dir) / METRICS_FILE)
 
@@ -309,22 +259,14 @@ def record(
     measured: Measured,
     baseline: RunRecord | None,
     store: ResultsStore,
+    live: LiveRun | None = None,
 ) -> RunRecord:
     """results.json, the store row, and (for the run itself) W&B; raises RunFailed after."""
-    if measured.pp_split:  # the record names the split the ranks chose, to run it again
-        cfg = with_layers(cfg, measured.pp_split["counts"])
-    results = assemble(
-        cfg,
-        measured.steps,
-        measured.memory,
-        measured.bubbles,
-        baseline,
-        measured.meta,
-        measured.pretrained_read,
-        measured.checkpoints,
-        measured.pp_split,
-    )
-    publish(cfg, results, measured.steps, store, measured.live)
+    split = measured.report.pp_split if measured.report else None
+    if split:  # the record names the split the ranks chose, to run it again
+        cfg = with_layers(cfg, split.counts)
+    results = assemble(cfg, measured, baseline)
+    publish(cfg, results, measured.steps, store, live)
     if not measured.ok:
         raise RunFailed(results)
     return results
@@ -338,8 +280,10 @@ def record_skipped(cfg: ExperimentConfig, reason: ConfigError) -> RunRecord:
     known = all(getattr(p, dim) >= 1 for dim in Layout().degrees())
     known = known and p.name != "auto" and p.data_parallel != "dataparallel"
     known = known and cfg.train.micro_batch_size >= 1
+    identity = RunMeta()
     results = RunRecord(
-        **run_identity(),
+        run_id=identity.run_id,
+        created_at=identity.created_at,
         error=str(reason),
         name=cfg.name,
         sweep=cfg.sweep,

@@ -12,7 +12,6 @@ Everything is read from local files; the Hugging Face libraries are kept offline
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import os
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meshrun.core.config import DataConfig, ExperimentConfig
+from meshrun.core.config import DataConfig, ExperimentConfig, RunConfig, with_resolved
 from meshrun.core.errors import fail
 from meshrun.rank.train.hf_data import META_FILE, OFFSETS_FILE, TOKENS_FILE, TokenCache
 from meshrun.validate.data import check_vocab, check_windows, dataset_format
@@ -219,11 +218,11 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
     return Prepared(TokenCache(final), built=True)
 
 
-def prepare_data(cfg: ExperimentConfig) -> ExperimentConfig:
-    """`cfg` with data=hf's cache prepared and checked, its directory in `data.prepared` (what
-    the ranks map); any other source unchanged."""
+def prepare_data(cfg: ExperimentConfig) -> RunConfig:
+    """`cfg` with data=hf's cache prepared and checked, its directory its `data_cache` (what
+    the ranks map); none for any other source."""
     if cfg.data.name != "hf":
-        return cfg
+        return with_resolved(cfg)
     cache = prepare(cfg).cache
     check_windows(cfg, cache)
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, prepared=str(cache.path)))
+    return with_resolved(cfg, data_cache=str(cache.path))

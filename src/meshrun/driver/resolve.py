@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from meshrun.core.config import ExperimentConfig
+from meshrun.core.config import ExperimentConfig, RunConfig
 from meshrun.core.hardware import HostFacts, resolve_hardware
 from meshrun.driver.prepare_data import prepare_data
 from meshrun.plan.fit import check_fit
@@ -19,7 +19,7 @@ from meshrun.validate.launcher import CPU_DEFAULT_RANKS
 
 def resolve(
     cfg: ExperimentConfig, facts: HostFacts, say: Callable[[str], None] | None = None
-) -> ExperimentConfig:
+) -> RunConfig:
     """The resolved config for `facts`' box, or ConfigError before any process starts. `say`
     hears which layout `parallel=auto` chose, and why."""
     if cfg.parallel.name == "auto":

@@ -1,4 +1,4 @@
-"""From raw measurements to the results record: throughput, speedup against the single-device
+"""From what a run measured to its results record: throughput, speedup against the single-device
 baseline, scaling efficiency, MFU, memory. One function builds the record (core.record's
 RunRecord) for completed and failed runs alike, so a failed run keeps the metrics of the steps
 it finished."""
@@ -6,6 +6,7 @@ it finished."""
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 from typing import Any
 
 from meshrun.core.baseline import baseline_key, is_own_baseline, n_devices
@@ -21,6 +22,8 @@ from meshrun.core.layout import (
     stage_layer_counts,
     theoretical_bubble,
 )
+from meshrun.core.measured import Measured, RunMeta
+from meshrun.core.rank_report import CheckpointSave, RankReport, StageSplit
 from meshrun.core.record import MEMORY_CATEGORIES, RunRecord
 from meshrun.plan import predict
 from meshrun.plan.candidate import host_flops
@@ -32,13 +35,13 @@ from meshrun.rank.models import build_model, count_params, model_shape
 UNEVEN = 0.01
 
 
-def pipeline_fields(
-    cfg: ExperimentConfig, bubbles: list[float] | None, split: dict[str, Any] | None = None
-) -> dict[str, Any]:
+def pipeline_fields(cfg: ExperimentConfig, report: RankReport | None) -> dict[str, Any]:
     """Measured bubble (mean over ranks, and each rank's) beside the schedule's theory; the
     layers each stage held, and where `parallel.pp_layers=auto` chose them (`split`, the
     ranks' StageSplit), the stage costs it balanced and a note of what stayed uneven."""
     p = cfg.parallel
+    split = report.pp_split if report else None
+    bubbles = report.pipeline_bubble_per_rank if report else None
     if p.pp == 1:
         return dict.fromkeys(
             (
@@ -54,7 +57,7 @@ def pipeline_fields(
         )
     m = n_microbatches(cfg)
     if split:
-        layers = split["counts"]
+        layers = split.counts
     elif p.pp_layers == PP_AUTO:
         layers = None  # the ranks stopped before they chose
     else:
@@ -67,22 +70,22 @@ def pipeline_fields(
         "bubble_measured": sum(bubbles) / len(bubbles) if bubbles else None,
         "bubble_per_rank": bubbles,
         "pp_layers": layers,
-        "pp_stage_costs_s": split["stage_costs_s"] if split else None,
+        "pp_stage_costs_s": split.stage_costs_s if split else None,
         "pp_split_note": split_note(split) if split else None,
     }
 
 
-def split_note(split: dict[str, Any]) -> str:
+def split_note(split: StageSplit) -> str:
     """What `parallel.pp_layers=auto` chose, from what, and how uneven it stayed."""
-    costs = split["stage_costs_s"]
+    costs = split.stage_costs_s
     ms = ", ".join(f"{c * 1e3:.0f}" for c in costs)
     note = (
-        f"parallel.pp_layers=auto chose {split['counts']}: stages measured at {ms} ms a "
+        f"parallel.pp_layers=auto chose {split.counts}: stages measured at {ms} ms a "
         "micro-batch (forward + backward)"
     )
     spread = (max(costs) - min(costs)) / max(costs)
     if spread > UNEVEN:
-        block = split["block_s"] * 1e3
+        block = split.block_s * 1e3
         note += (
             f"; still {spread:.0%} apart: layers move whole (one is {block:.0f} ms) and "
             "every stage keeps at least one"
@@ -116,17 +119,17 @@ def predicted_speed_fields(cfg: ExperimentConfig) -> dict[str, Any]:
     }
 
 
-def checkpoint_fields(cfg: ExperimentConfig, saves: list[dict[str, Any]] | None) -> dict[str, Any]:
+def checkpoint_fields(cfg: ExperimentConfig, saves: list[CheckpointSave] | None) -> dict[str, Any]:
     """Where the checkpoints are and what saving them cost training (mean over the saves in
     the background: the last, at the end, is written whole before the ranks exit)."""
     if not saves:
         return {}
-    background = [s for s in saves if s["step"] != cfg.train.steps] or saves
+    background = [s for s in saves if s.step != cfg.train.steps] or saves
     return {
         "checkpoint_dir": str(checkpoint_root(cfg.checkpoint, cfg.run_dir)),
-        "checkpoint_saves": saves,
-        "checkpoint_blocked_s": sum(s["blocked_s"] for s in background) / len(background),
-        "checkpoint_save_s": sum(s["total_s"] for s in background) / len(background),
+        "checkpoint_saves": [asdict(s) for s in saves],
+        "checkpoint_blocked_s": sum(s.blocked_s for s in background) / len(background),
+        "checkpoint_save_s": sum(s.total_s for s in background) / len(background),
     }
 
 
@@ -219,94 +222,113 @@ def params(cfg: ExperimentConfig) -> int:
     return count_params(build_model(cfg.model, cfg.train.seq_len, "meta"))[0]
 
 
-def assemble(
-    cfg: ExperimentConfig,
-    steps: list[dict[str, Any]],
-    memory: list[dict[str, int]] | None,
-    bubbles: list[float] | None,
-    baseline: RunRecord | None,
-    meta: dict[str, Any],
-    pretrained_read: list[int] | None = None,
-    checkpoints: list[dict[str, Any]] | None = None,
-    pp_split: dict[str, Any] | None = None,
-) -> RunRecord:
-    """`steps`: rank 0's per-step records; `memory`: each rank's peak and its breakdown;
-    `meta`: run id, role, status, error, times, the step a resume started at, the
-    overrides the command was given;
-    `pretrained_read`: the checkpoint bytes each rank read; `checkpoints`: rank 0's saves;
-    `pp_split`: the split `parallel.pp_layers=auto` chose (`cfg` already holds it)."""
-    t = cfg.train
-    tokens_per_step = t.tokens_per_step
+def assemble(cfg: ExperimentConfig, measured: Measured, baseline: RunRecord | None) -> RunRecord:
+    """The record of a measured run (`cfg` holds the split `pp_layers=auto` chose); a failed
+    run's too, with the figures of the steps it finished."""
+    meta, report, steps = measured.meta, measured.report, measured.steps
     step_times = [r["step_time_s"] for r in steps if r["step_time_s"] is not None]
-    timing = dict.fromkeys(
-        (
-            "step_time_s",
-            "step_time_p10_s",
-            "step_time_p90_s",
-            "step_time_cv",
-            "tokens_per_s",
-            "samples_per_s",
-        )
-    )
-    if step_times:
-        timing = summarize_steps(step_times, tokens_per_step, t.global_batch_size)
-    devices = n_devices(cfg)
-    specs = [device_for_rank(cfg.hardware.devices, i) for i in range(devices)]
-    peak = peak_flops(specs, t.precision)
-    tokens_per_s = timing["tokens_per_s"]
-    per_token = predict.training_flops_per_token(cfg)
+    timing = timing_fields(cfg, step_times)
     if baseline is None and is_own_baseline(cfg):  # 1.0 by definition, no spread
-        baseline = RunRecord(run_id=meta["run_id"], tokens_per_s=tokens_per_s)
+        baseline = RunRecord(run_id=meta.run_id, tokens_per_s=timing["tokens_per_s"])
     speed = speedup_fields(
-        cfg, step_times, tokens_per_s, baseline, meta.get("baseline_mode"), timing["step_time_cv"]
+        cfg,
+        step_times,
+        timing["tokens_per_s"],
+        baseline,
+        meta.baseline_mode,
+        timing["step_time_cv"],
     )
-    flags = [*speed.pop("flags"), *host_flags(meta.get("host_other_cpu_share"))]
-    fingerprint = meta.get("fingerprint")
-    given = meta.get("given_overrides") or []
+    host_share = report.host_other_cpu_share if report else None
+    flags = [*speed.pop("flags"), *host_flags(host_share)]
     return RunRecord(
-        **{
-            **{key: value for key, value in meta.items() if key != "given_overrides"},
-            "name": cfg.name,
-            "sweep": cfg.sweep,
-            "model": cfg.model.name,
-            "data": cfg.data.name,
-            "parallel": cfg.parallel.name,
-            "layout": Layout.of(cfg.parallel).degrees(),
-            "layout_name": layout_name(cfg),
-            "overrides": rerun_overrides(given, cfg),
-            "world_size": Layout.of(cfg.parallel).world_size,
-            "devices": devices,
-            "hardware": cfg.hardware.name,
-            "device_type": cfg.hardware.device_type,
-            "backend": cfg.backend.name,
-            "precision": t.precision,
-            "seq_len": t.seq_len,
-            "global_batch_size": t.global_batch_size,
-            "micro_batch_size": t.micro_batch_size,
-            "grad_accum_steps": n_microbatches(cfg),
-            "steps": t.steps,
-            "untimed_steps": t.untimed_steps,
-            "steps_completed": len(steps),
-            "params": params(cfg),
-            "step_times": step_times,
-            **timing,
-            "scaling": cfg.metrics.scaling,
-            **speed,
-            "flags": flags,
-            "flops_per_token": per_token,
-            "flops_per_token_counted": predict.counted_flops(cfg),
-            "mfu": mfu(tokens_per_s, per_token, peak) if tokens_per_s else None,
-            "data_wait_share": data_wait_share(steps),
-            **pipeline_fields(cfg, bubbles, pp_split),
-            **memory_fields(cfg, memory),
-            "pretrained_read_bytes_per_rank": pretrained_read,
-            **checkpoint_fields(cfg, checkpoints),
-            **eval_fields(steps),
-            **predicted_speed_fields(cfg),
-            "losses": [r["loss"] for r in steps],
-            "grad_norms": [r.get("grad_norm") for r in steps],
-            "baseline_key": baseline_key(cfg),
-            "fingerprint_key": fingerprint_key(fingerprint) if fingerprint else None,
-            "run_dir": cfg.run_dir,
-        }
+        **meta_fields(meta, report),
+        **config_fields(cfg, meta),
+        steps_completed=len(steps),
+        step_times=step_times,
+        **timing,
+        **speed,
+        flags=flags,
+        **flops_fields(cfg, timing["tokens_per_s"]),
+        data_wait_share=data_wait_share(steps),
+        **pipeline_fields(cfg, report),
+        **memory_fields(cfg, report.memory_per_rank if report else None),
+        pretrained_read_bytes_per_rank=report.pretrained_read_bytes_per_rank if report else None,
+        **checkpoint_fields(cfg, report.checkpoint_saves if report else None),
+        **eval_fields(steps),
+        **predicted_speed_fields(cfg),
+        losses=[r["loss"] for r in steps],
+        grad_norms=[r.get("grad_norm") for r in steps],
     )
+
+
+def meta_fields(meta: RunMeta, report: RankReport | None) -> dict[str, Any]:
+    """Who the run is and how it ended, with what rank 0 reported of its attempt: fp16's
+    skipped steps, a SLURM requeue (which resumed from the checkpoint it names), the host."""
+    fields = {k: v for k, v in asdict(meta).items() if k != "given_overrides"}
+    if report is None:
+        return fields
+    fingerprint = report.fingerprint
+    fields |= {
+        "skipped_steps": report.skipped_steps or None,
+        "requeues": report.requeues or None,
+        "fingerprint": fingerprint,
+        "fingerprint_key": fingerprint_key(fingerprint) if fingerprint else None,
+        "host_other_cpu_share": report.host_other_cpu_share,
+        "compile_s": report.compile_s,
+    }
+    if report.requeues:
+        fields["resumed_from_step"] = report.resumed_from_step
+    return fields
+
+
+def config_fields(cfg: ExperimentConfig, meta: RunMeta) -> dict[str, Any]:
+    """What ran: the experiment's names, layout, batch and steps, and how to run it again."""
+    t, layout = cfg.train, Layout.of(cfg.parallel)
+    return {
+        "name": cfg.name,
+        "sweep": cfg.sweep,
+        "model": cfg.model.name,
+        "data": cfg.data.name,
+        "parallel": cfg.parallel.name,
+        "layout": layout.degrees(),
+        "layout_name": layout_name(cfg),
+        "overrides": rerun_overrides(meta.given_overrides, cfg),
+        "world_size": layout.world_size,
+        "devices": n_devices(cfg),
+        "hardware": cfg.hardware.name,
+        "device_type": cfg.hardware.device_type,
+        "backend": cfg.backend.name,
+        "precision": t.precision,
+        "seq_len": t.seq_len,
+        "global_batch_size": t.global_batch_size,
+        "micro_batch_size": t.micro_batch_size,
+        "grad_accum_steps": n_microbatches(cfg),
+        "steps": t.steps,
+        "untimed_steps": t.untimed_steps,
+        "params": params(cfg),
+        "scaling": cfg.metrics.scaling,
+        "baseline_key": baseline_key(cfg),
+        "run_dir": cfg.run_dir,
+    }
+
+
+def timing_fields(cfg: ExperimentConfig, step_times: list[float]) -> dict[str, Any]:
+    """The timed steps' median, spread and variation, tokens and samples per second."""
+    if not step_times:
+        keys = ("step_time_s", "step_time_p10_s", "step_time_p90_s", "step_time_cv")
+        return dict.fromkeys((*keys, "tokens_per_s", "samples_per_s"))
+    t = cfg.train
+    return summarize_steps(step_times, t.tokens_per_step, t.global_batch_size)
+
+
+def flops_fields(cfg: ExperimentConfig, tokens_per_s: float | None) -> dict[str, Any]:
+    """FLOPs per token (the formula's, and torch's count where plan.trace asks) and MFU
+    against the devices' peak at the run's precision."""
+    specs = [device_for_rank(cfg.hardware.devices, i) for i in range(n_devices(cfg))]
+    per_token = predict.training_flops_per_token(cfg)
+    peak = peak_flops(specs, cfg.train.precision)
+    return {
+        "flops_per_token": per_token,
+        "flops_per_token_counted": predict.counted_flops(cfg),
+        "mfu": mfu(tokens_per_s, per_token, peak) if tokens_per_s else None,
+    }

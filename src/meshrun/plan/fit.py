@@ -59,7 +59,7 @@ def check_fit(cfg: ExperimentConfig, facts: HostFacts) -> None:
 
 def baseline_fits_beside(cfg: ExperimentConfig) -> bool:
     """Whether rank 0 can hold the single-device baseline beside its share of the run and
-    train a step of it within the backend's timeout (metrics.alongside: the other ranks wait
+    train a step of it within the backend's timeout (the baseline twin: the other ranks wait
     at a barrier meanwhile). On CPU the ranks share the host's memory, so the room is what
     all of them leave."""
     run, twin = evaluate(cfg), baseline_config(cfg)

@@ -24,7 +24,7 @@ import struct
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,6 +101,15 @@ class Watchdog:
                 )
                 record_failure(self.run_dir, self.rank, hang)
                 os._exit(1)
+
+
+def inside(
+    watchdog: Watchdog | None, step: int, op: str, *, one_collective: bool
+) -> AbstractContextManager[None]:
+    """`watchdog.inside(...)`; nothing where the run has none (a single rank)."""
+    if watchdog is None:
+        return nullcontext()
+    return watchdog.inside(step, op, one_collective)
 
 
 def _resident_bytes() -> int:

@@ -1,7 +1,7 @@
 """One rank of an experiment, top to bottom: process group and mesh, model, parallel form,
-training, measurements. Takes the driver's fully resolved config as a plain dict (no Hydra,
-no `auto` left in it but `parallel.pp_layers=auto`, which only the ranks can time) and
-returns rank 0's raw measurements (with the split that auto chose)."""
+training, measurements. Takes the driver's resolved config (core/config.RunConfig) as a
+plain dict (no Hydra, no `auto` left in it but `parallel.pp_layers=auto`, which only the
+ranks can time) and returns rank 0's RankReport (with the split that auto chose)."""
 
 from __future__ import annotations
 
@@ -12,15 +12,18 @@ import os
 import signal
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
-from meshrun.core.config import DebugConfig, ExperimentConfig, from_dict
+from meshrun.core.config import DebugConfig, RunConfig, from_dict
 from meshrun.core.hardware import host_fingerprint
 from meshrun.core.layout import PP_AUTO, Layout, dp_rank, with_layers
+from meshrun.core.rank_report import CheckpointSave, RankReport, StageSplit
 from meshrun.rank.device import autocast
 from meshrun.rank.failures import (
     forget_failure,
@@ -38,15 +41,15 @@ from meshrun.rank.metrics.log import METRICS_FILE, MetricsLog
 from meshrun.rank.metrics.memory import MemoryMeter, ModelState
 from meshrun.rank.models import model_shape
 from meshrun.rank.parallel.balance import balance_stages
-from meshrun.rank.progress import rank_progress
-from meshrun.rank.train.build import COMPUTE_DTYPES, build_training
+from meshrun.rank.progress import RankProgress, rank_progress
+from meshrun.rank.train.build import COMPUTE_DTYPES, Training, build_training
 from meshrun.rank.train.checkpoint import Checkpointer
-from meshrun.rank.train.data import HeldoutBatches, LocalBatches, build_streams
+from meshrun.rank.train.data import HeldoutBatches, LocalBatches, Source, build_streams
 from meshrun.rank.train.evaluate import Evaluator
-from meshrun.rank.train.loop import LoopContext, train_loop
+from meshrun.rank.train.loop import LoopContext, LoopState, train_loop
 from meshrun.rank.train.pending import PendingSteps
 from meshrun.rank.train.twin import Twin
-from meshrun.rank.watchdog import Watchdog, step_collectives
+from meshrun.rank.watchdog import Watchdog, inside, step_collectives
 
 
 def _freeze_libraries() -> None:
@@ -75,7 +78,7 @@ def fault_injector(debug: DebugConfig, rank: int) -> Callable[[int], None] | Non
     return inject
 
 
-def run_rank(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
+def run_rank(cfg_dict: dict[str, Any]) -> RankReport | None:
     _freeze_libraries()
     cfg = from_dict(cfg_dict)
     layout = Layout.of(cfg.parallel)
@@ -95,9 +98,9 @@ def run_rank(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
         init_distributed(cfg.backend.name, cfg.backend.timeout_s)
         mesh = build_mesh(layout, device.type)
     try:
-        measured = _train(cfg, layout, rank, device, mesh, watchdog)
+        report = _train(Rank(cfg, layout, rank, device, mesh, watchdog))
         note_finished(cfg.run_dir, rank)
-        return measured
+        return report
     except Exception as err:
         record_failure(cfg.run_dir, rank, err)
         raise
@@ -111,147 +114,242 @@ def run_rank(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
         gc.collect()
 
 
-def _train(
-    cfg: ExperimentConfig,
-    layout: Layout,
-    rank: int,
-    device: torch.device,
-    mesh,
-    watchdog: Watchdog | None,
-) -> dict | None:
-    pp_split = None
-    if cfg.parallel.pp_layers == PP_AUTO:
-        dtype = COMPUTE_DTYPES[cfg.train.precision]
-        with watchdog.inside(0, "pipeline stage probe (all_gather)", one_collective=False):
-            pp_split = balance_stages(cfg, layout, rank, device, dtype)
-        cfg = with_layers(cfg, pp_split.counts)
-    tc = cfg.train
-    memory = MemoryMeter(device)
-    memory.start()
-    training = build_training(cfg, layout, device, mesh)
-    model, optimizer, schedule = training.model, training.optimizer, training.schedule
-    loss_scale, autocast_dtype = training.loss_scale, training.autocast_dtype
-    checkpoints = start = None
-    c = cfg.checkpoint
-    if c.every_steps or c.resume or c.export != "none":
-        checkpoints = Checkpointer(cfg, model, optimizer, schedule, rank, loss_scale)
-        loading = watchdog.inside(0, "checkpoint load") if watchdog else contextlib.nullcontext()
-        with loading:
-            start = checkpoints.restore()
+@dataclass(frozen=True)
+class Rank:
+    """This process's place in the run, as every step of it needs it."""
+
+    cfg: RunConfig
+    layout: Layout
+    rank: int
+    device: torch.device
+    mesh: DeviceMesh | None
+    watchdog: Watchdog | None
+
+
+@dataclass
+class Setup:
+    """What a rank builds before its first step."""
+
+    training: Training
+    memory: MemoryMeter
+    batches: LocalBatches
+    checkpoints: Checkpointer | None
+    resumed_from_step: int | None  # the checkpoint restored
+    evaluate: Evaluator | None
+    twin: Twin | None
+
+
+@dataclass(frozen=True)
+class RankFigures:
+    """What each rank measured of itself, gathered to rank 0 for the report."""
+
+    memory: dict[str, int]
+    pipeline_busy: list[float] | None
+    pipeline_span: list[float] | None
+    pretrained_read: int
+    host_load: dict[str, object] | None
+    compile_s: float | None
+
+
+def _train(at: Rank) -> RankReport | None:
+    """Set up, train, report (rank 0 returns the report, the others None)."""
+    cfg, split = _split_pipeline(at)
+    at = dataclasses.replace(at, cfg=cfg)
+    setup = _set_up(at)
+    state, ctx = _loop(at, setup)
+    figures = _own_figures(setup, state, ctx)
+    return _report(at, setup, _gathered(at, figures), split)
+
+
+def _split_pipeline(at: Rank) -> tuple[RunConfig, StageSplit | None]:
+    """parallel.pp_layers=auto: the split the ranks' probes chose, written into the config
+    every later step builds from; the config as it is otherwise."""
+    if at.cfg.parallel.pp_layers != PP_AUTO:
+        return at.cfg, None
+    dtype = COMPUTE_DTYPES[at.cfg.train.precision]
+    with inside(at.watchdog, 0, "pipeline stage probe (all_gather)", one_collective=False):
+        split = balance_stages(at.cfg, at.layout, at.rank, at.device, dtype)
+    return with_layers(at.cfg, split.counts), split
+
+
+def _set_up(at: Rank) -> Setup:
+    cfg, tc = at.cfg, at.cfg.train
+    memory = MemoryMeter(at.device)
+    memory.start()  # before the model exists: its parameters are the breakdown's first part
+    training = build_training(cfg, at.layout, at.device, at.mesh)
+    checkpoints, start = _restore(at, training)
+    vocab_size = model_shape(cfg.model).vocab_size
     train_data, heldout = build_streams(
-        cfg.data, model_shape(cfg.model).vocab_size, tc.seed, tc.seq_len
+        cfg.data, cfg.resolved.data_cache, vocab_size, tc.seed, tc.seq_len
     )
     batches = LocalBatches(
         train_data,
         tc.global_batch_size,
         tc.seq_len,
-        dp_rank(layout, rank),
-        layout.dp_size,
-        device,
+        dp_rank(at.layout, at.rank),
+        at.layout.dp_size,
+        at.device,
         start_step=start or 0,
     )
-    evaluate = None
-    if tc.eval.every_steps:
-        evaluate = Evaluator(
-            model,
-            HeldoutBatches(
-                heldout,
-                tc.eval.batches,
-                tc.global_batch_size,
-                tc.seq_len,
-                dp_rank(layout, rank),
-                layout.dp_size,
-                device,
-            ),
-            tc,
-            dp_group(mesh),
-            pp_group(mesh, layout),
-            lambda: autocast(device, autocast_dtype),
-        )
-    twin = Twin(cfg, device, rank) if cfg.metrics.alongside else None
-    host_load = HostLoad(measure_host=int(os.environ.get("LOCAL_RANK", "0")) == 0)
-    tokens_per_step = tc.tokens_per_step
-    with rank_progress(tc.steps, tokens_per_step, rank == 0 and tc.progress_bar) as progress:
-        metrics = MetricsLog(
-            Path(cfg.run_dir) / METRICS_FILE if rank == 0 else None,
-            [progress.show] if progress else [],
-        )
-        if start:
-            metrics.keep_before(start)
-        ctx = LoopContext(
-            device=device,
-            dp_group=dp_group(mesh),
-            pp_group=pp_group(mesh, layout),
-            autocast_dtype=autocast_dtype,
-            memory=memory,
-            on_log=metrics,
-            pending=PendingSteps(device, start or 0),
-            progress=progress,
-            fault=fault_injector(cfg.debug, rank),
-            watchdog=watchdog,
-            step_collectives=step_collectives(layout.degrees()),
-            start_step=start or 0,
-            slow_step_s=cfg.debug.slow_step_s,
-            checkpoints=checkpoints,
-            evaluate=evaluate,
-            loss_scale=loss_scale,
-            baseline=twin,
-            host_load=host_load,
-            compiling=CompileClock() if tc.compile else None,
-        )
+    return Setup(
+        training,
+        memory,
+        batches,
+        checkpoints,
+        start,
+        _evaluator(at, training, heldout),
+        Twin(cfg, at.device, at.rank) if cfg.resolved.twin else None,
+    )
+
+
+def _restore(at: Rank, training: Training) -> tuple[Checkpointer | None, int | None]:
+    """The run's checkpointer, where it saves, resumes or exports, and the step it restored."""
+    c = at.cfg.checkpoint
+    if not (c.every_steps or c.resume or c.export != "none"):
+        return None, None
+    checkpoints = Checkpointer(
+        at.cfg,
+        training.model,
+        training.optimizer,
+        training.schedule,
+        at.rank,
+        training.loss_scale,
+    )
+    with inside(at.watchdog, 0, "checkpoint load", one_collective=False):
+        return checkpoints, checkpoints.restore()
+
+
+def _evaluator(at: Rank, training: Training, heldout: Source) -> Evaluator | None:
+    tc = at.cfg.train
+    if not tc.eval.every_steps:
+        return None
+    batches = HeldoutBatches(
+        heldout,
+        tc.eval.batches,
+        tc.global_batch_size,
+        tc.seq_len,
+        dp_rank(at.layout, at.rank),
+        at.layout.dp_size,
+        at.device,
+    )
+    return Evaluator(
+        training.model,
+        batches,
+        tc,
+        dp_group(at.mesh),
+        pp_group(at.mesh, at.layout),
+        lambda: autocast(at.device, training.autocast_dtype),
+    )
+
+
+def _loop(at: Rank, setup: Setup) -> tuple[LoopState, LoopContext]:
+    """The training loop, rank 0 logging each step; a failure first writes the steps that
+    a log step would have (never in place of the error: a broken device may refuse even a
+    copy of finished values)."""
+    tc = at.cfg.train
+    training, batches = setup.training, setup.batches
+    show = at.rank == 0 and tc.progress_bar
+    with rank_progress(tc.steps, tc.tokens_per_step, show) as progress:
+        log_file = Path(at.cfg.run_dir) / METRICS_FILE if at.rank == 0 else None
+        metrics = MetricsLog(log_file, [progress.show] if progress else [])
+        if setup.resumed_from_step:
+            metrics.keep_before(setup.resumed_from_step)
+        ctx = _loop_context(at, setup, metrics, progress)
         try:
-            state = train_loop(model, optimizer, schedule, batches, tc, ctx)
+            state = train_loop(
+                training.model, training.optimizer, training.schedule, batches, tc, ctx
+            )
         except Exception:
-            # What a log step would have written; never in place of the error (a broken
-            # device may refuse even a copy of finished values).
             with contextlib.suppress(Exception):
-                record_unflushed(cfg.run_dir, rank, ctx.pending.salvage(batches.drain_waits()))
+                unflushed = ctx.pending.salvage(batches.drain_waits())
+                record_unflushed(at.cfg.run_dir, at.rank, unflushed)
             raise
         finally:
             if ctx.compiling is not None:
                 ctx.compiling.stop()  # a run that ends in its untimed steps
-    split = memory.breakdown(ModelState.of(model.parameters(), optimizer))
-    mine = {
-        "memory": {"rank": rank, **(split or {"peak": memory.peak_bytes()})},
-        "busy": state.pipeline_busy_per_step,
-        "span": state.pipeline_span_per_step,
-        "pretrained_read": model.pretrained_bytes_read,
-        "host_load": state.host_load,
-        "compile_s": ctx.compiling.seconds if ctx.compiling else None,
-    }
-    ranks = [mine]
-    if dist.is_initialized():
-        ranks = [{} for _ in range(dist.get_world_size())]
-        with watchdog.inside(tc.steps, "all_gather_object (measurements)", one_collective=True):
-            dist.all_gather_object(ranks, mine)
-    if rank != 0:
+    return state, ctx
+
+
+def _loop_context(
+    at: Rank, setup: Setup, metrics: MetricsLog, progress: RankProgress | None
+) -> LoopContext:
+    cfg, start = at.cfg, setup.resumed_from_step or 0
+    return LoopContext(
+        device=at.device,
+        dp_group=dp_group(at.mesh),
+        pp_group=pp_group(at.mesh, at.layout),
+        autocast_dtype=setup.training.autocast_dtype,
+        memory=setup.memory,
+        on_log=metrics,
+        pending=PendingSteps(at.device, start),
+        progress=progress,
+        fault=fault_injector(cfg.debug, at.rank),
+        watchdog=at.watchdog,
+        step_collectives=step_collectives(at.layout.degrees()),
+        start_step=start,
+        slow_step_s=cfg.debug.slow_step_s,
+        checkpoints=setup.checkpoints,
+        evaluate=setup.evaluate,
+        loss_scale=setup.training.loss_scale,
+        twin=setup.twin,
+        host_load=HostLoad(measure_host=int(os.environ.get("LOCAL_RANK", "0")) == 0),
+        compiling=CompileClock() if cfg.train.compile else None,
+    )
+
+
+def _own_figures(setup: Setup, state: LoopState, ctx: LoopContext) -> RankFigures:
+    model, memory = setup.training.model, setup.memory
+    split = memory.breakdown(ModelState.of(model.parameters(), setup.training.optimizer))
+    return RankFigures(
+        memory=split or {"peak": memory.peak_bytes()},
+        pipeline_busy=state.pipeline_busy_per_step,
+        pipeline_span=state.pipeline_span_per_step,
+        pretrained_read=model.pretrained_bytes_read,
+        host_load=state.host_load,
+        compile_s=ctx.compiling.seconds if ctx.compiling else None,
+    )
+
+
+def _gathered(at: Rank, mine: RankFigures) -> list[RankFigures]:
+    """Every rank's figures, on every rank (one collective, after the last step)."""
+    if not dist.is_initialized():
+        return [mine]
+    ranks: list[Any] = [None] * dist.get_world_size()
+    op = "all_gather_object (measurements)"
+    with inside(at.watchdog, at.cfg.train.steps, op, one_collective=True):
+        dist.all_gather_object(ranks, mine)
+    return ranks
+
+
+def _report(
+    at: Rank, setup: Setup, ranks: list[RankFigures], split: StageSplit | None
+) -> RankReport | None:
+    """Rank 0's report of the run: its own figures beside every rank's."""
+    if at.rank != 0:
         return None
-    return {
-        "memory_per_rank": [r["memory"] for r in ranks],
-        "pipeline_bubble_per_rank": bubble_per_rank(
-            [r["busy"] for r in ranks], [r["span"] for r in ranks]
-        )
-        if state.pipeline_span_per_step
+    cfg, loss_scale = at.cfg, setup.training.loss_scale
+    spans = [r.pipeline_span for r in ranks]
+    loads = [r.host_load for r in ranks]
+    compiled = [r.compile_s for r in ranks if r.compile_s is not None]
+    checkpoints = setup.checkpoints
+    return RankReport(
+        memory_per_rank=[{"rank": i, **r.memory} for i, r in enumerate(ranks)],
+        fingerprint=host_fingerprint(cfg.launcher.threads_per_rank),
+        resumed_from_step=setup.resumed_from_step,
+        requeues=int(os.environ.get("SLURM_RESTART_COUNT", "0")),
+        pipeline_bubble_per_rank=bubble_per_rank([r.pipeline_busy for r in ranks], spans)
+        if ranks[0].pipeline_span
         else None,
-        "pp_split": dataclasses.asdict(pp_split) if pp_split else None,
-        "pretrained_read_bytes_per_rank": [r["pretrained_read"] for r in ranks]
+        pp_split=split,
+        pretrained_read_bytes_per_rank=[r.pretrained_read for r in ranks]
         if cfg.model.pretrained
         else None,
-        "resumed_from_step": start,
-        "skipped_steps": loss_scale.skipped if loss_scale else None,
-        "requeues": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
-        # the single-device baseline's timed steps, trained beside the run's (metrics.alongside)
-        "baseline_steps": twin.steps if twin else None,
-        "host_other_cpu_share": other_cpu_share([r["host_load"] for r in ranks])
-        if all(r["host_load"] for r in ranks)
-        else None,
-        "fingerprint": host_fingerprint(cfg.launcher.threads_per_rank),
+        skipped_steps=loss_scale.skipped if loss_scale else None,
+        twin_steps=setup.twin.steps if setup.twin else None,
+        host_other_cpu_share=other_cpu_share(loads) if all(loads) else None,
         # the ranks compile at once; the run waits for the slowest
-        "compile_s": max(r["compile_s"] for r in ranks) if ctx.compiling else None,
-        "checkpoints": [
-            {"step": s.step, "blocked_s": s.blocked_s, "total_s": s.total_s}
-            for s in checkpoints.saves
-        ]
+        compile_s=max(compiled) if compiled else None,
+        checkpoint_saves=[CheckpointSave(s.step, s.blocked_s, s.total_s) for s in checkpoints.saves]
         if checkpoints
         else None,
-    }
+    )

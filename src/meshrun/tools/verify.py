@@ -27,9 +27,10 @@ from meshrun.core.baseline import layout_name
 from meshrun.core.config import DebugConfig, ExperimentConfig, ParallelConfig
 from meshrun.core.errors import ConfigError, positive
 from meshrun.core.hardware import HostFacts
+from meshrun.core.measured import Measured
 from meshrun.core.tool_config import TOLERANCES, VerifyExperimentConfig
 from meshrun.driver.command import hydra_command
-from meshrun.driver.experiment import Measured, measure
+from meshrun.driver.experiment import measure
 from meshrun.driver.launch.dispatch import launch
 from meshrun.driver.resolve import resolve
 from meshrun.driver.sinks.console import console, print_error
@@ -159,7 +160,7 @@ def run(dict_cfg: DictConfig) -> int:
     for role, run_cfg in runs.items():  # the layout first: if it crashes, skip the reference
         measured[role] = measure(run_cfg, role, launch)
         if not measured[role].ok:
-            error = measured[role].meta["error"]
+            error = measured[role].meta.error
             report = {"passed": False, "tolerance": tolerance, "failed_run": role, "error": error}
             break
     else:

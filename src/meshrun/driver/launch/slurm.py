@@ -92,7 +92,7 @@ def wait_until_done(job: submitit.Job) -> None:
                 return
 
 
-def wait(cfg: ExperimentConfig | CommRunConfig, job_id: str) -> dict[str, Any] | None:
+def wait(cfg: ExperimentConfig | CommRunConfig, job_id: str) -> Any:
     """Rank 0's raw measurements once the job is done; RankFailure naming the first rank
     that failed (by the ranks' own records, else submitit's) with where its log is."""
     ranks = cfg.launcher.nnodes * cfg.launcher.nproc_per_node

@@ -216,7 +216,7 @@ class MemoryMeter:
 
     def hold(self) -> None:
         """The run's figures are final: what this process allocates from here on (the
-        single-device baseline trained beside the run, metrics.alongside) is not the run's."""
+        single-device baseline twin trained beside the run) is not the run's."""
         self.stop_tracing()
         if self.cuda:
             self._held = (self.peak_bytes(), int(torch.cuda.max_memory_reserved(self.device)))

@@ -83,22 +83,25 @@ Source = SyntheticTokens | TextBytes | HFWindows
 
 
 def build_streams(
-    cfg: DataConfig, vocab_size: int, seed: int, seq_len: int
+    cfg: DataConfig, data_cache: str | None, vocab_size: int, seed: int, seq_len: int
 ) -> tuple[Source, Source]:
-    """The training stream and the held-out one; no held-out sample is a training sample."""
+    """The training stream and the held-out one; no held-out sample is a training sample.
+    `data_cache`: data=hf's tokens as the driver prepared them (core/config.Resolved)."""
     if cfg.name == "text":
         tokens = torch.frombuffer(bytearray(Path(str(cfg.path)).read_bytes()), dtype=torch.uint8)
         train, heldout = text_spans(tokens.numel(), cfg.heldout_fraction)
         return TextBytes(tokens, train), TextBytes(tokens, heldout)
     if cfg.name == "hf":
-        return hf_streams(cfg, seq_len, seed)
+        return hf_streams(cfg, str(data_cache), seq_len, seed)
     heldout = SyntheticTokens(vocab_size, seed, first_sample=HELDOUT_FIRST_SAMPLE)
     return SyntheticTokens(vocab_size, seed), heldout
 
 
-def build_dataset(cfg: DataConfig, vocab_size: int, seed: int, seq_len: int) -> Source:
+def build_dataset(
+    cfg: DataConfig, data_cache: str | None, vocab_size: int, seed: int, seq_len: int
+) -> Source:
     """The training stream."""
-    return build_streams(cfg, vocab_size, seed, seq_len)[0]
+    return build_streams(cfg, data_cache, vocab_size, seed, seq_len)[0]
 
 
 def dp_sample_range(step: int, global_batch: int, dp_rank: int, dp_size: int) -> range:

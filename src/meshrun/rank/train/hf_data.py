@@ -129,10 +129,12 @@ def n_windows(span: range, length: int) -> int:
     return len(span) // length
 
 
-def hf_streams(cfg: DataConfig, seq_len: int, seed: int) -> tuple[HFWindows, HFWindows]:
+def hf_streams(
+    cfg: DataConfig, data_cache: str, seq_len: int, seed: int
+) -> tuple[HFWindows, HFWindows]:
     """The training stream (shuffled per `cfg.shuffle`) and the held-out one (in order) of
-    the prepared cache, in windows of seq_len + 1 tokens."""
-    cache = TokenCache(str(cfg.prepared))
+    the cache the driver prepared (`data_cache`), in windows of seq_len + 1 tokens."""
+    cache = TokenCache(data_cache)
     length = seq_len + 1
     train, heldout = cache.spans(cfg.heldout_fraction)
 

@@ -39,16 +39,16 @@ from meshrun.rank.train.evaluate import Evaluator
 from meshrun.rank.train.loss_scale import LossScale
 from meshrun.rank.train.optim import LocalGrads
 from meshrun.rank.train.pending import PendingSteps, step_records
-from meshrun.rank.watchdog import Watchdog
+from meshrun.rank.watchdog import Watchdog, inside
 
 LogFn = Callable[[list[dict]], None]
 
 
-class BetweenSteps(Protocol):
-    """Work every rank joins between the run's timed steps, outside their clock: the
-    single-device baseline measured side by side (train/twin.py)."""
+class TwinSteps(Protocol):
+    """What the loop asks of the baseline twin (train/twin.py): work every rank joins
+    between the run's timed steps, outside their clock."""
 
-    def warm_up(self) -> None: ...
+    def untimed_steps(self) -> None: ...
 
     def step(self) -> None: ...
 
@@ -82,18 +82,9 @@ class LoopContext:
     checkpoints: Checkpointer | None = None
     loss_scale: LossScale | None = None  # fp16
     evaluate: Evaluator | None = None  # train.eval on
-    baseline: BetweenSteps | None = None  # metrics.alongside: the baseline between steps
+    twin: TwinSteps | None = None  # the baseline twin, trained between the run's steps
     host_load: HostLoad | None = None  # CPU seconds over the timed steps
     compiling: CompileClock | None = None  # train.compile: stopped at the first timed step
-
-
-def _inside(
-    ctx: LoopContext, step: int, op: str, one_collective: bool = True
-) -> contextlib.AbstractContextManager:
-    """Tells the hang watchdog that `op` of `step` runs collectives."""
-    if ctx.watchdog is None:
-        return contextlib.nullcontext()
-    return ctx.watchdog.inside(step, op, one_collective)
 
 
 def _autocast(ctx: LoopContext) -> contextlib.AbstractContextManager:
@@ -131,24 +122,25 @@ def train_step(
     step: int,
     cfg: TrainConfig,
     ctx: LoopContext,
-    measured: bool = False,
+    breakdown: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """One optimizer step on the step's batch: (loss, global gradient norm, both still on
-    device; the LR it trained with). `measured`: the memory breakdown's step, marked."""
-    if measured:
+    device; the LR it trained with). `breakdown`: the step the memory breakdown reads,
+    marked."""
+    if breakdown:
         ctx.memory.mark(STEP_START)
     inputs, targets = batches.for_step(step)
-    with _inside(ctx, step, ctx.step_collectives, one_collective=False):
+    with inside(ctx.watchdog, step, ctx.step_collectives, one_collective=False):
         if model.schedule is not None:
             step_loss = _pipeline_step(model, inputs, targets, ctx)
         else:
             step_loss = _accumulate(model, inputs, targets, cfg.micro_batch_size, ctx)
-    if measured:
+    if breakdown:
         ctx.memory.mark(FWD_BWD_END)
     grads = LocalGrads(model.parameters())
     if ctx.loss_scale:
         ctx.loss_scale.unscale(grads)
-    with _inside(ctx, step, "all_reduce (gradient norm)"):
+    with inside(ctx.watchdog, step, "all_reduce (gradient norm)", one_collective=True):
         norm = grads.norm(ctx.pp_group)
     if cfg.grad_clip is not None:
         grads.clip_(cfg.grad_clip, norm)
@@ -174,81 +166,118 @@ def train_loop(
 ) -> LoopState:
     """Steps `ctx.start_step` to `cfg.steps`; the first `untimed_steps` of them untimed."""
     state = LoopState()
-    pending = ctx.pending
-    clock = pending.clock
     bubble = BubbleClock(model.schedule, ctx.device) if model.schedule is not None else None
     first_timed = ctx.start_step + cfg.untimed_steps
-    checkpoints = ctx.checkpoints
     for step in range(ctx.start_step, cfg.steps):
         if step == first_timed:
-            ctx.memory.stop_tracing()
-            if ctx.compiling is not None:
-                ctx.compiling.stop()  # the untimed steps' compiling, not the baseline's
-            if ctx.baseline is not None:
-                ctx.memory.hold()  # what the baseline allocates is not the run's
-                with _inside(ctx, step, "baseline warmup (rank 0)", one_collective=False):
-                    ctx.baseline.warm_up()
-            if dist.is_initialized():
-                with _inside(ctx, step, "barrier (end of warmup)"):
-                    dist.barrier()  # ranks leave warmup at different times: level the clocks
-            clock.mark()
-            if bubble is not None:
-                bubble.start()
-            if ctx.host_load is not None:
-                ctx.host_load.start()
+            _start_timing(step, ctx, bubble)
         if ctx.watchdog is not None:
             ctx.watchdog.at(step)
         if ctx.fault is not None:
             ctx.fault(step)
-        # The breakdown is read from a warmup step after the first: optimizer state exists then.
-        measured = ctx.start_step + 1 <= step < first_timed
-        step_loss, norm, lr = train_step(
-            model, optimizer, schedule, batches, step, cfg, ctx, measured
-        )
-        pending.add(torch.stack([step_loss, norm]), lr)
-        if step >= first_timed:
-            clock.mark()
-            if ctx.baseline is not None:
-                with _inside(ctx, step, "baseline step (rank 0)", one_collective=False):
-                    ctx.baseline.step()
-                clock.restart()  # the baseline's step is none of the run's
+        # The breakdown is read from an untimed step after the first: optimizer state exists.
+        breakdown = ctx.start_step + 1 <= step < first_timed
+        loss, norm, lr = train_step(model, optimizer, schedule, batches, step, cfg, ctx, breakdown)
+        ctx.pending.add(torch.stack([loss, norm]), lr)
+        timed = step >= first_timed
+        if timed:
+            _end_timed_step(step, ctx)
         if ctx.progress is not None:
             ctx.progress.step(step + 1)
-        evaluated = None
-        if ctx.evaluate is not None and ctx.evaluate.due(step + 1):
-            with _inside(ctx, step, "evaluation", one_collective=False):
-                evaluated = ctx.evaluate()
-            if step >= first_timed:
-                clock.restart()  # the evaluation is no step's time
-        stop = save = False
-        if checkpoints is not None:
-            if step + 1 < cfg.steps:  # after the last step, the run saves and ends anyway
-                with _inside(ctx, step, "all_reduce (stop signal)"):
-                    stop = checkpoints.stop_requested()
-            save = stop or checkpoints.due(step + 1)
-        # A checkpoint's steps are all in metrics.jsonl: a resume appends after them.
-        log = evaluated or save or (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps
-        if log:
-            with _inside(ctx, step, "all_reduce (losses of the log step)"):
-                _flush(state, pending, batches, ctx, evaluated)
-        if stop:
-            with _inside(ctx, step, "checkpoint save (stop signal)"):
-                checkpoints.stop(step + 1)
-        if save:
-            with _inside(ctx, step, "checkpoint save"):
-                checkpoints.save(step + 1)
-        elif checkpoints is not None:
-            checkpoints.poll()
+        evaluated = _evaluate(step, ctx, timed)
+        _log_and_save(step, cfg, state, batches, ctx, evaluated)
         if ctx.slow_step_s:
             time.sleep(ctx.slow_step_s)
+    _finish(cfg, state, ctx, bubble)
+    return state
+
+
+def _start_timing(step: int, ctx: LoopContext, bubble: BubbleClock | None) -> None:
+    """The first timed step's start: memory tracing and the compile clock end, the baseline
+    twin runs its own untimed steps, and all ranks leave the untimed steps together."""
+    ctx.memory.stop_tracing()
+    if ctx.compiling is not None:
+        ctx.compiling.stop()  # the untimed steps' compiling, not the twin's
+    if ctx.twin is not None:
+        ctx.memory.hold()  # what the twin allocates is not the run's
+        with inside(
+            ctx.watchdog, step, "baseline twin's untimed steps (rank 0)", one_collective=False
+        ):
+            ctx.twin.untimed_steps()
+    if dist.is_initialized():
+        with inside(ctx.watchdog, step, "barrier (end of the untimed steps)", one_collective=True):
+            dist.barrier()  # ranks end their untimed steps at different times: level the clocks
+    ctx.pending.clock.mark()
+    if bubble is not None:
+        bubble.start()
+    if ctx.host_load is not None:
+        ctx.host_load.start()
+
+
+def _end_timed_step(step: int, ctx: LoopContext) -> None:
+    """The step's clock mark; then one step of the baseline twin, outside the run's clock."""
+    ctx.pending.clock.mark()
+    if ctx.twin is not None:
+        with inside(ctx.watchdog, step, "baseline twin step (rank 0)", one_collective=False):
+            ctx.twin.step()
+        ctx.pending.clock.restart()  # the twin's step is none of the run's
+
+
+def _evaluate(step: int, ctx: LoopContext, timed: bool) -> dict[str, float] | None:
+    """train.eval's held-out loss where due after `step`, outside the step clock."""
+    if ctx.evaluate is None or not ctx.evaluate.due(step + 1):
+        return None
+    with inside(ctx.watchdog, step, "evaluation", one_collective=False):
+        evaluated = ctx.evaluate()
+    if timed:
+        ctx.pending.clock.restart()  # the evaluation is no step's time
+    return evaluated
+
+
+def _log_and_save(
+    step: int,
+    cfg: TrainConfig,
+    state: LoopState,
+    batches: LocalBatches,
+    ctx: LoopContext,
+    evaluated: dict[str, float] | None,
+) -> None:
+    """After `step`: the log step where due, then a checkpoint (on a stop signal: the last)."""
+    checkpoints = ctx.checkpoints
+    stop = save = False
+    if checkpoints is not None:
+        if step + 1 < cfg.steps:  # after the last step, the run saves and ends anyway
+            with inside(ctx.watchdog, step, "all_reduce (stop signal)", one_collective=True):
+                stop = checkpoints.stop_requested()
+        save = stop or checkpoints.due(step + 1)
+    # A checkpoint's steps are all in metrics.jsonl: a resume appends after them.
+    log = evaluated or save or (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps
+    if log:
+        op = "all_reduce (losses of the log step)"
+        with inside(ctx.watchdog, step, op, one_collective=True):
+            _flush(state, ctx.pending, batches, ctx, evaluated)
+    if stop:
+        with inside(ctx.watchdog, step, "checkpoint save (stop signal)", one_collective=True):
+            checkpoints.stop(step + 1)
+    if save:
+        with inside(ctx.watchdog, step, "checkpoint save", one_collective=True):
+            checkpoints.save(step + 1)
+    elif checkpoints is not None:
+        checkpoints.poll()
+
+
+def _finish(
+    cfg: TrainConfig, state: LoopState, ctx: LoopContext, bubble: BubbleClock | None
+) -> None:
+    """After the last step: the host's load, the checkpoint still being written, the bubble."""
     if ctx.host_load is not None:
         state.host_load = ctx.host_load.stop()
-    if checkpoints is not None:
-        with _inside(ctx, cfg.steps - 1, "checkpoint save (finishing)"):
-            checkpoints.wait()
+    if ctx.checkpoints is not None:
+        last = cfg.steps - 1
+        with inside(ctx.watchdog, last, "checkpoint save (finishing)", one_collective=True):
+            ctx.checkpoints.wait()
     if bubble is not None:
         state.pipeline_busy_per_step, state.pipeline_span_per_step = bubble.per_step()
-    return state
 
 
 def _flush(

@@ -1,4 +1,5 @@
-"""The run's single-device baseline, measured side by side with it (metrics.alongside).
+"""The baseline twin: the run's single-device baseline, trained by rank 0 between the run's
+timed steps (core/config.Resolved.twin, where the driver found that both fit).
 
 A speedup is only as good as its baseline: measured at another time, or on a host that was
 busier then, it says more about the host than about the layout. So rank 0 also trains the
@@ -7,7 +8,7 @@ rank's batch under weak scaling) on its own device, one step after each of the r
 steps: run, baseline, run, baseline. Every rank waits at a barrier before and after each
 baseline step, so that both are timed alone, under the same conditions, and the run's step
 clock restarts after it. The twin is built once the run's memory is measured, so that none
-of its tensors count as the run's; its warmup steps are untimed like the run's.
+of its tensors count as the run's; its first steps are untimed like the run's.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import torch
 import torch.distributed as dist
 
 from meshrun.core.baseline import baseline_config
-from meshrun.core.config import ExperimentConfig
+from meshrun.core.config import RunConfig
 from meshrun.core.layout import Layout
+from meshrun.core.rank_report import TwinStep
 from meshrun.rank.device import synchronize
 from meshrun.rank.metrics.memory import MemoryMeter
 from meshrun.rank.models import model_shape
@@ -32,17 +34,17 @@ from meshrun.rank.train.pending import PendingSteps
 class Twin:
     """Every rank holds one (for the barriers); rank 0 builds and trains the baseline."""
 
-    def __init__(self, cfg: ExperimentConfig, device: torch.device, rank: int) -> None:
+    def __init__(self, cfg: RunConfig, device: torch.device, rank: int) -> None:
         self.cfg = baseline_config(cfg)
         self.device = device
         self.trains = rank == 0
-        self.steps: list[dict[str, float]] = []  # rank 0: each timed step's loss and seconds
+        self.steps: list[TwinStep] = []  # rank 0: each timed step's loss and seconds
         self._next = 0
         self._training: Training | None = None
         self._batches: LocalBatches | None = None
         self._ctx: LoopContext | None = None
 
-    def warm_up(self) -> None:
+    def untimed_steps(self) -> None:
         """Rank 0 builds the baseline and runs its untimed steps; the others wait."""
         if self.trains:
             self._build()
@@ -59,13 +61,14 @@ class Twin:
             loss = self._step()
             synchronize(self.device)
             seconds = time.perf_counter() - started
-            self.steps.append({"step": self._next - 1, "loss": loss.item(), "step_time_s": seconds})
+            self.steps.append(TwinStep(self._next - 1, loss.item(), seconds))
         _barrier()
 
     def _build(self) -> None:
         cfg, t = self.cfg, self.cfg.train
         self._training = build_training(cfg, Layout(), self.device, None)
-        data, _ = build_streams(cfg.data, model_shape(cfg.model).vocab_size, t.seed, t.seq_len)
+        vocab_size = model_shape(cfg.model).vocab_size
+        data, _ = build_streams(cfg.data, cfg.resolved.data_cache, vocab_size, t.seed, t.seq_len)
         self._batches = LocalBatches(data, t.global_batch_size, t.seq_len, 0, 1, self.device)
         self._ctx = LoopContext(
             device=self.device,

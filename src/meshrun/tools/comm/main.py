@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from meshrun.core.attached import attached_rank
 from meshrun.core.errors import ConfigError, choice, fail, positive
 from meshrun.core.hardware import HostFacts, resolve_hardware
+from meshrun.core.measured import RunMeta
 from meshrun.core.tool_config import CommRunConfig
 from meshrun.driver.command import hydra_command
 from meshrun.driver.experiment import attempt, new_run
@@ -119,11 +120,17 @@ def _resolve_launcher(cfg: CommRunConfig, backend: str, facts: HostFacts):
 
 def measure(cfg: CommRunConfig) -> dict[str, Any]:
     """Launch the ranks and assemble the report (a failed run too: status, error, rank)."""
-    identity = new_run(cfg.run_dir)
-    status, rows = attempt(cfg.run_dir, time.time(), lambda: launch(cfg, COMM))
+    meta = RunMeta()
+    new_run(cfg.run_dir)
+    rows = attempt(meta, cfg.run_dir, time.time(), lambda: launch(cfg, COMM))
     report: dict[str, Any] = {
-        **identity,
-        **status,
+        "run_id": meta.run_id,
+        "created_at": meta.created_at,
+        "status": meta.status,
+        "error": meta.error,
+        "failed_rank": meta.failed_rank,
+        "traceback": meta.traceback,
+        "duration_s": meta.duration_s,
         "name": cfg.name,
         "backend": cfg.backend.name,
         "launcher": cfg.launcher.name,

@@ -1,0 +1,55 @@
+"""What rank 0 hands the driver once the ranks are done: the figures only the ranks know
+(each rank's memory, the bubble, the split `pp_layers=auto` chose, the baseline twin's
+steps, ...). One typed value, pickled back by every launcher (torch elastic's return values,
+submitit's result file, rank 0 itself under torchrun), so a field the driver reads is a
+field the rank wrote: a misspelt one fails at type-check and test time, not as a silent None.
+Per-step figures travel apart, in metrics.jsonl (rank/metrics/log.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class StageSplit:
+    """The split `parallel.pp_layers=auto` chose and each stage's cost under it: seconds of
+    one micro-batch's forward and backward on the stage's slowest rank, as probed."""
+
+    counts: list[int]
+    stage_costs_s: list[float]
+    block_s: float  # one block on the slowest rank: the finest step a split can take
+
+
+@dataclass(frozen=True)
+class CheckpointSave:
+    """One checkpoint rank 0 saved: the training time it blocked, and to its last byte."""
+
+    step: int
+    blocked_s: float
+    total_s: float | None
+
+
+@dataclass(frozen=True)
+class TwinStep:
+    """One timed step of the baseline twin, trained by rank 0 between two of the run's."""
+
+    step: int
+    loss: float
+    step_time_s: float
+
+
+@dataclass(frozen=True)
+class RankReport:
+    memory_per_rank: list[dict[str, int]]  # each rank's peak, with its breakdown where measured
+    fingerprint: dict[str, Any]  # where rank 0 ran (core/hardware.host_fingerprint)
+    resumed_from_step: int | None = None  # the checkpoint the ranks restored
+    requeues: int = 0  # SLURM requeued the job, which resumed from its checkpoint
+    pipeline_bubble_per_rank: list[float] | None = None
+    pp_split: StageSplit | None = None  # parallel.pp_layers=auto
+    pretrained_read_bytes_per_rank: list[int] | None = None  # model.pretrained
+    skipped_steps: list[int] | None = None  # fp16: overflowed gradients, not applied
+    twin_steps: list[TwinStep] | None = None  # the baseline twin's, beside the run's
+    host_other_cpu_share: float | None = None  # None where a rank could not measure it
+    compile_s: float | None = None  # train.compile: the slowest rank's
+    checkpoint_saves: list[CheckpointSave] | None = None
