@@ -11,7 +11,7 @@ import pytest
 from meshrun.core.baseline import baseline_config, baseline_key
 from meshrun.core.config import RunConfig
 from meshrun.core.measured import Measured, RunMeta, Status
-from meshrun.core.rank_report import RankReport
+from meshrun.core.rank_report import CheckpointSave, RankReport, StageSplit
 from meshrun.core.record import RunRecord
 from meshrun.driver.results import assemble
 from meshrun.driver.sinks.console import print_summary
@@ -274,3 +274,38 @@ def test_other_processes_share_is_the_hosts_busy_time_beyond_its_ranks():
     assert other_cpu_share(ranks) == pytest.approx((17 - 13) / 20)
     ranks[0]["host_busy_s"] = None  # not read (no /proc/stat)
     assert other_cpu_share(ranks) is None
+
+
+def test_every_figure_of_rank_0s_report_reaches_the_record():
+    """A field the ranks report and the record drops would be a figure measured and lost:
+    each one, set, is found in results.json (a requeued run's resume step included)."""
+    cfg = resolved_config("parallel=pp2", "model=tiny", "parallel.pp_layers=[3,1]", *RUN)
+    split = StageSplit(counts=[3, 1], stage_costs_s=[0.02, 0.03], block_s=0.005)
+    saves = [CheckpointSave(step=2, blocked_s=0.1, total_s=0.5)]
+    report = rank_report(
+        memory_per_rank=[{"rank": 0, "peak": 7}, {"rank": 1, "peak": 9}],
+        fingerprint={"host": "h"},
+        resumed_from_step=2,
+        requeues=1,
+        pipeline_bubble_per_rank=[0.2, 0.4],
+        pp_split=split,
+        pretrained_read_bytes_per_rank=[10, 20],
+        skipped_steps=[1],
+        host_other_cpu_share=0.01,
+        compile_s=3.5,
+        checkpoint_saves=saves,
+    )
+    results = assembled(cfg, steps([None, 1.0, 1.0]), report=report)
+    assert results["peak_memory_bytes"] == [7, 9] and results["peak_memory_max_bytes"] == 9
+    assert results["fingerprint"] == {"host": "h"} and results["fingerprint_key"]
+    assert (results["requeues"], results["resumed_from_step"]) == (1, 2)
+    assert results["bubble_per_rank"] == [0.2, 0.4]
+    assert results["bubble_measured"] == pytest.approx(0.3)
+    assert (
+        results["pp_stage_costs_s"] == [0.02, 0.03] and "chose [3, 1]" in results["pp_split_note"]
+    )
+    assert results["pretrained_read_bytes_per_rank"] == [10, 20]
+    assert results["skipped_steps"] == [1]
+    assert (results["host_other_cpu_share"], results["compile_s"]) == (0.01, 3.5)
+    assert results["checkpoint_saves"] == [{"step": 2, "blocked_s": 0.1, "total_s": 0.5}]
+    assert results["checkpoint_blocked_s"] == pytest.approx(0.1)

@@ -19,13 +19,13 @@ import gc
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.layout import Layout, balanced_layer_counts, rank_coords, stage_costs
+from meshrun.core.rank_report import StageSplit
 from meshrun.rank.device import autocast, synchronize
 from meshrun.rank.models import build_model, model_shape
 from meshrun.rank.parallel import materialise
@@ -33,16 +33,6 @@ from meshrun.rank.parallel.pipeline import cut_stage, pipeline_loss
 
 # Timed rounds after one warm-up round (allocations, kernel selection); the median is kept.
 PROBE_ROUNDS = 5
-
-
-@dataclass
-class StageSplit:
-    """The split chosen and each stage's cost under it: seconds of one micro-batch's forward
-    and backward on the stage's slowest rank, as probed."""
-
-    counts: list[int]
-    stage_costs_s: list[float]
-    block_s: float  # one block on the slowest rank: the finest step a split can take
 
 
 def balance_stages(
