@@ -283,55 +283,113 @@ def predict_speed(
     """None when a device's peak is unknown (and no host measurement stands in for it).
     `cost`: what was counted of a model without formulas (formula_cost's otherwise)."""
     layout = Layout.of(cfg.parallel)
-    t = cfg.train
     by_shapes = cost is None and cfg.plan.efficiency is None
     cost = cost or formula_cost(cfg, layout)
-    efficiency = cfg.plan.efficiency or DEFAULT_EFFICIENCY[cfg.hardware.device_type]
     fabric = Fabric.of(cfg)
     m, micro = micro_batching(cfg, layout)
     shares = stage_shares(cfg.model, cfg.parallel, layout)
-    slowest: _Stage | None = None
-    slowest_rates: DeviceRates | None = None
-    for pp_rank, share in enumerate(shares):  # stages x device kinds, never ranks
+    slowest = _slowest_stage(cfg, layout, fabric, shares, micro, cost, host_flops, by_shapes)
+    if slowest is None:
+        return None
+    stage, rates = slowest
+    pp = _pp_comm(cfg, layout, fabric, micro, cost)
+    n_units = max(s.layers for s in shares) + 1  # FSDP2 units: the blocks and the root
+    dp = _dp_comm(cfg, layout, fabric, cost, stage, m, n_units)
+    return _prediction(cfg, layout, cost, m, stage, pp, dp, _contention(dp, rates))
+
+
+def _slowest_stage(
+    cfg: ExperimentConfig,
+    layout: Layout,
+    fabric: Fabric,
+    shares: list[StageShare],
+    micro: int,
+    cost: ModelCost,
+    host_flops: float | None,
+    by_shapes: bool,
+) -> tuple[_Stage, DeviceRates | None] | None:
+    """The stage and device kind every other waits for, with the shape model's rates where it
+    was costed by them; None where a device's peak is unknown. Stages x device kinds, never
+    ranks."""
+    slowest: tuple[_Stage, DeviceRates | None] | None = None
+    for pp_rank, share in enumerate(shares):
         specs = (
             stage_devices(cfg, layout, pp_rank) if cfg.hardware.device_type == "cuda" else [None]
         )
         if not specs:
             return None
         for spec in specs:
-            rates = _rates(cfg, spec) if by_shapes and spec else None
-            if rates:
-                stage = _by_shapes(cfg, layout, share, micro, rates)
-            else:
-                peak = host_flops if spec is None else _peak(cfg, spec)
-                if not peak:
-                    return None
-                stage = _by_flops(cfg, layout, share, micro, cost, peak * efficiency)
-            stage.tp = _tp_comm(cfg, layout, fabric, share, micro, cost)
-            if rates:
-                stage.parts["optimizer"] = optimizer_time(
-                    cost.rank_elements // layout.dp_shard, rates
-                )
-            if slowest is None or _clock(stage) > _clock(slowest):
-                slowest, slowest_rates = stage, rates
-    pp = _pp_comm(cfg, layout, fabric, micro, cost)
-    n_units = max(s.layers for s in shares) + 1  # FSDP2 units: the blocks and the root
-    dp_total, dp_exposed = _dp_comm(cfg, layout, fabric, cost, slowest, m, n_units)
+            timed = _stage_on(cfg, layout, fabric, share, micro, cost, spec, host_flops, by_shapes)
+            if timed is None:
+                return None
+            if slowest is None or _clock(timed[0]) > _clock(slowest[0]):
+                slowest = timed
+    return slowest
+
+
+def _stage_on(
+    cfg: ExperimentConfig,
+    layout: Layout,
+    fabric: Fabric,
+    share: StageShare,
+    micro: int,
+    cost: ModelCost,
+    spec: DeviceSpec | None,
+    host_flops: float | None,
+    by_shapes: bool,
+) -> tuple[_Stage, DeviceRates | None] | None:
+    """One micro-batch of the stage on one kind of device (None: the host's CPU): by matmul
+    shapes where the datasheet gives the rates, else by FLOPs at the expected share of the
+    peak; None where that peak is unknown."""
+    rates = _rates(cfg, spec) if by_shapes and spec else None
+    if rates:
+        stage = _by_shapes(cfg, layout, share, micro, rates)
+    else:
+        peak = host_flops if spec is None else _peak(cfg, spec)
+        if not peak:
+            return None
+        efficiency = cfg.plan.efficiency or DEFAULT_EFFICIENCY[cfg.hardware.device_type]
+        stage = _by_flops(cfg, layout, share, micro, cost, peak * efficiency)
+    stage.tp = _tp_comm(cfg, layout, fabric, share, micro, cost)
+    if rates:
+        stage.parts["optimizer"] = optimizer_time(cost.rank_elements // layout.dp_shard, rates)
+    return stage, rates
+
+
+def _contention(dp: tuple[float, float], rates: DeviceRates | None) -> float:
+    """Seconds the data-parallel collectives hidden behind compute cost it in SMs (none
+    where compute is costed by FLOPs, which knows no SMs)."""
+    dp_total, dp_exposed = dp
+    if not rates:
+        return 0.0
+    return (dp_total - dp_exposed) * min(1.0, NCCL_CHANNELS / rates.sms)
+
+
+def _prediction(
+    cfg: ExperimentConfig,
+    layout: Layout,
+    cost: ModelCost,
+    m: int,
+    stage: _Stage,
+    pp: float,
+    dp: tuple[float, float],
+    contention: float,
+) -> SpeedPrediction:
+    """The step: m micro-batches of the slowest stage stretched by the schedule's bubble,
+    then what of the data-parallel sync is exposed, its SM contention and the optimizer."""
+    dp_total, dp_exposed = dp
     bubble = 0.0
     if layout.pp > 1:
         bubble = theoretical_bubble(layout.pp, n_microbatches(cfg), cfg.parallel.stages_per_rank)
-    optimizer = slowest.parts.get("optimizer", 0.0)
-    contention = 0.0
-    if slowest_rates:
-        contention = (dp_total - dp_exposed) * min(1.0, NCCL_CHANNELS / slowest_rates.sms)
-    pipeline = m * (slowest.compute + slowest.tp + pp)
+    optimizer = stage.parts.get("optimizer", 0.0)
+    pipeline = m * (stage.compute + stage.tp + pp)
     step = pipeline / (1 - bubble) + dp_exposed + contention + optimizer
-    tokens_per_s = t.tokens_per_step / step
+    tokens_per_s = cfg.train.tokens_per_step / step
     breakdown = {
-        **{k: m * v for k, v in slowest.parts.items() if k != "optimizer"},
-        "recompute": m * slowest.recompute,
+        **{k: m * v for k, v in stage.parts.items() if k != "optimizer"},
+        "recompute": m * stage.recompute,
         "optimizer": optimizer,
-        "tp": m * slowest.tp,
+        "tp": m * stage.tp,
         "pp": m * pp,
         "dp": dp_total,
         "dp_exposed": dp_exposed,
@@ -339,12 +397,12 @@ def predict_speed(
         "bubble": pipeline / (1 - bubble) - pipeline,
     }
     return SpeedPrediction(
-        compute_s=m * slowest.compute + optimizer,
-        comm_s=m * (slowest.tp + pp) + dp_total,
+        compute_s=m * stage.compute + optimizer,
+        comm_s=m * (stage.tp + pp) + dp_total,
         bubble=bubble,
         step_time_s=step,
         tokens_per_s=tokens_per_s,
-        exposed_comm_s=m * (slowest.tp + pp) + dp_exposed + contention,
+        exposed_comm_s=m * (stage.tp + pp) + dp_exposed + contention,
         model_tflops_per_device=tokens_per_s * cost.flops_per_token / layout.world_size / 1e12,
         breakdown=breakdown,
     )

@@ -142,7 +142,22 @@ def _gib(n: int) -> str:
 
 def render(cfg: PlanCommandConfig, box: Box, found: Plan, defaults: list[str]) -> None:
     console = Console(width=max(160, Console().width))
-    t, ranked = cfg.train, found.ranked
+    shown = found.ranked[: cfg.top]
+    # soft-wrapped, whole: the title says what was planned
+    console.print(_title(cfg, box, defaults), soft_wrap=True, highlight=False)
+    console.print(_table(shown, box))
+    console.print("run a row with:")
+    for index, c in enumerate(shown, start=1):
+        console.print(f"  {index:>2}  {command(c, box)}", soft_wrap=True, highlight=False)
+    for c in shown:
+        for note in c.notes:
+            console.print(f"[bold]{c.label}[/bold]: {note}")
+    _why_not(console, box, found)
+
+
+def _title(cfg: PlanCommandConfig, box: Box, defaults: list[str]) -> str:
+    """What was planned, with the defaults the command chose, so that a reader need not guess."""
+    t = cfg.train
     nodes = (
         f"{box.nodes} x {cfg.hardware.name} ({box.per_node} ranks each)"
         if box.nodes > 1
@@ -155,7 +170,11 @@ def render(cfg: PlanCommandConfig, box: Box, found: Plan, defaults: list[str]) -
     )
     if defaults:
         title += f" (GPU plan defaults: {', '.join(defaults)})"
-    console.print(title, soft_wrap=True, highlight=False)  # whole: it says what was planned
+    return title
+
+
+def _table(shown: list[Candidate], box: Box) -> Table:
+    """The ranked layouts, one a row, numbered as the commands to run them are."""
     table = Table()
     for column in (
         "#",
@@ -172,7 +191,7 @@ def render(cfg: PlanCommandConfig, box: Box, found: Plan, defaults: list[str]) -
         table.add_column(
             column, justify="left" if column == "layout" else "right", no_wrap=column == "layout"
         )
-    for index, c in enumerate(ranked[: cfg.top], start=1):
+    for index, c in enumerate(shown, start=1):
         top = max(c.memory, key=lambda m: m.peak)
         tokens = f"{c.speed.tokens_per_s:,.0f}" if c.speed else "n/a"
         per_device = f"{c.speed.tokens_per_s / box.world:,.0f}" if c.speed else "n/a"
@@ -189,14 +208,7 @@ def render(cfg: PlanCommandConfig, box: Box, found: Plan, defaults: list[str]) -
             speedup,
             str(c.cfg.train.micro_batch_size),
         )
-    console.print(table)
-    console.print("run a row with:")
-    for index, c in enumerate(ranked[: cfg.top], start=1):
-        console.print(f"  {index:>2}  {command(c, box)}", soft_wrap=True, highlight=False)
-    for c in ranked[: cfg.top]:
-        for note in c.notes:
-            console.print(f"[bold]{c.label}[/bold]: {note}")
-    _why_not(console, box, found)
+    return table
 
 
 def _why_not(console: Console, box: Box, found: Plan) -> None:

@@ -22,9 +22,9 @@ from meshrun.validate.data import check_data
 from meshrun.validate.launcher import check_debug
 from meshrun.validate.layout import (
     check_batch,
+    check_pipeline,
     check_tensor_parallel,
     resolve_layout,
-    resolve_pipeline,
 )
 from meshrun.validate.model import check_model, check_sequence
 from meshrun.validate.slurm import check_slurm
@@ -46,7 +46,8 @@ def validate(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:
 
 
 def validate_layout(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:
-    """Backend, hardware, degrees, ranks and pipeline resolved: enough to predict memory."""
+    """Backend, hardware, degrees and ranks resolved, the pipeline checked: enough to
+    predict memory."""
     check_experiment(cfg)
     hardware = resolve_hardware(cfg.hardware, facts)
     backend = resolve_backend(cfg, hardware, facts)
@@ -57,7 +58,8 @@ def validate_layout(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig
     check_tensor_parallel(resolved)
     if isinstance(resolved.model, CustomModelConfig):
         check_custom_layout(resolved)
-    return resolve_pipeline(resolved)
+    check_pipeline(resolved)
+    return resolved
 
 
 def validate_run(resolved: ExperimentConfig) -> ExperimentConfig:

@@ -7,8 +7,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from pathlib import Path
 
-from meshrun.core.checkpoints import checkpoint_root, complete, find_resume, read_manifest
+from meshrun.core.checkpoints import Manifest, checkpoint_root, complete, find_resume, read_manifest
 from meshrun.core.config import ExperimentConfig, HFModelConfig
 from meshrun.core.errors import fail
 from meshrun.rank.models import build_model, count_params, model_key
@@ -20,6 +21,24 @@ NOT_THE_MODEL = ("name", "pretrained")  # a resume takes the weights from the ch
 
 def check_checkpoint(cfg: ExperimentConfig) -> ExperimentConfig:
     """The config to run: where a resume names a checkpoint, in the run dir it continues."""
+    c = cfg.checkpoint
+    _check_values(cfg)
+    path = find_resume(c, cfg.run_dir)
+    if c.every_steps or c.export != "none":
+        _check_space(cfg)
+    if path is None:
+        return cfg
+    manifest = read_manifest(path)
+    _check_same_model(cfg, manifest)
+    _check_row_order(cfg, manifest)
+    _check_steps_left(cfg, path, manifest)
+    resumed = dataclasses.replace(cfg, run_dir=manifest.run_dir)
+    _check_nothing_overwritten(resumed, manifest)
+    return resumed
+
+
+def _check_values(cfg: ExperimentConfig) -> None:
+    """What `checkpoint.*` may be, before the disk is looked at."""
     c = cfg.checkpoint
     if c.every_steps < 0:
         fail(
@@ -37,22 +56,25 @@ def check_checkpoint(cfg: ExperimentConfig) -> ExperimentConfig:
             "a model=custom module has no Hugging Face form",
             "torch (a consolidated state dict) or none",
         )
-    path = find_resume(c, cfg.run_dir)
-    if c.every_steps or c.export != "none":
-        _check_space(cfg)
-    if path is None:
-        return cfg
-    manifest = read_manifest(path)
+
+
+def _check_same_model(cfg: ExperimentConfig, manifest: Manifest) -> None:
+    """The weights must fit this model; its name and source may differ, as a resume takes the
+    weights from the checkpoint."""
     saved = {k: v for k, v in json.loads(manifest.model).items() if k not in NOT_THE_MODEL}
     ours = {k: v for k, v in json.loads(model_key(cfg.model)[1]).items() if k not in NOT_THE_MODEL}
     if saved != ours:
         differ = sorted(k for k in saved.keys() | ours.keys() if saved.get(k) != ours.get(k))
         fail(
             "checkpoint.resume",
-            c.resume,
+            cfg.checkpoint.resume,
             f"is a checkpoint of another model (model.{', model.'.join(differ)} differ)",
             f"a checkpoint of this model, or the model it was saved with: {saved}",
         )
+
+
+def _check_row_order(cfg: ExperimentConfig, manifest: Manifest) -> None:
+    """A weight whose rows TP regroups loads only under the tp degree that saved it."""
     saved_tp = manifest.degrees.get("tp", 1)
     if saved_tp != cfg.parallel.tp and _regroups_rows(cfg):
         fail(
@@ -62,6 +84,10 @@ def check_checkpoint(cfg: ExperimentConfig) -> ExperimentConfig:
             f"for tp={saved_tp}",
             f"tp={saved_tp}",
         )
+
+
+def _check_steps_left(cfg: ExperimentConfig, path: Path, manifest: Manifest) -> None:
+    """A resume with nothing left to train would only repeat the checkpoint."""
     if manifest.step >= cfg.train.steps:
         fail(
             "train.steps",
@@ -69,8 +95,13 @@ def check_checkpoint(cfg: ExperimentConfig) -> ExperimentConfig:
             f"the checkpoint {path} has trained {manifest.step} steps already",
             f"more than {manifest.step} to train on",
         )
-    resumed = dataclasses.replace(cfg, run_dir=manifest.run_dir)
-    root = checkpoint_root(resumed.checkpoint, resumed.run_dir)
+
+
+def _check_nothing_overwritten(resumed: ExperimentConfig, manifest: Manifest) -> None:
+    """A resume from an older checkpoint that saves again would replace the later ones of the
+    run it continues."""
+    c = resumed.checkpoint
+    root = checkpoint_root(c, resumed.run_dir)
     later = [p.name for p in complete(root) if read_manifest(p).step > manifest.step]
     if later and c.every_steps:
         fail(
@@ -79,7 +110,6 @@ def check_checkpoint(cfg: ExperimentConfig) -> ExperimentConfig:
             f"is older than {', '.join(later)} in {root}: its saves would overwrite them",
             "the latest (checkpoint.resume=auto), or a new checkpoint.dir",
         )
-    return resumed
 
 
 def _regroups_rows(cfg: ExperimentConfig) -> bool:

@@ -173,17 +173,37 @@ def check_tensor_parallel(cfg: ExperimentConfig) -> None:
             )
 
 
-def resolve_pipeline(cfg: ExperimentConfig) -> ExperimentConfig:
-    p, t = cfg.parallel, cfg.train
+def check_pipeline(cfg: ExperimentConfig) -> None:
+    """Nothing of a pipeline is resolved here: n_microbatches derives its m from the batch
+    wherever m is needed."""
+    p = cfg.parallel
     if p.pp == 1:
-        if p.pp_layers:
-            fail(
-                "parallel.pp_layers",
-                p.pp_layers,
-                "only applies to pipelines (pp > 1)",
-                "null, or set parallel.pp",
-            )
-        return cfg
+        _check_no_pipeline(cfg)
+        return
+    _check_stages_per_rank(cfg)
+    shape = model_shape(cfg.model)
+    _check_stage_layers(cfg, shape.n_layers)
+    if shape.tied:
+        key, valid = TIE_KEYS[cfg.model.kind]
+        fail(key, True, "tied weights would sit on different pipeline stages", valid)
+    _check_micro_batches(cfg)
+
+
+def _check_no_pipeline(cfg: ExperimentConfig) -> None:
+    """A split of layers without stages is a mistake in the command, not a no-op."""
+    p = cfg.parallel
+    if p.pp_layers:
+        fail(
+            "parallel.pp_layers",
+            p.pp_layers,
+            "only applies to pipelines (pp > 1)",
+            "null, or set parallel.pp",
+        )
+
+
+def _check_stages_per_rank(cfg: ExperimentConfig) -> None:
+    """The schedule decides how many stages a rank holds: an interleaved one needs several."""
+    p = cfg.parallel
     multi = p.schedule in MULTI_STAGE_SCHEDULES
     if multi and p.stages_per_rank < 2:
         fail(
@@ -199,8 +219,12 @@ def resolve_pipeline(cfg: ExperimentConfig) -> ExperimentConfig:
             f"schedule {p.schedule} runs one stage per rank",
             f"1, or schedule in {MULTI_STAGE_SCHEDULES}",
         )
+
+
+def _check_stage_layers(cfg: ExperimentConfig, n_layers: int) -> None:
+    """Every stage holds at least one layer, in the split pp_layers gives (if it gives one)."""
+    p = cfg.parallel
     stages = p.pp * p.stages_per_rank
-    n_layers = model_shape(cfg.model).n_layers
     if n_layers < stages:
         fail(
             "parallel.pp",
@@ -224,9 +248,12 @@ def resolve_pipeline(cfg: ExperimentConfig) -> ExperimentConfig:
             f"e.g. {stage_layer_counts(n_layers, stages, None)}, or {PP_AUTO} (split by "
             "measured cost)",
         )
-    if model_shape(cfg.model).tied:
-        key, valid = TIE_KEYS[cfg.model.kind]
-        fail(key, True, "tied weights would sit on different pipeline stages", valid)
+
+
+def _check_micro_batches(cfg: ExperimentConfig) -> None:
+    """The pipeline cuts each rank's batch into micro-batches: evenly, and enough of them for
+    every stage rank to hold one (GPipe aside, whose schedule runs with fewer)."""
+    p, t = cfg.parallel, cfg.train
     local = t.global_batch_size // (p.dp_replicate * p.dp_shard)
     if t.micro_batch_size > local or local % t.micro_batch_size:
         fail(
@@ -246,4 +273,3 @@ def resolve_pipeline(cfg: ExperimentConfig) -> ExperimentConfig:
             f"schedule {p.schedule} needs at least one micro-batch per stage rank (pp={p.pp})",
             f"at most {local // p.pp}, or schedule=gpipe",
         )
-    return cfg

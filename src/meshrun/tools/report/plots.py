@@ -14,9 +14,11 @@ import math
 import re
 from collections import defaultdict
 from statistics import mean
-from typing import Any
+from typing import Any, NamedTuple
 
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.image import AxesImage
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
@@ -88,45 +90,13 @@ def speedup(runs: list[dict[str, Any]]) -> Figure | None:
     colours = layout_colours(runs)
     fig = Figure(figsize=(WIDTH, _height(len(measured))), layout="constrained")
     ax_speed, ax_eff = fig.subplots(1, 2, sharey=True, width_ratios=(3, 2))
-    top = 1.0
-    ends: list[tuple[int, float, float, float]] = []  # (row, speedup, whisker end, ideal)
-    for y, run in enumerate(measured):
-        colour, value = colours[layout_of(run)], run["speedup"]
-        low, high = run.get("speedup_p10"), run.get("speedup_p90")
-        if low is not None and high is not None:
-            ax_speed.errorbar(
-                value,
-                y,
-                xerr=[[value - low], [high - value]],
-                fmt="o",
-                color=colour,
-                capsize=5,
-                ms=8,
-                lw=2,
-            )
-            top = max(top, high)
-        else:
-            ax_speed.plot(value, y, "o", ms=8, mfc="white", mec=colour, mew=2)
-        ideal = run.get("devices") or run.get("world_size") or 1
-        ax_speed.plot(ideal, y, "|", ms=22, mew=2.5, color="#555")
-        ends.append((y, value, high if high is not None else value, ideal))
-        if run.get("scaling_efficiency") is not None:
-            ax_eff.plot(run["scaling_efficiency"], y, "o", ms=8, color=colour)
-        top = max(top, value, ideal)
-    right = top * 1.15
+    rows = [
+        _speedup_row(ax_speed, y, run, colours[layout_of(run)]) for y, run in enumerate(measured)
+    ]
+    _efficiency_points(ax_eff, measured, colours)
+    right = max(1.0, *(x for row in rows for x in row.reach)) * 1.15
     ax_speed.set_xlim(0, right)
-    for y, value, end, ideal in ends:
-        # the value right of its whisker, or right of the ideal's bar where it would cross it
-        at = ideal if 0 <= ideal - end < LABEL_SPAN * right else end
-        ax_speed.annotate(
-            f"{value:.2f}x",
-            (at, y),
-            xytext=(8, 0),
-            textcoords="offset points",
-            ha="left",
-            va="center",
-            fontsize="small",
-        )
+    _speedup_labels(ax_speed, rows, right)
     ax_eff.axvline(1.0, ls="--", color="#555")
     ax_eff.set_xlim(0, max(1.1, *(r.get("scaling_efficiency") or 0 for r in measured)) * 1.08)
     _label_rows(ax_speed, measured)
@@ -134,7 +104,70 @@ def speedup(runs: list[dict[str, Any]]) -> Figure | None:
     ax_eff.set_xlabel("scaling efficiency (speedup / devices)")
     for ax in (ax_speed, ax_eff):
         ax.grid(axis="x", alpha=0.3)
-    handles = [
+    fig.legend(handles=_speedup_legend(), loc="outside upper center", ncol=3, frameon=False)
+    return fig
+
+
+class _SpeedupRow(NamedTuple):
+    """What a run's row drew, for its label and for the axis to take in every mark."""
+
+    value: float  # the speedup
+    end: float  # the whisker's right end: the p90 where the run has one, else the value
+    ideal: float
+    reach: tuple[float, ...]  # the x of each mark drawn
+
+
+def _speedup_row(ax: Axes, y: int, run: dict[str, Any], colour: str) -> _SpeedupRow:
+    """The run's speedup and its ideal; whiskers need both percentiles, else the point is
+    hollow: one measurement has no spread to show."""
+    value = run["speedup"]
+    low, high = run.get("speedup_p10"), run.get("speedup_p90")
+    reach: tuple[float, ...] = ()
+    if low is not None and high is not None:
+        ax.errorbar(
+            value,
+            y,
+            xerr=[[value - low], [high - value]],
+            fmt="o",
+            color=colour,
+            capsize=5,
+            ms=8,
+            lw=2,
+        )
+        reach = (high,)
+    else:
+        ax.plot(value, y, "o", ms=8, mfc="white", mec=colour, mew=2)
+    ideal = run.get("devices") or run.get("world_size") or 1
+    ax.plot(ideal, y, "|", ms=22, mew=2.5, color="#555")
+    end = high if high is not None else value
+    return _SpeedupRow(value, end, ideal, (*reach, value, ideal))
+
+
+def _efficiency_points(ax: Axes, runs: list[dict[str, Any]], colours: dict[str, str]) -> None:
+    """On the speedup's rows (the axes share y); a run without an efficiency keeps its row empty."""
+    for y, run in enumerate(runs):
+        if run.get("scaling_efficiency") is not None:
+            ax.plot(run["scaling_efficiency"], y, "o", ms=8, color=colours[layout_of(run)])
+
+
+def _speedup_labels(ax: Axes, rows: list[_SpeedupRow], right: float) -> None:
+    """The value right of its whisker, or right of the ideal's bar where it would cross it."""
+    for y, row in enumerate(rows):
+        at = row.ideal if 0 <= row.ideal - row.end < LABEL_SPAN * right else row.end
+        ax.annotate(
+            f"{row.value:.2f}x",
+            (at, y),
+            xytext=(8, 0),
+            textcoords="offset points",
+            ha="left",
+            va="center",
+            fontsize="small",
+        )
+
+
+def _speedup_legend() -> list[Line2D]:
+    """Keys in grey: the colours are the layouts', which the rows' labels name."""
+    return [
         Line2D(
             [], [], marker="o", color="#333", ms=8, label="speedup, whiskers p10-p90 over rounds"
         ),
@@ -160,8 +193,6 @@ def speedup(runs: list[dict[str, Any]]) -> Figure | None:
             label="ideal (the run's device count)",
         ),
     ]
-    fig.legend(handles=handles, loc="outside upper center", ncol=3, frameon=False)
-    return fig
 
 
 def step_times(runs: list[dict[str, Any]]) -> Figure | None:
@@ -354,12 +385,7 @@ def throughput_heatmaps(runs: list[dict[str, Any]]) -> Figure | None:
     more than one point and completed at one at least, HEATMAPS_PER_ROW to a row; skipped
     points are marked as such, failed ones as failed. Each map has its own colour scale
     (layouts differ tenfold)."""
-    grids = [
-        (key, group)
-        for key, group in _maps(runs).items()
-        if len({(r["global_batch_size"], r["micro_batch_size"]) for r in group}) > 1
-        and any(r.get("tokens_per_s") is not None for r in group)
-    ]
+    grids = _grids(runs)
     if not grids:
         return None
     shown = grids[:MAX_HEATMAPS]
@@ -370,38 +396,7 @@ def throughput_heatmaps(runs: list[dict[str, Any]]) -> Figure | None:
     for ax in axes[len(shown) :]:
         ax.set_axis_off()
     for col, (ax, ((model, layout), group)) in enumerate(zip(axes, shown, strict=False)):
-        batches = sorted({r["global_batch_size"] for r in group})
-        micros = sorted({r["micro_batch_size"] for r in group})
-        cells: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
-        for r in group:
-            cells[
-                (batches.index(r["global_batch_size"]), micros.index(r["micro_batch_size"]))
-            ].append(r)
-        grid = [[float("nan")] * len(micros) for _ in batches]
-        for (i, j), cell in cells.items():
-            done = [r["tokens_per_s"] for r in cell if r.get("tokens_per_s") is not None]
-            if done:
-                grid[i][j] = mean(done)
-        image = ax.imshow(grid, cmap="viridis", origin="lower", aspect="auto")
-        fig.colorbar(image, ax=ax, shrink=0.9)
-        for (i, j), cell in cells.items():
-            value = grid[i][j]
-            if math.isnan(value):  # no run of this point completed
-                ax.text(j, i, cell[-1]["status"], ha="center", va="center", fontsize="small")
-                continue
-            dark = image.norm(value) < 0.6  # viridis: dark blue to yellow
-            ax.text(
-                j,
-                i,
-                f"{value:,.0f}",
-                ha="center",
-                va="center",
-                fontsize="small",
-                color="white" if dark else "black",
-            )
-        ax.set_xticks(range(len(micros)), [str(m) for m in micros])
-        ax.set_yticks(range(len(batches)), [str(b) for b in batches])
-        ax.set_xlabel("micro-batch")
+        _heatmap(fig, ax, group)
         if col % ncols == 0:
             ax.set_ylabel("global batch")
         ax.set_title(f"{model} / {layout}", fontsize="medium")
@@ -411,6 +406,72 @@ def throughput_heatmaps(runs: list[dict[str, Any]]) -> Figure | None:
         fontsize="medium",
     )
     return fig
+
+
+def _grids(runs: list[dict[str, Any]]) -> list[tuple[tuple[str, str], list[dict[str, Any]]]]:
+    """The groups a map says something of: a grid of one point is a single number, and one
+    with no throughput is all blank."""
+    return [
+        (key, group)
+        for key, group in _maps(runs).items()
+        if len({(r["global_batch_size"], r["micro_batch_size"]) for r in group}) > 1
+        and any(r.get("tokens_per_s") is not None for r in group)
+    ]
+
+
+def _heatmap(fig: Figure, ax: Axes, group: list[dict[str, Any]]) -> None:
+    """One group's map: global batches up, micro-batches across, only the sizes it ran."""
+    batches = sorted({r["global_batch_size"] for r in group})
+    micros = sorted({r["micro_batch_size"] for r in group})
+    cells: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
+    for r in group:
+        at = (batches.index(r["global_batch_size"]), micros.index(r["micro_batch_size"]))
+        cells[at].append(r)
+    grid = _mean_throughput(cells, len(batches), len(micros))
+    image = ax.imshow(grid, cmap="viridis", origin="lower", aspect="auto")
+    fig.colorbar(image, ax=ax, shrink=0.9)
+    _label_cells(ax, image, cells, grid)
+    ax.set_xticks(range(len(micros)), [str(m) for m in micros])
+    ax.set_yticks(range(len(batches)), [str(b) for b in batches])
+    ax.set_xlabel("micro-batch")
+
+
+def _mean_throughput(
+    cells: dict[tuple[int, int], list[dict[str, Any]]], rows: int, cols: int
+) -> list[list[float]]:
+    """A point run more than once shows its mean; NaN, which imshow leaves blank, where no
+    run of it measured any."""
+    grid = [[float("nan")] * cols for _ in range(rows)]
+    for (i, j), cell in cells.items():
+        done = [r["tokens_per_s"] for r in cell if r.get("tokens_per_s") is not None]
+        if done:
+            grid[i][j] = mean(done)
+    return grid
+
+
+def _label_cells(
+    ax: Axes,
+    image: AxesImage,
+    cells: dict[tuple[int, int], list[dict[str, Any]]],
+    grid: list[list[float]],
+) -> None:
+    """Each cell's tokens/s in a colour that reads on its shade; a blank cell says why (its
+    last run's status)."""
+    for (i, j), cell in cells.items():
+        value = grid[i][j]
+        if math.isnan(value):  # no run of this point completed
+            ax.text(j, i, cell[-1]["status"], ha="center", va="center", fontsize="small")
+            continue
+        dark = image.norm(value) < 0.6  # viridis: dark blue to yellow
+        ax.text(
+            j,
+            i,
+            f"{value:,.0f}",
+            ha="center",
+            va="center",
+            fontsize="small",
+            color="white" if dark else "black",
+        )
 
 
 def bubble(runs: list[dict[str, Any]]) -> Figure | None:
