@@ -20,7 +20,6 @@ An HTML comment on the line before a block says what else its commands are:
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import re
@@ -100,12 +99,12 @@ def parse_command(text: str) -> tuple[str, tuple[str, ...]] | None:
     if not words or not (words[0] == "torchrun" or words[0] in CONFIGS or words[0] == COLLECT):
         return None  # prose in a diagram is no shell: only a command's line is split as one
     words = shlex.split(" ".join(words), comments=True)
-    if words[0] == "torchrun":
-        at = words.index("-m") if "-m" in words else len(words) - 1
-        if words[at + 1 :] and words[at + 1] in MODULES:
-            return MODULES[words[at + 1]], tuple(words[at + 2 :])
-        return None
-    return words[0], tuple(words[1:])
+    if words[0] != "torchrun":
+        return words[0], tuple(words[1:])
+    at = words.index("-m") + 1 if "-m" in words[:-1] else 0
+    if not at or words[at] not in MODULES:
+        return None  # torchrun of something else
+    return MODULES[words[at]], tuple(words[at + 1 :])
 
 
 def commands_in(path: Path, name: str) -> list[DocCommand]:
@@ -157,8 +156,9 @@ def _hydra_args(args: tuple[str, ...]) -> tuple[tuple[str, ...], bool]:
 
 def _typed(cfg: DictConfig, dir_key: str, subdir_key: str | None) -> None:
     """What Hydra's run_job and then the console script do with a job's config before the
-    job runs: the output dir resolved into hydra.runtime, the `hydra` node dropped, then
-    meshrun's key check and the typed schema object (every interpolation resolved)."""
+    job runs: the output dir resolved into hydra.runtime, the `hydra` node dropped (run_job
+    drops it from a copy; `cfg` is not used again), then meshrun's key check and the typed
+    schema object (every interpolation resolved, `${hydra:...}` through HydraConfig)."""
     saved = HydraConfig.instance().cfg
     try:
         HydraConfig.instance().set_config(cfg)
@@ -167,12 +167,11 @@ def _typed(cfg: DictConfig, dir_key: str, subdir_key: str | None) -> None:
             output_dir /= str(OmegaConf.select(cfg, subdir_key))
         with read_write(cfg.hydra.runtime), open_dict(cfg.hydra.runtime):
             cfg.hydra.runtime.output_dir = str(output_dir.absolute())
-        HydraConfig.instance().set_config(cfg)
-        task = copy.deepcopy(cfg)
-        with read_write(task), open_dict(task):
-            del task["hydra"]
-        check_keys(task)
-        OmegaConf.to_object(task)
+        HydraConfig.instance().set_config(cfg)  # keeps a copy of the hydra node
+        with read_write(cfg), open_dict(cfg):
+            del cfg["hydra"]
+        check_keys(cfg)
+        OmegaConf.to_object(cfg)
     finally:
         HydraConfig.instance().cfg = saved
 
@@ -282,6 +281,8 @@ def test_the_parser_reads_prompts_continuations_comments_markers_and_torchrun(
         "    parallel=fsdp   # a comment\n"
         "NCCL_DEBUG=INFO meshrun-comm backend=gloo\n"
         "torchrun --standalone --nproc-per-node 2 -m meshrun parallel=ddp\n"
+        "torchrun --nproc-per-node 8 -m meshrun.tools.comm.main backend=nccl\n"
+        "torchrun --nproc-per-node 8 -m other.module x=1\n"
         "```\n"
         "<!-- docs-commands: config-error -->\n"
         "```console\n"
@@ -304,8 +305,9 @@ def test_the_parser_reads_prompts_continuations_comments_markers_and_torchrun(
         ("4", "meshrun", ("model=tiny", "parallel=fsdp"), False, None),
         ("6", "meshrun-comm", ("backend=gloo",), False, None),
         ("7", "meshrun", ("parallel=ddp",), False, None),
+        ("8", "meshrun-comm", ("backend=nccl",), False, None),
         (
-            "11",
+            "13",
             "meshrun",
             ("parallel=tp2pp2",),
             True,
