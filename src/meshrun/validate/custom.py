@@ -25,7 +25,7 @@ from meshrun.rank.models.custom import (
 )
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
-README = "see README, Your own nn.Module"
+SEE_DOCS = "see docs/models.md, Any nn.Module"
 
 
 def check_custom(m: CustomModelConfig) -> None:
@@ -140,7 +140,7 @@ def check_custom_layout(cfg: ExperimentConfig) -> None:
                 "parallel.tp",
                 p.tp,
                 "needs a TP plan and model=custom has none",
-                f"set model.tp_plan ({README}), or tp=1",
+                f"set model.tp_plan ({SEE_DOCS}), or tp=1",
             )
         _check_divisible(model, p.tp)
     if p.pp > 1:
@@ -151,7 +151,7 @@ def check_custom_layout(cfg: ExperimentConfig) -> None:
                 p.pp,
                 "a pipeline stage runs embedding -> layers -> norm -> head "
                 f"in sequence, and {', '.join(missing)} is not set",
-                f"set {', '.join(missing)} ({README}), or pp=1",
+                f"set {', '.join(missing)} ({SEE_DOCS}), or pp=1",
             )
     if p.activation_checkpointing != "none" and m.layers is None:
         fail(
