@@ -32,6 +32,7 @@ LONGEST_FIRST = (
     "test_sweeps",
     "test_report_layouts",
     "test_failures",
+    "test_docs_commands",
     "test_fp16",
     "test_eval",
     "test_torchrun",
