@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from meshrun.core.config import LlamaModelConfig
-from meshrun.core.layout import (
+from meshrun.core.stages import (
     balanced_layer_counts,
     local_stage_ids,
     stage_layer_counts,

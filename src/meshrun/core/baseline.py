@@ -8,16 +8,7 @@ import hashlib
 import json
 
 from meshrun.core.config import CheckpointConfig, EvalConfig, ExperimentConfig, ParallelConfig
-from meshrun.core.layout import Layout, layout_name
-
-__all__ = [
-    "baseline_config",
-    "baseline_key",
-    "dp_size",
-    "is_own_baseline",
-    "layout_name",
-    "n_devices",
-]
+from meshrun.core.layout import Layout
 
 
 def dp_size(cfg: ExperimentConfig) -> int:

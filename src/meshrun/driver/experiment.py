@@ -20,8 +20,10 @@ from meshrun.core.baseline import baseline_config, is_own_baseline
 from meshrun.core.checkpoints import checkpoint_root, find_resume, read_manifest, step_dir
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import ConfigError
-from meshrun.core.layout import Layout, layout_name, rerun_overrides, with_layers
+from meshrun.core.layout import Layout
+from meshrun.core.naming import layout_name, rerun_overrides
 from meshrun.core.record import RunRecord
+from meshrun.core.stages import with_layers
 from meshrun.driver.baseline import age_s, needs_baseline, stored_baseline
 from meshrun.driver.failure import explained, with_unflushed
 from meshrun.driver.launch import RankFailure, RunInterrupted

@@ -9,19 +9,14 @@ import math
 from typing import Any
 
 from meshrun.core.baseline import baseline_key, is_own_baseline, n_devices
+from meshrun.core.batch import n_microbatches
 from meshrun.core.checkpoints import checkpoint_root
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.hardware import device_for_rank, fingerprint_key
-from meshrun.core.layout import (
-    PP_AUTO,
-    Layout,
-    layout_name,
-    n_microbatches,
-    rerun_overrides,
-    stage_layer_counts,
-    theoretical_bubble,
-)
+from meshrun.core.layout import Layout
+from meshrun.core.naming import layout_name, rerun_overrides
 from meshrun.core.record import MEMORY_CATEGORIES, RunRecord
+from meshrun.core.stages import PP_AUTO, stage_layer_counts, theoretical_bubble
 from meshrun.plan import predict
 from meshrun.plan.candidate import host_flops
 from meshrun.rank.metrics.flops import mfu, peak_flops

@@ -7,15 +7,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from meshrun.core.batch import n_microbatches
 from meshrun.core.config import ExperimentConfig, ModelConfig, ParallelConfig
-from meshrun.core.layout import (
-    PP_AUTO,
-    Layout,
-    balanced_layer_counts,
-    local_stage_ids,
-    n_microbatches,
-    stage_layer_counts,
-)
+from meshrun.core.layout import Layout
+from meshrun.core.stages import PP_AUTO, balanced_layer_counts, local_stage_ids, stage_layer_counts
 from meshrun.rank.models import model_shape
 from meshrun.rank.models.vocab import padded_vocab
 

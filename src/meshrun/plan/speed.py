@@ -46,9 +46,11 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from meshrun.core.batch import n_microbatches
 from meshrun.core.choices import HALF_PRECISIONS
 from meshrun.core.config import DeviceSpec, ExperimentConfig
-from meshrun.core.layout import Layout, n_microbatches, theoretical_bubble
+from meshrun.core.layout import Layout
+from meshrun.core.stages import theoretical_bubble
 from meshrun.plan.collectives import GB, Fabric, overlapped
 from meshrun.plan.compute import (
     MEMORY_EFFICIENCY,

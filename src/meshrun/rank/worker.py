@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from meshrun.core.config import DebugConfig, ExperimentConfig, from_dict
 from meshrun.core.hardware import host_fingerprint
-from meshrun.core.layout import PP_AUTO, Layout, dp_rank, with_layers
+from meshrun.core.layout import Layout, dp_rank
+from meshrun.core.stages import PP_AUTO, with_layers
 from meshrun.rank.device import autocast
 from meshrun.rank.failures import (
     forget_failure,

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
+from meshrun.core.batch import n_microbatches
 from meshrun.core.config import ExperimentConfig
-from meshrun.core.layout import Layout, n_microbatches
+from meshrun.core.layout import Layout
 from meshrun.rank.models import build_model
 from meshrun.rank.parallel import ParallelModel, parallelize
 from meshrun.rank.train.loss_scale import LossScale

@@ -48,7 +48,8 @@ from meshrun.core.checkpoints import (
     write_manifest,
 )
 from meshrun.core.config import ExperimentConfig
-from meshrun.core.layout import Layout, layout_name
+from meshrun.core.layout import Layout
+from meshrun.core.naming import layout_name
 from meshrun.rank.failures import Stopped
 from meshrun.rank.models import model_key, model_shape
 from meshrun.rank.models.shards import fill, model_name, named_tensors
