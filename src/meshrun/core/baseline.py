@@ -11,10 +11,6 @@ from meshrun.core.config import CheckpointConfig, EvalConfig, ExperimentConfig, 
 from meshrun.core.layout import Layout
 
 
-def dp_size(cfg: ExperimentConfig) -> int:
-    return cfg.parallel.dp_replicate * cfg.parallel.dp_shard
-
-
 def n_devices(cfg: ExperimentConfig) -> int:
     if cfg.parallel.data_parallel == "dataparallel":
         return cfg.parallel.dataparallel_devices
@@ -31,7 +27,8 @@ def baseline_config(cfg: ExperimentConfig) -> ExperimentConfig:
     """
     global_batch = cfg.train.global_batch_size
     if cfg.metrics.scaling == "weak":
-        global_batch //= dp_size(cfg) * max(1, n_devices(cfg) // Layout.of(cfg.parallel).world_size)
+        layout = Layout.of(cfg.parallel)
+        global_batch //= layout.dp_size * max(1, n_devices(cfg) // layout.world_size)
     return dataclasses.replace(
         cfg,
         parallel=ParallelConfig(name="single"),

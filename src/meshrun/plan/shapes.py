@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from meshrun.core.batch import n_microbatches
+from meshrun.core.batch import local_batch_size, n_microbatches
 from meshrun.core.config import ExperimentConfig, ModelConfig, ParallelConfig
 from meshrun.core.layout import Layout
 from meshrun.core.stages import PP_AUTO, balanced_layer_counts, local_stage_ids, stage_layer_counts
@@ -86,7 +86,7 @@ def layer_counts(model: ModelConfig, parallel: ParallelConfig, n_stages: int, tp
 def micro_batching(cfg: ExperimentConfig, layout: Layout) -> tuple[int, int]:
     """(micro-batches of a step, samples in each) on one data-parallel rank: the pipeline
     schedule's m, or gradient accumulation over `train.micro_batch_size`."""
-    local = cfg.train.global_batch_size // layout.dp_size
+    local = local_batch_size(cfg)
     if layout.pp > 1:
         m = n_microbatches(cfg)
         return m, local // m
