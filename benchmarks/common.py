@@ -49,9 +49,9 @@ from torch import nn
 
 from meshrun.core.config import LlamaModelConfig
 from meshrun.core.paths import CONF_DIR, REPO_ROOT
+from meshrun.models import build_model
+from meshrun.models.llama import Transformer
 from meshrun.rank.metrics.host import host_busy_s
-from meshrun.rank.models import build_model
-from meshrun.rank.models.llama import Transformer
 from meshrun.rank.train.data import SyntheticTokens
 
 # Hyperparameters of both sides; meshrun gets them as overrides, so they cannot drift apart.

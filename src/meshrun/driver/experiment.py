@@ -132,7 +132,7 @@ def export(cfg: ExperimentConfig) -> str | None:
     """The final checkpoint's model as `checkpoint.export` asks; a failure costs the export
     (a warning), never the run: the checkpoint stays for another try."""
     # DCP and the model converters: a second of imports that only exporting runs pay
-    from meshrun.rank.models.export import export_checkpoint  # noqa: PLC0415
+    from meshrun.models.export import export_checkpoint  # noqa: PLC0415
 
     final = step_dir(checkpoint_root(cfg.checkpoint, cfg.run_dir), cfg.train.steps)
     try:

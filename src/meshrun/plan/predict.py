@@ -8,10 +8,10 @@ from types import ModuleType
 
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.layout import Layout
+from meshrun.models import build_model, count_params, model_shape
 from meshrun.plan.memory import MemoryPrediction, predict_memory, predict_stages
 from meshrun.plan.speed import SpeedPrediction, predict_speed
 from meshrun.rank.metrics.flops import flops_per_token
-from meshrun.rank.models import build_model, count_params, model_shape
 
 
 def has_formula(cfg: ExperimentConfig) -> bool:

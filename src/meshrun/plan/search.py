@@ -30,10 +30,10 @@ from meshrun.core.config import ExperimentConfig, SlurmLauncherConfig
 from meshrun.core.errors import ConfigError, fail
 from meshrun.core.hardware import HostFacts
 from meshrun.core.layout import Layout
+from meshrun.models import model_shape
 from meshrun.plan import predict
 from meshrun.plan.candidate import Candidate, evaluate, host_flops, legal
 from meshrun.plan.split import uneven_variant
-from meshrun.rank.models import model_shape
 
 # (schedule, stages_per_rank)
 SCHEDULE_CHOICES = (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2))

@@ -11,8 +11,8 @@ from meshrun.core.batch import local_batch_size, n_microbatches
 from meshrun.core.config import ExperimentConfig, ModelConfig, ParallelConfig
 from meshrun.core.layout import Layout
 from meshrun.core.stages import PP_AUTO, balanced_layer_counts, local_stage_ids, stage_layer_counts
-from meshrun.rank.models import model_shape
-from meshrun.rank.models.vocab import padded_vocab
+from meshrun.models import model_shape
+from meshrun.models.vocab import padded_vocab
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class Dims:
 
     @classmethod
     def of(cls, model_cfg: ModelConfig, tp: int = 1) -> Dims:
-        """`tp`: the degree the vocabulary is padded for (rank/models/vocab.py)."""
+        """`tp`: the degree the vocabulary is padded for (models/vocab.py)."""
         m = model_shape(model_cfg)
         head_dim = m.dim // m.n_heads
         return cls(

@@ -22,6 +22,7 @@ from meshrun.core.config import DebugConfig, ExperimentConfig, from_dict
 from meshrun.core.hardware import host_fingerprint
 from meshrun.core.layout import Layout, dp_rank
 from meshrun.core.stages import PP_AUTO, with_layers
+from meshrun.models import model_shape
 from meshrun.rank.device import autocast
 from meshrun.rank.failures import (
     forget_failure,
@@ -37,7 +38,6 @@ from meshrun.rank.metrics.compile_time import CompileClock
 from meshrun.rank.metrics.host import HostLoad, other_cpu_share
 from meshrun.rank.metrics.log import METRICS_FILE, MetricsLog
 from meshrun.rank.metrics.memory import MemoryMeter, ModelState
-from meshrun.rank.models import model_shape
 from meshrun.rank.parallel.balance import balance_stages
 from meshrun.rank.progress import rank_progress
 from meshrun.rank.train.build import COMPUTE_DTYPES, build_training

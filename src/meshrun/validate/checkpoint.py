@@ -11,7 +11,7 @@ import shutil
 from meshrun.core.checkpoints import checkpoint_root, complete, find_resume, read_manifest
 from meshrun.core.config import ExperimentConfig, HFModelConfig
 from meshrun.core.errors import fail
-from meshrun.rank.models import build_model, count_params, model_key
+from meshrun.models import build_model, count_params, model_key
 
 # fp32 weights and AdamW's two moments; optimizer steps and RNG states are noise beside them.
 BYTES_PER_PARAM = 12
@@ -86,7 +86,7 @@ def _regroups_rows(cfg: ExperimentConfig) -> bool:
     """Whether TP stores a weight's rows in a tp-dependent order (GPT-2's fused q|k|v)."""
     if not isinstance(cfg.model, HFModelConfig):
         return False
-    from meshrun.rank.models.hf import SHIPPED_PLANS  # noqa: PLC0415 (meshrun[hf])
+    from meshrun.models.hf import SHIPPED_PLANS  # noqa: PLC0415 (meshrun[hf])
 
     shipped = SHIPPED_PLANS.get(cfg.model.architecture)
     return shipped is not None and shipped.fused_qkv is not None

@@ -10,7 +10,7 @@ from pathlib import Path
 from meshrun.core.choices import DataFormat
 from meshrun.core.config import DataConfig, ExperimentConfig
 from meshrun.core.errors import fail, positive
-from meshrun.rank.models import model_shape
+from meshrun.models import model_shape
 from meshrun.rank.train.data import text_spans
 from meshrun.rank.train.hf_data import TokenCache, n_windows
 

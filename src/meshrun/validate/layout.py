@@ -15,7 +15,7 @@ from meshrun.core.hardware import HostFacts
 from meshrun.core.imports import import_callable
 from meshrun.core.layout import MESH_DIMS, Layout
 from meshrun.core.stages import MULTI_STAGE_SCHEDULES, PP_AUTO, stage_layer_counts
-from meshrun.rank.models import model_shape
+from meshrun.models import model_shape
 from meshrun.validate.launcher import CPU_DEFAULT_RANKS, check_launcher, place_ranks
 
 

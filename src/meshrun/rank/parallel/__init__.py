@@ -103,7 +103,7 @@ def parallelize(
     pretrained: str | None = None,
     compile: bool = False,
 ) -> ParallelModel:
-    """`model` is the full model on the meta device (rank/models); returns this rank's
+    """`model` is the full model on the meta device (meshrun.models); returns this rank's
     materialised share, its weights seeded or read from `pretrained` (a local HF directory).
     `n_microbatches`: a pipeline's per step (core.batch.n_microbatches); `compile`: each
     block through torch.compile (train.compile)."""

@@ -20,9 +20,9 @@ import torch.distributed as dist
 from meshrun.core.baseline import baseline_config
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.layout import Layout
+from meshrun.models import model_shape
 from meshrun.rank.device import synchronize
 from meshrun.rank.metrics.memory import MemoryMeter
-from meshrun.rank.models import model_shape
 from meshrun.rank.train.build import Training, build_training
 from meshrun.rank.train.data import LocalBatches, build_streams
 from meshrun.rank.train.loop import LoopContext, train_step

@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshrun.core.config import LlamaModelConfig
-from meshrun.rank.models.init import seeded_normal
-from meshrun.rank.models.shape import ModelShape
-from meshrun.rank.models.shards import fill, named_tensors
-from meshrun.rank.models.vocab import pad_vocab, unpad_logits, unpadded_shape
+from meshrun.models.init import seeded_normal
+from meshrun.models.shape import ModelShape
+from meshrun.models.shards import fill, named_tensors
+from meshrun.models.vocab import pad_vocab, unpad_logits, unpadded_shape
 
 
 def ffn_dim(cfg: LlamaModelConfig) -> int:
@@ -185,7 +185,7 @@ class Transformer(nn.Module):
     def load_pretrained(self, directory: str) -> int:
         """This rank's share of this part's weights from a Hugging Face Llama
         save_pretrained directory (convert.py); the bytes it read."""
-        from meshrun.rank.models import convert  # noqa: PLC0415 (optional: meshrun[hf])
+        from meshrun.models import convert  # noqa: PLC0415 (optional: meshrun[hf])
 
         read = convert.load_hf(self, directory)
         self._reset_rope()
