@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from meshrun.core.config import CustomModelConfig, HFModelConfig, ModelConfig
+from meshrun.core.model_shape import ModelShape, llama_shape
 from meshrun.models.custom import build_custom, custom_shape
-from meshrun.models.llama import build_llama, llama_shape
-from meshrun.models.shape import ModelShape
+from meshrun.models.llama import build_llama
 
 
 def build_model(
@@ -35,7 +35,7 @@ def build_model(
 
 
 def model_shape(cfg: ModelConfig) -> ModelShape:
-    """The sizes the layout rules and the analytic planner compute with (shape.py)."""
+    """The sizes the layout rules and the analytic planner compute with (core/model_shape.py)."""
     if isinstance(cfg, (HFModelConfig, CustomModelConfig)):
         return _built_shape(*model_key(cfg))
     return llama_shape(cfg)

@@ -21,7 +21,7 @@ from torch import nn
 
 from meshrun.core.config import CustomModelConfig
 from meshrun.core.imports import import_target
-from meshrun.models.shape import ModelShape
+from meshrun.core.model_shape import ModelShape
 from meshrun.models.shards import fill, named_tensors
 from meshrun.models.vocab import pad_vocab, unpad_logits
 

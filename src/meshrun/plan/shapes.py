@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from meshrun.core.batch import local_batch_size, n_microbatches
 from meshrun.core.config import ExperimentConfig, ModelConfig, ParallelConfig
 from meshrun.core.layout import Layout
+from meshrun.core.model_shape import padded_vocab
 from meshrun.core.stages import PP_AUTO, balanced_layer_counts, local_stage_ids, stage_layer_counts
 from meshrun.models import model_shape
-from meshrun.models.vocab import padded_vocab
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from meshrun.core.config import (
     ModelConfig,
 )
 from meshrun.core.errors import fail, positive
-from meshrun.models.llama import ffn_dim, kv_heads
+from meshrun.core.model_shape import ffn_dim, kv_heads
 from meshrun.validate.custom import check_custom
 
 

@@ -8,7 +8,7 @@ FLOPs per token for a training step (forward + backward) follow PaLM's appendix 
 from __future__ import annotations
 
 from meshrun.core.config import DeviceSpec
-from meshrun.models.shape import ModelShape
+from meshrun.core.model_shape import ModelShape
 
 
 def flops_per_token(shape: ModelShape, matmul_params: int, seq_len: int) -> float:
