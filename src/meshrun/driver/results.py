@@ -17,7 +17,7 @@ from meshrun.core.layout import Layout
 from meshrun.core.naming import layout_name, rerun_overrides
 from meshrun.core.record import MEMORY_CATEGORIES, RunRecord
 from meshrun.core.stages import PP_AUTO, stage_layer_counts, theoretical_bubble
-from meshrun.models import build_model, count_params, model_shape
+from meshrun.models import model_shape, param_counts
 from meshrun.plan import predict
 from meshrun.plan.candidate import host_flops
 from meshrun.rank.metrics.flops import mfu, peak_flops
@@ -211,7 +211,7 @@ def host_flags(share: float | None) -> list[str]:
 
 
 def params(cfg: ExperimentConfig) -> int:
-    return count_params(build_model(cfg.model, cfg.train.seq_len, "meta"))[0]
+    return param_counts(cfg.model, cfg.train.seq_len)[0]
 
 
 def assemble(

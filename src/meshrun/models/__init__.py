@@ -69,3 +69,8 @@ def count_params(model: nn.Module) -> tuple[int, int]:
         if isinstance(m, nn.Embedding) and (head is None or m.weight is not head.weight)
     }
     return total, total - sum(lookups.values())
+
+
+def param_counts(cfg: ModelConfig, max_seq_len: int) -> tuple[int, int]:
+    """`count_params` of the model `cfg` builds (on meta: nothing allocated)."""
+    return count_params(build_model(cfg, max_seq_len, "meta"))

@@ -11,7 +11,7 @@ import shutil
 from meshrun.core.checkpoints import checkpoint_root, complete, find_resume, read_manifest
 from meshrun.core.config import ExperimentConfig, HFModelConfig
 from meshrun.core.errors import fail
-from meshrun.models import build_model, count_params, model_key
+from meshrun.models import model_key, param_counts
 
 # fp32 weights and AdamW's two moments; optimizer steps and RNG states are noise beside them.
 BYTES_PER_PARAM = 12
@@ -97,7 +97,7 @@ def _check_space(cfg: ExperimentConfig) -> None:
     existing = next((p for p in (root, *root.parents) if p.exists()), None)
     if existing is None:
         return
-    params = count_params(build_model(cfg.model, cfg.train.seq_len, "meta"))[0]
+    params = param_counts(cfg.model, cfg.train.seq_len)[0]
     need = params * BYTES_PER_PARAM
     free = shutil.disk_usage(existing).free
     if free < need:
