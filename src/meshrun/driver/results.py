@@ -12,6 +12,7 @@ from meshrun.core.baseline import baseline_key, is_own_baseline, n_devices
 from meshrun.core.batch import n_microbatches
 from meshrun.core.checkpoints import checkpoint_root
 from meshrun.core.config import ExperimentConfig
+from meshrun.core.flops import mfu, peak_flops
 from meshrun.core.hardware import device_for_rank, fingerprint_key
 from meshrun.core.layout import Layout
 from meshrun.core.naming import layout_name, rerun_overrides
@@ -20,7 +21,6 @@ from meshrun.core.stages import PP_AUTO, stage_layer_counts, theoretical_bubble
 from meshrun.models import model_shape, param_counts
 from meshrun.plan import predict
 from meshrun.plan.candidate import host_flops
-from meshrun.rank.metrics.flops import mfu, peak_flops
 from meshrun.rank.metrics.throughput import percentile, summarize_steps
 
 # Stage costs further apart than this (relative) after pp_layers=auto are noted as uneven.

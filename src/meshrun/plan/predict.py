@@ -7,11 +7,11 @@ from __future__ import annotations
 from types import ModuleType
 
 from meshrun.core.config import ExperimentConfig
+from meshrun.core.flops import flops_per_token
 from meshrun.core.layout import Layout
 from meshrun.models import model_shape, param_counts
 from meshrun.plan.memory import MemoryPrediction, predict_memory, predict_stages
 from meshrun.plan.speed import SpeedPrediction, predict_speed
-from meshrun.rank.metrics.flops import flops_per_token
 
 
 def has_formula(cfg: ExperimentConfig) -> bool:
@@ -59,7 +59,7 @@ def counted_flops(cfg: ExperimentConfig) -> float | None:
 
 
 def training_flops_per_token(cfg: ExperimentConfig) -> float:
-    """For MFU: PaLM's formula (metrics/flops.py) where it applies, else counted."""
+    """For MFU: PaLM's formula (core/flops.py) where it applies, else counted."""
     if not has_formula(cfg):
         return _tracer().counted_flops_per_token(cfg)
     _, matmul = param_counts(cfg.model, cfg.train.seq_len)

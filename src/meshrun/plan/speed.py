@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass, field
 from meshrun.core.batch import n_microbatches
 from meshrun.core.choices import HALF_PRECISIONS
 from meshrun.core.config import DeviceSpec, ExperimentConfig
+from meshrun.core.flops import flops_per_token
 from meshrun.core.layout import Layout
 from meshrun.core.stages import theoretical_bubble
 from meshrun.models import model_shape
@@ -68,7 +69,6 @@ from meshrun.plan.shapes import (
     micro_batching,
     stage_shares,
 )
-from meshrun.rank.metrics.flops import flops_per_token
 
 # Where compute is costed by FLOPs: the MFU of well-tuned GPU runs; on CPU the share of the
 # probe's matmul rate the model's own matmuls reach (single, DDP and pipeline runs of

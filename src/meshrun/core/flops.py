@@ -1,4 +1,4 @@
-"""Model FLOPs per token and MFU.
+"""Model FLOPs per token and MFU, as the planner predicts them and the record reports them.
 
 FLOPs per token for a training step (forward + backward) follow PaLM's appendix B:
 6 * N + 12 * n_layers * dim * seq_len, N being the parameters that take part in matmuls
