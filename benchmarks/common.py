@@ -90,7 +90,7 @@ class Measurement:
 
 
 def measurement(setup: Setup, step_times: list[float], losses: list[float]) -> Measurement:
-    """The same summary as meshrun's results.json (metrics/throughput.py summarize_steps)."""
+    """The same summary as meshrun's results.json (core/step_stats.py summarize_steps)."""
     tokens_per_s = setup.tokens_per_step * len(step_times) / sum(step_times)
     return Measurement(tokens_per_s, statistics.median(step_times), losses)
 

@@ -18,10 +18,10 @@ from meshrun.core.layout import Layout
 from meshrun.core.naming import layout_name, rerun_overrides
 from meshrun.core.record import MEMORY_CATEGORIES, RunRecord
 from meshrun.core.stages import PP_AUTO, stage_layer_counts, theoretical_bubble
+from meshrun.core.step_stats import percentile, summarize_steps
 from meshrun.models import model_shape, param_counts
 from meshrun.plan import predict
 from meshrun.plan.candidate import host_flops
-from meshrun.rank.metrics.throughput import percentile, summarize_steps
 
 # Stage costs further apart than this (relative) after pp_layers=auto are noted as uneven.
 UNEVEN = 0.01
