@@ -23,6 +23,10 @@ from meshrun.core.errors import ConfigError
 from meshrun.core.layout import Layout
 from meshrun.core.naming import layout_name, rerun_overrides
 from meshrun.core.record import RunRecord
+from meshrun.core.run_files.failures import Stopped
+from meshrun.core.run_files.library_warnings import other_ranks_warnings
+from meshrun.core.run_files.metrics import METRICS_FILE
+from meshrun.core.run_files.positions import clear_records, with_diagnosis
 from meshrun.core.stages import with_layers
 from meshrun.driver.baseline import age_s, needs_baseline, stored_baseline
 from meshrun.driver.failure import explained, with_unflushed
@@ -37,10 +41,6 @@ from meshrun.driver.sinks.console import (
 from meshrun.driver.sinks.live import LiveRun
 from meshrun.driver.sinks.store import ResultsStore
 from meshrun.driver.sinks.wandb_sink import WandbRun
-from meshrun.rank.failures import Stopped
-from meshrun.rank.library_warnings import other_ranks_warnings
-from meshrun.rank.metrics.log import METRICS_FILE
-from meshrun.rank.watchdog import clear_records, with_diagnosis
 
 Launch = Callable[[ExperimentConfig], dict[str, Any] | None]
 RUN_FILE = "run.json"  # the run's identity, which a resume from its checkpoints keeps

@@ -21,22 +21,23 @@ import torch.distributed as dist
 from meshrun.core.config import DebugConfig, ExperimentConfig, from_dict
 from meshrun.core.hardware import host_fingerprint
 from meshrun.core.layout import Layout, dp_rank
-from meshrun.core.stages import PP_AUTO, with_layers
-from meshrun.models import model_shape
-from meshrun.rank.device import autocast
-from meshrun.rank.failures import (
+from meshrun.core.run_files.failures import (
     forget_failure,
     note_finished,
     note_process,
     record_failure,
     record_unflushed,
 )
+from meshrun.core.run_files.metrics import METRICS_FILE
+from meshrun.core.stages import PP_AUTO, with_layers
+from meshrun.models import model_shape
+from meshrun.rank.device import autocast
 from meshrun.rank.library_warnings import show_once
 from meshrun.rank.mesh import build_mesh, dp_group, init_distributed, pp_group, select_device
 from meshrun.rank.metrics.bubble import bubble_per_rank
 from meshrun.rank.metrics.compile_time import CompileClock
 from meshrun.rank.metrics.host import HostLoad, other_cpu_share
-from meshrun.rank.metrics.log import METRICS_FILE, MetricsLog
+from meshrun.rank.metrics.log import MetricsLog
 from meshrun.rank.metrics.memory import MemoryMeter, ModelState
 from meshrun.rank.parallel.balance import balance_stages
 from meshrun.rank.progress import rank_progress
