@@ -49,9 +49,9 @@ from torch import nn
 
 from meshrun.core.config import LlamaModelConfig
 from meshrun.core.paths import CONF_DIR, REPO_ROOT
+from meshrun.models import build_model
+from meshrun.models.llama import Transformer
 from meshrun.rank.metrics.host import host_busy_s
-from meshrun.rank.models import build_model
-from meshrun.rank.models.llama import Transformer
 from meshrun.rank.train.data import SyntheticTokens
 
 # Hyperparameters of both sides; meshrun gets them as overrides, so they cannot drift apart.
@@ -90,7 +90,7 @@ class Measurement:
 
 
 def measurement(setup: Setup, step_times: list[float], losses: list[float]) -> Measurement:
-    """The same summary as meshrun's results.json (metrics/throughput.py summarize_steps)."""
+    """The same summary as meshrun's results.json (core/step_stats.py summarize_steps)."""
     tokens_per_s = setup.tokens_per_step * len(step_times) / sum(step_times)
     return Measurement(tokens_per_s, statistics.median(step_times), losses)
 

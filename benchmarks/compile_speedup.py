@@ -47,9 +47,9 @@ from meshrun.core.layout import Layout, dp_rank
 from meshrun.core.paths import CONF_DIR, REPO_ROOT
 from meshrun.core.schemas import register_schemas
 from meshrun.driver.resolve import resolve
+from meshrun.models import model_shape
 from meshrun.rank.mesh import build_mesh, dp_group, pp_group
 from meshrun.rank.metrics.memory import MemoryMeter
-from meshrun.rank.models import model_shape
 from meshrun.rank.train.build import build_training
 from meshrun.rank.train.data import LocalBatches, build_streams
 from meshrun.rank.train.loop import LoopContext, train_step

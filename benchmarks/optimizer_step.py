@@ -19,7 +19,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from meshrun.rank.models import build_model
+from meshrun.models import build_model
 from meshrun.rank.train.optim import LocalAdamW
 from tests.helpers import compose_config
 

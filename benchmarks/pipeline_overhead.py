@@ -20,8 +20,8 @@ from common import GRAD_CLIP, SEED, HandRank, Setup, adamw, main, step_tokens
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 from meshrun.core.config import LlamaModelConfig
-from meshrun.rank.models import build_model
-from meshrun.rank.models.llama import Transformer
+from meshrun.models import build_model
+from meshrun.models.llama import Transformer
 from meshrun.rank.train.data import SyntheticTokens
 
 

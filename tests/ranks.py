@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from meshrun.core.run_files.failures import first_failure
 from meshrun.driver.launch import TRAIN, RankEntry, RankFailure
-from meshrun.rank.failures import first_failure
 from tests.helpers import resolved_config
 
 JOB_TIMEOUT_S = 240.0

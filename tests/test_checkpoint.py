@@ -18,7 +18,7 @@ import pytest
 from meshrun.core.checkpoints import MANIFEST, complete, read_manifest
 from meshrun.core.errors import ConfigError
 from meshrun.driver.experiment import RunFailed, measure, run_experiment
-from meshrun.rank.models import model_shape
+from meshrun.models import model_shape
 from tests.cli import TRAIN_DEFAULTS
 from tests.helpers import transformers_first_loss
 from tests.ranks import config_in, losses

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from meshrun.rank.models import build_model
+from meshrun.models import build_model
 from meshrun.rank.parallel.compile import apply_compile
 from tests.helpers import compose_config
 from tests.ranks import assert_steps_match

@@ -17,9 +17,9 @@ from meshrun.core.config import LlamaModelConfig
 from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import HostFacts
 from meshrun.driver.resolve import resolve
-from meshrun.rank.models import convert
-from meshrun.rank.models.checkpoint_files import SAFETENSORS_INDEX, SavedTensors
-from meshrun.rank.models.llama import Transformer, build_llama
+from meshrun.models import convert
+from meshrun.models.checkpoint_files import SAFETENSORS_INDEX, SavedTensors
+from meshrun.models.llama import Transformer, build_llama
 from meshrun.rank.parallel.pipeline import cut_stage
 from tests.helpers import compose_config, transformers_first_loss
 from tests.ranks import losses

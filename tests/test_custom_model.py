@@ -11,8 +11,8 @@ import torch
 from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import HostFacts
 from meshrun.driver.resolve import resolve
+from meshrun.models import build_model, model_shape
 from meshrun.plan.traced import traced_memory
-from meshrun.rank.models import build_model, model_shape
 from meshrun.rank.parallel.pipeline import cut_stage
 from tests.helpers import compose_config, resolved_config
 from tests.ranks import losses

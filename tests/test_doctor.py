@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshrun.rank.watchdog import read_positions
+from meshrun.core.run_files.positions import read_positions
 from meshrun.tools.doctor import main as doctor_main
 from meshrun.tools.doctor.devices import (
     CudaGpu,

@@ -8,7 +8,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from meshrun.core.layout import Layout
-from meshrun.rank.models import build_model
+from meshrun.models import build_model
 from meshrun.rank.parallel.fsdp import apply_fsdp
 from tests.helpers import resolved_config
 

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshrun.core.config import TrainConfig
-from meshrun.rank.models import build_model
+from meshrun.models import build_model
 from meshrun.rank.train.optim import LocalAdamW, LocalGrads, build_optimizer
 from tests.helpers import compose_config
 

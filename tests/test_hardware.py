@@ -13,6 +13,7 @@ from meshrun.core.config import (
     LlamaModelConfig,
     NetworkConfig,
 )
+from meshrun.core.flops import flops_per_token, mfu, peak_flops
 from meshrun.core.hardware import (
     CudaDevice,
     HostFacts,
@@ -23,7 +24,6 @@ from meshrun.core.hardware import (
     resolve_hardware,
 )
 from meshrun.core.paths import CONF_DIR
-from meshrun.rank.metrics.flops import flops_per_token, mfu, peak_flops
 from meshrun.validate import validate
 from tests.helpers import compose_config
 

@@ -15,8 +15,8 @@ from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import HostFacts
 from meshrun.driver.experiment import measure
 from meshrun.driver.resolve import resolve
-from meshrun.rank.models import build_model, model_shape
-from meshrun.rank.models.hf import build_hf, hf_config, model_class
+from meshrun.models import build_model, model_shape
+from meshrun.models.hf import build_hf, hf_config, model_class
 from tests.helpers import compose_config, transformers_first_loss
 from tests.ranks import config_in, losses
 from tests.test_layouts import MICRO4  # TP without a pipeline: 2 micro-batches

@@ -1,4 +1,4 @@
-"""One name per layout (core.layout.layout_name), from the resolved config through the record
+"""One name per layout (core.naming.layout_name), from the resolved config through the record
 to the store and the report; the overrides that run a layout again (layout_overrides) compose
 back to the same name; the micro-batch count follows from train.micro_batch_size alone."""
 
@@ -9,11 +9,12 @@ import shlex
 
 import pytest
 
+from meshrun.core.batch import n_microbatches
 from meshrun.core.config import ParallelConfig
 from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import HostFacts
-from meshrun.core.layout import layout_name, layout_overrides, n_microbatches, rerun_overrides
 from meshrun.core.measured import Measured, RunMeta
+from meshrun.core.naming import layout_name, layout_overrides, rerun_overrides
 from meshrun.core.tool_config import RunFilter
 from meshrun.driver.results import assemble
 from meshrun.driver.sinks.compare import cells

@@ -8,7 +8,8 @@ import warnings
 
 import pytest
 
-from meshrun.rank.library_warnings import other_ranks_warnings, show_once
+from meshrun.core.run_files.library_warnings import other_ranks_warnings
+from meshrun.rank.library_warnings import show_once
 
 
 @pytest.fixture

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from meshrun.core.step_stats import percentile, summarize_steps
 from meshrun.rank.metrics import memory as memory_module
 from meshrun.rank.metrics.memory import FWD_BWD_END, STEP_START, MemoryMeter
-from meshrun.rank.metrics.throughput import StepClock, percentile, summarize_steps
+from meshrun.rank.metrics.step_clock import StepClock
 
 MIB = 2**20
 CPU = torch.device("cpu")

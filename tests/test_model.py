@@ -10,9 +10,9 @@ import torch
 from omegaconf import OmegaConf
 
 from meshrun.core.config import LlamaModelConfig
+from meshrun.core.model_shape import ffn_dim
 from meshrun.core.paths import CONF_DIR
-from meshrun.rank.models import build_model, count_params
-from meshrun.rank.models.llama import ffn_dim
+from meshrun.models import build_model, count_params
 
 SEQ = 16
 

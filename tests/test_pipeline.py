@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from meshrun.core.config import LlamaModelConfig
-from meshrun.core.layout import (
+from meshrun.core.stages import (
     balanced_layer_counts,
     local_stage_ids,
     stage_layer_counts,
@@ -15,8 +15,8 @@ from meshrun.core.layout import (
 from meshrun.driver.experiment import record
 from meshrun.driver.sinks.console import print_summary
 from meshrun.driver.sinks.store import ResultsStore
+from meshrun.models import build_model
 from meshrun.rank.metrics.bubble import bubble_per_rank
-from meshrun.rank.models import build_model
 from meshrun.rank.parallel.pipeline import cut_stage
 
 

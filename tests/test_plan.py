@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 
 from meshrun.core.layout import Layout
+from meshrun.models import build_model
 from meshrun.plan.memory import predict_stages
 from meshrun.plan.probe import host_matmul_flops
 from meshrun.plan.shapes import Dims, StageShare, layer_counts, local_param_elements
 from meshrun.plan.speed import formula_cost, predict_speed
 from meshrun.plan.split import proportional
 from meshrun.plan.traced import traced_cost
-from meshrun.rank.models import build_model
 from meshrun.tools import plan_command
 from tests.cli import CliRun, run_console
 from tests.helpers import compose_config, resolved_config

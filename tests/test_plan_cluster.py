@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from meshrun.core.layout import layout_name
+from meshrun.core.naming import layout_name
 from tests.helpers import compose_config
 from tests.test_plan import meshrun_plan, plan_run
 

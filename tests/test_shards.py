@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from safetensors.torch import save_file
 
-from meshrun.rank.models.checkpoint_files import SavedTensors
-from meshrun.rank.models.shards import Reordered, Transposed, fill
+from meshrun.models.checkpoint_files import SavedTensors
+from meshrun.models.shards import Reordered, Transposed, fill
 
 FULL = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
 BOXES = [

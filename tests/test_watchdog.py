@@ -9,8 +9,9 @@ import sys
 import textwrap
 import time
 
-from meshrun.rank.failures import first_failure
-from meshrun.rank.watchdog import GRACE_S, Watchdog, diagnose, read_positions, step_collectives
+from meshrun.core.run_files.failures import first_failure
+from meshrun.core.run_files.positions import diagnose, read_positions
+from meshrun.rank.watchdog import GRACE_S, Watchdog, step_collectives
 from tests.test_failures import failed_run
 
 HANG = (

@@ -8,20 +8,7 @@ import hashlib
 import json
 
 from meshrun.core.config import CheckpointConfig, EvalConfig, ExperimentConfig, ParallelConfig
-from meshrun.core.layout import Layout, layout_name
-
-__all__ = [
-    "baseline_config",
-    "baseline_key",
-    "dp_size",
-    "is_own_baseline",
-    "layout_name",
-    "n_devices",
-]
-
-
-def dp_size(cfg: ExperimentConfig) -> int:
-    return cfg.parallel.dp_replicate * cfg.parallel.dp_shard
+from meshrun.core.layout import Layout
 
 
 def n_devices(cfg: ExperimentConfig) -> int:
@@ -40,7 +27,8 @@ def baseline_config(cfg: ExperimentConfig) -> ExperimentConfig:
     """
     global_batch = cfg.train.global_batch_size
     if cfg.metrics.scaling == "weak":
-        global_batch //= dp_size(cfg) * max(1, n_devices(cfg) // Layout.of(cfg.parallel).world_size)
+        layout = Layout.of(cfg.parallel)
+        global_batch //= layout.dp_size * max(1, n_devices(cfg) // layout.world_size)
     return dataclasses.replace(
         cfg,
         parallel=ParallelConfig(name="single"),

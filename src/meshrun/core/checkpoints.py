@@ -27,7 +27,7 @@ class Manifest:
 
     step: int  # steps trained: the step a resume starts at
     run_dir: str
-    model: str  # the model config as JSON (rank.models.model_key), checked on resume
+    model: str  # the model config as JSON (models.model_key), checked on resume
     layout: str
     degrees: dict[str, int]
     vocab_rows: int  # the embedding's rows, padded to a multiple of tp

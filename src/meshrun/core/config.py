@@ -51,7 +51,7 @@ class ModelConfig:
 class LlamaModelConfig(ModelConfig):
     """kind=meshrun: meshrun's own LLaMA-style decoder; `ffn_dim` None means SwiGLU's 8/3*dim
     rounded to `multiple_of`; `pretrained` is a LlamaForCausalLM of the preset's sizes
-    (rank/models/convert.py)."""
+    (models/convert.py)."""
 
     dim: int = MISSING
     n_layers: int = MISSING

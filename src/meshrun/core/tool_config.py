@@ -105,7 +105,7 @@ def comm_from_dict(data: dict[str, Any]) -> CommRunConfig:
 @dataclass
 class RunFilter:
     """Unset fields match everything. `layout` matches the layout's name (`fsdp2 x tp2`,
-    core.layout.layout_name) or a preset run as shipped (`ddp`: not a ddp run whose degrees
+    core.naming.layout_name) or a preset run as shipped (`ddp`: not a ddp run whose degrees
     were overridden into another layout); dates are UTC days, both inclusive; `latest` as
     the sweep picks the newest sweep in the store."""
 

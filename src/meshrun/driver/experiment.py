@@ -18,10 +18,16 @@ from meshrun.core.baseline import baseline_config, is_own_baseline
 from meshrun.core.checkpoints import checkpoint_root, find_resume, read_manifest, step_dir
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import ConfigError
-from meshrun.core.layout import Layout, layout_name, rerun_overrides, with_layers
+from meshrun.core.layout import Layout
 from meshrun.core.measured import Measured, Role, RunMeta
+from meshrun.core.naming import layout_name, rerun_overrides
 from meshrun.core.rank_report import RankReport, TwinStep
 from meshrun.core.record import RunRecord
+from meshrun.core.run_files.failures import Stopped
+from meshrun.core.run_files.library_warnings import other_ranks_warnings
+from meshrun.core.run_files.metrics import METRICS_FILE
+from meshrun.core.run_files.positions import clear_records, with_diagnosis
+from meshrun.core.stages import with_layers
 from meshrun.driver.baseline import age_s, needs_baseline, stored_baseline
 from meshrun.driver.failure import explained, with_unflushed
 from meshrun.driver.launch import RankFailure, RunInterrupted
@@ -35,10 +41,6 @@ from meshrun.driver.sinks.console import (
 from meshrun.driver.sinks.live import LiveRun
 from meshrun.driver.sinks.store import ResultsStore
 from meshrun.driver.sinks.wandb_sink import WandbRun
-from meshrun.rank.failures import Stopped
-from meshrun.rank.library_warnings import other_ranks_warnings
-from meshrun.rank.metrics.log import METRICS_FILE
-from meshrun.rank.watchdog import clear_records, with_diagnosis
 
 Launch = Callable[[ExperimentConfig], RankReport | None]
 RUN_FILE = "run.json"  # the run's identity, which a resume from its checkpoints keeps
@@ -129,7 +131,7 @@ def export(cfg: ExperimentConfig) -> str | None:
     """The final checkpoint's model as `checkpoint.export` asks; a failure costs the export
     (a warning), never the run: the checkpoint stays for another try."""
     # DCP and the model converters: a second of imports that only exporting runs pay
-    from meshrun.rank.models.export import export_checkpoint  # noqa: PLC0415
+    from meshrun.models.export import export_checkpoint  # noqa: PLC0415
 
     final = step_dir(checkpoint_root(cfg.checkpoint, cfg.run_dir), cfg.train.steps)
     try:

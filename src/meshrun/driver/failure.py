@@ -1,7 +1,7 @@
 """What a failed run leaves behind, made whole: the steps its ranks finished after the last
-log step (each rank wrote its own as it failed; rank/failures.py), and why a rank that died
-without a word died, in the run's memory terms (the plan's prediction, the rank's last
-resident sample, the host, the kernel's OOM counter)."""
+log step (each rank wrote its own as it failed; core/run_files/failures.py), and why a rank
+that died without a word died, in the run's memory terms (the plan's prediction, the rank's
+last resident sample, the host, the kernel's OOM counter)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import torch
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.hardware import HostFacts, oom_kills
 from meshrun.core.layout import Layout, dp_rank, rank_coords
+from meshrun.core.run_files.failures import read_unflushed
+from meshrun.core.run_files.positions import read_positions
 from meshrun.driver.launch import SIGNAL_UNSEEN, RankFailure
 from meshrun.plan import predict
-from meshrun.rank.failures import read_unflushed
-from meshrun.rank.watchdog import read_positions
 
 GiB = 2**30
 

@@ -1,5 +1,5 @@
 """data=hf's one tokenization: in the driver, before any rank starts, into a cache the ranks
-memory-map (rank/train/hf_data.py reads the layout written here).
+memory-map (its format: core/data_files.py).
 
 The cache's name is a fingerprint of everything its tokens depend on: the dataset's files
 (path, size, mtime), the tokenizer's files (contents), the text field, the format and the
@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from meshrun.core.config import DataConfig, ExperimentConfig, RunConfig, with_resolved
+from meshrun.core.data_files import META_FILE, OFFSETS_FILE, TOKENS_FILE, TokenCache
 from meshrun.core.errors import fail
-from meshrun.rank.train.hf_data import META_FILE, OFFSETS_FILE, TOKENS_FILE, TokenCache
 from meshrun.validate.data import check_vocab, check_windows, dataset_format
 
 CACHE_VERSION = 1

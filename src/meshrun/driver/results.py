@@ -10,26 +10,21 @@ from dataclasses import asdict
 from typing import Any
 
 from meshrun.core.baseline import baseline_key, is_own_baseline, n_devices
+from meshrun.core.batch import n_microbatches
 from meshrun.core.checkpoints import checkpoint_root
 from meshrun.core.config import ExperimentConfig
+from meshrun.core.flops import mfu, peak_flops
 from meshrun.core.hardware import device_for_rank, fingerprint_key
-from meshrun.core.layout import (
-    PP_AUTO,
-    Layout,
-    layout_name,
-    n_microbatches,
-    rerun_overrides,
-    stage_layer_counts,
-    theoretical_bubble,
-)
+from meshrun.core.layout import Layout
 from meshrun.core.measured import Measured, RunMeta
+from meshrun.core.naming import layout_name, rerun_overrides
 from meshrun.core.rank_report import CheckpointSave, RankReport, StageSplit
 from meshrun.core.record import MEMORY_CATEGORIES, RunRecord
+from meshrun.core.stages import PP_AUTO, stage_layer_counts, theoretical_bubble
+from meshrun.core.step_stats import percentile, summarize_steps
+from meshrun.models import model_shape, param_counts
 from meshrun.plan import predict
 from meshrun.plan.candidate import host_flops
-from meshrun.rank.metrics.flops import mfu, peak_flops
-from meshrun.rank.metrics.throughput import percentile, summarize_steps
-from meshrun.rank.models import build_model, count_params, model_shape
 
 # Stage costs further apart than this (relative) after pp_layers=auto are noted as uneven.
 UNEVEN = 0.01
@@ -219,7 +214,7 @@ def host_flags(share: float | None) -> list[str]:
 
 
 def params(cfg: ExperimentConfig) -> int:
-    return count_params(build_model(cfg.model, cfg.train.seq_len, "meta"))[0]
+    return param_counts(cfg.model, cfg.train.seq_len)[0]
 
 
 def assemble(cfg: ExperimentConfig, measured: Measured, baseline: RunRecord | None) -> RunRecord:

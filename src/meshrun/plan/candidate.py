@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from meshrun.core.batch import n_microbatches
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.hardware import HostFacts
-from meshrun.core.layout import Layout, layout_name, layout_overrides, n_microbatches
+from meshrun.core.layout import Layout
+from meshrun.core.naming import layout_name, layout_overrides
 from meshrun.plan import predict
 from meshrun.plan.memory import MemoryPrediction
 from meshrun.plan.placement import stage_devices

@@ -7,11 +7,11 @@ from __future__ import annotations
 from types import ModuleType
 
 from meshrun.core.config import ExperimentConfig
+from meshrun.core.flops import flops_per_token
 from meshrun.core.layout import Layout
+from meshrun.models import model_shape, param_counts
 from meshrun.plan.memory import MemoryPrediction, predict_memory, predict_stages
 from meshrun.plan.speed import SpeedPrediction, predict_speed
-from meshrun.rank.metrics.flops import flops_per_token
-from meshrun.rank.models import build_model, count_params, model_shape
 
 
 def has_formula(cfg: ExperimentConfig) -> bool:
@@ -59,8 +59,8 @@ def counted_flops(cfg: ExperimentConfig) -> float | None:
 
 
 def training_flops_per_token(cfg: ExperimentConfig) -> float:
-    """For MFU: PaLM's formula (metrics/flops.py) where it applies, else counted."""
+    """For MFU: PaLM's formula (core/flops.py) where it applies, else counted."""
     if not has_formula(cfg):
         return _tracer().counted_flops_per_token(cfg)
-    _, matmul = count_params(build_model(cfg.model, cfg.train.seq_len, "meta"))
+    _, matmul = param_counts(cfg.model, cfg.train.seq_len)
     return flops_per_token(model_shape(cfg.model), matmul, cfg.train.seq_len)

@@ -25,14 +25,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshrun.core.baseline import baseline_config
+from meshrun.core.batch import local_batch_size
 from meshrun.core.config import ExperimentConfig, SlurmLauncherConfig
 from meshrun.core.errors import ConfigError, fail
 from meshrun.core.hardware import HostFacts
 from meshrun.core.layout import Layout
+from meshrun.models import model_shape
 from meshrun.plan import predict
 from meshrun.plan.candidate import Candidate, evaluate, host_flops, legal
 from meshrun.plan.split import uneven_variant
-from meshrun.rank.models import model_shape
 
 # (schedule, stages_per_rank)
 SCHEDULE_CHOICES = (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2))
@@ -151,10 +152,10 @@ def with_parallel(cfg: ExperimentConfig, box: Box, **keys: Any) -> ExperimentCon
     return dataclasses.replace(cfg, parallel=parallel, launcher=launcher)
 
 
-def _micro_batches(cfg: ExperimentConfig, dp: int, fixed: frozenset[str]) -> list[int]:
+def _micro_batches(cfg: ExperimentConfig, fixed: frozenset[str]) -> list[int]:
     if "train.micro_batch_size" in fixed:
         return [cfg.train.micro_batch_size]
-    local = cfg.train.global_batch_size // dp
+    local = local_batch_size(cfg)
     return [m for m in MICRO_BATCH_SIZES if m <= local and local % m == 0] or [1]
 
 
@@ -184,8 +185,7 @@ def best_variant(
     """A layout's fastest variant that fits, else its smallest; None if none is legal."""
     fitting: Candidate | None = None
     smallest: Candidate | None = None
-    dp = Layout.of(cfg.parallel).dp_size
-    for micro in _micro_batches(cfg, dp, fixed):
+    for micro in _micro_batches(cfg, fixed):
         train = dataclasses.replace(cfg.train, micro_batch_size=micro)
         for ckpt, view in _variants(dataclasses.replace(cfg, train=train), fixed):
             ddp = dataclasses.replace(cfg.parallel.ddp, gradient_as_bucket_view=view)

@@ -7,17 +7,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from meshrun.core.batch import local_batch_size, n_microbatches
 from meshrun.core.config import ExperimentConfig, ModelConfig, ParallelConfig
-from meshrun.core.layout import (
-    PP_AUTO,
-    Layout,
-    balanced_layer_counts,
-    local_stage_ids,
-    n_microbatches,
-    stage_layer_counts,
-)
-from meshrun.rank.models import model_shape
-from meshrun.rank.models.vocab import padded_vocab
+from meshrun.core.layout import Layout
+from meshrun.core.model_shape import padded_vocab
+from meshrun.core.stages import PP_AUTO, balanced_layer_counts, local_stage_ids, stage_layer_counts
+from meshrun.models import model_shape
 
 
 @dataclass(frozen=True)
@@ -36,7 +31,7 @@ class Dims:
 
     @classmethod
     def of(cls, model_cfg: ModelConfig, tp: int = 1) -> Dims:
-        """`tp`: the degree the vocabulary is padded for (rank/models/vocab.py)."""
+        """`tp`: the degree the vocabulary is padded for (models/vocab.py)."""
         m = model_shape(model_cfg)
         head_dim = m.dim // m.n_heads
         return cls(
@@ -91,7 +86,7 @@ def layer_counts(model: ModelConfig, parallel: ParallelConfig, n_stages: int, tp
 def micro_batching(cfg: ExperimentConfig, layout: Layout) -> tuple[int, int]:
     """(micro-batches of a step, samples in each) on one data-parallel rank: the pipeline
     schedule's m, or gradient accumulation over `train.micro_batch_size`."""
-    local = cfg.train.global_batch_size // layout.dp_size
+    local = local_batch_size(cfg)
     if layout.pp > 1:
         m = n_microbatches(cfg)
         return m, local // m

@@ -46,9 +46,13 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from meshrun.core.batch import n_microbatches
 from meshrun.core.choices import HALF_PRECISIONS
 from meshrun.core.config import DeviceSpec, ExperimentConfig
-from meshrun.core.layout import Layout, n_microbatches, theoretical_bubble
+from meshrun.core.flops import flops_per_token
+from meshrun.core.layout import Layout
+from meshrun.core.stages import theoretical_bubble
+from meshrun.models import model_shape
 from meshrun.plan.collectives import GB, Fabric, overlapped
 from meshrun.plan.compute import (
     MEMORY_EFFICIENCY,
@@ -65,8 +69,6 @@ from meshrun.plan.shapes import (
     micro_batching,
     stage_shares,
 )
-from meshrun.rank.metrics.flops import flops_per_token
-from meshrun.rank.models import model_shape
 
 # Where compute is costed by FLOPs: the MFU of well-tuned GPU runs; on CPU the share of the
 # probe's matmul rate the model's own matmuls reach (single, DDP and pipeline runs of

@@ -10,9 +10,9 @@ from meshrun.core.config import DeviceSpec, ExperimentConfig
 from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import HostFacts
 from meshrun.core.layout import Layout
+from meshrun.models import model_shape
 from meshrun.plan.candidate import Candidate, evaluate, legal
 from meshrun.plan.placement import stage_devices
-from meshrun.rank.models import model_shape
 
 GiB = 2**30
 

@@ -37,11 +37,11 @@ from torch.utils.flop_counter import FlopCounterMode
 from meshrun.core.choices import HALF_PRECISIONS
 from meshrun.core.config import ExperimentConfig, ModelConfig, ParallelConfig, from_dict
 from meshrun.core.layout import Layout
+from meshrun.models import build_model, model_key, model_shape
 from meshrun.plan.memory import MemoryPrediction, in_flight
 from meshrun.plan.shapes import layer_counts, micro_batching
 from meshrun.plan.speed import ModelCost
 from meshrun.rank.mesh import build_mesh
-from meshrun.rank.models import build_model, model_key, model_shape
 from meshrun.rank.parallel import materialise, sharded_part, stage_parts
 from meshrun.rank.train.optim import build_optimizer
 

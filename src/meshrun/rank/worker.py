@@ -9,9 +9,6 @@ import contextlib
 import dataclasses
 import gc
 import os
-import signal
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,26 +17,29 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshrun.core.config import DebugConfig, RunConfig, from_dict
+from meshrun.core.config import RunConfig, from_dict
 from meshrun.core.hardware import host_fingerprint
-from meshrun.core.layout import PP_AUTO, Layout, dp_rank, with_layers
+from meshrun.core.layout import Layout, dp_rank
 from meshrun.core.rank_report import CheckpointSave, RankReport, StageSplit
-from meshrun.rank.device import autocast
-from meshrun.rank.failures import (
+from meshrun.core.run_files.failures import (
     forget_failure,
     note_finished,
     note_process,
     record_failure,
     record_unflushed,
 )
+from meshrun.core.run_files.metrics import METRICS_FILE
+from meshrun.core.stages import PP_AUTO, with_layers
+from meshrun.models import model_shape
+from meshrun.rank.device import autocast
+from meshrun.rank.faults import fault_injector
 from meshrun.rank.library_warnings import show_once
 from meshrun.rank.mesh import build_mesh, dp_group, init_distributed, pp_group, select_device
 from meshrun.rank.metrics.bubble import bubble_per_rank
 from meshrun.rank.metrics.compile_time import CompileClock
 from meshrun.rank.metrics.host import HostLoad, other_cpu_share
-from meshrun.rank.metrics.log import METRICS_FILE, MetricsLog
+from meshrun.rank.metrics.log import MetricsLog
 from meshrun.rank.metrics.memory import MemoryMeter, ModelState
-from meshrun.rank.models import model_shape
 from meshrun.rank.parallel.balance import balance_stages
 from meshrun.rank.progress import RankProgress, rank_progress
 from meshrun.rank.train.build import COMPUTE_DTYPES, Training, build_training
@@ -60,22 +60,6 @@ def _freeze_libraries() -> None:
     as torchrun's rank 0 with its baseline) stays collectable."""
     if gc.get_freeze_count() == 0:
         gc.freeze()
-
-
-def fault_injector(debug: DebugConfig, rank: int) -> Callable[[int], None] | None:
-    if debug.fail_rank != rank:
-        return None
-
-    def inject(step: int) -> None:
-        if step != debug.fail_step:
-            return
-        if debug.fail_mode == "hang":
-            threading.Event().wait()  # the peers' collectives must time out
-        if debug.fail_mode == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)  # no exception, no record: as the OOM killer
-        raise RuntimeError(f"injected failure on rank {rank} at step {step} (debug.fail_rank)")
-
-    return inject
 
 
 def run_rank(cfg_dict: dict[str, Any]) -> RankReport | None:

@@ -23,11 +23,11 @@ from omegaconf import DictConfig, OmegaConf
 from rich.table import Table
 from rich.text import Text
 
-from meshrun.core.baseline import layout_name
 from meshrun.core.config import DebugConfig, ExperimentConfig, ParallelConfig
 from meshrun.core.errors import ConfigError, positive
 from meshrun.core.hardware import HostFacts
 from meshrun.core.measured import Measured
+from meshrun.core.naming import layout_name
 from meshrun.core.tool_config import TOLERANCES, VerifyExperimentConfig
 from meshrun.driver.command import hydra_command
 from meshrun.driver.experiment import measure

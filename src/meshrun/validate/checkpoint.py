@@ -12,7 +12,7 @@ from pathlib import Path
 from meshrun.core.checkpoints import Manifest, checkpoint_root, complete, find_resume, read_manifest
 from meshrun.core.config import ExperimentConfig, HFModelConfig
 from meshrun.core.errors import fail
-from meshrun.rank.models import build_model, count_params, model_key
+from meshrun.models import model_key, param_counts
 
 # fp32 weights and AdamW's two moments; optimizer steps and RNG states are noise beside them.
 BYTES_PER_PARAM = 12
@@ -116,7 +116,7 @@ def _regroups_rows(cfg: ExperimentConfig) -> bool:
     """Whether TP stores a weight's rows in a tp-dependent order (GPT-2's fused q|k|v)."""
     if not isinstance(cfg.model, HFModelConfig):
         return False
-    from meshrun.rank.models.hf import SHIPPED_PLANS  # noqa: PLC0415 (meshrun[hf])
+    from meshrun.models.hf import SHIPPED_PLANS  # noqa: PLC0415 (meshrun[hf])
 
     shipped = SHIPPED_PLANS.get(cfg.model.architecture)
     return shipped is not None and shipped.fused_qkv is not None
@@ -127,7 +127,7 @@ def _check_space(cfg: ExperimentConfig) -> None:
     existing = next((p for p in (root, *root.parents) if p.exists()), None)
     if existing is None:
         return
-    params = count_params(build_model(cfg.model, cfg.train.seq_len, "meta"))[0]
+    params = param_counts(cfg.model, cfg.train.seq_len)[0]
     need = params * BYTES_PER_PARAM
     free = shutil.disk_usage(existing).free
     if free < need:

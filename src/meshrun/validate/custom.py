@@ -15,7 +15,7 @@ from torch import nn
 from meshrun.core.choices import TP_STYLES
 from meshrun.core.config import CustomModelConfig, ExperimentConfig
 from meshrun.core.errors import fail
-from meshrun.rank.models.custom import (
+from meshrun.models.custom import (
     PARTS,
     CustomLM,
     build_custom,

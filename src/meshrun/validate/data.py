@@ -9,10 +9,9 @@ from pathlib import Path
 
 from meshrun.core.choices import DataFormat
 from meshrun.core.config import DataConfig, ExperimentConfig
+from meshrun.core.data_files import TokenCache, n_windows, text_spans
 from meshrun.core.errors import fail, positive
-from meshrun.rank.models import model_shape
-from meshrun.rank.train.data import text_spans
-from meshrun.rank.train.hf_data import TokenCache, n_windows
+from meshrun.models import model_shape
 
 # A file's format by its suffix; a directory is a `save_to_disk` dataset.
 SUFFIXES = {

@@ -8,19 +8,14 @@ import dataclasses
 import math
 import os
 
+from meshrun.core.batch import local_batch_size, n_microbatches
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import fail
 from meshrun.core.hardware import HostFacts
 from meshrun.core.imports import import_callable
-from meshrun.core.layout import (
-    MESH_DIMS,
-    MULTI_STAGE_SCHEDULES,
-    PP_AUTO,
-    Layout,
-    n_microbatches,
-    stage_layer_counts,
-)
-from meshrun.rank.models import model_shape
+from meshrun.core.layout import MESH_DIMS, Layout
+from meshrun.core.stages import MULTI_STAGE_SCHEDULES, PP_AUTO, stage_layer_counts
+from meshrun.models import model_shape
 from meshrun.validate.launcher import CPU_DEFAULT_RANKS, check_launcher, place_ranks
 
 
@@ -93,7 +88,7 @@ def _resolve_dataparallel(cfg: ExperimentConfig, facts: HostFacts):
 
 def check_batch(cfg: ExperimentConfig) -> None:
     t, p = cfg.train, cfg.parallel
-    dp = p.dp_replicate * p.dp_shard
+    dp = Layout.of(p).dp_size
     unit = t.micro_batch_size * dp
     if t.global_batch_size % unit:
         fail(
@@ -104,16 +99,15 @@ def check_batch(cfg: ExperimentConfig) -> None:
             f"a multiple of {unit}, e.g. {unit} or {2 * unit}",
         )
     ddp = p.dp_replicate > 1 and p.dp_shard == 1 and p.tp == 1 and p.pp == 1
-    accumulates = t.global_batch_size // unit > 1
+    accumulates = n_microbatches(cfg) > 1
     if ddp and p.ddp.static_graph and accumulates:
         # torch 2.13's reducer asserts (expect_autograd_hooks_) in the first no_sync backward
         fail(
             "parallel.ddp.static_graph",
             True,
-            f"fails inside torch's DDP when a step accumulates {t.global_batch_size // unit} "
+            f"fails inside torch's DDP when a step accumulates {n_microbatches(cfg)} "
             "micro-batches (no_sync)",
-            f"false, or train.micro_batch_size={t.global_batch_size // dp} (one micro-batch "
-            "a step)",
+            f"false, or train.micro_batch_size={local_batch_size(cfg)} (one micro-batch a step)",
         )
 
 
@@ -159,7 +153,7 @@ def check_tensor_parallel(cfg: ExperimentConfig) -> None:
         "model.n_heads": m.n_heads,
         "model.n_kv_heads": m.n_kv_heads,
         "model ffn hidden size": m.ffn_dim,
-    }  # the vocabulary is padded to a multiple of tp (rank/models/vocab.py)
+    }  # the vocabulary is padded to a multiple of tp (core/model_shape.py)
     if p.sequence_parallel:
         dims["train.seq_len"] = cfg.train.seq_len
     for name, size in dims.items():
@@ -254,13 +248,13 @@ def _check_micro_batches(cfg: ExperimentConfig) -> None:
     """The pipeline cuts each rank's batch into micro-batches: evenly, and enough of them for
     every stage rank to hold one (GPipe aside, whose schedule runs with fewer)."""
     p, t = cfg.parallel, cfg.train
-    local = t.global_batch_size // (p.dp_replicate * p.dp_shard)
+    local = local_batch_size(cfg)
     if t.micro_batch_size > local or local % t.micro_batch_size:
         fail(
             "train.micro_batch_size",
             t.micro_batch_size,
             f"must divide the local batch (global "
-            f"{t.global_batch_size} / dp {p.dp_replicate * p.dp_shard} = {local}); the "
+            f"{t.global_batch_size} / dp {Layout.of(p).dp_size} = {local}); the "
             "pipeline runs local / micro_batch_size micro-batches",
             f"a divisor of {local}",
         )

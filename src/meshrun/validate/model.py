@@ -19,7 +19,7 @@ from meshrun.core.config import (
     ModelConfig,
 )
 from meshrun.core.errors import fail, positive
-from meshrun.rank.models.llama import ffn_dim, kv_heads
+from meshrun.core.model_shape import ffn_dim, kv_heads
 from meshrun.validate.custom import check_custom
 
 
@@ -40,7 +40,7 @@ def check_sequence(cfg: ExperimentConfig) -> None:
     m, seq = cfg.model, cfg.train.seq_len
     if not isinstance(m, HFModelConfig):
         return
-    from meshrun.rank.models import hf  # noqa: PLC0415 (optional dependency: meshrun[hf])
+    from meshrun.models import hf  # noqa: PLC0415 (optional dependency: meshrun[hf])
 
     c = hf.hf_config(m)
     window = getattr(c, "sliding_window", None) if getattr(c, "use_sliding_window", True) else None
@@ -100,7 +100,7 @@ def _check_llama_pretrained(m: LlamaModelConfig) -> None:
             "reading a checkpoint needs safetensors, which is not installed",
             "pip install 'meshrun[hf]'",
         )
-    from meshrun.rank.models import convert  # noqa: PLC0415 (optional dependency: meshrun[hf])
+    from meshrun.models import convert  # noqa: PLC0415 (optional dependency: meshrun[hf])
 
     saved = _saved_config(m.pretrained, convert.ARCHITECTURE)
     try:
@@ -133,7 +133,7 @@ def _check_hf(m: HFModelConfig) -> None:
             f"model={m.name} needs Hugging Face transformers, which is not installed",
             "pip install 'meshrun[hf]'",
         )
-    from meshrun.rank.models import hf  # noqa: PLC0415 (optional dependency: meshrun[hf])
+    from meshrun.models import hf  # noqa: PLC0415 (optional dependency: meshrun[hf])
 
     try:
         cls = hf.model_class(m.architecture)

@@ -23,9 +23,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from meshrun.core.config import ExperimentConfig
+from meshrun.core.run_files.failures import first_failure, recorded_failures
 from meshrun.core.tool_config import CommRunConfig
 from meshrun.driver.launch import SIGNAL_UNSEEN, TRAIN, RankEntry, RankFailure, RunInterrupted
-from meshrun.rank.failures import first_failure, recorded_failures
 
 logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
 

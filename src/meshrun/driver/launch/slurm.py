@@ -27,11 +27,11 @@ from typing import Any
 import submitit
 
 from meshrun.core.config import ExperimentConfig, SlurmLauncherConfig
+from meshrun.core.run_files.failures import first_failure
 from meshrun.core.tool_config import CommRunConfig
 from meshrun.driver.launch import TRAIN, RankEntry, RankFailure
 from meshrun.driver.launch.slurm_task import SlurmTask
 from meshrun.driver.sinks.console import console
-from meshrun.rank.failures import first_failure
 
 SLURM_DIR = "slurm"
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import submitit
 
+from meshrun.core.run_files.failures import Stopped
 from meshrun.driver.launch import RankEntry
-from meshrun.rank.failures import Stopped
 
 _warned: list[int] = []
 

@@ -9,7 +9,7 @@ from datetime import date, datetime, timezone
 from typing import Any
 
 from meshrun.core.errors import ConfigError
-from meshrun.core.layout import is_preset_layout
+from meshrun.core.naming import is_preset_layout
 from meshrun.core.tool_config import RunFilter
 
 LATEST = "latest"
@@ -67,7 +67,7 @@ def sweeps(runs: list[dict[str, Any]]) -> list[Sweep]:
 
 
 def layout_of(run: dict[str, Any]) -> str:
-    """The run's canonical layout name (core.layout.layout_name); a point skipped before its
+    """The run's canonical layout name (core.naming.layout_name); a point skipped before its
     degrees were known is stored under its preset's name, a row without any by its preset."""
     return run.get("layout_name") or run.get("parallel") or "?"
 

@@ -1,6 +1,5 @@
-"""The run's per-step records: rank 0 appends each log step's to `<run dir>/metrics.jsonl` as
-it happens. The driver follows the file while the ranks train (its live W&B run) and reads it
-whole once they are done (completed or failed)."""
+"""Rank 0's writer of the run's per-step records (metrics.jsonl, core/run_files/metrics.py):
+each log step's appended as it happens, then handed to the sinks (the progress bar)."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-METRICS_FILE = "metrics.jsonl"
 Sink = Callable[[list[dict[str, Any]]], None]
 
 

@@ -22,7 +22,8 @@ from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.nn.parallel import DistributedDataParallel
 
 from meshrun.core.config import ParallelConfig
-from meshrun.core.layout import Layout, local_stage_ids, stage_layer_counts
+from meshrun.core.layout import Layout
+from meshrun.core.stages import local_stage_ids, stage_layer_counts
 from meshrun.rank.parallel.checkpointing import apply_activation_checkpointing
 from meshrun.rank.parallel.compile import apply_compile
 from meshrun.rank.parallel.dataparallel import apply_dataparallel
@@ -102,9 +103,9 @@ def parallelize(
     pretrained: str | None = None,
     compile: bool = False,
 ) -> ParallelModel:
-    """`model` is the full model on the meta device (rank/models); returns this rank's
+    """`model` is the full model on the meta device (meshrun.models); returns this rank's
     materialised share, its weights seeded or read from `pretrained` (a local HF directory).
-    `n_microbatches`: a pipeline's per step (core.layout.n_microbatches); `compile`: each
+    `n_microbatches`: a pipeline's per step (core.batch.n_microbatches); `compile`: each
     block through torch.compile (train.compile)."""
     pp_rank = mesh.get_local_rank("pp") if layout.pp > 1 else 0
     stage_ids, n_stages = pipeline_stages(pp_rank, layout, cfg)

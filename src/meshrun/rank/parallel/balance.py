@@ -24,10 +24,11 @@ import torch
 import torch.distributed as dist
 
 from meshrun.core.config import ExperimentConfig
-from meshrun.core.layout import Layout, balanced_layer_counts, rank_coords, stage_costs
+from meshrun.core.layout import Layout, rank_coords
 from meshrun.core.rank_report import StageSplit
+from meshrun.core.stages import balanced_layer_counts, stage_costs
+from meshrun.models import build_model, model_shape
 from meshrun.rank.device import autocast, synchronize
-from meshrun.rank.models import build_model, model_shape
 from meshrun.rank.parallel import materialise
 from meshrun.rank.parallel.pipeline import cut_stage, pipeline_loss
 

@@ -28,7 +28,7 @@ from torch.distributed.pipelining.schedules import (
 
 from meshrun.core.choices import Schedule
 from meshrun.core.config import ParallelConfig
-from meshrun.core.layout import MULTI_STAGE_SCHEDULES
+from meshrun.core.stages import MULTI_STAGE_SCHEDULES
 
 # Keyed by the config's enum, which is the one list of schedule names (tests check they agree).
 SCHEDULES = {

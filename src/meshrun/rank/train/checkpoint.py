@@ -48,11 +48,12 @@ from meshrun.core.checkpoints import (
     write_manifest,
 )
 from meshrun.core.config import ExperimentConfig
-from meshrun.core.layout import Layout, layout_name
-from meshrun.rank.failures import Stopped
-from meshrun.rank.models import model_key, model_shape
-from meshrun.rank.models.shards import fill, model_name, named_tensors
-from meshrun.rank.models.vocab import VOCAB_MODULES
+from meshrun.core.layout import Layout
+from meshrun.core.naming import layout_name
+from meshrun.core.run_files.failures import Stopped
+from meshrun.models import model_key, model_shape
+from meshrun.models.shards import fill, model_name, named_tensors
+from meshrun.models.vocab import VOCAB_MODULES
 from meshrun.rank.parallel import ParallelModel
 from meshrun.rank.train.loss_scale import LossScale
 

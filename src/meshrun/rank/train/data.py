@@ -20,7 +20,6 @@ An evaluation reads the same samples of it each time (`HeldoutBatches`).
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch
 from torch.utils.data import Sampler
 
 from meshrun.core.config import DataConfig
+from meshrun.core.data_files import text_spans
 from meshrun.rank.train.hf_data import HFWindows, hf_streams
 
 _MIX = 0x9E3779B97F4A7C15 & (2**62 - 1)
@@ -70,13 +70,6 @@ class TextBytes:
         starts = (torch.arange(samples.start, samples.stop) * length) % room
         windows = self.span.start + starts[:, None] + torch.arange(length)[None, :]
         return self.tokens[windows].long().to(device, non_blocking=True)
-
-
-def text_spans(n_bytes: int, heldout_fraction: float) -> tuple[range, range]:
-    """Byte spans of data=text's training part and held-out part (the last
-    ceil(fraction x bytes))."""
-    cut = n_bytes - math.ceil(n_bytes * heldout_fraction)
-    return range(0, cut), range(cut, n_bytes)
 
 
 Source = SyntheticTokens | TextBytes | HFWindows

@@ -1,59 +1,19 @@
-"""data=hf in a rank: the driver's tokenized cache (driver/prepare_data.py) memory-mapped,
-cut into windows of seq_len + 1 tokens.
-
-A cache directory holds every document's tokens, each followed by the separator, as one flat
-array (`tokens.bin`), the token offset where each document starts (`offsets.npy`, one more
-entry than documents: the end) and `meta.json`. The held-out split is the last documents, so
-no document is in both splits; each split is cut into non-overlapping windows on its own.
-Ranks only read: the cache is written once, before any rank starts.
+"""data=hf in a rank: the driver's tokenized cache (core/data_files.py) memory-mapped, each
+split cut into non-overlapping windows of seq_len + 1 tokens, visited in a seeded per-epoch
+order, read through a DataLoader. Ranks only read: the cache is written once, before any rank
+starts.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import multiprocessing
-from functools import cached_property
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from meshrun.core.config import DataConfig
-
-TOKENS_FILE = "tokens.bin"
-OFFSETS_FILE = "offsets.npy"
-META_FILE = "meta.json"
-
-
-class TokenCache:
-    """A prepared cache directory: its meta, its document offsets, its tokens (mapped lazily,
-    so that pickling a window stream to a DataLoader worker never copies them)."""
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.meta: dict[str, Any] = json.loads((self.path / META_FILE).read_text())
-
-    @cached_property
-    def offsets(self) -> np.ndarray:
-        return np.load(self.path / OFFSETS_FILE)
-
-    @cached_property
-    def tokens(self) -> np.ndarray:
-        return np.memmap(self.path / TOKENS_FILE, dtype=self.meta["dtype"], mode="r")
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path, "meta": self.meta}  # the maps reopen in the new process
-
-    def spans(self, heldout_fraction: float) -> tuple[range, range]:
-        """Token spans of the training and the held-out documents (the last
-        ceil(fraction x documents) of them)."""
-        n_docs = len(self.offsets) - 1
-        first_heldout = n_docs - math.ceil(n_docs * heldout_fraction)
-        cut, end = int(self.offsets[first_heldout]), int(self.offsets[-1])
-        return range(0, cut), range(cut, end)
+from meshrun.core.data_files import TokenCache, n_windows
 
 
 class WindowOrder:
@@ -123,10 +83,6 @@ class HFWindows(Dataset):
             persistent_workers=workers > 0,
             multiprocessing_context="fork" if forked else None,
         )
-
-
-def n_windows(span: range, length: int) -> int:
-    return len(span) // length
 
 
 def hf_streams(

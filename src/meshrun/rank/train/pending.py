@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from meshrun.rank.metrics.throughput import StepClock
+from meshrun.rank.metrics.step_clock import StepClock
 
 
 def step_records(

@@ -22,9 +22,9 @@ from meshrun.core.baseline import baseline_config
 from meshrun.core.config import RunConfig
 from meshrun.core.layout import Layout
 from meshrun.core.rank_report import TwinStep
+from meshrun.models import model_shape
 from meshrun.rank.device import synchronize
 from meshrun.rank.metrics.memory import MemoryMeter
-from meshrun.rank.models import model_shape
 from meshrun.rank.train.build import Training, build_training
 from meshrun.rank.train.data import LocalBatches, build_streams
 from meshrun.rank.train.loop import LoopContext, train_step

@@ -20,11 +20,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshrun.core.run_files.failures import record_failure
 from meshrun.core.tool_config import CommConfig, comm_from_dict
-from meshrun.rank.failures import record_failure
+from meshrun.rank.faults import fault_injector
 from meshrun.rank.mesh import init_distributed, select_device
 from meshrun.rank.watchdog import Watchdog
-from meshrun.rank.worker import fault_injector
 from meshrun.tools.comm.busbw import algbw_gbs, busbw_gbs, element_count, sizes
 
 DTYPES = {

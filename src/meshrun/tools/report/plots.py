@@ -2,7 +2,7 @@
 
 Each function takes the selected runs and returns a Figure, or None when the selection holds
 nothing it could show (no pipeline runs for the bubble plot, ...). Runs are compared by their
-canonical layout name (core.layout.layout_name), never by the preset they were started
+canonical layout name (core.naming.layout_name), never by the preset they were started
 from, and each layout keeps its colour in every plot. Figures are WIDTH wide, so that at the
 page's resolution they fit a 1400 px window unscaled; runs are rows with their label beside
 them (horizontal bars and boxes), and legends sit outside the axes, never over the data.

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshrun.core.errors import ConfigError
-from meshrun.core.layout import preset_names
+from meshrun.core.naming import preset_names
 from meshrun.core.tool_config import ReportConfig
 from meshrun.driver.compose import nearest
 from meshrun.driver.sinks.selection import LATEST, layout_of, sweeps

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from meshrun.core.config import CustomModelConfig, HFModelConfig, ModelConfig
-from meshrun.rank.models.custom import build_custom, custom_shape
-from meshrun.rank.models.llama import build_llama, llama_shape
-from meshrun.rank.models.shape import ModelShape
+from meshrun.core.model_shape import ModelShape, llama_shape
+from meshrun.models.custom import build_custom, custom_shape
+from meshrun.models.llama import build_llama
 
 
 def build_model(
@@ -26,7 +26,7 @@ def build_model(
     """Build on `device`; on "meta" nothing is allocated (shape and size questions only).
     `vocab_multiple`: the TP degree, which the vocabulary is padded to (vocab.py)."""
     if isinstance(cfg, HFModelConfig):
-        from meshrun.rank.models import hf  # noqa: PLC0415 (optional dependency: meshrun[hf])
+        from meshrun.models import hf  # noqa: PLC0415 (optional dependency: meshrun[hf])
 
         return hf.build_hf(cfg, device, vocab_multiple)
     if isinstance(cfg, CustomModelConfig):
@@ -35,7 +35,7 @@ def build_model(
 
 
 def model_shape(cfg: ModelConfig) -> ModelShape:
-    """The sizes the layout rules and the analytic planner compute with (shape.py)."""
+    """The sizes the layout rules and the analytic planner compute with (core/model_shape.py)."""
     if isinstance(cfg, (HFModelConfig, CustomModelConfig)):
         return _built_shape(*model_key(cfg))
     return llama_shape(cfg)
@@ -53,7 +53,7 @@ def _built_shape(schema: type[ModelConfig], cfg_json: str) -> ModelShape:
     cfg = schema(**json.loads(cfg_json))
     if schema is CustomModelConfig:
         return custom_shape(cfg)
-    from meshrun.rank.models import hf  # noqa: PLC0415 (optional dependency: meshrun[hf])
+    from meshrun.models import hf  # noqa: PLC0415 (optional dependency: meshrun[hf])
 
     return hf.hf_shape(cfg)
 
@@ -69,3 +69,8 @@ def count_params(model: nn.Module) -> tuple[int, int]:
         if isinstance(m, nn.Embedding) and (head is None or m.weight is not head.weight)
     }
     return total, total - sum(lookups.values())
+
+
+def param_counts(cfg: ModelConfig, max_seq_len: int) -> tuple[int, int]:
+    """`count_params` of the model `cfg` builds (on meta: nothing allocated)."""
+    return count_params(build_model(cfg, max_seq_len, "meta"))

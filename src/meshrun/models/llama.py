@@ -13,33 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshrun.core.config import LlamaModelConfig
-from meshrun.rank.models.init import seeded_normal
-from meshrun.rank.models.shape import ModelShape
-from meshrun.rank.models.shards import fill, named_tensors
-from meshrun.rank.models.vocab import pad_vocab, unpad_logits, unpadded_shape
-
-
-def ffn_dim(cfg: LlamaModelConfig) -> int:
-    if cfg.ffn_dim is not None:
-        return cfg.ffn_dim
-    hidden = int(2 * (4 * cfg.dim) / 3)
-    return cfg.multiple_of * math.ceil(hidden / cfg.multiple_of)
-
-
-def kv_heads(cfg: LlamaModelConfig) -> int:
-    return cfg.n_kv_heads or cfg.n_heads
-
-
-def llama_shape(cfg: LlamaModelConfig) -> ModelShape:
-    return ModelShape(
-        cfg.dim,
-        cfg.n_layers,
-        cfg.n_heads,
-        kv_heads(cfg),
-        cfg.vocab_size,
-        ffn_dim(cfg),
-        cfg.tie_embeddings,
-    )
+from meshrun.core.model_shape import ffn_dim, kv_heads
+from meshrun.models.init import seeded_normal
+from meshrun.models.shards import fill, named_tensors
+from meshrun.models.vocab import pad_vocab, unpad_logits, unpadded_shape
 
 
 def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,7 +162,7 @@ class Transformer(nn.Module):
     def load_pretrained(self, directory: str) -> int:
         """This rank's share of this part's weights from a Hugging Face Llama
         save_pretrained directory (convert.py); the bytes it read."""
-        from meshrun.rank.models import convert  # noqa: PLC0415 (optional: meshrun[hf])
+        from meshrun.models import convert  # noqa: PLC0415 (optional: meshrun[hf])
 
         read = convert.load_hf(self, directory)
         self._reset_rope()

@@ -21,9 +21,9 @@ from torch import nn
 
 from meshrun.core.config import CustomModelConfig
 from meshrun.core.imports import import_target
-from meshrun.rank.models.shape import ModelShape
-from meshrun.rank.models.shards import fill, named_tensors
-from meshrun.rank.models.vocab import pad_vocab, unpad_logits
+from meshrun.core.model_shape import ModelShape
+from meshrun.models.shards import fill, named_tensors
+from meshrun.models.vocab import pad_vocab, unpad_logits
 
 # our name for a part -> the config key that holds its path in the user's module
 PARTS = {"tok_embeddings": "embedding", "norm": "norm", "output": "head"}

@@ -1,4 +1,4 @@
-"""Model FLOPs per token and MFU.
+"""Model FLOPs per token and MFU, as the planner predicts them and the record reports them.
 
 FLOPs per token for a training step (forward + backward) follow PaLM's appendix B:
 6 * N + 12 * n_layers * dim * seq_len, N being the parameters that take part in matmuls
@@ -8,7 +8,7 @@ FLOPs per token for a training step (forward + backward) follow PaLM's appendix 
 from __future__ import annotations
 
 from meshrun.core.config import DeviceSpec
-from meshrun.rank.models.shape import ModelShape
+from meshrun.core.model_shape import ModelShape
 
 
 def flops_per_token(shape: ModelShape, matmul_params: int, seq_len: int) -> float:

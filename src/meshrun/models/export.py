@@ -15,9 +15,9 @@ from torch import nn
 from meshrun.core.checkpoints import read_manifest
 from meshrun.core.choices import ExportFormat
 from meshrun.core.config import HFModelConfig, LlamaModelConfig, ModelConfig
-from meshrun.rank.models import build_model
-from meshrun.rank.models.convert import export_hf
-from meshrun.rank.models.vocab import unpadded_shape
+from meshrun.models import build_model
+from meshrun.models.convert import export_hf
+from meshrun.models.vocab import unpadded_shape
 
 TORCH_FILE = "model.pt"
 
@@ -56,7 +56,7 @@ def _unpadded(name: str, tensor: torch.Tensor, vocab: int | None) -> torch.Tenso
 def _save_transformers(model: nn.Module, cfg: HFModelConfig, out: Path) -> None:
     """Our tensors under transformers' names, in a model of its own class: save_pretrained
     then writes what from_pretrained reads (config, tied weights, safetensors)."""
-    from meshrun.rank.models.hf import hf_config, model_class  # noqa: PLC0415 (meshrun[hf])
+    from meshrun.models.hf import hf_config, model_class  # noqa: PLC0415 (meshrun[hf])
 
     theirs = {}
     for name, param in model.named_parameters():

@@ -9,11 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from meshrun.core.model_shape import padded_vocab
+
 VOCAB_MODULES = ("tok_embeddings", "output")
-
-
-def padded_vocab(vocab: int, multiple: int) -> int:
-    return -(-vocab // multiple) * multiple
 
 
 def pad_vocab(model: nn.Module, vocab: int, multiple: int) -> None:

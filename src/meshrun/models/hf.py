@@ -22,11 +22,11 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
 from meshrun.core.config import HFModelConfig
-from meshrun.rank.models.checkpoint_files import SavedTensors
-from meshrun.rank.models.init import seeded_normal
-from meshrun.rank.models.shape import ModelShape
-from meshrun.rank.models.shards import Reordered, Source, Transposed, fill, named_tensors
-from meshrun.rank.models.vocab import pad_vocab, unpad_logits, unpadded_shape
+from meshrun.core.model_shape import ModelShape
+from meshrun.models.checkpoint_files import SavedTensors
+from meshrun.models.init import seeded_normal
+from meshrun.models.shards import Reordered, Source, Transposed, fill, named_tensors
+from meshrun.models.vocab import pad_vocab, unpad_logits, unpadded_shape
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from meshrun.rank.models.checkpoint_files import SAFETENSORS, SavedTensors
-from meshrun.rank.models.shards import Reordered, fill, named_tensors
-from meshrun.rank.models.vocab import unpadded_shape
+from meshrun.models.checkpoint_files import SAFETENSORS, SavedTensors
+from meshrun.models.shards import Reordered, fill, named_tensors
+from meshrun.models.vocab import unpadded_shape
 
 ARCHITECTURE = "LlamaForCausalLM"
 # LlamaModelConfig field -> the LlamaConfig field it is (rope_theta: in rope_parameters).

@@ -1,0 +1,58 @@
+"""The sizes of a model that the layout rules (what TP divides, how many layers PP cuts) and
+the analytic planner (parameters, activations, FLOPs) compute with, whatever its kind; those of
+meshrun's LLaMA from its config alone, and the vocabulary as TP pads it (models/vocab.py)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from meshrun.core.config import LlamaModelConfig
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """`ffn_dim`: the MLP's hidden width; `mlp_matrices`: 3 for a gated MLP (SwiGLU: gate,
+    up, down), 2 for a plain one (GPT-2: up, down). A user's own module (model=custom) has no
+    formula: the widths it does not tell are None, and `formula` is False."""
+
+    dim: int | None
+    n_layers: int
+    n_heads: int | None
+    n_kv_heads: int | None
+    vocab_size: int
+    ffn_dim: int | None
+    tied: bool
+    mlp_matrices: int = 3
+
+    @property
+    def formula(self) -> bool:
+        """Whether the analytic planner's formulas apply (every width known)."""
+        return None not in (self.dim, self.n_heads, self.n_kv_heads, self.ffn_dim)
+
+
+def ffn_dim(cfg: LlamaModelConfig) -> int:
+    if cfg.ffn_dim is not None:
+        return cfg.ffn_dim
+    hidden = int(2 * (4 * cfg.dim) / 3)
+    return cfg.multiple_of * math.ceil(hidden / cfg.multiple_of)
+
+
+def kv_heads(cfg: LlamaModelConfig) -> int:
+    return cfg.n_kv_heads or cfg.n_heads
+
+
+def llama_shape(cfg: LlamaModelConfig) -> ModelShape:
+    return ModelShape(
+        cfg.dim,
+        cfg.n_layers,
+        cfg.n_heads,
+        kv_heads(cfg),
+        cfg.vocab_size,
+        ffn_dim(cfg),
+        cfg.tie_embeddings,
+    )
+
+
+def padded_vocab(vocab: int, multiple: int) -> int:
+    return -(-vocab // multiple) * multiple
