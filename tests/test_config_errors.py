@@ -29,6 +29,7 @@ from meshrun.core.config import (
     Schedule,
     SlurmLauncherConfig,
     from_dict,
+    with_resolved,
 )
 from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import HostFacts
@@ -376,7 +377,7 @@ def test_each_launcher_preset_has_its_own_schema_and_workers_rebuild_it():
     assert type(local.launcher) is LocalLauncherConfig and not hasattr(local.launcher, "partition")
     assert type(slurm.launcher) is SlurmLauncherConfig and slurm.launcher.partition == "gpu"
     for cfg in (local, slurm):
-        assert from_dict(dataclasses.asdict(cfg)) == cfg
+        assert from_dict(dataclasses.asdict(cfg)) == with_resolved(cfg)
     comm = CommRunConfig(
         backend=local.backend, hardware=local.hardware, launcher=slurm.launcher, logger=local.logger
     )

@@ -43,14 +43,8 @@ from meshrun.core.errors import ConfigError
 from meshrun.core.paths import CONF_DIR, REPO_ROOT
 from meshrun.driver.compose import check_keys, config_error
 
-# docs/architecture.md draws the code's flow in bare blocks whose lines start with a command's
-# name (`meshrun (driver/cli.py, once per experiment)`): diagrams, not commands to run.
-NOT_EXAMPLES = {REPO_ROOT / "docs" / "architecture.md"}
-DOCS = [
-    path
-    for path in (REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md")))
-    if path not in NOT_EXAMPLES
-]
+# Every page; a diagram whose lines start with a command's name is fenced as `text`.
+DOCS = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
 # What each console script composes: the arguments of its hydra_command(...) call.
 CONFIGS = {
     "meshrun": ("train", CONF_DIR),
