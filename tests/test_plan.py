@@ -121,6 +121,19 @@ def test_llama_7b_ddp_does_not_fit_an_a6000_and_the_plan_names_layouts_that_do(t
     assert listed.startswith(f"{closest['layout']} ({closest['peak_bytes'] / GiB:.2f} > 41.85 GiB)")
 
 
+@pytest.mark.parametrize("preset", ["ddp", "fsdp"])
+def test_a_presets_minus_one_degree_fills_the_world_in_a_plan_as_in_a_run(tmp_path, preset):
+    """parallel=ddp is dp_replicate=-1: the plan keeps the preset's layout with the rest of
+    its 8 ranks, as a run would, and says whether it fits (it was an empty table)."""
+    _, plan = meshrun_plan(
+        tmp_path, "model=llama-13b", f"parallel={preset}", "hardware=a100-80g", "world_size=8"
+    )
+    dim = {"ddp": "dp_replicate", "fsdp": "dp_shard"}[preset]
+    assert plan["layouts"], plan["ruled_out"]
+    assert {e["degrees"][dim] for e in plan["layouts"]} == {8}
+    assert not plan["layouts"][0]["fits"] if preset == "ddp" else plan["layouts"][0]["fits"]
+
+
 def test_a_vocabulary_no_tp_degree_divides_still_plans_tensor_parallel_layouts(tmp_path):
     """gpt3-175b: 50257 tokens, padded per TP degree (and counted so)."""
     _, plan = meshrun_plan(tmp_path, "model=gpt3-175b", "hardware=a100-80g", "world_size=8")

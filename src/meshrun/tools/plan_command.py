@@ -32,6 +32,7 @@ from meshrun.plan.placement import devices_per_node
 from meshrun.plan.search import Box, Plan, search
 from meshrun.validate import check_experiment
 from meshrun.validate.launcher import CPU_DEFAULT_RANKS
+from meshrun.validate.layout import check_degrees, fill_degree
 
 GiB = 2**30
 # LLaMA's and LLaMA 2's global batch (4M tokens); GPT-3 175B used 3.2M.
@@ -105,6 +106,9 @@ def plan(
     cfg.hardware = hardware
     defaults = gpu_defaults(cfg, given)
     box = box_of(cfg)
+    if given & set(PARALLEL_KEYS):  # a layout the search keeps: its -1 filled as a run's is
+        check_degrees(cfg.parallel)
+        cfg.parallel = fill_degree(cfg.parallel, box.world, "world_size")
     found = search(cfg, box, facts, given)
     layout_keys = sorted(k for k in given if k.startswith("parallel"))
     if layout_keys and not any(c.fits for c in found.ranked):

@@ -9,7 +9,7 @@ import math
 import os
 
 from meshrun.core.batch import local_batch_size, n_microbatches
-from meshrun.core.config import ExperimentConfig
+from meshrun.core.config import ExperimentConfig, ParallelConfig
 from meshrun.core.errors import fail
 from meshrun.core.hardware import HostFacts
 from meshrun.core.imports import import_callable
@@ -22,6 +22,22 @@ from meshrun.validate.launcher import CPU_DEFAULT_RANKS, check_launcher, place_r
 def resolve_layout(cfg: ExperimentConfig, facts: HostFacts):
     p, launcher = cfg.parallel, cfg.launcher
     check_launcher(launcher)
+    check_degrees(p)
+    if p.data_parallel == "dataparallel":
+        return _resolve_dataparallel(cfg, facts)
+    # A CPU profile on a GPU host runs on the CPU: its GPUs neither size nor limit the world.
+    gpus = facts.cuda_devices if cfg.hardware.device_type == "cuda" else []
+    ranks = (
+        launcher.nproc_per_node or (len(gpus) if gpus else CPU_DEFAULT_RANKS)
+    ) * launcher.nnodes
+    filled = fill_degree(p, ranks, "launcher.nproc_per_node")
+    world = Layout.of(filled).world_size
+    what = f"layout {Layout.of(filled).describe()} of parallel={p.name}"
+    return filled, place_ranks(launcher, world, len(gpus), facts, what)
+
+
+def check_degrees(p: ParallelConfig) -> None:
+    """Each degree >= 1, or -1 ('the rest') for one of them at most."""
     degrees = {dim: getattr(p, dim) for dim in MESH_DIMS}
     for dim, n in degrees.items():
         if n == 0 or n < -1:
@@ -31,8 +47,6 @@ def resolve_layout(cfg: ExperimentConfig, facts: HostFacts):
                 "degrees are >= 1, or -1 for 'the rest'",
                 "a positive integer or -1",
             )
-    if p.data_parallel == "dataparallel":
-        return _resolve_dataparallel(cfg, facts)
     fill = [dim for dim, n in degrees.items() if n == -1]
     if len(fill) > 1:
         fail(
@@ -41,24 +55,26 @@ def resolve_layout(cfg: ExperimentConfig, facts: HostFacts):
             f"only one degree may be -1 (also {fill[0]})",
             "explicit degrees for all but one dim",
         )
+
+
+def fill_degree(p: ParallelConfig, world: int, key: str) -> ParallelConfig:
+    """`p` with its -1 degree (if any) filled with what the others leave of `world` ranks, as
+    a run and a plan alike fill it; `key` is what sized the world, named if it cannot be
+    split."""
+    degrees = {dim: getattr(p, dim) for dim in MESH_DIMS}
+    fill = [dim for dim, n in degrees.items() if n == -1]
+    if not fill:
+        return p
     fixed = math.prod(n for n in degrees.values() if n != -1)
-    nproc, nodes = launcher.nproc_per_node, launcher.nnodes
-    # A CPU profile on a GPU host runs on the CPU: its GPUs neither size nor limit the world.
-    gpus = facts.cuda_devices if cfg.hardware.device_type == "cuda" else []
-    if fill:
-        world = (nproc or (len(gpus) if gpus else CPU_DEFAULT_RANKS)) * nodes
-        if world % fixed:
-            fail(
-                "launcher.nproc_per_node",
-                world,
-                f"{world} ranks cannot be split with "
-                f"the fixed degrees of parallel={p.name} (product {fixed})",
-                f"a multiple of {fixed}",
-            )
-        degrees[fill[0]] = world // fixed
-    world = math.prod(degrees.values())
-    what = f"layout {Layout(**degrees).describe()} of parallel={p.name}"
-    return dataclasses.replace(p, **degrees), place_ranks(launcher, world, len(gpus), facts, what)
+    if world % fixed:
+        fail(
+            key,
+            world,
+            f"{world} ranks cannot be split with "
+            f"the fixed degrees of parallel={p.name} (product {fixed})",
+            f"a multiple of {fixed}",
+        )
+    return dataclasses.replace(p, **{fill[0]: world // fixed})
 
 
 def _resolve_dataparallel(cfg: ExperimentConfig, facts: HostFacts):
