@@ -136,6 +136,21 @@ def test_verify_fails_a_sabotaged_plan_on_the_numbers(tmp_path, on_pool):
     assert result["max_grad_norm_deviation"] > 1e-2
 
 
+def test_a_module_with_one_embedding_needs_no_name_for_it_and_is_told_so(experiment, single):
+    """Neither model.vocab_size nor model.embedding: the module's one nn.Embedding gives the
+    vocabulary, the run says so and trains as with the embedding named."""
+    notes: list[str] = []
+    cfg = resolve(compose_config(*MODEL, "model.layers=blocks"), HostFacts.detect(), notes.append)
+    assert model_shape(cfg.model).vocab_size == 256
+    assert notes == [
+        "model=custom: the vocabulary is 256, that of the module's one nn.Embedding "
+        "(embed.tokens); model.vocab_size or model.embedding would say so"
+    ]
+    _, measured = experiment("parallel=fsdp", *MODEL, "model.layers=blocks", *COMMON)
+    assert measured.ok, measured.meta.error
+    assert losses(measured) == pytest.approx(single, rel=1e-4)
+
+
 @pytest.mark.parametrize(
     ("overrides", "key", "fragment"),
     [
@@ -151,7 +166,12 @@ def test_verify_fails_a_sabotaged_plan_on_the_numbers(tmp_path, on_pool):
         (["model.layers=norm"], "model.layers", "is a LayerNorm"),
         (["model.tp_plan={blocks.*.qq:colwise}"], "model.tp_plan", "matches no module"),
         (["model.tp_plan={blocks.*.q:columnwise}"], "model.tp_plan.blocks.*.q", "colwise |"),
-        (["model.embedding=null", "model.head=null"], "model.vocab_size", "model.embedding"),
+        (
+            ["model.embedding=null", "+model.kwargs.learned_positions=true"],
+            "model.vocab_size",
+            "holds 2 nn.Embedding (embed.tokens, embed.learned)",
+        ),
+        (["model.embedding=blocks.0"], "model.vocab_size", "(blocks.0) holds no nn.Embedding"),
         (
             ["parallel=tp2", "model.tp_plan=null"],
             "parallel.tp",

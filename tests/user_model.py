@@ -24,9 +24,11 @@ TP_PLAN = {
 class Embed(nn.Module):
     """Token embedding plus a fixed sinusoidal position table (a buffer)."""
 
-    def __init__(self, vocab: int, dim: int, max_seq: int) -> None:
+    def __init__(self, vocab: int, dim: int, max_seq: int, learned_positions: bool) -> None:
         super().__init__()
         self.tokens = nn.Embedding(vocab, dim)
+        # a second nn.Embedding: which of the two is the vocabulary's, meshrun cannot tell
+        self.learned = nn.Embedding(max_seq, dim) if learned_positions else None
         position = torch.arange(max_seq).unsqueeze(1)
         freq = torch.exp(torch.arange(0, dim, 2) * (-math.log(10000.0) / dim))
         table = torch.zeros(max_seq, dim)
@@ -34,6 +36,8 @@ class Embed(nn.Module):
         self.register_buffer("positions", table, persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.learned is not None:
+            return self.tokens(ids) + self.learned.weight[: ids.shape[1]]
         return self.tokens(ids) + self.positions[: ids.shape[1]]
 
 
@@ -62,9 +66,11 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    def __init__(self, vocab: int, dim: int, n_layers: int, heads: int, max_seq: int) -> None:
+    def __init__(
+        self, vocab: int, dim: int, n_layers: int, heads: int, max_seq: int, learned_positions: bool
+    ) -> None:
         super().__init__()
-        self.embed = Embed(vocab, dim, max_seq)
+        self.embed = Embed(vocab, dim, max_seq, learned_positions)
         self.blocks = nn.ModuleList(Block(dim, heads, 4 * dim) for _ in range(n_layers))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
@@ -77,9 +83,14 @@ class TinyGPT(nn.Module):
 
 
 def build(
-    vocab: int = 256, dim: int = 64, n_layers: int = 4, heads: int = 4, max_seq: int = 128
+    vocab: int = 256,
+    dim: int = 64,
+    n_layers: int = 4,
+    heads: int = 4,
+    max_seq: int = 128,
+    learned_positions: bool = False,
 ) -> TinyGPT:
-    return TinyGPT(vocab, dim, n_layers, heads, max_seq)
+    return TinyGPT(vocab, dim, n_layers, heads, max_seq, learned_positions)
 
 
 def tp_plan(module: nn.Module) -> dict:

@@ -14,6 +14,7 @@ from meshrun.driver.prepare_data import prepare_data
 from meshrun.plan.fit import check_fit
 from meshrun.plan.search import best_layout
 from meshrun.validate import check_experiment, validate_layout, validate_run
+from meshrun.validate.custom import vocabulary_note
 from meshrun.validate.launcher import CPU_DEFAULT_RANKS
 
 
@@ -32,4 +33,8 @@ def resolve(
             say(f"parallel=auto chose {why}")
     resolved = validate_layout(cfg, facts)
     check_fit(resolved, facts)  # before the batch rules: "does not fit" is the news to give
-    return prepare_data(validate_run(resolved))
+    resolved = prepare_data(validate_run(resolved))
+    note = vocabulary_note(resolved)
+    if note and say is not None:
+        say(note)
+    return resolved

@@ -93,7 +93,7 @@ class CustomLM(nn.Module):
         self.seq_shards = 1
         self.ties = tied_names(module)
         self.tied = bool(self.ties)
-        self.vocab_size = cfg.vocab_size or token_lookup(self.tok_embeddings).num_embeddings
+        self.vocab_size = cfg.vocab_size or token_lookup(module, cfg.embedding)[1].num_embeddings
 
     def __getattr__(self, name: str):
         paths = self.__dict__.get("paths")
@@ -158,11 +158,23 @@ class CustomLM(nn.Module):
             fill(tensor, values[name])
 
 
-def token_lookup(embedding: nn.Module | None) -> nn.Embedding:
-    """The (first) nn.Embedding of the named embedding: the vocabulary and the width."""
-    lookups = [m for m in embedding.modules() if isinstance(m, nn.Embedding)] if embedding else []
-    if not lookups:
-        raise ValueError("model.vocab_size is null and model.embedding holds no nn.Embedding")
+def token_lookup(module: nn.Module, embedding: str | None) -> tuple[str, nn.Embedding]:
+    """The token lookup (its path and module), which says the vocabulary and the width: the
+    first nn.Embedding of the named embedding; unnamed, the module's one nn.Embedding.
+    ValueError where there is none, or several to choose from."""
+    root = module.get_submodule(embedding) if embedding else module
+    lookups = [(n, m) for n, m in root.named_modules() if isinstance(m, nn.Embedding)]
+    if embedding:
+        if not lookups:
+            raise ValueError(f"model.embedding ({embedding}) holds no nn.Embedding")
+        name, lookup = lookups[0]
+        return ".".join(p for p in (embedding, name) if p), lookup
+    if len(lookups) != 1:
+        held = ", ".join(n for n, _ in lookups) or "none"
+        raise ValueError(
+            f"model.vocab_size is null and the module holds {len(lookups)} nn.Embedding "
+            f"({held}): which is the token embedding cannot be told"
+        )
     return lookups[0]
 
 
@@ -179,9 +191,8 @@ def custom_shape(cfg: CustomModelConfig) -> ModelShape:
     """What the layout rules can know without a formula: blocks, vocabulary, ties; the
     widths only the embedding tells (the planner's formulas need more)."""
     model = build_custom(cfg, "meta")
-    embedding = model.tok_embeddings
     return ModelShape(
-        dim=token_lookup(embedding).embedding_dim if embedding is not None else None,
+        dim=token_lookup(model.module, cfg.embedding)[1].embedding_dim if cfg.embedding else None,
         n_layers=len(model.layers),
         n_heads=None,
         n_kv_heads=None,

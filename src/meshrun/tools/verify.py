@@ -33,7 +33,7 @@ from meshrun.driver.command import hydra_command
 from meshrun.driver.experiment import measure
 from meshrun.driver.launch.dispatch import launch
 from meshrun.driver.resolve import resolve
-from meshrun.driver.sinks.console import console, print_error
+from meshrun.driver.sinks.console import console, print_error, print_note
 
 REPORT_FILE = "verify.json"
 
@@ -142,7 +142,7 @@ def run(dict_cfg: DictConfig) -> int:
     tolerance = composed.verify.tolerance or TOLERANCES[composed.train.precision]
     try:
         positive("verify.tolerance", composed.verify.tolerance, allow_none=True)
-        cfg = resolve(_experiment(composed), HostFacts.detect())
+        cfg = resolve(_experiment(composed), HostFacts.detect(), say=print_note)
     except ConfigError as err:
         print_error("config error", str(err))
         return 2

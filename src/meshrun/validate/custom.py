@@ -21,6 +21,7 @@ from meshrun.models.custom import (
     build_custom,
     build_user_module,
     paddable,
+    token_lookup,
     user_tp_plan,
 )
 
@@ -78,7 +79,8 @@ def check_custom(m: CustomModelConfig) -> None:
             "model.vocab_size",
             m.vocab_size,
             str(err),
-            "the vocabulary size, or model.embedding naming the module's nn.Embedding",
+            "the vocabulary size, or model.embedding naming the module holding the token "
+            "nn.Embedding",
         )
     if m.tp_plan is not None:
         _check_plan(m, module)
@@ -199,3 +201,17 @@ def _check_divisible(model: CustomLM, tp: int) -> None:
                 f"{what}, which tp does not divide{pad}",
                 "a tp that divides it",
             )
+
+
+def vocabulary_note(cfg: ExperimentConfig) -> str | None:
+    """What meshrun took for the vocabulary of a user's module that names none: its one
+    nn.Embedding (several, or none, were refused by check_custom)."""
+    m = cfg.model
+    if not isinstance(m, CustomModelConfig) or m.vocab_size is not None or m.embedding:
+        return None
+    with torch.device("meta"):
+        path, lookup = token_lookup(build_user_module(m), None)
+    return (
+        f"model=custom: the vocabulary is {lookup.num_embeddings}, that of the module's one "
+        f"nn.Embedding ({path}); model.vocab_size or model.embedding would say so"
+    )
