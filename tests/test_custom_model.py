@@ -136,6 +136,24 @@ def test_verify_fails_a_sabotaged_plan_on_the_numbers(tmp_path, on_pool):
     assert result["max_grad_norm_deviation"] > 1e-2
 
 
+def test_a_pipeline_refuses_a_module_whose_forward_is_not_its_parts_in_sequence(experiment):
+    """The residual adds live in the module's forward: the staged parts would train another
+    model (meshrun-verify showed the loss off by 3.8e-2), so the ranks refuse before the
+    first step, saying what differs and what would fix it."""
+    stream = (
+        "model=custom",
+        "model.target=tests.user_model:StreamOutside",
+        "model.layers=blocks",
+        "model.embedding=emb",
+        "model.head=head",
+    )
+    _, measured = experiment("parallel=pp2", *stream, *COMMON)
+    assert not measured.ok
+    assert "the module's forward is not its named parts in sequence" in measured.meta.error
+    assert "inside the blocks or the embedding" in measured.meta.error
+    assert measured.steps == []  # refused before any step
+
+
 def test_a_module_with_one_embedding_needs_no_name_for_it_and_is_told_so(experiment, single):
     """Neither model.vocab_size nor model.embedding: the module's one nn.Embedding gives the
     vocabulary, the run says so and trains as with the embedding named."""

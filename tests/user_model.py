@@ -105,3 +105,32 @@ def sabotaged_tp_plan(module: nn.Module) -> dict:
 
 def not_a_module() -> str:
     return "a string"
+
+
+class Residual(nn.Module):
+    """A block that returns only its update: the module's forward adds it to the stream."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.ff = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ff(self.norm(x))
+
+
+class StreamOutside(nn.Module):
+    """The residual adds in the module's forward, between its blocks (`h = h + block(h)`):
+    a pipeline, which runs the named parts in sequence, would train without them."""
+
+    def __init__(self, vocab: int = 256, dim: int = 32, n_layers: int = 4) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Residual(dim) for _ in range(n_layers))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)

@@ -18,6 +18,7 @@ from collections.abc import Iterator, MutableMapping
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from meshrun.core.config import CustomModelConfig
 from meshrun.core.imports import import_target
@@ -128,12 +129,10 @@ class CustomLM(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """The module's own forward; a pipeline stage runs its parts in sequence (taking and
         returning hidden states where it lacks the embedding or the head)."""
-        blocks = self.layers
-        whole = all(self.paths[p] is None or getattr(self, p) is not None for p in PARTS)
-        if whole and (not isinstance(blocks, Blocks) or blocks.complete):
+        if self.whole():
             return unpad_logits(self.module(tokens), self.vocab_size)
         h = tokens
-        for part in (self.tok_embeddings, *blocks.values(), self.norm, self.output):
+        for part in (self.tok_embeddings, *self.layers.values(), self.norm, self.output):
             if part is not None:
                 h = part(h)
         return h if self.output is None else unpad_logits(h, self.vocab_size)
@@ -153,9 +152,60 @@ class CustomLM(nn.Module):
             torch.manual_seed(seed)
             with torch.device("cpu"):
                 reference = build_user_module(self.cfg)
+        tensors = [*reference.parameters(), *reference.buffers()]
+        if not self.whole() and not any(is_fake(t) for t in tensors):  # the planner traces
+            check_staged_forward(reference, self.cfg)
         values = {**dict(reference.named_parameters()), **dict(reference.named_buffers())}
         for name, tensor in named_tensors(self.module, buffers=True):
             fill(tensor, values[name])
+
+    def whole(self) -> bool:
+        """Whether this is the whole module, not a pipeline stage's cut of it."""
+        blocks = self.layers
+        ends = all(self.paths[p] is None or getattr(self, p) is not None for p in PARTS)
+        return ends and (not isinstance(blocks, Blocks) or blocks.complete)
+
+
+# The probe a pipeline's parts are checked on against the module's own forward: a few tokens,
+# in float32 on the CPU, where the two agree to rounding (1e-5 relative) when they are one.
+PROBE_TOKENS = 8
+PROBE_RTOL = 1e-4
+
+
+def check_staged_forward(module: nn.Module, cfg: CustomModelConfig) -> None:
+    """A pipeline stage runs the named parts in sequence (embedding -> blocks -> norm ->
+    head), so the module's own forward must be exactly that: anything it does between them
+    (a residual add, a scale) a pipeline would silently leave out and train another model.
+    Compared on a probe batch with the module built whole (eval mode: no dropout)."""
+    model = CustomLM(module, cfg)
+    parts = [model.tok_embeddings, *model.layers.values(), model.norm, model.output]
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model.vocab_size, (1, PROBE_TOKENS), generator=generator)
+    training = module.training
+    module.eval()
+    own = module(tokens)
+    h = tokens
+    for part in (p for p in parts if p is not None):
+        h = part(h)
+    module.train(training)
+    if h.shape == own.shape and torch.allclose(h, own, rtol=PROBE_RTOL, atol=PROBE_RTOL):
+        return
+    named = " -> ".join(
+        f"{key}={getattr(cfg, key)}"
+        for key in ("embedding", "layers", "norm", "head")
+        if getattr(cfg, key)
+    )
+    differ = (
+        f"by up to {(h - own).abs().max().item():.2e}"
+        if h.shape == own.shape
+        else f"in shape ({tuple(h.shape)} vs {tuple(own.shape)})"
+    )
+    raise ValueError(
+        f"model=custom under a pipeline: the module's forward is not its named parts in "
+        f"sequence ({named}); on a probe batch the two differ {differ}, so the stages would "
+        "train another model. Put what the forward does between the parts (a residual add, "
+        "a scale, positions) inside the blocks or the embedding, or train without a pipeline"
+    )
 
 
 def token_lookup(module: nn.Module, embedding: str | None) -> tuple[str, nn.Embedding]:
