@@ -11,16 +11,31 @@ import sqlite3
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 
-from meshrun.core.checkpoints import MANIFEST, complete, read_manifest
+from meshrun.core.checkpoints import (
+    MANIFEST,
+    Manifest,
+    complete,
+    find_restore,
+    read_manifest,
+    step_dir,
+    write_manifest,
+)
+from meshrun.core.config import CheckpointConfig
 from meshrun.core.errors import ConfigError
+from meshrun.core.paths import CONF_DIR
 from meshrun.driver.experiment import RunFailed, measure, run_experiment
+from meshrun.driver.resume import in_run_dir_of_resume, names_run_dir
 from meshrun.models import model_shape
 from tests.cli import TRAIN_DEFAULTS
-from tests.helpers import transformers_first_loss
+from tests.helpers import compose_config, resolved_config, transformers_first_loss
 from tests.ranks import config_in, losses
 from tests.wandb_records import read_offline_runs
 
@@ -65,10 +80,10 @@ def test_resumed_run_continues_bit_for_bit(tmp_path, rank_pool, layout):
     _, resumed = _run(
         tmp_path / "resumed", rank_pool, *overrides, f"checkpoint.resume={saved[0]}", more
     )
-    assert resumed.meta.resumed_from_step == EVERY
-    tail = [(s["loss"], s["lr"]) for s in resumed.steps if s["step"] >= EVERY]
+    assert resumed.meta.resumed_from_step == EVERY  # a new run in a run dir of its own
+    assert [s["step"] for s in resumed.steps] == list(range(EVERY, STEPS))
+    tail = [(s["loss"], s["lr"]) for s in resumed.steps]
     assert tail == [(s["loss"], s["lr"]) for s in whole.steps[EVERY:]]
-    assert len(losses(resumed)) == STEPS
 
 
 @pytest.mark.parametrize(
@@ -92,7 +107,7 @@ def test_checkpoint_loads_under_another_layout(tmp_path, rank_pool, saved_under,
         f"checkpoint.resume={first}",
         f"checkpoint.dir={tmp_path}/more",
     )
-    for got, want in zip(resumed.steps[EVERY:], whole.steps[EVERY:], strict=True):
+    for got, want in zip(resumed.steps, whole.steps[EVERY:], strict=True):
         assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (got, want)
 
 
@@ -146,7 +161,9 @@ def test_checkpoint_cut_off_mid_write_is_never_loaded(tmp_path, rank_pool):
         "checkpoint.resume=auto",
         "train.steps=8",
     )
-    assert again.run_dir == cfg.run_dir  # the run the checkpoint is of
+    # in a run dir of its own: a new run from that checkpoint, saving into its own dir
+    assert again.run_dir != cfg.run_dir and again.checkpoint.dir is None
+    assert again.checkpoint.resume == str(root / "step-00000002")
 
 
 def test_resume_of_another_model_is_refused(tmp_path, rank_pool):
@@ -246,3 +263,148 @@ def test_export_is_the_trained_model_that_transformers_loads(
 
 def model_vocab(cfg) -> int:
     return model_shape(cfg.model).vocab_size
+
+
+def _cut_after(cfg, step: int) -> Path:
+    """The run as if cut off during the save after `step`: the later checkpoints' manifests
+    removed (a checkpoint without one is never loaded); its own metrics.jsonl stays the
+    uninterrupted run's, to compare a continuation with. The root of its checkpoints."""
+    root = Path(cfg.checkpoint.dir or Path(cfg.run_dir) / "checkpoints")
+    for path in complete(root):
+        if read_manifest(path).step > step:
+            (path / MANIFEST).unlink()
+    return root
+
+
+@pytest.mark.parametrize("custom_dir", [False, True], ids=["checkpoints", "checkpoint.dir"])
+def test_resume_from_a_run_dir_continues_its_run(tmp_path, rank_pool, custom_dir):
+    """`checkpoint.resume=<run dir>`: the run dir's latest complete checkpoint, in its
+    `checkpoints/` or in the `checkpoint.dir` its run recorded; resumed in that run dir, the
+    run continues (its id, its steps before the checkpoint kept, its checkpoint dir)."""
+    own = (f"checkpoint.dir={tmp_path}/ck",) if custom_dir else ()
+    args = (*COMMON, "parallel=single", f"checkpoint.every_steps={EVERY}")
+    cut = config_in(tmp_path, *args, *own)
+    whole = run_experiment(cut, rank_pool.launch)
+    root = _cut_after(cut, EVERY)
+    again = config_in(tmp_path, *args, f"checkpoint.resume={cut.run_dir}")
+    assert again.run_dir == cut.run_dir and again.checkpoint.dir == cut.checkpoint.dir
+    resumed = run_experiment(again, rank_pool.launch)
+    assert (resumed.run_id, resumed.parent_run_id) == (whole.run_id, None)
+    assert resumed.resumed_from_step == EVERY
+    assert resumed.resumed_from_checkpoint == str(root / "step-00000002")
+    assert [r["step"] for r in read_steps(cut.run_dir)] == list(range(STEPS))
+    assert resumed.losses == whole.losses  # the same layout: bit for bit
+    assert [read_manifest(p).step for p in complete(root)] == [EVERY, STEPS]  # saved again
+    assert custom_dir != (Path(cut.run_dir) / "checkpoints").exists()
+
+
+def test_resume_into_a_run_dir_of_ones_own_is_a_new_run(tmp_path, rank_pool):
+    """A ddp run's checkpoint continued under tp2 in another run dir: a new run there (its
+    id, metrics.jsonl from the checkpoint's step on, results.json, store row, W&B run and
+    checkpoints), linked to the run it started from, whose files and row stay as they
+    were; its losses continue the original's."""
+    store = f"store.path={tmp_path}/meshrun.db"
+    original = resolved_config(
+        f"run_dir={tmp_path}/cut", store, *COMMON, "parallel=ddp", f"checkpoint.every_steps={EVERY}"
+    )
+    whole = run_experiment(original, rank_pool.launch)
+    root = _cut_after(original, EVERY)
+    kept = {p: p.read_bytes() for p in Path(original.run_dir).rglob("*") if p.is_file()}
+    row = _store_rows(tmp_path)[whole.run_id]
+    relayout = resolved_config(
+        f"run_dir={tmp_path}/relayout",
+        store,
+        *COMMON,
+        "parallel=tp2",
+        f"checkpoint.every_steps={EVERY}",
+        f"checkpoint.resume={root}",
+        "logger=wandb",
+        "logger.mode=offline",
+    )
+    new = run_experiment(relayout, rank_pool.launch)
+    step2 = str(root / "step-00000002")
+    assert new.run_id != whole.run_id and new.run_dir == f"{tmp_path}/relayout"
+    assert (new.parent_run_id, new.resumed_from_checkpoint) == (whole.run_id, step2)
+    assert new.resumed_from_step == EVERY
+    assert new.overrides.endswith(f"hydra.run.dir={new.run_dir}")  # again: a new run
+    assert json.loads(Path(new.run_dir, "results.json").read_text())["run_id"] == new.run_id
+    assert [r["step"] for r in read_steps(new.run_dir)] == list(range(EVERY, STEPS))
+    for got, want in zip(new.losses, whole.losses[EVERY:], strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want), (new.losses, whole.losses)
+    saved = complete(Path(new.run_dir) / "checkpoints")  # its own, never the parent's
+    assert [(read_manifest(p).step, read_manifest(p).run_dir) for p in saved] == [
+        (STEPS, new.run_dir)
+    ]
+    [wandb] = read_offline_runs(Path(new.run_dir))
+    assert wandb["id"] == new.run_id
+    assert [h["_step"] for h in wandb["history"] if "train/loss" in h] == [2, 3]
+    # nothing of the original changed: its files, checkpoints and store row
+    assert {p: p.read_bytes() for p in Path(original.run_dir).rglob("*") if p.is_file()} == kept
+    rows = _store_rows(tmp_path)
+    assert rows[whole.run_id] == row and rows[new.run_id][1] == whole.run_id
+
+
+def _store_rows(tmp: Path) -> dict[str, tuple]:
+    """run_id -> (results_json, parent_run_id) of every row of the store under `tmp`."""
+    with sqlite3.connect(tmp / "meshrun.db") as db:
+        names = {r[1] for r in db.execute("PRAGMA table_info(runs)")}
+        parent = "parent_run_id" if "parent_run_id" in names else "NULL"
+        rows = db.execute(f"SELECT run_id, results_json, {parent} FROM runs").fetchall()
+    return {run_id: (results, parent_id) for run_id, results, parent_id in rows}
+
+
+def _fake_checkpoints(root: Path, run_dir: str, *steps: int) -> list[Path]:
+    """Complete checkpoints as far as resolving one goes: a step dir with its manifest."""
+    made = []
+    for step in steps:
+        path = step_dir(root, step)
+        path.mkdir(parents=True)
+        manifest = Manifest(step, run_dir, "{}", "single", {}, 0, {}, "", 0.0, 0.0)
+        write_manifest(path, manifest)
+        made.append(path)
+    return made
+
+
+@pytest.fixture
+def hydra_job():
+    """Set Hydra's job config as `meshrun <overrides>` would have it (its overrides, the
+    multirun mode); forgotten after the test."""
+
+    def given(*overrides: str, multirun: bool = False) -> None:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose("train", overrides=list(overrides), return_hydra_config=True)
+        cfg.hydra.mode = RunMode.MULTIRUN if multirun else RunMode.RUN
+        HydraConfig.instance().set_config(cfg)
+
+    yield given
+    HydraConfig.instance().cfg = None
+
+
+def test_a_resume_naming_no_run_dir_continues_in_the_checkpoints(tmp_path, hydra_job):
+    """The command's run dir decides: none named (Hydra's generated one, or torchrun's that
+    `meshrun` adds): the checkpoint's; one named, or a sweep job's: its own."""
+    [saved] = _fake_checkpoints(tmp_path / "cut" / "checkpoints", str(tmp_path / "cut"), 2)
+    cfg = compose_config(f"checkpoint.resume={saved.parent}", "model=tiny")
+    resume = f"checkpoint.resume={saved.parent}"
+    hydra_job(resume, "parallel=tp2")
+    assert in_run_dir_of_resume(cfg).run_dir == str(tmp_path / "cut")
+    for named in ("hydra.run.dir=outputs/relayout", "run_dir=outputs/relayout"):
+        hydra_job(resume, named)
+        assert in_run_dir_of_resume(cfg) is cfg
+    hydra_job(resume, "parallel=tp2", multirun=True)
+    assert in_run_dir_of_resume(cfg) is cfg
+    added = "hydra.run.dir=outputs/torchrun/abc"
+    assert not names_run_dir([added, resume], added) and names_run_dir([added, resume])
+
+
+def test_a_requeued_job_continues_from_its_own_last_save(tmp_path):
+    """SLURM requeued the job: a run that names no checkpoint takes its latest (auto); one
+    resumed from a path takes its own later save where it saves, else that path again."""
+    own = str(tmp_path / "run")
+    parent, later = _fake_checkpoints(tmp_path / "run" / "checkpoints", own, 2, 4)
+    resume = CheckpointConfig(every_steps=2, resume=str(parent))
+    assert find_restore(resume, own, requeued=False) == parent
+    assert find_restore(resume, own, requeued=True) == later
+    assert find_restore(replace(resume, every_steps=0), own, requeued=True) == parent
+    assert find_restore(CheckpointConfig(), own, requeued=True) == later
+    assert find_restore(CheckpointConfig(), own, requeued=False) is None

@@ -4,13 +4,17 @@ A checkpoint is a directory `step-<8 digits>` (the number of steps trained) hold
 files, each rank's RNG state and, written last and atomically by rank 0 once every rank's
 data and DCP's `.metadata` are on disk, `manifest.json`. A directory without a manifest was
 cut off mid-write: it is never loaded, and the next save of the same step replaces it.
+
+A run dir names its checkpoints too: those in the checkpoint dir its run recorded (run.json,
+written as the run starts; results.json's `checkpoint_dir` for runs of older meshruns), or
+its `checkpoints/`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +23,8 @@ from meshrun.core.errors import fail
 
 MANIFEST = "manifest.json"
 PREFIX = "step-"
+RUN_FILE = "run.json"  # a run's identity (driver/experiment.begin), which its resumes keep
+RESULTS_FILE = "results.json"
 
 
 @dataclass
@@ -85,7 +91,7 @@ def find_resume(cfg: CheckpointConfig, run_dir: str) -> Path | None:
                 "checkpoint.resume",
                 cfg.resume,
                 "no such checkpoint",
-                "auto, a step-* checkpoint directory or a checkpoints directory",
+                "auto, a step-* checkpoint directory, a checkpoints directory or a run dir",
             )
         if not is_complete(path):
             fail(
@@ -95,15 +101,49 @@ def find_resume(cfg: CheckpointConfig, run_dir: str) -> Path | None:
                 f"an earlier complete checkpoint: {_listing(path.parent)}",
             )
         return path
-    found = complete(path)
+    found = complete(path) or complete(run_checkpoints(path))
     if not found:
         fail(
             "checkpoint.resume",
             cfg.resume,
-            f"holds no complete checkpoint (step-* with a {MANIFEST})",
-            "auto, or the path of a run's checkpoints or one of them",
+            f"holds no complete checkpoint (step-* with a {MANIFEST}), nor does a run dir's "
+            f"checkpoint dir there ({run_checkpoints(path)})",
+            "auto, or the path of a run dir, of its checkpoints or of one of them",
         )
     return found[-1]
+
+
+def run_checkpoints(run_dir: Path) -> Path:
+    """Where a run dir's checkpoints are: the checkpoint dir its run recorded, else its
+    `checkpoints/`."""
+    for name in (RUN_FILE, RESULTS_FILE):
+        try:
+            recorded = json.loads((run_dir / name).read_text()).get("checkpoint_dir")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if recorded:
+            return Path(recorded)
+    return run_dir / "checkpoints"
+
+
+def same_dir(a: str | Path, b: str | Path) -> bool:
+    return Path(a).resolve() == Path(b).resolve()
+
+
+def find_restore(cfg: CheckpointConfig, run_dir: str, requeued: bool) -> Path | None:
+    """The checkpoint a rank loads: the one `checkpoint.resume` names. In a job SLURM
+    requeued, the run's own latest save where it saved one since (`auto`: a run that names
+    none; a run resumed from a path that saves: a later checkpoint in its checkpoint dir is
+    its own, as the resume was refused where one was there before)."""
+    named = find_resume(cfg, run_dir)
+    if not requeued:
+        return named
+    own = find_resume(replace(cfg, resume="auto"), run_dir)
+    if named is None or (
+        cfg.every_steps and own is not None and read_manifest(own).step > read_manifest(named).step
+    ):
+        return own
+    return named
 
 
 def _listing(root: Path) -> str:

@@ -360,7 +360,9 @@ class CheckpointConfig:
     <run_dir>/checkpoints); written in the background (`async_save`) while training goes
     on; the last `keep` complete ones are kept. `resume`: `auto` continues from the latest
     complete checkpoint in `dir` (a fresh start where there is none), or the path of one
-    checkpoint (a step-* directory) or of a checkpoints directory (its latest). `export`:
+    checkpoint (a step-* directory), of a checkpoints directory (its latest) or of a run dir
+    (the latest in its checkpoint directory); resumed in a run dir of its own (named), a new
+    run, else the checkpoint's run continued (docs/long-runs.md). `export`:
     the final model, whole, into <run_dir>/export: `hf` a directory transformers'
     from_pretrained loads (meshrun's LLaMA as LlamaForCausalLM), `torch` a state dict."""
 

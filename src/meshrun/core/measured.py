@@ -37,6 +37,8 @@ class RunMeta:
     role: Role = "run"
     given_overrides: list[str] = field(default_factory=list)  # what `run again` repeats
     resumed_from_step: int | None = None
+    resumed_from_checkpoint: str | None = None  # the checkpoint it was resumed from
+    parent_run_id: str | None = None  # a new run from another run's checkpoint: that run
     status: Status = "completed"
     error: str | None = None
     failed_rank: int | None = None

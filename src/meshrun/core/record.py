@@ -138,6 +138,9 @@ class RunRecord:
     eval_time_s: float | None = _f(summary=True)
     # checkpoints
     resumed_from_step: int | None = _f(column=True, summary=True)
+    resumed_from_checkpoint: str | None = _f(summary=True)  # the checkpoint it started from
+    # a new run from another run's checkpoint (resumed into a run dir of its own): that run
+    parent_run_id: str | None = _f(column=True, summary=True)
     requeues: int | None = _f(summary=True)  # SLURM requeued the job (time limit, preemption)
     checkpoint_dir: str | None = _f()
     checkpoint_saves: list[dict[str, Any]] | None = _f()  # step, blocked_s, total_s of each

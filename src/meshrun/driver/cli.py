@@ -26,6 +26,7 @@ from meshrun.driver.experiment import record_skipped, reported, run_experiment
 from meshrun.driver.launch import TRAIN
 from meshrun.driver.launch.dispatch import launch
 from meshrun.driver.resolve import resolve
+from meshrun.driver.resume import in_run_dir_of_resume
 from meshrun.driver.sinks.console import print_error, print_note
 from meshrun.driver.sweep import (
     SweepJobFailed,
@@ -52,6 +53,7 @@ def run(dict_cfg: DictConfig) -> int:
     if rank is not None:
         cfg = replace(cfg, launcher=replace(cfg.launcher, nnodes=attached_nodes()))
     try:
+        cfg = in_run_dir_of_resume(cfg)  # naming no run dir of its own: the checkpoint's run
         facts = HostFacts.detect()
         # First on the box the hardware profile describes (its layout, whether it fits), then
         # on this host; for hardware=auto they are the same.

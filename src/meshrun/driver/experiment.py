@@ -15,7 +15,14 @@ from hydra.core.hydra_config import HydraConfig
 
 from meshrun.core.attached import attached_rank
 from meshrun.core.baseline import baseline_config, is_own_baseline
-from meshrun.core.checkpoints import checkpoint_root, find_resume, read_manifest, step_dir
+from meshrun.core.checkpoints import (
+    RUN_FILE,
+    checkpoint_root,
+    find_resume,
+    read_manifest,
+    same_dir,
+    step_dir,
+)
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import ConfigError
 from meshrun.core.layout import Layout
@@ -34,16 +41,17 @@ from meshrun.driver.launch import RankFailure, RunInterrupted
 from meshrun.driver.results import assemble
 from meshrun.driver.sinks.console import (
     print_error,
+    print_note,
     print_summary,
     print_traceback,
     print_warning,
+    resumed_line,
 )
 from meshrun.driver.sinks.live import LiveRun
 from meshrun.driver.sinks.store import ResultsStore
 from meshrun.driver.sinks.wandb_sink import WandbRun
 
 Launch = Callable[[ExperimentConfig], RankReport | None]
-RUN_FILE = "run.json"  # the run's identity, which a resume from its checkpoints keeps
 EXPORT_DIR = "export"
 
 
@@ -197,21 +205,42 @@ def _given_overrides() -> list[str]:
 
 
 def begin(cfg: ExperimentConfig, role: Role) -> RunMeta:
-    """A training run's identity; its metrics file from an earlier attempt removed. A run
-    resumed from a checkpoint keeps its identity (run.json) and the steps before it."""
+    """A training run's identity; its metrics file from an earlier attempt removed. A resume
+    in the checkpoint's own run dir continues its run: its identity (run.json) and the steps
+    before the checkpoint kept. In another run dir it is a new run, which notes the
+    checkpoint it starts from and that checkpoint's run (validate/checkpoint.py made sure it
+    loads that checkpoint and saves into a checkpoint dir of its own)."""
     resume = find_resume(cfg.checkpoint, cfg.run_dir)
+    manifest = read_manifest(resume) if resume is not None else None
     identity = Path(cfg.run_dir) / RUN_FILE
     meta = RunMeta(role=role, given_overrides=_given_overrides())
-    if resume is None or not identity.is_file():
+    if manifest is not None:
+        meta.resumed_from_step = manifest.step
+        meta.resumed_from_checkpoint = str(resume.absolute())
+    continued = manifest is not None and same_dir(manifest.run_dir, cfg.run_dir)
+    if continued and identity.is_file():
+        clear_records(cfg.run_dir)  # rank 0 drops the steps after the checkpoint from metrics
+        kept = json.loads(identity.read_text())
+        meta.run_id, meta.created_at = kept["run_id"], kept["created_at"]
+    else:
         new_run(cfg.run_dir)
         (Path(cfg.run_dir) / METRICS_FILE).unlink(missing_ok=True)
-        identity.write_text(json.dumps({"run_id": meta.run_id, "created_at": meta.created_at}))
-        return meta
-    clear_records(cfg.run_dir)  # rank 0 drops the steps after the checkpoint from metrics
-    kept = json.loads(identity.read_text())
-    meta.run_id, meta.created_at = kept["run_id"], kept["created_at"]
-    meta.resumed_from_step = read_manifest(resume).step
+        root = str(checkpoint_root(cfg.checkpoint, cfg.run_dir).absolute())
+        created = {"run_id": meta.run_id, "created_at": meta.created_at, "checkpoint_dir": root}
+        identity.write_text(json.dumps(created))
+    if manifest is not None:
+        if not continued:
+            meta.parent_run_id = _run_id_in(manifest.run_dir)
+        print_note(f"{resumed_line(meta)}; run dir {cfg.run_dir}")
     return meta
+
+
+def _run_id_in(run_dir: str) -> str:
+    """The id of the run whose dir `run_dir` is (its run.json); `unknown` without one."""
+    try:
+        return json.loads((Path(run_dir) / RUN_FILE).read_text())["run_id"]
+    except (OSError, ValueError, KeyError):
+        return "unknown"
 
 
 def outcome(

@@ -6,6 +6,7 @@ it finished."""
 from __future__ import annotations
 
 import math
+import shlex
 from dataclasses import asdict
 from typing import Any
 
@@ -287,7 +288,7 @@ def config_fields(cfg: ExperimentConfig, meta: RunMeta) -> dict[str, Any]:
         "parallel": cfg.parallel.name,
         "layout": layout.degrees(),
         "layout_name": layout_name(cfg),
-        "overrides": rerun_overrides(meta.given_overrides, cfg),
+        "overrides": rerun(meta, cfg),
         "world_size": layout.world_size,
         "devices": n_devices(cfg),
         "hardware": cfg.hardware.name,
@@ -305,6 +306,16 @@ def config_fields(cfg: ExperimentConfig, meta: RunMeta) -> dict[str, Any]:
         "baseline_key": baseline_key(cfg),
         "run_dir": cfg.run_dir,
     }
+
+
+def rerun(meta: RunMeta, cfg: ExperimentConfig) -> str:
+    """The overrides that run it again; a new run from another run's checkpoint names its run
+    dir (with none, the same overrides would continue that other run)."""
+    again = rerun_overrides(meta.given_overrides, cfg)
+    named = any(o.lstrip("+").startswith("run_dir=") for o in meta.given_overrides)
+    if meta.parent_run_id is None or named:
+        return again
+    return f"{again} hydra.run.dir={shlex.quote(cfg.run_dir)}"
 
 
 def timing_fields(cfg: ExperimentConfig, step_times: list[float]) -> dict[str, Any]:

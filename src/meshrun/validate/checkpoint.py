@@ -1,6 +1,10 @@
 """The checkpoint rules: what `checkpoint.*` may be, and whether the checkpoint a resume names
 can continue this experiment (same model, rows in an order this layout reads, room left to
-train, no later checkpoint overwritten, a disk with room for the next one)."""
+train, no later checkpoint overwritten, a disk with room for the next one).
+
+A resume in the checkpoint's own run dir continues its run; in another run dir it is a new
+run there (driver/resume.py says which run dir a command gives), which loads that very
+checkpoint and never saves into the checkpoint dir it came from."""
 
 from __future__ import annotations
 
@@ -9,7 +13,14 @@ import json
 import shutil
 from pathlib import Path
 
-from meshrun.core.checkpoints import Manifest, checkpoint_root, complete, find_resume, read_manifest
+from meshrun.core.checkpoints import (
+    Manifest,
+    checkpoint_root,
+    complete,
+    find_resume,
+    read_manifest,
+    same_dir,
+)
 from meshrun.core.config import ExperimentConfig, HFModelConfig
 from meshrun.core.errors import fail
 from meshrun.models import model_key, param_counts
@@ -20,21 +31,37 @@ NOT_THE_MODEL = ("name", "pretrained")  # a resume takes the weights from the ch
 
 
 def check_checkpoint(cfg: ExperimentConfig) -> ExperimentConfig:
-    """The config to run: where a resume names a checkpoint, in the run dir it continues."""
+    """The config to run: a resume's checkpoint found and checked; where it continues the
+    checkpoint's run, in the checkpoint dir that run saved into; where it is a new run, from
+    that checkpoint's path, saving into a checkpoint dir of its own."""
     c = cfg.checkpoint
     _check_values(cfg)
     path = find_resume(c, cfg.run_dir)
+    if path is not None:
+        manifest = read_manifest(path)
+        _check_same_model(cfg, manifest)
+        _check_row_order(cfg, manifest)
+        _check_steps_left(cfg, path, manifest)
+        cfg = _resumed(cfg, path, manifest)
+        _check_nothing_overwritten(cfg, manifest)
     if c.every_steps or c.export != "none":
         _check_space(cfg)
-    if path is None:
-        return cfg
-    manifest = read_manifest(path)
-    _check_same_model(cfg, manifest)
-    _check_row_order(cfg, manifest)
-    _check_steps_left(cfg, path, manifest)
-    resumed = dataclasses.replace(cfg, run_dir=manifest.run_dir)
-    _check_nothing_overwritten(resumed, manifest)
-    return resumed
+    return cfg
+
+
+def _resumed(cfg: ExperimentConfig, path: Path, manifest: Manifest) -> ExperimentConfig:
+    """The run a resume continues saves on where it saved (the `checkpoint.dir` it used,
+    unless another is given). A new run (another run dir) loads this very checkpoint and
+    saves into a checkpoint dir of its own: the one given, unless the checkpoint is in it,
+    else its run dir's `checkpoints/`."""
+    c, saved_in = cfg.checkpoint, path.parent
+    if same_dir(manifest.run_dir, cfg.run_dir):
+        if c.dir is None and not same_dir(saved_in, checkpoint_root(c, cfg.run_dir)):
+            c = dataclasses.replace(c, dir=str(saved_in))
+        return dataclasses.replace(cfg, checkpoint=c)
+    own = None if same_dir(checkpoint_root(c, cfg.run_dir), saved_in) else c.dir
+    new = dataclasses.replace(c, resume=str(path.absolute()), dir=own)
+    return dataclasses.replace(cfg, checkpoint=new)
 
 
 def _check_values(cfg: ExperimentConfig) -> None:

@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from meshrun.core.measured import RunMeta
 from meshrun.core.record import MEMORY_CATEGORIES, RunRecord
 
 console = Console()
@@ -91,11 +92,25 @@ def print_summary(r: RunRecord) -> None:
     console.print(table)
     # Below the table, whole on one line each (a log's 80 columns would wrap them): what a
     # user copies.
+    if r.resumed_from_step is not None:
+        console.print(Text("resume: ", style="bold") + Text(resumed_line(r)), soft_wrap=True)
     if r.run_dir:
         console.print(Text("run dir: ", style="bold") + Text(r.run_dir), soft_wrap=True)
     if r.overrides:
         again = Text("run again: ", style="bold") + Text(f"meshrun {r.overrides}")
         console.print(again, soft_wrap=True)
+
+
+def resumed_line(r: RunRecord | RunMeta) -> str:
+    """Which run a resume is: the run it continues, or a new one from another run's
+    checkpoint (a SLURM requeue continues its own run from its last save)."""
+    if r.parent_run_id is not None:
+        return (
+            f"new run {r.run_id} from {r.resumed_from_checkpoint} (step "
+            f"{r.resumed_from_step}) of run {r.parent_run_id}"
+        )
+    line = f"resumed run {r.run_id} from step {r.resumed_from_step}"
+    return f"{line} ({r.resumed_from_checkpoint})" if r.resumed_from_checkpoint else line
 
 
 def _step_times(r: RunRecord) -> str:

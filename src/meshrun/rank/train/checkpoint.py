@@ -22,7 +22,6 @@ step), save at once, and raise `Stopped`.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import signal
@@ -42,7 +41,7 @@ from meshrun.core.checkpoints import (
     Manifest,
     checkpoint_root,
     complete,
-    find_resume,
+    find_restore,
     read_manifest,
     step_dir,
     write_manifest,
@@ -261,10 +260,8 @@ class Checkpointer:
 
     def restore(self) -> int:
         """Loads the checkpoint `checkpoint.resume` names; the step to start at (0: none)."""
-        wanted = self.cfg.checkpoint
-        if wanted.resume is None and int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0:
-            wanted = dataclasses.replace(wanted, resume="auto")  # SLURM requeued this job
-        found = [str(find_resume(wanted, self.cfg.run_dir) or "")]
+        requeued = int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0  # SLURM requeued it
+        found = [str(find_restore(self.cfg.checkpoint, self.cfg.run_dir, requeued) or "")]
         if self.group is not None:  # rank 0 decides, so no rank can pick another step
             dist.broadcast_object_list(found, src=0, group=self.group)
         if not found[0]:
