@@ -78,14 +78,16 @@ def stage_names(architecture: str, config: PretrainedConfig) -> tuple[str, str, 
     if architecture in SHIPPED_PLANS:
         return SHIPPED_PLANS[architecture].stages
     plan = list(getattr(config, "base_model_pp_plan", None) or {})
-    if len(plan) < 3:
-        raise ValueError(f"{architecture} has no base_model_pp_plan to cut by")
-    return plan[0], plan[1], plan[-1]
+    if len(plan) != 3:  # GPT-NeoX, Phi: a dropout between embedding and layers, not run here
+        what = f"a base_model_pp_plan of {plan}" if plan else "no base_model_pp_plan"
+        raise ValueError(f"{architecture} has {what}, not (embedding, layers, norm) to cut by")
+    return plan[0], plan[1], plan[2]
 
 
 def can_cut(architecture: str) -> bool:
     """Whether meshrun can take the class apart (stage_names) and train it as a causal LM:
-    a plan it ships, or a transformers causal LM whose config has a base_model_pp_plan."""
+    a plan it ships, or a transformers causal LM whose config's base_model_pp_plan is
+    (embedding, layers, norm)."""
     if architecture in SHIPPED_PLANS:
         return True
     from transformers.models.auto.modeling_auto import (  # noqa: PLC0415 (lazy: 200 names)
@@ -116,7 +118,8 @@ def supported_architectures() -> tuple[str, ...]:
 
 
 def _has_pp_plan(config_class: type[PretrainedConfig]) -> bool:
-    return len(getattr(config_class, "base_model_pp_plan", None) or {}) >= 3
+    """A plan stage_names cuts by: (embedding, layers, norm)."""
+    return len(getattr(config_class, "base_model_pp_plan", None) or {}) == 3
 
 
 # What config.json says about the file rather than the model.

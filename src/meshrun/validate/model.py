@@ -168,8 +168,8 @@ def read_pretrained(m: ModelConfig) -> ModelConfig:
             "model.pretrained",
             m.pretrained,
             f"holds a {architecture} (config.json's architectures), which meshrun cannot cut "
-            "into pipeline stages and shard: it is no transformers causal LM with a "
-            "base_model_pp_plan, and meshrun ships no plan for it",
+            "into pipeline stages and shard: it is no transformers causal LM whose "
+            "base_model_pp_plan is (embedding, layers, norm), and meshrun ships no plan for it",
             f"a checkpoint of {' | '.join(hf.supported_architectures())}",
         )
     read = hf.saved_fields(architecture, m.pretrained)
