@@ -148,7 +148,7 @@ def test_a_family_meshrun_cannot_cut_is_refused_with_those_it_can(meshrun_here, 
     saved(tmp_path / "opt", "OPTForCausalLM", {**opt, "num_attention_heads": 2})
     run = meshrun_here("model=hf/auto", f"model.pretrained={tmp_path / 'opt'}")
     assert run.returncode == 2, run.output
-    assert f"model.pretrained='{tmp_path / 'opt'}': holds a OPTForCausalLM" in run.output
+    assert f"model.pretrained='{tmp_path / 'opt'}': holds OPTForCausalLM" in run.output
     supported = supported_architectures()
     assert {"GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM"} <= set(supported)
     assert not {"OPTForCausalLM", "GPTNeoXForCausalLM"} & set(supported)  # Neo-X: a dropout

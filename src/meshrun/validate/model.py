@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import importlib.util
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -167,7 +168,7 @@ def read_pretrained(m: ModelConfig) -> ModelConfig:
         fail(
             "model.pretrained",
             m.pretrained,
-            f"holds a {architecture} (config.json's architectures), which meshrun cannot cut "
+            f"holds {architecture} (config.json's architectures), which meshrun cannot cut "
             "into pipeline stages and shard: it is no transformers causal LM whose "
             "base_model_pp_plan is (embedding, layers, norm), and meshrun ships no plan for it",
             f"a checkpoint of {' | '.join(hf.supported_architectures())}",
@@ -224,7 +225,7 @@ def describe_read(m: ModelConfig) -> str | None:
 def model_overrides(m: ModelConfig) -> str:
     """The overrides that select the model again: its preset, or hf/auto and the directory."""
     if isinstance(m, HFModelConfig) and m.read_from is not None:
-        return f"model=hf/{AUTO} model.pretrained={m.pretrained}"
+        return f"model=hf/{AUTO} model.pretrained={shlex.quote(str(m.pretrained))}"
     return f"model={m.name}"
 
 
