@@ -69,11 +69,15 @@ class LlamaModelConfig(ModelConfig):
 class HFModelConfig(ModelConfig):
     """kind=hf: a Hugging Face transformers causal LM, built from its config on the meta
     device (no hub): `architecture` is the transformers class (LlamaForCausalLM), `config` the
-    fields of its config class that differ from that class's defaults."""
+    fields of its config class that differ from that class's defaults. `architecture: auto`
+    (model=hf/auto) reads both from `pretrained`'s config.json when the experiment is resolved
+    (validate/model.read_pretrained), `config`'s keys over what it read; `read_from` is then
+    that config.json (set by meshrun, not a setting)."""
 
     kind: ModelKind = ModelKind["hf"]
     architecture: str = MISSING
     config: dict[str, Any] = field(default_factory=dict)
+    read_from: str | None = None
 
 
 @dataclass

@@ -51,6 +51,8 @@ class RunRecord:
     sweep: str | None = _f(column=True, summary=True, report=(2, "sweep"))
     # what ran
     model: str | None = _f(column=True, summary=True, report=(3, "model"))
+    # model=hf/auto: the architecture read from model.pretrained's config.json, and its sizes
+    model_read: str | None = _f(column=True, summary=True)
     data: str | None = _f(column=True, summary=True, report=(6, "data"))  # synthetic|text|hf
     parallel: str | None = _f(column=True)  # preset (auto: planner's pick)
     layout: dict[str, int] | None = _f()

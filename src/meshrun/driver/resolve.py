@@ -1,7 +1,8 @@
-"""From a composed experiment to the one that runs: the rules (validate), the layout if the
-planner is to pick it (`parallel=auto`), and the memory check (plan.fit) between the layout's
-rules and the rest. The one place that composes the two layers, so neither calls the other.
-Last, data=hf's tokens are prepared (once; later runs find them cached)."""
+"""From a composed experiment to the one that runs: model=hf/auto's architecture and config
+read from its checkpoint, the rules (validate), the layout if the planner is to pick it
+(`parallel=auto`), and the memory check (plan.fit) between the layout's rules and the rest.
+The one place that composes the two layers, so neither calls the other. Last, data=hf's
+tokens are prepared (once; later runs find them cached)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,15 @@ from meshrun.plan.search import best_layout
 from meshrun.validate import check_experiment, validate_layout, validate_run
 from meshrun.validate.custom import vocabulary_note
 from meshrun.validate.launcher import CPU_DEFAULT_RANKS
+from meshrun.validate.model import describe_read, read_pretrained
 
 
 def resolve(
     cfg: ExperimentConfig, facts: HostFacts, say: Callable[[str], None] | None = None
 ) -> RunConfig:
     """The resolved config for `facts`' box, or ConfigError before any process starts. `say`
-    hears which layout `parallel=auto` chose, and why."""
+    hears what model=hf/auto read, and which layout `parallel=auto` chose, and why."""
+    cfg = _read_model(cfg, say)
     if cfg.parallel.name == "auto":
         check_experiment(cfg)
         hardware = resolve_hardware(cfg.hardware, facts)
@@ -38,3 +41,17 @@ def resolve(
     if note and say is not None:
         say(note)
     return resolved
+
+
+def _read_model(cfg: ExperimentConfig, say: Callable[[str], None] | None) -> ExperimentConfig:
+    """model=hf/auto's architecture and config, read from its checkpoint (the experiment's
+    default name, `<model>_<parallel>`, follows the model's new one); any other as it is."""
+    model = read_pretrained(cfg.model)
+    if model is cfg.model:
+        return cfg
+    name = cfg.name
+    if name == f"{cfg.model.name}_{cfg.parallel.name}":
+        name = f"{model.name}_{cfg.parallel.name}"
+    if say is not None:
+        say(f"model {model.name}: {describe_read(model)}")
+    return dataclasses.replace(cfg, model=model, name=name)

@@ -26,6 +26,7 @@ from meshrun.core.step_stats import percentile, summarize_steps
 from meshrun.models import model_shape, param_counts
 from meshrun.plan import predict
 from meshrun.plan.candidate import host_flops
+from meshrun.validate.model import describe_read
 
 # Stage costs further apart than this (relative) after pp_layers=auto are noted as uneven.
 UNEVEN = 0.01
@@ -284,6 +285,7 @@ def config_fields(cfg: ExperimentConfig, meta: RunMeta) -> dict[str, Any]:
         "name": cfg.name,
         "sweep": cfg.sweep,
         "model": cfg.model.name,
+        "model_read": describe_read(cfg.model),
         "data": cfg.data.name,
         "parallel": cfg.parallel.name,
         "layout": layout.degrees(),

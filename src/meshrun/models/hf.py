@@ -13,7 +13,10 @@ SDPA (no padding in training windows), norm, head.
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import transformers
@@ -75,9 +78,99 @@ def stage_names(architecture: str, config: PretrainedConfig) -> tuple[str, str, 
     if architecture in SHIPPED_PLANS:
         return SHIPPED_PLANS[architecture].stages
     plan = list(getattr(config, "base_model_pp_plan", None) or {})
-    if len(plan) < 3:
-        raise ValueError(f"{architecture} has no base_model_pp_plan to cut by")
-    return plan[0], plan[1], plan[-1]
+    if len(plan) != 3:  # GPT-NeoX, Phi: a dropout between embedding and layers, not run here
+        what = f"a base_model_pp_plan of {plan}" if plan else "no base_model_pp_plan"
+        raise ValueError(f"{architecture} has {what}, not (embedding, layers, norm) to cut by")
+    return plan[0], plan[1], plan[2]
+
+
+def can_cut(architecture: str) -> bool:
+    """Whether meshrun can take the class apart (stage_names) and train it as a causal LM:
+    a plan it ships, or a transformers causal LM whose config's base_model_pp_plan is
+    (embedding, layers, norm)."""
+    if architecture in SHIPPED_PLANS:
+        return True
+    from transformers.models.auto.modeling_auto import (  # noqa: PLC0415 (lazy: 200 names)
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    )
+
+    if architecture not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        return False
+    return _has_pp_plan(model_class(architecture).config_class)
+
+
+@functools.cache
+def supported_architectures() -> tuple[str, ...]:
+    """Every architecture `can_cut` takes, from this transformers' causal-LM classes (their
+    config classes are imported: seconds, so only when a refusal lists them)."""
+    from transformers.models.auto.configuration_auto import (  # noqa: PLC0415
+        CONFIG_MAPPING,
+    )
+    from transformers.models.auto.modeling_auto import (  # noqa: PLC0415
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    )
+
+    found = set(SHIPPED_PLANS)
+    for model_type, architecture in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+        if model_type in CONFIG_MAPPING and _has_pp_plan(CONFIG_MAPPING[model_type]):
+            found.add(architecture)
+    return tuple(sorted(found))
+
+
+def _has_pp_plan(config_class: type[PretrainedConfig]) -> bool:
+    """A plan stage_names cuts by: (embedding, layers, norm)."""
+    return len(getattr(config_class, "base_model_pp_plan", None) or {}) == 3
+
+
+# What config.json says about the file rather than the model.
+CONFIG_METADATA = frozenset(
+    {
+        "architectures",
+        "auto_map",
+        "dtype",
+        "torch_dtype",
+        "model_type",
+        "transformers_version",
+        "_name_or_path",
+        "_commit_hash",
+        "_attn_implementation_autoset",
+    }
+)
+
+
+def saved_fields(architecture: str, directory: str) -> dict[str, Any]:
+    """A save_pretrained directory's config as a preset's `config`: the fields of the
+    architecture's config class whose values differ from the class's defaults, as transformers
+    reads config.json (a field an older version wrote under another name comes under its
+    current one), without metadata (CONFIG_METADATA) or keys that are no field of the class,
+    and without a field the class derives from the others (layer_types from
+    num_hidden_layers), so that an override of those others stays consistent."""
+    config_class = model_class(architecture).config_class
+    saved = _as_json(config_class.from_pretrained(directory))
+    defaults = _as_json(config_class())
+    fields = {
+        key: value
+        for key, value in saved.items()
+        if key in defaults and key not in CONFIG_METADATA and defaults[key] != value
+    }
+    for key in list(fields):
+        rest = {k: v for k, v in fields.items() if k != key}
+        if _as_json(config_class(**rest)).get(key) == fields[key]:
+            fields = rest
+    return fields
+
+
+def _as_json(config: PretrainedConfig) -> dict[str, Any]:
+    """Every field, as config.json would hold it (lists, not tuples; dtypes as names)."""
+    return json.loads(config.to_json_string(use_diff=False))
+
+
+def weight_shapes(architecture: str, fields: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The shape of each tensor the class's checkpoint holds, for a config (built on meta)."""
+    cls = model_class(architecture)
+    with torch.device("meta"):
+        model = cls._from_config(cls.config_class(**fields))
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
 def hf_shape(cfg: HFModelConfig) -> ModelShape:

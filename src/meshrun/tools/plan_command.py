@@ -33,6 +33,7 @@ from meshrun.plan.search import Box, Plan, search
 from meshrun.validate import check_experiment
 from meshrun.validate.launcher import CPU_DEFAULT_RANKS
 from meshrun.validate.layout import check_degrees, fill_degree
+from meshrun.validate.model import model_overrides, read_pretrained
 
 GiB = 2**30
 # LLaMA's and LLaMA 2's global batch (4M tokens); GPT-3 175B used 3.2M.
@@ -100,6 +101,7 @@ def plan(
 ) -> tuple[Box, Plan, list[str]]:
     positive("world_size", cfg.world_size, allow_none=True)
     positive("launcher.nnodes", cfg.launcher.nnodes)
+    cfg.model = read_pretrained(cfg.model)  # model=hf/auto: its checkpoint's, before the rules
     check_experiment(cfg)  # the model's own mistakes before any layout is tried
     hardware = resolve_hardware(cfg.hardware, target_facts(cfg.hardware, host))
     facts = target_facts(hardware, host)
@@ -131,7 +133,7 @@ def command(c: Candidate, box: Box) -> str:
     return " ".join(
         [
             "meshrun",
-            f"model={c.cfg.model.name}",
+            model_overrides(c.cfg.model),
             f"hardware={c.cfg.hardware.name}",
             c.overrides(),
             *train,

@@ -2,14 +2,21 @@
 checkpoint is one it can hold, of the preset's sizes; for a Hugging Face model, that
 transformers is installed, the architecture exists and can be cut into stages, every config
 key is one its config class has, a `pretrained` directory matches the preset, and the
-sequence fits its attention and positions; for a user's module, validate/custom.py."""
+sequence fits its attention and positions; for a user's module, validate/custom.py.
+
+model=hf/auto (`model.architecture=auto`) is decided here too (`read_pretrained`, called by
+every command that resolves an experiment before its rules): the architecture and config are
+those of `model.pretrained`'s config.json."""
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib.util
 import json
+import shlex
 from pathlib import Path
+from typing import Any
 
 from meshrun.core.config import (
     CustomModelConfig,
@@ -21,6 +28,9 @@ from meshrun.core.config import (
 from meshrun.core.errors import fail, positive
 from meshrun.core.model_shape import ffn_dim, kv_heads
 from meshrun.validate.custom import check_custom
+
+# model=hf/auto's architecture (conf/model/hf/auto.yaml): read from model.pretrained.
+AUTO = "auto"
 
 
 def check_model(m: ModelConfig) -> None:
@@ -125,7 +135,102 @@ def _check_llama_pretrained(m: LlamaModelConfig) -> None:
             )
 
 
-def _check_hf(m: HFModelConfig) -> None:
+def read_pretrained(m: ModelConfig) -> ModelConfig:
+    """model=hf/auto: the architecture (config.json's `architectures[0]`) and the config (its
+    fields that differ from that class's defaults: models/hf.saved_fields) read from
+    `model.pretrained`, the `model.config` keys given explicitly over them (an override that
+    changes a tensor's shape is refused: the checkpoint's weights would not fit), named
+    `hf/<directory name>`; any other model as it is. Refused: no `model.pretrained`, no
+    config.json or weights there, an architecture meshrun cannot cut (with those it can)."""
+    if not isinstance(m, HFModelConfig) or m.architecture != AUTO:
+        return m
+    if m.pretrained is None:
+        fail(
+            "model.pretrained",
+            None,
+            f"model={m.name} reads its architecture and config from a save_pretrained "
+            "directory, and none is given",
+            "model.pretrained=path/to/checkpoint (config.json and *.safetensors), or a "
+            "preset: model=hf/<preset>",
+        )
+    hf = _transformers(m)
+    saved = _saved_config(m.pretrained, None)
+    architecture = (saved.get("architectures") or [None])[0]
+    if not isinstance(architecture, str):
+        fail(
+            "model.pretrained",
+            m.pretrained,
+            "its config.json names no architecture (`architectures`)",
+            "a directory a transformers model's save_pretrained wrote, or "
+            "model.architecture=<class> with a preset: model=hf/<preset>",
+        )
+    if not hf.can_cut(architecture):
+        fail(
+            "model.pretrained",
+            m.pretrained,
+            f"holds {architecture} (config.json's architectures), which meshrun cannot cut "
+            "into pipeline stages and shard: it is no transformers causal LM whose "
+            "base_model_pp_plan is (embedding, layers, norm), and meshrun ships no plan for it",
+            f"a checkpoint of {' | '.join(hf.supported_architectures())}",
+        )
+    read = hf.saved_fields(architecture, m.pretrained)
+    _check_overrides(m, architecture, read)
+    return dataclasses.replace(
+        m,
+        name=f"hf/{Path(m.pretrained).resolve().name}",
+        architecture=architecture,
+        config={**read, **m.config},
+        read_from=str(Path(m.pretrained) / "config.json"),
+    )
+
+
+def _check_overrides(m: HFModelConfig, architecture: str, read: dict[str, Any]) -> None:
+    """An explicit model.config key wins over config.json's unless it changes the shape of a
+    tensor the checkpoint holds (built on meta, only when there are overrides)."""
+    from meshrun.models import hf  # noqa: PLC0415 (optional dependency: meshrun[hf])
+
+    changed = {k: v for k, v in m.config.items() if read.get(k, ...) != v}
+    if not changed:
+        return
+    _check_config_keys(m.config, hf.model_class(architecture))
+    saved = hf.weight_shapes(architecture, read)
+    for key, value in changed.items():
+        shapes = hf.weight_shapes(architecture, {**read, key: value})
+        name = next((n for n, s in shapes.items() if saved.get(n) != s), None)
+        if name is not None:
+            fail(
+                f"model.config.{key}",
+                value,
+                f"changes {name} from {list(saved.get(name, ()))} (model.pretrained's "
+                f"weights) to {list(shapes[name])}",
+                f"{read.get(key, 'its default')!r} (config.json's), or no override",
+            )
+
+
+def describe_read(m: ModelConfig) -> str | None:
+    """What model=hf/auto read, for the record and the console: the architecture, where
+    from, the sizes; None for a model that was not read."""
+    if not isinstance(m, HFModelConfig) or m.read_from is None:
+        return None
+    from meshrun.models import model_shape  # noqa: PLC0415 (transformers: meshrun[hf])
+
+    s = model_shape(m)
+    heads = f"{s.n_heads} heads" + (f" / {s.n_kv_heads} kv" if s.n_kv_heads != s.n_heads else "")
+    return (
+        f"{m.architecture} read from {m.read_from} (hidden {s.dim}, {s.n_layers} layers, "
+        f"{heads}, ffn {s.ffn_dim}, vocab {s.vocab_size}, {'tied' if s.tied else 'untied'})"
+    )
+
+
+def model_overrides(m: ModelConfig) -> str:
+    """The overrides that select the model again: its preset, or hf/auto and the directory."""
+    if isinstance(m, HFModelConfig) and m.read_from is not None:
+        return f"model=hf/{AUTO} model.pretrained={shlex.quote(str(m.pretrained))}"
+    return f"model={m.name}"
+
+
+def _transformers(m: HFModelConfig):
+    """models/hf.py, or a ConfigError where transformers is not installed."""
     if importlib.util.find_spec("transformers") is None:
         fail(
             "model.architecture",
@@ -135,6 +240,29 @@ def _check_hf(m: HFModelConfig) -> None:
         )
     from meshrun.models import hf  # noqa: PLC0415 (optional dependency: meshrun[hf])
 
+    return hf
+
+
+def _check_config_keys(config: dict[str, Any], cls: type) -> dict[str, Any]:
+    """Every key a field of the class's config; its defaults."""
+    defaults = cls.config_class().to_dict()
+    for key, value in config.items():
+        if key not in defaults:
+            nearest = difflib.get_close_matches(key, list(defaults), n=1)
+            fail(
+                f"model.config.{key}",
+                value,
+                f"not a field of {cls.config_class.__name__}",
+                f"model.config.{nearest[0]} (nearest)"
+                if nearest
+                else "a field of the config class",
+            )
+    return defaults
+
+
+def _check_hf(m: HFModelConfig) -> None:
+    m = read_pretrained(m)  # where a command did not read it before its rules
+    hf = _transformers(m)
     try:
         cls = hf.model_class(m.architecture)
     except ValueError:
@@ -146,18 +274,7 @@ def _check_hf(m: HFModelConfig) -> None:
             "is not a transformers model class",
             f"{' | '.join(nearest) or 'a *ForCausalLM class'} (nearest)",
         )
-    defaults = cls.config_class().to_dict()
-    for key in m.config:
-        if key not in defaults:
-            nearest = difflib.get_close_matches(key, list(defaults), n=1)
-            fail(
-                f"model.config.{key}",
-                m.config[key],
-                f"not a field of {cls.config_class.__name__}",
-                f"model.config.{nearest[0]} (nearest)"
-                if nearest
-                else "a field of the config class",
-            )
+    defaults = _check_config_keys(m.config, cls)
     try:
         hf.stage_names(m.architecture, hf.hf_config(m))
     except ValueError as err:
@@ -165,15 +282,15 @@ def _check_hf(m: HFModelConfig) -> None:
             "model.architecture",
             m.architecture,
             str(err),
-            "a Llama-family architecture "
-            f"(Llama, Qwen2, Mistral) or one of {sorted(hf.SHIPPED_PLANS)}",
+            " | ".join(hf.supported_architectures()),
         )
-    if m.pretrained is not None:
+    if m.pretrained is not None and m.read_from is None:  # what was read needs no check
         _check_pretrained(m, defaults)
 
 
-def _saved_config(pretrained: str, architecture: str) -> dict:
-    """The config.json of a save_pretrained directory with safetensors of `architecture`."""
+def _saved_config(pretrained: str, architecture: str | None) -> dict:
+    """The config.json of a save_pretrained directory with safetensors (of `architecture`,
+    unless None)."""
     root = Path(pretrained)
     if not (root / "config.json").is_file():
         fail(
@@ -190,7 +307,7 @@ def _saved_config(pretrained: str, architecture: str) -> dict:
             "save_pretrained(..., safe_serialization=True) output",
         )
     saved = json.loads((root / "config.json").read_text())
-    if architecture not in saved.get("architectures", [architecture]):
+    if architecture is not None and architecture not in saved.get("architectures", [architecture]):
         fail(
             "model.pretrained",
             pretrained,

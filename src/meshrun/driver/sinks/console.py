@@ -84,6 +84,8 @@ def print_summary(r: RunRecord) -> None:
         rows.insert(rows.index(loss), (f"bubble ({r.pp_schedule}, m={r.n_microbatches})", bubble))
         if r.pp_split_note:
             rows.insert(rows.index(loss), ("pipeline split", r.pp_split_note))
+    if r.model_read:
+        rows.insert(1, ("model", r.model_read))
     if r.error:
         rows.insert(1, ("error", r.error))
     rows[1:1] = [("flagged", Text(flag, style="bold yellow")) for flag in r.flags]
