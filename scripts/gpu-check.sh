@@ -16,6 +16,16 @@ log() { echo "== $*" | tee -a "$out/summary.log"; }
 log "host: $(nproc) cores; $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader)"
 $py -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())" | tee -a "$out/summary.log"
 
+# On an image without network: meshrun's needs from wheels built ahead
+# (scripts/build-gpu-wheels.sh) and carried with the tree, installed offline; the image's own
+# torch stays (no torch wheel is there).
+wheels=${WHEELS:-outputs/gpu-wheels}
+if [ -f "$wheels/requirements.txt" ]; then
+  log "installing meshrun's needs offline from $wheels"
+  $py -m pip install -q --no-index --find-links "$wheels" -r "$wheels/requirements.txt" 2>&1 \
+    | tail -5 || log "FAILED: the offline install from $wheels (the checks below may not import)"
+fi
+
 log "gpu tests"
 # Every gpu-marked test where wandb is installed; test_gpu.py alone where it is not.
 gpu_tests=tests/test_gpu.py
