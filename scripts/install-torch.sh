@@ -31,7 +31,7 @@ if "$python" -c "import torch" 2>/dev/null; then
 elif [ -n "${MESHRUN_TORCH_SPEC:-}" ]; then
   install "$MESHRUN_TORCH_SPEC"
 elif command -v nvidia-smi >/dev/null 2>&1; then
-  install "torch>=2.6"
+  install "torch>=2.11"
 else
   install "torch==${cpu_version}+cpu" 2>/dev/null \
     || install "torch==${cpu_version}+cpu" \

@@ -26,6 +26,7 @@ from meshrun.core.attached import attached_rank
 from meshrun.core.errors import ConfigError
 from meshrun.core.paths import CONF_DIR
 from meshrun.core.schemas import register_schemas
+from meshrun.core.torch_floor import check_torch
 from meshrun.driver.compose import check_keys, config_error
 from meshrun.driver.launch.torchrun import run_dir_override
 from meshrun.driver.sinks.compare import print_sweep_table
@@ -47,6 +48,23 @@ def _hydra_raises() -> Iterator[bool]:
             os.environ.pop(FULL_ERROR, None)
         else:
             os.environ[FULL_ERROR] = before
+
+
+def _torch_refused() -> bool:
+    """Whether the installed torch is older than the floor (and says so)."""
+    try:
+        check_torch()
+    except ConfigError as err:
+        print_error("config error", str(err))
+        return True
+    return False
+
+
+def _pin_torchrun_dir() -> None:
+    """Under torchrun every rank runs the command: one run dir for all, unless pinned."""
+    pinned = any(arg.startswith("hydra.run.dir=") for arg in sys.argv)
+    if attached_rank() is not None and not pinned:
+        sys.argv.append(run_dir_override())
 
 
 def hydra_command(
@@ -74,9 +92,9 @@ def hydra_command(
             sys.exit(code)
 
     def main() -> None:
-        pinned = any(arg.startswith("hydra.run.dir=") for arg in sys.argv)
-        if attached_rank() is not None and not pinned:
-            sys.argv.append(run_dir_override())
+        if _torch_refused():
+            sys.exit(2)
+        _pin_torchrun_dir()
         overrides = [arg for arg in sys.argv[1:] if not arg.startswith("-")]
         with _hydra_raises() as user_wants_tracebacks:
             try:

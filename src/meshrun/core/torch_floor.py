@@ -1,0 +1,38 @@
+"""The oldest torch meshrun is tested on (scripts/test-torch-floor.sh runs every layout's
+parity, a resume and the CLI on it; pyproject.toml's `torch>=` says the same, and a test
+holds the two together). An older torch is refused before anything starts: its distributed
+APIs (FSDP2, DTensor, pipelining, DCP) moved under meshrun between releases."""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+from packaging.version import Version
+
+from meshrun.core.errors import fail
+
+TORCH_FLOOR = "2.11"
+
+
+def check_torch(installed: str | None = None) -> None:
+    """ConfigError where the installed torch is older than the floor (a local build's
+    version, `2.12.0a0+git...`, counts by its release)."""
+    version = installed or _installed()
+    if Version(version).release < Version(TORCH_FLOOR).release:
+        fail(
+            "torch",
+            version,
+            f"is older than the oldest torch meshrun is tested on ({TORCH_FLOOR})",
+            f"torch>={TORCH_FLOOR} (pip install 'torch>={TORCH_FLOOR}', or your CUDA build of it)",
+        )
+
+
+def _installed() -> str:
+    """The installed torch's version from its package metadata (no import: a second of it),
+    or from torch itself where it was installed without any (a source build)."""
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        import torch  # noqa: PLC0415
+
+        return torch.__version__
