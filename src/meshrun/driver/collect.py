@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 
+from meshrun.core.checkpoints import RESULTS_FILE
 from meshrun.core.config import ExperimentConfig, from_dict
 from meshrun.core.measured import RunMeta
 from meshrun.driver.experiment import begin, finish_experiment, follow, outcome, reported
@@ -62,7 +63,7 @@ def pending(dirs: Iterable[str | Path]) -> list[Path]:
 
 
 def _recorded_run_id(run_dir: Path) -> str | None:
-    results = run_dir / "results.json"
+    results = run_dir / RESULTS_FILE
     return json.loads(results.read_text())["run_id"] if results.exists() else None
 
 

@@ -16,6 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from meshrun.core.attached import attached_rank
 from meshrun.core.baseline import baseline_config, is_own_baseline
 from meshrun.core.checkpoints import (
+    RESULTS_FILE,
     RUN_FILE,
     checkpoint_root,
     find_resume,
@@ -347,7 +348,7 @@ def publish(
     not fed live (those a failed run's ranks had not logged; all of them without `live`)."""
     results = record.as_dict()
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
-    (Path(cfg.run_dir) / "results.json").write_text(json.dumps(results, indent=2))
+    (Path(cfg.run_dir) / RESULTS_FILE).write_text(json.dumps(results, indent=2))
     store.record(record)
     if not _on_wandb(cfg, record.role):
         return
