@@ -173,9 +173,17 @@ def test_hf_auto_without_a_checkpoint_is_refused(meshrun_here, tmp_path, given, 
 def test_meshrun_plan_reads_it_too_and_its_commands_name_the_checkpoint(tmp_path):
     saved(tmp_path / "my-qwen", "Qwen2ForCausalLM", QWEN2)
     pretrained = f"model.pretrained={tmp_path / 'my-qwen'}"
+    override = "+model.config.rms_norm_eps=1e-5"  # over config.json's: no preset to match
     run = run_console(
-        plan_command.main, tmp_path / "plan", None, "model=hf/auto", pretrained, defaults=()
+        plan_command.main,
+        tmp_path / "plan",
+        None,
+        "model=hf/auto",
+        pretrained,
+        override,
+        defaults=(),
     )
     assert run.returncode == 0, run.output
+    assert "of 0 layouts" not in run.output and "no layout" not in run.output
     assert "meshrun-plan: hf/my-qwen on" in run.output
     assert f"meshrun model=hf/auto {pretrained} hardware=" in run.output

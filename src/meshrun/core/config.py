@@ -71,13 +71,12 @@ class HFModelConfig(ModelConfig):
     device (no hub): `architecture` is the transformers class (LlamaForCausalLM), `config` the
     fields of its config class that differ from that class's defaults. `architecture: auto`
     (model=hf/auto) reads both from `pretrained`'s config.json when the experiment is resolved
-    (validate/model.read_pretrained), `config`'s keys over what it read; `read_from` is then
-    that config.json (set by meshrun, not a setting)."""
+    (validate/model.read_pretrained), `config`'s keys over what it read (the run's
+    `Resolved.model_read_from` then names that config.json)."""
 
     kind: ModelKind = ModelKind["hf"]
     architecture: str = MISSING
     config: dict[str, Any] = field(default_factory=dict)
-    read_from: str | None = None
 
 
 @dataclass
@@ -459,10 +458,12 @@ class Resolved:
     keeps JobConfig for settings and ParallelDims for what follows from them). `twin`: rank 0
     trains the single-device baseline between the run's timed steps (driver/baseline.py:
     a fresh one is needed and both fit); `data_cache`: data=hf's tokens, prepared for the
-    ranks to memory-map (driver/prepare_data.py)."""
+    ranks to memory-map (driver/prepare_data.py); `model_read_from`: the config.json
+    model=hf/auto's architecture and config were read from (validate/model.read_pretrained)."""
 
     twin: bool = False
     data_cache: str | None = None
+    model_read_from: str | None = None
 
 
 @dataclass
@@ -476,8 +477,12 @@ class RunConfig(ExperimentConfig):
 def with_resolved(cfg: ExperimentConfig, **changes: Any) -> RunConfig:
     """`cfg` as a RunConfig, its resolved values updated by `changes`."""
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(ExperimentConfig)}
-    resolved = cfg.resolved if isinstance(cfg, RunConfig) else Resolved()
-    return RunConfig(**fields, resolved=dataclasses.replace(resolved, **changes))
+    return RunConfig(**fields, resolved=dataclasses.replace(resolved_of(cfg), **changes))
+
+
+def resolved_of(cfg: ExperimentConfig) -> Resolved:
+    """What the driver resolved for `cfg`: nothing yet for settings alone."""
+    return cfg.resolved if isinstance(cfg, RunConfig) else Resolved()
 
 
 def rebuild(schema: type, data: dict[str, Any]) -> Any:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from meshrun.core.config import ExperimentConfig, RunConfig
+from meshrun.core.config import ExperimentConfig, RunConfig, with_resolved
 from meshrun.core.hardware import HostFacts, resolve_hardware
 from meshrun.driver.prepare_data import prepare_data
 from meshrun.plan.fit import check_fit
@@ -46,12 +46,14 @@ def resolve(
 def _read_model(cfg: ExperimentConfig, say: Callable[[str], None] | None) -> ExperimentConfig:
     """model=hf/auto's architecture and config, read from its checkpoint (the experiment's
     default name, `<model>_<parallel>`, follows the model's new one); any other as it is."""
-    model = read_pretrained(cfg.model)
-    if model is cfg.model:
+    model, read_from = read_pretrained(cfg.model)
+    if read_from is None:
         return cfg
     name = cfg.name
     if name == f"{cfg.model.name}_{cfg.parallel.name}":
         name = f"{model.name}_{cfg.parallel.name}"
     if say is not None:
-        say(f"model {model.name}: {describe_read(model)}")
-    return dataclasses.replace(cfg, model=model, name=name)
+        say(f"model {model.name}: {describe_read(model, read_from)}")
+    return with_resolved(
+        dataclasses.replace(cfg, model=model, name=name), model_read_from=read_from
+    )

@@ -13,7 +13,7 @@ from typing import Any
 from meshrun.core.baseline import baseline_key, is_own_baseline, n_devices
 from meshrun.core.batch import n_microbatches
 from meshrun.core.checkpoints import checkpoint_root
-from meshrun.core.config import ExperimentConfig
+from meshrun.core.config import ExperimentConfig, resolved_of
 from meshrun.core.flops import mfu, peak_flops
 from meshrun.core.hardware import device_for_rank, fingerprint_key
 from meshrun.core.layout import Layout
@@ -285,7 +285,7 @@ def config_fields(cfg: ExperimentConfig, meta: RunMeta) -> dict[str, Any]:
         "name": cfg.name,
         "sweep": cfg.sweep,
         "model": cfg.model.name,
-        "model_read": describe_read(cfg.model),
+        "model_read": describe_read(cfg.model, resolved_of(cfg).model_read_from),
         "data": cfg.data.name,
         "parallel": cfg.parallel.name,
         "layout": layout.degrees(),

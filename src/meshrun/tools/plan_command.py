@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from meshrun.core.config import ExperimentConfig, TrainConfig
+from meshrun.core.config import ExperimentConfig, TrainConfig, with_resolved
 from meshrun.core.errors import ConfigError, fail, positive
 from meshrun.core.hardware import HostFacts, resolve_hardware, target_facts
 from meshrun.core.tool_config import PlanCommandConfig
@@ -101,8 +101,8 @@ def plan(
 ) -> tuple[Box, Plan, list[str]]:
     positive("world_size", cfg.world_size, allow_none=True)
     positive("launcher.nnodes", cfg.launcher.nnodes)
-    cfg.model = read_pretrained(cfg.model)  # model=hf/auto: its checkpoint's, before the rules
-    check_experiment(cfg)  # the model's own mistakes before any layout is tried
+    cfg.model, read_from = read_pretrained(cfg.model)  # model=hf/auto's, before the rules
+    check_experiment(cfg, read_from)  # the model's own mistakes before any layout is tried
     hardware = resolve_hardware(cfg.hardware, target_facts(cfg.hardware, host))
     facts = target_facts(hardware, host)
     cfg.hardware = hardware
@@ -111,18 +111,19 @@ def plan(
     if given & set(PARALLEL_KEYS):  # a layout the search keeps: its -1 filled as a run's is
         check_degrees(cfg.parallel)
         cfg.parallel = fill_degree(cfg.parallel, box.world, "world_size")
-    found = search(cfg, box, facts, given)
+    experiment = with_resolved(cfg, model_read_from=read_from)  # what each layout's run gets
+    found = search(experiment, box, facts, given)
     layout_keys = sorted(k for k in given if k.startswith("parallel"))
     if layout_keys and not any(c.fits for c in found.ranked):
-        unconstrained = search(cfg, box, facts, given - set(layout_keys)).ranked
+        unconstrained = search(experiment, box, facts, given - set(layout_keys)).ranked
         found.alternatives = [c for c in unconstrained if c.fits][:ALTERNATIVES]
         found.alternative_to = layout_keys
     return box, found, defaults
 
 
-def command(c: Candidate, box: Box) -> str:
-    """The `meshrun` command that runs the row: model, hardware, the layout, the training
-    keys that differ from train.yaml's, and SLURM where it spans nodes."""
+def command(c: Candidate, box: Box, model: str) -> str:
+    """The `meshrun` command that runs the row: `model` (model_overrides), hardware, the
+    layout, the training keys that differ from train.yaml's, and SLURM where it spans nodes."""
     t, default = c.cfg.train, TrainConfig()
     train = [
         f"train.{k}={getattr(t, k)}"
@@ -133,7 +134,7 @@ def command(c: Candidate, box: Box) -> str:
     return " ".join(
         [
             "meshrun",
-            model_overrides(c.cfg.model),
+            model,
             f"hardware={c.cfg.hardware.name}",
             c.overrides(),
             *train,
@@ -146,7 +147,9 @@ def _gib(n: int) -> str:
     return f"{n / GiB:.2f}"
 
 
-def render(cfg: PlanCommandConfig, box: Box, found: Plan, defaults: list[str]) -> None:
+def render(cfg: PlanCommandConfig, box: Box, found: Plan, defaults: list[str], model: str) -> None:
+    """The plan's table, each row's command (`model`: the overrides that select the model),
+    and why the rest do not fit."""
     console = Console(width=max(160, Console().width))
     shown = found.ranked[: cfg.top]
     # soft-wrapped, whole: the title says what was planned
@@ -154,11 +157,11 @@ def render(cfg: PlanCommandConfig, box: Box, found: Plan, defaults: list[str]) -
     console.print(_table(shown, box))
     console.print("run a row with:")
     for index, c in enumerate(shown, start=1):
-        console.print(f"  {index:>2}  {command(c, box)}", soft_wrap=True, highlight=False)
+        console.print(f"  {index:>2}  {command(c, box, model)}", soft_wrap=True, highlight=False)
     for c in shown:
         for note in c.notes:
             console.print(f"[bold]{c.label}[/bold]: {note}")
-    _why_not(console, box, found)
+    _why_not(console, box, found, model)
 
 
 def _title(cfg: PlanCommandConfig, box: Box, defaults: list[str]) -> str:
@@ -217,7 +220,7 @@ def _table(shown: list[Candidate], box: Box) -> Table:
     return table
 
 
-def _why_not(console: Console, box: Box, found: Plan) -> None:
+def _why_not(console: Console, box: Box, found: Plan, model: str) -> None:
     """How many fit; what rules out the rest, and by how much the closest miss."""
     fitting = [c for c in found.ranked if c.fits]
     too_big = sorted((c for c in found.ranked if not c.fits), key=_excess)
@@ -248,7 +251,7 @@ def _why_not(console: Console, box: Box, found: Plan) -> None:
     if found.alternatives:
         console.print(f"layouts that fit without your {', '.join(found.alternative_to)}:")
         for c in found.alternatives:
-            console.print(f"  {c.label}: {command(c, box)}", highlight=False, soft_wrap=True)
+            console.print(f"  {c.label}: {command(c, box, model)}", highlight=False, soft_wrap=True)
     if found.ruled_out:
         console.print("ruled out by the rules a run checks (layouts and variants, by rule):")
         for example, count in found.reasons()[:REASONS_LISTED]:
@@ -276,12 +279,13 @@ def run(dict_cfg: DictConfig) -> int:
     given = (
         given_keys(HydraConfig.get().overrides.task) if HydraConfig.initialized() else frozenset()
     )
+    model = model_overrides(cfg.model)  # as composed: plan() reads model=hf/auto's
     try:
         box, found, defaults = plan(cfg, HostFacts.detect(), given)
     except ConfigError as err:
         print_error("config error", str(err))
         return 2
-    render(cfg, box, found, defaults)
+    render(cfg, box, found, defaults, model)
     if cfg.json:
         Path(cfg.json).write_text(
             json.dumps(
@@ -292,7 +296,9 @@ def run(dict_cfg: DictConfig) -> int:
                     "ranks_per_node": box.per_node,
                     "world_size": box.world,
                     "train": dataclasses.asdict(cfg.train),
-                    "layouts": [{**c.as_dict(), "command": command(c, box)} for c in found.ranked],
+                    "layouts": [
+                        {**c.as_dict(), "command": command(c, box, model)} for c in found.ranked
+                    ],
                     "ruled_out": [{"rule": e, "count": n} for e, n in found.reasons()],
                 },
                 indent=2,

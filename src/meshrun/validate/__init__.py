@@ -13,7 +13,7 @@ import dataclasses
 
 import torch.distributed as dist
 
-from meshrun.core.config import CustomModelConfig, ExperimentConfig, HardwareConfig
+from meshrun.core.config import CustomModelConfig, ExperimentConfig, HardwareConfig, resolved_of
 from meshrun.core.errors import choice, fail, positive
 from meshrun.core.hardware import HostFacts, resolve_hardware
 from meshrun.validate.checkpoint import check_checkpoint
@@ -30,10 +30,11 @@ from meshrun.validate.model import check_model, check_sequence
 from meshrun.validate.slurm import check_slurm
 
 
-def check_experiment(cfg: ExperimentConfig) -> None:
-    """The rules that hold whatever the layout (checked before one is searched for)."""
+def check_experiment(cfg: ExperimentConfig, model_read_from: str | None = None) -> None:
+    """The rules that hold whatever the layout (checked before one is searched for);
+    `model_read_from` as read_pretrained returns it, where not resolved in `cfg`."""
     _check_train(cfg)
-    check_model(cfg.model)
+    check_model(cfg.model, model_read_from or resolved_of(cfg).model_read_from)
     check_sequence(cfg)
     check_data(cfg)
     _check_plan(cfg)

@@ -33,10 +33,12 @@ from meshrun.validate.custom import check_custom
 AUTO = "auto"
 
 
-def check_model(m: ModelConfig) -> None:
+def check_model(m: ModelConfig, read_from: str | None = None) -> None:
+    """`read_from`: the config.json model=hf/auto was read from, which its checkpoint then
+    matches by construction (read_pretrained checked the overrides)."""
     positive("model.context_len", m.context_len, allow_none=True)
     if isinstance(m, HFModelConfig):
-        _check_hf(m)
+        _check_hf(m, read_from)
     elif isinstance(m, CustomModelConfig):
         check_custom(m)
     else:
@@ -135,15 +137,16 @@ def _check_llama_pretrained(m: LlamaModelConfig) -> None:
             )
 
 
-def read_pretrained(m: ModelConfig) -> ModelConfig:
+def read_pretrained(m: ModelConfig) -> tuple[ModelConfig, str | None]:
     """model=hf/auto: the architecture (config.json's `architectures[0]`) and the config (its
     fields that differ from that class's defaults: models/hf.saved_fields) read from
     `model.pretrained`, the `model.config` keys given explicitly over them (an override that
     changes a tensor's shape is refused: the checkpoint's weights would not fit), named
-    `hf/<directory name>`; any other model as it is. Refused: no `model.pretrained`, no
-    config.json or weights there, an architecture meshrun cannot cut (with those it can)."""
+    `hf/<directory name>`, with the config.json it was read from; any other model as it is,
+    with None. Refused: no `model.pretrained`, no config.json or weights there, an
+    architecture meshrun cannot cut (with those it can)."""
     if not isinstance(m, HFModelConfig) or m.architecture != AUTO:
-        return m
+        return m, None
     if m.pretrained is None:
         fail(
             "model.pretrained",
@@ -175,13 +178,13 @@ def read_pretrained(m: ModelConfig) -> ModelConfig:
         )
     read = hf.saved_fields(architecture, m.pretrained)
     _check_overrides(m, architecture, read)
-    return dataclasses.replace(
+    model = dataclasses.replace(
         m,
         name=f"hf/{Path(m.pretrained).resolve().name}",
         architecture=architecture,
         config={**read, **m.config},
-        read_from=str(Path(m.pretrained) / "config.json"),
     )
+    return model, str(Path(m.pretrained) / "config.json")
 
 
 def _check_overrides(m: HFModelConfig, architecture: str, read: dict[str, Any]) -> None:
@@ -207,24 +210,25 @@ def _check_overrides(m: HFModelConfig, architecture: str, read: dict[str, Any]) 
             )
 
 
-def describe_read(m: ModelConfig) -> str | None:
-    """What model=hf/auto read, for the record and the console: the architecture, where
-    from, the sizes; None for a model that was not read."""
-    if not isinstance(m, HFModelConfig) or m.read_from is None:
+def describe_read(m: ModelConfig, read_from: str | None) -> str | None:
+    """What model=hf/auto read from `read_from`, for the record and the console: the
+    architecture, where from, the sizes; None for a model that was not read."""
+    if not isinstance(m, HFModelConfig) or read_from is None:
         return None
     from meshrun.models import model_shape  # noqa: PLC0415 (transformers: meshrun[hf])
 
     s = model_shape(m)
     heads = f"{s.n_heads} heads" + (f" / {s.n_kv_heads} kv" if s.n_kv_heads != s.n_heads else "")
     return (
-        f"{m.architecture} read from {m.read_from} (hidden {s.dim}, {s.n_layers} layers, "
+        f"{m.architecture} read from {read_from} (hidden {s.dim}, {s.n_layers} layers, "
         f"{heads}, ffn {s.ffn_dim}, vocab {s.vocab_size}, {'tied' if s.tied else 'untied'})"
     )
 
 
 def model_overrides(m: ModelConfig) -> str:
-    """The overrides that select the model again: its preset, or hf/auto and the directory."""
-    if isinstance(m, HFModelConfig) and m.read_from is not None:
+    """The overrides that select the model (as composed, before read_pretrained) again: its
+    preset, or hf/auto and the directory."""
+    if isinstance(m, HFModelConfig) and m.architecture == AUTO:
         return f"model=hf/{AUTO} model.pretrained={shlex.quote(str(m.pretrained))}"
     return f"model={m.name}"
 
@@ -260,8 +264,9 @@ def _check_config_keys(config: dict[str, Any], cls: type) -> dict[str, Any]:
     return defaults
 
 
-def _check_hf(m: HFModelConfig) -> None:
-    m = read_pretrained(m)  # where a command did not read it before its rules
+def _check_hf(m: HFModelConfig, read_from: str | None) -> None:
+    if read_from is None:  # where a command did not read it before its rules
+        m, read_from = read_pretrained(m)
     hf = _transformers(m)
     try:
         cls = hf.model_class(m.architecture)
@@ -284,7 +289,7 @@ def _check_hf(m: HFModelConfig) -> None:
             str(err),
             " | ".join(hf.supported_architectures()),
         )
-    if m.pretrained is not None and m.read_from is None:  # what was read needs no check
+    if m.pretrained is not None and read_from is None:  # what was read needs no check
         _check_pretrained(m, defaults)
 
 
