@@ -1,5 +1,5 @@
-"""Context parallelism's attention and sequence sharding (rank/parallel/context.py), on real
-gloo ranks: every method's output and q/k/v gradients on each rank equal full causal SDPA's
+"""Context parallelism's attention and sequence sharding (rank/parallel/context_attention.py),
+on real gloo ranks: every method's output and q/k/v gradients on each rank equal full causal SDPA's
 restricted to that rank's tokens."""
 
 from __future__ import annotations
@@ -11,11 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from meshrun.rank.parallel.context import (
+from meshrun.rank.parallel.context_attention import (
     METHODS,
     context_attention,
-    context_mean_loss,
-    gather_sequence,
     load_balanced_chunks,
     sequence_positions,
     shard_sequence,
@@ -160,34 +158,3 @@ def test_alltoall_refuses_heads_cp_does_not_divide(rank_pool):
     messages = rank_pool.run(_refusals_on_ranks, None, 4)[0]
     rule = "alltoall splits heads over cp: heads ({}) and K/V heads ({}) must both be divisible"
     assert messages == [rule.format(6, 6) + " by cp (4)", rule.format(4, 1) + " by cp (4)"]
-
-
-def _loss_on_ranks(grad_reduction: str) -> dict[str, float]:
-    """Each rank's context_mean_loss of its shard of per-token losses (some tokens masked)
-    against the single device's mean over the valid tokens, value and gradient."""
-    rank, cp = _init()
-    gen = torch.Generator().manual_seed(1)
-    losses = torch.rand(3, 2 * cp * 4, generator=gen).requires_grad_()
-    valid = torch.rand(3, 2 * cp * 4, generator=gen) > 0.3
-    want = losses[valid].mean()
-    (want_grad,) = torch.autograd.grad(want, losses)
-    local = shard_sequence(losses.detach(), rank, cp).requires_grad_()
-    got = context_mean_loss(
-        local, dist.group.WORLD, shard_sequence(valid, rank, cp), grad_reduction
-    )
-    got.backward()
-    weight = cp if grad_reduction == "mean" else 1
-    gathered = gather_sequence(local.grad, dist.group.WORLD)
-    return {
-        "value": abs(got.item() - want.item()),
-        "grad": (local.grad - weight * shard_sequence(want_grad, rank, cp)).abs().max().item(),
-        "gathered": (gathered - weight * want_grad).abs().max().item(),
-    }
-
-
-@pytest.mark.parametrize("grad_reduction", ["mean", "sum"])
-def test_cp_loss_is_the_single_device_mean_and_its_gradient(rank_pool, grad_reduction):
-    """The value is the whole sequence's mean on every rank; the gradient is the single
-    device's (times cp where the caller averages gradients over the CP ranks)."""
-    for rank, errors in enumerate(rank_pool.run(_loss_on_ranks, grad_reduction, 4)):
-        assert max(errors.values()) < 1e-6, (f"rank {rank}", errors)
