@@ -92,8 +92,9 @@ def test_resumed_run_continues_bit_for_bit(tmp_path, rank_pool, layout):
         (("parallel=fsdp",), ("parallel=tp2_pp2",)),
         pytest.param(("parallel=ddp",), ("parallel=fsdp",), marks=pytest.mark.slow),
         pytest.param(("parallel=tp2_pp2",), ("parallel=single",), marks=pytest.mark.slow),
+        (("parallel=fsdp2_cp2", "launcher.nproc_per_node=4"), ("parallel=single",)),
     ],
-    ids=["fsdp-to-tp2_pp2", "ddp-to-fsdp", "tp2_pp2-to-single"],
+    ids=["fsdp-to-tp2_pp2", "ddp-to-fsdp", "tp2_pp2-to-single", "fsdp2_cp2-to-single"],
 )
 def test_checkpoint_loads_under_another_layout(tmp_path, rank_pool, saved_under, resumed_under):
     cfg, whole = _run(

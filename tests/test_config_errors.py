@@ -184,6 +184,27 @@ BAD_CONFIGS = [
         "checkpoint.dir",
         "needs about 1957.83 GiB",
     ),
+    # Context parallelism: what its load balance, Ulysses and its reach need.
+    (["parallel=cp2", "train.seq_len=66"], "train.seq_len", "not divisible by 2 x cp = 4"),
+    (
+        [
+            "model=tiny",
+            "parallel=tp2_cp2",
+            "parallel.tp=4",
+            "launcher.nproc_per_node=8",
+            "train.seq_len=76",
+        ],
+        "train.seq_len",
+        "a CP rank's 38 tokens are not divisible by tp (4)",
+    ),
+    (
+        ["model=small", "parallel=cp2", "parallel.cp=4", "parallel.cp_method=alltoall"],
+        "parallel.cp_method",
+        "model.n_heads (6) / tp (1) = 6 is not divisible by cp (4)",
+    ),
+    (["parallel=dataparallel", "parallel.cp=2"], "parallel.data_parallel", "cp, tp, pp = 1"),
+    (["model=hf/tiny-llama", "parallel=cp2"], "parallel.cp", "not model.kind=hf"),
+    (["parallel=cp2", "train.compile=true"], "train.compile", "context parallelism"),
 ]
 
 

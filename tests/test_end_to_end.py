@@ -41,7 +41,7 @@ def test_ddp_reports_speedup_against_measured_baseline(ddp_run):
     assert results["status"] == "completed"
     assert results["world_size"] == 2
     assert (results["model"], results["parallel"]) == ("small", "ddp")  # the defaults
-    assert results["layout"] == {"pp": 1, "dp_replicate": 2, "dp_shard": 1, "tp": 1}
+    assert results["layout"] == {"pp": 1, "dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1}
     assert results["scaling"] == "weak"
     assert results["baseline_tokens_per_s"] > 0
     assert results["speedup"] == pytest.approx(

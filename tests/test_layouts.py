@@ -1,9 +1,9 @@
-"""Every layout (data, tensor, pipeline parallel and their compositions, every schedule)
-trains the same model on the same global batch as a single device: per-step losses and
-global gradient norms agree to 1e-4 (relative, fp32), each run in real gloo processes (the
-session's rank pool). The norms are compared apart: under AdamW a norm that misses a shard
-leaves the losses alone (clipping by a wrong factor scales the whole gradient, which Adam's
-update divides out), so only the norm shows it.
+"""Every layout (data, tensor, context, pipeline parallel and their compositions, every
+schedule and CP method) trains the same model on the same global batch as a single device:
+per-step losses and global gradient norms agree to 1e-4 (relative, fp32), each run in real
+gloo processes (the session's rank pool). The norms are compared apart: under AdamW a norm
+that misses a shard leaves the losses alone (clipping by a wrong factor scales the whole
+gradient, which Adam's update divides out), so only the norm shows it.
 
 Layouts with TP and no pipeline run two micro-batches a step (per DP rank: one), not four:
 a TP micro-batch costs ~0.15 s of CPU per rank here (every op a DTensor dispatch, every
@@ -63,6 +63,14 @@ LAYOUTS = {
         MICRO4,
     ),
     "dp2_tp2_pp2": ("parallel=dp2_tp2_pp2",),
+    "cp2_ring": ("parallel=cp2", MICRO4),
+    "cp2_allgather": ("parallel=cp2", "parallel.cp_method=allgather", MICRO4),
+    "cp2_alltoall": ("parallel=cp2", "parallel.cp_method=alltoall", MICRO4),
+    "fsdp2_cp2": ("parallel=fsdp2_cp2", MICRO4),
+    "tp2_cp2_sequence_parallel": ("parallel=tp2_cp2", MICRO4),
+    "pp2_cp2": ("parallel=cp2", "parallel.pp=2"),
+    # the recompute of a checkpointed block runs inside the CP attention too
+    "cp2_full_checkpointing": ("parallel=cp2", "parallel.activation_checkpointing=full", MICRO4),
     "ddp_full_checkpointing": ("parallel=ddp", "parallel.activation_checkpointing=full"),
     "fsdp_selective_checkpointing": (
         "parallel=fsdp",

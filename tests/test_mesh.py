@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshrun.core.layout import MESH_DIMS, Layout, dp_rank, rank_coords
+from meshrun.core.layout import MESH_DIMS, Layout, cp_rank, dp_rank, rank_coords
 from meshrun.rank.mesh import build_mesh, dp_group
 
 LAYOUTS = [
@@ -21,6 +21,8 @@ LAYOUTS = [
     Layout(pp=2, dp_replicate=1, dp_shard=2, tp=2),
     Layout(pp=3, dp_replicate=2, dp_shard=1, tp=2),
     Layout(pp=2, dp_replicate=2, dp_shard=2, tp=2),
+    Layout(cp=2, tp=2),
+    Layout(pp=2, dp_shard=2, cp=3, tp=2),
 ]
 
 
@@ -49,11 +51,12 @@ def test_layout_describe_names_the_non_trivial_dims_in_mesh_order():
 
 
 def test_layout_degrees_are_in_mesh_order():
-    layout = Layout(pp=2, dp_replicate=3, dp_shard=4, tp=5)
+    layout = Layout(pp=2, dp_replicate=3, dp_shard=4, cp=6, tp=5)
     assert list(layout.degrees().items()) == [
         ("pp", 2),
         ("dp_replicate", 3),
         ("dp_shard", 4),
+        ("cp", 6),
         ("tp", 5),
     ]
 
@@ -81,8 +84,19 @@ def test_tensor_parallel_peers_are_adjacent_ranks():
     assert peers == [4, 5, 6, 7]
 
 
+def test_context_parallel_peers_are_next_beyond_tensor_parallel_ones():
+    """tp innermost, then cp (Megatron's tp-cp-dp-pp): a CP group's ranks are tp apart."""
+    layout = Layout(dp_shard=2, cp=2, tp=2)
+    groups = {}
+    for rank in range(layout.world_size):
+        c = rank_coords(layout, rank)
+        groups.setdefault((c["dp_shard"], c["tp"]), []).append(rank)
+        assert cp_rank(layout, rank) == c["cp"]
+    assert sorted(groups.values()) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+
+
 @pytest.mark.parametrize("layout", LAYOUTS, ids=Layout.describe)
-def test_tp_and_pp_peers_share_their_dp_rank(layout):
+def test_tp_cp_and_pp_peers_share_their_dp_rank(layout):
     by_dp_coords: dict[tuple[int, int], set[int]] = {}
     for rank in range(layout.world_size):
         c = rank_coords(layout, rank)
@@ -93,12 +107,12 @@ def test_tp_and_pp_peers_share_their_dp_rank(layout):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=Layout.describe)
-def test_dp_rank_is_a_bijection_onto_range_dp_size_within_each_pp_tp_slice(layout):
-    slices: dict[tuple[int, int], list[int]] = {}
+def test_dp_rank_is_a_bijection_onto_range_dp_size_within_each_pp_cp_tp_slice(layout):
+    slices: dict[tuple[int, int, int], list[int]] = {}
     for rank in range(layout.world_size):
         c = rank_coords(layout, rank)
-        slices.setdefault((c["pp"], c["tp"]), []).append(dp_rank(layout, rank))
-    assert len(slices) == layout.pp * layout.tp
+        slices.setdefault((c["pp"], c["cp"], c["tp"]), []).append(dp_rank(layout, rank))
+    assert len(slices) == layout.pp * layout.cp * layout.tp
     for dp_ranks in slices.values():
         assert sorted(dp_ranks) == list(range(layout.dp_size))
 

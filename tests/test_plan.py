@@ -99,7 +99,7 @@ def test_host_probe_measures_concurrent_streams():
 def test_llama_7b_ddp_does_not_fit_an_a6000_and_the_plan_names_layouts_that_do(tmp_path):
     run, plan = meshrun_plan(tmp_path, "model=llama-7b", "hardware=a6000", "world_size=8")
     layouts = {tuple(sorted(entry["degrees"].items())): entry for entry in plan["layouts"]}
-    ddp = layouts[(("dp_replicate", 8), ("dp_shard", 1), ("pp", 1), ("tp", 1))]
+    ddp = layouts[(("cp", 1), ("dp_replicate", 8), ("dp_shard", 1), ("pp", 1), ("tp", 1))]
     assert not ddp["fits"]
     # 16 bytes a parameter (fp32 weights, grads, AdamW) for 6.7e9 parameters alone: > 48 GiB
     assert ddp["peak_bytes"] > 6.7e9 * 16 > 47.5 * GiB

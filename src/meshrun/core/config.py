@@ -18,6 +18,7 @@ from meshrun.core.choices import (
     Backend,
     BaselineMode,
     Checkpointing,
+    CpMethod,
     DataFormat,
     DataName,
     DataParallel,
@@ -135,6 +136,10 @@ class ParallelConfig:
     `stages_per_rank` > 1 for the interleaved schedules.
     `tp_plan` ("module:function") replaces the built-in tensor-parallel plan with a user's
     own, called as function(model, tp_mesh, sequence_parallel).
+    `cp` > 1 splits each sequence over a context-parallel group, which shares attention by
+    `cp_method`: `ring` (K/V blocks passed round), `allgather` (K/V gathered once a layer) or
+    `alltoall` (Ulysses: sequence shards traded for head shards). CP ranks hold the same
+    parameters: FSDP2 shards them over dp_shard x cp.
     """
 
     name: str = MISSING
@@ -142,6 +147,8 @@ class ParallelConfig:
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
+    cp_method: CpMethod = CpMethod["ring"]
     schedule: Schedule = Schedule["1f1b"]
     stages_per_rank: int = 1
     pp_layers: Any = None  # list[int] | "auto" | None (OmegaConf has no such union)

@@ -1,9 +1,10 @@
 """Rank order: the one place that knows which rank sits where, from a resolved config, with
 no torch.
 
-Ranks are laid out row-major over (pp, dp_replicate, dp_shard, tp): tensor-parallel peers are
-adjacent ranks (same node, fastest links), pipeline stages the outermost dimension. This is
-also init_device_mesh's order, so `rank_coords` (pure, for the driver and tests) and the
+Ranks are laid out row-major over (pp, dp_replicate, dp_shard, cp, tp): tensor-parallel peers
+are adjacent ranks (same node, fastest links), then a sequence's context-parallel group
+(Megatron's tp-cp-dp-pp order), pipeline stages the outermost dimension. This is also
+init_device_mesh's order, so `rank_coords` (pure, for the driver and tests) and the
 DeviceMesh a worker builds (rank/mesh.py) always agree.
 """
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 from meshrun.core.config import ParallelConfig
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class Layout:
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
+    cp: int = 1
     tp: int = 1
 
     @property
@@ -36,9 +38,15 @@ class Layout:
 
     @property
     def uses_fsdp(self) -> bool:
-        """Data parallelism through FSDP2: sharded, or replicated beside TP/PP (where DDP
-        cannot hold DTensor parameters)."""
-        return self.dp_shard > 1 or (self.dp_size > 1 and (self.tp > 1 or self.pp > 1))
+        """Data parallelism through FSDP2: sharded (over dp_shard x cp: CP ranks hold the same
+        parameters), or replicated beside TP/PP (where DDP cannot hold DTensor parameters)."""
+        return self.shard_size > 1 or (self.dp_size > 1 and (self.tp > 1 or self.pp > 1))
+
+    @property
+    def shard_size(self) -> int:
+        """The ranks FSDP2 shards parameters over: data-parallel shards and their CP peers
+        (torchtitan's dp_shard_cp), whose gradients it averages."""
+        return self.dp_shard * self.cp
 
     @classmethod
     def of(cls, parallel: ParallelConfig) -> Layout:
@@ -66,6 +74,12 @@ def rank_coords(layout: Layout, rank: int) -> dict[str, int]:
 
 
 def dp_rank(layout: Layout, rank: int) -> int:
-    """Index among data-parallel peers: TP and PP peers share it (and thus their data)."""
+    """Index among data-parallel peers: TP, CP and PP peers share it (and thus their data;
+    CP peers each take their part of its sequences)."""
     coords = rank_coords(layout, rank)
     return coords["dp_replicate"] * layout.dp_shard + coords["dp_shard"]
+
+
+def cp_rank(layout: Layout, rank: int) -> int:
+    """Index in its context-parallel group: which part of each sequence the rank holds."""
+    return rank_coords(layout, rank)["cp"]

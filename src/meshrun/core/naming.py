@@ -21,33 +21,17 @@ from meshrun.core.stages import PP_AUTO
 
 def layout_name(cfg: ExperimentConfig) -> str:
     """The one readable name of a resolved config's layout, e.g. `ddp4(bucket-view)`,
-    `hsdp2x2`, `fsdp-replicate2 x tp2`, `pp2(1f1b, m=4) x tp2, ckpt=full`; `single` for one
-    device. Shown by the console, store, report, planner and W&B alike."""
+    `hsdp2x2`, `fsdp-replicate2 x tp2`, `fsdp2 x cp2(ring)`, `pp2(1f1b, m=4) x tp2,
+    ckpt=full`; `single` for one device. Shown by the console, store, report, planner and
+    W&B alike."""
     p = cfg.parallel
     if p.data_parallel == "dataparallel":
         parts = [f"dataparallel{p.dataparallel_devices}"]
     else:
-        layout = Layout.of(p)
-        parts = []
-        if p.pp > 1:
-            inner = [p.schedule]
-            if p.stages_per_rank > 1:
-                inner.append(f"{p.stages_per_rank} stages/rank")
-            inner.append(f"m={n_microbatches(cfg)}")
-            if p.pp_layers == PP_AUTO:
-                inner.append("layers=auto")
-            elif p.pp_layers:
-                inner.append(f"layers=[{','.join(map(str, p.pp_layers))}]")
-            parts.append(f"pp{p.pp}({', '.join(inner)})")
-        if p.dp_replicate > 1 and p.dp_shard > 1:
-            parts.append(f"hsdp{p.dp_replicate}x{p.dp_shard}")
-        elif p.dp_shard > 1:
-            parts.append(f"fsdp{p.dp_shard}")
-        elif p.dp_replicate > 1 and layout.uses_fsdp:
-            parts.append(f"fsdp-replicate{p.dp_replicate}")
-        elif p.dp_replicate > 1:
-            view = "(bucket-view)" if p.ddp.gradient_as_bucket_view else ""
-            parts.append(f"ddp{p.dp_replicate}{view}")
+        parts = [_pipeline_part(cfg)] if p.pp > 1 else []
+        parts += _data_parts(p)
+        if p.cp > 1:
+            parts.append(f"cp{p.cp}({p.cp_method})")
         if p.tp > 1:
             extras = (["sp"] if p.sequence_parallel else []) + (
                 [f"plan={p.tp_plan}"] if p.tp_plan else []
@@ -57,6 +41,31 @@ def layout_name(cfg: ExperimentConfig) -> str:
     if p.activation_checkpointing != "none":
         name += f", ckpt={p.activation_checkpointing}"
     return name
+
+
+def _pipeline_part(cfg: ExperimentConfig) -> str:
+    p = cfg.parallel
+    inner = [p.schedule]
+    if p.stages_per_rank > 1:
+        inner.append(f"{p.stages_per_rank} stages/rank")
+    inner.append(f"m={n_microbatches(cfg)}")
+    if p.pp_layers == PP_AUTO:
+        inner.append("layers=auto")
+    elif p.pp_layers:
+        inner.append(f"layers=[{','.join(map(str, p.pp_layers))}]")
+    return f"pp{p.pp}({', '.join(inner)})"
+
+
+def _data_parts(p: ParallelConfig) -> list[str]:
+    if p.dp_replicate > 1 and p.dp_shard > 1:
+        return [f"hsdp{p.dp_replicate}x{p.dp_shard}"]
+    if p.dp_shard > 1:
+        return [f"fsdp{p.dp_shard}"]
+    if p.dp_replicate > 1 and Layout.of(p).uses_fsdp:
+        return [f"fsdp-replicate{p.dp_replicate}"]
+    if p.dp_replicate > 1:
+        return [f"ddp{p.dp_replicate}" + ("(bucket-view)" if p.ddp.gradient_as_bucket_view else "")]
+    return []
 
 
 @cache

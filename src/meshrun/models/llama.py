@@ -97,6 +97,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
         self.pos_embeddings = None  # positions are rotary
+        self.positions: torch.Tensor | None = None  # a CP rank's tokens' (use_positions)
         self.vocab_size = cfg.vocab_size
         self.tied = cfg.tie_embeddings
 
@@ -168,12 +169,19 @@ class Transformer(nn.Module):
         self._reset_rope()
         return read
 
+    def use_positions(self, positions: torch.Tensor) -> None:
+        """The global positions of the tokens this rank sees (a context-parallel rank's
+        shard of each sequence); the rotary tables are taken at them when filled."""
+        self.positions = positions
+
     def _reset_rope(self) -> None:
         """The rotary tables, which a model built on meta does not have."""
         device = self.rope_cos.device
         cos, sin = rope_tables(
             self.cfg.dim // self.cfg.n_heads, self.max_seq_len, self.cfg.rope_theta
         )
+        if self.positions is not None:
+            cos, sin = cos[self.positions], sin[self.positions]
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
 
 

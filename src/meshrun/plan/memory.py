@@ -36,6 +36,10 @@ a step allocates and frees them. Under a pipeline FSDP stays gathered all step, 
 unsharded gradients (predict_rank). "other" holds the DDP buckets and a pipeline stage's
 receive buffers (one T x h tensor per micro-batch); the last stage keeps no logits between
 micro-batches (rank/parallel: the schedule runs with return_outputs=False).
+
+Context parallelism: a CP rank holds seq/cp tokens of each sequence and FSDP shards over
+dp_shard x cp. Not yet counted: the K/V blocks a CP method holds beyond the rank's own (the
+ring's block in flight, allgather's gathered K/V, Ulysses' head-sharded copies).
 """
 
 from __future__ import annotations
@@ -116,7 +120,7 @@ def activation_bytes(
 ) -> float:
     d = Dims.of(cfg.model, layout.tp)
     p = cfg.parallel
-    tokens = micro_batch * cfg.train.seq_len
+    tokens = micro_batch * cfg.train.seq_len // layout.cp  # a CP rank's part of each sequence
     width = 2 if cfg.train.precision in HALF_PRECISIONS else FP32
     kept, recompute = _layer_bytes(
         d, layout.tp, p.sequence_parallel, p.activation_checkpointing, width
@@ -143,7 +147,7 @@ def predict_rank(
     micro_batch: int,
 ) -> MemoryPrediction:
     d = Dims.of(cfg.model, layout.tp)
-    elements = local_param_elements(d, share, layout.tp, layout.dp_shard)
+    elements = local_param_elements(d, share, layout.tp, layout.shard_size)
     state = elements * FP32
     activations = activation_bytes(cfg, layout, share, pp_rank, n_microbatches, micro_batch)
     other = 0
@@ -172,7 +176,7 @@ def predict_rank(
     if cfg.hardware.device_type == "cuda":
         other += CUBLAS_WORKSPACES
     if layout.pp > 1:  # the stage's receive buffers, one per micro-batch
-        tokens = n_microbatches * micro_batch * cfg.train.seq_len
+        tokens = n_microbatches * micro_batch * cfg.train.seq_len // layout.cp
         other += tokens * d.h * FP32
     return MemoryPrediction(state, state, elements * ADAM_BYTES, int(activations), other)
 

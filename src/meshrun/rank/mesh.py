@@ -21,10 +21,17 @@ def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
 
 
 def dp_group(mesh: DeviceMesh | None) -> dist.ProcessGroup | None:
-    """One group spanning both data-parallel dims (for averaging metrics like the loss)."""
+    """One group spanning both data-parallel dims and CP (for averaging metrics like the
+    loss: CP peers hold equal shares of a sequence's tokens, so the mean of their means is
+    the sequence's)."""
     if mesh is None:
         return None
-    return mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
+    return mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp").get_group()
+
+
+def cp_group(mesh: DeviceMesh | None, layout: Layout) -> dist.ProcessGroup | None:
+    """This rank's context-parallel group, which shares its sequences' attention."""
+    return mesh["cp"].get_group() if mesh is not None and layout.cp > 1 else None
 
 
 def pp_group(mesh: DeviceMesh | None, layout: Layout) -> dist.ProcessGroup | None:

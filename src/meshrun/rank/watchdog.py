@@ -97,6 +97,7 @@ def step_collectives(degrees: dict[str, int]) -> str:
         "pp": "pipeline send/recv",
         "dp_replicate": "gradient all_reduce",
         "dp_shard": "FSDP all_gather/reduce_scatter",
+        "cp": "context-parallel attention, FSDP over its ranks",
         "tp": "tensor-parallel collectives",
     }
     used = [kinds[dim] for dim, n in degrees.items() if n > 1]

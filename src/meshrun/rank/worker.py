@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshrun.core.config import RunConfig, from_dict
 from meshrun.core.hardware import host_fingerprint
-from meshrun.core.layout import Layout, dp_rank
+from meshrun.core.layout import Layout, cp_rank, dp_rank
 from meshrun.core.rank_report import CheckpointSave, RankReport, StageSplit
 from meshrun.core.run_files.failures import (
     forget_failure,
@@ -174,6 +174,7 @@ def _set_up(at: Rank) -> Setup:
         at.layout.dp_size,
         at.device,
         start_step=start or 0,
+        cp=(cp_rank(at.layout, at.rank), at.layout.cp),
     )
     return Setup(
         training,
@@ -215,6 +216,7 @@ def _evaluator(at: Rank, training: Training, heldout: Source) -> Evaluator | Non
         dp_rank(at.layout, at.rank),
         at.layout.dp_size,
         at.device,
+        cp=(cp_rank(at.layout, at.rank), at.layout.cp),
     )
     return Evaluator(
         training.model,

@@ -17,6 +17,7 @@ from meshrun.core.config import CustomModelConfig, ExperimentConfig, HardwareCon
 from meshrun.core.errors import choice, fail, positive
 from meshrun.core.hardware import HostFacts, resolve_hardware
 from meshrun.validate.checkpoint import check_checkpoint
+from meshrun.validate.context import check_context_parallel
 from meshrun.validate.custom import check_custom_layout
 from meshrun.validate.data import check_data
 from meshrun.validate.launcher import check_debug
@@ -57,6 +58,7 @@ def validate_layout(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig
         cfg, backend=backend, hardware=hardware, parallel=parallel, launcher=launcher
     )
     check_tensor_parallel(resolved)
+    check_context_parallel(resolved)
     if isinstance(resolved.model, CustomModelConfig):
         check_custom_layout(resolved)
     check_pipeline(resolved)

@@ -84,7 +84,7 @@ def _resolve_dataparallel(cfg: ExperimentConfig, facts: HostFacts):
             "parallel.data_parallel",
             "dataparallel",
             "DataParallel is one process; it does not combine with mesh degrees",
-            "all of dp_replicate, dp_shard, tp, pp = 1",
+            "all of dp_replicate, dp_shard, cp, tp, pp = 1",
         )
     n_gpus = len(facts.cuda_devices)
     devices = n_gpus if p.dataparallel_devices == -1 else p.dataparallel_devices

@@ -1,10 +1,10 @@
 """Turn the model into its parallel form for a layout.
 
-Composition order (as in torchtitan): on the meta device, the pipeline cut, tensor
-parallel, activation checkpointing, torch.compile per block and FSDP2 (HSDP); then each rank
-materialises what it holds, seeded or read from a checkpoint (no rank ever holds the whole
-model); then the wrappers that need real tensors (DDP, DataParallel); then the pipeline
-schedule.
+Composition order (as in torchtitan): on the meta device, the pipeline cut, context
+parallel, tensor parallel, activation checkpointing, torch.compile per block and FSDP2
+(HSDP); then each rank materialises what it holds, seeded or read from a checkpoint (no rank
+ever holds the whole model); then the wrappers that need real tensors (DDP, DataParallel);
+then the pipeline schedule.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from meshrun.core.layout import Layout
 from meshrun.core.stages import local_stage_ids, stage_layer_counts
 from meshrun.rank.parallel.checkpointing import apply_activation_checkpointing
 from meshrun.rank.parallel.compile import apply_compile
+from meshrun.rank.parallel.context import apply_context_parallel
 from meshrun.rank.parallel.dataparallel import apply_dataparallel
 from meshrun.rank.parallel.ddp import apply_ddp
 from meshrun.rank.parallel.fsdp import apply_fsdp
@@ -102,15 +103,26 @@ def parallelize(
     n_microbatches: int = 1,
     pretrained: str | None = None,
     compile: bool = False,
+    seq_len: int = 0,
 ) -> ParallelModel:
     """`model` is the full model on the meta device (meshrun.models); returns this rank's
     materialised share, its weights seeded or read from `pretrained` (a local HF directory).
     `n_microbatches`: a pipeline's per step (core.batch.n_microbatches); `compile`: each
-    block through torch.compile (train.compile)."""
+    block through torch.compile (train.compile); `seq_len`: the sequence CP splits."""
     pp_rank = mesh.get_local_rank("pp") if layout.pp > 1 else 0
     stage_ids, n_stages = pipeline_stages(pp_rank, layout, cfg)
     wrapped, read = [], 0
     for cut in stage_parts(model, pp_rank, layout, cfg):
+        if layout.cp > 1:
+            cp_mesh = mesh["cp"]
+            apply_context_parallel(
+                cut,
+                cp_mesh.get_group(),
+                cfg.cp_method,
+                seq_len,
+                cp_mesh.get_local_rank(),
+                layout.cp,
+            )
         part = sharded_part(cut, mesh, layout, cfg, param_dtype, compile)
         read += materialise(part, device, seed, pretrained)
         wrapped.append(replicated(part, mesh, layout, cfg, device))

@@ -1,5 +1,6 @@
 """Sharded data parallelism with FSDP2 (`fully_shard`) over the data-parallel dims: 1-D for
-FSDP, 2-D (replicate, shard) for HSDP, or (replicate, 1) for plain replication beside TP/PP."""
+FSDP, 2-D (replicate, shard) for HSDP, or (replicate, 1) for plain replication beside TP/PP;
+the shard dim takes in CP's (dp_shard x cp), whose ranks hold the same parameters."""
 
 from __future__ import annotations
 
@@ -24,7 +25,11 @@ def apply_fsdp(
     time), then the root, which holds the embedding, final norm and head. The root is never
     resharded after forward (torch's own default for a root): backward starts with the head,
     so it would be all-gathered again at once, with no compute to hide that behind."""
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
+    shard = "dp_shard"
+    if layout.cp > 1:  # CP peers hold the same parameters: shard over both (dp_shard_cp)
+        shard = "dp_shard_cp"
+        mesh["dp_shard", "cp"]._flatten(shard)
+    dp_mesh = mesh["dp_replicate", shard] if layout.dp_replicate > 1 else mesh[shard]
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     blocks = list(model.layers.values())
     for index, block in enumerate(blocks):

@@ -43,6 +43,7 @@ def build_training(cfg: ExperimentConfig, layout: Layout, device: torch.device, 
         n_microbatches(cfg),
         cfg.model.pretrained,
         tc.compile,
+        tc.seq_len,
     )
     optimizer = build_optimizer(model, tc)
     half = dtype != torch.float32

@@ -29,6 +29,7 @@ from torch.utils.data import Sampler
 
 from meshrun.core.config import DataConfig
 from meshrun.core.data_files import text_spans
+from meshrun.rank.parallel.context_attention import shard_sequence
 from meshrun.rank.train.hf_data import HFWindows, hf_streams
 
 _MIX = 0x9E3779B97F4A7C15 & (2**62 - 1)
@@ -137,8 +138,10 @@ class LocalBatches:
         dp_size: int,
         device: torch.device,
         start_step: int = 0,
+        cp: tuple[int, int] = (0, 1),
     ) -> None:
         self.dataset = dataset
+        self.cp = cp
         self.global_batch = global_batch
         self.seq_len = seq_len
         self.dp_rank = dp_rank
@@ -161,17 +164,23 @@ class LocalBatches:
             self.next_step += 1
             tokens = next(self._loader).to(self.device, non_blocking=True)
         self.waits.append(time.perf_counter() - started)
-        return inputs_and_targets(tokens)
+        return inputs_and_targets(tokens, *self.cp)
 
     def drain_waits(self) -> list[float]:
         waits, self.waits = self.waits, []
         return waits
 
 
-def inputs_and_targets(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Windows of seq_len + 1 tokens as (inputs, next tokens). Contiguous: pipeline stages
-    check the strides of what they receive (torch < 2.13)."""
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+def inputs_and_targets(
+    tokens: torch.Tensor, cp_rank: int = 0, cp: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Windows of seq_len + 1 tokens as (inputs, next tokens), context-parallel rank
+    `cp_rank`'s part of each when `cp` > 1. Contiguous: pipeline stages check the strides of
+    what they receive (torch < 2.13)."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    if cp > 1:
+        inputs, targets = shard_sequence(inputs, cp_rank, cp), shard_sequence(targets, cp_rank, cp)
+    return inputs.contiguous(), targets.contiguous()
 
 
 class HeldoutBatches:
@@ -189,8 +198,10 @@ class HeldoutBatches:
         dp_rank: int,
         dp_size: int,
         device: torch.device,
+        cp: tuple[int, int] = (0, 1),
     ) -> None:
         self.dataset = dataset
+        self.cp = cp
         self.n_batches = n_batches
         self.global_batch = global_batch
         self.seq_len = seq_len
@@ -201,4 +212,5 @@ class HeldoutBatches:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for k in range(self.n_batches):
             samples = dp_sample_range(k, self.global_batch, self.dp_rank, self.dp_size)
-            yield inputs_and_targets(self.dataset.batch(samples, self.seq_len + 1, self.device))
+            tokens = self.dataset.batch(samples, self.seq_len + 1, self.device)
+            yield inputs_and_targets(tokens, *self.cp)

@@ -1,0 +1,386 @@
+"""Context parallelism: one sequence's causal attention shared by the ranks of a CP group.
+
+Load balance. Causal attention's work grows along the sequence (the last token sees every
+key, the first only itself), so cutting it into cp contiguous pieces would leave the last rank
+with most of the work. The sequence is cut into 2 x cp chunks instead and CP rank r holds
+chunks r and 2cp-1-r: an early and a late chunk, the same work on every rank. Every token
+keeps its global position (RoPE, masks), which `sequence_positions` gives.
+
+Attention. Each method takes causal SDPA's arguments on a rank's shards, q [b, h, s, d] and
+k, v [b, h_kv, s, d] (GQA: h a multiple of h_kv), and returns this rank's rows of the full
+sequence's causal attention, forward and backward:
+- `ring`: K/V blocks go round the group by send/recv, the next block's transfer posted
+  before the current block's attention computes; partial outputs merge by log-sum-exp and
+  the backward passes K/V with their gradient accumulators round the same way (Liu et al.
+  2023). No rank ever holds more than two blocks of K/V.
+- `allgather`: K/V gathered once per call (backward: dK/dV reduce-scattered); cheap when
+  GQA leaves few K/V heads.
+- `alltoall`: Ulysses (Jacobs et al. 2023): an all-to-all turns sequence shards into head
+  shards (h/cp heads of the whole sequence), plain causal SDPA, and an all-to-all back.
+
+Every collective is torch.distributed's on the `group` passed in, waited on with the group's
+own timeout (gloo's send/recv included: a recv whose peer never sends raises after it). gloo
+on CPU has every op used here: batch_isend_irecv, all_gather_into_tensor (flat buffers: gloo
+refuses a stacked [cp, ...] output), reduce_scatter_tensor, all_to_all_single, all_reduce.
+The two collectives autograd must see through are small autograd.Functions over those
+public ops; torch's autograd functional collectives work too, but live in a private module
+whose names change between the torch versions meshrun supports.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+AttentionFn = Callable[..., Tensor]
+
+# p2p tags: K/V blocks and their gradient accumulators travel the ring side by side.
+_KV_TAG, _GRAD_TAG = 0, 1
+# Renamed in newer torch (the old names warn there); older ones have only the old names.
+_ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+# ---- load balance ------------------------------------------------------------------------
+
+
+def load_balanced_chunks(rank: int, cp: int) -> tuple[int, int]:
+    """The two chunks (of 2 x cp) CP rank `rank` holds: r and 2cp-1-r, ascending."""
+    return rank, 2 * cp - 1 - rank
+
+
+def chunk_length(seq: int, cp: int) -> int:
+    """Tokens per chunk; a sequence that 2 x cp does not divide cannot be balanced."""
+    if cp < 1 or seq % (2 * cp):
+        raise ValueError(
+            f"sequence length {seq} is not divisible by 2 x cp = {2 * cp}: context "
+            f"parallelism cuts the sequence into 2 x cp chunks (causal load balance)"
+        )
+    return seq // (2 * cp)
+
+
+def shard_sequence(x: Tensor, rank: int, cp: int, dim: int = 1) -> Tensor:
+    """This CP rank's tokens of `x` (the sequence along `dim`): its two chunks, in order."""
+    c = chunk_length(x.shape[dim], cp)
+    return torch.cat([x.narrow(dim, i * c, c) for i in load_balanced_chunks(rank, cp)], dim)
+
+
+def sequence_positions(
+    seq: int, rank: int, cp: int, device: torch.device | str | None = None
+) -> Tensor:
+    """Global position of each of this CP rank's tokens (RoPE and masks need the true ones)."""
+    c = chunk_length(seq, cp)
+    return torch.cat([_chunk_positions(i, c, device) for i in load_balanced_chunks(rank, cp)])
+
+
+def unshard_sequence(shards: Sequence[Tensor], dim: int = 1) -> Tensor:
+    """The whole sequence from every CP rank's shard (listed in CP rank order)."""
+    cp = len(shards)
+    halves = [shard.chunk(2, dim) for shard in shards]
+    # chunk i < cp is rank i's first half; chunk 2cp-1-r is rank r's second half
+    ordered = [halves[i][0] for i in range(cp)] + [halves[r][1] for r in reversed(range(cp))]
+    return torch.cat(ordered, dim)
+
+
+def _chunk_positions(chunk: int, c: int, device: torch.device | str | None) -> Tensor:
+    return torch.arange(chunk * c, (chunk + 1) * c, device=device)
+
+
+# ---- shared checks and GQA ---------------------------------------------------------------
+
+
+def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """Refuse shards the methods cannot pair: they all assume two equal chunks per rank."""
+    if k.shape != v.shape or q.shape[2] != k.shape[2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not pair")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"heads ({q.shape[1]}) must be a multiple of K/V heads ({k.shape[1]})")
+    if q.shape[2] % 2:
+        raise ValueError(f"a rank's shard has two chunks; its length {q.shape[2]} is odd")
+
+
+def _scale(q: Tensor, scale: float | None) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+
+
+def _expand_kv(x: Tensor, groups: int) -> Tensor:
+    """K/V heads repeated for their query heads (SDPA's enable_gqa order)."""
+    return x.repeat_interleave(groups, dim=1) if groups > 1 else x
+
+
+def _fold_kv(x: Tensor, groups: int) -> Tensor:
+    """The gradient of `_expand_kv`: each K/V head sums its query heads' share."""
+    return x.unflatten(1, (-1, groups)).sum(2) if groups > 1 else x
+
+
+# ---- ring ---------------------------------------------------------------------------------
+
+
+def ring_attention(
+    q: Tensor, k: Tensor, v: Tensor, group: ProcessGroup, scale: float | None = None
+) -> Tensor:
+    """Causal attention of this rank's queries over the whole sequence, K/V passed round."""
+    _check_shapes(q, k, v)
+    return _RingAttention.apply(q, k, v, group, _scale(q, scale))
+
+
+def _post_shift(x: Tensor, group: ProcessGroup, tag: int) -> Callable[[], Tensor]:
+    """Send `x` to the next rank and receive the previous rank's, now; the returned wait
+    gives what arrived. Posted before compute, so the transfer runs behind it."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    if cp == 1:
+        return lambda: x
+    received = torch.empty_like(x)
+    works = dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.isend, x, group=group, group_peer=(rank + 1) % cp, tag=tag),
+            dist.P2POp(dist.irecv, received, group=group, group_peer=(rank - 1) % cp, tag=tag),
+        ]
+    )
+
+    def wait() -> Tensor:
+        for work in works:
+            work.wait()  # the group's timeout applies
+        return received
+
+    return wait
+
+
+@dataclass(frozen=True)
+class _Ring:
+    """What every ring step needs to know: who this rank is and the shards' geometry."""
+
+    group: ProcessGroup
+    rank: int
+    cp: int
+    chunk: int  # tokens per chunk
+    groups: int  # query heads per K/V head
+    scale: float
+    device: torch.device
+
+    @classmethod
+    def of(cls, q: Tensor, k: Tensor, group: ProcessGroup, scale: float) -> _Ring:
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        return cls(group, rank, cp, q.shape[2] // 2, q.shape[1] // k.shape[1], scale, q.device)
+
+    def blocks(self, step: int) -> Iterator[tuple[slice, int, Tensor | None]]:
+        """For each of this rank's query chunks that sees any of the K/V block held at
+        `step` (rank - step's): its rows, how many K/V rows it sees (a prefix: the chunks
+        ascend), and the causal mask from global positions where one is its own chunk."""
+        c = self.chunk
+        kv_chunks = load_balanced_chunks((self.rank - step) % self.cp, self.cp)
+        for i, q_chunk in enumerate(load_balanced_chunks(self.rank, self.cp)):
+            seen = [chunk for chunk in kv_chunks if chunk <= q_chunk]
+            if not seen:
+                continue
+            mask = None  # only earlier chunks: every entry visible
+            if q_chunk in seen:
+                k_pos = torch.cat([_chunk_positions(chunk, c, self.device) for chunk in seen])
+                mask = _chunk_positions(q_chunk, c, self.device)[:, None] >= k_pos[None, :]
+            yield slice(i * c, (i + 1) * c), len(seen) * c, mask
+
+
+def _scores(q: Tensor, k: Tensor, ring: _Ring, mask: Tensor | None) -> Tensor:
+    scores = (q @ _expand_kv(k, ring.groups).transpose(-2, -1)) * ring.scale
+    return scores if mask is None else scores.masked_fill(~mask, float("-inf"))
+
+
+def _merge(
+    out: Tensor | None, lse: Tensor | None, block: Tensor, block_lse: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Two partial softmax outputs as one, weighted by their log-sum-exps (stable form)."""
+    if out is None or lse is None:
+        return block, block_lse
+    out = out - torch.sigmoid(block_lse - lse)[..., None] * (out - block)
+    return out, lse - F.logsigmoid(lse - block_lse)
+
+
+def _ring_forward(q: Tensor, kv: Tensor, ring: _Ring) -> tuple[Tensor, Tensor]:
+    """Output and log-sum-exp of this rank's rows, one K/V block per ring step."""
+    outs: list[Tensor | None] = [None, None]
+    lses: list[Tensor | None] = [None, None]
+    for step in range(ring.cp):
+        arriving = _post_shift(kv, ring.group, _KV_TAG) if step + 1 < ring.cp else None
+        for rows, n, mask in ring.blocks(step):
+            i = rows.start // ring.chunk
+            scores = _scores(q[:, :, rows], kv[0, :, :, :n], ring, mask)
+            lse = scores.logsumexp(-1)
+            block = (scores - lse[..., None]).exp() @ _expand_kv(kv[1, :, :, :n], ring.groups)
+            outs[i], lses[i] = _merge(outs[i], lses[i], block, lse)
+        if arriving:
+            kv = arriving()
+    return torch.cat(outs, 2), torch.cat(lses, 2)  # type: ignore[arg-type]
+
+
+def _ring_step_grads(
+    saved: tuple[Tensor, Tensor, Tensor, Tensor], kv: Tensor, step: int, ring: _Ring
+) -> tuple[Tensor, Tensor]:
+    """This rank's queries' gradients against the block held at `step`: (dq, [dk, dv] of
+    the block), P rebuilt from the final log-sum-exp (flash attention's backward)."""
+    q, dout, lse, delta = saved
+    dq, dkv = torch.zeros_like(q), torch.zeros_like(kv)
+    for rows, n, mask in ring.blocks(step):
+        p = (_scores(q[:, :, rows], kv[0, :, :, :n], ring, mask) - lse[:, :, rows, None]).exp()
+        dp = dout[:, :, rows] @ _expand_kv(kv[1, :, :, :n], ring.groups).transpose(-2, -1)
+        ds = p * (dp - delta[:, :, rows, None]) * ring.scale
+        dq[:, :, rows] = ds @ _expand_kv(kv[0, :, :, :n], ring.groups)
+        dkv[0, :, :, :n] += _fold_kv(ds.transpose(-2, -1) @ q[:, :, rows], ring.groups)
+        dkv[1, :, :, :n] += _fold_kv(p.transpose(-2, -1) @ dout[:, :, rows], ring.groups)
+    return dq, dkv
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention; backward passes K/V round again, each block's dK/dV accumulator
+    travelling with it (one step behind) and arriving home after the last step."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, scale):
+        ring = _Ring.of(q, k, group, scale)
+        # computed and merged in fp32 at least: bf16 partial sums would drift
+        compute = torch.promote_types(q.dtype, torch.float32)
+        q32, kv = q.to(compute), torch.stack([k, v]).to(compute)
+        out, lse = _ring_forward(q32, kv, ring)
+        ctx.save_for_backward(q32, kv, out, lse)
+        ctx.ring, ctx.dtype = ring, q.dtype
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, kv, out, lse = ctx.saved_tensors
+        ring: _Ring = ctx.ring
+        dout = dout.to(q.dtype)
+        saved = (q, dout, lse, (dout * out).sum(-1))
+        dq, grads_arriving = torch.zeros_like(q), None
+        for step in range(ring.cp):
+            kv_arriving = _post_shift(kv, ring.group, _KV_TAG) if step + 1 < ring.cp else None
+            dq_step, dkv = _ring_step_grads(saved, kv, step, ring)
+            dq += dq_step
+            if grads_arriving:  # the earlier ranks' share of the same block
+                dkv += grads_arriving()
+            if kv_arriving:
+                kv = kv_arriving()
+            grads_arriving = _post_shift(dkv, ring.group, _GRAD_TAG)
+        dkv = grads_arriving()  # type: ignore[misc]  # own block, every rank's share in
+        return dq.to(ctx.dtype), dkv[0].to(ctx.dtype), dkv[1].to(ctx.dtype), None, None
+
+
+# ---- all-gather ---------------------------------------------------------------------------
+
+
+def allgather_attention(
+    q: Tensor, k: Tensor, v: Tensor, group: ProcessGroup, scale: float | None = None
+) -> Tensor:
+    """Causal attention of this rank's queries against K/V gathered from the whole group."""
+    _check_shapes(q, k, v)
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    gathered = _AllGather.apply(torch.stack([k, v]), group)  # [cp, 2, b, h_kv, s, d]
+    kv = unshard_sequence(list(gathered.unbind(0)), dim=3)  # [2, b, h_kv, seq, d]
+    c = q.shape[2] // 2
+    outs = []
+    for q_half, q_chunk in zip(q.chunk(2, 2), load_balanced_chunks(rank, cp), strict=True):
+        end = (q_chunk + 1) * c  # keys past this chunk's end are all masked: left out
+        mask = _chunk_positions(q_chunk, c, q.device)[:, None] >= torch.arange(end, device=q.device)
+        key, value = kv[:, :, :, :end]
+        outs.append(
+            F.scaled_dot_product_attention(
+                q_half, key, value, attn_mask=mask, scale=scale, enable_gqa=True
+            )
+        )
+    return torch.cat(outs, 2)
+
+
+class _AllGather(torch.autograd.Function):
+    """Every rank's tensor stacked along a new dim 0; backward reduce-scatters the gradient
+    (each rank's tensor gets the sum of every rank's use of it)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty(grad.shape[1:])
+        _REDUCE_SCATTER(out.view(-1), grad.contiguous().view(-1), group=ctx.group)
+        return out, None
+
+
+def _gather(x: Tensor, group: ProcessGroup) -> Tensor:
+    """Every rank's `x` stacked along a new dim 0 (flat buffers: gloo wants dim 0 joined)."""
+    out = x.new_empty((dist.get_world_size(group), *x.shape))
+    _ALL_GATHER(out.view(-1), x.contiguous().view(-1), group=group)
+    return out
+
+
+# ---- all-to-all (Ulysses) -----------------------------------------------------------------
+
+
+def alltoall_attention(
+    q: Tensor, k: Tensor, v: Tensor, group: ProcessGroup, scale: float | None = None
+) -> Tensor:
+    """Causal attention with heads, not the sequence, split over the group for the SDPA."""
+    _check_shapes(q, k, v)
+    cp = dist.get_world_size(group)
+    if q.shape[1] % cp or k.shape[1] % cp:
+        raise ValueError(
+            f"alltoall splits heads over cp: heads ({q.shape[1]}) and K/V heads "
+            f"({k.shape[1]}) must both be divisible by cp ({cp})"
+        )
+    # one exchange for q, k and v: each peer's share of all three packed in a row
+    parts = [t.unflatten(1, (cp, -1)).transpose(0, 1) for t in (q, k, v)]  # [cp, b, h/cp, ..]
+    packed = torch.cat([p.reshape(cp, -1) for p in parts], 1)
+    received = _AllToAll.apply(packed, group).split([p[0].numel() for p in parts], 1)
+    q_h, k_h, v_h = (
+        unshard_sequence(list(r.view(p.shape).unbind(0)), dim=2)  # [b, h/cp, seq, d]
+        for r, p in zip(received, parts, strict=True)
+    )
+    out = F.scaled_dot_product_attention(
+        q_h, k_h, v_h, is_causal=True, scale=scale, enable_gqa=True
+    )
+    back = torch.stack([shard_sequence(out, r, cp, dim=2) for r in range(cp)])
+    back = _AllToAll.apply(back, group)  # [cp (head group), b, h/cp, s, d]
+    return back.transpose(0, 1).flatten(1, 2)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Row j of dim 0 sent to rank j, row i received from rank i; its own adjoint, so the
+    backward is the same exchange of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _exchange(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _exchange(grad, ctx.group), None
+
+
+def _exchange(x: Tensor, group: ProcessGroup) -> Tensor:
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dist.all_to_all_single(out, x.contiguous(), group=group)
+    return out
+
+
+# ---- lookup and loss ----------------------------------------------------------------------
+
+METHODS: dict[str, AttentionFn] = {
+    "ring": ring_attention,
+    "allgather": allgather_attention,
+    "alltoall": alltoall_attention,
+}
+
+
+def context_attention(method: str) -> AttentionFn:
+    """The attention function of `parallel.cp_method`."""
+    try:
+        return METHODS[method]
+    except KeyError:
+        raise ValueError(f"no CP method {method!r}; valid: {', '.join(METHODS)}") from None

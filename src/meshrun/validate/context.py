@@ -1,0 +1,62 @@
+"""Rules of context parallelism (parallel.cp > 1): a sequence the causal load balance can
+cut, heads Ulysses can split, a model and options CP reaches."""
+
+from __future__ import annotations
+
+from meshrun.core.config import ExperimentConfig, LlamaModelConfig
+from meshrun.core.errors import fail
+from meshrun.models import model_shape
+
+
+def check_context_parallel(cfg: ExperimentConfig) -> None:
+    p, t = cfg.parallel, cfg.train
+    if p.cp == 1:
+        return
+    if not isinstance(cfg.model, LlamaModelConfig):
+        fail(
+            "parallel.cp",
+            p.cp,
+            f"context parallelism reaches meshrun's own LLaMA models so far, not "
+            f"model.kind={cfg.model.kind} ({cfg.model.name})",
+            "parallel.cp=1, or a meshrun model (model=tiny, small, llama-1b, ...)",
+        )
+    if t.compile:
+        fail(
+            "train.compile",
+            True,
+            "does not combine with context parallelism yet: its attention runs through a torch "
+            "function mode and point-to-point sends, which meshrun has not proven compiled",
+            "train.compile=false, or parallel.cp=1",
+        )
+    if t.seq_len % (2 * p.cp):
+        fail(
+            "train.seq_len",
+            t.seq_len,
+            f"not divisible by 2 x cp = {2 * p.cp}: context parallelism cuts each sequence into "
+            "2 x cp chunks, rank r holding chunks r and 2cp-1-r (causal load balance)",
+            f"a multiple of {2 * p.cp}, e.g. {t.seq_len + (-t.seq_len) % (2 * p.cp)}",
+        )
+    if p.sequence_parallel and (t.seq_len // p.cp) % p.tp:
+        fail(
+            "train.seq_len",
+            t.seq_len,
+            f"a CP rank's {t.seq_len // p.cp} tokens are not divisible by tp ({p.tp}), which "
+            "sequence parallelism splits them over",
+            f"a multiple of {2 * p.cp * p.tp}",
+        )
+    if p.cp_method == "alltoall":
+        _check_heads(cfg)
+
+
+def _check_heads(cfg: ExperimentConfig) -> None:
+    """Ulysses gives each CP rank heads/cp of the heads its TP rank holds."""
+    p, m = cfg.parallel, model_shape(cfg.model)
+    for name, heads in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads)):
+        if (heads // p.tp) % p.cp:
+            fail(
+                "parallel.cp_method",
+                "alltoall",
+                f"splits attention heads over cp: {name} ({heads}) / tp ({p.tp}) = "
+                f"{heads // p.tp} is not divisible by cp ({p.cp})",
+                "parallel.cp_method=ring or allgather, or a cp that divides the heads",
+            )
