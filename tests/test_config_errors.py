@@ -203,7 +203,11 @@ BAD_CONFIGS = [
         "model.n_heads (6) / tp (1) = 6 is not divisible by cp (4)",
     ),
     (["parallel=dataparallel", "parallel.cp=2"], "parallel.data_parallel", "cp, tp, pp = 1"),
-    (["model=hf/tiny-llama", "parallel=cp2"], "parallel.cp", "not model.kind=hf"),
+    (
+        ["model=custom", "model.target=tests.user_model:build", "parallel=cp2"],
+        "parallel.cp",
+        "computes its own token positions",
+    ),
     (["parallel=cp2", "train.compile=true"], "train.compile", "context parallelism"),
 ]
 

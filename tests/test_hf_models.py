@@ -38,6 +38,7 @@ DEFAULT = {
     "pp2_interleaved_split_by_measured_cost",
     "tp2_pp2_sequence_parallel",
     "dp2_tp2_pp2",
+    "cp2_allgather",
 }
 GPT2_DEFAULT = {"fsdp", "tp2", "fsdp2_tp2_sequence_parallel"}
 LAYOUTS = {
@@ -60,6 +61,9 @@ LAYOUTS = {
         "parallel=fsdp",
         "parallel.activation_checkpointing=selective",
     ),
+    # transformers' SDPA attention reached by CP's function mode; GQA K/V gathered
+    "cp2_allgather": ("parallel=cp2", "parallel.cp_method=allgather", MICRO4),
+    "tp2_cp2_sequence_parallel": ("parallel=tp2_cp2", MICRO4),
 }
 
 
@@ -74,6 +78,8 @@ GPT2_LAYOUTS = {  # tied embeddings: no pipeline (the two would sit on different
         "parallel.sequence_parallel=true",
         MICRO4,
     ),
+    # learned positions looked up at a CP rank's global ones
+    "cp2_ring": ("parallel=cp2", MICRO4),
 }
 
 

@@ -224,6 +224,7 @@ class HFCausalLM(nn.Module):
         self.transposed = _conv1d_to_linear(self.layers)
         self.tied = bool(hf.config.tie_word_embeddings)
         self.seq_shards = 1  # sequence shards of a stage's input under SP (set by apply_tp)
+        self.positions: torch.Tensor | None = None  # a CP rank's tokens' (use_positions)
         self.row_orders: dict[str, torch.Tensor] = {}  # set by prepare_tp
         self.vocab_size = hf.config.vocab_size
         self.tie_weights()
@@ -246,7 +247,10 @@ class HFCausalLM(nn.Module):
             h = self.tok_embeddings(tokens)
         else:
             h, seq = tokens, tokens.shape[1] * self.seq_shards
-        positions = torch.arange(seq, device=h.device).unsqueeze(0)
+        if self.positions is None:
+            positions = torch.arange(seq, device=h.device).unsqueeze(0)
+        else:
+            positions = self.positions.to(h.device).unsqueeze(0)
         if self.tok_embeddings is not None and self.pos_embeddings is not None:
             h = h + self.pos_embeddings(positions)  # [1, seq, dim]: sharded over seq under SP
         kwargs = {"attention_mask": None, "position_ids": positions}
@@ -258,6 +262,11 @@ class HFCausalLM(nn.Module):
         if self.output is None:
             return h
         return unpad_logits(self.output(self.norm(h)), self.vocab_size)
+
+    def use_positions(self, positions: torch.Tensor) -> None:
+        """The global positions of the tokens this rank sees (a context-parallel rank's
+        shard of each sequence), for the rotary or learned position embeddings."""
+        self.positions = positions
 
     def tp_plan(self) -> dict[str, str]:
         """The model's `base_model_tp_plan` in parallel/tensor.py's styles, with what SP adds:

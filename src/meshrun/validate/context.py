@@ -3,7 +3,7 @@ cut, heads Ulysses can split, a model and options CP reaches."""
 
 from __future__ import annotations
 
-from meshrun.core.config import ExperimentConfig, LlamaModelConfig
+from meshrun.core.config import CustomModelConfig, ExperimentConfig
 from meshrun.core.errors import fail
 from meshrun.models import model_shape
 
@@ -12,13 +12,14 @@ def check_context_parallel(cfg: ExperimentConfig) -> None:
     p, t = cfg.parallel, cfg.train
     if p.cp == 1:
         return
-    if not isinstance(cfg.model, LlamaModelConfig):
+    if isinstance(cfg.model, CustomModelConfig):
         fail(
             "parallel.cp",
             p.cp,
-            f"context parallelism reaches meshrun's own LLaMA models so far, not "
-            f"model.kind={cfg.model.kind} ({cfg.model.name})",
-            "parallel.cp=1, or a meshrun model (model=tiny, small, llama-1b, ...)",
+            f"context parallelism cannot reach model=custom ({cfg.model.target}) yet: a custom "
+            "module computes its own token positions, which under CP must be the global ones "
+            "of each rank's part of the sequence",
+            "parallel.cp=1, or a meshrun or transformers model (model=tiny, hf/tiny-llama, ...)",
         )
     if t.compile:
         fail(
