@@ -12,6 +12,7 @@ import pytest
 
 from meshrun.core.layout import Layout
 from meshrun.models import build_model
+from meshrun.plan.candidate import CP_UNCOUNTED
 from meshrun.plan.memory import predict_stages
 from meshrun.plan.probe import host_matmul_flops
 from meshrun.plan.shapes import Dims, StageShare, layer_counts, local_param_elements
@@ -132,6 +133,24 @@ def test_a_presets_minus_one_degree_fills_the_world_in_a_plan_as_in_a_run(tmp_pa
     assert plan["layouts"], plan["ruled_out"]
     assert {e["degrees"][dim] for e in plan["layouts"]} == {8}
     assert not plan["layouts"][0]["fits"] if preset == "ddp" else plan["layouts"][0]["fits"]
+
+
+def test_a_given_context_parallel_degree_is_kept_and_its_rows_say_what_is_not_counted(tmp_path):
+    """cp is not searched: parallel.cp=2 lays out the other half of the world around it,
+    and each row's prediction says what CP costs that it leaves out."""
+    _, plan = meshrun_plan(
+        tmp_path,
+        "model=tiny",
+        "parallel.cp=2",
+        "hardware=cpu",
+        "world_size=4",
+        "train.seq_len=256",
+    )
+    assert plan["layouts"], plan["ruled_out"]
+    assert {e["degrees"]["cp"] for e in plan["layouts"]} == {2}
+    assert {math.prod(e["degrees"].values()) for e in plan["layouts"]} == {4}
+    assert all(CP_UNCOUNTED in e["notes"] for e in plan["layouts"])
+    assert any(e["layout"] == "fsdp2 x cp2(ring)" for e in plan["layouts"])
 
 
 def test_a_vocabulary_no_tp_degree_divides_still_plans_tensor_parallel_layouts(tmp_path):

@@ -106,11 +106,21 @@ def host_flops(cfg: ExperimentConfig) -> float | None:
     return host_matmul_flops(cfg.launcher.threads_per_rank or 1, ranks)
 
 
+# What the prediction of a context-parallel layout leaves out (plan/memory.py, speed.py).
+CP_UNCOUNTED = (
+    "context parallelism's attention traffic (K/V blocks round the ring, gathered, or traded "
+    "all-to-all) and the K/V it holds beyond this rank's own are not in this prediction"
+)
+
+
 def evaluate(cfg: ExperimentConfig) -> Candidate:
     """`cfg` resolved (validated)."""
-    return Candidate(
+    candidate = Candidate(
         cfg, predict.stage_memory(cfg), capacities(cfg), predict.speed(cfg, host_flops(cfg))
     )
+    if cfg.parallel.cp > 1:
+        candidate.notes.append(CP_UNCOUNTED)
+    return candidate
 
 
 def legal(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:

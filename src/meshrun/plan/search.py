@@ -99,21 +99,25 @@ def _dp_splits(dp: int, tp: int, box: Box) -> list[tuple[int, int]]:
 
 
 def layout_grid(cfg: ExperimentConfig, box: Box, fixed: frozenset[str]) -> Iterator[dict]:
-    """Every layout's parallel keys; a key in `fixed` keeps `cfg`'s value."""
+    """Every layout's parallel keys; a key in `fixed` keeps `cfg`'s value. Context
+    parallelism is not searched: `cfg`'s cp is kept, the rest of the world laid out."""
     p, n_layers = cfg.parallel, model_shape(cfg.model).n_layers
+    if box.world % p.cp:
+        return
+    world = box.world // p.cp
 
     def allowed(key: str, values: list[Any]) -> list[Any]:
         given = getattr(p, key.removeprefix("parallel."))
         return [given] if key in fixed else values
 
-    for pp in allowed("parallel.pp", [d for d in _divisors(box.world) if d <= n_layers]):
-        if box.world % pp:
+    for pp in allowed("parallel.pp", [d for d in _divisors(world) if d <= n_layers]):
+        if world % pp:
             continue
-        tps = [d for d in _divisors(box.world // pp) if box.per_node % d == 0]  # in a node
+        tps = [d for d in _divisors(world // pp) if box.per_node % d == 0]  # in a node
         for tp in allowed("parallel.tp", tps):
-            if (box.world // pp) % tp:
+            if (world // pp) % tp:
                 continue
-            dp = box.world // (pp * tp)
+            dp = world // (pp * tp)
             splits = _dp_splits(dp, tp, box)
             if fixed & set(DP_KEYS):
                 splits = [(p.dp_replicate, p.dp_shard)] if p.dp_replicate * p.dp_shard == dp else []

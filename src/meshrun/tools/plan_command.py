@@ -47,6 +47,8 @@ PARALLEL_KEYS = (
     "parallel.tp",
     "parallel.dp_replicate",
     "parallel.dp_shard",
+    "parallel.cp",
+    "parallel.cp_method",
     "parallel.schedule",
     "parallel.stages_per_rank",
 )
