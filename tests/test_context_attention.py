@@ -13,6 +13,8 @@ import torch.nn.functional as F
 
 from meshrun.rank.parallel.context_attention import (
     METHODS,
+    _explicit_attend,
+    _explicit_grads,
     context_attention,
     load_balanced_chunks,
     sequence_positions,
@@ -158,3 +160,24 @@ def test_alltoall_refuses_heads_cp_does_not_divide(rank_pool):
     messages = rank_pool.run(_refusals_on_ranks, None, 4)[0]
     rule = "alltoall splits heads over cp: heads ({}) and K/V heads ({}) must both be divisible"
     assert messages == [rule.format(6, 6) + " by cp (4)", rule.format(4, 1) + " by cp (4)"]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_ring_blocks_explicit_path_equals_sdpa_forward_and_backward(causal):
+    """The ring's block attention where torch's fused CPU kernel is not used (other devices):
+    output, log-sum-exp and the flash-style gradients equal SDPA's."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 4, 8, 16, generator=gen, requires_grad=True) for _ in range(3))
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.3)
+    dout = torch.randn(want.shape, generator=gen)
+    want.backward(dout)
+    with torch.no_grad():
+        out, lse = _explicit_attend(q, k, v, causal, 0.3)
+        grads = _explicit_grads(dout, q, k, v, out, lse, causal, 0.3)
+        scores = (q @ k.transpose(-2, -1) * 0.3).masked_fill(
+            torch.ones(8, 8, dtype=torch.bool).triu(1) & causal, float("-inf")
+        )
+    assert (out - want).abs().max() < 1e-5
+    assert (lse - scores.logsumexp(-1)).abs().max() < 1e-5
+    for got, x in zip(grads, (q, k, v), strict=True):
+        assert (got - x.grad).abs().max() < 1e-5

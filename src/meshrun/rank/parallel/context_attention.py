@@ -170,26 +170,78 @@ class _Ring:
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         return cls(group, rank, cp, q.shape[2] // 2, q.shape[1] // k.shape[1], scale, q.device)
 
-    def blocks(self, step: int) -> Iterator[tuple[slice, int, Tensor | None]]:
-        """For each of this rank's query chunks that sees any of the K/V block held at
-        `step` (rank - step's): its rows, how many K/V rows it sees (a prefix: the chunks
-        ascend), and the causal mask from global positions where one is its own chunk."""
+    def pairs(self, step: int) -> Iterator[tuple[slice, slice, bool]]:
+        """Every (query chunk, K/V chunk) of this rank's rows and the block held at `step`
+        (rank - step's) with any entry visible: the query rows, the block's rows, and whether
+        they are the same chunk (causal within it; an earlier chunk is all visible)."""
         c = self.chunk
         kv_chunks = load_balanced_chunks((self.rank - step) % self.cp, self.cp)
         for i, q_chunk in enumerate(load_balanced_chunks(self.rank, self.cp)):
-            seen = [chunk for chunk in kv_chunks if chunk <= q_chunk]
-            if not seen:
-                continue
-            mask = None  # only earlier chunks: every entry visible
-            if q_chunk in seen:
-                k_pos = torch.cat([_chunk_positions(chunk, c, self.device) for chunk in seen])
-                mask = _chunk_positions(q_chunk, c, self.device)[:, None] >= k_pos[None, :]
-            yield slice(i * c, (i + 1) * c), len(seen) * c, mask
+            for j, kv_chunk in enumerate(kv_chunks):
+                if kv_chunk <= q_chunk:
+                    yield slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c), kv_chunk == q_chunk
 
 
-def _scores(q: Tensor, k: Tensor, ring: _Ring, mask: Tensor | None) -> Tensor:
-    scores = (q @ _expand_kv(k, ring.groups).transpose(-2, -1)) * ring.scale
-    return scores if mask is None else scores.masked_fill(~mask, float("-inf"))
+def _attend(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """One chunk pair's attention and its log-sum-exp (equal heads). On CPU torch's fused
+    flash kernel, which never holds the scores; elsewhere the scores, explicitly."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale
+        )
+    return _explicit_attend(q, k, v, causal, scale)
+
+
+def _explicit_attend(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float
+) -> tuple[Tensor, Tensor]:
+    """`_attend` with the scores held (the path of devices without the fused CPU kernel)."""
+    scores = _masked(q @ k.transpose(-2, -1) * scale, causal)
+    lse = scores.logsumexp(-1)
+    return (scores - lse[..., None]).exp() @ v, lse
+
+
+def _attend_grads(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One chunk pair's share of dq, dk, dv, its softmax rebuilt from the rows' final
+    output and log-sum-exp (flash attention's backward)."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale
+        )
+    return _explicit_grads(dout, q, k, v, out, lse, causal, scale)
+
+
+def _explicit_grads(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`_attend_grads` from the held scores."""
+    p = (_masked(q @ k.transpose(-2, -1) * scale, causal) - lse[..., None]).exp()
+    ds = p * (dout @ v.transpose(-2, -1) - (dout * out).sum(-1, keepdim=True)) * scale
+    return ds @ k, ds.transpose(-2, -1) @ q, p.transpose(-2, -1) @ dout
+
+
+def _masked(scores: Tensor, causal: bool) -> Tensor:
+    if not causal:
+        return scores
+    n = scores.shape[-1]
+    above = torch.ones(n, n, dtype=torch.bool, device=scores.device).triu(1)
+    return scores.masked_fill(above, float("-inf"))
 
 
 def _merge(
@@ -208,11 +260,10 @@ def _ring_forward(q: Tensor, kv: Tensor, ring: _Ring) -> tuple[Tensor, Tensor]:
     lses: list[Tensor | None] = [None, None]
     for step in range(ring.cp):
         arriving = _post_shift(kv, ring.group, _KV_TAG) if step + 1 < ring.cp else None
-        for rows, n, mask in ring.blocks(step):
+        for rows, cols, causal in ring.pairs(step):
             i = rows.start // ring.chunk
-            scores = _scores(q[:, :, rows], kv[0, :, :, :n], ring, mask)
-            lse = scores.logsumexp(-1)
-            block = (scores - lse[..., None]).exp() @ _expand_kv(kv[1, :, :, :n], ring.groups)
+            k, v = (_expand_kv(t[:, :, cols], ring.groups) for t in kv)
+            block, lse = _attend(q[:, :, rows].contiguous(), k, v, causal, ring.scale)
             outs[i], lses[i] = _merge(outs[i], lses[i], block, lse)
         if arriving:
             kv = arriving()
@@ -223,16 +274,16 @@ def _ring_step_grads(
     saved: tuple[Tensor, Tensor, Tensor, Tensor], kv: Tensor, step: int, ring: _Ring
 ) -> tuple[Tensor, Tensor]:
     """This rank's queries' gradients against the block held at `step`: (dq, [dk, dv] of
-    the block), P rebuilt from the final log-sum-exp (flash attention's backward)."""
-    q, dout, lse, delta = saved
+    the block)."""
+    q, dout, out, lse = saved
     dq, dkv = torch.zeros_like(q), torch.zeros_like(kv)
-    for rows, n, mask in ring.blocks(step):
-        p = (_scores(q[:, :, rows], kv[0, :, :, :n], ring, mask) - lse[:, :, rows, None]).exp()
-        dp = dout[:, :, rows] @ _expand_kv(kv[1, :, :, :n], ring.groups).transpose(-2, -1)
-        ds = p * (dp - delta[:, :, rows, None]) * ring.scale
-        dq[:, :, rows] = ds @ _expand_kv(kv[0, :, :, :n], ring.groups)
-        dkv[0, :, :, :n] += _fold_kv(ds.transpose(-2, -1) @ q[:, :, rows], ring.groups)
-        dkv[1, :, :, :n] += _fold_kv(p.transpose(-2, -1) @ dout[:, :, rows], ring.groups)
+    for rows, cols, causal in ring.pairs(step):
+        k, v = (_expand_kv(t[:, :, cols], ring.groups) for t in kv)
+        at = (dout[:, :, rows], q[:, :, rows], k, v, out[:, :, rows], lse[:, :, rows])
+        dq_part, dk, dv = _attend_grads(*(t.contiguous() for t in at), causal, ring.scale)
+        dq[:, :, rows] += dq_part
+        dkv[0, :, :, cols] += _fold_kv(dk, ring.groups)
+        dkv[1, :, :, cols] += _fold_kv(dv, ring.groups)
     return dq, dkv
 
 
@@ -256,7 +307,7 @@ class _RingAttention(torch.autograd.Function):
         q, kv, out, lse = ctx.saved_tensors
         ring: _Ring = ctx.ring
         dout = dout.to(q.dtype)
-        saved = (q, dout, lse, (dout * out).sum(-1))
+        saved = (q, dout, out, lse)
         dq, grads_arriving = torch.zeros_like(q), None
         for step in range(ring.cp):
             kv_arriving = _post_shift(kv, ring.group, _KV_TAG) if step + 1 < ring.cp else None
