@@ -173,7 +173,7 @@ def test_the_ring_blocks_explicit_path_equals_sdpa_forward_and_backward(causal):
     want.backward(dout)
     with torch.no_grad():
         out, lse = _explicit_attend(q, k, v, causal, 0.3)
-        grads = _explicit_grads(dout, q, k, v, out, lse, causal, 0.3)
+        grads = _explicit_grads((dout, q, k, v, out, lse), causal, 0.3)
         scores = (q @ k.transpose(-2, -1) * 0.3).masked_fill(
             torch.ones(8, 8, dtype=torch.bool).triu(1) & causal, float("-inf")
         )

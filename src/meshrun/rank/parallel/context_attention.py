@@ -201,36 +201,23 @@ def _explicit_attend(
     return (scores - lse[..., None]).exp() @ v, lse
 
 
-def _attend_grads(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    causal: bool,
-    scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:
+# A chunk pair's backward inputs: (dout, q, k, v, out, lse), the rows' final out and lse.
+BlockGradInputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+
+
+def _attend_grads(at: BlockGradInputs, causal: bool, scale: float) -> tuple[Tensor, ...]:
     """One chunk pair's share of dq, dk, dv, its softmax rebuilt from the rows' final
     output and log-sum-exp (flash attention's backward)."""
-    if q.device.type == "cpu":
+    if at[1].device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, scale=scale
+            *at, 0.0, causal, scale=scale
         )
-    return _explicit_grads(dout, q, k, v, out, lse, causal, scale)
+    return _explicit_grads(at, causal, scale)
 
 
-def _explicit_grads(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    causal: bool,
-    scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:
+def _explicit_grads(at: BlockGradInputs, causal: bool, scale: float) -> tuple[Tensor, ...]:
     """`_attend_grads` from the held scores."""
+    dout, q, k, v, out, lse = at
     p = (_masked(q @ k.transpose(-2, -1) * scale, causal) - lse[..., None]).exp()
     ds = p * (dout @ v.transpose(-2, -1) - (dout * out).sum(-1, keepdim=True)) * scale
     return ds @ k, ds.transpose(-2, -1) @ q, p.transpose(-2, -1) @ dout
@@ -280,7 +267,8 @@ def _ring_step_grads(
     for rows, cols, causal in ring.pairs(step):
         k, v = (_expand_kv(t[:, :, cols], ring.groups) for t in kv)
         at = (dout[:, :, rows], q[:, :, rows], k, v, out[:, :, rows], lse[:, :, rows])
-        dq_part, dk, dv = _attend_grads(*(t.contiguous() for t in at), causal, ring.scale)
+        contiguous = tuple(t.contiguous() for t in at)
+        dq_part, dk, dv = _attend_grads(contiguous, causal, ring.scale)  # type: ignore[arg-type]
         dq[:, :, rows] += dq_part
         dkv[0, :, :, cols] += _fold_kv(dk, ring.groups)
         dkv[1, :, :, cols] += _fold_kv(dv, ring.groups)
