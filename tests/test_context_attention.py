@@ -1,6 +1,6 @@
-"""Context parallelism's attention and sequence sharding (rank/parallel/context_attention.py),
-on real gloo ranks: every method's output and q/k/v gradients on each rank equal full causal SDPA's
-restricted to that rank's tokens."""
+"""Context parallelism's attention and sequence sharding (rank/parallel/context_attention.py
+and context_shards.py), on real gloo ranks: every method's output and q/k/v gradients on each
+rank equal full causal SDPA's restricted to that rank's tokens."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from meshrun.rank.parallel.context_attention import (
     _explicit_attend,
     _explicit_grads,
     context_attention,
+)
+from meshrun.rank.parallel.context_shards import (
     load_balanced_chunks,
     sequence_positions,
     shard_sequence,

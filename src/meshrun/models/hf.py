@@ -250,7 +250,9 @@ class HFCausalLM(nn.Module):
         if self.positions is None:
             positions = torch.arange(seq, device=h.device).unsqueeze(0)
         else:
-            positions = self.positions.to(h.device).unsqueeze(0)
+            if self.positions.device != h.device:  # once: no host copy a step
+                self.positions = self.positions.to(h.device)
+            positions = self.positions.unsqueeze(0)
         if self.tok_embeddings is not None and self.pos_embeddings is not None:
             h = h + self.pos_embeddings(positions)  # [1, seq, dim]: sharded over seq under SP
         kwargs = {"attention_mask": None, "position_ids": positions}

@@ -21,11 +21,8 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.overrides import TorchFunctionMode
 
-from meshrun.rank.parallel.context_attention import (
-    AttentionFn,
-    context_attention,
-    sequence_positions,
-)
+from meshrun.rank.parallel.context_attention import AttentionFn, context_attention
+from meshrun.rank.parallel.context_shards import sequence_positions
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
 
@@ -47,7 +44,7 @@ class ContextAttention(TorchFunctionMode):
             or given.get("dropout_p", 0.0)
             or not given.get("is_causal", False)
         ):
-            raise NotImplementedError(
+            raise ValueError(
                 "context parallelism computes causal attention without a mask or dropout; this "
                 f"model's SDPA call has attn_mask={given.get('attn_mask') is not None}, "
                 f"dropout_p={given.get('dropout_p', 0.0)}, is_causal={given.get('is_causal')}"

@@ -1,10 +1,6 @@
 """Context parallelism: one sequence's causal attention shared by the ranks of a CP group.
 
-Load balance. Causal attention's work grows along the sequence (the last token sees every
-key, the first only itself), so cutting it into cp contiguous pieces would leave the last rank
-with most of the work. The sequence is cut into 2 x cp chunks instead and CP rank r holds
-chunks r and 2cp-1-r: an early and a late chunk, the same work on every rank. Every token
-keeps its global position (RoPE, masks), which `sequence_positions` gives.
+Each rank holds its load-balanced shard of the sequence (context_shards.py).
 
 Attention. Each method takes causal SDPA's arguments on a rank's shards, q [b, h, s, d] and
 k, v [b, h_kv, s, d] (GQA: h a multiple of h_kv), and returns this rank's rows of the full
@@ -30,7 +26,7 @@ whose names change between the torch versions meshrun supports.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +35,13 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from meshrun.rank.parallel.context_shards import (
+    chunk_positions,
+    load_balanced_chunks,
+    shard_sequence,
+    unshard_sequence,
+)
+
 AttentionFn = Callable[..., Tensor]
 
 # p2p tags: K/V blocks and their gradient accumulators travel the ring side by side.
@@ -46,51 +49,6 @@ _KV_TAG, _GRAD_TAG = 0, 1
 # Renamed in newer torch (the old names warn there); older ones have only the old names.
 _ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-
-
-# ---- load balance ------------------------------------------------------------------------
-
-
-def load_balanced_chunks(rank: int, cp: int) -> tuple[int, int]:
-    """The two chunks (of 2 x cp) CP rank `rank` holds: r and 2cp-1-r, ascending."""
-    return rank, 2 * cp - 1 - rank
-
-
-def chunk_length(seq: int, cp: int) -> int:
-    """Tokens per chunk; a sequence that 2 x cp does not divide cannot be balanced."""
-    if cp < 1 or seq % (2 * cp):
-        raise ValueError(
-            f"sequence length {seq} is not divisible by 2 x cp = {2 * cp}: context "
-            f"parallelism cuts the sequence into 2 x cp chunks (causal load balance)"
-        )
-    return seq // (2 * cp)
-
-
-def shard_sequence(x: Tensor, rank: int, cp: int, dim: int = 1) -> Tensor:
-    """This CP rank's tokens of `x` (the sequence along `dim`): its two chunks, in order."""
-    c = chunk_length(x.shape[dim], cp)
-    return torch.cat([x.narrow(dim, i * c, c) for i in load_balanced_chunks(rank, cp)], dim)
-
-
-def sequence_positions(
-    seq: int, rank: int, cp: int, device: torch.device | str | None = None
-) -> Tensor:
-    """Global position of each of this CP rank's tokens (RoPE and masks need the true ones)."""
-    c = chunk_length(seq, cp)
-    return torch.cat([_chunk_positions(i, c, device) for i in load_balanced_chunks(rank, cp)])
-
-
-def unshard_sequence(shards: Sequence[Tensor], dim: int = 1) -> Tensor:
-    """The whole sequence from every CP rank's shard (listed in CP rank order)."""
-    cp = len(shards)
-    halves = [shard.chunk(2, dim) for shard in shards]
-    # chunk i < cp is rank i's first half; chunk 2cp-1-r is rank r's second half
-    ordered = [halves[i][0] for i in range(cp)] + [halves[r][1] for r in reversed(range(cp))]
-    return torch.cat(ordered, dim)
-
-
-def _chunk_positions(chunk: int, c: int, device: torch.device | str | None) -> Tensor:
-    return torch.arange(chunk * c, (chunk + 1) * c, device=device)
 
 
 # ---- shared checks and GQA ---------------------------------------------------------------
@@ -325,7 +283,7 @@ def allgather_attention(
     outs = []
     for q_half, q_chunk in zip(q.chunk(2, 2), load_balanced_chunks(rank, cp), strict=True):
         end = (q_chunk + 1) * c  # keys past this chunk's end are all masked: left out
-        mask = _chunk_positions(q_chunk, c, q.device)[:, None] >= torch.arange(end, device=q.device)
+        mask = chunk_positions(q_chunk, c, q.device)[:, None] >= torch.arange(end, device=q.device)
         key, value = kv[:, :, :, :end]
         outs.append(
             F.scaled_dot_product_attention(

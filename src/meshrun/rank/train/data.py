@@ -29,7 +29,7 @@ from torch.utils.data import Sampler
 
 from meshrun.core.config import DataConfig
 from meshrun.core.data_files import text_spans
-from meshrun.rank.parallel.context_attention import shard_sequence
+from meshrun.rank.parallel.context_shards import shard_sequence
 from meshrun.rank.train.hf_data import HFWindows, hf_streams
 
 _MIX = 0x9E3779B97F4A7C15 & (2**62 - 1)
