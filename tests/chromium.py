@@ -12,10 +12,8 @@ from typing import Any
 
 import pytest
 
-CHROMIUM = shutil.which("chromium")
-needs_chromium = pytest.mark.skipif(
-    CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install chromium)"
-)
+# conftest's `chromium` fixture: waits for .ci/run's package install, skips without chromium
+needs_chromium = pytest.mark.usefixtures("chromium")
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars")
 # Runs at `load`, when every <img> has loaded or failed; naturalWidth is 0 for a failed one.
 # The page's scroll width is read before the probe's own <pre> is added.
@@ -32,9 +30,10 @@ window.addEventListener("load", () => {
 
 
 def _chromium(*args: str) -> str:
-    assert CHROMIUM is not None
+    chromium = shutil.which("chromium")
+    assert chromium is not None
     proc = subprocess.run(
-        [CHROMIUM, *FLAGS, *args], capture_output=True, text=True, timeout=120, check=True
+        [chromium, *FLAGS, *args], capture_output=True, text=True, timeout=120, check=True
     )
     return proc.stdout
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import time
 import uuid
 from collections.abc import Callable
 from multiprocessing import resource_tracker
@@ -47,6 +50,31 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return LONGEST_FIRST.index(module) if module in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)
+
+
+@pytest.fixture(scope="session")
+def debian_packages() -> None:
+    """.ci/run installs Chromium, g++ and Python's headers while the suite already runs:
+    MESHRUN_PACKAGES_STARTING names the file the install writes its exit status to when it
+    ends. Tests that need those packages wait for it here; elsewhere it is not set."""
+    done = os.environ.get("MESHRUN_PACKAGES_STARTING")
+    if not done:
+        return
+    deadline = time.monotonic() + 900
+    while not os.path.exists(done):
+        assert time.monotonic() < deadline, "the Debian packages' install did not end in 900 s"
+        time.sleep(1)
+    status = Path(done).read_text().strip()
+    assert status == "0", f"the Debian packages' install failed (exit status {status})"
+
+
+@pytest.fixture
+def chromium(debian_packages) -> str:
+    """Debian's chromium (tests/chromium.py renders pages in it), or the test is skipped."""
+    path = shutil.which("chromium")
+    if path is None:
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
+    return path
 
 
 @pytest.fixture

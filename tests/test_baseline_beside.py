@@ -27,7 +27,8 @@ RUN = (
 )
 
 
-@pytest.mark.parametrize("layout", ["ddp", "pp2"])
+# ddp's twin with -m slow: the main job's test (test_end_to_end) measures DDP beside its twin
+@pytest.mark.parametrize("layout", [pytest.param("ddp", marks=pytest.mark.slow), "pp2"])
 def test_the_baseline_beside_the_run_is_the_single_device_run_and_leaves_it_alone(
     tmp_path, rank_pool, layout
 ):

@@ -59,6 +59,8 @@ RESUMED_LAYOUTS = {
     "pp2": ("parallel=pp2",),
     "tp2_pp2": ("parallel=tp2_pp2",),
 }
+# with -m slow: replicated state (ddp) and TP's DTensors (tp2) are also in fsdp's and tp2_pp2's
+RESUMED_SLOW = {"ddp", "tp2"}
 
 
 def _run(tmp: Path, rank_pool, *overrides: str):
@@ -68,7 +70,10 @@ def _run(tmp: Path, rank_pool, *overrides: str):
     return cfg, measured
 
 
-@pytest.mark.parametrize("layout", RESUMED_LAYOUTS)
+@pytest.mark.parametrize(
+    "layout",
+    [pytest.param(n, marks=pytest.mark.slow if n in RESUMED_SLOW else ()) for n in RESUMED_LAYOUTS],
+)
 def test_resumed_run_continues_bit_for_bit(tmp_path, rank_pool, layout):
     """The uninterrupted run saves after step 2; a run resumed from that checkpoint trains
     steps 2-3 again with exactly the losses (and LRs) the uninterrupted one had."""

@@ -21,6 +21,8 @@ from tests.helpers import compose_config
 from tests.ranks import assert_steps_match
 from tests.test_layouts import COMMON, MICRO4
 
+# inductor builds C++ kernels: g++ and Python's headers, which .ci/run may still be installing
+pytestmark = pytest.mark.usefixtures("debian_packages")
 HF_COMMON = (*(o for o in COMMON if not o.startswith("model=")), "model=hf/tiny-llama")
 # Compiling costs 10-30 s a run on 2 cores (inductor's C++ builds): TP, the case with a fix
 # of ours, by default; the others with -m slow (make test-all).

@@ -116,7 +116,7 @@ def test_every_kind_of_layout_trains_the_users_module_like_one_device(experiment
 @pytest.mark.parametrize(
     "overrides",
     [
-        ("parallel=fsdp",),
+        pytest.param(("parallel=fsdp",), marks=pytest.mark.slow),
         pytest.param(("parallel=tp2",), marks=pytest.mark.slow),
         ("parallel=tp2", "model.tp_plan={blocks.*.up:colwise,blocks.*.down:rowwise}"),
     ],

@@ -74,7 +74,18 @@ def evaluations(measured) -> dict[int, float]:
     return {r["step"]: r["eval_loss"] for r in measured.steps if "eval_loss" in r}
 
 
-@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "single"])
+# with -m slow: replicated (ddp), TP alone and GPipe, whose parts fsdp, tp2_pp2 and 1f1b run
+EVAL_SLOW = {"ddp", "tp2", "pp2_gpipe"}
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(n, marks=pytest.mark.slow if n in EVAL_SLOW else ())
+        for n in LAYOUTS
+        if n != "single"
+    ],
+)
 def test_eval_loss_under_each_layout_is_the_single_device_one(run, layout):
     got, want = evaluations(run(layout)), evaluations(run("single"))
     assert list(got) == list(want) == [EVERY - 1, STEPS - 1]  # every 2 steps and the last

@@ -52,7 +52,7 @@ def test_fp16_layouts_train_like_one_device(tmp_path, rank_pool, single_fp16, la
     assert got[-1] < got[0]
 
 
-@pytest.mark.parametrize("layout", ["single", "pp2"])
+@pytest.mark.parametrize("layout", ["single", pytest.param("pp2", marks=pytest.mark.slow)])
 def test_overflowing_steps_are_skipped_and_the_scale_backs_off(tmp_path, rank_pool, layout):
     """A scale of 2**26 overflows fp16's gradients: the first steps are skipped, the scale
     halves each time until the gradients fit, and the run then trains."""

@@ -79,6 +79,11 @@ LAYOUTS = {
 }
 
 
+# Run with -m slow: each of their parts is also in a wider composition run by default
+# (SP in fsdp2_tp2_sequence_parallel and tp2_cp2; dp2 x tp2 and dp2 x pp2 in dp2_tp2_pp2).
+SLOW = {"tp2_sequence_parallel", "dp2_tp2", "fsdp2_tp2", "dp2_pp2"}
+
+
 @pytest.fixture(scope="session")
 def single_steps(tmp_path_factory, rank_pool) -> list[dict]:
     cfg = config_in(tmp_path_factory.mktemp("single"), "parallel=single", *COMMON)
@@ -87,7 +92,9 @@ def single_steps(tmp_path_factory, rank_pool) -> list[dict]:
     return measured.steps
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(
+    "layout", [pytest.param(n, marks=pytest.mark.slow if n in SLOW else ()) for n in LAYOUTS]
+)
 def test_layout_losses_and_grad_norms_match_single_device(experiment, single_steps, layout):
     cfg, measured = experiment(*COMMON, *LAYOUTS[layout])
     assert measured.ok, measured.meta.error

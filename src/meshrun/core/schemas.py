@@ -42,7 +42,11 @@ MODEL_SCHEMA_NAMES = MODEL_SCHEMAS
 
 
 def register_schemas(store: ConfigStore | None = None) -> ConfigStore:
+    """Idempotent: storing a schema converts its dataclass tree to a config again (a quarter
+    of a compose's time), so the store is filled once and then left as it is."""
     store = store or ConfigStore.instance()
+    if "experiment.yaml" in store.repo.get("schema", {}):
+        return store
     for name, node in ROOT_SCHEMAS.items():
         store.store(group="schema", name=name, node=node, package="_global_")
     for name, node in LAUNCHER_SCHEMA_NAMES.items():
