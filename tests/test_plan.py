@@ -136,8 +136,8 @@ def test_a_presets_minus_one_degree_fills_the_world_in_a_plan_as_in_a_run(tmp_pa
 
 
 def test_a_given_context_parallel_degree_is_kept_and_its_rows_say_what_is_not_counted(tmp_path):
-    """cp is not searched: parallel.cp=2 lays out the other half of the world around it,
-    and each row's prediction says what CP costs that it leaves out."""
+    """parallel.cp=2 is kept (256 tokens is too short for the search to try CP), the other
+    half of the world laid out around it, and each row says what its memory leaves out."""
     _, plan = meshrun_plan(
         tmp_path,
         "model=tiny",
@@ -151,6 +151,29 @@ def test_a_given_context_parallel_degree_is_kept_and_its_rows_say_what_is_not_co
     assert {math.prod(e["degrees"].values()) for e in plan["layouts"]} == {4}
     assert all(CP_UNCOUNTED in e["notes"] for e in plan["layouts"])
     assert any(e["layout"] == "fsdp2 x cp2(ring)" for e in plan["layouts"])
+
+
+def test_a_long_context_plan_fits_only_with_context_parallelism(tmp_path):
+    """128k tokens of LLaMA 3.1 8B on 8 H100s: no layout without CP fits (the activations of
+    a whole sequence on a rank); CP layouts do, each with the command that runs it."""
+    run, plan = meshrun_plan(
+        tmp_path,
+        "model=hf/llama-3.1-8b",
+        "train.seq_len=131072",
+        "hardware=h100-80g",
+        "world_size=8",
+    )
+    fitting = [e for e in plan["layouts"] if e["fits"]]
+    assert fitting, plan["layouts"]
+    assert all(e["degrees"]["cp"] > 1 for e in fitting)
+    assert any(e["degrees"]["cp"] == 1 for e in plan["layouts"])  # searched, not fitting
+    assert f"parallel.cp={fitting[0]['degrees']['cp']}" in run.output
+
+
+def test_short_sequences_plan_no_context_parallelism(tmp_path):
+    _, plan = meshrun_plan(tmp_path, "model=llama-7b", "hardware=a100-80g", "world_size=8")
+    assert plan["layouts"]
+    assert {e["degrees"]["cp"] for e in plan["layouts"]} == {1}
 
 
 def test_a_vocabulary_no_tp_degree_divides_still_plans_tensor_parallel_layouts(tmp_path):

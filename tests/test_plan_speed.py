@@ -220,3 +220,45 @@ def test_prediction_does_not_grow_with_the_world_size():
     for _ in range(20):
         predict_speed(large)
     assert (time.perf_counter() - started) / 20 < 0.01
+
+
+LONG_CONTEXT = (
+    "model=hf/llama-3.1-8b",
+    "hardware=h100-80g",
+    "train.seq_len=131072",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=1",
+)
+
+
+def test_a_context_parallel_rank_does_a_data_parallel_ranks_work():
+    """cp8 trains each sequence on 8 ranks, FSDP8 a sequence on each: the same tokens a rank
+    and, the causal chunks balanced, the same attention work."""
+    cp = speed(*LONG_CONTEXT, nodes=1, cp=8)
+    fsdp = speed(*LONG_CONTEXT, nodes=1, dp_shard=8)
+    for kind in ("matmul", "attention", "elementwise"):
+        assert cp.breakdown[kind] == pytest.approx(fsdp.breakdown[kind], rel=0.02), kind
+    assert cp.breakdown["cp"] > 0 and fsdp.breakdown["cp"] == 0
+
+
+def test_the_ring_hides_its_kv_behind_attention_where_allgather_waits_for_it():
+    ring = speed(*LONG_CONTEXT, nodes=1, cp=8)
+    gather = speed(*LONG_CONTEXT, nodes=1, cp=8, cp_method="allgather")
+    ulysses = speed(*LONG_CONTEXT, nodes=1, cp=8, cp_method="alltoall")
+    assert ring.breakdown["cp_exposed"] < 0.01 * ring.breakdown["cp"]
+    for exposed in (gather, ulysses):
+        assert exposed.breakdown["cp_exposed"] == exposed.breakdown["cp"] > 0
+    assert ring.step_time_s < min(gather.step_time_s, ulysses.step_time_s)
+
+
+def test_a_ring_across_nodes_rides_the_nics_and_shows_once_attention_is_short():
+    """At 131k tokens (8k a rank) a block's attention outlasts even a NIC's transfer of the
+    next; at 16k (1k a rank) it outlasts NVLink's, not the NIC's."""
+    for seq, hidden_across in ((131072, True), (16384, False)):
+        args = (*LONG_CONTEXT, f"train.seq_len={seq}")
+        inside = speed(*args, nodes=1, per_node=16, cp=16)
+        across = speed(*args, nodes=2, cp=16)
+        assert across.breakdown["cp"] > 2 * inside.breakdown["cp"]
+        assert inside.breakdown["cp_exposed"] < 0.01 * inside.breakdown["cp"]
+        exposed = across.breakdown["cp_exposed"]
+        assert (exposed < 0.01 * across.breakdown["cp"]) == hidden_across, (seq, exposed)

@@ -106,10 +106,11 @@ def host_flops(cfg: ExperimentConfig) -> float | None:
     return host_matmul_flops(cfg.launcher.threads_per_rank or 1, ranks)
 
 
-# What the prediction of a context-parallel layout leaves out (plan/memory.py, speed.py).
+# What the prediction of a context-parallel layout leaves out (plan/memory.py); its traffic
+# is in the speed (plan/speed.py).
 CP_UNCOUNTED = (
-    "context parallelism's attention traffic (K/V blocks round the ring, gathered, or traded "
-    "all-to-all) and the K/V it holds beyond this rank's own are not in this prediction"
+    "the K/V context parallelism holds beyond this rank's own (the ring's block in flight, "
+    "allgather's gathered K/V, Ulysses' head-sharded copies) is not in this memory prediction"
 )
 
 

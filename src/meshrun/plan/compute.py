@@ -19,6 +19,10 @@ micro-batch, from the shapes of its matmuls and the device's datasheet, not from
                 adds on the fp32 residual stream, 4 bytes x 12h (replicated under TP, / tp
                 with sequence parallelism), RoPE on q and k, 4(h + hk)/tp x width/2, and the
                 MLP's activation, mlp x f/tp x width; backward moves twice that.
+    context     a CP rank's linears and elementwise work run on its seq/cp tokens, and its
+                attention is a 1/cp share of the causal work: rank r holds chunks r and
+                2cp-1-r of the sequence, so every rank's queries see as many keys
+                (rank/parallel/context_shards.py).
 
 Megatron's fused kernels move fewer bytes than meshrun's unfused fp32 residual stream; these
 are meshrun's.
@@ -89,17 +93,25 @@ class PassTimes:
 
 @functools.lru_cache(maxsize=4096)  # the planner asks again for every stage and layout
 def block_times(
-    d: Dims, rates: DeviceRates, micro_batch: int, seq: int, tp: int, sp: bool, width: int
+    d: Dims,
+    rates: DeviceRates,
+    micro_batch: int,
+    seq: int,
+    tp: int,
+    sp: bool,
+    width: int,
+    cp: int = 1,
 ) -> PassTimes:
-    """One transformer block (meshrun's: q, k, v, o; w1, (w3,) w2) under TP degree `tp`."""
-    tokens = micro_batch * seq
+    """One transformer block (meshrun's: q, k, v, o; w1, (w3,) w2) under TP degree `tp` and
+    CP degree `cp`."""
+    tokens = micro_batch * seq // cp
     column = [(d.h, d.h), (d.hk, d.h), (d.hk, d.h)] + [(d.f, d.h)] * (d.mlp - 1)
     linears = [(out // tp, inp) for out, inp in column] + [(d.h, d.h // tp), (d.h, d.f // tp)]
     forward = backward = 0.0
     for out, inp in linears:
         f, b = rates.linear(tokens, out, inp, width)
         forward, backward = forward + f, backward + b
-    causal_flops = 2 * micro_batch * seq * seq * d.h / tp  # half of 4*b*s^2*h: the mask
+    causal_flops = 2 * micro_batch * seq * seq * d.h / tp / cp  # half of 4*b*s^2*h: the mask
     attention = causal_flops / (rates.matmul * ATTENTION_RATE)
     per_token = (
         RESIDUAL_BYTES * d.h / (tp if sp else 1) + (2 * (d.h + d.hk) + d.mlp * d.f) * width / tp

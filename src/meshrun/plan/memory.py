@@ -38,8 +38,10 @@ receive buffers (one T x h tensor per micro-batch); the last stage keeps no logi
 micro-batches (rank/parallel: the schedule runs with return_outputs=False).
 
 Context parallelism: a CP rank holds seq/cp tokens of each sequence and FSDP shards over
-dp_shard x cp. Not yet counted: the K/V blocks a CP method holds beyond the rank's own (the
-ring's block in flight, allgather's gathered K/V, Ulysses' head-sharded copies).
+dp_shard x cp. allgather keeps the whole sequence's K/V a layer for backward (the gathered
+tensor SDPA saves): 2hk(cp - 1)/tp more per token of the rank's own. Not yet counted: the
+ring's blocks in flight, Ulysses' head-sharded copies, and the scores CPU's SDPA
+materializes for allgather's masked attention (CUDA's kernels take the mask without them).
 """
 
 from __future__ import annotations
@@ -97,12 +99,15 @@ def in_flight(
     return min(warmup, n_microbatches * stages_per_rank) / stages_per_rank
 
 
-def _layer_bytes(d: Dims, tp: int, sp: bool, ckpt: str, width: int) -> tuple[float, float]:
+def _layer_bytes(
+    d: Dims, tp: int, sp: bool, ckpt: str, width: int, gathered_kv: int
+) -> tuple[float, float]:
     """(kept per layer, recomputed transient of one layer), bytes per token. The residual
     stream and norms stay fp32 under autocast (the weights are fp32); the matmul side is
-    `width` bytes."""
+    `width` bytes. `gathered_kv`: the other CP ranks' K/V a layer keeps (allgather's cp - 1)."""
     replicated = ((4 * d.h + 2) / (tp if sp else 1) + (d.h if tp > 1 else 0)) * FP32
-    full = replicated + (4 * d.h + 2 * d.hk + 4 * d.f + d.a) / tp * width
+    matmul_side = 4 * d.h + 2 * d.hk * (1 + gathered_kv) + 4 * d.f + d.a
+    full = replicated + matmul_side / tp * width
     if ckpt == "full":
         return d.h / (tp if sp else 1) * FP32, full
     if ckpt == "selective":
@@ -122,8 +127,9 @@ def activation_bytes(
     p = cfg.parallel
     tokens = micro_batch * cfg.train.seq_len // layout.cp  # a CP rank's part of each sequence
     width = 2 if cfg.train.precision in HALF_PRECISIONS else FP32
+    gathered_kv = layout.cp - 1 if p.cp_method == "allgather" else 0
     kept, recompute = _layer_bytes(
-        d, layout.tp, p.sequence_parallel, p.activation_checkpointing, width
+        d, layout.tp, p.sequence_parallel, p.activation_checkpointing, width, gathered_kv
     )
     per_mb = share.layers * kept + (8 if share.first else 0)
     if share.last:

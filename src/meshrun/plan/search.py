@@ -5,8 +5,9 @@ with more memory to spare first). Legality is decided by the same `validate` a r
 through, on the box the profile describes; a layout ruled out keeps its reason for the "why
 not" of meshrun-plan.
 
-The space: pp x dp_replicate x dp_shard x tp (tp inside a node: its ranks are adjacent, so
-it stays on the node's links iff it divides the devices per node), each pipeline schedule
+The space: pp x dp_replicate x dp_shard x cp x tp (tp inside a node: its ranks are adjacent,
+so it stays on the node's links iff it divides the devices per node; cp next to it, its
+groups free to span nodes: the ring's sends hide behind attention), each pipeline schedule
 with its stages per rank, sequence parallelism on and off, activation checkpointing none /
 selective / full, DDP's bucket view, the micro-batch size. A key the user gave (`fixed`)
 keeps its value. Pruning: for each layout and micro-batch size the checkpointing modes are
@@ -39,6 +40,10 @@ from meshrun.plan.split import uneven_variant
 SCHEDULE_CHOICES = (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2))
 CHECKPOINTING = ("none", "selective", "full")  # cheapest first
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
+# Context parallelism is searched where each CP rank keeps at least this many tokens of a
+# sequence: a pruning of the search, as MICRO_BATCH_SIZES is (short sequences are not what
+# fails to fit); a cp the user gives is always tried, with its parallel.cp_method.
+MIN_CP_TOKENS = 4096
 # Predictions closer than this are not told apart: the speed model's rows against published
 # runs spread 0-16% (docs/architecture.md), its errors shared by similar layouts. Within a 2%
 # band of speed the layout with the lower peak memory ranks first: it survives fragmentation,
@@ -98,17 +103,38 @@ def _dp_splits(dp: int, tp: int, box: Box) -> list[tuple[int, int]]:
     return sorted(splits)
 
 
+def _cp_degrees(cfg: ExperimentConfig, box: Box) -> list[int]:
+    """The CP degrees worth a try: 1, and those whose ranks keep MIN_CP_TOKENS of a
+    sequence cut into 2 x cp load-balanced chunks."""
+    seq = cfg.train.seq_len
+    return [
+        d
+        for d in _divisors(box.world)
+        if d == 1 or (seq % (2 * d) == 0 and seq // d >= MIN_CP_TOKENS)
+    ]
+
+
+def _allowed(cfg: ExperimentConfig, fixed: frozenset[str], key: str, values: list) -> list:
+    """`values`, or the one `cfg` gives where the user fixed `key`."""
+    return [getattr(cfg.parallel, key.removeprefix("parallel."))] if key in fixed else values
+
+
 def layout_grid(cfg: ExperimentConfig, box: Box, fixed: frozenset[str]) -> Iterator[dict]:
-    """Every layout's parallel keys; a key in `fixed` keeps `cfg`'s value. Context
-    parallelism is not searched: `cfg`'s cp is kept, the rest of the world laid out."""
+    """Every layout's parallel keys; a key in `fixed` keeps `cfg`'s value."""
+    for cp in _allowed(cfg, fixed, "parallel.cp", _cp_degrees(cfg, box)):
+        if box.world % cp == 0:
+            for keys in _without_cp(cfg, box, box.world // cp, fixed):
+                yield {**keys, "cp": cp}
+
+
+def _without_cp(
+    cfg: ExperimentConfig, box: Box, world: int, fixed: frozenset[str]
+) -> Iterator[dict]:
+    """The layouts of the `world` ranks a CP degree leaves, over pp x dp x tp."""
     p, n_layers = cfg.parallel, model_shape(cfg.model).n_layers
-    if box.world % p.cp:
-        return
-    world = box.world // p.cp
 
     def allowed(key: str, values: list[Any]) -> list[Any]:
-        given = getattr(p, key.removeprefix("parallel."))
-        return [given] if key in fixed else values
+        return _allowed(cfg, fixed, key, values)
 
     for pp in allowed("parallel.pp", [d for d in _divisors(world) if d <= n_layers]):
         if world % pp:

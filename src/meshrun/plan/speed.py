@@ -16,6 +16,15 @@ kinds): nothing loops over ranks, so 8,192-rank plans cost what 8-rank ones do.
                 collectives); the embedding's all-reduce, the head's input all-reduce in
                 backward and its logits all-gathered (rank/parallel/tensor.py). On the
                 critical path: DTensor TP does not overlap them (collectives.py)
+    CP          each rank computes its seq/cp tokens (plan/compute.py), and per layer shares
+                attention's K/V (rank/parallel/context_attention.py): ring passes its K/V
+                block cp-1 times forward, each send posted before the block that computes
+                beside it (hidden behind attention but for what exceeds it), and K/V with
+                their gradients backward; allgather gathers K/V forward and reduce-scatters
+                their gradients backward; alltoall (Ulysses) moves q, k, v and the output
+                by all-to-all each way (costed as an all-gather of those bytes). allgather's
+                and alltoall's collectives wait for the compute and it for them: exposed.
+                Full checkpointing runs the forward's traffic again.
     PP          a micro-batch's fp32 residual stream (T x h, / tp under SP) received forward
                 and its gradient backward, v times with v stages a rank: torch's schedules
                 post each receive just before the compute that needs it, so transfers are
@@ -55,6 +64,7 @@ from meshrun.core.stages import theoretical_bubble
 from meshrun.models import model_shape
 from meshrun.plan.collectives import GB, Fabric, overlapped
 from meshrun.plan.compute import (
+    ATTENTION_BACKWARD,
     MEMORY_EFFICIENCY,
     DeviceRates,
     block_times,
@@ -132,12 +142,16 @@ def _peak(cfg: ExperimentConfig, spec: DeviceSpec | None) -> float | None:
 
 @dataclass
 class _Stage:
-    """One micro-batch on a pipeline stage's slowest device: compute by kind, TP exposed."""
+    """One micro-batch on a pipeline stage's slowest device: compute by kind, TP exposed, CP
+    in all (`cp_total`) and exposed; `attention_f` one layer's attention forward."""
 
     forward: float = 0.0
     backward: float = 0.0
     recompute: float = 0.0
+    attention_f: float = 0.0
     tp: float = 0.0
+    cp: float = 0.0
+    cp_total: float = 0.0
     parts: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -160,16 +174,16 @@ def _by_shapes(
     d = Dims.of(cfg.model, layout.tp)
     width = 2 if cfg.train.precision in HALF_PRECISIONS else FP32
     p, seq = cfg.parallel, cfg.train.seq_len
-    block = block_times(d, rates, micro, seq, layout.tp, p.sequence_parallel, width)
+    block = block_times(d, rates, micro, seq, layout.tp, p.sequence_parallel, width, layout.cp)
     forward, backward = share.layers * block.forward, share.layers * block.backward
     if share.last:
-        head_f, head_b = head_times(d, rates, micro * seq, layout.tp, width)
+        head_f, head_b = head_times(d, rates, micro * seq // layout.cp, layout.tp, width)
         forward, backward = forward + head_f, backward + head_b
     recompute = {"full": block.forward, "selective": block.attention_f}.get(
         p.activation_checkpointing, 0.0
     ) * share.layers
     parts = {kind: share.layers * seconds for kind, seconds in block.by_kind().items()}
-    return _Stage(forward, backward, recompute, parts=parts)
+    return _Stage(forward, backward, recompute, block.attention_f, parts=parts)
 
 
 def _by_flops(
@@ -183,15 +197,15 @@ def _by_flops(
     """Forward a third of a token's FLOPs, backward two; the head counts as half a layer."""
     shape = model_shape(cfg.model)
     layer_share = (share.layers + (0.5 if share.last else 0)) / (shape.n_layers + 0.5)
-    tokens = micro * cfg.train.seq_len
+    tokens = micro * cfg.train.seq_len // layout.cp  # a CP rank's
     forward = cost.flops_per_token * tokens * layer_share / layout.tp / 3 / rate
+    attention = 4 * shape.dim * cfg.train.seq_len * tokens / layout.tp / rate  # 4*h*s a token
     recompute = 0.0
     if cfg.parallel.activation_checkpointing == "full":
         recompute = forward
-    elif cfg.parallel.activation_checkpointing == "selective":  # attention's 4*h*s a token
-        attention = 4 * shape.dim * cfg.train.seq_len * tokens * share.layers / layout.tp
-        recompute = attention / rate
-    return _Stage(forward, 2 * forward, recompute, parts={"matmul": 3 * forward})
+    elif cfg.parallel.activation_checkpointing == "selective":
+        recompute = attention * share.layers
+    return _Stage(forward, 2 * forward, recompute, attention, parts={"matmul": 3 * forward})
 
 
 def _tp_comm(
@@ -207,7 +221,7 @@ def _tp_comm(
         return 0.0
     span = group_span(layout, "tp", fabric.devices_per_node)
     half = cfg.train.precision in HALF_PRECISIONS
-    tokens = micro * cfg.train.seq_len
+    tokens = micro * cfg.train.seq_len // layout.cp
     activation = tokens * cost.width * (2 if half else FP32)
     if cfg.parallel.sequence_parallel:  # an all-gather and a reduce-scatter for each
         one = 2 * fabric.all_gather(span, activation)
@@ -225,6 +239,38 @@ def _tp_comm(
     return seconds
 
 
+def _cp_comm(
+    cfg: ExperimentConfig, layout: Layout, fabric: Fabric, share: StageShare, stage: _Stage
+) -> tuple[float, float]:
+    """(seconds of one micro-batch's CP traffic on a stage, what of it compute leaves
+    exposed): per layer, the method's forward and backward (and the forward's again where
+    full checkpointing recomputes it)."""
+    cp = layout.cp
+    if cp == 1:
+        return 0.0, 0.0
+    d = Dims.of(cfg.model)
+    width = 2 if cfg.train.precision in HALF_PRECISIONS else FP32
+    micro = micro_batching(cfg, layout)[1]
+    tokens = micro * cfg.train.seq_len // cp
+    kv = 2 * tokens * d.hk // layout.tp * width  # this rank's K and V of one layer
+    span = group_span(layout, "cp", fabric.devices_per_node)
+    method = cfg.parallel.cp_method
+    forwards = 2 if cfg.parallel.activation_checkpointing == "full" else 1
+    if method == "ring":
+        # cp blocks of attention a layer, the next block's transfer beside each but the last
+        step, block = fabric.send(span.crosses_nodes, kv), stage.attention_f / cp
+        exposed = forwards * (cp - 1) * max(0.0, step - block)
+        exposed += (cp - 1) * max(0.0, 2 * step - ATTENTION_BACKWARD * block)
+        total = (forwards + 2) * (cp - 1) * step  # backward: K/V and their gradients
+    else:
+        if method == "allgather":
+            one = fabric.all_gather(span, cp * kv)
+        else:  # alltoall: q, k, v in and the output back, each way
+            one = fabric.all_gather(span, 2 * tokens * (d.h + d.hk) // layout.tp * width)
+        total = exposed = (forwards + 1) * one
+    return share.layers * total, share.layers * exposed
+
+
 def _pp_comm(
     cfg: ExperimentConfig, layout: Layout, fabric: Fabric, micro: int, cost: ModelCost
 ) -> float:
@@ -232,7 +278,7 @@ def _pp_comm(
     send backward: 2 a stage it holds)."""
     if layout.pp == 1:
         return 0.0
-    nbytes = micro * cfg.train.seq_len * cost.width * FP32
+    nbytes = micro * cfg.train.seq_len // layout.cp * cost.width * FP32
     if cfg.parallel.sequence_parallel:
         nbytes /= layout.tp
     crosses = group_span(layout, "pp", fabric.devices_per_node).crosses_nodes
@@ -353,6 +399,7 @@ def _stage_on(
         efficiency = cfg.plan.efficiency or DEFAULT_EFFICIENCY[cfg.hardware.device_type]
         stage = _by_flops(cfg, layout, share, micro, cost, peak * efficiency)
     stage.tp = _tp_comm(cfg, layout, fabric, share, micro, cost)
+    stage.cp_total, stage.cp = _cp_comm(cfg, layout, fabric, share, stage)
     if rates:
         stage.parts["optimizer"] = optimizer_time(cost.rank_elements // layout.dp_shard, rates)
     return stage, rates
@@ -384,7 +431,7 @@ def _prediction(
     if layout.pp > 1:
         bubble = theoretical_bubble(layout.pp, n_microbatches(cfg), cfg.parallel.stages_per_rank)
     optimizer = stage.parts.get("optimizer", 0.0)
-    pipeline = m * (stage.compute + stage.tp + pp)
+    pipeline = m * (stage.compute + stage.tp + stage.cp + pp)
     step = pipeline / (1 - bubble) + dp_exposed + contention + optimizer
     tokens_per_s = cfg.train.tokens_per_step / step
     breakdown = {
@@ -392,6 +439,8 @@ def _prediction(
         "recompute": m * stage.recompute,
         "optimizer": optimizer,
         "tp": m * stage.tp,
+        "cp": m * stage.cp_total,
+        "cp_exposed": m * stage.cp,
         "pp": m * pp,
         "dp": dp_total,
         "dp_exposed": dp_exposed,
@@ -400,15 +449,15 @@ def _prediction(
     }
     return SpeedPrediction(
         compute_s=m * stage.compute + optimizer,
-        comm_s=m * (stage.tp + pp) + dp_total,
+        comm_s=m * (stage.tp + stage.cp_total + pp) + dp_total,
         bubble=bubble,
         step_time_s=step,
         tokens_per_s=tokens_per_s,
-        exposed_comm_s=m * (stage.tp + pp) + dp_exposed + contention,
+        exposed_comm_s=m * (stage.tp + stage.cp + pp) + dp_exposed + contention,
         model_tflops_per_device=tokens_per_s * cost.flops_per_token / layout.world_size / 1e12,
         breakdown=breakdown,
     )
 
 
 def _clock(stage: _Stage) -> float:
-    return stage.compute + stage.tp + stage.parts.get("optimizer", 0.0)
+    return stage.compute + stage.tp + stage.cp + stage.parts.get("optimizer", 0.0)
