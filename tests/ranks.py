@@ -23,6 +23,7 @@ import gc
 import os
 import queue
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -46,6 +47,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _exit_with_parent() -> None:
+    """A worker outlives a pytest process killed outright (its exit hooks never run): idle
+    on its queue for ever, or spinning in a job whose peers are gone. Its parent's end ends
+    it too."""
+    parent = mp.parent_process()
+    if parent is not None:
+        parent.join()
+        os._exit(1)
+
+
 def _serve(index: int, jobs, results) -> None:
     """One worker: import torch once, then run jobs until told to stop (None). After each job
     its garbage is collected, as a process's ending would free it: a job's process groups
@@ -55,6 +66,7 @@ def _serve(index: int, jobs, results) -> None:
     torch.compile's code is dropped too: a later job's blocks would reuse an earlier one's
     (no compile to measure), up to dynamo's limit of entries a function, then run eagerly."""
     os.environ["OMP_NUM_THREADS"] = "1"
+    threading.Thread(target=_exit_with_parent, name="exit-with-parent", daemon=True).start()
     gc.freeze()
     results.put(("ready", index, True, None))
     while (job := jobs.get()) is not None:

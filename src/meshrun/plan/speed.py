@@ -199,7 +199,9 @@ def _by_flops(
     layer_share = (share.layers + (0.5 if share.last else 0)) / (shape.n_layers + 0.5)
     tokens = micro * cfg.train.seq_len // layout.cp  # a CP rank's
     forward = cost.flops_per_token * tokens * layer_share / layout.tp / 3 / rate
-    attention = 4 * shape.dim * cfg.train.seq_len * tokens / layout.tp / rate  # 4*h*s a token
+    attention = 0.0  # 4*h*s a token; a module without formulas may not say its width
+    if shape.dim:
+        attention = 4 * shape.dim * cfg.train.seq_len * tokens / layout.tp / rate
     recompute = 0.0
     if cfg.parallel.activation_checkpointing == "full":
         recompute = forward
