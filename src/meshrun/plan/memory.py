@@ -57,6 +57,7 @@ from meshrun.plan.shapes import (
     layer_param_elements,
     local_param_elements,
     micro_batching,
+    rank_tokens,
     stage_shares,
 )
 
@@ -125,7 +126,7 @@ def activation_bytes(
 ) -> float:
     d = Dims.of(cfg.model, layout.tp)
     p = cfg.parallel
-    tokens = micro_batch * cfg.train.seq_len // layout.cp  # a CP rank's part of each sequence
+    tokens = rank_tokens(cfg, layout, micro_batch)
     width = 2 if cfg.train.precision in HALF_PRECISIONS else FP32
     gathered_kv = layout.cp - 1 if p.cp_method == "allgather" else 0
     kept, recompute = _layer_bytes(
@@ -182,7 +183,7 @@ def predict_rank(
     if cfg.hardware.device_type == "cuda":
         other += CUBLAS_WORKSPACES
     if layout.pp > 1:  # the stage's receive buffers, one per micro-batch
-        tokens = n_microbatches * micro_batch * cfg.train.seq_len // layout.cp
+        tokens = rank_tokens(cfg, layout, n_microbatches * micro_batch)
         other += tokens * d.h * FP32
     return MemoryPrediction(state, state, elements * ADAM_BYTES, int(activations), other)
 

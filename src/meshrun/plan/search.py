@@ -18,6 +18,7 @@ of a layout's variants only the fastest that fits (else the smallest) is ranked.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from collections import Counter
@@ -132,10 +133,7 @@ def _without_cp(
 ) -> Iterator[dict]:
     """The layouts of the `world` ranks a CP degree leaves, over pp x dp x tp."""
     p, n_layers = cfg.parallel, model_shape(cfg.model).n_layers
-
-    def allowed(key: str, values: list[Any]) -> list[Any]:
-        return _allowed(cfg, fixed, key, values)
-
+    allowed = functools.partial(_allowed, cfg, fixed)
     for pp in allowed("parallel.pp", [d for d in _divisors(world) if d <= n_layers]):
         if world % pp:
             continue

@@ -94,6 +94,11 @@ def micro_batching(cfg: ExperimentConfig, layout: Layout) -> tuple[int, int]:
     return local // micro, micro
 
 
+def rank_tokens(cfg: ExperimentConfig, layout: Layout, samples: int) -> int:
+    """Tokens of `samples` sequences that one rank holds: a CP rank its seq/cp of each."""
+    return samples * cfg.train.seq_len // layout.cp
+
+
 def _sharded(shape: tuple[int, ...], tp_dim: int | None, tp: int, fsdp: int) -> int:
     """Elements this rank stores of a tensor split over tp along `tp_dim`, then by FSDP2."""
     dims = list(shape)

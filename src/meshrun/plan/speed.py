@@ -77,6 +77,7 @@ from meshrun.plan.shapes import (
     StageShare,
     local_param_elements,
     micro_batching,
+    rank_tokens,
     stage_shares,
 )
 
@@ -177,7 +178,7 @@ def _by_shapes(
     block = block_times(d, rates, micro, seq, layout.tp, p.sequence_parallel, width, layout.cp)
     forward, backward = share.layers * block.forward, share.layers * block.backward
     if share.last:
-        head_f, head_b = head_times(d, rates, micro * seq // layout.cp, layout.tp, width)
+        head_f, head_b = head_times(d, rates, rank_tokens(cfg, layout, micro), layout.tp, width)
         forward, backward = forward + head_f, backward + head_b
     recompute = {"full": block.forward, "selective": block.attention_f}.get(
         p.activation_checkpointing, 0.0
@@ -197,7 +198,7 @@ def _by_flops(
     """Forward a third of a token's FLOPs, backward two; the head counts as half a layer."""
     shape = model_shape(cfg.model)
     layer_share = (share.layers + (0.5 if share.last else 0)) / (shape.n_layers + 0.5)
-    tokens = micro * cfg.train.seq_len // layout.cp  # a CP rank's
+    tokens = rank_tokens(cfg, layout, micro)
     forward = cost.flops_per_token * tokens * layer_share / layout.tp / 3 / rate
     attention = 0.0  # 4*h*s a token; a module without formulas may not say its width
     if shape.dim:
@@ -223,7 +224,7 @@ def _tp_comm(
         return 0.0
     span = group_span(layout, "tp", fabric.devices_per_node)
     half = cfg.train.precision in HALF_PRECISIONS
-    tokens = micro * cfg.train.seq_len // layout.cp
+    tokens = rank_tokens(cfg, layout, micro)
     activation = tokens * cost.width * (2 if half else FP32)
     if cfg.parallel.sequence_parallel:  # an all-gather and a reduce-scatter for each
         one = 2 * fabric.all_gather(span, activation)
@@ -242,7 +243,12 @@ def _tp_comm(
 
 
 def _cp_comm(
-    cfg: ExperimentConfig, layout: Layout, fabric: Fabric, share: StageShare, stage: _Stage
+    cfg: ExperimentConfig,
+    layout: Layout,
+    fabric: Fabric,
+    share: StageShare,
+    micro: int,
+    stage: _Stage,
 ) -> tuple[float, float]:
     """(seconds of one micro-batch's CP traffic on a stage, what of it compute leaves
     exposed): per layer, the method's forward and backward (and the forward's again where
@@ -252,8 +258,7 @@ def _cp_comm(
         return 0.0, 0.0
     d = Dims.of(cfg.model)
     width = 2 if cfg.train.precision in HALF_PRECISIONS else FP32
-    micro = micro_batching(cfg, layout)[1]
-    tokens = micro * cfg.train.seq_len // cp
+    tokens = rank_tokens(cfg, layout, micro)
     kv = 2 * tokens * d.hk // layout.tp * width  # this rank's K and V of one layer
     span = group_span(layout, "cp", fabric.devices_per_node)
     method = cfg.parallel.cp_method
@@ -280,7 +285,7 @@ def _pp_comm(
     send backward: 2 a stage it holds)."""
     if layout.pp == 1:
         return 0.0
-    nbytes = micro * cfg.train.seq_len // layout.cp * cost.width * FP32
+    nbytes = rank_tokens(cfg, layout, micro) * cost.width * FP32
     if cfg.parallel.sequence_parallel:
         nbytes /= layout.tp
     crosses = group_span(layout, "pp", fabric.devices_per_node).crosses_nodes
@@ -401,7 +406,7 @@ def _stage_on(
         efficiency = cfg.plan.efficiency or DEFAULT_EFFICIENCY[cfg.hardware.device_type]
         stage = _by_flops(cfg, layout, share, micro, cost, peak * efficiency)
     stage.tp = _tp_comm(cfg, layout, fabric, share, micro, cost)
-    stage.cp_total, stage.cp = _cp_comm(cfg, layout, fabric, share, stage)
+    stage.cp_total, stage.cp = _cp_comm(cfg, layout, fabric, share, micro, stage)
     if rates:
         stage.parts["optimizer"] = optimizer_time(cost.rank_elements // layout.dp_shard, rates)
     return stage, rates
