@@ -236,6 +236,7 @@ def test_rank_that_never_enters_a_collective_is_named(tmp_path, monkeypatch, mar
     assert ended - hang_started < timeout + 15
 
 
+@pytest.mark.slow  # test_torchrun.py starts meshrun's ranks with torchrun in CI
 def test_torchrun_ranks_run_the_same_benchmark(tmp_path):
     """Started by torchrun, every process is one rank; rank 0 reports once."""
     proc = subprocess.run(

@@ -18,6 +18,7 @@ from tests.helpers import compose_config, resolved_config
 from tests.ranks import losses
 from tests.test_plan import meshrun_plan, plan_run
 from tests.test_verify import report, verify_run
+from tests.tiers import tiered
 
 MODEL = ("model=custom", "model.target=tests.user_model:build")
 NAMED = (
@@ -38,8 +39,9 @@ COMMON = (
     "train.seed=3",
     "metrics.baseline=off",
 )
-# by default beside verify's (fsdp, tp2 with the callable and with the YAML plan)
-DEFAULT = {"ddp", "pp2_1f1b", "fsdp_full_checkpointing"}
+# In CI: FSDP units on the user's blocks with their recompute, a pipeline of the named parts,
+# and (in verify, below) TP on a YAML plan. The rest with -m slow (make test-all).
+FAST = {"pp2_1f1b", "fsdp_full_checkpointing"}
 LAYOUTS = {
     "ddp": ("parallel=ddp",),
     "fsdp": ("parallel=fsdp",),
@@ -100,9 +102,7 @@ def single(tmp_path_factory, rank_pool) -> list[float]:
     return losses(measured)
 
 
-@pytest.mark.parametrize(
-    "layout", [pytest.param(n, marks=() if n in DEFAULT else pytest.mark.slow) for n in LAYOUTS]
-)
+@pytest.mark.parametrize("layout", tiered(LAYOUTS, FAST))
 def test_every_kind_of_layout_trains_the_users_module_like_one_device(experiment, single, layout):
     _, measured = experiment(*LAYOUTS[layout], *NAMED, *COMMON)
     assert measured.ok, measured.meta.error
@@ -127,6 +127,7 @@ def test_verify_passes_the_users_module_with_its_own_plan(tmp_path, on_pool, ove
     assert report(tmp_path)["passed"] is True
 
 
+@pytest.mark.slow  # test_verify.py's wrong plan fails on the numbers in CI
 def test_verify_fails_a_sabotaged_plan_on_the_numbers(tmp_path, on_pool):
     code = verify_run(
         tmp_path, *NAMED, "parallel=tp2", "model.tp_plan=tests.user_model:sabotaged_tp_plan"

@@ -25,6 +25,7 @@ from meshrun.rank.train.data import (
 )
 from tests.helpers import compose_config
 from tests.ranks import config_in, losses
+from tests.tiers import tiered
 
 CPU = torch.device("cpu")
 STEPS, EVERY = 4, 2
@@ -74,18 +75,12 @@ def evaluations(measured) -> dict[int, float]:
     return {r["step"]: r["eval_loss"] for r in measured.steps if "eval_loss" in r}
 
 
-# with -m slow: replicated (ddp), TP alone and GPipe, whose parts fsdp, tp2_pp2 and 1f1b run
-EVAL_SLOW = {"ddp", "tp2", "pp2_gpipe"}
+# In CI sharded data parallel and a pipeline (the loss on the last stage only); with -m slow
+# replicated (ddp), TP, GPipe and TP x PP.
+EVAL_FAST = {"fsdp", "pp2_1f1b"}
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [
-        pytest.param(n, marks=pytest.mark.slow if n in EVAL_SLOW else ())
-        for n in LAYOUTS
-        if n != "single"
-    ],
-)
+@pytest.mark.parametrize("layout", tiered([n for n in LAYOUTS if n != "single"], EVAL_FAST))
 def test_eval_loss_under_each_layout_is_the_single_device_one(run, layout):
     got, want = evaluations(run(layout)), evaluations(run("single"))
     assert list(got) == list(want) == [EVERY - 1, STEPS - 1]  # every 2 steps and the last

@@ -101,7 +101,8 @@ def test_explicit_config_keys_win_unless_they_change_the_checkpoint_shapes(tmp_p
     assert "(model.pretrained's weights) to [128, 64]" in str(caught.value)
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "tp2_pp2"])
+# TP x PP with -m slow: the layouts are those of every transformers model (test_hf_models.py)
+@pytest.mark.parametrize("layout", ["fsdp", pytest.param("tp2_pp2", marks=pytest.mark.slow)])
 def test_another_family_trains_under_any_layout_and_exports_what_transformers_loads(
     tmp_path, rank_pool, layout
 ):

@@ -20,6 +20,7 @@ from meshrun.models.hf import build_hf, hf_config, model_class
 from tests.helpers import compose_config, transformers_first_loss
 from tests.ranks import config_in, losses
 from tests.test_layouts import MICRO4  # TP without a pipeline: 2 micro-batches
+from tests.tiers import tiered
 
 STEPS = 4
 COMMON = (
@@ -32,14 +33,11 @@ COMMON = (
     "train.seed=3",
     "metrics.baseline=off",
 )
-# By default one layout of each kind; the rest with -m slow (make test-all).
-DEFAULT = {
-    "fsdp",
-    "pp2_interleaved_split_by_measured_cost",
-    "tp2_pp2_sequence_parallel",
-    "cp2_allgather",
-}
-GPT2_DEFAULT = {"tp2", "fsdp2_tp2_sequence_parallel"}
+# In CI one layout of each kind: sharded data parallel, a pipeline, CP, and TP with SP under
+# FSDP on GPT-2's shipped plan (its Conv1D, positions sharded, vocabulary tied and padded);
+# TP in a pipeline in the pretrained read below. The rest with -m slow (make test-all).
+FAST = {"fsdp", "pp2_interleaved_split_by_measured_cost", "cp2_allgather"}
+GPT2_FAST = {"fsdp2_tp2_sequence_parallel"}
 LAYOUTS = {
     "ddp": ("parallel=ddp",),
     "fsdp": ("parallel=fsdp",),
@@ -157,18 +155,12 @@ def check_like_one_device(experiment, single_losses, overrides, common) -> None:
     assert got[-1] < got[0]
 
 
-def cases(layouts: dict, default: set[str]) -> list:
-    return [
-        pytest.param(name, marks=() if name in default else pytest.mark.slow) for name in layouts
-    ]
-
-
-@pytest.mark.parametrize("layout", cases(LAYOUTS, DEFAULT))
+@pytest.mark.parametrize("layout", tiered(LAYOUTS, FAST))
 def test_every_kind_of_layout_trains_hf_llama_like_one_device(experiment, single_losses, layout):
     check_like_one_device(experiment, single_losses, LAYOUTS[layout], COMMON)
 
 
-@pytest.mark.parametrize("layout", cases(GPT2_LAYOUTS, GPT2_DEFAULT))
+@pytest.mark.parametrize("layout", tiered(GPT2_LAYOUTS, GPT2_FAST))
 def test_gpt2_with_its_shipped_plan_trains_like_one_device(experiment, single_losses, layout):
     """Conv1D as Linear, q|k|v regrouped per TP rank, positions sharded under SP, 509 tokens
     padded, the head tied to the embedding."""
@@ -194,14 +186,12 @@ PRETRAINED = {  # (common overrides, layout, ranks each tensor is split over)
 }
 
 
-# with -m slow: a whole and a sharded read that tp2_pp2's and fsdp2_tp2's reads also make
-PRETRAINED_SLOW = {"tiny-llama single", "tiny-llama fsdp"}
+# In CI the sharded read of a pipeline of TP stages; with -m slow a whole read, FSDP's, and
+# GPT-2's transposed, regrouped and tied weights under FSDP x TP.
+PRETRAINED_FAST = {"tiny-llama tp2_pp2"}
 
 
-@pytest.mark.parametrize(
-    "case",
-    [pytest.param(n, marks=pytest.mark.slow if n in PRETRAINED_SLOW else ()) for n in PRETRAINED],
-)
+@pytest.mark.parametrize("case", tiered(PRETRAINED, PRETRAINED_FAST))
 def test_pretrained_weights_give_transformers_own_first_loss_each_rank_reading_its_share(
     experiment, tmp_path, case
 ):

@@ -17,6 +17,7 @@ import pytest
 from meshrun.core.layout import Layout
 from meshrun.driver.experiment import measure
 from tests.ranks import assert_steps_match, config_in, losses
+from tests.tiers import tiered
 
 STEPS = 4
 MICRO4 = "train.micro_batch_size=4"
@@ -79,9 +80,23 @@ LAYOUTS = {
 }
 
 
-# Run with -m slow: each of their parts is also in a wider composition run by default
-# (SP in fsdp2_tp2_sequence_parallel and tp2_cp2; dp2 x tp2 and dp2 x pp2 in dp2_tp2_pp2).
-SLOW = {"tp2_sequence_parallel", "dp2_tp2", "fsdp2_tp2", "dp2_pp2"}
+# In CI: each dimension alone (ddp, fsdp, hsdp, tp2, pp2, cp2's ring), the most involved
+# schedule (interleaved zero bubble), and compositions holding every pair of dimensions (dp x
+# tp x pp, fsdp x tp with SP, fsdp x cp) and checkpointing. The rest with -m slow: their parts
+# are in these (CP's other methods also in test_context_attention.py, against SDPA).
+FAST = {
+    "ddp",
+    "fsdp",
+    "hsdp",
+    "tp2",
+    "pp2_1f1b",
+    "pp2_interleaved_zero_bubble",
+    "dp2_tp2_pp2",
+    "fsdp2_tp2_sequence_parallel",
+    "cp2_ring",
+    "fsdp2_cp2",
+    "fsdp_selective_checkpointing",
+}
 
 
 @pytest.fixture(scope="session")
@@ -92,9 +107,7 @@ def single_steps(tmp_path_factory, rank_pool) -> list[dict]:
     return measured.steps
 
 
-@pytest.mark.parametrize(
-    "layout", [pytest.param(n, marks=pytest.mark.slow if n in SLOW else ()) for n in LAYOUTS]
-)
+@pytest.mark.parametrize("layout", tiered(LAYOUTS, FAST))
 def test_layout_losses_and_grad_norms_match_single_device(experiment, single_steps, layout):
     cfg, measured = experiment(*COMMON, *LAYOUTS[layout])
     assert measured.ok, measured.meta.error
