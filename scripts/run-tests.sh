@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
-# `make test`: the fast suite, with the SLURM tests that mostly wait beside it, then the other
-# SLURM tests.
+# `make test`: the fast suite, with the tests that mostly wait on a clock beside it, then the
+# other SLURM tests.
 #
 # The fast suite runs two test modules at a time (xdist --dist loadscope: a module's tests and
 # its fixtures stay on one worker; tests/conftest.py orders the modules longest first) and
-# keeps both cores busy on its own. Beside it run only the SLURM tests marked `waits` (a
-# requeued job's one-minute time limit with steps that sleep, a hang's timeout): they take
-# little CPU, but their jobs' ranks must start and train on time, so the fast suite runs in
-# a session of its own whose autogroup (the kernel's per-session CPU share, which plain nice
-# does not cross) is niced to 19. The other SLURM tests (jobs that import torch and train:
-# CPU) run after it. Measured on the 2-core box (issue 17): every SLURM test beside the
-# niced fast suite, 817 s for both; the fast suite alone 484 s, then the SLURM tests 206 s;
-# this way 565 s (the fast suite 492 s, the two waiting SLURM tests 137 s beside it, the
-# seven others 63 s after), .ci/run 593 s in all.
+# keeps both cores busy on its own. Beside it run only the tests marked `waits`: a hang's
+# timeout (the backend's, the watchdog's, the doctor's), a requeued SLURM job's one-minute
+# time limit with steps that sleep. They take little CPU, but their ranks must start and
+# reach the clock on time, so the fast suite runs in a session of its own whose autogroup
+# (the kernel's per-session CPU share, which plain nice does not cross) is niced to 19. The
+# other SLURM tests (jobs that import torch and train: CPU) run after it. Measured on the
+# 2-core box (issue 17): every SLURM test beside the niced fast suite, 817 s for both; the
+# fast suite alone 484 s, then the SLURM tests 206 s; this way 565 s (the fast suite 492 s,
+# the two waiting SLURM tests 137 s beside it, the seven others 63 s after), .ci/run 593 s.
 #
 # .ci/run starts the SLURM cluster while the fast suite runs: MESHRUN_SLURM_STARTING names a
 # file the start writes its exit status to when it ends, up or not (not up: the SLURM tests
@@ -22,28 +22,31 @@ python="${1:-.venv/bin/python}"
 waits_log="$(mktemp "${TMPDIR:-/tmp}/meshrun-slurm-tests.XXXXXX")"
 
 setsid bash -c 'echo 19 >/proc/self/autogroup 2>/dev/null || renice -n 19 $$ >/dev/null
-    exec "$0" -m pytest -n 2 --dist loadscope -m "not slow and not slurm" --durations=30' \
+    exec "$0" -m pytest -n 2 --dist loadscope -m "not slow and not slurm and not waits" \
+        --durations=30' \
     "$python" &
 fast=$!
 # Its own session does not get the terminal's Ctrl-C: pass it on, and never leave it behind.
 trap 'kill -INT -- -"$fast" 2>/dev/null; wait "$fast"; rm -f "$waits_log"; exit 130' INT TERM
 
+"$python" -m pytest -m "waits and not slurm and not slow" --durations=5 >"$waits_log" 2>&1
+hangs_rc=$?
 if [ -n "${MESHRUN_SLURM_STARTING:-}" ]; then
     for _ in $(seq 900); do
         [ -e "$MESHRUN_SLURM_STARTING" ] && break
         sleep 1
     done
     echo "SLURM cluster start ended (status $(cat "$MESHRUN_SLURM_STARTING" 2>/dev/null ||
-        echo 'none after 900 s'))" >"$waits_log"
+        echo 'none after 900 s'))" >>"$waits_log"
 fi
 "$python" -m pytest -m "slurm and waits and not slow" --durations=5 >>"$waits_log" 2>&1
 waits_rc=$?
 wait "$fast"
 fast_rc=$?
-echo "=== SLURM tests that wait (run beside the fast suite) ==="
+echo "=== tests that wait on a clock (run beside the fast suite) ==="
 cat "$waits_log"
 rm -f "$waits_log"
 echo "=== the other SLURM tests ==="
 "$python" -m pytest -m "slurm and not waits and not slow" --durations=10
 slurm_rc=$?
-exit $((fast_rc != 0 || waits_rc != 0 || slurm_rc != 0))
+exit $((fast_rc != 0 || hangs_rc != 0 || waits_rc != 0 || slurm_rc != 0))

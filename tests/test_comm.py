@@ -212,6 +212,7 @@ def _config(comm: dict, **sections: dict) -> CommRunConfig:
     return comm_from_dict(raw)  # the launcher's schema by its name, as the ranks rebuild it
 
 
+@pytest.mark.waits  # on the collective timeout
 def test_rank_that_never_enters_a_collective_is_named(tmp_path, monkeypatch, marked_env, capsys):
     timeout = 5
     code = comm_run(

@@ -146,6 +146,7 @@ def doctor_run(tmp_path: Path, monkeypatch, env: dict[str, str], *overrides: str
     return doctor_main.run(compose_command("doctor", tmp_path / "doctor", *overrides))
 
 
+@pytest.mark.waits  # on doctor.timeout_s
 def test_hung_health_check_is_diagnosed_within_timeout(tmp_path, monkeypatch, marked_env, capsys):
     timeout = 5
     code = doctor_run(
@@ -172,6 +173,7 @@ def test_hung_health_check_is_diagnosed_within_timeout(tmp_path, monkeypatch, ma
     assert ended - hang_started < timeout + 40
 
 
+@pytest.mark.waits  # on the check's hard limit
 def test_check_past_its_hard_limit_is_killed_with_all_ranks(
     tmp_path, monkeypatch, marked_env, capsys
 ):

@@ -49,6 +49,7 @@ def test_raising_rank_fails_run_fast_and_is_recorded(tmp_path, monkeypatch, mark
     assert row["losses"] == results["losses"]
 
 
+@pytest.mark.waits  # on backend.timeout_s
 def test_hanging_rank_times_out_instead_of_hanging(tmp_path, monkeypatch, marked_env):
     results, _, seconds = failed_run(
         tmp_path,

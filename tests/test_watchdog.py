@@ -9,6 +9,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from meshrun.core.run_files.failures import first_failure
 from meshrun.core.run_files.positions import diagnose, read_positions
 from meshrun.rank.watchdog import GRACE_S, Watchdog, step_collectives
@@ -26,6 +28,7 @@ HANG = (
 )
 
 
+@pytest.mark.waits  # on backend.timeout_s
 def test_hung_training_run_names_rank_step_and_operation(tmp_path, monkeypatch, marked_env):
     """The real launcher (torch elastic), so that every rank is proven torn down."""
     timeout = 5
@@ -43,6 +46,7 @@ def test_hung_training_run_names_rank_step_and_operation(tmp_path, monkeypatch, 
     assert ended - hang_started < timeout + 15
 
 
+@pytest.mark.waits  # on the watchdog's timeout
 def test_watchdog_ends_a_rank_the_backend_does_not_time_out(tmp_path):
     """No process group at all: only the watchdog thread can end this 'collective'."""
     code = textwrap.dedent(f"""
@@ -65,6 +69,7 @@ def test_watchdog_ends_a_rank_the_backend_does_not_time_out(tmp_path):
     assert diagnose(str(tmp_path), 3) == "rank 3 waited in all_reduce (stuck) at step 7"
 
 
+@pytest.mark.waits  # on a sleep past the deadline
 def test_watchdog_leaves_phases_that_also_compute_to_the_backend(tmp_path):
     """A long forward/backward is not a hang: only one-collective phases have a deadline."""
     code = textwrap.dedent(f"""
