@@ -5,16 +5,21 @@ max over ranks, as the summary prints it), all in one invocation, so the ratios 
 
     .venv/bin/python benchmarks/context_parallel.py              # seq 1024 2048 4096
     .venv/bin/python benchmarks/context_parallel.py 2048 8192    # other lengths
+    .venv/bin/python benchmarks/context_parallel.py --cap-mib 256   # and the longest under it
 
 cp1 trains the whole sequence on one rank; cp2 trains the same global batch with each
 sequence split over 2 ranks (each holding half the tokens). The activation share is what CP
 is for: the ratio is reported, not assumed. The model is `tiny` (4 layers, 8 heads, 4 K/V
 heads): its attention, not its weights, grows with the sequence.
+
+With `--cap-mib`, the longest sequence cp1 and cp2 (ring) each train with a measured peak
+per rank under that cap: the sequence doubled from 512 tokens until a run's peak passes the
+cap, then bisected to a multiple of 256 tokens, every point a run.
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 import tempfile
 from pathlib import Path
 
@@ -79,5 +84,45 @@ def main(seqs: list[int]) -> None:
     Console().print(table)
 
 
+GRAIN = 256  # the longest sequence is found to this many tokens
+
+
+def longest_under(cap: int, name: str, work: Path) -> tuple[int, int]:
+    """(seq, measured peak per rank): the longest multiple of GRAIN tokens `name` trains
+    with its peak under `cap` bytes (0, 0 if not even GRAIN)."""
+    peaks: dict[int, int] = {}
+
+    def fits(seq: int) -> bool:
+        peaks[seq] = run(seq, name, work)["peak_memory_max_bytes"]
+        return peaks[seq] <= cap
+
+    fit, over = 0, 2 * GRAIN
+    while fits(over):
+        fit, over = over, 2 * over
+    while over - fit > GRAIN:
+        mid = (fit + over) // 2 // GRAIN * GRAIN
+        fit, over = (mid, over) if fits(mid) else (fit, mid)
+    return fit, peaks.get(fit, 0)
+
+
+def main_cap(cap_mib: int) -> None:
+    table = Table(title=f"the longest sequence under {cap_mib} MiB a rank (measured peaks)")
+    for column in ("layout", "longest seq", "its peak MiB/rank", "vs cp1"):
+        table.add_column(column, justify="left" if column == "layout" else "right")
+    with tempfile.TemporaryDirectory() as tmp:
+        base = None
+        for name in ("cp1", "cp2 ring"):
+            seq, peak = longest_under(cap_mib * MiB, name, Path(tmp))
+            base = base or seq
+            table.add_row(name, str(seq), f"{peak / MiB:.1f}", f"{seq / base:.2f}x")
+    Console().print(table)
+
+
 if __name__ == "__main__":
-    main([int(a) for a in sys.argv[1:]] or [1024, 2048, 4096])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("seqs", nargs="*", type=int, default=[1024, 2048, 4096])
+    parser.add_argument("--cap-mib", type=int, help="also the longest sequence under this cap")
+    args = parser.parse_args()
+    main(args.seqs)
+    if args.cap_mib:
+        main_cap(args.cap_mib)

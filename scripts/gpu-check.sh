@@ -2,8 +2,9 @@
 # The GPU checks in one go, for a machine with CUDA (run from the repository root):
 # the gpu-marked tests, predicted vs measured memory on CUDA, MFU and tokens/s of llama-1b
 # and hf/llama-3.2-1b in bf16 on one GPU with and without torch.compile, FSDP and TP memory
-# on NCCL (2+ GPUs), the pipeline bubble on a host with CPU cores to spare, and meshrun-comm
-# over nccl (all-reduce busbw) with meshrun-doctor (2+ GPUs).
+# on NCCL (2+ GPUs), context parallelism's memory and tokens/s against one GPU
+# (benchmarks/context_parallel.py, 2+ GPUs), the pipeline bubble on a host with CPU cores to
+# spare, and meshrun-comm over nccl (all-reduce busbw) with meshrun-doctor (2+ GPUs).
 # Logs go to $OUT (default outputs/gpu-check). Uses the python on PATH (PYTHON=...), with the
 # repository's src/ on PYTHONPATH, so a machine's own CUDA torch is used as it is.
 set -uo pipefail
@@ -84,6 +85,13 @@ if [ "$gpus" -ge 2 ]; then
   done
 else
   log "FSDP and TP on NCCL: skipped, $gpus GPU here (NCCL needs a GPU a rank)"
+fi
+
+if [ "$gpus" -ge 2 ]; then
+  log "context parallelism on NCCL, 2 GPUs: cp2 under each method against one GPU"
+  $py benchmarks/context_parallel.py 4096 16384 --cap-mib 2048 2>&1 | tee "$out/context_parallel.log" | tail -30
+else
+  log "context parallelism: skipped, $gpus GPU here (cp2 needs a GPU a rank)"
 fi
 
 log "pipeline bubble on $(nproc) CPU cores"

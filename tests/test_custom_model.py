@@ -119,6 +119,8 @@ def test_every_kind_of_layout_trains_the_users_module_like_one_device(experiment
         pytest.param(("parallel=fsdp",), marks=pytest.mark.slow),
         pytest.param(("parallel=tp2",), marks=pytest.mark.slow),
         ("parallel=tp2", "model.tp_plan={blocks.*.up:colwise,blocks.*.down:rowwise}"),
+        # its attention shared by the ring through SDPA, its positions by keyword
+        ("parallel=cp2", "model.positions=positions", "train.micro_batch_size=4"),
     ],
     ids=" ".join,
 )
@@ -212,6 +214,32 @@ def test_a_module_with_one_embedding_needs_no_name_for_it_and_is_told_so(experim
             "train.compile",
             "model.layers, which is not set",
         ),
+        (  # the plan has no SP entries (the planner searched SP and crashed tracing it)
+            ["parallel=tp2", "parallel.sequence_parallel=true"],
+            "parallel.sequence_parallel",
+            "model.tp_plan has no sequence_parallel or gather_input entry",
+        ),
+        (["parallel=cp2"], "parallel.cp", "model.positions (the keyword its forward takes"),
+        (
+            ["parallel=cp2", "model.positions=position_ids"],
+            "model.positions",
+            "is not a keyword of TinyGPT.forward(ids: 'torch.Tensor', positions:",
+        ),
+        (
+            ["parallel=cp2", "model.positions=positions", "model.layers=null"],
+            "parallel.cp",
+            "inside each block of model.layers, which is not set",
+        ),
+        (
+            ["parallel=cp2", "parallel.pp=2", "model.positions=positions"],
+            "parallel.pp",
+            "the positions context parallelism gives the module's forward cannot reach",
+        ),
+        (  # attention written out: it would see each CP rank's own tokens only
+            ["parallel=cp2", "model.positions=positions", "+model.kwargs.attention_by_hand=true"],
+            "parallel.cp",
+            "model=custom's blocks call none (probed on the meta device)",
+        ),
     ],
     ids=str,
 )
@@ -239,6 +267,19 @@ def test_the_planner_traces_a_module_without_formulas():
     assert params / 2 < tp2[0].params - buffers < params
     assert tp2[0].optimizer == pytest.approx(2 * (tp2[0].params - buffers), rel=0.01)
     assert all(m.activations > 0 for m in (*fsdp, *tp2))
+
+
+def test_the_planner_traces_a_context_parallel_rank_over_its_share_of_the_sequence():
+    """cp2 against fsdp on two ranks: the same parameter shards (FSDP over dp_shard x cp), a
+    micro-batch of half the tokens each: half the activations but for what does not scale
+    with tokens (the blocks FSDP gathers), 0.60 of fsdp's here (1.0 traced over the whole
+    sequence)."""
+    fsdp, cp2 = (
+        traced_memory(resolved_config(*NAMED, *p, "train.seq_len=64", "plan.allow_oom=true"))[0]
+        for p in (("parallel=fsdp",), ("parallel=cp2", "model.positions=positions"))
+    )
+    assert cp2.params == fsdp.params and cp2.optimizer == fsdp.optimizer
+    assert 0.3 * fsdp.activations < cp2.activations < 0.7 * fsdp.activations
 
 
 def test_meshrun_plan_refuses_a_target_that_does_not_import(tmp_path):

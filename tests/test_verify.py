@@ -46,6 +46,20 @@ def report(tmp_path: Path) -> dict[str, Any]:
             ("model=gpt2-124m", "model.n_layers=2", "parallel=tp2"),  # 50257 tokens
             marks=pytest.mark.slow,
         ),
+        # context parallelism (issue 32's checks; test_layouts.py runs them in CI, a
+        # custom module's under verify in test_custom_model.py)
+        *(
+            pytest.param(overrides, marks=pytest.mark.slow)
+            for overrides in (
+                ("parallel=cp2",),
+                ("parallel=cp2", "parallel.cp_method=allgather"),
+                ("parallel=cp2", "parallel.cp_method=alltoall"),
+                ("parallel=fsdp2_cp2",),
+                ("parallel=tp2_cp2",),  # with SP
+                ("parallel=cp2", "parallel.pp=2"),
+                ("model=hf/tiny-llama", "parallel=cp2"),  # GQA
+            )
+        ),
     ],
     ids=" ".join,
 )

@@ -35,16 +35,15 @@ class Embed(nn.Module):
         table[:, 0::2], table[:, 1::2] = torch.sin(position * freq), torch.cos(position * freq)
         self.register_buffer("positions", table, persistent=False)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.learned is not None:
-            return self.tokens(ids) + self.learned.weight[: ids.shape[1]]
-        return self.tokens(ids) + self.positions[: ids.shape[1]]
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        table = self.positions if self.learned is None else self.learned.weight
+        return self.tokens(ids) + (table[: ids.shape[1]] if positions is None else table[positions])
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int, hidden: int) -> None:
+    def __init__(self, dim: int, heads: int, hidden: int, by_hand: bool = False) -> None:
         super().__init__()
-        self.head_dim = dim // heads
+        self.head_dim, self.by_hand = dim // heads, by_hand
         self.attn_norm = nn.LayerNorm(dim)
         self.q, self.k, self.v = (nn.Linear(dim, dim) for _ in range(3))
         self.out = nn.Linear(dim, dim)
@@ -60,23 +59,46 @@ class Block(nn.Module):
             p(h).view(batch, seq, -1, self.head_dim).transpose(1, 2)
             for p in (self.q, self.k, self.v)
         )
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        a = (
+            attend_by_hand(q, k, v)
+            if self.by_hand
+            else F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        )
         x = x + self.out(a.transpose(1, 2).reshape(batch, seq, -1))
         return x + self.down(F.gelu(self.up(self.mlp_norm(x))))
 
 
+def attend_by_hand(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention written out, as many models had it before SDPA."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    future = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
+    return scores.masked_fill(future, float("-inf")).softmax(-1) @ v
+
+
 class TinyGPT(nn.Module):
+    """`forward(ids, positions)`: positions [1, seq], each token's, where given (meshrun
+    passes them with model.positions=positions); 0..seq-1 otherwise."""
+
     def __init__(
-        self, vocab: int, dim: int, n_layers: int, heads: int, max_seq: int, learned_positions: bool
+        self,
+        vocab: int,
+        dim: int,
+        n_layers: int,
+        heads: int,
+        max_seq: int,
+        learned_positions: bool,
+        attention_by_hand: bool = False,
     ) -> None:
         super().__init__()
         self.embed = Embed(vocab, dim, max_seq, learned_positions)
-        self.blocks = nn.ModuleList(Block(dim, heads, 4 * dim) for _ in range(n_layers))
+        self.blocks = nn.ModuleList(
+            Block(dim, heads, 4 * dim, attention_by_hand) for _ in range(n_layers)
+        )
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.embed(ids)
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed(ids, positions)
         for block in self.blocks:
             h = block(h)
         return self.head(self.norm(h))
@@ -89,8 +111,9 @@ def build(
     heads: int = 4,
     max_seq: int = 128,
     learned_positions: bool = False,
+    attention_by_hand: bool = False,
 ) -> TinyGPT:
-    return TinyGPT(vocab, dim, n_layers, heads, max_seq, learned_positions)
+    return TinyGPT(vocab, dim, n_layers, heads, max_seq, learned_positions, attention_by_hand)
 
 
 def tp_plan(module: nn.Module) -> dict:

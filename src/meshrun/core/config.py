@@ -89,7 +89,11 @@ class CustomModelConfig(ModelConfig):
     units, what activation checkpointing wraps, where a pipeline cuts), `embedding`, `norm`
     and `head` (a pipeline stage runs embedding -> layers -> norm -> head in that order), and
     `tp_plan`, module-name patterns to TP styles (rank/parallel/tensor.py) or a
-    "module:callable" returning such a dict. `vocab_size`: the embedding's when null."""
+    "module:callable" returning such a dict. `vocab_size`: the embedding's when null.
+    `positions`: the keyword by which the module's forward takes each token's position
+    ([1, seq], as transformers' `position_ids`), passed where set; context parallelism needs
+    it, its ranks holding two chunks of each sequence whose positions the module cannot
+    count itself."""
 
     kind: ModelKind = ModelKind["custom"]
     target: str = MISSING
@@ -100,6 +104,7 @@ class CustomModelConfig(ModelConfig):
     norm: str | None = None
     head: str | None = None
     tp_plan: Any = None
+    positions: str | None = None
 
 
 MODEL_SCHEMAS: dict[str, type[ModelConfig]] = {

@@ -92,6 +92,7 @@ class CustomLM(nn.Module):
         self.paths = {ours: getattr(cfg, key) for ours, key in PARTS.items()}
         self.pos_embeddings = None  # positions, if any, are the user's embedding's or blocks'
         self.seq_shards = 1
+        self.positions: torch.Tensor | None = None  # a CP rank's tokens' (use_positions)
         self.ties = tied_names(module)
         self.tied = bool(self.ties)
         self.vocab_size = cfg.vocab_size or token_lookup(module, cfg.embedding)[1].num_embeddings
@@ -130,12 +131,27 @@ class CustomLM(nn.Module):
         """The module's own forward; a pipeline stage runs its parts in sequence (taking and
         returning hidden states where it lacks the embedding or the head)."""
         if self.whole():
-            return unpad_logits(self.module(tokens), self.vocab_size)
+            return unpad_logits(self.module(tokens, **self._positions(tokens)), self.vocab_size)
         h = tokens
         for part in (self.tok_embeddings, *self.layers.values(), self.norm, self.output):
             if part is not None:
                 h = part(h)
         return h if self.output is None else unpad_logits(h, self.vocab_size)
+
+    def use_positions(self, positions: torch.Tensor) -> None:
+        """The global positions of the tokens this rank sees (a context-parallel rank's
+        shard of each sequence), passed to the module by `model.positions`."""
+        self.positions = positions
+
+    def _positions(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The module's positions keyword, if it has one: this rank's tokens' positions."""
+        if self.cfg.positions is None:
+            return {}
+        if self.positions is None:
+            return {self.cfg.positions: torch.arange(tokens.shape[1], device=tokens.device)[None]}
+        if self.positions.device != tokens.device:  # once: no host copy a step
+            self.positions = self.positions.to(tokens.device)
+        return {self.cfg.positions: self.positions[None]}
 
     def tp_plan(self) -> dict:
         """The user's plan, its patterns relative to their module."""

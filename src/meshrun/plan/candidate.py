@@ -110,7 +110,8 @@ def host_flops(cfg: ExperimentConfig) -> float | None:
 # is in the speed (plan/speed.py).
 CP_UNCOUNTED = (
     "the K/V context parallelism holds beyond this rank's own (the ring's block in flight, "
-    "allgather's gathered K/V, Ulysses' head-sharded copies) is not in this memory prediction"
+    "Ulysses' head-sharded copies, allgather's gathered K/V where a model without formulas "
+    "is traced) is not in this memory prediction"
 )
 
 

@@ -11,8 +11,10 @@ groups free to span nodes: the ring's sends hide behind attention), each pipelin
 with its stages per rank, sequence parallelism on and off, activation checkpointing none /
 selective / full, DDP's bucket view, the micro-batch size. A key the user gave (`fixed`)
 keeps its value. Pruning: for each layout and micro-batch size the checkpointing modes are
-tried cheapest first and the first that fits is kept (recomputing more is never faster), and
-of a layout's variants only the fastest that fits (else the smallest) is ranked.
+tried cheapest first and the first that fits is kept (recomputing more is never faster), a
+micro-batch size is not tried where a smaller one had no variant that fits (a rank holds at
+least as much with a larger one), and of a layout's variants only the fastest that fits
+(else the smallest) is ranked.
 """
 
 from __future__ import annotations
@@ -215,6 +217,7 @@ def best_variant(
     smallest: Candidate | None = None
     for micro in _micro_batches(cfg, fixed):
         train = dataclasses.replace(cfg.train, micro_batch_size=micro)
+        evaluated = fits = False
         for ckpt, view in _variants(dataclasses.replace(cfg, train=train), fixed):
             ddp = dataclasses.replace(cfg.parallel.ddp, gradient_as_bucket_view=view)
             parallel = dataclasses.replace(cfg.parallel, activation_checkpointing=ckpt, ddp=ddp)
@@ -225,12 +228,16 @@ def best_variant(
                 plan.rule_out(resolved)
                 continue
             c = evaluate(resolved)
+            evaluated = True
             if c.fits:
+                fits = True
                 if fitting is None or _speed_key(c) > _speed_key(fitting):
                     fitting = c
                 break  # more recomputation or the other view: no faster
             if smallest is None or c.peak < smallest.peak:
                 smallest = c
+        if evaluated and not fits:
+            break  # a larger micro-batch holds at least as much
     return fitting or smallest
 
 

@@ -249,6 +249,7 @@ def _cp_comm(
     share: StageShare,
     micro: int,
     stage: _Stage,
+    cost: ModelCost,
 ) -> tuple[float, float]:
     """(seconds of one micro-batch's CP traffic on a stage, what of it compute leaves
     exposed): per layer, the method's forward and backward (and the forward's again where
@@ -256,10 +257,10 @@ def _cp_comm(
     cp = layout.cp
     if cp == 1:
         return 0.0, 0.0
-    d = Dims.of(cfg.model)
+    h, hk = _attention_widths(cfg, cost)
     width = 2 if cfg.train.precision in HALF_PRECISIONS else FP32
     tokens = rank_tokens(cfg, layout, micro)
-    kv = 2 * tokens * d.hk // layout.tp * width  # this rank's K and V of one layer
+    kv = 2 * tokens * hk // layout.tp * width  # this rank's K and V of one layer
     span = group_span(layout, "cp", fabric.devices_per_node)
     method = cfg.parallel.cp_method
     forwards = 2 if cfg.parallel.activation_checkpointing == "full" else 1
@@ -273,9 +274,20 @@ def _cp_comm(
         if method == "allgather":
             one = fabric.all_gather(span, cp * kv)
         else:  # alltoall: q, k, v in and the output back, each way
-            one = fabric.all_gather(span, 2 * tokens * (d.h + d.hk) // layout.tp * width)
+            one = fabric.all_gather(span, 2 * tokens * (h + hk) // layout.tp * width)
         total = exposed = (forwards + 1) * one
     return share.layers * total, share.layers * exposed
+
+
+def _attention_widths(cfg: ExperimentConfig, cost: ModelCost) -> tuple[int, int]:
+    """(query, K/V) width of a layer: the formulas' where the model has them; a model
+    without (model=custom) taken as multi-head, its K/V as wide as the activations it moves
+    (GQA's fewer K/V heads would move less: an upper bound)."""
+    shape = model_shape(cfg.model)
+    if not (shape.dim and shape.n_heads):
+        return cost.width, cost.width
+    d = Dims.of(cfg.model)
+    return d.h, d.hk
 
 
 def _pp_comm(
@@ -406,7 +418,7 @@ def _stage_on(
         efficiency = cfg.plan.efficiency or DEFAULT_EFFICIENCY[cfg.hardware.device_type]
         stage = _by_flops(cfg, layout, share, micro, cost, peak * efficiency)
     stage.tp = _tp_comm(cfg, layout, fabric, share, micro, cost)
-    stage.cp_total, stage.cp = _cp_comm(cfg, layout, fabric, share, micro, stage)
+    stage.cp_total, stage.cp = _cp_comm(cfg, layout, fabric, share, micro, stage, cost)
     if rates:
         stage.parts["optimizer"] = optimizer_time(cost.rank_elements // layout.dp_shard, rates)
     return stage, rates

@@ -159,9 +159,10 @@ def _trace_rank(
 ) -> Trace:
     t = cfg.train
     meta = build_model(cfg.model, t.seq_len, "meta", vocab_multiple=traced.tp)
+    seq = t.seq_len // traced.cp  # a CP rank's tokens of each sequence (its attention local)
     hidden = None
     if traced.pp > 1:
-        hidden = _stage_input(meta, micro_batch, t.seq_len, traced.tp, parallel.sequence_parallel)
+        hidden = _stage_input(meta, micro_batch, seq, traced.tp, parallel.sequence_parallel)
     half = t.precision in HALF_PRECISIONS  # bf16 and fp16 take the same bytes
     dtype = torch.bfloat16 if half else torch.float32
     # on meta, outside the fake mode: FSDP2 builds device meshes, whose own (real) tensors
@@ -185,7 +186,7 @@ def _trace_rank(
             for micro_batches in (1, accumulated):
                 for _ in range(micro_batches):
                     logits, kept = _step(
-                        parts, micro_batch, t.seq_len, hidden, half and not fsdp, tracker
+                        parts, micro_batch, seq, hidden, half and not fsdp, tracker
                     )
                     tracker.reset_mod_stats()  # per module per call; the peak stays
                 optimizer.step()

@@ -1,9 +1,10 @@
 """Rules of context parallelism (parallel.cp > 1): a sequence the causal load balance can
-cut, heads Ulysses can split, a model and options CP reaches."""
+cut, heads Ulysses can split, options CP combines with (what it needs of a user's module:
+validate/custom.py)."""
 
 from __future__ import annotations
 
-from meshrun.core.config import CustomModelConfig, ExperimentConfig
+from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import fail
 from meshrun.models import model_shape
 
@@ -12,15 +13,6 @@ def check_context_parallel(cfg: ExperimentConfig) -> None:
     p, t = cfg.parallel, cfg.train
     if p.cp == 1:
         return
-    if isinstance(cfg.model, CustomModelConfig):
-        fail(
-            "parallel.cp",
-            p.cp,
-            f"context parallelism cannot reach model=custom ({cfg.model.target}) yet: a custom "
-            "module computes its own token positions, which under CP must be the global ones "
-            "of each rank's part of the sequence",
-            "parallel.cp=1, or a meshrun or transformers model (model=tiny, hf/tiny-llama, ...)",
-        )
     if t.compile:
         fail(
             "train.compile",

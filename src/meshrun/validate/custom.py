@@ -6,11 +6,12 @@ The module is built on the meta device for this: nothing is allocated."""
 from __future__ import annotations
 
 import difflib
+import inspect
 from collections.abc import Mapping
 from fnmatch import fnmatch
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from meshrun.core.choices import TP_STYLES
 from meshrun.core.config import CustomModelConfig, ExperimentConfig
@@ -27,6 +28,7 @@ from meshrun.models.custom import (
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 SEE_DOCS = "see docs/models.md, Any nn.Module"
+SP_STYLES = ("sequence_parallel", "gather_input")  # what takes a sequence-sharded stream
 
 
 def check_custom(m: CustomModelConfig) -> None:
@@ -145,6 +147,18 @@ def check_custom_layout(cfg: ExperimentConfig) -> None:
                 f"set model.tp_plan ({SEE_DOCS}), or tp=1",
             )
         _check_divisible(model, p.tp)
+        if p.sequence_parallel and not any(
+            not isinstance(style, str) or style in SP_STYLES for style in model.tp_plan().values()
+        ):
+            fail(
+                "parallel.sequence_parallel",
+                True,
+                "shards the residual stream over the sequence, and model.tp_plan has no "
+                f"{' or '.join(SP_STYLES)} entry to take it so: the module's blocks would get "
+                "part of each sequence where they expect it whole",
+                "false, or a plan whose norms are sequence_parallel and whose attention and "
+                "MLP are gather_input before their colwise matrices",
+            )
     if p.pp > 1:
         missing = [f"model.{k}" for k in ("layers", "embedding", "head") if getattr(m, k) is None]
         if missing:
@@ -162,6 +176,8 @@ def check_custom_layout(cfg: ExperimentConfig) -> None:
             "wraps each block of model.layers, which is not set",
             "set model.layers to the module's block list, or none",
         )
+    if p.cp > 1:
+        _check_context_parallel(cfg, model)
     if cfg.train.compile and m.layers is None:
         fail(
             "train.compile",
@@ -169,6 +185,81 @@ def check_custom_layout(cfg: ExperimentConfig) -> None:
             "compiles each block of model.layers, which is not set",
             "set model.layers to the module's block list, or train.compile=false",
         )
+
+
+def _check_context_parallel(cfg: ExperimentConfig, model: CustomLM) -> None:
+    """CP shares the attention each block computes with SDPA, its ranks holding two chunks of
+    each sequence: the module must take their positions, run whole (not as a pipeline's parts,
+    which take hidden states alone) and attend through SDPA, which a probe on meta shows."""
+    m, cp = cfg.model, cfg.parallel.cp
+    if m.layers is None:
+        fail(
+            "parallel.cp",
+            cp,
+            "shares the attention inside each block of model.layers, which is not set",
+            "set model.layers to the module's block list, or cp=1",
+        )
+    if m.positions is None:
+        fail(
+            "parallel.cp",
+            cp,
+            "gives each rank two chunks of every sequence, whose positions a model=custom "
+            "module cannot count itself, and model.positions (the keyword its forward takes "
+            "them by) is not set",
+            f"model.positions=<a keyword of the forward> ({SEE_DOCS}), or cp=1",
+        )
+    forward = inspect.signature(model.module.forward)
+    if m.positions not in forward.parameters and not any(
+        p.kind is p.VAR_KEYWORD for p in forward.parameters.values()
+    ):
+        fail(
+            "model.positions",
+            m.positions,
+            f"is not a keyword of {type(model.module).__name__}.forward{forward}",
+            "the name of the argument the forward takes token positions by",
+        )
+    if cfg.parallel.pp > 1:
+        fail(
+            "parallel.pp",
+            cfg.parallel.pp,
+            "runs model=custom's parts one by one on hidden states, which the positions "
+            "context parallelism gives the module's forward cannot reach",
+            "pp=1, or cp=1",
+        )
+    # only here: rank.parallel imports FSDP and DTensor, a second every `meshrun` would pay
+    from meshrun.rank.parallel.context import ContextAttention, share_attention  # noqa: PLC0415
+
+    mode = ContextAttention(_local_attention, group=None)
+    share_attention(model, mode)
+    seq = 2 * cp
+    model.use_positions(torch.arange(seq, device="meta"))
+    try:
+        model(torch.zeros(1, seq, dtype=torch.long, device="meta"))
+    except Exception as err:
+        fail(
+            "parallel.cp",
+            cp,
+            f"model=custom's forward, probed on the meta device for the attention CP shares, "
+            f"raised {type(err).__name__}: {err}",
+            "a module whose blocks attend with causal F.scaled_dot_product_attention, or cp=1",
+        )
+    if mode.calls == 0:
+        fail(
+            "parallel.cp",
+            cp,
+            "shares the attention blocks compute with torch.nn.functional."
+            "scaled_dot_product_attention, and model=custom's blocks call none (probed on "
+            "the meta device): attention computed otherwise would see each rank's own "
+            "tokens only",
+            "causal F.scaled_dot_product_attention in the blocks, or cp=1",
+        )
+
+
+def _local_attention(q: Tensor, k: Tensor, v: Tensor, group: None, scale: float | None) -> Tensor:
+    """What the probe's attention returns: its shape, on meta (K/V heads may be fewer)."""
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[-3] != q.shape[-3]
+    )
 
 
 def _check_divisible(model: CustomLM, tp: int) -> None:

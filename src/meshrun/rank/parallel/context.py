@@ -7,8 +7,10 @@ own context_parallel does; a module's code is not changed, so any model whose at
 SDPA is reached. The forward is wrapped on the block itself, so an activation checkpoint's
 recompute (which calls the block again) runs inside the mode too. What the methods cannot
 compute exactly (a mask of the model's own, dropout, non-causal attention) is refused when it
-is called. The model's rotary tables are taken at the rank's global positions
-(`use_positions`), set on meta and filled when the model is materialised.
+is called; the calls are counted, so validation can probe a user's module on meta for an
+attention CP reaches (validate/custom.py). The model's rotary tables (or a user's module, by
+its positions keyword) take the rank's global positions (`use_positions`), set on meta and
+filled when the model is materialised.
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 class ContextAttention(TorchFunctionMode):
     """Causal SDPA on a rank's sequence shard -> the CP group's attention."""
 
-    def __init__(self, attend: AttentionFn, group: ProcessGroup) -> None:
+    def __init__(self, attend: AttentionFn, group: ProcessGroup | None) -> None:
         super().__init__()
         self.attend, self.group = attend, group
+        self.calls = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -50,6 +53,7 @@ class ContextAttention(TorchFunctionMode):
                 f"dropout_p={given.get('dropout_p', 0.0)}, is_causal={given.get('is_causal')}"
             )
         q, k, v = given["query"], given["key"], given["value"]
+        self.calls += 1
         return self.attend(q, k, v, self.group, scale=given.get("scale"))
 
 
@@ -58,10 +62,14 @@ def apply_context_parallel(
 ) -> None:
     """On meta: every block's attention through `method` over `group`, and the model's
     positions those of CP rank `cp_rank`'s tokens of a `seq_len` sequence."""
-    attend = context_attention(method)
-    for block in model.layers.values():
-        block.forward = _inside(ContextAttention(attend, group), block.forward)
+    share_attention(model, ContextAttention(context_attention(method), group))
     model.use_positions(sequence_positions(seq_len, cp_rank, cp))
+
+
+def share_attention(model: nn.Module, mode: ContextAttention) -> None:
+    """Every block's forward runs inside `mode`."""
+    for block in model.layers.values():
+        block.forward = _inside(mode, block.forward)
 
 
 def _inside(mode: ContextAttention, forward) -> Any:
