@@ -17,6 +17,8 @@ from meshrun.driver.experiment import measure
 from meshrun.driver.resolve import resolve
 from meshrun.models import build_model, model_shape
 from meshrun.models.hf import build_hf, hf_config, model_class
+from meshrun.models.shards import named_tensors
+from meshrun.rank.parallel.checkpointing import apply_activation_checkpointing
 from tests.helpers import compose_config, transformers_first_loss
 from tests.ranks import config_in, losses
 from tests.test_layouts import MICRO4  # TP without a pipeline: 2 micro-batches
@@ -105,6 +107,23 @@ def test_meshrun_view_computes_transformers_own_forward(preset, architecture, vo
         theirs = transformers_twin(model, architecture)(input_ids=tokens).logits
     assert ours.shape == (2, 32, vocab)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "hf/tiny-llama", "hf/tiny-gpt2"])
+def test_weights_are_the_same_when_checkpointing_wraps_the_blocks_first(preset):
+    """The rank wraps the blocks on meta, then fills the weights: the wrapper's name prefix
+    must not change them (it did for transformers' norms: drawn at random, not set to one)."""
+    cfg = compose_config(f"model={preset}", "train.seq_len=32").model
+    plain, wrapped = build_model(cfg, 32, "cpu"), build_model(cfg, 32, "meta")
+    apply_activation_checkpointing(wrapped, "selective")
+    wrapped.to_empty(device="cpu")
+    for model in (plain, wrapped):
+        model.init_weights(seed=0)
+    want = dict(named_tensors(plain))
+    got = dict(named_tensors(wrapped))
+    assert got.keys() == want.keys()
+    for name, tensor in got.items():
+        torch.testing.assert_close(tensor, want[name], rtol=0, atol=0, msg=name)
 
 
 def test_shape_and_plans_come_from_the_transformers_config():

@@ -28,7 +28,14 @@ from meshrun.core.config import HFModelConfig
 from meshrun.core.model_shape import ModelShape
 from meshrun.models.checkpoint_files import SavedTensors
 from meshrun.models.init import seeded_normal
-from meshrun.models.shards import Reordered, Source, Transposed, fill, named_tensors
+from meshrun.models.shards import (
+    Reordered,
+    Source,
+    Transposed,
+    fill,
+    model_name,
+    named_tensors,
+)
 from meshrun.models.vocab import pad_vocab, unpad_logits, unpadded_shape
 
 
@@ -300,7 +307,11 @@ class HFCausalLM(nn.Module):
         """Seeded normal(0, initializer_range) matrices (init.py), zero biases, unit norms:
         transformers' own `_init_weights` scheme, layout-independent."""
         std = getattr(self.config, "initializer_range", 0.02)
-        norms = {f"{n}." for n, m in self.named_modules() if "norm" in type(m).__name__.lower()}
+        norms = {
+            f"{model_name(n)}."
+            for n, m in self.named_modules()
+            if "norm" in type(m).__name__.lower()
+        }
         for name, param in named_tensors(self):
             if name.rsplit(".", 1)[0] + "." in norms:
                 param.fill_(1.0 if name.endswith("weight") else 0.0)
