@@ -22,7 +22,8 @@ test: install
 	scripts/run-tests.sh $(PY)
 
 test-all: install
-	$(PY) -m pytest -n 2 --dist loadscope -m "not slurm"
+	$(PY) -m pytest -n 2 --dist loadscope -m "not slurm and not alone"
+	$(PY) -m pytest -m "alone and not slurm"
 	$(PY) -m pytest -m slurm
 
 lint: install

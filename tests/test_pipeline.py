@@ -146,6 +146,7 @@ BALANCED_CASES = [("gpipe", 1), ("gpipe", 2), ("gpipe", 4), ("1f1b", 2), ("1f1b"
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # beside another module's ranks the bubble read 0.26 for 0.20 (gpipe, m=4)
 @pytest.mark.parametrize(("schedule", "microbatches"), BALANCED_CASES)
 def test_measured_bubble_follows_theory_on_a_balanced_pipeline(meshrun, schedule, microbatches):
     """The compute-balanced pipeline of conf/experiment/pipeline_bubble.yaml: measured bubble
