@@ -203,11 +203,6 @@ BAD_CONFIGS = [
         "model.n_heads (6) / tp (1) = 6 is not divisible by cp (4)",
     ),
     (["parallel=dataparallel", "parallel.cp=2"], "parallel.data_parallel", "cp, tp, pp = 1"),
-    (
-        ["model=custom", "model.target=tests.user_model:build", "parallel=cp2"],
-        "parallel.cp",
-        "computes its own token positions",
-    ),
     (["parallel=cp2", "train.compile=true"], "train.compile", "context parallelism"),
 ]
 
