@@ -100,8 +100,19 @@ def test_resumed_run_continues_bit_for_bit(tmp_path, rank_pool, layout):
         pytest.param(("parallel=ddp",), ("parallel=fsdp",), marks=pytest.mark.slow),
         pytest.param(("parallel=tp2_pp2",), ("parallel=single",), marks=pytest.mark.slow),
         (("parallel=fsdp2_cp2", "launcher.nproc_per_node=4"), ("parallel=single",)),
+        pytest.param(
+            ("parallel=cp2",),
+            ("parallel=cp2", "parallel.cp=4", "launcher.nproc_per_node=4"),
+            marks=pytest.mark.slow,
+        ),
     ],
-    ids=["fsdp-to-tp2_pp2", "ddp-to-fsdp", "tp2_pp2-to-single", "fsdp2_cp2-to-single"],
+    ids=[
+        "fsdp-to-tp2_pp2",
+        "ddp-to-fsdp",
+        "tp2_pp2-to-single",
+        "fsdp2_cp2-to-single",
+        "cp2-to-cp4",
+    ],
 )
 def test_checkpoint_loads_under_another_layout(tmp_path, rank_pool, saved_under, resumed_under):
     cfg, whole = _run(
