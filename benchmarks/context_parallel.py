@@ -3,8 +3,8 @@ method against one rank (cp1), at growing sequence lengths, and the planner's pr
 beside the measured one. Every figure is a `meshrun` run's own results.json (its peak is the
 max over ranks, as the summary prints it), all in one invocation, so the ratios share a host.
 
-    .venv/bin/python benchmarks/context_parallel.py              # seq 1024 2048 4096
-    .venv/bin/python benchmarks/context_parallel.py 2048 8192    # other lengths
+    .venv/bin/python benchmarks/context_parallel.py              # seq 2048 4096 8192
+    .venv/bin/python benchmarks/context_parallel.py 1024 16384   # other lengths
     .venv/bin/python benchmarks/context_parallel.py --cap-mib 256   # and the longest under it
 
 cp1 trains the whole sequence on one rank; cp2 trains the same global batch with each
@@ -120,7 +120,7 @@ def main_cap(cap_mib: int) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("seqs", nargs="*", type=int, default=[1024, 2048, 4096])
+    parser.add_argument("seqs", nargs="*", type=int, default=[2048, 4096, 8192])
     parser.add_argument("--cap-mib", type=int, help="also the longest sequence under this cap")
     args = parser.parse_args()
     main(args.seqs)
