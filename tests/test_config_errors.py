@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sqlite3
+import subprocess
 import sys
 import typing
 from pathlib import Path
@@ -487,6 +488,15 @@ def test_console_script_exits_2_on_a_key_added_with_plus(meshrun, tmp_path: Path
         "Valid: train.micro_batch_size (nearest)",
     ]
     check_exit_2_before_anything_ran(meshrun("+train.micro_batchsize=2"), fragments, tmp_path)
+
+
+def test_the_console_scripts_start_without_importing_dtensor():
+    """DTensor's import is a second of every start (and of every config error); only ranks
+    that shard need it."""
+    entrypoints = "meshrun.driver.cli, meshrun.tools.verify, meshrun.tools.plan_command"
+    code = f"import sys, {entrypoints}; print('torch.distributed.tensor' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 @pytest.mark.parametrize(("command", "overrides", "fragments"), CLI_CONFIG_ERRORS, ids=str)

@@ -12,6 +12,7 @@ padding) are zero.
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -19,8 +20,6 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 Box = tuple[slice, ...]
 
@@ -70,9 +69,14 @@ class Reordered:
 
 
 def held_box(param: torch.Tensor) -> tuple[torch.Tensor, Box]:
-    """(the tensor this rank writes, which box of the full tensor it holds)."""
-    if not isinstance(param, DTensor):
+    """(the tensor this rank writes, which box of the full tensor it holds). DTensor is looked
+    up, not imported: a process that never made one (the driver validating a config) is spared
+    its import, a second of every `meshrun` start."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None or not isinstance(param, dtensor.DTensor):
         return param, tuple(slice(0, n) for n in param.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: PLC0415
+
     # the planner fills fake parameters (plan/traced.py); the mesh's coordinates stay real
     with unset_fake_temporarily():
         shape, offset = compute_local_shape_and_global_offset(
