@@ -1,5 +1,5 @@
 """The planner's memory prediction against real runs on this host: peak within 10% per rank,
-params / grads / optimizer / activations within 15%. One layout runs in CI, the rest
+params / grads / optimizer / activations within 15%. Two layouts run in CI, the rest
 of the set with -m slow; benchmarks/planner_accuracy.py prints the whole table (with HF
 models, and every model traced on fake tensors beside the formulas)."""
 
@@ -32,12 +32,24 @@ LAYOUTS = {
         "model.embedding=embed",
         "model.tp_plan=tests.user_model:tp_plan",
     ),
+    # a sequence long enough that attention's activations lead, under each CP method
+    **{
+        f"cp2-{method}": (
+            "parallel=cp2",
+            f"parallel.cp_method={method}",
+            "model=tiny",
+            "train.seq_len=4096",
+            "train.global_batch_size=2",
+        )
+        for method in ("ring", "allgather", "alltoall")
+    },
 }
 # In CI FSDP, whose collectives free gathered blocks on gloo's worker threads, which the meter
-# must see (metrics/memory.py). With -m slow a layout of each other kind of memory: pipelined
-# (each stage a plain model, with its micro-batches in flight), checkpointed, TP (outputs
-# freed on those threads too) through a user's module, whose only prediction is traced.
-FAST = {("fsdp", "none")}
+# must see (metrics/memory.py), and CP's allgather, the method holding the most K/V. With
+# -m slow a layout of each other kind of memory: pipelined (each stage a plain model, with its
+# micro-batches in flight), checkpointed, TP (outputs freed on those threads too) through a
+# user's module, whose only prediction is traced, and CP's other two ways of sharing K/V.
+FAST = {("fsdp", "none"), ("cp2-allgather", "none")}
 CASES = [
     pytest.param(
         name, ckpt, marks=() if (name, ckpt) in FAST else pytest.mark.slow, id=f"{name}-ckpt_{ckpt}"

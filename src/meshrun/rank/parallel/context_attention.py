@@ -9,8 +9,8 @@ sequence's causal attention, forward and backward:
   before the current block's attention computes; partial outputs merge by log-sum-exp and
   the backward passes K/V with their gradient accumulators round the same way (Liu et al.
   2023). No rank ever holds more than two blocks of K/V.
-- `allgather`: K/V gathered once per call (backward: dK/dV reduce-scattered); cheap when
-  GQA leaves few K/V heads.
+- `allgather`: K/V gathered once per call (backward: dK/dV reduce-scattered), then the
+  ring's chunk-pair attention over all blocks at once; cheap when GQA leaves few K/V heads.
 - `alltoall`: Ulysses (Jacobs et al. 2023): an all-to-all turns sequence shards into head
   shards (h/cp heads of the whole sequence), plain causal SDPA, and an all-to-all back.
 
@@ -18,7 +18,7 @@ Every collective is torch.distributed's on the `group` passed in, waited on with
 own timeout (gloo's send/recv included: a recv whose peer never sends raises after it). gloo
 on CPU has every op used here: batch_isend_irecv, all_gather_into_tensor (flat buffers: gloo
 refuses a stacked [cp, ...] output), reduce_scatter_tensor, all_to_all_single, all_reduce.
-The two collectives autograd must see through are small autograd.Functions over those
+The collectives autograd must see through sit inside small autograd.Functions over those
 public ops; torch's autograd functional collectives work too, but live in a private module
 whose names change between the torch versions meshrun supports.
 """
@@ -26,7 +26,7 @@ whose names change between the torch versions meshrun supports.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +36,6 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from meshrun.rank.parallel.context_shards import (
-    chunk_positions,
     load_balanced_chunks,
     shard_sequence,
     unshard_sequence,
@@ -199,27 +198,35 @@ def _merge(
     return out, lse - F.logsigmoid(lse - block_lse)
 
 
-def _ring_forward(q: Tensor, kv: Tensor, ring: _Ring) -> tuple[Tensor, Tensor]:
-    """Output and log-sum-exp of this rank's rows, one K/V block per ring step."""
-    outs: list[Tensor | None] = [None, None]
-    lses: list[Tensor | None] = [None, None]
+def _ring_blocks(kv: Tensor, ring: _Ring) -> Iterator[Tensor]:
+    """The K/V block held at each ring step; the next one's transfer is posted before the
+    current one is handed out, so it runs behind that block's attention."""
     for step in range(ring.cp):
         arriving = _post_shift(kv, ring.group, _KV_TAG) if step + 1 < ring.cp else None
+        yield kv
+        if arriving:
+            kv = arriving()
+
+
+def _blocks_forward(q: Tensor, blocks: Iterable[Tensor], ring: _Ring) -> tuple[Tensor, Tensor]:
+    """Output and log-sum-exp of this rank's rows from every rank's K/V block, `blocks`
+    giving the block of rank (rank - step) at each step: chunk pair by chunk pair, merged."""
+    outs: list[Tensor | None] = [None, None]
+    lses: list[Tensor | None] = [None, None]
+    for step, kv in enumerate(blocks):
         for rows, cols, causal in ring.pairs(step):
             i = rows.start // ring.chunk
             k, v = (_expand_kv(t[:, :, cols], ring.groups) for t in kv)
             block, lse = _attend(q[:, :, rows].contiguous(), k, v, causal, ring.scale)
             outs[i], lses[i] = _merge(outs[i], lses[i], block, lse)
-        if arriving:
-            kv = arriving()
     return torch.cat(outs, 2), torch.cat(lses, 2)  # type: ignore[arg-type]
 
 
-def _ring_step_grads(
+def _block_grads(
     saved: tuple[Tensor, Tensor, Tensor, Tensor], kv: Tensor, step: int, ring: _Ring
 ) -> tuple[Tensor, Tensor]:
-    """This rank's queries' gradients against the block held at `step`: (dq, [dk, dv] of
-    the block)."""
+    """This rank's queries' gradients against the block of rank (rank - step): (dq, [dk, dv]
+    of the block)."""
     q, dout, out, lse = saved
     dq, dkv = torch.zeros_like(q), torch.zeros_like(kv)
     for rows, cols, causal in ring.pairs(step):
@@ -243,7 +250,7 @@ class _RingAttention(torch.autograd.Function):
         # computed and merged in fp32 at least: bf16 partial sums would drift
         compute = torch.promote_types(q.dtype, torch.float32)
         q32, kv = q.to(compute), torch.stack([k, v]).to(compute)
-        out, lse = _ring_forward(q32, kv, ring)
+        out, lse = _blocks_forward(q32, _ring_blocks(kv, ring), ring)
         ctx.save_for_backward(q32, kv, out, lse)
         ctx.ring, ctx.dtype = ring, q.dtype
         return out.to(q.dtype)
@@ -257,7 +264,7 @@ class _RingAttention(torch.autograd.Function):
         dq, grads_arriving = torch.zeros_like(q), None
         for step in range(ring.cp):
             kv_arriving = _post_shift(kv, ring.group, _KV_TAG) if step + 1 < ring.cp else None
-            dq_step, dkv = _ring_step_grads(saved, kv, step, ring)
+            dq_step, dkv = _block_grads(saved, kv, step, ring)
             dq += dq_step
             if grads_arriving:  # the earlier ranks' share of the same block
                 dkv += grads_arriving()
@@ -276,37 +283,43 @@ def allgather_attention(
 ) -> Tensor:
     """Causal attention of this rank's queries against K/V gathered from the whole group."""
     _check_shapes(q, k, v)
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    gathered = _AllGather.apply(torch.stack([k, v]), group)  # [cp, 2, b, h_kv, s, d]
-    kv = unshard_sequence(list(gathered.unbind(0)), dim=3)  # [2, b, h_kv, seq, d]
-    c = q.shape[2] // 2
-    outs = []
-    for q_half, q_chunk in zip(q.chunk(2, 2), load_balanced_chunks(rank, cp), strict=True):
-        end = (q_chunk + 1) * c  # keys past this chunk's end are all masked: left out
-        mask = chunk_positions(q_chunk, c, q.device)[:, None] >= torch.arange(end, device=q.device)
-        key, value = kv[:, :, :, :end]
-        outs.append(
-            F.scaled_dot_product_attention(
-                q_half, key, value, attn_mask=mask, scale=scale, enable_gqa=True
-            )
-        )
-    return torch.cat(outs, 2)
+    return _AllGatherAttention.apply(q, k, v, group, _scale(q, scale))
 
 
-class _AllGather(torch.autograd.Function):
-    """Every rank's tensor stacked along a new dim 0; backward reduce-scatters the gradient
-    (each rank's tensor gets the sum of every rank's use of it)."""
+class _AllGatherAttention(torch.autograd.Function):
+    """The ring's chunk-pair attention over every rank's K/V block at once: gathered in one
+    all-gather forward, their dK/dV reduce-scattered backward. Chunk pairs rather than one
+    masked SDPA over the gathered sequence: a mask costs bytes per query-key pair, and CPU's
+    SDPA materializes the masked scores."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather(x, group)
+    def forward(ctx, q, k, v, group, scale):
+        ring = _Ring.of(q, k, group, scale)
+        compute = torch.promote_types(q.dtype, torch.float32)
+        q32 = q.to(compute)
+        blocks = _gather(torch.stack([k, v]).to(compute), group)  # [cp, 2, b, h_kv, s, d]
+        out, lse = _blocks_forward(q32, _owned(blocks, ring), ring)
+        ctx.save_for_backward(q32, blocks, out, lse)
+        ctx.ring, ctx.dtype = ring, q.dtype
+        return out.to(q.dtype)
 
     @staticmethod
-    def backward(ctx, grad):
-        out = grad.new_empty(grad.shape[1:])
-        _REDUCE_SCATTER(out.view(-1), grad.contiguous().view(-1), group=ctx.group)
-        return out, None
+    def backward(ctx, dout):
+        q, blocks, out, lse = ctx.saved_tensors
+        ring: _Ring = ctx.ring
+        saved = (q, dout.to(q.dtype), out, lse)
+        dq, dblocks = torch.zeros_like(q), torch.empty_like(blocks)
+        for step, kv in enumerate(_owned(blocks, ring)):
+            dq_step, dblocks[(ring.rank - step) % ring.cp] = _block_grads(saved, kv, step, ring)
+            dq += dq_step
+        dkv = blocks.new_empty(blocks.shape[1:])
+        _REDUCE_SCATTER(dkv.view(-1), dblocks.view(-1), group=ring.group)
+        return dq.to(ctx.dtype), dkv[0].to(ctx.dtype), dkv[1].to(ctx.dtype), None, None
+
+
+def _owned(blocks: Tensor, ring: _Ring) -> Iterator[Tensor]:
+    """The gathered blocks in the ring's order: rank (rank - step)'s at step `step`."""
+    return (blocks[(ring.rank - step) % ring.cp] for step in range(ring.cp))
 
 
 def _gather(x: Tensor, group: ProcessGroup) -> Tensor:
