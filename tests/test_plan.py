@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
 
 from meshrun.core.layout import Layout
 from meshrun.models import build_model
-from meshrun.plan.candidate import CP_UNCOUNTED
+from meshrun.plan.candidate import CP_TRACED_UNCOUNTED, CP_UNCOUNTED, cp_uncounted
 from meshrun.plan.memory import predict_stages
 from meshrun.plan.probe import host_matmul_flops
 from meshrun.plan.shapes import Dims, StageShare, layer_counts, local_param_elements
@@ -149,7 +150,7 @@ def test_a_given_context_parallel_degree_is_kept_and_its_rows_say_what_is_not_co
     assert plan["layouts"], plan["ruled_out"]
     assert {e["degrees"]["cp"] for e in plan["layouts"]} == {2}
     assert {math.prod(e["degrees"].values()) for e in plan["layouts"]} == {4}
-    assert all(CP_UNCOUNTED in e["notes"] for e in plan["layouts"])
+    assert all(e["notes"] == [CP_UNCOUNTED["ring"]] for e in plan["layouts"])
     assert any(e["layout"] == "fsdp2 x cp2(ring)" for e in plan["layouts"])
 
 
@@ -168,6 +169,24 @@ def test_a_long_context_plan_fits_only_with_context_parallelism(tmp_path):
     assert all(e["degrees"]["cp"] > 1 for e in fitting)
     assert any(e["degrees"]["cp"] == 1 for e in plan["layouts"])  # searched, not fitting
     assert f"parallel.cp={fitting[0]['degrees']['cp']}" in run.output
+    # what the ring's rows leave out, said once for all of them
+    assert run.output.count("block in flight") == 1
+    said = re.search(rf"rows ([\d, ]+): {re.escape(CP_UNCOUNTED['ring'])}", run.output)
+    shown = plan["layouts"][: len(re.findall(r"^ +\d+  meshrun ", run.output, re.M))]
+    cp_rows = [i for i, e in enumerate(shown, 1) if e["degrees"]["cp"] > 1]
+    assert [int(n) for n in said.group(1).split(", ")] == cp_rows
+
+
+def test_each_cp_method_says_what_its_memory_prediction_leaves_out():
+    cfg = compose_config("parallel=cp2")
+    for method in ("ring", "alltoall"):
+        cfg.parallel.cp_method = method
+        assert cp_uncounted(cfg) == CP_UNCOUNTED[method]
+    cfg.parallel.cp_method = "allgather"
+    assert cp_uncounted(cfg) == ""  # its gathered K/V are counted
+    custom = compose_config("parallel=cp2", "model=custom", "model.target=tests.user_model:build")
+    assert cp_uncounted(custom) == CP_TRACED_UNCOUNTED
+    assert cp_uncounted(compose_config("parallel=fsdp")) == ""
 
 
 def test_short_sequences_plan_no_context_parallelism(tmp_path):

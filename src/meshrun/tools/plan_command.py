@@ -160,9 +160,14 @@ def render(cfg: PlanCommandConfig, box: Box, found: Plan, defaults: list[str], m
     console.print("run a row with:")
     for index, c in enumerate(shown, start=1):
         console.print(f"  {index:>2}  {command(c, box, model)}", soft_wrap=True, highlight=False)
-    for c in shown:
+    rows: dict[str, list[str]] = {}  # a note once, with the rows it applies to
+    for index, c in enumerate(shown, start=1):
         for note in c.notes:
-            console.print(f"[bold]{c.label}[/bold]: {note}")
+            rows.setdefault(note, []).append(str(index))
+    for note, numbers in rows.items():
+        console.print(
+            f"[bold]{'row' if len(numbers) == 1 else 'rows'} {', '.join(numbers)}[/bold]: {note}"
+        )
     _why_not(console, box, found, model)
 
 
