@@ -205,6 +205,23 @@ BAD_CONFIGS = [
     ),
     (["parallel=dataparallel", "parallel.cp=2"], "parallel.data_parallel", "cp, tp, pp = 1"),
     (["parallel=cp2", "train.compile=true"], "train.compile", "context parallelism"),
+    (["model=tiny-moe", "model.moe.top_k=9"], "model.moe.top_k", "1 <= top_k <= 8"),
+    (["model=tiny-moe", "model.moe.top_k=0"], "model.moe.top_k", "1 <= top_k <= 8"),
+    (["model=tiny", "model.moe.experts=-2"], "model.moe.experts", "0 (dense)"),
+    (["model=tiny-moe", "model.moe.capacity_factor=0"], "model.moe.capacity_factor", "> 0"),
+    (["model=tiny-moe", "model.moe.aux_loss_coef=-1"], "model.moe.aux_loss_coef", ">= 0"),
+    (["model=tiny-moe", "model.moe.shared_experts=-1"], "model.moe.shared_experts", "0 or more"),
+    (
+        ["model=tiny-moe", "model.pretrained=/somewhere"],
+        "model.pretrained",
+        "model.moe.experts=0",
+    ),
+    (
+        ["model=tiny-moe", "parallel=tp2", "parallel.sequence_parallel=true"],
+        "parallel.sequence_parallel",
+        "sequence_parallel=false",
+    ),
+    (["model=tiny-moe", "parallel=cp2"], "model.moe.load_balance", "load_balance=none"),
 ]
 
 
@@ -328,6 +345,8 @@ ENUM_CHOICES = [
     ("train.lr_schedule.decay=cosin", "train.lr_schedule.decay", "constant | linear | cosine"),
     ("data.name=csv", "data.name", "synthetic | text | hf"),
     ("data.format=csv", "data.format", "json | parquet | text | disk"),
+    ("model.moe.score=relu", "model.moe.score", "softmax | sigmoid"),
+    ("model.moe.load_balance=bias", "model.moe.load_balance", "aux_loss | none"),
 ]
 
 

@@ -25,10 +25,12 @@ from meshrun.core.choices import (
     DeviceType,
     ExportFormat,
     FailMode,
+    LoadBalance,
     LoggerMode,
     LrDecay,
     ModelKind,
     Precision,
+    RouterScore,
     Scaling,
     Schedule,
     StartMethod,
@@ -49,6 +51,27 @@ class ModelConfig:
 
 
 @dataclass
+class MoEConfig:
+    """A mixture-of-experts feed-forward in every block (models/moe.py); `experts: 0` is the
+    dense SwiGLU. Each token goes to its `top_k` experts by router score (`score`: softmax
+    over the experts, or DeepSeek-V3's sigmoid with the top-k weights renormalised), plus
+    `shared_experts` that every token passes through; an expert's hidden width is
+    `expert_ffn_dim` (null: the model's ffn_dim). `capacity_factor` (null: none) caps an
+    expert at factor x tokens x top_k / experts tokens a micro-batch; the rest of its
+    assignments are dropped (counted). `load_balance: aux_loss` adds `aux_loss_coef` times
+    the sequence-wise balance loss (DeepSeek-V3, eq. 17-20) to the training loss."""
+
+    experts: int = 0
+    top_k: int = 2
+    shared_experts: int = 0
+    expert_ffn_dim: int | None = None
+    score: RouterScore = RouterScore["softmax"]
+    capacity_factor: float | None = None
+    load_balance: LoadBalance = LoadBalance["aux_loss"]
+    aux_loss_coef: float = 0.01
+
+
+@dataclass
 class LlamaModelConfig(ModelConfig):
     """kind=meshrun: meshrun's own LLaMA-style decoder; `ffn_dim` None means SwiGLU's 8/3*dim
     rounded to `multiple_of`; `pretrained` is a LlamaForCausalLM of the preset's sizes
@@ -64,6 +87,7 @@ class LlamaModelConfig(ModelConfig):
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
 
 @dataclass

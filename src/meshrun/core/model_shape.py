@@ -24,11 +24,14 @@ class ModelShape:
     ffn_dim: int | None
     tied: bool
     mlp_matrices: int = 3
+    experts: int = 0  # routed experts a block (0: a dense MLP)
 
     @property
     def formula(self) -> bool:
-        """Whether the analytic planner's formulas apply (every width known)."""
-        return None not in (self.dim, self.n_heads, self.n_kv_heads, self.ffn_dim)
+        """Whether the analytic planner's formulas apply (every width known, a dense MLP:
+        an MoE block is traced, plan/traced.py)."""
+        widths = (self.dim, self.n_heads, self.n_kv_heads, self.ffn_dim)
+        return None not in widths and not self.experts
 
 
 def ffn_dim(cfg: LlamaModelConfig) -> int:
@@ -36,6 +39,10 @@ def ffn_dim(cfg: LlamaModelConfig) -> int:
         return cfg.ffn_dim
     hidden = int(2 * (4 * cfg.dim) / 3)
     return cfg.multiple_of * math.ceil(hidden / cfg.multiple_of)
+
+
+def expert_ffn_dim(cfg: LlamaModelConfig) -> int:
+    return cfg.moe.expert_ffn_dim or ffn_dim(cfg)
 
 
 def kv_heads(cfg: LlamaModelConfig) -> int:
@@ -51,6 +58,7 @@ def llama_shape(cfg: LlamaModelConfig) -> ModelShape:
         cfg.vocab_size,
         ffn_dim(cfg),
         cfg.tie_embeddings,
+        experts=cfg.moe.experts,
     )
 
 

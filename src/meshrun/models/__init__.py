@@ -12,6 +12,7 @@ import json
 from dataclasses import asdict
 
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
 from meshrun.core.config import CustomModelConfig, HFModelConfig, ModelConfig
@@ -42,15 +43,19 @@ def model_shape(cfg: ModelConfig) -> ModelShape:
 
 
 def model_key(cfg: ModelConfig) -> tuple[type[ModelConfig], str]:
-    """A hashable identity of a model config, for caches: `schema(**json.loads(text))`
-    rebuilds it."""
+    """A hashable identity of a model config, for caches: `from_key` rebuilds it."""
     return type(cfg), json.dumps(asdict(cfg), sort_keys=True, default=str)
+
+
+def from_key(schema: type[ModelConfig], text: str) -> ModelConfig:
+    """The config `model_key` gave (nested values typed again: model.moe)."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), json.loads(text)))
 
 
 @functools.cache
 def _built_shape(schema: type[ModelConfig], cfg_json: str) -> ModelShape:
     """A transformers config or a user's module is built to be measured: once per config."""
-    cfg = schema(**json.loads(cfg_json))
+    cfg = from_key(schema, cfg_json)
     if schema is CustomModelConfig:
         return custom_shape(cfg)
     from meshrun.models import hf  # noqa: PLC0415 (optional dependency: meshrun[hf])

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshrun.core.config import LlamaModelConfig
-from meshrun.core.model_shape import ffn_dim, kv_heads
+from meshrun.core.model_shape import expert_ffn_dim, ffn_dim, kv_heads
 from meshrun.models.init import seeded_normal
+from meshrun.models.moe import MoEFeedForward
 from meshrun.models.shards import fill, named_tensors
 from meshrun.models.vocab import pad_vocab, unpad_logits, unpadded_shape
 
@@ -59,15 +60,24 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, cfg: LlamaModelConfig) -> None:
+    def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
-        hidden = ffn_dim(cfg)
-        self.w1 = nn.Linear(cfg.dim, hidden, bias=False)
-        self.w3 = nn.Linear(cfg.dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, cfg.dim, bias=False)
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def feed_forward(cfg: LlamaModelConfig) -> nn.Module:
+    """SwiGLU, or a mixture of SwiGLU experts (`model.moe.experts` > 0)."""
+    moe = cfg.moe
+    if not moe.experts:
+        return FeedForward(cfg.dim, ffn_dim(cfg))
+    hidden = expert_ffn_dim(cfg)
+    shared = FeedForward(cfg.dim, moe.shared_experts * hidden) if moe.shared_experts else None
+    return MoEFeedForward(moe, cfg.dim, hidden, shared)
 
 
 class TransformerBlock(nn.Module):
@@ -76,7 +86,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = feed_forward(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
@@ -154,7 +164,8 @@ class Transformer(nn.Module):
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
                 continue
-            std = 0.02 * (depth_scale if name.endswith(("wo.weight", "w2.weight")) else 1.0)
+            out_projection = name.endswith(("wo.weight", "w2.weight", "experts.w2"))
+            std = 0.02 * (depth_scale if out_projection else 1.0)
             fill(
                 param, seeded_normal(seed, name, unpadded_shape(name, param, self.vocab_size), std)
             )

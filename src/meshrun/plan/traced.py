@@ -15,6 +15,10 @@ What a trace of micro-batches one after the other does not see is added as memor
 a pipeline rank holds several micro-batches' activations at once (memory.in_flight), its
 receive buffers and, on the last stage, every micro-batch's logits; DDP (whose constructor
 needs real tensors, so its replicas are traced unwrapped) adds its gradient buckets.
+
+Fake tensors have no values to route by: a mixture-of-experts block is traced with every
+expert given the same share of the tokens (models/moe.even_routing), the load the planner
+assumes.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from meshrun.core.choices import HALF_PRECISIONS
 from meshrun.core.config import ExperimentConfig, ModelConfig, ParallelConfig, from_dict
 from meshrun.core.layout import Layout
-from meshrun.models import build_model, model_key, model_shape
+from meshrun.models import build_model, from_key, model_key, model_shape, moe
 from meshrun.plan.memory import MemoryPrediction, in_flight
 from meshrun.plan.shapes import layer_counts, micro_batching
 from meshrun.plan.speed import ModelCost
@@ -171,7 +175,7 @@ def _trace_rank(
         sharded_part(part, mesh, traced, parallel, dtype)
         for part in stage_parts(meta, pp_rank, traced, parallel)
     ]
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with FakeTensorMode(allow_non_fake_inputs=True), moe.even_routing():
         for part in parts:
             materialise(part, torch.device("cpu"), t.seed, None)
         optimizer = build_optimizer(nn.ModuleList(parts), t)
@@ -269,8 +273,8 @@ def counted_flops_per_token(cfg: ExperimentConfig) -> float:
 
 @functools.lru_cache(maxsize=64)
 def _counted_flops(schema: type[ModelConfig], model_json: str, seq_len: int, seed: int) -> float:
-    model = build_model(schema(**json.loads(model_json)), seq_len, "meta")
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    model = build_model(from_key(schema, model_json), seq_len, "meta")
+    with FakeTensorMode(allow_non_fake_inputs=True), moe.even_routing():
         model.to_empty(device="cpu")
         model.init_weights(seed)  # buffers such as rotary tables
         tokens = torch.zeros(1, seq_len, dtype=torch.long)

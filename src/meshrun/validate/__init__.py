@@ -20,6 +20,7 @@ from meshrun.validate.checkpoint import check_checkpoint
 from meshrun.validate.context import check_context_parallel
 from meshrun.validate.custom import check_custom_layout
 from meshrun.validate.data import check_data
+from meshrun.validate.experts import check_expert_layout, check_experts
 from meshrun.validate.launcher import check_debug
 from meshrun.validate.layout import (
     check_batch,
@@ -35,6 +36,7 @@ def check_experiment(cfg: ExperimentConfig, model_read_from: str | None = None) 
     """The rules that hold whatever the layout (checked before one is searched for);
     `model_read_from` as read_pretrained returns it, where not resolved in `cfg`."""
     _check_train(cfg)
+    check_experts(cfg.model)
     check_model(cfg.model, model_read_from or resolved_of(cfg).model_read_from)
     check_sequence(cfg)
     check_data(cfg)
@@ -59,6 +61,7 @@ def validate_layout(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig
     )
     check_tensor_parallel(resolved)
     check_context_parallel(resolved)
+    check_expert_layout(resolved)
     if isinstance(resolved.model, CustomModelConfig):
         check_custom_layout(resolved)
     check_pipeline(resolved)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from meshrun.core.config import TrainConfig
+from meshrun.models import moe
 from meshrun.rank.device import autocast
 from meshrun.rank.mesh import mean_over_ranks
 from meshrun.rank.metrics.bubble import BubbleClock
@@ -96,13 +97,14 @@ def _accumulate(model: ParallelModel, inputs, targets, micro_batch: int, ctx) ->
     module = model.parts[0]
     chunks = list(zip(inputs.split(micro_batch), targets.split(micro_batch), strict=True))
     total = torch.zeros((), device=ctx.device)
+    weight = (ctx.loss_scale.scale if ctx.loss_scale else 1.0) / len(chunks)
     for index, (x, y) in enumerate(chunks):
-        with gradient_sync(module, enabled=index == len(chunks) - 1):
+        sync = gradient_sync(module, enabled=index == len(chunks) - 1)
+        with sync, moe.loss_weight(weight):  # an MoE's auxiliary loss enters with the same
             with _autocast(ctx):
                 logits = module(x)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-            share = loss / len(chunks)
-            (share * ctx.loss_scale.scale if ctx.loss_scale else share).backward()
+            (loss * weight).backward()
         total += loss.detach()
     return total / len(chunks)
 
@@ -110,7 +112,8 @@ def _accumulate(model: ParallelModel, inputs, targets, micro_batch: int, ctx) ->
 def _pipeline_step(model: ParallelModel, inputs, targets, ctx: LoopContext) -> torch.Tensor:
     """One schedule step; the loss exists on the last stage only (zero elsewhere)."""
     scale = ctx.loss_scale.scale if ctx.loss_scale else 1.0
-    with _autocast(ctx):
+    # the schedule scales each micro-batch's gradients by 1/m itself, the auxiliary's too
+    with _autocast(ctx), moe.loss_weight(scale):
         return model.run_schedule(inputs, targets, loss_scale=scale)
 
 

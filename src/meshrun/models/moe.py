@@ -1,0 +1,196 @@
+"""Mixture-of-experts feed-forward: a router sends each token to its top-k experts (SwiGLU
+each), shared experts see every token, and the outputs are summed by the router's weights.
+
+Routing runs in fp32 (scores decide which expert a token meets: bf16 ties would flip it).
+Tokens are sorted by expert so each expert multiplies one contiguous block: one grouped GEMM
+(`torch._grouped_mm`) where the device has a native kernel for it, a loop over the experts
+elsewhere, the same numbers either way (`expert_compute`).
+
+Load balance: the sequence-wise auxiliary loss of DeepSeek-V3 (eq. 17-20): per sequence,
+alpha * sum_i f_i P_i, f_i the share of the sequence's top-k assignments expert i got
+(times experts / k), P_i its mean normalised score; the batch's loss is the mean over
+sequences. Per sequence, not per batch: then a batch's loss is the same sum however data
+parallelism and micro-batching split the batch, so every layout trains the same model. It
+reaches the gradients from inside the block (`_AuxLossGrad`, as DeepSeek's own
+AddAuxiliaryLoss): a pipeline stage's blocks never see the last stage's loss, so the loss
+cannot be added there; the weight it enters with is the training loss's (`loss_weight`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from meshrun.core.config import MoEConfig
+
+_LOSS_WEIGHT = [1.0]  # what the training loss of the current micro-batch is multiplied by
+_EVEN_ROUTING = [False]
+
+
+@contextlib.contextmanager
+def loss_weight(weight: float) -> Iterator[None]:
+    """The auxiliary loss enters the gradients with `weight`, the factor the step puts on
+    its micro-batch's training loss (1/micro-batches, fp16's loss scale), for a forward and
+    the backward that follows (activation checkpointing recomputes the forward there)."""
+    _LOSS_WEIGHT.append(weight)
+    try:
+        yield
+    finally:
+        _LOSS_WEIGHT.pop()
+
+
+@contextlib.contextmanager
+def even_routing() -> Iterator[None]:
+    """Every expert gets the same share of the assignments, whatever the scores: what the
+    planner assumes when it traces a block on fake tensors (plan/traced.py), which have no
+    values to route by; no assignment is dropped."""
+    _EVEN_ROUTING.append(True)
+    try:
+        yield
+    finally:
+        _EVEN_ROUTING.pop()
+
+
+class _AuxLossGrad(torch.autograd.Function):
+    """Identity on the hidden states; backward also sends the current loss weight into the
+    auxiliary loss, as if it had been added to the training loss."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, aux: Tensor) -> Tensor:
+        ctx.weight = _LOSS_WEIGHT[-1]
+        return hidden
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor]:
+        return grad, torch.full((), ctx.weight, device=grad.device)
+
+
+def grouped_mm_native(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` has a native kernel here: CUDA on sm90+ in bf16 (torch's
+    CPU version is a loop itself, and its backward refuses broadcast gradients)."""
+    if not hasattr(torch, "_grouped_mm") or device.type != "cuda":
+        return False
+    return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def expert_compute(
+    x: Tensor, weights: tuple[Tensor, Tensor, Tensor], counts: Tensor | list[int], grouped: bool
+) -> Tensor:
+    """SwiGLU of each expert over its block of `x` (rows sorted by expert, `counts` a block):
+    w1, w3 [E, h, f] and w2 [E, f, h]; `grouped`: one grouped GEMM a matrix, else a loop."""
+    w1, w3, w2 = weights
+    if grouped:
+        counts = torch.as_tensor(counts, device=x.device)
+        offsets = counts.cumsum(0).to(torch.int32)
+        gate, up = (torch._grouped_mm(x, w.to(x.dtype), offs=offsets) for w in (w1, w3))
+        return torch._grouped_mm(F.silu(gate) * up, w2.to(x.dtype), offs=offsets)
+    outs = [
+        (F.silu(block @ w1[e]) * (block @ w3[e])) @ w2[e]
+        for e, block in enumerate(x.split(counts if isinstance(counts, list) else counts.tolist()))
+    ]
+    return torch.cat(outs) if outs else x.new_empty(0, w2.shape[-1])
+
+
+@dataclass
+class Routing:
+    """What a router decided for a micro-batch: what the metrics report (tokens per expert,
+    dropped assignments, the auxiliary loss before its coefficient)."""
+
+    tokens_per_expert: Tensor
+    dropped: Tensor
+    aux_loss: Tensor
+
+
+class Experts(nn.Module):
+    """The routed experts' weights, one 3-D tensor a matrix (dim 0: the expert), so FSDP
+    shards them by expert and a checkpoint holds each matrix once."""
+
+    def __init__(self, experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(experts, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(experts, hidden, dim))
+
+
+class MoEFeedForward(nn.Module):
+    def __init__(self, cfg: MoEConfig, dim: int, hidden: int, shared: nn.Module | None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.gate = nn.Linear(dim, cfg.experts, bias=False)
+        self.experts = Experts(cfg.experts, dim, hidden)
+        self.shared = shared
+        self.routing: Routing | None = None  # the last forward's
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, seq, dim = x.shape
+        tokens = x.reshape(-1, dim)
+        weights, chosen, scores = self._route(tokens)
+        k, experts = self.cfg.top_k, self.cfg.experts
+        if _EVEN_ROUTING[-1]:
+            kept, counts, dropped = _even(tokens.shape[0] * k, experts, x.device)
+        else:
+            assigned = chosen.flatten()  # token t's j-th expert at t * k + j
+            order = assigned.argsort(stable=True)
+            counts = torch.bincount(assigned, minlength=experts)
+            kept, counts, dropped = self._capacity(order, assigned, counts, tokens.shape[0])
+        rows = kept // k
+        grouped = grouped_mm_native(x.device, x.dtype)
+        w = (self.experts.w1, self.experts.w3, self.experts.w2)
+        out = expert_compute(tokens[rows], w, counts, grouped)
+        out = out * weights.flatten()[kept, None].to(out.dtype)
+        routed = torch.zeros_like(tokens).index_add_(0, rows, out.to(tokens.dtype))
+        if self.shared is not None:
+            routed = routed + self.shared(tokens)
+        aux = self._aux_loss(scores, chosen, batch, seq)
+        self.routing = Routing(torch.as_tensor(counts), dropped, aux.detach())
+        routed = routed.view(batch, seq, dim)
+        if self.training and self.cfg.load_balance == "aux_loss" and aux.requires_grad:
+            routed = _AuxLossGrad.apply(routed, aux * self.cfg.aux_loss_coef)
+        return routed
+
+    def _route(self, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(top-k weights [T, k], their experts [T, k], every expert's score [T, E]), fp32;
+        the top-k weights renormalised to sum to one (Mixtral, DeepSeek-V3)."""
+        logits = F.linear(tokens.float(), self.gate.weight.float())
+        scores = logits.softmax(-1) if self.cfg.score == "softmax" else logits.sigmoid()
+        weights, chosen = scores.topk(self.cfg.top_k, dim=-1)
+        return weights / weights.sum(-1, keepdim=True), chosen, scores
+
+    def _capacity(
+        self, order: Tensor, assigned: Tensor, counts: Tensor, n_tokens: int
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """(the assignments computed, sorted by expert; tokens each expert computes; how
+        many were dropped): each expert's first `capacity` in token order, all without a
+        capacity factor."""
+        factor = self.cfg.capacity_factor
+        if factor is None:
+            return order, counts, torch.zeros((), dtype=torch.long, device=order.device)
+        capacity = math.ceil(factor * n_tokens * self.cfg.top_k / self.cfg.experts)
+        starts = counts.cumsum(0) - counts
+        rank_in_expert = torch.arange(order.numel(), device=order.device) - starts[assigned[order]]
+        keep = rank_in_expert < capacity
+        return order[keep], counts.clamp(max=capacity), (~keep).sum()
+
+    def _aux_loss(self, scores: Tensor, chosen: Tensor, batch: int, seq: int) -> Tensor:
+        """The sequence-wise balance loss (module docstring), mean over the sequences."""
+        experts, k = self.cfg.experts, self.cfg.top_k
+        picks = chosen.view(batch, seq * k)
+        per_sequence = scores.new_zeros(batch, experts).scatter_add_(
+            1, picks, torch.ones_like(picks, dtype=scores.dtype)
+        )
+        f = per_sequence * experts / (k * seq)
+        p = (scores / scores.sum(-1, keepdim=True)).view(batch, seq, experts).mean(1)
+        return (f * p).sum(-1).mean()
+
+
+def _even(assignments: int, experts: int, device: torch.device) -> tuple[Tensor, list[int], Tensor]:
+    """`even_routing`'s assignments, sorted by expert: assignment a goes to expert a mod E."""
+    kept = (torch.arange(assignments, device=device) % experts).argsort(stable=True)
+    counts = [assignments // experts + (e < assignments % experts) for e in range(experts)]
+    return kept, counts, torch.zeros((), dtype=torch.long)

@@ -1,0 +1,174 @@
+"""Mixture-of-experts blocks (model.moe, models/moe.py): the router's choices, the expert
+compute either way, dropped assignments counted, the sequence-wise balance loss and its
+gradient at the training loss's weight, and every layout training the same MoE model as one
+device, in real gloo processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from meshrun.core.config import MoEConfig
+from meshrun.models import build_model, moe
+from meshrun.plan import predict
+from tests.helpers import resolved_config
+from tests.ranks import assert_steps_match, config_in, losses
+from tests.test_layouts import COMMON as LAYOUTS_COMMON
+from tests.tiers import tiered
+
+DIM, HIDDEN = 16, 24
+
+
+def _block(**overrides) -> moe.MoEFeedForward:
+    torch.manual_seed(0)
+    block = moe.MoEFeedForward(MoEConfig(experts=4, top_k=2, **overrides), DIM, HIDDEN, None)
+    for p in (block.gate.weight, *block.experts.parameters()):
+        torch.nn.init.normal_(p, std=0.3)
+    return block
+
+
+def _balance_loss(block: moe.MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss (eq. 17-20) written out, mean over sequences."""
+    batch, seq, _ = x.shape
+    experts, k = block.cfg.experts, block.cfg.top_k
+    scores = F.linear(x.view(-1, DIM), block.gate.weight).softmax(-1).view(batch, seq, -1)
+    per_sequence = []
+    for i in range(batch):
+        chosen = scores[i].topk(k, -1).indices.flatten()
+        f = torch.bincount(chosen, minlength=experts).float() * experts / (k * seq)
+        p = (scores[i] / scores[i].sum(-1, keepdim=True)).mean(0)
+        per_sequence.append((f * p).sum())
+    return torch.stack(per_sequence).mean()
+
+
+def test_grouped_gemm_and_the_loop_over_experts_agree_forward_and_backward():
+    torch.manual_seed(1)
+    x = torch.randn(10, DIM)
+    weights = [
+        torch.randn(3, DIM, HIDDEN),
+        torch.randn(3, DIM, HIDDEN),
+        torch.randn(3, HIDDEN, DIM),
+    ]
+    counts = torch.tensor([4, 0, 6])  # an expert with no tokens too
+    grad = torch.randn(10, DIM)
+    results = []
+    for grouped in (True, False):
+        inputs = [t.clone().requires_grad_() for t in (x, *weights)]
+        out = moe.expert_compute(inputs[0], tuple(inputs[1:]), counts, grouped)
+        out.backward(grad)
+        results.append([out, *(t.grad for t in inputs)])
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_block_sends_each_token_to_its_top_k_experts_weighted_by_score():
+    block = _block()
+    x = torch.randn(2, 5, DIM)
+    scores = F.linear(x.view(-1, DIM), block.gate.weight).softmax(-1)
+    weights, chosen = scores.topk(2, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    w = block.experts
+    want = torch.zeros(10, DIM)
+    for t, token in enumerate(x.view(-1, DIM)):
+        for weight, e in zip(weights[t], chosen[t], strict=True):
+            want[t] += weight * ((F.silu(token @ w.w1[e]) * (token @ w.w3[e])) @ w.w2[e])
+    torch.testing.assert_close(block(x).view(-1, DIM), want, rtol=1e-5, atol=1e-5)
+    assert block.routing.tokens_per_expert.sum() == 20
+    assert block.routing.dropped == 0
+
+
+def test_a_capacity_factor_drops_an_experts_assignments_past_it_and_counts_them():
+    block = _block(capacity_factor=0.5)
+    x = torch.randn(2, 8, DIM)
+    free = _block()(x)
+    capped = block(x)
+    capacity = 0.5 * 16 * 2 / 4
+    counts = torch.bincount(
+        F.linear(x.view(-1, DIM), block.gate.weight).topk(2, -1).indices.flatten(), minlength=4
+    )
+    dropped = int((counts - capacity).clamp(min=0).sum())
+    assert dropped > 0
+    assert block.routing.dropped == dropped
+    assert block.routing.tokens_per_expert.max() <= capacity
+    assert not torch.allclose(free, capped)
+
+
+def test_the_balance_loss_of_a_batch_is_the_mean_of_its_sequences_however_it_is_split():
+    """Per sequence, so data parallelism and micro-batching leave it as it is."""
+    block = _block()
+    x = torch.randn(4, 6, DIM)
+    block(x)
+    whole = block.routing.aux_loss
+    torch.testing.assert_close(whole, _balance_loss(block, x).detach())
+    halves = []
+    for part in x.split(2):
+        block(part)
+        halves.append(block.routing.aux_loss)
+    torch.testing.assert_close(whole, torch.stack(halves).mean())
+    assert whole >= 1.0 - 1e-6  # its minimum, an even load, is 1 (DeepSeek-V3's normalisation)
+
+
+@pytest.mark.parametrize("weight", [1.0, 0.25])
+def test_the_balance_loss_reaches_the_gradients_at_the_training_losss_weight(weight):
+    block = _block(aux_loss_coef=0.1)
+    x = torch.randn(2, 6, DIM)
+    with moe.loss_weight(weight):
+        (block(x).square().sum() * weight).backward()
+    injected = block.gate.weight.grad.clone()
+    plain = _block(load_balance="none")
+    out = plain(x)
+    (out.square().sum() * weight + weight * 0.1 * _balance_loss(plain, x)).backward()
+    torch.testing.assert_close(injected, plain.gate.weight.grad)
+
+
+def test_the_planners_even_routing_gives_every_expert_the_same_tokens():
+    block = _block()
+    with moe.even_routing():
+        block(torch.randn(2, 6, DIM))
+    assert block.routing.tokens_per_expert.tolist() == [6, 6, 6, 6]
+
+
+def test_the_plan_counts_every_experts_parameters():
+    cfg = resolved_config("model=tiny-moe", "parallel=single")
+    model = build_model(cfg.model, cfg.train.seq_len, "meta")
+    params = sum(p.numel() for p in model.parameters()) * 4
+    [stage] = predict.stage_memory(cfg)
+    assert params <= stage.params <= params * 1.02  # and the rotary tables, which are buffers
+
+
+COMMON = (*(o for o in LAYOUTS_COMMON if not o.startswith("model=")), "model=tiny-moe")
+LAYOUTS = {
+    "ddp": ("parallel=ddp",),  # the balance loss at 1/micro-batches
+    "pp2": ("parallel=pp2",),  # ... and from inside a stage that never sees the loss
+    "fsdp": ("parallel=fsdp",),
+    "tp2": ("parallel=tp2", "train.micro_batch_size=4"),
+    "fsdp_full_checkpointing": ("parallel=fsdp", "parallel.activation_checkpointing=full"),
+    "cp2_without_balance_loss": ("parallel=cp2", "model.moe.load_balance=none"),
+}
+FAST = {"ddp", "pp2"}
+
+
+@pytest.fixture(scope="module")
+def single_moe_steps(tmp_path_factory, rank_pool) -> dict[str, list[dict]]:
+    from meshrun.driver.experiment import measure  # noqa: PLC0415
+
+    steps = {}
+    for extra in ((), ("model.moe.load_balance=none",)):
+        cfg = config_in(tmp_path_factory.mktemp("single"), "parallel=single", *COMMON, *extra)
+        measured = measure(cfg, "run", rank_pool.launch)
+        assert measured.ok, measured.meta.error
+        steps[" ".join(extra)] = measured.steps
+    return steps
+
+
+@pytest.mark.parametrize("layout", tiered(LAYOUTS, FAST))
+def test_an_moe_model_trains_under_each_layout_as_on_one_device(
+    experiment, single_moe_steps, layout
+):
+    _, measured = experiment(*COMMON, *LAYOUTS[layout])
+    assert measured.ok, measured.meta.error
+    extra = [o for o in LAYOUTS[layout] if o.startswith("model.moe")]
+    assert_steps_match(measured.steps, single_moe_steps[" ".join(extra)])
+    got = losses(measured)
+    assert got[-1] < got[0]
