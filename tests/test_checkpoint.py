@@ -59,14 +59,22 @@ RESUMED_LAYOUTS = {
     "tp2": ("parallel=tp2",),
     "pp2": ("parallel=pp2",),
     "tp2_pp2": ("parallel=tp2_pp2",),
+    # the routers' biases are state too: without them the resumed run routes otherwise
+    "fsdp_moe_bias": (
+        "parallel=fsdp",
+        "model=tiny-moe",
+        "model.moe.load_balance=bias",
+        "model.moe.bias_update_rate=0.05",
+    ),
 }
-# In CI sharded state (fsdp); with -m slow replicated state (ddp), TP's DTensors and a
-# pipeline's stages, whose loads the cross-layout test below makes too.
-RESUMED_FAST = {"fsdp"}
+# In CI sharded state (fsdp) and an MoE's router biases; with -m slow replicated state (ddp),
+# TP's DTensors and a pipeline's stages, whose loads the cross-layout test below makes too.
+RESUMED_FAST = {"fsdp", "fsdp_moe_bias"}
 
 
 def _run(tmp: Path, rank_pool, *overrides: str):
-    cfg = config_in(tmp, *COMMON, *overrides)
+    model = [o for o in overrides if o.startswith("model=")]
+    cfg = config_in(tmp, *(o for o in COMMON if not (model and o.startswith("model="))), *overrides)
     measured = measure(cfg, "run", rank_pool.launch)
     assert measured.ok, measured.meta.error
     return cfg, measured

@@ -221,7 +221,17 @@ BAD_CONFIGS = [
         "parallel.sequence_parallel",
         "sequence_parallel=false",
     ),
-    (["model=tiny-moe", "parallel=cp2"], "model.moe.load_balance", "load_balance=none"),
+    (["model=tiny-moe", "parallel=cp2"], "model.moe.load_balance", "bias or none"),
+    (
+        ["model=tiny-moe", "parallel=pp2", "model.moe.load_balance=bias"],
+        "model.moe.load_balance",
+        "parallel.pp=1",
+    ),
+    (
+        ["model=tiny-moe", "model.moe.load_balance=bias", "model.moe.bias_update_rate=0"],
+        "model.moe.bias_update_rate",
+        "> 0",
+    ),
 ]
 
 
@@ -346,7 +356,7 @@ ENUM_CHOICES = [
     ("data.name=csv", "data.name", "synthetic | text | hf"),
     ("data.format=csv", "data.format", "json | parquet | text | disk"),
     ("model.moe.score=relu", "model.moe.score", "softmax | sigmoid"),
-    ("model.moe.load_balance=bias", "model.moe.load_balance", "aux_loss | none"),
+    ("model.moe.load_balance=loss", "model.moe.load_balance", "aux_loss | bias | none"),
 ]
 
 

@@ -10,6 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from meshrun.core.config import MoEConfig
+from meshrun.core.record import RunRecord
+from meshrun.driver.results import router_fields
+from meshrun.driver.sinks.console import console, print_summary
+from meshrun.driver.sinks.wandb_sink import step_metrics
 from meshrun.models import build_model, moe
 from meshrun.plan import predict
 from tests.helpers import resolved_config
@@ -22,7 +26,7 @@ DIM, HIDDEN = 16, 24
 
 def _block(**overrides) -> moe.MoEFeedForward:
     torch.manual_seed(0)
-    block = moe.MoEFeedForward(MoEConfig(experts=4, top_k=2, **overrides), DIM, HIDDEN, None)
+    block = moe.MoEFeedForward(MoEConfig(experts=4, top_k=2, **overrides), DIM, HIDDEN, None, 0)
     for p in (block.gate.weight, *block.experts.parameters()):
         torch.nn.init.normal_(p, std=0.3)
     return block
@@ -122,6 +126,39 @@ def test_the_balance_loss_reaches_the_gradients_at_the_training_losss_weight(wei
     torch.testing.assert_close(injected, plain.gate.weight.grad)
 
 
+def test_a_steps_router_record_is_its_loads_drops_and_balance_loss():
+    counts = torch.tensor([[3.0, 1.0, 2.0, 2.0], [2.0, 2.0, 2.0, 2.0]])
+    extra = torch.tensor([[1.0, 2.4, 2.0], [0.0, 1.0, 1.0]])  # dropped, summed aux, forwards
+    stats = torch.cat([counts, extra], 1)
+    fields = moe.router_fields(stats, balance_loss=True)
+    assert fields["moe_max_load_per_layer"] == pytest.approx([1.5, 1.0])
+    assert fields["moe_max_load"] == pytest.approx(1.5)
+    assert fields["moe_dropped"] == pytest.approx(1 / 17)
+    assert fields["moe_aux_loss"] == pytest.approx((1.2 + 1.0) / 2)
+    assert "moe_aux_loss" not in moe.router_fields(stats, balance_loss=False)
+    assert moe.router_fields(stats.fill_(float("nan")), balance_loss=True) == {}
+
+
+def test_the_bias_picks_the_experts_but_leaves_their_weights_to_the_scores():
+    block = _block(load_balance="bias")
+    x = torch.randn(2, 6, DIM)
+    block.expert_bias[3] = 10.0  # every token's first pick
+    block(x)
+    assert block.routing.tokens_per_expert[3] == 12
+    scores = F.linear(x.view(-1, DIM), block.gate.weight).softmax(-1)
+    weights, chosen, _ = block._route(x.view(-1, DIM))
+    assert (chosen == 3).any(-1).all()
+    picked = scores.gather(-1, chosen)
+    torch.testing.assert_close(weights, picked / picked.sum(-1, keepdim=True))
+
+
+def test_a_steps_loads_move_the_biases_towards_the_experts_it_under_used():
+    block = _block(load_balance="bias")
+    counts = torch.tensor([[5.0, 1.0, 3.0, 3.0]])
+    moe.update_biases([block], counts, rate=0.1)
+    torch.testing.assert_close(block.expert_bias, torch.tensor([-0.1, 0.1, 0.0, 0.0]))
+
+
 def test_the_planners_even_routing_gives_every_expert_the_same_tokens():
     block = _block()
     with moe.even_routing():
@@ -138,6 +175,7 @@ def test_the_plan_counts_every_experts_parameters():
 
 
 COMMON = (*(o for o in LAYOUTS_COMMON if not o.startswith("model=")), "model=tiny-moe")
+BIAS = ("model.moe.load_balance=bias", "model.moe.bias_update_rate=0.05")
 LAYOUTS = {
     "ddp": ("parallel=ddp",),  # the balance loss at 1/micro-batches
     "pp2": ("parallel=pp2",),  # ... and from inside a stage that never sees the loss
@@ -145,20 +183,27 @@ LAYOUTS = {
     "tp2": ("parallel=tp2", "train.micro_batch_size=4"),
     "fsdp_full_checkpointing": ("parallel=fsdp", "parallel.activation_checkpointing=full"),
     "cp2_without_balance_loss": ("parallel=cp2", "model.moe.load_balance=none"),
+    # biases moved by the whole batch's loads, equal on every rank (a fast rate: routing moves)
+    "ddp_bias": ("parallel=ddp", *BIAS),
 }
-FAST = {"ddp", "pp2"}
+FAST = {"ddp", "pp2", "ddp_bias"}
 
 
 @pytest.fixture(scope="module")
-def single_moe_steps(tmp_path_factory, rank_pool) -> dict[str, list[dict]]:
+def single_moe_steps(tmp_path_factory, rank_pool):
+    """One device's steps of tiny-moe with the given model.moe overrides (each run once)."""
     from meshrun.driver.experiment import measure  # noqa: PLC0415
 
-    steps = {}
-    for extra in ((), ("model.moe.load_balance=none",)):
-        cfg = config_in(tmp_path_factory.mktemp("single"), "parallel=single", *COMMON, *extra)
-        measured = measure(cfg, "run", rank_pool.launch)
-        assert measured.ok, measured.meta.error
-        steps[" ".join(extra)] = measured.steps
+    runs: dict[tuple[str, ...], list[dict]] = {}
+
+    def steps(*extra: str) -> list[dict]:
+        if extra not in runs:
+            cfg = config_in(tmp_path_factory.mktemp("single"), "parallel=single", *COMMON, *extra)
+            measured = measure(cfg, "run", rank_pool.launch)
+            assert measured.ok, measured.meta.error
+            runs[extra] = measured.steps
+        return runs[extra]
+
     return steps
 
 
@@ -168,7 +213,30 @@ def test_an_moe_model_trains_under_each_layout_as_on_one_device(
 ):
     _, measured = experiment(*COMMON, *LAYOUTS[layout])
     assert measured.ok, measured.meta.error
-    extra = [o for o in LAYOUTS[layout] if o.startswith("model.moe")]
-    assert_steps_match(measured.steps, single_moe_steps[" ".join(extra)])
+    single = single_moe_steps(*(o for o in LAYOUTS[layout] if o.startswith("model.moe")))
+    assert_steps_match(measured.steps, single)
+    # every layer's router seen; a schedule's first step is not counted (shape inference)
+    first = 1 if "parallel=pp2" in LAYOUTS[layout] else 0
+    assert all("moe_max_load" not in s for s in measured.steps[:first])
+    for mine, ref in list(zip(measured.steps, single, strict=True))[first:]:
+        keys = {"moe_max_load", "moe_dropped", "moe_aux_loss"} & ref.keys()
+        assert keys <= mine.keys()
+        for key in keys:
+            assert mine[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-9), (key, mine, ref)
+        assert len(mine["moe_max_load_per_layer"]) == 4
     got = losses(measured)
     assert got[-1] < got[0]
+
+
+def test_the_summary_and_wandb_carry_the_last_steps_routers(single_moe_steps):
+    steps = single_moe_steps()
+    fields = router_fields(steps)
+    assert fields["router_max_load"] == steps[-1]["moe_max_load"] >= 1.0
+    with console.capture() as captured:
+        print_summary(RunRecord(status="completed", **fields))
+    said = " ".join(captured.get().split())
+    assert f"busiest expert {steps[-1]['moe_max_load']:.2f}x the mean" in said
+    assert f"balance loss {steps[-1]['moe_aux_loss']:.3f}" in said
+    series = step_metrics(steps[-1], tokens_per_step=8 * 64)
+    assert series["train/moe_max_load"] == steps[-1]["moe_max_load"]
+    assert series["train/moe_aux_loss"] == steps[-1]["moe_aux_loss"]

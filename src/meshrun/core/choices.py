@@ -38,7 +38,7 @@ CpMethod = _choice("CpMethod", "ring", "allgather", "alltoall")
 DataParallel = _choice("DataParallel", "auto", "dataparallel")
 # A mixture-of-experts router's scores, and how it keeps the experts' loads even (models/moe.py).
 RouterScore = _choice("RouterScore", "softmax", "sigmoid")
-LoadBalance = _choice("LoadBalance", "aux_loss", "none")
+LoadBalance = _choice("LoadBalance", "aux_loss", "bias", "none")
 Scaling = _choice("Scaling", "weak", "strong")
 BaselineMode = _choice("BaselineMode", "fresh", "stored", "off")
 LoggerMode = _choice("LoggerMode", "auto", "online", "offline", "disabled")

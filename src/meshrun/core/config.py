@@ -59,7 +59,10 @@ class MoEConfig:
     `expert_ffn_dim` (null: the model's ffn_dim). `capacity_factor` (null: none) caps an
     expert at factor x tokens x top_k / experts tokens a micro-batch; the rest of its
     assignments are dropped (counted). `load_balance: aux_loss` adds `aux_loss_coef` times
-    the sequence-wise balance loss (DeepSeek-V3, eq. 17-20) to the training loss."""
+    the sequence-wise balance loss (DeepSeek-V3, eq. 17-20) to the training loss; `bias` is
+    DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias on the scores that pick
+    the top-k (not on the weights), moved by `bias_update_rate` after each step towards the
+    experts the step's batch under-used (sign of the mean load minus the expert's)."""
 
     experts: int = 0
     top_k: int = 2
@@ -69,6 +72,7 @@ class MoEConfig:
     capacity_factor: float | None = None
     load_balance: LoadBalance = LoadBalance["aux_loss"]
     aux_loss_coef: float = 0.01
+    bias_update_rate: float = 0.001  # DeepSeek-V3's gamma
 
 
 @dataclass

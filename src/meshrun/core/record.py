@@ -156,6 +156,11 @@ class RunRecord:
     # series and bookkeeping
     losses: list[float] = _f(factory=list)
     grad_norms: list[float | None] = _f(factory=list)
+    # an MoE model's routers at the last step: the busiest expert's load over the mean (the
+    # worst layer's), the share of assignments dropped, the balance loss (models/moe.py)
+    router_max_load: float | None = _f(summary=True)
+    router_dropped: float | None = _f(summary=True)
+    router_aux_loss: float | None = _f(summary=True)
     eval_losses: list[list[float]] = _f(factory=list)  # [step, eval loss] of each evaluation
     baseline_key: str | None = _f(column=True)
     # where rank 0 ran: host, devices, versions, threads (core/hardware.host_fingerprint),

@@ -255,7 +255,18 @@ def assemble(cfg: ExperimentConfig, measured: Measured, baseline: RunRecord | No
         **predicted_speed_fields(cfg),
         losses=[r["loss"] for r in steps],
         grad_norms=[r.get("grad_norm") for r in steps],
+        **router_fields(steps),
     )
+
+
+def router_fields(steps: list[dict[str, Any]]) -> dict[str, float | None]:
+    """The last step's router statistics, where the model has routers."""
+    last = steps[-1] if steps else {}
+    return {
+        "router_max_load": last.get("moe_max_load"),
+        "router_dropped": last.get("moe_dropped"),
+        "router_aux_loss": last.get("moe_aux_loss"),
+    }
 
 
 def meta_fields(meta: RunMeta, report: RankReport | None) -> dict[str, Any]:

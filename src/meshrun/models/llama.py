@@ -70,23 +70,23 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-def feed_forward(cfg: LlamaModelConfig) -> nn.Module:
+def feed_forward(cfg: LlamaModelConfig, layer: int) -> nn.Module:
     """SwiGLU, or a mixture of SwiGLU experts (`model.moe.experts` > 0)."""
     moe = cfg.moe
     if not moe.experts:
         return FeedForward(cfg.dim, ffn_dim(cfg))
     hidden = expert_ffn_dim(cfg)
     shared = FeedForward(cfg.dim, moe.shared_experts * hidden) if moe.shared_experts else None
-    return MoEFeedForward(moe, cfg.dim, hidden, shared)
+    return MoEFeedForward(moe, cfg.dim, hidden, shared, layer)
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: LlamaModelConfig) -> None:
+    def __init__(self, cfg: LlamaModelConfig, layer: int) -> None:
         super().__init__()
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.feed_forward = feed_forward(cfg)
+        self.feed_forward = feed_forward(cfg, layer)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
@@ -99,7 +99,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.max_seq_len = max_seq_len
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -169,6 +169,9 @@ class Transformer(nn.Module):
             fill(
                 param, seeded_normal(seed, name, unpadded_shape(name, param, self.vocab_size), std)
             )
+        for module in self.modules():
+            if isinstance(module, MoEFeedForward):
+                module.expert_bias.zero_()  # nothing learnt of the loads yet
 
     @torch.no_grad()
     def load_pretrained(self, directory: str) -> int:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from meshrun.core.config import MoEConfig
+from meshrun.core.config import LlamaModelConfig, ModelConfig, MoEConfig
 
 _LOSS_WEIGHT = [1.0]  # what the training loss of the current micro-batch is multiplied by
 _EVEN_ROUTING = [False]
@@ -107,6 +107,11 @@ class Routing:
     aux_loss: Tensor
 
 
+# A step's router statistics a layer: tokens per expert, then dropped assignments, the
+# summed balance loss and the forwards they came from.
+STAT_EXTRA = 3
+
+
 class Experts(nn.Module):
     """The routed experts' weights, one 3-D tensor a matrix (dim 0: the expert), so FSDP
     shards them by expert and a checkpoint holds each matrix once."""
@@ -119,13 +124,20 @@ class Experts(nn.Module):
 
 
 class MoEFeedForward(nn.Module):
-    def __init__(self, cfg: MoEConfig, dim: int, hidden: int, shared: nn.Module | None) -> None:
+    def __init__(
+        self, cfg: MoEConfig, dim: int, hidden: int, shared: nn.Module | None, layer: int
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.gate = nn.Linear(dim, cfg.experts, bias=False)
         self.experts = Experts(cfg.experts, dim, hidden)
         self.shared = shared
+        self.layer = layer  # the block's index in the whole model
         self.routing: Routing | None = None  # the last forward's
+        self.step_stats: Tensor | None = None  # summed since `take_router_stats`
+        # load_balance=bias: added to the scores that pick a token's experts (a checkpoint
+        # keeps it: it is what the steps so far learnt of the loads)
+        self.register_buffer("expert_bias", torch.zeros(cfg.experts, dtype=torch.float32))
 
     def forward(self, x: Tensor) -> Tensor:
         batch, seq, dim = x.shape
@@ -149,17 +161,29 @@ class MoEFeedForward(nn.Module):
             routed = routed + self.shared(tokens)
         aux = self._aux_loss(scores, chosen, batch, seq)
         self.routing = Routing(torch.as_tensor(counts), dropped, aux.detach())
+        if self.training:  # a checkpointed block's recompute counts again: the ratios stay
+            self._count(self.routing)
         routed = routed.view(batch, seq, dim)
         if self.training and self.cfg.load_balance == "aux_loss" and aux.requires_grad:
             routed = _AuxLossGrad.apply(routed, aux * self.cfg.aux_loss_coef)
         return routed
+
+    def _count(self, r: Routing) -> None:
+        one = torch.ones((), device=r.aux_loss.device)
+        extra = torch.stack([r.dropped.to(one), r.aux_loss, one])
+        row = torch.cat([r.tokens_per_expert.to(one), extra])
+        self.step_stats = row if self.step_stats is None else self.step_stats + row
 
     def _route(self, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(top-k weights [T, k], their experts [T, k], every expert's score [T, E]), fp32;
         the top-k weights renormalised to sum to one (Mixtral, DeepSeek-V3)."""
         logits = F.linear(tokens.float(), self.gate.weight.float())
         scores = logits.softmax(-1) if self.cfg.score == "softmax" else logits.sigmoid()
-        weights, chosen = scores.topk(self.cfg.top_k, dim=-1)
+        if self.cfg.load_balance == "bias":
+            chosen = (scores + self.expert_bias.float()).topk(self.cfg.top_k, dim=-1).indices
+            weights = scores.gather(-1, chosen)
+        else:
+            weights, chosen = scores.topk(self.cfg.top_k, dim=-1)
         return weights / weights.sum(-1, keepdim=True), chosen, scores
 
     def _capacity(
@@ -194,3 +218,69 @@ def _even(assignments: int, experts: int, device: torch.device) -> tuple[Tensor,
     kept = (torch.arange(assignments, device=device) % experts).argsort(stable=True)
     counts = [assignments // experts + (e < assignments % experts) for e in range(experts)]
     return kept, counts, torch.zeros((), dtype=torch.long)
+
+
+def take_router_stats(
+    modules: list[nn.Module], layers: int, experts: int, device: torch.device
+) -> Tensor:
+    """The step's router statistics of every MoE block in `modules` ([layers, experts + 3],
+    zero rows for the blocks another pipeline rank holds, so a sum over the stages has them
+    all); the blocks start counting the next step."""
+    stats = torch.zeros(layers, experts + STAT_EXTRA, device=device)
+    for module in modules:
+        for block in module.modules():
+            if isinstance(block, MoEFeedForward) and block.step_stats is not None:
+                stats[block.layer] = block.step_stats
+                block.step_stats = None
+    return stats
+
+
+def router_fields(stats: Tensor, balance_loss: bool) -> dict[str, float | list[float]]:
+    """A step's record of its routers ([layers, experts + 3], summed over micro-batches; a
+    mean over data-parallel ranks leaves the ratios as they are; NaN: not counted): the
+    busiest expert's load over the mean (the worst layer's, and each layer's), the share of
+    assignments dropped, and where the model trains with it, the balance loss (mean over
+    layers and micro-batches, before its coefficient; under CP a rank's would be its chunks')."""
+    if stats.isnan().any():
+        return {}
+    counts, dropped, aux, forwards = stats[:, :-3], stats[:, -3], stats[:, -2], stats[:, -1]
+    per_layer = (counts.max(-1).values / counts.mean(-1).clamp(min=1e-12)).tolist()
+    assigned = counts.sum() + dropped.sum()
+    fields = {
+        "moe_max_load": max(per_layer),
+        "moe_max_load_per_layer": per_layer,
+        "moe_dropped": (dropped.sum() / assigned.clamp(min=1e-12)).item(),
+    }
+    if balance_loss:
+        fields["moe_aux_loss"] = (aux / forwards.clamp(min=1)).mean().item()
+    return fields
+
+
+@torch.no_grad()
+def update_biases(modules: list[nn.Module], counts: Tensor, rate: float) -> None:
+    """load_balance=bias after a step: each expert's bias up by `rate` where the step's
+    batch gave it fewer tokens than the mean, down where more (`counts`: [layers, experts],
+    the same on every data-parallel rank, so their biases stay equal)."""
+    for module in modules:
+        for block in module.modules():
+            if isinstance(block, MoEFeedForward):
+                load = counts[block.layer].to(block.expert_bias.device)
+                block.expert_bias += rate * torch.sign(load.mean() - load)
+
+
+def router_shape(model: ModelConfig) -> tuple[int, int] | None:
+    """(layers, experts) of an MoE model's routers, whose statistics a step records."""
+    if isinstance(model, LlamaModelConfig) and model.moe.experts:
+        return model.n_layers, model.moe.experts
+    return None
+
+
+def trains_balance_loss(model: ModelConfig) -> bool:
+    return router_shape(model) is not None and model.moe.load_balance == "aux_loss"
+
+
+def bias_update_rate(model: ModelConfig) -> float:
+    """The rate of load_balance=bias (0: the model's routers keep no biases)."""
+    if router_shape(model) and model.moe.load_balance == "bias":
+        return model.moe.bias_update_rate
+    return 0.0

@@ -26,6 +26,8 @@ def check_experts(m: ModelConfig) -> None:
         fail("model.moe.shared_experts", moe.shared_experts, "must be >= 0", "0 or more")
     positive("model.moe.expert_ffn_dim", moe.expert_ffn_dim, allow_none=True)
     positive("model.moe.capacity_factor", moe.capacity_factor, allow_none=True)
+    if moe.load_balance == "bias":
+        positive("model.moe.bias_update_rate", moe.bias_update_rate)
     if moe.aux_loss_coef < 0:
         fail("model.moe.aux_loss_coef", moe.aux_loss_coef, "must be >= 0", "a number >= 0")
     if m.pretrained is not None:
@@ -50,11 +52,19 @@ def check_expert_layout(cfg: ExperimentConfig) -> None:
             "ranks, which need the whole sequence in and out",
             "parallel.sequence_parallel=false",
         )
+    if p.pp > 1 and m.moe.load_balance == "bias":
+        fail(
+            "model.moe.load_balance",
+            "bias",
+            "does not combine with a pipeline yet: a schedule's first step runs its shape "
+            "inference through the blocks, which would move the biases",
+            "model.moe.load_balance=aux_loss or none, or parallel.pp=1",
+        )
     if p.cp > 1 and m.moe.load_balance == "aux_loss":
         fail(
             "model.moe.load_balance",
             "aux_loss",
             f"the sequence-wise balance loss needs each sequence on one rank; parallel.cp={p.cp} "
             "splits it",
-            "model.moe.load_balance=none, or parallel.cp=1",
+            "model.moe.load_balance=bias or none, or parallel.cp=1",
         )

@@ -52,6 +52,16 @@ def _breakdown(r: RunRecord) -> str:
     return " / ".join(f"{v / 2**20:.1f}" for v in values) + " MiB"
 
 
+def _routers(r: RunRecord) -> list[tuple[str, str]]:
+    """An MoE model's routers at the last step (models/moe.router_fields)."""
+    if r.router_max_load is None:
+        return []
+    figures = f"busiest expert {r.router_max_load:.2f}x the mean, {r.router_dropped:.1%} dropped"
+    if r.router_aux_loss is not None:
+        figures += f", balance loss {r.router_aux_loss:.3f}"
+    return [("routers (last step)", figures)]
+
+
 def print_summary(r: RunRecord) -> None:
     table = Table(title=f"meshrun: {r.model} / {r.layout_name}", show_header=False)
     table.add_column(style="bold")
@@ -75,6 +85,7 @@ def print_summary(r: RunRecord) -> None:
         ("  params/grads/optim/activ/other", _breakdown(r)),
         ("  predicted peak", _fmt_bytes(r.predicted_peak_memory_bytes)),
         loss,
+        *_routers(r),
         *_evaluation(r),
     ]
     if r.pp_schedule:

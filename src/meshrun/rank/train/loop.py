@@ -86,6 +86,9 @@ class LoopContext:
     twin: TwinSteps | None = None  # the baseline twin, trained between the run's steps
     host_load: HostLoad | None = None  # CPU seconds over the timed steps
     compiling: CompileClock | None = None  # train.compile: stopped at the first timed step
+    routers: tuple[int, int] | None = None  # an MoE model's (layers, experts): their statistics
+    bias_update_rate: float = 0.0  # model.moe.load_balance=bias: its rate
+    balance_loss: bool = False  # model.moe.load_balance=aux_loss: its figure recorded too
 
 
 def _autocast(ctx: LoopContext) -> contextlib.AbstractContextManager:
@@ -181,7 +184,16 @@ def train_loop(
         # The breakdown is read from an untimed step after the first: optimizer state exists.
         breakdown = ctx.start_step + 1 <= step < first_timed
         loss, norm, lr = train_step(model, optimizer, schedule, batches, step, cfg, ctx, breakdown)
-        ctx.pending.add(torch.stack([loss, norm]), lr)
+        values = torch.stack([loss, norm])
+        if ctx.routers:  # after the loss and the norm, each router's counts of the step
+            stats = moe.take_router_stats(model.parts, *ctx.routers, ctx.device)
+            if model.schedule is not None and step == ctx.start_step:
+                # a schedule's first step also ran its shape inference through the blocks
+                stats.fill_(float("nan"))
+            values = torch.cat([values, stats.flatten()])
+            if ctx.bias_update_rate:
+                _balance_experts(model, stats, step, ctx)
+        ctx.pending.add(values, lr)
         timed = step >= first_timed
         if timed:
             _end_timed_step(step, ctx)
@@ -193,6 +205,15 @@ def train_loop(
             time.sleep(ctx.slow_step_s)
     _finish(cfg, state, ctx, bubble)
     return state
+
+
+def _balance_experts(model: ParallelModel, stats: torch.Tensor, step: int, ctx) -> None:
+    """load_balance=bias: the step's loads of the whole batch (the mean over data-parallel
+    ranks: the sign is the sum's) move each router's biases."""
+    counts = stats[:, : -moe.STAT_EXTRA].contiguous()
+    with inside(ctx.watchdog, step, "all_reduce (expert loads)", one_collective=True):
+        counts = mean_over_ranks(counts, ctx.dp_group, None)
+    moe.update_biases(model.parts, counts, ctx.bias_update_rate)
 
 
 def _start_timing(step: int, ctx: LoopContext, bubble: BubbleClock | None) -> None:
@@ -296,12 +317,19 @@ def _flush(
     data waits) leave the buffer once reduced: a peer dying in the reduction leaves them to
     the salvage."""
     stacked = torch.stack(pending.values)
-    values = mean_over_ranks(stacked[:, 0].contiguous(), ctx.dp_group, ctx.pp_group).tolist()
+    # the losses and any router statistics in one reduction (the norms are global already)
+    reduced = mean_over_ranks(
+        torch.cat([stacked[:, :1], stacked[:, 2:]], 1).contiguous(), ctx.dp_group, ctx.pp_group
+    )
+    values = reduced[:, 0].tolist()
     norms = stacked[:, 1].tolist()
     times = pending.clock.drain()
     first_step, _, lrs = pending.take()
     state.losses.extend(values)
     state.step_times.extend(times)
     records = step_records(first_step, values, norms, lrs, times, batches.drain_waits())
+    if ctx.routers:
+        for record, row in zip(records, reduced[:, 1:], strict=True):
+            record.update(moe.router_fields(row.view(ctx.routers[0], -1), ctx.balance_loss))
     records[-1].update(evaluated or {})
     ctx.on_log(records)
