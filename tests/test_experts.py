@@ -15,7 +15,7 @@ from meshrun.driver.results import router_fields
 from meshrun.driver.sinks.console import console, print_summary
 from meshrun.driver.sinks.wandb_sink import step_metrics
 from meshrun.models import build_model, moe
-from meshrun.plan import predict
+from meshrun.plan import predict, traced
 from tests.helpers import resolved_config
 from tests.ranks import assert_steps_match, config_in, losses
 from tests.test_layouts import COMMON as LAYOUTS_COMMON
@@ -164,6 +164,19 @@ def test_the_planners_even_routing_gives_every_expert_the_same_tokens():
     with moe.even_routing():
         block(torch.randn(2, 6, DIM))
     assert block.routing.tokens_per_expert.tolist() == [6, 6, 6, 6]
+
+
+def test_a_tokens_flops_are_its_experts_as_torch_counts_them():
+    """The formula's MFU FLOPs of tiny-moe over dense tiny's (the same attention): what the
+    token's top-2 experts, the shared one and the router add, as torch counts it on fake
+    tensors with an even load (every expert's parameters counted would add 4x more)."""
+    formula, counted = {}, {}
+    for model in ("tiny-moe", "tiny"):
+        cfg = resolved_config(f"model={model}", "parallel=single", "train.seq_len=512")
+        formula[model] = predict.training_flops_per_token(cfg)
+        counted[model] = traced.counted_flops_per_token(cfg)
+    extra = counted["tiny-moe"] - counted["tiny"]
+    assert formula["tiny-moe"] - formula["tiny"] == pytest.approx(extra, rel=0.01)
 
 
 def test_the_plan_counts_every_experts_parameters():

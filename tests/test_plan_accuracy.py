@@ -32,8 +32,9 @@ LAYOUTS = {
         "model.embedding=embed",
         "model.tp_plan=tests.user_model:tp_plan",
     ),
-    # a mixture of experts, traced with an even load (models/moe.even_routing)
+    # a mixture of experts (its formulas: every expert's parameters, k experts' activations)
     "moe-ddp": ("parallel=ddp", "model=tiny-moe", "train.seq_len=512"),
+    "moe-pp2": ("parallel=pp2", "model=tiny-moe", "train.seq_len=512"),
     # a sequence long enough that attention's activations lead, under each CP method
     **{
         f"cp2-{method}": (

@@ -24,14 +24,17 @@ class ModelShape:
     ffn_dim: int | None
     tied: bool
     mlp_matrices: int = 3
-    experts: int = 0  # routed experts a block (0: a dense MLP)
+    # a mixture of experts (meshrun's, models/moe.py): routed experts a block (0: a dense MLP),
+    # each token's, an expert's hidden width and the shared experts' together
+    experts: int = 0
+    top_k: int = 0
+    expert_ffn: int = 0
+    shared_ffn: int = 0
 
     @property
     def formula(self) -> bool:
-        """Whether the analytic planner's formulas apply (every width known, a dense MLP:
-        an MoE block is traced, plan/traced.py)."""
-        widths = (self.dim, self.n_heads, self.n_kv_heads, self.ffn_dim)
-        return None not in widths and not self.experts
+        """Whether the analytic planner's formulas apply (every width known)."""
+        return None not in (self.dim, self.n_heads, self.n_kv_heads, self.ffn_dim)
 
 
 def ffn_dim(cfg: LlamaModelConfig) -> int:
@@ -59,6 +62,9 @@ def llama_shape(cfg: LlamaModelConfig) -> ModelShape:
         ffn_dim(cfg),
         cfg.tie_embeddings,
         experts=cfg.moe.experts,
+        top_k=cfg.moe.top_k if cfg.moe.experts else 0,
+        expert_ffn=expert_ffn_dim(cfg) if cfg.moe.experts else 0,
+        shared_ffn=cfg.moe.shared_experts * expert_ffn_dim(cfg) if cfg.moe.experts else 0,
     )
 
 

@@ -47,9 +47,9 @@ def loss_weight(weight: float) -> Iterator[None]:
 
 @contextlib.contextmanager
 def even_routing() -> Iterator[None]:
-    """Every expert gets the same share of the assignments, whatever the scores: what the
-    planner assumes when it traces a block on fake tensors (plan/traced.py), which have no
-    values to route by; no assignment is dropped."""
+    """Every expert gets the same share of the assignments, whatever the scores: the load
+    the planner assumes, and how it traces a block on fake tensors (plan/traced.py), which
+    have no values to route by; no assignment is dropped."""
     _EVEN_ROUTING.append(True)
     try:
         yield

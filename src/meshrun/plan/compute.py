@@ -105,18 +105,29 @@ def block_times(
     """One transformer block (meshrun's: q, k, v, o; w1, (w3,) w2) under TP degree `tp` and
     CP degree `cp`."""
     tokens = micro_batch * seq // cp
-    column = [(d.h, d.h), (d.hk, d.h), (d.hk, d.h)] + [(d.f, d.h)] * (d.mlp - 1)
-    linears = [(out // tp, inp) for out, inp in column] + [(d.h, d.h // tp), (d.h, d.f // tp)]
+    column = [(d.h, d.h), (d.hk, d.h), (d.hk, d.h)]
+    linears = [(tokens, out // tp, inp) for out, inp in column] + [(tokens, d.h, d.h // tp)]
     forward = backward = 0.0
-    for out, inp in linears:
-        f, b = rates.linear(tokens, out, inp, width)
+    for rows, out, inp in linears + _mlp_linears(d, tokens, tp):
+        f, b = rates.linear(rows, out, inp, width)
         forward, backward = forward + f, backward + b
     causal_flops = 2 * micro_batch * seq * seq * d.h / tp / cp  # half of 4*b*s^2*h: the mask
     attention = causal_flops / (rates.matmul * ATTENTION_RATE)
-    per_token = (
-        RESIDUAL_BYTES * d.h / (tp if sp else 1) + (2 * (d.h + d.hk) + d.mlp * d.f) * width / tp
-    )
+    mlp = d.mlp * d.f / tp if not d.experts else 3 * (d.k * d.fe + d.fs) + 2 * d.k * d.h
+    per_token = RESIDUAL_BYTES * d.h / (tp if sp else 1) + (2 * (d.h + d.hk) / tp + mlp) * width
     return PassTimes(forward, backward, attention, tokens * per_token / rates.memory)
+
+
+def _mlp_linears(d: Dims, tokens: int, tp: int) -> list[tuple[int, int, int]]:
+    """(rows, out, in) of a block's feed-forward matmuls: w1 (w3) w2 split by TP; an MoE's
+    router, each expert over its share of the k x tokens assignments (an even load) and the
+    shared experts over every token, all whole on each TP rank (models/moe.py)."""
+    if not d.experts:
+        return [(tokens, d.f // tp, d.h)] * (d.mlp - 1) + [(tokens, d.h, d.f // tp)]
+    rows = -(-tokens * d.k // d.experts)
+    expert = [(rows, d.fe, d.h)] * 2 + [(rows, d.h, d.fe)]
+    shared = [(tokens, d.fs, d.h)] * 2 + [(tokens, d.h, d.fs)] if d.fs else []
+    return [(tokens, d.experts, d.h), *expert * d.experts, *shared]
 
 
 @functools.lru_cache(maxsize=4096)

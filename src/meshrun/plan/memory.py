@@ -107,13 +107,28 @@ def _layer_bytes(
     stream and norms stay fp32 under autocast (the weights are fp32); the matmul side is
     `width` bytes. `gathered_kv`: the other CP ranks' K/V a layer keeps (allgather's cp - 1)."""
     replicated = ((4 * d.h + 2) / (tp if sp else 1) + (d.h if tp > 1 else 0)) * FP32
-    matmul_side = 4 * d.h + 2 * d.hk * (1 + gathered_kv) + 4 * d.f + d.a
-    full = replicated + matmul_side / tp * width
+    matmul_side = (4 * d.h + 2 * d.hk * (1 + gathered_kv) + d.a) / tp + _mlp_kept(d, tp, 4)
+    full = replicated + matmul_side * width + _router_bytes(d)
     if ckpt == "full":
         return d.h / (tp if sp else 1) * FP32, full
     if ckpt == "selective":
-        return (2 * d.h + 2 * d.hk + 3 * d.f + d.a) / tp * width + d.h * FP32, full
+        kept = (2 * d.h + 2 * d.hk + d.a) / tp + _mlp_kept(d, tp, 3)
+        return kept * width + d.h * FP32 + _router_bytes(d), full
     return full, 0.0
+
+
+def _mlp_kept(d: Dims, tp: int, per_hidden: int) -> float:
+    """Elements a token's feed-forward keeps for backward, `per_hidden` a hidden unit (gate,
+    up, their activation and product: 4). An MoE (not split by TP) keeps them for each of
+    its k experts, with the token's copy in and its output out of each (models/moe.py)."""
+    if not d.experts:
+        return per_hidden * d.f / tp
+    return d.k * (2 * d.h + per_hidden * d.fe) + per_hidden * d.fs
+
+
+def _router_bytes(d: Dims) -> float:
+    """An MoE router's fp32 scores and its picks' int64 indices (chosen, sorted), a token."""
+    return (d.experts * FP32 + 2 * d.k * 8) if d.experts else 0.0
 
 
 def activation_bytes(
@@ -136,7 +151,8 @@ def activation_bytes(
     if share.last:
         per_mb += (3 * d.h + 1 + d.vocab) * FP32 + 8
     held = in_flight(p.schedule, n_microbatches, layout.pp, pp_rank, share.stages_per_rank) * per_mb
-    backward_temps = (3 * d.f + 2 * d.h) / layout.tp * width
+    mlp_temps = 3 * d.f / layout.tp if not d.experts else 3 * (d.k * d.fe + d.fs)
+    backward_temps = (mlp_temps + 2 * d.h / layout.tp) * width
     if recompute:  # one block recomputed, with its backward temporaries or the held logits
         tail = (d.h + d.vocab / layout.tp) * FP32 if share.last else backward_temps
         transient = recompute + tail

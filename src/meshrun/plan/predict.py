@@ -11,6 +11,7 @@ from meshrun.core.flops import flops_per_token
 from meshrun.core.layout import Layout
 from meshrun.models import model_shape, param_counts
 from meshrun.plan.memory import MemoryPrediction, predict_memory, predict_stages
+from meshrun.plan.shapes import Dims, inactive_matmul_params
 from meshrun.plan.speed import SpeedPrediction, predict_speed
 
 
@@ -63,4 +64,5 @@ def training_flops_per_token(cfg: ExperimentConfig) -> float:
     if not has_formula(cfg):
         return _tracer().counted_flops_per_token(cfg)
     _, matmul = param_counts(cfg.model, cfg.train.seq_len)
+    matmul -= inactive_matmul_params(Dims.of(cfg.model))  # an MoE token's experts only
     return flops_per_token(model_shape(cfg.model), matmul, cfg.train.seq_len)

@@ -28,6 +28,31 @@ class Dims:
     layers: int
     tied: bool
     mlp: int = 3
+    # a mixture of experts: E experts of width fe, k a token, fs the shared experts' width
+    experts: int = 0
+    k: int = 0
+    fe: int = 0
+    fs: int = 0
+
+    def mlp_tensors(self) -> list[tuple[tuple[int, ...], int | None]]:
+        """A block's feed-forward tensors and the dim TP splits (None: replicated). An MoE's
+        router, experts (3-D, dim 0 the expert) and shared experts stay whole under TP."""
+        if not self.experts:
+            return [((self.f, self.h), 0)] * (self.mlp - 1) + [((self.h, self.f), 1)]
+        router = ((self.experts, self.h), None)
+        experts = [((self.experts, self.h, self.fe), None)] * 2 + [
+            ((self.experts, self.fe, self.h), None)
+        ]
+        shared = [((self.fs, self.h), None)] * 2 + [((self.h, self.fs), None)] if self.fs else []
+        return [router, *experts, *shared]
+
+    def mlp_matmul(self, active: bool) -> int:
+        """Matmul elements a token meets in a block's feed-forward (`active`: its top-k
+        experts only; else every expert's, as the parameters count them)."""
+        if not self.experts:
+            return self.mlp * self.f * self.h
+        routed = self.k if active else self.experts
+        return (3 * (routed * self.fe + self.fs) + self.experts) * self.h
 
     @classmethod
     def of(cls, model_cfg: ModelConfig, tp: int = 1) -> Dims:
@@ -43,6 +68,10 @@ class Dims:
             m.n_layers,
             m.tied,
             m.mlp_matrices,
+            m.experts,
+            m.top_k,
+            m.expert_ffn,
+            m.shared_ffn,
         )
 
 
@@ -78,7 +107,7 @@ def layer_counts(model: ModelConfig, parallel: ParallelConfig, n_stages: int, tp
     if parallel.pp_layers != PP_AUTO:
         return stage_layer_counts(n_layers, n_stages, parallel.pp_layers or None)
     d = Dims.of(model, tp)
-    block = 2 * (2 * d.h * d.h + 2 * d.hk * d.h + d.mlp * d.f * d.h)
+    block = 2 * (2 * d.h * d.h + 2 * d.hk * d.h + d.mlp_matmul(active=True))
     head = 2 * d.h * d.vocab
     return balanced_layer_counts(n_layers, [float(block)] * n_stages, 0.0, float(head))
 
@@ -117,8 +146,7 @@ def local_param_elements(d: Dims, share: StageShare, tp: int, fsdp: int) -> int:
         ((d.hk, d.h), 0),
         ((d.hk, d.h), 0),
         ((d.h, d.h), 1),  # q k v o
-        *[((d.f, d.h), 0)] * (d.mlp - 1),
-        ((d.h, d.f), 1),  # w1 (w3) w2
+        *d.mlp_tensors(),
         ((d.h,), None),
         ((d.h,), None),  # the two norms
     ]
@@ -135,4 +163,11 @@ def local_param_elements(d: Dims, share: StageShare, tp: int, fsdp: int) -> int:
 
 def layer_param_elements(d: Dims, tp: int) -> int:
     """One transformer block, TP-sharded, unsharded by FSDP (what FSDP gathers at a time)."""
-    return (2 * d.h * d.h + 2 * d.hk * d.h + d.mlp * d.f * d.h) // tp + 2 * d.h
+    if not d.experts:
+        return (2 * d.h * d.h + 2 * d.hk * d.h + d.mlp * d.f * d.h) // tp + 2 * d.h
+    return (2 * d.h * d.h + 2 * d.hk * d.h) // tp + d.mlp_matmul(active=False) + 2 * d.h
+
+
+def inactive_matmul_params(d: Dims) -> int:
+    """Matmul parameters a token does not meet: the experts it is not routed to."""
+    return d.layers * (d.mlp_matmul(active=False) - d.mlp_matmul(active=True))

@@ -75,6 +75,7 @@ from meshrun.plan.placement import group_span, stage_devices
 from meshrun.plan.shapes import (
     Dims,
     StageShare,
+    inactive_matmul_params,
     local_param_elements,
     micro_batching,
     rank_tokens,
@@ -104,6 +105,7 @@ def formula_cost(cfg: ExperimentConfig, layout: Layout) -> ModelCost:
     d = Dims.of(cfg.model)
     total = local_param_elements(d, StageShare(d.layers, True, True, 1), 1, 1)
     matmul = total if d.tied else total - d.vocab * d.h  # the embedding lookup is no matmul
+    matmul -= inactive_matmul_params(d)  # a token's FLOPs: its experts', not every expert's
     per_token = flops_per_token(model_shape(cfg.model), matmul, cfg.train.seq_len)
     shares = stage_shares(cfg.model, cfg.parallel, layout)
     return ModelCost(per_token, max(local_param_elements(d, s, layout.tp, 1) for s in shares), d.h)

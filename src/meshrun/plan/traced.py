@@ -17,8 +17,8 @@ receive buffers and, on the last stage, every micro-batch's logits; DDP (whose c
 needs real tensors, so its replicas are traced unwrapped) adds its gradient buckets.
 
 Fake tensors have no values to route by: a mixture-of-experts block is traced with every
-expert given the same share of the tokens (models/moe.even_routing), the load the planner
-assumes.
+expert given the same share of the tokens (models/moe.even_routing), the load the formulas
+assume too (plan.trace; a user's module with experts).
 """
 
 from __future__ import annotations
