@@ -253,3 +253,27 @@ def test_the_summary_and_wandb_carry_the_last_steps_routers(single_moe_steps):
     series = step_metrics(steps[-1], tokens_per_step=8 * 64)
     assert series["train/moe_max_load"] == steps[-1]["moe_max_load"]
     assert series["train/moe_aux_loss"] == steps[-1]["moe_aux_loss"]
+
+
+# transformers' own MoE blocks (their router, experts and auxiliary loss, which meshrun's loss
+# does not add: load balancing off), through meshrun's HF wrapper
+HF_LAYOUTS = {
+    "mixtral_ddp": ("model=hf/tiny-mixtral", "parallel=ddp"),
+    "mixtral_fsdp": ("model=hf/tiny-mixtral", "parallel=fsdp"),
+    "mixtral_pp2": ("model=hf/tiny-mixtral", "parallel=pp2"),
+    "mixtral_tp2": ("model=hf/tiny-mixtral", "parallel=tp2", "train.micro_batch_size=4"),
+    "qwen2_moe_ddp": ("model=hf/tiny-qwen2-moe", "parallel=ddp"),
+    "qwen2_moe_tp2": ("model=hf/tiny-qwen2-moe", "parallel=tp2", "train.micro_batch_size=4"),
+}
+HF_COMMON = tuple(o for o in COMMON if not o.startswith("model="))
+
+
+@pytest.mark.parametrize("layout", tiered(HF_LAYOUTS, {"mixtral_ddp"}))
+def test_a_transformers_moe_trains_under_each_layout_as_on_one_device(experiment, layout):
+    model = HF_LAYOUTS[layout][0]
+    _, single = experiment(*HF_COMMON, model, "parallel=single")
+    _, measured = experiment(*HF_COMMON, *HF_LAYOUTS[layout])
+    assert single.ok, single.meta.error
+    assert measured.ok, measured.meta.error
+    assert_steps_match(measured.steps, single.steps)
+    assert losses(measured)[-1] < losses(measured)[0]

@@ -35,6 +35,8 @@ LAYOUTS = {
     # a mixture of experts (its formulas: every expert's parameters, k experts' activations)
     "moe-ddp": ("parallel=ddp", "model=tiny-moe", "train.seq_len=512"),
     "moe-pp2": ("parallel=pp2", "model=tiny-moe", "train.seq_len=512"),
+    "hf-mixtral-ddp": ("parallel=ddp", "model=hf/tiny-mixtral", "train.seq_len=512"),
+    "hf-qwen2-moe-ddp": ("parallel=ddp", "model=hf/tiny-qwen2-moe", "train.seq_len=512"),
     # a sequence long enough that attention's activations lead, under each CP method
     **{
         f"cp2-{method}": (

@@ -183,9 +183,13 @@ def weight_shapes(architecture: str, fields: dict[str, Any]) -> dict[str, tuple[
 def hf_shape(cfg: HFModelConfig) -> ModelShape:
     """From the config: the Llama family (Llama, Qwen2, Mistral) has a gated MLP of
     `intermediate_size`; GPT-2 a plain one of `n_inner` or 4h (its position table and biases
-    are left out of the planner's count)."""
+    are left out of the planner's count). A mixture of experts: Mixtral's num_local_experts
+    of intermediate_size, Qwen-MoE's num_experts of moe_intermediate_size and its shared
+    expert (whose one-unit gate is left out too), num_experts_per_tok a token."""
     c = hf_config(cfg)
     gated = getattr(c, "intermediate_size", None)
+    experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None) or 0
+    expert_ffn = getattr(c, "moe_intermediate_size", None) or gated or 0
     return ModelShape(
         dim=c.hidden_size,
         n_layers=c.num_hidden_layers,
@@ -195,6 +199,10 @@ def hf_shape(cfg: HFModelConfig) -> ModelShape:
         ffn_dim=gated or getattr(c, "n_inner", None) or 4 * c.hidden_size,
         tied=bool(c.tie_word_embeddings),
         mlp_matrices=3 if gated else 2,
+        experts=experts,
+        top_k=getattr(c, "num_experts_per_tok", 0) if experts else 0,
+        expert_ffn=expert_ffn if experts else 0,
+        shared_ffn=getattr(c, "shared_expert_intermediate_size", 0) if experts else 0,
     )
 
 
