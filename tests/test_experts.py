@@ -10,13 +10,15 @@ import torch
 import torch.nn.functional as F
 
 from meshrun.core.config import MoEConfig
+from meshrun.core.errors import ConfigError
 from meshrun.core.record import RunRecord
 from meshrun.driver.results import router_fields
 from meshrun.driver.sinks.console import console, print_summary
 from meshrun.driver.sinks.wandb_sink import step_metrics
 from meshrun.models import build_model, moe
 from meshrun.plan import predict, traced
-from tests.helpers import resolved_config
+from meshrun.validate.experts import check_expert_layout
+from tests.helpers import compose_config, resolved_config
 from tests.ranks import assert_steps_match, config_in, losses
 from tests.test_layouts import COMMON as LAYOUTS_COMMON
 from tests.tiers import tiered
@@ -136,7 +138,16 @@ def test_a_steps_router_record_is_its_loads_drops_and_balance_loss():
     assert fields["moe_dropped"] == pytest.approx(1 / 17)
     assert fields["moe_aux_loss"] == pytest.approx((1.2 + 1.0) / 2)
     assert "moe_aux_loss" not in moe.router_fields(stats, balance_loss=False)
+    assert moe.router_fields(torch.zeros_like(stats), balance_loss=True) == {}  # none counted
     assert moe.router_fields(stats.fill_(float("nan")), balance_loss=True) == {}
+
+
+def test_biases_are_refused_where_data_parallel_replicas_would_count_the_loads():
+    cfg = compose_config("model=tiny-moe", "parallel=dataparallel", "model.moe.load_balance=bias")
+    with pytest.raises(ConfigError) as caught:
+        check_expert_layout(cfg)
+    assert caught.value.key == "model.moe.load_balance"
+    assert "parallel=ddp" in str(caught.value)
 
 
 def test_the_bias_picks_the_experts_but_leaves_their_weights_to_the_scores():

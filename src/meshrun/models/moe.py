@@ -241,9 +241,9 @@ def router_fields(stats: Tensor, balance_loss: bool) -> dict[str, float | list[f
     busiest expert's load over the mean (the worst layer's, and each layer's), the share of
     assignments dropped, and where the model trains with it, the balance loss (mean over
     layers and micro-batches, before its coefficient; under CP a rank's would be its chunks')."""
-    if stats.isnan().any():
-        return {}
     counts, dropped, aux, forwards = stats[:, :-3], stats[:, -3], stats[:, -2], stats[:, -1]
+    if stats.isnan().any() or not forwards.any():  # (DataParallel's replicas count apart)
+        return {}
     per_layer = (counts.max(-1).values / counts.mean(-1).clamp(min=1e-12)).tolist()
     assigned = counts.sum() + dropped.sum()
     fields = {

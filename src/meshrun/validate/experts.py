@@ -52,6 +52,14 @@ def check_expert_layout(cfg: ExperimentConfig) -> None:
             "ranks, which need the whole sequence in and out",
             "parallel.sequence_parallel=false",
         )
+    if p.data_parallel == "dataparallel" and m.moe.load_balance == "bias":
+        fail(
+            "model.moe.load_balance",
+            "bias",
+            "does not combine with torch.nn.DataParallel: its replicas route the tokens, and "
+            "what they count is lost with them, so the biases would never move",
+            "model.moe.load_balance=aux_loss or none, or parallel=ddp",
+        )
     if p.pp > 1 and m.moe.load_balance == "bias":
         fail(
             "model.moe.load_balance",
