@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from meshrun.core.config import MoEConfig
 from meshrun.core.errors import ConfigError
 from meshrun.core.record import RunRecord
+from meshrun.driver.experiment import measure
 from meshrun.driver.results import router_fields
 from meshrun.driver.sinks.console import console, print_summary
 from meshrun.driver.sinks.wandb_sink import step_metrics
@@ -216,8 +217,6 @@ FAST = {"ddp", "pp2", "ddp_bias"}
 @pytest.fixture(scope="module")
 def single_moe_steps(tmp_path_factory, rank_pool):
     """One device's steps of tiny-moe with the given model.moe overrides (each run once)."""
-    from meshrun.driver.experiment import measure  # noqa: PLC0415
-
     runs: dict[tuple[str, ...], list[dict]] = {}
 
     def steps(*extra: str) -> list[dict]:

@@ -53,6 +53,16 @@ def kv_heads(cfg: LlamaModelConfig) -> int:
 
 
 def llama_shape(cfg: LlamaModelConfig) -> ModelShape:
+    moe = cfg.moe
+    experts = {}
+    if moe.experts:
+        width = expert_ffn_dim(cfg)
+        experts = {
+            "experts": moe.experts,
+            "top_k": moe.top_k,
+            "expert_ffn": width,
+            "shared_ffn": moe.shared_experts * width,
+        }
     return ModelShape(
         cfg.dim,
         cfg.n_layers,
@@ -61,10 +71,7 @@ def llama_shape(cfg: LlamaModelConfig) -> ModelShape:
         cfg.vocab_size,
         ffn_dim(cfg),
         cfg.tie_embeddings,
-        experts=cfg.moe.experts,
-        top_k=cfg.moe.top_k if cfg.moe.experts else 0,
-        expert_ffn=expert_ffn_dim(cfg) if cfg.moe.experts else 0,
-        shared_ffn=cfg.moe.shared_experts * expert_ffn_dim(cfg) if cfg.moe.experts else 0,
+        **experts,
     )
 
 

@@ -34,27 +34,26 @@ _EVEN_ROUTING = [False]
 
 
 @contextlib.contextmanager
-def loss_weight(weight: float) -> Iterator[None]:
+def _pushed(stack: list, value: object) -> Iterator[None]:
+    stack.append(value)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def loss_weight(weight: float) -> contextlib.AbstractContextManager[None]:
     """The auxiliary loss enters the gradients with `weight`, the factor the step puts on
     its micro-batch's training loss (1/micro-batches, fp16's loss scale), for a forward and
     the backward that follows (activation checkpointing recomputes the forward there)."""
-    _LOSS_WEIGHT.append(weight)
-    try:
-        yield
-    finally:
-        _LOSS_WEIGHT.pop()
+    return _pushed(_LOSS_WEIGHT, weight)
 
 
-@contextlib.contextmanager
-def even_routing() -> Iterator[None]:
+def even_routing() -> contextlib.AbstractContextManager[None]:
     """Every expert gets the same share of the assignments, whatever the scores: the load
     the planner assumes, and how it traces a block on fake tensors (plan/traced.py), which
     have no values to route by; no assignment is dropped."""
-    _EVEN_ROUTING.append(True)
-    try:
-        yield
-    finally:
-        _EVEN_ROUTING.pop()
+    return _pushed(_EVEN_ROUTING, True)
 
 
 class _AuxLossGrad(torch.autograd.Function):
@@ -220,6 +219,10 @@ def _even(assignments: int, experts: int, device: torch.device) -> tuple[Tensor,
     return kept, counts, torch.zeros((), dtype=torch.long)
 
 
+def _blocks(modules: list[nn.Module]) -> Iterator[MoEFeedForward]:
+    return (b for module in modules for b in module.modules() if isinstance(b, MoEFeedForward))
+
+
 def take_router_stats(
     modules: list[nn.Module], layers: int, experts: int, device: torch.device
 ) -> Tensor:
@@ -227,11 +230,10 @@ def take_router_stats(
     zero rows for the blocks another pipeline rank holds, so a sum over the stages has them
     all); the blocks start counting the next step."""
     stats = torch.zeros(layers, experts + STAT_EXTRA, device=device)
-    for module in modules:
-        for block in module.modules():
-            if isinstance(block, MoEFeedForward) and block.step_stats is not None:
-                stats[block.layer] = block.step_stats
-                block.step_stats = None
+    for block in _blocks(modules):
+        if block.step_stats is not None:
+            stats[block.layer] = block.step_stats
+            block.step_stats = None
     return stats
 
 
@@ -241,7 +243,7 @@ def router_fields(stats: Tensor, balance_loss: bool) -> dict[str, float | list[f
     busiest expert's load over the mean (the worst layer's, and each layer's), the share of
     assignments dropped, and where the model trains with it, the balance loss (mean over
     layers and micro-batches, before its coefficient; under CP a rank's would be its chunks')."""
-    counts, dropped, aux, forwards = stats[:, :-3], stats[:, -3], stats[:, -2], stats[:, -1]
+    counts, (dropped, aux, forwards) = stats[:, :-STAT_EXTRA], stats[:, -STAT_EXTRA:].unbind(1)
     if stats.isnan().any() or not forwards.any():  # (DataParallel's replicas count apart)
         return {}
     per_layer = (counts.max(-1).values / counts.mean(-1).clamp(min=1e-12)).tolist()
@@ -261,26 +263,26 @@ def update_biases(modules: list[nn.Module], counts: Tensor, rate: float) -> None
     """load_balance=bias after a step: each expert's bias up by `rate` where the step's
     batch gave it fewer tokens than the mean, down where more (`counts`: [layers, experts],
     the same on every data-parallel rank, so their biases stay equal)."""
-    for module in modules:
-        for block in module.modules():
-            if isinstance(block, MoEFeedForward):
-                load = counts[block.layer].to(block.expert_bias.device)
-                block.expert_bias += rate * torch.sign(load.mean() - load)
+    for block in _blocks(modules):
+        load = counts[block.layer].to(block.expert_bias.device)
+        block.expert_bias += rate * torch.sign(load.mean() - load)
 
 
-def router_shape(model: ModelConfig) -> tuple[int, int] | None:
-    """(layers, experts) of an MoE model's routers, whose statistics a step records."""
-    if isinstance(model, LlamaModelConfig) and model.moe.experts:
-        return model.n_layers, model.moe.experts
-    return None
+@dataclass(frozen=True)
+class Routers:
+    """What a training loop needs to know of an MoE model's routers: the statistics' shape,
+    whether the balance loss is trained (and so recorded), and load_balance=bias's rate
+    (0: no biases to move)."""
 
+    layers: int
+    experts: int
+    balance_loss: bool
+    bias_rate: float
 
-def trains_balance_loss(model: ModelConfig) -> bool:
-    return router_shape(model) is not None and model.moe.load_balance == "aux_loss"
-
-
-def bias_update_rate(model: ModelConfig) -> float:
-    """The rate of load_balance=bias (0: the model's routers keep no biases)."""
-    if router_shape(model) and model.moe.load_balance == "bias":
-        return model.moe.bias_update_rate
-    return 0.0
+    @classmethod
+    def of(cls, model: ModelConfig) -> Routers | None:
+        if not isinstance(model, LlamaModelConfig) or not model.moe.experts:
+            return None
+        moe = model.moe
+        rate = moe.bias_update_rate if moe.load_balance == "bias" else 0.0
+        return cls(model.n_layers, moe.experts, moe.load_balance == "aux_loss", rate)

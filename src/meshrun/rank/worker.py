@@ -31,7 +31,7 @@ from meshrun.core.run_files.failures import (
 from meshrun.core.run_files.metrics import METRICS_FILE
 from meshrun.core.stages import PP_AUTO, with_layers
 from meshrun.models import model_shape
-from meshrun.models.moe import bias_update_rate, router_shape, trains_balance_loss
+from meshrun.models.moe import Routers
 from meshrun.rank.device import autocast
 from meshrun.rank.faults import fault_injector
 from meshrun.rank.library_warnings import show_once
@@ -281,9 +281,7 @@ def _loop_context(
         twin=setup.twin,
         host_load=HostLoad(measure_host=int(os.environ.get("LOCAL_RANK", "0")) == 0),
         compiling=CompileClock() if cfg.train.compile else None,
-        routers=router_shape(cfg.model),
-        bias_update_rate=bias_update_rate(cfg.model),
-        balance_loss=trains_balance_loss(cfg.model),
+        routers=Routers.of(cfg.model),
     )
 
 

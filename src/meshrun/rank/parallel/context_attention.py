@@ -310,8 +310,9 @@ class _AllGatherAttention(torch.autograd.Function):
         saved = (q, dout.to(q.dtype), out, lse)
         dq, dblocks = torch.zeros_like(q), torch.empty_like(blocks)
         for step, kv in enumerate(_owned(blocks, ring)):
-            dq_step, dblocks[(ring.rank - step) % ring.cp] = _block_grads(saved, kv, step, ring)
+            dq_step, dkv = _block_grads(saved, kv, step, ring)
             dq += dq_step
+            dblocks[(ring.rank - step) % ring.cp] = dkv
         dkv = blocks.new_empty(blocks.shape[1:])
         _REDUCE_SCATTER(dkv.view(-1), dblocks.view(-1), group=ring.group)
         return dq.to(ctx.dtype), dkv[0].to(ctx.dtype), dkv[1].to(ctx.dtype), None, None

@@ -86,9 +86,7 @@ class LoopContext:
     twin: TwinSteps | None = None  # the baseline twin, trained between the run's steps
     host_load: HostLoad | None = None  # CPU seconds over the timed steps
     compiling: CompileClock | None = None  # train.compile: stopped at the first timed step
-    routers: tuple[int, int] | None = None  # an MoE model's (layers, experts): their statistics
-    bias_update_rate: float = 0.0  # model.moe.load_balance=bias: its rate
-    balance_loss: bool = False  # model.moe.load_balance=aux_loss: its figure recorded too
+    routers: moe.Routers | None = None  # an MoE model's: their statistics, their biases
 
 
 def _autocast(ctx: LoopContext) -> contextlib.AbstractContextManager:
@@ -186,13 +184,7 @@ def train_loop(
         loss, norm, lr = train_step(model, optimizer, schedule, batches, step, cfg, ctx, breakdown)
         values = torch.stack([loss, norm])
         if ctx.routers:  # after the loss and the norm, each router's counts of the step
-            stats = moe.take_router_stats(model.parts, *ctx.routers, ctx.device)
-            if model.schedule is not None and step == ctx.start_step:
-                # a schedule's first step also ran its shape inference through the blocks
-                stats.fill_(float("nan"))
-            values = torch.cat([values, stats.flatten()])
-            if ctx.bias_update_rate:
-                _balance_experts(model, stats, step, ctx)
+            values = torch.cat([values, _routed(model, step, ctx).flatten()])
         ctx.pending.add(values, lr)
         timed = step >= first_timed
         if timed:
@@ -207,13 +199,20 @@ def train_loop(
     return state
 
 
-def _balance_experts(model: ParallelModel, stats: torch.Tensor, step: int, ctx) -> None:
-    """load_balance=bias: the step's loads of the whole batch (the mean over data-parallel
-    ranks: the sign is the sum's) move each router's biases."""
-    counts = stats[:, : -moe.STAT_EXTRA].contiguous()
-    with inside(ctx.watchdog, step, "all_reduce (expert loads)", one_collective=True):
-        counts = mean_over_ranks(counts, ctx.dp_group, None)
-    moe.update_biases(model.parts, counts, ctx.bias_update_rate)
+def _routed(model: ParallelModel, step: int, ctx: LoopContext) -> torch.Tensor:
+    """The step's router statistics (moe.take_router_stats); under load_balance=bias the
+    whole batch's loads (the mean over data-parallel ranks: the sign is the sum's) move each
+    router's biases."""
+    r = ctx.routers
+    stats = moe.take_router_stats(model.parts, r.layers, r.experts, ctx.device)
+    if r.bias_rate:
+        counts = stats[:, : -moe.STAT_EXTRA].contiguous()
+        with inside(ctx.watchdog, step, "all_reduce (expert loads)", one_collective=True):
+            counts = mean_over_ranks(counts, ctx.dp_group, None)
+        moe.update_biases(model.parts, counts, r.bias_rate)
+    if model.schedule is not None and step == ctx.start_step:
+        stats.fill_(float("nan"))  # the schedule's first step also ran its shape inference
+    return stats
 
 
 def _start_timing(step: int, ctx: LoopContext, bubble: BubbleClock | None) -> None:
@@ -328,8 +327,8 @@ def _flush(
     state.losses.extend(values)
     state.step_times.extend(times)
     records = step_records(first_step, values, norms, lrs, times, batches.drain_waits())
-    if ctx.routers:
+    if r := ctx.routers:
         for record, row in zip(records, reduced[:, 1:], strict=True):
-            record.update(moe.router_fields(row.view(ctx.routers[0], -1), ctx.balance_loss))
+            record.update(moe.router_fields(row.view(r.layers, -1), r.balance_loss))
     records[-1].update(evaluated or {})
     ctx.on_log(records)
