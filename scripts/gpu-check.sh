@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks in one go, for a machine with CUDA (run from the repository root):
 # the gpu-marked tests, predicted vs measured memory on CUDA, MFU and tokens/s of llama-1b
-# and hf/llama-3.2-1b in bf16 on one GPU with and without torch.compile, FSDP and TP memory
+# and hf/llama-3.2-1b in bf16 on one GPU with and without torch.compile, an MoE (grouped GEMM), FSDP and TP memory
 # on NCCL (2+ GPUs), context parallelism's memory and tokens/s against one GPU
 # (benchmarks/context_parallel.py, 2+ GPUs), the pipeline bubble on a host with CPU cores to
 # spare, and meshrun-comm over nccl (all-reduce busbw) with meshrun-doctor (2+ GPUs).
@@ -66,6 +66,13 @@ run "gpt2-124m bf16" parallel=single train.steps=6 train.untimed_steps=2 model=g
   train.precision=bf16 train.seq_len=1024 train.micro_batch_size=4
 run "llama-1b bf16 ckpt=full" parallel=single train.steps=6 train.untimed_steps=2 model=llama-1b \
   train.precision=bf16 train.seq_len=2048 train.micro_batch_size=2 parallel.activation_checkpointing=full
+
+log "mixture of experts on one GPU, bf16 (grouped GEMM on sm90+): memory measured/predicted, MFU of active experts"
+run "tiny-moe bf16" parallel=single train.steps=10 train.untimed_steps=2 model=tiny-moe \
+  train.precision=bf16 train.seq_len=1024
+run "mixtral-shaped 2 layers bf16" parallel=single train.steps=6 train.untimed_steps=2 model=mixtral-8x7b \
+  model.n_layers=2 model.dim=1024 model.n_heads=8 model.n_kv_heads=8 model.ffn_dim=3584 \
+  train.precision=bf16 train.seq_len=1024 train.micro_batch_size=2 train.global_batch_size=8
 
 log "throughput: MFU and tokens/s on one GPU, bf16, with and without torch.compile (target MFU >= 45% on H100/H200)"
 for model in llama-1b hf/llama-3.2-1b; do

@@ -209,6 +209,7 @@ BAD_CONFIGS = [
     (["model=tiny-moe", "model.moe.top_k=0"], "model.moe.top_k", "1 <= top_k <= 8"),
     (["model=tiny", "model.moe.experts=-2"], "model.moe.experts", "0 (dense)"),
     (["model=tiny-moe", "model.moe.capacity_factor=0"], "model.moe.capacity_factor", "> 0"),
+    (["model=tiny-moe", "model.moe.expert_ffn_dim=0"], "model.moe.expert_ffn_dim", "> 0"),
     (["model=tiny-moe", "model.moe.aux_loss_coef=-1"], "model.moe.aux_loss_coef", ">= 0"),
     (["model=tiny-moe", "model.moe.shared_experts=-1"], "model.moe.shared_experts", "0 or more"),
     (
