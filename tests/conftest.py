@@ -17,6 +17,7 @@ from meshrun.driver.experiment import measure
 from meshrun.tools import verify
 from tests.cli import CliRun, run_console, run_meshrun
 from tests.hf_corpus import Corpus, write_corpus
+from tests.moe_runs import COMMON as MOE_COMMON
 from tests.ranks import RankPool, config_in
 
 # `make test` runs two test modules at a time (xdist --dist loadscope: a module's tests, and
@@ -146,6 +147,24 @@ def rank_pool():
 def on_pool(monkeypatch, rank_pool):
     """meshrun-verify's runs on the session's rank pool."""
     monkeypatch.setattr(verify, "launch", rank_pool.launch)
+
+
+@pytest.fixture(scope="module")
+def single_moe_steps(tmp_path_factory, rank_pool):
+    """One device's steps of tiny-moe with the given model.moe overrides (each run once a
+    module)."""
+    runs: dict[tuple[str, ...], list[dict]] = {}
+
+    def steps(*extra: str) -> list[dict]:
+        if extra not in runs:
+            tmp = tmp_path_factory.mktemp("single")
+            cfg = config_in(tmp, "parallel=single", *MOE_COMMON, *extra)
+            measured = measure(cfg, "run", rank_pool.launch)
+            assert measured.ok, measured.meta.error
+            runs[extra] = measured.steps
+        return runs[extra]
+
+    return steps
 
 
 @pytest.fixture

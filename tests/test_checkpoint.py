@@ -66,6 +66,12 @@ RESUMED_LAYOUTS = {
         "model.moe.load_balance=bias",
         "model.moe.bias_update_rate=0.05",
     ),
+    "ep2_moe_bias": (
+        "parallel=ep2",
+        "model=tiny-moe",
+        "model.moe.load_balance=bias",
+        "model.moe.bias_update_rate=0.05",
+    ),
 }
 # In CI sharded state (fsdp) and an MoE's router biases; with -m slow replicated state (ddp),
 # TP's DTensors and a pipeline's stages, whose loads the cross-layout test below makes too.
@@ -113,6 +119,16 @@ def test_resumed_run_continues_bit_for_bit(tmp_path, rank_pool, layout):
             ("parallel=cp2", "parallel.cp=4", "launcher.nproc_per_node=4"),
             marks=pytest.mark.slow,
         ),
+        # experts split 2 ways, each half sharded 2 ways: resumed with them split 4 ways
+        (
+            ("model=tiny-moe", "parallel=ep2", "launcher.nproc_per_node=4"),
+            ("model=tiny-moe", "parallel=ep2", "parallel.ep=4", "launcher.nproc_per_node=4"),
+        ),
+        pytest.param(
+            ("model=tiny-moe", "parallel=ep2"),
+            ("model=tiny-moe", "parallel=single"),
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=[
         "fsdp-to-tp2_pp2",
@@ -120,6 +136,8 @@ def test_resumed_run_continues_bit_for_bit(tmp_path, rank_pool, layout):
         "tp2_pp2-to-single",
         "fsdp2_cp2-to-single",
         "cp2-to-cp4",
+        "moe_fsdp4_ep2-to-ep4",
+        "moe_ep2-to-single",
     ],
 )
 def test_checkpoint_loads_under_another_layout(tmp_path, rank_pool, saved_under, resumed_under):

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from meshrun.core.config import MoEConfig
 from meshrun.core.errors import ConfigError
 from meshrun.core.record import RunRecord
-from meshrun.driver.experiment import measure
 from meshrun.driver.results import router_fields
 from meshrun.driver.sinks.console import console, print_summary
 from meshrun.driver.sinks.wandb_sink import step_metrics
@@ -20,8 +19,8 @@ from meshrun.models import build_model, moe
 from meshrun.plan import predict, traced
 from meshrun.validate.experts import check_expert_layout
 from tests.helpers import compose_config, resolved_config
-from tests.ranks import assert_steps_match, config_in, losses
-from tests.test_layouts import COMMON as LAYOUTS_COMMON
+from tests.moe_runs import BIAS, COMMON
+from tests.ranks import assert_steps_match, losses
 from tests.tiers import tiered
 
 DIM, HIDDEN = 16, 24
@@ -199,8 +198,6 @@ def test_the_plan_counts_every_experts_parameters():
     assert params <= stage.params <= params * 1.02  # and the rotary tables, which are buffers
 
 
-COMMON = (*(o for o in LAYOUTS_COMMON if not o.startswith("model=")), "model=tiny-moe")
-BIAS = ("model.moe.load_balance=bias", "model.moe.bias_update_rate=0.05")
 LAYOUTS = {
     "ddp": ("parallel=ddp",),  # the balance loss at 1/micro-batches
     "pp2": ("parallel=pp2",),  # ... and from inside a stage that never sees the loss
@@ -212,22 +209,6 @@ LAYOUTS = {
     "ddp_bias": ("parallel=ddp", *BIAS),
 }
 FAST = {"ddp", "pp2", "ddp_bias"}
-
-
-@pytest.fixture(scope="module")
-def single_moe_steps(tmp_path_factory, rank_pool):
-    """One device's steps of tiny-moe with the given model.moe overrides (each run once)."""
-    runs: dict[tuple[str, ...], list[dict]] = {}
-
-    def steps(*extra: str) -> list[dict]:
-        if extra not in runs:
-            cfg = config_in(tmp_path_factory.mktemp("single"), "parallel=single", *COMMON, *extra)
-            measured = measure(cfg, "run", rank_pool.launch)
-            assert measured.ok, measured.meta.error
-            runs[extra] = measured.steps
-        return runs[extra]
-
-    return steps
 
 
 @pytest.mark.parametrize("layout", tiered(LAYOUTS, FAST))

@@ -173,6 +173,10 @@ class ParallelConfig:
     `cp_method`: `ring` (K/V blocks passed round), `allgather` (K/V gathered once a layer) or
     `alltoall` (Ulysses: sequence shards traded for head shards). CP ranks hold the same
     parameters: FSDP2 shards them over dp_shard x cp.
+    `ep` > 1 splits an MoE model's routed experts over groups of ep ranks drawn from
+    dp_shard x cp (as torchtitan: the ranks that would otherwise hold the same experts), each
+    token sent to the rank of its experts and back with all-to-alls; the dense parts keep
+    their layout, and FSDP2 shards each rank's experts over the rest of dp_shard x cp.
     """
 
     name: str = MISSING
@@ -182,6 +186,7 @@ class ParallelConfig:
     pp: int = 1
     cp: int = 1
     cp_method: CpMethod = CpMethod["ring"]
+    ep: int = 1
     schedule: Schedule = Schedule["1f1b"]
     stages_per_rank: int = 1
     pp_layers: Any = None  # list[int] | "auto" | None (OmegaConf has no such union)

@@ -27,6 +27,7 @@ class Layout:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1  # not a mesh dim: drawn from dp_shard x cp (rank/mesh.py's expert mesh)
 
     @property
     def world_size(self) -> int:
@@ -48,10 +49,15 @@ class Layout:
         (torchtitan's dp_shard_cp), whose gradients it averages."""
         return self.dp_shard * self.cp
 
+    @property
+    def expert_shard_size(self) -> int:
+        """The ranks FSDP2 shards each rank's experts over: what ep leaves of dp_shard x cp."""
+        return self.shard_size // self.ep
+
     @classmethod
     def of(cls, parallel: ParallelConfig) -> Layout:
         """The layout of a resolved parallel config (no -1 degrees left)."""
-        return cls(**{dim: getattr(parallel, dim) for dim in MESH_DIMS})
+        return cls(**{dim: getattr(parallel, dim) for dim in MESH_DIMS}, ep=parallel.ep)
 
     def degrees(self) -> dict[str, int]:
         return {dim: getattr(self, dim) for dim in MESH_DIMS}
@@ -60,6 +66,8 @@ class Layout:
         """The non-trivial degrees, e.g. 'dp_shard2 x tp2' (for messages about degrees; a
         run's name is `layout_name`)."""
         parts = [f"{dim}{n}" for dim, n in self.degrees().items() if n > 1]
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
         return " x ".join(parts) or "single"
 
 

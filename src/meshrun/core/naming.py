@@ -21,9 +21,9 @@ from meshrun.core.stages import PP_AUTO
 
 def layout_name(cfg: ExperimentConfig) -> str:
     """The one readable name of a resolved config's layout, e.g. `ddp4(bucket-view)`,
-    `hsdp2x2`, `fsdp-replicate2 x tp2`, `fsdp2 x cp2(ring)`, `pp2(1f1b, m=4) x tp2,
-    ckpt=full`; `single` for one device. Shown by the console, store, report, planner and
-    W&B alike."""
+    `hsdp2x2`, `fsdp-replicate2 x tp2`, `fsdp2 x cp2(ring)`, `fsdp4 x ep2`,
+    `pp2(1f1b, m=4) x tp2, ckpt=full`; `single` for one device. Shown by the console,
+    store, report, planner and W&B alike."""
     p = cfg.parallel
     if p.data_parallel == "dataparallel":
         parts = [f"dataparallel{p.dataparallel_devices}"]
@@ -32,6 +32,8 @@ def layout_name(cfg: ExperimentConfig) -> str:
         parts += _data_parts(p)
         if p.cp > 1:
             parts.append(f"cp{p.cp}({p.cp_method})")
+        if p.ep > 1:
+            parts.append(f"ep{p.ep}")
         if p.tp > 1:
             extras = (["sp"] if p.sequence_parallel else []) + (
                 [f"plan={p.tp_plan}"] if p.tp_plan else []

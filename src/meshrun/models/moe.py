@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -96,6 +97,64 @@ def expert_compute(
     return torch.cat(outs) if outs else x.new_empty(0, w2.shape[-1])
 
 
+class _ScaledGrad(torch.autograd.Function):
+    """Identity; the gradient times `factor`. An ep-sharded expert's gradient sums the
+    tokens of all its ep group's ranks, each rank's loss a mean over its own: what the dense
+    weights' data-parallel mean makes of it is that sum over ep (FSDP2 averages over the
+    ranks it reduces the expert over, which ep is not among)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, factor: float) -> Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        return grad * ctx.factor, None
+
+
+def _exchange(x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
+    out = x.new_empty(sum(out_splits), *x.shape[1:])
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single of rows, `in_splits` of them to each rank, `out_splits` from each;
+    the gradient goes back the way the rows came."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
+        ctx.splits, ctx.group = (in_splits, out_splits), group
+        return _exchange(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        return _exchange(grad, *ctx.splits, ctx.group), None, None, None
+
+
+def dispatched_compute(
+    x: Tensor, weights: tuple[Tensor, Tensor, Tensor], counts: Tensor | list[int], group, grouped
+) -> Tensor:
+    """`expert_compute` with the experts split over `group` (expert parallelism: this rank
+    holds `weights`, E/ep consecutive experts): each block of rows goes to its expert's
+    rank, the rows from every rank are computed there by expert, and come back in order.
+    Two all-to-alls of rows each way (one forward, one backward), after one of the counts."""
+    ep = dist.get_world_size(group)
+    counts = torch.as_tensor(counts, device=x.device)
+    local = counts.numel() // ep
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)
+    received = received.view(ep, local)  # [source rank, expert here]: rows on their way
+    sent, arriving = counts.view(ep, local).sum(1).tolist(), received.sum(1).tolist()
+    rows = _AllToAll.apply(x, arriving, sent, group)
+    # rows arrive by (source rank, expert): regrouped by expert, each a contiguous block
+    expert_of_row = torch.arange(local, device=x.device).repeat(ep)
+    order = expert_of_row.repeat_interleave(received.flatten()).argsort(stable=True)
+    out = expert_compute(rows[order], weights, received.sum(0), grouped)
+    return _AllToAll.apply(out[order.argsort()], sent, arriving, group)
+
+
 @dataclass
 class Routing:
     """What a router decided for a micro-batch: what the metrics report (tokens per expert,
@@ -113,13 +172,27 @@ STAT_EXTRA = 3
 
 class Experts(nn.Module):
     """The routed experts' weights, one 3-D tensor a matrix (dim 0: the expert), so FSDP
-    shards them by expert and a checkpoint holds each matrix once."""
+    shards them by expert and a checkpoint holds each matrix once. A module of its own with
+    its own forward, so FSDP2 can gather them as a unit (expert parallelism shards them
+    over other ranks than the rest of the block)."""
 
     def __init__(self, experts: int, dim: int, hidden: int) -> None:
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(experts, hidden, dim))
+        self.ep_group: dist.ProcessGroup | None = None  # expert parallelism's (expert.py)
+
+    def forward(self, x: Tensor, counts: Tensor | list[int]) -> Tensor:
+        """Each expert's SwiGLU over its block of `x` (rows sorted by expert)."""
+        grouped = grouped_mm_native(x.device, x.dtype)
+        w = (self.w1, self.w3, self.w2)
+        if self.ep_group is None:
+            return expert_compute(x, w, counts, grouped)
+        # the weights are DTensors over ep: this rank's experts are the local tensors
+        share = 1.0 / dist.get_world_size(self.ep_group)
+        local = tuple(_ScaledGrad.apply(t.to_local(), share) for t in w)
+        return dispatched_compute(x, local, counts, self.ep_group, grouped)
 
 
 class MoEFeedForward(nn.Module):
@@ -151,9 +224,7 @@ class MoEFeedForward(nn.Module):
             counts = torch.bincount(assigned, minlength=experts)
             kept, counts, dropped = self._capacity(order, assigned, counts, tokens.shape[0])
         rows = kept // k
-        grouped = grouped_mm_native(x.device, x.dtype)
-        w = (self.experts.w1, self.experts.w3, self.experts.w2)
-        out = expert_compute(tokens[rows], w, counts, grouped)
+        out = self.experts(tokens[rows], counts)
         out = out * weights.flatten()[kept, None].to(out.dtype)
         routed = torch.zeros_like(tokens).index_add_(0, rows, out.to(tokens.dtype))
         if self.shared is not None:
@@ -219,7 +290,7 @@ def _even(assignments: int, experts: int, device: torch.device) -> tuple[Tensor,
     return kept, counts, torch.zeros((), dtype=torch.long)
 
 
-def _blocks(modules: list[nn.Module]) -> Iterator[MoEFeedForward]:
+def moe_blocks(modules: list[nn.Module]) -> Iterator[MoEFeedForward]:
     return (b for module in modules for b in module.modules() if isinstance(b, MoEFeedForward))
 
 
@@ -230,7 +301,7 @@ def take_router_stats(
     zero rows for the blocks another pipeline rank holds, so a sum over the stages has them
     all); the blocks start counting the next step."""
     stats = torch.zeros(layers, experts + STAT_EXTRA, device=device)
-    for block in _blocks(modules):
+    for block in moe_blocks(modules):
         if block.step_stats is not None:
             stats[block.layer] = block.step_stats
             block.step_stats = None
@@ -263,7 +334,7 @@ def update_biases(modules: list[nn.Module], counts: Tensor, rate: float) -> None
     """load_balance=bias after a step: each expert's bias up by `rate` where the step's
     batch gave it fewer tokens than the mean, down where more (`counts`: [layers, experts],
     the same on every data-parallel rank, so their biases stay equal)."""
-    for block in _blocks(modules):
+    for block in moe_blocks(modules):
         load = counts[block.layer].to(block.expert_bias.device)
         block.expert_bias += rate * torch.sign(load.mean() - load)
 

@@ -20,6 +20,18 @@ def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, tuple(layout.degrees().values()), mesh_dim_names=MESH_DIMS)
 
 
+EXPERT_MESH_DIMS = ("pp", "dp_replicate", "expert_shard", "ep", "tp")
+
+
+def build_expert_mesh(layout: Layout, device_type: str) -> DeviceMesh:
+    """The mesh experts are laid out on: the same ranks, with dp_shard x cp split into
+    (expert_shard, ep), ep innermost, so an ep group is CP peers first, then neighbouring
+    dp_shard ranks (torchtitan's dp_shard_in_ep x cp). Its own root, so that FSDP2 can
+    shard the ep-sharded experts over expert_shard (both must share one)."""
+    sizes = (layout.pp, layout.dp_replicate, layout.expert_shard_size, layout.ep, layout.tp)
+    return init_device_mesh(device_type, sizes, mesh_dim_names=EXPERT_MESH_DIMS)
+
+
 def dp_group(mesh: DeviceMesh | None) -> dist.ProcessGroup | None:
     """One group spanning both data-parallel dims and CP (for averaging metrics like the
     loss: CP peers hold equal shares of a sequence's tokens, so the mean of their means is

@@ -1,10 +1,12 @@
 """Rules of a mixture-of-experts model (`model.moe`, models/moe.py): a router that can pick
-its top-k, and the layouts its blocks combine with so far."""
+its top-k, the layouts its blocks combine with so far, and expert parallelism's degree
+(`parallel.ep`, drawn from dp_shard x cp)."""
 
 from __future__ import annotations
 
 from meshrun.core.config import ExperimentConfig, LlamaModelConfig, ModelConfig
 from meshrun.core.errors import fail, positive
+from meshrun.core.layout import Layout
 
 
 def check_experts(m: ModelConfig) -> None:
@@ -42,6 +44,7 @@ def check_experts(m: ModelConfig) -> None:
 def check_expert_layout(cfg: ExperimentConfig) -> None:
     """What an MoE block does not combine with yet, each with the reason."""
     m, p = cfg.model, cfg.parallel
+    check_expert_parallel(cfg)
     if not isinstance(m, LlamaModelConfig) or not m.moe.experts:
         return
     if p.tp > 1 and p.sequence_parallel:
@@ -75,4 +78,40 @@ def check_expert_layout(cfg: ExperimentConfig) -> None:
             f"the sequence-wise balance loss needs each sequence on one rank; parallel.cp={p.cp} "
             "splits it",
             "model.moe.load_balance=bias or none, or parallel.cp=1",
+        )
+
+
+def check_expert_parallel(cfg: ExperimentConfig) -> None:
+    """`parallel.ep` on a resolved layout: experts to split, ranks to split them over."""
+    m, p = cfg.model, cfg.parallel
+    if p.ep < 1:
+        fail("parallel.ep", p.ep, "must be >= 1", "1 (no expert parallelism) or more")
+    if p.ep == 1:
+        return
+    if not isinstance(m, LlamaModelConfig) or not m.moe.experts:
+        fail(
+            "parallel.ep",
+            p.ep,
+            f"splits the routed experts of an MoE model; model={m.name} has none"
+            + ("" if isinstance(m, LlamaModelConfig) else " meshrun can split"),
+            "parallel.ep=1, or an MoE model of meshrun's own (model=tiny-moe, mixtral-8x7b, "
+            "or model.moe.experts > 0)",
+        )
+    shard = Layout.of(p).shard_size
+    if shard % p.ep:
+        fail(
+            "parallel.ep",
+            p.ep,
+            f"its ranks are drawn from dp_shard x cp, {p.dp_shard} x {p.cp} = {shard} here, "
+            "which it must divide",
+            f"a divisor of {shard}, or parallel.dp_shard a multiple of {p.ep} (parallel=ep2 "
+            "shards the dense parts over every rank and splits the experts in two)",
+        )
+    if m.moe.experts % p.ep:
+        fail(
+            "parallel.ep",
+            p.ep,
+            f"must divide model.moe.experts ({m.moe.experts}): each ep rank holds a whole "
+            "number of experts",
+            f"a divisor of {m.moe.experts}",
         )

@@ -1,10 +1,10 @@
 """Turn the model into its parallel form for a layout.
 
 Composition order (as in torchtitan): on the meta device, the pipeline cut, context
-parallel, tensor parallel, activation checkpointing, torch.compile per block and FSDP2
-(HSDP); then each rank materialises what it holds, seeded or read from a checkpoint (no rank
-ever holds the whole model); then the wrappers that need real tensors (DDP, DataParallel);
-then the pipeline schedule.
+parallel, tensor parallel, expert parallel, activation checkpointing, torch.compile per block
+and FSDP2 (HSDP); then each rank materialises what it holds, seeded or read from a
+checkpoint (no rank ever holds the whole model); then the wrappers that need real tensors
+(DDP, DataParallel); then the pipeline schedule.
 """
 
 from __future__ import annotations
@@ -24,11 +24,13 @@ from torch.nn.parallel import DistributedDataParallel
 from meshrun.core.config import ParallelConfig
 from meshrun.core.layout import Layout
 from meshrun.core.stages import local_stage_ids, stage_layer_counts
+from meshrun.rank.mesh import build_expert_mesh
 from meshrun.rank.parallel.checkpointing import apply_activation_checkpointing
 from meshrun.rank.parallel.compile import apply_compile
 from meshrun.rank.parallel.context import apply_context_parallel
 from meshrun.rank.parallel.dataparallel import apply_dataparallel
 from meshrun.rank.parallel.ddp import apply_ddp
+from meshrun.rank.parallel.expert import apply_expert_parallel
 from meshrun.rank.parallel.fsdp import apply_fsdp
 from meshrun.rank.parallel.pipeline import ScaledLoss, build_schedule, cut_stage
 from meshrun.rank.parallel.tensor import resolve_tp_plan
@@ -112,6 +114,7 @@ def parallelize(
     pp_rank = mesh.get_local_rank("pp") if layout.pp > 1 else 0
     stage_ids, n_stages = pipeline_stages(pp_rank, layout, cfg)
     wrapped, read = [], 0
+    expert_mesh = build_expert_mesh(layout, device.type) if layout.ep > 1 else None
     for cut in stage_parts(model, pp_rank, layout, cfg):
         if layout.cp > 1:
             cp_mesh = mesh["cp"]
@@ -123,7 +126,7 @@ def parallelize(
                 cp_mesh.get_local_rank(),
                 layout.cp,
             )
-        part = sharded_part(cut, mesh, layout, cfg, param_dtype, compile)
+        part = sharded_part(cut, mesh, layout, cfg, param_dtype, compile, expert_mesh)
         read += materialise(part, device, seed, pretrained)
         wrapped.append(replicated(part, mesh, layout, cfg, device))
     schedule = new_schedule = None
@@ -163,12 +166,15 @@ def sharded_part(
     cfg: ParallelConfig,
     param_dtype: torch.dtype,
     compile: bool = False,
+    expert_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
-    """On meta: tensor-parallel, checkpointed, compiled (`compile`) and FSDP2-sharded, every
-    parameter already the DTensor it trains as, so that materialising fills only this rank's
-    share."""
+    """On meta: tensor-parallel, expert-parallel (over `expert_mesh`, rank/mesh.py),
+    checkpointed, compiled (`compile`) and FSDP2-sharded, every parameter already the
+    DTensor it trains as, so that materialising fills only this rank's share."""
     if layout.tp > 1:
         resolve_tp_plan(cfg.tp_plan)(part, mesh["tp"], cfg.sequence_parallel)
+    if expert_mesh is not None:
+        apply_expert_parallel(part, expert_mesh["ep"])
     apply_activation_checkpointing(part, cfg.activation_checkpointing)
     if compile:
         apply_compile(part)
@@ -177,7 +183,7 @@ def sharded_part(
     # Replication next to TP/PP goes through FSDP2 on a (replicate, shard=1) mesh. Under PP,
     # keep parameters gathered across the micro-batches of a step instead of re-gathering.
     reshard = cfg.fsdp.reshard_after_forward and layout.pp == 1
-    return apply_fsdp(part, mesh, layout, reshard, param_dtype)
+    return apply_fsdp(part, mesh, layout, reshard, param_dtype, expert_mesh)
 
 
 def materialise(part: nn.Module, device: torch.device, seed: int, pretrained: str | None) -> int:

@@ -1,6 +1,7 @@
 """Sharded data parallelism with FSDP2 (`fully_shard`) over the data-parallel dims: 1-D for
 FSDP, 2-D (replicate, shard) for HSDP, or (replicate, 1) for plain replication beside TP/PP;
-the shard dim takes in CP's (dp_shard x cp), whose ranks hold the same parameters."""
+the shard dim takes in CP's (dp_shard x cp), whose ranks hold the same parameters. Under
+expert parallelism each block's experts are a unit of their own on the expert mesh."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from meshrun.core.layout import Layout
+from meshrun.models.moe import moe_blocks
 
 
 def apply_fsdp(
@@ -20,6 +22,7 @@ def apply_fsdp(
     layout: Layout,
     reshard_after_forward: bool,
     param_dtype: torch.dtype,
+    expert_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Shard each transformer block as its own unit (so only one block is gathered at a
     time), then the root, which holds the embedding, final norm and head. The root is never
@@ -35,6 +38,8 @@ def apply_fsdp(
     for index, block in enumerate(blocks):
         # The last block is resharded by the root right after anyway: keep it gathered.
         reshard = reshard_after_forward and index < len(blocks) - 1
+        if expert_mesh is not None:
+            _shard_experts(block, expert_mesh, layout, policy, reshard)
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False)
     # Under TP the root's logits are a slice of the padded vocabulary (models/vocab.py), a
@@ -43,3 +48,20 @@ def apply_fsdp(
     # one device (tests/test_layouts.py) shows the gradients whole.
     warnings.filterwarnings("ignore", r"FSDP2-wrapped module \(.*\) returned a view tensor")
     return model
+
+
+def _shard_experts(
+    block: nn.Module,
+    expert_mesh: DeviceMesh,
+    layout: Layout,
+    policy: MixedPrecisionPolicy,
+    reshard: bool,
+) -> None:
+    """Each rank's experts (DTensors over ep) sharded over the rest of dp_shard x cp (and
+    replicated over dp_replicate), whose gradients FSDP2 averages (the ep group's share of
+    the mean is taken in the block, models/moe.py's dispatch)."""
+    dims = ("dp_replicate", "expert_shard") if layout.dp_replicate > 1 else ("expert_shard",)
+    for moe in moe_blocks([block]):
+        fully_shard(
+            moe.experts, mesh=expert_mesh[dims], mp_policy=policy, reshard_after_forward=reshard
+        )

@@ -1,0 +1,144 @@
+"""Expert parallelism (parallel.ep, rank/parallel/expert.py): tokens dispatched to the rank of
+their experts and back with autograd, each rank holding its share of the experts, every
+layout with ep training the same model as one device, and the degrees refused before any
+process starts. Real gloo processes throughout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from meshrun.core.config import ParallelConfig
+from meshrun.core.errors import ConfigError
+from meshrun.core.layout import Layout
+from meshrun.models import build_model, moe
+from meshrun.models.shards import held_box
+from meshrun.rank.mesh import build_mesh
+from meshrun.rank.parallel import parallelize
+from tests.helpers import resolved_config
+from tests.moe_runs import BIAS, COMMON
+from tests.ranks import assert_steps_match, losses
+from tests.test_layouts import MICRO4
+from tests.tiers import tiered
+
+EXPERTS, DIM, HIDDEN = 4, 6, 5
+
+
+def _weights() -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(EXPERTS, DIM, HIDDEN), (EXPERTS, DIM, HIDDEN), (EXPERTS, HIDDEN, DIM)]
+    return tuple(torch.randn(s, generator=gen) for s in shapes)
+
+
+def _dispatched_against_local(_) -> bool:
+    """Each of 2 ranks routes its own rows (uneven counts, an expert with none) to experts
+    split 2 and 2; outputs, the rows' gradients and the experts' summed gradients equal
+    the same compute with every expert here."""
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    counts = [[3, 0, 2, 4], [1, 5, 0, 2]][rank]
+    x = torch.randn(sum(counts), DIM, generator=torch.Generator().manual_seed(10 + rank))
+    grad = torch.randn(sum(counts), DIM, generator=torch.Generator().manual_seed(20 + rank))
+    full = [w.requires_grad_() for w in _weights()]
+    mine = [w[2 * rank : 2 * rank + 2].detach().clone().requires_grad_() for w in _weights()]
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    want = moe.expert_compute(xs[0], tuple(full), counts, grouped=False)
+    want.backward(grad)
+    got = moe.dispatched_compute(xs[1], tuple(mine), counts, dist.group.WORLD, grouped=False)
+    got.backward(grad)
+    ok = torch.allclose(got, want, atol=1e-5) and torch.allclose(xs[1].grad, xs[0].grad, atol=1e-5)
+    for w, m in zip(full, mine, strict=True):  # a weight's gradient sums both ranks' rows
+        summed = w.grad.clone()
+        dist.all_reduce(summed)
+        ok = ok and torch.allclose(m.grad, summed[2 * rank : 2 * rank + 2], atol=1e-5)
+    dist.destroy_process_group()
+    return ok
+
+
+def test_rows_go_to_their_experts_rank_and_come_back_with_their_gradients(rank_pool):
+    assert rank_pool.run(_dispatched_against_local, None, world_size=2) == [True, True]
+
+
+def _held_experts(_) -> dict[str, list[int]]:
+    """Which experts of layer 0 this rank's w1 holds, fsdp4 x ep2 on 4 ranks."""
+    dist.init_process_group("gloo")
+    cfg = resolved_config(*COMMON, "parallel=single")
+    parallel = ParallelConfig(name="ep2", dp_shard=4, ep=2)
+    layout = Layout.of(parallel)
+    model = parallelize(
+        build_model(cfg.model, cfg.train.seq_len, "meta"),
+        build_mesh(layout, "cpu"),
+        layout,
+        parallel,
+        torch.device("cpu"),
+        seed=0,
+        param_dtype=torch.float32,
+    )
+    w1 = model.parts[0].layers["0"].feed_forward.experts.w1
+    local, box = held_box(w1)
+    dist.destroy_process_group()
+    return {"experts": list(range(box[0].start, box[0].stop)), "rows": [local.shape[0]]}
+
+
+def test_each_rank_holds_its_share_of_the_experts(rank_pool):
+    """ep2 splits tiny-moe's 8 experts 4 and 4 (ep rank = dp_shard rank mod 2), FSDP2 the
+    4 over the other 2 ranks: 2 experts a rank, every expert held once."""
+    held = [r["experts"] for r in rank_pool.run(_held_experts, None, world_size=4)]
+    assert held == [[0, 1], [4, 5], [2, 3], [6, 7]]
+
+
+LAYOUTS = {
+    "ep2": ("parallel=ep2",),  # FSDP2 over 2 ranks, the experts split between them
+    "fsdp2_ep2": ("parallel=ep2", "launcher.nproc_per_node=4"),  # and each half sharded
+    "tp2_ep2": ("parallel=tp2_ep2", "launcher.nproc_per_node=4", MICRO4),
+    "pp2_ep2": ("parallel=pp2_ep2", "launcher.nproc_per_node=4"),
+    "hsdp_ep2": ("parallel=hsdp", "parallel.ep=2", "launcher.nproc_per_node=4"),
+    "cp2_ep2": ("parallel=cp2", "parallel.ep=2", "model.moe.load_balance=none"),
+    "ep4_full_checkpointing": (
+        "parallel=ep2",
+        "parallel.ep=4",
+        "launcher.nproc_per_node=4",
+        "parallel.activation_checkpointing=full",
+    ),
+    "ep2_bias": ("parallel=ep2", *BIAS),
+}
+FAST = {"ep2", "fsdp2_ep2"}
+
+
+@pytest.mark.parametrize("layout", tiered(LAYOUTS, FAST))
+def test_an_moe_model_trains_under_expert_parallelism_as_on_one_device(
+    experiment, single_moe_steps, layout
+):
+    _, measured = experiment(*COMMON, *LAYOUTS[layout])
+    assert measured.ok, measured.meta.error
+    single = single_moe_steps(*(o for o in LAYOUTS[layout] if o.startswith("model.moe")))
+    assert_steps_match(measured.steps, single)
+    first = 1 if LAYOUTS[layout][0].startswith("parallel=pp2") else 0
+    for mine, ref in list(zip(measured.steps, single, strict=True))[first:]:
+        assert mine["moe_max_load"] == pytest.approx(ref["moe_max_load"], rel=1e-5)
+    got = losses(measured)
+    assert got[-1] < got[0]
+
+
+REFUSED = {
+    "a dense model": (("model=tiny", "parallel=ep2"), "has none"),
+    "a transformers model": (("model=hf/tiny-mixtral", "parallel=ep2"), "meshrun can split"),
+    "no dp_shard to draw from": (("model=tiny-moe", "parallel=ddp", "parallel.ep=2"), "dp_shard"),
+    "experts it does not divide": (
+        ("model=tiny-moe", "parallel=ep2", "parallel.ep=3", "launcher.nproc_per_node=3"),
+        "model.moe.experts (8)",
+    ),
+    "a degree below one": (("model=tiny-moe", "parallel=ep2", "parallel.ep=0"), "must be >= 1"),
+}
+NOT_THE_MODEL = tuple(o for o in COMMON if not o.startswith("model="))
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_an_impossible_ep_is_refused_with_the_key_and_a_fix(case):
+    """(The CLI turns a ConfigError into its message and exit 2: test_config_errors.py.)"""
+    overrides, reason = REFUSED[case]
+    with pytest.raises(ConfigError) as caught:
+        resolved_config(*NOT_THE_MODEL, *overrides)
+    assert caught.value.key == "parallel.ep"
+    assert reason in str(caught.value)
