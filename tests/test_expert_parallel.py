@@ -123,11 +123,11 @@ def test_an_moe_model_trains_under_expert_parallelism_as_on_one_device(
 
 REFUSED = {
     "a dense model": (("model=tiny", "parallel=ep2"), "has none"),
-    "a transformers model": (("model=hf/tiny-mixtral", "parallel=ep2"), "meshrun can split"),
+    "a dense transformers model": (("model=hf/tiny-llama", "parallel=ep2"), "has none"),
     "no dp_shard to draw from": (("model=tiny-moe", "parallel=ddp", "parallel.ep=2"), "dp_shard"),
     "experts it does not divide": (
         ("model=tiny-moe", "parallel=ep2", "parallel.ep=3", "launcher.nproc_per_node=3"),
-        "model.moe.experts (8)",
+        "the model's 8 experts",
     ),
     "a degree below one": (("model=tiny-moe", "parallel=ep2", "parallel.ep=0"), "must be >= 1"),
 }

@@ -255,11 +255,18 @@ HF_LAYOUTS = {
     "mixtral_tp2": ("model=hf/tiny-mixtral", "parallel=tp2", "train.micro_batch_size=4"),
     "qwen2_moe_ddp": ("model=hf/tiny-qwen2-moe", "parallel=ddp"),
     "qwen2_moe_tp2": ("model=hf/tiny-qwen2-moe", "parallel=tp2", "train.micro_batch_size=4"),
+    # their experts split over 2 ranks (models/hf_experts.py's forward)
+    "mixtral_ep2": ("model=hf/tiny-mixtral", "parallel=ep2"),
+    "qwen2_moe_fsdp2_ep2": (
+        "model=hf/tiny-qwen2-moe",
+        "parallel=ep2",
+        "launcher.nproc_per_node=4",
+    ),
 }
 HF_COMMON = tuple(o for o in COMMON if not o.startswith("model="))
 
 
-@pytest.mark.parametrize("layout", tiered(HF_LAYOUTS, {"mixtral_ddp"}))
+@pytest.mark.parametrize("layout", tiered(HF_LAYOUTS, {"mixtral_ddp", "mixtral_ep2"}))
 def test_a_transformers_moe_trains_under_each_layout_as_on_one_device(experiment, layout):
     model = HF_LAYOUTS[layout][0]
     _, single = experiment(*HF_COMMON, model, "parallel=single")

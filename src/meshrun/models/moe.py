@@ -113,6 +113,19 @@ class _ScaledGrad(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
+def ep_local(weight: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """This rank's experts of an expert weight sharded over the ep `group` (a DTensor,
+    Shard(0)), with the gradient `_ScaledGrad` gives it."""
+    return _ScaledGrad.apply(weight.to_local(), 1.0 / dist.get_world_size(group))
+
+
+def sorted_by_expert(chosen: Tensor, experts: int) -> tuple[Tensor, Tensor]:
+    """(the assignments sorted by expert: token t's j-th expert at t * k + j, stable within
+    an expert, so in token order; how many each expert got)."""
+    assigned = chosen.flatten()
+    return assigned.argsort(stable=True), torch.bincount(assigned, minlength=experts)
+
+
 def _exchange(x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
     out = x.new_empty(sum(out_splits), *x.shape[1:])
     dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
@@ -189,9 +202,7 @@ class Experts(nn.Module):
         w = (self.w1, self.w3, self.w2)
         if self.ep_group is None:
             return expert_compute(x, w, counts, grouped)
-        # the weights are DTensors over ep: this rank's experts are the local tensors
-        share = 1.0 / dist.get_world_size(self.ep_group)
-        local = tuple(_ScaledGrad.apply(t.to_local(), share) for t in w)
+        local = tuple(ep_local(t, self.ep_group) for t in w)
         return dispatched_compute(x, local, counts, self.ep_group, grouped)
 
 
@@ -219,10 +230,8 @@ class MoEFeedForward(nn.Module):
         if _EVEN_ROUTING[-1]:
             kept, counts, dropped = _even(tokens.shape[0] * k, experts, x.device)
         else:
-            assigned = chosen.flatten()  # token t's j-th expert at t * k + j
-            order = assigned.argsort(stable=True)
-            counts = torch.bincount(assigned, minlength=experts)
-            kept, counts, dropped = self._capacity(order, assigned, counts, tokens.shape[0])
+            order, counts = sorted_by_expert(chosen, experts)
+            kept, counts, dropped = self._capacity(order, chosen.flatten(), counts, tokens.shape[0])
         rows = kept // k
         out = self.experts(tokens[rows], counts)
         out = out * weights.flatten()[kept, None].to(out.dtype)
@@ -290,7 +299,7 @@ def _even(assignments: int, experts: int, device: torch.device) -> tuple[Tensor,
     return kept, counts, torch.zeros((), dtype=torch.long)
 
 
-def moe_blocks(modules: list[nn.Module]) -> Iterator[MoEFeedForward]:
+def _blocks(modules: list[nn.Module]) -> Iterator[MoEFeedForward]:
     return (b for module in modules for b in module.modules() if isinstance(b, MoEFeedForward))
 
 
@@ -301,7 +310,7 @@ def take_router_stats(
     zero rows for the blocks another pipeline rank holds, so a sum over the stages has them
     all); the blocks start counting the next step."""
     stats = torch.zeros(layers, experts + STAT_EXTRA, device=device)
-    for block in moe_blocks(modules):
+    for block in _blocks(modules):
         if block.step_stats is not None:
             stats[block.layer] = block.step_stats
             block.step_stats = None
@@ -334,7 +343,7 @@ def update_biases(modules: list[nn.Module], counts: Tensor, rate: float) -> None
     """load_balance=bias after a step: each expert's bias up by `rate` where the step's
     batch gave it fewer tokens than the mean, down where more (`counts`: [layers, experts],
     the same on every data-parallel rank, so their biases stay equal)."""
-    for block in moe_blocks(modules):
+    for block in _blocks(modules):
         load = counts[block.layer].to(block.expert_bias.device)
         block.expert_bias += rate * torch.sign(load.mean() - load)
 

@@ -4,9 +4,10 @@ its top-k, the layouts its blocks combine with so far, and expert parallelism's 
 
 from __future__ import annotations
 
-from meshrun.core.config import ExperimentConfig, LlamaModelConfig, ModelConfig
+from meshrun.core.config import ExperimentConfig, HFModelConfig, LlamaModelConfig, ModelConfig
 from meshrun.core.errors import fail, positive
 from meshrun.core.layout import Layout
+from meshrun.models import model_shape
 
 
 def check_experts(m: ModelConfig) -> None:
@@ -88,15 +89,17 @@ def check_expert_parallel(cfg: ExperimentConfig) -> None:
         fail("parallel.ep", p.ep, "must be >= 1", "1 (no expert parallelism) or more")
     if p.ep == 1:
         return
-    if not isinstance(m, LlamaModelConfig) or not m.moe.experts:
+    experts = model_shape(m).experts
+    if not experts:
         fail(
             "parallel.ep",
             p.ep,
-            f"splits the routed experts of an MoE model; model={m.name} has none"
-            + ("" if isinstance(m, LlamaModelConfig) else " meshrun can split"),
-            "parallel.ep=1, or an MoE model of meshrun's own (model=tiny-moe, mixtral-8x7b, "
+            f"splits the routed experts of an MoE model; model={m.name} has none",
+            "parallel.ep=1, or an MoE model (model=tiny-moe, mixtral-8x7b, hf/tiny-mixtral, "
             "or model.moe.experts > 0)",
         )
+    if isinstance(m, HFModelConfig):
+        _check_hf_experts(m)
     shard = Layout.of(p).shard_size
     if shard % p.ep:
         fail(
@@ -107,11 +110,25 @@ def check_expert_parallel(cfg: ExperimentConfig) -> None:
             f"a divisor of {shard}, or parallel.dp_shard a multiple of {p.ep} (parallel=ep2 "
             "shards the dense parts over every rank and splits the experts in two)",
         )
-    if m.moe.experts % p.ep:
+    if experts % p.ep:
         fail(
             "parallel.ep",
             p.ep,
-            f"must divide model.moe.experts ({m.moe.experts}): each ep rank holds a whole "
-            "number of experts",
-            f"a divisor of {m.moe.experts}",
+            f"must divide the model's {experts} experts: each ep rank holds a whole number of them",
+            f"a divisor of {experts}",
+        )
+
+
+def _check_hf_experts(m: HFModelConfig) -> None:
+    """transformers' experts are split by replacing their forward with one that computes
+    SwiGLU (models/hf_experts.py): another activation would be trained as SiLU."""
+    from meshrun.models.hf import hf_config  # noqa: PLC0415 (optional: meshrun[hf])
+
+    act = getattr(hf_config(m), "hidden_act", None)
+    if act != "silu":
+        fail(
+            "parallel.ep",
+            "> 1",
+            f"{m.architecture}'s experts use {act}; meshrun splits SwiGLU experts only",
+            "parallel.ep=1",
         )

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from meshrun.core.layout import Layout
-from meshrun.models.moe import moe_blocks
+from meshrun.rank.parallel.expert import routed_experts
 
 
 def apply_fsdp(
@@ -61,7 +61,7 @@ def _shard_experts(
     replicated over dp_replicate), whose gradients FSDP2 averages (the ep group's share of
     the mean is taken in the block, models/moe.py's dispatch)."""
     dims = ("dp_replicate", "expert_shard") if layout.dp_replicate > 1 else ("expert_shard",)
-    for moe in moe_blocks([block]):
+    for experts in routed_experts(block):
         fully_shard(
-            moe.experts, mesh=expert_mesh[dims], mp_policy=policy, reshard_after_forward=reshard
+            experts, mesh=expert_mesh[dims], mp_policy=policy, reshard_after_forward=reshard
         )

@@ -1,0 +1,46 @@
+"""transformers' routed experts under expert parallelism: the 3-D `gate_up_proj` [E, 2f, h]
+and `down_proj` [E, h, f] of Mixtral, Qwen2-MoE, Qwen3-MoE and the like (transformers 5),
+their forward replaced by one that sends each token to the rank of its experts and back
+(models/moe.py's dispatch). transformers' router, shared experts and auxiliary loss are
+untouched."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from meshrun.models.moe import dispatched_compute, ep_local, grouped_mm_native, sorted_by_expert
+
+WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+def is_hf_experts(module: nn.Module) -> bool:
+    params = dict(module.named_parameters(recurse=False))
+    return set(params) == set(WEIGHTS) and all(p.dim() == 3 for p in params.values())
+
+
+def dispatch_over(experts: nn.Module, group: dist.ProcessGroup) -> None:
+    """`experts` (its weights already DTensors over `group`, Shard(0)) computes its tokens
+    on the ranks that hold their experts."""
+    experts.ep_group = group
+    experts.forward = types.MethodType(_dispatched_forward, experts)
+
+
+def _dispatched_forward(
+    self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
+) -> Tensor:
+    """transformers' experts forward (its signature and result): each token's top-k experts
+    summed by the router's weights; SwiGLU (validate refuses another activation)."""
+    order, counts = sorted_by_expert(top_k_index, self.gate_up_proj.shape[0])
+    rows = order // top_k_index.shape[1]
+    gate_up, down = (ep_local(getattr(self, name), self.ep_group) for name in WEIGHTS)
+    f = down.shape[-1]
+    weights = (gate_up[:, :f].mT, gate_up[:, f:].mT, down.mT)
+    x = hidden_states[rows]
+    grouped = grouped_mm_native(x.device, x.dtype)
+    out = dispatched_compute(x, weights, counts, self.ep_group, grouped)
+    out = out * top_k_weights.flatten()[order, None].to(out.dtype)
+    return torch.zeros_like(hidden_states).index_add_(0, rows, out.to(hidden_states.dtype))
