@@ -37,6 +37,14 @@ LAYOUTS = {
     "moe-pp2": ("parallel=pp2", "model=tiny-moe", "train.seq_len=512"),
     "hf-mixtral-ddp": ("parallel=ddp", "model=hf/tiny-mixtral", "train.seq_len=512"),
     "hf-qwen2-moe-ddp": ("parallel=ddp", "model=hf/tiny-qwen2-moe", "train.seq_len=512"),
+    # experts split over 2 ranks (each a half of them gathered, the ep allowance of rows)
+    "moe-ep2": ("parallel=ep2", "model=tiny-moe", "train.seq_len=512"),
+    "moe-fsdp4-ep2": (
+        "parallel=ep2",
+        "launcher.nproc_per_node=4",
+        "model=tiny-moe",
+        "train.seq_len=512",
+    ),
     # a sequence long enough that attention's activations lead, under each CP method
     **{
         f"cp2-{method}": (
@@ -50,11 +58,12 @@ LAYOUTS = {
     },
 }
 # In CI FSDP, whose collectives free gathered blocks on gloo's worker threads, which the meter
-# must see (metrics/memory.py), and CP's allgather, the method holding the most K/V. With
+# must see (metrics/memory.py), CP's allgather, the method holding the most K/V, and experts
+# split over ep ranks (a rank's half of them gathered, the other's rows computed). With
 # -m slow a layout of each other kind of memory: pipelined (each stage a plain model, with its
 # micro-batches in flight), checkpointed, TP (outputs freed on those threads too) through a
 # user's module, whose only prediction is traced, and CP's other two ways of sharing K/V.
-FAST = {("fsdp", "none"), ("cp2-allgather", "none")}
+FAST = {("fsdp", "none"), ("cp2-allgather", "none"), ("moe-ep2", "none")}
 CASES = [
     pytest.param(
         name, ckpt, marks=() if (name, ckpt) in FAST else pytest.mark.slow, id=f"{name}-ckpt_{ckpt}"

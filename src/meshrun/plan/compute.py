@@ -113,21 +113,23 @@ def block_times(
         forward, backward = forward + f, backward + b
     causal_flops = 2 * micro_batch * seq * seq * d.h / tp / cp  # half of 4*b*s^2*h: the mask
     attention = causal_flops / (rates.matmul * ATTENTION_RATE)
-    mlp = d.mlp * d.f / tp if not d.experts else 3 * (d.k * d.fe + d.fs) + 2 * d.k * d.h
+    mlp = d.mlp * d.f / tp if not d.experts else 3 * (d.routed * d.fe + d.fs) + 2 * d.routed * d.h
     per_token = RESIDUAL_BYTES * d.h / (tp if sp else 1) + (2 * (d.h + d.hk) / tp + mlp) * width
     return PassTimes(forward, backward, attention, tokens * per_token / rates.memory)
 
 
 def _mlp_linears(d: Dims, tokens: int, tp: int) -> list[tuple[int, int, int]]:
     """(rows, out, in) of a block's feed-forward matmuls: w1 (w3) w2 split by TP; an MoE's
-    router, each expert over its share of the k x tokens assignments (an even load) and the
-    shared experts over every token, all whole on each TP rank (models/moe.py)."""
+    router, each expert over its share of the k x tokens assignments (an even load; under
+    ep the rank's experts take the rows of the whole ep group, the busiest rank's allowance
+    more) and the shared experts over every token, all whole on each TP rank (models/moe.py)."""
     if not d.experts:
         return [(tokens, d.f // tp, d.h)] * (d.mlp - 1) + [(tokens, d.h, d.f // tp)]
-    rows = -(-tokens * d.k // d.experts)
+    held = d.experts // d.ep
+    rows = math.ceil(tokens * d.routed / held)
     expert = [(rows, d.fe, d.h)] * 2 + [(rows, d.h, d.fe)]
     shared = [(tokens, d.fs, d.h)] * 2 + [(tokens, d.h, d.fs)] if d.fs else []
-    return [(tokens, d.experts, d.h), *expert * d.experts, *shared]
+    return [(tokens, d.experts, d.h), *expert * held, *shared]
 
 
 @functools.lru_cache(maxsize=4096)

@@ -42,6 +42,13 @@ dp_shard x cp. allgather keeps the whole sequence's K/V a layer for backward (th
 blocks its attention saves): 2hk(cp - 1)/tp more per token of the rank's own. Not yet
 counted: the ring's blocks in flight and Ulysses' head-sharded copies (transient: measured
 within 3% without them, benchmarks/context_parallel.py).
+
+Expert parallelism: a rank holds E/ep experts of each MoE block (FSDP2 shards them over what
+ep leaves of dp_shard x cp: the same share of the model state; a gathered block holds E/ep
+experts), and its experts take the whole ep group's rows for them, at an even load: k a
+token of its own (measured within the bars at the near-even routing of a fresh router,
+tests/test_plan_accuracy.py; speed.py plans for the busiest rank's allowance). The
+all-to-alls' row buffers are transient, not counted.
 """
 
 from __future__ import annotations
@@ -123,7 +130,7 @@ def _mlp_kept(d: Dims, tp: int, per_hidden: int) -> float:
     its k experts, with the token's copy in and its output out of each (models/moe.py)."""
     if not d.experts:
         return per_hidden * d.f / tp
-    return d.k * (2 * d.h + per_hidden * d.fe) + per_hidden * d.fs
+    return d.routed * (2 * d.h + per_hidden * d.fe) + per_hidden * d.fs
 
 
 def _router_bytes(d: Dims) -> float:
@@ -139,7 +146,7 @@ def activation_bytes(
     n_microbatches: int,
     micro_batch: int,
 ) -> float:
-    d = Dims.of(cfg.model, layout.tp)
+    d = Dims.of(cfg.model, layout.tp, layout.ep)
     p = cfg.parallel
     tokens = rank_tokens(cfg, layout, micro_batch)
     width = 2 if cfg.train.precision in HALF_PRECISIONS else FP32
@@ -151,7 +158,7 @@ def activation_bytes(
     if share.last:
         per_mb += (3 * d.h + 1 + d.vocab) * FP32 + 8
     held = in_flight(p.schedule, n_microbatches, layout.pp, pp_rank, share.stages_per_rank) * per_mb
-    mlp_temps = 3 * d.f / layout.tp if not d.experts else 3 * (d.k * d.fe + d.fs)
+    mlp_temps = 3 * d.f / layout.tp if not d.experts else 3 * (d.routed * d.fe + d.fs)
     backward_temps = (mlp_temps + 2 * d.h / layout.tp) * width
     if recompute:  # one block recomputed, with its backward temporaries or the held logits
         tail = (d.h + d.vocab / layout.tp) * FP32 if share.last else backward_temps
@@ -169,7 +176,7 @@ def predict_rank(
     n_microbatches: int,
     micro_batch: int,
 ) -> MemoryPrediction:
-    d = Dims.of(cfg.model, layout.tp)
+    d = Dims.of(cfg.model, layout.tp, layout.ep)
     elements = local_param_elements(d, share, layout.tp, layout.shard_size)
     state = elements * FP32
     activations = activation_bytes(cfg, layout, share, pp_rank, n_microbatches, micro_batch)

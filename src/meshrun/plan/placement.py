@@ -32,6 +32,21 @@ def group_span(layout: Layout, dim: str, devices_per_node: int) -> GroupSpan:
     """The worst group of `dim` (the one touching most nodes, with fewest ranks on one)."""
     size = getattr(layout, dim)
     stride = math.prod(getattr(layout, d) for d in MESH_DIMS[MESH_DIMS.index(dim) + 1 :])
+    return span_of(size, stride, devices_per_node)
+
+
+def expert_spans(layout: Layout, devices_per_node: int) -> tuple[GroupSpan, GroupSpan]:
+    """(an ep group, an expert_shard group) of rank/mesh.py's expert mesh: dp_shard x cp
+    split into (expert_shard, ep), ep innermost, so ep peers are tp apart and expert_shard
+    peers ep x tp apart."""
+    return (
+        span_of(layout.ep, layout.tp, devices_per_node),
+        span_of(layout.expert_shard_size, layout.ep * layout.tp, devices_per_node),
+    )
+
+
+def span_of(size: int, stride: int, devices_per_node: int) -> GroupSpan:
+    """The worst of the groups of `size` ranks `stride` apart."""
     extent = size * stride  # ranks from a group's first member to past its last
     if size == 1 or devices_per_node % extent == 0:
         return GroupSpan(size, 1)

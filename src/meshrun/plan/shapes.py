@@ -33,6 +33,15 @@ class Dims:
     k: int = 0
     fe: int = 0
     fs: int = 0
+    # expert parallelism: the ep degree (a rank holds experts/ep of them), and the routed
+    # rows the busiest ep rank computes over an even share (speed.py's allowance)
+    ep: int = 1
+    load: float = 1.0
+
+    @property
+    def routed(self) -> float:
+        """Expert rows a token brings to the busiest rank's experts (k, at an even load)."""
+        return self.k * self.load
 
     def mlp_tensors(self) -> list[tuple[tuple[int, ...], int | None]]:
         """A block's feed-forward tensors and the dim TP splits (None: replicated). An MoE's
@@ -40,23 +49,24 @@ class Dims:
         if not self.experts:
             return [((self.f, self.h), 0)] * (self.mlp - 1) + [((self.h, self.f), 1)]
         router = ((self.experts, self.h), None)
-        experts = [((self.experts, self.h, self.fe), None)] * 2 + [
-            ((self.experts, self.fe, self.h), None)
-        ]
+        held = self.experts // self.ep
+        experts = [((held, self.h, self.fe), None)] * 2 + [((held, self.fe, self.h), None)]
         shared = [((self.fs, self.h), None)] * 2 + [((self.h, self.fs), None)] if self.fs else []
         return [router, *experts, *shared]
 
     def mlp_matmul(self, active: bool) -> int:
         """Matmul elements a token meets in a block's feed-forward (`active`: its top-k
-        experts only; else every expert's, as the parameters count them)."""
+        experts only; else every expert a rank holds, as the parameters count them)."""
         if not self.experts:
             return self.mlp * self.f * self.h
-        routed = self.k if active else self.experts
+        routed = self.k if active else self.experts // self.ep
         return (3 * (routed * self.fe + self.fs) + self.experts) * self.h
 
     @classmethod
-    def of(cls, model_cfg: ModelConfig, tp: int = 1) -> Dims:
-        """`tp`: the degree the vocabulary is padded for (models/vocab.py)."""
+    def of(cls, model_cfg: ModelConfig, tp: int = 1, ep: int = 1, load: float = 1.0) -> Dims:
+        """`tp`: the degree the vocabulary is padded for (models/vocab.py); `ep`: the experts'
+        (parallel.ep); `load`: the busiest ep rank's rows over an even share (at most all of
+        the group's: ep; one rank holding every expert gets exactly k a token)."""
         m = model_shape(model_cfg)
         head_dim = m.dim // m.n_heads
         return cls(
@@ -72,6 +82,8 @@ class Dims:
             m.top_k,
             m.expert_ffn,
             m.shared_ffn,
+            ep,
+            min(ep, load) if ep > 1 else 1.0,
         )
 
 
@@ -157,7 +169,11 @@ def local_param_elements(d: Dims, share: StageShare, tp: int, fsdp: int) -> int:
         tensors.append(((d.h,), None))
         if not (d.tied and share.first):
             tensors.append(((d.vocab, d.h), 0))
-    per_block = sum(_sharded(shape, tp_dim, tp, fsdp) for shape, tp_dim in block)
+    # the routed experts (3-D) are sharded by FSDP2 over what ep leaves of its ranks
+    per_block = sum(
+        _sharded(shape, tp_dim, tp, fsdp if len(shape) < 3 else max(1, fsdp // d.ep))
+        for shape, tp_dim in block
+    )
     return share.layers * per_block + sum(_sharded(s, dim, tp, fsdp) for s, dim in tensors)
 
 

@@ -25,6 +25,13 @@ kinds): nothing loops over ranks, so 8,192-rank plans cost what 8-rank ones do.
                 by all-to-all each way (costed as an all-gather of those bytes). allgather's
                 and alltoall's collectives wait for the compute and it for them: exposed.
                 Full checkpointing runs the forward's traffic again.
+    EP          each MoE layer sends every token's k copies to its experts' ranks and the
+                outputs back (models/moe.py's dispatch): two all-to-alls forward, two
+                backward (again forward under full checkpointing), of the busiest rank's
+                rows (Dims.routed: k x the load allowance), costed as nccl-tests costs an
+                all-to-all (busbw = algbw x (n-1)/n, as an all-gather) on the links the ep
+                group crosses (ep peers are tp apart). Compute waits for them: exposed.
+                The busiest rank's experts compute its allowance of rows too.
     PP          a micro-batch's fp32 residual stream (T x h, / tp under SP) received forward
                 and its gradient backward, v times with v stages a rank: torch's schedules
                 post each receive just before the compute that needs it, so transfers are
@@ -35,9 +42,10 @@ kinds): nothing loops over ranks, so 8,192-rank plans cost what 8-rank ones do.
                 exposed (+ the last bucket); FSDP2: each block's parameters all-gathered in
                 forward (prefetched one block ahead, overlapped) and again in backward, fp32
                 gradients reduce-scattered (all-reduced across HSDP replicas) as each
-                block's backward ends, every micro-batch; under a pipeline once a step
-                (parameters stay gathered across micro-batches; the gradients' sync comes
-                after the last backward, whole: torch's REDUCE_GRAD action)
+                block's backward ends, every micro-batch (under ep, a rank's experts over
+                the expert_shard group, what ep leaves of dp_shard x cp); under a pipeline
+                once a step (parameters stay gathered across micro-batches; the gradients'
+                sync comes after the last backward, whole: torch's REDUCE_GRAD action)
     contention  a collective hidden behind compute still costs it SMs: NCCL runs each
                 channel as one thread block on an SM of its own, and an inter-node ring
                 opens about two channels a NIC (16 on an 8-NIC node), so compute that
@@ -71,7 +79,7 @@ from meshrun.plan.compute import (
     head_times,
     optimizer_time,
 )
-from meshrun.plan.placement import group_span, stage_devices
+from meshrun.plan.placement import expert_spans, group_span, stage_devices
 from meshrun.plan.shapes import (
     Dims,
     StageShare,
@@ -88,17 +96,23 @@ from meshrun.plan.shapes import (
 DEFAULT_EFFICIENCY = {"cuda": 0.4, "cpu": 0.7}
 FP32 = 4
 NCCL_CHANNELS = 16  # SMs a busy NCCL collective occupies beside compute (contention above)
+# The routed rows an ep rank's experts get over an even share, at most: the capacity factor
+# GShard and Switch Transformer train with (1.25, Fedus et al. 2022, JMLR, sec. 2.1) taken
+# as the load a balanced router stays under; the step waits for the busiest rank.
+EP_LOAD_ALLOWANCE = 1.25
 
 
 @dataclass(frozen=True)
 class ModelCost:
     """What the speed model needs of a model under a layout: training FLOPs per token of
     the whole model, the parameter elements of the rank holding most (TP-sharded, before
-    FSDP's shards: what DP moves), and the width of the activations TP and PP move."""
+    FSDP's shards: what DP moves) and of those the routed experts' (FSDP2 moves them over
+    the expert mesh under ep), and the width of the activations TP and PP move."""
 
     flops_per_token: float
     rank_elements: int
     width: int
+    expert_elements: int = 0
 
 
 def formula_cost(cfg: ExperimentConfig, layout: Layout) -> ModelCost:
@@ -108,7 +122,12 @@ def formula_cost(cfg: ExperimentConfig, layout: Layout) -> ModelCost:
     matmul -= inactive_matmul_params(d)  # a token's FLOPs: its experts', not every expert's
     per_token = flops_per_token(model_shape(cfg.model), matmul, cfg.train.seq_len)
     shares = stage_shares(cfg.model, cfg.parallel, layout)
-    return ModelCost(per_token, max(local_param_elements(d, s, layout.tp, 1) for s in shares), d.h)
+    held = Dims.of(cfg.model, ep=layout.ep)
+    rank_elements = max(local_param_elements(held, s, layout.tp, 1) for s in shares)
+    experts = max(s.layers for s in shares) * sum(
+        math.prod(shape) for shape, _ in held.mlp_tensors() if len(shape) == 3
+    )
+    return ModelCost(per_token, rank_elements, d.h, experts)
 
 
 @dataclass(frozen=True)
@@ -146,7 +165,8 @@ def _peak(cfg: ExperimentConfig, spec: DeviceSpec | None) -> float | None:
 @dataclass
 class _Stage:
     """One micro-batch on a pipeline stage's slowest device: compute by kind, TP exposed, CP
-    in all (`cp_total`) and exposed; `attention_f` one layer's attention forward."""
+    in all (`cp_total`) and exposed, EP's all-to-alls; `attention_f` one layer's attention
+    forward."""
 
     forward: float = 0.0
     backward: float = 0.0
@@ -155,6 +175,7 @@ class _Stage:
     tp: float = 0.0
     cp: float = 0.0
     cp_total: float = 0.0
+    ep: float = 0.0
     parts: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -174,7 +195,7 @@ def _rates(cfg: ExperimentConfig, spec: DeviceSpec) -> DeviceRates | None:
 def _by_shapes(
     cfg: ExperimentConfig, layout: Layout, share: StageShare, micro: int, rates: DeviceRates
 ) -> _Stage:
-    d = Dims.of(cfg.model, layout.tp)
+    d = Dims.of(cfg.model, layout.tp, layout.ep, EP_LOAD_ALLOWANCE)
     width = 2 if cfg.train.precision in HALF_PRECISIONS else FP32
     p, seq = cfg.parallel, cfg.train.seq_len
     block = block_times(d, rates, micro, seq, layout.tp, p.sequence_parallel, width, layout.cp)
@@ -281,6 +302,20 @@ def _cp_comm(
     return share.layers * total, share.layers * exposed
 
 
+def _ep_comm(
+    cfg: ExperimentConfig, layout: Layout, fabric: Fabric, share: StageShare, micro: int
+) -> float:
+    """Seconds of one micro-batch's expert all-to-alls on a stage (module docstring)."""
+    if layout.ep == 1:
+        return 0.0
+    d = Dims.of(cfg.model, layout.tp, layout.ep, EP_LOAD_ALLOWANCE)
+    width = 2 if cfg.train.precision in HALF_PRECISIONS else FP32
+    rows = rank_tokens(cfg, layout, micro) * d.routed * d.h * width
+    span, _ = expert_spans(layout, fabric.devices_per_node)
+    forwards = 2 if cfg.parallel.activation_checkpointing == "full" else 1
+    return share.layers * 2 * (forwards + 1) * fabric.all_gather(span, rows)
+
+
 def _attention_widths(cfg: ExperimentConfig, cost: ModelCost) -> tuple[int, int]:
     """(query, K/V) width of a layer: the formulas' where the model has them; a model
     without (model=custom) taken as multi-head, its K/V as wide as the activations it moves
@@ -328,10 +363,15 @@ def _dp_comm(
         total = fabric.all_reduce(span, grads)
         return total, overlapped(total, stage.backward + stage.recompute, buckets)
     param_width = 2 if cfg.train.precision in HALF_PRECISIONS else FP32
-    shard = group_span(layout, "dp_shard", per_node)
     replicate = group_span(layout, "dp_replicate", per_node)
-    gather = fabric.all_gather(shard, elements * param_width)
-    reduce = fabric.all_gather(shard, elements * FP32)  # reduce-scatter: the same cost
+    dense = elements - cost.expert_elements if layout.ep > 1 else elements
+    groups = [(group_span(layout, "dp_shard", per_node), dense)]
+    if layout.ep > 1:
+        groups.append((expert_spans(layout, per_node)[1], cost.expert_elements))
+    gather = reduce = 0.0
+    for shard, held in groups:
+        gather += fabric.all_gather(shard, held * param_width)
+        reduce += fabric.all_gather(shard, held * FP32)  # reduce-scatter: the same cost
     reduce += fabric.all_reduce(replicate, elements * FP32 / layout.dp_shard)
     backward = stage.backward + stage.recompute
     if layout.pp > 1:  # gathered once a step, synced after the last backward
@@ -421,6 +461,7 @@ def _stage_on(
         stage = _by_flops(cfg, layout, share, micro, cost, peak * efficiency)
     stage.tp = _tp_comm(cfg, layout, fabric, share, micro, cost)
     stage.cp_total, stage.cp = _cp_comm(cfg, layout, fabric, share, micro, stage, cost)
+    stage.ep = _ep_comm(cfg, layout, fabric, share, micro)
     if rates:
         stage.parts["optimizer"] = optimizer_time(cost.rank_elements // layout.dp_shard, rates)
     return stage, rates
@@ -452,7 +493,7 @@ def _prediction(
     if layout.pp > 1:
         bubble = theoretical_bubble(layout.pp, n_microbatches(cfg), cfg.parallel.stages_per_rank)
     optimizer = stage.parts.get("optimizer", 0.0)
-    pipeline = m * (stage.compute + stage.tp + stage.cp + pp)
+    pipeline = m * (stage.compute + stage.tp + stage.cp + stage.ep + pp)
     step = pipeline / (1 - bubble) + dp_exposed + contention + optimizer
     tokens_per_s = cfg.train.tokens_per_step / step
     breakdown = {
@@ -462,6 +503,7 @@ def _prediction(
         "tp": m * stage.tp,
         "cp": m * stage.cp_total,
         "cp_exposed": m * stage.cp,
+        "ep": m * stage.ep,
         "pp": m * pp,
         "dp": dp_total,
         "dp_exposed": dp_exposed,
@@ -470,15 +512,15 @@ def _prediction(
     }
     return SpeedPrediction(
         compute_s=m * stage.compute + optimizer,
-        comm_s=m * (stage.tp + stage.cp_total + pp) + dp_total,
+        comm_s=m * (stage.tp + stage.cp_total + stage.ep + pp) + dp_total,
         bubble=bubble,
         step_time_s=step,
         tokens_per_s=tokens_per_s,
-        exposed_comm_s=m * (stage.tp + stage.cp + pp) + dp_exposed + contention,
+        exposed_comm_s=m * (stage.tp + stage.cp + stage.ep + pp) + dp_exposed + contention,
         model_tflops_per_device=tokens_per_s * cost.flops_per_token / layout.world_size / 1e12,
         breakdown=breakdown,
     )
 
 
 def _clock(stage: _Stage) -> float:
-    return stage.compute + stage.tp + stage.cp + stage.parts.get("optimizer", 0.0)
+    return stage.compute + stage.tp + stage.cp + stage.ep + stage.parts.get("optimizer", 0.0)
