@@ -91,6 +91,18 @@ def test_a_loaded_hf_checkpoint_gives_transformers_logits(
     assert (unpermuted - theirs).abs().max() > 1e-2
 
 
+def test_heads_wider_than_dim_over_heads_give_transformers_logits(tmp_path):
+    """model.head_dim (Qwen3's 128 at dim 2048 and 32 heads): here 8 heads of 16 at dim 64."""
+    hf = saved_llama(tmp_path, **SMALL, head_dim=16)
+    model = loaded_llama(tmp_path)
+    assert model.cfg.head_dim == 16
+    assert model.layers["0"].attention.wq.weight.shape == (128, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(tokens()), hf(input_ids=tokens()).logits, rtol=0, atol=1e-4
+        )
+
+
 def test_a_pipeline_stage_reads_only_its_tensors_of_a_sharded_checkpoint(tmp_path, monkeypatch):
     hf = saved_llama(tmp_path / "one", **SMALL)
     hf.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
@@ -144,7 +156,7 @@ def test_what_meshrun_llama_cannot_hold_is_named():
     linear = {"rope_scaling": {"type": "linear", "factor": 2.0}}  # a transformers 4 config
     for wrong, fragment in [
         ({"attention_bias": True}, "no biases"),
-        ({"head_dim": 16}, "head_dim=16"),
+        ({"hidden_act": "gelu"}, "'gelu'"),
         (linear, "'linear'"),
     ]:
         with pytest.raises(ValueError, match=fragment):

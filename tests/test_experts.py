@@ -17,6 +17,7 @@ from meshrun.driver.sinks.console import console, print_summary
 from meshrun.driver.sinks.wandb_sink import step_metrics
 from meshrun.models import build_model, moe
 from meshrun.plan import predict, traced
+from meshrun.plan.shapes import Dims, StageShare, inactive_matmul_params, local_param_elements
 from meshrun.validate.experts import check_expert_layout
 from tests.helpers import compose_config, resolved_config
 from tests.moe_runs import BIAS, COMMON
@@ -196,6 +197,17 @@ def test_the_plan_counts_every_experts_parameters():
     params = sum(p.numel() for p in model.parameters()) * 4
     [stage] = predict.stage_memory(cfg)
     assert params <= stage.params <= params * 1.02  # and the rotary tables, which are buffers
+
+
+@pytest.mark.parametrize(
+    ("name", "published"), [("mixtral-8x7b", 12.9e9), ("qwen3-30b-a3b", 3.3e9)]
+)
+def test_a_token_meets_the_published_active_parameters(name, published):
+    """Every parameter but the experts a token is not routed to (the model cards' figure)."""
+    d = Dims.of(compose_config(f"model={name}").model)
+    total = local_param_elements(d, StageShare(d.layers, True, True, 1), 1, 1)
+    active = total - inactive_matmul_params(d)
+    assert active == pytest.approx(published, rel=0.02)
 
 
 LAYOUTS = {

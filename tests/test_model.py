@@ -24,6 +24,8 @@ PUBLISHED_PARAMS = {
     "llama-7b": 6.74e9,
     "llama-13b": 13.0e9,
     "gpt3-175b": 175e9,
+    "mixtral-8x7b": 46.7e9,
+    "qwen3-30b-a3b": 30.5e9,
 }
 # meshrun's own decoder's presets (conf/model/custom.yaml is a user's module, hf/ transformers')
 PRESETS = sorted(

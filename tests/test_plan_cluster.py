@@ -118,3 +118,42 @@ def test_tp_across_nodes_is_ruled_out_with_the_reason(tmp_path):
     # and what would fit instead, each with its command
     instead = run.output.split("layouts that fit without your parallel.tp:")[1].splitlines()
     assert len([line for line in instead[1:4] if "meshrun model=llama-13b" in line]) == 3
+
+
+# Qwen3-30B-A3B's first pretraining stage (4K tokens, Qwen3 Technical Report sec. 3.2)
+QWEN3_MOE = ("model=qwen3-30b-a3b", "hardware=h100-80g", "train.seq_len=4096")
+
+
+@pytest.mark.parametrize("nodes", [4, 32])
+def test_an_moe_plan_proposes_expert_parallel_layouts_that_fit_each_with_its_command(
+    tmp_path, nodes
+):
+    run, plan = meshrun_plan(tmp_path, *QWEN3_MOE, f"launcher.nnodes={nodes}")
+    rows = plan["layouts"]
+    with_ep = [e for e in rows if e["fits"] and e["ep"] > 1]
+    assert with_ep and rows.index(with_ep[0]) < 3, [e["layout"] for e in rows[:5]]
+    for entry in with_ep[:3]:
+        degrees = entry["degrees"]
+        assert (degrees["dp_shard"] * degrees["cp"]) % entry["ep"] == 0 and 128 % entry["ep"] == 0
+        words = shlex.split(entry["command"])
+        assert f"parallel.ep={entry['ep']}" in words
+        again = compose_config(*(w for w in words[1:] if not w.startswith("launcher")))
+        assert layout_name(again) == entry["layout"], entry["command"]
+    assert "experts: the best layout with ep is" in run.output
+    assert "ep: the memory is at an even load of the routed tokens" in run.output
+
+
+def test_an_moe_plan_says_why_the_same_layout_without_ep_does_not_fit(tmp_path):
+    """FSDP2 gathers a block's every expert (2 blocks and a staging copy at the backward's
+    peak); split over ep32 a rank gathers 4 of the 128."""
+    run, _ = meshrun_plan(
+        tmp_path,
+        *QWEN3_MOE,
+        "launcher.nnodes=4",
+        "parallel.activation_checkpointing=selective",
+        "train.micro_batch_size=2",
+    )
+    [line] = [line for line in run.output.splitlines() if line.startswith("experts:")]
+    with_ep, without = line.split("; the same without ep, ")
+    assert with_ep.startswith("experts: the best layout with ep is fsdp32 x ep32")
+    assert without.startswith("fsdp32, ckpt=selective, does not fit: needs")

@@ -78,13 +78,15 @@ class MoEConfig:
 @dataclass
 class LlamaModelConfig(ModelConfig):
     """kind=meshrun: meshrun's own LLaMA-style decoder; `ffn_dim` None means SwiGLU's 8/3*dim
-    rounded to `multiple_of`; `pretrained` is a LlamaForCausalLM of the preset's sizes
+    rounded to `multiple_of`; `head_dim` None means dim / n_heads (Qwen3's heads are wider:
+    n_heads x head_dim > dim); `pretrained` is a LlamaForCausalLM of the preset's sizes
     (models/convert.py)."""
 
     dim: int = MISSING
     n_layers: int = MISSING
     n_heads: int = MISSING
     n_kv_heads: int | None = None
+    head_dim: int | None = None
     vocab_size: int = MISSING
     ffn_dim: int | None = None
     multiple_of: int = 256

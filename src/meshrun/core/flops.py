@@ -2,7 +2,8 @@
 
 FLOPs per token for a training step (forward + backward) follow PaLM's appendix B:
 6 * N + 12 * n_layers * dim * seq_len, N being the parameters that take part in matmuls
-(the attention term counts QK^T and AV, which have no parameters).
+(the attention term counts QK^T and AV, which have no parameters; over the queries' width,
+n_heads x head_dim, where the heads are wider than dim / n_heads).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from meshrun.core.model_shape import ModelShape
 
 
 def flops_per_token(shape: ModelShape, matmul_params: int, seq_len: int) -> float:
-    return 6.0 * matmul_params + 12.0 * shape.n_layers * shape.dim * seq_len
+    return 6.0 * matmul_params + 12.0 * shape.n_layers * shape.q_dim * seq_len
 
 
 def peak_flops(specs: list[DeviceSpec | None], precision: str) -> float | None:

@@ -30,6 +30,15 @@ class ModelShape:
     top_k: int = 0
     expert_ffn: int = 0
     shared_ffn: int = 0
+    head_dim: int | None = None  # None: dim / n_heads
+
+    @property
+    def q_dim(self) -> int | None:
+        """The width of the queries and of attention's output: n_heads x head_dim, which is
+        dim unless the heads are wider (Qwen3)."""
+        if self.head_dim is None or self.n_heads is None:
+            return self.dim
+        return self.n_heads * self.head_dim
 
     @property
     def formula(self) -> bool:
@@ -52,6 +61,10 @@ def kv_heads(cfg: LlamaModelConfig) -> int:
     return cfg.n_kv_heads or cfg.n_heads
 
 
+def head_dim(cfg: LlamaModelConfig) -> int:
+    return cfg.head_dim or cfg.dim // cfg.n_heads
+
+
 def llama_shape(cfg: LlamaModelConfig) -> ModelShape:
     moe = cfg.moe
     experts = {}
@@ -72,6 +85,7 @@ def llama_shape(cfg: LlamaModelConfig) -> ModelShape:
         ffn_dim(cfg),
         cfg.tie_embeddings,
         **experts,
+        head_dim=head_dim(cfg),
     )
 
 

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from meshrun.core.model_shape import head_dim
 from meshrun.models.checkpoint_files import SAFETENSORS, SavedTensors
 from meshrun.models.shards import Reordered, fill, named_tensors
 from meshrun.models.vocab import unpadded_shape
@@ -29,6 +30,7 @@ CONFIG_FIELDS = {
     "n_layers": "num_hidden_layers",
     "n_heads": "num_attention_heads",
     "n_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
     "vocab_size": "vocab_size",
     "ffn_dim": "intermediate_size",
     "norm_eps": "rms_norm_eps",
@@ -102,7 +104,7 @@ def hf_rope(config: dict[str, Any]) -> tuple[str, float]:
 
 def llama_config_from_hf(config: dict[str, Any]) -> dict[str, Any]:
     """LlamaModelConfig's fields for a LlamaForCausalLM config.json; ValueError for what
-    meshrun's LLaMA cannot hold (biases, a scaled rotary, a head_dim of its own)."""
+    meshrun's LLaMA cannot hold (biases, a scaled rotary, another activation)."""
     c = {**HF_DEFAULTS, **config}
     missing = [key for key in REQUIRED if key not in c]
     if missing:
@@ -116,14 +118,16 @@ def llama_config_from_hf(config: dict[str, Any]) -> dict[str, Any]:
             "only the default (unscaled) one"
         )
     dim, heads = c["hidden_size"], c["num_attention_heads"]
-    if c["head_dim"] not in (None, dim // heads) or dim % heads:
-        raise ValueError(
-            f"its head_dim={c['head_dim']} is not hidden_size / num_attention_heads "
-            f"({dim} / {heads}), which meshrun's LLaMA has"
-        )
+    if c["head_dim"] is None and dim % heads:
+        raise ValueError(f"its num_attention_heads={heads} does not divide hidden_size={dim}")
     if c["hidden_act"] != "silu":
         raise ValueError(f"its hidden_act={c['hidden_act']!r}; meshrun's LLaMA has SwiGLU (silu)")
-    values = {**c, "num_key_value_heads": c["num_key_value_heads"] or heads, "rope_theta": theta}
+    values = {
+        **c,
+        "num_key_value_heads": c["num_key_value_heads"] or heads,
+        "head_dim": c["head_dim"] or dim // heads,
+        "rope_theta": theta,
+    }
     fields = {ours: values[theirs] for ours, theirs in CONFIG_FIELDS.items()}
     return {**fields, "tie_embeddings": bool(fields["tie_embeddings"])}
 
@@ -134,11 +138,11 @@ def load_hf(model: nn.Module, directory: str | Path) -> int:
     own) from a Hugging Face Llama save_pretrained directory, q and k permuted to pairs, into
     an embedding and head that may be padded (vocab.py); the bytes read."""
     saved = SavedTensors(directory)
-    head_dim = model.cfg.dim // model.cfg.n_heads
+    width = head_dim(model.cfg)
     for name, param in named_tensors(model):
         source = saved[hf_name(name)]
         if name.endswith(ROTATED):
-            source = Reordered(source, interleave(torch.arange(source.shape[0]), head_dim))
+            source = Reordered(source, interleave(torch.arange(source.shape[0]), width))
         fill(param, source)
     return saved.bytes_read
 
@@ -161,7 +165,7 @@ def hf_config(model: nn.Module) -> dict[str, Any]:
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
         **{CONFIG_FIELDS[key]: value for key, value in fields.items()},
-        "head_dim": cfg.dim // cfg.n_heads,
+        "head_dim": head_dim(cfg),
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
@@ -177,12 +181,12 @@ def export_hf(model: nn.Module, directory: str | Path) -> None:
     `LlamaForCausalLM.from_pretrained` loads: config.json and model.safetensors, the
     vocabulary unpadded, q and k permuted back; a tied head is saved as the embedding alone,
     which transformers ties on load."""
-    head_dim = model.cfg.dim // model.cfg.n_heads
+    width = head_dim(model.cfg)
     tensors = {}
     for name, param in model.named_parameters():
         tensor = param[: unpadded_shape(name, param, model.vocab_size)[0]]
         if name.endswith(ROTATED):
-            tensor = halve(tensor, head_dim)
+            tensor = halve(tensor, width)
         tensors[hf_name(name)] = tensor.contiguous().cpu()
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)

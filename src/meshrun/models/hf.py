@@ -203,6 +203,7 @@ def hf_shape(cfg: HFModelConfig) -> ModelShape:
         top_k=getattr(c, "num_experts_per_tok", 0) if experts else 0,
         expert_ffn=expert_ffn if experts else 0,
         shared_ffn=getattr(c, "shared_expert_intermediate_size", 0) if experts else 0,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
     )
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshrun.core.config import LlamaModelConfig
-from meshrun.core.model_shape import expert_ffn_dim, ffn_dim, kv_heads
+from meshrun.core.model_shape import expert_ffn_dim, ffn_dim, head_dim, kv_heads
 from meshrun.models.init import seeded_normal
 from meshrun.models.moe import MoEFeedForward
 from meshrun.models.shards import fill, named_tensors
@@ -39,7 +39,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.n_kv_heads = kv_heads(cfg)
-        self.head_dim = cfg.dim // cfg.n_heads
+        self.head_dim = head_dim(cfg)
         self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
@@ -191,9 +191,7 @@ class Transformer(nn.Module):
     def _reset_rope(self) -> None:
         """The rotary tables, which a model built on meta does not have."""
         device = self.rope_cos.device
-        cos, sin = rope_tables(
-            self.cfg.dim // self.cfg.n_heads, self.max_seq_len, self.cfg.rope_theta
-        )
+        cos, sin = rope_tables(head_dim(self.cfg), self.max_seq_len, self.cfg.rope_theta)
         if self.positions is not None:
             cos, sin = cos[self.positions], sin[self.positions]
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)

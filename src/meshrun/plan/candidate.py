@@ -15,7 +15,7 @@ from meshrun.plan.memory import MemoryPrediction
 from meshrun.plan.placement import stage_devices
 from meshrun.plan.probe import host_matmul_flops
 from meshrun.plan.shapes import layer_counts
-from meshrun.plan.speed import SpeedPrediction
+from meshrun.plan.speed import EP_LOAD_ALLOWANCE, SpeedPrediction
 from meshrun.validate import validate_layout
 from meshrun.validate.layout import check_batch
 
@@ -60,6 +60,7 @@ class Candidate:
         return {
             "layout": self.label,
             "degrees": Layout.of(p).degrees(),
+            "ep": p.ep,  # drawn from dp_shard x cp, not a mesh degree of its own
             "schedule": p.schedule if p.pp > 1 else None,
             "n_microbatches": n_microbatches(self.cfg) if p.pp > 1 else None,
             "micro_batch_size": self.cfg.train.micro_batch_size,
@@ -130,6 +131,13 @@ def cp_uncounted(cfg: ExperimentConfig) -> str:
     return CP_UNCOUNTED[cfg.parallel.cp_method]
 
 
+EP_LOAD = (
+    "ep: the memory is at an even load of the routed tokens over the ep ranks; the speed waits "
+    "for the busiest rank at {allowance}x its share (a router out of balance may need more of "
+    "both)"
+)
+
+
 def evaluate(cfg: ExperimentConfig) -> Candidate:
     """`cfg` resolved (validated)."""
     candidate = Candidate(
@@ -137,6 +145,8 @@ def evaluate(cfg: ExperimentConfig) -> Candidate:
     )
     if note := cp_uncounted(cfg):
         candidate.notes.append(note)
+    if cfg.parallel.ep > 1:
+        candidate.notes.append(EP_LOAD.format(allowance=EP_LOAD_ALLOWANCE))
     return candidate
 
 

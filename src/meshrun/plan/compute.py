@@ -105,16 +105,16 @@ def block_times(
     """One transformer block (meshrun's: q, k, v, o; w1, (w3,) w2) under TP degree `tp` and
     CP degree `cp`."""
     tokens = micro_batch * seq // cp
-    column = [(d.h, d.h), (d.hk, d.h), (d.hk, d.h)]
-    linears = [(tokens, out // tp, inp) for out, inp in column] + [(tokens, d.h, d.h // tp)]
+    column = [(d.hq, d.h), (d.hk, d.h), (d.hk, d.h)]
+    linears = [(tokens, out // tp, inp) for out, inp in column] + [(tokens, d.h, d.hq // tp)]
     forward = backward = 0.0
     for rows, out, inp in linears + _mlp_linears(d, tokens, tp):
         f, b = rates.linear(rows, out, inp, width)
         forward, backward = forward + f, backward + b
-    causal_flops = 2 * micro_batch * seq * seq * d.h / tp / cp  # half of 4*b*s^2*h: the mask
+    causal_flops = 2 * micro_batch * seq * seq * d.hq / tp / cp  # half of 4*b*s^2*h: the mask
     attention = causal_flops / (rates.matmul * ATTENTION_RATE)
     mlp = d.mlp * d.f / tp if not d.experts else 3 * (d.routed * d.fe + d.fs) + 2 * d.routed * d.h
-    per_token = RESIDUAL_BYTES * d.h / (tp if sp else 1) + (2 * (d.h + d.hk) / tp + mlp) * width
+    per_token = RESIDUAL_BYTES * d.h / (tp if sp else 1) + (2 * (d.hq + d.hk) / tp + mlp) * width
     return PassTimes(forward, backward, attention, tokens * per_token / rates.memory)
 
 

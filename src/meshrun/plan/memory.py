@@ -114,12 +114,13 @@ def _layer_bytes(
     stream and norms stay fp32 under autocast (the weights are fp32); the matmul side is
     `width` bytes. `gathered_kv`: the other CP ranks' K/V a layer keeps (allgather's cp - 1)."""
     replicated = ((4 * d.h + 2) / (tp if sp else 1) + (d.h if tp > 1 else 0)) * FP32
-    matmul_side = (4 * d.h + 2 * d.hk * (1 + gathered_kv) + d.a) / tp + _mlp_kept(d, tp, 4)
+    attention = d.h + 3 * d.hq + 2 * d.hk * (1 + gathered_kv) + d.a  # 4h + 2hk + a, hq = h
+    matmul_side = attention / tp + _mlp_kept(d, tp, 4)
     full = replicated + matmul_side * width + _router_bytes(d)
     if ckpt == "full":
         return d.h / (tp if sp else 1) * FP32, full
     if ckpt == "selective":
-        kept = (2 * d.h + 2 * d.hk + d.a) / tp + _mlp_kept(d, tp, 3)
+        kept = (2 * d.hq + 2 * d.hk + d.a) / tp + _mlp_kept(d, tp, 3)
         return kept * width + d.h * FP32 + _router_bytes(d), full
     return full, 0.0
 

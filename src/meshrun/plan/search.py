@@ -7,7 +7,8 @@ not" of meshrun-plan.
 
 The space: pp x dp_replicate x dp_shard x cp x tp (tp inside a node: its ranks are adjacent,
 so it stays on the node's links iff it divides the devices per node; cp next to it, its
-groups free to span nodes: the ring's sends hide behind attention), each pipeline schedule
+groups free to span nodes: the ring's sends hide behind attention), for an MoE model each ep
+that divides its experts and dp_shard x cp, each pipeline schedule
 with its stages per rank, sequence parallelism on and off, activation checkpointing none /
 selective / full, DDP's bucket view, the micro-batch size. A key the user gave (`fixed`)
 keeps its value. Pruning: for each layout and micro-batch size the checkpointing modes are
@@ -122,12 +123,21 @@ def _allowed(cfg: ExperimentConfig, fixed: frozenset[str], key: str, values: lis
     return [getattr(cfg.parallel, key.removeprefix("parallel."))] if key in fixed else values
 
 
+def _ep_degrees(cfg: ExperimentConfig, shard: int) -> list[int]:
+    """1, and for an MoE model the ep degrees that divide both its experts and the `shard`
+    ranks (dp_shard x cp) they are drawn from."""
+    experts = model_shape(cfg.model).experts
+    return [d for d in _divisors(shard) if d == 1 or (experts and experts % d == 0)]
+
+
 def layout_grid(cfg: ExperimentConfig, box: Box, fixed: frozenset[str]) -> Iterator[dict]:
     """Every layout's parallel keys; a key in `fixed` keeps `cfg`'s value."""
     for cp in _allowed(cfg, fixed, "parallel.cp", _cp_degrees(cfg, box)):
         if box.world % cp == 0:
             for keys in _without_cp(cfg, box, box.world // cp, fixed):
-                yield {**keys, "cp": cp}
+                shard = keys["dp_shard"] * cp
+                for ep in _allowed(cfg, fixed, "parallel.ep", _ep_degrees(cfg, shard)):
+                    yield {**keys, "cp": cp, "ep": ep}
 
 
 def _without_cp(

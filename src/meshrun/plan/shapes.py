@@ -18,7 +18,8 @@ from meshrun.models import model_shape
 @dataclass(frozen=True)
 class Dims:
     """The sizes every formula uses: hidden h, kv width hk, FFN f, heads a, vocab V (padded
-    for TP), and the MLP's matrices (3 gated, 2 plain)."""
+    for TP), and the MLP's matrices (3 gated, 2 plain); hq the queries' width (h unless the
+    heads are wider, model.head_dim)."""
 
     h: int
     hk: int
@@ -28,6 +29,7 @@ class Dims:
     layers: int
     tied: bool
     mlp: int = 3
+    hq: int = 0  # (Dims.of sets it)
     # a mixture of experts: E experts of width fe, k a token, fs the shared experts' width
     experts: int = 0
     k: int = 0
@@ -68,7 +70,7 @@ class Dims:
         (parallel.ep); `load`: the busiest ep rank's rows over an even share (at most all of
         the group's: ep; one rank holding every expert gets exactly k a token)."""
         m = model_shape(model_cfg)
-        head_dim = m.dim // m.n_heads
+        head_dim = m.head_dim or m.dim // m.n_heads
         return cls(
             m.dim,
             m.n_kv_heads * head_dim,
@@ -78,6 +80,7 @@ class Dims:
             m.n_layers,
             m.tied,
             m.mlp_matrices,
+            m.n_heads * head_dim,
             m.experts,
             m.top_k,
             m.expert_ffn,
@@ -119,7 +122,7 @@ def layer_counts(model: ModelConfig, parallel: ParallelConfig, n_stages: int, tp
     if parallel.pp_layers != PP_AUTO:
         return stage_layer_counts(n_layers, n_stages, parallel.pp_layers or None)
     d = Dims.of(model, tp)
-    block = 2 * (2 * d.h * d.h + 2 * d.hk * d.h + d.mlp_matmul(active=True))
+    block = 2 * (2 * d.hq * d.h + 2 * d.hk * d.h + d.mlp_matmul(active=True))
     head = 2 * d.h * d.vocab
     return balanced_layer_counts(n_layers, [float(block)] * n_stages, 0.0, float(head))
 
@@ -154,10 +157,10 @@ def local_param_elements(d: Dims, share: StageShare, tp: int, fsdp: int) -> int:
     tensors times the stage's layers, not a sum over every layer (a plan of a 96-layer model
     asks thousands of times)."""
     block = [
-        ((d.h, d.h), 0),
+        ((d.hq, d.h), 0),
         ((d.hk, d.h), 0),
         ((d.hk, d.h), 0),
-        ((d.h, d.h), 1),  # q k v o
+        ((d.h, d.hq), 1),  # q k v o
         *d.mlp_tensors(),
         ((d.h,), None),
         ((d.h,), None),  # the two norms
@@ -180,8 +183,8 @@ def local_param_elements(d: Dims, share: StageShare, tp: int, fsdp: int) -> int:
 def layer_param_elements(d: Dims, tp: int) -> int:
     """One transformer block, TP-sharded, unsharded by FSDP (what FSDP gathers at a time)."""
     if not d.experts:
-        return (2 * d.h * d.h + 2 * d.hk * d.h + d.mlp * d.f * d.h) // tp + 2 * d.h
-    return (2 * d.h * d.h + 2 * d.hk * d.h) // tp + d.mlp_matmul(active=False) + 2 * d.h
+        return (2 * d.hq * d.h + 2 * d.hk * d.h + d.mlp * d.f * d.h) // tp + 2 * d.h
+    return (2 * d.hq * d.h + 2 * d.hk * d.h) // tp + d.mlp_matmul(active=False) + 2 * d.h
 
 
 def inactive_matmul_params(d: Dims) -> int:

@@ -324,7 +324,7 @@ def _attention_widths(cfg: ExperimentConfig, cost: ModelCost) -> tuple[int, int]
     if not (shape.dim and shape.n_heads):
         return cost.width, cost.width
     d = Dims.of(cfg.model)
-    return d.h, d.hk
+    return d.hq, d.hk
 
 
 def _pp_comm(

@@ -24,6 +24,7 @@ from rich.table import Table
 from meshrun.core.config import ExperimentConfig, TrainConfig, with_resolved
 from meshrun.core.errors import ConfigError, fail, positive
 from meshrun.core.hardware import HostFacts, resolve_hardware, target_facts
+from meshrun.core.layout import Layout
 from meshrun.core.tool_config import PlanCommandConfig
 from meshrun.driver.command import hydra_command
 from meshrun.driver.sinks.console import print_error
@@ -255,6 +256,7 @@ def _why_not(console: Console, box: Box, found: Plan, model: str) -> None:
         )
         for c in sorted(found.ranked, key=_excess)[:3]:
             console.print(f"  closest: {c.label}: {_miss(c)}", highlight=False, soft_wrap=True)
+    _experts(console, found)
     if found.alternatives:
         console.print(f"layouts that fit without your {', '.join(found.alternative_to)}:")
         for c in found.alternatives:
@@ -264,6 +266,41 @@ def _why_not(console: Console, box: Box, found: Plan, model: str) -> None:
         for example, count in found.reasons()[:REASONS_LISTED]:
             alike = " (and alike)" if count > 1 else ""
             console.print(f"  {count:>5} x  {example}{alike}", highlight=False, soft_wrap=True)
+
+
+def _experts(console: Console, found: Plan) -> None:
+    """For an MoE model: the best layout with expert parallelism, the same layout without it
+    (each rank of its data-parallel group holding, or gathering, every expert) and why that
+    does not fit where it does not, and the best layout without ep."""
+    with_ep = [c for c in found.ranked if c.cfg.parallel.ep > 1]
+    without = [c for c in found.ranked if c.cfg.parallel.ep == 1]
+    if not (with_ep and without):
+        return
+    best = _best(with_ep)
+    same = next((c for c in without if _mesh(c) == _mesh(best)), None)
+    text = f"experts: the best layout with ep is {_said(best)}"
+    if same is not None:
+        text += f"; the same without ep, {_said(same)}"
+    other = _best(without)
+    if other is not same:
+        text += f"; the best without ep, {_said(other)}"
+    console.print(text, highlight=False, soft_wrap=True)
+
+
+def _mesh(c: Candidate) -> tuple:
+    p = c.cfg.parallel
+    return (Layout.of(p).degrees(), p.schedule, p.stages_per_rank, p.sequence_parallel)
+
+
+def _said(c: Candidate) -> str:
+    if not c.fits:
+        return f"{c.label}, does not fit: {_miss(c)}"
+    return f"{c.label} ({c.speed.tokens_per_s:,.0f} tokens/s)" if c.speed else c.label
+
+
+def _best(candidates: list[Candidate]) -> Candidate:
+    """The first in the plan's order that fits, else the closest to fitting."""
+    return next((c for c in candidates if c.fits), None) or min(candidates, key=_excess)
 
 
 def _excess(c: Candidate) -> float:

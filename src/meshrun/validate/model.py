@@ -26,7 +26,7 @@ from meshrun.core.config import (
     ModelConfig,
 )
 from meshrun.core.errors import fail, positive
-from meshrun.core.model_shape import ffn_dim, kv_heads
+from meshrun.core.model_shape import ffn_dim, head_dim, kv_heads
 from meshrun.validate.custom import check_custom
 
 # model=hf/auto's architecture (conf/model/hf/auto.yaml): read from model.pretrained.
@@ -78,19 +78,22 @@ def check_sequence(cfg: ExperimentConfig) -> None:
 def _check_llama(m: LlamaModelConfig) -> None:
     for key in ("dim", "n_layers", "n_heads", "vocab_size"):
         positive(f"model.{key}", getattr(m, key))
-    if m.dim % m.n_heads:
+    if m.head_dim is not None:
+        positive("model.head_dim", m.head_dim)
+    elif m.dim % m.n_heads:
         fail(
             "model.n_heads",
             m.n_heads,
             f"does not divide model.dim ({m.dim})",
-            f"a divisor of {m.dim}",
+            f"a divisor of {m.dim}, or model.head_dim set",
         )
-    if (m.dim // m.n_heads) % 2:
+    if head_dim(m) % 2:
+        key = "model.head_dim" if m.head_dim is not None else "model.n_heads"
         fail(
-            "model.n_heads",
-            m.n_heads,
-            f"head dim {m.dim // m.n_heads} is odd; RoPE rotates pairs",
-            "n_heads giving an even dim / n_heads",
+            key,
+            getattr(m, key.removeprefix("model.")),
+            f"head dim {head_dim(m)} is odd; RoPE rotates pairs",
+            "an even head dim (dim / n_heads, or model.head_dim)",
         )
     kv = m.n_kv_heads or m.n_heads
     if kv <= 0 or m.n_heads % kv:
@@ -125,7 +128,7 @@ def _check_llama_pretrained(m: LlamaModelConfig) -> None:
             "a Llama checkpoint meshrun's LLaMA "
             "can hold, or model=hf/... (transformers' own Llama) to load it",
         )
-    preset = {**vars(m), "n_kv_heads": kv_heads(m), "ffn_dim": ffn_dim(m)}
+    preset = {**vars(m), "n_kv_heads": kv_heads(m), "ffn_dim": ffn_dim(m), "head_dim": head_dim(m)}
     for key, value in fields.items():
         if preset[key] != value:
             fail(
