@@ -253,6 +253,22 @@ def test_the_summary_and_wandb_carry_the_last_steps_routers(single_moe_steps):
     said = " ".join(captured.get().split())
     assert f"busiest expert {steps[-1]['moe_max_load']:.2f}x the mean" in said
     assert f"balance loss {steps[-1]['moe_aux_loss']:.3f}" in said
+
+
+def test_an_moe_runs_mfu_counts_a_tokens_experts_and_the_summary_says_so():
+    """tiny-moe: 8 experts of 3 x 64 x 64 a block, 2 a token, and a shared one; PaLM's N is
+    every parameter but the embedding (a lookup)."""
+    cfg = resolved_config("model=tiny-moe", "parallel=single")
+    share = predict.active_share(cfg)
+    d = Dims.of(cfg.model)
+    model = build_model(cfg.model, 64, "meta")
+    matmul = sum(p.numel() for name, p in model.named_parameters() if "embed" not in name)
+    assert share == pytest.approx(1 - d.layers * 6 * 3 * 64 * 64 / matmul)
+    assert predict.active_share(resolved_config("model=tiny", "parallel=single")) is None
+    with console.capture() as captured:
+        print_summary(RunRecord(status="completed", mfu=0.1, active_param_share=share))
+    said = " ".join(captured.get().split())
+    assert f"6 x the active parameters, {share:.1%} of the matmuls'" in said
     series = step_metrics(steps[-1], tokens_per_step=8 * 64)
     assert series["train/moe_max_load"] == steps[-1]["moe_max_load"]
     assert series["train/moe_aux_loss"] == steps[-1]["moe_aux_loss"]

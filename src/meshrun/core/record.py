@@ -112,6 +112,8 @@ class RunRecord:
     flops_per_token: float | None = _f()
     flops_per_token_counted: float | None = _f()  # plan.trace: torch's FlopCounterMode
     mfu: float | None = _f(column=True, summary=True)
+    # an MoE model: the share of its matmul parameters a token meets, the N of MFU's 6N
+    active_param_share: float | None = _f()
     data_wait_share: float | None = _f(column=True, summary=True)  # of timed step time, rank 0
     # pipeline
     pp_schedule: str | None = _f(report=(10, "schedule"))

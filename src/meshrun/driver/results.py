@@ -350,4 +350,5 @@ def flops_fields(cfg: ExperimentConfig, tokens_per_s: float | None) -> dict[str,
         "flops_per_token": per_token,
         "flops_per_token_counted": predict.counted_flops(cfg),
         "mfu": mfu(tokens_per_s, per_token, peak) if tokens_per_s else None,
+        "active_param_share": predict.active_share(cfg),
     }

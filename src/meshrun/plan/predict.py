@@ -63,6 +63,20 @@ def training_flops_per_token(cfg: ExperimentConfig) -> float:
     """For MFU: PaLM's formula (core/flops.py) where it applies, else counted."""
     if not has_formula(cfg):
         return _tracer().counted_flops_per_token(cfg)
+    _, active = _matmul_params(cfg)
+    return flops_per_token(model_shape(cfg.model), active, cfg.train.seq_len)
+
+
+def active_share(cfg: ExperimentConfig) -> float | None:
+    """An MoE model's share of its matmul parameters a token meets (its top-k experts, not
+    every expert's), which its MFU counts; None for a dense model or one without formulas."""
+    if not has_formula(cfg) or not model_shape(cfg.model).experts:
+        return None
+    matmul, active = _matmul_params(cfg)
+    return active / matmul
+
+
+def _matmul_params(cfg: ExperimentConfig) -> tuple[int, int]:
+    """(the matmul parameters, those a token meets: an MoE token's experts only)."""
     _, matmul = param_counts(cfg.model, cfg.train.seq_len)
-    matmul -= inactive_matmul_params(Dims.of(cfg.model))  # an MoE token's experts only
-    return flops_per_token(model_shape(cfg.model), matmul, cfg.train.seq_len)
+    return matmul, matmul - inactive_matmul_params(Dims.of(cfg.model))

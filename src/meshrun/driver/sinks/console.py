@@ -62,6 +62,14 @@ def _routers(r: RunRecord) -> list[tuple[str, str]]:
     return [("routers (last step)", figures)]
 
 
+def _mfu(r: RunRecord) -> str:
+    """An MoE's MFU counts a token's own experts: 6 x its active parameters + attention."""
+    if r.active_param_share is None:
+        return _fmt(r.mfu)
+    share = f"{r.active_param_share:.1%}"
+    return f"{_fmt(r.mfu)} (6 x the active parameters, {share} of the matmuls', + attention)"
+
+
 def print_summary(r: RunRecord) -> None:
     table = Table(title=f"meshrun: {r.model} / {r.layout_name}", show_header=False)
     table.add_column(style="bold")
@@ -79,7 +87,7 @@ def print_summary(r: RunRecord) -> None:
         ("baseline tokens/s", f"{_fmt(r.baseline_tokens_per_s)}{_baseline_source(r)}"),
         (f"speedup ({r.scaling} scaling)", _speedup(r)),
         ("scaling efficiency", _efficiency(r)),
-        ("MFU", _fmt(r.mfu)),
+        ("MFU", _mfu(r)),
         *_data_stall(r),
         ("peak memory (max rank)", _fmt_bytes(r.peak_memory_max_bytes)),
         ("  params/grads/optim/activ/other", _breakdown(r)),
