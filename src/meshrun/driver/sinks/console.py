@@ -63,11 +63,11 @@ def _routers(r: RunRecord) -> list[tuple[str, str]]:
 
 
 def _mfu(r: RunRecord) -> str:
-    """An MoE's MFU counts a token's own experts: 6 x its active parameters + attention."""
-    if r.active_param_share is None:
+    """An MoE's MFU counts a token's own experts: PaLM's 6N (+ attention) with N the
+    parameters a token meets, that share of them."""
+    if r.active_param_share is None or r.mfu is None:
         return _fmt(r.mfu)
-    share = f"{r.active_param_share:.1%}"
-    return f"{_fmt(r.mfu)} (6 x the active parameters, {share} of the matmuls', + attention)"
+    return f"{_fmt(r.mfu)} (6N: N active, {r.active_param_share:.1%})"
 
 
 def print_summary(r: RunRecord) -> None:
