@@ -129,6 +129,11 @@ def test_resumed_run_continues_bit_for_bit(tmp_path, rank_pool, layout):
             ("model=tiny-moe", "parallel=single"),
             marks=pytest.mark.slow,
         ),
+        pytest.param(  # each expert's hidden width split too: 2-D DTensors of the experts
+            ("model=tiny-moe", "parallel=tp2_ep2", "parallel.etp=2", "launcher.nproc_per_node=4"),
+            ("model=tiny-moe", "parallel=ep2"),
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=[
         "fsdp-to-tp2_pp2",
@@ -138,6 +143,7 @@ def test_resumed_run_continues_bit_for_bit(tmp_path, rank_pool, layout):
         "cp2-to-cp4",
         "moe_fsdp4_ep2-to-ep4",
         "moe_ep2-to-single",
+        "moe_tp2_ep2_etp2-to-ep2",
     ],
 )
 def test_checkpoint_loads_under_another_layout(tmp_path, rank_pool, saved_under, resumed_under):

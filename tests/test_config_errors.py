@@ -203,7 +203,7 @@ BAD_CONFIGS = [
         "parallel.cp_method",
         "model.n_heads (6) / tp (1) = 6 is not divisible by cp (4)",
     ),
-    (["parallel=dataparallel", "parallel.cp=2"], "parallel.data_parallel", "cp, tp, pp, ep = 1"),
+    (["parallel=dataparallel", "parallel.cp=2"], "parallel.data_parallel", "pp, ep, etp = 1"),
     (["parallel=cp2", "train.compile=true"], "train.compile", "context parallelism"),
     (["model=tiny-moe", "model.moe.top_k=9"], "model.moe.top_k", "1 <= top_k <= 8"),
     (["model=tiny-moe", "model.moe.top_k=0"], "model.moe.top_k", "1 <= top_k <= 8"),

@@ -102,8 +102,17 @@ LAYOUTS = {
         "parallel.activation_checkpointing=full",
     ),
     "ep2_bias": ("parallel=ep2", *BIAS),
+    # each expert's hidden width split over the TP ranks too (Megatron's expert TP)
+    "tp2_etp2": ("parallel=tp2", "parallel.etp=2", MICRO4),
+    "tp2_ep2_etp2": ("parallel=tp2_ep2", "parallel.etp=2", "launcher.nproc_per_node=4", MICRO4),
+    "fsdp2_tp2_etp2": (
+        "parallel=fsdp2_tp2",
+        "parallel.etp=2",
+        "launcher.nproc_per_node=4",
+        MICRO4,
+    ),
 }
-FAST = {"ep2", "fsdp2_ep2"}
+FAST = {"ep2", "fsdp2_ep2", "tp2_etp2"}
 
 
 @pytest.mark.parametrize("layout", tiered(LAYOUTS, FAST))
@@ -130,6 +139,16 @@ REFUSED = {
         "the model's 8 experts",
     ),
     "a degree below one": (("model=tiny-moe", "parallel=ep2", "parallel.ep=0"), "must be >= 1"),
+    "etp other than tp": (("model=tiny-moe", "parallel=tp2", "parallel.etp=4"), "1 or 2"),
+    "etp of a dense model": (("model=tiny", "parallel=tp2", "parallel.etp=2"), "has none"),
+    "etp of transformers' fused experts": (
+        ("model=hf/tiny-mixtral", "parallel=tp2", "parallel.etp=2"),
+        "fuse gate and up",
+    ),
+    "etp the hidden width does not divide": (
+        ("model=tiny-moe", "model.moe.expert_ffn_dim=63", "parallel=tp2", "parallel.etp=2"),
+        "hidden width (63)",
+    ),
 }
 NOT_THE_MODEL = tuple(o for o in COMMON if not o.startswith("model="))
 
@@ -140,5 +159,5 @@ def test_an_impossible_ep_is_refused_with_the_key_and_a_fix(case):
     overrides, reason = REFUSED[case]
     with pytest.raises(ConfigError) as caught:
         resolved_config(*NOT_THE_MODEL, *overrides)
-    assert caught.value.key == "parallel.ep"
+    assert caught.value.key == ("parallel.etp" if "etp" in case else "parallel.ep")
     assert reason in str(caught.value)

@@ -57,6 +57,20 @@ def test_canonical_name_of_a_resolved_layout(overrides, name):
     assert layout_name(resolved_config(*TINY, *overrides)) == name
 
 
+MOE_NAMES = {
+    ("parallel=ep2",): "fsdp2 x ep2",
+    ("parallel=ep2", "launcher.nproc_per_node=4"): "fsdp4 x ep2",
+    ("parallel=tp2_ep2", "parallel.etp=2", "launcher.nproc_per_node=4"): "fsdp2 x ep2 x tp2(etp)",
+    ("parallel=pp2_ep2", "launcher.nproc_per_node=4"): "pp2(1f1b, m=2) x fsdp2 x ep2",
+}
+
+
+@pytest.mark.parametrize(("overrides", "name"), MOE_NAMES.items(), ids=str)
+def test_an_expert_parallel_layout_names_its_ep_and_etp(overrides, name):
+    moe = ("model=tiny-moe", *TINY[1:])
+    assert layout_name(resolved_config(*moe, *overrides)) == name
+
+
 def test_dataparallel_is_named_by_its_devices():
     cfg = compose_config(*TINY, "parallel=single")
     parallel = ParallelConfig(

@@ -39,6 +39,7 @@ LAYOUTS = {
     "hf-qwen2-moe-ddp": ("parallel=ddp", "model=hf/tiny-qwen2-moe", "train.seq_len=512"),
     # experts split over 2 ranks (each a half of them gathered, the ep allowance of rows)
     "moe-ep2": ("parallel=ep2", "model=tiny-moe", "train.seq_len=512"),
+    "moe-tp2-etp2": ("parallel=tp2", "parallel.etp=2", "model=tiny-moe", "train.seq_len=512"),
     "moe-fsdp4-ep2": (
         "parallel=ep2",
         "launcher.nproc_per_node=4",

@@ -179,6 +179,8 @@ class ParallelConfig:
     dp_shard x cp (as torchtitan: the ranks that would otherwise hold the same experts), each
     token sent to the rank of its experts and back with all-to-alls; the dense parts keep
     their layout, and FSDP2 shards each rank's experts over the rest of dp_shard x cp.
+    `etp` = tp splits each expert's hidden width over the TP ranks too (Megatron's expert
+    tensor parallelism; 1: the experts whole on each TP rank).
     """
 
     name: str = MISSING
@@ -189,6 +191,7 @@ class ParallelConfig:
     cp: int = 1
     cp_method: CpMethod = CpMethod["ring"]
     ep: int = 1
+    etp: int = 1
     schedule: Schedule = Schedule["1f1b"]
     stages_per_rank: int = 1
     pp_layers: Any = None  # list[int] | "auto" | None (OmegaConf has no such union)

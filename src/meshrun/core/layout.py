@@ -28,6 +28,7 @@ class Layout:
     cp: int = 1
     tp: int = 1
     ep: int = 1  # not a mesh dim: drawn from dp_shard x cp (rank/mesh.py's expert mesh)
+    etp: int = 1  # the experts' TP: 1 or tp
 
     @property
     def world_size(self) -> int:
@@ -50,6 +51,12 @@ class Layout:
         return self.dp_shard * self.cp
 
     @property
+    def splits_experts(self) -> bool:
+        """Whether the experts are laid out on their own mesh (rank/mesh.py): split over ep
+        ranks, or over the TP ranks."""
+        return self.ep > 1 or self.etp > 1
+
+    @property
     def expert_shard_size(self) -> int:
         """The ranks FSDP2 shards each rank's experts over: what ep leaves of dp_shard x cp."""
         return self.shard_size // self.ep
@@ -57,7 +64,8 @@ class Layout:
     @classmethod
     def of(cls, parallel: ParallelConfig) -> Layout:
         """The layout of a resolved parallel config (no -1 degrees left)."""
-        return cls(**{dim: getattr(parallel, dim) for dim in MESH_DIMS}, ep=parallel.ep)
+        degrees = {dim: getattr(parallel, dim) for dim in MESH_DIMS}
+        return cls(**degrees, ep=parallel.ep, etp=parallel.etp)
 
     def degrees(self) -> dict[str, int]:
         return {dim: getattr(self, dim) for dim in MESH_DIMS}
@@ -68,6 +76,8 @@ class Layout:
         parts = [f"{dim}{n}" for dim, n in self.degrees().items() if n > 1]
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
+        if self.etp > 1:
+            parts.append(f"etp{self.etp}")
         return " x ".join(parts) or "single"
 
 

@@ -35,8 +35,10 @@ def layout_name(cfg: ExperimentConfig) -> str:
         if p.ep > 1:
             parts.append(f"ep{p.ep}")
         if p.tp > 1:
-            extras = (["sp"] if p.sequence_parallel else []) + (
-                [f"plan={p.tp_plan}"] if p.tp_plan else []
+            extras = (
+                (["sp"] if p.sequence_parallel else [])
+                + (["etp"] if p.etp > 1 else [])
+                + ([f"plan={p.tp_plan}"] if p.tp_plan else [])
             )
             parts.append(f"tp{p.tp}" + (f"({', '.join(extras)})" if extras else ""))
     name = " x ".join(parts) or "single"

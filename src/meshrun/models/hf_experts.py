@@ -12,7 +12,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from meshrun.models.moe import dispatched_compute, ep_local, grouped_mm_native, sorted_by_expert
+from meshrun.models.moe import (
+    dispatched_compute,
+    grouped_mm_native,
+    local_experts,
+    sorted_by_expert,
+)
 
 WEIGHTS = ("gate_up_proj", "down_proj")
 
@@ -36,7 +41,7 @@ def _dispatched_forward(
     summed by the router's weights; SwiGLU (validate refuses another activation)."""
     order, counts = sorted_by_expert(top_k_index, self.gate_up_proj.shape[0])
     rows = order // top_k_index.shape[1]
-    gate_up, down = (ep_local(getattr(self, name), self.ep_group) for name in WEIGHTS)
+    gate_up, down = (local_experts(getattr(self, name), self.ep_group) for name in WEIGHTS)
     f = down.shape[-1]
     weights = (gate_up[:, :f].mT, gate_up[:, f:].mT, down.mT)
     x = hidden_states[rows]

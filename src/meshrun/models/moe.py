@@ -113,10 +113,34 @@ class _ScaledGrad(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
-def ep_local(weight: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """This rank's experts of an expert weight sharded over the ep `group` (a DTensor,
-    Shard(0)), with the gradient `_ScaledGrad` gives it."""
-    return _ScaledGrad.apply(weight.to_local(), 1.0 / dist.get_world_size(group))
+def local_experts(weight: Tensor, ep_group: dist.ProcessGroup | None) -> Tensor:
+    """This rank's share of an expert weight split over ep (Shard(0)) and/or the TP ranks
+    (a DTensor), with the gradient `_ScaledGrad` gives an ep-split one."""
+    local = weight.to_local()
+    return local if ep_group is None else _ScaledGrad.apply(local, 1 / ep_group.size())
+
+
+class _TPRegion(torch.autograd.Function):
+    """Megatron's f and g around a tensor-parallel block of the experts (etp): `reduce`
+    False, identity forward and the gradient all-reduced over the TP ranks (each computed
+    its share of the hidden width from the same rows); True, the partial outputs all-reduced
+    forward and the gradient passed as it is."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup, reduce: bool) -> Tensor:
+        ctx.group, ctx.reduce = group, reduce
+        if not reduce:
+            return x.view_as(x)
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        if not ctx.reduce:
+            grad = grad.clone()
+            dist.all_reduce(grad, group=ctx.group)
+        return grad, None, None
 
 
 def sorted_by_expert(chosen: Tensor, experts: int) -> tuple[Tensor, Tensor]:
@@ -194,16 +218,25 @@ class Experts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(experts, hidden, dim))
-        self.ep_group: dist.ProcessGroup | None = None  # expert parallelism's (expert.py)
+        # expert parallelism's groups (rank/parallel/expert.py): the ranks the experts are
+        # split over, and the TP ranks each expert's hidden width is split over (etp)
+        self.ep_group: dist.ProcessGroup | None = None
+        self.tp_group: dist.ProcessGroup | None = None
 
     def forward(self, x: Tensor, counts: Tensor | list[int]) -> Tensor:
         """Each expert's SwiGLU over its block of `x` (rows sorted by expert)."""
         grouped = grouped_mm_native(x.device, x.dtype)
         w = (self.w1, self.w3, self.w2)
-        if self.ep_group is None:
+        if self.ep_group is None and self.tp_group is None:
             return expert_compute(x, w, counts, grouped)
-        local = tuple(ep_local(t, self.ep_group) for t in w)
-        return dispatched_compute(x, local, counts, self.ep_group, grouped)
+        local = tuple(local_experts(t, self.ep_group) for t in w)
+        if self.tp_group is not None:
+            x = _TPRegion.apply(x, self.tp_group, False)
+        if self.ep_group is None:
+            out = expert_compute(x, local, counts, grouped)
+        else:
+            out = dispatched_compute(x, local, counts, self.ep_group, grouped)
+        return out if self.tp_group is None else _TPRegion.apply(out, self.tp_group, True)
 
 
 class MoEFeedForward(nn.Module):

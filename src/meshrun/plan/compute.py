@@ -113,7 +113,9 @@ def block_times(
         forward, backward = forward + f, backward + b
     causal_flops = 2 * micro_batch * seq * seq * d.hq / tp / cp  # half of 4*b*s^2*h: the mask
     attention = causal_flops / (rates.matmul * ATTENTION_RATE)
-    mlp = d.mlp * d.f / tp if not d.experts else 3 * (d.routed * d.fe + d.fs) + 2 * d.routed * d.h
+    mlp = d.mlp * d.f / tp
+    if d.experts:
+        mlp = 3 * (d.routed * d.fe / d.etp + d.fs) + 2 * d.routed * d.h
     per_token = RESIDUAL_BYTES * d.h / (tp if sp else 1) + (2 * (d.hq + d.hk) / tp + mlp) * width
     return PassTimes(forward, backward, attention, tokens * per_token / rates.memory)
 
@@ -127,7 +129,8 @@ def _mlp_linears(d: Dims, tokens: int, tp: int) -> list[tuple[int, int, int]]:
         return [(tokens, d.f // tp, d.h)] * (d.mlp - 1) + [(tokens, d.h, d.f // tp)]
     held = d.experts // d.ep
     rows = math.ceil(tokens * d.routed / held)
-    expert = [(rows, d.fe, d.h)] * 2 + [(rows, d.h, d.fe)]
+    fe = d.fe // d.etp  # etp: each TP rank its share of every expert's hidden width
+    expert = [(rows, fe, d.h)] * 2 + [(rows, d.h, fe)]
     shared = [(tokens, d.fs, d.h)] * 2 + [(tokens, d.h, d.fs)] if d.fs else []
     return [(tokens, d.experts, d.h), *expert * held, *shared]
 

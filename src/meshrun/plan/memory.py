@@ -131,7 +131,7 @@ def _mlp_kept(d: Dims, tp: int, per_hidden: int) -> float:
     its k experts, with the token's copy in and its output out of each (models/moe.py)."""
     if not d.experts:
         return per_hidden * d.f / tp
-    return d.routed * (2 * d.h + per_hidden * d.fe) + per_hidden * d.fs
+    return d.routed * (2 * d.h + per_hidden * d.fe / d.etp) + per_hidden * d.fs
 
 
 def _router_bytes(d: Dims) -> float:
@@ -147,7 +147,7 @@ def activation_bytes(
     n_microbatches: int,
     micro_batch: int,
 ) -> float:
-    d = Dims.of(cfg.model, layout.tp, layout.ep)
+    d = Dims.of_layout(cfg.model, layout)
     p = cfg.parallel
     tokens = rank_tokens(cfg, layout, micro_batch)
     width = 2 if cfg.train.precision in HALF_PRECISIONS else FP32
@@ -159,7 +159,7 @@ def activation_bytes(
     if share.last:
         per_mb += (3 * d.h + 1 + d.vocab) * FP32 + 8
     held = in_flight(p.schedule, n_microbatches, layout.pp, pp_rank, share.stages_per_rank) * per_mb
-    mlp_temps = 3 * d.f / layout.tp if not d.experts else 3 * (d.routed * d.fe + d.fs)
+    mlp_temps = 3 * d.f / layout.tp if not d.experts else 3 * (d.routed * d.fe / d.etp + d.fs)
     backward_temps = (mlp_temps + 2 * d.h / layout.tp) * width
     if recompute:  # one block recomputed, with its backward temporaries or the held logits
         tail = (d.h + d.vocab / layout.tp) * FP32 if share.last else backward_temps
@@ -177,7 +177,7 @@ def predict_rank(
     n_microbatches: int,
     micro_batch: int,
 ) -> MemoryPrediction:
-    d = Dims.of(cfg.model, layout.tp, layout.ep)
+    d = Dims.of_layout(cfg.model, layout)
     elements = local_param_elements(d, share, layout.tp, layout.shard_size)
     state = elements * FP32
     activations = activation_bytes(cfg, layout, share, pp_rank, n_microbatches, micro_batch)

@@ -8,7 +8,8 @@ not" of meshrun-plan.
 The space: pp x dp_replicate x dp_shard x cp x tp (tp inside a node: its ranks are adjacent,
 so it stays on the node's links iff it divides the devices per node; cp next to it, its
 groups free to span nodes: the ring's sends hide behind attention), for an MoE model each ep
-that divides its experts and dp_shard x cp, each pipeline schedule
+that divides its experts and dp_shard x cp (and with TP, its experts split over the TP ranks
+or not: etp), each pipeline schedule
 with its stages per rank, sequence parallelism on and off, activation checkpointing none /
 selective / full, DDP's bucket view, the micro-batch size. A key the user gave (`fixed`)
 keeps its value. Pruning: for each layout and micro-batch size the checkpointing modes are
@@ -31,7 +32,7 @@ from typing import Any
 
 from meshrun.core.baseline import baseline_config
 from meshrun.core.batch import local_batch_size
-from meshrun.core.config import ExperimentConfig, SlurmLauncherConfig
+from meshrun.core.config import ExperimentConfig, LlamaModelConfig, SlurmLauncherConfig
 from meshrun.core.errors import ConfigError, fail
 from meshrun.core.hardware import HostFacts
 from meshrun.core.layout import Layout
@@ -130,6 +131,14 @@ def _ep_degrees(cfg: ExperimentConfig, shard: int) -> list[int]:
     return [d for d in _divisors(shard) if d == 1 or (experts and experts % d == 0)]
 
 
+def _etp_degrees(cfg: ExperimentConfig, keys: dict) -> list[int]:
+    """1, and under TP for meshrun's own MoE blocks tp (each expert split over the TP ranks
+    too: transformers' fused experts are not split)."""
+    tp, m = keys["tp"], cfg.model
+    moe = isinstance(m, LlamaModelConfig) and m.moe.experts
+    return [1, tp] if tp > 1 and moe else [1]
+
+
 def layout_grid(cfg: ExperimentConfig, box: Box, fixed: frozenset[str]) -> Iterator[dict]:
     """Every layout's parallel keys; a key in `fixed` keeps `cfg`'s value."""
     for cp in _allowed(cfg, fixed, "parallel.cp", _cp_degrees(cfg, box)):
@@ -137,7 +146,8 @@ def layout_grid(cfg: ExperimentConfig, box: Box, fixed: frozenset[str]) -> Itera
             for keys in _without_cp(cfg, box, box.world // cp, fixed):
                 shard = keys["dp_shard"] * cp
                 for ep in _allowed(cfg, fixed, "parallel.ep", _ep_degrees(cfg, shard)):
-                    yield {**keys, "cp": cp, "ep": ep}
+                    for etp in _allowed(cfg, fixed, "parallel.etp", _etp_degrees(cfg, keys)):
+                        yield {**keys, "cp": cp, "ep": ep, "etp": etp}
 
 
 def _without_cp(

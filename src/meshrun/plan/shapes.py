@@ -4,6 +4,7 @@ matrix, and FSDP2's dim-0 shard (padded to equal shards)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ class Dims:
     # rows the busiest ep rank computes over an even share (speed.py's allowance)
     ep: int = 1
     load: float = 1.0
+    etp: int = 1  # the TP ranks each expert's hidden width is split over (parallel.etp)
 
     @property
     def routed(self) -> float:
@@ -52,7 +54,10 @@ class Dims:
             return [((self.f, self.h), 0)] * (self.mlp - 1) + [((self.h, self.f), 1)]
         router = ((self.experts, self.h), None)
         held = self.experts // self.ep
-        experts = [((held, self.h, self.fe), None)] * 2 + [((held, self.fe, self.h), None)]
+        split = self.etp > 1  # w1, w3 column-wise and w2 row-wise over the TP ranks
+        experts = [((held, self.h, self.fe), 2 if split else None)] * 2 + [
+            ((held, self.fe, self.h), 1 if split else None)
+        ]
         shared = [((self.fs, self.h), None)] * 2 + [((self.h, self.fs), None)] if self.fs else []
         return [router, *experts, *shared]
 
@@ -62,7 +67,14 @@ class Dims:
         if not self.experts:
             return self.mlp * self.f * self.h
         routed = self.k if active else self.experts // self.ep
-        return (3 * (routed * self.fe + self.fs) + self.experts) * self.h
+        return (3 * (routed * self.fe // self.etp + self.fs) + self.experts) * self.h
+
+    @classmethod
+    def of_layout(cls, model_cfg: ModelConfig, layout: Layout, load: float = 1.0) -> Dims:
+        """The sizes as a rank of `layout` holds them (`load`: as in `of`)."""
+        return dataclasses.replace(
+            cls.of(model_cfg, layout.tp, layout.ep, load), etp=layout.etp
+        )
 
     @classmethod
     def of(cls, model_cfg: ModelConfig, tp: int = 1, ep: int = 1, load: float = 1.0) -> Dims:

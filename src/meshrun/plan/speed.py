@@ -14,8 +14,10 @@ kinds): nothing loops over ranks, so 8,192-rank plans cost what 8-rank ones do.
                 of the T x h activations forward, 2 backward; with sequence parallelism an
                 all-gather and a reduce-scatter for each (the same bytes, twice the
                 collectives); the embedding's all-reduce, the head's input all-reduce in
-                backward and its logits all-gathered (rank/parallel/tensor.py). On the
-                critical path: DTensor TP does not overlap them (collectives.py)
+                backward and its logits all-gathered (rank/parallel/tensor.py); under
+                etp the experts' partial outputs all-reduced forward, their input's
+                gradient backward (k x h a token). On the critical path: DTensor TP does
+                not overlap them (collectives.py)
     CP          each rank computes its seq/cp tokens (plan/compute.py), and per layer shares
                 attention's K/V (rank/parallel/context_attention.py): ring passes its K/V
                 block cp-1 times forward, each send posted before the block that computes
@@ -122,10 +124,10 @@ def formula_cost(cfg: ExperimentConfig, layout: Layout) -> ModelCost:
     matmul -= inactive_matmul_params(d)  # a token's FLOPs: its experts', not every expert's
     per_token = flops_per_token(model_shape(cfg.model), matmul, cfg.train.seq_len)
     shares = stage_shares(cfg.model, cfg.parallel, layout)
-    held = Dims.of(cfg.model, ep=layout.ep)
+    held = Dims.of_layout(cfg.model, layout)
     rank_elements = max(local_param_elements(held, s, layout.tp, 1) for s in shares)
     experts = max(s.layers for s in shares) * sum(
-        math.prod(shape) for shape, _ in held.mlp_tensors() if len(shape) == 3
+        math.prod(shape) // layout.etp for shape, _ in held.mlp_tensors() if len(shape) == 3
     )
     return ModelCost(per_token, rank_elements, d.h, experts)
 
@@ -195,7 +197,7 @@ def _rates(cfg: ExperimentConfig, spec: DeviceSpec) -> DeviceRates | None:
 def _by_shapes(
     cfg: ExperimentConfig, layout: Layout, share: StageShare, micro: int, rates: DeviceRates
 ) -> _Stage:
-    d = Dims.of(cfg.model, layout.tp, layout.ep, EP_LOAD_ALLOWANCE)
+    d = Dims.of_layout(cfg.model, layout, EP_LOAD_ALLOWANCE)
     width = 2 if cfg.train.precision in HALF_PRECISIONS else FP32
     p, seq = cfg.parallel, cfg.train.seq_len
     block = block_times(d, rates, micro, seq, layout.tp, p.sequence_parallel, width, layout.cp)
@@ -255,6 +257,10 @@ def _tp_comm(
         one = fabric.all_reduce(span, activation)
     forward_ops = 2 + (2 if cfg.parallel.activation_checkpointing == "full" else 0)
     seconds = share.layers * (forward_ops + 2) * one
+    if layout.etp > 1:  # the experts' partial outputs all-reduced, their input's gradient too
+        d = Dims.of_layout(cfg.model, layout, EP_LOAD_ALLOWANCE)
+        routed = fabric.all_reduce(span, tokens * d.routed * d.h * (2 if half else FP32))
+        seconds += share.layers * (forward_ops // 2 + 1) * routed
     residual = tokens * cost.width * FP32
     if share.first:  # the vocabulary-parallel embedding's output
         seconds += fabric.all_reduce(span, residual)
@@ -308,7 +314,7 @@ def _ep_comm(
     """Seconds of one micro-batch's expert all-to-alls on a stage (module docstring)."""
     if layout.ep == 1:
         return 0.0
-    d = Dims.of(cfg.model, layout.tp, layout.ep, EP_LOAD_ALLOWANCE)
+    d = Dims.of_layout(cfg.model, layout, EP_LOAD_ALLOWANCE)
     width = 2 if cfg.train.precision in HALF_PRECISIONS else FP32
     rows = rank_tokens(cfg, layout, micro) * d.routed * d.h * width
     span, _ = expert_spans(layout, fabric.devices_per_node)

@@ -289,7 +289,7 @@ def _experts(console: Console, found: Plan) -> None:
 
 def _mesh(c: Candidate) -> tuple:
     p = c.cfg.parallel
-    return (Layout.of(p).degrees(), p.schedule, p.stages_per_rank, p.sequence_parallel)
+    return (Layout.of(p).degrees(), p.etp, p.schedule, p.stages_per_rank, p.sequence_parallel)
 
 
 def _said(c: Candidate) -> str:

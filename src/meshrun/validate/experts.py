@@ -4,9 +4,16 @@ its top-k, the layouts its blocks combine with so far, and expert parallelism's 
 
 from __future__ import annotations
 
-from meshrun.core.config import ExperimentConfig, HFModelConfig, LlamaModelConfig, ModelConfig
+from meshrun.core.config import (
+    ExperimentConfig,
+    HFModelConfig,
+    LlamaModelConfig,
+    ModelConfig,
+    ParallelConfig,
+)
 from meshrun.core.errors import fail, positive
 from meshrun.core.layout import Layout
+from meshrun.core.model_shape import expert_ffn_dim
 from meshrun.models import model_shape
 
 
@@ -83,23 +90,43 @@ def check_expert_layout(cfg: ExperimentConfig) -> None:
 
 
 def check_expert_parallel(cfg: ExperimentConfig) -> None:
-    """`parallel.ep` on a resolved layout: experts to split, ranks to split them over."""
+    """`parallel.ep` and `parallel.etp` on a resolved layout: experts to split, ranks to
+    split them over."""
     m, p = cfg.model, cfg.parallel
     if p.ep < 1:
         fail("parallel.ep", p.ep, "must be >= 1", "1 (no expert parallelism) or more")
-    if p.ep == 1:
+    if p.etp not in (1, p.tp):
+        fail(
+            "parallel.etp",
+            p.etp,
+            f"the experts are split over the TP ranks or not at all: 1 or parallel.tp ({p.tp})",
+            f"1 or {p.tp}",
+        )
+    if p.ep == 1 and p.etp == 1:
         return
+    key, value = ("parallel.ep", p.ep) if p.ep > 1 else ("parallel.etp", p.etp)
     experts = model_shape(m).experts
     if not experts:
         fail(
-            "parallel.ep",
-            p.ep,
+            key,
+            value,
             f"splits the routed experts of an MoE model; model={m.name} has none",
-            "parallel.ep=1, or an MoE model (model=tiny-moe, mixtral-8x7b, hf/tiny-mixtral, "
+            f"{key}=1, or an MoE model (model=tiny-moe, mixtral-8x7b, hf/tiny-mixtral, "
             "or model.moe.experts > 0)",
         )
     if isinstance(m, HFModelConfig):
-        _check_hf_experts(m)
+        _check_hf_experts(m, p.etp)
+    _check_ep(p, experts)
+    if p.etp > 1 and expert_ffn_dim(m) % p.etp:
+        fail(
+            "parallel.etp",
+            p.etp,
+            f"must divide an expert's hidden width ({expert_ffn_dim(m)})",
+            f"a divisor of {expert_ffn_dim(m)}, or 1",
+        )
+
+
+def _check_ep(p: ParallelConfig, experts: int) -> None:
     shard = Layout.of(p).shard_size
     if shard % p.ep:
         fail(
@@ -119,9 +146,18 @@ def check_expert_parallel(cfg: ExperimentConfig) -> None:
         )
 
 
-def _check_hf_experts(m: HFModelConfig) -> None:
+def _check_hf_experts(m: HFModelConfig, etp: int) -> None:
     """transformers' experts are split by replacing their forward with one that computes
-    SwiGLU (models/hf_experts.py): another activation would be trained as SiLU."""
+    SwiGLU (models/hf_experts.py): another activation would be trained as SiLU; their gate
+    and up matrices are one fused tensor, which etp cannot split as one."""
+    if etp > 1:
+        fail(
+            "parallel.etp",
+            etp,
+            f"{m.architecture}'s experts fuse gate and up in one tensor; meshrun splits "
+            "its own experts' hidden width only",
+            "parallel.etp=1 (the experts whole on each TP rank)",
+        )
     from meshrun.models.hf import hf_config  # noqa: PLC0415 (optional: meshrun[hf])
 
     act = getattr(hf_config(m), "hidden_act", None)

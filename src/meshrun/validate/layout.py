@@ -79,12 +79,12 @@ def fill_degree(p: ParallelConfig, world: int, key: str) -> ParallelConfig:
 
 def _resolve_dataparallel(cfg: ExperimentConfig, facts: HostFacts):
     p = cfg.parallel
-    if any(getattr(p, dim) != 1 for dim in (*MESH_DIMS, "ep")):
+    if any(getattr(p, dim) != 1 for dim in (*MESH_DIMS, "ep", "etp")):
         fail(
             "parallel.data_parallel",
             "dataparallel",
             "DataParallel is one process; it does not combine with mesh degrees",
-            "all of dp_replicate, dp_shard, cp, tp, pp, ep = 1",
+            "all of dp_replicate, dp_shard, cp, tp, pp, ep, etp = 1",
         )
     n_gpus = len(facts.cuda_devices)
     devices = n_gpus if p.dataparallel_devices == -1 else p.dataparallel_devices

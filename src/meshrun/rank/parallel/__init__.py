@@ -114,7 +114,7 @@ def parallelize(
     pp_rank = mesh.get_local_rank("pp") if layout.pp > 1 else 0
     stage_ids, n_stages = pipeline_stages(pp_rank, layout, cfg)
     wrapped, read = [], 0
-    expert_mesh = build_expert_mesh(layout, device.type) if layout.ep > 1 else None
+    expert_mesh = build_expert_mesh(layout, device.type) if layout.splits_experts else None
     for cut in stage_parts(model, pp_rank, layout, cfg):
         if layout.cp > 1:
             cp_mesh = mesh["cp"]
@@ -174,7 +174,7 @@ def sharded_part(
     if layout.tp > 1:
         resolve_tp_plan(cfg.tp_plan)(part, mesh["tp"], cfg.sequence_parallel)
     if expert_mesh is not None:
-        apply_expert_parallel(part, expert_mesh["ep"])
+        apply_expert_parallel(part, expert_mesh, layout)
     apply_activation_checkpointing(part, cfg.activation_checkpointing)
     if compile:
         apply_compile(part)
