@@ -72,9 +72,7 @@ class Dims:
     @classmethod
     def of_layout(cls, model_cfg: ModelConfig, layout: Layout, load: float = 1.0) -> Dims:
         """The sizes as a rank of `layout` holds them (`load`: as in `of`)."""
-        return dataclasses.replace(
-            cls.of(model_cfg, layout.tp, layout.ep, load), etp=layout.etp
-        )
+        return dataclasses.replace(cls.of(model_cfg, layout.tp, layout.ep, load), etp=layout.etp)
 
     @classmethod
     def of(cls, model_cfg: ModelConfig, tp: int = 1, ep: int = 1, load: float = 1.0) -> Dims:
