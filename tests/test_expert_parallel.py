@@ -17,8 +17,7 @@ from meshrun.models.shards import held_box
 from meshrun.rank.mesh import build_mesh
 from meshrun.rank.parallel import parallelize
 from tests.helpers import resolved_config
-from tests.moe_runs import BIAS, COMMON
-from tests.ranks import assert_steps_match, losses
+from tests.moe_runs import BIAS, COMMON, assert_trains_as_on_one_device
 from tests.test_layouts import MICRO4
 from tests.tiers import tiered
 
@@ -119,15 +118,7 @@ FAST = {"ep2", "fsdp2_ep2", "tp2_etp2"}
 def test_an_moe_model_trains_under_expert_parallelism_as_on_one_device(
     experiment, single_moe_steps, layout
 ):
-    _, measured = experiment(*COMMON, *LAYOUTS[layout])
-    assert measured.ok, measured.meta.error
-    single = single_moe_steps(*(o for o in LAYOUTS[layout] if o.startswith("model.moe")))
-    assert_steps_match(measured.steps, single)
-    first = 1 if LAYOUTS[layout][0].startswith("parallel=pp2") else 0
-    for mine, ref in list(zip(measured.steps, single, strict=True))[first:]:
-        assert mine["moe_max_load"] == pytest.approx(ref["moe_max_load"], rel=1e-5)
-    got = losses(measured)
-    assert got[-1] < got[0]
+    assert_trains_as_on_one_device(experiment, single_moe_steps, LAYOUTS[layout])
 
 
 REFUSED = {

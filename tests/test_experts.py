@@ -20,7 +20,7 @@ from meshrun.plan import predict, traced
 from meshrun.plan.shapes import Dims, StageShare, inactive_matmul_params, local_param_elements
 from meshrun.validate.experts import check_expert_layout
 from tests.helpers import compose_config, resolved_config
-from tests.moe_runs import BIAS, COMMON
+from tests.moe_runs import BIAS, COMMON, assert_trains_as_on_one_device
 from tests.ranks import assert_steps_match, losses
 from tests.tiers import tiered
 
@@ -227,21 +227,7 @@ FAST = {"ddp", "pp2", "ddp_bias"}
 def test_an_moe_model_trains_under_each_layout_as_on_one_device(
     experiment, single_moe_steps, layout
 ):
-    _, measured = experiment(*COMMON, *LAYOUTS[layout])
-    assert measured.ok, measured.meta.error
-    single = single_moe_steps(*(o for o in LAYOUTS[layout] if o.startswith("model.moe")))
-    assert_steps_match(measured.steps, single)
-    # every layer's router seen; a schedule's first step is not counted (shape inference)
-    first = 1 if "parallel=pp2" in LAYOUTS[layout] else 0
-    assert all("moe_max_load" not in s for s in measured.steps[:first])
-    for mine, ref in list(zip(measured.steps, single, strict=True))[first:]:
-        keys = {"moe_max_load", "moe_dropped", "moe_aux_loss"} & ref.keys()
-        assert keys <= mine.keys()
-        for key in keys:
-            assert mine[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-9), (key, mine, ref)
-        assert len(mine["moe_max_load_per_layer"]) == 4
-    got = losses(measured)
-    assert got[-1] < got[0]
+    assert_trains_as_on_one_device(experiment, single_moe_steps, LAYOUTS[layout])
 
 
 def test_the_summary_and_wandb_carry_the_last_steps_routers(single_moe_steps):
