@@ -5,6 +5,8 @@ process starts. Real gloo processes throughout."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,6 +22,7 @@ from tests.helpers import resolved_config
 from tests.moe_runs import BIAS, COMMON, assert_trains_as_on_one_device
 from tests.test_layouts import MICRO4
 from tests.tiers import tiered
+from tests.wandb_records import read_offline_run
 
 EXPERTS, DIM, HIDDEN = 4, 6, 5
 
@@ -152,3 +155,27 @@ def test_an_impossible_ep_is_refused_with_the_key_and_a_fix(case):
         resolved_config(*NOT_THE_MODEL, *overrides)
     assert caught.value.key == ("parallel.etp" if "etp" in case else "parallel.ep")
     assert reason in str(caught.value)
+
+
+def test_an_expert_parallel_runs_routers_reach_its_wandb_run(meshrun_here):
+    """An offline W&B run of ep2 (W&B itself, read back from its transaction log): each
+    step's router figures in the history, the last step's in the summary."""
+    run = meshrun_here(
+        "model=tiny-moe",
+        "parallel=ep2",
+        "train.steps=3",
+        "train.untimed_steps=1",
+        "train.seq_len=32",
+        "metrics.baseline=off",
+        "logger=wandb",
+        "logger.mode=offline",
+    )
+    assert run.returncode == 0, run.output
+    logged = read_offline_run(run.run_dir)
+    rows = [h for h in logged["history"] if "train/loss" in h]
+    steps = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    loads = [s["moe_max_load"] for s in steps if "moe_max_load" in s]
+    assert [h["train/moe_max_load"] for h in rows] == loads and len(loads) == 3
+    assert all(h["train/moe_aux_loss"] > 0 for h in rows)
+    assert logged["summary"]["router_max_load"] == loads[-1]
+    assert "fsdp2 x ep2" in logged["summary"]["layout_name"]

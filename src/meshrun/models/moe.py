@@ -6,6 +6,10 @@ Tokens are sorted by expert so each expert multiplies one contiguous block: one 
 (`torch._grouped_mm`) where the device has a native kernel for it, a loop over the experts
 elsewhere, the same numbers either way (`expert_compute`).
 
+Expert parallelism (rank/parallel/expert.py) splits the experts over ranks: `Experts` then
+sends each block of rows to its expert's rank and back (`dispatched_compute`, all-to-alls
+with autograd), and under etp each rank computes its share of every expert's hidden width.
+
 Load balance: the sequence-wise auxiliary loss of DeepSeek-V3 (eq. 17-20): per sequence,
 alpha * sum_i f_i P_i, f_i the share of the sequence's top-k assignments expert i got
 (times experts / k), P_i its mean normalised score; the batch's loss is the mean over
@@ -150,7 +154,9 @@ def sorted_by_expert(chosen: Tensor, experts: int) -> tuple[Tensor, Tensor]:
     return assigned.argsort(stable=True), torch.bincount(assigned, minlength=experts)
 
 
-def _exchange(x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
+def _exchange(
+    x: Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
+) -> Tensor:
     out = x.new_empty(sum(out_splits), *x.shape[1:])
     dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
     return out
@@ -161,7 +167,9 @@ class _AllToAll(torch.autograd.Function):
     the gradient goes back the way the rows came."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
+    def forward(
+        ctx, x: Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
+    ) -> Tensor:
         ctx.splits, ctx.group = (in_splits, out_splits), group
         return _exchange(x, out_splits, in_splits, group)
 
@@ -171,12 +179,16 @@ class _AllToAll(torch.autograd.Function):
 
 
 def dispatched_compute(
-    x: Tensor, weights: tuple[Tensor, Tensor, Tensor], counts: Tensor | list[int], group, grouped
+    x: Tensor,
+    weights: tuple[Tensor, Tensor, Tensor],
+    counts: Tensor | list[int],
+    group: dist.ProcessGroup,
+    grouped: bool,
 ) -> Tensor:
     """`expert_compute` with the experts split over `group` (expert parallelism: this rank
     holds `weights`, E/ep consecutive experts): each block of rows goes to its expert's
     rank, the rows from every rank are computed there by expert, and come back in order.
-    Two all-to-alls of rows each way (one forward, one backward), after one of the counts."""
+    After one all-to-all of the counts, two of rows forward (there and back), two backward."""
     ep = dist.get_world_size(group)
     counts = torch.as_tensor(counts, device=x.device)
     local = counts.numel() // ep
