@@ -120,15 +120,12 @@ def test_resumed_run_continues_bit_for_bit(tmp_path, rank_pool, layout):
             marks=pytest.mark.slow,
         ),
         # experts split 2 ways, each half sharded 2 ways: resumed with them split 4 ways
-        (
+        pytest.param(
             ("model=tiny-moe", "parallel=ep2", "launcher.nproc_per_node=4"),
             ("model=tiny-moe", "parallel=ep2", "parallel.ep=4", "launcher.nproc_per_node=4"),
-        ),
-        pytest.param(
-            ("model=tiny-moe", "parallel=ep2"),
-            ("model=tiny-moe", "parallel=single"),
             marks=pytest.mark.slow,
         ),
+        (("model=tiny-moe", "parallel=ep2"), ("model=tiny-moe", "parallel=single")),
         pytest.param(  # each expert's hidden width split too: 2-D DTensors of the experts
             ("model=tiny-moe", "parallel=tp2_ep2", "parallel.etp=2", "launcher.nproc_per_node=4"),
             ("model=tiny-moe", "parallel=ep2"),

@@ -23,6 +23,7 @@ from meshrun.core.hardware import (
     profile_names,
     resolve_hardware,
 )
+from meshrun.core.model_shape import llama_shape
 from meshrun.core.paths import CONF_DIR
 from meshrun.validate import validate
 from tests.helpers import compose_config
@@ -165,9 +166,12 @@ def test_mfu_is_achieved_over_peak_and_none_for_unknown_peak():
 
 def test_flops_per_token_is_6n_plus_12_layers_dim_seq():
     cfg = LlamaModelConfig(name="m", dim=512, n_layers=6, n_heads=8, vocab_size=1000)
-    n = 12_345_678
-    assert flops_per_token(cfg, n, 256) == 6 * n + 12 * 6 * 512 * 256
-    assert flops_per_token(cfg, n, 1024) - flops_per_token(cfg, n, 512) == 12 * 6 * 512 * 512
+    shape, n = llama_shape(cfg), 12_345_678
+    assert flops_per_token(shape, n, 256) == 6 * n + 12 * 6 * 512 * 256
+    assert flops_per_token(shape, n, 1024) - flops_per_token(shape, n, 512) == 12 * 6 * 512 * 512
+    # heads wider than dim / n_heads (Qwen3): attention over the queries' width, 8 x 128
+    wide = llama_shape(dataclasses.replace(cfg, head_dim=128))
+    assert flops_per_token(wide, n, 256) == 6 * n + 12 * 6 * 1024 * 256
 
 
 def test_cpu_profile_on_a_gpu_host_runs_ranks_on_the_cpu_whatever_the_gpu_count():

@@ -125,7 +125,7 @@ def test_tp_across_nodes_is_ruled_out_with_the_reason(tmp_path):
 QWEN3_MOE = ("model=qwen3-30b-a3b", "hardware=h100-80g", "train.seq_len=4096")
 
 
-@pytest.mark.parametrize("nodes", [4, 32])
+@pytest.mark.parametrize("nodes", [4, pytest.param(32, marks=pytest.mark.slow)])
 def test_an_moe_plan_proposes_expert_parallel_layouts_that_fit_each_with_its_command(
     tmp_path, nodes
 ):

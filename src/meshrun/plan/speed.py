@@ -44,7 +44,8 @@ kinds): nothing loops over ranks, so 8,192-rank plans cost what 8-rank ones do.
                 exposed (+ the last bucket); FSDP2: each block's parameters all-gathered in
                 forward (prefetched one block ahead, overlapped) and again in backward, fp32
                 gradients reduce-scattered (all-reduced across HSDP replicas) as each
-                block's backward ends, every micro-batch (under ep, a rank's experts over
+                block's backward ends, every micro-batch but the all-reduce, which waits
+                for the last (rank/parallel's gradient_sync; under ep, a rank's experts over
                 the expert_shard group, what ep leaves of dp_shard x cp); under a pipeline
                 once a step (parameters stay gathered across micro-batches; the gradients'
                 sync comes after the last backward, whole: torch's REDUCE_GRAD action)
@@ -378,18 +379,20 @@ def _dp_comm(
     for shard, held in groups:
         gather += fabric.all_gather(shard, held * param_width)
         reduce += fabric.all_gather(shard, held * FP32)  # reduce-scatter: the same cost
-    reduce += fabric.all_reduce(replicate, elements * FP32 / layout.dp_shard)
+    # across replicas once a step, in the last micro-batch's backward (gradient_sync)
+    replicas = fabric.all_reduce(replicate, elements * FP32 / layout.dp_shard)
     backward = stage.backward + stage.recompute
     if layout.pp > 1:  # gathered once a step, synced after the last backward
         # torch's schedule runs FSDP2's post-backward for every unit at once after the
         # stage's last backward (the REDUCE_GRAD action): no compute is left to hide it
-        total = gather + reduce
-        return total, overlapped(gather, stage.forward, n_units) + reduce
+        total = gather + reduce + replicas
+        return total, overlapped(gather, stage.forward, n_units) + reduce + replicas
     backward_gather = gather if p.fsdp.reshard_after_forward else 0.0
-    total = m * (gather + backward_gather + reduce)
-    exposed = overlapped(gather, stage.forward, n_units)
-    exposed += overlapped(backward_gather + reduce, backward, n_units)
-    return total, m * exposed
+    total = m * (gather + backward_gather + reduce) + replicas
+    forward = overlapped(gather, stage.forward, n_units)
+    exposed = (m - 1) * (forward + overlapped(backward_gather + reduce, backward, n_units))
+    exposed += forward + overlapped(backward_gather + reduce + replicas, backward, n_units)
+    return total, exposed
 
 
 def predict_speed(
