@@ -205,6 +205,13 @@ BAD_CONFIGS = [
     ),
     (["parallel=dataparallel", "parallel.cp=2"], "parallel.data_parallel", "pp, ep, etp = 1"),
     (["parallel=cp2", "train.compile=true"], "train.compile", "context parallelism"),
+    (["parallel.checkpoint_every=0"], "parallel.checkpoint_every", "n (every n-th block"),
+    (["parallel.checkpoint_every=2"], "parallel.checkpoint_every", "activation_checkpointing=full"),
+    (
+        ["model=small", "parallel.activation_checkpointing=full", "model.head_dim=17"],
+        "model.head_dim",
+        "an even head dim",
+    ),
     (["model=tiny-moe", "model.moe.top_k=9"], "model.moe.top_k", "1 <= top_k <= 8"),
     (["model=tiny-moe", "model.moe.top_k=0"], "model.moe.top_k", "1 <= top_k <= 8"),
     (["model=tiny", "model.moe.experts=-2"], "model.moe.experts", "0 (dense)"),

@@ -43,6 +43,9 @@ NAMES = {
     ): "pp2(interleaved_1f1b, 2 stages/rank, m=8, layers=[1,1,1,1])",
     ("parallel=pp2", "parallel.schedule=gpipe", "train.micro_batch_size=8"): "pp2(gpipe, m=1)",
     ("parallel=tp2", "parallel.activation_checkpointing=full"): "tp2, ckpt=full",
+    ("parallel=ddp", "parallel.activation_checkpointing=full", "parallel.checkpoint_every=2"): (
+        "ddp2, ckpt=full/2"
+    ),
     ("parallel=cp2",): "cp2(ring)",
     ("parallel=fsdp2_cp2", "launcher.nproc_per_node=4"): "fsdp2 x cp2(ring)",
     ("parallel=tp2_cp2", "launcher.nproc_per_node=4"): "cp2(ring) x tp2(sp)",

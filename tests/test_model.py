@@ -8,11 +8,13 @@ import math
 import pytest
 import torch
 from omegaconf import OmegaConf
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from meshrun.core.config import LlamaModelConfig
 from meshrun.core.model_shape import ffn_dim
 from meshrun.core.paths import CONF_DIR
 from meshrun.models import build_model, count_params
+from meshrun.rank.parallel.checkpointing import apply_activation_checkpointing
 
 SEQ = 16
 
@@ -272,3 +274,17 @@ def test_vocabulary_padded_for_tp_gives_the_unpadded_logits(tiny, tied):
     tokens = random_tokens(cfg)
     with torch.no_grad():
         torch.testing.assert_close(padded(tokens), plain(tokens), rtol=0, atol=0)
+
+
+def test_checkpointing_every_nth_block_wraps_the_nth_blocks_of_the_whole_model(tiny):
+    """parallel.checkpoint_every=2: blocks 1 and 3 of tiny's 4 (the 2nd and the 4th), by
+    their global index, so a pipeline stage holding blocks 2-3 wraps block 3."""
+    model = build_model(tiny, SEQ, "meta")
+    apply_activation_checkpointing(model, "full", every=2)
+    wrapped = {name for name, block in model.layers.items() if isinstance(block, CheckpointWrapper)}
+    assert wrapped == {"1", "3"}
+    stage = build_model(tiny, SEQ, "meta")  # a second pipeline stage's blocks
+    for name in ("0", "1"):
+        del stage.layers[name]
+    apply_activation_checkpointing(stage, "full", every=2)
+    assert [isinstance(stage.layers[n], CheckpointWrapper) for n in ("2", "3")] == [False, True]

@@ -198,6 +198,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     tp_plan: str | None = None
     activation_checkpointing: Checkpointing = Checkpointing["none"]
+    checkpoint_every: int = 1
     data_parallel: DataParallel = DataParallel["auto"]
     dataparallel_devices: int = -1
     ddp: DDPConfig = field(default_factory=DDPConfig)

@@ -44,6 +44,8 @@ def layout_name(cfg: ExperimentConfig) -> str:
     name = " x ".join(parts) or "single"
     if p.activation_checkpointing != "none":
         name += f", ckpt={p.activation_checkpointing}"
+        if p.checkpoint_every > 1:
+            name += f"/{p.checkpoint_every}"
     return name
 
 

@@ -9,14 +9,14 @@ The space: pp x dp_replicate x dp_shard x cp x tp (tp inside a node: its ranks a
 so it stays on the node's links iff it divides the devices per node; cp next to it, its
 groups free to span nodes: the ring's sends hide behind attention), for an MoE model each ep
 that divides its experts and dp_shard x cp (and with TP, its experts split over the TP ranks
-or not: etp), each pipeline schedule
-with its stages per rank, sequence parallelism on and off, activation checkpointing none /
-selective / full, DDP's bucket view, the micro-batch size. A key the user gave (`fixed`)
-keeps its value. Pruning: for each layout and micro-batch size the checkpointing modes are
-tried cheapest first and the first that fits is kept (recomputing more is never faster), a
-micro-batch size is not tried where a smaller one had no variant that fits (a rank holds at
-least as much with a larger one), and of a layout's variants only the fastest that fits
-(else the smallest) is ranked.
+or not: etp), each pipeline schedule with its stages per rank, sequence parallelism on and
+off, activation checkpointing none / selective / full on every 2nd block / full, DDP's
+bucket view, the micro-batch size. A key the user gave (`fixed`) keeps its value. Pruning:
+for each layout and micro-batch size the checkpointing modes are tried cheapest first and
+the first that fits is kept (recomputing more is never faster), a micro-batch size is not
+tried where a smaller one had no variant that fits (a rank holds at least as much with a
+larger one), and of a layout's variants only the fastest that fits (else the smallest) is
+ranked.
 """
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ from meshrun.plan.split import uneven_variant
 
 # (schedule, stages_per_rank)
 SCHEDULE_CHOICES = (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2))
-CHECKPOINTING = ("none", "selective", "full")  # cheapest first
+# (activation checkpointing, every n-th block), cheapest first: recompute nothing, the
+# elementwise ops, every other block's forward, every block's
+CHECKPOINTING = (("none", 1), ("selective", 1), ("full", 2), ("full", 1))
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 # Context parallelism is searched where each CP rank keeps at least this many tokens of a
 # sequence: a pruning of the search, as MICRO_BATCH_SIZES is (short sequences are not what
@@ -209,13 +211,18 @@ def _micro_batches(cfg: ExperimentConfig, fixed: frozenset[str]) -> list[int]:
     return [m for m in MICRO_BATCH_SIZES if m <= local and local % m == 0] or [1]
 
 
-def _variants(cfg: ExperimentConfig, fixed: frozenset[str]) -> Iterator[tuple[str, bool]]:
-    """(activation checkpointing, DDP bucket view), cheapest first."""
-    ckpts = (
-        [cfg.parallel.activation_checkpointing]
-        if "parallel.activation_checkpointing" in fixed
-        else list(CHECKPOINTING)
-    )
+def _variants(
+    cfg: ExperimentConfig, fixed: frozenset[str]
+) -> Iterator[tuple[tuple[str, int], bool]]:
+    """((activation checkpointing, every n-th block), DDP bucket view), cheapest first."""
+    p = cfg.parallel
+    ckpts = list(CHECKPOINTING)
+    if "parallel.activation_checkpointing" in fixed:
+        ckpts = [c for c in ckpts if c[0] == p.activation_checkpointing]
+    if "parallel.checkpoint_every" in fixed:
+        every = p.checkpoint_every
+        ckpts = [(mode, every) for mode in dict(ckpts) if mode != "none" or every == 1]
+    ckpts = ckpts or [(p.activation_checkpointing, p.checkpoint_every)]
     ddp = Layout.of(cfg.parallel).dp_replicate > 1 and not Layout.of(cfg.parallel).uses_fsdp
     views = [cfg.parallel.ddp.gradient_as_bucket_view]
     if ddp and "parallel.ddp.gradient_as_bucket_view" not in fixed:
@@ -238,9 +245,11 @@ def best_variant(
     for micro in _micro_batches(cfg, fixed):
         train = dataclasses.replace(cfg.train, micro_batch_size=micro)
         evaluated = fits = False
-        for ckpt, view in _variants(dataclasses.replace(cfg, train=train), fixed):
+        for (ckpt, every), view in _variants(dataclasses.replace(cfg, train=train), fixed):
             ddp = dataclasses.replace(cfg.parallel.ddp, gradient_as_bucket_view=view)
-            parallel = dataclasses.replace(cfg.parallel, activation_checkpointing=ckpt, ddp=ddp)
+            parallel = dataclasses.replace(
+                cfg.parallel, activation_checkpointing=ckpt, checkpoint_every=every, ddp=ddp
+            )
             resolved = legal_or_reason(
                 dataclasses.replace(cfg, train=train, parallel=parallel), facts
             )

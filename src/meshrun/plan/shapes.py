@@ -137,6 +137,14 @@ def layer_counts(model: ModelConfig, parallel: ParallelConfig, n_stages: int, tp
     return balanced_layer_counts(n_layers, [float(block)] * n_stages, 0.0, float(head))
 
 
+def checkpointed_layers(p: ParallelConfig, share: StageShare) -> int:
+    """Blocks of the stage activation checkpointing wraps: all, or with `checkpoint_every`
+    n the stage's share of every n-th (its floor: exact where a stage starts on a multiple)."""
+    if p.activation_checkpointing == "none":
+        return 0
+    return share.layers // p.checkpoint_every
+
+
 def micro_batching(cfg: ExperimentConfig, layout: Layout) -> tuple[int, int]:
     """(micro-batches of a step, samples in each) on one data-parallel rank: the pipeline
     schedule's m, or gradient accumulation over `train.micro_batch_size`."""

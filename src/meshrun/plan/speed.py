@@ -86,6 +86,7 @@ from meshrun.plan.placement import expert_spans, group_span, stage_devices
 from meshrun.plan.shapes import (
     Dims,
     StageShare,
+    checkpointed_layers,
     inactive_matmul_params,
     local_param_elements,
     micro_batching,
@@ -208,7 +209,7 @@ def _by_shapes(
         forward, backward = forward + head_f, backward + head_b
     recompute = {"full": block.forward, "selective": block.attention_f}.get(
         p.activation_checkpointing, 0.0
-    ) * share.layers
+    ) * checkpointed_layers(p, share)
     parts = {kind: share.layers * seconds for kind, seconds in block.by_kind().items()}
     return _Stage(forward, backward, recompute, block.attention_f, parts=parts)
 
@@ -230,10 +231,11 @@ def _by_flops(
     if shape.dim:
         attention = 4 * shape.dim * cfg.train.seq_len * tokens / layout.tp / rate
     recompute = 0.0
+    checkpointed = checkpointed_layers(cfg.parallel, share)
     if cfg.parallel.activation_checkpointing == "full":
-        recompute = forward
+        recompute = forward * checkpointed / max(1, share.layers)
     elif cfg.parallel.activation_checkpointing == "selective":
-        recompute = attention * share.layers
+        recompute = attention * checkpointed
     return _Stage(forward, 2 * forward, recompute, attention, parts={"matmul": 3 * forward})
 
 
@@ -256,12 +258,12 @@ def _tp_comm(
         one = 2 * fabric.all_gather(span, activation)
     else:
         one = fabric.all_reduce(span, activation)
-    forward_ops = 2 + (2 if cfg.parallel.activation_checkpointing == "full" else 0)
+    forward_ops = 2 + 2 * _recomputed_share(cfg, share)
     seconds = share.layers * (forward_ops + 2) * one
     if layout.etp > 1:  # the experts' partial outputs all-reduced, their input's gradient too
         d = Dims.of_layout(cfg.model, layout, EP_LOAD_ALLOWANCE)
         routed = fabric.all_reduce(span, tokens * d.routed * d.h * (2 if half else FP32))
-        seconds += share.layers * (forward_ops // 2 + 1) * routed
+        seconds += share.layers * (forward_ops / 2 + 1) * routed
     residual = tokens * cost.width * FP32
     if share.first:  # the vocabulary-parallel embedding's output
         seconds += fabric.all_reduce(span, residual)
@@ -293,7 +295,7 @@ def _cp_comm(
     kv = 2 * tokens * hk // layout.tp * width  # this rank's K and V of one layer
     span = group_span(layout, "cp", fabric.devices_per_node)
     method = cfg.parallel.cp_method
-    forwards = 2 if cfg.parallel.activation_checkpointing == "full" else 1
+    forwards = 1 + _recomputed_share(cfg, share)
     if method == "ring":
         # cp blocks of attention a layer, the next block's transfer beside each but the last
         step, block = fabric.send(span.crosses_nodes, kv), stage.attention_f / cp
@@ -319,8 +321,16 @@ def _ep_comm(
     width = 2 if cfg.train.precision in HALF_PRECISIONS else FP32
     rows = rank_tokens(cfg, layout, micro) * d.routed * d.h * width
     span, _ = expert_spans(layout, fabric.devices_per_node)
-    forwards = 2 if cfg.parallel.activation_checkpointing == "full" else 1
+    forwards = 1 + _recomputed_share(cfg, share)
     return share.layers * 2 * (forwards + 1) * fabric.all_gather(span, rows)
+
+
+def _recomputed_share(cfg: ExperimentConfig, share: StageShare) -> float:
+    """The share of a stage's blocks whose forward full checkpointing runs again (its
+    collectives too): all of them, or every n-th (parallel.checkpoint_every)."""
+    if cfg.parallel.activation_checkpointing != "full" or not share.layers:
+        return 0.0
+    return checkpointed_layers(cfg.parallel, share) / share.layers
 
 
 def _attention_widths(cfg: ExperimentConfig, cost: ModelCost) -> tuple[int, int]:

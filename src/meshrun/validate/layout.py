@@ -23,6 +23,7 @@ def resolve_layout(cfg: ExperimentConfig, facts: HostFacts):
     p, launcher = cfg.parallel, cfg.launcher
     check_launcher(launcher)
     check_degrees(p)
+    _check_checkpoint_every(p)
     if p.data_parallel == "dataparallel":
         return _resolve_dataparallel(cfg, facts)
     # A CPU profile on a GPU host runs on the CPU: its GPUs neither size nor limit the world.
@@ -34,6 +35,23 @@ def resolve_layout(cfg: ExperimentConfig, facts: HostFacts):
     world = Layout.of(filled).world_size
     what = f"layout {Layout.of(filled).describe()} of parallel={p.name}"
     return filled, place_ranks(launcher, world, len(gpus), facts, what)
+
+
+def _check_checkpoint_every(p: ParallelConfig) -> None:
+    if p.checkpoint_every < 1:
+        fail(
+            "parallel.checkpoint_every",
+            p.checkpoint_every,
+            "must be >= 1",
+            "1 (every block) or n (every n-th block checkpointed)",
+        )
+    if p.checkpoint_every > 1 and p.activation_checkpointing == "none":
+        fail(
+            "parallel.checkpoint_every",
+            p.checkpoint_every,
+            "says which blocks activation checkpointing wraps, and it is off",
+            "parallel.activation_checkpointing=full (or selective), or checkpoint_every=1",
+        )
 
 
 def check_degrees(p: ParallelConfig) -> None:

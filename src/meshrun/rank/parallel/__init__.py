@@ -175,7 +175,7 @@ def sharded_part(
         resolve_tp_plan(cfg.tp_plan)(part, mesh["tp"], cfg.sequence_parallel)
     if expert_mesh is not None:
         apply_expert_parallel(part, expert_mesh, layout)
-    apply_activation_checkpointing(part, cfg.activation_checkpointing)
+    apply_activation_checkpointing(part, cfg.activation_checkpointing, cfg.checkpoint_every)
     if compile:
         apply_compile(part)
     if cfg.data_parallel == "dataparallel" or mesh is None or not layout.uses_fsdp:
