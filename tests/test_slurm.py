@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -81,11 +82,13 @@ def queue_state(job_id: str) -> str:
     ).stdout.strip()
 
 
-def node_names(nodelist: str) -> set[str]:
-    out = subprocess.run(
-        ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True
-    ).stdout
-    return set(out.split())
+def rank_nodes(folder: Path, job_id: str) -> set[str]:
+    """The nodes the job's ranks ran on, in their own words (submitit's first log line:
+    `JobEnvironment(job_id=.., hostname=meshrun-node2, ..., global_rank=1(2))`). Not sacct's
+    NodeList: read as the job ends, it once named meshrun-node1 alone for a job whose two
+    ranks had logged node1 and node2."""
+    logs = folder.glob(f"**/slurm/{job_id}/{job_id}_*_log.out")
+    return {m.group(1) for log in logs for m in re.finditer(r"hostname=([\w-]+)", log.read_text())}
 
 
 def job_ids(folder: Path) -> list[str]:
@@ -112,7 +115,7 @@ def test_dp2_with_one_rank_per_node_lands_in_the_store_with_speedup_and_memory(m
     [job_id] = job_ids(run.run_dir)
     # 6 steps, 2 untimed: 4 rounds
     assert results["baseline_mode"] == "fresh" and results["speedup_rounds"] == 4
-    assert node_names(sacct(job_id)["nodes"]) == NODES
+    assert rank_nodes(run.run_dir, job_id) == NODES
     logs = run.run_dir / "slurm" / job_id
     assert f"logs: {logs}" in run.output
     for rank in (0, 1):
@@ -260,7 +263,7 @@ def test_comm_benchmark_runs_one_rank_per_node_through_slurm(tmp_path):
     assert report["status"] == "completed" and report["world_size"] == 2
     assert report["wrong"] == 0 and {r["op"] for r in report["rows"]} == {"all_reduce", "sendrecv"}
     [job_id] = job_ids(run.run_dir)
-    assert node_names(sacct(job_id)["nodes"]) == NODES
+    assert rank_nodes(run.run_dir, job_id) == NODES
 
 
 REQUEUE_SETTLE_S = 3  # seconds a requeued job stays held: past the second of its requeue
