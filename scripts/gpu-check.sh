@@ -2,7 +2,7 @@
 # The GPU checks in one go, for a machine with CUDA (run from the repository root):
 # the gpu-marked tests, predicted vs measured memory on CUDA, MFU and tokens/s of llama-1b
 # and hf/llama-3.2-1b in bf16 on one GPU with and without torch.compile, an MoE (grouped GEMM), FSDP and TP memory
-# on NCCL (2+ GPUs), context parallelism's memory and tokens/s against one GPU
+# on NCCL (2+ GPUs), expert parallelism (ep2, tp2 x etp, ep2 verified against one GPU; 2+ GPUs), context parallelism's memory and tokens/s against one GPU
 # (benchmarks/context_parallel.py, 2+ GPUs), the pipeline bubble on a host with CPU cores to
 # spare, and meshrun-comm over nccl (all-reduce busbw) with meshrun-doctor (2+ GPUs).
 # Logs go to $OUT (default outputs/gpu-check). Uses the python on PATH (PYTHON=...), with the
@@ -90,8 +90,17 @@ if [ "$gpus" -ge 2 ]; then
       train.precision=bf16 train.seq_len=2048 train.micro_batch_size=2 train.global_batch_size=8 \
       train.steps=10 train.untimed_steps=3
   done
+  log "expert parallelism on NCCL, 2 GPUs: ep2 and tp2 x etp (bf16 tokens/s, memory), ep2 against one GPU (fp32)"
+  moe=(model=mixtral-8x7b model.n_layers=2 model.dim=1024 model.n_heads=8 model.n_kv_heads=8
+       model.ffn_dim=3584 backend=nccl launcher.nproc_per_node=2 train.precision=bf16
+       train.seq_len=1024 train.micro_batch_size=2 train.global_batch_size=8 train.steps=8
+       train.untimed_steps=2)
+  run "mixtral-shaped ep2 nccl" parallel=ep2 "${moe[@]}"
+  run "mixtral-shaped tp2 etp nccl" parallel=tp2 parallel.etp=2 "${moe[@]}"
+  $py -m meshrun.tools.verify model=tiny-moe parallel=ep2 backend=nccl launcher.nproc_per_node=2 \
+    2>&1 | tee "$out/verify_ep2_nccl.log" | tail -3
 else
-  log "FSDP and TP on NCCL: skipped, $gpus GPU here (NCCL needs a GPU a rank)"
+  log "FSDP, TP and EP on NCCL: skipped, $gpus GPU here (NCCL needs a GPU a rank)"
 fi
 
 if [ "$gpus" -ge 2 ]; then

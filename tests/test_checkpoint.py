@@ -31,7 +31,7 @@ from meshrun.core.checkpoints import (
 from meshrun.core.config import CheckpointConfig
 from meshrun.core.errors import ConfigError
 from meshrun.core.paths import CONF_DIR
-from meshrun.driver.experiment import RunFailed, measure, run_experiment
+from meshrun.driver.experiment import RunFailed, measure, read_steps, run_experiment
 from meshrun.driver.resume import in_run_dir_of_resume, names_run_dir
 from meshrun.models import model_shape
 from tests.cli import TRAIN_DEFAULTS
@@ -187,10 +187,6 @@ def test_interrupted_run_resumes_as_the_same_run(tmp_path, rank_pool):
     assert [a["id"] for a in attempts] == [first.run_id] * 2
     logged = [[h["_step"] for h in a["history"] if "train/loss" in h] for a in attempts]
     assert logged[1] == [2, 3] and set(logged[0]) <= {0, 1, 2}
-
-
-def read_steps(run_dir: str) -> list[dict]:
-    return [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
 
 
 def test_checkpoint_cut_off_mid_write_is_never_loaded(tmp_path, rank_pool):

@@ -5,8 +5,6 @@ process starts. Real gloo processes throughout."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,6 +12,7 @@ import torch.distributed as dist
 from meshrun.core.config import ParallelConfig
 from meshrun.core.errors import ConfigError
 from meshrun.core.layout import Layout
+from meshrun.driver.experiment import read_steps
 from meshrun.models import build_model, moe
 from meshrun.models.shards import held_box
 from meshrun.rank.mesh import build_mesh
@@ -22,7 +21,7 @@ from tests.helpers import resolved_config
 from tests.moe_runs import BIAS, COMMON, assert_trains_as_on_one_device
 from tests.test_layouts import MICRO4
 from tests.tiers import tiered
-from tests.wandb_records import read_offline_run
+from tests.wandb_records import read_offline_run, step_rows
 
 EXPERTS, DIM, HIDDEN = 4, 6, 5
 
@@ -172,9 +171,8 @@ def test_an_expert_parallel_runs_routers_reach_its_wandb_run(meshrun_here):
     )
     assert run.returncode == 0, run.output
     logged = read_offline_run(run.run_dir)
-    rows = [h for h in logged["history"] if "train/loss" in h]
-    steps = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
-    loads = [s["moe_max_load"] for s in steps if "moe_max_load" in s]
+    rows = step_rows(logged)
+    loads = [s["moe_max_load"] for s in read_steps(run.run_dir) if "moe_max_load" in s]
     assert [h["train/moe_max_load"] for h in rows] == loads and len(loads) == 3
     assert all(h["train/moe_aux_loss"] > 0 for h in rows)
     assert logged["summary"]["router_max_load"] == loads[-1]

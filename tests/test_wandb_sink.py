@@ -8,7 +8,7 @@ from __future__ import annotations
 from meshrun.core.choices import LoggerMode
 from meshrun.core.config import LoggerConfig
 from meshrun.driver.sinks.wandb_sink import WandbRun, memory_rows, run_tags
-from tests.wandb_records import read_offline_run
+from tests.wandb_records import read_offline_run, step_rows
 
 TINY = (
     "model=tiny",
@@ -102,7 +102,7 @@ def test_the_wandb_run_is_logged_while_the_run_trains(meshrun_here):
     )
     assert run.returncode == 0, run.output
     logged = read_offline_run(run.run_dir)
-    rows = [h for h in logged["history"] if "train/loss" in h]
+    rows = step_rows(logged)
     assert [h["_step"] for h in rows] == list(range(60))
     assert [h["train/loss"] for h in rows] == run.results["losses"]
     stamps = [h["_timestamp"] for h in rows]

@@ -45,6 +45,11 @@ def read_offline_run(run_dir: Path) -> dict[str, Any]:
     return run
 
 
+def step_rows(logged: dict[str, Any]) -> list[dict[str, Any]]:
+    """An offline run's history rows of training steps (each carries train/loss)."""
+    return [h for h in logged["history"] if "train/loss" in h]
+
+
 def read_offline_runs(run_dir: Path) -> list[dict[str, Any]]:
     """Every offline run W&B wrote in `run_dir` (a resumed run writes one per attempt), in
     the order they were made; each as `read_offline_run` has it, with its W&B `id`."""

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from meshrun.core.config import LlamaModelConfig, ModelConfig, MoEConfig
+from meshrun.models.exchange import exchange
 
 _LOSS_WEIGHT = [1.0]  # what the training loss of the current micro-batch is multiplied by
 _EVEN_ROUTING = [False]
@@ -154,30 +155,6 @@ def sorted_by_expert(chosen: Tensor, experts: int) -> tuple[Tensor, Tensor]:
     return assigned.argsort(stable=True), torch.bincount(assigned, minlength=experts)
 
 
-def _exchange(
-    x: Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
-) -> Tensor:
-    out = x.new_empty(sum(out_splits), *x.shape[1:])
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-    return out
-
-
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single of rows, `in_splits` of them to each rank, `out_splits` from each;
-    the gradient goes back the way the rows came."""
-
-    @staticmethod
-    def forward(
-        ctx, x: Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
-    ) -> Tensor:
-        ctx.splits, ctx.group = (in_splits, out_splits), group
-        return _exchange(x, out_splits, in_splits, group)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
-        return _exchange(grad, *ctx.splits, ctx.group), None, None, None
-
-
 def dispatched_compute(
     x: Tensor,
     weights: tuple[Tensor, Tensor, Tensor],
@@ -188,20 +165,23 @@ def dispatched_compute(
     """`expert_compute` with the experts split over `group` (expert parallelism: this rank
     holds `weights`, E/ep consecutive experts): each block of rows goes to its expert's
     rank, the rows from every rank are computed there by expert, and come back in order.
-    After one all-to-all of the counts, two of rows forward (there and back), two backward."""
+    After one all-to-all of the counts, two of rows forward (there and back), two backward;
+    the split sizes cost one host sync a call."""
     ep = dist.get_world_size(group)
     counts = torch.as_tensor(counts, device=x.device)
     local = counts.numel() // ep
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)
-    received = received.view(ep, local)  # [source rank, expert here]: rows on their way
-    sent, arriving = counts.view(ep, local).sum(1).tolist(), received.sum(1).tolist()
-    rows = _AllToAll.apply(x, arriving, sent, group)
+    # [source or destination rank, expert]: what this rank sends, what it receives
+    mine, theirs = torch.stack([counts, received]).cpu().view(2, ep, local).unbind(0)
+    sent, arriving = mine.sum(1).tolist(), theirs.sum(1).tolist()
+    rows = exchange(x, group, arriving, sent)
     # rows arrive by (source rank, expert): regrouped by expert, each a contiguous block
     expert_of_row = torch.arange(local, device=x.device).repeat(ep)
-    order = expert_of_row.repeat_interleave(received.flatten()).argsort(stable=True)
-    out = expert_compute(rows[order], weights, received.sum(0), grouped)
-    return _AllToAll.apply(out[order.argsort()], sent, arriving, group)
+    per_row = expert_of_row.repeat_interleave(received, output_size=sum(arriving))
+    order = per_row.argsort(stable=True)
+    out = expert_compute(rows[order], weights, theirs.sum(0).tolist(), grouped)
+    return exchange(out[order.argsort()], group, sent, arriving)
 
 
 @dataclass

@@ -4,7 +4,6 @@ matrix, and FSDP2's dim-0 shard (padded to equal shards)."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -69,16 +68,24 @@ class Dims:
         routed = self.k if active else self.experts // self.ep
         return (3 * (routed * self.fe // self.etp + self.fs) + self.experts) * self.h
 
+    def expert_elements(self) -> int:
+        """Elements of a block's routed experts one rank holds (E/ep of them, 1/etp of each
+        one's hidden width), before FSDP2's shards."""
+        return 3 * (self.experts // self.ep) * self.h * self.fe // self.etp
+
     @classmethod
     def of_layout(cls, model_cfg: ModelConfig, layout: Layout, load: float = 1.0) -> Dims:
         """The sizes as a rank of `layout` holds them (`load`: as in `of`)."""
-        return dataclasses.replace(cls.of(model_cfg, layout.tp, layout.ep, load), etp=layout.etp)
+        return cls.of(model_cfg, layout.tp, layout.ep, load, layout.etp)
 
     @classmethod
-    def of(cls, model_cfg: ModelConfig, tp: int = 1, ep: int = 1, load: float = 1.0) -> Dims:
+    def of(
+        cls, model_cfg: ModelConfig, tp: int = 1, ep: int = 1, load: float = 1.0, etp: int = 1
+    ) -> Dims:
         """`tp`: the degree the vocabulary is padded for (models/vocab.py); `ep`: the experts'
         (parallel.ep); `load`: the busiest ep rank's rows over an even share (at most all of
-        the group's: ep; one rank holding every expert gets exactly k a token)."""
+        the group's: ep; one rank holding every expert gets exactly k a token); `etp`: the
+        experts' TP (parallel.etp)."""
         m = model_shape(model_cfg)
         head_dim = m.head_dim or m.dim // m.n_heads
         return cls(
@@ -97,6 +104,7 @@ class Dims:
             m.shared_ffn,
             ep,
             min(ep, load) if ep > 1 else 1.0,
+            etp,
         )
 
 

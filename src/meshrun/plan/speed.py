@@ -128,9 +128,7 @@ def formula_cost(cfg: ExperimentConfig, layout: Layout) -> ModelCost:
     shares = stage_shares(cfg.model, cfg.parallel, layout)
     held = Dims.of_layout(cfg.model, layout)
     rank_elements = max(local_param_elements(held, s, layout.tp, 1) for s in shares)
-    experts = max(s.layers for s in shares) * sum(
-        math.prod(shape) // layout.etp for shape, _ in held.mlp_tensors() if len(shape) == 3
-    )
+    experts = max(s.layers for s in shares) * held.expert_elements()
     return ModelCost(per_token, rank_elements, d.h, experts)
 
 
@@ -230,12 +228,9 @@ def _by_flops(
     attention = 0.0  # 4*h*s a token; a module without formulas may not say its width
     if shape.dim:
         attention = 4 * shape.dim * cfg.train.seq_len * tokens / layout.tp / rate
-    recompute = 0.0
-    checkpointed = checkpointed_layers(cfg.parallel, share)
-    if cfg.parallel.activation_checkpointing == "full":
-        recompute = forward * checkpointed / max(1, share.layers)
-    elif cfg.parallel.activation_checkpointing == "selective":
-        recompute = attention * checkpointed
+    recompute = forward * _recomputed_share(cfg, share)
+    if cfg.parallel.activation_checkpointing == "selective":
+        recompute = attention * checkpointed_layers(cfg.parallel, share)
     return _Stage(forward, 2 * forward, recompute, attention, parts={"matmul": 3 * forward})
 
 

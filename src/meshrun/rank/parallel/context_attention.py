@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from meshrun.models.exchange import exchange
 from meshrun.rank.parallel.context_shards import (
     load_balanced_chunks,
     shard_sequence,
@@ -347,7 +348,7 @@ def alltoall_attention(
     # one exchange for q, k and v: each peer's share of all three packed in a row
     parts = [t.unflatten(1, (cp, -1)).transpose(0, 1) for t in (q, k, v)]  # [cp, b, h/cp, ..]
     packed = torch.cat([p.reshape(cp, -1) for p in parts], 1)
-    received = _AllToAll.apply(packed, group).split([p[0].numel() for p in parts], 1)
+    received = exchange(packed, group).split([p[0].numel() for p in parts], 1)
     q_h, k_h, v_h = (
         unshard_sequence(list(r.view(p.shape).unbind(0)), dim=2)  # [b, h/cp, seq, d]
         for r, p in zip(received, parts, strict=True)
@@ -356,28 +357,8 @@ def alltoall_attention(
         q_h, k_h, v_h, is_causal=True, scale=scale, enable_gqa=True
     )
     back = torch.stack([shard_sequence(out, r, cp, dim=2) for r in range(cp)])
-    back = _AllToAll.apply(back, group)  # [cp (head group), b, h/cp, s, d]
+    back = exchange(back, group)  # [cp (head group), b, h/cp, s, d]
     return back.transpose(0, 1).flatten(1, 2)
-
-
-class _AllToAll(torch.autograd.Function):
-    """Row j of dim 0 sent to rank j, row i received from rank i; its own adjoint, so the
-    backward is the same exchange of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _exchange(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _exchange(grad, ctx.group), None
-
-
-def _exchange(x: Tensor, group: ProcessGroup) -> Tensor:
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    dist.all_to_all_single(out, x.contiguous(), group=group)
-    return out
 
 
 # ---- lookup and loss ----------------------------------------------------------------------
