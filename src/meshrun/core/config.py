@@ -469,13 +469,19 @@ class PlanConfig:
     training), so a plan at 99% of a device OOMs in practice; `allow_oom` launches a run
     predicted not to fit anyway. `trace`: a run also records the prediction of its parallel
     module traced on fake tensors (plan/traced.py) and torch's count of its FLOPs beside the
-    formulas' (a model without formulas, model=custom, is always traced)."""
+    formulas' (a model without formulas, model=custom, is always traced). `trials`: with
+    parallel=auto, the planner's first `trials` layouts that fit each run `trial_steps` timed
+    steps on the real ranks first, and the run trains with the fastest measured
+    (driver/trials.py); `trials_only` stops after the trials."""
 
     allow_oom: bool = False
     efficiency: float | None = None
     headroom_gib: float = 1.0
     fragmentation: float = 0.1
     trace: bool = False
+    trials: int = 0
+    trial_steps: int = 5
+    trials_only: bool = False
 
 
 @dataclass

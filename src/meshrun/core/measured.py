@@ -11,8 +11,9 @@ from datetime import datetime, timezone
 from typing import Any, Literal
 
 from meshrun.core.rank_report import RankReport
+from meshrun.core.trials import Trial
 
-Role = Literal["run", "baseline"]
+Role = Literal["run", "baseline", "trial"]
 Status = Literal["completed", "failed", "interrupted"]
 # How the single-device baseline was had: trained beside the run (`fresh`), reused from the
 # store (`stored`), measured by a launch of its own after the run (`after`), or none needed
@@ -47,6 +48,12 @@ class RunMeta:
     baseline_mode: BaselineMode | None = None
     baseline_age_s: float | None = None  # `stored`: how old the reused baseline is
     export_path: str | None = None  # checkpoint.export: the final model, whole
+    trial_of: str | None = None  # a trial (plan.trials): the run it chose the layout for
+    # the run that trials chose: each trial, the prediction's rank correlation with what
+    # they measured, and the share of speed its first choice would have lost (core/trials.py)
+    trials: list[Trial] | None = None
+    trials_rank_correlation: float | None = None
+    trials_first_choice_loss: float | None = None
 
 
 @dataclass

@@ -139,8 +139,10 @@ def layout_overrides(cfg: ExperimentConfig) -> str:
 
 
 def _replaced_by_layout(override: str) -> bool:
+    """The layout's keys, Hydra's own, and plan.trials' (the layout they chose is given)."""
     key = override.lstrip("+~").split("=", 1)[0]
-    return key in ("parallel", "train.micro_batch_size") or key.startswith(("parallel.", "hydra."))
+    layout = ("parallel", "train.micro_batch_size", "plan.trials", "plan.trials_only")
+    return key in layout or key.startswith(("parallel.", "hydra.", "plan.trial_"))
 
 
 def rerun_overrides(given: Sequence[str], cfg: ExperimentConfig) -> str:

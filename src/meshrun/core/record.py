@@ -151,6 +151,13 @@ class RunRecord:
     checkpoint_blocked_s: float | None = _f(summary=True)  # training waited, per save
     checkpoint_save_s: float | None = _f(summary=True)  # staging to the last byte, per save
     export_path: str | None = _f()  # checkpoint.export: the final model, whole
+    # plan.trials: a trial's run it chose the layout for; that run's trials (core/trials.py),
+    # how the prediction ranked them against what they measured (Spearman) and the share of
+    # the fastest measured speed that the prediction's first choice lacked
+    trial_of: str | None = _f(column=True)
+    trials: list[dict[str, Any]] | None = _f()
+    trials_rank_correlation: float | None = _f(column=True, summary=True)
+    trials_first_choice_loss: float | None = _f(summary=True)
     memory_traced: list[dict[str, int]] | None = _f()  # plan.trace: on fake tensors
     predicted_peak_memory_bytes: int | None = _f(column=True, summary=True)
     predicted_step_time_s: float | None = _f(column=True, summary=True)

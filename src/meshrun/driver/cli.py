@@ -25,7 +25,7 @@ from meshrun.driver.command import hydra_command
 from meshrun.driver.experiment import record_skipped, reported, run_experiment
 from meshrun.driver.launch import TRAIN
 from meshrun.driver.launch.dispatch import launch
-from meshrun.driver.resolve import resolve
+from meshrun.driver.resolve import resolve, resolve_trials
 from meshrun.driver.resume import in_run_dir_of_resume
 from meshrun.driver.sinks.console import print_error, print_note
 from meshrun.driver.sweep import (
@@ -35,6 +35,7 @@ from meshrun.driver.sweep import (
     register_sweeps,
     sweep_name,
 )
+from meshrun.driver.trials import run_with_trials
 from meshrun.validate.launcher import check_attached_world
 
 register_sweeps(ConfigStore.instance())
@@ -60,6 +61,10 @@ def run(dict_cfg: DictConfig) -> int:
         if cfg.launcher.name != "slurm":  # ranks here: a GPU profile without a GPU is the news
             resolve_hardware(cfg.hardware, facts)
         target = target_facts(cfg.hardware, facts)
+        if cfg.plan.trials:  # local ranks only (validate/trials.py)
+            resolve_trials(cfg, target)
+            trials = [with_baseline_plan(r) for r in resolve_trials(cfg, facts, print_note)]
+            return reported(lambda: run_with_trials(trials, cfg.plan, launch))
         resolve(cfg, target)
         # SLURM ranks run on the profile's box, not on this (login) host.
         cfg = resolve(cfg, target if cfg.launcher.name == "slurm" else facts, say=print_note)

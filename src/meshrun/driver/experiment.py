@@ -81,11 +81,14 @@ def reported(run: Callable[[], RunRecord]) -> int:
     return 0
 
 
-def run_experiment(cfg: ExperimentConfig, launch: Launch) -> RunRecord:
+def run_experiment(
+    cfg: ExperimentConfig, launch: Launch, role: Role = "run", **decided: Any
+) -> RunRecord:
     """Returns the results record; raises RunFailed (after recording) if a rank failed.
     `cfg` carries the baseline's plan (driver/baseline.with_baseline_plan): with
-    `resolved.twin`, rank 0 trains the baseline twin between the run's steps."""
-    meta = begin(cfg, "run")
+    `resolved.twin`, rank 0 trains the baseline twin between the run's steps. `decided`:
+    RunMeta fields the driver decided before the run (a trial's, driver/trials.py)."""
+    meta = begin(cfg, role, **decided)
     live = follow(cfg, meta)
     measured = outcome(cfg, meta, time.time(), lambda: launch(cfg))
     return finish_experiment(cfg, measured, launch, live)
@@ -205,7 +208,7 @@ def _given_overrides() -> list[str]:
     return list(HydraConfig.get().overrides.task)
 
 
-def begin(cfg: ExperimentConfig, role: Role) -> RunMeta:
+def begin(cfg: ExperimentConfig, role: Role, **decided: Any) -> RunMeta:
     """A training run's identity; its metrics file from an earlier attempt removed. A resume
     in the checkpoint's own run dir continues its run: its identity (run.json) and the steps
     before the checkpoint kept. In another run dir it is a new run, which notes the
@@ -214,7 +217,7 @@ def begin(cfg: ExperimentConfig, role: Role) -> RunMeta:
     resume = find_resume(cfg.checkpoint, cfg.run_dir)
     manifest = read_manifest(resume) if resume is not None else None
     identity = Path(cfg.run_dir) / RUN_FILE
-    meta = RunMeta(role=role, given_overrides=_given_overrides())
+    meta = RunMeta(role=role, given_overrides=_given_overrides(), **decided)
     if manifest is not None:
         meta.resumed_from_step = manifest.step
         meta.resumed_from_checkpoint = str(resume.absolute())
@@ -278,8 +281,8 @@ def follow(cfg: ExperimentConfig, meta: RunMeta) -> LiveRun | None:
 
 
 def _on_wandb(cfg: ExperimentConfig, role: str) -> bool:
-    """W&B mirrors the run itself, not its baseline."""
-    return role == "run" and cfg.logger.name == "wandb"
+    """W&B mirrors the run itself and its trials, not its baseline."""
+    return role in ("run", "trial") and cfg.logger.name == "wandb"
 
 
 def _wandb_run(cfg: ExperimentConfig, identity: dict[str, Any]) -> WandbRun:

@@ -12,12 +12,14 @@ from collections.abc import Callable
 from meshrun.core.config import ExperimentConfig, RunConfig, with_resolved
 from meshrun.core.hardware import HostFacts, resolve_hardware
 from meshrun.driver.prepare_data import prepare_data
+from meshrun.plan.candidate import Candidate
 from meshrun.plan.fit import check_fit
-from meshrun.plan.search import best_layout
+from meshrun.plan.search import fitting_layouts, why, with_layout
 from meshrun.validate import check_experiment, validate_layout, validate_run
 from meshrun.validate.custom import vocabulary_note
 from meshrun.validate.launcher import CPU_DEFAULT_RANKS
 from meshrun.validate.model import describe_read, read_pretrained
+from meshrun.validate.trials import check_trials
 
 
 def resolve(
@@ -26,14 +28,44 @@ def resolve(
     """The resolved config for `facts`' box, or ConfigError before any process starts. `say`
     hears what model=hf/auto read, and which layout `parallel=auto` chose, and why."""
     cfg = _read_model(cfg, say)
+    check_trials(cfg)
     if cfg.parallel.name == "auto":
-        check_experiment(cfg)
-        hardware = resolve_hardware(cfg.hardware, facts)
-        per_node = cfg.launcher.nproc_per_node or len(facts.cuda_devices) or CPU_DEFAULT_RANKS
-        world = per_node * cfg.launcher.nnodes
-        cfg, why = best_layout(dataclasses.replace(cfg, hardware=hardware), world, facts)
+        ranked = _fitting(cfg, facts)
+        cfg = with_layout(cfg, ranked[0])
         if say is not None:
-            say(f"parallel=auto chose {why}")
+            say(f"parallel=auto chose {why(ranked)}")
+    return _resolved(cfg, facts, say)
+
+
+def resolve_trials(
+    cfg: ExperimentConfig, facts: HostFacts, say: Callable[[str], None] | None = None
+) -> list[RunConfig]:
+    """`parallel=auto plan.trials=K`: the plan's first K layouts that fit, each resolved as
+    its run would be (plan.trials cleared: the layout is given), in the plan's order."""
+    cfg = _read_model(cfg, say)
+    check_trials(cfg)
+    ranked = _fitting(cfg, facts)[: cfg.plan.trials]
+    if say is not None:
+        tried = ", ".join(c.label for c in ranked)
+        say(f"parallel=auto plan.trials={cfg.plan.trials}: trying {tried}")
+    given = dataclasses.replace(cfg.plan, trials=0, trials_only=False)
+    chosen = [dataclasses.replace(with_layout(cfg, c), plan=given) for c in ranked]
+    return [_resolved(c, facts, None) for c in chosen]
+
+
+def _fitting(cfg: ExperimentConfig, facts: HostFacts) -> list[Candidate]:
+    """parallel=auto's candidates: the plan's rows that fit every device of the box."""
+    check_experiment(cfg)
+    hardware = resolve_hardware(cfg.hardware, facts)
+    per_node = cfg.launcher.nproc_per_node or len(facts.cuda_devices) or CPU_DEFAULT_RANKS
+    world = per_node * cfg.launcher.nnodes
+    return fitting_layouts(dataclasses.replace(cfg, hardware=hardware), world, facts)
+
+
+def _resolved(
+    cfg: ExperimentConfig, facts: HostFacts, say: Callable[[str], None] | None
+) -> RunConfig:
+    """The rules, the memory check and data=hf's tokens, for a config with its layout."""
     resolved = validate_layout(cfg, facts)
     check_fit(resolved, facts)  # before the batch rules: "does not fit" is the news to give
     resolved = prepare_data(validate_run(resolved))

@@ -313,11 +313,16 @@ def _tp_across_nodes(tp: int, box: Box) -> str:
     return f"parallel.tp={tp}: {where} of {box.per_node} devices (TP stays on a node's links)"
 
 
-def best_layout(
-    cfg: ExperimentConfig, world: int, facts: HostFacts
-) -> tuple[ExperimentConfig, str]:
-    """`parallel=auto`: the top row of the plan that fits (the config to validate), and why
-    it was chosen, for the console."""
+def with_layout(cfg: ExperimentConfig, candidate: Candidate) -> ExperimentConfig:
+    """`cfg` with the candidate's layout and micro-batch size."""
+    chosen = candidate.cfg
+    return dataclasses.replace(cfg, parallel=chosen.parallel, train=chosen.train)
+
+
+def fitting_layouts(cfg: ExperimentConfig, world: int, facts: HostFacts) -> list[Candidate]:
+    """`parallel=auto`'s choice: the plan's rows that are predicted to fit, in its order (the
+    first is the layout a run takes, the first K those plan.trials measures); ConfigError
+    where none does."""
     box = Box(cfg.launcher.nnodes, world // cfg.launcher.nnodes)
     ranked = [c for c in search(cfg, box, facts).ranked if c.fits]
     if not ranked:
@@ -328,8 +333,7 @@ def best_layout(
             "(meshrun-plan lists them with their memory)",
             "more devices, a smaller model or a shorter train.seq_len",
         )
-    best = ranked[0].cfg
-    return dataclasses.replace(cfg, parallel=best.parallel, train=best.train), why(ranked)
+    return ranked
 
 
 def why(ranked: list[Candidate]) -> str:

@@ -10,6 +10,7 @@ from rich.text import Text
 
 from meshrun.core.measured import RunMeta
 from meshrun.core.record import MEMORY_CATEGORIES, RunRecord
+from meshrun.core.trials import Trial, fastest, first_choice_loss, rank_correlation
 
 console = Console()
 # A run waiting this share of its step time for batches is flagged as data-bound.
@@ -70,6 +71,49 @@ def _mfu(r: RunRecord) -> str:
     return f"{_fmt(r.mfu)} (6N: N active, {r.active_param_share:.1%})"
 
 
+def print_trials(trials: list[Trial], steps: int) -> None:
+    """plan.trials: each trial's predicted and measured speed in the planner's order, the
+    rank correlation of the two, and what the prediction's first choice would have lost."""
+    table = Table(title=f"meshrun: trials ({steps} timed steps each), tokens/s")
+    for header in ("#", "layout", "predicted", "measured", "ratio"):
+        table.add_column(header, justify="left" if header == "layout" else "right")
+    table.add_column("status")
+    for index, t in enumerate(trials, start=1):
+        ratio = (
+            f"{t.tokens_per_s / t.predicted_tokens_per_s:.2f}"
+            if t.measured and t.predicted_tokens_per_s
+            else "n/a"
+        )
+        status = t.status if t.status == "completed" else f"{t.status}: {t.error}"
+        figures = (_fmt(t.predicted_tokens_per_s), _fmt(t.tokens_per_s), ratio)
+        table.add_row(str(index), t.layout_name, *figures, status)
+    console.print(table)
+    print_note(_trials_verdict(trials))
+
+
+def _trials_verdict(trials: list[Trial]) -> str:
+    best = fastest(trials)
+    if best is None:
+        return "no trial completed"
+    rho = rank_correlation(trials)
+    said = f"fastest measured: trial {best + 1} ({trials[best].layout_name}); "
+    said += f"rank correlation (Spearman) {rho:.2f}" if rho is not None else "no rank correlation"
+    said += f" over {sum(t.measured for t in trials)} measured"
+    loss = first_choice_loss(trials)
+    if loss is not None:
+        said += f"; the predicted first choice ({trials[0].layout_name}) would have lost {loss:.1%}"
+    else:
+        said += f"; the predicted first choice ({trials[0].layout_name}) {trials[0].status}"
+    return said
+
+
+def _trials_row(r: RunRecord) -> list[tuple[str, str]]:
+    if not r.trials:
+        return []
+    trials = [Trial(**t) for t in r.trials]
+    return [(f"trials ({len(trials)})", _trials_verdict(trials))]
+
+
 def print_summary(r: RunRecord) -> None:
     table = Table(title=f"meshrun: {r.model} / {r.layout_name}", show_header=False)
     table.add_column(style="bold")
@@ -95,6 +139,7 @@ def print_summary(r: RunRecord) -> None:
         loss,
         *_routers(r),
         *_evaluation(r),
+        *_trials_row(r),
     ]
     if r.pp_schedule:
         bubble = f"{_fmt(r.bubble_measured)} measured, {_fmt(r.bubble_theoretical)} theory"

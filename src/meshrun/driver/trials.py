@@ -1,0 +1,91 @@
+"""`parallel=auto plan.trials=K`: the planner's first K layouts that fit each run a few timed
+steps on the real ranks, one after another, and the run trains with the fastest measured.
+A prediction ranks layouts; a measurement settles the ones it cannot tell apart (NeMo's
+auto-configurator runs trials with no model; here the model picks what to try).
+
+Each trial is a run of its own (store row, run dir under the run's `trials/`, W&B run in one
+group), tagged with the id of the run it chose for; one that fails or runs out of memory is
+recorded as such and left out of the choice. The run's record lists the trials with the
+prediction's rank correlation and what its first choice would have lost (core/trials.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from meshrun.core.choices import BaselineMode, ExportFormat
+from meshrun.core.config import PlanConfig, RunConfig, with_resolved
+from meshrun.core.measured import new_run_id
+from meshrun.core.record import RunRecord
+from meshrun.core.trials import Trial, fastest, first_choice_loss, rank_correlation
+from meshrun.driver.experiment import Launch, RunFailed, run_experiment
+from meshrun.driver.sinks.console import print_note, print_trials
+
+TRIALS_DIR = "trials"
+
+
+def run_with_trials(runs: list[RunConfig], plan: PlanConfig, launch: Launch) -> RunRecord:
+    """`runs`: the layouts to try, resolved as their runs, in the planner's order; `plan`
+    the settings of the trials. The chosen run's record, or (plan.trials_only) the fastest
+    trial's; raises RunFailed where no trial completed."""
+    run_id = new_run_id()
+    main = runs[0]
+    group = f"{main.name}-trials-{run_id}"
+    records = [
+        _trial(trial_config(run, index, plan.trial_steps, group), launch, run_id)
+        for index, run in enumerate(runs, start=1)
+    ]
+    trials = [Trial.of(r) for r in records]
+    print_trials(trials, plan.trial_steps)
+    best = fastest(trials)
+    if best is None:
+        first = records[0]
+        error = f"none of the {len(trials)} trials completed (trial 1: {first.error})"
+        raise RunFailed(dataclasses.replace(first, error=error))
+    if plan.trials_only:
+        return records[best]
+    chosen = runs[best]
+    print_note(f"plan.trials: training with trial {best + 1}, {trials[best].layout_name}")
+    return run_experiment(
+        chosen,
+        launch,
+        run_id=run_id,
+        trials=trials,
+        trials_rank_correlation=rank_correlation(trials),
+        trials_first_choice_loss=first_choice_loss(trials),
+    )
+
+
+def _trial(cfg: RunConfig, launch: Launch, run_id: str) -> RunRecord:
+    try:
+        return run_experiment(cfg, launch, role="trial", trial_of=run_id)
+    except RunFailed as failed:  # recorded; the others go on
+        return failed.results
+
+
+def trial_config(run: RunConfig, index: int, timed_steps: int, group: str) -> RunConfig:
+    """A run's layout for `timed_steps` after its untimed ones: no
+    checkpoint, evaluation, export or baseline (the trials compare with each other), in a run
+    dir of its own under the run's; its W&B group and store sweep are the trials'."""
+    t = run.train
+    steps = t.untimed_steps + timed_steps
+    schedule = dataclasses.replace(
+        t.lr_schedule, warmup_steps=min(t.lr_schedule.warmup_steps, steps - 1)
+    )
+    train = dataclasses.replace(
+        t,
+        steps=steps,
+        lr_schedule=schedule,
+        eval=dataclasses.replace(t.eval, every_steps=0),
+    )
+    checkpoint = dataclasses.replace(run.checkpoint, every_steps=0, export=ExportFormat["none"])
+    cfg = dataclasses.replace(
+        run,
+        train=train,
+        checkpoint=checkpoint,
+        metrics=dataclasses.replace(run.metrics, baseline=BaselineMode["off"]),
+        run_dir=str(Path(run.run_dir) / TRIALS_DIR / f"trial{index}"),
+        name=f"{run.name}-trial{index}",
+        sweep=group,
+    )
+    return with_resolved(cfg, twin=False)

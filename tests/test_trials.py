@@ -1,0 +1,148 @@
+"""`parallel=auto plan.trials=K` (issue 34, item 3): the planner's first K layouts run as
+trials of their own on real ranks, the run trains with the fastest measured, and the record
+and summary set the prediction beside the measurement."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from meshrun.core.config import RunConfig
+from meshrun.core.errors import ConfigError
+from meshrun.core.hardware import HostFacts
+from meshrun.core.naming import layout_name
+from meshrun.core.record import RunRecord
+from meshrun.core.trials import Trial, fastest, first_choice_loss, rank_correlation
+from meshrun.driver.resolve import resolve_trials
+from meshrun.driver.sinks.store import ResultsStore
+from meshrun.driver.trials import run_with_trials
+from tests.helpers import compose_config
+
+SHORT = ("model=tiny", "train.untimed_steps=1", "plan.trial_steps=2", "train.steps=3")
+
+
+def _trial(layout: str, predicted: float | None, measured: float | None, status="completed"):
+    return Trial("id", layout, "", status, predicted, measured)
+
+
+def test_rank_correlation_is_spearmans_rho():
+    agree = [_trial("a", 3, 30), _trial("b", 2, 20), _trial("c", 1, 10)]
+    assert rank_correlation(agree) == pytest.approx(1.0)
+    reversed_ = [_trial("a", 3, 10), _trial("b", 2, 20), _trial("c", 1, 30)]
+    assert rank_correlation(reversed_) == pytest.approx(-1.0)
+    # ranks (3, 2, 1) against (2.5, 2.5, 1): rho = 0.866
+    tied = [_trial("a", 3, 30), _trial("b", 2, 30), _trial("c", 1, 10)]
+    assert rank_correlation(tied) == pytest.approx(3**0.5 / 2)
+
+
+def test_rank_correlation_leaves_out_failed_trials_and_needs_two():
+    trials = [_trial("a", 3, None, "failed"), _trial("b", 2, 10), _trial("c", 1, 20)]
+    assert rank_correlation(trials) == pytest.approx(-1.0)
+    assert rank_correlation(trials[:2]) is None
+    assert rank_correlation([_trial("a", 1, 10), _trial("b", 1, 20)]) is None  # all ties
+
+
+def test_first_choice_loss_is_what_the_predicted_first_lacked():
+    trials = [_trial("a", 3, 75), _trial("b", 2, 100), _trial("c", 1, None, "failed")]
+    assert fastest(trials) == 1
+    assert first_choice_loss(trials) == pytest.approx(0.25)
+    failed_first = [_trial("a", 3, None, "failed"), _trial("b", 2, 100)]
+    assert first_choice_loss(failed_first) is None
+    assert fastest([_trial("a", 3, None, "failed")]) is None
+
+
+BAD = [
+    (["parallel=ddp", "plan.trials=2"], "plan.trials", "parallel=auto"),
+    (["parallel=auto", "plan.trials_only=true"], "plan.trials_only", "plan.trials=K"),
+    (["parallel=auto", "plan.trials=-1"], "plan.trials", "0 (none) or more"),
+    (["parallel=auto", "plan.trials=2", "plan.trial_steps=0"], "plan.trial_steps", "> 0"),
+    (
+        ["parallel=auto", "plan.trials=2", "checkpoint.resume=/some/run"],
+        "plan.trials",
+        "plan.trials=0 with the layout",
+    ),
+    (["parallel=auto", "plan.trials=2", "launcher=slurm"], "plan.trials", "launcher=local"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "key", "fragment"), BAD, ids=str)
+def test_bad_trials_name_key_and_fix(overrides, key, fragment):
+    cfg = compose_config("model=tiny", *overrides)
+    with pytest.raises(ConfigError) as caught:
+        resolve_trials(cfg, HostFacts.detect())
+    assert caught.value.key == key
+    assert fragment in str(caught.value)
+
+
+def test_bad_trials_exit_2_before_any_rank_starts(meshrun_here):
+    run = meshrun_here("model=tiny", "parallel=ddp", "plan.trials=2")
+    assert run.returncode == 2, run.output
+    assert "plan.trials=2" in run.output and "parallel=auto" in run.output
+    assert not run.store_path.exists()
+
+
+def test_trials_run_the_plans_first_layouts_and_the_run_trains_the_fastest(meshrun_here):
+    run = meshrun_here("parallel=auto", "plan.trials=3", "metrics.baseline=off", *SHORT)
+    assert run.returncode == 0, run.output
+    main = run.results
+    rows = {r["run_id"]: r for r in run.stored()}
+    trials = [rows[t["run_id"]] for t in main["trials"]]
+    assert len(trials) == 3
+    assert {r["role"] for r in trials} == {"trial"}
+    assert {r["trial_of"] for r in trials} == {main["run_id"]}
+    assert len({r["sweep"] for r in trials}) == 1  # one group (store sweep, W&B group)
+    assert len({r["layout_name"] for r in trials}) == 3
+    for trial in trials:  # untimed + trial_steps, no more
+        assert trial["status"] == "completed"
+        assert trial["steps_completed"] == 3
+        assert trial["run_dir"].startswith(str(run.run_dir / "trials"))
+    fastest_trial = max(trials, key=lambda r: r["tokens_per_s"])
+    assert main["layout_name"] == fastest_trial["layout_name"]
+    assert main["steps_completed"] == 3
+    measured = [
+        Trial.of(RunRecord.from_dict(json.loads(Path(r["run_dir"], "results.json").read_text())))
+        for r in trials
+    ]
+    assert [t.tokens_per_s for t in measured] == [r["tokens_per_s"] for r in trials]
+    assert main["trials_rank_correlation"] == pytest.approx(rank_correlation(measured))
+    assert "plan.trials" not in main["overrides"]  # the chosen layout runs again as given
+    assert "rank correlation (Spearman)" in run.output
+    assert "training with trial" in run.output
+
+
+def test_trials_only_stops_after_the_trials(meshrun_here):
+    run = meshrun_here("parallel=auto", "plan.trials=2", "plan.trials_only=true", *SHORT)
+    assert run.returncode == 0, run.output
+    stored = run.stored()
+    assert [r["role"] for r in stored] == ["trial", "trial"]
+    assert not (run.run_dir / "results.json").exists()
+
+
+def test_a_failing_trial_is_recorded_and_left_out(tmp_path, rank_pool):
+    cfg = compose_config(
+        "parallel=auto",
+        "plan.trials=2",
+        "metrics.baseline=off",
+        f"run_dir={tmp_path}/run",
+        f"store.path={tmp_path}/meshrun.db",
+        *SHORT,
+    )
+    runs = resolve_trials(cfg, HostFacts.detect())
+
+    def launch(run: RunConfig):  # the first layout's trial fails on rank 1 at its step 2
+        if run.name.endswith("-trial1"):
+            debug = dataclasses.replace(run.debug, fail_rank=1, fail_step=2)
+            run = dataclasses.replace(run, debug=debug)
+        return rank_pool.launch(run)
+
+    record = run_with_trials(runs, cfg.plan, launch)
+    assert record.layout_name == layout_name(runs[1])
+    statuses = [t["status"] for t in record.trials]
+    assert statuses == ["failed", "completed"]
+    assert record.trials_first_choice_loss is None
+    stored = {r.run_id: r for r in ResultsStore(tmp_path / "meshrun.db").records()}
+    assert stored[record.trials[0]["run_id"]].status == "failed"
+    assert stored[record.trials[0]["run_id"]].failed_rank == 1
