@@ -77,6 +77,14 @@ LAYOUTS = {
         "parallel=fsdp",
         "parallel.activation_checkpointing=selective",
     ),
+    # torchtitan's op policy: the TP collectives between kept and recomputed matmuls
+    "tp2_op_checkpointing": ("parallel=tp2", "parallel.activation_checkpointing=op"),
+    "fsdp2_tp2_sequence_parallel_op_checkpointing": (
+        "parallel=fsdp2_tp2",
+        "parallel.sequence_parallel=true",
+        "parallel.activation_checkpointing=op",
+        MICRO4,
+    ),
 }
 
 
@@ -96,6 +104,7 @@ FAST = {
     "cp2_ring",
     "fsdp2_cp2",
     "fsdp_selective_checkpointing",
+    "tp2_op_checkpointing",
 }
 
 

@@ -9,12 +9,16 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.utils.checkpoint import CheckpointPolicy
 
 from meshrun.core.config import LlamaModelConfig
 from meshrun.core.model_shape import ffn_dim
 from meshrun.core.paths import CONF_DIR
 from meshrun.models import build_model, count_params
-from meshrun.rank.parallel.checkpointing import apply_activation_checkpointing
+from meshrun.rank.parallel.checkpointing import (
+    _every_other_matmul,
+    apply_activation_checkpointing,
+)
 
 SEQ = 16
 
@@ -288,3 +292,34 @@ def test_checkpointing_every_nth_block_wraps_the_nth_blocks_of_the_whole_model(t
         del stage.layers[name]
     apply_activation_checkpointing(stage, "full", every=2)
     assert [isinstance(stage.layers[n], CheckpointWrapper) for n in ("2", "3")] == [False, True]
+
+
+def test_op_checkpointing_keeps_every_other_matmul_and_recomputes_as_it_decided():
+    """torchtitan's op-level policy: of a block's forward matmuls the 1st, 3rd, ... kept,
+    attention's output always; its recompute counts afresh and decides the same."""
+    policy = _every_other_matmul()
+    mm, sdpa = (
+        torch.ops.aten.mm.default,
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    )
+    ops = [mm, mm, mm, sdpa, mm, torch.ops.aten.silu.default, mm, mm, mm]
+    save = CheckpointPolicy.MUST_SAVE
+
+    def decisions(recompute: bool) -> list[bool]:
+        ctx = type("Ctx", (), {"is_recompute": recompute})()
+        return [policy(ctx, op) == save for op in ops]
+
+    forward = decisions(False)
+    assert forward == [True, False, True, True, False, False, True, False, True]
+    assert decisions(True) == forward
+
+
+@pytest.mark.parametrize("mode", ["selective", "op"])
+def test_selective_checkpointing_leaves_the_gradients_as_they_are(tiny, mode):
+    plain, checkpointed = cpu_model(tiny), cpu_model(tiny)
+    apply_activation_checkpointing(checkpointed, mode)
+    tokens = random_tokens(tiny)
+    for model in (plain, checkpointed):
+        model(tokens).float().logsumexp(-1).mean().backward()
+    for (name, a), b in zip(plain.named_parameters(), checkpointed.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)

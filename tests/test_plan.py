@@ -79,6 +79,29 @@ def test_each_hop_of_a_collective_costs_the_links_latency():
     assert slow.compute_s == fast.compute_s
 
 
+def test_op_checkpointing_keeps_less_than_selective_and_recomputes_less_than_full(tmp_path):
+    """On a GPU profile (matmul shapes): memory full < op < selective < none, recompute
+    selective (elementwise work) < op (and every other matmul) < full (the whole forward)."""
+    activations, times = {}, {}
+    for ckpt in ("none", "selective", "op", "full"):
+        _, plan = meshrun_plan(
+            tmp_path,
+            "model=llama-7b",
+            "hardware=a100-80g",
+            "world_size=8",
+            "parallel.dp_shard=8",
+            "train.micro_batch_size=1",
+            "plan.allow_oom=true",
+            f"parallel.activation_checkpointing={ckpt}",
+            "parallel.checkpoint_every=1",
+        )
+        (row,) = plan["layouts"]
+        activations[ckpt] = row["memory_per_stage"][0]["activations"]
+        times[ckpt] = row["speed"]["step_time_s"]
+    assert activations["full"] < activations["op"] < activations["selective"] < activations["none"]
+    assert times["none"] < times["selective"] < times["op"] < times["full"]
+
+
 def test_fsdp_gathers_and_reduces_every_micro_batch():
     one, two = (
         predict_speed(resolved_config("parallel=fsdp", f"train.micro_batch_size={b}"), HOST_FLOPS)

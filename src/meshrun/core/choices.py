@@ -32,7 +32,7 @@ HALF_PRECISIONS = ("bf16", "fp16")  # 2-byte compute: activations, casts, collec
 # The styles a TP plan maps module names to (rank/parallel/tensor.py says what each does).
 TP_STYLES = ("colwise", "rowwise", "embedding", "head", "sequence_parallel", "gather_input")
 Schedule = _choice("Schedule", "gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb")
-Checkpointing = _choice("Checkpointing", "none", "full", "selective")
+Checkpointing = _choice("Checkpointing", "none", "full", "selective", "op")
 # How a context-parallel group shares attention (rank/parallel/context_attention.py).
 CpMethod = _choice("CpMethod", "ring", "allgather", "alltoall")
 DataParallel = _choice("DataParallel", "auto", "dataparallel")

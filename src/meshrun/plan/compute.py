@@ -73,6 +73,17 @@ class PassTimes:
     matmul_b: float
     attention_f: float
     elementwise_f: float
+    alternate_f: float = 0.0  # the forward of its 2nd, 4th, ... matmuls (ckpt=op's recompute)
+
+    def recompute(self, ckpt: str) -> float:
+        """What checkpointing runs again in backward: the whole forward (full), the
+        elementwise work (selective keeps every matmul and attention output), and every
+        other matmul as well (op)."""
+        return {
+            "full": self.forward,
+            "selective": self.elementwise_f,
+            "op": self.elementwise_f + self.alternate_f,
+        }.get(ckpt, 0.0)
 
     @property
     def forward(self) -> float:
@@ -105,19 +116,33 @@ def block_times(
     """One transformer block (meshrun's: q, k, v, o; w1, (w3,) w2) under TP degree `tp` and
     CP degree `cp`."""
     tokens = micro_batch * seq // cp
-    column = [(d.hq, d.h), (d.hk, d.h), (d.hk, d.h)]
-    linears = [(tokens, out // tp, inp) for out, inp in column] + [(tokens, d.h, d.hq // tp)]
-    forward = backward = 0.0
-    for rows, out, inp in linears + _mlp_linears(d, tokens, tp):
+    forward = backward = alternate = 0.0
+    for index, (rows, out, inp) in enumerate(_block_linears(d, tokens, tp)):
         f, b = rates.linear(rows, out, inp, width)
         forward, backward = forward + f, backward + b
+        alternate += f if index % 2 else 0.0
     causal_flops = 2 * micro_batch * seq * seq * d.hq / tp / cp  # half of 4*b*s^2*h: the mask
     attention = causal_flops / (rates.matmul * ATTENTION_RATE)
     mlp = d.mlp * d.f / tp
     if d.experts:
         mlp = 3 * (d.routed * d.fe / d.etp + d.fs) + 2 * d.routed * d.h
     per_token = RESIDUAL_BYTES * d.h / (tp if sp else 1) + (2 * (d.hq + d.hk) / tp + mlp) * width
-    return PassTimes(forward, backward, attention, tokens * per_token / rates.memory)
+    elementwise = tokens * per_token / rates.memory
+    return PassTimes(forward, backward, attention, elementwise, alternate)
+
+
+def alternate_matmul_share(d: Dims) -> float:
+    """The share of a block's matmul FLOPs in its 2nd, 4th, ... matmuls: what ckpt=op
+    recomputes (k, o and up of a dense block)."""
+    flops = [rows * out * inp for rows, out, inp in _block_linears(d, 1, 1)]
+    return sum(flops[1::2]) / sum(flops)
+
+
+def _block_linears(d: Dims, tokens: int, tp: int) -> list[tuple[int, int, int]]:
+    """(rows, out, in) of a block's matmuls in the order its forward runs them."""
+    column = [(d.hq, d.h), (d.hk, d.h), (d.hk, d.h)]
+    attention = [(tokens, out // tp, inp) for out, inp in column] + [(tokens, d.h, d.hq // tp)]
+    return attention + _mlp_linears(d, tokens, tp)
 
 
 def _mlp_linears(d: Dims, tokens: int, tp: int) -> list[tuple[int, int, int]]:

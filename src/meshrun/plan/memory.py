@@ -21,7 +21,11 @@ keeps no s*s scores here):
     full ckpt    h per layer (the block input) + one block recomputed in backward; with
                  parallel.checkpoint_every = n only every n-th block, the others keeping
                  all of theirs (within 2.1% of measured, ddp, fsdp, pp2: test_plan_accuracy)
-    selective    (2h + 2hk + 3f + a) / tp + h per layer (matmul and attention outputs kept)
+    selective    (2h + 2hk + 2f + a) / tp + 2h per layer (matmul and attention outputs
+                 kept, o's and down's whole under TP) + h (the block input); the recompute's
+                 transient is the block less those (within 3.5% of measured: 4,742 elements
+                 a token-layer at h=384, f=1024, measured and predicted)
+    op           torchtitan's every other matmul: (2h + hk + f + a) / tp + h + h
     first stage  8 bytes of token ids ; last stage 3h + 1 + V, and 8 bytes of targets
     transients   at the loss: 3V (logits, their log-softmax gradient, logits gradient);
                  elsewhere one block's backward temporaries, (3f + 2h) / tp; checkpointed,
@@ -120,12 +124,32 @@ def _layer_bytes(
     attention = d.h + 3 * d.hq + 2 * d.hk * (1 + gathered_kv) + d.a  # 4h + 2hk + a, hq = h
     matmul_side = attention / tp + _mlp_kept(d, tp, 4)
     full = replicated + matmul_side * width + _router_bytes(d)
+    block_input = d.h / (tp if sp else 1) * FP32
     if ckpt == "full":
-        return d.h / (tp if sp else 1) * FP32, full
-    if ckpt == "selective":
-        kept = (2 * d.hq + 2 * d.hk + d.a) / tp + _mlp_kept(d, tp, 3)
-        return kept * width + d.h * FP32 + _router_bytes(d), full
+        return block_input, full
+    if ckpt in ("selective", "op"):  # the outputs SAC caches, the rest recomputed
+        saved = _sac_saved(d, tp, ckpt) * width
+        return saved + block_input + _router_bytes(d), full - saved
     return full, 0.0
+
+
+def _sac_saved(d: Dims, tp: int, ckpt: str) -> float:
+    """Elements a token's block caches under selective checkpointing: the outputs of the ops
+    its policy saves (rank/parallel/checkpointing.py). selective: q, k, v, attention's output
+    and log-sum-exp, o, the feed-forward's gate and up, down; op, every other matmul of the
+    forward's q, k, v, o, gate, up, down: q, v, gate, down, and attention's. A row-parallel
+    matmul's output (o, down) is a whole h on each TP rank before its all-reduce. An MoE's
+    experts keep gate, up and down a row under selective, about half of them under op (the
+    alternation runs over a number of expert matmuls that depends on the routing)."""
+    attention = 2 * d.hq + d.a + (2 * d.hk if ckpt == "selective" else d.hk)
+    if ckpt == "selective":
+        attention_out, mlp = d.h, 2 * d.f / tp + d.h
+    else:
+        attention_out, mlp = 0.0, d.f / tp + d.h
+    if d.experts:
+        rows = d.routed * (2 * d.fe / d.etp + d.h) + (2 * d.fs + d.h if d.fs else 0)
+        mlp = rows if ckpt == "selective" else rows / 2
+    return attention / tp + attention_out + mlp
 
 
 def _mlp_kept(d: Dims, tp: int, per_hidden: int) -> float:

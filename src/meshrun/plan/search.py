@@ -10,7 +10,7 @@ so it stays on the node's links iff it divides the devices per node; cp next to 
 groups free to span nodes: the ring's sends hide behind attention), for an MoE model each ep
 that divides its experts and dp_shard x cp (and with TP, its experts split over the TP ranks
 or not: etp), each pipeline schedule with its stages per rank, sequence parallelism on and
-off, activation checkpointing none / selective / full on every 2nd block / full, DDP's
+off, activation checkpointing none / selective / op / full on every 2nd block / full, DDP's
 bucket view, the micro-batch size. A key the user gave (`fixed`) keeps its value. Pruning:
 for each layout and micro-batch size the checkpointing modes are tried cheapest first and
 the first that fits is kept (recomputing more is never faster), a micro-batch size is not
@@ -44,8 +44,8 @@ from meshrun.plan.split import uneven_variant
 # (schedule, stages_per_rank)
 SCHEDULE_CHOICES = (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2))
 # (activation checkpointing, every n-th block), cheapest first: recompute nothing, the
-# elementwise ops, every other block's forward, every block's
-CHECKPOINTING = (("none", 1), ("selective", 1), ("full", 2), ("full", 1))
+# elementwise ops, those and every other matmul, every other block's forward, every block's
+CHECKPOINTING = (("none", 1), ("selective", 1), ("op", 1), ("full", 2), ("full", 1))
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 # Context parallelism is searched where each CP rank keeps at least this many tokens of a
 # sequence: a pruning of the search, as MICRO_BATCH_SIZES is (short sequences are not what

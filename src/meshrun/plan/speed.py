@@ -8,8 +8,10 @@ kinds): nothing loops over ranks, so 8,192-rank plans cost what 8-rank ones do.
                 formulas, a CPU (0.7 of the matmul rate measured with the layout's ranks all
                 computing, plan/probe.py), or `plan.efficiency` given (the MFU one expects)
     recompute   full checkpointing runs each block's forward again in backward (its TP
-                collectives too); selective, the attention core only (Korthikanti et al.
-                2022, "Reducing Activation Recomputation in Large Transformer Models")
+                collectives too); selective keeps every matmul and attention output and
+                recomputes the elementwise work (by FLOPs, which do not see it, attention's
+                FLOPs stand in: Korthikanti et al. 2022's selective recomputes that core);
+                op the same and every other matmul (the 2nd, 4th, ... of a block)
     TP          Megatron's f/g operators on the block (Shoeybi et al. 2019): 2 all-reduces
                 of the T x h activations forward, 2 backward; with sequence parallelism an
                 all-gather and a reduce-scatter for each (the same bytes, twice the
@@ -78,6 +80,7 @@ from meshrun.plan.compute import (
     ATTENTION_BACKWARD,
     MEMORY_EFFICIENCY,
     DeviceRates,
+    alternate_matmul_share,
     block_times,
     head_times,
     optimizer_time,
@@ -205,9 +208,7 @@ def _by_shapes(
     if share.last:
         head_f, head_b = head_times(d, rates, rank_tokens(cfg, layout, micro), layout.tp, width)
         forward, backward = forward + head_f, backward + head_b
-    recompute = {"full": block.forward, "selective": block.attention_f}.get(
-        p.activation_checkpointing, 0.0
-    ) * checkpointed_layers(p, share)
+    recompute = block.recompute(p.activation_checkpointing) * checkpointed_layers(p, share)
     parts = {kind: share.layers * seconds for kind, seconds in block.by_kind().items()}
     return _Stage(forward, backward, recompute, block.attention_f, parts=parts)
 
@@ -229,8 +230,12 @@ def _by_flops(
     if shape.dim:
         attention = 4 * shape.dim * cfg.train.seq_len * tokens / layout.tp / rate
     recompute = forward * _recomputed_share(cfg, share)
-    if cfg.parallel.activation_checkpointing == "selective":
+    ckpt = cfg.parallel.activation_checkpointing
+    if ckpt in ("selective", "op"):  # FLOPs do not see the elementwise work: attention's stand in
         recompute = attention * checkpointed_layers(cfg.parallel, share)
+    if ckpt == "op" and shape.dim and share.layers:
+        layers = checkpointed_layers(cfg.parallel, share) / share.layers
+        recompute += (forward - attention) * layers * alternate_matmul_share(Dims.of(cfg.model))
     return _Stage(forward, 2 * forward, recompute, attention, parts={"matmul": 3 * forward})
 
 
@@ -254,6 +259,12 @@ def _tp_comm(
     else:
         one = fabric.all_reduce(span, activation)
     forward_ops = 2 + 2 * _recomputed_share(cfg, share)
+    if cfg.parallel.activation_checkpointing in ("selective", "op") and share.layers:
+        # SAC's recompute stops after the last tensor backward needs (the down projection's
+        # input): the attention's all-reduce again, or with SP its input's all-gather, its
+        # reduce-scatter and the MLP input's all-gather (3 of the forward's 4)
+        again = 1.5 if cfg.parallel.sequence_parallel else 1.0
+        forward_ops += again * checkpointed_layers(cfg.parallel, share) / share.layers
     seconds = share.layers * (forward_ops + 2) * one
     if layout.etp > 1:  # the experts' partial outputs all-reduced, their input's gradient too
         d = Dims.of_layout(cfg.model, layout, EP_LOAD_ALLOWANCE)

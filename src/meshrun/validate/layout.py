@@ -50,7 +50,7 @@ def _check_checkpoint_every(p: ParallelConfig) -> None:
             "parallel.checkpoint_every",
             p.checkpoint_every,
             "says which blocks activation checkpointing wraps, and it is off",
-            "parallel.activation_checkpointing=full (or selective), or checkpoint_every=1",
+            "parallel.activation_checkpointing=full (selective, op), or checkpoint_every=1",
         )
 
 
