@@ -52,7 +52,7 @@ MICRO_BATCH_SIZES = (1, 2, 4, 8)
 # fails to fit); a cp the user gives is always tried, with its parallel.cp_method.
 MIN_CP_TOKENS = 4096
 # Predictions closer than this are not told apart: the speed model's rows against published
-# runs spread 0-16% (docs/architecture.md), its errors shared by similar layouts. Within a 2%
+# runs spread -11% to +11% (docs/architecture.md), its errors shared by similar layouts. Within a 2%
 # band of speed the layout with the lower peak memory ranks first: it survives fragmentation,
 # a longer sequence or a larger micro-batch that the faster-on-paper one would not.
 SPEED_RESOLUTION = 0.02
