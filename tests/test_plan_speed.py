@@ -268,3 +268,22 @@ def test_a_ring_across_nodes_rides_the_nics_and_shows_once_attention_is_short():
         assert inside.breakdown["cp_exposed"] < 0.01 * inside.breakdown["cp"]
         exposed = across.breakdown["cp_exposed"]
         assert (exposed < 0.01 * across.breakdown["cp"]) == hidden_across, (seq, exposed)
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        {"dp_shard": 8},
+        {"tp": 8, "sequence_parallel": True, "activation_checkpointing": "op"},
+        {"pp": 4, "tp": 2, "dp_shard": 2, "activation_checkpointing": "full"},
+        {"cp": 2, "dp_shard": 4, "activation_checkpointing": "selective"},
+    ],
+    ids=str,
+)
+def test_a_predicted_step_is_the_sum_of_its_parts(parallel):
+    """What a plan row prints as its step (meshrun-plan's breakdown) adds up to the step."""
+    run = speed(*LLAMA_13B, nodes=1, **parallel)
+    parts = run.step_parts()
+    assert sum(parts.values()) == pytest.approx(run.step_time_s, rel=1e-9)
+    assert all(v >= 0 for v in parts.values())
+    assert parts["matmul"] > 0 and parts["optimizer"] > 0

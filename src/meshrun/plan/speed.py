@@ -152,8 +152,19 @@ class SpeedPrediction:
     model_tflops_per_device: float = 0.0
     breakdown: dict[str, float] = field(default_factory=dict)
 
+    def step_parts(self) -> dict[str, float]:
+        """The step's seconds by what the slowest stage's clock waits for, which add up to
+        `step_time_s`: compute by kind, recompute, the exposed share of each parallelism's
+        communication, the bubble, the optimizer."""
+        b = self.breakdown
+        parts = {kind: b[kind] for kind in COMPUTE_KINDS if kind in b}
+        parts |= {"recompute": b["recompute"], "tp": b["tp"], "cp": b["cp_exposed"]}
+        parts |= {"ep": b["ep"], "pp": b["pp"], "dp": b["dp_exposed"]}
+        parts |= {"contention": b["contention"], "bubble": b["bubble"]}
+        return parts | {"optimizer": b["optimizer"]}
+
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "step_parts": self.step_parts()}
 
 
 def _peak(cfg: ExperimentConfig, spec: DeviceSpec | None) -> float | None:
@@ -165,6 +176,9 @@ def _peak(cfg: ExperimentConfig, spec: DeviceSpec | None) -> float | None:
         precision = "tf32"
     peak = spec.peak_tflops.get(precision) or spec.peak_tflops.get(cfg.train.precision)
     return peak * 1e12 if peak else None
+
+
+COMPUTE_KINDS = ("matmul", "attention", "elementwise", "head")
 
 
 @dataclass
@@ -210,6 +224,8 @@ def _by_shapes(
         forward, backward = forward + head_f, backward + head_b
     recompute = block.recompute(p.activation_checkpointing) * checkpointed_layers(p, share)
     parts = {kind: share.layers * seconds for kind, seconds in block.by_kind().items()}
+    if share.last:
+        parts["head"] = head_f + head_b
     return _Stage(forward, backward, recompute, block.attention_f, parts=parts)
 
 

@@ -146,6 +146,19 @@ def command(c: Candidate, box: Box, model: str) -> str:
     )
 
 
+def step_line(c: Candidate) -> str:
+    """`1.23 s = matmul 0.8 + attention 0.2 + ...`, the parts over 0.5% of the step."""
+    if c.speed is None:
+        return "n/a (no peak FLOP/s for this device)"
+    step = c.speed.step_time_s
+    shown = [(k, v) for k, v in c.speed.step_parts().items() if v > 0.005 * step]
+    return f"{_seconds(step)} = " + " + ".join(f"{k} {_seconds(v)}" for k, v in shown)
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1e3:.3g} ms" if value < 1 else f"{value:.3g} s"
+
+
 def _gib(n: int) -> str:
     return f"{n / GiB:.2f}"
 
@@ -161,6 +174,9 @@ def render(cfg: PlanCommandConfig, box: Box, found: Plan, defaults: list[str], m
     console.print("run a row with:")
     for index, c in enumerate(shown, start=1):
         console.print(f"  {index:>2}  {command(c, box, model)}", soft_wrap=True, highlight=False)
+    console.print("each row's predicted step, by what it waits for (exposed communication only):")
+    for index, c in enumerate(shown, start=1):
+        console.print(f"  {index:>2}  {step_line(c)}", soft_wrap=True, highlight=False)
     rows: dict[str, list[str]] = {}  # a note once, with the rows it applies to
     for index, c in enumerate(shown, start=1):
         for note in c.notes:

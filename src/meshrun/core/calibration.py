@@ -1,0 +1,80 @@
+"""A host's measured rates (`meshrun-plan calibrate`, tools/calibrate.py): what the speed
+model otherwise takes from a datasheet or one matmul probe, measured with the run's ranks
+all busy at once and the run's own shapes. Written as JSON beside the results store; a plan
+or run on the same host (fingerprint: host, devices, versions, threads) with the same ranks
+uses it (plan.calibration), and says so."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CALIBRATION_FILE = "calibration.json"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Per rank, with `ranks` ranks of `threads_per_rank` threads computing at once.
+    `matmul_flops`: FLOPs over seconds of the block's matmuls at the run's token count
+    (forward and both backward GEMMs, each shape weighted by its FLOPs); `attention_flops`:
+    causal SDPA's counted FLOPs (half of 4·b·s²·h forward, 2.5x that backward) a second;
+    `memory_bw`: bytes a second of a large elementwise add; `op_seconds`: the eager
+    dispatch of one small op (what a step pays per kernel however small its tensors);
+    `ops_per_layer`: aten ops one block's forward and backward dispatch (counted on the
+    run's model); `link_bw_gbs` and `link_latency_us`: meshrun-comm's all-reduce bus
+    bandwidth at its largest size and a small all-reduce's time per hop."""
+
+    fingerprint_key: str
+    created_at: str
+    device_type: str
+    ranks: int
+    threads_per_rank: int
+    precision: str
+    model: str
+    tokens: int  # the micro-batch's tokens the matmuls were timed at
+    matmul_flops: float
+    attention_flops: float
+    memory_bw: float
+    op_seconds: float
+    ops_per_layer: int
+    link_bw_gbs: float | None = None
+    link_latency_us: float | None = None
+    shapes: list[dict[str, Any]] = field(default_factory=list)  # each matmul shape's rate
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        link = (
+            f", link {self.link_bw_gbs:.2f} GB/s + {self.link_latency_us:.0f} us a hop"
+            if self.link_bw_gbs
+            else ""
+        )
+        return (
+            f"matmul {self.matmul_flops / 1e9:.1f} GFLOP/s, attention "
+            f"{self.attention_flops / 1e9:.1f} GFLOP/s, memory {self.memory_bw / 1e9:.1f} GB/s, "
+            f"{self.op_seconds * 1e6:.1f} us an op x {self.ops_per_layer} a layer{link} "
+            f"per rank, {self.ranks} ranks x {self.threads_per_rank} threads, "
+            f"measured {self.created_at}"
+        )
+
+
+def calibration_path(store_path: str) -> Path:
+    """Where `meshrun-plan calibrate` writes and plans look: beside the results store."""
+    return Path(store_path).parent / CALIBRATION_FILE
+
+
+def read_calibration(path: Path) -> Calibration | None:
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    known = {f.name for f in dataclasses.fields(Calibration)}
+    return Calibration(**{k: v for k, v in data.items() if k in known})
+
+
+def write_calibration(calibration: Calibration, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(calibration.as_dict(), indent=2))
