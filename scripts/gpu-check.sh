@@ -74,6 +74,11 @@ run "mixtral-shaped 2 layers bf16" parallel=single train.steps=6 train.untimed_s
   model.n_layers=2 model.dim=1024 model.n_heads=8 model.n_kv_heads=8 model.ffn_dim=3584 \
   train.precision=bf16 train.seq_len=1024 train.micro_batch_size=2 train.global_batch_size=8
 
+log "meshrun-plan calibrate on the GPU(s): matmul, attention, memory, op dispatch (and NCCL's link with 2+)"
+$py -m meshrun.tools.plan.main calibrate model=llama-1b hardware=auto train.precision=bf16 \
+  train.seq_len=2048 train.micro_batch_size=4 "store.path=$work/meshrun.db" 2>&1 \
+  | tee "$out/calibrate.log" | tail -3
+
 log "throughput: MFU and tokens/s on one GPU, bf16, with and without torch.compile (target MFU >= 45% on H100/H200)"
 for model in llama-1b hf/llama-3.2-1b; do
   for compiled in false true; do

@@ -40,7 +40,7 @@ from meshrun.core.tool_config import CommRunConfig, comm_from_dict
 from meshrun.driver import cli
 from meshrun.driver.resolve import resolve
 from meshrun.rank.parallel.pipeline import SCHEDULES
-from meshrun.tools import plan_command
+from meshrun.tools.plan import command as plan_command
 from tests.cli import CliRun, run_console
 from tests.helpers import compose_config
 
@@ -530,7 +530,7 @@ def test_console_script_exits_2_on_a_key_added_with_plus(meshrun, tmp_path: Path
 def test_the_console_scripts_start_without_importing_dtensor():
     """DTensor's import is a second of every start (and of every config error); only ranks
     that shard need it."""
-    entrypoints = "meshrun.driver.cli, meshrun.tools.verify, meshrun.tools.plan_command"
+    entrypoints = "meshrun.driver.cli, meshrun.tools.verify, meshrun.tools.plan.command"
     code = f"import sys, {entrypoints}; print('torch.distributed.tensor' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -16,7 +16,7 @@ from meshrun.core.errors import ConfigError
 from meshrun.driver.experiment import run_experiment
 from meshrun.models.hf import model_class
 from meshrun.rank.train.data import HeldoutBatches, build_streams
-from meshrun.tools import plan_command
+from meshrun.tools.plan import command as plan_command
 from tests.cli import run_console
 from tests.helpers import resolved_config, transformers_first_loss
 from tests.ranks import config_in

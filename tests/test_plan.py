@@ -20,7 +20,7 @@ from meshrun.plan.shapes import Dims, StageShare, layer_counts, local_param_elem
 from meshrun.plan.speed import formula_cost, predict_speed
 from meshrun.plan.split import proportional
 from meshrun.plan.traced import traced_cost
-from meshrun.tools import plan_command
+from meshrun.tools.plan import command as plan_command
 from tests.cli import CliRun, run_console
 from tests.helpers import compose_config, resolved_config
 

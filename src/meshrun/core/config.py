@@ -472,7 +472,10 @@ class PlanConfig:
     formulas' (a model without formulas, model=custom, is always traced). `trials`: with
     parallel=auto, the planner's first `trials` layouts that fit each run `trial_steps` timed
     steps on the real ranks first, and the run trains with the fastest measured
-    (driver/trials.py); `trials_only` stops after the trials."""
+    (driver/trials.py); `trials_only` stops after the trials. `calibration`: the rates
+    `meshrun-plan calibrate` measured on this host (core/calibration.py): `auto` the one
+    beside the results store where it was measured here with the same ranks and threads,
+    `none`, or a file's path."""
 
     allow_oom: bool = False
     efficiency: float | None = None
@@ -482,6 +485,7 @@ class PlanConfig:
     trials: int = 0
     trial_steps: int = 5
     trials_only: bool = False
+    calibration: str = "auto"
 
 
 @dataclass

@@ -162,6 +162,9 @@ class RunRecord:
     predicted_peak_memory_bytes: int | None = _f(column=True, summary=True)
     predicted_step_time_s: float | None = _f(column=True, summary=True)
     predicted_tokens_per_s: float | None = _f()
+    predicted_step_parts: dict[str, float] | None = _f()  # the step by what it waits for
+    # the calibration (meshrun-plan calibrate) the speed prediction used: when it was measured
+    predicted_calibrated_at: str | None = _f(summary=True)
     # series and bookkeeping
     losses: list[float] = _f(factory=list)
     grad_norms: list[float | None] = _f(factory=list)

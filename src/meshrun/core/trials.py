@@ -46,13 +46,18 @@ def fastest(trials: list[Trial]) -> int | None:
 
 
 def rank_correlation(trials: list[Trial]) -> float | None:
-    """Spearman's rho between predicted and measured tokens/s over the trials that have both
-    (ties take their mean rank); None under 2 or where either side is all ties."""
+    """Spearman's rho between predicted and measured tokens/s over the trials that have both;
+    None under 2 or where either side is all ties."""
     pairs = [(t.predicted_tokens_per_s, t.tokens_per_s) for t in trials if t.measured]
     pairs = [(p, m) for p, m in pairs if p is not None]
-    if len(pairs) < 2:
+    return spearman([p for p, _ in pairs], [m for _, m in pairs])
+
+
+def spearman(xs: list[float], ys: list[float]) -> float | None:
+    """Spearman's rho (ties take their mean rank); None under 2 pairs or all ties."""
+    if len(xs) < 2:
         return None
-    xs, ys = _ranks([p for p, _ in pairs]), _ranks([m for _, m in pairs])
+    xs, ys = _ranks(xs), _ranks(ys)
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     cov = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
     vx, vy = sum((x - mx) ** 2 for x in xs), sum((y - my) ** 2 for y in ys)

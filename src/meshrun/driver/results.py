@@ -25,7 +25,7 @@ from meshrun.core.stages import PP_AUTO, stage_layer_counts, theoretical_bubble
 from meshrun.core.step_stats import percentile, summarize_steps
 from meshrun.models import model_shape, param_counts
 from meshrun.plan import predict
-from meshrun.plan.candidate import host_flops
+from meshrun.plan.candidate import host_calibration, host_flops
 from meshrun.validate.model import describe_read
 
 # Stage costs further apart than this (relative) after pp_layers=auto are noted as uneven.
@@ -109,10 +109,14 @@ def memory_fields(cfg: ExperimentConfig, memory: list[dict[str, int]] | None) ->
 
 
 def predicted_speed_fields(cfg: ExperimentConfig) -> dict[str, Any]:
-    speed = predict.speed(cfg, host_flops(cfg))
+    """The speed model's step, on this host's calibration where plan.calibration finds one."""
+    calibration = host_calibration(cfg)
+    speed = predict.speed(cfg, host_flops(cfg), calibration)
     return {
         "predicted_step_time_s": speed.step_time_s if speed else None,
         "predicted_tokens_per_s": speed.tokens_per_s if speed else None,
+        "predicted_step_parts": speed.step_parts() if speed else None,
+        "predicted_calibrated_at": calibration.created_at if calibration else None,
     }
 
 

@@ -3,11 +3,14 @@ capacity, and predicted speed. `legal` asks the same `validate` a run goes throu
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from meshrun.core.batch import n_microbatches
+from meshrun.core.calibration import Calibration, calibration_path, read_calibration
 from meshrun.core.config import ExperimentConfig
-from meshrun.core.hardware import HostFacts
+from meshrun.core.hardware import HostFacts, fingerprint_key, host_fingerprint
 from meshrun.core.layout import Layout
 from meshrun.core.naming import layout_name, layout_overrides
 from meshrun.plan import predict
@@ -99,6 +102,29 @@ def capacities(cfg: ExperimentConfig) -> list[int]:
     ]
 
 
+def host_calibration(cfg: ExperimentConfig) -> Calibration | None:
+    """plan.calibration's profile for this run: `auto` the one beside the store where it was
+    measured on this host (its fingerprint) with as many ranks of as many threads; a path
+    names one to use as it is; `none`."""
+    setting = cfg.plan.calibration
+    if setting == "none":
+        return None
+    path = calibration_path(cfg.store.path) if setting == "auto" else Path(setting)
+    found = _read_calibration(path, path.stat().st_mtime_ns if path.is_file() else 0)
+    if found is None or setting != "auto":
+        return found
+    threads = cfg.launcher.threads_per_rank or 1
+    ranks = Layout.of(cfg.parallel).world_size // cfg.launcher.nnodes
+    here = fingerprint_key(host_fingerprint(threads))
+    same = (found.fingerprint_key, found.ranks, found.threads_per_rank) == (here, ranks, threads)
+    return found if same and found.device_type == cfg.hardware.device_type else None
+
+
+@functools.cache
+def _read_calibration(path: Path, mtime_ns: int) -> Calibration | None:
+    return read_calibration(path) if mtime_ns else None
+
+
 def host_flops(cfg: ExperimentConfig) -> float | None:
     """A rank's matmul rate on this host with the run's ranks on it all computing."""
     if cfg.hardware.device_type != "cpu":
@@ -140,9 +166,8 @@ EP_LOAD = (
 
 def evaluate(cfg: ExperimentConfig) -> Candidate:
     """`cfg` resolved (validated)."""
-    candidate = Candidate(
-        cfg, predict.stage_memory(cfg), capacities(cfg), predict.speed(cfg, host_flops(cfg))
-    )
+    speed = predict.speed(cfg, host_flops(cfg), host_calibration(cfg))
+    candidate = Candidate(cfg, predict.stage_memory(cfg), capacities(cfg), speed)
     if note := cp_uncounted(cfg):
         candidate.notes.append(note)
     if cfg.parallel.ep > 1:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from meshrun.core.calibration import Calibration
 from meshrun.core.config import ExperimentConfig
 from meshrun.plan.placement import GroupSpan, devices_per_node
 
@@ -45,10 +46,15 @@ class Fabric:
     devices_per_node: int
 
     @classmethod
-    def of(cls, cfg: ExperimentConfig) -> Fabric:
+    def of(cls, cfg: ExperimentConfig, calibration: Calibration | None = None) -> Fabric:
+        """The profile's links; a calibrated host's measured one inside the node."""
         hw = cfg.hardware
         gpu = hw.device_type == "cuda"
         intra = (hw.intra_node.bw_gbs or 1.0) * GB * (NVLINK_EFFICIENCY if gpu else 1.0)
+        latency = hw.intra_node.latency_us * 1e-6
+        if calibration is not None and calibration.link_bw_gbs:
+            intra = calibration.link_bw_gbs * GB
+            latency = (calibration.link_latency_us or 0.0) * 1e-6
         net = hw.network
         per_node = devices_per_node(cfg)
         nic = (
@@ -56,7 +62,7 @@ class Fabric:
             if net.nic_gbps
             else None
         )
-        return cls(intra, hw.intra_node.latency_us * 1e-6, nic, net.latency_us * 1e-6, per_node)
+        return cls(intra, latency, nic, net.latency_us * 1e-6, per_node)
 
     def bus_bw(self, span: GroupSpan) -> float:
         if span.crosses_nodes and self.nic_bw:

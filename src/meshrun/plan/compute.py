@@ -46,16 +46,23 @@ ADAMW_BYTES = 28  # a parameter's step: read weight, grad, m, v; write weight, m
 
 @dataclass(frozen=True)
 class DeviceRates:
-    """A device kind for the run's precision: FLOP/s of a large matmul, DRAM bytes/s, SMs."""
+    """A device kind for the run's precision: FLOP/s of a large matmul, DRAM bytes/s, SMs
+    (0: no wave quantization, a CPU); measured on a calibrated host (core/calibration.py):
+    `attention` FLOP/s of the causal kernel, `layer_overhead` seconds a block's forward and
+    backward spend dispatching their ops however small the tensors."""
 
     matmul: float
     memory: float
     sms: int
+    attention: float | None = None
+    layer_overhead: float = 0.0  # a block's eager ops' dispatch, forward and backward
 
     def gemm(self, m: int, n: int, k: int, width: int) -> float:
         """Seconds of an (m x k) @ (k x n) matmul of `width`-byte elements."""
-        tiles = math.ceil(m / TILE) * math.ceil(n / TILE)
-        fill = tiles / (math.ceil(tiles / self.sms) * self.sms)
+        fill = 1.0
+        if self.sms:
+            tiles = math.ceil(m / TILE) * math.ceil(n / TILE)
+            fill = tiles / (math.ceil(tiles / self.sms) * self.sms)
         compute = 2 * m * n * k / (self.matmul * fill)
         return max(compute, width * (m * k + k * n + m * n) / self.memory)
 
@@ -117,12 +124,12 @@ def block_times(
     CP degree `cp`."""
     tokens = micro_batch * seq // cp
     forward = backward = alternate = 0.0
-    for index, (rows, out, inp) in enumerate(_block_linears(d, tokens, tp)):
+    for index, (rows, out, inp) in enumerate(block_linears(d, tokens, tp)):
         f, b = rates.linear(rows, out, inp, width)
         forward, backward = forward + f, backward + b
         alternate += f if index % 2 else 0.0
     causal_flops = 2 * micro_batch * seq * seq * d.hq / tp / cp  # half of 4*b*s^2*h: the mask
-    attention = causal_flops / (rates.matmul * ATTENTION_RATE)
+    attention = causal_flops / (rates.attention or rates.matmul * ATTENTION_RATE)
     mlp = d.mlp * d.f / tp
     if d.experts:
         mlp = 3 * (d.routed * d.fe / d.etp + d.fs) + 2 * d.routed * d.h
@@ -134,11 +141,11 @@ def block_times(
 def alternate_matmul_share(d: Dims) -> float:
     """The share of a block's matmul FLOPs in its 2nd, 4th, ... matmuls: what ckpt=op
     recomputes (k, o and up of a dense block)."""
-    flops = [rows * out * inp for rows, out, inp in _block_linears(d, 1, 1)]
+    flops = [rows * out * inp for rows, out, inp in block_linears(d, 1, 1)]
     return sum(flops[1::2]) / sum(flops)
 
 
-def _block_linears(d: Dims, tokens: int, tp: int) -> list[tuple[int, int, int]]:
+def block_linears(d: Dims, tokens: int, tp: int) -> list[tuple[int, int, int]]:
     """(rows, out, in) of a block's matmuls in the order its forward runs them."""
     column = [(d.hq, d.h), (d.hk, d.h), (d.hk, d.h)]
     attention = [(tokens, out // tp, inp) for out, inp in column] + [(tokens, d.h, d.hq // tp)]

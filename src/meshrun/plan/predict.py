@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
+from meshrun.core.calibration import Calibration
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.flops import flops_per_token
 from meshrun.core.layout import Layout
@@ -40,11 +41,13 @@ def stage_memory(cfg: ExperimentConfig) -> list[MemoryPrediction]:
     return per_rank[:: len(per_rank) // Layout.of(cfg.parallel).pp]
 
 
-def speed(cfg: ExperimentConfig, host_flops: float | None) -> SpeedPrediction | None:
+def speed(
+    cfg: ExperimentConfig, host_flops: float | None, calibration: Calibration | None = None
+) -> SpeedPrediction | None:
     if has_formula(cfg):
-        return predict_speed(cfg, host_flops)
+        return predict_speed(cfg, host_flops, calibration=calibration)
     cost = _tracer().traced_cost(cfg)
-    return predict_speed(cfg, host_flops, cost) if cost else None
+    return predict_speed(cfg, host_flops, cost, calibration) if cost else None
 
 
 def traced(cfg: ExperimentConfig) -> list[MemoryPrediction] | None:

@@ -20,6 +20,9 @@ kinds): nothing loops over ranks, so 8,192-rank plans cost what 8-rank ones do.
                 etp the experts' partial outputs all-reduced forward, their input's
                 gradient backward (k x h a token). On the critical path: DTensor TP does
                 not overlap them (collectives.py)
+    CPU host    every core computes for a rank (ranks x threads = cores), and gloo's copies
+                and reductions run on those cores: its DP and CP traffic hides behind no
+                compute (exposed in full)
     CP          each rank computes its seq/cp tokens (plan/compute.py), and per layer shares
                 attention's K/V (rank/parallel/context_attention.py): ring passes its K/V
                 block cp-1 times forward, each send posted before the block that computes
@@ -69,6 +72,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from meshrun.core.batch import n_microbatches
+from meshrun.core.calibration import Calibration
 from meshrun.core.choices import HALF_PRECISIONS
 from meshrun.core.config import DeviceSpec, ExperimentConfig
 from meshrun.core.flops import flops_per_token
@@ -178,7 +182,7 @@ def _peak(cfg: ExperimentConfig, spec: DeviceSpec | None) -> float | None:
     return peak * 1e12 if peak else None
 
 
-COMPUTE_KINDS = ("matmul", "attention", "elementwise", "head")
+COMPUTE_KINDS = ("matmul", "attention", "elementwise", "head", "overhead")
 
 
 @dataclass
@@ -226,7 +230,10 @@ def _by_shapes(
     parts = {kind: share.layers * seconds for kind, seconds in block.by_kind().items()}
     if share.last:
         parts["head"] = head_f + head_b
-    return _Stage(forward, backward, recompute, block.attention_f, parts=parts)
+    overhead = share.layers * rates.layer_overhead
+    if overhead:
+        parts["overhead"] = overhead
+    return _Stage(forward, backward + overhead, recompute, block.attention_f, parts=parts)
 
 
 def _by_flops(
@@ -428,23 +435,32 @@ def _dp_comm(
 
 
 def predict_speed(
-    cfg: ExperimentConfig, host_flops: float | None = None, cost: ModelCost | None = None
+    cfg: ExperimentConfig,
+    host_flops: float | None = None,
+    cost: ModelCost | None = None,
+    calibration: Calibration | None = None,
 ) -> SpeedPrediction | None:
     """None when a device's peak is unknown (and no host measurement stands in for it).
-    `cost`: what was counted of a model without formulas (formula_cost's otherwise)."""
+    `cost`: what was counted of a model without formulas (formula_cost's otherwise).
+    `calibration`: this host's measured rates and links (a CPU host's: by shapes then)."""
     layout = Layout.of(cfg.parallel)
     by_shapes = cost is None and cfg.plan.efficiency is None
     cost = cost or formula_cost(cfg, layout)
-    fabric = Fabric.of(cfg)
+    fabric = Fabric.of(cfg, calibration)
     m, micro = micro_batching(cfg, layout)
     shares = stage_shares(cfg.model, cfg.parallel, layout)
-    slowest = _slowest_stage(cfg, layout, fabric, shares, micro, cost, host_flops, by_shapes)
+    host: float | DeviceRates | None = host_flops
+    if calibration is not None and by_shapes:
+        host = calibrated_rates(calibration)
+    slowest = _slowest_stage(cfg, layout, fabric, shares, micro, cost, host, by_shapes)
     if slowest is None:
         return None
     stage, rates = slowest
     pp = _pp_comm(cfg, layout, fabric, micro, cost)
     n_units = max(s.layers for s in shares) + 1  # FSDP2 units: the blocks and the root
     dp = _dp_comm(cfg, layout, fabric, cost, stage, m, n_units)
+    if cfg.hardware.device_type == "cpu":  # gloo copies and reduces on the computing cores
+        dp, stage.cp = (dp[0], dp[0]), stage.cp_total
     return _prediction(cfg, layout, cost, m, stage, pp, dp, _contention(dp, rates))
 
 
@@ -455,7 +471,7 @@ def _slowest_stage(
     shares: list[StageShare],
     micro: int,
     cost: ModelCost,
-    host_flops: float | None,
+    host: float | DeviceRates | None,
     by_shapes: bool,
 ) -> tuple[_Stage, DeviceRates | None] | None:
     """The stage and device kind every other waits for, with the shape model's rates where it
@@ -469,7 +485,7 @@ def _slowest_stage(
         if not specs:
             return None
         for spec in specs:
-            timed = _stage_on(cfg, layout, fabric, share, micro, cost, spec, host_flops, by_shapes)
+            timed = _stage_on(cfg, layout, fabric, share, micro, cost, spec, host, by_shapes)
             if timed is None:
                 return None
             if slowest is None or _clock(timed[0]) > _clock(slowest[0]):
@@ -485,17 +501,20 @@ def _stage_on(
     micro: int,
     cost: ModelCost,
     spec: DeviceSpec | None,
-    host_flops: float | None,
+    host: float | DeviceRates | None,
     by_shapes: bool,
 ) -> tuple[_Stage, DeviceRates | None] | None:
-    """One micro-batch of the stage on one kind of device (None: the host's CPU): by matmul
-    shapes where the datasheet gives the rates, else by FLOPs at the expected share of the
-    peak; None where that peak is unknown."""
+    """One micro-batch of the stage on one kind of device (None: the host's CPU, `host` its
+    measured rates or matmul FLOP/s): by matmul shapes where a datasheet or a calibration
+    gives the rates, else by FLOPs at the expected share of the peak; None where that peak
+    is unknown."""
     rates = _rates(cfg, spec) if by_shapes and spec else None
+    if spec is None and isinstance(host, DeviceRates):
+        rates = host
     if rates:
         stage = _by_shapes(cfg, layout, share, micro, rates)
     else:
-        peak = host_flops if spec is None else _peak(cfg, spec)
+        peak = host if spec is None else _peak(cfg, spec)
         if not peak:
             return None
         efficiency = cfg.plan.efficiency or DEFAULT_EFFICIENCY[cfg.hardware.device_type]
@@ -508,11 +527,22 @@ def _stage_on(
     return stage, rates
 
 
+def calibrated_rates(calibration: Calibration) -> DeviceRates:
+    """A calibrated host's rates, as measured (no datasheet efficiencies), per rank."""
+    return DeviceRates(
+        matmul=calibration.matmul_flops,
+        memory=calibration.memory_bw,
+        sms=0,
+        attention=calibration.attention_flops,
+        layer_overhead=calibration.ops_per_layer * calibration.op_seconds,
+    )
+
+
 def _contention(dp: tuple[float, float], rates: DeviceRates | None) -> float:
     """Seconds the data-parallel collectives hidden behind compute cost it in SMs (none
     where compute is costed by FLOPs, which knows no SMs)."""
     dp_total, dp_exposed = dp
-    if not rates:
+    if not (rates and rates.sms):
         return 0.0
     return (dp_total - dp_exposed) * min(1.0, NCCL_CHANNELS / rates.sms)
 

@@ -28,7 +28,7 @@ from meshrun.core.layout import Layout
 from meshrun.core.tool_config import PlanCommandConfig
 from meshrun.driver.command import hydra_command
 from meshrun.driver.sinks.console import print_error
-from meshrun.plan.candidate import Candidate
+from meshrun.plan.candidate import Candidate, host_calibration
 from meshrun.plan.placement import devices_per_node
 from meshrun.plan.search import Box, Plan, search
 from meshrun.validate import check_experiment
@@ -99,9 +99,11 @@ def gpu_defaults(cfg: PlanCommandConfig, given: frozenset[str]) -> list[str]:
     return said
 
 
-def plan(
+def prepared(
     cfg: PlanCommandConfig, host: HostFacts, given: frozenset[str] = frozenset()
-) -> tuple[Box, Plan, list[str]]:
+) -> tuple[Box, HostFacts, list[str], str | None]:
+    """`cfg` completed in place (the model model=hf/auto reads, the hardware, a GPU plan's
+    defaults); the box to plan, its facts, the defaults said, where the model was read."""
     positive("world_size", cfg.world_size, allow_none=True)
     positive("launcher.nnodes", cfg.launcher.nnodes)
     cfg.model, read_from = read_pretrained(cfg.model)  # model=hf/auto's, before the rules
@@ -110,7 +112,13 @@ def plan(
     facts = target_facts(hardware, host)
     cfg.hardware = hardware
     defaults = gpu_defaults(cfg, given)
-    box = box_of(cfg)
+    return box_of(cfg), facts, defaults, read_from
+
+
+def plan(
+    cfg: PlanCommandConfig, host: HostFacts, given: frozenset[str] = frozenset()
+) -> tuple[Box, Plan, list[str]]:
+    box, facts, defaults, read_from = prepared(cfg, host, given)
     if given & set(PARALLEL_KEYS):  # a layout the search keeps: its -1 filled as a run's is
         check_degrees(cfg.parallel)
         cfg.parallel = fill_degree(cfg.parallel, box.world, "world_size")
@@ -170,6 +178,12 @@ def render(cfg: PlanCommandConfig, box: Box, found: Plan, defaults: list[str], m
     shown = found.ranked[: cfg.top]
     # soft-wrapped, whole: the title says what was planned
     console.print(_title(cfg, box, defaults), soft_wrap=True, highlight=False)
+    calibration = host_calibration(shown[0].cfg) if shown else None
+    if calibration is not None:
+        said = (
+            f"speed on this host's calibration (meshrun-plan calibrate): {calibration.describe()}"
+        )
+        console.print(said, soft_wrap=True, highlight=False)
     console.print(_table(shown, box))
     console.print("run a row with:")
     for index, c in enumerate(shown, start=1):
@@ -368,7 +382,3 @@ def run(dict_cfg: DictConfig) -> int:
 
 
 main = hydra_command("plan", run)
-
-
-if __name__ == "__main__":
-    main()

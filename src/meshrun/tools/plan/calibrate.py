@@ -1,0 +1,269 @@
+"""`meshrun-plan calibrate [overrides]`: measure on this host what the speed model otherwise
+takes from a datasheet or one matmul probe, for the experiment the overrides describe, with
+as many ranks as its plan (world_size, or the host's default) all busy at once, each in a
+process of its own with the threads a run's rank gets:
+
+    matmul      the block's linears at the run's micro-batch tokens: forward, input- and
+                weight-gradient GEMMs, FLOPs over seconds (each the mean of a few, the
+                ranks computing at once)
+    attention   causal SDPA forward and backward at the run's heads and sequence
+    memory      a large elementwise add's bytes a second
+    ops         one small op's eager dispatch (what a step pays per kernel however small),
+                and the aten ops one block's forward and backward dispatch (counted)
+    links       `meshrun-comm`'s all-reduce over the same ranks (a process of its own):
+                bus bandwidth at 16 MiB, a 4 KiB one's time per ring hop
+
+The profile goes beside the results store (core/calibration.py); plans and runs on this
+host with as many ranks of as many threads use it (plan.calibration) and say so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from meshrun.core.calibration import Calibration, calibration_path, write_calibration
+from meshrun.core.config import LlamaModelConfig
+from meshrun.core.errors import ConfigError
+from meshrun.core.hardware import HostFacts, fingerprint_key, host_fingerprint
+from meshrun.core.measured import utc_now
+from meshrun.core.tool_config import PlanCommandConfig
+from meshrun.driver.sinks.console import console, print_error, print_note
+from meshrun.models import build_model
+from meshrun.plan.compute import block_linears
+from meshrun.plan.shapes import Dims
+from meshrun.tools.plan.command import prepared
+
+REPEATS = 3
+COMM_MAX_BYTES = 16 * 2**20
+COMM_MIN_BYTES = 4096
+COUNTED_SEQ = 16  # the op count does not depend on sizes: counted on a small block
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What each rank process times: the shapes of one micro-batch of the run."""
+
+    threads: int
+    device: str  # cpu, or cuda (rank r on device r)
+    dtype: str
+    linears: list[tuple[int, int, int]]  # (rows, out, in)
+    attention: tuple[int, int, int, int]  # (batch, heads, seq, head_dim)
+
+
+def calibrate(cfg: PlanCommandConfig, host: HostFacts) -> Calibration:
+    """Measures and returns the profile (not written)."""
+    box = prepared(cfg, host)[0]
+    if box.nodes > 1:
+        raise ConfigError(
+            "world_size", box.world, "calibrate measures this host's ranks", "one node's ranks"
+        )
+    threads = cfg.launcher.threads_per_rank or max(1, host.cpu_count // box.per_node)
+    d = Dims.of(cfg.model)
+    tokens = cfg.train.micro_batch_size * cfg.train.seq_len
+    cuda = cfg.hardware.device_type == "cuda"
+    workload = Workload(
+        threads=threads,
+        device="cuda" if cuda else "cpu",
+        dtype="float32" if cfg.train.precision == "fp32" else "bfloat16",
+        linears=block_linears(d, tokens, 1),
+        attention=(cfg.train.micro_batch_size, d.a, cfg.train.seq_len, d.hq // d.a),
+    )
+    rates = _in_rank_processes(workload, box.per_node)
+    link_bw, link_latency = _links(box.per_node, threads, "nccl" if cuda else "gloo")
+    return Calibration(
+        fingerprint_key=fingerprint_key(host_fingerprint(threads)),
+        created_at=utc_now(),
+        device_type=cfg.hardware.device_type,
+        ranks=box.per_node,
+        threads_per_rank=threads,
+        precision=cfg.train.precision,
+        model=cfg.model.name,
+        tokens=tokens,
+        matmul_flops=min(r["matmul_flops"] for r in rates),
+        attention_flops=min(r["attention_flops"] for r in rates),
+        memory_bw=min(r["memory_bw"] for r in rates),
+        op_seconds=max(r["op_seconds"] for r in rates),
+        ops_per_layer=ops_per_layer(cfg.model),
+        link_bw_gbs=link_bw,
+        link_latency_us=link_latency,
+        shapes=rates[0]["shapes"],
+    )
+
+
+def _in_rank_processes(workload: Workload, ranks: int) -> list[dict[str, Any]]:
+    """Every rank's rates, measured at once (the slowest rank's is the run's)."""
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(ranks), ctx.Queue()
+    procs = [
+        ctx.Process(target=_rank, args=(workload, rank, barrier, results)) for rank in range(ranks)
+    ]
+    for proc in procs:
+        proc.start()
+    rates = [results.get(timeout=600) for _ in procs]
+    for proc in procs:
+        proc.join(30)
+    return rates
+
+
+def _rank(workload: Workload, rank: int, barrier: Any, results: Any) -> None:
+    torch.set_num_threads(workload.threads)
+    device = torch.device(workload.device, rank) if workload.device == "cuda" else None
+    dtype = getattr(torch, workload.dtype)
+    new = {"dtype": dtype, "device": device}
+    barrier.wait()
+    flops = seconds = 0.0
+    shapes = []
+    for rows, out, inp in workload.linears:
+        for m, n, k in ((rows, out, inp), (rows, inp, out), (out, inp, rows)):
+            a, b = torch.randn(m, k, **new), torch.randn(k, n, **new)
+            took = _timed(lambda a=a, b=b: a @ b, device)
+            flops, seconds = flops + 2 * m * n * k, seconds + took
+            shapes.append({"m": m, "n": n, "k": k, "flops_per_s": 2 * m * n * k / took})
+    barrier.wait()
+    attention = _attention_rate(workload.attention, new, device)
+    barrier.wait()
+    size = 16 * 2**20
+    x, y, z = (torch.randn(size, device=device) for _ in range(3))
+    memory = 3 * 4 * size / _timed(lambda: torch.add(x, y, out=z), device)
+    barrier.wait()
+    small = torch.ones(8, device=device)
+    calls = 2000
+    op = _timed(lambda: [torch.add(small, small) for _ in range(calls)], device) / calls
+    results.put(
+        {
+            "matmul_flops": flops / seconds,
+            "attention_flops": attention,
+            "memory_bw": memory,
+            "op_seconds": op,
+            "shapes": shapes,
+        }
+    )
+
+
+def _attention_rate(
+    shape: tuple[int, int, int, int], new: dict[str, Any], device: torch.device | None
+) -> float:
+    """Counted FLOPs (half of 4·b·s²·h forward, 2.5x that backward) a second, causal."""
+    batch, heads, seq, head_dim = shape
+    q, k, v = (
+        torch.randn(batch, heads, seq, head_dim, **new, requires_grad=True) for _ in range(3)
+    )
+
+    def step() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    forward = 2 * batch * seq * seq * heads * head_dim
+    return forward * 3.5 / _timed(step, device)
+
+
+def _timed(run: Callable[[], Any], device: torch.device | None) -> float:
+    """Seconds a call, the mean of REPEATS after one warm-up: the other ranks run theirs at
+    the same time, and a rank's steps pay the shared rate (a best-of would find a moment
+    when the others paused)."""
+    sync = torch.cuda.synchronize if device is not None else (lambda: None)
+    run()
+    sync()
+    started = time.perf_counter()
+    for _ in range(REPEATS):
+        run()
+    sync()
+    return (time.perf_counter() - started) / REPEATS
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_layer(model: Any) -> int:
+    """The aten ops a block's forward and backward dispatch: meshrun's decoder of the model's
+    kind counted at a small size with one block and with two (a transformers or custom model
+    counts as meshrun's LLaMA block)."""
+    small = _small(model if isinstance(model, LlamaModelConfig) else None)
+    return _count(dataclasses.replace(small, n_layers=2)) - _count(small)
+
+
+def _small(model: LlamaModelConfig | None) -> LlamaModelConfig:
+    gqa = model is not None and model.n_kv_heads is not None and model.n_kv_heads < model.n_heads
+    base = model or LlamaModelConfig(name="count", dim=64, n_layers=1, n_heads=4, vocab_size=128)
+    return dataclasses.replace(
+        base,
+        dim=64,
+        n_layers=1,
+        n_heads=4,
+        n_kv_heads=2 if gqa else None,
+        head_dim=None,
+        ffn_dim=128,
+        vocab_size=128,
+        pretrained=None,
+    )
+
+
+def _count(model_cfg: LlamaModelConfig) -> int:
+    model = build_model(model_cfg, COUNTED_SEQ, "cpu")
+    model.init_weights(0)
+    tokens = torch.randint(0, model_cfg.vocab_size, (1, COUNTED_SEQ))
+    with _OpCounter() as counter:
+        model(tokens).float().sum().backward()
+    return counter.count
+
+
+def _links(ranks: int, threads: int, backend: str) -> tuple[float | None, float | None]:
+    """meshrun-comm's all-reduce over `ranks` ranks: bus bandwidth at the largest size,
+    the smallest's time per ring hop (2(n-1) of them); none for one rank."""
+    if ranks < 2:
+        return None, None
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [
+            sys.executable,
+            "-m",
+            "meshrun.tools.comm.main",
+            f"hydra.run.dir={tmp}",
+            f"backend={backend}",
+            "logger=none",
+            "comm.ops=[all_reduce]",
+            f"comm.min_bytes={COMM_MIN_BYTES}",
+            f"comm.max_bytes={COMM_MAX_BYTES}",
+            "comm.record=false",
+            f"launcher.nproc_per_node={ranks}",
+            f"launcher.threads_per_rank={threads}",
+        ]
+        subprocess.run(command, check=True, capture_output=True, timeout=600)
+        rows = json.loads((Path(tmp) / "comm.json").read_text())["rows"]
+    largest = max(rows, key=lambda r: r["size_bytes"])
+    smallest = min(rows, key=lambda r: r["size_bytes"])
+    return largest["busbw_gbs"], smallest["time_us"] / (2 * (ranks - 1))
+
+
+def run(dict_cfg: DictConfig) -> int:
+    cfg: PlanCommandConfig = OmegaConf.to_object(dict_cfg)
+    try:
+        calibration = calibrate(cfg, HostFacts.detect())
+    except ConfigError as err:
+        print_error("config error", str(err))
+        return 2
+    path = calibration_path(cfg.store.path)
+    write_calibration(calibration, path)
+    print_note(f"calibrated: {calibration.describe()}")
+    said = f"profile: {path} (plans and runs with plan.calibration=auto use it)"
+    console.print(said, soft_wrap=True, highlight=False)
+    return 0

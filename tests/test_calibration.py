@@ -1,0 +1,113 @@
+"""`meshrun-plan calibrate` (issue 34, item 2): this host's rates measured with the plan's
+ranks, written beside the store, and the plans and runs on this host that find it costed by
+them (and saying so)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from meshrun.core.calibration import Calibration, calibration_path, read_calibration
+from meshrun.plan.candidate import host_calibration
+from meshrun.plan.speed import predict_speed
+from meshrun.tools.plan import main as plan_main
+from meshrun.tools.plan.calibrate import ops_per_layer
+from tests.cli import run_console
+from tests.helpers import compose_config, resolved_config
+
+SMALL = ("model=small", "parallel=ddp")
+
+
+def _calibration(**changes) -> Calibration:
+    """A profile with round figures, for the speed model's arithmetic."""
+    values = {
+        "fingerprint_key": "x",
+        "created_at": "2026-12-05T00:00:00+00:00",
+        "device_type": "cpu",
+        "ranks": 2,
+        "threads_per_rank": 1,
+        "precision": "fp32",
+        "model": "small",
+        "tokens": 256,
+        "matmul_flops": 50e9,
+        "attention_flops": 20e9,
+        "memory_bw": 10e9,
+        "op_seconds": 5e-6,
+        "ops_per_layer": 200,
+        "link_bw_gbs": 1.0,
+        "link_latency_us": 500.0,
+    }
+    return Calibration(**(values | changes))
+
+
+def test_a_calibrated_cpu_step_is_costed_by_the_measured_rates():
+    cfg = resolved_config(*SMALL, "plan.calibration=none")
+    base = predict_speed(cfg, calibration=_calibration())
+    faster = predict_speed(cfg, calibration=_calibration(matmul_flops=100e9))
+    busier = predict_speed(cfg, calibration=_calibration(op_seconds=10e-6))
+    parts, m = base.step_parts(), cfg.train.global_batch_size // 2 // cfg.train.micro_batch_size
+    assert parts["matmul"] == pytest.approx(2 * faster.step_parts()["matmul"])
+    layers = cfg.model.n_layers
+    assert parts["overhead"] == pytest.approx(m * layers * 200 * 5e-6)
+    assert busier.step_parts()["overhead"] == pytest.approx(2 * parts["overhead"])
+    slow_link = predict_speed(cfg, calibration=_calibration(link_bw_gbs=0.1))
+    assert slow_link.breakdown["dp"] > base.breakdown["dp"]
+    assert sum(parts.values()) == pytest.approx(base.step_time_s)
+
+
+def test_the_op_count_is_a_blocks_forward_and_backward():
+    small = compose_config("model=small").model
+    count = ops_per_layer(small)
+    assert 100 < count < 1000  # norms, projections, RoPE, attention, SwiGLU, residuals, x2
+    moe = compose_config("model=tiny-moe").model
+    assert ops_per_layer(moe) > count  # the router and the experts' loop
+
+
+def test_calibrate_writes_a_profile_that_plans_on_this_host_use_and_name(tmp_path):
+    store = tmp_path / "meshrun.db"
+    run = run_console(
+        plan_main.main,
+        tmp_path / "cal",
+        None,
+        "calibrate",
+        "model=small",
+        f"store.path={store}",
+        defaults=(),
+    )
+    assert run.returncode == 0, run.output
+    profile = read_calibration(calibration_path(str(store)))
+    assert profile is not None and profile.ranks == 2 and profile.device_type == "cpu"
+    for rate in (profile.matmul_flops, profile.attention_flops, profile.memory_bw):
+        assert 1e8 < rate < 1e13
+    assert 1e-8 < profile.op_seconds < 1e-3
+    assert profile.link_bw_gbs and profile.link_latency_us
+    assert len(profile.shapes) == 3 * 7  # q k v o, gate up down: forward and two gradients
+    assert "calibrated:" in run.output and str(calibration_path(str(store))) in run.output
+
+    cfg = resolved_config(*SMALL, f"store.path={store}")
+    assert host_calibration(cfg) == profile
+    other_ranks = resolved_config(*SMALL, f"store.path={store}", "launcher.nproc_per_node=4")
+    assert host_calibration(other_ranks) is None  # measured with 2 ranks busy, not 4
+    assert (
+        host_calibration(
+            dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, calibration="none"))
+        )
+        is None
+    )
+
+    out = tmp_path / "plan.json"
+    plan = run_console(
+        plan_main.main,
+        tmp_path / "plan",
+        None,
+        "model=small",
+        f"store.path={store}",
+        f"json={out}",
+        defaults=(),
+    )
+    assert plan.returncode == 0, plan.output
+    assert "speed on this host's calibration" in plan.output
+    rows = json.loads(out.read_text())["layouts"]
+    assert all(r["speed"]["step_parts"].get("overhead", 0) > 0 for r in rows if r["speed"])
