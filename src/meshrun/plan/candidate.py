@@ -115,9 +115,15 @@ def host_calibration(cfg: ExperimentConfig) -> Calibration | None:
         return found
     threads = cfg.launcher.threads_per_rank or 1
     ranks = Layout.of(cfg.parallel).world_size // cfg.launcher.nnodes
-    here = fingerprint_key(host_fingerprint(threads))
+    here = _fingerprint_here(threads)
     same = (found.fingerprint_key, found.ranks, found.threads_per_rank) == (here, ranks, threads)
     return found if same and found.device_type == cfg.hardware.device_type else None
+
+
+@functools.cache
+def _fingerprint_here(threads: int) -> str:
+    """This host's (a plan asks for every candidate)."""
+    return fingerprint_key(host_fingerprint(threads))
 
 
 @functools.cache
