@@ -93,6 +93,8 @@ def parse_command(text: str) -> tuple[str, tuple[str, ...]] | None:
     if not words or not (words[0] == "torchrun" or words[0] in CONFIGS or words[0] == COLLECT):
         return None  # prose in a diagram is no shell: only a command's line is split as one
     words = shlex.split(" ".join(words), comments=True)
+    if words[0] == "meshrun-plan" and "calibrate" in words:  # a command on the same config
+        words.remove("calibrate")
     if words[0] != "torchrun":
         return words[0], tuple(words[1:])
     at = words.index("-m") + 1 if "-m" in words[:-1] else 0

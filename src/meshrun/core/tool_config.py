@@ -42,9 +42,12 @@ TOLERANCES = {"fp32": 1e-4, "bf16": 2.0**-8, "fp16": 2.0**-8}
 
 @dataclass
 class VerifyConfig:
-    """`tolerance` null: TOLERANCES' for the run's precision."""
+    """`tolerance` null: TOLERANCES' for the run's precision. `traced`: no run; the layout's
+    ranks traced at its full size on a fake process group (plan/traced.py), which says
+    whether it composes there and what each pipeline stage holds, without the devices."""
 
     tolerance: float | None = None
+    traced: bool = False
 
 
 @dataclass

@@ -37,6 +37,7 @@ class Candidate:
     speed: SpeedPrediction | None
     speedup: float | None = None
     notes: list[str] = field(default_factory=list)
+    traced: list[MemoryPrediction] | None = None  # plan.trace: per stage, on fake tensors
 
     @property
     def fits(self) -> bool:
@@ -79,6 +80,7 @@ class Candidate:
             "speed": self.speed.as_dict() if self.speed else None,
             "speedup": self.speedup,
             "notes": self.notes,
+            "traced_memory_per_stage": [m.as_dict() for m in self.traced] if self.traced else None,
             "overrides": self.overrides(),
         }
 
@@ -168,6 +170,16 @@ EP_LOAD = (
     "for the busiest rank at {allowance}x its share (a router out of balance may need more of "
     "both)"
 )
+
+
+def trace(candidate: Candidate) -> None:
+    """plan.trace: the row's ranks traced, one a pipeline stage, each as one rank of a fake
+    process group of the layout's world size running its real parallelize and a step on fake
+    tensors; a layout that does not compose says why in a note."""
+    try:
+        candidate.traced = predict.traced_stages(candidate.cfg)
+    except Exception as err:  # torch's parallel APIs raise anything a layout trips on
+        candidate.notes.append(f"traced: does not compose ({type(err).__name__}: {err})")
 
 
 def evaluate(cfg: ExperimentConfig) -> Candidate:

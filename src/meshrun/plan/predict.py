@@ -35,8 +35,12 @@ def memory(cfg: ExperimentConfig) -> list[MemoryPrediction]:
 
 def stage_memory(cfg: ExperimentConfig) -> list[MemoryPrediction]:
     """Per pipeline rank (its ranks hold the same): what the planner compares."""
-    if has_formula(cfg):
-        return predict_stages(cfg)
+    return predict_stages(cfg) if has_formula(cfg) else traced_stages(cfg)
+
+
+def traced_stages(cfg: ExperimentConfig) -> list[MemoryPrediction]:
+    """Per pipeline rank, from the rank's parallel module run on fake tensors in a fake
+    process group of the layout's world size (traced.py): nothing allocated at any size."""
     per_rank = _tracer().traced_memory(cfg)
     return per_rank[:: len(per_rank) // Layout.of(cfg.parallel).pp]
 

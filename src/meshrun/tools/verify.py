@@ -25,17 +25,22 @@ from rich.text import Text
 
 from meshrun.core.config import DebugConfig, ExperimentConfig, ParallelConfig
 from meshrun.core.errors import ConfigError, positive
-from meshrun.core.hardware import HostFacts
+from meshrun.core.hardware import HostFacts, target_facts
+from meshrun.core.layout import Layout
 from meshrun.core.measured import Measured
 from meshrun.core.naming import layout_name
+from meshrun.core.record import MEMORY_CATEGORIES
 from meshrun.core.tool_config import TOLERANCES, VerifyExperimentConfig
 from meshrun.driver.command import hydra_command
 from meshrun.driver.experiment import measure
 from meshrun.driver.launch.dispatch import launch
 from meshrun.driver.resolve import resolve
 from meshrun.driver.sinks.console import console, print_error, print_note
+from meshrun.plan import predict
+from meshrun.plan.candidate import legal
 
 REPORT_FILE = "verify.json"
+GiB = 2**30
 
 
 def reference_config(cfg: ExperimentConfig) -> ExperimentConfig:
@@ -136,9 +141,40 @@ def _experiment(composed: VerifyExperimentConfig) -> ExperimentConfig:
     return ExperimentConfig(**{f.name: getattr(composed, f.name) for f in fields})
 
 
+def traced(composed: VerifyExperimentConfig) -> int:
+    """verify.traced: 0 where the layout composes at its size (every pipeline stage's rank
+    parallelized and stepped on fake tensors), 1 where it does not, 2 for a config error."""
+    experiment = _experiment(composed)
+    try:
+        cfg = legal(experiment, target_facts(experiment.hardware, HostFacts.detect()))
+    except ConfigError as err:
+        print_error("config error", str(err))
+        return 2
+    world = Layout.of(cfg.parallel).world_size
+    what = f"{cfg.model.name} on {layout_name(cfg)} ({world:,} ranks)"
+    try:
+        stages = predict.traced_stages(cfg)
+    except Exception as err:  # torch's parallel APIs raise anything a layout trips on
+        print_error("does not compose", f"{what}: {type(err).__name__}: {err}")
+        return 1
+    formula = predict.stage_memory(cfg)
+    said = f"meshrun-verify: {what} composes: each stage's rank traced on fake tensors"
+    console.print(said, soft_wrap=True, highlight=False)
+    table = Table(title="GiB a rank, by pipeline stage")
+    for column in ("stage", *MEMORY_CATEGORIES, "peak", "formula's peak"):
+        table.add_column(column, justify="right")
+    for index, (got, predicted) in enumerate(zip(stages, formula, strict=True)):
+        cells = [f"{getattr(got, k) / GiB:.2f}" for k in MEMORY_CATEGORIES]
+        table.add_row(str(index), *cells, f"{got.peak / GiB:.2f}", f"{predicted.peak / GiB:.2f}")
+    console.print(table)
+    return 0
+
+
 def run(dict_cfg: DictConfig) -> int:
     """0: the layout matches the single device; 1: it does not, or a run failed; 2: bad config."""
     composed: VerifyExperimentConfig = OmegaConf.to_object(dict_cfg)
+    if composed.verify.traced:
+        return traced(composed)
     tolerance = composed.verify.tolerance or TOLERANCES[composed.train.precision]
     try:
         positive("verify.tolerance", composed.verify.tolerance, allow_none=True)

@@ -28,7 +28,7 @@ from meshrun.core.layout import Layout
 from meshrun.core.tool_config import PlanCommandConfig
 from meshrun.driver.command import hydra_command
 from meshrun.driver.sinks.console import print_error
-from meshrun.plan.candidate import Candidate, host_calibration
+from meshrun.plan.candidate import Candidate, host_calibration, trace
 from meshrun.plan.placement import devices_per_node
 from meshrun.plan.search import Box, Plan, search
 from meshrun.validate import check_experiment
@@ -124,6 +124,9 @@ def plan(
         cfg.parallel = fill_degree(cfg.parallel, box.world, "world_size")
     experiment = with_resolved(cfg, model_read_from=read_from)  # what each layout's run gets
     found = search(experiment, box, facts, given)
+    if cfg.plan.trace:
+        for c in found.ranked[: cfg.top]:
+            trace(c)
     layout_keys = sorted(k for k in given if k.startswith("parallel"))
     if layout_keys and not any(c.fits for c in found.ranked):
         unconstrained = search(experiment, box, facts, given - set(layout_keys)).ranked
@@ -223,6 +226,7 @@ def _title(cfg: PlanCommandConfig, box: Box, defaults: list[str]) -> str:
 def _table(shown: list[Candidate], box: Box) -> Table:
     """The ranked layouts, one a row, numbered as the commands to run them are."""
     table = Table()
+    traced = any(c.traced for c in shown)
     for column in (
         "#",
         "layout",
@@ -234,6 +238,7 @@ def _table(shown: list[Candidate], box: Box) -> Table:
         "per device",
         "speedup",
         "micro-batch",
+        *(["traced GiB"] if traced else []),
     ):
         table.add_column(
             column, justify="left" if column == "layout" else "right", no_wrap=column == "layout"
@@ -254,6 +259,7 @@ def _table(shown: list[Candidate], box: Box) -> Table:
             per_device,
             speedup,
             str(c.cfg.train.micro_batch_size),
+            *([_gib(max(m.peak for m in c.traced)) if c.traced else "n/a"] if traced else []),
         )
     return table
 
