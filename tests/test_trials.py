@@ -16,6 +16,7 @@ from meshrun.core.hardware import HostFacts
 from meshrun.core.naming import layout_name
 from meshrun.core.record import RunRecord
 from meshrun.core.trials import Trial, fastest, first_choice_loss, rank_correlation
+from meshrun.driver.launch.local import launch_local
 from meshrun.driver.resolve import resolve_trials
 from meshrun.driver.sinks.store import ResultsStore
 from meshrun.driver.trials import run_with_trials
@@ -113,7 +114,8 @@ def test_trials_run_the_plans_first_layouts_and_the_run_trains_the_fastest(meshr
     assert "training with trial" in run.output
 
 
-def test_a_failing_trial_is_recorded_and_left_out_and_trials_only_stops_there(tmp_path, rank_pool):
+def test_a_failing_trial_is_recorded_and_left_out_and_trials_only_stops_there(tmp_path):
+    """On the real launcher (a failure would restart the session's rank pool)."""
     cfg = compose_config(
         "parallel=auto",
         "plan.trials=2",
@@ -128,7 +130,7 @@ def test_a_failing_trial_is_recorded_and_left_out_and_trials_only_stops_there(tm
         if run.name.endswith("-trial1"):
             debug = dataclasses.replace(run.debug, fail_rank=1, fail_step=2)
             run = dataclasses.replace(run, debug=debug)
-        return rank_pool.launch(run)
+        return launch_local(run)
 
     record = run_with_trials(runs, cfg.plan, launch)
     assert (record.role, record.status) == ("trial", "completed")  # the fastest trial's
