@@ -65,6 +65,7 @@ def test_the_op_count_is_a_blocks_forward_and_backward():
     assert ops_per_layer(moe) > count  # the router and the experts' loop
 
 
+@pytest.mark.slow  # two rank processes and a meshrun-comm run: ~20 s of CI's 12 minutes
 def test_calibrate_writes_a_profile_that_plans_on_this_host_use_and_name(tmp_path):
     store = tmp_path / "meshrun.db"
     run = run_console(

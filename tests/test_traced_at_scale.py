@@ -61,6 +61,7 @@ def test_verify_traced_refuses_a_bad_layout_before_tracing(tmp_path):
     assert "composes" not in run.output
 
 
+@pytest.mark.slow  # the verify test above traces at this size in CI
 def test_plan_trace_traces_the_shown_rows_at_1024_ranks(tmp_path):
     out = tmp_path / "plan.json"
     run = run_console(

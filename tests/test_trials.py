@@ -21,6 +21,7 @@ from meshrun.driver.resolve import resolve_trials
 from meshrun.driver.sinks.store import ResultsStore
 from meshrun.driver.trials import run_with_trials
 from tests.helpers import compose_config
+from tests.wandb_records import read_offline_run
 
 SHORT = ("model=tiny", "train.untimed_steps=1", "plan.trial_steps=2", "train.steps=3")
 
@@ -140,3 +141,28 @@ def test_a_failing_trial_is_recorded_and_left_out_and_trials_only_stops_there(tm
     failed = next(r for r in stored if r.status == "failed")
     assert failed.layout_name == layout_name(runs[0]) and failed.failed_rank == 1
     assert failed.trial_of == record.trial_of
+
+
+@pytest.mark.slow
+def test_the_trials_are_one_wandb_group_of_trial_runs(meshrun_here):
+    """With W&B (offline): a W&B run a trial, job type `trial`, all in the trials' group; the
+    chosen run its own."""
+    run = meshrun_here(
+        "parallel=auto",
+        "plan.trials=2",
+        "metrics.baseline=off",
+        "logger=wandb",
+        "logger.mode=offline",
+        *SHORT,
+    )
+    assert run.returncode == 0, run.output
+    trials = [read_offline_run(Path(t["run_dir"])) for t in _stored_trials(run)]
+    assert [t["run"]["job_type"] for t in trials] == ["trial", "trial"]
+    groups = {t["run"]["group"] for t in trials}
+    assert groups == {next(r["sweep"] for r in run.stored() if r["role"] == "trial")}
+    assert read_offline_run(run.run_dir)["run"]["job_type"] == "run"
+
+
+def _stored_trials(run) -> list[dict]:
+    rows = {r["run_id"]: r for r in run.stored()}
+    return [rows[t["run_id"]] for t in run.results["trials"]]
