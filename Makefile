@@ -39,7 +39,7 @@ bench: install
 	$(PY) benchmarks/ddp_overhead.py
 	$(PY) benchmarks/pipeline_overhead.py
 	$(PY) benchmarks/tensor_parallel_overhead.py
-	$(PY) benchmarks/planner_accuracy.py
+	$(PY) -m benchmarks.planner_accuracy
 
 doctor: install
 	$(VENV)/bin/meshrun-doctor
