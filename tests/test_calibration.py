@@ -13,7 +13,7 @@ from meshrun.core.calibration import Calibration, calibration_path, read_calibra
 from meshrun.plan.candidate import host_calibration
 from meshrun.plan.speed import predict_speed
 from meshrun.tools.plan import main as plan_main
-from meshrun.tools.plan.calibrate import ops_per_layer
+from meshrun.tools.plan.calibrate import Workload, _in_rank_processes, ops_per_layer
 from tests.cli import run_console
 from tests.helpers import compose_config, resolved_config
 
@@ -112,3 +112,13 @@ def test_calibrate_writes_a_profile_that_plans_on_this_host_use_and_name(tmp_pat
     assert "speed on this host's calibration" in plan.output
     rows = json.loads(out.read_text())["layouts"]
     assert all(r["speed"]["step_parts"].get("overhead", 0) > 0 for r in rows if r["speed"])
+
+
+@pytest.mark.timeout(120)
+def test_a_calibration_rank_that_dies_ends_the_calibration_with_the_reason():
+    """No hang: the rank processes' barrier would wait for the dead one for ever."""
+    broken = Workload(
+        threads=1, device="cpu", dtype="no_such_dtype", linears=[], attention=(1,) * 4
+    )
+    with pytest.raises(RuntimeError, match="a calibration rank failed \\(exit code"):
+        _in_rank_processes(broken, 2)

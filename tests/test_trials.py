@@ -20,6 +20,7 @@ from meshrun.driver.launch.local import launch_local
 from meshrun.driver.resolve import resolve_trials
 from meshrun.driver.sinks.store import ResultsStore
 from meshrun.driver.trials import run_with_trials
+from meshrun.validate.trials import check_trials
 from tests.helpers import compose_config
 from tests.wandb_records import read_offline_run
 
@@ -166,3 +167,14 @@ def test_the_trials_are_one_wandb_group_of_trial_runs(meshrun_here):
 def _stored_trials(run) -> list[dict]:
     rows = {r["run_id"]: r for r in run.stored()}
     return [rows[t["run_id"]] for t in run.results["trials"]]
+
+
+def test_trials_are_refused_under_torchrun(monkeypatch):
+    """Each trial launches this host's ranks anew; torchrun started them once already."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = compose_config("model=tiny", "parallel=auto", "plan.trials=2")
+    with pytest.raises(ConfigError) as caught:
+        check_trials(cfg)
+    assert caught.value.key == "plan.trials"
+    assert "under torchrun" in str(caught.value) and "Valid:" in str(caught.value)

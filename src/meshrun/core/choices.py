@@ -33,6 +33,8 @@ HALF_PRECISIONS = ("bf16", "fp16")  # 2-byte compute: activations, casts, collec
 TP_STYLES = ("colwise", "rowwise", "embedding", "head", "sequence_parallel", "gather_input")
 Schedule = _choice("Schedule", "gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb")
 Checkpointing = _choice("Checkpointing", "none", "full", "selective", "op")
+# Selective activation checkpointing (torch's SAC): some ops' outputs kept, the rest recomputed
+SAC_POLICIES = ("selective", "op")
 # How a context-parallel group shares attention (rank/parallel/context_attention.py).
 CpMethod = _choice("CpMethod", "ring", "allgather", "alltoall")
 DataParallel = _choice("DataParallel", "auto", "dataparallel")

@@ -49,11 +49,7 @@ class RunMeta:
     baseline_age_s: float | None = None  # `stored`: how old the reused baseline is
     export_path: str | None = None  # checkpoint.export: the final model, whole
     trial_of: str | None = None  # a trial (plan.trials): the run it chose the layout for
-    # the run that trials chose: each trial, the prediction's rank correlation with what
-    # they measured, and the share of speed its first choice would have lost (core/trials.py)
-    trials: list[Trial] | None = None
-    trials_rank_correlation: float | None = None
-    trials_first_choice_loss: float | None = None
+    trials: list[Trial] | None = None  # the run that trials chose: each of them
 
 
 @dataclass

@@ -23,6 +23,7 @@ from meshrun.core.rank_report import CheckpointSave, RankReport, StageSplit
 from meshrun.core.record import MEMORY_CATEGORIES, RunRecord
 from meshrun.core.stages import PP_AUTO, stage_layer_counts, theoretical_bubble
 from meshrun.core.step_stats import percentile, summarize_steps
+from meshrun.core.trials import Trial, first_choice_loss, rank_correlation
 from meshrun.models import model_shape, param_counts
 from meshrun.plan import predict
 from meshrun.plan.candidate import host_calibration, host_flops
@@ -257,10 +258,20 @@ def assemble(cfg: ExperimentConfig, measured: Measured, baseline: RunRecord | No
         **checkpoint_fields(cfg, report.checkpoint_saves if report else None),
         **eval_fields(steps),
         **predicted_speed_fields(cfg),
+        **trials_fields(meta.trials),
         losses=[r["loss"] for r in steps],
         grad_norms=[r.get("grad_norm") for r in steps],
         **router_fields(steps),
     )
+
+
+def trials_fields(trials: list[Trial] | None) -> dict[str, float | None]:
+    """The verdict of the trials that chose this run's layout (plan.trials): how the
+    prediction ranked them against what they measured, and what its first choice lacked."""
+    return {
+        "trials_rank_correlation": rank_correlation(trials) if trials else None,
+        "trials_first_choice_loss": first_choice_loss(trials) if trials else None,
+    }
 
 
 def router_fields(steps: list[dict[str, Any]]) -> dict[str, float | None]:

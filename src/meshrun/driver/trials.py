@@ -17,7 +17,7 @@ from meshrun.core.choices import BaselineMode, ExportFormat
 from meshrun.core.config import PlanConfig, RunConfig, with_resolved
 from meshrun.core.measured import new_run_id
 from meshrun.core.record import RunRecord
-from meshrun.core.trials import Trial, fastest, first_choice_loss, rank_correlation
+from meshrun.core.trials import Trial, fastest
 from meshrun.driver.experiment import Launch, RunFailed, run_experiment
 from meshrun.driver.sinks.console import print_note, print_trials
 
@@ -46,14 +46,7 @@ def run_with_trials(runs: list[RunConfig], plan: PlanConfig, launch: Launch) -> 
         return records[best]
     chosen = runs[best]
     print_note(f"plan.trials: training with trial {best + 1}, {trials[best].layout_name}")
-    return run_experiment(
-        chosen,
-        launch,
-        run_id=run_id,
-        trials=trials,
-        trials_rank_correlation=rank_correlation(trials),
-        trials_first_choice_loss=first_choice_loss(trials),
-    )
+    return run_experiment(chosen, launch, run_id=run_id, trials=trials)
 
 
 def _trial(cfg: RunConfig, launch: Launch, run_id: str) -> RunRecord:

@@ -172,14 +172,23 @@ EP_LOAD = (
 )
 
 
-def trace(candidate: Candidate) -> None:
-    """plan.trace: the row's ranks traced, one a pipeline stage, each as one rank of a fake
-    process group of the layout's world size running its real parallelize and a step on fake
-    tensors; a layout that does not compose says why in a note."""
+def traced_or_why(cfg: ExperimentConfig) -> list[MemoryPrediction] | str:
+    """The layout's ranks traced, one a pipeline stage, each as one rank of a fake process
+    group of the layout's world size running its real parallelize and a step on fake
+    tensors; where it does not compose, why (torch's error)."""
     try:
-        candidate.traced = predict.traced_stages(candidate.cfg)
+        return predict.traced_stages(cfg)
     except Exception as err:  # torch's parallel APIs raise anything a layout trips on
-        candidate.notes.append(f"traced: does not compose ({type(err).__name__}: {err})")
+        return f"{type(err).__name__}: {err}"
+
+
+def trace(candidate: Candidate) -> None:
+    """plan.trace: the row traced; a layout that does not compose says why in a note."""
+    traced = traced_or_why(candidate.cfg)
+    if isinstance(traced, str):
+        candidate.notes.append(f"traced: does not compose ({traced})")
+    else:
+        candidate.traced = traced
 
 
 def evaluate(cfg: ExperimentConfig) -> Candidate:

@@ -61,7 +61,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from meshrun.core.choices import HALF_PRECISIONS
+from meshrun.core.choices import HALF_PRECISIONS, SAC_POLICIES
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.layout import Layout
 from meshrun.plan.shapes import (
@@ -127,7 +127,7 @@ def _layer_bytes(
     block_input = d.h / (tp if sp else 1) * FP32
     if ckpt == "full":
         return block_input, full
-    if ckpt in ("selective", "op"):  # the outputs SAC caches, the rest recomputed
+    if ckpt in SAC_POLICIES:  # the outputs SAC caches, the rest recomputed
         saved = _sac_saved(d, tp, ckpt) * width
         return saved + block_input + _router_bytes(d), full - saved
     return full, 0.0

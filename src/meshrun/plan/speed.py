@@ -73,7 +73,7 @@ from dataclasses import asdict, dataclass, field
 
 from meshrun.core.batch import n_microbatches
 from meshrun.core.calibration import Calibration
-from meshrun.core.choices import HALF_PRECISIONS
+from meshrun.core.choices import HALF_PRECISIONS, SAC_POLICIES
 from meshrun.core.config import DeviceSpec, ExperimentConfig
 from meshrun.core.flops import flops_per_token
 from meshrun.core.layout import Layout
@@ -254,7 +254,7 @@ def _by_flops(
         attention = 4 * shape.dim * cfg.train.seq_len * tokens / layout.tp / rate
     recompute = forward * _recomputed_share(cfg, share)
     ckpt = cfg.parallel.activation_checkpointing
-    if ckpt in ("selective", "op"):  # FLOPs do not see the elementwise work: attention's stand in
+    if ckpt in SAC_POLICIES:  # FLOPs do not see the elementwise work: attention's stand in
         recompute = attention * checkpointed_layers(cfg.parallel, share)
     if ckpt == "op" and shape.dim and share.layers:
         layers = checkpointed_layers(cfg.parallel, share) / share.layers
@@ -282,7 +282,7 @@ def _tp_comm(
     else:
         one = fabric.all_reduce(span, activation)
     forward_ops = 2 + 2 * _recomputed_share(cfg, share)
-    if cfg.parallel.activation_checkpointing in ("selective", "op") and share.layers:
+    if cfg.parallel.activation_checkpointing in SAC_POLICIES and share.layers:
         # SAC's recompute stops after the last tensor backward needs (the down projection's
         # input): the attention's all-reduce again, or with SP its input's all-gather, its
         # reduce-scatter and the MLP input's all-gather (3 of the forward's 4)

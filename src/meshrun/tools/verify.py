@@ -37,7 +37,7 @@ from meshrun.driver.launch.dispatch import launch
 from meshrun.driver.resolve import resolve
 from meshrun.driver.sinks.console import console, print_error, print_note
 from meshrun.plan import predict
-from meshrun.plan.candidate import legal
+from meshrun.plan.candidate import legal, traced_or_why
 
 REPORT_FILE = "verify.json"
 GiB = 2**30
@@ -152,10 +152,9 @@ def traced(composed: VerifyExperimentConfig) -> int:
         return 2
     world = Layout.of(cfg.parallel).world_size
     what = f"{cfg.model.name} on {layout_name(cfg)} ({world:,} ranks)"
-    try:
-        stages = predict.traced_stages(cfg)
-    except Exception as err:  # torch's parallel APIs raise anything a layout trips on
-        print_error("does not compose", f"{what}: {type(err).__name__}: {err}")
+    stages = traced_or_why(cfg)
+    if isinstance(stages, str):
+        print_error("does not compose", f"{what}: {stages}")
         return 1
     formula = predict.stage_memory(cfg)
     said = f"meshrun-verify: {what} composes: each stage's rank traced on fake tensors"

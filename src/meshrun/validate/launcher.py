@@ -59,10 +59,15 @@ def place_ranks(
             f"only {gpus} CUDA devices are visible",
             f"at most {gpus}",
         )
-    # a SLURM task's CPUs are its rank's threads; only the SLURM schema has cpus_per_task
-    slurm_cpus = launcher.cpus_per_task if isinstance(launcher, SlurmLauncherConfig) else None
-    threads = launcher.threads_per_rank or slurm_cpus or max(1, facts.cpu_count // nproc)
+    threads = rank_threads(launcher, nproc, facts)
     return dataclasses.replace(launcher, nproc_per_node=nproc, threads_per_rank=threads)
+
+
+def rank_threads(launcher: LauncherConfig, nproc: int, facts: HostFacts) -> int:
+    """A rank's CPU threads: the given ones, a SLURM task's CPUs (only the SLURM schema has
+    cpus_per_task), else an equal share of the host's cores among its `nproc` ranks."""
+    slurm_cpus = launcher.cpus_per_task if isinstance(launcher, SlurmLauncherConfig) else None
+    return launcher.threads_per_rank or slurm_cpus or max(1, facts.cpu_count // nproc)
 
 
 def check_attached_world(launcher: LauncherConfig, what: str) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import queue
 import subprocess
 import sys
 import tempfile
@@ -37,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshrun.core.calibration import Calibration, calibration_path, write_calibration
 from meshrun.core.config import LlamaModelConfig
-from meshrun.core.errors import ConfigError
+from meshrun.core.errors import ConfigError, fail
 from meshrun.core.hardware import HostFacts, fingerprint_key, host_fingerprint
 from meshrun.core.measured import utc_now
 from meshrun.core.tool_config import PlanCommandConfig
@@ -46,8 +47,10 @@ from meshrun.models import build_model
 from meshrun.plan.compute import block_linears
 from meshrun.plan.shapes import Dims
 from meshrun.tools.plan.command import prepared
+from meshrun.validate.launcher import rank_threads
 
 REPEATS = 3
+RANK_TIMEOUT_S = 600
 COMM_MAX_BYTES = 16 * 2**20
 COMM_MIN_BYTES = 4096
 COUNTED_SEQ = 16  # the op count does not depend on sizes: counted on a small block
@@ -68,10 +71,8 @@ def calibrate(cfg: PlanCommandConfig, host: HostFacts) -> Calibration:
     """Measures and returns the profile (not written)."""
     box = prepared(cfg, host)[0]
     if box.nodes > 1:
-        raise ConfigError(
-            "world_size", box.world, "calibrate measures this host's ranks", "one node's ranks"
-        )
-    threads = cfg.launcher.threads_per_rank or max(1, host.cpu_count // box.per_node)
+        fail("world_size", box.world, "calibrate measures this host's ranks", "one node's ranks")
+    threads = rank_threads(cfg.launcher, box.per_node, host)
     d = Dims.of(cfg.model)
     tokens = cfg.train.micro_batch_size * cfg.train.seq_len
     cuda = cfg.hardware.device_type == "cuda"
@@ -105,17 +106,32 @@ def calibrate(cfg: PlanCommandConfig, host: HostFacts) -> Calibration:
 
 
 def _in_rank_processes(workload: Workload, ranks: int) -> list[dict[str, Any]]:
-    """Every rank's rates, measured at once (the slowest rank's is the run's)."""
+    """Every rank's rates, measured at once (the slowest rank's is the run's). A rank that
+    dies ends the others (their barrier times out otherwise); none outlives the call."""
     ctx = mp.get_context("spawn")
-    barrier, results = ctx.Barrier(ranks), ctx.Queue()
+    barrier, results = ctx.Barrier(ranks, timeout=RANK_TIMEOUT_S), ctx.Queue()
     procs = [
         ctx.Process(target=_rank, args=(workload, rank, barrier, results)) for rank in range(ranks)
     ]
     for proc in procs:
         proc.start()
-    rates = [results.get(timeout=600) for _ in procs]
-    for proc in procs:
-        proc.join(30)
+    rates: list[dict[str, Any]] = []
+    deadline = time.monotonic() + RANK_TIMEOUT_S
+    try:
+        while len(rates) < ranks:
+            try:
+                rates.append(results.get(timeout=1))
+            except queue.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    why = f"exit code {dead[0]}" if dead else f"no result in {RANK_TIMEOUT_S} s"
+                    raise RuntimeError(f"a calibration rank failed ({why})") from None
+    finally:
+        for proc in procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
     return rates
 
 
