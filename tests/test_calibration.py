@@ -10,6 +10,9 @@ import json
 import pytest
 
 from meshrun.core.calibration import Calibration, calibration_path, read_calibration
+from meshrun.core.errors import ConfigError
+from meshrun.core.hardware import HostFacts
+from meshrun.driver.resolve import resolve
 from meshrun.plan.candidate import host_calibration
 from meshrun.plan.speed import predict_speed
 from meshrun.tools.plan import main as plan_main
@@ -122,3 +125,11 @@ def test_a_calibration_rank_that_dies_ends_the_calibration_with_the_reason():
     )
     with pytest.raises(RuntimeError, match="a calibration rank failed \\(exit code"):
         _in_rank_processes(broken, 2)
+
+
+def test_a_calibration_path_that_names_no_file_is_refused(tmp_path):
+    cfg = compose_config(*SMALL, f"plan.calibration={tmp_path}/missing.json")
+    with pytest.raises(ConfigError) as caught:
+        resolve(cfg, HostFacts.detect())
+    assert caught.value.key == "plan.calibration"
+    assert "no such file" in str(caught.value) and "meshrun-plan calibrate" in str(caught.value)

@@ -10,6 +10,7 @@ unknown keys, unknown presets) are checked at compose time (driver/compose.py).
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -100,6 +101,15 @@ def _check_plan(cfg: ExperimentConfig) -> None:
             cfg.plan.fragmentation,
             "is the share of a GPU's memory the caching allocator is allowed to waste",
             "a fraction in [0, 1), e.g. 0.1",
+        )
+    calibration = cfg.plan.calibration
+    if calibration not in ("auto", "none") and not Path(calibration).is_file():
+        fail(
+            "plan.calibration",
+            calibration,
+            "names no calibration profile (no such file)",
+            "auto (this host's, beside the results store), none, or the path of a "
+            "calibration.json that `meshrun-plan calibrate` wrote",
         )
     _check_hardware(cfg.hardware)
 
