@@ -12,6 +12,7 @@ import time
 import pytest
 
 from meshrun.core.run_files.failures import first_failure
+from meshrun.core.run_files.flight_records import read_dumps, stack_path
 from meshrun.core.run_files.positions import diagnose, read_positions
 from meshrun.rank.watchdog import GRACE_S, Watchdog, step_collectives
 from tests.test_failures import failed_run
@@ -44,6 +45,19 @@ def test_hung_training_run_names_rank_step_and_operation(tmp_path, monkeypatch, 
     assert len(results["losses"]) == 2  # steps 0 and 1 finished and are kept
     hang_started = read_positions(results["run_dir"])[1].since
     assert ended - hang_started < timeout + 15
+    # the flight recorder's account: rank 0 issued step 2's first collective (DDP's buffer
+    # broadcast), rank 1's last is the one before it (step 1's gradient-norm all-reduce)
+    dumps = read_dumps(results["run_dir"])
+    assert set(dumps) == {0, 1}
+    stuck, before = dumps[0][-1], dumps[1][-1]
+    assert stuck.op.startswith("gloo:") and stuck.seq == before.seq + 1
+    assert stuck.group == before.group and before.op == "gloo:all_reduce"
+    assert f"rank 0's last collective: {stuck}" in results["error"]
+    assert (
+        f"rank 1 never issued it (its last there: {before.op} #{before.seq})" in (results["error"])
+    )
+    # where rank 1 was instead: its main thread's stack, in the injected hang
+    assert "faults.py" in stack_path(results["run_dir"], 1).read_text()
 
 
 @pytest.mark.waits  # on the watchdog's timeout
@@ -52,7 +66,7 @@ def test_watchdog_ends_a_rank_the_backend_does_not_time_out(tmp_path):
     code = textwrap.dedent(f"""
         import time
         from meshrun.rank.watchdog import Watchdog
-        watchdog = Watchdog({str(tmp_path)!r}, rank=3, timeout_s=1)
+        watchdog = Watchdog({str(tmp_path)!r}, rank=3, world_size=1, timeout_s=1)
         with watchdog.inside(7, "all_reduce (stuck)", one_collective=True):
             time.sleep(120)
     """)
@@ -75,7 +89,7 @@ def test_watchdog_leaves_phases_that_also_compute_to_the_backend(tmp_path):
     code = textwrap.dedent(f"""
         import time
         from meshrun.rank.watchdog import GRACE_S, Watchdog
-        watchdog = Watchdog({str(tmp_path)!r}, rank=0, timeout_s=0.5)
+        watchdog = Watchdog({str(tmp_path)!r}, rank=0, world_size=1, timeout_s=0.5)
         with watchdog.inside(0, "forward/backward (gradient all_reduce)"):
             time.sleep(0.5 + GRACE_S + 2)
     """)
@@ -87,7 +101,7 @@ def test_watchdog_leaves_phases_that_also_compute_to_the_backend(tmp_path):
 
 
 def test_an_error_outside_collectives_is_no_hang(tmp_path):
-    watchdogs = [Watchdog(str(tmp_path), rank, timeout_s=60) for rank in (0, 1)]
+    watchdogs = [Watchdog(str(tmp_path), rank, world_size=2, timeout_s=60) for rank in (0, 1)]
     watchdogs[0].at(4)
     try:
         with watchdogs[1].inside(4, "all_reduce (gradient norm)"):

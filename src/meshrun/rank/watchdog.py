@@ -11,6 +11,9 @@ failure and exits `GRACE_S` later, so the launcher tears all ranks down either w
 so only in phases that are one collective, since a phase that also computes (a training
 step's forward/backward) may legitimately run longer.
 
+When a failing peer asks for every rank's flight recorder (rank/flight_recorder.py), this
+thread writes this rank's, whatever the main thread is stuck in.
+
 The thread also samples the rank's resident memory into the same file each second: a rank
 the kernel kills for memory records nothing itself, and its last sample is the figure the
 driver reports.
@@ -26,6 +29,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 from meshrun.core.run_files.failures import record_failure
 from meshrun.core.run_files.positions import PositionFile
+from meshrun.rank import flight_recorder
 
 GRACE_S = 5.0
 
@@ -35,9 +39,10 @@ class CollectiveHang(RuntimeError):
 
 
 class Watchdog:
-    def __init__(self, run_dir: str, rank: int, timeout_s: float) -> None:
+    def __init__(self, run_dir: str, rank: int, world_size: int, timeout_s: float) -> None:
         self._file = PositionFile(run_dir, rank)
         self.run_dir, self.rank, self.timeout_s = run_dir, rank, timeout_s
+        self.world_size = world_size
         self._step, self._op, self._since, self._bounded = -1, "", time.time(), False
         self._stop = threading.Event()
         self._set(-1, "")
@@ -65,8 +70,12 @@ class Watchdog:
         self._stop.set()
 
     def _watch(self) -> None:
+        dumped = False
         while not self._stop.wait(1.0):
             self._file.resident(_resident_bytes())
+            if not dumped and flight_recorder.requested(self.run_dir):
+                flight_recorder.dump(self.run_dir, self.rank)
+                dumped = True
             op, step, stuck_s = self._op, self._step, time.time() - self._since
             if op and self._bounded and stuck_s > self.timeout_s + GRACE_S:
                 hang = CollectiveHang(
@@ -74,6 +83,7 @@ class Watchdog:
                     f"backend.timeout_s={self.timeout_s:g} (the backend did not time out)"
                 )
                 record_failure(self.run_dir, self.rank, hang)
+                flight_recorder.dump_all(self.run_dir, self.rank, self.world_size)
                 os._exit(1)
 
 

@@ -22,6 +22,7 @@ from meshrun.core.hardware import host_fingerprint
 from meshrun.core.layout import Layout, cp_rank, dp_rank
 from meshrun.core.rank_report import CheckpointSave, RankReport, StageSplit
 from meshrun.core.run_files.failures import (
+    Stopped,
     forget_failure,
     note_finished,
     note_process,
@@ -32,6 +33,7 @@ from meshrun.core.run_files.metrics import METRICS_FILE
 from meshrun.core.stages import PP_AUTO, with_layers
 from meshrun.models import model_shape
 from meshrun.models.moe import Routers
+from meshrun.rank import flight_recorder
 from meshrun.rank.device import autocast
 from meshrun.rank.faults import fault_injector
 from meshrun.rank.library_warnings import show_once
@@ -79,7 +81,8 @@ def run_rank(cfg_dict: dict[str, Any]) -> RankReport | None:
     note_process(cfg.run_dir, rank)
     mesh = watchdog = None
     if layout.world_size > 1:
-        watchdog = Watchdog(cfg.run_dir, rank, cfg.backend.timeout_s)
+        watchdog = Watchdog(cfg.run_dir, rank, layout.world_size, cfg.backend.timeout_s)
+        flight_recorder.enable(cfg.backend.name, cfg.run_dir)
         init_distributed(cfg.backend.name, cfg.backend.timeout_s)
         mesh = build_mesh(layout, device.type)
     try:
@@ -88,6 +91,8 @@ def run_rank(cfg_dict: dict[str, Any]) -> RankReport | None:
         return report
     except Exception as err:
         record_failure(cfg.run_dir, rank, err)
+        if watchdog is not None and not isinstance(err, Stopped):
+            flight_recorder.dump_all(cfg.run_dir, rank, layout.world_size)
         raise
     finally:
         if watchdog is not None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshrun.core.run_files.failures import FAILURES_DIR
+from meshrun.core.run_files.flight_records import DUMPS_DIR, describe
 
 POSITIONS_DIR = "watchdog"
 # step, since (epoch s), resident bytes, operation ("" outside collectives); the watchdog's
@@ -55,7 +56,7 @@ class Position:
 def clear_records(run_dir: str) -> None:
     """Forget a previous launch's failure records and positions in this run dir (before the
     ranks start: a torchrun run's dir is its own, so there is nothing to forget)."""
-    for folder in (FAILURES_DIR, POSITIONS_DIR):
+    for folder in (FAILURES_DIR, POSITIONS_DIR, DUMPS_DIR):
         shutil.rmtree(Path(run_dir) / folder, ignore_errors=True)
 
 
@@ -93,9 +94,15 @@ def _ranks(ranks: list[int]) -> str:
 def with_diagnosis(error: str, run_dir: str, failed_rank: int) -> str:
     """A rank's error, followed by where every rank was when it was inside a collective. Only
     a timeout is called a hang: a phase that communicates also computes, and an ordinary
-    error raised there (a shape mismatch, say) is no hang."""
+    error raised there (a shape mismatch, say) is no hang. A hang also names the collective
+    each rank's flight recorder holds (core/run_files/flight_records.py)."""
     found = diagnose(run_dir, failed_rank)
     if not found:
         return error
     timed_out = any(marker in error.lower() for marker in ("timed out", "timeout"))
-    return f"{error} -- {'collective hang' if timed_out else 'ranks at the failure'}: {found}"
+    if not timed_out:
+        return f"{error} -- ranks at the failure: {found}"
+    world_size = len(read_positions(run_dir))
+    recorded = describe(run_dir, failed_rank, world_size)
+    flight = f" -- flight recorder: {recorded}" if recorded else ""
+    return f"{error} -- collective hang: {found}{flight}"

@@ -192,7 +192,8 @@ def run_comm_rank(cfg_dict: dict[str, Any]) -> list[dict[str, Any]] | None:
         torch.set_num_threads(cfg.launcher.threads_per_rank)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = select_device(device_type(cfg.backend.name), local_rank)
-    watchdog = Watchdog(cfg.run_dir, rank, cfg.backend.timeout_s)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    watchdog = Watchdog(cfg.run_dir, rank, world_size, cfg.backend.timeout_s)
     try:
         init_distributed(cfg.backend.name, cfg.backend.timeout_s)
         return _benchmark(cfg.comm, device, watchdog, fault_injector(cfg.debug, rank))

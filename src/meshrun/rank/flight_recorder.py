@@ -1,0 +1,69 @@
+"""Every rank's last collectives, on disk when a run fails (core/run_files/flight_records.py
+reads them): torch's flight recorder keeps a ring of the collectives a rank issued, gloo's
+and NCCL's; this module turns it on before the process group exists, and dumps it with
+every thread's Python stack. A failing rank asks its peers for theirs and waits for them a
+moment; each peer's watchdog thread (rank/watchdog.py) answers, whatever its main thread is
+stuck in."""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import time
+
+from torch._C._distributed_c10d import _dump_fr_trace_json
+
+from meshrun.core.run_files.flight_records import (
+    REQUEST_FILE,
+    dump_path,
+    dumps_dir,
+    stack_path,
+)
+
+ENTRIES = 2000  # torchtitan's default ring (comm.trace_buf_size is 20,000 for NCCL)
+PEER_WAIT_S = 3.0  # a watchdog thread polls each second
+
+
+def enable(backend: str, run_dir: str) -> None:
+    """Before init_process_group: the ring for every backend; NCCL's own watchdog also
+    dumps it on a timeout (into the same folder)."""
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(ENTRIES))
+    if backend == "nccl":
+        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(ENTRIES))
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(dumps_dir(run_dir) / "nccl_rank"))
+
+
+def dump(run_dir: str, rank: int) -> None:
+    """This rank's recorded collectives and its threads' stacks; the JSON written whole
+    (a reader never sees half of it)."""
+    folder = dumps_dir(run_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    with stack_path(run_dir, rank).open("w") as f:
+        faulthandler.dump_traceback(f, all_threads=True)
+    try:
+        trace = json.loads(_dump_fr_trace_json(True, False))
+    except RuntimeError as err:  # no process group, or a backend without a recorder
+        trace = {"entries": [], "error": str(err)}
+    partial = dump_path(run_dir, rank).with_suffix(".tmp")
+    partial.write_text(json.dumps(trace))
+    partial.replace(dump_path(run_dir, rank))
+
+
+def requested(run_dir: str) -> bool:
+    return (dumps_dir(run_dir) / REQUEST_FILE).exists()
+
+
+def dump_all(run_dir: str, rank: int, world_size: int) -> None:
+    """A failing rank's: its own dump, then the peers' asked for and awaited (at most
+    PEER_WAIT_S: a dead peer leaves none)."""
+    folder = dumps_dir(run_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / REQUEST_FILE).touch()
+    dump(run_dir, rank)
+    deadline = time.monotonic() + PEER_WAIT_S
+    while time.monotonic() < deadline:
+        if all(dump_path(run_dir, r).exists() for r in range(world_size)):
+            return
+        time.sleep(0.1)
