@@ -74,6 +74,16 @@ run "mixtral-shaped 2 layers bf16" parallel=single train.steps=6 train.untimed_s
   model.n_layers=2 model.dim=1024 model.n_heads=8 model.n_kv_heads=8 model.ffn_dim=3584 \
   train.precision=bf16 train.seq_len=1024 train.micro_batch_size=2 train.global_batch_size=8
 
+log "inside a step on CUDA: llama-1b bf16 profiled (steps 4-5), the step split by the device's kernels"
+run "llama-1b profiled" parallel=single train.steps=8 train.untimed_steps=2 model=llama-1b \
+  train.precision=bf16 train.seq_len=2048 train.micro_batch_size=2 'debug.profile_steps=[4,5]' \
+  debug.memory_snapshot=true
+prof_dir=$(ls -d "$work"/llama-1b_profiled 2>/dev/null)
+[ -n "$prof_dir" ] && $py -c "
+import json, sys; r = json.load(open(sys.argv[1]))
+print('profile overhead', r['profile_overhead'], [{k: v for k, v in p.items() if k != 'timeline'} for p in r['profile'] or []])
+" "$prof_dir/results.json" | tee -a "$out/summary.log" && cp -r "$prof_dir/profile" "$out/profile-llama-1b"
+
 log "meshrun-plan calibrate on the GPU(s): matmul, attention, memory, op dispatch (and NCCL's link with 2+)"
 $py -m meshrun.tools.plan.main calibrate model=llama-1b hardware=auto train.precision=bf16 \
   train.seq_len=2048 train.micro_batch_size=4 "store.path=$work/meshrun.db" 2>&1 \

@@ -240,6 +240,14 @@ BAD_CONFIGS = [
         "model.moe.bias_update_rate",
         "> 0",
     ),
+    (["debug.profile_steps=[3]"], "debug.profile_steps", "[first, last]"),
+    (["train.steps=5", "debug.profile_steps=[4,5]"], "debug.profile_steps", "(0..4)"),
+    (["debug.profile_steps=[4,3]"], "debug.profile_steps", "or []"),
+    (["debug.memory_snapshot=true"], "debug.memory_snapshot", "CUDA hardware profile"),
+    (["parallel=ddp", "debug.slow_rank=2"], "debug.slow_rank", "0..1"),
+    (["parallel=single", "debug.slow_rank=0"], "debug.slow_rank", "waits for nobody"),
+    (["parallel=ddp", "debug.slow_factor=0.5"], "debug.slow_factor", ">= 1"),
+    (["metrics.straggler_threshold=1"], "metrics.straggler_threshold", "> 1"),
 ]
 
 

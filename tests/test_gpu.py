@@ -110,3 +110,24 @@ def test_experts_grouped_gemm_on_cuda_equals_the_loop_and_is_chosen():
         results.append([out, *(t.grad for t in inputs)])
     for got, want in zip(*results, strict=True):
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_cuda_run_traces_kernels_and_writes_allocator_snapshots(meshrun):
+    """debug.profile_steps on CUDA: the trace holds kernels and the split is the device's;
+    debug.memory_snapshot leaves the peak step's allocator history, and an out-of-memory
+    error its own, named in the message."""
+    run = meshrun(
+        "parallel=single", *CUDA_RUN, "debug.profile_steps=[3,4]", "debug.memory_snapshot=true"
+    )
+    assert run.returncode == 0, run.output
+    [profile] = run.results["profile"]
+    assert profile["compute_s"] > 0 and profile["top_ops"]
+    assert (run.run_dir / "memory_snapshot" / "rank0.peak.pickle").stat().st_size > 0
+    oom = meshrun(
+        "parallel=single", "model=llama-1b", "train.steps=2", "train.untimed_steps=1",
+        "train.global_batch_size=512", "train.micro_batch_size=512", "plan.allow_oom=true",
+        "debug.memory_snapshot=true",
+    )  # fmt: skip
+    assert oom.returncode == 1
+    assert (oom.run_dir / "memory_snapshot" / "rank0.oom.pickle").exists()
+    assert "memory_viz" in oom.results["error"]

@@ -435,22 +435,32 @@ class MetricsConfig:
     trains it between the run's timed steps where both fit, else on its own after the run);
     `stored` reuses one of the same fingerprint (host, devices, versions, threads, model,
     batch, sequence, precision) at most `baseline_max_age_h` old, else measures it fresh;
-    `off`: no speedup."""
+    `off`: no speedup. `straggler_threshold`: the slowest rank's busy time over the ranks'
+    median above which the run is flagged as having a straggler (rank/metrics/busy.py)."""
 
     scaling: Scaling = Scaling["weak"]
     baseline: BaselineMode = BaselineMode["fresh"]
     baseline_max_age_h: float = 24.0
+    straggler_threshold: float = 1.15
 
 
 @dataclass
 class DebugConfig:
     """Fault injection, to check that a failing or hanging rank brings the whole run down;
-    `slow_step_s`, a pause after every step, gives Ctrl-C and preemption a run to stop."""
+    `slow_step_s`, a pause after every step, gives Ctrl-C and preemption a run to stop;
+    `slow_rank` computes `slow_factor` times as long as it would (a straggler on purpose).
+    Looking inside: `profile_steps=[a,b]` traces steps a..b on every rank with torch.profiler
+    (rank/profiling.py); `memory_snapshot` records CUDA's allocator history and writes it at
+    the peak step and on an out-of-memory error."""
 
     fail_rank: int | None = None
     fail_step: int = 0
     fail_mode: FailMode = FailMode["raise"]
     slow_step_s: float = 0.0
+    slow_rank: int | None = None
+    slow_factor: float = 1.0
+    profile_steps: list[int] = field(default_factory=list)
+    memory_snapshot: bool = False
 
 
 @dataclass

@@ -53,3 +53,4 @@ class RankReport:
     host_other_cpu_share: float | None = None  # None where a rank could not measure it
     compile_s: float | None = None  # train.compile: the slowest rank's
     checkpoint_saves: list[CheckpointSave] | None = None
+    busy_per_rank: list[float] | None = None  # seconds a timed step, median (CPU ranks)

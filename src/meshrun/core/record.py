@@ -165,6 +165,18 @@ class RunRecord:
     predicted_step_parts: dict[str, float] | None = _f()  # the step by what it waits for
     # the calibration (meshrun-plan calibrate) the speed prediction used: when it was measured
     predicted_calibrated_at: str | None = _f(summary=True)
+    # debug.profile_steps: the steps traced (left out of step_times), their step time over
+    # the others' less one, and each rank's trace summarised (core/run_files/profiles.py)
+    profiled_steps: list[int] | None = _f()
+    profile_overhead: float | None = _f(summary=True)
+    profile: list[dict[str, Any]] | None = _f()
+    # each rank's busy seconds a timed step (median; rank/metrics/busy.py), the slowest
+    # rank, its busy time over the ranks' median, and the sentence naming it as a straggler
+    # where that is above metrics.straggler_threshold
+    busy_per_rank: list[float] | None = _f()
+    slowest_rank: int | None = _f(column=True, summary=True)
+    slowest_rank_slowdown: float | None = _f(column=True, summary=True)
+    straggler: str | None = _f(summary=True)
     # series and bookkeeping
     losses: list[float] = _f(factory=list)
     grad_norms: list[float | None] = _f(factory=list)

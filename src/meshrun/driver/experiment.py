@@ -50,6 +50,7 @@ from meshrun.driver.sinks.console import (
 )
 from meshrun.driver.sinks.live import LiveRun
 from meshrun.driver.sinks.store import ResultsStore
+from meshrun.driver.sinks.timeline import write_timeline
 from meshrun.driver.sinks.wandb_sink import WandbRun
 
 Launch = Callable[[ExperimentConfig], RankReport | None]
@@ -301,6 +302,7 @@ def record(
     if split:  # the record names the split the ranks chose, to run it again
         cfg = with_layers(cfg, split.counts)
     results = assemble(cfg, measured, baseline)
+    write_timeline(results.as_dict())  # a profiled run's picture of its traced step
     publish(cfg, results, measured.steps, store, live)
     if not measured.ok:
         raise RunFailed(results)

@@ -14,6 +14,7 @@ from meshrun.core.config import ExperimentConfig
 from meshrun.core.hardware import HostFacts, oom_kills
 from meshrun.core.layout import Layout, dp_rank, rank_coords
 from meshrun.core.run_files.failures import read_unflushed
+from meshrun.core.run_files.memory_snapshots import VIEWER, snapshot_path
 from meshrun.core.run_files.positions import read_positions
 from meshrun.driver.launch import SIGNAL_UNSEEN, RankFailure
 from meshrun.plan import predict
@@ -74,6 +75,11 @@ def explain(cfg: ExperimentConfig, failure: RankFailure, kills_before: int | Non
     if failure.error.startswith("OutOfMemoryError"):  # torch's, CUDA's allocator
         predicted = _gib(predict.memory(cfg)[failure.rank].peak)
         error = f"{failure.error} (predicted peak {predicted} per rank by the plan)"
+        snapshot = snapshot_path(cfg.run_dir, failure.rank, "oom")
+        if snapshot.exists():  # debug.memory_snapshot
+            error += f"; the allocator's history up to it: {snapshot} (open it at {VIEWER})"
+        elif cfg.hardware.device_type == "cuda":
+            error += "; debug.memory_snapshot=true records what held the memory"
         return RankFailure(failure.rank, error, failure.traceback)
     if failure.signal not in ("SIGKILL", SIGNAL_UNSEEN):
         return failure

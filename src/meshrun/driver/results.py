@@ -24,6 +24,7 @@ from meshrun.core.record import MEMORY_CATEGORIES, RunRecord
 from meshrun.core.stages import PP_AUTO, stage_layer_counts, theoretical_bubble
 from meshrun.core.step_stats import percentile, summarize_steps
 from meshrun.core.trials import Trial, first_choice_loss, rank_correlation
+from meshrun.driver.inspection import profile_fields, straggler_fields, timed_step_times
 from meshrun.models import model_shape, param_counts
 from meshrun.plan import predict
 from meshrun.plan.candidate import host_calibration, host_flops
@@ -228,7 +229,7 @@ def assemble(cfg: ExperimentConfig, measured: Measured, baseline: RunRecord | No
     """The record of a measured run (`cfg` holds the split `pp_layers=auto` chose); a failed
     run's too, with the figures of the steps it finished."""
     meta, report, steps = measured.meta, measured.report, measured.steps
-    step_times = [r["step_time_s"] for r in steps if r["step_time_s"] is not None]
+    step_times = timed_step_times(steps)
     timing = timing_fields(cfg, step_times)
     if baseline is None and is_own_baseline(cfg):  # 1.0 by definition, no spread
         baseline = RunRecord(run_id=meta.run_id, tokens_per_s=timing["tokens_per_s"])
@@ -259,6 +260,8 @@ def assemble(cfg: ExperimentConfig, measured: Measured, baseline: RunRecord | No
         **eval_fields(steps),
         **predicted_speed_fields(cfg),
         **trials_fields(meta.trials),
+        **profile_fields(cfg, steps),
+        **straggler_fields(cfg, report),
         losses=[r["loss"] for r in steps],
         grad_norms=[r.get("grad_norm") for r in steps],
         **router_fields(steps),

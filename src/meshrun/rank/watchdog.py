@@ -25,11 +25,12 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 
 from meshrun.core.run_files.failures import record_failure
 from meshrun.core.run_files.positions import PositionFile
 from meshrun.rank import flight_recorder
+from meshrun.rank.profiling import phase
 
 GRACE_S = 5.0
 
@@ -87,13 +88,14 @@ class Watchdog:
                 os._exit(1)
 
 
+@contextmanager
 def inside(
     watchdog: Watchdog | None, step: int, op: str, *, one_collective: bool
-) -> AbstractContextManager[None]:
-    """`watchdog.inside(...)`; nothing where the run has none (a single rank)."""
-    if watchdog is None:
-        return nullcontext()
-    return watchdog.inside(step, op, one_collective)
+) -> Iterator[None]:
+    """`watchdog.inside(...)` (nothing where the run has none: a single rank), named in a
+    profiled step's trace too."""
+    with phase(op), watchdog.inside(step, op, one_collective) if watchdog else nullcontext():
+        yield
 
 
 def _resident_bytes() -> int:

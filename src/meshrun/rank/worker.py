@@ -39,11 +39,14 @@ from meshrun.rank.faults import fault_injector
 from meshrun.rank.library_warnings import show_once
 from meshrun.rank.mesh import build_mesh, dp_group, init_distributed, pp_group, select_device
 from meshrun.rank.metrics.bubble import bubble_per_rank
+from meshrun.rank.metrics.busy import BusyClock
 from meshrun.rank.metrics.compile_time import CompileClock
 from meshrun.rank.metrics.host import HostLoad, other_cpu_share
 from meshrun.rank.metrics.log import MetricsLog
 from meshrun.rank.metrics.memory import MemoryMeter, ModelState
+from meshrun.rank.metrics.memory_snapshot import MemorySnapshots
 from meshrun.rank.parallel.balance import balance_stages
+from meshrun.rank.profiling import StepProfiler
 from meshrun.rank.progress import RankProgress, rank_progress
 from meshrun.rank.train.build import COMPUTE_DTYPES, Training, build_training
 from meshrun.rank.train.checkpoint import Checkpointer
@@ -139,6 +142,7 @@ class RankFigures:
     pretrained_read: int
     host_load: dict[str, object] | None
     compile_s: float | None
+    busy_s: float | None  # the median timed step's (rank/metrics/busy.py)
 
 
 def _train(at: Rank) -> RankReport | None:
@@ -251,7 +255,9 @@ def _loop(at: Rank, setup: Setup) -> tuple[LoopState, LoopContext]:
             state = train_loop(
                 training.model, training.optimizer, training.schedule, batches, tc, ctx
             )
-        except Exception:
+        except Exception as err:
+            if isinstance(err, torch.OutOfMemoryError) and ctx.snapshots is not None:
+                ctx.snapshots.out_of_memory()
             with contextlib.suppress(Exception):
                 unflushed = ctx.pending.salvage(batches.drain_waits())
                 record_unflushed(at.cfg.run_dir, at.rank, unflushed)
@@ -287,7 +293,23 @@ def _loop_context(
         host_load=HostLoad(measure_host=int(os.environ.get("LOCAL_RANK", "0")) == 0),
         compiling=CompileClock() if cfg.train.compile else None,
         routers=Routers.of(cfg.model),
+        profiler=StepProfiler(cfg.run_dir, at.rank, cfg.debug.profile_steps, at.device)
+        if cfg.debug.profile_steps
+        else None,
+        busy=_busy_clock(at),
+        snapshots=MemorySnapshots(cfg.run_dir, at.rank, at.device)
+        if cfg.debug.memory_snapshot
+        else None,
     )
+
+
+def _busy_clock(at: Rank) -> BusyClock | None:
+    """CPU ranks of a multi-rank run (rank/metrics/busy.py); debug.slow_rank's slowed."""
+    if at.layout.world_size == 1 or at.device.type != "cpu":
+        return None
+    debug = at.cfg.debug
+    factor = debug.slow_factor if debug.slow_rank == at.rank else 1.0
+    return BusyClock(torch.get_num_threads(), factor)
 
 
 def _own_figures(setup: Setup, state: LoopState, ctx: LoopContext) -> RankFigures:
@@ -300,6 +322,7 @@ def _own_figures(setup: Setup, state: LoopState, ctx: LoopContext) -> RankFigure
         pretrained_read=model.pretrained_bytes_read,
         host_load=state.host_load,
         compile_s=ctx.compiling.seconds if ctx.compiling else None,
+        busy_s=ctx.busy.median() if ctx.busy else None,
     )
 
 
@@ -342,6 +365,7 @@ def _report(
         host_other_cpu_share=other_cpu_share(loads) if all(loads) else None,
         # the ranks compile at once; the run waits for the slowest
         compile_s=max(compiled) if compiled else None,
+        busy_per_rank=[r.busy_s for r in ranks] if all(r.busy_s for r in ranks) else None,
         checkpoint_saves=[CheckpointSave(s.step, s.blocked_s, s.total_s) for s in checkpoints.saves]
         if checkpoints
         else None,

@@ -10,7 +10,9 @@ from rich.text import Text
 
 from meshrun.core.measured import RunMeta
 from meshrun.core.record import MEMORY_CATEGORIES, RunRecord
+from meshrun.core.run_files.profiles import PROFILE_DIR
 from meshrun.core.trials import Trial, fastest, first_choice_loss, rank_correlation
+from meshrun.driver.sinks.timeline import TIMELINE_FILE
 
 console = Console()
 # A run waiting this share of its step time for batches is flagged as data-bound.
@@ -140,6 +142,8 @@ def print_summary(r: RunRecord) -> None:
         *_routers(r),
         *_evaluation(r),
         *_trials_row(r),
+        *_slowest_rank(r),
+        *_profile(r),
     ]
     if r.pp_schedule:
         bubble = f"{_fmt(r.bubble_measured)} measured, {_fmt(r.bubble_theoretical)} theory"
@@ -191,6 +195,37 @@ def _compile_time(r: RunRecord) -> list[tuple[str, str]]:
     if r.compile_s is None:
         return []
     return [("compile time (untimed steps)", _fmt(r.compile_s, " s"))]
+
+
+def _slowest_rank(r: RunRecord) -> list[tuple[str, str | Text]]:
+    if r.slowest_rank is None or r.slowest_rank_slowdown is None:
+        return []
+    said = f"rank {r.slowest_rank}, {r.slowest_rank_slowdown:.2f}x the others' median busy time"
+    if r.straggler:
+        return [("slowest rank", Text(f"{said}: straggler", style="bold yellow"))]
+    return [("slowest rank", said)]
+
+
+def _profile(r: RunRecord) -> list[tuple[str, str]]:
+    """Each profiled rank's steps split by what it did (compute, exposed communication and
+    idle make the whole); where the traces are."""
+    if not r.profiled_steps:
+        return []
+    first, last = r.profiled_steps
+    overhead = f", {r.profile_overhead:+.0%} step time" if r.profile_overhead is not None else ""
+    where = f"{r.run_dir}/{PROFILE_DIR}: rank<N>.trace.json.gz, {TIMELINE_FILE}"
+    rows = [(f"profiled steps {first}-{last}", f"{where}{overhead}")]
+    for p in r.profile or []:
+        share = {k: f"{p[k] / p['step_s']:.0%}" for k in p if k.endswith("_s")}
+        rows.append(
+            (
+                f"  rank {p['rank']}",
+                f"compute {share['compute_s']}, exposed communication "
+                f"{share['exposed_comm_s']}, idle {share['idle_s']} (communication in flight "
+                f"{share['comm_s']}, {share['overlapped_s']} during compute)",
+            )
+        )
+    return rows
 
 
 def _host_load(r: RunRecord) -> list[tuple[str, str]]:

@@ -29,10 +29,13 @@ from meshrun.models import moe
 from meshrun.rank.device import autocast
 from meshrun.rank.mesh import mean_over_ranks
 from meshrun.rank.metrics.bubble import BubbleClock
+from meshrun.rank.metrics.busy import BusyClock, busy_fields
 from meshrun.rank.metrics.compile_time import CompileClock
 from meshrun.rank.metrics.host import HostLoad
 from meshrun.rank.metrics.memory import FWD_BWD_END, STEP_START, MemoryMeter
+from meshrun.rank.metrics.memory_snapshot import MemorySnapshots
 from meshrun.rank.parallel import ParallelModel, gradient_sync
+from meshrun.rank.profiling import StepProfiler, annotate_stages, phase, step_range
 from meshrun.rank.progress import RankProgress
 from meshrun.rank.train.checkpoint import Checkpointer
 from meshrun.rank.train.data import LocalBatches
@@ -87,6 +90,9 @@ class LoopContext:
     host_load: HostLoad | None = None  # CPU seconds over the timed steps
     compiling: CompileClock | None = None  # train.compile: stopped at the first timed step
     routers: moe.Routers | None = None  # an MoE model's: their statistics, their biases
+    profiler: StepProfiler | None = None  # debug.profile_steps
+    busy: BusyClock | None = None  # CPU ranks of a multi-rank run: to name the slow one
+    snapshots: MemorySnapshots | None = None  # debug.memory_snapshot (CUDA)
 
 
 def _autocast(ctx: LoopContext) -> contextlib.AbstractContextManager:
@@ -102,10 +108,11 @@ def _accumulate(model: ParallelModel, inputs, targets, micro_batch: int, ctx) ->
     for index, (x, y) in enumerate(chunks):
         sync = gradient_sync(module, enabled=index == len(chunks) - 1)
         with sync, moe.loss_weight(weight):  # an MoE's auxiliary loss enters with the same
-            with _autocast(ctx):
+            with phase(f"forward mb {index}"), _autocast(ctx):
                 logits = module(x)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-            (loss * weight).backward()
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+            with phase(f"backward mb {index}"):
+                (loss * weight).backward()
         total += loss.detach()
     return total / len(chunks)
 
@@ -133,7 +140,8 @@ def train_step(
     marked."""
     if breakdown:
         ctx.memory.mark(STEP_START)
-    inputs, targets = batches.for_step(step)
+    with phase("data"):
+        inputs, targets = batches.for_step(step)
     with inside(ctx.watchdog, step, ctx.step_collectives, one_collective=False):
         if model.schedule is not None:
             step_loss = _pipeline_step(model, inputs, targets, ctx)
@@ -147,11 +155,13 @@ def train_step(
     with inside(ctx.watchdog, step, "all_reduce (gradient norm)", one_collective=True):
         norm = grads.norm(ctx.pp_group)
     if cfg.grad_clip is not None:
-        grads.clip_(cfg.grad_clip, norm)
+        with phase("clip"):
+            grads.clip_(cfg.grad_clip, norm)
     lr = schedule.get_last_lr()[0]
     stepped = ctx.loss_scale is None or ctx.loss_scale.update(step, norm)
     if stepped:
-        optimizer.step()
+        with phase("optimizer"):
+            optimizer.step()
     with warnings.catch_warnings():
         if not stepped:  # the LR follows the steps, applied or skipped (fp16 overflow)
             warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
@@ -171,6 +181,8 @@ def train_loop(
     """Steps `ctx.start_step` to `cfg.steps`; the first `untimed_steps` of them untimed."""
     state = LoopState()
     bubble = BubbleClock(model.schedule, ctx.device) if model.schedule is not None else None
+    if ctx.profiler is not None and model.schedule is not None:
+        annotate_stages(model.schedule)
     first_timed = ctx.start_step + cfg.untimed_steps
     for step in range(ctx.start_step, cfg.steps):
         if step == first_timed:
@@ -179,24 +191,52 @@ def train_loop(
             ctx.watchdog.at(step)
         if ctx.fault is not None:
             ctx.fault(step)
-        # The breakdown is read from an untimed step after the first: optimizer state exists.
-        breakdown = ctx.start_step + 1 <= step < first_timed
-        loss, norm, lr = train_step(model, optimizer, schedule, batches, step, cfg, ctx, breakdown)
-        values = torch.stack([loss, norm])
-        if ctx.routers:  # after the loss and the norm, each router's counts of the step
-            values = torch.cat([values, _routed(model, step, ctx).flatten()])
-        ctx.pending.add(values, lr)
+        if ctx.profiler is not None:
+            ctx.profiler.before(step)
         timed = step >= first_timed
-        if timed:
-            _end_timed_step(step, ctx)
-        if ctx.progress is not None:
-            ctx.progress.step(step + 1)
-        evaluated = _evaluate(step, ctx, timed)
-        _log_and_save(step, cfg, state, batches, ctx, evaluated)
+        _step(model, optimizer, schedule, batches, step, cfg, ctx, state, timed)
+        written = ctx.profiler is not None and ctx.profiler.after(step)
+        written = (ctx.snapshots is not None and ctx.snapshots.after_step()) or written
+        if written and timed:
+            ctx.pending.clock.restart()  # writing a trace or a snapshot is no step's time
         if ctx.slow_step_s:
             time.sleep(ctx.slow_step_s)
     _finish(cfg, state, ctx, bubble)
     return state
+
+
+def _step(
+    model: ParallelModel,
+    optimizer: torch.optim.Optimizer,
+    schedule: torch.optim.lr_scheduler.LRScheduler,
+    batches: LocalBatches,
+    step: int,
+    cfg: TrainConfig,
+    ctx: LoopContext,
+    state: LoopState,
+    timed: bool,
+) -> None:
+    """One step, its clock mark (the baseline twin's step after it), then the evaluation, log
+    step and checkpoint due after it."""
+    # The breakdown is read from an untimed step after the first: optimizer state exists.
+    breakdown = ctx.start_step + 1 <= step < ctx.start_step + cfg.untimed_steps
+    with step_range(step):  # in a trace: the step as its clock times it, less the twin's
+        if ctx.busy is not None:
+            ctx.busy.start()
+        loss, norm, lr = train_step(model, optimizer, schedule, batches, step, cfg, ctx, breakdown)
+        if ctx.busy is not None:
+            profiled = ctx.profiler is not None and ctx.profiler.covers(step)
+            ctx.busy.stop(timed=timed and not profiled)
+    values = torch.stack([loss, norm])
+    if ctx.routers:  # after the loss and the norm, each router's counts of the step
+        values = torch.cat([values, _routed(model, step, ctx).flatten()])
+    ctx.pending.add(values, lr)
+    if timed:
+        _end_timed_step(step, ctx)
+    if ctx.progress is not None:
+        ctx.progress.step(step + 1)
+    evaluated = _evaluate(step, ctx, timed)
+    _log_and_save(step, cfg, state, batches, ctx, evaluated)
 
 
 def _routed(model: ParallelModel, step: int, ctx: LoopContext) -> torch.Tensor:
@@ -331,4 +371,11 @@ def _flush(
         for record, row in zip(records, reduced[:, 1:], strict=True):
             record.update(moe.router_fields(row.view(r.layers, -1), r.balance_loss))
     records[-1].update(evaluated or {})
+    if ctx.busy is not None:  # every rank's busy time, to name the slowest
+        for record, busy in zip(records, busy_fields(ctx.busy.gathered()), strict=True):
+            record.update(busy)
+    if ctx.profiler is not None:
+        for record in records:
+            if ctx.profiler.covers(record["step"]):
+                record["profiled"] = True  # left out of the run's timing (driver/results.py)
     ctx.on_log(records)

@@ -16,6 +16,7 @@ from matplotlib.figure import Figure
 
 from meshrun.driver.sinks.compare import FLAG, HEADERS, cells, flags
 from meshrun.driver.sinks.selection import Selection, Sweep
+from meshrun.driver.sinks.timeline import step_timelines
 from meshrun.tools.report import plots
 
 Plot = Callable[[list[dict[str, Any]]], Figure | None]
@@ -56,6 +57,14 @@ SECTIONS: tuple[tuple[str, str, str, Plot, str], ...] = (
         "The idle share of a pipeline step, per run and per rank, beside the schedule's theory.",
         plots.bubble,
         "No completed pipeline-parallel run.",
+    ),
+    (
+        "timeline",
+        "Inside a step: the traced step of each rank",
+        "The newest profiled runs (debug.profile_steps): what each rank computed, the "
+        "communication it had in flight, idle time, and a pipeline's micro-batches.",
+        step_timelines,
+        "No profiled run (debug.profile_steps=[a,b]).",
     ),
     (
         "heatmap",

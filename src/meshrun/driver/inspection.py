@@ -1,0 +1,59 @@
+"""What a run saw inside its steps, into its record: the profiled steps' traces summarised
+per rank (debug.profile_steps) and the slowest rank against the median."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from meshrun.core.config import ExperimentConfig
+from meshrun.core.layout import Layout
+from meshrun.core.rank_report import RankReport
+from meshrun.core.run_files.profiles import summarize_run
+
+
+def timed_step_times(steps: list[dict[str, Any]]) -> list[float]:
+    """The timed steps' times, the profiled ones left out (tracing slows them)."""
+    return [
+        r["step_time_s"] for r in steps if r["step_time_s"] is not None and not r.get("profiled")
+    ]
+
+
+def profile_fields(cfg: ExperimentConfig, steps: list[dict[str, Any]]) -> dict[str, Any]:
+    profiled = cfg.debug.profile_steps
+    if not profiled:
+        return {}
+    traced = [r["step_time_s"] for r in steps if r.get("profiled") and r["step_time_s"]]
+    others = timed_step_times(steps)
+    overhead = None
+    if traced and others:
+        overhead = statistics.median(traced) / statistics.median(others) - 1
+    world = Layout.of(cfg.parallel).world_size
+    return {
+        "profiled_steps": list(profiled),
+        "profile_overhead": overhead,
+        "profile": [p.as_dict() for p in summarize_run(cfg.run_dir, world)] or None,
+    }
+
+
+def straggler_fields(cfg: ExperimentConfig, report: RankReport | None) -> dict[str, Any]:
+    """The rank with the most busy time a step against the median of the others; named a
+    straggler above metrics.straggler_threshold."""
+    busy = report.busy_per_rank if report else None
+    if not busy or len(busy) < 2:
+        return {}
+    slowest = max(range(len(busy)), key=busy.__getitem__)
+    slowdown = busy[slowest] / statistics.median(busy[:slowest] + busy[slowest + 1 :])
+    threshold = cfg.metrics.straggler_threshold
+    straggler = None
+    if slowdown > threshold:
+        straggler = (
+            f"rank {slowest} is busy {slowdown:.2f}x as long a step as the median of the other "
+            f"ranks (metrics.straggler_threshold={threshold:g}): the others wait for it"
+        )
+    return {
+        "busy_per_rank": busy,
+        "slowest_rank": slowest,
+        "slowest_rank_slowdown": slowdown,
+        "straggler": straggler,
+    }

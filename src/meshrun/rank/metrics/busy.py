@@ -1,0 +1,74 @@
+"""A rank's busy time each step, to name the slow rank: the CPU time its process used over
+the step, per thread it computes with. On CPU ranks that is its compute: a rank blocked in a
+collective uses none (gloo waits without spinning: measured, 0.002 CPU-s over a 0.3 s wait),
+so the rank its peers wait for is the one with the most. Read with a clock call, no device
+sync; gathered from every rank at the log steps only, riding their host sync. CUDA ranks
+compute on the device, which this clock does not see: they report none.
+
+`debug.slow_rank` / `slow_factor` make one rank a straggler on purpose: after each step it
+spins (busy, as a slower device would be) for (factor - 1) x the step's busy time."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+
+class BusyClock:
+    def __init__(self, threads: int, slow_factor: float = 1.0) -> None:
+        self.threads, self.slow_factor = threads, slow_factor
+        self._started = 0.0
+        self._unlogged: list[float] = []  # since the last log step
+        self.timed: list[float] = []  # the timed steps' (profiled ones left out)
+
+    def start(self) -> None:
+        self._started = time.process_time()
+
+    def stop(self, timed: bool) -> None:
+        busy = (time.process_time() - self._started) / self.threads
+        if self.slow_factor > 1:
+            _spin((self.slow_factor - 1) * busy)
+            busy = (time.process_time() - self._started) / self.threads
+        self._unlogged.append(busy)
+        if timed:
+            self.timed.append(busy)
+
+    def median(self) -> float | None:
+        return statistics.median(self.timed) if self.timed else None
+
+    def gathered(self) -> torch.Tensor:
+        """Every rank's busy seconds of the steps since the last log step ([rank, step]);
+        one collective of the world, which every rank joins at its log step."""
+        mine = torch.tensor(self._unlogged, dtype=torch.float64)
+        self._unlogged = []
+        if not dist.is_initialized():
+            return mine[None]
+        ranks = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(ranks, mine)
+        return torch.stack(ranks)
+
+
+def busy_fields(per_rank: torch.Tensor) -> list[dict[str, float | int]]:
+    """Each step's slowest rank, its busy seconds and the median of the other ranks' (with
+    two ranks, the other's), from [rank, step]."""
+    fields = []
+    for step in per_rank.T.tolist():
+        slowest = max(range(len(step)), key=step.__getitem__)
+        others = step[:slowest] + step[slowest + 1 :]
+        fields.append(
+            {
+                "slowest_rank": slowest,
+                "busy_max_s": step[slowest],
+                "busy_others_median_s": statistics.median(others) if others else step[slowest],
+            }
+        )
+    return fields
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass

@@ -1,0 +1,167 @@
+"""Inside a step (issue 35): a profiled run's traces per rank with meshrun's phases, their
+split into compute / communication / idle, the timeline picture in the run dir and the
+report, the slow rank named against the others, and the inspection keys' config errors."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import statistics
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+import torch
+
+from meshrun.core.record import RunRecord
+from meshrun.core.run_files.profiles import summarize, trace_path
+from meshrun.driver.results import assemble
+from meshrun.driver.sinks.timeline import TIMELINE_FILE
+from meshrun.rank.metrics.busy import busy_fields
+from meshrun.tools.report import main as report_main
+from tests.chromium import loaded_dom, needs_chromium, screenshot
+from tests.cli import run_console
+
+pytestmark = pytest.mark.timeout(300)
+SHORT = ("model=tiny", "train.steps=6", "train.untimed_steps=2", "metrics.baseline=off")
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory, rank_pool) -> tuple[RunRecord, Path]:
+    """A pp2 run with steps 3 and 4 traced; its record and store."""
+    from meshrun.driver import cli  # noqa: PLC0415 (the pool's launcher patched in below)
+
+    tmp = tmp_path_factory.mktemp("profiled")
+    launch = cli.launch
+    cli.launch = rank_pool.launch
+    try:
+        run = run_console(
+            cli.main, tmp / "run", tmp / "meshrun.db", *SHORT, "parallel=pp2",
+            "debug.profile_steps=[3,4]",
+        )  # fmt: skip
+    finally:
+        cli.launch = launch
+    assert run.returncode == 0, run.output
+    return RunRecord.from_dict(json.loads((tmp / "run" / "results.json").read_text())), tmp
+
+
+def _events(run_dir: str, rank: int) -> list[dict]:
+    with gzip.open(trace_path(run_dir, rank), "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
+def test_profiled_pipeline_leaves_a_trace_per_rank_with_meshruns_phases(profiled):
+    record, _ = profiled
+    for rank in (0, 1):
+        names = {e.get("name") for e in _events(record.run_dir, rank)}
+        assert {"meshrun:step 3", "meshrun:step 4"} <= names
+        assert "meshrun:step 2" not in names and "meshrun:step 5" not in names
+        assert {"meshrun:data", "meshrun:optimizer", "meshrun:all_reduce (gradient norm)"} <= names
+        # the pipeline's micro-batches of this rank's stage, each collective gloo ran
+        assert {f"meshrun:forward stage {rank} mb {i}" for i in range(4)} <= names
+        assert {f"meshrun:backward stage {rank} mb {i}" for i in range(4)} <= names
+        assert {"gloo:send", "gloo:recv", "gloo:all_reduce"} <= names
+
+
+def test_profile_splits_each_ranks_steps_into_compute_communication_idle(profiled):
+    record, _ = profiled
+    assert record.profiled_steps == [3, 4]
+    assert [p["rank"] for p in record.profile] == [0, 1]
+    for p in record.profile:
+        assert p["steps"] == 2
+        whole = p["compute_s"] + p["exposed_comm_s"] + p["idle_s"]
+        assert whole == pytest.approx(p["step_s"], rel=1e-6)
+        assert 0 < p["overlapped_s"] <= min(p["compute_s"], p["comm_s"])
+        assert p["compute_s"] > 0.2 * p["step_s"]
+        assert any(name.startswith("aten::") for name, _ in p["top_ops"])
+        boxes = p["timeline"]["micro_batches"]
+        assert [b[2] for b in boxes if b[2].startswith("F")] == [
+            f"F{i} s{p['rank']}" for i in range(4)
+        ]
+
+
+def test_profiled_steps_are_left_out_of_the_timing_and_their_overhead_reported(profiled):
+    record, _ = profiled
+    lines = Path(record.run_dir, "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line) for line in lines]
+    assert [s["step"] for s in steps if s.get("profiled")] == [3, 4]
+    unprofiled = [s["step_time_s"] for s in steps if s["step"] in (2, 5)]
+    assert record.step_times == unprofiled
+    assert record.profile_overhead is not None and record.profile_overhead > -0.5
+
+
+def test_run_draws_its_traced_step(profiled):
+    record, _ = profiled
+    picture = matplotlib.image.imread(Path(record.run_dir, "profile", TIMELINE_FILE))
+    assert picture.shape[1] > 1000 and picture.std() > 0.05
+
+
+@needs_chromium
+def test_report_shows_the_step_timeline_in_headless_chromium(profiled, tmp_path, monkeypatch):
+    _, store_dir = profiled
+    monkeypatch.chdir(tmp_path)
+    run = run_console(
+        report_main.main, tmp_path, None, f"store.path={store_dir / 'meshrun.db'}",
+        "html=report.html", defaults=(),
+    )  # fmt: skip
+    assert run.returncode == 0, run.output
+    page = tmp_path / "report.html"
+    png = tmp_path.parent / f"{tmp_path.name}.png"
+    screenshot(page, png, height=4000)
+    _, images, width = loaded_dom(page, width=1400)
+    assert width <= 1400
+    [timeline] = [i for i in images if i["alt"].startswith("Inside a step")]
+    assert timeline["complete"] and 1000 < timeline["width"] <= 1400
+
+
+def _complete(ts: float, dur: float, name: str, tid: int = 1, cat: str = "cpu_op") -> dict:
+    return {"ph": "X", "ts": ts, "dur": dur, "name": name, "tid": tid, "cat": cat}
+
+
+def test_summary_counts_overlap_and_idle_from_the_intervals():
+    """A 100 us step: ops 0-40 and 50-70 on the step's thread, a collective 30-60 in flight
+    on another: compute 60, communication 30 of which 20 overlapped, idle 100-70 = 30."""
+    events = [
+        _complete(0, 100, "meshrun:step 7", cat="user_annotation"),
+        _complete(0, 40, "aten::mm"),
+        _complete(10, 10, "aten::add"),  # inside mm: not counted twice, mm's self time 30
+        _complete(50, 20, "aten::mm"),
+        _complete(45, 2, "c10d::allreduce_"),  # issuing a collective is no compute
+        _complete(30, 30, "gloo:all_reduce", tid=2, cat="user_annotation"),
+        _complete(80, 10, "aten::mul", tid=3),  # another thread's op: not this rank's compute
+    ]
+    profile = summarize({"traceEvents": events}, rank=0)
+    assert (profile.step_s, profile.compute_s, profile.comm_s) == pytest.approx((1e-4, 6e-5, 3e-5))
+    assert profile.overlapped_s == pytest.approx(2e-5)
+    assert profile.idle_s == pytest.approx(3e-5)
+    assert profile.top_ops[:2] == [("aten::mm", 5e-5), ("aten::add", 1e-5)]
+    assert profile.timeline["compute"] == [[0.0, 0.04], [0.05, 0.07]]
+
+
+def test_busy_fields_name_each_steps_slowest_rank_against_the_others():
+    per_rank = torch.tensor([[1.0, 2.0], [1.5, 1.0], [1.0, 1.0]], dtype=torch.float64)
+    assert busy_fields(per_rank) == [
+        {"slowest_rank": 1, "busy_max_s": 1.5, "busy_others_median_s": 1.0},
+        {"slowest_rank": 0, "busy_max_s": 2.0, "busy_others_median_s": 1.0},
+    ]
+
+
+def _straggler_run(experiment, *overrides: str) -> tuple[RunRecord, list[dict]]:
+    cfg, measured = experiment(*SHORT, "train.steps=12", "parallel=ddp", *overrides)
+    return assemble(cfg, measured, None), measured.steps
+
+
+def test_slow_rank_is_named_with_its_slowdown(experiment):
+    record, steps = _straggler_run(experiment, "debug.slow_rank=1", "debug.slow_factor=1.5")
+    assert record.slowest_rank == 1
+    assert 1.35 < record.slowest_rank_slowdown < 1.65
+    assert record.straggler.startswith("rank 1 is busy 1.")
+    # each log step names it too, from every rank's busy time
+    assert all(s["slowest_rank"] == 1 for s in steps[2:])
+    ratios = [s["busy_max_s"] / s["busy_others_median_s"] for s in steps[2:]]
+    assert 1.35 < statistics.median(ratios) < 1.65
+
+
+def test_without_a_slow_rank_nothing_is_flagged(experiment):
+    record, _ = _straggler_run(experiment)
+    assert record.slowest_rank_slowdown < 1.15 and record.straggler is None
