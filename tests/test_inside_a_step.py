@@ -13,22 +13,26 @@ import matplotlib.image
 import pytest
 import torch
 
+from meshrun.core.errors import ConfigError
 from meshrun.core.record import RunRecord
 from meshrun.core.run_files.profiles import summarize, trace_path
 from meshrun.driver.results import assemble
 from meshrun.driver.sinks.timeline import TIMELINE_FILE
 from meshrun.rank.metrics.busy import busy_fields
 from meshrun.tools.report import main as report_main
+from meshrun.validate.inspection import check_inspection
 from tests.chromium import loaded_dom, needs_chromium, screenshot
 from tests.cli import run_console
+from tests.helpers import compose_config
+from tests.wandb_records import read_offline_run, read_table
 
 pytestmark = pytest.mark.timeout(300)
-SHORT = ("model=tiny", "train.steps=6", "train.untimed_steps=2", "metrics.baseline=off")
+SHORT = ("model=tiny", "train.steps=7", "train.untimed_steps=2", "metrics.baseline=off")
 
 
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory, rank_pool) -> tuple[RunRecord, Path]:
-    """A pp2 run with steps 3 and 4 traced; its record and store."""
+    """A pp2 run with steps 3 and 4 traced, logged to W&B offline; its record and store."""
     from meshrun.driver import cli  # noqa: PLC0415 (the pool's launcher patched in below)
 
     tmp = tmp_path_factory.mktemp("profiled")
@@ -37,7 +41,7 @@ def profiled(tmp_path_factory, rank_pool) -> tuple[RunRecord, Path]:
     try:
         run = run_console(
             cli.main, tmp / "run", tmp / "meshrun.db", *SHORT, "parallel=pp2",
-            "debug.profile_steps=[3,4]",
+            "debug.profile_steps=[3,4]", "logger=wandb", "logger.mode=offline",
         )  # fmt: skip
     finally:
         cli.launch = launch
@@ -85,7 +89,8 @@ def test_profiled_steps_are_left_out_of_the_timing_and_their_overhead_reported(p
     lines = Path(record.run_dir, "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(line) for line in lines]
     assert [s["step"] for s in steps if s.get("profiled")] == [3, 4]
-    unprofiled = [s["step_time_s"] for s in steps if s["step"] in (2, 5)]
+    assert [s["step"] for s in steps if s.get("after_profile")] == [5]
+    unprofiled = [s["step_time_s"] for s in steps if s["step"] in (2, 6)]
     assert record.step_times == unprofiled
     assert record.profile_overhead is not None and record.profile_overhead > -0.5
 
@@ -165,3 +170,24 @@ def test_slow_rank_is_named_with_its_slowdown(experiment):
 def test_without_a_slow_rank_nothing_is_flagged(experiment):
     record, _ = _straggler_run(experiment)
     assert record.slowest_rank_slowdown < 1.15 and record.straggler is None
+
+
+def test_slow_rank_on_cuda_ranks_is_refused():
+    """Nothing would name it: the busy clock sees CPU ranks only."""
+    cfg = compose_config("parallel=ddp", "hardware=a100-80g", "debug.slow_rank=1")
+    with pytest.raises(ConfigError) as caught:
+        check_inspection(cfg, world=2)
+    assert caught.value.key == "debug.slow_rank" and "CPU ranks only" in str(caught.value)
+
+
+def test_wandb_gets_each_ranks_profile_and_the_slowest_rank(profiled):
+    record, _ = profiled
+    logged = read_offline_run(Path(record.run_dir))
+    table = read_table(logged, "profile/per_rank")
+    rows = [dict(zip(table["columns"], row, strict=True)) for row in table["data"]]
+    assert [r["rank"] for r in rows] == [0, 1]
+    for row, profile in zip(rows, record.profile, strict=True):
+        assert row["compute_s"] == pytest.approx(profile["compute_s"])
+        assert row["idle_s"] == pytest.approx(profile["idle_s"])
+    assert logged["summary"]["slowest_rank"] == record.slowest_rank
+    assert logged["summary"]["profile_overhead"] == pytest.approx(record.profile_overhead)

@@ -13,9 +13,12 @@ from meshrun.core.run_files.profiles import summarize_run
 
 
 def timed_step_times(steps: list[dict[str, Any]]) -> list[float]:
-    """The timed steps' times, the profiled ones left out (tracing slows them)."""
+    """The timed steps' times, the profiled ones and the one after left out (tracing slows
+    them; rank/profiling.py)."""
     return [
-        r["step_time_s"] for r in steps if r["step_time_s"] is not None and not r.get("profiled")
+        r["step_time_s"]
+        for r in steps
+        if r["step_time_s"] is not None and not (r.get("profiled") or r.get("after_profile"))
     ]
 
 

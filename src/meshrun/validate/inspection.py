@@ -34,6 +34,14 @@ def check_inspection(cfg: ExperimentConfig, world: int) -> None:
         )
     if debug.slow_rank is not None and world == 1:
         fail("debug.slow_rank", debug.slow_rank, "a single rank waits for nobody", "null")
+    if debug.slow_rank is not None and cfg.hardware.device_type != "cpu":
+        fail(
+            "debug.slow_rank",
+            debug.slow_rank,
+            "slows a rank's host, and names the slow rank by CPU busy time: CPU ranks only "
+            f"(hardware={cfg.hardware.name} runs on {cfg.hardware.device_type})",
+            "null here; a CPU hardware profile to see a straggler",
+        )
     if debug.slow_factor < 1:
         fail(
             "debug.slow_factor",

@@ -89,13 +89,16 @@ class WandbRun:
                 self.logged_through = record["step"]
 
     def finish(self, results: dict[str, Any]) -> None:
-        """The memory table and the summary, then the run closed (also if they fail)."""
+        """The memory and profile tables and the summary, then the run closed (also if they
+        fail)."""
         import wandb  # noqa: PLC0415 (imported already by __init__)
 
         try:
             columns, rows = memory_rows(results)
             if rows:
                 self.run.log({"memory/per_rank": wandb.Table(columns=columns, data=rows)})
+            if results.get("profile"):  # debug.profile_steps: each rank's split, the picture
+                self.run.log({"profile/per_rank": wandb.Table(*profile_table(results))})
             self.run.summary.update({k: results.get(k) for k in SUMMARY_KEYS})
         finally:
             self.close(exit_code=1 if results["status"] == "failed" else 0)
@@ -169,3 +172,20 @@ def memory_rows(results: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
         for r in measured
     ]
     return columns, rows
+
+
+PROFILE_COLUMNS = (
+    "rank",
+    "step_s",
+    "compute_s",
+    "comm_s",
+    "overlapped_s",
+    "exposed_comm_s",
+    "idle_s",
+)
+
+
+def profile_table(results: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
+    """One row per profiled rank: its traced steps split (core/run_files/profiles.py)."""
+    rows = [[p[c] for c in PROFILE_COLUMNS] for p in results["profile"]]
+    return list(PROFILE_COLUMNS), rows

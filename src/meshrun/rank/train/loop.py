@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -187,56 +187,60 @@ def train_loop(
     for step in range(ctx.start_step, cfg.steps):
         if step == first_timed:
             _start_timing(step, ctx, bubble)
-        if ctx.watchdog is not None:
-            ctx.watchdog.at(step)
-        if ctx.fault is not None:
-            ctx.fault(step)
-        if ctx.profiler is not None:
-            ctx.profiler.before(step)
+        _before_step(step, ctx)
         timed = step >= first_timed
-        _step(model, optimizer, schedule, batches, step, cfg, ctx, state, timed)
-        written = ctx.profiler is not None and ctx.profiler.after(step)
-        written = (ctx.snapshots is not None and ctx.snapshots.after_step()) or written
-        if written and timed:
-            ctx.pending.clock.restart()  # writing a trace or a snapshot is no step's time
-        if ctx.slow_step_s:
-            time.sleep(ctx.slow_step_s)
+        # The breakdown is read from an untimed step after the first: optimizer state exists.
+        breakdown = ctx.start_step + 1 <= step < first_timed
+        with _measured(step, ctx, timed):
+            loss, norm, lr = train_step(
+                model, optimizer, schedule, batches, step, cfg, ctx, breakdown
+            )
+        values = torch.stack([loss, norm])
+        if ctx.routers:  # after the loss and the norm, each router's counts of the step
+            values = torch.cat([values, _routed(model, step, ctx).flatten()])
+        ctx.pending.add(values, lr)
+        if timed:
+            _end_timed_step(step, ctx)  # the clock's mark, then the baseline twin's step
+        if ctx.progress is not None:
+            ctx.progress.step(step + 1)
+        evaluated = _evaluate(step, ctx, timed)
+        _log_and_save(step, cfg, state, batches, ctx, evaluated)
+        _after_step(step, ctx, timed)
     _finish(cfg, state, ctx, bubble)
     return state
 
 
-def _step(
-    model: ParallelModel,
-    optimizer: torch.optim.Optimizer,
-    schedule: torch.optim.lr_scheduler.LRScheduler,
-    batches: LocalBatches,
-    step: int,
-    cfg: TrainConfig,
-    ctx: LoopContext,
-    state: LoopState,
-    timed: bool,
-) -> None:
-    """One step, its clock mark (the baseline twin's step after it), then the evaluation, log
-    step and checkpoint due after it."""
-    # The breakdown is read from an untimed step after the first: optimizer state exists.
-    breakdown = ctx.start_step + 1 <= step < ctx.start_step + cfg.untimed_steps
-    with step_range(step):  # in a trace: the step as its clock times it, less the twin's
+def _before_step(step: int, ctx: LoopContext) -> None:
+    """Where the rank is, the failure it injects, the profiler's start."""
+    if ctx.watchdog is not None:
+        ctx.watchdog.at(step)
+    if ctx.fault is not None:
+        ctx.fault(step)
+    if ctx.profiler is not None:
+        ctx.profiler.before(step)
+
+
+@contextlib.contextmanager
+def _measured(step: int, ctx: LoopContext, timed: bool) -> Iterator[None]:
+    """The step as its clock times it, less the twin's: a range in a trace, and the rank's
+    busy time (a profiled step's left out of the timed ones)."""
+    with step_range(step):
         if ctx.busy is not None:
             ctx.busy.start()
-        loss, norm, lr = train_step(model, optimizer, schedule, batches, step, cfg, ctx, breakdown)
+        yield
         if ctx.busy is not None:
-            profiled = ctx.profiler is not None and ctx.profiler.covers(step)
+            profiled = ctx.profiler is not None and ctx.profiler.disturbs(step)
             ctx.busy.stop(timed=timed and not profiled)
-    values = torch.stack([loss, norm])
-    if ctx.routers:  # after the loss and the norm, each router's counts of the step
-        values = torch.cat([values, _routed(model, step, ctx).flatten()])
-    ctx.pending.add(values, lr)
-    if timed:
-        _end_timed_step(step, ctx)
-    if ctx.progress is not None:
-        ctx.progress.step(step + 1)
-    evaluated = _evaluate(step, ctx, timed)
-    _log_and_save(step, cfg, state, batches, ctx, evaluated)
+
+
+def _after_step(step: int, ctx: LoopContext, timed: bool) -> None:
+    """The trace or a memory snapshot written (outside every step's clock); slow_step_s."""
+    written = ctx.profiler is not None and ctx.profiler.after(step)
+    written = (ctx.snapshots is not None and ctx.snapshots.after_step()) or written
+    if written and timed:
+        ctx.pending.clock.restart()
+    if ctx.slow_step_s:
+        time.sleep(ctx.slow_step_s)
 
 
 def _routed(model: ParallelModel, step: int, ctx: LoopContext) -> torch.Tensor:
@@ -374,8 +378,10 @@ def _flush(
     if ctx.busy is not None:  # every rank's busy time, to name the slowest
         for record, busy in zip(records, busy_fields(ctx.busy.gathered()), strict=True):
             record.update(busy)
-    if ctx.profiler is not None:
+    if ctx.profiler is not None:  # left out of the run's timing (driver/inspection.py)
         for record in records:
             if ctx.profiler.covers(record["step"]):
-                record["profiled"] = True  # left out of the run's timing (driver/results.py)
+                record["profiled"] = True
+            elif ctx.profiler.disturbs(record["step"]):
+                record["after_profile"] = True
     ctx.on_log(records)
