@@ -247,7 +247,6 @@ BAD_CONFIGS = [
     (["parallel=ddp", "debug.slow_rank=2"], "debug.slow_rank", "0..1"),
     (["parallel=single", "debug.slow_rank=0"], "debug.slow_rank", "waits for nobody"),
     (["parallel=ddp", "debug.slow_factor=0.5"], "debug.slow_factor", ">= 1"),
-
     (["metrics.straggler_threshold=1"], "metrics.straggler_threshold", "> 1"),
 ]
 
