@@ -119,8 +119,33 @@ def runs() -> list[dict[str, Any]]:
             pp_schedule="1f1b",
             n_microbatches=4,
             memory_per_rank=[{"rank": 0, "peak": 40 * MIB}, {"rank": 1, "peak": 30 * MIB}],
+            profiled_steps=[3, 4],
+            profile=[traced_rank(0), traced_rank(1)],
         ),
     ]
+
+
+def traced_rank(rank: int) -> dict[str, Any]:
+    """A profiled pipeline rank's record (core/run_files/profiles.RankProfile.as_dict)."""
+    shift = 2.0 * rank
+    return {
+        "rank": rank,
+        "steps": 2,
+        "step_s": 0.02,
+        "compute_s": 0.012,
+        "comm_s": 0.01,
+        "overlapped_s": 0.004,
+        "exposed_comm_s": 0.006,
+        "idle_s": 0.002,
+        "top_ops": [["aten::mm", 0.006]],
+        "timeline": {
+            "start_ms": 1000.0 + shift,
+            "length_ms": 10.0,
+            "compute": [[0.0, 3.0], [5.0, 8.0]],
+            "comm": [[2.0, 6.0]],
+            "micro_batches": [[0.0, 3.0, f"F0 s{rank}"], [5.0, 8.0, f"B0 s{rank}"]],
+        },
+    }
 
 
 def page(runs: list[dict[str, Any]]) -> str:
@@ -137,8 +162,8 @@ def test_page_lists_every_run_and_has_every_plot(runs):
         assert f'data-run-id="{run["run_id"]}"' in html
     assert html.count('<tr class="skipped"') == 1
     assert "train.global_batch_size=4: ..." in html  # the reason
-    # speedup, step times, losses, memory, bubble, heatmap
-    assert html.count("data:image/png;base64,") == 6
+    # speedup, step times, losses, memory, bubble, the traced step, heatmap
+    assert html.count("data:image/png;base64,") == 7
     assert 'class="empty"' not in html
     # one sweep: said once above the table, not in a column of its own
     assert "<th>sweep</th>" not in runs_table(html) and "sweep: s1, every run" in html
