@@ -46,12 +46,12 @@ def test_hung_training_run_names_rank_step_and_operation(tmp_path, monkeypatch, 
     hang_started = read_positions(results["run_dir"])[1].since
     assert ended - hang_started < timeout + 15
     # the flight recorder's account: rank 0 issued step 2's first collective (DDP's buffer
-    # broadcast), rank 1's last is the one before it (step 1's gradient-norm all-reduce)
+    # broadcast), rank 1's last is the one before it (step 1's log step)
     dumps = read_dumps(results["run_dir"])
     assert set(dumps) == {0, 1}
     stuck, before = dumps[0][-1], dumps[1][-1]
     assert stuck.op.startswith("gloo:") and stuck.seq == before.seq + 1
-    assert stuck.group == before.group and before.op == "gloo:all_reduce"
+    assert stuck.group == before.group and before.op.startswith("gloo:")
     assert f"rank 0's last collective: {stuck}" in results["error"]
     assert (
         f"rank 1 never issued it (its last there: {before.op} #{before.seq})" in (results["error"])
