@@ -248,6 +248,9 @@ BAD_CONFIGS = [
     (["parallel=single", "debug.slow_rank=0"], "debug.slow_rank", "waits for nobody"),
     (["parallel=ddp", "debug.slow_factor=0.5"], "debug.slow_factor", ">= 1"),
     (["metrics.straggler_threshold=1"], "metrics.straggler_threshold", "> 1"),
+    (["train.guard.max_skipped=0"], "train.guard.max_skipped", ">= 1"),
+    (["train.steps=5", "debug.corrupt_step=5"], "debug.corrupt_step", "0..4"),
+    (["debug.corrupt_mode=inf"], "debug.corrupt_mode", "nan | spike"),
 ]
 
 

@@ -290,7 +290,7 @@ def test_every_figure_of_rank_0s_report_reaches_the_record():
         pipeline_bubble_per_rank=[0.2, 0.4],
         pp_split=split,
         pretrained_read_bytes_per_rank=[10, 20],
-        skipped_steps=[1],
+        busy_per_rank=[0.1, 0.2],
         host_other_cpu_share=0.01,
         compile_s=3.5,
         checkpoint_saves=saves,
@@ -305,7 +305,7 @@ def test_every_figure_of_rank_0s_report_reaches_the_record():
         results["pp_stage_costs_s"] == [0.02, 0.03] and "chose [3, 1]" in results["pp_split_note"]
     )
     assert results["pretrained_read_bytes_per_rank"] == [10, 20]
-    assert results["skipped_steps"] == [1]
+    assert results["busy_per_rank"] == [0.1, 0.2] and results["slowest_rank"] == 1
     assert (results["host_other_cpu_share"], results["compile_s"]) == (0.01, 3.5)
     assert results["checkpoint_saves"] == [{"step": 2, "blocked_s": 0.1, "total_s": 0.5}]
     assert results["checkpoint_blocked_s"] == pytest.approx(0.1)

@@ -380,6 +380,15 @@ class LossScaleConfig:
 
 
 @dataclass
+class GuardConfig:
+    """What a step may not do to the run (rank/train/guard.py): a step whose global gradient
+    norm is not finite (a non-finite loss makes it so) is skipped on every rank alike, in
+    every precision; `max_skipped` such steps in a row stop the run."""
+
+    max_skipped: int = 10
+
+
+@dataclass
 class TrainConfig:
     """`untimed_steps`: the first steps, left out of the step times (allocator and kernel
     warm-up, torch.compile's compilations) and where memory is measured; not the LR warmup
@@ -401,6 +410,7 @@ class TrainConfig:
     progress_bar: bool = True
     eval: EvalConfig = field(default_factory=EvalConfig)
     compile: bool = False
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
     @property
     def tokens_per_step(self) -> int:
@@ -448,7 +458,9 @@ class MetricsConfig:
 class DebugConfig:
     """Fault injection, to check that a failing or hanging rank brings the whole run down;
     `slow_step_s`, a pause after every step, gives Ctrl-C and preemption a run to stop;
-    `slow_rank` computes `slow_factor` times as long as it would (a straggler on purpose).
+    `slow_rank` computes `slow_factor` times as long as it would (a straggler on purpose);
+    `corrupt_step` makes every rank's loss of that step non-finite (`corrupt_mode=nan`) or
+    SPIKE times itself (`spike`), its gradients with it.
     Looking inside: `profile_steps=[a,b]` traces steps a..b on every rank with torch.profiler
     (rank/profiling.py); `memory_snapshot` records CUDA's allocator history and writes it at
     the peak step and on an out-of-memory error."""
@@ -461,6 +473,8 @@ class DebugConfig:
     slow_factor: float = 1.0
     profile_steps: list[int] = field(default_factory=list)
     memory_snapshot: bool = False
+    corrupt_step: int | None = None
+    corrupt_mode: str = "nan"  # nan | spike: a str, as Hydra reads `nan` as a float
 
 
 @dataclass

@@ -48,7 +48,6 @@ class RankReport:
     pipeline_bubble_per_rank: list[float] | None = None
     pp_split: StageSplit | None = None  # parallel.pp_layers=auto
     pretrained_read_bytes_per_rank: list[int] | None = None  # model.pretrained
-    skipped_steps: list[int] | None = None  # fp16: overflowed gradients, not applied
     twin_steps: list[TwinStep] | None = None  # the baseline twin's, beside the run's
     host_other_cpu_share: float | None = None  # None where a rank could not measure it
     compile_s: float | None = None  # train.compile: the slowest rank's

@@ -73,7 +73,10 @@ class RunRecord:
     steps: int | None = _f()
     untimed_steps: int | None = _f()
     steps_completed: int | None = _f()
-    skipped_steps: list[int] | None = _f()  # fp16: overflowed gradients, weights not updated
+    # steps whose global gradient norm was not finite (fp16's overflows, a non-finite loss):
+    # every rank skipped them, the weights not updated (rank/train/guard.py)
+    skipped_steps: list[int] | None = _f()
+    steps_skipped: int | None = _f(column=True, summary=True)
     params: int | None = _f()
     # speed: step times of the timed steps, their median, spread and coefficient of variation
     step_times: list[float] = _f(factory=list)

@@ -1,8 +1,10 @@
 """What a run saw inside its steps, into its record: the profiled steps' traces summarised
-per rank (debug.profile_steps) and the slowest rank against the median."""
+per rank (debug.profile_steps), the slowest rank against the median, the steps the guard
+skipped (rank/train/guard.py)."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any
 
@@ -60,3 +62,11 @@ def straggler_fields(cfg: ExperimentConfig, report: RankReport | None) -> dict[s
         "slowest_rank_slowdown": slowdown,
         "straggler": straggler,
     }
+
+
+def skipped_fields(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """The steps whose global gradient norm was not finite: every rank skipped them (fp16's
+    overflows among them)."""
+    norms = [(r["step"], r.get("grad_norm")) for r in steps]
+    skipped = [step for step, norm in norms if norm is not None and not math.isfinite(norm)]
+    return {"skipped_steps": skipped or None, "steps_skipped": len(skipped)}

@@ -24,7 +24,12 @@ from meshrun.core.record import MEMORY_CATEGORIES, RunRecord
 from meshrun.core.stages import PP_AUTO, stage_layer_counts, theoretical_bubble
 from meshrun.core.step_stats import percentile, summarize_steps
 from meshrun.core.trials import Trial, first_choice_loss, rank_correlation
-from meshrun.driver.inspection import profile_fields, straggler_fields, timed_step_times
+from meshrun.driver.inspection import (
+    profile_fields,
+    skipped_fields,
+    straggler_fields,
+    timed_step_times,
+)
 from meshrun.models import model_shape, param_counts
 from meshrun.plan import predict
 from meshrun.plan.candidate import host_calibration, host_flops
@@ -262,6 +267,7 @@ def assemble(cfg: ExperimentConfig, measured: Measured, baseline: RunRecord | No
         **trials_fields(meta.trials),
         **profile_fields(cfg, steps),
         **straggler_fields(cfg, report),
+        **skipped_fields(steps),
         losses=[r["loss"] for r in steps],
         grad_norms=[r.get("grad_norm") for r in steps],
         **router_fields(steps),
@@ -288,14 +294,13 @@ def router_fields(steps: list[dict[str, Any]]) -> dict[str, float | None]:
 
 
 def meta_fields(meta: RunMeta, report: RankReport | None) -> dict[str, Any]:
-    """Who the run is and how it ended, with what rank 0 reported of its attempt: fp16's
-    skipped steps, a SLURM requeue (which resumed from the checkpoint it names), the host."""
+    """Who the run is and how it ended, with what rank 0 reported of its attempt: a SLURM
+    requeue (which resumed from the checkpoint it names), the host."""
     fields = {k: v for k, v in asdict(meta).items() if k != "given_overrides"}
     if report is None:
         return fields
     fingerprint = report.fingerprint
     fields |= {
-        "skipped_steps": report.skipped_steps or None,
         "requeues": report.requeues or None,
         "fingerprint": fingerprint,
         "fingerprint_key": fingerprint_key(fingerprint) if fingerprint else None,

@@ -52,6 +52,7 @@ from meshrun.rank.train.build import COMPUTE_DTYPES, Training, build_training
 from meshrun.rank.train.checkpoint import Checkpointer
 from meshrun.rank.train.data import HeldoutBatches, LocalBatches, Source, build_streams
 from meshrun.rank.train.evaluate import Evaluator
+from meshrun.rank.train.guard import StepGuard, corruption
 from meshrun.rank.train.loop import LoopContext, LoopState, train_loop
 from meshrun.rank.train.pending import PendingSteps
 from meshrun.rank.train.twin import Twin
@@ -297,6 +298,12 @@ def _loop_context(
         if cfg.debug.profile_steps
         else None,
         busy=_busy_clock(at),
+        guard=StepGuard(
+            setup.training.optimizer,
+            cfg.train.guard.max_skipped,
+            setup.checkpoints.last_complete if setup.checkpoints else lambda: None,
+        ),
+        corruption=corruption(cfg.debug),
         snapshots=MemorySnapshots(cfg.run_dir, at.rank, at.device)
         if cfg.debug.memory_snapshot
         else None,
@@ -343,7 +350,7 @@ def _report(
     """Rank 0's report of the run: its own figures beside every rank's."""
     if at.rank != 0:
         return None
-    cfg, loss_scale = at.cfg, setup.training.loss_scale
+    cfg = at.cfg
     spans = [r.pipeline_span for r in ranks]
     loads = [r.host_load for r in ranks]
     compiled = [r.compile_s for r in ranks if r.compile_s is not None]
@@ -360,7 +367,6 @@ def _report(
         pretrained_read_bytes_per_rank=[r.pretrained_read for r in ranks]
         if cfg.model.pretrained
         else None,
-        skipped_steps=loss_scale.skipped if loss_scale else None,
         twin_steps=setup.twin.steps if setup.twin else None,
         host_other_cpu_share=other_cpu_share(loads) if all(loads) else None,
         # the ranks compile at once; the run waits for the slowest

@@ -142,6 +142,7 @@ def print_summary(r: RunRecord) -> None:
         *_routers(r),
         *_evaluation(r),
         *_trials_row(r),
+        *_skipped(r),
         *_slowest_rank(r),
         *_profile(r),
     ]
@@ -195,6 +196,13 @@ def _compile_time(r: RunRecord) -> list[tuple[str, str]]:
     if r.compile_s is None:
         return []
     return [("compile time (untimed steps)", _fmt(r.compile_s, " s"))]
+
+
+def _skipped(r: RunRecord) -> list[tuple[str, str]]:
+    if not r.skipped_steps:
+        return []
+    listed = ", ".join(map(str, r.skipped_steps[:10])) + (", ..." if r.steps_skipped > 10 else "")
+    return [("skipped steps (non-finite)", f"{r.steps_skipped}: {listed}")]
 
 
 def _slowest_rank(r: RunRecord) -> list[tuple[str, str | Text]]:

@@ -65,14 +65,17 @@ class ParallelModel:
         targets: torch.Tensor,
         train: bool = True,
         loss_scale: float = 1.0,
+        loss_factor: float = 1.0,
     ) -> torch.Tensor:
         """One pass of a pipeline schedule over a batch: a training step (its backward
-        from the loss times `loss_scale`), or forward only (`train` false:
+        from the loss times `loss_scale`; the loss itself times `loss_factor`: a corrupted
+        step's), or forward only (`train` false:
         `eval_schedule.eval`, which skips every backward action). Neither keeps the last
         stage's outputs: torch's schedule would hold every micro-batch's logits until the
         step ends (m x micro-batch x seq x vocab floats), for a merged output nobody reads.
         The mean of the micro-batch losses (unscaled) on the last stage, zero elsewhere."""
         self.loss.scale = loss_scale if train else 1.0
+        self.loss.factor = loss_factor if train else 1.0
         losses: list[torch.Tensor] = []
         kwargs = {
             "target": targets if self.is_last_stage else None,

@@ -125,14 +125,16 @@ def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 class ScaledLoss:
-    """A training schedule's loss times `scale` (fp16's loss scale, set before each step):
-    the schedule runs backward from what its loss function returns, and hands that back."""
+    """A training schedule's loss times `factor` (1, or debug.corrupt_step's NaN or spike)
+    and `scale` (fp16's loss scale), both set before each step: the schedule runs backward
+    from what its loss function returns, and hands that back."""
 
     def __init__(self) -> None:
         self.scale = 1.0
+        self.factor = 1.0
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return pipeline_loss(logits, targets) * self.scale
+        return pipeline_loss(logits, targets) * self.factor * self.scale
 
 
 def build_schedule(

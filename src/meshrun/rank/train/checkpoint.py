@@ -199,6 +199,11 @@ class Checkpointer:
             self._finished(save)
         self.saves.append(save)
 
+    def last_complete(self) -> str | None:
+        """The newest complete checkpoint's path, if any."""
+        found = complete(self.root)
+        return str(found[-1]) if found else None
+
     def poll(self) -> None:
         """Finishes the background save if it is done (the manifest, the old ones pruned)."""
         if self.pending is not None and self.pending.future.done():

@@ -14,6 +14,7 @@ instead of the first micro-batch of a step running lighter than the rest.
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -40,6 +41,7 @@ from meshrun.rank.progress import RankProgress
 from meshrun.rank.train.checkpoint import Checkpointer
 from meshrun.rank.train.data import LocalBatches
 from meshrun.rank.train.evaluate import Evaluator
+from meshrun.rank.train.guard import StepGuard
 from meshrun.rank.train.loss_scale import LossScale
 from meshrun.rank.train.optim import LocalGrads
 from meshrun.rank.train.pending import PendingSteps, step_records
@@ -93,14 +95,19 @@ class LoopContext:
     profiler: StepProfiler | None = None  # debug.profile_steps
     busy: BusyClock | None = None  # CPU ranks of a multi-rank run: to name the slow one
     snapshots: MemorySnapshots | None = None  # debug.memory_snapshot (CUDA)
+    guard: StepGuard | None = None  # non-finite steps skipped, a streak stops the run
+    corruption: Callable[[int], float] | None = None  # debug.corrupt_step's loss factor
 
 
 def _autocast(ctx: LoopContext) -> contextlib.AbstractContextManager:
     return autocast(ctx.device, ctx.autocast_dtype)
 
 
-def _accumulate(model: ParallelModel, inputs, targets, micro_batch: int, ctx) -> torch.Tensor:
-    """Forward/backward each micro-batch; gradients reduced over DP on the last one only."""
+def _accumulate(
+    model: ParallelModel, inputs, targets, micro_batch: int, ctx, factor: float
+) -> torch.Tensor:
+    """Forward/backward each micro-batch; gradients reduced over DP on the last one only.
+    `factor`: the loss's, 1 but on a corrupted step (debug.corrupt_step)."""
     module = model.parts[0]
     chunks = list(zip(inputs.split(micro_batch), targets.split(micro_batch), strict=True))
     total = torch.zeros((), device=ctx.device)
@@ -110,19 +117,21 @@ def _accumulate(model: ParallelModel, inputs, targets, micro_batch: int, ctx) ->
         with sync, moe.loss_weight(weight):  # an MoE's auxiliary loss enters with the same
             with phase(f"forward mb {index}"), _autocast(ctx):
                 logits = module(x)
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) * factor
             with phase(f"backward mb {index}"):
                 (loss * weight).backward()
         total += loss.detach()
     return total / len(chunks)
 
 
-def _pipeline_step(model: ParallelModel, inputs, targets, ctx: LoopContext) -> torch.Tensor:
+def _pipeline_step(
+    model: ParallelModel, inputs, targets, ctx: LoopContext, factor: float
+) -> torch.Tensor:
     """One schedule step; the loss exists on the last stage only (zero elsewhere)."""
     scale = ctx.loss_scale.scale if ctx.loss_scale else 1.0
     # the schedule scales each micro-batch's gradients by 1/m itself, the auxiliary's too
     with _autocast(ctx), moe.loss_weight(scale):
-        return model.run_schedule(inputs, targets, loss_scale=scale)
+        return model.run_schedule(inputs, targets, loss_scale=scale, loss_factor=factor)
 
 
 def train_step(
@@ -142,11 +151,12 @@ def train_step(
         ctx.memory.mark(STEP_START)
     with phase("data"):
         inputs, targets = batches.for_step(step)
+    factor = ctx.corruption(step) if ctx.corruption else 1.0
     with inside(ctx.watchdog, step, ctx.step_collectives, one_collective=False):
         if model.schedule is not None:
-            step_loss = _pipeline_step(model, inputs, targets, ctx)
+            step_loss = _pipeline_step(model, inputs, targets, ctx, factor)
         else:
-            step_loss = _accumulate(model, inputs, targets, cfg.micro_batch_size, ctx)
+            step_loss = _accumulate(model, inputs, targets, cfg.micro_batch_size, ctx, factor)
     if breakdown:
         ctx.memory.mark(FWD_BWD_END)
     grads = LocalGrads(model.parameters())
@@ -158,13 +168,16 @@ def train_step(
         with phase("clip"):
             grads.clip_(cfg.grad_clip, norm)
     lr = schedule.get_last_lr()[0]
-    stepped = ctx.loss_scale is None or ctx.loss_scale.update(step, norm)
+    if ctx.loss_scale is not None:  # fp16: its scale's decision, read on the host
+        stepped = ctx.loss_scale.update(norm)
+    else:  # a non-finite norm leaves the weights as they are (on the device where it can)
+        stepped = ctx.guard is None or ctx.guard.gate(norm)
     if stepped:
         with phase("optimizer"):
             optimizer.step()
     with warnings.catch_warnings():
-        if not stepped:  # the LR follows the steps, applied or skipped (fp16 overflow)
-            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
+        if not stepped:  # the LR follows the steps, applied or skipped (non-finite)
+            warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()`"))
         schedule.step()
     optimizer.zero_grad(set_to_none=False)
     return step_loss, norm, lr
@@ -385,3 +398,5 @@ def _flush(
             elif ctx.profiler.disturbs(record["step"]):
                 record["after_profile"] = True
     ctx.on_log(records)
+    if ctx.guard is not None:  # after the steps are written: a streak stops every rank here
+        ctx.guard.logged(first_step, norms)

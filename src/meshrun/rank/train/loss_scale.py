@@ -25,15 +25,13 @@ class LossScale:
         self.scale = float(cfg.init)
         self.growth_interval = cfg.growth_interval
         self.good_steps = 0
-        self.skipped: list[int] = []
 
     def unscale(self, grads: LocalGrads) -> None:
         grads.scale_(1.0 / self.scale)
 
-    def update(self, step: int, norm: torch.Tensor) -> bool:
-        """Whether step `step` may update the weights (its gradients are finite)."""
+    def update(self, norm: torch.Tensor) -> bool:
+        """Whether the step may update the weights (its gradients are finite)."""
         if not math.isfinite(norm.item()):
-            self.skipped.append(step)
             self.scale /= 2
             self.good_steps = 0
             return False

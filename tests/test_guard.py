@@ -1,0 +1,83 @@
+"""Non-finite steps (issue 36, item 1): a step whose loss is not finite is skipped on every
+rank alike in every precision, counted in the record, and a streak of them stops the run
+naming the last good checkpoint."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from meshrun.core.checkpoints import complete
+from meshrun.core.tool_config import TOLERANCES
+from meshrun.driver.experiment import measure
+from meshrun.driver.inspection import skipped_fields
+from meshrun.rank.train.guard import SPIKE, corruption
+from tests.helpers import compose_config
+from tests.ranks import config_in, losses
+
+COMMON = (
+    "model=tiny",
+    "train.steps=10",
+    "train.untimed_steps=1",
+    "train.seq_len=32",
+    "train.log_every=1",
+    "metrics.baseline=off",
+)
+
+
+def _run(tmp: Path, rank_pool, *overrides: str):
+    return measure(config_in(tmp, *COMMON, *overrides), "run", rank_pool.launch)
+
+
+@pytest.mark.parametrize(("layout", "precision"), [("ddp", "bf16"), ("pp2", "fp32")])
+def test_a_non_finite_step_is_skipped_on_every_rank_and_counted(
+    tmp_path, rank_pool, layout, precision
+):
+    """The ranks stay one model through the skip (a pipeline's first stage sees the NaN only
+    through its gradients): the corrupted run trains as the corrupted single device does;
+    before the step it trained as the clean run."""
+    nan = ("debug.corrupt_step=5", "debug.corrupt_mode=nan", f"train.precision={precision}")
+    parallel = f"parallel={layout}"
+    clean = _run(tmp_path / "clean", rank_pool, parallel, f"train.precision={precision}")
+    single = _run(tmp_path / "single", rank_pool, "parallel=single", *nan)
+    run = _run(tmp_path / "run", rank_pool, parallel, *nan)
+    assert single.ok and run.ok and clean.ok, run.meta.error
+    got = losses(run)
+    assert got[:5] == losses(clean)[:5]
+    assert math.isnan(got[5]) and all(math.isfinite(loss) for loss in got[6:])
+    for step, (loss, want) in enumerate(zip(got[6:], losses(single)[6:], strict=True), 6):
+        assert abs(loss - want) <= TOLERANCES[precision] * want, f"step {step}"
+    # the skipped step's update is missing, nothing else: the curve stays the clean one's
+    for loss, want in zip(got[6:], losses(clean)[6:], strict=True):
+        assert abs(loss - want) < 0.01 * want
+    assert skipped_fields(run.steps) == {"skipped_steps": [5], "steps_skipped": 1}
+
+
+def test_a_streak_of_skipped_steps_stops_the_run_naming_the_last_checkpoint(tmp_path, rank_pool):
+    """fp16 at a scale of 2**40 overflows step after step: the third in a row stops it."""
+    failed = _run(
+        tmp_path,
+        rank_pool,
+        "parallel=single",
+        "train.precision=fp16",
+        f"train.loss_scale.init={2**40}",
+        "train.guard.max_skipped=3",
+        "checkpoint.every_steps=1",
+    )
+    assert not failed.ok
+    error = failed.meta.error
+    assert "NonFiniteSteps: 3 steps in a row up to step 2" in error
+    assert "train.guard.max_skipped=3" in error
+    [last, *_] = reversed(complete(tmp_path / "run" / "checkpoints"))
+    assert f"the last good checkpoint: {last}" in error
+    assert skipped_fields(failed.steps)["skipped_steps"] == [0, 1, 2]
+
+
+def test_corruption_multiplies_only_its_step():
+    nan = corruption(compose_config("debug.corrupt_step=3").debug)
+    assert nan(2) == 1.0 and math.isnan(nan(3))
+    spike = corruption(compose_config("debug.corrupt_step=3", "debug.corrupt_mode=spike").debug)
+    assert spike(3) == SPIKE and spike(4) == 1.0
+    assert corruption(compose_config().debug) is None
