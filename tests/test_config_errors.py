@@ -251,6 +251,17 @@ BAD_CONFIGS = [
     (["train.guard.max_skipped=0"], "train.guard.max_skipped", ">= 1"),
     (["train.steps=5", "debug.corrupt_step=5"], "debug.corrupt_step", "0..4"),
     (["debug.corrupt_mode=inf"], "debug.corrupt_mode", "nan | spike"),
+    (["train.guard.spike=true"], "train.guard.spike", "checkpoint.every_steps=N"),
+    (
+        ["train.guard.spike=true", "checkpoint.every_steps=5", "train.guard.spike_ratio=0.5"],
+        "train.guard.spike_ratio",
+        "> 1",
+    ),
+    (
+        ["train.guard.spike=true", "checkpoint.every_steps=5", "train.guard.spike_window=4"],
+        "train.guard.spike_window",
+        ">= 8",
+    ),
 ]
 
 

@@ -4,16 +4,18 @@ naming the last good checkpoint."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 import pytest
 
 from meshrun.core.checkpoints import complete
+from meshrun.core.run_files.metrics import ROLLED_BACK_FILE
 from meshrun.core.tool_config import TOLERANCES
 from meshrun.driver.experiment import measure
 from meshrun.driver.inspection import skipped_fields
-from meshrun.rank.train.guard import SPIKE, corruption
+from meshrun.rank.train.guard import SPIKE, SpikeWatch, corruption
 from tests.helpers import compose_config
 from tests.ranks import config_in, losses
 
@@ -81,3 +83,60 @@ def test_corruption_multiplies_only_its_step():
     spike = corruption(compose_config("debug.corrupt_step=3", "debug.corrupt_mode=spike").debug)
     assert spike(3) == SPIKE and spike(4) == 1.0
     assert corruption(compose_config().debug) is None
+
+
+SPIKE_RUN = (
+    "parallel=ddp",
+    "train.steps=20",
+    "checkpoint.every_steps=5",
+    "train.log_every=5",
+    "train.guard.spike=true",
+)
+
+
+def _steps(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_loss_spike_rolls_back_to_the_checkpoint_and_skips_its_batches(tmp_path, rank_pool):
+    """The spike's batch (step 12's) found at the step-14 log step: back to the step-10
+    checkpoint, batches 10-12 skipped, the run goes on to step 19 under the same id."""
+    clean = _run(tmp_path / "clean", rank_pool, *SPIKE_RUN)
+    spiked = _run(
+        tmp_path / "spiked", rank_pool, *SPIKE_RUN, "debug.corrupt_step=12",
+        "debug.corrupt_mode=spike",
+    )  # fmt: skip
+    assert spiked.ok, spiked.meta.error
+    [rollback] = spiked.report.rollbacks
+    assert (rollback.step, rollback.restored_step, rollback.skipped_batches) == (12, 10, (10, 12))
+    assert rollback.loss > rollback.mean + 5 * rollback.std
+    got = losses(spiked)
+    assert [s["step"] for s in spiked.steps] == list(range(20))  # each step once
+    assert got[:10] == losses(clean)[:10]
+    assert max(got[10:]) < max(got[:10])  # no spike kept; training went on
+    undone = _steps(tmp_path / "spiked" / "run" / ROLLED_BACK_FILE)
+    assert [(s["step"], s["rollback"]) for s in undone] == [(s, 1) for s in range(10, 15)]
+    assert undone[2]["loss"] > SPIKE / 2 * got[9]  # the spike, kept where it is told
+    # the same run resumed from its step-15 checkpoint trains on the same batches
+    root = tmp_path / "spiked" / "run" / "checkpoints"
+    resumed = measure(
+        config_in(
+            tmp_path / "resumed", *COMMON, *SPIKE_RUN, f"checkpoint.resume={root}/step-00000015"
+        ),
+        "run",
+        rank_pool.launch,
+    )
+    assert resumed.ok and losses(resumed) == pytest.approx(got[15:], rel=1e-5)  # steps 15-19
+
+
+def test_the_spike_watch_judges_against_the_window_before_each_loss():
+    cfg = compose_config("train.guard.spike=true", "train.guard.spike_window=8").train.guard
+    watch = SpikeWatch(cfg)
+    steady = [5.0, 5.1, 4.9, 5.0, 5.05, 4.95, 5.0, 5.1]
+    assert watch.judge(0, [*steady[:3], 50.0]) is None  # under half a window: not judged
+    watch = SpikeWatch(cfg)
+    assert watch.judge(0, steady) is None
+    spike = watch.judge(8, [5.0, float("nan"), 5.6])  # NaN is skipped, not a spike
+    assert spike is not None and spike.step == 10 and spike.loss == 5.6
+    watch.forget_from(4)
+    assert [step for step, _ in watch.window] == [1, 2, 3]  # the window held steps 1-8

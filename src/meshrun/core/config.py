@@ -383,9 +383,19 @@ class LossScaleConfig:
 class GuardConfig:
     """What a step may not do to the run (rank/train/guard.py): a step whose global gradient
     norm is not finite (a non-finite loss makes it so) is skipped on every rank alike, in
-    every precision; `max_skipped` such steps in a row stop the run."""
+    every precision; `max_skipped` such steps in a row stop the run. `spike`: a loss more
+    than `spike_sigma` standard deviations above the mean of the last `spike_window` steps'
+    (or, where `spike_ratio` is set, above that many times the mean) rolls the run back to
+    its last checkpoint and skips the batches from there through the spike's and
+    `skip_batches` more; `max_rollbacks` of them stop the run."""
 
     max_skipped: int = 10
+    spike: bool = False
+    spike_sigma: float = 5.0
+    spike_ratio: float | None = None
+    spike_window: int = 20
+    skip_batches: int = 0
+    max_rollbacks: int = 3
 
 
 @dataclass
@@ -460,7 +470,8 @@ class DebugConfig:
     `slow_step_s`, a pause after every step, gives Ctrl-C and preemption a run to stop;
     `slow_rank` computes `slow_factor` times as long as it would (a straggler on purpose);
     `corrupt_step` makes every rank's loss of that step non-finite (`corrupt_mode=nan`) or
-    SPIKE times itself (`spike`), its gradients with it.
+    SPIKE times itself (`spike`), its gradients with it; it is the step's batch that carries
+    the fault, so a rollback that skips the batch (train.guard.spike) skips it too.
     Looking inside: `profile_steps=[a,b]` traces steps a..b on every rank with torch.profiler
     (rank/profiling.py); `memory_snapshot` records CUDA's allocator history and writes it at
     the peak step and on an out-of-memory error."""

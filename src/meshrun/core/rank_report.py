@@ -40,6 +40,20 @@ class TwinStep:
 
 
 @dataclass(frozen=True)
+class Rollback:
+    """A loss spike train.guard rolled the run back from: the step and its loss against the
+    window's mean and deviation, the checkpoint's step it went back to, and the batches it
+    skipped (first and last index, both included)."""
+
+    step: int
+    loss: float
+    mean: float
+    std: float
+    restored_step: int
+    skipped_batches: tuple[int, int]
+
+
+@dataclass(frozen=True)
 class RankReport:
     memory_per_rank: list[dict[str, int]]  # each rank's peak, with its breakdown where measured
     fingerprint: dict[str, Any]  # where rank 0 ran (core/hardware.host_fingerprint)
@@ -53,3 +67,4 @@ class RankReport:
     compile_s: float | None = None  # train.compile: the slowest rank's
     checkpoint_saves: list[CheckpointSave] | None = None
     busy_per_rank: list[float] | None = None  # seconds a timed step, median (CPU ranks)
+    rollbacks: list[Rollback] | None = None  # train.guard.spike's

@@ -180,6 +180,11 @@ class RunRecord:
     slowest_rank: int | None = _f(column=True, summary=True)
     slowest_rank_slowdown: float | None = _f(column=True, summary=True)
     straggler: str | None = _f(summary=True)
+    # train.guard.spike: each rollback (the spike's step and loss against the window's mean
+    # and deviation, the checkpoint's step it went back to, the batches it skipped); the
+    # steps trained again are in the run dir's rolled_back.jsonl as they were the first time
+    rollbacks: list[dict[str, Any]] | None = _f()
+    rollback_count: int | None = _f(column=True, summary=True)
     # series and bookkeeping
     losses: list[float] = _f(factory=list)
     grad_norms: list[float | None] = _f(factory=list)

@@ -1,9 +1,10 @@
 """What a run saw inside its steps, into its record: the profiled steps' traces summarised
 per rank (debug.profile_steps), the slowest rank against the median, the steps the guard
-skipped (rank/train/guard.py)."""
+skipped and the spikes it rolled the run back from (rank/train/guard.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from typing import Any
@@ -70,3 +71,13 @@ def skipped_fields(steps: list[dict[str, Any]]) -> dict[str, Any]:
     norms = [(r["step"], r.get("grad_norm")) for r in steps]
     skipped = [step for step, norm in norms if norm is not None and not math.isfinite(norm)]
     return {"skipped_steps": skipped or None, "steps_skipped": len(skipped)}
+
+
+def rollback_fields(report: RankReport | None) -> dict[str, Any]:
+    rollbacks = report.rollbacks if report else None
+    if not rollbacks:
+        return {}
+    return {
+        "rollbacks": [dataclasses.asdict(r) for r in rollbacks],
+        "rollback_count": len(rollbacks),
+    }

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshrun.core.config import RunConfig, from_dict
 from meshrun.core.hardware import host_fingerprint
 from meshrun.core.layout import Layout, cp_rank, dp_rank
-from meshrun.core.rank_report import CheckpointSave, RankReport, StageSplit
+from meshrun.core.rank_report import CheckpointSave, RankReport, Rollback, StageSplit
 from meshrun.core.run_files.failures import (
     Stopped,
     forget_failure,
@@ -52,7 +52,7 @@ from meshrun.rank.train.build import COMPUTE_DTYPES, Training, build_training
 from meshrun.rank.train.checkpoint import Checkpointer
 from meshrun.rank.train.data import HeldoutBatches, LocalBatches, Source, build_streams
 from meshrun.rank.train.evaluate import Evaluator
-from meshrun.rank.train.guard import StepGuard, corruption
+from meshrun.rank.train.guard import SpikeGuard, StepGuard, corruption
 from meshrun.rank.train.loop import LoopContext, LoopState, train_loop
 from meshrun.rank.train.pending import PendingSteps
 from meshrun.rank.train.twin import Twin
@@ -144,6 +144,7 @@ class RankFigures:
     host_load: dict[str, object] | None
     compile_s: float | None
     busy_s: float | None  # the median timed step's (rank/metrics/busy.py)
+    rollbacks: list[Rollback]  # train.guard.spike's, the same on every rank
 
 
 def _train(at: Rank) -> RankReport | None:
@@ -186,6 +187,7 @@ def _set_up(at: Rank) -> Setup:
         at.device,
         start_step=start or 0,
         cp=(cp_rank(at.layout, at.rank), at.layout.cp),
+        offset=checkpoints.data_offset if checkpoints else 0,
     )
     return Setup(
         training,
@@ -304,6 +306,8 @@ def _loop_context(
             setup.checkpoints.last_complete if setup.checkpoints else lambda: None,
         ),
         corruption=corruption(cfg.debug),
+        spikes=SpikeGuard(cfg.train.guard) if cfg.train.guard.spike else None,
+        on_rollback=metrics.roll_back,
         snapshots=MemorySnapshots(cfg.run_dir, at.rank, at.device)
         if cfg.debug.memory_snapshot
         else None,
@@ -330,6 +334,7 @@ def _own_figures(setup: Setup, state: LoopState, ctx: LoopContext) -> RankFigure
         host_load=state.host_load,
         compile_s=ctx.compiling.seconds if ctx.compiling else None,
         busy_s=ctx.busy.median() if ctx.busy else None,
+        rollbacks=ctx.spikes.rollbacks if ctx.spikes else [],
     )
 
 
@@ -372,6 +377,7 @@ def _report(
         # the ranks compile at once; the run waits for the slowest
         compile_s=max(compiled) if compiled else None,
         busy_per_rank=[r.busy_s for r in ranks] if all(r.busy_s for r in ranks) else None,
+        rollbacks=ranks[0].rollbacks or None,
         checkpoint_saves=[CheckpointSave(s.step, s.blocked_s, s.total_s) for s in checkpoints.saves]
         if checkpoints
         else None,

@@ -25,3 +25,46 @@ def check_guard(cfg: ExperimentConfig) -> None:
             f"0..{steps - 1}, or null",
         )
     choice("debug.corrupt_mode", debug.corrupt_mode, CORRUPT_MODES)
+    if guard.spike:
+        _check_spike(cfg)
+
+
+def _check_spike(cfg: ExperimentConfig) -> None:
+    guard = cfg.train.guard
+    if not cfg.checkpoint.every_steps:
+        fail(
+            "train.guard.spike",
+            True,
+            "rolls the run back to its last checkpoint, and the run saves none",
+            "checkpoint.every_steps=N as well (e.g. 10)",
+        )
+    if guard.spike_sigma <= 0:
+        fail("train.guard.spike_sigma", guard.spike_sigma, "must be positive", "e.g. 5")
+    if guard.spike_ratio is not None and guard.spike_ratio <= 1:
+        fail(
+            "train.guard.spike_ratio",
+            guard.spike_ratio,
+            "is how many times the window's mean loss a spike exceeds",
+            "a number > 1 (e.g. 2), or null to judge by spike_sigma",
+        )
+    if guard.spike_window < 8:
+        fail(
+            "train.guard.spike_window",
+            guard.spike_window,
+            "is the steps a loss is judged against (half of it before any is judged)",
+            "an integer >= 8 (default 20)",
+        )
+    if guard.skip_batches < 0:
+        fail(
+            "train.guard.skip_batches",
+            guard.skip_batches,
+            "is how many batches past the spike's a rollback skips too",
+            "an integer >= 0",
+        )
+    if guard.max_rollbacks < 1:
+        fail(
+            "train.guard.max_rollbacks",
+            guard.max_rollbacks,
+            "is how many rollbacks a run may take before a spike stops it",
+            "an integer >= 1 (default 3)",
+        )

@@ -143,6 +143,7 @@ def print_summary(r: RunRecord) -> None:
         *_evaluation(r),
         *_trials_row(r),
         *_skipped(r),
+        *_rollbacks(r),
         *_slowest_rank(r),
         *_profile(r),
     ]
@@ -203,6 +204,21 @@ def _skipped(r: RunRecord) -> list[tuple[str, str]]:
         return []
     listed = ", ".join(map(str, r.skipped_steps[:10])) + (", ..." if r.steps_skipped > 10 else "")
     return [("skipped steps (non-finite)", f"{r.steps_skipped}: {listed}")]
+
+
+def _rollbacks(r: RunRecord) -> list[tuple[str, str]]:
+    """Each loss spike and what the guard did about it."""
+    rows = []
+    for b in r.rollbacks or []:
+        first, last = b["skipped_batches"]
+        rows.append(
+            (
+                f"loss spike at step {b['step']}",
+                f"{b['loss']:.4g} against {b['mean']:.4g} +- {b['std']:.3g}: rolled back to "
+                f"step {b['restored_step']}, skipped batches {first}-{last}",
+            )
+        )
+    return rows
 
 
 def _slowest_rank(r: RunRecord) -> list[tuple[str, str | Text]]:

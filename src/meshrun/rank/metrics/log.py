@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from meshrun.core.run_files.metrics import ROLLED_BACK_FILE
+
 Sink = Callable[[list[dict[str, Any]]], None]
 
 
@@ -34,6 +36,20 @@ class MetricsLog:
         fresh = self.path.with_name(self.path.name + ".tmp")
         fresh.write_text("".join(line + "\n" for line in kept))
         os.replace(fresh, self.path)
+
+    def roll_back(self, step: int, rollback: int) -> None:
+        """train.guard's rollback to `step`: the steps from it on move to rolled_back.jsonl,
+        each marked with the rollback's number (from 1), and are trained again."""
+        if self.path is None or not self.path.exists():
+            return
+        undone = [
+            json.loads(line)
+            for line in self.path.read_text().splitlines()
+            if line and json.loads(line)["step"] >= step
+        ]
+        with self.path.with_name(ROLLED_BACK_FILE).open("a") as f:
+            f.writelines(json.dumps({**r, "rollback": rollback}) + "\n" for r in undone)
+        self.keep_before(step)
 
     def __call__(self, records: list[dict[str, Any]]) -> None:
         if self.path is not None:

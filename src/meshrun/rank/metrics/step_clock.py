@@ -28,6 +28,11 @@ class StepClock:
         event.record()
         return event
 
+    @property
+    def started(self) -> bool:
+        """Whether a mark has been made (the timed steps began)."""
+        return self._start is not None
+
     def mark(self) -> None:
         now = self._now()
         if self._start is not None:

@@ -70,6 +70,7 @@ class Save:
     blocked_s: float
     lr_schedule: dict
     loss_scale: dict | None = None
+    data_offset: int = 0
     future: Future | None = None
     total_s: float | None = None
 
@@ -117,6 +118,8 @@ class Checkpointer:
         self.pending: Save | None = None
         self.saves: list[Save] = []
         self.signal = 0
+        # batches skipped so far (train.guard's rollbacks): step s trains on batch s + this
+        self.data_offset = 0
         if self.every:
             for signum in STOP_SIGNALS:
                 signal.signal(signum, self._on_signal)
@@ -183,7 +186,9 @@ class Checkpointer:
         torch.save(_rng_state(), rng / f"rank-{self.rank:05d}.pt")
         tensors = self._tensors()
         scale = self.loss_scale.state_dict() if self.loss_scale else None
-        save = Save(steps_done, path, started, 0.0, self.schedule.state_dict(), scale)
+        save = Save(
+            steps_done, path, started, 0.0, self.schedule.state_dict(), scale, self.data_offset
+        )
         final = steps_done == self.cfg.train.steps
         if self.cfg.checkpoint.async_save and background and not final:
             save.future = dcp.async_save(
@@ -236,7 +241,10 @@ class Checkpointer:
                 seconds_total=round(save.total_s, 4),
                 bytes=sum(f.stat().st_size for f in save.path.rglob("*") if f.is_file()),
                 ranks=layout.world_size,
-                extra={"loss_scale": save.loss_scale} if save.loss_scale else {},
+                extra={
+                    **({"loss_scale": save.loss_scale} if save.loss_scale else {}),
+                    **({"data_offset": save.data_offset} if save.data_offset else {}),
+                },
             ),
         )
         self._prune(save.step)
@@ -266,12 +274,27 @@ class Checkpointer:
     def restore(self) -> int:
         """Loads the checkpoint `checkpoint.resume` names; the step to start at (0: none)."""
         requeued = int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0  # SLURM requeued it
-        found = [str(find_restore(self.cfg.checkpoint, self.cfg.run_dir, requeued) or "")]
-        if self.group is not None:  # rank 0 decides, so no rank can pick another step
+        found = find_restore(self.cfg.checkpoint, self.cfg.run_dir, requeued)
+        return self._load(self._decided(str(found or "")))
+
+    def roll_back(self) -> int:
+        """Loads the newest complete checkpoint of this run (train.guard's rollback, the save
+        in flight finished first); the step it holds."""
+        self.wait()
+        self._barrier()  # rank 0's manifest of that save is written
+        return self._load(self._decided(self.last_complete() or ""))
+
+    def _decided(self, path: str) -> str:
+        """Rank 0's choice, so that no rank can pick another step."""
+        found = [path]
+        if self.group is not None:
             dist.broadcast_object_list(found, src=0, group=self.group)
-        if not found[0]:
+        return found[0]
+
+    def _load(self, found: str) -> int:
+        if not found:
             return 0
-        path = Path(found[0])
+        path = Path(found)
         manifest = read_manifest(path)
         saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
         if any(key.startswith("optim.") for key in saved):  # none: saved before any update
@@ -297,6 +320,7 @@ class Checkpointer:
         self.schedule.load_state_dict(manifest.lr_schedule)
         if self.loss_scale and "loss_scale" in manifest.extra:
             self.loss_scale.load_state_dict(manifest.extra["loss_scale"])
+        self.data_offset = manifest.extra.get("data_offset", 0)
         for group, lr in zip(self.optimizer.param_groups, self.schedule.get_last_lr(), strict=True):
             group["lr"] = lr
         rng = path / RNG_DIR / f"rank-{self.rank:05d}.pt"

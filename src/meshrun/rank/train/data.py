@@ -127,7 +127,8 @@ class StepSampler(Sampler[list[int]]):
 class LocalBatches:
     """One rank's share of each step's global batch, as (inputs, targets). `waits`: the host
     seconds each step waited for its batch, until `drain_waits`. A loader-backed source
-    (data=hf) serves consecutive steps from `start_step`, prefetching."""
+    (data=hf) serves consecutive steps from `start_step`, prefetching. `offset`: batches
+    skipped so far (train.guard's rollbacks): step s trains on batch s + offset."""
 
     def __init__(
         self,
@@ -139,29 +140,40 @@ class LocalBatches:
         device: torch.device,
         start_step: int = 0,
         cp: tuple[int, int] = (0, 1),
+        offset: int = 0,
     ) -> None:
         self.dataset = dataset
+        self.offset = offset
         self.cp = cp
         self.global_batch = global_batch
         self.seq_len = seq_len
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.device = device
-        self.next_step = start_step
         self.waits: list[float] = []
         self._loader = None
-        if isinstance(dataset, HFWindows):
-            sampler = StepSampler(dataset, global_batch, dp_rank, dp_size, start_step)
-            self._loader = iter(dataset.loader(sampler, device))
+        self.seek(start_step)
+
+    def seek(self, step: int) -> None:
+        """The next batch asked for is step `step`'s (at the current offset)."""
+        self.next_batch = step + self.offset
+        if isinstance(self.dataset, HFWindows):
+            sampler = StepSampler(
+                self.dataset, self.global_batch, self.dp_rank, self.dp_size, self.next_batch
+            )
+            self._loader = iter(self.dataset.loader(sampler, self.device))
 
     def for_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         started = time.perf_counter()
+        batch = step + self.offset
         if self._loader is None:
-            samples = dp_sample_range(step, self.global_batch, self.dp_rank, self.dp_size)
+            samples = dp_sample_range(batch, self.global_batch, self.dp_rank, self.dp_size)
             tokens = self.dataset.batch(samples, self.seq_len + 1, self.device)
         else:
-            assert step == self.next_step, f"step {step} asked, the loader is at {self.next_step}"
-            self.next_step += 1
+            assert batch == self.next_batch, (
+                f"batch {batch} asked, the loader is at {self.next_batch}"
+            )
+            self.next_batch += 1
             tokens = next(self._loader).to(self.device, non_blocking=True)
         self.waits.append(time.perf_counter() - started)
         return inputs_and_targets(tokens, *self.cp)

@@ -9,22 +9,75 @@ decision (rank/train/loss_scale.py), which reads it anyway.
 
 The skipped steps are known on the host at the log steps, where the norms are read anyway:
 `max_skipped` of them in a row stop the run there, naming the last checkpoint, whose weights
-no skipped step touched."""
+no skipped step touched.
+
+Loss spikes (train.guard.spike) are judged there too, on the losses the log step reduced
+(the same on every rank): a loss more than `spike_sigma` deviations above the mean of the
+window before it (or above `spike_ratio` times it) rolls every rank back to the last
+checkpoint, which predates the spike (a save is always preceded by the log step that judges
+its steps), and the data skips the batches through the spike's: PaLM's remedy (Chowdhery et
+al. 2022, section 5.1: restart from a checkpoint before the spike, skip the batches around
+it)."""
 
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from meshrun.core.config import DebugConfig
+from meshrun.core.config import DebugConfig, GuardConfig
+from meshrun.core.rank_report import Rollback
 
 SPIKE = 10.0  # debug.corrupt_mode=spike: the loss (and its gradients) times this
 
 
 class NonFiniteSteps(RuntimeError):
     """Too many steps in a row had a non-finite gradient norm."""
+
+
+class LossSpikes(RuntimeError):
+    """The run spiked again after train.guard.max_rollbacks rollbacks."""
+
+
+@dataclass(frozen=True)
+class Spike:
+    step: int
+    loss: float
+    mean: float
+    std: float
+
+
+class SpikeWatch:
+    """The window of recent finite losses a log step's losses are judged against; at least
+    half a window (and 4 steps) before any is judged."""
+
+    def __init__(self, cfg: GuardConfig) -> None:
+        self.cfg = cfg
+        self.window: deque[tuple[int, float]] = deque(maxlen=cfg.spike_window)
+
+    def judge(self, first_step: int, losses: list[float]) -> Spike | None:
+        for step, loss in enumerate(losses, start=first_step):
+            if not math.isfinite(loss):
+                continue  # a non-finite step is skipped, not rolled back
+            if len(self.window) >= max(4, self.cfg.spike_window // 2):
+                recent = [value for _, value in self.window]
+                mean, std = statistics.fmean(recent), statistics.pstdev(recent)
+                ratio = self.cfg.spike_ratio
+                limit = ratio * mean if ratio else mean + self.cfg.spike_sigma * std
+                if loss > limit:
+                    return Spike(step, loss, mean, std)
+            self.window.append((step, loss))
+        return None
+
+    def forget_from(self, step: int) -> None:
+        """The steps from `step` on are trained again: out of the window."""
+        kept = [(s, loss) for s, loss in self.window if s < step]
+        self.window.clear()
+        self.window.extend(kept)
 
 
 class StepGuard:
@@ -67,3 +120,33 @@ def corruption(debug: DebugConfig) -> Callable[[int], float] | None:
         return None
     factor = float("nan") if debug.corrupt_mode == "nan" else SPIKE
     return lambda step: factor if step == debug.corrupt_step else 1.0
+
+
+class SpikeGuard:
+    """train.guard.spike: the watch, and the rollbacks it caused."""
+
+    def __init__(self, cfg: GuardConfig) -> None:
+        self.cfg = cfg
+        self.watch = SpikeWatch(cfg)
+        self.rollbacks: list[Rollback] = []
+
+    def judge(self, first_step: int, losses: list[float]) -> Spike | None:
+        spike = self.watch.judge(first_step, losses)
+        if spike is not None and len(self.rollbacks) == self.cfg.max_rollbacks:
+            raise LossSpikes(
+                f"the loss spiked at step {spike.step} ({spike.loss:.4g} against a mean of "
+                f"{spike.mean:.4g} +- {spike.std:.3g}) after {len(self.rollbacks)} rollbacks "
+                f"(train.guard.max_rollbacks={self.cfg.max_rollbacks}): lower the LR, or "
+                "raise train.guard.skip_batches"
+            )
+        return spike
+
+    def rolled_back(self, spike: Spike, restored: int, offset: int) -> Rollback:
+        """The run went back to step `restored`, its data at `offset`: the batches it skips
+        (from the restored step's through the spike's, and skip_batches more)."""
+        first = restored + offset
+        last = spike.step + offset + self.cfg.skip_batches
+        rollback = Rollback(spike.step, spike.loss, spike.mean, spike.std, restored, (first, last))
+        self.rollbacks.append(rollback)
+        self.watch.forget_from(restored)
+        return rollback

@@ -18,7 +18,7 @@ import re
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -41,7 +41,7 @@ from meshrun.rank.progress import RankProgress
 from meshrun.rank.train.checkpoint import Checkpointer
 from meshrun.rank.train.data import LocalBatches
 from meshrun.rank.train.evaluate import Evaluator
-from meshrun.rank.train.guard import StepGuard
+from meshrun.rank.train.guard import Spike, SpikeGuard, StepGuard
 from meshrun.rank.train.loss_scale import LossScale
 from meshrun.rank.train.optim import LocalGrads
 from meshrun.rank.train.pending import PendingSteps, step_records
@@ -63,8 +63,6 @@ class TwinSteps(Protocol):
 class LoopState:
     """What the loop has measured so far; survives (in part) a crash mid-run."""
 
-    losses: list[float] = field(default_factory=list)
-    step_times: list[float] = field(default_factory=list)
     pipeline_busy_per_step: list[float] | None = None  # seconds, per timed step
     pipeline_span_per_step: list[float] | None = None
     host_load: dict[str, object] | None = None  # this rank's share of metrics/host.py's
@@ -96,6 +94,8 @@ class LoopContext:
     busy: BusyClock | None = None  # CPU ranks of a multi-rank run: to name the slow one
     snapshots: MemorySnapshots | None = None  # debug.memory_snapshot (CUDA)
     guard: StepGuard | None = None  # non-finite steps skipped, a streak stops the run
+    spikes: SpikeGuard | None = None  # train.guard.spike: a spike rolls the run back
+    on_rollback: Callable[[int, int], None] | None = None  # metrics.jsonl's (step, number)
     corruption: Callable[[int], float] | None = None  # debug.corrupt_step's loss factor
 
 
@@ -151,7 +151,8 @@ def train_step(
         ctx.memory.mark(STEP_START)
     with phase("data"):
         inputs, targets = batches.for_step(step)
-    factor = ctx.corruption(step) if ctx.corruption else 1.0
+    # keyed by the batch, as a bad batch would be: a rollback that skips it skips the fault
+    factor = ctx.corruption(step + batches.offset) if ctx.corruption else 1.0
     with inside(ctx.watchdog, step, ctx.step_collectives, one_collective=False):
         if model.schedule is not None:
             step_loss = _pipeline_step(model, inputs, targets, ctx, factor)
@@ -197,8 +198,9 @@ def train_loop(
     if ctx.profiler is not None and model.schedule is not None:
         annotate_stages(model.schedule)
     first_timed = ctx.start_step + cfg.untimed_steps
-    for step in range(ctx.start_step, cfg.steps):
-        if step == first_timed:
+    step = ctx.start_step
+    while step < cfg.steps:
+        if step == first_timed and not ctx.pending.clock.started:
             _start_timing(step, ctx, bubble)
         _before_step(step, ctx)
         timed = step >= first_timed
@@ -217,8 +219,9 @@ def train_loop(
         if ctx.progress is not None:
             ctx.progress.step(step + 1)
         evaluated = _evaluate(step, ctx, timed)
-        _log_and_save(step, cfg, state, batches, ctx, evaluated)
+        spike = _log_and_save(step, cfg, batches, ctx, evaluated)
         _after_step(step, ctx, timed)
+        step = _roll_back(spike, batches, ctx) if spike else step + 1
     _finish(cfg, state, ctx, bubble)
     return state
 
@@ -317,12 +320,12 @@ def _evaluate(step: int, ctx: LoopContext, timed: bool) -> dict[str, float] | No
 def _log_and_save(
     step: int,
     cfg: TrainConfig,
-    state: LoopState,
     batches: LocalBatches,
     ctx: LoopContext,
     evaluated: dict[str, float] | None,
-) -> None:
-    """After `step`: the log step where due, then a checkpoint (on a stop signal: the last)."""
+) -> Spike | None:
+    """After `step`: the log step where due, then a checkpoint (on a stop signal: the last);
+    a loss spike the log step found instead, which no checkpoint may keep."""
     checkpoints = ctx.checkpoints
     stop = save = False
     if checkpoints is not None:
@@ -335,7 +338,9 @@ def _log_and_save(
     if log:
         op = "all_reduce (losses of the log step)"
         with inside(ctx.watchdog, step, op, one_collective=True):
-            _flush(state, ctx.pending, batches, ctx, evaluated)
+            spike = _flush(ctx.pending, batches, ctx, evaluated)
+        if spike is not None:
+            return spike
     if stop:
         with inside(ctx.watchdog, step, "checkpoint save (stop signal)", one_collective=True):
             checkpoints.stop(step + 1)
@@ -344,6 +349,22 @@ def _log_and_save(
             checkpoints.save(step + 1)
     elif checkpoints is not None:
         checkpoints.poll()
+    return None
+
+
+def _roll_back(spike: Spike, batches: LocalBatches, ctx: LoopContext) -> int:
+    """Every rank back to the last checkpoint, the data past the spike's batch; metrics.jsonl
+    keeps the steps before it (those after move to rolled_back.jsonl). The step to go on at."""
+    with inside(ctx.watchdog, spike.step, "checkpoint load (rollback)", one_collective=False):
+        restored = ctx.checkpoints.roll_back()
+    rollback = ctx.spikes.rolled_back(spike, restored, batches.offset)
+    batches.offset = ctx.checkpoints.data_offset = rollback.skipped_batches[1] + 1 - restored
+    batches.seek(restored)
+    ctx.pending.first_step = restored
+    ctx.pending.clock.restart()
+    if ctx.on_rollback is not None:
+        ctx.on_rollback(restored, len(ctx.spikes.rollbacks))
+    return restored
 
 
 def _finish(
@@ -361,17 +382,17 @@ def _finish(
 
 
 def _flush(
-    state: LoopState,
     pending: PendingSteps,
     batches: LocalBatches,
     ctx: LoopContext,
     evaluated: dict[str, float] | None = None,
-) -> None:
+) -> Spike | None:
     """The log step: one reduction of the buffered losses, one read of the step clock.
     Gradient norms are already global (the same on every rank); data waits are this rank's;
     `evaluated`: the evaluation after the last step, into its record. The steps (and their
     data waits) leave the buffer once reduced: a peer dying in the reduction leaves them to
-    the salvage."""
+    the salvage. Returns a loss spike among them (train.guard.spike), judged on the reduced
+    losses, the same on every rank."""
     stacked = torch.stack(pending.values)
     # the losses and any router statistics in one reduction (the norms are global already)
     reduced = mean_over_ranks(
@@ -381,8 +402,6 @@ def _flush(
     norms = stacked[:, 1].tolist()
     times = pending.clock.drain()
     first_step, _, lrs = pending.take()
-    state.losses.extend(values)
-    state.step_times.extend(times)
     records = step_records(first_step, values, norms, lrs, times, batches.drain_waits())
     if r := ctx.routers:
         for record, row in zip(records, reduced[:, 1:], strict=True):
@@ -400,3 +419,4 @@ def _flush(
     ctx.on_log(records)
     if ctx.guard is not None:  # after the steps are written: a streak stops every rank here
         ctx.guard.logged(first_step, norms)
+    return ctx.spikes.judge(first_step, values) if ctx.spikes else None
