@@ -140,3 +140,14 @@ def test_the_spike_watch_judges_against_the_window_before_each_loss():
     assert spike is not None and spike.step == 10 and spike.loss == 5.6
     watch.forget_from(4)
     assert [step for step, _ in watch.window] == [1, 2, 3]  # the window held steps 1-8
+
+
+def test_a_spike_before_any_checkpoint_stops_the_run_with_the_reason(tmp_path, rank_pool):
+    failed = _run(
+        tmp_path, rank_pool, *SPIKE_RUN, "checkpoint.every_steps=15", "debug.corrupt_step=12",
+        "debug.corrupt_mode=spike",
+    )  # fmt: skip
+    assert not failed.ok
+    assert "LossSpikes: the loss spiked at step 12" in failed.meta.error
+    assert "before the run saved any checkpoint" in failed.meta.error
+    assert [s["step"] for s in failed.steps] == list(range(15))  # every finished step kept

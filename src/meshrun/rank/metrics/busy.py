@@ -6,7 +6,7 @@ sync; gathered from every rank at the log steps only, riding their host sync. CU
 compute on the device, which this clock does not see: they report none.
 
 `debug.slow_rank` / `slow_factor` make one rank a straggler on purpose: after each step it
-spins (busy, as a slower device would be) for (factor - 1) x the step's busy time."""
+spins (busy, as a slower device would be) until its busy time is factor x the step's."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class BusyClock:
     def stop(self, timed: bool) -> None:
         busy = (time.process_time() - self._started) / self.threads
         if self.slow_factor > 1:
-            _spin((self.slow_factor - 1) * busy)
+            _spin((self.slow_factor - 1) * busy * self.threads)
             busy = (time.process_time() - self._started) / self.threads
         self._unlogged.append(busy)
         if timed:
@@ -68,7 +68,9 @@ def busy_fields(per_rank: torch.Tensor) -> list[dict[str, float | int]]:
     return fields
 
 
-def _spin(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+def _spin(cpu_seconds: float) -> None:
+    """Busy for `cpu_seconds` of this process's CPU time (not wall time: on a host with more
+    work than cores, a wall-clock spin is descheduled and would add less busy time)."""
+    end = time.process_time() + cpu_seconds
+    while time.process_time() < end:
         pass

@@ -141,6 +141,14 @@ class SpikeGuard:
             )
         return spike
 
+    def unrecoverable(self, spike: Spike) -> LossSpikes:
+        """A spike before the run saved any checkpoint: nothing predates it to go back to."""
+        return LossSpikes(
+            f"the loss spiked at step {spike.step} ({spike.loss:.4g} against a mean of "
+            f"{spike.mean:.4g} +- {spike.std:.3g}) before the run saved any checkpoint: "
+            "nothing to roll back to (a smaller checkpoint.every_steps saves one sooner)"
+        )
+
     def rolled_back(self, spike: Spike, restored: int, offset: int) -> Rollback:
         """The run went back to step `restored`, its data at `offset`: the batches it skips
         (from the restored step's through the spike's, and skip_batches more)."""

@@ -357,6 +357,8 @@ def _roll_back(spike: Spike, batches: LocalBatches, ctx: LoopContext) -> int:
     keeps the steps before it (those after move to rolled_back.jsonl). The step to go on at."""
     with inside(ctx.watchdog, spike.step, "checkpoint load (rollback)", one_collective=False):
         restored = ctx.checkpoints.roll_back()
+    if not restored:  # no checkpoint yet (none is saved at step 0)
+        raise ctx.spikes.unrecoverable(spike)
     rollback = ctx.spikes.rolled_back(spike, restored, batches.offset)
     batches.offset = ctx.checkpoints.data_offset = rollback.skipped_batches[1] + 1 - restored
     batches.seek(restored)
