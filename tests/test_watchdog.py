@@ -4,6 +4,7 @@ the backend's timeout does not fire, the rank's own watchdog thread ends it."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -12,7 +13,7 @@ import time
 import pytest
 
 from meshrun.core.run_files.failures import first_failure
-from meshrun.core.run_files.flight_records import read_dumps, stack_path
+from meshrun.core.run_files.flight_records import describe, dump_path, read_dumps, stack_path
 from meshrun.core.run_files.positions import diagnose, read_positions
 from meshrun.rank.watchdog import GRACE_S, Watchdog, step_collectives
 from tests.test_failures import failed_run
@@ -126,3 +127,42 @@ def test_step_collectives_follow_the_layout():
         "forward/backward (pipeline send/recv, FSDP all_gather/reduce_scatter, "
         "tensor-parallel collectives)"
     )
+
+
+def _dump(run_dir, rank: int, *collectives: tuple[str, int]) -> None:
+    """A flight-recorder dump in torch's JSON format (`_dump_fr_trace_json`'s entries)."""
+    entries = [
+        {
+            "process_group": ["0", "default_pg"],
+            "collective_seq_id": seq,
+            "p2p_seq_id": 0,
+            "is_p2p": False,
+            "profiling_name": op,
+            "input_sizes": [[4]],
+            "input_dtypes": ["Float"],
+            "time_created_ns": seq,
+        }
+        for op, seq in collectives
+    ]
+    path = dump_path(str(run_dir), rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"entries": entries}))
+
+
+def test_flight_recorder_names_who_never_issued_the_collective(tmp_path):
+    _dump(tmp_path, 0, ("gloo:all_reduce", 1), ("gloo:broadcast", 2))
+    _dump(tmp_path, 1, ("gloo:all_reduce", 1))
+    said = describe(str(tmp_path), failed_rank=0, world_size=3)
+    assert said.startswith(
+        "rank 0's last collective: gloo:broadcast #2 of default_pg (input [[4]] Float); "
+        "rank 1 never issued it (its last there: gloo:all_reduce #1); rank 2 left no dump (gone)"
+    )
+
+
+def test_flight_recorder_does_not_blame_a_collective_every_rank_issued(tmp_path):
+    """A wait in what gloo does not record (a pipeline's send): no peer is behind."""
+    for rank in (0, 1):
+        _dump(tmp_path, rank, ("gloo:all_reduce", 1), ("gloo:barrier", 2))
+    said = describe(str(tmp_path), failed_rank=0, world_size=2)
+    assert said.startswith("every rank's last recorded collective is gloo:barrier #2")
+    assert "the recorder does not keep" in said

@@ -58,8 +58,8 @@ class Collective:
 
     def __str__(self) -> str:
         kind = "p2p " if self.p2p else ""
-        dtypes = ", ".join(sorted(set(self.dtypes)))
-        return f"{self.op} {kind}#{self.seq} of {self.group} (input {self.sizes} {dtypes})"
+        of = " ".join([str(self.sizes), *sorted(set(self.dtypes))])
+        return f"{self.op} {kind}#{self.seq} of {self.group} (input {of})"
 
 
 def read_dumps(run_dir: str) -> dict[int, list[Collective]]:
@@ -80,6 +80,7 @@ def describe(run_dir: str, failed_rank: int, world_size: int) -> str | None:
         return None
     last = dumps[failed_rank][-1]
     parts = [f"rank {failed_rank}'s last collective: {last}"]
+    behind = False
     for rank in range(world_size):
         if rank == failed_rank:
             continue
@@ -93,8 +94,16 @@ def describe(run_dir: str, failed_rank: int, world_size: int) -> str | None:
         if newest < last.seq:
             theirs = max(mine, key=lambda c: c.seq)
             parts.append(f"rank {rank} never issued it (its last there: {theirs.op} #{newest})")
+            behind = True
         elif newest == last.seq:
             parts.append(f"rank {rank} issued it too")
         else:
             parts.append(f"rank {rank} went past it (to #{newest})")
-    return "; ".join(parts) + f" (dumps in {dumps_dir(run_dir)})"
+    where = f"(dumps in {dumps_dir(run_dir)})"
+    if not behind and len(dumps) == world_size:
+        return (
+            f"every rank's last recorded collective is {last}, which all of them issued: the "
+            f"wait is in an operation the recorder does not keep (gloo records no "
+            f"point-to-point sends or receives) {where}"
+        )
+    return "; ".join(parts) + f" {where}"
