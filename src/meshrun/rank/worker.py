@@ -50,10 +50,11 @@ from meshrun.rank.profiling import StepProfiler
 from meshrun.rank.progress import RankProgress, rank_progress
 from meshrun.rank.train.build import COMPUTE_DTYPES, Training, build_training
 from meshrun.rank.train.checkpoint import Checkpointer
+from meshrun.rank.train.context import LoopContext, LoopState
 from meshrun.rank.train.data import HeldoutBatches, LocalBatches, Source, build_streams
 from meshrun.rank.train.evaluate import Evaluator
 from meshrun.rank.train.guard import SpikeGuard, StepGuard, corruption
-from meshrun.rank.train.loop import LoopContext, LoopState, train_loop
+from meshrun.rank.train.loop import train_loop
 from meshrun.rank.train.pending import PendingSteps
 from meshrun.rank.train.twin import Twin
 from meshrun.rank.watchdog import Watchdog, inside, step_collectives

@@ -1,8 +1,8 @@
 """The training loop: one optimizer step per global batch, its rank-local share either cut
 into micro-batches with gradient accumulation or handed to the pipeline schedule.
 
-The only host syncs are at log steps, where the buffered per-step losses are reduced and the
-step times read. The first `untimed_steps` are excluded from timing; they are also where the
+The only host syncs are at log steps (train/log_step.py), where the buffered per-step losses
+are reduced and the step times read. The first `untimed_steps` are excluded from timing; they are also where the
 memory breakdown is measured (and on CPU, peak memory traced). The LR schedule steps after
 each optimizer step; each step's record carries the LR it trained with.
 
@@ -17,9 +17,7 @@ import contextlib
 import re
 import time
 import warnings
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -30,73 +28,14 @@ from meshrun.models import moe
 from meshrun.rank.device import autocast
 from meshrun.rank.mesh import mean_over_ranks
 from meshrun.rank.metrics.bubble import BubbleClock
-from meshrun.rank.metrics.busy import BusyClock, busy_fields
-from meshrun.rank.metrics.compile_time import CompileClock
-from meshrun.rank.metrics.host import HostLoad
-from meshrun.rank.metrics.memory import FWD_BWD_END, STEP_START, MemoryMeter
-from meshrun.rank.metrics.memory_snapshot import MemorySnapshots
+from meshrun.rank.metrics.memory import FWD_BWD_END, STEP_START
 from meshrun.rank.parallel import ParallelModel, gradient_sync
-from meshrun.rank.profiling import StepProfiler, annotate_stages, phase, step_range
-from meshrun.rank.progress import RankProgress
-from meshrun.rank.train.checkpoint import Checkpointer
+from meshrun.rank.profiling import annotate_stages, phase, step_range
+from meshrun.rank.train.context import LoopContext, LoopState
 from meshrun.rank.train.data import LocalBatches
-from meshrun.rank.train.evaluate import Evaluator
-from meshrun.rank.train.guard import Spike, SpikeGuard, StepGuard
-from meshrun.rank.train.loss_scale import LossScale
+from meshrun.rank.train.log_step import log_and_save, roll_back
 from meshrun.rank.train.optim import LocalGrads
-from meshrun.rank.train.pending import PendingSteps, step_records
-from meshrun.rank.watchdog import Watchdog, inside
-
-LogFn = Callable[[list[dict]], None]
-
-
-class TwinSteps(Protocol):
-    """What the loop asks of the baseline twin (train/twin.py): work every rank joins
-    between the run's timed steps, outside their clock."""
-
-    def untimed_steps(self) -> None: ...
-
-    def step(self) -> None: ...
-
-
-@dataclass
-class LoopState:
-    """What the loop has measured so far; survives (in part) a crash mid-run."""
-
-    pipeline_busy_per_step: list[float] | None = None  # seconds, per timed step
-    pipeline_span_per_step: list[float] | None = None
-    host_load: dict[str, object] | None = None  # this rank's share of metrics/host.py's
-
-
-@dataclass
-class LoopContext:
-    device: torch.device
-    dp_group: dist.ProcessGroup | None
-    pp_group: dist.ProcessGroup | None
-    autocast_dtype: torch.dtype | None
-    memory: MemoryMeter
-    on_log: LogFn
-    pending: PendingSteps  # the worker's, which it salvages if the loop raises
-    progress: RankProgress | None = None
-    fault: Callable[[int], None] | None = None
-    watchdog: Watchdog | None = None
-    step_collectives: str = "forward/backward"
-    start_step: int = 0  # > 0: resumed from a checkpoint of that many steps
-    slow_step_s: float = 0.0  # debug.slow_step_s
-    checkpoints: Checkpointer | None = None
-    loss_scale: LossScale | None = None  # fp16
-    evaluate: Evaluator | None = None  # train.eval on
-    twin: TwinSteps | None = None  # the baseline twin, trained between the run's steps
-    host_load: HostLoad | None = None  # CPU seconds over the timed steps
-    compiling: CompileClock | None = None  # train.compile: stopped at the first timed step
-    routers: moe.Routers | None = None  # an MoE model's: their statistics, their biases
-    profiler: StepProfiler | None = None  # debug.profile_steps
-    busy: BusyClock | None = None  # CPU ranks of a multi-rank run: to name the slow one
-    snapshots: MemorySnapshots | None = None  # debug.memory_snapshot (CUDA)
-    guard: StepGuard | None = None  # non-finite steps skipped, a streak stops the run
-    spikes: SpikeGuard | None = None  # train.guard.spike: a spike rolls the run back
-    on_rollback: Callable[[int, int], None] | None = None  # metrics.jsonl's (step, number)
-    corruption: Callable[[int], float] | None = None  # debug.corrupt_step's loss factor
+from meshrun.rank.watchdog import inside
 
 
 def _autocast(ctx: LoopContext) -> contextlib.AbstractContextManager:
@@ -219,9 +158,9 @@ def train_loop(
         if ctx.progress is not None:
             ctx.progress.step(step + 1)
         evaluated = _evaluate(step, ctx, timed)
-        spike = _log_and_save(step, cfg, batches, ctx, evaluated)
+        spike = log_and_save(step, cfg, batches, ctx, evaluated)
         _after_step(step, ctx, timed)
-        step = _roll_back(spike, batches, ctx) if spike else step + 1
+        step = roll_back(spike, batches, ctx) if spike else step + 1
     _finish(cfg, state, ctx, bubble)
     return state
 
@@ -317,58 +256,6 @@ def _evaluate(step: int, ctx: LoopContext, timed: bool) -> dict[str, float] | No
     return evaluated
 
 
-def _log_and_save(
-    step: int,
-    cfg: TrainConfig,
-    batches: LocalBatches,
-    ctx: LoopContext,
-    evaluated: dict[str, float] | None,
-) -> Spike | None:
-    """After `step`: the log step where due, then a checkpoint (on a stop signal: the last);
-    a loss spike the log step found instead, which no checkpoint may keep."""
-    checkpoints = ctx.checkpoints
-    stop = save = False
-    if checkpoints is not None:
-        if step + 1 < cfg.steps:  # after the last step, the run saves and ends anyway
-            with inside(ctx.watchdog, step, "all_reduce (stop signal)", one_collective=True):
-                stop = checkpoints.stop_requested()
-        save = stop or checkpoints.due(step + 1)
-    # A checkpoint's steps are all in metrics.jsonl: a resume appends after them.
-    log = evaluated or save or (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps
-    if log:
-        op = "all_reduce (losses of the log step)"
-        with inside(ctx.watchdog, step, op, one_collective=True):
-            spike = _flush(ctx.pending, batches, ctx, evaluated)
-        if spike is not None:
-            return spike
-    if stop:
-        with inside(ctx.watchdog, step, "checkpoint save (stop signal)", one_collective=True):
-            checkpoints.stop(step + 1)
-    if save:
-        with inside(ctx.watchdog, step, "checkpoint save", one_collective=True):
-            checkpoints.save(step + 1)
-    elif checkpoints is not None:
-        checkpoints.poll()
-    return None
-
-
-def _roll_back(spike: Spike, batches: LocalBatches, ctx: LoopContext) -> int:
-    """Every rank back to the last checkpoint, the data past the spike's batch; metrics.jsonl
-    keeps the steps before it (those after move to rolled_back.jsonl). The step to go on at."""
-    with inside(ctx.watchdog, spike.step, "checkpoint load (rollback)", one_collective=False):
-        restored = ctx.checkpoints.roll_back()
-    if not restored:  # no checkpoint yet (none is saved at step 0)
-        raise ctx.spikes.unrecoverable(spike)
-    rollback = ctx.spikes.rolled_back(spike, restored, batches.offset)
-    batches.offset = ctx.checkpoints.data_offset = rollback.skipped_batches[1] + 1 - restored
-    batches.seek(restored)
-    ctx.pending.first_step = restored
-    ctx.pending.clock.restart()
-    if ctx.on_rollback is not None:
-        ctx.on_rollback(restored, len(ctx.spikes.rollbacks))
-    return restored
-
-
 def _finish(
     cfg: TrainConfig, state: LoopState, ctx: LoopContext, bubble: BubbleClock | None
 ) -> None:
@@ -381,44 +268,3 @@ def _finish(
             ctx.checkpoints.wait()
     if bubble is not None:
         state.pipeline_busy_per_step, state.pipeline_span_per_step = bubble.per_step()
-
-
-def _flush(
-    pending: PendingSteps,
-    batches: LocalBatches,
-    ctx: LoopContext,
-    evaluated: dict[str, float] | None = None,
-) -> Spike | None:
-    """The log step: one reduction of the buffered losses, one read of the step clock.
-    Gradient norms are already global (the same on every rank); data waits are this rank's;
-    `evaluated`: the evaluation after the last step, into its record. The steps (and their
-    data waits) leave the buffer once reduced: a peer dying in the reduction leaves them to
-    the salvage. Returns a loss spike among them (train.guard.spike), judged on the reduced
-    losses, the same on every rank."""
-    stacked = torch.stack(pending.values)
-    # the losses and any router statistics in one reduction (the norms are global already)
-    reduced = mean_over_ranks(
-        torch.cat([stacked[:, :1], stacked[:, 2:]], 1).contiguous(), ctx.dp_group, ctx.pp_group
-    )
-    values = reduced[:, 0].tolist()
-    norms = stacked[:, 1].tolist()
-    times = pending.clock.drain()
-    first_step, _, lrs = pending.take()
-    records = step_records(first_step, values, norms, lrs, times, batches.drain_waits())
-    if r := ctx.routers:
-        for record, row in zip(records, reduced[:, 1:], strict=True):
-            record.update(moe.router_fields(row.view(r.layers, -1), r.balance_loss))
-    records[-1].update(evaluated or {})
-    if ctx.busy is not None:  # every rank's busy time, to name the slowest
-        for record, busy in zip(records, busy_fields(ctx.busy.gathered()), strict=True):
-            record.update(busy)
-    if ctx.profiler is not None:  # left out of the run's timing (driver/inspection.py)
-        for record in records:
-            if ctx.profiler.covers(record["step"]):
-                record["profiled"] = True
-            elif ctx.profiler.disturbs(record["step"]):
-                record["after_profile"] = True
-    ctx.on_log(records)
-    if ctx.guard is not None:  # after the steps are written: a streak stops every rank here
-        ctx.guard.logged(first_step, norms)
-    return ctx.spikes.judge(first_step, values) if ctx.spikes else None

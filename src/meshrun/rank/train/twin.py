@@ -26,8 +26,9 @@ from meshrun.models import model_shape
 from meshrun.rank.device import synchronize
 from meshrun.rank.metrics.memory import MemoryMeter
 from meshrun.rank.train.build import Training, build_training
+from meshrun.rank.train.context import LoopContext
 from meshrun.rank.train.data import LocalBatches, build_streams
-from meshrun.rank.train.loop import LoopContext, train_step
+from meshrun.rank.train.loop import train_step
 from meshrun.rank.train.pending import PendingSteps
 
 

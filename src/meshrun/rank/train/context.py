@@ -1,0 +1,79 @@
+"""What the training loop runs with (LoopContext: the rank's groups, meters, guards and
+hooks, each None where the run does not use it) and what it keeps (LoopState); apart from
+the loop, so that what happens at a log step (train/log_step.py) and the baseline twin
+(train/twin.py) take the same context."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from meshrun.models import moe
+from meshrun.rank.metrics.busy import BusyClock
+from meshrun.rank.metrics.compile_time import CompileClock
+from meshrun.rank.metrics.host import HostLoad
+from meshrun.rank.metrics.memory import MemoryMeter
+from meshrun.rank.metrics.memory_snapshot import MemorySnapshots
+from meshrun.rank.profiling import StepProfiler
+from meshrun.rank.progress import RankProgress
+from meshrun.rank.train.checkpoint import Checkpointer
+from meshrun.rank.train.evaluate import Evaluator
+from meshrun.rank.train.guard import SpikeGuard, StepGuard
+from meshrun.rank.train.loss_scale import LossScale
+from meshrun.rank.train.pending import PendingSteps
+from meshrun.rank.watchdog import Watchdog
+
+LogFn = Callable[[list[dict]], None]
+
+
+class TwinSteps(Protocol):
+    """What the loop asks of the baseline twin (train/twin.py): work every rank joins
+    between the run's timed steps, outside their clock."""
+
+    def untimed_steps(self) -> None: ...
+
+    def step(self) -> None: ...
+
+
+@dataclass
+class LoopState:
+    """What the loop has measured so far; survives (in part) a crash mid-run."""
+
+    pipeline_busy_per_step: list[float] | None = None  # seconds, per timed step
+    pipeline_span_per_step: list[float] | None = None
+    host_load: dict[str, object] | None = None  # this rank's share of metrics/host.py's
+
+
+@dataclass
+class LoopContext:
+    device: torch.device
+    dp_group: dist.ProcessGroup | None
+    pp_group: dist.ProcessGroup | None
+    autocast_dtype: torch.dtype | None
+    memory: MemoryMeter
+    on_log: LogFn
+    pending: PendingSteps  # the worker's, which it salvages if the loop raises
+    progress: RankProgress | None = None
+    fault: Callable[[int], None] | None = None
+    watchdog: Watchdog | None = None
+    step_collectives: str = "forward/backward"
+    start_step: int = 0  # > 0: resumed from a checkpoint of that many steps
+    slow_step_s: float = 0.0  # debug.slow_step_s
+    checkpoints: Checkpointer | None = None
+    loss_scale: LossScale | None = None  # fp16
+    evaluate: Evaluator | None = None  # train.eval on
+    twin: TwinSteps | None = None  # the baseline twin, trained between the run's steps
+    host_load: HostLoad | None = None  # CPU seconds over the timed steps
+    compiling: CompileClock | None = None  # train.compile: stopped at the first timed step
+    routers: moe.Routers | None = None  # an MoE model's: their statistics, their biases
+    profiler: StepProfiler | None = None  # debug.profile_steps
+    busy: BusyClock | None = None  # CPU ranks of a multi-rank run: to name the slow one
+    snapshots: MemorySnapshots | None = None  # debug.memory_snapshot (CUDA)
+    guard: StepGuard | None = None  # non-finite steps skipped, a streak stops the run
+    spikes: SpikeGuard | None = None  # train.guard.spike: a spike rolls the run back
+    on_rollback: Callable[[int, int], None] | None = None  # metrics.jsonl's (step, number)
+    corruption: Callable[[int], float] | None = None  # debug.corrupt_step's loss factor
