@@ -2,9 +2,9 @@
 into micro-batches with gradient accumulation or handed to the pipeline schedule.
 
 The only host syncs are at log steps (train/log_step.py), where the buffered per-step losses
-are reduced and the step times read. The first `untimed_steps` are excluded from timing; they are also where the
-memory breakdown is measured (and on CPU, peak memory traced). The LR schedule steps after
-each optimizer step; each step's record carries the LR it trained with.
+are reduced and the step times read. The first `untimed_steps` are excluded from timing; they
+are also where the memory breakdown is measured (and on CPU, peak memory traced). The LR
+schedule steps after each optimizer step; each step's record carries the LR it trained with.
 
 Gradients stay allocated between steps (zeroed, not freed), as in Megatron's persistent
 gradient buffers: every step then holds the same memory, the sum the planner predicts,
