@@ -30,3 +30,11 @@ def summarize_steps(step_times: list[float], tokens_per_step: int, samples_per_s
         "tokens_per_s": tokens_per_step * len(step_times) / total,
         "samples_per_s": samples_per_step * len(step_times) / total,
     }
+
+
+def slowest(values: list[float]) -> tuple[int, float]:
+    """The index of the largest value and the median of the others (with two, the other):
+    the slow rank against the ranks it keeps waiting."""
+    index = max(range(len(values)), key=values.__getitem__)
+    others = values[:index] + values[index + 1 :]
+    return index, statistics.median(others) if others else values[index]

@@ -302,7 +302,8 @@ def record(
     if split:  # the record names the split the ranks chose, to run it again
         cfg = with_layers(cfg, split.counts)
     results = assemble(cfg, measured, baseline)
-    write_timeline(results.as_dict())  # a profiled run's picture of its traced step
+    if results.profile:  # a profiled run's picture of its traced step
+        write_timeline(results.as_dict())
     publish(cfg, results, measured.steps, store, live)
     if not measured.ok:
         raise RunFailed(results)

@@ -13,6 +13,7 @@ from meshrun.core.config import ExperimentConfig
 from meshrun.core.layout import Layout
 from meshrun.core.rank_report import RankReport
 from meshrun.core.run_files.profiles import summarize_run
+from meshrun.core.step_stats import slowest
 
 
 def timed_step_times(steps: list[dict[str, Any]]) -> list[float]:
@@ -48,18 +49,18 @@ def straggler_fields(cfg: ExperimentConfig, report: RankReport | None) -> dict[s
     busy = report.busy_per_rank if report else None
     if not busy or len(busy) < 2:
         return {}
-    slowest = max(range(len(busy)), key=busy.__getitem__)
-    slowdown = busy[slowest] / statistics.median(busy[:slowest] + busy[slowest + 1 :])
+    rank, others = slowest(busy)
+    slowdown = busy[rank] / others
     threshold = cfg.metrics.straggler_threshold
     straggler = None
     if slowdown > threshold:
         straggler = (
-            f"rank {slowest} is busy {slowdown:.2f}x as long a step as the median of the other "
+            f"rank {rank} is busy {slowdown:.2f}x as long a step as the median of the other "
             f"ranks (metrics.straggler_threshold={threshold:g}): the others wait for it"
         )
     return {
         "busy_per_rank": busy,
-        "slowest_rank": slowest,
+        "slowest_rank": rank,
         "slowest_rank_slowdown": slowdown,
         "straggler": straggler,
     }

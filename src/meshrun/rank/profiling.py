@@ -1,30 +1,22 @@
 """debug.profile_steps=[a,b]: torch.profiler over steps a..b on every rank, written as
 `<run dir>/profile/rank<N>.trace.json.gz` (Perfetto and chrome://tracing open it). meshrun's
 phases are named in the trace by `record_function` ranges prefixed `meshrun:` (the step, the
-data wait, each micro-batch's forward and backward, a pipeline stage's per micro-batch, the
-gradient norm, clipping, the optimizer, each collective meshrun issues itself: rank/watchdog's
-phases); core/run_files/profiles.py reads them back. The profiled steps (and the one after,
-which pays for the profiler's stop) are marked in the step records and left out of the run's
-timing: their overhead is reported, not averaged in."""
+data wait, each micro-batch's forward and backward, a pipeline stage's per micro-batch
+(rank/parallel/pipeline.annotate_stages), the gradient norm, clipping, the optimizer, each
+collective meshrun issues itself: rank/watchdog's phases); core/run_files/profiles.py reads
+them back. The profiled steps (and the one after, which pays for the profiler's stop) are
+marked in the step records and left out of the run's timing: their overhead is reported,
+not averaged in."""
 
 from __future__ import annotations
 
-import functools
 import gc
-from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 
 from meshrun.core.run_files.profiles import PHASE, STEP_PHASE, trace_path
-
-STAGE_METHODS = {
-    "forward_one_chunk": "forward",
-    "backward_one_chunk": "backward",
-    "backward_weight_one_chunk": "backward (weights)",
-}
 
 
 def phase(name: str) -> record_function:
@@ -73,24 +65,3 @@ class StepProfiler:
 
 def step_range(step: int) -> record_function:
     return record_function(f"{STEP_PHASE}{step}")
-
-
-def annotate_stages(schedule: Any) -> None:
-    """Each pipeline stage's compute per micro-batch, named `meshrun:forward stage S mb I`
-    (backward alike): the timeline's boxes. Wraps what the bubble clock times."""
-    stages = getattr(schedule, "_stages", None) or [schedule._stage]
-    for stage in stages:
-        names = getattr(stage, "compute_methods", tuple(STAGE_METHODS))
-        for method in names:
-            if hasattr(stage, method):
-                kind = STAGE_METHODS.get(method, method.removeprefix("compute_"))
-                setattr(stage, method, _named(getattr(stage, method), kind, stage.stage_index))
-
-
-def _named(fn: Callable[..., Any], kind: str, stage: int) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def wrapper(chunk: int, *args: Any, **kwargs: Any) -> Any:
-        with phase(f"{kind} stage {stage} mb {chunk}"):
-            return fn(chunk, *args, **kwargs)
-
-    return wrapper

@@ -188,7 +188,7 @@ def _set_up(at: Rank) -> Setup:
         at.device,
         start_step=start or 0,
         cp=(cp_rank(at.layout, at.rank), at.layout.cp),
-        offset=checkpoints.data_offset if checkpoints else 0,
+        offset=checkpoints.restored_offset if checkpoints else 0,
     )
     return Setup(
         training,

@@ -39,7 +39,12 @@ def _check_spike(cfg: ExperimentConfig) -> None:
             "checkpoint.every_steps=N as well (e.g. 10)",
         )
     if guard.spike_sigma <= 0:
-        fail("train.guard.spike_sigma", guard.spike_sigma, "must be positive", "e.g. 5")
+        fail(
+            "train.guard.spike_sigma",
+            guard.spike_sigma,
+            "is how many standard deviations above the window's mean loss a spike is",
+            "a number > 0 (default 5)",
+        )
     if guard.spike_ratio is not None and guard.spike_ratio <= 1:
         fail(
             "train.guard.spike_ratio",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import fail
+from meshrun.validate.launcher import check_rank_of_run
 
 
 def check_inspection(cfg: ExperimentConfig, world: int) -> None:
@@ -25,13 +26,7 @@ def check_inspection(cfg: ExperimentConfig, world: int) -> None:
             f"{cfg.hardware.device_type}",
             "false here; true on a CUDA hardware profile",
         )
-    if debug.slow_rank is not None and not 0 <= debug.slow_rank < world:
-        fail(
-            "debug.slow_rank",
-            debug.slow_rank,
-            f"no such rank in a run of {world}",
-            f"0..{world - 1}, or null",
-        )
+    check_rank_of_run("debug.slow_rank", debug.slow_rank, world)
     if debug.slow_rank is not None and world == 1:
         fail("debug.slow_rank", debug.slow_rank, "a single rank waits for nobody", "null")
     if debug.slow_rank is not None and cfg.hardware.device_type != "cpu":

@@ -86,16 +86,16 @@ def check_attached_world(launcher: LauncherConfig, what: str) -> None:
         )
 
 
+def check_rank_of_run(key: str, rank: int | None, world: int) -> None:
+    """A key naming one rank of the run (or none)."""
+    if rank is not None and not 0 <= rank < world:
+        fail(key, rank, f"no such rank in a run of {world}", f"0..{world - 1}, or null")
+
+
 def check_debug(debug: DebugConfig, world: int, steps: int, unit: str = "steps") -> None:
     """Fault injection names a rank of the run and one of its `steps` (training steps, or
     meshrun-comm's measurements)."""
-    if debug.fail_rank is not None and not 0 <= debug.fail_rank < world:
-        fail(
-            "debug.fail_rank",
-            debug.fail_rank,
-            f"no such rank in a run of {world}",
-            f"0..{world - 1}, or null",
-        )
+    check_rank_of_run("debug.fail_rank", debug.fail_rank, world)
     if debug.slow_step_s < 0:
         fail(
             "debug.slow_step_s",

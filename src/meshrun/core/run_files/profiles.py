@@ -102,7 +102,7 @@ def summarize(trace: dict[str, Any], rank: int) -> RankProfile | None:
         comm_s=_length(comm) / 1e6,
         overlapped_s=_length(_intersect(compute, comm)) / 1e6,
         idle_s=(total - _length(busy)) / 1e6,
-        top_ops=_top_ops(kernels or [e for e in compute_events]),
+        top_ops=_top_ops(kernels or compute_events),
         timeline={
             "start_ms": (base_us + last[0]) / 1e3,
             "length_ms": (last[1] - last[0]) / 1e3,

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
-COMPUTE_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+from meshrun.rank.parallel.pipeline import stage_compute
 
 
 class BubbleClock:
@@ -35,12 +35,8 @@ class BubbleClock:
         self.enabled = False
         self.busy = _PerStep()
         self.pipeline = _PerStep()
-        stages = getattr(schedule, "_stages", None) or [schedule._stage]
-        for stage in stages:
-            # a stage that waits for its inputs inside forward_one_chunk names its compute
-            for method in getattr(stage, "compute_methods", COMPUTE_METHODS):
-                if hasattr(stage, method):
-                    setattr(stage, method, self._timed(getattr(stage, method), self.busy))
+        for stage, method in stage_compute(schedule):
+            setattr(stage, method, self._timed(getattr(stage, method), self.busy))
         schedule._compute_loss = self._timed(schedule._compute_loss, self.busy)
         schedule.step = self._timed(schedule.step, self.pipeline, starts_step=True)
 

@@ -16,6 +16,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from meshrun.core.step_stats import slowest
+
 
 class BusyClock:
     def __init__(self, threads: int, slow_factor: float = 1.0) -> None:
@@ -41,29 +43,23 @@ class BusyClock:
 
     def gathered(self) -> torch.Tensor:
         """Every rank's busy seconds of the steps since the last log step ([rank, step]);
-        one collective of the world, which every rank joins at its log step."""
+        one collective of the world (a clock exists only where there are peers), which
+        every rank joins at its log step."""
         mine = torch.tensor(self._unlogged, dtype=torch.float64)
         self._unlogged = []
-        if not dist.is_initialized():
-            return mine[None]
         ranks = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(ranks, mine)
         return torch.stack(ranks)
 
 
 def busy_fields(per_rank: torch.Tensor) -> list[dict[str, float | int]]:
-    """Each step's slowest rank, its busy seconds and the median of the other ranks' (with
-    two ranks, the other's), from [rank, step]."""
+    """Each step's slowest rank, its busy seconds and the median of the other ranks', from
+    [rank, step]."""
     fields = []
     for step in per_rank.T.tolist():
-        slowest = max(range(len(step)), key=step.__getitem__)
-        others = step[:slowest] + step[slowest + 1 :]
+        rank, others = slowest(step)
         fields.append(
-            {
-                "slowest_rank": slowest,
-                "busy_max_s": step[slowest],
-                "busy_others_median_s": statistics.median(others) if others else step[slowest],
-            }
+            {"slowest_rank": rank, "busy_max_s": step[rank], "busy_others_median_s": others}
         )
     return fields
 

@@ -22,34 +22,26 @@ class MetricsLog:
         self.path = path
         self.sinks = list(sinks)
 
-    def keep_before(self, step: int) -> None:
-        """Drops the steps from `step` on, which a run resumed at `step` trains again. The
-        kept steps go to a new file that replaces the old one: a reader following the file
-        (driver/sinks/live.py) sees a new inode, never a file cut under its offset."""
+    def keep_before(self, step: int) -> list[dict[str, Any]]:
+        """Drops the steps from `step` on, which a run resumed at `step` trains again, and
+        returns them. The kept steps go to a new file that replaces the old one: a reader
+        following the file (driver/sinks/live.py) sees a new inode, never a file cut under
+        its offset."""
         if self.path is None or not self.path.exists():
-            return
-        kept = [
-            line
-            for line in self.path.read_text().splitlines()
-            if line and json.loads(line)["step"] < step
-        ]
+            return []
+        lines = [(line, json.loads(line)) for line in self.path.read_text().splitlines() if line]
         fresh = self.path.with_name(self.path.name + ".tmp")
-        fresh.write_text("".join(line + "\n" for line in kept))
+        fresh.write_text("".join(line + "\n" for line, r in lines if r["step"] < step))
         os.replace(fresh, self.path)
+        return [r for _, r in lines if r["step"] >= step]
 
     def roll_back(self, step: int, rollback: int) -> None:
         """train.guard's rollback to `step`: the steps from it on move to rolled_back.jsonl,
         each marked with the rollback's number (from 1), and are trained again."""
-        if self.path is None or not self.path.exists():
-            return
-        undone = [
-            json.loads(line)
-            for line in self.path.read_text().splitlines()
-            if line and json.loads(line)["step"] >= step
-        ]
-        with self.path.with_name(ROLLED_BACK_FILE).open("a") as f:
-            f.writelines(json.dumps({**r, "rollback": rollback}) + "\n" for r in undone)
-        self.keep_before(step)
+        undone = self.keep_before(step)
+        if undone:
+            with self.path.with_name(ROLLED_BACK_FILE).open("a") as f:
+                f.writelines(json.dumps({**r, "rollback": rollback}) + "\n" for r in undone)
 
     def __call__(self, records: list[dict[str, Any]]) -> None:
         if self.path is not None:

@@ -10,7 +10,9 @@ the seed-derived init, are those of the full model.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,6 +31,7 @@ from torch.distributed.pipelining.schedules import (
 from meshrun.core.choices import Schedule
 from meshrun.core.config import ParallelConfig
 from meshrun.core.stages import MULTI_STAGE_SCHEDULES
+from meshrun.rank.profiling import phase
 
 # Keyed by the config's enum, which is the one list of schedule names (tests check they agree).
 SCHEDULES = {
@@ -64,6 +67,39 @@ def prefetches(schedule: str, device: torch.device) -> bool:
     runs, +16% with prefetching). The interleaved schedules post their own receives ahead;
     NCCL was not measured this way, so it keeps torch's order."""
     return schedule in ("gpipe", "1f1b") and device.type == "cpu"
+
+
+COMPUTE_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+
+
+def stage_compute(schedule: _PipelineSchedule) -> Iterator[tuple[PipelineStage, str]]:
+    """(stage, method name) of each compute a schedule's stages run per micro-batch: what
+    the bubble clock times and a profiled step's trace names (a stage that waits for its
+    inputs inside forward_one_chunk names its compute in `compute_methods`)."""
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    for stage in stages:
+        for method in getattr(stage, "compute_methods", COMPUTE_METHODS):
+            if hasattr(stage, method):
+                yield stage, method
+
+
+def annotate_stages(schedule: _PipelineSchedule) -> None:
+    """Each pipeline stage's compute per micro-batch named in a profiled step's trace,
+    `meshrun:forward stage S mb I` (backward alike): the timeline's boxes (rank/profiling.py).
+    Wraps what the bubble clock times."""
+    for stage, method in stage_compute(schedule):
+        kind = "forward" if "forward" in method else "backward"
+        kind += " (weights)" if "weight" in method else ""
+        setattr(stage, method, _named(getattr(stage, method), kind, stage.stage_index))
+
+
+def _named(fn: Callable[..., Any], kind: str, stage: int) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(chunk: int, *args: Any, **kwargs: Any) -> Any:
+        with phase(f"{kind} stage {stage} mb {chunk}"):
+            return fn(chunk, *args, **kwargs)
+
+    return wrapper
 
 
 class PrefetchingStage(PipelineStage):

@@ -118,8 +118,8 @@ class Checkpointer:
         self.pending: Save | None = None
         self.saves: list[Save] = []
         self.signal = 0
-        # batches skipped so far (train.guard's rollbacks): step s trains on batch s + this
-        self.data_offset = 0
+        # the batches skipped before the checkpoint last loaded (train.guard's rollbacks)
+        self.restored_offset = 0
         if self.every:
             for signum in STOP_SIGNALS:
                 signal.signal(signum, self._on_signal)
@@ -137,10 +137,10 @@ class Checkpointer:
         self.signal = self.signal or int(flag.item())
         return self.signal != 0
 
-    def stop(self, steps_done: int) -> None:
+    def stop(self, steps_done: int, data_offset: int) -> None:
         """Save now, whole, and stop the run."""
         if not self.saves or self.saves[-1].step != steps_done:
-            self.save(steps_done, background=False)
+            self.save(steps_done, data_offset, background=False)
         self.wait()
         raise Stopped(self.signal, steps_done, step_dir(self.root, steps_done))
 
@@ -170,9 +170,10 @@ class Checkpointer:
 
     # saving
 
-    def save(self, steps_done: int, background: bool = True) -> None:
-        """Checkpoint after `steps_done` steps; returns once training may change the weights
-        again (staged to host memory when saving in the background)."""
+    def save(self, steps_done: int, data_offset: int, background: bool = True) -> None:
+        """Checkpoint after `steps_done` steps, the data `data_offset` batches ahead of them
+        (LocalBatches.offset); returns once training may change the weights again (staged to
+        host memory when saving in the background)."""
         self.wait()
         started = time.perf_counter()
         path = step_dir(self.root, steps_done)
@@ -186,9 +187,7 @@ class Checkpointer:
         torch.save(_rng_state(), rng / f"rank-{self.rank:05d}.pt")
         tensors = self._tensors()
         scale = self.loss_scale.state_dict() if self.loss_scale else None
-        save = Save(
-            steps_done, path, started, 0.0, self.schedule.state_dict(), scale, self.data_offset
-        )
+        save = Save(steps_done, path, started, 0.0, self.schedule.state_dict(), scale, data_offset)
         final = steps_done == self.cfg.train.steps
         if self.cfg.checkpoint.async_save and background and not final:
             save.future = dcp.async_save(
@@ -320,7 +319,7 @@ class Checkpointer:
         self.schedule.load_state_dict(manifest.lr_schedule)
         if self.loss_scale and "loss_scale" in manifest.extra:
             self.loss_scale.load_state_dict(manifest.extra["loss_scale"])
-        self.data_offset = manifest.extra.get("data_offset", 0)
+        self.restored_offset = manifest.extra.get("data_offset", 0)
         for group, lr in zip(self.optimizer.param_groups, self.schedule.get_last_lr(), strict=True):
             group["lr"] = lr
         rng = path / RNG_DIR / f"rank-{self.rank:05d}.pt"

@@ -154,9 +154,13 @@ class LocalBatches:
         self._loader = None
         self.seek(start_step)
 
+    def batch_index(self, step: int) -> int:
+        """Which batch of the data step `step` trains on."""
+        return step + self.offset
+
     def seek(self, step: int) -> None:
         """The next batch asked for is step `step`'s (at the current offset)."""
-        self.next_batch = step + self.offset
+        self.next_batch = self.batch_index(step)
         if isinstance(self.dataset, HFWindows):
             sampler = StepSampler(
                 self.dataset, self.global_batch, self.dp_rank, self.dp_size, self.next_batch
@@ -165,7 +169,7 @@ class LocalBatches:
 
     def for_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         started = time.perf_counter()
-        batch = step + self.offset
+        batch = self.batch_index(step)
         if self._loader is None:
             samples = dp_sample_range(batch, self.global_batch, self.dp_rank, self.dp_size)
             tokens = self.dataset.batch(samples, self.seq_len + 1, self.device)

@@ -44,10 +44,10 @@ def log_and_save(
             return spike
     if stop:
         with inside(ctx.watchdog, step, "checkpoint save (stop signal)", one_collective=True):
-            checkpoints.stop(step + 1)
+            checkpoints.stop(step + 1, batches.offset)
     if save:
         with inside(ctx.watchdog, step, "checkpoint save", one_collective=True):
-            checkpoints.save(step + 1)
+            checkpoints.save(step + 1, batches.offset)
     elif checkpoints is not None:
         checkpoints.poll()
     return None
@@ -61,7 +61,7 @@ def roll_back(spike: Spike, batches: LocalBatches, ctx: LoopContext) -> int:
     if not restored:  # no checkpoint yet (none is saved at step 0)
         raise ctx.spikes.unrecoverable(spike)
     rollback = ctx.spikes.rolled_back(spike, restored, batches.offset)
-    batches.offset = ctx.checkpoints.data_offset = rollback.skipped_batches[1] + 1 - restored
+    batches.offset = rollback.skipped_batches[1] + 1 - restored
     batches.seek(restored)
     ctx.pending.first_step = restored
     ctx.pending.clock.restart()

@@ -30,7 +30,8 @@ from meshrun.rank.mesh import mean_over_ranks
 from meshrun.rank.metrics.bubble import BubbleClock
 from meshrun.rank.metrics.memory import FWD_BWD_END, STEP_START
 from meshrun.rank.parallel import ParallelModel, gradient_sync
-from meshrun.rank.profiling import annotate_stages, phase, step_range
+from meshrun.rank.parallel.pipeline import annotate_stages
+from meshrun.rank.profiling import phase, step_range
 from meshrun.rank.train.context import LoopContext, LoopState
 from meshrun.rank.train.data import LocalBatches
 from meshrun.rank.train.log_step import log_and_save, roll_back
@@ -91,7 +92,7 @@ def train_step(
     with phase("data"):
         inputs, targets = batches.for_step(step)
     # keyed by the batch, as a bad batch would be: a rollback that skips it skips the fault
-    factor = ctx.corruption(step + batches.offset) if ctx.corruption else 1.0
+    factor = ctx.corruption(batches.batch_index(step)) if ctx.corruption else 1.0
     with inside(ctx.watchdog, step, ctx.step_collectives, one_collective=False):
         if model.schedule is not None:
             step_loss = _pipeline_step(model, inputs, targets, ctx, factor)
