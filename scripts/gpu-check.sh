@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU checks in one go, for a machine with CUDA (run from the repository root):
 # the gpu-marked tests, predicted vs measured memory on CUDA, MFU and tokens/s of llama-1b
-# and hf/llama-3.2-1b in bf16 on one GPU with and without torch.compile, an MoE (grouped GEMM), FSDP and TP memory
+# and hf/llama-3.2-1b in bf16 on one GPU with and without torch.compile, an MoE (grouped GEMM), a profiled step
+# and allocator snapshots (debug.profile_steps, debug.memory_snapshot), FSDP and TP memory
 # on NCCL (2+ GPUs), expert parallelism (ep2, tp2 x etp, ep2 verified against one GPU; 2+ GPUs), context parallelism's memory and tokens/s against one GPU
-# (benchmarks/context_parallel.py, 2+ GPUs), the pipeline bubble on a host with CPU cores to
+# (benchmarks/context_parallel.py, 2+ GPUs), a hang's flight-recorder account on NCCL (2+ GPUs), the pipeline bubble on a host with CPU cores to
 # spare, and meshrun-comm over nccl (all-reduce busbw) with meshrun-doctor (2+ GPUs).
 # Logs go to $OUT (default outputs/gpu-check). Uses the python on PATH (PYTHON=...), with the
 # repository's src/ on PYTHONPATH, so a machine's own CUDA torch is used as it is.
@@ -114,6 +115,14 @@ if [ "$gpus" -ge 2 ]; then
   run "mixtral-shaped tp2 etp nccl" parallel=tp2 parallel.etp=2 "${moe[@]}"
   $py -m meshrun.tools.verify model=tiny-moe parallel=ep2 backend=nccl launcher.nproc_per_node=2 \
     2>&1 | tee "$out/verify_ep2_nccl.log" | tail -3
+  log "a hang on NCCL (rank 1 stops at step 2): the message names the collective from NCCL's flight recorder"
+  hang="$work/hang-nccl"
+  $py -m meshrun logger=none train.progress_bar=false metrics.baseline=off parallel=ddp model=tiny \
+    backend=nccl launcher.nproc_per_node=2 train.steps=6 debug.fail_rank=1 debug.fail_step=2 \
+    debug.fail_mode=hang backend.timeout_s=20 "hydra.run.dir=$hang" "store.path=$work/meshrun.db" \
+    > "$out/hang_nccl.log" 2>&1
+  grep -o "collective hang.*" "$out/hang_nccl.log" | head -1 | tee -a "$out/summary.log"
+  ls "$hang/flight_recorder" 2>&1 | tee -a "$out/summary.log"
 else
   log "FSDP, TP and EP on NCCL: skipped, $gpus GPU here (NCCL needs a GPU a rank)"
 fi

@@ -262,6 +262,21 @@ BAD_CONFIGS = [
         "train.guard.spike_window",
         ">= 8",
     ),
+    (
+        ["train.guard.spike=true", "checkpoint.every_steps=5", "train.guard.spike_sigma=0"],
+        "train.guard.spike_sigma",
+        "> 0",
+    ),
+    (
+        ["train.guard.spike=true", "checkpoint.every_steps=5", "train.guard.skip_batches=-1"],
+        "train.guard.skip_batches",
+        ">= 0",
+    ),
+    (
+        ["train.guard.spike=true", "checkpoint.every_steps=5", "train.guard.max_rollbacks=0"],
+        "train.guard.max_rollbacks",
+        ">= 1",
+    ),
 ]
 
 
