@@ -251,6 +251,30 @@ BAD_CONFIGS = [
     (["train.guard.max_skipped=0"], "train.guard.max_skipped", ">= 1"),
     (["train.steps=5", "debug.corrupt_step=5"], "debug.corrupt_step", "0..4"),
     (["debug.corrupt_mode=inf"], "debug.corrupt_mode", "nan | spike"),
+    (["train.steps=5", "debug.corrupt_step=[1,7]"], "debug.corrupt_step", "0..4"),
+    (
+        ["debug.corrupt_step=[1,2,3]", "debug.corrupt_mode=[nan,spike]"],
+        "debug.corrupt_mode",
+        "one for each",
+    ),
+    (["debug.corrupt_mode=[nan,inf]"], "debug.corrupt_mode", "nan | spike"),
+    (
+        ["parallel=tp2", "parallel.fault_tolerance=torchft"],
+        "parallel.fault_tolerance",
+        "parallel=ddp on 2 or more ranks",
+    ),
+    (
+        ["parallel=ddp", "parallel.fault_tolerance=torchft", "train.eval.every_steps=2"],
+        "train.eval.every_steps",
+        "0 with parallel.fault_tolerance=torchft",
+    ),
+    (
+        ["parallel=ddp", "parallel.fault_tolerance=torchft", "debug.slow_rank=0"],
+        "debug.slow_rank",
+        "null with parallel.fault_tolerance=torchft",
+    ),
+    (["parallel.replica_restarts=-1"], "parallel.replica_restarts", ">= 0"),
+    (["parallel.replica_restart_delay_s=-1"], "parallel.replica_restart_delay_s", ">= 0"),
     (["train.guard.spike=true"], "train.guard.spike", "checkpoint.every_steps=N"),
     (
         ["train.guard.spike=true", "checkpoint.every_steps=5", "train.guard.spike_ratio=0.5"],

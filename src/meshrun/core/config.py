@@ -25,6 +25,7 @@ from meshrun.core.choices import (
     DeviceType,
     ExportFormat,
     FailMode,
+    FaultTolerance,
     LoadBalance,
     LoggerMode,
     LrDecay,
@@ -181,6 +182,11 @@ class ParallelConfig:
     their layout, and FSDP2 shards each rank's experts over the rest of dp_shard x cp.
     `etp` = tp splits each expert's hidden width over the TP ranks too (Megatron's expert
     tensor parallelism; 1: the experts whole on each TP rank).
+    `fault_tolerance=torchft` runs the dp_replicate replicas as worlds of their own, joined
+    each step by torchft: a replica that dies is restarted (`replica_restarts` times at
+    most, all replicas together) `replica_restart_delay_s` after (a killed process's GPU
+    memory is freed by the driver after it exits) and loads a live one's state while the
+    others train on.
     """
 
     name: str = MISSING
@@ -203,6 +209,9 @@ class ParallelConfig:
     dataparallel_devices: int = -1
     ddp: DDPConfig = field(default_factory=DDPConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    fault_tolerance: FaultTolerance = FaultTolerance["none"]
+    replica_restarts: int = 3
+    replica_restart_delay_s: float = 0.0
 
 
 @dataclass
@@ -471,7 +480,8 @@ class DebugConfig:
     `slow_rank` computes `slow_factor` times as long as it would (a straggler on purpose);
     `corrupt_step` makes every rank's loss of that step non-finite (`corrupt_mode=nan`) or
     SPIKE times itself (`spike`), its gradients with it; it is the step's batch that carries
-    the fault, so a rollback that skips the batch (train.guard.spike) skips it too.
+    the fault, so a rollback that skips the batch (train.guard.spike) skips it too; lists
+    corrupt several (`corrupt_step=[80,140] corrupt_mode=[nan,spike]`, one mode for all).
     Looking inside: `profile_steps=[a,b]` traces steps a..b on every rank with torch.profiler
     (rank/profiling.py); `memory_snapshot` records CUDA's allocator history and writes it at
     the peak step and on an out-of-memory error."""
@@ -484,8 +494,18 @@ class DebugConfig:
     slow_factor: float = 1.0
     profile_steps: list[int] = field(default_factory=list)
     memory_snapshot: bool = False
-    corrupt_step: int | None = None
-    corrupt_mode: str = "nan"  # nan | spike: a str, as Hydra reads `nan` as a float
+    corrupt_step: Any = None  # int | list[int] | None (OmegaConf has no such union)
+    corrupt_mode: Any = "nan"  # nan | spike, or a list: Hydra reads `nan` as a float
+
+
+def corrupted_steps(debug: DebugConfig) -> dict[int, str]:
+    """debug.corrupt_step's batches and their modes (`nan` given as Hydra's float too)."""
+    if debug.corrupt_step is None:
+        return {}
+    steps = debug.corrupt_step if isinstance(debug.corrupt_step, list) else [debug.corrupt_step]
+    modes = debug.corrupt_mode if isinstance(debug.corrupt_mode, list) else [debug.corrupt_mode]
+    modes = [str(mode) for mode in modes] * (len(steps) if len(modes) == 1 else 1)
+    return dict(zip(steps, modes, strict=False))
 
 
 @dataclass

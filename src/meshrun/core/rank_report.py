@@ -40,6 +40,17 @@ class TwinStep:
 
 
 @dataclass(frozen=True)
+class ReplicaFailure:
+    """A torchft replica that ended before the run (parallel.fault_tolerance): which, its
+    start that ended (0: the first), how, and when (seconds from the launch)."""
+
+    replica: int
+    attempt: int
+    error: str
+    at_s: float
+
+
+@dataclass(frozen=True)
 class Rollback:
     """A loss spike train.guard rolled the run back from: the step and its loss against the
     window's mean and deviation, the checkpoint's step it went back to, and the batches it
@@ -68,3 +79,4 @@ class RankReport:
     checkpoint_saves: list[CheckpointSave] | None = None
     busy_per_rank: list[float] | None = None  # seconds a timed step, median (CPU ranks)
     rollbacks: list[Rollback] | None = None  # train.guard.spike's
+    replica_failures: list[ReplicaFailure] | None = None  # torchft's, from the driver

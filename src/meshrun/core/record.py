@@ -185,6 +185,14 @@ class RunRecord:
     # steps trained again are in the run dir's rolled_back.jsonl as they were the first time
     rollbacks: list[dict[str, Any]] | None = _f()
     rollback_count: int | None = _f(column=True, summary=True)
+    # parallel.fault_tolerance=torchft: each replica that ended before the run (which, its
+    # start, how, when), the steps that fewer replicas than the run's trained (and how many
+    # replicas each had), and the steps trained again because a replica failed during them
+    replica_failures: list[dict[str, Any]] | None = _f()
+    replica_failure_count: int | None = _f(column=True, summary=True)
+    steps_with_fewer_replicas: int | None = _f(column=True, summary=True)
+    fewer_replica_steps: list[list[int]] | None = _f()
+    retried_steps: list[int] | None = _f()
     # series and bookkeeping
     losses: list[float] = _f(factory=list)
     grad_norms: list[float | None] = _f(factory=list)

@@ -33,8 +33,10 @@ def stored_baseline(cfg: ExperimentConfig, store: ResultsStore) -> RunRecord | N
 
 def with_baseline_plan(cfg: ExperimentConfig) -> RunConfig:
     """The config the ranks get: `resolved.twin` where rank 0 is to train the baseline twin
-    between the run's steps (a fresh one is needed and both fit)."""
+    between the run's steps (a fresh one is needed and both fit). Not beside torchft's
+    replicas: each is rank 0 of a world of its own, and any of them may restart."""
     twin = needs_baseline(cfg) and stored_baseline(cfg, ResultsStore(cfg.store.path)) is None
+    twin = twin and cfg.parallel.fault_tolerance == "none"
     return with_resolved(cfg, twin=twin and baseline_fits_beside(cfg))
 
 

@@ -1,6 +1,7 @@
 """What a run saw inside its steps, into its record: the profiled steps' traces summarised
 per rank (debug.profile_steps), the slowest rank against the median, the steps the guard
-skipped and the spikes it rolled the run back from (rank/train/guard.py)."""
+skipped and the spikes it rolled the run back from (rank/train/guard.py), the torchft replicas
+that failed and the steps trained without them."""
 
 from __future__ import annotations
 
@@ -72,6 +73,25 @@ def skipped_fields(steps: list[dict[str, Any]]) -> dict[str, Any]:
     norms = [(r["step"], r.get("grad_norm")) for r in steps]
     skipped = [step for step, norm in norms if norm is not None and not math.isfinite(norm)]
     return {"skipped_steps": skipped or None, "steps_skipped": len(skipped)}
+
+
+def replica_fields(
+    cfg: ExperimentConfig, report: RankReport | None, steps: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """torchft's story of the run: the replicas that failed, the steps the others trained
+    without them ([step, replicas] each), the steps trained again."""
+    if cfg.parallel.fault_tolerance == "none":
+        return {}
+    failures = report.replica_failures if report else None
+    replicas = cfg.parallel.dp_replicate
+    fewer = [[r["step"], r["replicas"]] for r in steps if r.get("replicas", replicas) < replicas]
+    return {
+        "replica_failures": [dataclasses.asdict(f) for f in failures or []],
+        "replica_failure_count": len(failures or []),
+        "steps_with_fewer_replicas": len(fewer),
+        "fewer_replica_steps": fewer,
+        "retried_steps": [r["step"] for r in steps if r.get("retried")],
+    }
 
 
 def rollback_fields(report: RankReport | None) -> dict[str, Any]:

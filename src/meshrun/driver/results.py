@@ -26,6 +26,7 @@ from meshrun.core.step_stats import percentile, summarize_steps
 from meshrun.core.trials import Trial, first_choice_loss, rank_correlation
 from meshrun.driver.inspection import (
     profile_fields,
+    replica_fields,
     rollback_fields,
     skipped_fields,
     straggler_fields,
@@ -270,6 +271,7 @@ def assemble(cfg: ExperimentConfig, measured: Measured, baseline: RunRecord | No
         **straggler_fields(cfg, report),
         **skipped_fields(steps),
         **rollback_fields(report),
+        **replica_fields(cfg, report, steps),
         losses=[r["loss"] for r in steps],
         grad_norms=[r.get("grad_norm") for r in steps],
         **router_fields(steps),

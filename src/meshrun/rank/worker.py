@@ -29,7 +29,7 @@ from meshrun.core.run_files.failures import (
     record_failure,
     record_unflushed,
 )
-from meshrun.core.run_files.metrics import METRICS_FILE
+from meshrun.core.run_files.metrics import METRICS_FILE, replica_metrics
 from meshrun.core.stages import PP_AUTO, with_layers
 from meshrun.models import model_shape
 from meshrun.models.moe import Routers
@@ -48,6 +48,7 @@ from meshrun.rank.metrics.memory_snapshot import MemorySnapshots
 from meshrun.rank.parallel.balance import balance_stages
 from meshrun.rank.profiling import StepProfiler
 from meshrun.rank.progress import RankProgress, rank_progress
+from meshrun.rank.replicas import ReplicaPlace, Replicas
 from meshrun.rank.train.build import COMPUTE_DTYPES, Training, build_training
 from meshrun.rank.train.checkpoint import Checkpointer
 from meshrun.rank.train.context import LoopContext, LoopState
@@ -73,8 +74,8 @@ def _freeze_libraries() -> None:
 def run_rank(cfg_dict: dict[str, Any]) -> RankReport | None:
     _freeze_libraries()
     cfg = from_dict(cfg_dict)
-    layout = Layout.of(cfg.parallel)
-    rank = int(os.environ.get("RANK", "0"))
+    place = ReplicaPlace.from_env()
+    layout, rank = _place(cfg, place)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     for key, value in cfg.backend.env.items():
         os.environ.setdefault(key, value)
@@ -91,7 +92,7 @@ def run_rank(cfg_dict: dict[str, Any]) -> RankReport | None:
         init_distributed(cfg.backend.name, cfg.backend.timeout_s)
         mesh = build_mesh(layout, device.type)
     try:
-        report = _train(Rank(cfg, layout, rank, device, mesh, watchdog))
+        report = _train(Rank(cfg, layout, rank, device, mesh, watchdog, place))
         note_finished(cfg.run_dir, rank)
         return report
     except Exception as err:
@@ -109,6 +110,15 @@ def run_rank(cfg_dict: dict[str, Any]) -> RankReport | None:
         gc.collect()
 
 
+def _place(cfg: RunConfig, replica: ReplicaPlace | None) -> tuple[Layout, int]:
+    """This process's world and rank in it; a torchft replica's world is itself, and it is
+    named (its files, its records) by its number."""
+    layout = Layout.of(cfg.parallel)
+    if replica is not None:
+        return dataclasses.replace(layout, dp_replicate=1), replica.id
+    return layout, int(os.environ.get("RANK", "0"))
+
+
 @dataclass(frozen=True)
 class Rank:
     """This process's place in the run, as every step of it needs it."""
@@ -119,6 +129,13 @@ class Rank:
     device: torch.device
     mesh: DeviceMesh | None
     watchdog: Watchdog | None
+    replica: ReplicaPlace | None = None  # parallel.fault_tolerance=torchft
+
+    def data_share(self) -> tuple[int, int]:
+        """Which share of each global batch this rank trains on, of how many."""
+        if self.replica is not None:
+            return self.replica.id, self.replica.replicas
+        return dp_rank(self.layout, self.rank), self.layout.dp_size
 
 
 @dataclass
@@ -132,6 +149,9 @@ class Setup:
     resumed_from_step: int | None  # the checkpoint restored
     evaluate: Evaluator | None
     twin: Twin | None
+    spikes: SpikeGuard | None
+    replicas: Replicas | None
+    start_step: int  # the resumed step, or the one a torchft replica joined its peers at
 
 
 @dataclass(frozen=True)
@@ -183,13 +203,17 @@ def _set_up(at: Rank) -> Setup:
         train_data,
         tc.global_batch_size,
         tc.seq_len,
-        dp_rank(at.layout, at.rank),
-        at.layout.dp_size,
+        *at.data_share(),
         at.device,
         start_step=start or 0,
         cp=(cp_rank(at.layout, at.rank), at.layout.cp),
         offset=checkpoints.restored_offset if checkpoints else 0,
     )
+    spikes = SpikeGuard(tc.guard) if tc.guard.spike else None
+    replicas = _join_replicas(at, training, batches, spikes) if at.replica else None
+    joined = replicas.start(start or 0) if replicas else start or 0
+    if joined != (start or 0):  # a restarted replica, given a live peer's state
+        batches.seek(joined)
     return Setup(
         training,
         memory,
@@ -198,7 +222,42 @@ def _set_up(at: Rank) -> Setup:
         start,
         _evaluator(at, training, heldout),
         Twin(cfg, at.device, at.rank) if cfg.resolved.twin else None,
+        spikes,
+        replicas,
+        joined,
     )
+
+
+def _join_replicas(
+    at: Rank, training: Training, batches: LocalBatches, spikes: SpikeGuard | None
+) -> Replicas:
+    """torchft's Manager for this replica, its model wrapped in torchft's DDP. What a lagging
+    peer is sent: everything a step depends on (weights, optimizer, LR schedule, the data's
+    position, the spike watch)."""
+    model, optimizer, schedule = training.model, training.optimizer, training.schedule
+    module = model.parts[0]
+
+    def state() -> dict[str, Any]:
+        return {
+            "model": module.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "schedule": schedule.state_dict(),
+            "data_offset": batches.offset,
+            "spikes": spikes.state_dict() if spikes else None,
+        }
+
+    def load(given: dict[str, Any]) -> None:
+        module.load_state_dict(given["model"])
+        optimizer.load_state_dict(given["optimizer"])
+        schedule.load_state_dict(given["schedule"])
+        batches.offset = given["data_offset"]
+        if spikes is not None:
+            spikes.load_state_dict(given["spikes"])
+
+    cfg = at.cfg
+    replicas = Replicas(at.replica, cfg.backend.name, cfg.backend.timeout_s, state, load)
+    model.parts[0] = replicas.wrap(module)
+    return replicas
 
 
 def _restore(at: Rank, training: Training) -> tuple[Checkpointer | None, int | None]:
@@ -213,7 +272,10 @@ def _restore(at: Rank, training: Training) -> tuple[Checkpointer | None, int | N
         training.schedule,
         at.rank,
         training.loss_scale,
+        at.replica.id if at.replica else None,
     )
+    if _restarted(at):  # it joins its live peers at their step, with their state
+        return checkpoints, None
     with inside(at.watchdog, 0, "checkpoint load", one_collective=False):
         return checkpoints, checkpoints.restore()
 
@@ -250,7 +312,7 @@ def _loop(at: Rank, setup: Setup) -> tuple[LoopState, LoopContext]:
     training, batches = setup.training, setup.batches
     show = at.rank == 0 and tc.progress_bar
     with rank_progress(tc.steps, tc.tokens_per_step, show) as progress:
-        log_file = Path(at.cfg.run_dir) / METRICS_FILE if at.rank == 0 else None
+        log_file = _metrics_file(at)
         metrics = MetricsLog(log_file, [progress.show] if progress else [])
         if setup.resumed_from_step:
             metrics.keep_before(setup.resumed_from_step)
@@ -272,10 +334,22 @@ def _loop(at: Rank, setup: Setup) -> tuple[LoopState, LoopContext]:
     return state, ctx
 
 
+def _metrics_file(at: Rank) -> Path | None:
+    """Rank 0 writes metrics.jsonl; a torchft replica other than 0 its own (replicas.py's),
+    from which the driver fills the steps replica 0 missed while it was down."""
+    if at.rank == 0:
+        return Path(at.cfg.run_dir) / METRICS_FILE
+    if at.replica is not None:
+        path = replica_metrics(at.cfg.run_dir, at.replica.id)
+        path.parent.mkdir(exist_ok=True)
+        return path
+    return None
+
+
 def _loop_context(
     at: Rank, setup: Setup, metrics: MetricsLog, progress: RankProgress | None
 ) -> LoopContext:
-    cfg, start = at.cfg, setup.resumed_from_step or 0
+    cfg, start = at.cfg, setup.start_step
     return LoopContext(
         device=at.device,
         dp_group=dp_group(at.mesh),
@@ -285,7 +359,7 @@ def _loop_context(
         on_log=metrics,
         pending=PendingSteps(at.device, start),
         progress=progress,
-        fault=fault_injector(cfg.debug, at.rank),
+        fault=fault_injector(cfg.debug, at.rank) if not _restarted(at) else None,
         watchdog=at.watchdog,
         step_collectives=step_collectives(at.layout.degrees()),
         start_step=start,
@@ -294,7 +368,11 @@ def _loop_context(
         evaluate=setup.evaluate,
         loss_scale=setup.training.loss_scale,
         twin=setup.twin,
-        host_load=HostLoad(measure_host=int(os.environ.get("LOCAL_RANK", "0")) == 0),
+        # the host's other load is what the ranks' gathered CPU time leaves of it; torchft's
+        # replicas gather nothing (worlds of their own), so theirs is not measured
+        host_load=HostLoad(measure_host=int(os.environ.get("LOCAL_RANK", "0")) == 0)
+        if at.replica is None
+        else None,
         compiling=CompileClock() if cfg.train.compile else None,
         routers=Routers.of(cfg.model),
         profiler=StepProfiler(cfg.run_dir, at.rank, cfg.debug.profile_steps, at.device)
@@ -307,12 +385,18 @@ def _loop_context(
             setup.checkpoints.last_complete if setup.checkpoints else lambda: None,
         ),
         corruption=corruption(cfg.debug),
-        spikes=SpikeGuard(cfg.train.guard) if cfg.train.guard.spike else None,
+        spikes=setup.spikes,
+        replicas=setup.replicas,
         on_rollback=metrics.roll_back,
         snapshots=MemorySnapshots(cfg.run_dir, at.rank, at.device)
         if cfg.debug.memory_snapshot
         else None,
     )
+
+
+def _restarted(at: Rank) -> bool:
+    """A torchft replica started again: the failure it injected happened once."""
+    return at.replica is not None and at.replica.attempt > 0
 
 
 def _busy_clock(at: Rank) -> BusyClock | None:

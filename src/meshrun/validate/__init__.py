@@ -22,6 +22,7 @@ from meshrun.validate.context import check_context_parallel
 from meshrun.validate.custom import check_custom_layout
 from meshrun.validate.data import check_data
 from meshrun.validate.experts import check_expert_layout, check_experts
+from meshrun.validate.fault_tolerance import check_fault_tolerance
 from meshrun.validate.guard import check_guard
 from meshrun.validate.inspection import check_inspection
 from meshrun.validate.launcher import check_debug
@@ -78,6 +79,7 @@ def validate_run(resolved: ExperimentConfig) -> ExperimentConfig:
     check_debug(resolved.debug, world, resolved.train.steps)
     check_inspection(resolved, world)
     check_guard(resolved)
+    check_fault_tolerance(resolved)
     resolved = check_checkpoint(resolved)
     if resolved.launcher.name == "slurm":
         return dataclasses.replace(resolved, launcher=check_slurm(resolved))

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from meshrun.core.choices import CORRUPT_MODES
-from meshrun.core.config import ExperimentConfig
+from meshrun.core.config import DebugConfig, ExperimentConfig, corrupted_steps
 from meshrun.core.errors import choice, fail
 
 
@@ -17,16 +17,31 @@ def check_guard(cfg: ExperimentConfig) -> None:
             "is how many non-finite steps in a row stop the run",
             "an integer >= 1 (default 10)",
         )
-    if debug.corrupt_step is not None and not 0 <= debug.corrupt_step < steps:
-        fail(
-            "debug.corrupt_step",
-            debug.corrupt_step,
-            f"outside the run's {steps} steps",
-            f"0..{steps - 1}, or null",
-        )
-    choice("debug.corrupt_mode", debug.corrupt_mode, CORRUPT_MODES)
+    _check_corruption(debug, steps)
     if guard.spike:
         _check_spike(cfg)
+
+
+def _check_corruption(debug: DebugConfig, steps: int) -> None:
+    given = debug.corrupt_step if isinstance(debug.corrupt_step, list) else [debug.corrupt_step]
+    modes = debug.corrupt_mode if isinstance(debug.corrupt_mode, list) else [debug.corrupt_mode]
+    if debug.corrupt_step is not None and len(modes) not in (1, len(given)):
+        fail(
+            "debug.corrupt_mode",
+            debug.corrupt_mode,
+            f"names {len(modes)} modes for {len(given)} corrupted steps",
+            "one mode for all of them, or one for each",
+        )
+    for mode in modes:
+        choice("debug.corrupt_mode", str(mode), CORRUPT_MODES)
+    for step in corrupted_steps(debug):
+        if not isinstance(step, int) or not 0 <= step < steps:
+            fail(
+                "debug.corrupt_step",
+                debug.corrupt_step,
+                f"{step} is outside the run's {steps} steps",
+                f"steps in 0..{steps - 1} (one, or a list), or null",
+            )
 
 
 def _check_spike(cfg: ExperimentConfig) -> None:

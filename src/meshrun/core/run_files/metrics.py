@@ -4,5 +4,47 @@ step's as it happens (rank/metrics/log.py); the driver follows the file while th
 rolled_back.jsonl: the steps a train.guard rollback trained again, as they were the first
 time, each with the rollback's number."""
 
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
 METRICS_FILE = "metrics.jsonl"
 ROLLED_BACK_FILE = "rolled_back.jsonl"
+REPLICAS_DIR = "replicas"
+
+
+def replica_metrics(run_dir: str, replica: int) -> Path:
+    """A torchft replica's own records (replica 0's are metrics.jsonl): the same steps, the
+    same global losses, written while it lives."""
+    return Path(run_dir) / REPLICAS_DIR / f"replica{replica}.jsonl"
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def fill_from_replicas(run_dir: str) -> list[int]:
+    """metrics.jsonl completed with the steps replica 0 did not write (it was down, or its
+    last steps died unwritten with it) from the other replicas' files; the steps filled."""
+    path = Path(run_dir) / METRICS_FILE
+    records = {r["step"]: r for r in read_records(path)}
+    filled: list[int] = []
+    for other in sorted((Path(run_dir) / REPLICAS_DIR).glob("replica*.jsonl")):
+        for record in read_records(other):
+            if record["step"] not in records:
+                records[record["step"]] = {**record, "written_by_replica": _number(other)}
+                filled.append(record["step"])
+    if filled:
+        fresh = path.with_name(path.name + ".tmp")
+        fresh.write_text("".join(json.dumps(records[s]) + "\n" for s in sorted(records)))
+        os.replace(fresh, path)
+    return sorted(filled)
+
+
+def _number(path: Path) -> int:
+    return int(path.stem.removeprefix("replica"))

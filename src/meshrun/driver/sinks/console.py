@@ -144,6 +144,7 @@ def print_summary(r: RunRecord) -> None:
         *_trials_row(r),
         *_skipped(r),
         *_rollbacks(r),
+        *_replicas(r),
         *_slowest_rank(r),
         *_profile(r),
     ]
@@ -219,6 +220,40 @@ def _rollbacks(r: RunRecord) -> list[tuple[str, str]]:
             )
         )
     return rows
+
+
+def _replicas(r: RunRecord) -> list[tuple[str, str]]:
+    """torchft: each replica that failed, and the steps the others trained on without it."""
+    rows = [
+        (
+            f"replica {f['replica']} failed",
+            f"{f['error']} at {f['at_s']:.1f} s (start {f['attempt']})",
+        )
+        for f in r.replica_failures or []
+    ]
+    if r.steps_with_fewer_replicas:
+        spans = _spans([step for step, _ in r.fewer_replica_steps])
+        fewest = min(n for _, n in r.fewer_replica_steps)
+        rows.append(
+            (
+                "steps with fewer replicas",
+                f"{r.steps_with_fewer_replicas} ({spans}; fewest {fewest})",
+            )
+        )
+    if r.retried_steps:
+        rows.append(("steps trained again", _spans(r.retried_steps)))
+    return rows
+
+
+def _spans(steps: list[int]) -> str:
+    """Consecutive steps as ranges: 3-7, 12."""
+    spans: list[list[int]] = []
+    for step in steps:
+        if spans and step == spans[-1][1] + 1:
+            spans[-1][1] = step
+        else:
+            spans.append([step, step])
+    return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in spans)
 
 
 def _slowest_rank(r: RunRecord) -> list[tuple[str, str | Text]]:

@@ -26,6 +26,7 @@ import os
 import shutil
 import signal
 import time
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -75,6 +76,11 @@ class Save:
     total_s: float | None = None
 
 
+# A run of one process (a single device, a torchft replica) saves and loads with no_dist: DCP
+# warns it assumes so, each time.
+warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninit")
+
+
 def _inner(part: nn.Module) -> nn.Module:
     return part.module if isinstance(part, DistributedDataParallel | nn.DataParallel) else part
 
@@ -105,8 +111,14 @@ class Checkpointer:
         schedule: torch.optim.lr_scheduler.LRScheduler,
         rank: int,
         loss_scale: LossScale | None = None,
+        replica: int | None = None,
     ) -> None:
+        """`replica`: a torchft replica's number. Replica 0 alone writes the run's checkpoints
+        (the replicas hold the same state), in the foreground: each replica's rollback then
+        finds the save of its step complete."""
         self.cfg = cfg
+        self.writes = replica in (None, 0)
+        self.background = replica is None
         self.loss_scale = loss_scale
         self.every = cfg.checkpoint.every_steps
         self.root = checkpoint_root(cfg.checkpoint, cfg.run_dir)
@@ -139,7 +151,7 @@ class Checkpointer:
 
     def stop(self, steps_done: int, data_offset: int) -> None:
         """Save now, whole, and stop the run."""
-        if not self.saves or self.saves[-1].step != steps_done:
+        if self.writes and (not self.saves or self.saves[-1].step != steps_done):
             self.save(steps_done, data_offset, background=False)
         self.wait()
         raise Stopped(self.signal, steps_done, step_dir(self.root, steps_done))
@@ -163,6 +175,8 @@ class Checkpointer:
         return tensors
 
     def due(self, steps_done: int) -> bool:
+        if not self.writes:
+            return False
         last = steps_done == self.cfg.train.steps
         if last and self.cfg.checkpoint.export != "none":
             return True  # the export reads the final checkpoint
@@ -189,7 +203,7 @@ class Checkpointer:
         scale = self.loss_scale.state_dict() if self.loss_scale else None
         save = Save(steps_done, path, started, 0.0, self.schedule.state_dict(), scale, data_offset)
         final = steps_done == self.cfg.train.steps
-        if self.cfg.checkpoint.async_save and background and not final:
+        if self.cfg.checkpoint.async_save and self.background and background and not final:
             save.future = dcp.async_save(
                 tensors, checkpoint_id=path, process_group=self.group, no_dist=self.group is None
             )

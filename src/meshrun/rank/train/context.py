@@ -20,6 +20,7 @@ from meshrun.rank.metrics.memory import MemoryMeter
 from meshrun.rank.metrics.memory_snapshot import MemorySnapshots
 from meshrun.rank.profiling import StepProfiler
 from meshrun.rank.progress import RankProgress
+from meshrun.rank.replicas import Replicas
 from meshrun.rank.train.checkpoint import Checkpointer
 from meshrun.rank.train.evaluate import Evaluator
 from meshrun.rank.train.guard import SpikeGuard, StepGuard
@@ -77,3 +78,4 @@ class LoopContext:
     spikes: SpikeGuard | None = None  # train.guard.spike: a spike rolls the run back
     on_rollback: Callable[[int, int], None] | None = None  # metrics.jsonl's (step, number)
     corruption: Callable[[int], float] | None = None  # debug.corrupt_step's loss factor
+    replicas: Replicas | None = None  # parallel.fault_tolerance=torchft

@@ -182,6 +182,12 @@ class LocalBatches:
         self.waits.append(time.perf_counter() - started)
         return inputs_and_targets(tokens, *self.cp)
 
+    def again(self, step: int) -> None:
+        """Step `step` is trained again (a torchft replica failed during it): its batch is
+        asked for once more, and waited for once in its record."""
+        self.waits.pop()
+        self.seek(step)
+
     def drain_waits(self) -> list[float]:
         waits, self.waits = self.waits, []
         return waits

@@ -67,6 +67,8 @@ def roll_back(spike: Spike, batches: LocalBatches, ctx: LoopContext) -> int:
     ctx.pending.clock.restart()
     if ctx.on_rollback is not None:
         ctx.on_rollback(restored, len(ctx.spikes.rollbacks))
+    if ctx.replicas is not None:
+        ctx.replicas.rolled_back(restored)
     return restored
 
 
@@ -105,6 +107,9 @@ def _flush(
                 record["profiled"] = True
             elif ctx.profiler.disturbs(record["step"]):
                 record["after_profile"] = True
+    if ctx.replicas is not None:  # torchft: how many replicas trained each step
+        for record in records:
+            record.update(ctx.replicas.take(record["step"]))
     ctx.on_log(records)
     if ctx.guard is not None:  # after the steps are written: a streak stops every rank here
         ctx.guard.logged(first_step, norms)

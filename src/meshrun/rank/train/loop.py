@@ -83,10 +83,10 @@ def train_step(
     cfg: TrainConfig,
     ctx: LoopContext,
     breakdown: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, float]:
+) -> tuple[torch.Tensor, torch.Tensor, float] | None:
     """One optimizer step on the step's batch: (loss, global gradient norm, both still on
-    device; the LR it trained with). `breakdown`: the step the memory breakdown reads,
-    marked."""
+    device; the LR it trained with); None where a torchft replica failed during the step,
+    which then applies nothing. `breakdown`: the step the memory breakdown reads, marked."""
     if breakdown:
         ctx.memory.mark(STEP_START)
     with phase("data"):
@@ -105,10 +105,26 @@ def train_step(
         ctx.loss_scale.unscale(grads)
     with inside(ctx.watchdog, step, "all_reduce (gradient norm)", one_collective=True):
         norm = grads.norm(ctx.pp_group)
+    # torchft: the loss the quorum's mean, the step applied only where all replicas' succeeded
+    if ctx.replicas is not None and not ctx.replicas.agreed(step, step_loss):
+        optimizer.zero_grad(set_to_none=False)
+        return None
     if cfg.grad_clip is not None:
         with phase("clip"):
             grads.clip_(cfg.grad_clip, norm)
     lr = schedule.get_last_lr()[0]
+    _update(optimizer, schedule, norm, ctx)
+    return step_loss, norm, lr
+
+
+def _update(
+    optimizer: torch.optim.Optimizer,
+    schedule: torch.optim.lr_scheduler.LRScheduler,
+    norm: torch.Tensor,
+    ctx: LoopContext,
+) -> None:
+    """The optimizer's step where the gradients are finite (fp16: as its loss scale decides),
+    the LR schedule's either way, the gradients zeroed."""
     if ctx.loss_scale is not None:  # fp16: its scale's decision, read on the host
         stepped = ctx.loss_scale.update(norm)
     else:  # a non-finite norm leaves the weights as they are (on the device where it can)
@@ -121,7 +137,6 @@ def train_step(
             warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()`"))
         schedule.step()
     optimizer.zero_grad(set_to_none=False)
-    return step_loss, norm, lr
 
 
 def train_loop(
@@ -147,9 +162,11 @@ def train_loop(
         # The breakdown is read from an untimed step after the first: optimizer state exists.
         breakdown = ctx.start_step + 1 <= step < first_timed
         with _measured(step, ctx, timed):
-            loss, norm, lr = train_step(
-                model, optimizer, schedule, batches, step, cfg, ctx, breakdown
-            )
+            done = train_step(model, optimizer, schedule, batches, step, cfg, ctx, breakdown)
+        if done is None:  # a torchft replica failed during it: the live ones train it again
+            batches.again(step)
+            continue
+        loss, norm, lr = done
         values = torch.stack([loss, norm])
         if ctx.routers:  # after the loss and the norm, each router's counts of the step
             values = torch.cat([values, _routed(model, step, ctx).flatten()])
@@ -167,13 +184,15 @@ def train_loop(
 
 
 def _before_step(step: int, ctx: LoopContext) -> None:
-    """Where the rank is, the failure it injects, the profiler's start."""
+    """Where the rank is, the failure it injects, the profiler's start, torchft's quorum."""
     if ctx.watchdog is not None:
         ctx.watchdog.at(step)
     if ctx.fault is not None:
         ctx.fault(step)
     if ctx.profiler is not None:
         ctx.profiler.before(step)
+    if ctx.replicas is not None:
+        ctx.replicas.begin(step)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,187 @@
+"""parallel.fault_tolerance=torchft: the run's data-parallel replicas as worlds of their own
+(rank/replicas.py), joined each step through torchft's lighthouse, which this driver runs for
+the run's length. Each replica is started by torch elastic's start_processes; one killed by a
+signal (the OOM killer, a lost node) or left behind by its peers is started again while the
+others train on, and joins them with a live one's state. `parallel.replica_restarts` bounds
+the restarts of the whole run; an exception a replica raises is the run's failure, as in any
+run (the same error would come back). Replica 0 returns the report, with the failures."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing import (
+    DefaultLogsSpecs,
+    SignalException,
+    start_processes,
+)
+from torch.distributed.elastic.multiprocessing.api import PContext, RunProcsResult
+
+from meshrun.core.config import ExperimentConfig
+from meshrun.core.rank_report import ReplicaFailure
+from meshrun.core.run_files.failures import first_failure, recorded_failures
+from meshrun.core.run_files.metrics import REPLICAS_DIR, fill_from_replicas
+from meshrun.driver.launch import TRAIN, RankEntry, RankFailure, RunInterrupted
+from meshrun.driver.launch.local import start_method
+from meshrun.rank.replicas import LIGHTHOUSE_ENV, REPLICA_ENV, ReplicaLagged, ReplicaPlace
+
+# A replica silent this long is left out of the next quorum: the live ones wait this long
+# for a dead peer once (torchft's default, 5 s, doubles a short run's stall).
+HEARTBEAT_TIMEOUT_MS = 2000
+# How long a quorum waits for replicas that heartbeat but have not asked to join (a restarted
+# one still loading), before it goes on without them.
+JOIN_TIMEOUT_MS = 500
+# torchft's Rust half logs every quorum and commit at INFO (to stderr) unless told otherwise
+RUST_LOG, QUIET = "RUST_LOG", "warn"
+
+
+@dataclass
+class _Running:
+    place: ReplicaPlace
+    process: PContext
+
+
+class _Replicas:
+    """The replica processes of one run: started, polled, restarted."""
+
+    def __init__(self, cfg: ExperimentConfig, entry: RankEntry, lighthouse: str) -> None:
+        self.cfg, self.entry, self.lighthouse = cfg, entry, lighthouse
+        self.method = start_method(cfg.launcher.start_method)
+        self.started = time.monotonic()
+        self.running: dict[int, _Running] = {}
+        self.restarts: list[tuple[float, ReplicaPlace]] = []  # (when, replica) to start again
+        self.finished: dict[int, Any] = {}  # replica -> its return value
+        self.failures: list[ReplicaFailure] = []
+
+    def start(self, place: ReplicaPlace) -> None:
+        env = {
+            REPLICA_ENV: place.env(),
+            LIGHTHOUSE_ENV: self.lighthouse,
+            "RANK": "0",
+            "LOCAL_RANK": str(place.id),
+            "WORLD_SIZE": "1",
+            RUST_LOG: os.environ.get(RUST_LOG, QUIET),
+        }
+        process = start_processes(
+            name=f"meshrun-replica{place.id}",
+            entrypoint=self.entry,
+            args={0: (asdict(self.cfg),)},
+            envs={0: env},
+            logs_specs=DefaultLogsSpecs(),
+            start_method=self.method,
+        )
+        self.running[place.id] = _Running(place, process)
+
+    def busy(self) -> bool:
+        return bool(self.running or self.restarts)
+
+    def poll(self) -> None:
+        """Each replica that ended: kept (finished), started again, or the run's failure;
+        the restarts that are due, started."""
+        due = [place for when, place in self.restarts if when <= time.monotonic()]
+        self.restarts = [(when, p) for when, p in self.restarts if p not in due]
+        for place in due:
+            if not self.finished:  # else the live ones ended the run meanwhile
+                self._start_again(place)
+        for replica, running in list(self.running.items()):
+            result = running.process.wait(timeout=0)
+            if result is None:
+                continue
+            del self.running[replica]
+            if not result.is_failed():
+                self.finished[replica] = result.return_values[0]
+                continue
+            failure = self._failure(running.place, result)
+            self.failures.append(failure)
+            self._restart_or_fail(running.place, failure)
+
+    def _failure(self, place: ReplicaPlace, result: RunProcsResult) -> ReplicaFailure:
+        ended = result.failures[0]
+        recorded = recorded_failures(self.cfg.run_dir).get(place.id)
+        error = recorded["error"] if recorded else f"killed ({ended.signal_name()})"
+        if not recorded and ended.exitcode >= 0:
+            error = f"exit code {ended.exitcode}"
+        at_s = round(time.monotonic() - self.started, 3)
+        return ReplicaFailure(place.id, place.attempt, error, at_s)
+
+    def _restart_or_fail(self, place: ReplicaPlace, failure: ReplicaFailure) -> None:
+        """Started again where a live replica has the state to give it and the run's restarts
+        allow; else every replica stopped and the run failed."""
+        restartable = failure.error.startswith(("killed (", f"{ReplicaLagged.__name__}: "))
+        allowed = len(self.failures) <= self.cfg.parallel.replica_restarts
+        if self.finished:
+            return  # the live ones ended the run: nothing left to train
+        if restartable and allowed:
+            again = ReplicaPlace(place.id, place.replicas, place.attempt + 1)
+            if not self.running:
+                self._none_live(again)
+            when = time.monotonic() + self.cfg.parallel.replica_restart_delay_s
+            self.restarts.append((when, again))
+            return
+        self.stop()
+        recorded = first_failure(self.cfg.run_dir)
+        if not restartable and recorded is not None:
+            raise RankFailure(*recorded)
+        spent = f"parallel.replica_restarts={self.cfg.parallel.replica_restarts} spent"
+        raise RankFailure(place.id, f"replica {place.id} {failure.error}; {spent}")
+
+    def _start_again(self, place: ReplicaPlace) -> None:
+        if not self.running:
+            self._none_live(place)
+        self.start(place)
+
+    def _none_live(self, place: ReplicaPlace) -> None:
+        """A failed replica needs a live one to load the run's state from: none is left."""
+        self.stop()
+        raise RankFailure(
+            place.id,
+            f"replica {place.id} {self.failures[-1].error} with no live replica left to take "
+            "the run's state from; resume from the last checkpoint (checkpoint.resume=auto)",
+        )
+
+    def stop(self) -> None:
+        for running in self.running.values():
+            running.process.close()
+        self.running.clear()
+        self.restarts.clear()
+
+
+def launch_replicas(cfg: ExperimentConfig, entry: RankEntry = TRAIN) -> Any:
+    """Replica 0's return value (its report, with every replica's failures)."""
+    quiet = RUST_LOG not in os.environ
+    os.environ.setdefault(RUST_LOG, QUIET)  # read once, as torchft's Rust half loads
+    from torchft._torchft import LighthouseServer  # noqa: PLC0415 (only these runs need it)
+
+    if quiet:  # the forkserver of the driver's other launches started without it
+        del os.environ[RUST_LOG]
+    lighthouse = LighthouseServer(
+        bind="[::]:0",
+        min_replicas=1,
+        join_timeout_ms=JOIN_TIMEOUT_MS,
+        heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
+    )
+    replicas = _Replicas(cfg, entry, lighthouse.address())
+    shutil.rmtree(Path(cfg.run_dir) / REPLICAS_DIR, ignore_errors=True)  # an earlier attempt's
+    try:
+        for replica in range(cfg.parallel.dp_replicate):
+            replicas.start(ReplicaPlace(replica, cfg.parallel.dp_replicate, 0))
+        while replicas.busy():
+            time.sleep(cfg.launcher.monitor_interval_s)
+            replicas.poll()
+    except SignalException as err:  # Ctrl-C or SIGTERM here
+        replicas.stop()
+        raise RunInterrupted(0, f"interrupted by {err.sigval.name}") from None
+    finally:
+        replicas.stop()
+        lighthouse.shutdown()
+        fill_from_replicas(cfg.run_dir)
+    report = replicas.finished.get(0)
+    if report is None:
+        return None
+    return dataclasses.replace(report, replica_failures=replicas.failures)

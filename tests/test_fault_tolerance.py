@@ -1,0 +1,233 @@
+"""Replica-level fault tolerance with torchft (issue 36, items 3 and 4): the data-parallel
+replicas as worlds of their own, joined each step through the driver's lighthouse; a replica
+that dies is started again and joins the live one with its state while that one trains on;
+the record tells each failure and the steps trained with fewer replicas. Real processes,
+real torchft (lighthouse, Manager, gloo), real SIGKILLs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from meshrun.core.config import corrupted_steps
+from meshrun.core.record import RunRecord
+from meshrun.core.run_files.metrics import (
+    METRICS_FILE,
+    ROLLED_BACK_FILE,
+    fill_from_replicas,
+    read_records,
+    replica_metrics,
+)
+from meshrun.driver.experiment import RunFailed, run_experiment
+from meshrun.driver.launch.dispatch import launch
+from tests.helpers import compose_config
+from tests.ranks import config_in
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("torchft") is None, reason="torchft is not installed (meshrun[ft])"
+)
+
+COMMON = (
+    "model=tiny",
+    "parallel=ddp",
+    "launcher.nproc_per_node=2",
+    "train.seq_len=32",
+    "train.untimed_steps=1",
+    "train.log_every=5",
+    "metrics.baseline=off",
+    "logger.name=none",
+)
+TORCHFT = (*COMMON, "parallel.fault_tolerance=torchft")
+# a restart here takes a second (the forkserver has torch loaded): the delay lets the live
+# replica be seen training alone first, as it is while a real one reloads its device
+KILL_REPLICA_1 = ("debug.fail_rank=1", "debug.fail_mode=kill", "parallel.replica_restart_delay_s=3")
+
+
+def _run(tmp: Path, *overrides: str) -> RunRecord:
+    return run_experiment(config_in(tmp, *overrides), launch)
+
+
+def _steps(tmp: Path) -> list[dict]:
+    return read_records(tmp / "run" / METRICS_FILE)
+
+
+def _agree_where_both_trained(tmp: Path) -> None:
+    """Replica 1's own records hold, for every step it trained, the loss replica 0 wrote:
+    the loss is the quorum's mean, the run's, not a replica's."""
+    written = {r["step"]: r for r in _steps(tmp)}
+    own = read_records(replica_metrics(str(tmp / "run"), 1))
+    assert own
+    for record in own:
+        loss, theirs = record["loss"], written[record["step"]]["loss"]
+        assert loss == theirs or (math.isnan(loss) and math.isnan(theirs)), record["step"]
+
+
+def test_torchft_replicas_train_as_ddp_does(tmp_path):
+    """Two replicas without a fault: the same losses as DDP on two ranks (each replica the
+    same share of the global batch, gradients averaged over the quorum)."""
+    ddp = _run(tmp_path / "ddp", *COMMON, "train.steps=8")
+    ft = _run(tmp_path / "ft", *TORCHFT, "train.steps=8")
+    assert ft.status == "completed" and ft.losses
+    for got, want in zip(ft.losses, ddp.losses, strict=True):
+        assert abs(got - want) <= 1e-6 * want
+    assert ft.replica_failure_count == 0 and ft.steps_with_fewer_replicas == 0
+    assert {r["replicas"] for r in _steps(tmp_path / "ft")} == {2}
+
+
+@pytest.mark.waits
+def test_a_killed_replica_is_restarted_and_rejoins_while_the_other_trains_on(tmp_path):
+    """Replica 1 is SIGKILLed before step 8: replica 0 goes on alone (the steps say 1
+    replica), replica 1 is started again, loads replica 0's state and trains beside it to the
+    end; no requeue, no step lost or trained twice."""
+    run = _run(
+        tmp_path,
+        *TORCHFT,
+        *KILL_REPLICA_1,
+        "debug.fail_step=8",
+        "train.steps=40",
+        "debug.slow_step_s=0.1",
+    )
+    assert run.status == "completed" and not run.requeues
+    [failure] = run.replica_failures
+    assert (failure["replica"], failure["attempt"]) == (1, 0)
+    assert failure["error"] == "killed (SIGKILL)"
+    steps = _steps(tmp_path)
+    assert [r["step"] for r in steps] == list(range(40))
+    alone = [step for step, replicas in run.fewer_replica_steps if replicas == 1]
+    assert alone and alone[0] == 8 and alone == list(range(8, 8 + len(alone)))
+    assert run.steps_with_fewer_replicas == len(alone)
+    assert all(r["replicas"] == 2 for r in steps[alone[-1] + 1 :]), "replica 1 rejoined"
+    _agree_where_both_trained(tmp_path)
+
+
+@pytest.mark.waits
+def test_replica_0_killed_its_missing_steps_come_from_the_other(tmp_path):
+    """Replica 0 writes metrics.jsonl: the steps it missed while down are filled from replica
+    1's records, marked as theirs; the restarted replica 0 reports the run."""
+    run = _run(
+        tmp_path,
+        *TORCHFT,
+        "debug.fail_rank=0",
+        "debug.fail_mode=kill",
+        "parallel.replica_restart_delay_s=3",
+        "debug.fail_step=8",
+        "train.steps=60",
+        "debug.slow_step_s=0.1",
+    )
+    assert run.status == "completed"
+    assert [f["replica"] for f in run.replica_failures] == [0]
+    steps = _steps(tmp_path)
+    assert [r["step"] for r in steps] == list(range(60))
+    # replica 0 last wrote at step 4 (train.log_every=5); replica 1's records fill in from 5
+    filled = [r["step"] for r in steps if r.get("written_by_replica") == 1]
+    assert filled == list(range(5, 5 + len(filled))) and 5 + len(filled) >= 8
+    assert run.memory_per_rank, "the restarted replica 0 reported the run"
+
+
+def test_a_replica_failing_past_the_restarts_fails_the_run_keeping_its_steps(tmp_path):
+    """parallel.replica_restarts=0: the first replica lost stops the run, recorded as failed
+    with why, the steps trained before it kept."""
+    with pytest.raises(RunFailed) as failed:
+        _run(
+            tmp_path,
+            *TORCHFT,
+            *KILL_REPLICA_1,
+            "debug.fail_step=12",
+            "train.steps=60",
+            "train.log_every=2",
+            "debug.slow_step_s=0.05",
+            "parallel.replica_restarts=0",
+        )
+    record = failed.value.results
+    assert record.status == "failed" and record.failed_rank == 1
+    assert "replica 1 killed (SIGKILL); parallel.replica_restarts=0 spent" in record.error
+    assert record.steps_completed >= 12
+
+
+def test_an_exception_in_a_replica_fails_the_run_without_a_restart(tmp_path):
+    """A replica that raises fails as any rank does: the same error would come back."""
+    with pytest.raises(RunFailed) as failed:
+        _run(tmp_path, *TORCHFT, "debug.fail_rank=1", "debug.fail_step=3", "train.steps=30")
+    record = failed.value.results
+    assert "injected failure on rank 1 at step 3" in record.error
+    assert record.replica_failures is None or len(record.replica_failures) <= 1
+
+
+@pytest.mark.waits
+def test_chaos_a_killed_rank_a_non_finite_step_and_a_spike_in_200_steps(tmp_path):
+    """Issue 36's chaos run: replica 1 killed before step 30, batch 80's loss NaN, batch
+    140's a spike. Every step is accounted for: trained once (a rolled-back step once more,
+    its first try kept in rolled_back.jsonl), the NaN step skipped on both replicas, the
+    spike rolled back to the step-140 checkpoint; the record tells all three."""
+    run = _run(
+        tmp_path,
+        *TORCHFT,
+        *KILL_REPLICA_1,
+        "debug.fail_step=30",
+        "debug.corrupt_step=[80,140]",
+        "debug.corrupt_mode=[nan,spike]",
+        "train.guard.spike=true",
+        "checkpoint.every_steps=20",
+        "train.steps=200",
+        "debug.slow_step_s=0.03",
+    )
+    assert run.status == "completed" and run.steps_completed == 200
+    steps = _steps(tmp_path)
+    assert [r["step"] for r in steps] == list(range(200))
+    # the killed rank
+    assert [(f["replica"], f["error"]) for f in run.replica_failures] == [(1, "killed (SIGKILL)")]
+    assert run.fewer_replica_steps[0] == [30, 1]
+    assert steps[-1]["replicas"] == 2
+    # the non-finite step
+    assert run.skipped_steps == [80] and math.isnan(steps[80]["loss"])
+    assert all(math.isfinite(r["loss"]) for r in steps if r["step"] != 80)
+    # the spike
+    [rollback] = run.rollbacks
+    assert (rollback["step"], rollback["restored_step"]) == (140, 140)
+    assert tuple(rollback["skipped_batches"]) == (140, 140)
+    undone = read_records(tmp_path / "run" / ROLLED_BACK_FILE)
+    assert undone[0]["step"] == 140 and undone[0]["loss"] > 5 * rollback["mean"]
+    assert steps[140]["loss"] < 2 * rollback["mean"]  # step 140 trained again, on batch 141
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    _agree_where_both_trained(tmp_path)
+
+
+def test_metrics_are_completed_from_the_other_replicas_records(tmp_path):
+    """Steps replica 0 did not write come from the lowest other replica that did, marked."""
+    run_dir = tmp_path
+    (run_dir / METRICS_FILE).write_text(
+        "".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (0, 1, 4))
+    )
+    for replica, steps in ((1, (2, 3, 4)), (2, (3, 5))):
+        path = replica_metrics(str(run_dir), replica)
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(
+            "".join(json.dumps({"step": s, "loss": float(replica)}) + "\n" for s in steps)
+        )
+    assert fill_from_replicas(str(run_dir)) == [2, 3, 5]
+    records = read_records(run_dir / METRICS_FILE)
+    assert [(r["step"], r["loss"], r.get("written_by_replica")) for r in records] == [
+        (0, 1.0, None),
+        (1, 1.0, None),
+        (2, 1.0, 1),
+        (3, 1.0, 1),
+        (4, 1.0, None),
+        (5, 2.0, 2),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "corrupted"),
+    [
+        ((), {}),
+        (("debug.corrupt_step=3",), {3: "nan"}),
+        (("debug.corrupt_step=[3,9]", "debug.corrupt_mode=spike"), {3: "spike", 9: "spike"}),
+        (("debug.corrupt_step=[3,9]", "debug.corrupt_mode=[nan,spike]"), {3: "nan", 9: "spike"}),
+    ],
+)
+def test_corrupted_steps_pair_each_step_with_its_mode(overrides, corrupted):
+    assert corrupted_steps(compose_config(*overrides).debug) == corrupted
