@@ -133,9 +133,10 @@ def step_metrics(record: dict[str, Any], tokens_per_step: int) -> dict[str, floa
     if record["step_time_s"]:
         metrics["train/step_time_s"] = record["step_time_s"]
         metrics["train/tokens_per_s"] = tokens_per_step / record["step_time_s"]
-    # an MoE model's routers; the step's slowest rank and its busy time beside the others'
+    # an MoE model's routers; the step's slowest rank and its busy time beside the others';
+    # how many torchft replicas trained it
     routers = ("moe_max_load", "moe_dropped", "moe_aux_loss")
-    for key in (*routers, "slowest_rank", "busy_max_s", "busy_others_median_s"):
+    for key in (*routers, "slowest_rank", "busy_max_s", "busy_others_median_s", "replicas"):
         if key in record:
             metrics[f"train/{key}"] = record[key]
     if "eval_loss" in record:
