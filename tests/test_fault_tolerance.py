@@ -78,6 +78,19 @@ def test_torchft_replicas_train_as_ddp_does(tmp_path):
     assert {r["replicas"] for r in _steps(tmp_path / "ft")} == {2}
 
 
+def test_torchft_replicas_resume_from_replica_0s_checkpoint(tmp_path):
+    """Replica 0 saves; every replica resumes from it at the checkpoint's step, and the run
+    goes on as the uninterrupted DDP run does."""
+    saving = (*TORCHFT, "checkpoint.every_steps=4")
+    _run(tmp_path, *saving, "train.steps=4")
+    resumed = _run(tmp_path, *saving, "train.steps=8", "checkpoint.resume=auto")
+    ddp = _run(tmp_path / "ddp", *COMMON, "train.steps=8")
+    assert resumed.resumed_from_step == 4
+    assert [r["step"] for r in _steps(tmp_path)] == list(range(8))
+    for got, want in zip(resumed.losses, ddp.losses, strict=True):
+        assert abs(got - want) <= 1e-6 * want
+
+
 @pytest.mark.waits
 def test_a_killed_replica_is_restarted_and_rejoins_while_the_other_trains_on(tmp_path):
     """Replica 1 is SIGKILLed before step 8: replica 0 goes on alone (the steps say 1
