@@ -261,7 +261,7 @@ BAD_CONFIGS = [
     (
         ["parallel=tp2", "parallel.fault_tolerance=torchft"],
         "parallel.fault_tolerance",
-        "parallel=ddp on 2 or more ranks",
+        "parallel.dp_replicate >= 2",
     ),
     (
         ["parallel=ddp", "parallel.fault_tolerance=torchft", "train.eval.every_steps=2"],

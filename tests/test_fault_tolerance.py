@@ -78,6 +78,44 @@ def test_torchft_replicas_train_as_ddp_does(tmp_path):
     assert {r["replicas"] for r in _steps(tmp_path / "ft")} == {2}
 
 
+HSDP = ("parallel.dp_replicate=2", "parallel.dp_shard=2", "launcher.nproc_per_node=4")
+
+
+def test_replica_groups_of_fsdp2_ranks_train_as_hsdp_does(tmp_path):
+    """dp_replicate=2 x dp_shard=2: two torchft groups of two FSDP2 ranks each, every rank's
+    gradient shard averaged with the same rank's of the other group: HSDP's losses."""
+    hsdp = _run(tmp_path / "hsdp", *COMMON, *HSDP, "train.steps=6")
+    ft = _run(tmp_path / "ft", *TORCHFT, *HSDP, "train.steps=6")
+    assert ft.layout_name == hsdp.layout_name == "hsdp2x2"
+    for got, want in zip(ft.losses, hsdp.losses, strict=True):
+        assert abs(got - want) <= 1e-6 * want
+    assert {r["replicas"] for r in _steps(tmp_path / "ft")} == {2}
+
+
+@pytest.mark.waits
+def test_a_rank_killed_in_a_replica_group_restarts_its_group_from_the_others_shards(tmp_path):
+    """Rank 3 (group 1's second FSDP2 rank) is killed: group 1 stops and starts again, each
+    of its ranks loads its shards from the same rank of group 0, and trains beside it."""
+    run = _run(
+        tmp_path,
+        *TORCHFT,
+        *HSDP,
+        "debug.fail_rank=3",
+        "debug.fail_mode=kill",
+        "debug.fail_step=6",
+        "parallel.replica_restart_delay_s=2",
+        "train.steps=40",
+        "debug.slow_step_s=0.1",
+    )
+    assert run.status == "completed"
+    [failure] = run.replica_failures
+    assert (failure["replica"], failure["rank"], failure["error"]) == (1, 3, "killed (SIGKILL)")
+    steps = _steps(tmp_path)
+    assert [r["step"] for r in steps] == list(range(40))
+    assert run.fewer_replica_steps[0] == [6, 1] and steps[-1]["replicas"] == 2
+    _agree_where_both_trained(tmp_path)
+
+
 def test_torchft_replicas_resume_from_replica_0s_checkpoint(tmp_path):
     """Replica 0 saves; every replica resumes from it at the checkpoint's step, and the run
     goes on as the uninterrupted DDP run does."""

@@ -41,10 +41,12 @@ class TwinStep:
 
 @dataclass(frozen=True)
 class ReplicaFailure:
-    """A torchft replica that ended before the run (parallel.fault_tolerance): which, its
-    start that ended (0: the first), how, and when (seconds from the launch)."""
+    """A torchft replica group that ended before the run (parallel.fault_tolerance): which,
+    the rank whose failure ended it, its start that ended (0: the first), how, and when
+    (seconds from the launch)."""
 
     replica: int
+    rank: int
     attempt: int
     error: str
     at_s: float

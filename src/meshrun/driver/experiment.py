@@ -33,7 +33,7 @@ from meshrun.core.rank_report import RankReport, TwinStep
 from meshrun.core.record import RunRecord
 from meshrun.core.run_files.failures import Stopped
 from meshrun.core.run_files.library_warnings import other_ranks_warnings
-from meshrun.core.run_files.metrics import METRICS_FILE
+from meshrun.core.run_files.metrics import METRICS_FILE, read_records
 from meshrun.core.run_files.positions import clear_records, with_diagnosis
 from meshrun.core.stages import with_layers
 from meshrun.driver.baseline import age_s, needs_baseline, stored_baseline
@@ -162,10 +162,7 @@ def export(cfg: ExperimentConfig) -> str | None:
 
 
 def read_steps(run_dir: str) -> list[dict[str, Any]]:
-    path = Path(run_dir) / METRICS_FILE
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line]
+    return read_records(Path(run_dir) / METRICS_FILE)
 
 
 def measure(cfg: ExperimentConfig, role: Role, launch: Launch) -> Measured:

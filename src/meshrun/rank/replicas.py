@@ -1,11 +1,14 @@
-"""parallel.fault_tolerance=torchft, a replica's side: this process is one data-parallel
-replica, a world of its own, joined to the others each step by torchft's Manager through the
-driver's lighthouse (driver/launch/replicas.py). A step begins with a quorum of the live
-replicas (one that lags, as a restarted one does, first loads a live peer's state: model,
-optimizer, schedule, data position, spike window); the gradients are averaged over the
-quorum's replicas; the step commits only where every participant's collectives succeeded,
-else it is trained again. The quorum is synchronous: a step trains on weights every
-participant holds, so its step number and loss are the run's."""
+"""parallel.fault_tolerance=torchft, a replica's side: this process is one rank of a
+data-parallel replica group, a world of its own (its layout the run's without dp_replicate),
+joined to the other groups each step by torchft's Manager through the driver's lighthouse
+(driver/launch/replicas.py). A step begins with a quorum of the live groups (one that lags,
+as a restarted one does, first loads a live group's state, each rank its peer's of the same
+place: model and optimizer shares, schedule, data position, spike window); after the
+backward each rank's local gradients (its shards, where the group shards them) are averaged
+with those of the same rank of the other groups, one all-reduce a dtype; the step commits only
+where every participant's collectives succeeded, else it is trained again. The quorum is
+synchronous: a step trains on weights every participant holds, so its step number and loss
+are the run's."""
 
 from __future__ import annotations
 
@@ -20,8 +23,8 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import nn
+
+from meshrun.core.run_files.metrics import replicas_ended
 
 REPLICA_ENV = "MESHRUN_REPLICA"  # "<id>/<replicas>/<attempt>", set by the driver
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own name for the lighthouse's address
@@ -34,6 +37,10 @@ for _name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors")
 
 class ReplicaLagged(RuntimeError):
     """The other replicas committed a step this one did not."""
+
+
+class ReplicaAlone(RuntimeError):
+    """A restarted replica found no live one to join: the others ended the run, or died."""
 
 
 @dataclass(frozen=True)
@@ -61,21 +68,26 @@ class Replicas:
 
     def __init__(
         self,
+        run_dir: str,
         place: ReplicaPlace,
+        group: tuple[int, int],
         backend: str,
         timeout_s: float,
         state: Callable[[], dict[str, Any]],
         load: Callable[[dict[str, Any]], None],
     ) -> None:
+        """`group`: this rank's rank in its replica group and the group's size."""
         # torchft: hundreds of milliseconds of imports that only these runs pay
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL  # noqa: PLC0415
 
         # torchft's streaming load of a peer's state hands torch a read-only buffer it owns
         warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
         self.place, self.timeout_s = place, timeout_s
+        self.ended = replicas_ended(run_dir)
         timeout = timedelta(seconds=timeout_s)
-        # the replica's own store (a world of one rank hosts it), on a free port
-        self._store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+        group_rank, group_size = group
+        # the group's store, which the driver hosts (driver/launch/replicas.py)
+        address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         group = ProcessGroupNCCL if backend == "nccl" else ProcessGroupGloo
         self.manager = Manager(
             pg=group(timeout=timeout),
@@ -86,10 +98,10 @@ class Replicas:
             timeout=timeout,
             quorum_timeout=timeout,
             connect_timeout=timeout,
-            rank=0,
-            world_size=1,
-            store_addr="localhost",
-            store_port=self._store.port,
+            rank=group_rank,
+            world_size=group_size,
+            store_addr=address,
+            store_port=port,
             lighthouse_addr=os.environ[LIGHTHOUSE_ENV],
             replica_id=f"replica{place.id}",
             init_sync=False,  # every replica initialises the same weights from the seed
@@ -103,16 +115,21 @@ class Replicas:
         (0, or the checkpoint's it resumed); a restarted one's is its live peers'."""
         if step:
             self.manager.load_state_dict({"step": step, "batches_committed": 0})
-        self._joined = self.quorum()
         # At the run's start the replicas wait for each other (their processes start seconds
-        # apart): the first steps are all replicas', not the fastest starter's alone.
+        # apart): the first steps are all replicas', not the fastest starter's alone. A
+        # restarted one waits for a live one to join (whose next step may be seconds away):
+        # alone, it would train from the start.
+        need = self.place.replicas if self.place.attempt == 0 else 2
         deadline = time.monotonic() + self.timeout_s
-        while self.place.attempt == 0 and self.manager.num_participants() < self.place.replicas:
+        self._joined = self.quorum()
+        while self.manager.num_participants() < need:
+            if self.place.attempt and self.ended.exists():
+                raise ReplicaAlone(f"replica {self.place.id}: the others ended the run")
             if time.monotonic() > deadline:
-                raise TimeoutError(
+                error = ReplicaAlone if self.place.attempt else TimeoutError
+                raise error(
                     f"replica {self.place.id}: {self.manager.num_participants()} of "
-                    f"{self.place.replicas} replicas joined in {self.timeout_s:g} s "
-                    "(backend.timeout_s)"
+                    f"{need} replicas joined in {self.timeout_s:g} s (backend.timeout_s)"
                 )
             time.sleep(0.05)
             self._joined = self.quorum()
@@ -138,11 +155,17 @@ class Replicas:
             fields["retried"] = retries
         return fields
 
-    def wrap(self, module: nn.Module) -> nn.Module:
-        """torchft's DDP: the gradients averaged over the quorum's replicas."""
-        from torchft import DistributedDataParallel  # noqa: PLC0415
-
-        return DistributedDataParallel(self.manager, module)
+    def average(self, grads: list[torch.Tensor]) -> None:
+        """This rank's local gradients averaged, in place, with the same rank's of the other
+        groups in the quorum: flattened, one all-reduce for each dtype."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for grad in grads:
+            by_dtype.setdefault(grad.dtype, []).append(grad)
+        for same in by_dtype.values():
+            flat = torch.cat([grad.flatten() for grad in same])
+            self.manager.allreduce(flat).wait()
+            for grad, part in zip(same, flat.split([g.numel() for g in same]), strict=True):
+                grad.copy_(part.view_as(grad))
 
     def quorum(self) -> int:
         """The step the live replicas train next (this one's state loaded from a peer's first,

@@ -50,7 +50,7 @@ from meshrun.rank.profiling import StepProfiler
 from meshrun.rank.progress import RankProgress, rank_progress
 from meshrun.rank.replicas import ReplicaPlace, Replicas
 from meshrun.rank.train.build import COMPUTE_DTYPES, Training, build_training
-from meshrun.rank.train.checkpoint import Checkpointer
+from meshrun.rank.train.checkpoint import Checkpointer, load_local_state, local_state
 from meshrun.rank.train.context import LoopContext, LoopState
 from meshrun.rank.train.data import HeldoutBatches, LocalBatches, Source, build_streams
 from meshrun.rank.train.evaluate import Evaluator
@@ -97,7 +97,8 @@ def run_rank(cfg_dict: dict[str, Any]) -> RankReport | None:
         return report
     except Exception as err:
         record_failure(cfg.run_dir, rank, err)
-        if watchdog is not None and not isinstance(err, Stopped):
+        # (a torchft replica group's peers are named by the run's ranks: torchft restarts it)
+        if watchdog is not None and not isinstance(err, Stopped) and place is None:
             flight_recorder.dump_all(cfg.run_dir, rank, layout.world_size)
         raise
     finally:
@@ -111,12 +112,15 @@ def run_rank(cfg_dict: dict[str, Any]) -> RankReport | None:
 
 
 def _place(cfg: RunConfig, replica: ReplicaPlace | None) -> tuple[Layout, int]:
-    """This process's world and rank in it; a torchft replica's world is itself, and it is
-    named (its files, its records) by its number."""
+    """This process's world (a torchft replica group's: the run's layout without
+    dp_replicate) and its rank in the run, which names its files and records (a replica
+    group's world rank is RANK)."""
     layout = Layout.of(cfg.parallel)
-    if replica is not None:
-        return dataclasses.replace(layout, dp_replicate=1), replica.id
-    return layout, int(os.environ.get("RANK", "0"))
+    rank = int(os.environ.get("RANK", "0"))
+    if replica is None:
+        return layout, rank
+    group = dataclasses.replace(layout, dp_replicate=1)
+    return group, replica.id * group.world_size + rank
 
 
 @dataclass(frozen=True)
@@ -131,11 +135,17 @@ class Rank:
     watchdog: Watchdog | None
     replica: ReplicaPlace | None = None  # parallel.fault_tolerance=torchft
 
+    @property
+    def world_rank(self) -> int:
+        """The rank in its process group's world: a torchft replica group's own."""
+        return self.rank % self.layout.world_size
+
     def data_share(self) -> tuple[int, int]:
         """Which share of each global batch this rank trains on, of how many."""
-        if self.replica is not None:
-            return self.replica.id, self.replica.replicas
-        return dp_rank(self.layout, self.rank), self.layout.dp_size
+        share = dp_rank(self.layout, self.world_rank), self.layout.dp_size
+        if self.replica is None:
+            return share
+        return self.replica.id * share[1] + share[0], self.replica.replicas * share[1]
 
 
 @dataclass
@@ -185,7 +195,7 @@ def _split_pipeline(at: Rank) -> tuple[RunConfig, StageSplit | None]:
         return at.cfg, None
     dtype = COMPUTE_DTYPES[at.cfg.train.precision]
     with inside(at.watchdog, 0, "pipeline stage probe (all_gather)", one_collective=False):
-        split = balance_stages(at.cfg, at.layout, at.rank, at.device, dtype)
+        split = balance_stages(at.cfg, at.layout, at.world_rank, at.device, dtype)
     return with_layers(at.cfg, split.counts), split
 
 
@@ -206,7 +216,7 @@ def _set_up(at: Rank) -> Setup:
         *at.data_share(),
         at.device,
         start_step=start or 0,
-        cp=(cp_rank(at.layout, at.rank), at.layout.cp),
+        cp=(cp_rank(at.layout, at.world_rank), at.layout.cp),
         offset=checkpoints.restored_offset if checkpoints else 0,
     )
     spikes = SpikeGuard(tc.guard) if tc.guard.spike else None
@@ -231,33 +241,32 @@ def _set_up(at: Rank) -> Setup:
 def _join_replicas(
     at: Rank, training: Training, batches: LocalBatches, spikes: SpikeGuard | None
 ) -> Replicas:
-    """torchft's Manager for this replica, its model wrapped in torchft's DDP. What a lagging
-    peer is sent: everything a step depends on (weights, optimizer, LR schedule, the data's
-    position, the spike watch)."""
+    """torchft's Manager for this rank of its replica group. What the same rank of a lagging
+    group is sent: everything a step depends on (this rank's shares of the weights and the
+    optimizer's state, the LR schedule, the data's position, the spike watch)."""
     model, optimizer, schedule = training.model, training.optimizer, training.schedule
-    module = model.parts[0]
 
     def state() -> dict[str, Any]:
         return {
-            "model": module.state_dict(),
-            "optimizer": optimizer.state_dict(),
+            "tensors": local_state(model, optimizer),
             "schedule": schedule.state_dict(),
             "data_offset": batches.offset,
             "spikes": spikes.state_dict() if spikes else None,
         }
 
     def load(given: dict[str, Any]) -> None:
-        module.load_state_dict(given["model"])
-        optimizer.load_state_dict(given["optimizer"])
+        load_local_state(model, optimizer, given["tensors"])
         schedule.load_state_dict(given["schedule"])
+        for group, lr in zip(optimizer.param_groups, schedule.get_last_lr(), strict=True):
+            group["lr"] = lr
         batches.offset = given["data_offset"]
         if spikes is not None:
             spikes.load_state_dict(given["spikes"])
 
-    cfg = at.cfg
-    replicas = Replicas(at.replica, cfg.backend.name, cfg.backend.timeout_s, state, load)
-    model.parts[0] = replicas.wrap(module)
-    return replicas
+    cfg, group = at.cfg, (at.world_rank, at.layout.world_size)
+    return Replicas(
+        cfg.run_dir, at.replica, group, cfg.backend.name, cfg.backend.timeout_s, state, load
+    )
 
 
 def _restore(at: Rank, training: Training) -> tuple[Checkpointer | None, int | None]:
@@ -270,7 +279,7 @@ def _restore(at: Rank, training: Training) -> tuple[Checkpointer | None, int | N
         training.model,
         training.optimizer,
         training.schedule,
-        at.rank,
+        at.world_rank,
         training.loss_scale,
         at.replica.id if at.replica else None,
     )
@@ -289,10 +298,10 @@ def _evaluator(at: Rank, training: Training, heldout: Source) -> Evaluator | Non
         tc.eval.batches,
         tc.global_batch_size,
         tc.seq_len,
-        dp_rank(at.layout, at.rank),
+        dp_rank(at.layout, at.world_rank),
         at.layout.dp_size,
         at.device,
-        cp=(cp_rank(at.layout, at.rank), at.layout.cp),
+        cp=(cp_rank(at.layout, at.world_rank), at.layout.cp),
     )
     return Evaluator(
         training.model,
@@ -339,7 +348,7 @@ def _metrics_file(at: Rank) -> Path | None:
     from which the driver fills the steps replica 0 missed while it was down."""
     if at.rank == 0:
         return Path(at.cfg.run_dir) / METRICS_FILE
-    if at.replica is not None:
+    if at.replica is not None and at.world_rank == 0:
         path = replica_metrics(at.cfg.run_dir, at.replica.id)
         path.parent.mkdir(exist_ok=True)
         return path

@@ -1,5 +1,5 @@
-"""parallel.fault_tolerance=torchft: what the replicas as worlds of their own can run today
-(driver/launch/replicas.py, rank/replicas.py)."""
+"""parallel.fault_tolerance=torchft: what replica groups as worlds of their own can run
+today (driver/launch/replicas.py, rank/replicas.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import importlib.util
 
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import fail
-from meshrun.core.layout import Layout
 
 
 def check_fault_tolerance(cfg: ExperimentConfig) -> None:
@@ -62,21 +61,21 @@ def check_fault_tolerance(cfg: ExperimentConfig) -> None:
 
 
 def _check_layout(cfg: ExperimentConfig) -> None:
-    """Replicas of one rank each: the dp_replicate dimension alone."""
-    layout = Layout.of(cfg.parallel)
-    others = {dim: n for dim, n in layout.degrees().items() if dim != "dp_replicate" and n > 1}
-    if layout.dp_replicate < 2 or others or layout.ep > 1:
-        given = ", ".join(f"{dim}={n}" for dim, n in layout.degrees().items())
+    """Replica groups along dp_replicate; each group any layout of the other dimensions."""
+    p = cfg.parallel
+    if p.dp_replicate < 2:
         fail(
             "parallel.fault_tolerance",
-            cfg.parallel.fault_tolerance,
-            f"runs data-parallel replicas of one rank each; the layout is {given}",
-            "parallel=ddp on 2 or more ranks (dp_replicate >= 2, every other degree 1)",
+            p.fault_tolerance,
+            f"keeps data-parallel replica groups training when one fails; parallel.dp_replicate "
+            f"is {p.dp_replicate}",
+            "parallel.dp_replicate >= 2 (parallel=ddp on 2 or more ranks; with dp_shard, tp, "
+            "pp, cp: each group of that layout)",
         )
-    if cfg.parallel.data_parallel == "dataparallel":
+    if p.data_parallel == "dataparallel":
         fail(
             "parallel.data_parallel",
-            cfg.parallel.data_parallel,
+            p.data_parallel,
             "runs in one process; torchft's replicas are processes of their own",
             "auto with parallel.fault_tolerance=torchft",
         )

@@ -22,6 +22,12 @@ def replica_metrics(run_dir: str, replica: int) -> Path:
     return Path(run_dir) / REPLICAS_DIR / f"replica{replica}.jsonl"
 
 
+def replicas_ended(run_dir: str) -> Path:
+    """Written by the driver as the first torchft replica group ends the run: a restarted one
+    still waiting for a live peer stops instead of training alone."""
+    return Path(run_dir) / REPLICAS_DIR / "ended"
+
+
 def read_records(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import (
     DefaultLogsSpecs,
     SignalException,
@@ -24,12 +25,19 @@ from torch.distributed.elastic.multiprocessing import (
 from torch.distributed.elastic.multiprocessing.api import PContext, RunProcsResult
 
 from meshrun.core.config import ExperimentConfig
+from meshrun.core.layout import Layout
 from meshrun.core.rank_report import ReplicaFailure
 from meshrun.core.run_files.failures import first_failure, recorded_failures
-from meshrun.core.run_files.metrics import REPLICAS_DIR, fill_from_replicas
+from meshrun.core.run_files.metrics import REPLICAS_DIR, fill_from_replicas, replicas_ended
 from meshrun.driver.launch import TRAIN, RankEntry, RankFailure, RunInterrupted
 from meshrun.driver.launch.local import start_method
-from meshrun.rank.replicas import LIGHTHOUSE_ENV, REPLICA_ENV, ReplicaLagged, ReplicaPlace
+from meshrun.rank.replicas import (
+    LIGHTHOUSE_ENV,
+    REPLICA_ENV,
+    ReplicaAlone,
+    ReplicaLagged,
+    ReplicaPlace,
+)
 
 # A replica silent this long is left out of the next quorum: the live ones wait this long
 # for a dead peer once (torchft's default, 5 s, doubles a short run's stall).
@@ -45,6 +53,7 @@ RUST_LOG, QUIET = "RUST_LOG", "warn"
 class _Running:
     place: ReplicaPlace
     process: PContext
+    store: dist.TCPStore  # the group's rendezvous, hosted here as torch elastic's agent does
 
 
 class _Replicas:
@@ -52,6 +61,7 @@ class _Replicas:
 
     def __init__(self, cfg: ExperimentConfig, entry: RankEntry, lighthouse: str) -> None:
         self.cfg, self.entry, self.lighthouse = cfg, entry, lighthouse
+        self.group_size = Layout.of(cfg.parallel).world_size // cfg.parallel.dp_replicate
         self.method = start_method(cfg.launcher.start_method)
         self.started = time.monotonic()
         self.running: dict[int, _Running] = {}
@@ -60,23 +70,32 @@ class _Replicas:
         self.failures: list[ReplicaFailure] = []
 
     def start(self, place: ReplicaPlace) -> None:
-        env = {
+        """The replica group's ranks, a world of their own: its own store, which the ranks
+        and torchft's Manager join (torch elastic's agent store)."""
+        size = self.group_size
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        shared = {
             REPLICA_ENV: place.env(),
             LIGHTHOUSE_ENV: self.lighthouse,
-            "RANK": "0",
-            "LOCAL_RANK": str(place.id),
-            "WORLD_SIZE": "1",
+            "WORLD_SIZE": str(size),
+            "LOCAL_WORLD_SIZE": str(size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(store.port),
+            "TORCHELASTIC_USE_AGENT_STORE": str(True),
             RUST_LOG: os.environ.get(RUST_LOG, QUIET),
         }
+        ranks = range(size)
         process = start_processes(
             name=f"meshrun-replica{place.id}",
             entrypoint=self.entry,
-            args={0: (asdict(self.cfg),)},
-            envs={0: env},
+            args=dict.fromkeys(ranks, (asdict(self.cfg),)),
+            envs={
+                r: {**shared, "RANK": str(r), "LOCAL_RANK": str(place.id * size + r)} for r in ranks
+            },
             logs_specs=DefaultLogsSpecs(),
             start_method=self.method,
         )
-        self.running[place.id] = _Running(place, process)
+        self.running[place.id] = _Running(place, process, store)
 
     def busy(self) -> bool:
         return bool(self.running or self.restarts)
@@ -96,19 +115,31 @@ class _Replicas:
             del self.running[replica]
             if not result.is_failed():
                 self.finished[replica] = result.return_values[0]
+                replicas_ended(self.cfg.run_dir).touch()
                 continue
+            running.process.close()  # the group's other ranks, waiting on the failed one
             failure = self._failure(running.place, result)
+            if self.finished and failure.error.startswith(f"{ReplicaAlone.__name__}: "):
+                continue  # restarted as the others ended the run: it trained nothing
             self.failures.append(failure)
             self._restart_or_fail(running.place, failure)
 
     def _failure(self, place: ReplicaPlace, result: RunProcsResult) -> ReplicaFailure:
-        ended = result.failures[0]
-        recorded = recorded_failures(self.cfg.run_dir).get(place.id)
-        error = recorded["error"] if recorded else f"killed ({ended.signal_name()})"
-        if not recorded and ended.exitcode >= 0:
-            error = f"exit code {ended.exitcode}"
+        """The group's root cause: a rank killed by a signal without a record of its own (its
+        peers' errors are its consequence), else the first rank's recorded error."""
+        first = place.id * self.group_size
+        ended = {first + local: failure for local, failure in result.failures.items()}
+        recorded = recorded_failures(self.cfg.run_dir)
+        killed = [r for r, f in sorted(ended.items()) if f.exitcode < 0 and r not in recorded]
+        rank = killed[0] if killed else min(ended)
+        if killed:
+            error = f"killed ({ended[rank].signal_name()})"
+        else:
+            error = (
+                recorded[rank]["error"] if rank in recorded else f"exit code {ended[rank].exitcode}"
+            )
         at_s = round(time.monotonic() - self.started, 3)
-        return ReplicaFailure(place.id, place.attempt, error, at_s)
+        return ReplicaFailure(place.id, rank, place.attempt, error, at_s)
 
     def _restart_or_fail(self, place: ReplicaPlace, failure: ReplicaFailure) -> None:
         """Started again where a live replica has the state to give it and the run's restarts
@@ -129,7 +160,7 @@ class _Replicas:
         if not restartable and recorded is not None:
             raise RankFailure(*recorded)
         spent = f"parallel.replica_restarts={self.cfg.parallel.replica_restarts} spent"
-        raise RankFailure(place.id, f"replica {place.id} {failure.error}; {spent}")
+        raise RankFailure(failure.rank, f"replica {place.id} {failure.error}; {spent}")
 
     def _start_again(self, place: ReplicaPlace) -> None:
         if not self.running:
@@ -140,7 +171,7 @@ class _Replicas:
         """A failed replica needs a live one to load the run's state from: none is left."""
         self.stop()
         raise RankFailure(
-            place.id,
+            self.failures[-1].rank,
             f"replica {place.id} {self.failures[-1].error} with no live replica left to take "
             "the run's state from; resume from the last checkpoint (checkpoint.resume=auto)",
         )
@@ -168,6 +199,7 @@ def launch_replicas(cfg: ExperimentConfig, entry: RankEntry = TRAIN) -> Any:
     )
     replicas = _Replicas(cfg, entry, lighthouse.address())
     shutil.rmtree(Path(cfg.run_dir) / REPLICAS_DIR, ignore_errors=True)  # an earlier attempt's
+    (Path(cfg.run_dir) / REPLICAS_DIR).mkdir(parents=True)
     try:
         for replica in range(cfg.parallel.dp_replicate):
             replicas.start(ReplicaPlace(replica, cfg.parallel.dp_replicate, 0))

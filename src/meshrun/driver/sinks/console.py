@@ -227,7 +227,7 @@ def _replicas(r: RunRecord) -> list[tuple[str, str]]:
     rows = [
         (
             f"replica {f['replica']} failed",
-            f"{f['error']} at {f['at_s']:.1f} s (start {f['attempt']})",
+            f"rank {f['rank']}: {f['error']} at {f['at_s']:.1f} s, start {f['attempt']}",
         )
         for f in r.replica_failures or []
     ]

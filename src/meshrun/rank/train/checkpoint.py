@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from meshrun.core.checkpoints import (
@@ -83,6 +84,44 @@ warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or
 
 def _inner(part: nn.Module) -> nn.Module:
     return part.module if isinstance(part, DistributedDataParallel | nn.DataParallel) else part
+
+
+def state_tensors(
+    model: ParallelModel, optimizer: torch.optim.Optimizer
+) -> dict[str, torch.Tensor]:
+    """Model (parameters and persistent buffers) and optimizer tensors by the model's names:
+    detached views, which DCP reads from and loads into."""
+    tensors: dict[str, torch.Tensor] = {}
+    names: dict[int, str] = {}
+    for part in model.parts:
+        inner = _inner(part)
+        for name, tensor in inner.state_dict(keep_vars=True).items():
+            tensors[f"model.{model_name(name)}"] = tensor.detach()
+        names.update({id(param): name for name, param in named_tensors(inner)})
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optim.{names[id(param)]}.{key}"] = value
+    return tensors
+
+
+def local_state(model: ParallelModel, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """This rank's shares of `state_tensors` as plain tensors (copies), for a peer of the
+    same layout (a torchft replica's rank of the same place) to load."""
+    return {
+        key: (value.to_local() if isinstance(value, DTensor) else value).clone()
+        for key, value in state_tensors(model, optimizer).items()
+    }
+
+
+def load_local_state(
+    model: ParallelModel, optimizer: torch.optim.Optimizer, given: dict[str, torch.Tensor]
+) -> None:
+    """`local_state` of a peer of the same layout, copied into this rank's shares."""
+    _init_optimizer_state(optimizer)
+    with torch.no_grad():
+        for key, value in state_tensors(model, optimizer).items():
+            (value.to_local() if isinstance(value, DTensor) else value).copy_(given[key])
 
 
 def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -159,20 +198,7 @@ class Checkpointer:
     # what is saved
 
     def _tensors(self) -> dict[str, torch.Tensor]:
-        """Model (parameters and persistent buffers) and optimizer tensors by the model's
-        names: detached views, which DCP reads from and loads into."""
-        tensors: dict[str, torch.Tensor] = {}
-        names: dict[int, str] = {}
-        for part in self.model.parts:
-            inner = _inner(part)
-            for name, tensor in inner.state_dict(keep_vars=True).items():
-                tensors[f"model.{model_name(name)}"] = tensor.detach()
-            names.update({id(param): name for name, param in named_tensors(inner)})
-        for param, state in self.optimizer.state.items():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    tensors[f"optim.{names[id(param)]}.{key}"] = value
-        return tensors
+        return state_tensors(self.model, self.optimizer)
 
     def due(self, steps_done: int) -> bool:
         if not self.writes:

@@ -101,6 +101,8 @@ def train_step(
     if breakdown:
         ctx.memory.mark(FWD_BWD_END)
     grads = LocalGrads(model.parameters())
+    if ctx.replicas is not None:  # torchft: averaged with the other replica groups' ranks'
+        ctx.replicas.average(grads.tensors)
     if ctx.loss_scale:
         ctx.loss_scale.unscale(grads)
     with inside(ctx.watchdog, step, "all_reduce (gradient norm)", one_collective=True):
