@@ -2,7 +2,8 @@
 
 - **a step without a fault**: `parallel=ddp` on 2 ranks against the same run as 2 torchft
   replicas (parallel.fault_tolerance=torchft: a synchronous quorum through the lighthouse,
-  gradients through torchft's DDP, the commit), `--rounds` of each alternating: median step
+  the gradients' all-reduce after the backward, the commit), `--rounds` of each alternating:
+  median step
   time, torchft over DDP, for model=tiny (where the quorum's fixed cost shows most) and
   model=small.
 - **a killed replica**: replica 1 SIGKILLed mid-run: the step it died in (the live replica's
