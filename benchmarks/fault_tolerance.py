@@ -3,9 +3,8 @@
 - **a step without a fault**: `parallel=ddp` on 2 ranks against the same run as 2 torchft
   replicas (parallel.fault_tolerance=torchft: a synchronous quorum through the lighthouse,
   the gradients' all-reduce after the backward, the commit), `--rounds` of each alternating:
-  median step
-  time, torchft over DDP, for model=tiny (where the quorum's fixed cost shows most) and
-  model=small.
+  median step time, torchft over DDP, for model=tiny (where the quorum's fixed cost shows
+  most) and model=small.
 - **a killed replica**: replica 1 SIGKILLed mid-run: the step it died in (the live replica's
   wait for its heartbeat to lapse), the steps trained with one replica, the time from the
   kill to the restarted replica's first step beside the live one.

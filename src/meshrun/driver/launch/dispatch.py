@@ -1,7 +1,7 @@
 """Which launcher starts a run's ranks: the configured one (torch elastic here, submitit for
-SLURM), torchft's replicas (parallel.fault_tolerance), or, in a process torchrun started as
-rank 0, that rank itself. Every command that
-starts ranks (`meshrun`, `meshrun-comm`, `meshrun-verify`) goes through `launch`."""
+SLURM), torchft's replica groups (parallel.fault_tolerance), or, in a process torchrun
+started as rank 0, that rank itself. Every command that starts ranks (`meshrun`,
+`meshrun-comm`, `meshrun-verify`) goes through `launch`."""
 
 from __future__ import annotations
 
