@@ -64,7 +64,8 @@ class ReplicaPlace:
 
 
 class Replicas:
-    """This replica's Manager; `state`/`load` are what a lagging peer is sent and loads."""
+    """This rank's Manager; `state`/`load` are what the same rank of a lagging group is sent
+    and loads."""
 
     def __init__(
         self,
@@ -88,9 +89,9 @@ class Replicas:
         group_rank, group_size = group
         # the group's store, which the driver hosts (driver/launch/replicas.py)
         address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        group = ProcessGroupNCCL if backend == "nccl" else ProcessGroupGloo
+        across = ProcessGroupNCCL if backend == "nccl" else ProcessGroupGloo
         self.manager = Manager(
-            pg=group(timeout=timeout),
+            pg=across(timeout=timeout),
             load_state_dict=load,
             state_dict=state,
             min_replica_size=1,
@@ -189,6 +190,3 @@ class Replicas:
         self.manager.load_state_dict(
             {"step": step, "batches_committed": self.manager.batches_committed()}
         )
-
-    def shutdown(self) -> None:
-        self.manager.shutdown(wait=False)

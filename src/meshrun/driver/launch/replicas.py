@@ -1,10 +1,11 @@
-"""parallel.fault_tolerance=torchft: the run's data-parallel replicas as worlds of their own
-(rank/replicas.py), joined each step through torchft's lighthouse, which this driver runs for
-the run's length. Each replica is started by torch elastic's start_processes; one killed by a
-signal (the OOM killer, a lost node) or left behind by its peers is started again while the
-others train on, and joins them with a live one's state. `parallel.replica_restarts` bounds
-the restarts of the whole run; an exception a replica raises is the run's failure, as in any
-run (the same error would come back). Replica 0 returns the report, with the failures."""
+"""parallel.fault_tolerance=torchft: the run's data-parallel replica groups as worlds of their
+own (rank/replicas.py), joined each step through torchft's lighthouse, which this driver runs
+for the run's length. Each group's ranks are started by torch elastic's start_processes on a
+store hosted here; a group one of whose ranks was killed by a signal (the OOM killer, a lost
+device) or left behind by its peers is stopped and started again while the others train on,
+and joins them with a live group's state. `parallel.replica_restarts` bounds the restarts of
+the whole run; an exception a rank raises is the run's failure, as in any run (the same error
+would come back). Group 0's rank 0 returns the report, with the failures."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ class _Running:
 
 
 class _Replicas:
-    """The replica processes of one run: started, polled, restarted."""
+    """The replica groups of one run: started, polled, restarted."""
 
     def __init__(self, cfg: ExperimentConfig, entry: RankEntry, lighthouse: str) -> None:
         self.cfg, self.entry, self.lighthouse = cfg, entry, lighthouse
