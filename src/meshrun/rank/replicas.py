@@ -23,6 +23,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from meshrun.core.run_files.metrics import replicas_ended
 
@@ -167,6 +168,11 @@ class Replicas:
             self.manager.allreduce(flat).wait()
             for grad, part in zip(same, flat.split([g.numel() for g in same]), strict=True):
                 grad.copy_(part.view_as(grad))
+
+    def reduce(self, values: torch.Tensor, op: dist.ReduceOp) -> None:
+        """`values` reduced in place over the quorum's groups (the same rank of each); left
+        as they are where a group failed meanwhile (torchft then fails the next commit)."""
+        self.manager.allreduce(values, reduce_op=op).wait()
 
     def quorum(self) -> int:
         """The step the live replicas train next (this one's state loaded from a peer's first,
