@@ -9,10 +9,16 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from meshrun.core.checkpoints import complete, read_manifest
 from meshrun.core.config import corrupted_steps
 from meshrun.core.record import RunRecord
 from meshrun.core.run_files.metrics import (
@@ -24,6 +30,7 @@ from meshrun.core.run_files.metrics import (
 )
 from meshrun.driver.experiment import RunFailed, run_experiment
 from meshrun.driver.launch.dispatch import launch
+from tests.cli import TRAIN_DEFAULTS
 from tests.helpers import compose_config
 from tests.ranks import config_in
 
@@ -177,6 +184,40 @@ def test_replica_0_killed_its_missing_steps_come_from_the_other(tmp_path):
     filled = [r["step"] for r in steps if r.get("written_by_replica") == 1]
     assert filled == list(range(5, 5 + len(filled))) and 5 + len(filled) >= 8
     assert run.memory_per_rank, "the restarted replica 0 reported the run"
+
+
+@pytest.mark.waits
+def test_ctrl_c_stops_the_replicas_which_save_and_the_run_resumes(tmp_path):
+    """SIGINT to the process group, as a terminal sends it: replica 0 saves, `meshrun` exits
+    130 with the run interrupted and its resume line; resumed, it ends with every step."""
+    args = (*TORCHFT, "train.steps=30", "checkpoint.every_steps=100", "train.log_every=2")
+    run_dir = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "meshrun.driver.cli", f"hydra.run.dir={run_dir}",
+        f"store.path={tmp_path / 'meshrun.db'}", *TRAIN_DEFAULTS, *args,
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        [*command, "debug.slow_step_s=0.2"],
+        cwd=tmp_path,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    metrics = run_dir / METRICS_FILE
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 4):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, output
+    assert "resume with checkpoint.resume=" in output
+    [saved] = complete(run_dir / "checkpoints")
+    assert 4 <= read_manifest(saved).step < 30
+    finished = _run(tmp_path, *args, "checkpoint.resume=auto")
+    assert finished.status == "completed"
+    assert [r["step"] for r in _steps(tmp_path)] == list(range(30))
 
 
 def test_a_replica_failing_past_the_restarts_fails_the_run_keeping_its_steps(tmp_path):

@@ -9,10 +9,13 @@ would come back). Group 0's rank 0 returns the report, with the failures."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
+import signal
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -184,6 +187,16 @@ class _Replicas:
         self.restarts.clear()
 
 
+@contextlib.contextmanager
+def _ignoring(*signals: signal.Signals) -> Iterator[None]:
+    before = {s: signal.signal(s, signal.SIG_IGN) for s in signals}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
 def launch_replicas(cfg: ExperimentConfig, entry: RankEntry = TRAIN) -> Any:
     """Replica 0's return value (its report, with every replica's failures)."""
     quiet = RUST_LOG not in os.environ
@@ -207,9 +220,15 @@ def launch_replicas(cfg: ExperimentConfig, entry: RankEntry = TRAIN) -> Any:
         while replicas.busy():
             time.sleep(cfg.launcher.monitor_interval_s)
             replicas.poll()
-    except SignalException as err:  # Ctrl-C or SIGTERM here
-        replicas.stop()
-        raise RunInterrupted(0, f"interrupted by {err.sigval.name}") from None
+    except SignalException as err:  # Ctrl-C or SIGTERM here: a run that checkpoints saves
+        with _ignoring(signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C, while they save
+            replicas.stop()
+        recorded = first_failure(cfg.run_dir)
+        if recorded is not None:
+            raise RankFailure(*recorded) from None
+        raise RunInterrupted(
+            0, f"interrupted by {err.sigval.name}; without checkpoint.every_steps nothing was saved"
+        ) from None
     finally:
         replicas.stop()
         lighthouse.shutdown()
