@@ -22,7 +22,6 @@ import contextlib
 import gc
 import os
 import queue
-import socket
 import threading
 import time
 import traceback
@@ -39,12 +38,6 @@ from meshrun.driver.launch import TRAIN, RankEntry, RankFailure
 from tests.helpers import resolved_config
 
 JOB_TIMEOUT_S = 240.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _exit_with_parent() -> None:
@@ -169,11 +162,16 @@ class RankPool:
         self.start()
         self.counter += 1
         job_id = self.counter
+        # The job's store, hosted here as torch elastic's agent hosts it (the ranks connect
+        # as its clients): bound on a port the kernel picks, which no other test's job can
+        # take between a port's choice and its binding, as a port chosen beforehand could.
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         common = {
             "WORLD_SIZE": str(world_size),
             "LOCAL_WORLD_SIZE": str(world_size),
             "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(free_port()),
+            "MASTER_PORT": str(store.port),
+            "TORCHELASTIC_USE_AGENT_STORE": str(True),
             "GROUP_RANK": "0",
             **(env or {}),
         }

@@ -155,6 +155,9 @@ def _refusals_on_ranks(_) -> list[str]:
             context_attention("alltoall")(q, kv, kv, dist.group.WORLD)
         except ValueError as error:
             messages.append(str(error))
+    # Every rank leaves together: one that tore its process group down while a peer still
+    # completed gloo's connections closed them under it ("Connection closed by peer").
+    dist.barrier()
     return messages
 
 

@@ -13,7 +13,14 @@ import time
 import pytest
 
 from meshrun.core.run_files.failures import first_failure
-from meshrun.core.run_files.flight_records import describe, dump_path, read_dumps, stack_path
+from meshrun.core.run_files.flight_records import (
+    TRANSFERS_KEY,
+    describe,
+    dump_path,
+    read_dumps,
+    stack_path,
+    transfers_waited,
+)
 from meshrun.core.run_files.positions import diagnose, read_positions
 from meshrun.rank.watchdog import GRACE_S, Watchdog, step_collectives
 from tests.test_failures import failed_run
@@ -59,6 +66,31 @@ def test_hung_training_run_names_rank_step_and_operation(tmp_path, monkeypatch, 
     )
     # where rank 1 was instead: its main thread's stack, in the injected hang
     assert "faults.py" in stack_path(results["run_dir"], 1).read_text()
+
+
+@pytest.mark.waits  # on backend.timeout_s
+def test_a_pipeline_hang_names_the_transfer_each_rank_waited_on(tmp_path, monkeypatch, marked_env):
+    """gloo's flight recorder keeps no send or receive: meshrun's own record of the stages'
+    transfers says that rank 0's last was micro-batch 0's activations sent to rank 1 (gloo's
+    send waits for the receive), and that rank 1, which hangs before its step 2, posted no
+    receive since step 1's last gradients it sent."""
+    results, _, _ = failed_run(
+        tmp_path,
+        monkeypatch,
+        marked_env,
+        *HANG[:1],
+        "parallel=pp2",
+        *HANG[2:],
+        "backend.timeout_s=5",
+    )
+    error = results["error"]
+    assert "Timed out waiting 5000ms for send operation" in error
+    assert (
+        "meshrun's record of the pipeline's transfers: rank 0 has no receive pending (its last "
+        "posted: send of micro-batch 0's activations to rank 1 ([2, 128, 64] float32, 65,536 "
+        "bytes)), rank 1 has no receive pending (its last posted: send of micro-batch 3's "
+        "gradients to rank 0"
+    ) in error, error
 
 
 @pytest.mark.waits  # on the watchdog's timeout
@@ -156,6 +188,23 @@ def test_flight_recorder_names_who_never_issued_the_collective(tmp_path):
     assert said.startswith(
         "rank 0's last collective: gloo:broadcast #2 of default_pg (input [[4]] Float); "
         "rank 1 never issued it (its last there: gloo:all_reduce #1); rank 2 left no dump (gone)"
+    )
+
+
+def test_the_transfer_each_rank_waits_on_is_its_oldest_receive_not_done(tmp_path):
+    sent = {"op": "send", "what": "activations", "microbatch": 1, "peer": 1, "shape": [2, 4],
+            "dtype": "float32", "bytes": 32, "posted_s": 1.0, "done_s": None}  # fmt: skip
+    waited = {**sent, "op": "recv", "what": "gradients", "microbatch": 0, "posted_s": 2.0}
+    ahead = {**waited, "microbatch": 1, "posted_s": 3.0}
+    got = {**waited, "peer": 0, "what": "activations", "done_s": 2.5}
+    for rank, noted in ((0, [sent, ahead, waited]), (1, [got])):
+        path = dump_path(str(tmp_path), rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"entries": [], TRANSFERS_KEY: noted}))
+    assert transfers_waited(str(tmp_path)) == (
+        "rank 0 waits on the receive of micro-batch 0's gradients from rank 1 ([2, 4] float32, "
+        "32 bytes), rank 1 has no receive pending (its last posted: receive of micro-batch "
+        "0's activations from rank 0 ([2, 4] float32, 32 bytes))"
     )
 
 

@@ -16,10 +16,12 @@ from torch._C._distributed_c10d import _dump_fr_trace_json
 
 from meshrun.core.run_files.flight_records import (
     REQUEST_FILE,
+    TRANSFERS_KEY,
     dump_path,
     dumps_dir,
     stack_path,
 )
+from meshrun.rank.parallel import transfers
 
 ENTRIES = 2000  # torchtitan's default ring (comm.trace_buf_size is 20,000 for NCCL)
 PEER_WAIT_S = 3.0  # a watchdog thread polls each second
@@ -27,7 +29,9 @@ PEER_WAIT_S = 3.0  # a watchdog thread polls each second
 
 def enable(backend: str, run_dir: str) -> None:
     """Before init_process_group: the ring for every backend; NCCL's own watchdog also
-    dumps it on a timeout (into the same folder)."""
+    dumps it on a timeout (into the same folder). meshrun's record of a pipeline's transfers
+    starts empty."""
+    transfers.forget()
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(ENTRIES))
     if backend == "nccl":
         os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(ENTRIES))
@@ -46,6 +50,7 @@ def dump(run_dir: str, rank: int) -> None:
         trace = json.loads(_dump_fr_trace_json(True, False))
     except RuntimeError as err:  # no process group, or a backend without a recorder
         trace = {"entries": [], "error": str(err)}
+    trace[TRANSFERS_KEY] = transfers.recorded()  # a pipeline's, which gloo does not record
     partial = dump_path(run_dir, rank).with_suffix(".tmp")
     partial.write_text(json.dumps(trace))
     partial.replace(dump_path(run_dir, rank))

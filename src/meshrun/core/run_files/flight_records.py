@@ -6,7 +6,9 @@ process group and its sequence number there, which every member counts alike: th
 issued #12 while a peer's last is #11 waits for a peer that never came.
 
 Only a failing rank asks for the dumps (`REQUEST_FILE`); each rank's watchdog thread answers
-within a second, whatever its main thread is stuck in."""
+within a second, whatever its main thread is stuck in. A dump also holds meshrun's own record
+of a pipeline stage's sends and receives (`TRANSFERS_KEY`, rank/parallel/transfers.py), which
+gloo's recorder does not keep: a pipeline hang is a receive posted and never done."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from pathlib import Path
 
 DUMPS_DIR = "flight_recorder"
 REQUEST_FILE = "dump-requested"
+TRANSFERS_KEY = "meshrun_transfers"
 
 
 def dumps_dir(run_dir: str) -> Path:
@@ -100,10 +103,43 @@ def describe(run_dir: str, failed_rank: int, world_size: int) -> str | None:
         else:
             parts.append(f"rank {rank} went past it (to #{newest})")
     where = f"(dumps in {dumps_dir(run_dir)})"
+    waits = transfers_waited(run_dir)
+    said = f"; meshrun's record of the pipeline's transfers: {waits}" if waits else ""
     if not behind and len(dumps) == world_size:
         return (
             f"every rank's last recorded collective is {last}, which all of them issued: the "
             f"wait is in an operation the recorder does not keep (gloo records no "
-            f"point-to-point sends or receives) {where}"
+            f"point-to-point sends or receives){said} {where}"
         )
-    return "; ".join(parts) + f" {where}"
+    return "; ".join(parts) + f"{said} {where}"
+
+
+def transfers_waited(run_dir: str) -> str | None:
+    """Each dumped rank's oldest receive posted and never done (the one it waited on), or,
+    where none is pending, the last transfer it posted (a send completes once the peer
+    receives it: gloo's send waits for that); None where no rank noted any (no pipeline)."""
+    said = []
+    for path in sorted(dumps_dir(run_dir).glob("rank*.json")):
+        rank = int(path.stem.removeprefix("rank"))
+        noted = json.loads(path.read_text()).get(TRANSFERS_KEY, [])
+        if not noted:
+            continue
+        pending = [t for t in noted if t["op"] == "recv" and t["done_s"] is None]
+        if pending:
+            said.append(f"rank {rank} waits on the {_transfer(min(pending, key=_posted))}")
+        else:
+            said.append(
+                f"rank {rank} has no receive pending (its last posted: {_transfer(noted[-1])})"
+            )
+    return ", ".join(said) or None
+
+
+def _posted(transfer: dict) -> float:
+    return transfer["posted_s"]
+
+
+def _transfer(t: dict) -> str:
+    way = "from" if t["op"] == "recv" else "to"
+    size = f"{t['shape']} {t['dtype']}, {t['bytes']:,} bytes"
+    op = "receive" if t["op"] == "recv" else "send"
+    return f"{op} of micro-batch {t['microbatch']}'s {t['what']} {way} rank {t['peer']} ({size})"

@@ -31,6 +31,8 @@ from torch.distributed.pipelining.schedules import (
 from meshrun.core.choices import Schedule
 from meshrun.core.config import ParallelConfig
 from meshrun.core.stages import MULTI_STAGE_SCHEDULES
+from meshrun.rank.parallel import transfers
+from meshrun.rank.parallel.transfers import Transfer
 from meshrun.rank.profiling import phase
 
 # Keyed by the config's enum, which is the one list of schedule names (tests check they agree).
@@ -108,14 +110,16 @@ class PrefetchingStage(PipelineStage):
     stage waits for a micro-batch's input (or gradient) right before computing with it, after
     the sends the schedule batched with the receive are posted (1F1B pairs each receive with
     a send the peer is waiting for: waiting first could deadlock). The compute itself is
-    `compute_forward` / `compute_backward`, which the bubble clock times: the wait is idle."""
+    `compute_forward` / `compute_backward`, which the bubble clock times: the wait is idle.
+    Its sends and receives are noted (rank/parallel/transfers.py): gloo's flight recorder
+    keeps none, and a pipeline hang is a receive that never completes."""
 
     compute_methods = ("compute_forward", "compute_backward")
 
     def __init__(self, *args, n_microbatches: int, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._n_microbatches = n_microbatches
-        self._posted: dict[tuple[str, int], list[dist.Work]] = {}
+        self._posted: dict[tuple[str, int], tuple[list[dist.Work], list[Transfer]]] = {}
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
         self._post_through("fwd", fwd_chunk_id, super().get_fwd_recv_ops)
@@ -124,6 +128,16 @@ class PrefetchingStage(PipelineStage):
     def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
         self._post_through("bwd", bwd_chunk_id, super().get_bwd_recv_ops)
         return []
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        ops = super().get_fwd_send_ops(fwd_chunk_id)
+        transfers.posted("send", CARRIES["fwd"], fwd_chunk_id, ops)
+        return ops
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        ops = super().get_bwd_send_ops(bwd_chunk_id)
+        transfers.posted("send", CARRIES["bwd"], bwd_chunk_id, ops)
+        return ops
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
         self._wait("fwd", fwd_chunk_id)
@@ -145,11 +159,19 @@ class PrefetchingStage(PipelineStage):
         """`chunk`'s receive posted (if the previous call did not already) and the next's."""
         for i in (chunk, chunk + 1):
             if i < self._n_microbatches and (kind, i) not in self._posted:
-                self._posted[(kind, i)] = _post(ops_of(i))
+                ops = ops_of(i)
+                noted = transfers.posted("recv", CARRIES[kind], i, ops)
+                self._posted[(kind, i)] = (_post(ops), noted)
 
     def _wait(self, kind: str, chunk: int) -> None:
-        for work in self._posted.pop((kind, chunk), []):
+        works, noted = self._posted.pop((kind, chunk), ([], []))
+        for work in works:
             work.wait()
+        transfers.done(noted)
+
+
+# What a stage receives for a forward and for a backward (and sends after them)
+CARRIES = {"fwd": "activations", "bwd": "gradients"}
 
 
 def _post(ops: list[dist.P2POp]) -> list[dist.Work]:
