@@ -137,7 +137,7 @@ def test_torchft_replicas_resume_from_replica_0s_checkpoint(tmp_path):
 
 
 @pytest.mark.waits
-def test_a_killed_replica_is_restarted_and_rejoins_while_the_other_trains_on(tmp_path):
+def test_a_killed_replica_is_restarted_and_rejoins_while_the_other_trains_on(tmp_path, capsys):
     """Replica 1 is SIGKILLed before step 8: replica 0 goes on alone (the steps say 1
     replica), replica 1 is started again, loads replica 0's state and trains beside it to the
     end; no requeue, no step lost or trained twice."""
@@ -160,6 +160,8 @@ def test_a_killed_replica_is_restarted_and_rejoins_while_the_other_trains_on(tmp
     assert run.steps_with_fewer_replicas == len(alone)
     assert all(r["replicas"] == 2 for r in steps[alone[-1] + 1 :]), "replica 1 rejoined"
     _agree_where_both_trained(tmp_path)
+    said = capsys.readouterr().out
+    assert "replica 1 lost (rank 1: killed (SIGKILL)); the others train on, it starts again" in said
 
 
 @pytest.mark.waits

@@ -35,6 +35,7 @@ from meshrun.core.run_files.failures import first_failure, recorded_failures
 from meshrun.core.run_files.metrics import REPLICAS_DIR, fill_from_replicas, replicas_ended
 from meshrun.driver.launch import TRAIN, RankEntry, RankFailure, RunInterrupted
 from meshrun.driver.launch.local import start_method
+from meshrun.driver.sinks.console import print_warning
 from meshrun.rank.replicas import (
     LIGHTHOUSE_ENV,
     REPLICA_ENV,
@@ -156,8 +157,13 @@ class _Replicas:
             again = ReplicaPlace(place.id, place.replicas, place.attempt + 1)
             if not self.running:
                 self._none_live(again)
-            when = time.monotonic() + self.cfg.parallel.replica_restart_delay_s
-            self.restarts.append((when, again))
+            delay = self.cfg.parallel.replica_restart_delay_s
+            self.restarts.append((time.monotonic() + delay, again))
+            print_warning(
+                f"replica {place.id} lost (rank {failure.rank}: {failure.error}); the others "
+                f"train on, it starts again in {delay:g} s (restart {len(self.failures)} of "
+                f"{self.cfg.parallel.replica_restarts})"
+            )
             return
         self.stop()
         recorded = first_failure(self.cfg.run_dir)
