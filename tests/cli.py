@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -111,3 +112,31 @@ def compose_command(config_name: str, run_dir: Path, *overrides: str):
     run_dir.mkdir(parents=True, exist_ok=True)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name, overrides=[f"run_dir={run_dir}", *overrides])
+
+
+def interrupted_meshrun(
+    run_dir: Path, store_path: Path, *overrides: str, after_steps: int = 4
+) -> tuple[int, str]:
+    """`meshrun` in a session of its own, Ctrl-C'd (SIGINT to its whole process group, as a
+    terminal sends it) once `after_steps` steps are in its metrics.jsonl: its exit code and
+    output."""
+    command = [
+        sys.executable, "-m", "meshrun.driver.cli", f"hydra.run.dir={run_dir}",
+        f"store.path={store_path}", *TRAIN_DEFAULTS, *overrides,
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        command,
+        cwd=run_dir.parent,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= after_steps):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)
+    output = proc.communicate(timeout=120)[0]
+    return proc.returncode, output

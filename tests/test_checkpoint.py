@@ -5,12 +5,7 @@ any process starts. Every run is real gloo ranks (the session's rank pool)."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import sqlite3
-import subprocess
-import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -34,7 +29,7 @@ from meshrun.core.paths import CONF_DIR
 from meshrun.driver.experiment import RunFailed, measure, read_steps, run_experiment
 from meshrun.driver.resume import in_run_dir_of_resume, names_run_dir
 from meshrun.models import model_shape
-from tests.cli import TRAIN_DEFAULTS
+from tests.cli import interrupted_meshrun
 from tests.helpers import compose_config, resolved_config, transformers_first_loss
 from tests.ranks import config_in, losses
 from tests.tiers import tiered
@@ -233,31 +228,8 @@ def test_ctrl_c_saves_and_resume_auto_continues(tmp_path, rank_pool):
         "train.log_every=2",
     )
     run_dir, store = tmp_path / "run", tmp_path / "meshrun.db"
-    command = [
-        sys.executable,
-        "-m",
-        "meshrun.driver.cli",
-        f"hydra.run.dir={run_dir}",
-        f"store.path={store}",
-        *TRAIN_DEFAULTS,
-        *args,
-    ]
-    proc = subprocess.Popen(
-        [*command, "debug.slow_step_s=0.2"],
-        cwd=tmp_path,
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 4):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
-        time.sleep(0.1)
-    os.killpg(proc.pid, signal.SIGINT)
-    output = proc.communicate(timeout=120)[0]
-    assert proc.returncode == 130, output
+    code, output = interrupted_meshrun(run_dir, store, *args, "debug.slow_step_s=0.2")
+    assert code == 130, output
     interrupted = json.loads((run_dir / "results.json").read_text())
     assert interrupted["status"] == "interrupted" and "SIGINT" in interrupted["error"], output
     saved = complete(run_dir / "checkpoints")

@@ -9,11 +9,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -30,7 +25,7 @@ from meshrun.core.run_files.metrics import (
 )
 from meshrun.driver.experiment import RunFailed, run_experiment
 from meshrun.driver.launch.dispatch import launch
-from tests.cli import TRAIN_DEFAULTS
+from tests.cli import interrupted_meshrun
 from tests.helpers import compose_config
 from tests.ranks import config_in
 
@@ -194,26 +189,10 @@ def test_ctrl_c_stops_the_replicas_which_save_and_the_run_resumes(tmp_path):
     130 with the run interrupted and its resume line; resumed, it ends with every step."""
     args = (*TORCHFT, "train.steps=30", "checkpoint.every_steps=100", "train.log_every=2")
     run_dir = tmp_path / "run"
-    command = [
-        sys.executable, "-m", "meshrun.driver.cli", f"hydra.run.dir={run_dir}",
-        f"store.path={tmp_path / 'meshrun.db'}", *TRAIN_DEFAULTS, *args,
-    ]  # fmt: skip
-    proc = subprocess.Popen(
-        [*command, "debug.slow_step_s=0.2"],
-        cwd=tmp_path,
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    code, output = interrupted_meshrun(
+        run_dir, tmp_path / "meshrun.db", *args, "debug.slow_step_s=0.2"
     )
-    metrics = run_dir / METRICS_FILE
-    deadline = time.monotonic() + 120
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 4):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
-        time.sleep(0.1)
-    os.killpg(proc.pid, signal.SIGINT)
-    output = proc.communicate(timeout=120)[0]
-    assert proc.returncode == 130, output
+    assert code == 130, output
     assert "resume with checkpoint.resume=" in output
     [saved] = complete(run_dir / "checkpoints")
     assert 4 <= read_manifest(saved).step < 30

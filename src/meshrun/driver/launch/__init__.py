@@ -6,6 +6,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
+from meshrun.core.run_files.failures import first_failure
+
 # A rank gone before its peers failed that recorded nothing (no exception, no watchdog exit)
 # died by a signal torch elastic did not report (it reports one rank's exit only).
 SIGNAL_UNSEEN = "a signal: gone before its peers failed, nothing recorded"
@@ -51,3 +53,15 @@ class RankEntry:
 
 
 TRAIN = RankEntry("meshrun.rank.worker", "run_rank")
+
+
+def interrupted(signal_name: str, run_dir: str) -> RankFailure:
+    """What a launcher raises once Ctrl-C or SIGTERM reached it and its ranks are stopped:
+    the Stopped record of a run that saved first (it says how to resume), else that nothing
+    was saved."""
+    recorded = first_failure(run_dir)
+    if recorded is not None:
+        return RankFailure(*recorded)
+    return RunInterrupted(
+        0, f"interrupted by {signal_name}; without checkpoint.every_steps nothing was saved"
+    )

@@ -25,7 +25,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.run_files.failures import first_failure, recorded_failures
 from meshrun.core.tool_config import CommRunConfig
-from meshrun.driver.launch import SIGNAL_UNSEEN, TRAIN, RankEntry, RankFailure, RunInterrupted
+from meshrun.driver.launch import SIGNAL_UNSEEN, TRAIN, RankEntry, RankFailure, interrupted
 
 logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
 
@@ -127,10 +127,5 @@ def launch_local(
     except ChildFailedError as err:
         raise root_cause(err, cfg.run_dir) from None
     except SignalException as err:  # Ctrl-C or SIGTERM here: the agent has stopped the ranks
-        recorded = first_failure(cfg.run_dir)
-        if recorded is not None:
-            raise RankFailure(*recorded) from None
-        raise RunInterrupted(
-            0, f"interrupted by {err.sigval.name}; without checkpoint.every_steps nothing was saved"
-        ) from None
+        raise interrupted(err.sigval.name, cfg.run_dir) from None
     return returns[0]

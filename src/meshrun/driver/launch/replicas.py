@@ -33,7 +33,7 @@ from meshrun.core.layout import Layout
 from meshrun.core.rank_report import ReplicaFailure
 from meshrun.core.run_files.failures import first_failure, recorded_failures
 from meshrun.core.run_files.metrics import REPLICAS_DIR, fill_from_replicas, replicas_ended
-from meshrun.driver.launch import TRAIN, RankEntry, RankFailure, RunInterrupted
+from meshrun.driver.launch import TRAIN, RankEntry, RankFailure, interrupted
 from meshrun.driver.launch.local import start_method
 from meshrun.driver.sinks.console import print_warning
 from meshrun.rank.replicas import (
@@ -229,12 +229,7 @@ def launch_replicas(cfg: ExperimentConfig, entry: RankEntry = TRAIN) -> Any:
     except SignalException as err:  # Ctrl-C or SIGTERM here: a run that checkpoints saves
         with _ignoring(signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C, while they save
             replicas.stop()
-        recorded = first_failure(cfg.run_dir)
-        if recorded is not None:
-            raise RankFailure(*recorded) from None
-        raise RunInterrupted(
-            0, f"interrupted by {err.sigval.name}; without checkpoint.every_steps nothing was saved"
-        ) from None
+        raise interrupted(err.sigval.name, cfg.run_dir) from None
     finally:
         replicas.stop()
         lighthouse.shutdown()
