@@ -38,7 +38,7 @@ SAC_POLICIES = ("selective", "op")
 # How a context-parallel group shares attention (rank/parallel/context_attention.py).
 CpMethod = _choice("CpMethod", "ring", "allgather", "alltoall")
 DataParallel = _choice("DataParallel", "auto", "dataparallel")
-# Replica-level fault tolerance (driver/launch/replicas.py, rank/replicas.py).
+# Replica-level fault tolerance (driver/launch/replicas.py, rank/train/replicas.py).
 FaultTolerance = _choice("FaultTolerance", "none", "torchft")
 # A mixture-of-experts router's scores, and how it keeps the experts' loads even (models/moe.py).
 RouterScore = _choice("RouterScore", "softmax", "sigmoid")

@@ -21,6 +21,7 @@ from meshrun.core.config import RunConfig, from_dict
 from meshrun.core.hardware import host_fingerprint
 from meshrun.core.layout import Layout, cp_rank, dp_rank
 from meshrun.core.rank_report import CheckpointSave, RankReport, Rollback, StageSplit
+from meshrun.core.replica_place import ReplicaPlace
 from meshrun.core.run_files.failures import (
     Stopped,
     forget_failure,
@@ -48,15 +49,15 @@ from meshrun.rank.metrics.memory_snapshot import MemorySnapshots
 from meshrun.rank.parallel.balance import balance_stages
 from meshrun.rank.profiling import StepProfiler
 from meshrun.rank.progress import RankProgress, rank_progress
-from meshrun.rank.replicas import ReplicaPlace, Replicas
 from meshrun.rank.train.build import COMPUTE_DTYPES, Training, build_training
-from meshrun.rank.train.checkpoint import Checkpointer, load_local_state, local_state
+from meshrun.rank.train.checkpoint import Checkpointer
 from meshrun.rank.train.context import LoopContext, LoopState
 from meshrun.rank.train.data import HeldoutBatches, LocalBatches, Source, build_streams
 from meshrun.rank.train.evaluate import Evaluator
 from meshrun.rank.train.guard import SpikeGuard, StepGuard, corruption
 from meshrun.rank.train.loop import train_loop
 from meshrun.rank.train.pending import PendingSteps
+from meshrun.rank.train.replicas import Replicas, healing
 from meshrun.rank.train.twin import Twin
 from meshrun.rank.watchdog import Watchdog, inside, step_collectives
 
@@ -241,29 +242,9 @@ def _set_up(at: Rank) -> Setup:
 def _join_replicas(
     at: Rank, training: Training, batches: LocalBatches, spikes: SpikeGuard | None
 ) -> Replicas:
-    """torchft's Manager for this rank of its replica group. What the same rank of a lagging
-    group is sent: everything a step depends on (this rank's shares of the weights and the
-    optimizer's state, the LR schedule, the data's position, the spike watch)."""
-    model, optimizer, schedule = training.model, training.optimizer, training.schedule
-
-    def state() -> dict[str, Any]:
-        return {
-            "tensors": local_state(model, optimizer),
-            "schedule": schedule.state_dict(),
-            "data_offset": batches.offset,
-            "spikes": spikes.state_dict() if spikes else None,
-        }
-
-    def load(given: dict[str, Any]) -> None:
-        load_local_state(model, optimizer, given["tensors"])
-        schedule.load_state_dict(given["schedule"])
-        for group, lr in zip(optimizer.param_groups, schedule.get_last_lr(), strict=True):
-            group["lr"] = lr
-        batches.offset = given["data_offset"]
-        if spikes is not None:
-            spikes.load_state_dict(given["spikes"])
-
+    """torchft's Manager for this rank of its replica group."""
     cfg, group = at.cfg, (at.world_rank, at.layout.world_size)
+    state, load = healing(training, batches, spikes)
     return Replicas(
         cfg.run_dir, at.replica, group, cfg.backend.name, cfg.backend.timeout_s, state, load
     )

@@ -1,5 +1,5 @@
 """parallel.fault_tolerance=torchft: what replica groups as worlds of their own can run
-today (driver/launch/replicas.py, rank/replicas.py)."""
+today (driver/launch/replicas.py, rank/train/replicas.py)."""
 
 from __future__ import annotations
 

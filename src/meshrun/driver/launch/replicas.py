@@ -1,5 +1,5 @@
 """parallel.fault_tolerance=torchft: the run's data-parallel replica groups as worlds of their
-own (rank/replicas.py), joined each step through torchft's lighthouse, which this driver runs
+own (rank/train/replicas.py), joined each step through torchft's lighthouse, which this driver runs
 for the run's length. Each group's ranks are started by torch elastic's start_processes on a
 store hosted here; a group one of whose ranks was killed by a signal (the OOM killer, a lost
 device) or left behind by its peers is stopped and started again while the others train on,
@@ -31,18 +31,18 @@ from torch.distributed.elastic.multiprocessing.api import PContext, RunProcsResu
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.layout import Layout
 from meshrun.core.rank_report import ReplicaFailure
-from meshrun.core.run_files.failures import first_failure, recorded_failures
-from meshrun.core.run_files.metrics import REPLICAS_DIR, fill_from_replicas, replicas_ended
-from meshrun.driver.launch import TRAIN, RankEntry, RankFailure, interrupted
-from meshrun.driver.launch.local import start_method
-from meshrun.driver.sinks.console import print_warning
-from meshrun.rank.replicas import (
+from meshrun.core.replica_place import (
     LIGHTHOUSE_ENV,
     REPLICA_ENV,
     ReplicaAlone,
     ReplicaLagged,
     ReplicaPlace,
 )
+from meshrun.core.run_files.failures import first_failure, recorded_failures
+from meshrun.core.run_files.metrics import REPLICAS_DIR, fill_from_replicas, replicas_ended
+from meshrun.driver.launch import TRAIN, RankEntry, RankFailure, interrupted
+from meshrun.driver.launch.local import start_method
+from meshrun.driver.sinks.console import print_warning
 
 # A replica silent this long is left out of the next quorum: the live ones wait this long
 # for a dead peer once (torchft's default, 5 s, doubles a short run's stall).

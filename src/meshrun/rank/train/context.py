@@ -20,12 +20,12 @@ from meshrun.rank.metrics.memory import MemoryMeter
 from meshrun.rank.metrics.memory_snapshot import MemorySnapshots
 from meshrun.rank.profiling import StepProfiler
 from meshrun.rank.progress import RankProgress
-from meshrun.rank.replicas import Replicas
 from meshrun.rank.train.checkpoint import Checkpointer
 from meshrun.rank.train.evaluate import Evaluator
 from meshrun.rank.train.guard import SpikeGuard, StepGuard
 from meshrun.rank.train.loss_scale import LossScale
 from meshrun.rank.train.pending import PendingSteps
+from meshrun.rank.train.replicas import Replicas
 from meshrun.rank.watchdog import Watchdog
 
 LogFn = Callable[[list[dict]], None]

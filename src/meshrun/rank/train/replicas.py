@@ -18,17 +18,20 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from meshrun.core.replica_place import LIGHTHOUSE_ENV, ReplicaAlone, ReplicaLagged, ReplicaPlace
 from meshrun.core.run_files.metrics import replicas_ended
+from meshrun.rank.train.build import Training
+from meshrun.rank.train.checkpoint import load_local_state, local_state
+from meshrun.rank.train.data import LocalBatches
+from meshrun.rank.train.guard import SpikeGuard
 
-REPLICA_ENV = "MESHRUN_REPLICA"  # "<id>/<replicas>/<attempt>", set by the driver
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own name for the lighthouse's address
+State = dict[str, Any]
 
 # torchft logs each quorum and commit (and, on CPU, that it cannot reset NCCL's flight
 # recorder) through the root logger's handlers; its errors reach meshrun as failed commits
@@ -36,32 +39,32 @@ for _name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors")
     logging.getLogger(_name).setLevel(logging.ERROR)
 
 
-class ReplicaLagged(RuntimeError):
-    """The other replicas committed a step this one did not."""
+def healing(
+    training: Training, batches: LocalBatches, spikes: SpikeGuard | None
+) -> tuple[Callable[[], State], Callable[[State], None]]:
+    """What the same rank of a lagging group is sent, and how it loads it: everything a step
+    depends on (this rank's shares of the weights and the optimizer's state, the LR
+    schedule, the data's position, the spike watch)."""
+    model, optimizer, schedule = training.model, training.optimizer, training.schedule
 
+    def state() -> State:
+        return {
+            "tensors": local_state(model, optimizer),
+            "schedule": schedule.state_dict(),
+            "data_offset": batches.offset,
+            "spikes": spikes.state_dict() if spikes else None,
+        }
 
-class ReplicaAlone(RuntimeError):
-    """A restarted replica found no live one to join: the others ended the run, or died."""
+    def load(given: State) -> None:
+        load_local_state(model, optimizer, given["tensors"])
+        schedule.load_state_dict(given["schedule"])
+        for group, lr in zip(optimizer.param_groups, schedule.get_last_lr(), strict=True):
+            group["lr"] = lr
+        batches.offset = given["data_offset"]
+        if spikes is not None:
+            spikes.load_state_dict(given["spikes"])
 
-
-@dataclass(frozen=True)
-class ReplicaPlace:
-    """Which replica this process is, of how many, and its start (0: the first)."""
-
-    id: int
-    replicas: int
-    attempt: int
-
-    @classmethod
-    def from_env(cls) -> ReplicaPlace | None:
-        value = os.environ.get(REPLICA_ENV)
-        if value is None:
-            return None
-        replica, replicas, attempt = map(int, value.split("/"))
-        return cls(replica, replicas, attempt)
-
-    def env(self) -> str:
-        return f"{self.id}/{self.replicas}/{self.attempt}"
+    return state, load
 
 
 class Replicas:
@@ -75,8 +78,8 @@ class Replicas:
         group: tuple[int, int],
         backend: str,
         timeout_s: float,
-        state: Callable[[], dict[str, Any]],
-        load: Callable[[dict[str, Any]], None],
+        state: Callable[[], State],
+        load: Callable[[State], None],
     ) -> None:
         """`group`: this rank's rank in its replica group and the group's size."""
         # torchft: hundreds of milliseconds of imports that only these runs pay
