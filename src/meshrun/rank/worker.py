@@ -98,7 +98,8 @@ def run_rank(cfg_dict: dict[str, Any]) -> RankReport | None:
         return report
     except Exception as err:
         record_failure(cfg.run_dir, rank, err)
-        # (a torchft replica group's peers are named by the run's ranks: torchft restarts it)
+        # (not in a torchft replica group: its dumps would be named by the run's ranks, not
+        # its world's, and the group is started again, not diagnosed)
         if watchdog is not None and not isinstance(err, Stopped) and place is None:
             flight_recorder.dump_all(cfg.run_dir, rank, layout.world_size)
         raise
@@ -279,8 +280,7 @@ def _evaluator(at: Rank, training: Training, heldout: Source) -> Evaluator | Non
         tc.eval.batches,
         tc.global_batch_size,
         tc.seq_len,
-        dp_rank(at.layout, at.world_rank),
-        at.layout.dp_size,
+        *at.data_share(),
         at.device,
         cp=(cp_rank(at.layout, at.world_rank), at.layout.cp),
     )
@@ -325,8 +325,9 @@ def _loop(at: Rank, setup: Setup) -> tuple[LoopState, LoopContext]:
 
 
 def _metrics_file(at: Rank) -> Path | None:
-    """Rank 0 writes metrics.jsonl; a torchft replica other than 0 its own (replicas.py's),
-    from which the driver fills the steps replica 0 missed while it was down."""
+    """Rank 0 writes metrics.jsonl; the first rank of each other torchft replica group its
+    group's own (core/run_files/metrics.replica_metrics), from which the driver fills in the
+    steps group 0 missed while it was down."""
     if at.rank == 0:
         return Path(at.cfg.run_dir) / METRICS_FILE
     if at.replica is not None and at.world_rank == 0:
