@@ -264,11 +264,6 @@ BAD_CONFIGS = [
         "parallel.dp_replicate >= 2",
     ),
     (
-        ["parallel=ddp", "parallel.fault_tolerance=torchft", "train.eval.every_steps=2"],
-        "train.eval.every_steps",
-        "0 with parallel.fault_tolerance=torchft",
-    ),
-    (
         ["parallel=ddp", "parallel.fault_tolerance=torchft", "debug.slow_rank=0"],
         "debug.slow_rank",
         "null with parallel.fault_tolerance=torchft",

@@ -68,13 +68,18 @@ def _agree_where_both_trained(tmp: Path) -> None:
         assert loss == theirs or (math.isnan(loss) and math.isnan(theirs)), record["step"]
 
 
-def test_torchft_replicas_train_as_ddp_does(tmp_path):
+def test_torchft_replicas_train_and_evaluate_as_ddp_does(tmp_path):
     """Two replicas without a fault: the same losses as DDP on two ranks (each replica the
-    same share of the global batch, gradients averaged over the quorum)."""
-    ddp = _run(tmp_path / "ddp", *COMMON, "train.steps=8")
-    ft = _run(tmp_path / "ft", *TORCHFT, "train.steps=8")
+    same share of the global batch, gradients averaged over the quorum), and the same
+    held-out losses (each replica its share of the held-out batches, averaged)."""
+    evaluated = ("train.steps=8", "train.eval.every_steps=4")
+    ddp = _run(tmp_path / "ddp", *COMMON, *evaluated)
+    ft = _run(tmp_path / "ft", *TORCHFT, *evaluated)
     assert ft.status == "completed" and ft.losses
     for got, want in zip(ft.losses, ddp.losses, strict=True):
+        assert abs(got - want) <= 1e-6 * want
+    assert [step for step, _ in ft.eval_losses] == [3, 7]  # after steps 4 and 8
+    for (_, got), (_, want) in zip(ft.eval_losses, ddp.eval_losses, strict=True):
         assert abs(got - want) <= 1e-6 * want
     assert ft.replica_failure_count == 0 and ft.steps_with_fewer_replicas == 0
     assert {r["replicas"] for r in _steps(tmp_path / "ft")} == {2}

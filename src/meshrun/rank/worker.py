@@ -232,7 +232,7 @@ def _set_up(at: Rank) -> Setup:
         batches,
         checkpoints,
         start,
-        _evaluator(at, training, heldout),
+        _evaluator(at, training, heldout, replicas),
         Twin(cfg, at.device, at.rank) if cfg.resolved.twin else None,
         spikes,
         replicas,
@@ -271,7 +271,9 @@ def _restore(at: Rank, training: Training) -> tuple[Checkpointer | None, int | N
         return checkpoints, checkpoints.restore()
 
 
-def _evaluator(at: Rank, training: Training, heldout: Source) -> Evaluator | None:
+def _evaluator(
+    at: Rank, training: Training, heldout: Source, replicas: Replicas | None
+) -> Evaluator | None:
     tc = at.cfg.train
     if not tc.eval.every_steps:
         return None
@@ -291,6 +293,7 @@ def _evaluator(at: Rank, training: Training, heldout: Source) -> Evaluator | Non
         dp_group(at.mesh),
         pp_group(at.mesh, at.layout),
         lambda: autocast(at.device, training.autocast_dtype),
+        (lambda loss: replicas.reduce(loss, dist.ReduceOp.AVG)) if replicas else None,
     )
 
 

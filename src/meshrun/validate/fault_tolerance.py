@@ -42,14 +42,6 @@ def check_fault_tolerance(cfg: ExperimentConfig) -> None:
             "runs its replicas on this host only so far (launcher=local, launcher.nnodes=1)",
             "launcher=local, or none with launcher=slurm (a failed job is requeued)",
         )
-    if cfg.train.eval.every_steps:
-        fail(
-            "train.eval.every_steps",
-            cfg.train.eval.every_steps,
-            "under torchft each replica would evaluate its own share of the held-out data "
-            "alone, and the record hold one replica's",
-            "0 with parallel.fault_tolerance=torchft",
-        )
     if cfg.debug.slow_rank is not None:
         fail(
             "debug.slow_rank",

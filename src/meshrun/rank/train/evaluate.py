@@ -37,8 +37,12 @@ class Evaluator:
         dp_group: dist.ProcessGroup | None,
         pp_group: dist.ProcessGroup | None,
         autocast: Callable[[], contextlib.AbstractContextManager],
+        across_replicas: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
+        """`across_replicas`: torchft's mean over the replica groups, each of which evaluated
+        its share of the held-out batches (in place)."""
         self.model = model
+        self.across_replicas = across_replicas
         self.heldout = heldout
         self.every_steps = cfg.eval.every_steps
         self.steps = cfg.steps
@@ -61,6 +65,8 @@ class Evaluator:
             with torch.no_grad():
                 losses = torch.stack([self._loss(x, y) for x, y in self.heldout])
                 loss = mean_over_ranks(losses.mean().reshape(1), self.dp_group, self.pp_group)
+                if self.across_replicas is not None:
+                    self.across_replicas(loss)
         finally:
             for part in self.model.parts:
                 part.train()
