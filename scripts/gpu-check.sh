@@ -4,7 +4,8 @@
 # and hf/llama-3.2-1b in bf16 on one GPU with and without torch.compile, an MoE (grouped GEMM), a profiled step
 # and allocator snapshots (debug.profile_steps, debug.memory_snapshot), FSDP and TP memory
 # on NCCL (2+ GPUs), expert parallelism (ep2, tp2 x etp, ep2 verified against one GPU; 2+ GPUs), context parallelism's memory and tokens/s against one GPU
-# (benchmarks/context_parallel.py, 2+ GPUs), a hang's flight-recorder account on NCCL (2+ GPUs), the pipeline bubble on a host with CPU cores to
+# (benchmarks/context_parallel.py, 2+ GPUs), a hang's flight-recorder account on NCCL (2+ GPUs), torchft replicas
+# on NCCL with one killed (2+ GPUs), the pipeline bubble on a host with CPU cores to
 # spare, and meshrun-comm over nccl (all-reduce busbw) with meshrun-doctor (2+ GPUs).
 # Logs go to $OUT (default outputs/gpu-check). Uses the python on PATH (PYTHON=...), with the
 # repository's src/ on PYTHONPATH, so a machine's own CUDA torch is used as it is.
@@ -123,6 +124,14 @@ if [ "$gpus" -ge 2 ]; then
     > "$out/hang_nccl.log" 2>&1
   grep -o "collective hang.*" "$out/hang_nccl.log" | head -1 | tee -a "$out/summary.log"
   ls "$hang/flight_recorder" 2>&1 | tee -a "$out/summary.log"
+  log "torchft on NCCL, 2 GPUs: replica 1 killed at step 10, the other trains on, it rejoins"
+  run "tiny torchft nccl kill" parallel=ddp model=tiny backend=nccl launcher.nproc_per_node=2 \
+    parallel.fault_tolerance=torchft train.steps=60 train.untimed_steps=2 debug.fail_rank=1 \
+    debug.fail_step=10 debug.fail_mode=kill debug.slow_step_s=0.05 parallel.replica_restart_delay_s=2
+  [ -f "$work/tiny_torchft_nccl_kill/results.json" ] && $py -c "
+import json, sys; r = json.load(open(sys.argv[1]))
+print('torchft:', r['status'], r['replica_failures'], r['steps_with_fewer_replicas'], 'steps with fewer replicas')
+" "$work/tiny_torchft_nccl_kill/results.json" | tee -a "$out/summary.log"
 else
   log "FSDP, TP and EP on NCCL: skipped, $gpus GPU here (NCCL needs a GPU a rank)"
 fi

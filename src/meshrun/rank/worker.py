@@ -334,9 +334,7 @@ def _metrics_file(at: Rank) -> Path | None:
     if at.rank == 0:
         return Path(at.cfg.run_dir) / METRICS_FILE
     if at.replica is not None and at.world_rank == 0:
-        path = replica_metrics(at.cfg.run_dir, at.replica.id)
-        path.parent.mkdir(exist_ok=True)
-        return path
+        return replica_metrics(at.cfg.run_dir, at.replica.id)
     return None
 
 

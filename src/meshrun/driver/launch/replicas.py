@@ -131,7 +131,9 @@ class _Replicas:
 
     def _failure(self, place: ReplicaPlace, result: RunProcsResult) -> ReplicaFailure:
         """The group's root cause: a rank killed by a signal without a record of its own (its
-        peers' errors are its consequence), else the first rank's recorded error."""
+        peers' errors are its consequence), else the first rank's recorded error. Only the
+        group's own ranks and records count (launch/local.root_cause reads the whole run's:
+        here another group's dead rank is no cause)."""
         first = place.id * self.group_size
         ended = {first + local: failure for local, failure in result.failures.items()}
         recorded = recorded_failures(self.cfg.run_dir)
@@ -139,10 +141,10 @@ class _Replicas:
         rank = killed[0] if killed else min(ended)
         if killed:
             error = f"killed ({ended[rank].signal_name()})"
+        elif rank in recorded:
+            error = recorded[rank]["error"]
         else:
-            error = (
-                recorded[rank]["error"] if rank in recorded else f"exit code {ended[rank].exitcode}"
-            )
+            error = f"exit code {ended[rank].exitcode}"
         at_s = round(time.monotonic() - self.started, 3)
         return ReplicaFailure(place.id, rank, place.attempt, error, at_s)
 

@@ -124,6 +124,18 @@ def load_local_state(
             (value.to_local() if isinstance(value, DTensor) else value).copy_(given[key])
 
 
+def load_schedule(
+    optimizer: torch.optim.Optimizer,
+    schedule: torch.optim.lr_scheduler.LRScheduler,
+    state: dict,
+) -> None:
+    """The LR schedule where `state` left it, and the optimizer's LR with it (the schedule
+    sets that only as it steps)."""
+    schedule.load_state_dict(state)
+    for group, lr in zip(optimizer.param_groups, schedule.get_last_lr(), strict=True):
+        group["lr"] = lr
+
+
 def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Creates the optimizer's state tensors (a step at lr 0 on zero gradients leaves every
     parameter bit for bit as it was), so that DCP has tensors to load into."""
@@ -356,12 +368,10 @@ class Checkpointer:
         vocab = model_shape(self.cfg.model).vocab_size
         for key, whole in repadded.items():
             fill(tensors[key], whole[:vocab])
-        self.schedule.load_state_dict(manifest.lr_schedule)
+        load_schedule(self.optimizer, self.schedule, manifest.lr_schedule)
         if self.loss_scale and "loss_scale" in manifest.extra:
             self.loss_scale.load_state_dict(manifest.extra["loss_scale"])
         self.restored_offset = manifest.extra.get("data_offset", 0)
-        for group, lr in zip(self.optimizer.param_groups, self.schedule.get_last_lr(), strict=True):
-            group["lr"] = lr
         rng = path / RNG_DIR / f"rank-{self.rank:05d}.pt"
         if manifest.degrees == Layout.of(self.cfg.parallel).degrees() and rng.is_file():
             _set_rng_state(torch.load(rng, weights_only=False))

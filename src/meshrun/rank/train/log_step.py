@@ -5,10 +5,7 @@ rollback to the last one (rank/train/guard.py)."""
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.distributed as dist
 
 from meshrun.core.config import TrainConfig
 from meshrun.models import moe
@@ -117,26 +114,6 @@ def _flush(
     if ctx.guard is not None:  # after the steps are written: a streak stops every rank here
         ctx.guard.logged(first_step, norms)
     spike = ctx.spikes.judge(first_step, values) if ctx.spikes else None
-    if ctx.spikes is not None and ctx.replicas is not None:
-        spike = _agreed(spike, ctx)
+    if ctx.spikes is not None and ctx.replicas is not None:  # torchft: the groups' one
+        spike = ctx.replicas.same_spike(spike)
     return spike
-
-
-def _agreed(spike: Spike | None, ctx: LoopContext) -> Spike | None:
-    """torchft: the replica groups' judgements made one, the earliest spike any group found
-    (a group that joined late judges against a window short of the steps before it joined):
-    every group rolls back alike, or none. Where a group failed during the exchange, this
-    group's own."""
-    earliest = torch.tensor([float(spike.step) if spike else math.inf], dtype=torch.float64)
-    ctx.replicas.reduce(earliest, dist.ReduceOp.MIN)
-    if math.isinf(earliest.item()):
-        return None
-    step = int(earliest.item())
-    found = spike is not None and spike.step == step
-    figures = [spike.loss, spike.mean, spike.std, 1.0] if found else [0.0] * 4
-    summed = torch.tensor(figures, dtype=torch.float64)  # the finders' figures, averaged
-    ctx.replicas.reduce(summed, dist.ReduceOp.SUM)
-    loss, mean, std, finders = summed.tolist()
-    if not finders:
-        return spike
-    return Spike(step, loss / finders, mean / finders, std / finders)

@@ -13,6 +13,7 @@ are the run's."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import warnings
@@ -27,16 +28,15 @@ import torch.distributed as dist
 from meshrun.core.replica_place import LIGHTHOUSE_ENV, ReplicaAlone, ReplicaLagged, ReplicaPlace
 from meshrun.core.run_files.metrics import replicas_ended
 from meshrun.rank.train.build import Training
-from meshrun.rank.train.checkpoint import load_local_state, local_state
+from meshrun.rank.train.checkpoint import load_local_state, load_schedule, local_state
 from meshrun.rank.train.data import LocalBatches
-from meshrun.rank.train.guard import SpikeGuard
+from meshrun.rank.train.guard import Spike, SpikeGuard
 
 State = dict[str, Any]
 
 # torchft logs each quorum and commit (and, on CPU, that it cannot reset NCCL's flight
 # recorder) through the root logger's handlers; its errors reach meshrun as failed commits
-for _name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
-    logging.getLogger(_name).setLevel(logging.ERROR)
+TORCHFT_LOGGERS = ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors")
 
 
 def healing(
@@ -57,9 +57,7 @@ def healing(
 
     def load(given: State) -> None:
         load_local_state(model, optimizer, given["tensors"])
-        schedule.load_state_dict(given["schedule"])
-        for group, lr in zip(optimizer.param_groups, schedule.get_last_lr(), strict=True):
-            group["lr"] = lr
+        load_schedule(optimizer, schedule, given["schedule"])
         batches.offset = given["data_offset"]
         if spikes is not None:
             spikes.load_state_dict(given["spikes"])
@@ -87,6 +85,8 @@ class Replicas:
 
         # torchft's streaming load of a peer's state hands torch a read-only buffer it owns
         warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+        for name in TORCHFT_LOGGERS:
+            logging.getLogger(name).setLevel(logging.ERROR)
         self.place, self.timeout_s = place, timeout_s
         self.ended = replicas_ended(run_dir)
         timeout = timedelta(seconds=timeout_s)
@@ -176,6 +176,25 @@ class Replicas:
         """`values` reduced in place over the quorum's groups (the same rank of each); left
         as they are where a group failed meanwhile (torchft then fails the next commit)."""
         self.manager.allreduce(values, reduce_op=op).wait()
+
+    def same_spike(self, spike: Spike | None) -> Spike | None:
+        """The groups' spike judgements of a log step made one, the earliest spike any group
+        found (a group that joined late judges against a window short of the steps before it
+        joined): every group rolls back alike, or none. Where a group failed during the
+        exchange, this group's own."""
+        earliest = torch.tensor([float(spike.step) if spike else math.inf], dtype=torch.float64)
+        self.reduce(earliest, dist.ReduceOp.MIN)
+        if math.isinf(earliest.item()):
+            return None
+        step = int(earliest.item())
+        found = spike is not None and spike.step == step
+        figures = [spike.loss, spike.mean, spike.std, 1.0] if found else [0.0] * 4
+        summed = torch.tensor(figures, dtype=torch.float64)  # the finders', averaged
+        self.reduce(summed, dist.ReduceOp.SUM)
+        loss, mean, std, finders = summed.tolist()
+        if not finders:
+            return spike
+        return Spike(step, loss / finders, mean / finders, std / finders)
 
     def quorum(self) -> int:
         """The step the live replicas train next (this one's state loaded from a peer's first,
