@@ -41,6 +41,7 @@ from meshrun.driver import cli
 from meshrun.driver.resolve import resolve
 from meshrun.rank.parallel.pipeline import SCHEDULES
 from meshrun.tools.plan import command as plan_command
+from meshrun.validate import fault_tolerance
 from tests.cli import CliRun, run_console
 from tests.helpers import compose_config
 
@@ -269,6 +270,11 @@ BAD_CONFIGS = [
         "null with parallel.fault_tolerance=torchft",
     ),
     (["parallel.replica_restarts=-1"], "parallel.replica_restarts", ">= 0"),
+    (
+        ["launcher=slurm", "parallel=ddp", "parallel.fault_tolerance=torchft"],
+        "parallel.fault_tolerance",
+        "launcher=local",
+    ),
     (["parallel.replica_restart_delay_s=-1"], "parallel.replica_restart_delay_s", ">= 0"),
     (["train.guard.spike=true"], "train.guard.spike", "checkpoint.every_steps=N"),
     (
@@ -321,6 +327,22 @@ def test_slurm_without_a_slurm_client_is_refused(monkeypatch, tmp_path: Path):
     monkeypatch.setenv("PATH", str(tmp_path))  # a host where sbatch does not exist
     with pytest.raises(ConfigError, match=r"launcher='slurm': no SLURM client on this host"):
         resolve(compose_config("launcher=slurm"), HostFacts.detect())
+
+
+def test_torchft_without_torchft_installed_is_refused(monkeypatch):
+    monkeypatch.setattr(fault_tolerance.importlib.util, "find_spec", lambda name: None)
+    cfg = compose_config("parallel=ddp", "parallel.fault_tolerance=torchft")
+    with pytest.raises(ConfigError, match=r"fault_tolerance='torchft': needs torchft, which is"):
+        resolve(cfg, HostFacts.detect())
+
+
+def test_torchft_under_torchrun_is_refused(monkeypatch):
+    """torchrun starts the ranks itself: torchft's replica groups would never be."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = compose_config("parallel=ddp", "parallel.fault_tolerance=torchft")
+    with pytest.raises(ConfigError, match=r"fault_tolerance='torchft': starts its replica"):
+        resolve(cfg, HostFacts.detect())
 
 
 def test_text_data_needs_byte_vocabulary(tmp_path: Path):

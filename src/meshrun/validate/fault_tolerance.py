@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 
+from meshrun.core.attached import attached_rank
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import fail
 
@@ -27,20 +28,25 @@ def check_fault_tolerance(cfg: ExperimentConfig) -> None:
         )
     if p.fault_tolerance == "none":
         return
+    key, value = "parallel.fault_tolerance", str(p.fault_tolerance)
     if importlib.util.find_spec("torchft") is None:
+        fail(key, value, "needs torchft, which is not installed", "pip install 'meshrun[ft]'")
+    if p.dp_replicate < 2:
         fail(
-            "parallel.fault_tolerance",
-            p.fault_tolerance,
-            "needs torchft, which is not installed",
-            "pip install 'meshrun[ft]' (torchft), or none",
+            key,
+            value,
+            f"keeps data-parallel replica groups training when one fails; parallel.dp_replicate "
+            f"is {p.dp_replicate}",
+            "parallel.dp_replicate >= 2 (parallel=ddp on 2 or more ranks; with dp_shard, tp, "
+            "pp, cp: each group of that layout)",
         )
-    _check_layout(cfg)
-    if cfg.launcher.name != "local" or cfg.launcher.nnodes != 1:
+    if cfg.launcher.name != "local" or attached_rank() is not None:
         fail(
-            "parallel.fault_tolerance",
-            p.fault_tolerance,
-            "runs its replicas on this host only so far (launcher=local, launcher.nnodes=1)",
-            "launcher=local, or none with launcher=slurm (a failed job is requeued)",
+            key,
+            value,
+            "starts its replica groups itself, on this host only so far (launcher=local, "
+            "not under torchrun)",
+            "`meshrun ... launcher=local`, or none with launcher=slurm (a failed job is requeued)",
         )
     if cfg.debug.slow_rank is not None:
         fail(
@@ -49,25 +55,4 @@ def check_fault_tolerance(cfg: ExperimentConfig) -> None:
             "compares the busy time of the ranks of one world; torchft's replicas are worlds "
             "of their own",
             "null with parallel.fault_tolerance=torchft",
-        )
-
-
-def _check_layout(cfg: ExperimentConfig) -> None:
-    """Replica groups along dp_replicate; each group any layout of the other dimensions."""
-    p = cfg.parallel
-    if p.dp_replicate < 2:
-        fail(
-            "parallel.fault_tolerance",
-            p.fault_tolerance,
-            f"keeps data-parallel replica groups training when one fails; parallel.dp_replicate "
-            f"is {p.dp_replicate}",
-            "parallel.dp_replicate >= 2 (parallel=ddp on 2 or more ranks; with dp_shard, tp, "
-            "pp, cp: each group of that layout)",
-        )
-    if p.data_parallel == "dataparallel":
-        fail(
-            "parallel.data_parallel",
-            p.data_parallel,
-            "runs in one process; torchft's replicas are processes of their own",
-            "auto with parallel.fault_tolerance=torchft",
         )
