@@ -3,8 +3,13 @@ torch older than it is refused before anything starts (exit 2, naming what is ne
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import tomllib
+import torch
 from packaging.requirements import Requirement
 
 from meshrun.core.errors import ConfigError
@@ -41,3 +46,22 @@ def test_meshrun_refuses_an_older_torch_before_it_composes(tmp_path, monkeypatch
     assert run.returncode == 2
     assert "config error torch='2.10.1': is older than the oldest torch" in run.output
     assert not (tmp_path / "meshrun.db").exists()  # nothing ran, nothing was recorded
+
+
+def test_the_floor_script_refuses_a_venv_without_the_floor_torch(tmp_path):
+    """scripts/test-torch-floor.sh (CI's floor job) takes the floor meshrun checks and will
+    not pass the subset on another torch: here make install's venv stands as the floor's."""
+    python = tmp_path / "bin" / "python"
+    python.parent.mkdir()
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    run = subprocess.run(
+        [REPO_ROOT / "scripts" / "test-torch-floor.sh", "test"],
+        env={**os.environ, "FLOOR_VENV": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode == 1
+    assert f"has torch {torch.__version__}, not the floor {TORCH_FLOOR}" in run.stderr
