@@ -67,6 +67,24 @@ BAD_CONFIGS = [
         "hardware.devices.0.matmul_efficiency",
         "(0, 1]",
     ),
+    (
+        [
+            "hardware=cpu",
+            "hardware.devices.0.attention={seq:[512,1024],"
+            "forward_tflops:[100],backward_tflops:[100,120]}",
+        ],
+        "hardware.devices.0.attention.forward_tflops",
+        "2 positive numbers",
+    ),
+    (
+        [
+            "hardware=cpu",
+            "hardware.devices.0.attention={seq:[1024,512],"
+            "forward_tflops:[1,1],backward_tflops:[1,1]}",
+        ],
+        "hardware.devices.0.attention.seq",
+        "ascending order",
+    ),
     (["model=llama-7b", "parallel=ddp"], "parallel", "predicted peak memory"),
     (["model=small", "plan.headroom_gib=1e9"], "parallel", "exceeds the"),
     (["train.steps=-5"], "train.steps", "must be positive"),

@@ -10,10 +10,12 @@ import time
 import pytest
 
 from benchmarks.speed_vs_published import ROWS, cluster_config, megatron_flops_per_token
+from meshrun.core.config import AttentionKernel
 from meshrun.core.hardware import load_profile
 from meshrun.core.layout import Layout
+from meshrun.models import model_shape
 from meshrun.plan.collectives import overlapped
-from meshrun.plan.compute import DeviceRates
+from meshrun.plan.compute import ATTENTION_RATE, DeviceRates, kernel_rates
 from meshrun.plan.placement import GroupSpan, group_span
 from meshrun.plan.speed import SpeedPrediction, predict_speed
 
@@ -56,6 +58,52 @@ def test_matmul_efficiency_rises_with_matmul_size():
     )
     assert small < 0.3 < medium < large <= 0.86
     assert large == pytest.approx(0.86, rel=0.02)
+
+
+def test_the_attention_kernels_rates_are_interpolated_in_log_sequence_and_held_at_the_ends():
+    kernel = AttentionKernel(
+        seq=[1024, 4096], forward_tflops=[200.0, 300.0], backward_tflops=[100.0, 160.0]
+    )
+    assert kernel_rates(kernel, 1024) == (200e12, 100e12)
+    assert kernel_rates(kernel, 2048) == pytest.approx((250e12, 130e12))  # halfway in log2
+    assert kernel_rates(kernel, 256) == (200e12, 100e12)
+    assert kernel_rates(kernel, 131072) == (300e12, 160e12)
+
+
+def attention_rate(*overrides: str, **parallel) -> float:
+    """The causal-attention FLOP/s a rank's step achieves, forward and backward together: its
+    attention FLOPs (half of 4·b·s²·h a layer forward, 2.5x that backward) over the
+    predicted seconds."""
+    cfg = cluster_config(*overrides, nodes=1, **parallel)
+    shape, layout = model_shape(cfg.model), Layout.of(cfg.parallel)
+    sequences = cfg.train.global_batch_size // (layout.dp_replicate * layout.dp_shard)
+    forward = 2 * sequences * cfg.train.seq_len**2 * shape.dim / layout.tp / layout.cp
+    return 3.5 * forward * shape.n_layers / predict_speed(cfg).breakdown["attention"]
+
+
+HOPPER_8B = ("model=hf/llama-3.1-8b", "train.global_batch_size=64", "train.micro_batch_size=1")
+
+
+def test_on_hopper_attention_runs_at_torchs_flashattention_2_rates_not_the_matmuls():
+    """torch's SDPA runs FlashAttention-2 on an H100: 333 TFLOP/s forward, 318 backward at
+    8k (Shah et al. 2024), far under the 0.7 x 792 a matmul-rate rule would give; short
+    sequences slower; fp32 (no FlashAttention) and an A100 profile (no table) keep the rule."""
+    h100 = load_profile("h100-80g").devices[0]
+    bf16 = ("hardware=h100-80g", "train.precision=bf16", *HOPPER_8B)
+    at_8k = attention_rate(*bf16, "train.seq_len=8192", dp_shard=8)
+    both_8k = 3.5 / (1 / 333e12 + 2.5 / 318e12)
+    assert at_8k == pytest.approx(both_8k, rel=1e-6)
+    at_1k = attention_rate(*bf16, "train.seq_len=1024", dp_shard=8)
+    assert at_1k == pytest.approx(3.5 / (1 / 260e12 + 2.5 / 260e12), rel=1e-6)
+    # a CP rank's attention spans seq/cp: 8k of a 64k sequence
+    cp_64k = attention_rate(*bf16, "train.seq_len=65536", cp=8)
+    assert cp_64k == pytest.approx(both_8k, rel=1e-6)
+    rule = ATTENTION_RATE * h100.matmul_efficiency * 989.4e12
+    fp32 = attention_rate("hardware=h100-80g", "train.precision=fp32", *HOPPER_8B, dp_shard=8)
+    assert fp32 == pytest.approx(ATTENTION_RATE * h100.matmul_efficiency * 494.7e12, rel=1e-6)
+    a100 = attention_rate("hardware=a100-80g", "train.precision=bf16", *HOPPER_8B, dp_shard=8)
+    assert a100 == pytest.approx(ATTENTION_RATE * 0.86 * 312e12, rel=1e-6)
+    assert at_1k < at_8k < 0.6 * rule
 
 
 def test_one_tile_more_than_the_sms_costs_a_second_wave():

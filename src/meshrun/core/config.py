@@ -222,11 +222,24 @@ class BackendConfig:
 
 
 @dataclass
+class AttentionKernel:
+    """What the causal attention kernel eager PyTorch runs on a device reaches (16-bit, head
+    dim 128), as measured by its authors: forward and backward TFLOP/s (the causal half of
+    the FLOPs; backward 2.5x the forward's) at each sequence length of `seq`, ascending;
+    none given, the planner's rule of thumb (plan/compute.py)."""
+
+    seq: list[int] = field(default_factory=list)
+    forward_tflops: list[float] = field(default_factory=list)
+    backward_tflops: list[float] = field(default_factory=list)
+
+
+@dataclass
 class DeviceSpec:
     """One kind of accelerator in a box; `match` are substrings of torch's device name.
     For the planner's matmul model (plan/compute.py), from the datasheet: `memory_bw_gbs`
     (DRAM, GB/s) and `sms` (streaming multiprocessors); measured: `matmul_efficiency`, the
-    fraction of the dense peak the best large matmul reaches (Bekman's MAMF table)."""
+    fraction of the dense peak the best large matmul reaches (Bekman's MAMF table), and
+    `attention`, the rates of the attention kernel torch's SDPA picks there."""
 
     name: str = MISSING
     count: int = 1
@@ -236,6 +249,7 @@ class DeviceSpec:
     memory_bw_gbs: float | None = None
     sms: int | None = None
     matmul_efficiency: float = 0.8
+    attention: AttentionKernel = field(default_factory=AttentionKernel)
 
 
 @dataclass

@@ -12,8 +12,12 @@ micro-batch, from the shapes of its matmuls and the device's datasheet, not from
                 tensor parallelism divides out (column-parallel) or in (row-parallel) by tp.
     attention   the causal kernel (FlashAttention through SDPA) skips the masked half of
                 QK^T and AV; its backward does 2.5x the forward's matmuls (it recomputes the
-                scores); softmax and masking keep it at ~0.7 of the large-matmul rate
-                (FlashAttention-2 reaches 50-73% of A100's peak, Dao 2023).
+                scores). At the rates its authors measured where the profile has them
+                (`attention`: forward and backward by sequence length, interpolated in
+                log2 of the sequence a rank's attention spans, seq/cp; on Hopper torch's
+                FlashAttention-2 reaches 0.34 of the peak at 8k, 0.19 at 512: short
+                sequences leave more of the causal tiles half empty); else ~0.7 of the
+                large-matmul rate (FlashAttention-2 reaches 50-73% of A100's peak, Dao 2023).
     elementwise memory-bound work at 0.8 of the DRAM bandwidth (what STREAM-like kernels
                 reach), bytes per token a layer in forward: the two RMSNorms and residual
                 adds on the fp32 residual stream, 4 bytes x 12h (replicated under TP, / tp
@@ -34,6 +38,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+from meshrun.core.config import AttentionKernel
 from meshrun.plan.shapes import Dims
 
 TILE = 128  # cuBLAS's usual output tile edge for 16-bit GEMMs on A100/H100
@@ -47,14 +52,16 @@ ADAMW_BYTES = 28  # a parameter's step: read weight, grad, m, v; write weight, m
 @dataclass(frozen=True)
 class DeviceRates:
     """A device kind for the run's precision: FLOP/s of a large matmul, DRAM bytes/s, SMs
-    (0: no wave quantization, a CPU); measured on a calibrated host (core/calibration.py):
-    `attention` FLOP/s of the causal kernel, `layer_overhead` seconds a block's forward and
-    backward spend dispatching their ops however small the tensors."""
+    (0: no wave quantization, a CPU); measured (a profile's `attention`, a calibrated host,
+    core/calibration.py): `attention` FLOP/s of the causal kernel (`attention_backward` its
+    backward's where apart), `layer_overhead` seconds a block's forward and backward spend
+    dispatching their ops however small the tensors."""
 
     matmul: float
     memory: float
     sms: int
     attention: float | None = None
+    attention_backward: float | None = None
     layer_overhead: float = 0.0  # a block's eager ops' dispatch, forward and backward
 
     def gemm(self, m: int, n: int, k: int, width: int) -> float:
@@ -79,6 +86,7 @@ class PassTimes:
     matmul_f: float
     matmul_b: float
     attention_f: float
+    attention_b: float
     elementwise_f: float
     alternate_f: float = 0.0  # the forward of its 2nd, 4th, ... matmuls (ckpt=op's recompute)
 
@@ -98,13 +106,13 @@ class PassTimes:
 
     @property
     def backward(self) -> float:
-        return self.matmul_b + ATTENTION_BACKWARD * self.attention_f + 2 * self.elementwise_f
+        return self.matmul_b + self.attention_b + 2 * self.elementwise_f
 
     def by_kind(self) -> dict[str, float]:
         """Forward and backward together."""
         return {
             "matmul": self.matmul_f + self.matmul_b,
-            "attention": (1 + ATTENTION_BACKWARD) * self.attention_f,
+            "attention": self.attention_f + self.attention_b,
             "elementwise": 3 * self.elementwise_f,
         }
 
@@ -129,13 +137,30 @@ def block_times(
         forward, backward = forward + f, backward + b
         alternate += f if index % 2 else 0.0
     causal_flops = 2 * micro_batch * seq * seq * d.hq / tp / cp  # half of 4*b*s^2*h: the mask
-    attention = causal_flops / (rates.attention or rates.matmul * ATTENTION_RATE)
+    forward_rate = rates.attention or rates.matmul * ATTENTION_RATE
+    attention = causal_flops / forward_rate
+    attention_b = ATTENTION_BACKWARD * causal_flops / (rates.attention_backward or forward_rate)
     mlp = d.mlp * d.f / tp
     if d.experts:
         mlp = 3 * (d.routed * d.fe / d.etp + d.fs) + 2 * d.routed * d.h
     per_token = RESIDUAL_BYTES * d.h / (tp if sp else 1) + (2 * (d.hq + d.hk) / tp + mlp) * width
     elementwise = tokens * per_token / rates.memory
-    return PassTimes(forward, backward, attention, elementwise, alternate)
+    return PassTimes(forward, backward, attention, attention_b, elementwise, alternate)
+
+
+def kernel_rates(kernel: AttentionKernel, seq: int) -> tuple[float, float]:
+    """(forward, backward) FLOP/s of the attention kernel over a sequence of `seq`: the
+    measured rates interpolated in log2(seq), the ends held beyond them."""
+    points = [math.log2(s) for s in kernel.seq]
+    x = min(max(math.log2(seq), points[0]), points[-1])
+    upper = next(i for i, p in enumerate(points) if p >= x)
+    lower = max(upper - 1, 0)
+    share = (x - points[lower]) / (points[upper] - points[lower]) if upper != lower else 0.0
+
+    def at(rates: list[float]) -> float:
+        return (rates[lower] + share * (rates[upper] - rates[lower])) * 1e12
+
+    return at(kernel.forward_tflops), at(kernel.backward_tflops)
 
 
 def alternate_matmul_share(d: Dims) -> float:

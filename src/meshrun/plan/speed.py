@@ -54,6 +54,13 @@ kinds): nothing loops over ranks, so 8,192-rank plans cost what 8-rank ones do.
                 the expert_shard group, what ep leaves of dp_shard x cp); under a pipeline
                 once a step (parameters stay gathered across micro-batches; the gradients'
                 sync comes after the last backward, whole: torch's REDUCE_GRAD action)
+    FSDP copies FSDP2 copies on the compute stream, which waits for them: each all-gather's
+                output split into the unsharded parameters (read and write, the parameter
+                dtype: split_with_sizes_copy in foreach_all_gather_copy_out), each
+                reduce-scatter's input packed from the unsharded gradients cast to fp32
+                (chunk_cat in foreach_reduce_scatter_copy_in; torch/distributed/fsdp/
+                _fully_shard/_fsdp_collectives.py), memory-bound; as often as the gathers
+                and reduce-scatters run (every micro-batch, once a step under PP)
     contention  a collective hidden behind compute still costs it SMs: NCCL runs each
                 channel as one thread block on an SM of its own, and an inter-node ring
                 opens about two channels a NIC (16 on an 8-NIC node), so compute that
@@ -87,6 +94,7 @@ from meshrun.plan.compute import (
     alternate_matmul_share,
     block_times,
     head_times,
+    kernel_rates,
     optimizer_time,
 )
 from meshrun.plan.placement import expert_spans, group_span, stage_devices
@@ -165,7 +173,7 @@ class SpeedPrediction:
         parts |= {"recompute": b["recompute"], "tp": b["tp"], "cp": b["cp_exposed"]}
         parts |= {"ep": b["ep"], "pp": b["pp"], "dp": b["dp_exposed"]}
         parts |= {"contention": b["contention"], "bubble": b["bubble"]}
-        return parts | {"optimizer": b["optimizer"]}
+        return parts | {"optimizer": b["optimizer"], "fsdp_copies": b["fsdp_copies"]}
 
     def as_dict(self) -> dict:
         return {**asdict(self), "step_parts": self.step_parts()}
@@ -183,18 +191,20 @@ def _peak(cfg: ExperimentConfig, spec: DeviceSpec | None) -> float | None:
 
 
 COMPUTE_KINDS = ("matmul", "attention", "elementwise", "head", "overhead")
+STEP_PARTS = ("optimizer", "fsdp_copies")  # a stage's parts once a step, not a micro-batch
 
 
 @dataclass
 class _Stage:
     """One micro-batch on a pipeline stage's slowest device: compute by kind, TP exposed, CP
-    in all (`cp_total`) and exposed, EP's all-to-alls; `attention_f` one layer's attention
-    forward."""
+    in all (`cp_total`) and exposed, EP's all-to-alls; `attention_f` and `attention_b` one
+    layer's attention forward and backward."""
 
     forward: float = 0.0
     backward: float = 0.0
     recompute: float = 0.0
     attention_f: float = 0.0
+    attention_b: float = 0.0
     tp: float = 0.0
     cp: float = 0.0
     cp_total: float = 0.0
@@ -206,13 +216,18 @@ class _Stage:
         return self.forward + self.backward + self.recompute
 
 
-def _rates(cfg: ExperimentConfig, spec: DeviceSpec) -> DeviceRates | None:
-    """The shape model's view of a device, where its datasheet gives one (a GPU profile)."""
+def _rates(cfg: ExperimentConfig, spec: DeviceSpec, cp: int) -> DeviceRates | None:
+    """The shape model's view of a device, where its datasheet gives one (a GPU profile);
+    its attention kernel's measured rates for 16-bit runs (FlashAttention has no fp32), at
+    the sequence a rank's attention spans."""
     peak = _peak(cfg, spec)
     if not (peak and spec.memory_bw_gbs and spec.sms) or cfg.hardware.device_type != "cuda":
         return None
     memory = spec.memory_bw_gbs * GB * MEMORY_EFFICIENCY
-    return DeviceRates(peak * spec.matmul_efficiency, memory, spec.sms)
+    forward = backward = None
+    if spec.attention.seq and cfg.train.precision in HALF_PRECISIONS:
+        forward, backward = kernel_rates(spec.attention, cfg.train.seq_len // cp)
+    return DeviceRates(peak * spec.matmul_efficiency, memory, spec.sms, forward, backward)
 
 
 def _by_shapes(
@@ -233,7 +248,8 @@ def _by_shapes(
     overhead = share.layers * rates.layer_overhead
     if overhead:
         parts["overhead"] = overhead
-    return _Stage(forward, backward + overhead, recompute, block.attention_f, parts=parts)
+    attention = (block.attention_f, block.attention_b)
+    return _Stage(forward, backward + overhead, recompute, *attention, parts=parts)
 
 
 def _by_flops(
@@ -259,7 +275,14 @@ def _by_flops(
     if ckpt == "op" and shape.dim and share.layers:
         layers = checkpointed_layers(cfg.parallel, share) / share.layers
         recompute += (forward - attention) * layers * alternate_matmul_share(Dims.of(cfg.model))
-    return _Stage(forward, 2 * forward, recompute, attention, parts={"matmul": 3 * forward})
+    return _Stage(
+        forward,
+        2 * forward,
+        recompute,
+        attention,
+        ATTENTION_BACKWARD * attention,
+        parts={"matmul": 3 * forward},
+    )
 
 
 def _tp_comm(
@@ -329,7 +352,7 @@ def _cp_comm(
         # cp blocks of attention a layer, the next block's transfer beside each but the last
         step, block = fabric.send(span.crosses_nodes, kv), stage.attention_f / cp
         exposed = forwards * (cp - 1) * max(0.0, step - block)
-        exposed += (cp - 1) * max(0.0, 2 * step - ATTENTION_BACKWARD * block)
+        exposed += (cp - 1) * max(0.0, 2 * step - stage.attention_b / cp)
         total = (forwards + 2) * (cp - 1) * step  # backward: K/V and their gradients
     else:
         if method == "allgather":
@@ -434,6 +457,22 @@ def _dp_comm(
     return total, exposed
 
 
+def _fsdp_copies(
+    cfg: ExperimentConfig, layout: Layout, cost: ModelCost, m: int, rates: DeviceRates | None
+) -> float:
+    """Seconds a step of FSDP2's copies of the unsharded parameters and gradients (module
+    docstring); none where compute is costed by FLOPs, which knows no memory bandwidth."""
+    if not (layout.uses_fsdp and rates):
+        return 0.0
+    width = 2 if cfg.train.precision in HALF_PRECISIONS else FP32
+    gathers = reduces = 1  # under PP: gathered once a step, reduced after the last backward
+    if layout.pp == 1:
+        gathers = m * (2 if cfg.parallel.fsdp.reshard_after_forward else 1)
+        reduces = m
+    per_element = gathers * 2 * width + reduces * (width + FP32)
+    return cost.rank_elements * per_element / rates.memory
+
+
 def predict_speed(
     cfg: ExperimentConfig,
     host_flops: float | None = None,
@@ -461,6 +500,7 @@ def predict_speed(
     dp = _dp_comm(cfg, layout, fabric, cost, stage, m, n_units)
     if cfg.hardware.device_type == "cpu":  # gloo copies and reduces on the computing cores
         dp, stage.cp = (dp[0], dp[0]), stage.cp_total
+    stage.parts["fsdp_copies"] = _fsdp_copies(cfg, layout, cost, m, rates)
     return _prediction(cfg, layout, cost, m, stage, pp, dp, _contention(dp, rates))
 
 
@@ -508,7 +548,7 @@ def _stage_on(
     measured rates or matmul FLOP/s): by matmul shapes where a datasheet or a calibration
     gives the rates, else by FLOPs at the expected share of the peak; None where that peak
     is unknown."""
-    rates = _rates(cfg, spec) if by_shapes and spec else None
+    rates = _rates(cfg, spec, layout.cp) if by_shapes and spec else None
     if spec is None and isinstance(host, DeviceRates):
         rates = host
     if rates:
@@ -564,13 +604,15 @@ def _prediction(
     if layout.pp > 1:
         bubble = theoretical_bubble(layout.pp, n_microbatches(cfg), cfg.parallel.stages_per_rank)
     optimizer = stage.parts.get("optimizer", 0.0)
+    copies = stage.parts.get("fsdp_copies", 0.0)
     pipeline = m * (stage.compute + stage.tp + stage.cp + stage.ep + pp)
-    step = pipeline / (1 - bubble) + dp_exposed + contention + optimizer
+    step = pipeline / (1 - bubble) + dp_exposed + contention + optimizer + copies
     tokens_per_s = cfg.train.tokens_per_step / step
     breakdown = {
-        **{k: m * v for k, v in stage.parts.items() if k != "optimizer"},
+        **{k: m * v for k, v in stage.parts.items() if k not in STEP_PARTS},
         "recompute": m * stage.recompute,
         "optimizer": optimizer,
+        "fsdp_copies": copies,
         "tp": m * stage.tp,
         "cp": m * stage.cp_total,
         "cp_exposed": m * stage.cp,
@@ -582,7 +624,7 @@ def _prediction(
         "bubble": pipeline / (1 - bubble) - pipeline,
     }
     return SpeedPrediction(
-        compute_s=m * stage.compute + optimizer,
+        compute_s=m * stage.compute + optimizer + copies,
         comm_s=m * (stage.tp + stage.cp_total + stage.ep + pp) + dp_total,
         bubble=bubble,
         step_time_s=step,

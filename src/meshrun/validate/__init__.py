@@ -14,7 +14,13 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from meshrun.core.config import CustomModelConfig, ExperimentConfig, HardwareConfig, resolved_of
+from meshrun.core.config import (
+    AttentionKernel,
+    CustomModelConfig,
+    ExperimentConfig,
+    HardwareConfig,
+    resolved_of,
+)
 from meshrun.core.errors import choice, fail, positive
 from meshrun.core.hardware import HostFacts, resolve_hardware
 from meshrun.validate.checkpoint import check_checkpoint
@@ -146,6 +152,30 @@ def _check_hardware(hw: HardwareConfig) -> None:
                 spec.matmul_efficiency,
                 "is the fraction of the peak the best large matmul reaches",
                 "a number in (0, 1], e.g. 0.8",
+            )
+        _check_attention_kernel(f"{key}.attention", spec.attention)
+
+
+def _check_attention_kernel(key: str, kernel: AttentionKernel) -> None:
+    """The measured points plan/compute.kernel_rates interpolates between, if any."""
+    given = [kernel.seq, kernel.forward_tflops, kernel.backward_tflops]
+    if not any(given):
+        return
+    if not kernel.seq or kernel.seq != sorted(set(kernel.seq)) or kernel.seq[0] < 1:
+        fail(
+            f"{key}.seq",
+            kernel.seq,
+            "are the sequence lengths the kernel's rates were measured at",
+            "positive integers in ascending order, e.g. [512, 1024, 2048]",
+        )
+    for name in ("forward_tflops", "backward_tflops"):
+        rates = getattr(kernel, name)
+        if len(rates) != len(kernel.seq) or min(rates, default=0) <= 0:
+            fail(
+                f"{key}.{name}",
+                rates,
+                f"are the kernel's TFLOP/s at each of {key}.seq ({len(kernel.seq)} lengths)",
+                f"{len(kernel.seq)} positive numbers",
             )
 
 
