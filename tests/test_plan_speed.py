@@ -10,14 +10,14 @@ import time
 import pytest
 
 from benchmarks.speed_vs_published import ROWS, cluster_config, megatron_flops_per_token
-from meshrun.core.config import AttentionKernel
+from meshrun.core.config import AttentionKernel, FSDPConfig
 from meshrun.core.hardware import load_profile
 from meshrun.core.layout import Layout
 from meshrun.models import model_shape
 from meshrun.plan.collectives import overlapped
 from meshrun.plan.compute import ATTENTION_RATE, DeviceRates, kernel_rates
 from meshrun.plan.placement import GroupSpan, group_span
-from meshrun.plan.speed import SpeedPrediction, predict_speed
+from meshrun.plan.speed import SpeedPrediction, formula_cost, predict_speed
 
 LLAMA_13B = (
     "model=llama-13b",
@@ -197,6 +197,30 @@ def test_ddp_hides_its_gradient_all_reduce_behind_a_long_backward():
     )
     dp, exposed = run.breakdown["dp"], run.breakdown["dp_exposed"]
     assert 0 < exposed < 0.02 * dp
+
+
+def test_fsdp2_copies_each_gathered_unit_and_packs_each_gradient_on_the_compute_stream():
+    """Every micro-batch: the all-gather's output split into the parameters (bf16 read and
+    written) forward and again backward, the gradients packed into the reduce-scatter's fp32
+    input (bf16 read, fp32 written); half the gathers without the backward's re-gather; once
+    a step under a pipeline; none under DDP."""
+    memory = 2039e9 * 0.8  # A100-80GB's HBM at the streaming efficiency
+
+    def copies(**parallel) -> tuple[float, int, int]:
+        """(the step's copies, the elements a rank gathers, micro-batches a step)"""
+        cfg = cluster_config(*LLAMA_13B, nodes=1, **parallel)
+        layout = Layout.of(cfg.parallel)
+        m = cfg.train.global_batch_size // layout.dp_size // cfg.train.micro_batch_size
+        elements = formula_cost(cfg, layout).rank_elements
+        return predict_speed(cfg).step_parts()["fsdp_copies"], elements, m
+
+    sharded, elements, m = copies(dp_shard=8)
+    assert sharded == pytest.approx(elements * m * (2 * 2 * 2 + (2 + 4)) / memory, rel=1e-9)
+    kept, _, _ = copies(dp_shard=8, fsdp=FSDPConfig(reshard_after_forward=False))
+    assert kept == pytest.approx(elements * m * (2 * 2 + (2 + 4)) / memory, rel=1e-9)
+    pipelined, stage_elements, _ = copies(dp_shard=4, pp=2)
+    assert pipelined == pytest.approx(stage_elements * (2 * 2 + (2 + 4)) / memory, rel=1e-9)
+    assert copies(dp_replicate=8)[0] == 0.0
 
 
 def test_a_collective_hidden_behind_compute_still_costs_the_sms_nccls_channels_take():
