@@ -17,8 +17,9 @@ from meshrun.plan.candidate import CP_TRACED_UNCOUNTED, CP_UNCOUNTED, cp_uncount
 from meshrun.plan.memory import predict_stages
 from meshrun.plan.probe import host_matmul_flops
 from meshrun.plan.shapes import Dims, StageShare, layer_counts, local_param_elements
-from meshrun.plan.speed import formula_cost, predict_speed
+from meshrun.plan.speed import predict_speed
 from meshrun.plan.split import proportional
+from meshrun.plan.stage_time import formula_cost
 from meshrun.plan.traced import traced_cost
 from meshrun.tools.plan import command as plan_command
 from tests.cli import CliRun, run_console

@@ -1,6 +1,6 @@
-"""The speed model on GPU clusters (plan/speed.py, compute.py, collectives.py, placement.py):
-links by placement, overlap, recomputation, matmul efficiency, and published throughput.
-Nothing runs on a GPU: these are the model's own predictions, checked against first
+"""The speed model on GPU clusters (plan/speed.py, stage_time.py, comm_time.py, compute.py,
+collectives.py, placement.py): links by placement, overlap, recomputation, matmul
+efficiency, and published throughput. Nothing runs on a GPU: these are the model's own predictions, checked against first
 principles and against published large-scale runs (benchmarks/speed_vs_published.py)."""
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from meshrun.models import model_shape
 from meshrun.plan.collectives import overlapped
 from meshrun.plan.compute import ATTENTION_RATE, DeviceRates, kernel_rates
 from meshrun.plan.placement import GroupSpan, group_span
-from meshrun.plan.speed import SpeedPrediction, formula_cost, predict_speed
+from meshrun.plan.speed import SpeedPrediction, predict_speed
+from meshrun.plan.stage_time import formula_cost
 
 LLAMA_13B = (
     "model=llama-13b",

@@ -18,7 +18,8 @@ from meshrun.plan.memory import MemoryPrediction
 from meshrun.plan.placement import stage_devices
 from meshrun.plan.probe import host_matmul_flops
 from meshrun.plan.shapes import layer_counts
-from meshrun.plan.speed import EP_LOAD_ALLOWANCE, SpeedPrediction
+from meshrun.plan.speed import SpeedPrediction
+from meshrun.plan.stage_time import EP_LOAD_ALLOWANCE
 from meshrun.validate import validate_layout
 from meshrun.validate.layout import check_batch
 
@@ -142,7 +143,7 @@ def host_flops(cfg: ExperimentConfig) -> float | None:
 
 
 # What the memory prediction of a context-parallel layout leaves out, by method (plan/memory.py;
-# the K/V traffic is in the speed, plan/speed.py). Transient: the measured peaks stay within 3%
+# the K/V traffic is in the speed, plan/comm_time.py). Transient: the measured peaks stay within 3%
 # without them (benchmarks/context_parallel.py).
 CP_UNCOUNTED = {
     "ring": "the ring's K/V block in flight a layer (transient) is not in this memory prediction",

@@ -53,7 +53,7 @@ Expert parallelism: a rank holds E/ep experts of each MoE block (FSDP2 shards th
 ep leaves of dp_shard x cp: the same share of the model state; a gathered block holds E/ep
 experts), and its experts take the whole ep group's rows for them, at an even load: k a
 token of its own (measured within the bars at the near-even routing of a fresh router,
-tests/test_plan_accuracy.py; speed.py plans for the busiest rank's allowance). The
+tests/test_plan_accuracy.py; stage_time.py plans for the busiest rank's allowance). The
 all-to-alls' row buffers are transient, not counted.
 """
 

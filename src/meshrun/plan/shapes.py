@@ -36,7 +36,7 @@ class Dims:
     fe: int = 0
     fs: int = 0
     # expert parallelism: the ep degree (a rank holds experts/ep of them), and the routed
-    # rows the busiest ep rank computes over an even share (speed.py's allowance)
+    # rows the busiest ep rank computes over an even share (stage_time.py's allowance)
     ep: int = 1
     load: float = 1.0
     etp: int = 1  # the TP ranks each expert's hidden width is split over (parallel.etp)

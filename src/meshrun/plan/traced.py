@@ -44,7 +44,7 @@ from meshrun.core.layout import Layout
 from meshrun.models import build_model, from_key, model_key, model_shape, moe
 from meshrun.plan.memory import MemoryPrediction, in_flight
 from meshrun.plan.shapes import layer_counts, micro_batching
-from meshrun.plan.speed import ModelCost
+from meshrun.plan.stage_time import ModelCost
 from meshrun.rank.mesh import build_mesh
 from meshrun.rank.parallel import materialise, sharded_part, stage_parts
 from meshrun.rank.train.optim import build_optimizer
