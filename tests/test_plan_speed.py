@@ -1,7 +1,8 @@
 """The speed model on GPU clusters (plan/speed.py, stage_time.py, comm_time.py, compute.py,
 collectives.py, placement.py): links by placement, overlap, recomputation, matmul
-efficiency, and published throughput. Nothing runs on a GPU: these are the model's own predictions, checked against first
-principles and against published large-scale runs (benchmarks/speed_vs_published.py)."""
+efficiency, and published throughput. Nothing runs on a GPU: these are the model's own
+predictions, checked against first principles and against published large-scale runs
+(benchmarks/speed_vs_published.py)."""
 
 from __future__ import annotations
 
