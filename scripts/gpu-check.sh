@@ -56,7 +56,8 @@ for m, p in zip(r["memory_per_rank"], r["memory_predicted"] or []):
 mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
 compile_s = r.get("compile_s")
 print(f"{sys.argv[2]}: {r['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, step {r['step_time_s']:.4f}s "
-      f"(predicted {r['predicted_step_time_s'] or 0:.4f}s)"
+      f"(predicted {r['predicted_step_time_s'] or 0:.4f}s"
+      + (", calibrated" if r.get("predicted_calibrated_at") else "") + ")"
       + (f", compile {compile_s:.1f}s" if compile_s is not None else "")
       + "".join(f"\n    rank {i} MiB measured/predicted {c}" for i, c in enumerate(cells)))
 PY

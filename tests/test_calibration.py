@@ -9,14 +9,21 @@ import json
 
 import pytest
 
-from meshrun.core.calibration import Calibration, calibration_path, read_calibration
+from benchmarks.speed_vs_published import cluster_config
+from meshrun.core.calibration import (
+    Calibration,
+    calibration_path,
+    read_calibration,
+    write_calibration,
+)
 from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import HostFacts
 from meshrun.driver.resolve import resolve
 from meshrun.plan.candidate import host_calibration
-from meshrun.plan.speed import predict_speed
+from meshrun.plan.speed import SpeedPrediction, predict_speed
 from meshrun.tools.plan import main as plan_main
 from meshrun.tools.plan.calibrate import Workload, _in_rank_processes, ops_per_layer
+from meshrun.validate import check_experiment
 from tests.cli import run_console
 from tests.helpers import compose_config, resolved_config
 
@@ -58,6 +65,59 @@ def test_a_calibrated_cpu_step_is_costed_by_the_measured_rates():
     slow_link = predict_speed(cfg, calibration=_calibration(link_bw_gbs=0.1))
     assert slow_link.breakdown["dp"] > base.breakdown["dp"]
     assert sum(parts.values()) == pytest.approx(base.step_time_s)
+
+
+GPU = {
+    "device_type": "cuda",
+    "precision": "bf16",
+    "matmul_flops": 500e12,
+    "attention_flops": 300e12,
+    "memory_bw": 2.5e12,
+    "op_seconds": 8e-6,
+    "ops_per_layer": 200,
+    "link_bw_gbs": 300.0,
+    "link_latency_us": 2.0,
+}
+
+
+def _h100_step(*overrides: str, **changes) -> SpeedPrediction:
+    cfg = cluster_config("model=llama-1b", "hardware=h100-80g", *overrides, nodes=1, dp_shard=8)
+    return predict_speed(cfg, calibration=_calibration(**(GPU | changes)))
+
+
+def test_a_calibrated_gpu_is_costed_by_its_measured_rates_not_the_datasheets():
+    """The matmul rate measured at the run's shapes (their waves of tiles in it), the
+    measured attention and link; the H100 profile's figures give another step."""
+    args = ("train.seq_len=2048", "train.global_batch_size=64", "train.micro_batch_size=8")
+    measured = _h100_step(*args)
+    parts = measured.step_parts()
+    faster = _h100_step(*args, matmul_flops=1e15).step_parts()["matmul"]
+    assert parts["matmul"] == pytest.approx(2 * faster, rel=1e-3)  # a few are memory-bound
+    assert parts["attention"] == pytest.approx(
+        2 * _h100_step(*args, attention_flops=600e12).step_parts()["attention"]
+    )
+    assert measured.breakdown["dp"] > _h100_step(*args, link_bw_gbs=600.0).breakdown["dp"]
+    datasheet = predict_speed(
+        cluster_config("model=llama-1b", "hardware=h100-80g", *args, nodes=1, dp_shard=8)
+    )
+    assert datasheet.step_parts()["matmul"] != pytest.approx(parts["matmul"], rel=0.05)
+
+
+def test_a_gpus_dispatch_shows_only_where_it_outlasts_the_kernels():
+    """The host issues a block's 200 ops (1.6 ms) ahead of the GPU: behind 8 x 2,048 tokens'
+    kernels it is hidden; a micro-batch of 64 tokens waits for it, not for its sum with the
+    kernels (a CPU host would: its dispatch and compute share the cores)."""
+    busy = _h100_step(
+        "train.seq_len=2048", "train.global_batch_size=64", "train.micro_batch_size=8"
+    )
+    assert busy.step_parts().get("overhead", 0.0) == 0.0
+    idle = _h100_step("train.seq_len=64", "train.global_batch_size=8", "train.micro_batch_size=1")
+    layers = compose_config("model=llama-1b").model.n_layers
+    dispatch = layers * 200 * 8e-6  # one micro-batch a rank
+    overhead = idle.step_parts()["overhead"]
+    kernels = sum(idle.step_parts()[k] for k in ("matmul", "attention", "elementwise"))
+    assert 0 < overhead < dispatch
+    assert overhead == pytest.approx(dispatch - kernels, rel=1e-6)
 
 
 def test_the_op_count_is_a_blocks_forward_and_backward():
@@ -133,3 +193,18 @@ def test_a_calibration_path_that_names_no_file_is_refused(tmp_path):
         resolve(cfg, HostFacts.detect())
     assert caught.value.key == "plan.calibration"
     assert "no such file" in str(caught.value) and "meshrun-plan calibrate" in str(caught.value)
+
+
+def test_a_calibration_of_other_devices_or_not_one_at_all_is_refused(tmp_path):
+    """A profile named by path is used as it is: a CPU host's rates would cost an H100 plan."""
+    cpu_profile = tmp_path / "cpu.json"
+    write_calibration(_calibration(), cpu_profile)
+    cfg = compose_config("model=llama-1b", "hardware=h100-80g", f"plan.calibration={cpu_profile}")
+    with pytest.raises(ConfigError) as caught:
+        check_experiment(cfg)
+    assert caught.value.key == "plan.calibration"
+    assert "measured on cpu devices; this run's hardware is cuda" in str(caught.value)
+    (tmp_path / "notes.json").write_text("my notes")
+    cfg = compose_config(*SMALL, f"plan.calibration={tmp_path / 'notes.json'}")
+    with pytest.raises(ConfigError, match="is not a calibration profile"):
+        check_experiment(cfg)

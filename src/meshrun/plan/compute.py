@@ -55,7 +55,11 @@ class DeviceRates:
     (0: no wave quantization, a CPU); measured (a profile's `attention`, a calibrated host,
     core/calibration.py): `attention` FLOP/s of the causal kernel (`attention_backward` its
     backward's where apart), `layer_overhead` seconds a block's forward and backward spend
-    dispatching their ops however small the tensors."""
+    dispatching their ops however small the tensors. `waves`: the matmul rate is the best
+    large matmul's, each shape's last wave of tiles costed on top (a calibrated rate was
+    measured at the run's shapes, their waves in it). `dispatch_ahead`: the host issues
+    kernels ahead of a GPU, so a block waits for its dispatch only where that outlasts the
+    block's kernels (a CPU computes where it dispatches: the two add)."""
 
     matmul: float
     memory: float
@@ -63,11 +67,13 @@ class DeviceRates:
     attention: float | None = None
     attention_backward: float | None = None
     layer_overhead: float = 0.0  # a block's eager ops' dispatch, forward and backward
+    waves: bool = True
+    dispatch_ahead: bool = False
 
     def gemm(self, m: int, n: int, k: int, width: int) -> float:
         """Seconds of an (m x k) @ (k x n) matmul of `width`-byte elements."""
         fill = 1.0
-        if self.sms:
+        if self.sms and self.waves:
             tiles = math.ceil(m / TILE) * math.ceil(n / TILE)
             fill = tiles / (math.ceil(tiles / self.sms) * self.sms)
         compute = 2 * m * n * k / (self.matmul * fill)

@@ -85,16 +85,16 @@ def predict_speed(
 ) -> SpeedPrediction | None:
     """None when a device's peak is unknown (and no host measurement stands in for it).
     `cost`: what was counted of a model without formulas (formula_cost's otherwise).
-    `calibration`: this host's measured rates and links (a CPU host's: by shapes then)."""
+    `calibration`: this host's measured rates and links (costed by shapes with them)."""
     layout = Layout.of(cfg.parallel)
     by_shapes = cost is None and cfg.plan.efficiency is None
     cost = cost or formula_cost(cfg, layout)
     fabric = Fabric.of(cfg, calibration)
     m, micro = micro_batching(cfg, layout)
     shares = stage_shares(cfg.model, cfg.parallel, layout)
-    host: float | DeviceRates | None = host_flops
+    host: float | Calibration | None = host_flops
     if calibration is not None and by_shapes:
-        host = calibrated_rates(calibration)
+        host = calibration
     slowest = _slowest_stage(cfg, layout, fabric, shares, micro, cost, host, by_shapes)
     if slowest is None:
         return None
@@ -115,7 +115,7 @@ def _slowest_stage(
     shares: list[StageShare],
     micro: int,
     cost: ModelCost,
-    host: float | DeviceRates | None,
+    host: float | Calibration | None,
     by_shapes: bool,
 ) -> tuple[StageTime, DeviceRates | None] | None:
     """The stage and device kind every other waits for, with the shape model's rates where it
@@ -145,16 +145,16 @@ def _stage_on(
     micro: int,
     cost: ModelCost,
     spec: DeviceSpec | None,
-    host: float | DeviceRates | None,
+    host: float | Calibration | None,
     by_shapes: bool,
 ) -> tuple[StageTime, DeviceRates | None] | None:
-    """One micro-batch of the stage on one kind of device (None: the host's CPU, `host` its
-    measured rates or matmul FLOP/s): by matmul shapes where a datasheet or a calibration
-    gives the rates, else by FLOPs at the expected share of the peak; None where that peak
-    is unknown."""
+    """One micro-batch of the stage on one kind of device (None: the host's CPU), `host` this
+    host's calibration or its CPU's matmul FLOP/s: by matmul shapes where a calibration or a
+    datasheet gives the rates, else by FLOPs at the expected share of the peak; None where
+    that peak is unknown."""
     rates = device_rates(cfg, spec, layout.cp) if by_shapes and spec else None
-    if spec is None and isinstance(host, DeviceRates):
-        rates = host
+    if isinstance(host, Calibration):
+        rates = calibrated_rates(host, spec)
     if rates:
         stage = stage_by_shapes(cfg, layout, share, micro, rates)
     else:

@@ -128,14 +128,18 @@ def device_rates(cfg: ExperimentConfig, spec: DeviceSpec, cp: int) -> DeviceRate
     return DeviceRates(peak * spec.matmul_efficiency, memory, spec.sms, forward, backward)
 
 
-def calibrated_rates(calibration: Calibration) -> DeviceRates:
-    """A calibrated host's rates, as measured (no datasheet efficiencies), per rank."""
+def calibrated_rates(calibration: Calibration, spec: DeviceSpec | None = None) -> DeviceRates:
+    """A calibrated host's rates, as measured (no datasheet efficiencies), per rank; a GPU
+    (`spec`) keeps its SMs for NCCL's contention. Every device kind of a mixed box gets the
+    slowest rank's: one calibration a host."""
     return DeviceRates(
         matmul=calibration.matmul_flops,
         memory=calibration.memory_bw,
-        sms=0,
+        sms=(spec.sms or 0) if spec else 0,
         attention=calibration.attention_flops,
         layer_overhead=calibration.ops_per_layer * calibration.op_seconds,
+        waves=False,
+        dispatch_ahead=calibration.device_type == "cuda",
     )
 
 
@@ -154,7 +158,10 @@ def stage_by_shapes(
     parts = {kind: share.layers * seconds for kind, seconds in block.by_kind().items()}
     if share.last:
         parts["head"] = head_f + head_b
-    overhead = share.layers * rates.layer_overhead
+    overhead = rates.layer_overhead
+    if rates.dispatch_ahead:
+        overhead = max(0.0, overhead - block.forward - block.backward)
+    overhead *= share.layers
     if overhead:
         parts["overhead"] = overhead
     attention = (block.attention_f, block.attention_b)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from meshrun.core.calibration import read_calibration
 from meshrun.core.config import (
     AttentionKernel,
     CustomModelConfig,
@@ -114,16 +115,30 @@ def _check_plan(cfg: ExperimentConfig) -> None:
             "is the share of a GPU's memory the caching allocator is allowed to waste",
             "a fraction in [0, 1), e.g. 0.1",
         )
-    calibration = cfg.plan.calibration
-    if calibration not in ("auto", "none") and not Path(calibration).is_file():
+    if cfg.plan.calibration not in ("auto", "none"):
+        _check_calibration_file(cfg.plan.calibration, cfg.hardware.device_type)
+    _check_hardware(cfg.hardware)
+
+
+def _check_calibration_file(path: str, device_type: str) -> None:
+    """A profile named by path is used as it is: it must be one, measured on this kind."""
+    valid = (
+        "auto (this host's, beside the results store), none, or the path of a "
+        "calibration.json that `meshrun-plan calibrate` wrote"
+    )
+    if not Path(path).is_file():
+        fail("plan.calibration", path, "names no calibration profile (no such file)", valid)
+    try:
+        profile = read_calibration(Path(path))
+    except (ValueError, TypeError) as error:
+        fail("plan.calibration", path, f"is not a calibration profile ({error})", valid)
+    if profile is not None and profile.device_type != device_type:
         fail(
             "plan.calibration",
-            calibration,
-            "names no calibration profile (no such file)",
-            "auto (this host's, beside the results store), none, or the path of a "
-            "calibration.json that `meshrun-plan calibrate` wrote",
+            path,
+            f"was measured on {profile.device_type} devices; this run's hardware is {device_type}",
+            f"a profile `meshrun-plan calibrate` measured on {device_type} devices, or {valid}",
         )
-    _check_hardware(cfg.hardware)
 
 
 def _check_hardware(hw: HardwareConfig) -> None:
