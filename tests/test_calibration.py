@@ -17,13 +17,14 @@ from meshrun.core.calibration import (
     write_calibration,
 )
 from meshrun.core.errors import ConfigError
-from meshrun.core.hardware import HostFacts
+from meshrun.core.hardware import HostFacts, fingerprint_key, host_fingerprint
 from meshrun.driver.resolve import resolve
 from meshrun.plan.candidate import host_calibration
 from meshrun.plan.speed import SpeedPrediction, predict_speed
 from meshrun.tools.plan import main as plan_main
 from meshrun.tools.plan.calibrate import Workload, _in_rank_processes, ops_per_layer
 from meshrun.validate import check_experiment
+from meshrun.validate.launcher import rank_threads
 from tests.cli import run_console
 from tests.helpers import compose_config, resolved_config
 
@@ -208,3 +209,17 @@ def test_a_calibration_of_other_devices_or_not_one_at_all_is_refused(tmp_path):
     cfg = compose_config(*SMALL, f"plan.calibration={tmp_path / 'notes.json'}")
     with pytest.raises(ConfigError, match="is not a calibration profile"):
         check_experiment(cfg)
+
+
+def test_a_plan_finds_the_profile_of_its_ranks_with_the_threads_a_run_would_give_them(tmp_path):
+    """One rank on this host computes with all its cores (validate/launcher.rank_threads), as
+    `meshrun-plan calibrate` measured it: a plan's candidate, whose threads are not set yet,
+    finds that profile (a GPU box with 16 cores and one rank a GPU likewise)."""
+    store = tmp_path / "meshrun.db"
+    threads = rank_threads(compose_config().launcher, 1, HostFacts.detect())
+    here = fingerprint_key(host_fingerprint(threads))
+    profile = _calibration(fingerprint_key=here, ranks=1, threads_per_rank=threads)
+    write_calibration(profile, calibration_path(str(store)))
+    cfg = compose_config("model=small", "parallel=single", f"store.path={store}")
+    assert cfg.launcher.threads_per_rank is None
+    assert host_calibration(cfg) == profile

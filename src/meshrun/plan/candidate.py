@@ -21,6 +21,7 @@ from meshrun.plan.shapes import layer_counts
 from meshrun.plan.speed import SpeedPrediction
 from meshrun.plan.stage_time import EP_LOAD_ALLOWANCE
 from meshrun.validate import validate_layout
+from meshrun.validate.launcher import rank_threads
 from meshrun.validate.layout import check_batch
 
 GiB = 2**30
@@ -116,11 +117,16 @@ def host_calibration(cfg: ExperimentConfig) -> Calibration | None:
     found = _read_calibration(path, path.stat().st_mtime_ns if path.is_file() else 0)
     if found is None or setting != "auto":
         return found
-    threads = cfg.launcher.threads_per_rank or 1
     ranks = Layout.of(cfg.parallel).world_size // cfg.launcher.nnodes
+    threads = rank_threads(cfg.launcher, ranks, _host_facts())  # as the run's ranks get them
     here = _fingerprint_here(threads)
     same = (found.fingerprint_key, found.ranks, found.threads_per_rank) == (here, ranks, threads)
     return found if same and found.device_type == cfg.hardware.device_type else None
+
+
+@functools.cache
+def _host_facts() -> HostFacts:
+    return HostFacts.detect()
 
 
 @functools.cache
