@@ -18,11 +18,12 @@ from meshrun.core.calibration import (
 )
 from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import HostFacts, fingerprint_key, host_fingerprint
+from meshrun.core.layout import Layout
 from meshrun.driver.resolve import resolve
 from meshrun.plan.candidate import host_calibration
 from meshrun.plan.speed import SpeedPrediction, predict_speed
 from meshrun.tools.plan import main as plan_main
-from meshrun.tools.plan.calibrate import Workload, _in_rank_processes, ops_per_layer
+from meshrun.tools.plan.calibrate import Workload, _in_rank_processes, _small, ops_per_layer
 from meshrun.validate import check_experiment
 from meshrun.validate.launcher import rank_threads
 from tests.cli import run_console
@@ -119,6 +120,47 @@ def test_a_gpus_dispatch_shows_only_where_it_outlasts_the_kernels():
     kernels = sum(idle.step_parts()[k] for k in ("matmul", "attention", "elementwise"))
     assert 0 < overhead < dispatch
     assert overhead == pytest.approx(dispatch - kernels, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("parallel", "wrappers"),
+    [
+        (("parallel=ddp",), 0.0),
+        (("parallel=fsdp",), 3e-3),
+        (("parallel=tp2",), 1e-3),
+        (("parallel=tp2", "parallel.sequence_parallel=true"), 2e-3),
+        (("parallel=fsdp2_tp2", "launcher.nproc_per_node=4"), 1e-3 + 3e-3),
+    ],
+    ids=["ddp", "fsdp", "tp2", "tp2-sp", "fsdp2-tp2"],
+)
+def test_a_calibrated_block_pays_the_measured_dispatch_of_its_layouts_wrappers(parallel, wrappers):
+    """Each block, each micro-batch: its ops' dispatch, plus what DTensor costs under TP (more
+    with SP) and FSDP2's hooks (here 1, 2 and 3 ms), as calibrate measured them."""
+    cfg = resolved_config("model=small", *parallel, "plan.calibration=none")
+    measured = {"tp_layer_overhead": 1e-3, "sp_layer_overhead": 2e-3, "fsdp_layer_overhead": 3e-3}
+    calibration = _calibration(ranks=cfg.launcher.nproc_per_node, **measured)
+    parts = predict_speed(cfg, calibration=calibration).step_parts()
+    micro_batches = cfg.train.global_batch_size // cfg.train.micro_batch_size
+    micro_batches //= Layout.of(cfg.parallel).dp_size
+    expected = micro_batches * cfg.model.n_layers * (200 * 5e-6 + wrappers)
+    assert parts["overhead"] == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.timeout(120)
+def test_calibrate_measures_what_dtensor_and_fsdp2_cost_a_block_on_the_host():
+    """On a mesh of one rank in each of two rank processes: DTensor's dispatch makes a TP
+    block dearer than a plain one (here ~3 ms a block, 4x the block's own dispatch)."""
+    workload = Workload(
+        threads=1,
+        device="cpu",
+        dtype="float32",
+        linears=[(16, 16, 16)],
+        attention=(1, 4, 16, 16),
+        model=_small(None),
+    )
+    for rates in _in_rank_processes(workload, 2):
+        assert set(rates["wrappers"]) == {"tp", "sp", "fsdp"}
+        assert rates["wrappers"]["tp"] > 0 and rates["wrappers"]["sp"] > 0
 
 
 def test_the_op_count_is_a_blocks_forward_and_backward():

@@ -24,8 +24,11 @@ class Calibration:
     `memory_bw`: bytes a second of a large elementwise add; `op_seconds`: the eager
     dispatch of one small op (what a step pays per kernel however small its tensors);
     `ops_per_layer`: aten ops one block's forward and backward dispatch (counted on the
-    run's model); `link_bw_gbs` and `link_latency_us`: meshrun-comm's all-reduce bus
-    bandwidth at its largest size and a small all-reduce's time per hop."""
+    run's model); `tp_layer_overhead`, `sp_layer_overhead`, `fsdp_layer_overhead`: what a
+    block's forward and backward cost the host more under TP's DTensors (without and with
+    sequence parallelism) and FSDP2's hooks; `link_bw_gbs` and `link_latency_us`:
+    meshrun-comm's all-reduce bus bandwidth at its largest size and a small all-reduce's
+    time per hop."""
 
     fingerprint_key: str
     created_at: str
@@ -40,6 +43,9 @@ class Calibration:
     memory_bw: float
     op_seconds: float
     ops_per_layer: int
+    tp_layer_overhead: float = 0.0
+    sp_layer_overhead: float = 0.0
+    fsdp_layer_overhead: float = 0.0
     link_bw_gbs: float | None = None
     link_latency_us: float | None = None
     shapes: list[dict[str, Any]] = field(default_factory=list)  # each matmul shape's rate
@@ -56,7 +62,10 @@ class Calibration:
         return (
             f"matmul {self.matmul_flops / 1e9:.1f} GFLOP/s, attention "
             f"{self.attention_flops / 1e9:.1f} GFLOP/s, memory {self.memory_bw / 1e9:.1f} GB/s, "
-            f"{self.op_seconds * 1e6:.1f} us an op x {self.ops_per_layer} a layer{link} "
+            f"{self.op_seconds * 1e6:.1f} us an op x {self.ops_per_layer} a layer (+"
+            f"{self.tp_layer_overhead * 1e3:.2f} ms under TP, "
+            f"{self.sp_layer_overhead * 1e3:.2f} with SP, "
+            f"{self.fsdp_layer_overhead * 1e3:.2f} under FSDP2){link} "
             f"per rank, {self.ranks} ranks x {self.threads_per_rank} threads, "
             f"measured {self.created_at}"
         )

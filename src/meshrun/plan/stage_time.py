@@ -138,6 +138,11 @@ def calibrated_rates(calibration: Calibration, spec: DeviceSpec | None = None) -
         sms=(spec.sms or 0) if spec else 0,
         attention=calibration.attention_flops,
         layer_overhead=calibration.ops_per_layer * calibration.op_seconds,
+        wrapper_overhead=(
+            ("tp", calibration.tp_layer_overhead),
+            ("sp", calibration.sp_layer_overhead),
+            ("fsdp", calibration.fsdp_layer_overhead),
+        ),
         waves=False,
         dispatch_ahead=calibration.device_type == "cuda",
     )
@@ -158,7 +163,7 @@ def stage_by_shapes(
     parts = {kind: share.layers * seconds for kind, seconds in block.by_kind().items()}
     if share.last:
         parts["head"] = head_f + head_b
-    overhead = rates.layer_overhead
+    overhead = rates.layer_overhead + _wrapper_overhead(layout, p.sequence_parallel, rates)
     if rates.dispatch_ahead:
         overhead = max(0.0, overhead - block.forward - block.backward)
     overhead *= share.layers
@@ -166,6 +171,15 @@ def stage_by_shapes(
         parts["overhead"] = overhead
     attention = (block.attention_f, block.attention_b)
     return StageTime(forward, backward + overhead, recompute, *attention, parts=parts)
+
+
+def _wrapper_overhead(layout: Layout, sp: bool, rates: DeviceRates) -> float:
+    """What a block's dispatch costs more under the layout's wrappers, as measured."""
+    measured = dict(rates.wrapper_overhead)
+    wrappers = (["sp" if sp else "tp"] if layout.tp > 1 else []) + (
+        ["fsdp"] if layout.uses_fsdp else []
+    )
+    return sum(measured.get(w, 0.0) for w in wrappers)
 
 
 def stage_by_flops(

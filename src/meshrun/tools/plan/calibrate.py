@@ -10,6 +10,8 @@ process of its own with the threads a run's rank gets:
     memory      a large elementwise add's bytes a second
     ops         one small op's eager dispatch (what a step pays per kernel however small),
                 and the aten ops one block's forward and backward dispatch (counted)
+    wrappers    what a block costs the host more under TP's DTensors (with and without
+                sequence parallelism) and FSDP2's hooks (tools/plan/wrapper_overhead.py)
     links       `meshrun-comm`'s all-reduce over the same ranks (a process of its own):
                 bus bandwidth at 16 MiB, a 4 KiB one's time per ring hop
 
@@ -47,6 +49,7 @@ from meshrun.models import build_model
 from meshrun.plan.compute import block_linears
 from meshrun.plan.shapes import Dims
 from meshrun.tools.plan.command import prepared
+from meshrun.tools.plan.wrapper_overhead import WRAPPERS, wrapper_overheads
 from meshrun.validate.launcher import rank_threads
 
 REPEATS = 3
@@ -65,6 +68,7 @@ class Workload:
     dtype: str
     linears: list[tuple[int, int, int]]  # (rows, out, in)
     attention: tuple[int, int, int, int]  # (batch, heads, seq, head_dim)
+    model: LlamaModelConfig | None = None  # a small block of the run's kind: the wrappers'
 
 
 def calibrate(cfg: PlanCommandConfig, host: HostFacts) -> Calibration:
@@ -82,6 +86,7 @@ def calibrate(cfg: PlanCommandConfig, host: HostFacts) -> Calibration:
         dtype="float32" if cfg.train.precision == "fp32" else "bfloat16",
         linears=block_linears(d, tokens, 1),
         attention=(cfg.train.micro_batch_size, d.a, cfg.train.seq_len, d.hq // d.a),
+        model=_small(cfg.model if isinstance(cfg.model, LlamaModelConfig) else None),
     )
     rates = _in_rank_processes(workload, box.per_node)
     link_bw, link_latency = _links(box.per_node, threads, "nccl" if cuda else "gloo")
@@ -99,6 +104,10 @@ def calibrate(cfg: PlanCommandConfig, host: HostFacts) -> Calibration:
         memory_bw=min(r["memory_bw"] for r in rates),
         op_seconds=max(r["op_seconds"] for r in rates),
         ops_per_layer=ops_per_layer(cfg.model),
+        **{
+            f"{wrapper}_layer_overhead": max(r["wrappers"][wrapper] for r in rates)
+            for wrapper in WRAPPERS
+        },
         link_bw_gbs=link_bw,
         link_latency_us=link_latency,
         shapes=rates[0]["shapes"],
@@ -159,12 +168,15 @@ def _rank(workload: Workload, rank: int, barrier: Any, results: Any) -> None:
     small = torch.ones(8, device=device)
     calls = 2000
     op = _timed(lambda: [torch.add(small, small) for _ in range(calls)], device) / calls
+    barrier.wait()
+    wrappers = wrapper_overheads(workload.model, device) if workload.model else {}
     results.put(
         {
             "matmul_flops": flops / seconds,
             "attention_flops": attention,
             "memory_bw": memory,
             "op_seconds": op,
+            "wrappers": wrappers,
             "shapes": shapes,
         }
     )
