@@ -22,6 +22,7 @@ from meshrun.core.layout import Layout
 from meshrun.driver.resolve import resolve
 from meshrun.plan.candidate import host_calibration
 from meshrun.plan.speed import SpeedPrediction, predict_speed
+from meshrun.plan.stage_time import formula_cost
 from meshrun.tools.plan import main as plan_main
 from meshrun.tools.plan.calibrate import Workload, _in_rank_processes, _small, ops_per_layer
 from meshrun.validate import check_experiment
@@ -163,6 +164,26 @@ def test_calibrate_measures_what_dtensor_and_fsdp2_cost_a_block_on_the_host():
         assert rates["wrappers"]["tp"] > 0 and rates["wrappers"]["sp"] > 0
 
 
+def test_a_calibrated_host_costs_each_collective_at_its_own_measured_bandwidth():
+    """gloo's reduce-scatter and all-gather run well under its all-reduce's rate (measured
+    here: 0.43 and 0.75 against 1.33 GB/s): FSDP2's reduce-scatters are costed at theirs,
+    DDP's all-reduce at its own."""
+    links = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5}
+    slower = links | {"reduce_scatter": 0.25}
+
+    def dp(parallel: str, by_op: dict[str, float]) -> float:
+        cfg = resolved_config("model=small", parallel, "plan.calibration=none")
+        run = predict_speed(cfg, calibration=_calibration(link_bw_by_op=by_op))
+        return run.breakdown["dp"]
+
+    cfg = resolved_config("model=small", "parallel=fsdp", "plan.calibration=none")
+    micro_batches = cfg.train.global_batch_size // 2 // cfg.train.micro_batch_size
+    grads = formula_cost(cfg, Layout.of(cfg.parallel)).rank_elements * 4
+    extra = micro_batches * 0.5 * grads * (1 / 0.25e9 - 1 / 0.5e9)
+    assert dp("parallel=fsdp", slower) - dp("parallel=fsdp", links) == pytest.approx(extra)
+    assert dp("parallel=ddp", slower) == dp("parallel=ddp", links)
+
+
 def test_the_op_count_is_a_blocks_forward_and_backward():
     small = compose_config("model=small").model
     count = ops_per_layer(small)
@@ -190,6 +211,7 @@ def test_calibrate_writes_a_profile_that_plans_on_this_host_use_and_name(tmp_pat
         assert 1e8 < rate < 1e13
     assert 1e-8 < profile.op_seconds < 1e-3
     assert profile.link_bw_gbs and profile.link_latency_us
+    assert set(profile.link_bw_by_op) == {"all_reduce", "all_gather", "reduce_scatter"}
     assert len(profile.shapes) == 3 * 7  # q k v o, gate up down: forward and two gradients
     assert "calibrated:" in run.output and str(calibration_path(str(store))) in run.output
 

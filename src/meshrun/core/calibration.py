@@ -28,7 +28,8 @@ class Calibration:
     block's forward and backward cost the host more under TP's DTensors (without and with
     sequence parallelism) and FSDP2's hooks; `link_bw_gbs` and `link_latency_us`:
     meshrun-comm's all-reduce bus bandwidth at its largest size and a small all-reduce's
-    time per hop."""
+    time per hop; `link_bw_by_op`: each collective's bus bandwidth at its largest size
+    (all-reduce, all-gather, reduce-scatter), GB/s."""
 
     fingerprint_key: str
     created_at: str
@@ -48,6 +49,7 @@ class Calibration:
     fsdp_layer_overhead: float = 0.0
     link_bw_gbs: float | None = None
     link_latency_us: float | None = None
+    link_bw_by_op: dict[str, float] = field(default_factory=dict)
     shapes: list[dict[str, Any]] = field(default_factory=list)  # each matmul shape's rate
 
     def as_dict(self) -> dict[str, Any]:

@@ -17,7 +17,11 @@ for all-reduce, (n-1)/n for all-gather and reduce-scatter).
                 the faster.
     p2p         a pipeline send: one hop, over the device's own link or its NIC share.
 
-On CPU (gloo) the profile's link figure is the measured bus bandwidth already.
+On CPU (gloo) the profile's link figure is the measured bus bandwidth already. A calibrated
+host (`meshrun-plan calibrate`) has each collective's own measured bus bandwidth inside the
+node: gloo's reduce-scatter is an all-reduce of the whole buffer with a slice kept (2x a
+ring's traffic, pytorch/pytorch#118911) and its all-gather gathers a list then copies, so
+on a CPU host they run well under the all-reduce's rate.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class Fabric:
     nic_bw: float | None
     net_latency: float
     devices_per_node: int
+    measured_bw: tuple[tuple[str, float], ...] = ()  # (collective, bytes/s) inside the node
 
     @classmethod
     def of(cls, cfg: ExperimentConfig, calibration: Calibration | None = None) -> Fabric:
@@ -52,9 +57,11 @@ class Fabric:
         gpu = hw.device_type == "cuda"
         intra = (hw.intra_node.bw_gbs or 1.0) * GB * (NVLINK_EFFICIENCY if gpu else 1.0)
         latency = hw.intra_node.latency_us * 1e-6
+        measured: tuple[tuple[str, float], ...] = ()
         if calibration is not None and calibration.link_bw_gbs:
             intra = calibration.link_bw_gbs * GB
             latency = (calibration.link_latency_us or 0.0) * 1e-6
+            measured = tuple((op, bw * GB) for op, bw in calibration.link_bw_by_op.items())
         net = hw.network
         per_node = devices_per_node(cfg)
         nic = (
@@ -62,12 +69,15 @@ class Fabric:
             if net.nic_gbps
             else None
         )
-        return cls(intra, latency, nic, net.latency_us * 1e-6, per_node)
+        return cls(intra, latency, nic, net.latency_us * 1e-6, per_node, measured)
 
-    def bus_bw(self, span: GroupSpan) -> float:
+    def bus_bw(self, span: GroupSpan, op: str = "all_reduce") -> float:
+        """A collective's bus bandwidth on a group: the node's link (`op`'s own where it
+        was measured), or the NICs' share where the group leaves the node."""
+        intra = dict(self.measured_bw).get(op, self.intra_bw)
         if span.crosses_nodes and self.nic_bw:
-            return min(self.intra_bw, span.ranks_per_node * self.nic_bw)
-        return self.intra_bw
+            return min(intra, span.ranks_per_node * self.nic_bw)
+        return intra
 
     def _ring_latency(self, span: GroupSpan, steps_per_rank: int) -> float:
         n = span.ranks_per_node * span.nodes
@@ -87,13 +97,18 @@ class Fabric:
             latency = min(latency, tree)
         return latency + 2 * (n - 1) / n * nbytes / self.bus_bw(span)
 
-    def all_gather(self, span: GroupSpan, nbytes: float) -> float:
-        """All-gather into (or reduce-scatter from) a buffer of `nbytes` on each rank."""
+    def all_gather(self, span: GroupSpan, nbytes: float, op: str = "all_gather") -> float:
+        """All-gather into a buffer of `nbytes` on each rank (`op`: another collective of
+        the same ring traffic, costed at its own measured bandwidth)."""
         n = span.ranks_per_node * span.nodes
         if n == 1:
             return 0.0
         latency = self._ring_latency(span, 1) - self.intra_latency
-        return latency + (n - 1) / n * nbytes / self.bus_bw(span)
+        return latency + (n - 1) / n * nbytes / self.bus_bw(span, op)
+
+    def reduce_scatter(self, span: GroupSpan, nbytes: float) -> float:
+        """Reduce-scatter from a buffer of `nbytes` on each rank."""
+        return self.all_gather(span, nbytes, "reduce_scatter")
 
     def send(self, crosses_nodes: bool, nbytes: float) -> float:
         """One rank's point-to-point transfer, its peer in the next pipeline stage."""

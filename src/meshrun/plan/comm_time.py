@@ -101,7 +101,7 @@ def tp_time(
     tokens = rank_tokens(cfg, layout, micro)
     activation = tokens * cost.width * (2 if half else FP32)
     if cfg.parallel.sequence_parallel:  # an all-gather and a reduce-scatter for each
-        one = 2 * fabric.all_gather(span, activation)
+        one = fabric.all_gather(span, activation) + fabric.reduce_scatter(span, activation)
     else:
         one = fabric.all_reduce(span, activation)
     forward_ops = 2 + 2 * recomputed_share(cfg, share)
@@ -232,7 +232,7 @@ def dp_time(
     gather = reduce = 0.0
     for shard, held in groups:
         gather += fabric.all_gather(shard, held * param_width)
-        reduce += fabric.all_gather(shard, held * FP32)  # reduce-scatter: the same cost
+        reduce += fabric.reduce_scatter(shard, held * FP32)
     # across replicas once a step, in the last micro-batch's backward (gradient_sync)
     replicas = fabric.all_reduce(replicate, elements * FP32 / layout.dp_shard)
     backward = stage.backward + stage.recompute

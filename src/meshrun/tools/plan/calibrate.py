@@ -12,8 +12,10 @@ process of its own with the threads a run's rank gets:
                 and the aten ops one block's forward and backward dispatch (counted)
     wrappers    what a block costs the host more under TP's DTensors (with and without
                 sequence parallelism) and FSDP2's hooks (tools/plan/wrapper_overhead.py)
-    links       `meshrun-comm`'s all-reduce over the same ranks (a process of its own):
-                bus bandwidth at 16 MiB, a 4 KiB one's time per ring hop
+    links       `meshrun-comm` over the same ranks (a process of its own): the bus
+                bandwidth at 16 MiB of all-reduce, all-gather and reduce-scatter each (FSDP2
+                and SP move their bytes by the latter two), a 4 KiB all-reduce's time per
+                ring hop
 
 The profile goes beside the results store (core/calibration.py); plans and runs on this
 host with as many ranks of as many threads use it (plan.calibration) and say so.
@@ -57,6 +59,7 @@ RANK_TIMEOUT_S = 600
 COMM_MAX_BYTES = 16 * 2**20
 COMM_MIN_BYTES = 4096
 COUNTED_SEQ = 16  # the op count does not depend on sizes: counted on a small block
+LINK_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +111,9 @@ def calibrate(cfg: PlanCommandConfig, host: HostFacts) -> Calibration:
             f"{wrapper}_layer_overhead": max(r["wrappers"][wrapper] for r in rates)
             for wrapper in WRAPPERS
         },
-        link_bw_gbs=link_bw,
+        link_bw_gbs=link_bw.get("all_reduce"),
         link_latency_us=link_latency,
+        link_bw_by_op=link_bw,
         shapes=rates[0]["shapes"],
     )
 
@@ -255,11 +259,11 @@ def _count(model_cfg: LlamaModelConfig) -> int:
     return counter.count
 
 
-def _links(ranks: int, threads: int, backend: str) -> tuple[float | None, float | None]:
-    """meshrun-comm's all-reduce over `ranks` ranks: bus bandwidth at the largest size,
-    the smallest's time per ring hop (2(n-1) of them); none for one rank."""
+def _links(ranks: int, threads: int, backend: str) -> tuple[dict[str, float], float | None]:
+    """meshrun-comm over `ranks` ranks: each of LINK_OPS' bus bandwidth at the largest
+    size, the smallest all-reduce's time per ring hop (2(n-1) of them); none for one rank."""
     if ranks < 2:
-        return None, None
+        return {}, None
     with tempfile.TemporaryDirectory() as tmp:
         command = [
             sys.executable,
@@ -268,7 +272,7 @@ def _links(ranks: int, threads: int, backend: str) -> tuple[float | None, float 
             f"hydra.run.dir={tmp}",
             f"backend={backend}",
             "logger=none",
-            "comm.ops=[all_reduce]",
+            f"comm.ops=[{','.join(LINK_OPS)}]",
             f"comm.min_bytes={COMM_MIN_BYTES}",
             f"comm.max_bytes={COMM_MAX_BYTES}",
             "comm.record=false",
@@ -277,9 +281,10 @@ def _links(ranks: int, threads: int, backend: str) -> tuple[float | None, float 
         ]
         subprocess.run(command, check=True, capture_output=True, timeout=600)
         rows = json.loads((Path(tmp) / "comm.json").read_text())["rows"]
-    largest = max(rows, key=lambda r: r["size_bytes"])
-    smallest = min(rows, key=lambda r: r["size_bytes"])
-    return largest["busbw_gbs"], smallest["time_us"] / (2 * (ranks - 1))
+    by_op = {op: [r for r in rows if r["op"] == op] for op in LINK_OPS}
+    busbw = {op: max(ok, key=lambda r: r["size_bytes"])["busbw_gbs"] for op, ok in by_op.items()}
+    smallest = min(by_op["all_reduce"], key=lambda r: r["size_bytes"])
+    return busbw, smallest["time_us"] / (2 * (ranks - 1))
 
 
 def run(dict_cfg: DictConfig) -> int:
