@@ -149,8 +149,9 @@ def test_a_calibrated_block_pays_the_measured_dispatch_of_its_layouts_wrappers(p
 
 @pytest.mark.timeout(120)
 def test_calibrate_measures_what_dtensor_and_fsdp2_cost_a_block_on_the_host():
-    """On a mesh of one rank in each of two rank processes: DTensor's dispatch makes a TP
-    block dearer than a plain one (here ~3 ms a block, 4x the block's own dispatch)."""
+    """On a mesh of one rank in a rank process: DTensor's dispatch makes a TP block dearer
+    than a plain one (here ~3.4 ms a block, more with SP, 13x the block's own dispatch),
+    measured as each model's fastest step, which another job's load does not swamp."""
     workload = Workload(
         threads=1,
         device="cpu",
@@ -159,7 +160,7 @@ def test_calibrate_measures_what_dtensor_and_fsdp2_cost_a_block_on_the_host():
         attention=(1, 4, 16, 16),
         model=_small(None),
     )
-    for rates in _in_rank_processes(workload, 2):
+    for rates in _in_rank_processes(workload, 1):
         assert set(rates["wrappers"]) == {"tp", "sp", "fsdp"}
         assert rates["wrappers"]["tp"] > 0 and rates["wrappers"]["sp"] > 0
 
