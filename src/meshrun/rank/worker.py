@@ -51,7 +51,13 @@ from meshrun.rank.profiling import StepProfiler
 from meshrun.rank.progress import RankProgress, rank_progress
 from meshrun.rank.train.build import COMPUTE_DTYPES, Training, build_training
 from meshrun.rank.train.checkpoint import Checkpointer
-from meshrun.rank.train.context import LoopContext, LoopState
+from meshrun.rank.train.context import (
+    Guards,
+    InjectedFaults,
+    Inspection,
+    LoopContext,
+    LoopState,
+)
 from meshrun.rank.train.data import HeldoutBatches, LocalBatches, Source, build_streams
 from meshrun.rank.train.evaluate import Evaluator
 from meshrun.rank.train.guard import SpikeGuard, StepGuard, corruption
@@ -315,15 +321,15 @@ def _loop(at: Rank, setup: Setup) -> tuple[LoopState, LoopContext]:
                 training.model, training.optimizer, training.schedule, batches, tc, ctx
             )
         except Exception as err:
-            if isinstance(err, torch.OutOfMemoryError) and ctx.snapshots is not None:
-                ctx.snapshots.out_of_memory()
+            if isinstance(err, torch.OutOfMemoryError) and ctx.inspection.snapshots is not None:
+                ctx.inspection.snapshots.out_of_memory()
             with contextlib.suppress(Exception):
                 unflushed = ctx.pending.salvage(batches.drain_waits())
                 record_unflushed(at.cfg.run_dir, at.rank, unflushed)
             raise
         finally:
-            if ctx.compiling is not None:
-                ctx.compiling.stop()  # a run that ends in its untimed steps
+            if ctx.inspection.compiling is not None:
+                ctx.inspection.compiling.stop()  # a run that ends in its untimed steps
     return state, ctx
 
 
@@ -351,38 +357,49 @@ def _loop_context(
         on_log=metrics,
         pending=PendingSteps(at.device, start),
         progress=progress,
-        fault=fault_injector(cfg.debug, at.rank) if not _restarted(at) else None,
         watchdog=at.watchdog,
         step_collectives=step_collectives(at.layout.degrees()),
         start_step=start,
-        slow_step_s=cfg.debug.slow_step_s,
         checkpoints=setup.checkpoints,
         evaluate=setup.evaluate,
         loss_scale=setup.training.loss_scale,
         twin=setup.twin,
+        routers=Routers.of(cfg.model),
+        replicas=setup.replicas,
+        inspection=_inspection(at),
+        faults=InjectedFaults(
+            failure=fault_injector(cfg.debug, at.rank) if not _restarted(at) else None,
+            slow_step_s=cfg.debug.slow_step_s,
+            corruption=corruption(cfg.debug),
+        ),
+        guards=Guards(
+            step=StepGuard(
+                setup.training.optimizer,
+                cfg.train.guard.max_skipped,
+                setup.checkpoints.last_complete if setup.checkpoints else lambda: None,
+            ),
+            spikes=setup.spikes,
+            on_rollback=metrics.roll_back,
+        ),
+    )
+
+
+def _inspection(at: Rank) -> Inspection:
+    debug = at.cfg.debug
+    return Inspection(
+        profiler=StepProfiler(at.cfg.run_dir, at.rank, debug.profile_steps, at.device)
+        if debug.profile_steps
+        else None,
+        snapshots=MemorySnapshots(at.cfg.run_dir, at.rank, at.device)
+        if debug.memory_snapshot
+        else None,
+        busy=_busy_clock(at),
         # the host's other load is what the ranks' gathered CPU time leaves of it; torchft's
         # replicas gather nothing (worlds of their own), so theirs is not measured
         host_load=HostLoad(measure_host=int(os.environ.get("LOCAL_RANK", "0")) == 0)
         if at.replica is None
         else None,
-        compiling=CompileClock() if cfg.train.compile else None,
-        routers=Routers.of(cfg.model),
-        profiler=StepProfiler(cfg.run_dir, at.rank, cfg.debug.profile_steps, at.device)
-        if cfg.debug.profile_steps
-        else None,
-        busy=_busy_clock(at),
-        guard=StepGuard(
-            setup.training.optimizer,
-            cfg.train.guard.max_skipped,
-            setup.checkpoints.last_complete if setup.checkpoints else lambda: None,
-        ),
-        corruption=corruption(cfg.debug),
-        spikes=setup.spikes,
-        replicas=setup.replicas,
-        on_rollback=metrics.roll_back,
-        snapshots=MemorySnapshots(cfg.run_dir, at.rank, at.device)
-        if cfg.debug.memory_snapshot
-        else None,
+        compiling=CompileClock() if at.cfg.train.compile else None,
     )
 
 
@@ -409,9 +426,9 @@ def _own_figures(setup: Setup, state: LoopState, ctx: LoopContext) -> RankFigure
         pipeline_span=state.pipeline_span_per_step,
         pretrained_read=model.pretrained_bytes_read,
         host_load=state.host_load,
-        compile_s=ctx.compiling.seconds if ctx.compiling else None,
-        busy_s=ctx.busy.median() if ctx.busy else None,
-        rollbacks=ctx.spikes.rollbacks if ctx.spikes else [],
+        compile_s=ctx.inspection.compiling.seconds if ctx.inspection.compiling else None,
+        busy_s=ctx.inspection.busy.median() if ctx.inspection.busy else None,
+        rollbacks=ctx.guards.spikes.rollbacks if ctx.guards.spikes else [],
     )
 
 

@@ -1,12 +1,13 @@
-"""What the training loop runs with (LoopContext: the rank's groups, meters, guards and
-hooks, each None where the run does not use it) and what it keeps (LoopState); apart from
+"""What the training loop runs with (LoopContext: the rank's groups, meters and hooks, each
+None where the run does not use it; what inspects the steps, the faults injected and the
+guards, grouped) and what it keeps (LoopState); apart from
 the loop, so that what happens at a log step (train/log_step.py) and the baseline twin
 (train/twin.py) take the same context."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -50,6 +51,42 @@ class LoopState:
 
 
 @dataclass
+class Inspection:
+    """What looks inside the steps, each None where the run does not: debug.profile_steps'
+    traces, debug.memory_snapshot's (CUDA), the busy clock that names the slow rank (CPU
+    ranks of a multi-rank run), the host's other load over the timed steps, train.compile's
+    clock (stopped at the first timed step)."""
+
+    profiler: StepProfiler | None = None
+    snapshots: MemorySnapshots | None = None
+    busy: BusyClock | None = None
+    host_load: HostLoad | None = None
+    compiling: CompileClock | None = None
+
+
+@dataclass
+class InjectedFaults:
+    """debug's faults, made on purpose for tests and demonstrations: a rank's failure at a
+    step (debug.fail_rank), a sleep after each step (slow_step_s), a batch's loss made
+    non-finite or a spike (debug.corrupt_step: the factor by batch)."""
+
+    failure: Callable[[int], None] | None = None
+    slow_step_s: float = 0.0
+    corruption: Callable[[int], float] | None = None
+
+
+@dataclass
+class Guards:
+    """What keeps bad steps out of the weights: non-finite steps skipped, a streak stopping
+    the run (`step`); a loss spike rolling the run back (train.guard.spike), metrics.jsonl
+    told of it (`on_rollback`: step, rollback number)."""
+
+    step: StepGuard | None = None
+    spikes: SpikeGuard | None = None
+    on_rollback: Callable[[int, int], None] | None = None
+
+
+@dataclass
 class LoopContext:
     device: torch.device
     dp_group: dist.ProcessGroup | None
@@ -59,23 +96,15 @@ class LoopContext:
     on_log: LogFn
     pending: PendingSteps  # the worker's, which it salvages if the loop raises
     progress: RankProgress | None = None
-    fault: Callable[[int], None] | None = None
     watchdog: Watchdog | None = None
     step_collectives: str = "forward/backward"
     start_step: int = 0  # > 0: resumed from a checkpoint of that many steps
-    slow_step_s: float = 0.0  # debug.slow_step_s
     checkpoints: Checkpointer | None = None
     loss_scale: LossScale | None = None  # fp16
     evaluate: Evaluator | None = None  # train.eval on
     twin: TwinSteps | None = None  # the baseline twin, trained between the run's steps
-    host_load: HostLoad | None = None  # CPU seconds over the timed steps
-    compiling: CompileClock | None = None  # train.compile: stopped at the first timed step
     routers: moe.Routers | None = None  # an MoE model's: their statistics, their biases
-    profiler: StepProfiler | None = None  # debug.profile_steps
-    busy: BusyClock | None = None  # CPU ranks of a multi-rank run: to name the slow one
-    snapshots: MemorySnapshots | None = None  # debug.memory_snapshot (CUDA)
-    guard: StepGuard | None = None  # non-finite steps skipped, a streak stops the run
-    spikes: SpikeGuard | None = None  # train.guard.spike: a spike rolls the run back
-    on_rollback: Callable[[int, int], None] | None = None  # metrics.jsonl's (step, number)
-    corruption: Callable[[int], float] | None = None  # debug.corrupt_step's loss factor
     replicas: Replicas | None = None  # parallel.fault_tolerance=torchft
+    inspection: Inspection = field(default_factory=Inspection)
+    faults: InjectedFaults = field(default_factory=InjectedFaults)
+    guards: Guards = field(default_factory=Guards)

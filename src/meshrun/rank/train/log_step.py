@@ -59,14 +59,14 @@ def roll_back(spike: Spike, batches: LocalBatches, ctx: LoopContext) -> int:
     with inside(ctx.watchdog, spike.step, "checkpoint load (rollback)", one_collective=False):
         restored = ctx.checkpoints.roll_back()
     if not restored:  # no checkpoint yet (none is saved at step 0)
-        raise ctx.spikes.unrecoverable(spike)
-    rollback = ctx.spikes.rolled_back(spike, restored, batches.offset)
+        raise ctx.guards.spikes.unrecoverable(spike)
+    rollback = ctx.guards.spikes.rolled_back(spike, restored, batches.offset)
     batches.offset = rollback.skipped_batches[1] + 1 - restored
     batches.seek(restored)
     ctx.pending.first_step = restored
     ctx.pending.clock.restart()
-    if ctx.on_rollback is not None:
-        ctx.on_rollback(restored, len(ctx.spikes.rollbacks))
+    if ctx.guards.on_rollback is not None:
+        ctx.guards.on_rollback(restored, len(ctx.guards.spikes.rollbacks))
     if ctx.replicas is not None:
         ctx.replicas.rolled_back(restored)
     return restored
@@ -98,22 +98,22 @@ def _flush(
         for record, row in zip(records, reduced[:, 1:], strict=True):
             record.update(moe.router_fields(row.view(r.layers, -1), r.balance_loss))
     records[-1].update(evaluated or {})
-    if ctx.busy is not None:  # every rank's busy time, to name the slowest
-        for record, busy in zip(records, busy_fields(ctx.busy.gathered()), strict=True):
+    if ctx.inspection.busy is not None:  # every rank's busy time, to name the slowest
+        for record, busy in zip(records, busy_fields(ctx.inspection.busy.gathered()), strict=True):
             record.update(busy)
-    if ctx.profiler is not None:  # left out of the run's timing (driver/inspection.py)
+    if ctx.inspection.profiler is not None:  # left out of the run's timing (driver/inspection.py)
         for record in records:
-            if ctx.profiler.covers(record["step"]):
+            if ctx.inspection.profiler.covers(record["step"]):
                 record["profiled"] = True
-            elif ctx.profiler.disturbs(record["step"]):
+            elif ctx.inspection.profiler.disturbs(record["step"]):
                 record["after_profile"] = True
     if ctx.replicas is not None:  # torchft: how many replicas trained each step
         for record in records:
             record.update(ctx.replicas.take(record["step"]))
     ctx.on_log(records)
-    if ctx.guard is not None:  # after the steps are written: a streak stops every rank here
-        ctx.guard.logged(first_step, norms)
-    spike = ctx.spikes.judge(first_step, values) if ctx.spikes else None
-    if ctx.spikes is not None and ctx.replicas is not None:  # torchft: the groups' one
+    if ctx.guards.step is not None:  # after the steps are written: a streak stops every rank here
+        ctx.guards.step.logged(first_step, norms)
+    spike = ctx.guards.spikes.judge(first_step, values) if ctx.guards.spikes else None
+    if ctx.guards.spikes is not None and ctx.replicas is not None:  # torchft: the groups' one
         spike = ctx.replicas.same_spike(spike)
     return spike

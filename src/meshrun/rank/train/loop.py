@@ -92,7 +92,7 @@ def train_step(
     with phase("data"):
         inputs, targets = batches.for_step(step)
     # keyed by the batch, as a bad batch would be: a rollback that skips it skips the fault
-    factor = ctx.corruption(batches.batch_index(step)) if ctx.corruption else 1.0
+    factor = ctx.faults.corruption(batches.batch_index(step)) if ctx.faults.corruption else 1.0
     with inside(ctx.watchdog, step, ctx.step_collectives, one_collective=False):
         if model.schedule is not None:
             step_loss = _pipeline_step(model, inputs, targets, ctx, factor)
@@ -130,7 +130,7 @@ def _update(
     if ctx.loss_scale is not None:  # fp16: its scale's decision, read on the host
         stepped = ctx.loss_scale.update(norm)
     else:  # a non-finite norm leaves the weights as they are (on the device where it can)
-        stepped = ctx.guard is None or ctx.guard.gate(norm)
+        stepped = ctx.guards.step is None or ctx.guards.step.gate(norm)
     if stepped:
         with phase("optimizer"):
             optimizer.step()
@@ -152,7 +152,7 @@ def train_loop(
     """Steps `ctx.start_step` to `cfg.steps`; the first `untimed_steps` of them untimed."""
     state = LoopState()
     bubble = BubbleClock(model.schedule, ctx.device) if model.schedule is not None else None
-    if ctx.profiler is not None and model.schedule is not None:
+    if ctx.inspection.profiler is not None and model.schedule is not None:
         annotate_stages(model.schedule)
     first_timed = ctx.start_step + cfg.untimed_steps
     step = ctx.start_step
@@ -189,10 +189,10 @@ def _before_step(step: int, ctx: LoopContext) -> None:
     """Where the rank is, the failure it injects, the profiler's start, torchft's quorum."""
     if ctx.watchdog is not None:
         ctx.watchdog.at(step)
-    if ctx.fault is not None:
-        ctx.fault(step)
-    if ctx.profiler is not None:
-        ctx.profiler.before(step)
+    if ctx.faults.failure is not None:
+        ctx.faults.failure(step)
+    if ctx.inspection.profiler is not None:
+        ctx.inspection.profiler.before(step)
     if ctx.replicas is not None:
         ctx.replicas.begin(step)
 
@@ -201,23 +201,24 @@ def _before_step(step: int, ctx: LoopContext) -> None:
 def _measured(step: int, ctx: LoopContext, timed: bool) -> Iterator[None]:
     """The step as its clock times it, less the twin's: a range in a trace, and the rank's
     busy time (a profiled step's left out of the timed ones)."""
+    busy, profiler = ctx.inspection.busy, ctx.inspection.profiler
     with step_range(step):
-        if ctx.busy is not None:
-            ctx.busy.start()
+        if busy is not None:
+            busy.start()
         yield
-        if ctx.busy is not None:
-            profiled = ctx.profiler is not None and ctx.profiler.disturbs(step)
-            ctx.busy.stop(timed=timed and not profiled)
+        if busy is not None:
+            busy.stop(timed=timed and not (profiler is not None and profiler.disturbs(step)))
 
 
 def _after_step(step: int, ctx: LoopContext, timed: bool) -> None:
     """The trace or a memory snapshot written (outside every step's clock); slow_step_s."""
-    written = ctx.profiler is not None and ctx.profiler.after(step)
-    written = (ctx.snapshots is not None and ctx.snapshots.after_step()) or written
+    profiler, snapshots = ctx.inspection.profiler, ctx.inspection.snapshots
+    written = profiler is not None and profiler.after(step)
+    written = (snapshots is not None and snapshots.after_step()) or written
     if written and timed:
         ctx.pending.clock.restart()
-    if ctx.slow_step_s:
-        time.sleep(ctx.slow_step_s)
+    if ctx.faults.slow_step_s:
+        time.sleep(ctx.faults.slow_step_s)
 
 
 def _routed(model: ParallelModel, step: int, ctx: LoopContext) -> torch.Tensor:
@@ -240,8 +241,8 @@ def _start_timing(step: int, ctx: LoopContext, bubble: BubbleClock | None) -> No
     """The first timed step's start: memory tracing and the compile clock end, the baseline
     twin runs its own untimed steps, and all ranks leave the untimed steps together."""
     ctx.memory.stop_tracing()
-    if ctx.compiling is not None:
-        ctx.compiling.stop()  # the untimed steps' compiling, not the twin's
+    if ctx.inspection.compiling is not None:
+        ctx.inspection.compiling.stop()  # the untimed steps' compiling, not the twin's
     if ctx.twin is not None:
         ctx.memory.hold()  # what the twin allocates is not the run's
         with inside(
@@ -254,8 +255,8 @@ def _start_timing(step: int, ctx: LoopContext, bubble: BubbleClock | None) -> No
     ctx.pending.clock.mark()
     if bubble is not None:
         bubble.start()
-    if ctx.host_load is not None:
-        ctx.host_load.start()
+    if ctx.inspection.host_load is not None:
+        ctx.inspection.host_load.start()
 
 
 def _end_timed_step(step: int, ctx: LoopContext) -> None:
@@ -282,8 +283,8 @@ def _finish(
     cfg: TrainConfig, state: LoopState, ctx: LoopContext, bubble: BubbleClock | None
 ) -> None:
     """After the last step: the host's load, the checkpoint still being written, the bubble."""
-    if ctx.host_load is not None:
-        state.host_load = ctx.host_load.stop()
+    if ctx.inspection.host_load is not None:
+        state.host_load = ctx.inspection.host_load.stop()
     if ctx.checkpoints is not None:
         last = cfg.steps - 1
         with inside(ctx.watchdog, last, "checkpoint save (finishing)", one_collective=True):
