@@ -11,9 +11,9 @@
 # runs on the CPU, but only with its nvidia-* packages (libcudnn, libcublas, ... are linked
 # in). There is no +cpu build of 2.11 on PyPI, and PyTorch's own index is not reachable from
 # CI. .ci/run runs both steps: the install in the background beside the fast suite, the
-# subset after `make test`. Measured on the 2-core box (torch 2.11.0+cu130): install 34 s from
-# a cold uv cache (4.4 GB into the cache, 56 CPU seconds); the subset 43 s alone, 145-191 s
-# beside other jobs (load average 6-11).
+# subset beside the last SLURM tests (scripts/run-tests.sh). Measured on the 2-core box
+# (torch 2.11.0+cu130): install 34 s from a cold uv cache (4.4 GB into the cache, 56 CPU
+# seconds); the subset 39-43 s alone, 63 s beside the SLURM tests (87 s for both).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${FLOOR_VENV:-.venv-torch-floor}
