@@ -27,12 +27,16 @@ WRAPPERS = ("tp", "sp", "fsdp")
 LAYERS = (1, 5)
 SEQ = 16
 WARMUP, ROUNDS = 2, 12
+# An MoE block is measured with at most this many experts: the wrappers' cost rides on the
+# block's modules, and a loop over 128 experts, 8 models x 14 rounds, would take minutes.
+MAX_EXPERTS = 4
 
 
 def wrapper_overheads(model_cfg: LlamaModelConfig, device: torch.device | None) -> dict[str, float]:
     """Seconds a layer's forward and backward cost the host under each of WRAPPERS beyond
     the plain block (0 where the difference is within noise below it). Joins a process group
     of its own (one rank) for the mesh and leaves it."""
+    model_cfg = _few_experts(model_cfg)
     device_type = device.type if device is not None else "cpu"
     if device is not None:
         torch.cuda.set_device(device)  # the mesh's device: this rank's, not the first GPU
@@ -91,3 +95,11 @@ def _stepper(
     model.init_weights(0)
     tokens = torch.randint(0, model_cfg.vocab_size, (1, SEQ), device=device)
     return lambda: model(tokens).float().sum().backward()
+
+
+def _few_experts(model_cfg: LlamaModelConfig) -> LlamaModelConfig:
+    moe = model_cfg.moe
+    if moe.experts <= MAX_EXPERTS:
+        return model_cfg
+    fewer = dataclasses.replace(moe, experts=MAX_EXPERTS, top_k=min(moe.top_k, 2))
+    return dataclasses.replace(model_cfg, moe=fewer)
