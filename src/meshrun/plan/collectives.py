@@ -27,7 +27,7 @@ on a CPU host they run well under the all-reduce's rate.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from meshrun.core.calibration import Calibration
 from meshrun.core.config import ExperimentConfig
@@ -48,7 +48,7 @@ class Fabric:
     nic_bw: float | None
     net_latency: float
     devices_per_node: int
-    measured_bw: tuple[tuple[str, float], ...] = ()  # (collective, bytes/s) inside the node
+    measured_bw: dict[str, float] = field(default_factory=dict)  # a collective's, in-node
 
     @classmethod
     def of(cls, cfg: ExperimentConfig, calibration: Calibration | None = None) -> Fabric:
@@ -57,11 +57,11 @@ class Fabric:
         gpu = hw.device_type == "cuda"
         intra = (hw.intra_node.bw_gbs or 1.0) * GB * (NVLINK_EFFICIENCY if gpu else 1.0)
         latency = hw.intra_node.latency_us * 1e-6
-        measured: tuple[tuple[str, float], ...] = ()
+        measured: dict[str, float] = {}
         if calibration is not None and calibration.link_bw_gbs:
             intra = calibration.link_bw_gbs * GB
             latency = (calibration.link_latency_us or 0.0) * 1e-6
-            measured = tuple((op, bw * GB) for op, bw in calibration.link_bw_by_op.items())
+            measured = {op: bw * GB for op, bw in calibration.link_bw_by_op.items()}
         net = hw.network
         per_node = devices_per_node(cfg)
         nic = (
@@ -74,7 +74,7 @@ class Fabric:
     def bus_bw(self, span: GroupSpan, op: str = "all_reduce") -> float:
         """A collective's bus bandwidth on a group: the node's link (`op`'s own where it
         was measured), or the NICs' share where the group leaves the node."""
-        intra = dict(self.measured_bw).get(op, self.intra_bw)
+        intra = self.measured_bw.get(op, self.intra_bw)
         if span.crosses_nodes and self.nic_bw:
             return min(intra, span.ranks_per_node * self.nic_bw)
         return intra

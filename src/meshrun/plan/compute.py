@@ -55,8 +55,9 @@ class DeviceRates:
     (0: no wave quantization, a CPU); measured (a profile's `attention`, a calibrated host,
     core/calibration.py): `attention` FLOP/s of the causal kernel (`attention_backward` its
     backward's where apart), `layer_overhead` seconds a block's forward and backward spend
-    dispatching their ops however small the tensors, `wrapper_overhead` what it costs more
-    under each parallel wrapper ("tp", "sp", "fsdp"). `waves`: the matmul rate is the best
+    dispatching their ops however small the tensors, and what it costs more under TP's
+    DTensors (`tp_overhead`; with SP `sp_overhead`) and FSDP2's hooks (`fsdp_overhead`).
+    `waves`: the matmul rate is the best
     large matmul's, each shape's last wave of tiles costed on top (a calibrated rate was
     measured at the run's shapes, their waves in it). `dispatch_ahead`: the host issues
     kernels ahead of a GPU, so a block waits for its dispatch only where that outlasts the
@@ -68,7 +69,9 @@ class DeviceRates:
     attention: float | None = None
     attention_backward: float | None = None
     layer_overhead: float = 0.0  # a block's eager ops' dispatch, forward and backward
-    wrapper_overhead: tuple[tuple[str, float], ...] = ()  # (wrapper, seconds a block) pairs
+    tp_overhead: float = 0.0
+    sp_overhead: float = 0.0
+    fsdp_overhead: float = 0.0
     waves: bool = True
     dispatch_ahead: bool = False
 

@@ -138,11 +138,9 @@ def calibrated_rates(calibration: Calibration, spec: DeviceSpec | None = None) -
         sms=(spec.sms or 0) if spec else 0,
         attention=calibration.attention_flops,
         layer_overhead=calibration.ops_per_layer * calibration.op_seconds,
-        wrapper_overhead=(
-            ("tp", calibration.tp_layer_overhead),
-            ("sp", calibration.sp_layer_overhead),
-            ("fsdp", calibration.fsdp_layer_overhead),
-        ),
+        tp_overhead=calibration.tp_layer_overhead,
+        sp_overhead=calibration.sp_layer_overhead,
+        fsdp_overhead=calibration.fsdp_layer_overhead,
         waves=False,
         dispatch_ahead=calibration.device_type == "cuda",
     )
@@ -175,11 +173,12 @@ def stage_by_shapes(
 
 def _wrapper_overhead(layout: Layout, sp: bool, rates: DeviceRates) -> float:
     """What a block's dispatch costs more under the layout's wrappers, as measured."""
-    measured = dict(rates.wrapper_overhead)
-    wrappers = (["sp" if sp else "tp"] if layout.tp > 1 else []) + (
-        ["fsdp"] if layout.uses_fsdp else []
-    )
-    return sum(measured.get(w, 0.0) for w in wrappers)
+    overhead = 0.0
+    if layout.tp > 1:
+        overhead += rates.sp_overhead if sp else rates.tp_overhead
+    if layout.uses_fsdp:
+        overhead += rates.fsdp_overhead
+    return overhead
 
 
 def stage_by_flops(
