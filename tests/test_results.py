@@ -287,6 +287,8 @@ def test_every_figure_of_rank_0s_report_reaches_the_record():
         fingerprint={"host": "h"},
         resumed_from_step=2,
         requeues=1,
+        slurm_job_id="42",
+        host_per_rank=["node1", "node2"],
         pipeline_bubble_per_rank=[0.2, 0.4],
         pp_split=split,
         pretrained_read_bytes_per_rank=[10, 20],
@@ -299,6 +301,7 @@ def test_every_figure_of_rank_0s_report_reaches_the_record():
     assert results["peak_memory_bytes"] == [7, 9] and results["peak_memory_max_bytes"] == 9
     assert results["fingerprint"] == {"host": "h"} and results["fingerprint_key"]
     assert (results["requeues"], results["resumed_from_step"]) == (1, 2)
+    assert (results["slurm_job_id"], results["host_per_rank"]) == ("42", ["node1", "node2"])
     assert results["bubble_per_rank"] == [0.2, 0.4]
     assert results["bubble_measured"] == pytest.approx(0.3)
     assert (

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -15,11 +16,18 @@ from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import HostFacts
 from meshrun.core.naming import layout_name
 from meshrun.core.record import RunRecord
-from meshrun.core.trials import Trial, fastest, first_choice_loss, rank_correlation
+from meshrun.core.trials import (
+    Trial,
+    fastest,
+    first_choice_loss,
+    node_sets,
+    rank_correlation,
+)
 from meshrun.driver.launch.local import launch_local
 from meshrun.driver.resolve import resolve_trials
+from meshrun.driver.sinks.console import trials_verdict
 from meshrun.driver.sinks.store import ResultsStore
-from meshrun.driver.trials import run_with_trials
+from meshrun.driver.trials import on_nodes, run_with_trials
 from meshrun.validate.trials import check_trials
 from tests.helpers import compose_config
 from tests.wandb_records import read_offline_run
@@ -57,6 +65,31 @@ def test_first_choice_loss_is_what_the_predicted_first_lacked():
     assert fastest([_trial("a", 3, None, "failed")]) is None
 
 
+def test_trials_on_different_nodes_are_said_not_to_be_side_by_side():
+    same = [_trial("a", 2, 20), _trial("b", 1, 10)]
+    for t in same:
+        t.nodes = ["n1", "n2"]
+    assert node_sets(same) == [["n1", "n2"]]
+    assert "side by side" not in trials_verdict(same)
+    apart = [*same, _trial("c", 1, 15)]
+    apart[2].nodes = ["n3", "n4"]
+    assert node_sets(apart) == [["n1", "n2"], ["n3", "n4"]]
+    assert "measured on different nodes (n1,n2 / n3,n4): not side by side" in trials_verdict(apart)
+
+
+def test_a_slurm_trial_is_pinned_to_the_nodes_given_unless_the_user_named_some():
+    slurm = compose_config("model=tiny", "parallel=ddp", "launcher=slurm")
+    pinned = on_nodes(slurm, ["n1", "n2"])
+    assert pinned.launcher.sbatch_extra == {"nodelist": "n1,n2"}
+    assert on_nodes(slurm, None) == slurm  # no trial has reported its nodes yet
+    mine = compose_config(
+        "model=tiny", "parallel=ddp", "launcher=slurm", "+launcher.sbatch_extra.nodelist=n7"
+    )
+    assert on_nodes(mine, ["n1", "n2"]).launcher.sbatch_extra == {"nodelist": "n7"}
+    local = compose_config("model=tiny", "parallel=ddp")
+    assert on_nodes(local, ["n1"]) == local
+
+
 BAD = [
     (["parallel=ddp", "plan.trials=2"], "plan.trials", "parallel=auto"),
     (["parallel=auto", "plan.trials_only=true"], "plan.trials_only", "plan.trials=K"),
@@ -67,7 +100,11 @@ BAD = [
         "plan.trials",
         "plan.trials=0 with the layout",
     ),
-    (["parallel=auto", "plan.trials=2", "launcher=slurm"], "plan.trials", "launcher=local"),
+    (
+        ["parallel=auto", "plan.trials=2", "launcher=slurm", "launcher.wait=false"],
+        "launcher.wait",
+        "launcher.wait=true",
+    ),
 ]
 
 
@@ -112,6 +149,7 @@ def test_trials_run_the_plans_first_layouts_and_the_run_trains_the_fastest(meshr
     assert [t.tokens_per_s for t in measured] == [r["tokens_per_s"] for r in trials]
     assert main["trials_rank_correlation"] == pytest.approx(rank_correlation(measured))
     assert "plan.trials" not in main["overrides"]  # the chosen layout runs again as given
+    assert {tuple(t.nodes or ()) for t in measured} == {(socket.gethostname(),)}
     assert "rank correlation (Spearman)" in run.output
     assert "training with trial" in run.output
 

@@ -72,6 +72,8 @@ class RankReport:
     fingerprint: dict[str, Any]  # where rank 0 ran (core/hardware.host_fingerprint)
     resumed_from_step: int | None = None  # the checkpoint the ranks restored
     requeues: int = 0  # SLURM requeued the job, which resumed from its checkpoint
+    slurm_job_id: str | None = None  # launcher=slurm's job
+    host_per_rank: list[str] | None = None  # the node each rank ran on
     pipeline_bubble_per_rank: list[float] | None = None
     pp_split: StageSplit | None = None  # parallel.pp_layers=auto
     pretrained_read_bytes_per_rank: list[int] | None = None  # model.pretrained

@@ -149,6 +149,8 @@ class RunRecord:
     # a new run from another run's checkpoint (resumed into a run dir of its own): that run
     parent_run_id: str | None = _f(column=True, summary=True)
     requeues: int | None = _f(summary=True)  # SLURM requeued the job (time limit, preemption)
+    slurm_job_id: str | None = _f(column=True, summary=True)  # launcher=slurm's job
+    host_per_rank: list[str] | None = _f()  # the node each rank ran on
     checkpoint_dir: str | None = _f()
     checkpoint_saves: list[dict[str, Any]] | None = _f()  # step, blocked_s, total_s of each
     checkpoint_blocked_s: float | None = _f(summary=True)  # training waited, per save

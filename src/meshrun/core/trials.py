@@ -20,6 +20,7 @@ class Trial:
     predicted_tokens_per_s: float | None
     tokens_per_s: float | None
     error: str | None = None
+    nodes: list[str] | None = None  # the nodes its ranks ran on, where it reported them
 
     @property
     def measured(self) -> bool:
@@ -36,6 +37,7 @@ class Trial:
             predicted_tokens_per_s=record.predicted_tokens_per_s,
             tokens_per_s=record.tokens_per_s,
             error=record.error,
+            nodes=sorted(set(record.host_per_rank)) if record.host_per_rank else None,
         )
 
 
@@ -86,3 +88,13 @@ def first_choice_loss(trials: list[Trial]) -> float | None:
     if best is None or not trials[0].measured:
         return None
     return 1 - trials[0].tokens_per_s / trials[best].tokens_per_s
+
+
+def node_sets(trials: list[Trial]) -> list[list[str]]:
+    """The distinct sets of nodes the measured trials ran on, in order: more than one says
+    their speeds were not measured on the same hardware."""
+    seen: list[list[str]] = []
+    for t in trials:
+        if t.measured and t.nodes and t.nodes not in seen:
+            seen.append(t.nodes)
+    return seen

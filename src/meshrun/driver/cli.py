@@ -61,13 +61,14 @@ def run(dict_cfg: DictConfig) -> int:
         if cfg.launcher.name != "slurm":  # ranks here: a GPU profile without a GPU is the news
             resolve_hardware(cfg.hardware, facts)
         target = target_facts(cfg.hardware, facts)
-        if cfg.plan.trials:  # local ranks only (validate/trials.py)
+        # SLURM ranks run on the profile's box, not on this (login) host.
+        ranks_on = target if cfg.launcher.name == "slurm" else facts
+        if cfg.plan.trials:
             resolve_trials(cfg, target)
-            trials = [with_baseline_plan(r) for r in resolve_trials(cfg, facts, print_note)]
+            trials = [with_baseline_plan(r) for r in resolve_trials(cfg, ranks_on, print_note)]
             return reported(lambda: run_with_trials(trials, cfg.plan, launch))
         resolve(cfg, target)
-        # SLURM ranks run on the profile's box, not on this (login) host.
-        cfg = resolve(cfg, target if cfg.launcher.name == "slurm" else facts, say=print_note)
+        cfg = resolve(cfg, ranks_on, say=print_note)
         check_attached_world(cfg.launcher, f"parallel={cfg.parallel.name}")
         cfg = with_baseline_plan(cfg)  # every rank under torchrun decides alike
     except ConfigError as err:

@@ -306,6 +306,8 @@ def meta_fields(meta: RunMeta, report: RankReport | None) -> dict[str, Any]:
     fingerprint = report.fingerprint
     fields |= {
         "requeues": report.requeues or None,
+        "slurm_job_id": report.slurm_job_id,
+        "host_per_rank": report.host_per_rank,
         "fingerprint": fingerprint,
         "fingerprint_key": fingerprint_key(fingerprint) if fingerprint else None,
         "host_other_cpu_share": report.host_other_cpu_share,

@@ -6,7 +6,13 @@ auto-configurator runs trials with no model; here the model picks what to try).
 Each trial is a run of its own (store row, run dir under the run's `trials/`, W&B run in one
 group), tagged with the id of the run it chose for; one that fails or runs out of memory is
 recorded as such and left out of the choice. The run's record lists the trials with the
-prediction's rank correlation and what its first choice would have lost (core/trials.py)."""
+prediction's rank correlation and what its first choice would have lost (core/trials.py).
+
+Under launcher=slurm each trial is a job of its own, waited for before the next is
+submitted; the trials after the first that reported its nodes are pinned to those nodes
+(sbatch --nodelist, unless launcher.sbatch_extra names some), so they are measured on the
+same hardware, one after another, as local trials are. The run itself goes where SLURM
+puts it."""
 
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ import dataclasses
 from pathlib import Path
 
 from meshrun.core.choices import BaselineMode, ExportFormat
-from meshrun.core.config import PlanConfig, RunConfig, with_resolved
+from meshrun.core.config import PlanConfig, RunConfig, SlurmLauncherConfig, with_resolved
 from meshrun.core.measured import new_run_id
 from meshrun.core.record import RunRecord
 from meshrun.core.trials import Trial, fastest
@@ -31,10 +37,12 @@ def run_with_trials(runs: list[RunConfig], plan: PlanConfig, launch: Launch) -> 
     run_id = new_run_id()
     main = runs[0]
     group = f"{main.name}-trials-{run_id}"
-    records = [
-        _trial(trial_config(run, index, plan.trial_steps, group), launch, run_id)
-        for index, run in enumerate(runs, start=1)
-    ]
+    records: list[RunRecord] = []
+    nodes: list[str] | None = None
+    for index, run in enumerate(runs, start=1):
+        cfg = trial_config(on_nodes(run, nodes), index, plan.trial_steps, group)
+        records.append(_trial(cfg, launch, run_id))
+        nodes = nodes or Trial.of(records[-1]).nodes
     trials = [Trial.of(r) for r in records]
     print_trials(trials, plan.trial_steps)
     best = fastest(trials)
@@ -54,6 +62,18 @@ def _trial(cfg: RunConfig, launch: Launch, run_id: str) -> RunRecord:
         return run_experiment(cfg, launch, role="trial", trial_of=run_id)
     except RunFailed as failed:  # recorded; the others go on
         return failed.results
+
+
+def on_nodes(run: RunConfig, nodes: list[str] | None) -> RunConfig:
+    """A SLURM trial pinned to the nodes an earlier one ran on (the module docstring); any
+    other as it is."""
+    launcher = run.launcher
+    if nodes is None or not isinstance(launcher, SlurmLauncherConfig):
+        return run
+    if "nodelist" in launcher.sbatch_extra:  # the user's choice of nodes
+        return run
+    extra = {**launcher.sbatch_extra, "nodelist": ",".join(nodes)}
+    return dataclasses.replace(run, launcher=dataclasses.replace(launcher, sbatch_extra=extra))
 
 
 def trial_config(run: RunConfig, index: int, timed_steps: int, group: str) -> RunConfig:

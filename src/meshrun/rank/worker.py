@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import gc
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -184,6 +185,7 @@ class RankFigures:
     compile_s: float | None
     busy_s: float | None  # the median timed step's (rank/metrics/busy.py)
     rollbacks: list[Rollback]  # train.guard.spike's, the same on every rank
+    host: str  # the node it ran on
 
 
 def _train(at: Rank) -> RankReport | None:
@@ -429,6 +431,7 @@ def _own_figures(setup: Setup, state: LoopState, ctx: LoopContext) -> RankFigure
         compile_s=ctx.inspection.compiling.seconds if ctx.inspection.compiling else None,
         busy_s=ctx.inspection.busy.median() if ctx.inspection.busy else None,
         rollbacks=ctx.guards.spikes.rollbacks if ctx.guards.spikes else [],
+        host=socket.gethostname(),
     )
 
 
@@ -459,6 +462,8 @@ def _report(
         fingerprint=host_fingerprint(cfg.launcher.threads_per_rank),
         resumed_from_step=setup.resumed_from_step,
         requeues=int(os.environ.get("SLURM_RESTART_COUNT", "0")),
+        slurm_job_id=os.environ.get("SLURM_JOB_ID"),
+        host_per_rank=[r.host for r in ranks],
         pipeline_bubble_per_rank=bubble_per_rank([r.pipeline_busy for r in ranks], spans)
         if ranks[0].pipeline_span
         else None,

@@ -1,10 +1,11 @@
 """Rules of plan.trials: measured trials of the planner's first layouts (driver/trials.py),
-which start several launches of this host's ranks one after another before the run."""
+which launch the ranks (here, or as SLURM jobs) once a trial, one after another, before the
+run."""
 
 from __future__ import annotations
 
 from meshrun.core.attached import attached_rank
-from meshrun.core.config import ExperimentConfig
+from meshrun.core.config import ExperimentConfig, SlurmLauncherConfig
 from meshrun.core.errors import fail, positive
 
 
@@ -29,15 +30,21 @@ def check_trials(cfg: ExperimentConfig) -> None:
             f"tries the planner's first layouts, and parallel={cfg.parallel.name} fixes one",
             "parallel=auto with it, or plan.trials=0",
         )
-    if cfg.launcher.name != "local" or attached_rank() is not None:
-        how = (
-            "under torchrun" if attached_rank() is not None else f"on launcher={cfg.launcher.name}"
-        )
+    if attached_rank() is not None:
         fail(
             "plan.trials",
             plan.trials,
-            f"launches this host's ranks once per trial, which it cannot do {how}",
-            "launcher=local; elsewhere run `meshrun-plan` and a sweep over its first rows",
+            "launches the ranks once per trial, which it cannot do under torchrun",
+            "launcher=local or launcher=slurm; under torchrun a sweep over `meshrun-plan`'s "
+            "first rows",
+        )
+    if isinstance(cfg.launcher, SlurmLauncherConfig) and not cfg.launcher.wait:
+        fail(
+            "launcher.wait",
+            False,
+            "returns once a job is submitted, and plan.trials waits for each trial's job to "
+            "choose the layout",
+            "launcher.wait=true with plan.trials",
         )
     if cfg.checkpoint.resume is not None:
         fail(

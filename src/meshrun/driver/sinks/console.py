@@ -11,7 +11,7 @@ from rich.text import Text
 from meshrun.core.measured import RunMeta
 from meshrun.core.record import MEMORY_CATEGORIES, RunRecord
 from meshrun.core.run_files.profiles import PROFILE_DIR
-from meshrun.core.trials import Trial, fastest, first_choice_loss, rank_correlation
+from meshrun.core.trials import Trial, fastest, first_choice_loss, node_sets, rank_correlation
 from meshrun.driver.sinks.timeline import TIMELINE_FILE
 
 console = Console()
@@ -90,10 +90,10 @@ def print_trials(trials: list[Trial], steps: int) -> None:
         figures = (_fmt(t.predicted_tokens_per_s), _fmt(t.tokens_per_s), ratio)
         table.add_row(str(index), t.layout_name, *figures, status)
     console.print(table)
-    print_note(_trials_verdict(trials))
+    print_note(trials_verdict(trials))
 
 
-def _trials_verdict(trials: list[Trial]) -> str:
+def trials_verdict(trials: list[Trial]) -> str:
     best = fastest(trials)
     if best is None:
         return "no trial completed"
@@ -106,6 +106,10 @@ def _trials_verdict(trials: list[Trial]) -> str:
         said += f"; the predicted first choice ({trials[0].layout_name}) would have lost {loss:.1%}"
     else:
         said += f"; the predicted first choice ({trials[0].layout_name}) {trials[0].status}"
+    apart = node_sets(trials)
+    if len(apart) > 1:
+        nodes = " / ".join(",".join(n) for n in apart)
+        said += f"; measured on different nodes ({nodes}): not side by side"
     return said
 
 
@@ -113,7 +117,7 @@ def _trials_row(r: RunRecord) -> list[tuple[str, str]]:
     if not r.trials:
         return []
     trials = [Trial(**t) for t in r.trials]
-    return [(f"trials ({len(trials)})", _trials_verdict(trials))]
+    return [(f"trials ({len(trials)})", trials_verdict(trials))]
 
 
 def print_summary(r: RunRecord) -> None:
