@@ -5,9 +5,10 @@ A TP plan maps module-name patterns (`*` matches one name, as in transformers'
 `rowwise` (input features sharded, output all-reduced: attention output, down), `embedding`
 (sharded over the vocabulary), `head` (vocabulary-sharded logits, gathered), and for
 sequence parallelism `sequence_parallel` (a norm computed on its sequence shard) and
-`gather_input` (a sub-block whose input is all-gathered over the sequence first). Written
-once, a plan serves both modes: without SP the last two are no-ops and the residual stream
-is replicated; with SP it is sharded over the sequence, each all-reduce becoming a
+`gather_input` (a sub-block whose column-wise matrices share its input: all-gathered over
+the sequence first under SP, and their input gradients reduced once). Written once, a plan
+serves both modes: without SP `sequence_parallel` is a no-op and the residual stream is
+replicated; with SP it is sharded over the sequence, each all-reduce becoming a
 reduce-scatter + all-gather. A value may also be a ParallelStyle, used as it is.
 """
 
@@ -34,21 +35,35 @@ from meshrun.core.imports import import_callable
 TpPlan = Callable[[nn.Module, DeviceMesh, bool], None]
 
 
-class GatherSequence(ParallelStyle):
-    """The module's input (first positional, or `hidden_states=`), sequence-sharded, is
-    all-gathered before it runs: Megatron's g before a column-parallel block."""
+class ShareInput(ParallelStyle):
+    """A sub-block's input (first positional, or `hidden_states=`) handed to its column-wise
+    matrices as one replicated DTensor, all-gathered over the sequence first under SP
+    (Megatron's g; torchtitan's PrepareModuleInput before attention and the MLP). Each
+    matrix then takes it as it is, and backward sums their partial input gradients before
+    one collective reduces the sum: an all-reduce, under SP a reduce-scatter. Without it
+    each column-wise matrix wraps the tensor itself and reduces its own gradient: q, k, v,
+    gate and up, five all-reduces a block where two do."""
+
+    def __init__(self, sequence_parallel: bool, shared: bool) -> None:
+        super().__init__()
+        self.stream = Shard(1) if sequence_parallel else Replicate()
+        self.shared = shared  # else handed on as a plain tensor (a block that routes it)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def gather(x: torch.Tensor) -> torch.Tensor:
-            # a SequenceParallel norm hands on a DTensor, the residual stream a local shard
+        if not self.shared and self.stream == Replicate():
+            return module  # nothing to gather, nothing to share
+
+        def share(x: torch.Tensor) -> torch.Tensor:
+            # a SequenceParallel norm hands on a DTensor, the residual stream a local tensor
             if not isinstance(x, DTensor):
-                x = DTensor.from_local(x, device_mesh, [Shard(1)], run_check=False)
-            return x.redistribute(device_mesh, [Replicate()]).to_local()
+                x = DTensor.from_local(x, device_mesh, [self.stream], run_check=False)
+            x = x.redistribute(device_mesh, [Replicate()])
+            return x if self.shared else x.to_local()
 
         def hook(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             if args:
-                return (gather(args[0]), *args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": gather(kwargs["hidden_states"])}
+                return (share(args[0]), *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": share(kwargs["hidden_states"])}
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
         return module
@@ -75,8 +90,7 @@ def parallel_styles(
             if sequence_parallel:
                 styles[pattern] = SequenceParallel()
         elif style == "gather_input":
-            if sequence_parallel:
-                styles[pattern] = GatherSequence()
+            styles[pattern] = ShareInput(sequence_parallel, shared=True)
         else:
             raise ValueError(f"{pattern}: unknown TP style {style!r} (one of {TP_STYLES})")
     return styles
@@ -97,11 +111,37 @@ def apply_tp(
     plan = {**model.tp_plan(), **{f"layers.*.{k}": v for k, v in (block_overrides or {}).items()}}
     names = [name for name, _ in model.named_modules()]
     held = {k: v for k, v in plan.items() if any(fnmatch(name, k) for name in names)}
-    parallelize_module(model, tp_mesh, parallel_styles(held, sequence_parallel))
+    styles = parallel_styles(held, sequence_parallel)
+    for pattern in [k for k, v in held.items() if v == "gather_input"]:
+        del styles[pattern]
+        styles |= sub_blocks(model, pattern, plan, sequence_parallel)
+    parallelize_module(model, tp_mesh, styles)
     # The embedding and the head are both sharded over the vocabulary (dim 0 of each weight):
     # a tied pair, distributed as two tensors, is one again.
     model.tie_weights()
     model.seq_shards = tp_mesh.size() if sequence_parallel else 1
+
+
+def sub_blocks(
+    model: nn.Module, pattern: str, plan: dict[str, str | ParallelStyle], sequence_parallel: bool
+) -> dict[str, ParallelStyle]:
+    """The modules a `gather_input` entry names, by their own names: one whose column-wise
+    matrices are its own children (attention, a dense MLP) shares its input with them; one
+    that routes its input first (an MoE layer, whose router is no TP matrix) gets it
+    gathered under SP and whole as a plain tensor."""
+    colwise = [k for k, v in plan.items() if v == "colwise"]
+    return {
+        name: ShareInput(
+            sequence_parallel,
+            shared=any(
+                fnmatch(f"{name}.{child}", c)
+                for child, _ in module.named_children()
+                for c in colwise
+            ),
+        )
+        for name, module in model.named_modules()
+        if fnmatch(name, pattern)
+    }
 
 
 def resolve_tp_plan(path: str | None) -> TpPlan:
