@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 
@@ -21,6 +22,8 @@ from meshrun.core.hardware import HostFacts, fingerprint_key, host_fingerprint
 from meshrun.core.layout import Layout
 from meshrun.driver.resolve import resolve
 from meshrun.plan.candidate import host_calibration
+from meshrun.plan.collectives import Fabric
+from meshrun.plan.placement import GroupSpan
 from meshrun.plan.speed import SpeedPrediction, predict_speed
 from meshrun.plan.stage_time import formula_cost
 from meshrun.tools.plan import main as plan_main
@@ -186,6 +189,29 @@ def test_a_calibrated_host_costs_each_collective_at_its_own_measured_bandwidth()
     assert dp("parallel=ddp", slower) == dp("parallel=ddp", links)
 
 
+def test_a_collective_inside_the_node_takes_its_time_from_the_measured_curve_at_its_size():
+    """gloo's all-reduce at a TP block's 384 KiB took 1.6 ms here, where 2 x the 4 KiB
+    time a hop plus the 16 MiB bandwidth said 0.9: a calibrated in-node collective is timed
+    by its bus bandwidth curve (log-log between sizes), a node-crossing one as before."""
+    curve = [[4096.0, 0.01], [262144.0, 0.2], [16777216.0, 1.0]]  # bytes, GB/s
+    cfg = resolved_config("model=small", "parallel=tp2", "plan.calibration=none")
+    fabric = Fabric.of(cfg, _calibration(link_curves={"all_reduce": curve}))
+    pair = GroupSpan(ranks_per_node=2, nodes=1)
+    # measured sizes: 2(n-1)/n x bytes / busbw, here bytes / busbw
+    assert fabric.all_reduce(pair, 262144) == pytest.approx(262144 / 0.2e9)
+    # between: busbw interpolated in log-log (1 MiB: a third of the way from 256 KiB to 16 MiB)
+    busbw = math.exp(math.log(0.2e9) + math.log(1.0 / 0.2) / 3)
+    assert fabric.all_reduce(pair, 2**20) == pytest.approx(2**20 / busbw)
+    assert fabric.all_reduce(pair, 1024) == pytest.approx(4096 / 0.01e9)  # the smallest's time
+    assert fabric.all_reduce(pair, 2**26) == pytest.approx(2**26 / 1e9)  # the largest's rate
+    # the other collectives, and a group across nodes, keep the latency-bandwidth model
+    plain = Fabric.of(cfg, _calibration())
+    assert fabric.all_gather(pair, 2**20) == plain.all_gather(pair, 2**20)
+    across = GroupSpan(ranks_per_node=1, nodes=2)
+    assert fabric.all_reduce(across, 2**20) == plain.all_reduce(across, 2**20)
+    assert fabric.all_reduce(pair, 2**20) != plain.all_reduce(pair, 2**20)
+
+
 def test_an_moe_block_is_measured_under_the_wrappers_with_a_few_experts():
     """Qwen3-30B-A3B's 128 experts, looped over on the CPU in 8 models x 14 rounds, took
     calibrate past 5 minutes; the wrappers' cost rides on the block's modules, not on how
@@ -224,6 +250,9 @@ def test_calibrate_writes_a_profile_that_plans_on_this_host_use_and_name(tmp_pat
     assert 1e-8 < profile.op_seconds < 1e-3
     assert profile.link_bw_gbs and profile.link_latency_us
     assert set(profile.link_bw_by_op) == {"all_reduce", "all_gather", "reduce_scatter"}
+    for op, curve in profile.link_curves.items():  # 4 KiB to 16 MiB, x4 apart
+        assert [size for size, _ in curve] == [4096 * 4**k for k in range(7)], op
+        assert curve[-1][1] == profile.link_bw_by_op[op]
     assert len(profile.shapes) == 3 * 7  # q k v o, gate up down: forward and two gradients
     assert "calibrated:" in run.output and str(calibration_path(str(store))) in run.output
 

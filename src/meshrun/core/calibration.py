@@ -29,7 +29,9 @@ class Calibration:
     sequence parallelism) and FSDP2's hooks; `link_bw_gbs` and `link_latency_us`:
     meshrun-comm's all-reduce bus bandwidth at its largest size and a small all-reduce's
     time per hop; `link_bw_by_op`: each collective's bus bandwidth at its largest size
-    (all-reduce, all-gather, reduce-scatter), GB/s."""
+    (all-reduce, all-gather, reduce-scatter), GB/s; `link_curves`: each one's bus bandwidth
+    at every size measured, [bytes, GB/s] from the smallest (a TP block's activations sit
+    between 4 KiB and 16 MiB, where gloo's time is neither latency nor bandwidth alone)."""
 
     fingerprint_key: str
     created_at: str
@@ -50,6 +52,7 @@ class Calibration:
     link_bw_gbs: float | None = None
     link_latency_us: float | None = None
     link_bw_by_op: dict[str, float] = field(default_factory=dict)
+    link_curves: dict[str, list[list[float]]] = field(default_factory=dict)
     shapes: list[dict[str, Any]] = field(default_factory=list)  # each matmul shape's rate
 
     def as_dict(self) -> dict[str, Any]:

@@ -21,11 +21,16 @@ On CPU (gloo) the profile's link figure is the measured bus bandwidth already. A
 host (`meshrun-plan calibrate`) has each collective's own measured bus bandwidth inside the
 node: gloo's reduce-scatter is an all-reduce of the whole buffer with a slice kept (2x a
 ring's traffic, pytorch/pytorch#118911) and its all-gather gathers a list then copies, so
-on a CPU host they run well under the all-reduce's rate.
+on a CPU host they run well under the all-reduce's rate. Where the profile holds each
+collective's bus bandwidth at every size it measured (4 KiB to 16 MiB), a collective inside
+the node takes its time from that curve at its own size (log-log between the sizes measured,
+the smallest one's time below them, the largest one's bandwidth above): gloo's time at a TP
+block's few hundred KiB is 1.6-2x what a latency and the 16 MiB bandwidth add up to.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 
@@ -49,6 +54,8 @@ class Fabric:
     net_latency: float
     devices_per_node: int
     measured_bw: dict[str, float] = field(default_factory=dict)  # a collective's, in-node
+    # a collective's in-node bus bandwidth by size: ((bytes, bytes/s), ...), smallest first
+    curves: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, cfg: ExperimentConfig, calibration: Calibration | None = None) -> Fabric:
@@ -58,10 +65,16 @@ class Fabric:
         intra = (hw.intra_node.bw_gbs or 1.0) * GB * (NVLINK_EFFICIENCY if gpu else 1.0)
         latency = hw.intra_node.latency_us * 1e-6
         measured: dict[str, float] = {}
+        curves: dict[str, tuple[tuple[float, float], ...]] = {}
         if calibration is not None and calibration.link_bw_gbs:
             intra = calibration.link_bw_gbs * GB
             latency = (calibration.link_latency_us or 0.0) * 1e-6
             measured = {op: bw * GB for op, bw in calibration.link_bw_by_op.items()}
+            curves = {
+                op: tuple((size, bw * GB) for size, bw in curve)
+                for op, curve in calibration.link_curves.items()
+                if curve
+            }
         net = hw.network
         per_node = devices_per_node(cfg)
         nic = (
@@ -69,7 +82,7 @@ class Fabric:
             if net.nic_gbps
             else None
         )
-        return cls(intra, latency, nic, net.latency_us * 1e-6, per_node, measured)
+        return cls(intra, latency, nic, net.latency_us * 1e-6, per_node, measured, curves)
 
     def bus_bw(self, span: GroupSpan, op: str = "all_reduce") -> float:
         """A collective's bus bandwidth on a group: the node's link (`op`'s own where it
@@ -84,10 +97,32 @@ class Fabric:
         out = span.nodes if span.crosses_nodes else 0
         return steps_per_rank * ((n - out) * self.intra_latency + out * self.net_latency)
 
+    def _measured(self, span: GroupSpan, op: str, nbytes: float, traffic: float) -> float | None:
+        """Seconds of `op` by its measured curve (module docstring), `traffic` the share of
+        `nbytes` its bus bandwidth counts; None where there is no curve or the group
+        leaves the node."""
+        curve = self.curves.get(op)
+        if not curve or span.crosses_nodes:
+            return None
+        if nbytes <= 0:
+            return 0.0
+        sizes = [size for size, _ in curve]
+        if nbytes <= sizes[0]:
+            return traffic * sizes[0] / curve[0][1]
+        if nbytes >= sizes[-1]:
+            return traffic * nbytes / curve[-1][1]
+        i = bisect.bisect_right(sizes, nbytes)
+        (s0, b0), (s1, b1) = curve[i - 1], curve[i]
+        t = math.log(nbytes / s0) / math.log(s1 / s0)
+        return traffic * nbytes / math.exp(math.log(b0) + t * math.log(b1 / b0))
+
     def all_reduce(self, span: GroupSpan, nbytes: float) -> float:
         n = span.ranks_per_node * span.nodes
         if n == 1:
             return 0.0
+        measured = self._measured(span, "all_reduce", nbytes, 2 * (n - 1) / n)
+        if measured is not None:
+            return measured
         latency = self._ring_latency(span, 2) - 2 * self.intra_latency
         if span.crosses_nodes:
             tree = 2 * (
@@ -103,6 +138,9 @@ class Fabric:
         n = span.ranks_per_node * span.nodes
         if n == 1:
             return 0.0
+        measured = self._measured(span, op, nbytes, (n - 1) / n)
+        if measured is not None:
+            return measured
         latency = self._ring_latency(span, 1) - self.intra_latency
         return latency + (n - 1) / n * nbytes / self.bus_bw(span, op)
 

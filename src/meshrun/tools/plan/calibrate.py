@@ -13,9 +13,9 @@ process of its own with the threads a run's rank gets:
     wrappers    what a block costs the host more under TP's DTensors (with and without
                 sequence parallelism) and FSDP2's hooks (tools/plan/wrapper_overhead.py)
     links       `meshrun-comm` over the same ranks (a process of its own): the bus
-                bandwidth at 16 MiB of all-reduce, all-gather and reduce-scatter each (FSDP2
-                and SP move their bytes by the latter two), a 4 KiB all-reduce's time per
-                ring hop
+                bandwidth of all-reduce, all-gather and reduce-scatter each (FSDP2 and SP
+                move their bytes by the latter two) at every size from 4 KiB to 16 MiB, a
+                4 KiB all-reduce's time per ring hop
 
 The profile goes beside the results store (core/calibration.py); plans and runs on this
 host with as many ranks of as many threads use it (plan.calibration) and say so.
@@ -92,7 +92,8 @@ def calibrate(cfg: PlanCommandConfig, host: HostFacts) -> Calibration:
         model=_small(cfg.model if isinstance(cfg.model, LlamaModelConfig) else None),
     )
     rates = _in_rank_processes(workload, box.per_node)
-    link_bw, link_latency = _links(box.per_node, threads, "nccl" if cuda else "gloo")
+    curves, link_latency = _links(box.per_node, threads, "nccl" if cuda else "gloo")
+    link_bw = {op: curve[-1][1] for op, curve in curves.items()}  # at the largest size
     return Calibration(
         fingerprint_key=fingerprint_key(host_fingerprint(threads)),
         created_at=utc_now(),
@@ -114,6 +115,7 @@ def calibrate(cfg: PlanCommandConfig, host: HostFacts) -> Calibration:
         link_bw_gbs=link_bw.get("all_reduce"),
         link_latency_us=link_latency,
         link_bw_by_op=link_bw,
+        link_curves=curves,
         shapes=rates[0]["shapes"],
     )
 
@@ -259,9 +261,12 @@ def _count(model_cfg: LlamaModelConfig) -> int:
     return counter.count
 
 
-def _links(ranks: int, threads: int, backend: str) -> tuple[dict[str, float], float | None]:
-    """meshrun-comm over `ranks` ranks: each of LINK_OPS' bus bandwidth at the largest
-    size, the smallest all-reduce's time per ring hop (2(n-1) of them); none for one rank."""
+def _links(
+    ranks: int, threads: int, backend: str
+) -> tuple[dict[str, list[list[float]]], float | None]:
+    """meshrun-comm over `ranks` ranks: each of LINK_OPS' bus bandwidth at every size
+    ([bytes, GB/s], smallest first), the smallest all-reduce's time per ring hop (2(n-1) of
+    them); none for one rank."""
     if ranks < 2:
         return {}, None
     with tempfile.TemporaryDirectory() as tmp:
@@ -281,10 +286,15 @@ def _links(ranks: int, threads: int, backend: str) -> tuple[dict[str, float], fl
         ]
         subprocess.run(command, check=True, capture_output=True, timeout=600)
         rows = json.loads((Path(tmp) / "comm.json").read_text())["rows"]
-    by_op = {op: [r for r in rows if r["op"] == op] for op in LINK_OPS}
-    busbw = {op: max(ok, key=lambda r: r["size_bytes"])["busbw_gbs"] for op, ok in by_op.items()}
-    smallest = min(by_op["all_reduce"], key=lambda r: r["size_bytes"])
-    return busbw, smallest["time_us"] / (2 * (ranks - 1))
+    curves = {
+        op: sorted([r["size_bytes"], r["busbw_gbs"]] for r in rows if r["op"] == op)
+        for op in LINK_OPS
+    }
+    smallest_bytes = curves["all_reduce"][0][0]
+    smallest = next(
+        r for r in rows if r["op"] == "all_reduce" and r["size_bytes"] == smallest_bytes
+    )
+    return curves, smallest["time_us"] / (2 * (ranks - 1))
 
 
 def run(dict_cfg: DictConfig) -> int:
