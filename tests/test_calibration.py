@@ -24,10 +24,18 @@ from meshrun.driver.resolve import resolve
 from meshrun.plan.candidate import host_calibration
 from meshrun.plan.collectives import Fabric
 from meshrun.plan.placement import GroupSpan
+from meshrun.plan.shapes import Dims
 from meshrun.plan.speed import SpeedPrediction, predict_speed
 from meshrun.plan.stage_time import formula_cost
 from meshrun.tools.plan import main as plan_main
-from meshrun.tools.plan.calibrate import Workload, _in_rank_processes, _small, ops_per_layer
+from meshrun.tools.plan.calibrate import (
+    Workload,
+    _in_rank_processes,
+    _matmul_in_a_step,
+    _small,
+    in_step_block,
+    ops_per_layer,
+)
 from meshrun.tools.plan.wrapper_overhead import MAX_EXPERTS, _few_experts
 from meshrun.validate import check_experiment
 from meshrun.validate.launcher import rank_threads
@@ -212,6 +220,30 @@ def test_a_collective_inside_the_node_takes_its_time_from_the_measured_curve_at_
     assert fabric.all_reduce(pair, 2**20) != plain.all_reduce(pair, 2**20)
 
 
+def test_the_in_step_matmuls_run_in_one_block_of_the_runs_widths():
+    """The rate a CPU step's matmuls reach is taken inside a block of the run's own widths
+    (any model kind), unless that block's weights and gradients would not fit a rank."""
+    small = in_step_block(Dims.of(compose_config("model=small").model))
+    assert small is not None
+    assert (small.dim, small.n_heads, small.ffn_dim, small.n_layers) == (384, 6, 1024, 1)
+    hf = in_step_block(Dims.of(compose_config("model=hf/llama-3.1-8b").model))
+    assert hf is not None
+    assert (hf.dim, hf.n_heads, hf.n_kv_heads, hf.head_dim, hf.ffn_dim) == (
+        4096,
+        32,
+        8,
+        128,
+        14336,
+    )
+    assert in_step_block(Dims.of(compose_config("model=gpt3-175b").model)) is None  # 14 GB
+
+
+def test_matmuls_in_a_step_are_rated_by_their_counted_flops_over_their_time():
+    block = dataclasses.replace(_small(None), dim=64, n_heads=4, ffn_dim=128)
+    rate = _matmul_in_a_step(block, (2, 4, 16, 16))
+    assert 1e6 < rate < 1e13
+
+
 def test_an_moe_block_is_measured_under_the_wrappers_with_a_few_experts():
     """Qwen3-30B-A3B's 128 experts, looped over on the CPU in 8 models x 14 rounds, took
     calibrate past 5 minutes; the wrappers' cost rides on the block's modules, not on how
@@ -249,6 +281,7 @@ def test_calibrate_writes_a_profile_that_plans_on_this_host_use_and_name(tmp_pat
         assert 1e8 < rate < 1e13
     assert 1e-8 < profile.op_seconds < 1e-3
     assert profile.link_bw_gbs and profile.link_latency_us
+    assert profile.matmul_alone_flops and profile.matmul_alone_flops != profile.matmul_flops
     assert set(profile.link_bw_by_op) == {"all_reduce", "all_gather", "reduce_scatter"}
     for op, curve in profile.link_curves.items():  # 4 KiB to 16 MiB, x4 apart
         assert [size for size, _ in curve] == [4096 * 4**k for k in range(7)], op

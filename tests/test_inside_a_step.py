@@ -145,6 +145,25 @@ def test_summary_counts_overlap_and_idle_from_the_intervals():
     assert profile.timeline["compute"] == [[0.0, 0.04], [0.05, 0.07]]
 
 
+def test_a_blocking_wait_inside_an_operator_is_no_compute():
+    """DTensor's collectives block in `_c10d_functional::wait_tensor`, inside the operator
+    that redistributes: the rank waits on the link there, it computes nothing (a tp2 trace
+    read 99% of its communication as overlapped with compute while it was not)."""
+    events = [
+        _complete(0, 100, "meshrun:step 3", cat="user_annotation"),
+        _complete(0, 60, "PythonSubclass"),
+        _complete(20, 30, "_c10d_functional::wait_tensor"),
+        _complete(15, 40, "gloo:all_reduce", tid=2, cat="user_annotation"),
+    ]
+    profile = summarize({"traceEvents": events}, rank=0)
+    assert profile.compute_s == pytest.approx(3e-5)  # 0-20 and 50-60
+    assert (profile.comm_s, profile.overlapped_s) == pytest.approx((4e-5, 1e-5))
+    assert profile.idle_s == pytest.approx(4e-5)  # 60-100
+    assert profile.timeline["compute"] == [[0.0, 0.02], [0.05, 0.06]]
+    # the wait a row of its own, not the redistributing operator's self time
+    assert profile.top_ops == [("PythonSubclass", 3e-5), ("_c10d_functional::wait_tensor", 3e-5)]
+
+
 def test_busy_fields_name_each_steps_slowest_rank_against_the_others():
     per_rank = torch.tensor([[1.0, 2.0], [1.5, 1.0], [1.0, 1.0]], dtype=torch.float64)
     assert busy_fields(per_rank) == [

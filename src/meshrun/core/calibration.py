@@ -19,7 +19,8 @@ CALIBRATION_FILE = "calibration.json"
 class Calibration:
     """Per rank, with `ranks` ranks of `threads_per_rank` threads computing at once.
     `matmul_flops`: FLOPs over seconds of the block's matmuls at the run's token count
-    (forward and both backward GEMMs, each shape weighted by its FLOPs); `attention_flops`:
+    (forward and both backward GEMMs, each shape weighted by its FLOPs), on a CPU as they
+    ran inside a block's step (`matmul_alone_flops`: each shape timed alone); `attention_flops`:
     causal SDPA's counted FLOPs (half of 4·b·s²·h forward, 2.5x that backward) a second;
     `memory_bw`: bytes a second of a large elementwise add; `op_seconds`: the eager
     dispatch of one small op (what a step pays per kernel however small its tensors);
@@ -53,6 +54,7 @@ class Calibration:
     link_latency_us: float | None = None
     link_bw_by_op: dict[str, float] = field(default_factory=dict)
     link_curves: dict[str, list[list[float]]] = field(default_factory=dict)
+    matmul_alone_flops: float | None = None
     shapes: list[dict[str, Any]] = field(default_factory=list)  # each matmul shape's rate
 
     def as_dict(self) -> dict[str, Any]:
@@ -64,8 +66,13 @@ class Calibration:
             if self.link_bw_gbs
             else ""
         )
+        alone = (
+            f" in a step ({self.matmul_alone_flops / 1e9:.1f} alone)"
+            if self.matmul_alone_flops and self.matmul_alone_flops != self.matmul_flops
+            else ""
+        )
         return (
-            f"matmul {self.matmul_flops / 1e9:.1f} GFLOP/s, attention "
+            f"matmul {self.matmul_flops / 1e9:.1f} GFLOP/s{alone}, attention "
             f"{self.attention_flops / 1e9:.1f} GFLOP/s, memory {self.memory_bw / 1e9:.1f} GB/s, "
             f"{self.op_seconds * 1e6:.1f} us an op x {self.ops_per_layer} a layer (+"
             f"{self.tp_layer_overhead * 1e3:.2f} ms under TP, "

@@ -2,8 +2,9 @@
 of its steps. Time inside the profiled steps (meshrun's `step N` ranges) is split into:
 
 - compute: on CUDA the kernels that are not NCCL's; on CPU the operators the rank's main
-  thread runs (torch's cpu_op events on the thread that ran the step; the time its thread
-  blocks in a wait is in no operator);
+  thread runs (torch's cpu_op events on the thread that ran the step), less the time it
+  blocks on a collective (c10d's calls; DTensor's `_c10d_functional::wait_tensor`, often
+  inside the operator that redistributes);
 - communication: collectives in flight, from their start to their completion (gloo's
   `gloo:<op>` ranges, NCCL's kernels); what of it runs during compute is `overlapped`;
 - idle: neither (the rank waits for data, the host, or a peer with nothing in flight).
@@ -27,6 +28,7 @@ PHASE = "meshrun:"
 STEP_PHASE = f"{PHASE}step "
 MICRO_BATCH = re.compile(rf"^{PHASE}(forward|backward)(?: \(weights\))?(?: stage (\d+))? mb (\d+)$")
 COMM = re.compile(r"^(gloo|nccl):|^ncclDevKernel|^ncclKernel")
+WAIT = re.compile(r"^c10d::|^_c10d_functional::wait_tensor$")  # a CPU rank blocked on a link
 TOP_OPS = 8
 TIMELINE_INTERVALS = 400  # per kind and rank; closer intervals are merged to stay under it
 
@@ -74,6 +76,8 @@ def summarize(trace: dict[str, Any], rank: int) -> RankProfile | None:
     base_us = trace.get("baseTimeNanoseconds", 0) / 1e3
     windows = [(e["ts"], e["ts"] + e["dur"]) for e in steps]
     kernels = [e for e in events if e.get("cat") == "kernel"]
+    waits: list[Interval] = []
+    waited: list[dict[str, Any]] = []
     if kernels:  # CUDA: the device's timeline
         compute_events = [e for e in kernels if not COMM.match(e["name"])]
         comm_events = [e for e in kernels if COMM.match(e["name"])]
@@ -83,13 +87,12 @@ def summarize(trace: dict[str, Any], rank: int) -> RankProfile | None:
         ]
         windows = gpu_windows or windows
     else:
-        compute_events = [
-            e
-            for e in events
-            if e.get("cat") == "cpu_op" and e["tid"] == main and not e["name"].startswith("c10d::")
-        ]
+        ops = [e for e in events if e.get("cat") == "cpu_op" and e["tid"] == main]
+        compute_events = [e for e in ops if not WAIT.match(e["name"])]
+        waited = [e for e in ops if WAIT.match(e["name"])]  # their own rows in the top ops
+        waits = _union(_spans(waited))
         comm_events = [e for e in events if COMM.match(e["name"])]
-    compute = _clip(_union(_spans(compute_events)), windows)
+    compute = _clip(_subtract(_union(_spans(compute_events)), waits), windows)
     comm = _clip(_union(_spans(comm_events)), windows)
     busy = _union(compute + comm)
     total = _length(windows)
@@ -102,7 +105,7 @@ def summarize(trace: dict[str, Any], rank: int) -> RankProfile | None:
         comm_s=_length(comm) / 1e6,
         overlapped_s=_length(_intersect(compute, comm)) / 1e6,
         idle_s=(total - _length(busy)) / 1e6,
-        top_ops=_top_ops(kernels or compute_events),
+        top_ops=_top_ops(kernels or [*compute_events, *waited]),
         timeline={
             "start_ms": (base_us + last[0]) / 1e3,
             "length_ms": (last[1] - last[0]) / 1e3,
@@ -148,6 +151,23 @@ def _intersect(a: list[Interval], b: list[Interval]) -> list[Interval]:
             i += 1
         else:
             j += 1
+    return out
+
+
+def _subtract(a: list[Interval], b: list[Interval]) -> list[Interval]:
+    """What of `a` lies outside `b` (both disjoint and sorted)."""
+    out, j = [], 0
+    for start, end in a:
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < end:
+            if b[k][0] > start:
+                out.append((start, b[k][0]))
+            start = max(start, b[k][1])
+            k += 1
+        if start < end:
+            out.append((start, end))
     return out
 
 

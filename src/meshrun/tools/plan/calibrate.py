@@ -5,7 +5,11 @@ process of its own with the threads a run's rank gets:
 
     matmul      the block's linears at the run's micro-batch tokens: forward, input- and
                 weight-gradient GEMMs, FLOPs over seconds (each the mean of a few, the
-                ranks computing at once)
+                ranks computing at once); on a CPU the rate is then taken inside a step of
+                one block of the run's sizes (torch.profiler's FLOPs and self time of its
+                matmuls): the norms, attention and activations between them evict what a
+                loop of one shape keeps in cache (model=small, 2 threads: 207 against 300
+                GFLOP/s alone, and 0.70 of measured step time predicted from the latter)
     attention   causal SDPA forward and backward at the run's heads and sequence
     memory      a large elementwise add's bytes a second
     ops         one small op's eager dispatch (what a step pays per kernel however small),
@@ -38,6 +42,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
+from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshrun.core.calibration import Calibration, calibration_path, write_calibration
@@ -60,6 +65,8 @@ COMM_MAX_BYTES = 16 * 2**20
 COMM_MIN_BYTES = 4096
 COUNTED_SEQ = 16  # the op count does not depend on sizes: counted on a small block
 LINK_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
+IN_STEP_MAX_BYTES = 2 * 2**30  # a block's fp32 weights and gradients, each rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +79,7 @@ class Workload:
     linears: list[tuple[int, int, int]]  # (rows, out, in)
     attention: tuple[int, int, int, int]  # (batch, heads, seq, head_dim)
     model: LlamaModelConfig | None = None  # a small block of the run's kind: the wrappers'
+    block: LlamaModelConfig | None = None  # one block of the run's sizes: matmuls in a step
 
 
 def calibrate(cfg: PlanCommandConfig, host: HostFacts) -> Calibration:
@@ -90,6 +98,7 @@ def calibrate(cfg: PlanCommandConfig, host: HostFacts) -> Calibration:
         linears=block_linears(d, tokens, 1),
         attention=(cfg.train.micro_batch_size, d.a, cfg.train.seq_len, d.hq // d.a),
         model=_small(cfg.model if isinstance(cfg.model, LlamaModelConfig) else None),
+        block=None if cuda else in_step_block(d),
     )
     rates = _in_rank_processes(workload, box.per_node)
     curves, link_latency = _links(box.per_node, threads, "nccl" if cuda else "gloo")
@@ -104,6 +113,7 @@ def calibrate(cfg: PlanCommandConfig, host: HostFacts) -> Calibration:
         model=cfg.model.name,
         tokens=tokens,
         matmul_flops=min(r["matmul_flops"] for r in rates),
+        matmul_alone_flops=min(r["matmul_alone_flops"] for r in rates),
         attention_flops=min(r["attention_flops"] for r in rates),
         memory_bw=min(r["memory_bw"] for r in rates),
         op_seconds=max(r["op_seconds"] for r in rates),
@@ -164,6 +174,9 @@ def _rank(workload: Workload, rank: int, barrier: Any, results: Any) -> None:
             took = _timed(lambda a=a, b=b: a @ b, device)
             flops, seconds = flops + 2 * m * n * k, seconds + took
             shapes.append({"m": m, "n": n, "k": k, "flops_per_s": 2 * m * n * k / took})
+    alone = flops / seconds
+    barrier.wait()
+    in_step = _matmul_in_a_step(workload.block, workload.attention) if workload.block else None
     barrier.wait()
     attention = _attention_rate(workload.attention, new, device)
     barrier.wait()
@@ -178,7 +191,8 @@ def _rank(workload: Workload, rank: int, barrier: Any, results: Any) -> None:
     wrappers = wrapper_overheads(workload.model, device) if workload.model else {}
     results.put(
         {
-            "matmul_flops": flops / seconds,
+            "matmul_flops": in_step or alone,
+            "matmul_alone_flops": alone,
             "attention_flops": attention,
             "memory_bw": memory,
             "op_seconds": op,
@@ -186,6 +200,47 @@ def _rank(workload: Workload, rank: int, barrier: Any, results: Any) -> None:
             "shapes": shapes,
         }
     )
+
+
+def in_step_block(d: Dims) -> LlamaModelConfig | None:
+    """One dense LLaMA block of the run's widths (any model kind: its matmuls' shapes), a
+    small vocabulary; None where its weights and gradients would pass IN_STEP_MAX_BYTES a
+    rank (the matmuls alone then stand for it)."""
+    ffn = d.f or d.fe
+    params = d.h * (2 * d.hq + 2 * d.hk) + 3 * d.h * ffn
+    if params * 4 * 2 > IN_STEP_MAX_BYTES:
+        return None
+    heads = d.a
+    head_dim = d.hq // heads
+    return LlamaModelConfig(
+        name="in-step",
+        dim=d.h,
+        n_layers=1,
+        n_heads=heads,
+        n_kv_heads=max(1, d.hk // head_dim),
+        head_dim=head_dim,
+        ffn_dim=ffn,
+        vocab_size=128,
+    )
+
+
+def _matmul_in_a_step(block: LlamaModelConfig, attention: tuple[int, int, int, int]) -> float:
+    """FLOPs a second of the matmuls in a block's forward and backward as a step runs them
+    (torch.profiler's counted FLOPs over their self time, after a warm-up step)."""
+    batch, _, seq, _ = attention
+    model = build_model(block, seq, torch.device("cpu"))
+    model.init_weights(0)
+    tokens = torch.randint(0, block.vocab_size, (batch, seq))
+
+    def step() -> None:
+        model(tokens).float().sum().backward()
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+        for _ in range(REPEATS):
+            step()
+    ops = [e for e in prof.key_averages() if e.key in MATMUL_OPS]
+    return sum(e.flops for e in ops) / (sum(e.self_cpu_time_total for e in ops) * 1e-6)
 
 
 def _attention_rate(
