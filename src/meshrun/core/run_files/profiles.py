@@ -157,17 +157,17 @@ def _intersect(a: list[Interval], b: list[Interval]) -> list[Interval]:
 def _subtract(a: list[Interval], b: list[Interval]) -> list[Interval]:
     """What of `a` lies outside `b` (both disjoint and sorted)."""
     out, j = [], 0
-    for start, end in a:
-        while j < len(b) and b[j][1] <= start:
+    for begin, end in a:
+        while j < len(b) and b[j][1] <= begin:
             j += 1
-        k = j
+        at, k = begin, j
         while k < len(b) and b[k][0] < end:
-            if b[k][0] > start:
-                out.append((start, b[k][0]))
-            start = max(start, b[k][1])
+            if b[k][0] > at:
+                out.append((at, b[k][0]))
+            at = max(at, b[k][1])
             k += 1
-        if start < end:
-            out.append((start, end))
+        if at < end:
+            out.append((at, end))
     return out
 
 
