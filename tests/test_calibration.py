@@ -244,6 +244,26 @@ def test_matmuls_in_a_step_are_rated_by_their_counted_flops_over_their_time():
     assert 1e6 < rate < 1e13
 
 
+def test_calibrating_a_custom_module_names_the_key_and_a_preset_to_use(tmp_path):
+    """A user's module declares no widths to time its matmuls at (it raised a TypeError
+    from deep in the planner's shapes): exit 2 before any rank starts."""
+    run = run_console(
+        plan_main.main,
+        tmp_path / "cal",
+        None,
+        "calibrate",
+        "model=custom",
+        "model.target=tests.user_model:build",
+        "model.embedding=embed",
+        f"store.path={tmp_path / 'meshrun.db'}",
+        defaults=(),
+    )
+    assert run.returncode == 2, run.output
+    assert "model" in run.output and "model=small" in run.output
+    assert "Traceback" not in run.output
+    assert not calibration_path(str(tmp_path / "meshrun.db")).exists()
+
+
 def test_an_moe_block_is_measured_under_the_wrappers_with_a_few_experts():
     """Qwen3-30B-A3B's 128 experts, looped over on the CPU in 8 models x 14 rounds, took
     calibrate past 5 minutes; the wrappers' cost rides on the block's modules, not on how

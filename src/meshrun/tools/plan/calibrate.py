@@ -52,7 +52,7 @@ from meshrun.core.hardware import HostFacts, fingerprint_key, host_fingerprint
 from meshrun.core.measured import utc_now
 from meshrun.core.tool_config import PlanCommandConfig
 from meshrun.driver.sinks.console import console, print_error, print_note
-from meshrun.models import build_model
+from meshrun.models import build_model, model_shape
 from meshrun.plan.compute import block_linears
 from meshrun.plan.shapes import Dims
 from meshrun.tools.plan.command import prepared
@@ -88,6 +88,16 @@ def calibrate(cfg: PlanCommandConfig, host: HostFacts) -> Calibration:
     if box.nodes > 1:
         fail("world_size", box.world, "calibrate measures this host's ranks", "one node's ranks")
     threads = rank_threads(cfg.launcher, box.per_node, host)
+    shape = model_shape(cfg.model)
+    if not (shape.dim and shape.n_heads):
+        fail(
+            "model",
+            cfg.model.name,
+            "calibrate times the model's matmuls and attention at its widths, and a custom "
+            "module declares none",
+            "a preset of about its widths (e.g. model=small): the profile serves every run on "
+            "this host with as many ranks, whatever its model",
+        )
     d = Dims.of(cfg.model)
     tokens = cfg.train.micro_batch_size * cfg.train.seq_len
     cuda = cfg.hardware.device_type == "cuda"
