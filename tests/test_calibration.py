@@ -36,7 +36,7 @@ from meshrun.tools.plan.calibrate import (
     in_step_block,
     ops_per_layer,
 )
-from meshrun.tools.plan.wrapper_overhead import MAX_EXPERTS, _few_experts
+from meshrun.tools.plan.wrapper_overhead import MAX_EXPERTS, _few_experts, wrapper_overheads
 from meshrun.validate import check_experiment
 from meshrun.validate.launcher import rank_threads
 from tests.cli import run_console
@@ -159,22 +159,17 @@ def test_a_calibrated_block_pays_the_measured_dispatch_of_its_layouts_wrappers(p
     assert parts["overhead"] == pytest.approx(expected, rel=1e-9)
 
 
-@pytest.mark.timeout(120)
-def test_calibrate_measures_what_dtensor_and_fsdp2_cost_a_block_on_the_host():
+def _wrappers_in_a_rank(_) -> dict[str, float]:
+    return wrapper_overheads(_small(None), None)
+
+
+def test_calibrate_measures_what_dtensor_and_fsdp2_cost_a_block_on_the_host(rank_pool):
     """On a mesh of one rank in a rank process: DTensor's dispatch makes a TP block dearer
     than a plain one (here ~3.4 ms a block, more with SP, 13x the block's own dispatch),
     measured as each model's fastest step, which another job's load does not swamp."""
-    workload = Workload(
-        threads=1,
-        device="cpu",
-        dtype="float32",
-        linears=[(16, 16, 16)],
-        attention=(1, 4, 16, 16),
-        model=_small(None),
-    )
-    for rates in _in_rank_processes(workload, 1):
-        assert set(rates["wrappers"]) == {"tp", "sp", "fsdp"}
-        assert rates["wrappers"]["tp"] > 0 and rates["wrappers"]["sp"] > 0
+    [wrappers] = rank_pool.run(_wrappers_in_a_rank, None, world_size=1)
+    assert set(wrappers) == {"tp", "sp", "fsdp"}
+    assert wrappers["tp"] > 0 and wrappers["sp"] > 0
 
 
 def test_a_calibrated_host_costs_each_collective_at_its_own_measured_bandwidth():
