@@ -6,9 +6,12 @@ runs one function on the first `world_size` workers at once, each with torchrun'
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and a fresh MASTER_PORT), and returns every rank's return
 value. The function creates and destroys its own process group (as `rank.worker.run_rank`).
 
-Every job has a deadline. A rank that raises, dies or misses the deadline tears the whole
-pool down (its peers may be stuck in a collective); the next job starts a fresh one. So a
-broken test fails, it never hangs the session or leaks a process into the next test.
+Every job has a deadline. A rank that dies or misses the deadline tears the whole pool down
+(its peers may be stuck in a collective), as does one that raises while a peer is still
+running a few seconds later; the next job starts a fresh pool. A job whose ranks all
+reported, some raising (a refusal every rank makes, a single rank's error), leaves the
+workers free and the pool up. So a broken test fails, it never hangs the session or leaks a
+process into the next test.
 
 `pool.launch` has the driver's launcher signature (`launch_local`'s): pass it to
 `meshrun.driver.experiment.measure` to run a resolved config exactly as `meshrun` does, minus
@@ -38,6 +41,7 @@ from meshrun.driver.launch import TRAIN, RankEntry, RankFailure
 from tests.helpers import resolved_config
 
 JOB_TIMEOUT_S = 240.0
+PEERS_GRACE_S = 5.0  # for a failed job's other ranks to report, before the pool is torn down
 
 
 def _exit_with_parent() -> None:
@@ -81,6 +85,7 @@ def _serve(index: int, jobs, results) -> None:
 class RankFailed(RuntimeError):
     def __init__(self, rank: int, error: str) -> None:
         self.rank, self.error = rank, error
+        self.peers_done = False  # every other rank of the job reported too
         super().__init__(f"rank {rank} failed: {error}")
 
 
@@ -127,10 +132,17 @@ class RankPool:
         self.jobs, self.results = [], None
 
     def _collect(self, job_id, ranks, deadline: float) -> dict[int, Any]:
+        """Every rank's value; after the first that raised, the others get PEERS_GRACE_S to
+        report too (they raised as well, or finished): then the workers are all free and the
+        pool stays up (`RankFailed.peers_done`); one still running may be stuck in a
+        collective with the failed rank, and the pool is torn down."""
         waiting, got = set(ranks), {}
+        failure: RankFailed | None = None
         while waiting:
             left = deadline - time.monotonic()
             if left <= 0:
+                if failure is not None:
+                    raise failure
                 raise TimeoutError(f"ranks {sorted(waiting)} still running after the deadline")
             try:
                 got_id, index, ok, value = self.results.get(timeout=min(left, 1.0))
@@ -142,10 +154,14 @@ class RankPool:
                 continue
             if got_id != job_id:
                 continue
-            if not ok:
-                raise RankFailed(index, value)
             waiting.discard(index)
             got[index] = value
+            if not ok and failure is None:
+                failure = RankFailed(index, value)
+                deadline = min(deadline, time.monotonic() + PEERS_GRACE_S)
+        if failure is not None:
+            failure.peers_done = True
+            raise failure
         return got
 
     def run(
@@ -180,7 +196,11 @@ class RankPool:
                 rank_env = {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}
                 self.jobs[rank].put((job_id, fn, arg, rank_env))
             got = self._collect(job_id, range(world_size), time.monotonic() + timeout)
-        except BaseException:  # a failure, the deadline, or pytest-timeout's interrupt
+        except RankFailed as failed:  # every rank reported: the workers are free again
+            if not failed.peers_done:
+                self.close()
+            raise
+        except BaseException:  # the deadline, or pytest-timeout's interrupt
             self.close()
             raise
         return [got[rank] for rank in range(world_size)]
