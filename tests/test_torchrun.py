@@ -53,8 +53,12 @@ def test_torchrun_ranks_share_one_run_dir_and_record_once(tmp_path):
     assert results["baseline_mode"] == "fresh" and results["speedup_rounds"] == 4
 
 
-def test_torchrun_world_that_does_not_fit_the_layout_is_a_config_error(tmp_path):
-    proc = torchrun(tmp_path, "parallel=single")
-    assert proc.returncode != 0
-    assert "WORLD_SIZE=2: torchrun started 2 ranks but parallel=single needs 1" in proc.stdout
-    assert not (tmp_path / "meshrun.db").exists()
+def test_torchrun_world_that_does_not_fit_the_layout_is_a_config_error(meshrun_here, monkeypatch):
+    """As rank 0 of the two that torchrun started (its environment; the run above starts real
+    ones): exit 2 before any process group, nothing recorded."""
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    run = meshrun_here("model=tiny", "parallel=single")
+    assert run.returncode == 2, run.output
+    assert "WORLD_SIZE=2: torchrun started 2 ranks but parallel=single needs 1" in run.output
+    assert not run.store_path.exists()
