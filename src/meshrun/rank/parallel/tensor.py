@@ -72,7 +72,8 @@ class ShareInput(ParallelStyle):
 def parallel_styles(
     plan: dict[str, str | ParallelStyle], sequence_parallel: bool
 ) -> dict[str, ParallelStyle]:
-    """The torch styles of a plan in one mode (see the module docstring)."""
+    """The torch styles of a plan in one mode (see the module docstring); `gather_input`
+    is decided per module (sub_blocks)."""
     residual = Shard(1) if sequence_parallel else Replicate()
     styles: dict[str, ParallelStyle] = {}
     for pattern, style in plan.items():
@@ -90,7 +91,7 @@ def parallel_styles(
             if sequence_parallel:
                 styles[pattern] = SequenceParallel()
         elif style == "gather_input":
-            styles[pattern] = ShareInput(sequence_parallel, shared=True)
+            continue  # per module: apply_tp's sub_blocks
         else:
             raise ValueError(f"{pattern}: unknown TP style {style!r} (one of {TP_STYLES})")
     return styles
@@ -113,7 +114,6 @@ def apply_tp(
     held = {k: v for k, v in plan.items() if any(fnmatch(name, k) for name in names)}
     styles = parallel_styles(held, sequence_parallel)
     for pattern in [k for k, v in held.items() if v == "gather_input"]:
-        del styles[pattern]
         styles |= sub_blocks(model, pattern, plan, sequence_parallel)
     parallelize_module(model, tp_mesh, styles)
     # The embedding and the head are both sharded over the vocabulary (dim 0 of each weight):
