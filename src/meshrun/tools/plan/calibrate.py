@@ -88,8 +88,7 @@ def calibrate(cfg: PlanCommandConfig, host: HostFacts) -> Calibration:
     if box.nodes > 1:
         fail("world_size", box.world, "calibrate measures this host's ranks", "one node's ranks")
     threads = rank_threads(cfg.launcher, box.per_node, host)
-    shape = model_shape(cfg.model)
-    if not (shape.dim and shape.n_heads):
+    if not model_shape(cfg.model).formula:
         fail(
             "model",
             cfg.model.name,
@@ -355,10 +354,7 @@ def _links(
         op: sorted([r["size_bytes"], r["busbw_gbs"]] for r in rows if r["op"] == op)
         for op in LINK_OPS
     }
-    smallest_bytes = curves["all_reduce"][0][0]
-    smallest = next(
-        r for r in rows if r["op"] == "all_reduce" and r["size_bytes"] == smallest_bytes
-    )
+    smallest = min((r for r in rows if r["op"] == "all_reduce"), key=lambda r: r["size_bytes"])
     return curves, smallest["time_us"] / (2 * (ranks - 1))
 
 
