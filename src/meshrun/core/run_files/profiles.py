@@ -77,7 +77,7 @@ def summarize(trace: dict[str, Any], rank: int) -> RankProfile | None:
     windows = [(e["ts"], e["ts"] + e["dur"]) for e in steps]
     kernels = [e for e in events if e.get("cat") == "kernel"]
     waits: list[Interval] = []
-    waited: list[dict[str, Any]] = []
+    ops: list[dict[str, Any]] = []  # the CPU's: the waits their own rows in the top ops
     if kernels:  # CUDA: the device's timeline
         compute_events = [e for e in kernels if not COMM.match(e["name"])]
         comm_events = [e for e in kernels if COMM.match(e["name"])]
@@ -89,8 +89,7 @@ def summarize(trace: dict[str, Any], rank: int) -> RankProfile | None:
     else:
         ops = [e for e in events if e.get("cat") == "cpu_op" and e["tid"] == main]
         compute_events = [e for e in ops if not WAIT.match(e["name"])]
-        waited = [e for e in ops if WAIT.match(e["name"])]  # their own rows in the top ops
-        waits = _union(_spans(waited))
+        waits = _union(_spans([e for e in ops if WAIT.match(e["name"])]))
         comm_events = [e for e in events if COMM.match(e["name"])]
     compute = _clip(_subtract(_union(_spans(compute_events)), waits), windows)
     comm = _clip(_union(_spans(comm_events)), windows)
@@ -105,7 +104,7 @@ def summarize(trace: dict[str, Any], rank: int) -> RankProfile | None:
         comm_s=_length(comm) / 1e6,
         overlapped_s=_length(_intersect(compute, comm)) / 1e6,
         idle_s=(total - _length(busy)) / 1e6,
-        top_ops=_top_ops(kernels or [*compute_events, *waited]),
+        top_ops=_top_ops(kernels or ops),
         timeline={
             "start_ms": (base_us + last[0]) / 1e3,
             "length_ms": (last[1] - last[0]) / 1e3,
