@@ -31,11 +31,10 @@ from meshrun.tools.plan import main as plan_main
 from meshrun.tools.plan.calibrate import (
     Workload,
     _in_rank_processes,
-    _matmul_in_a_step,
     _small,
-    in_step_block,
     ops_per_layer,
 )
+from meshrun.tools.plan.matmul_in_step import in_step_block, matmul_in_a_step
 from meshrun.tools.plan.wrapper_overhead import MAX_EXPERTS, _few_experts, wrapper_overheads
 from meshrun.validate import check_experiment
 from meshrun.validate.launcher import rank_threads
@@ -235,7 +234,7 @@ def test_the_in_step_matmuls_run_in_one_block_of_the_runs_widths():
 
 def test_matmuls_in_a_step_are_rated_by_their_counted_flops_over_their_time():
     block = dataclasses.replace(_small(None), dim=64, n_heads=4, ffn_dim=128)
-    rate = _matmul_in_a_step(block, (2, 4, 16, 16))
+    rate = matmul_in_a_step(block, (2, 4, 16, 16))
     assert 1e6 < rate < 1e13
 
 

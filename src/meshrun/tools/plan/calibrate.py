@@ -5,11 +5,8 @@ process of its own with the threads a run's rank gets:
 
     matmul      the block's linears at the run's micro-batch tokens: forward, input- and
                 weight-gradient GEMMs, FLOPs over seconds (each the mean of a few, the
-                ranks computing at once); on a CPU the rate is then taken inside a step of
-                one block of the run's sizes (torch.profiler's FLOPs and self time of its
-                matmuls): the norms, attention and activations between them evict what a
-                loop of one shape keeps in cache (model=small, 2 threads: 207 against 300
-                GFLOP/s alone, and 0.70 of measured step time predicted from the latter)
+                ranks computing at once); on a CPU the rate is then the one they reach
+                inside a step of one block of the run's widths (matmul_in_step.py)
     attention   causal SDPA forward and backward at the run's heads and sequence
     memory      a large elementwise add's bytes a second
     ops         one small op's eager dispatch (what a step pays per kernel however small),
@@ -42,7 +39,6 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
-from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshrun.core.calibration import Calibration, calibration_path, write_calibration
@@ -56,6 +52,7 @@ from meshrun.models import build_model, model_shape
 from meshrun.plan.compute import block_linears
 from meshrun.plan.shapes import Dims
 from meshrun.tools.plan.command import prepared
+from meshrun.tools.plan.matmul_in_step import in_step_block, matmul_in_a_step
 from meshrun.tools.plan.wrapper_overhead import WRAPPERS, wrapper_overheads
 from meshrun.validate.launcher import rank_threads
 
@@ -65,8 +62,6 @@ COMM_MAX_BYTES = 16 * 2**20
 COMM_MIN_BYTES = 4096
 COUNTED_SEQ = 16  # the op count does not depend on sizes: counted on a small block
 LINK_OPS = ("all_reduce", "all_gather", "reduce_scatter")
-MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
-IN_STEP_MAX_BYTES = 2 * 2**30  # a block's fp32 weights and gradients, each rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,7 +180,7 @@ def _rank(workload: Workload, rank: int, barrier: Any, results: Any) -> None:
             shapes.append({"m": m, "n": n, "k": k, "flops_per_s": 2 * m * n * k / took})
     alone = flops / seconds
     barrier.wait()
-    in_step = _matmul_in_a_step(workload.block, workload.attention) if workload.block else None
+    in_step = matmul_in_a_step(workload.block, workload.attention) if workload.block else None
     barrier.wait()
     attention = _attention_rate(workload.attention, new, device)
     barrier.wait()
@@ -209,47 +204,6 @@ def _rank(workload: Workload, rank: int, barrier: Any, results: Any) -> None:
             "shapes": shapes,
         }
     )
-
-
-def in_step_block(d: Dims) -> LlamaModelConfig | None:
-    """One dense LLaMA block of the run's widths (any model kind: its matmuls' shapes), a
-    small vocabulary; None where its weights and gradients would pass IN_STEP_MAX_BYTES a
-    rank (the matmuls alone then stand for it)."""
-    ffn = d.f or d.fe
-    params = d.h * (2 * d.hq + 2 * d.hk) + 3 * d.h * ffn
-    if params * 4 * 2 > IN_STEP_MAX_BYTES:
-        return None
-    heads = d.a
-    head_dim = d.hq // heads
-    return LlamaModelConfig(
-        name="in-step",
-        dim=d.h,
-        n_layers=1,
-        n_heads=heads,
-        n_kv_heads=max(1, d.hk // head_dim),
-        head_dim=head_dim,
-        ffn_dim=ffn,
-        vocab_size=128,
-    )
-
-
-def _matmul_in_a_step(block: LlamaModelConfig, attention: tuple[int, int, int, int]) -> float:
-    """FLOPs a second of the matmuls in a block's forward and backward as a step runs them
-    (torch.profiler's counted FLOPs over their self time, after a warm-up step)."""
-    batch, _, seq, _ = attention
-    model = build_model(block, seq, torch.device("cpu"))
-    model.init_weights(0)
-    tokens = torch.randint(0, block.vocab_size, (batch, seq))
-
-    def step() -> None:
-        model(tokens).float().sum().backward()
-
-    step()
-    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
-        for _ in range(REPEATS):
-            step()
-    ops = [e for e in prof.key_averages() if e.key in MATMUL_OPS]
-    return sum(e.flops for e in ops) / (sum(e.self_cpu_time_total for e in ops) * 1e-6)
 
 
 def _attention_rate(
