@@ -16,8 +16,8 @@ $(VENV)/.installed: pyproject.toml scripts/install-torch.sh
 run: install
 	$(VENV)/bin/meshrun
 
-# The fast suite (two test modules at a time) with the SLURM tests that mostly wait beside it,
-# then the other SLURM tests (scripts/run-tests.sh says how and why).
+# The fast suite (two test modules at a time) with the tests that wait on a clock and the
+# SLURM tests in one lane beside it (scripts/run-tests.sh says how and why).
 test: install
 	scripts/run-tests.sh $(PY)
 

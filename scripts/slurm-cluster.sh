@@ -46,7 +46,8 @@ install_packages() {
     export DEBIAN_FRONTEND=noninteractive
     # one apt at a time with .ci/run's Chromium install (apt-get update does not wait for a lock)
     flock /tmp/meshrun-apt.lock sh -c 'apt-get update -qq &&
-        apt-get install -y -qq -o DPkg::Lock::Timeout=600 "$@" >/dev/null' apt "${missing[@]}"
+        apt-get install -y -qq --no-install-recommends -o DPkg::Lock::Timeout=600 "$@" \
+        >/dev/null' apt "${missing[@]}"
 }
 
 write_config() {
