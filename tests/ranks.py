@@ -30,6 +30,8 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict
+from multiprocessing import forkserver
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +42,7 @@ from meshrun.core.run_files.failures import first_failure
 from meshrun.driver.launch import TRAIN, RankEntry, RankFailure
 from tests.helpers import resolved_config
 
+ROOT = Path(__file__).resolve().parents[1]
 JOB_TIMEOUT_S = 240.0
 PEERS_GRACE_S = 5.0  # for a failed job's other ranks to report, before the pool is torn down
 
@@ -98,9 +101,15 @@ class RankPool:
         self.counter = 0
 
     def _start(self) -> None:
-        # Forked from a server that imported torch once (not 8 interpreters importing it).
+        # Forked from a server that imported torch and the ranks' code once (not 8
+        # interpreters importing them). The server imports its preload from its working
+        # directory, the first entry of its sys.path: started from a test's tmp_path
+        # (monkeypatch.chdir), it found no `tests`, swallowed the ImportError and preloaded
+        # nothing, and every worker imported torch itself (2.7 CPU-s a worker, measured).
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["tests.rank_preload"])
+        with contextlib.chdir(ROOT):
+            forkserver.ensure_running()
         self.results = ctx.Queue()
         self.jobs = [ctx.Queue() for _ in range(self.size)]
         self.procs = [
