@@ -76,8 +76,9 @@ def test_profile_splits_each_ranks_steps_into_compute_communication_idle(profile
         whole = p["compute_s"] + p["exposed_comm_s"] + p["idle_s"]
         assert whole == pytest.approx(p["step_s"], rel=1e-6)
         assert 0 < p["overlapped_s"] <= min(p["compute_s"], p["comm_s"])
-        assert p["compute_s"] > 0.2 * p["step_s"]
-        assert any(name.startswith("aten::") for name, _ in p["top_ops"])
+        # the matmuls' own time is compute, however long the host kept the ranks waiting
+        matmuls = sum(t for name, t in p["top_ops"] if name in ("aten::mm", "aten::addmm"))
+        assert 0 < matmuls <= p["compute_s"]
         boxes = p["timeline"]["micro_batches"]
         assert [b[2] for b in boxes if b[2].startswith("F")] == [
             f"F{i} s{p['rank']}" for i in range(4)
