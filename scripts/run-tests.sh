@@ -14,8 +14,8 @@
 #   2. the SLURM tests marked `waits` (a requeue's time limit, a hang), once the cluster is up;
 #   3. the other SLURM tests (jobs that import torch and train), with the torch floor's subset
 #      beside them in CI (scripts/test-torch-floor.sh; its install must have ended with 0).
-# Measured on the 2-core box: the lane ~400 s inside the fast suite's ~600; with steps 3
-# after the fast suite (as before), CI ended 95 s after the fast suite.
+# Measured on the 2-core box (CI on a fresh clone): the lane ~440 s inside the fast suite's
+# ~690; with step 3 after the fast suite (as before), CI ended 95 s after it.
 #
 # .ci/run starts the SLURM cluster while the fast suite runs: MESHRUN_SLURM_STARTING names a
 # file the start writes its exit status to when it ends, up or not (not up: the SLURM tests
