@@ -44,18 +44,19 @@ ended() {
     cat "$1" 2>/dev/null || echo "none after 900 s"
 }
 
-{
-    echo "=== tests that wait on a clock ==="
-    "$python" -m pytest -m "waits and not slurm and not slow" --durations=5
-} >"$lane_log" 2>&1
+# One pytest of the lane, its output under a title in the lane's log.
+lane() {
+    local title=$1
+    shift
+    { echo "=== $title ==="; "$python" -m pytest "$@"; } >>"$lane_log" 2>&1
+}
+
+lane "tests that wait on a clock" -m "waits and not slurm and not slow" --durations=5
 hangs_rc=$?
 if [ -n "${MESHRUN_SLURM_STARTING:-}" ]; then
     echo "SLURM cluster start ended (status $(ended "$MESHRUN_SLURM_STARTING"))" >>"$lane_log"
 fi
-{
-    echo "=== SLURM tests that wait on a clock ==="
-    "$python" -m pytest -m "slurm and waits and not slow" --durations=5
-} >>"$lane_log" 2>&1
+lane "SLURM tests that wait on a clock" -m "slurm and waits and not slow" --durations=5
 waits_rc=$?
 floor= floor_rc=0
 if [ -n "${MESHRUN_FLOOR_INSTALLING:-}" ]; then
@@ -68,10 +69,7 @@ if [ -n "${MESHRUN_FLOOR_INSTALLING:-}" ]; then
         floor_rc=1
     fi
 fi
-{
-    echo "=== the other SLURM tests ==="
-    "$python" -m pytest -m "slurm and not waits and not slow" --durations=10
-} >>"$lane_log" 2>&1
+lane "the other SLURM tests" -m "slurm and not waits and not slow" --durations=10
 slurm_rc=$?
 if [ -n "$floor" ]; then
     wait "$floor"

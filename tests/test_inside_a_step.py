@@ -19,6 +19,7 @@ from meshrun.core.run_files.profiles import summarize, trace_path
 from meshrun.driver.results import assemble
 from meshrun.driver.sinks.timeline import TIMELINE_FILE
 from meshrun.rank.metrics.busy import busy_fields
+from meshrun.tools.plan.matmul_in_step import MATMUL_OPS
 from meshrun.tools.report import main as report_main
 from meshrun.validate.inspection import check_inspection
 from tests.chromium import loaded_dom, needs_chromium, screenshot
@@ -77,7 +78,7 @@ def test_profile_splits_each_ranks_steps_into_compute_communication_idle(profile
         assert whole == pytest.approx(p["step_s"], rel=1e-6)
         assert 0 < p["overlapped_s"] <= min(p["compute_s"], p["comm_s"])
         # the matmuls' own time is compute, however long the host kept the ranks waiting
-        matmuls = sum(t for name, t in p["top_ops"] if name in ("aten::mm", "aten::addmm"))
+        matmuls = sum(t for name, t in p["top_ops"] if name in MATMUL_OPS)
         assert 0 < matmuls <= p["compute_s"]
         boxes = p["timeline"]["micro_batches"]
         assert [b[2] for b in boxes if b[2].startswith("F")] == [
