@@ -22,7 +22,7 @@ from meshrun.core.schemas import register_schemas
 from meshrun.driver.sinks.store import ResultsStore
 
 # `meshrun -m`: Hydra's flags go before the overrides.
-MULTIRUN = (sys.executable, "-m", "meshrun.driver.cli", "-m")
+MULTIRUN = (sys.executable, "-m", "meshrun", "-m")
 TRAIN_DEFAULTS = ("logger=none", "train.progress_bar=false")
 
 
@@ -48,7 +48,7 @@ def run_meshrun(
     *overrides: str,
     timeout: float = 240,
     env: dict[str, str] | None = None,
-    entrypoint: tuple[str, ...] = (sys.executable, "-m", "meshrun.driver.cli"),
+    entrypoint: tuple[str, ...] = (sys.executable, "-m", "meshrun"),
     defaults: tuple[str, ...] = TRAIN_DEFAULTS,
 ) -> CliRun:
     """Isolated run: own run dir and store (None: a command without one), no W&B unless an
@@ -121,7 +121,7 @@ def interrupted_meshrun(
     terminal sends it) once `after_steps` steps are in its metrics.jsonl: its exit code and
     output."""
     command = [
-        sys.executable, "-m", "meshrun.driver.cli", f"hydra.run.dir={run_dir}",
+        sys.executable, "-m", "meshrun", f"hydra.run.dir={run_dir}",
         f"store.path={store_path}", *TRAIN_DEFAULTS, *overrides,
     ]  # fmt: skip
     proc = subprocess.Popen(

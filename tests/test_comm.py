@@ -27,7 +27,7 @@ from meshrun.tools.comm.main import validate_comm
 from tests.cli import CliRun, compose_command, run_console, run_meshrun
 from tests.wandb_records import read_offline_run
 
-COMM = (sys.executable, "-m", "meshrun.tools.comm.main")
+COMM = (sys.executable, "-m", "meshrun.tools.comm")
 SMALL = ("comm.max_bytes=65536", "comm.warmup_iters=2", "comm.iters=5")
 
 

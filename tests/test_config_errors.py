@@ -4,6 +4,7 @@ the bad value and what would be valid."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
 import sqlite3
 import subprocess
@@ -39,6 +40,7 @@ from meshrun.core.schemas import ROOT_SCHEMAS
 from meshrun.core.tool_config import CommRunConfig, comm_from_dict
 from meshrun.driver import cli
 from meshrun.driver.resolve import resolve
+from meshrun.entrypoints import COMMANDS as SCRIPT_COMMANDS
 from meshrun.rank.parallel.pipeline import SCHEDULES
 from meshrun.tools.plan import command as plan_command
 from meshrun.validate import fault_tolerance
@@ -632,6 +634,27 @@ def test_the_console_scripts_start_without_importing_dtensor():
     assert out.stdout.strip() == "False"
 
 
+def test_no_console_script_makes_its_ranks_import_the_command():
+    """multiprocessing starts a rank by running the driver's main module again as
+    __mp_main__ (`_fixup_main_from_path`): each installed console script, run so, imports no
+    command, no driver and no Hydra (meshrun/entrypoints.py)."""
+    installed = {
+        ep.name: ep.value
+        for ep in importlib.metadata.entry_points(group="console_scripts")
+        if ep.value.startswith("meshrun.")
+    }
+    assert installed == {s: f"meshrun.entrypoints:{s.replace('-', '_')}" for s in SCRIPT_COMMANDS}
+    scripts = [str(Path(sys.executable).with_name(name)) for name in installed]
+    code = (
+        "import runpy, sys\n"
+        f"for script in {scripts!r}:\n"
+        "    runpy.run_path(script, run_name='__mp_main__')\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('meshrun.', 'hydra'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "['meshrun.entrypoints']"
+
+
 @pytest.mark.parametrize(("command", "overrides", "fragments"), CLI_CONFIG_ERRORS, ids=str)
 def test_cli_composition_error_exits_2_in_meshrun_format_before_anything_runs(
     tmp_path: Path, monkeypatch, command, overrides, fragments
@@ -652,7 +675,8 @@ from meshrun.rank.parallel.tensor import apply_tp
 
 
 def plan(model, tp_mesh, sequence_parallel):
-    Path(f"plan_called_by_rank{os.environ['RANK']}").touch()
+    driver = sorted(m for m in sys.modules if m.startswith(("meshrun.driver.cli", "hydra")))
+    Path(f"plan_called_by_rank{os.environ['RANK']}").write_text(repr(driver))
     apply_tp(model, tp_mesh, sequence_parallel)
 """
 
@@ -660,8 +684,10 @@ def plan(model, tp_mesh, sequence_parallel):
 def test_tp_plan_module_in_the_working_directory_is_imported_by_driver_and_ranks(
     meshrun, tmp_path: Path
 ):
-    """`python -P` keeps the working directory off sys.path, as a console script does."""
-    (tmp_path / "my_tp_plan.py").write_text(USER_PLAN)
+    """The console script itself, which keeps the working directory off sys.path. Its ranks
+    import it again as their __main__ (multiprocessing does), and with it nothing of the
+    driver (meshrun/entrypoints.py)."""
+    (tmp_path / "my_tp_plan.py").write_text("import sys\n" + USER_PLAN)
     run = meshrun(
         "model=tiny",
         "parallel=tp2",
@@ -669,13 +695,11 @@ def test_tp_plan_module_in_the_working_directory_is_imported_by_driver_and_ranks
         "train.steps=2",
         "train.untimed_steps=1",
         "metrics.baseline=off",
-        entrypoint=(sys.executable, "-P", "-m", "meshrun.driver.cli"),
+        entrypoint=(str(Path(sys.executable).with_name("meshrun")),),
     )
     assert run.returncode == 0, run.output
-    assert {p.name for p in tmp_path.glob("plan_called_by_rank*")} == {
-        "plan_called_by_rank0",
-        "plan_called_by_rank1",
-    }
+    called = {p.name: p.read_text() for p in tmp_path.glob("plan_called_by_rank*")}
+    assert called == {"plan_called_by_rank0": "[]", "plan_called_by_rank1": "[]"}
 
 
 def _restated(data: dict, schema: type, parent: dict, prefix: str = "") -> list[str]:

@@ -42,6 +42,7 @@ import meshrun.driver.cli  # noqa: F401
 from meshrun.core.errors import ConfigError
 from meshrun.core.paths import CONF_DIR, REPO_ROOT
 from meshrun.driver.compose import check_keys, config_error
+from meshrun.entrypoints import COMMANDS
 
 # Every page; a diagram whose lines start with a command's name is fenced as `text`.
 DOCS = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
@@ -64,12 +65,8 @@ ERROR_SHOWN = "meshrun: config error "
 
 def _script_modules() -> dict[str, str]:
     """Console script by the module `python -m` (torchrun -m) runs it as."""
-    scripts = {
-        ep.name: ep.value.partition(":")[0]
-        for ep in distribution("meshrun").entry_points
-        if ep.group == "console_scripts"
-    }
-    return {"meshrun": "meshrun", **{module: name for name, module in scripts.items()}}
+    packages = {"meshrun": "meshrun", "meshrun.tools.comm": "meshrun-comm"}  # their __main__
+    return {**packages, **{module: name for name, module in COMMANDS.items()}}
 
 
 MODULES = _script_modules()

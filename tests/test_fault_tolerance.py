@@ -27,7 +27,7 @@ from meshrun.driver.experiment import RunFailed, run_experiment
 from meshrun.driver.launch.dispatch import launch
 from tests.cli import interrupted_meshrun
 from tests.helpers import compose_config
-from tests.ranks import config_in
+from tests.ranks import RankPool, config_in
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("torchft") is None, reason="torchft is not installed (meshrun[ft])"
@@ -53,6 +53,12 @@ def _run(tmp: Path, *overrides: str) -> RunRecord:
     return run_experiment(config_in(tmp, *overrides), launch)
 
 
+def _reference(tmp: Path, pool: RankPool, *overrides: str) -> RunRecord:
+    """The layout torchft's replicas must equal, on the pool: its own rank processes are not
+    what is tested (each spawned one imports torch again, ~3 CPU-s)."""
+    return run_experiment(config_in(tmp, *overrides), pool.launch)
+
+
 def _steps(tmp: Path) -> list[dict]:
     return read_records(tmp / "run" / METRICS_FILE)
 
@@ -68,12 +74,12 @@ def _agree_where_both_trained(tmp: Path) -> None:
         assert loss == theirs or (math.isnan(loss) and math.isnan(theirs)), record["step"]
 
 
-def test_torchft_replicas_train_and_evaluate_as_ddp_does(tmp_path):
+def test_torchft_replicas_train_and_evaluate_as_ddp_does(tmp_path, rank_pool):
     """Two replicas without a fault: the same losses as DDP on two ranks (each replica the
     same share of the global batch, gradients averaged over the quorum), and the same
     held-out losses (each replica its share of the held-out batches, averaged)."""
     evaluated = ("train.steps=8", "train.eval.every_steps=4")
-    ddp = _run(tmp_path / "ddp", *COMMON, *evaluated)
+    ddp = _reference(tmp_path / "ddp", rank_pool, *COMMON, *evaluated)
     ft = _run(tmp_path / "ft", *TORCHFT, *evaluated)
     assert ft.status == "completed" and ft.losses
     for got, want in zip(ft.losses, ddp.losses, strict=True):
@@ -88,10 +94,10 @@ def test_torchft_replicas_train_and_evaluate_as_ddp_does(tmp_path):
 HSDP = ("parallel.dp_replicate=2", "parallel.dp_shard=2", "launcher.nproc_per_node=4")
 
 
-def test_replica_groups_of_fsdp2_ranks_train_as_hsdp_does(tmp_path):
+def test_replica_groups_of_fsdp2_ranks_train_as_hsdp_does(tmp_path, rank_pool):
     """dp_replicate=2 x dp_shard=2: two torchft groups of two FSDP2 ranks each, every rank's
     gradient shard averaged with the same rank's of the other group: HSDP's losses."""
-    hsdp = _run(tmp_path / "hsdp", *COMMON, *HSDP, "train.steps=6")
+    hsdp = _reference(tmp_path / "hsdp", rank_pool, *COMMON, *HSDP, "train.steps=6")
     ft = _run(tmp_path / "ft", *TORCHFT, *HSDP, "train.steps=6")
     assert ft.layout_name == hsdp.layout_name == "hsdp2x2"
     for got, want in zip(ft.losses, hsdp.losses, strict=True):
@@ -123,13 +129,13 @@ def test_a_rank_killed_in_a_replica_group_restarts_its_group_from_the_others_sha
     _agree_where_both_trained(tmp_path)
 
 
-def test_torchft_replicas_resume_from_replica_0s_checkpoint(tmp_path):
+def test_torchft_replicas_resume_from_replica_0s_checkpoint(tmp_path, rank_pool):
     """Replica 0 saves; every replica resumes from it at the checkpoint's step, and the run
     goes on as the uninterrupted DDP run does."""
     saving = (*TORCHFT, "checkpoint.every_steps=4")
     _run(tmp_path, *saving, "train.steps=4")
     resumed = _run(tmp_path, *saving, "train.steps=8", "checkpoint.resume=auto")
-    ddp = _run(tmp_path / "ddp", *COMMON, "train.steps=8")
+    ddp = _reference(tmp_path / "ddp", rank_pool, *COMMON, "train.steps=8")
     assert resumed.resumed_from_step == 4
     assert [r["step"] for r in _steps(tmp_path)] == list(range(8))
     for got, want in zip(resumed.losses, ddp.losses, strict=True):

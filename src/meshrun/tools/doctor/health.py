@@ -94,7 +94,7 @@ def command(backend: str, run_dir: Path, cfg: DoctorConfig, debug: DebugConfig) 
     ]
     if debug.fail_rank is not None:
         overrides.append(f"debug.fail_rank={debug.fail_rank}")
-    return [sys.executable, "-m", "meshrun.tools.comm.main", *overrides]
+    return [sys.executable, "-m", "meshrun.tools.comm", *overrides]
 
 
 def check(

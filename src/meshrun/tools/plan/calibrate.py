@@ -291,7 +291,7 @@ def _links(
         command = [
             sys.executable,
             "-m",
-            "meshrun.tools.comm.main",
+            "meshrun.tools.comm",
             f"hydra.run.dir={tmp}",
             f"backend={backend}",
             "logger=none",
