@@ -17,6 +17,7 @@ from meshrun.driver.experiment import measure
 from meshrun.tools import verify
 from tests.cli import CliRun, run_console, run_meshrun
 from tests.hf_corpus import Corpus, write_corpus
+from tests.launch_host import LaunchHost
 from tests.moe_runs import COMMON as MOE_COMMON
 from tests.ranks import RankPool, config_in
 
@@ -133,6 +134,16 @@ def marked_env(rank_pool):
     token = f"run-{uuid.uuid4().hex}"
     yield {"MESHRUN_TEST_MARK": token}
     assert processes_with(token) == set(), "rank processes outlived meshrun"
+
+
+@pytest.fixture(scope="session")
+def launch_host():
+    """meshrun's real launcher in a process of its own, its ranks forked from its forkserver
+    (tests/launch_host.py); started before the test's own fixtures change this process."""
+    host = LaunchHost()
+    host.start()
+    yield host
+    host.close()
 
 
 @pytest.fixture(scope="session")

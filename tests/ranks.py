@@ -15,8 +15,8 @@ process into the next test.
 
 `pool.launch` has the driver's launcher signature (`launch_local`'s): pass it to
 `meshrun.driver.experiment.measure` to run a resolved config exactly as `meshrun` does, minus
-the CLI and torch elastic. Tests about failing or hanging ranks use the real launcher instead,
-which is what proves that every rank is torn down.
+the CLI and torch elastic. Tests about failing or hanging ranks use the real launcher instead
+(mostly in tests/launch_host.py's process), which is what proves that every rank is torn down.
 """
 
 from __future__ import annotations

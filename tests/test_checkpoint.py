@@ -27,7 +27,6 @@ from meshrun.core.config import CheckpointConfig
 from meshrun.core.errors import ConfigError
 from meshrun.core.paths import CONF_DIR
 from meshrun.driver.experiment import RunFailed, measure, read_steps, run_experiment
-from meshrun.driver.launch.local import launch_local
 from meshrun.driver.resume import in_run_dir_of_resume, names_run_dir
 from meshrun.models import model_shape
 from tests.cli import interrupted_meshrun
@@ -155,10 +154,11 @@ def test_checkpoint_loads_under_another_layout(tmp_path, rank_pool, saved_under,
         assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (got, want)
 
 
-def test_interrupted_run_resumes_as_the_same_run(tmp_path, rank_pool):
+def test_interrupted_run_resumes_as_the_same_run(tmp_path, rank_pool, launch_host):
     """A rank fails at step 3 after the checkpoint of step 2; `resume=auto` in the same run
     dir continues the same run: its id, its store row, its metrics file, appended. (The
-    failing attempt on the real launcher: on the rank pool a failure restarts the pool.)"""
+    failing attempt on the real launcher, in the launch host: on the rank pool a failure
+    restarts the pool.)"""
     args = (
         *COMMON,
         "parallel=ddp",
@@ -169,7 +169,7 @@ def test_interrupted_run_resumes_as_the_same_run(tmp_path, rank_pool):
     )
     failing = config_in(tmp_path, *args, "debug.fail_rank=1", "debug.fail_step=3")
     with pytest.raises(RunFailed) as failed:
-        run_experiment(failing, launch_local)
+        run_experiment(failing, launch_host.launch)
     first = failed.value.results
     assert [r["step"] for r in read_steps(failing.run_dir)] == [0, 1]
     resumed = run_experiment(config_in(tmp_path, *args, "checkpoint.resume=auto"), rank_pool.launch)

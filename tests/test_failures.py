@@ -1,8 +1,9 @@
 """A rank that fails or hangs brings the whole run down promptly: the run fails naming the
 rank, leaves no process behind, and still records the run and its finished steps. The driver's
 flow in-process (driver.experiment.run_experiment) over the real launcher (torch elastic), so
-that teardown of every rank is what is tested; the CLI's exit codes are test_verify's and
-test_config_errors'."""
+that teardown of every rank is what is tested: in the session's launch host (its ranks forked
+from its forkserver), or in-process where the ranks carry a marked environment to find
+survivors by; the CLI's exit codes are test_verify's and test_config_errors'."""
 
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ def _unlogged(parallel: str, rank: int, *more: str) -> tuple[str, ...]:
     return (f"parallel={parallel}", *(o.format(rank=rank) for o in UNLOGGED), *more)
 
 
-def test_steps_after_the_last_log_step_survive_a_failure(tmp_path, experiment):
+def test_steps_after_the_last_log_step_survive_a_failure(tmp_path, experiment, launch_host):
     """A single rank: the failed run's steps are the completed run's, exactly."""
     _, completed = experiment(
         "model=tiny",
@@ -92,7 +93,7 @@ def test_steps_after_the_last_log_step_survive_a_failure(tmp_path, experiment):
         "train.log_every=5",
     )
     cfg = config_in(tmp_path, *_unlogged("single", 0))
-    failed = measure(cfg, "run", launch_local)
+    failed = measure(cfg, "run", launch_host.launch)
     assert failed.meta.status == "failed"
     keys = ("step", "loss", "grad_norm", "lr")
     assert [{k: s[k] for k in keys} for s in failed.steps] == [
@@ -102,7 +103,9 @@ def test_steps_after_the_last_log_step_survive_a_failure(tmp_path, experiment):
     assert not any("partial_loss" in s for s in failed.steps)
 
 
-def test_failed_ddp_run_keeps_the_dp_mean_and_prints_the_traceback(tmp_path, experiment, capsys):
+def test_failed_ddp_run_keeps_the_dp_mean_and_prints_the_traceback(
+    tmp_path, experiment, capsys, launch_host
+):
     """Both ranks write their own losses as they fail; the driver's mean is the log step's.
     The failing rank's traceback is printed once beside the one-line error, and kept."""
     _, completed = experiment(
@@ -110,7 +113,7 @@ def test_failed_ddp_run_keeps_the_dp_mean_and_prints_the_traceback(tmp_path, exp
     )
     cfg = config_in(tmp_path, *_unlogged("ddp", 1))
     capsys.readouterr()
-    assert reported(lambda: run_experiment(cfg, launch_local)) == 1
+    assert reported(lambda: run_experiment(cfg, launch_host.launch)) == 1
     out = capsys.readouterr().out
     results = json.loads((Path(cfg.run_dir) / "results.json").read_text())
     assert results["losses"] == [s["loss"] for s in completed.steps[:3]]
@@ -126,12 +129,12 @@ def test_failed_ddp_run_keeps_the_dp_mean_and_prints_the_traceback(tmp_path, exp
     assert "meshrun: run failed rank 1 failed: RuntimeError: injected failure" in out
 
 
-def test_rank_killed_by_a_signal_is_the_one_named(tmp_path):
+def test_rank_killed_by_a_signal_is_the_one_named(tmp_path, launch_host):
     """Rank 1 SIGKILLs itself (no exception, no record, as the OOM killer leaves it); rank 0
     records the closed connection, yet rank 1 is named, with the memory figures. Only rank 0
     wrote its steps: their losses are rank 0's alone, and marked so."""
     cfg = config_in(tmp_path, *_unlogged("ddp", 1, "debug.fail_mode=kill"))
-    failed = measure(cfg, "run", launch_local)
+    failed = measure(cfg, "run", launch_host.launch)
     error = failed.meta.error
     assert failed.meta.failed_rank == 1
     assert error.startswith(tuple(f"rank 1 was killed ({s}), " for s in ("SIGKILL", SIGNAL_UNSEEN)))

@@ -24,9 +24,9 @@ from meshrun.core.run_files.metrics import (
     replica_metrics,
 )
 from meshrun.driver.experiment import RunFailed, run_experiment
-from meshrun.driver.launch.dispatch import launch
 from tests.cli import interrupted_meshrun
 from tests.helpers import compose_config
+from tests.launch_host import LaunchHost
 from tests.ranks import RankPool, config_in
 
 pytestmark = pytest.mark.skipif(
@@ -49,8 +49,9 @@ TORCHFT = (*COMMON, "parallel.fault_tolerance=torchft")
 KILL_REPLICA_1 = ("debug.fail_rank=1", "debug.fail_mode=kill", "parallel.replica_restart_delay_s=3")
 
 
-def _run(tmp: Path, *overrides: str) -> RunRecord:
-    return run_experiment(config_in(tmp, *overrides), launch)
+def _run(host: LaunchHost, tmp: Path, *overrides: str) -> RunRecord:
+    """On the real launcher (torchft's replica groups), in the session's launch host."""
+    return run_experiment(config_in(tmp, *overrides), host.launch)
 
 
 def _reference(tmp: Path, pool: RankPool, *overrides: str) -> RunRecord:
@@ -74,13 +75,13 @@ def _agree_where_both_trained(tmp: Path) -> None:
         assert loss == theirs or (math.isnan(loss) and math.isnan(theirs)), record["step"]
 
 
-def test_torchft_replicas_train_and_evaluate_as_ddp_does(tmp_path, rank_pool):
+def test_torchft_replicas_train_and_evaluate_as_ddp_does(tmp_path, rank_pool, launch_host):
     """Two replicas without a fault: the same losses as DDP on two ranks (each replica the
     same share of the global batch, gradients averaged over the quorum), and the same
     held-out losses (each replica its share of the held-out batches, averaged)."""
     evaluated = ("train.steps=8", "train.eval.every_steps=4")
     ddp = _reference(tmp_path / "ddp", rank_pool, *COMMON, *evaluated)
-    ft = _run(tmp_path / "ft", *TORCHFT, *evaluated)
+    ft = _run(launch_host, tmp_path / "ft", *TORCHFT, *evaluated)
     assert ft.status == "completed" and ft.losses
     for got, want in zip(ft.losses, ddp.losses, strict=True):
         assert abs(got - want) <= 1e-6 * want
@@ -94,11 +95,11 @@ def test_torchft_replicas_train_and_evaluate_as_ddp_does(tmp_path, rank_pool):
 HSDP = ("parallel.dp_replicate=2", "parallel.dp_shard=2", "launcher.nproc_per_node=4")
 
 
-def test_replica_groups_of_fsdp2_ranks_train_as_hsdp_does(tmp_path, rank_pool):
+def test_replica_groups_of_fsdp2_ranks_train_as_hsdp_does(tmp_path, rank_pool, launch_host):
     """dp_replicate=2 x dp_shard=2: two torchft groups of two FSDP2 ranks each, every rank's
     gradient shard averaged with the same rank's of the other group: HSDP's losses."""
     hsdp = _reference(tmp_path / "hsdp", rank_pool, *COMMON, *HSDP, "train.steps=6")
-    ft = _run(tmp_path / "ft", *TORCHFT, *HSDP, "train.steps=6")
+    ft = _run(launch_host, tmp_path / "ft", *TORCHFT, *HSDP, "train.steps=6")
     assert ft.layout_name == hsdp.layout_name == "hsdp2x2"
     for got, want in zip(ft.losses, hsdp.losses, strict=True):
         assert abs(got - want) <= 1e-6 * want
@@ -106,10 +107,13 @@ def test_replica_groups_of_fsdp2_ranks_train_as_hsdp_does(tmp_path, rank_pool):
 
 
 @pytest.mark.waits
-def test_a_rank_killed_in_a_replica_group_restarts_its_group_from_the_others_shards(tmp_path):
+def test_a_rank_killed_in_a_replica_group_restarts_its_group_from_the_others_shards(
+    tmp_path, launch_host
+):
     """Rank 3 (group 1's second FSDP2 rank) is killed: group 1 stops and starts again, each
     of its ranks loads its shards from the same rank of group 0, and trains beside it."""
     run = _run(
+        launch_host,
         tmp_path,
         *TORCHFT,
         *HSDP,
@@ -129,12 +133,12 @@ def test_a_rank_killed_in_a_replica_group_restarts_its_group_from_the_others_sha
     _agree_where_both_trained(tmp_path)
 
 
-def test_torchft_replicas_resume_from_replica_0s_checkpoint(tmp_path, rank_pool):
+def test_torchft_replicas_resume_from_replica_0s_checkpoint(tmp_path, rank_pool, launch_host):
     """Replica 0 saves; every replica resumes from it at the checkpoint's step, and the run
     goes on as the uninterrupted DDP run does."""
     saving = (*TORCHFT, "checkpoint.every_steps=4")
-    _run(tmp_path, *saving, "train.steps=4")
-    resumed = _run(tmp_path, *saving, "train.steps=8", "checkpoint.resume=auto")
+    _run(launch_host, tmp_path, *saving, "train.steps=4")
+    resumed = _run(launch_host, tmp_path, *saving, "train.steps=8", "checkpoint.resume=auto")
     ddp = _reference(tmp_path / "ddp", rank_pool, *COMMON, "train.steps=8")
     assert resumed.resumed_from_step == 4
     assert [r["step"] for r in _steps(tmp_path)] == list(range(8))
@@ -143,11 +147,14 @@ def test_torchft_replicas_resume_from_replica_0s_checkpoint(tmp_path, rank_pool)
 
 
 @pytest.mark.waits
-def test_a_killed_replica_is_restarted_and_rejoins_while_the_other_trains_on(tmp_path, capsys):
+def test_a_killed_replica_is_restarted_and_rejoins_while_the_other_trains_on(
+    tmp_path, capsys, launch_host
+):
     """Replica 1 is SIGKILLed before step 8: replica 0 goes on alone (the steps say 1
     replica), replica 1 is started again, loads replica 0's state and trains beside it to the
     end; no requeue, no step lost or trained twice."""
     run = _run(
+        launch_host,
         tmp_path,
         *TORCHFT,
         *KILL_REPLICA_1,
@@ -171,10 +178,11 @@ def test_a_killed_replica_is_restarted_and_rejoins_while_the_other_trains_on(tmp
 
 
 @pytest.mark.waits
-def test_replica_0_killed_its_missing_steps_come_from_the_other(tmp_path):
+def test_replica_0_killed_its_missing_steps_come_from_the_other(tmp_path, launch_host):
     """Replica 0 writes metrics.jsonl: the steps it missed while down are filled from replica
     1's records, marked as theirs; the restarted replica 0 reports the run."""
     run = _run(
+        launch_host,
         tmp_path,
         *TORCHFT,
         "debug.fail_rank=0",
@@ -195,7 +203,7 @@ def test_replica_0_killed_its_missing_steps_come_from_the_other(tmp_path):
 
 
 @pytest.mark.waits
-def test_ctrl_c_stops_the_replicas_which_save_and_the_run_resumes(tmp_path):
+def test_ctrl_c_stops_the_replicas_which_save_and_the_run_resumes(tmp_path, launch_host):
     """SIGINT to the process group, as a terminal sends it: replica 0 saves, `meshrun` exits
     130 with the run interrupted and its resume line; resumed, it ends with every step."""
     args = (*TORCHFT, "train.steps=30", "checkpoint.every_steps=100", "train.log_every=2")
@@ -207,16 +215,17 @@ def test_ctrl_c_stops_the_replicas_which_save_and_the_run_resumes(tmp_path):
     assert "resume with checkpoint.resume=" in output
     [saved] = complete(run_dir / "checkpoints")
     assert 4 <= read_manifest(saved).step < 30
-    finished = _run(tmp_path, *args, "checkpoint.resume=auto")
+    finished = _run(launch_host, tmp_path, *args, "checkpoint.resume=auto")
     assert finished.status == "completed"
     assert [r["step"] for r in _steps(tmp_path)] == list(range(30))
 
 
-def test_a_replica_failing_past_the_restarts_fails_the_run_keeping_its_steps(tmp_path):
+def test_a_replica_failing_past_the_restarts_fails_the_run_keeping_its_steps(tmp_path, launch_host):
     """parallel.replica_restarts=0: the first replica lost stops the run, recorded as failed
     with why, the steps trained before it kept."""
     with pytest.raises(RunFailed) as failed:
         _run(
+            launch_host,
             tmp_path,
             *TORCHFT,
             *KILL_REPLICA_1,
@@ -232,22 +241,30 @@ def test_a_replica_failing_past_the_restarts_fails_the_run_keeping_its_steps(tmp
     assert record.steps_completed >= 12
 
 
-def test_an_exception_in_a_replica_fails_the_run_without_a_restart(tmp_path):
+def test_an_exception_in_a_replica_fails_the_run_without_a_restart(tmp_path, launch_host):
     """A replica that raises fails as any rank does: the same error would come back."""
     with pytest.raises(RunFailed) as failed:
-        _run(tmp_path, *TORCHFT, "debug.fail_rank=1", "debug.fail_step=3", "train.steps=30")
+        _run(
+            launch_host,
+            tmp_path,
+            *TORCHFT,
+            "debug.fail_rank=1",
+            "debug.fail_step=3",
+            "train.steps=30",
+        )
     record = failed.value.results
     assert "injected failure on rank 1 at step 3" in record.error
     assert record.replica_failures is None or len(record.replica_failures) <= 1
 
 
 @pytest.mark.waits
-def test_chaos_a_killed_rank_a_non_finite_step_and_a_spike_in_200_steps(tmp_path):
+def test_chaos_a_killed_rank_a_non_finite_step_and_a_spike_in_200_steps(tmp_path, launch_host):
     """Issue 36's chaos run: replica 1 killed before step 30, batch 80's loss NaN, batch
     140's a spike. Every step is accounted for: trained once (a rolled-back step once more,
     its first try kept in rolled_back.jsonl), the NaN step skipped on both replicas, the
     spike rolled back to the step-140 checkpoint; the record tells all three."""
     run = _run(
+        launch_host,
         tmp_path,
         *TORCHFT,
         *KILL_REPLICA_1,

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from meshrun.driver.experiment import measure
-from meshrun.driver.launch.local import launch_local
 from meshrun.plan import predict
+from tests.launch_host import LaunchHost
 from tests.ranks import config_in
 
 CATEGORIES = ("params", "grads", "optimizer", "activations")
@@ -75,10 +75,13 @@ CASES = [
 
 
 @pytest.mark.parametrize(("name", "ckpt"), CASES)
-def test_predicted_memory_per_rank_is_within_the_bars(tmp_path, name, ckpt):
-    """Fresh rank processes of the real launcher (a long-lived process's allocator history
-    would shift the measured peaks), the prediction the run's record carries beside them."""
-    _assert_within(tmp_path, (*LAYOUTS[name], f"parallel.activation_checkpointing={ckpt}"), 0.10)
+def test_predicted_memory_per_rank_is_within_the_bars(launch_host, tmp_path, name, ckpt):
+    """Fresh rank processes of the real launcher, forked from its forkserver as a
+    `meshrun` command's are (a long-lived process's allocator history would shift the
+    measured peaks), the prediction the run's record carries beside them."""
+    _assert_within(
+        launch_host, tmp_path, (*LAYOUTS[name], f"parallel.activation_checkpointing={ckpt}"), 0.10
+    )
 
 
 @pytest.mark.parametrize(
@@ -88,11 +91,13 @@ def test_predicted_memory_per_rank_is_within_the_bars(tmp_path, name, ckpt):
         for layout in ("ddp", "fsdp", "pp2-1f1b")
     ],
 )
-def test_checkpointing_every_second_block_is_predicted_within_5_percent(tmp_path, layout):
+def test_checkpointing_every_second_block_is_predicted_within_5_percent(
+    launch_host, tmp_path, layout
+):
     """torchtitan's per-layer frequency: every 2nd block fully checkpointed, the others
     keeping all their activations."""
     every = ("parallel.activation_checkpointing=full", "parallel.checkpoint_every=2")
-    _assert_within(tmp_path, (*LAYOUTS[layout], *every), 0.05)
+    _assert_within(launch_host, tmp_path, (*LAYOUTS[layout], *every), 0.05)
 
 
 @pytest.mark.parametrize(
@@ -105,16 +110,20 @@ def test_checkpointing_every_second_block_is_predicted_within_5_percent(tmp_path
         for ckpt in ("selective", "op")
     ],
 )
-def test_selective_checkpointing_is_predicted_within_5_percent(tmp_path, layout, ckpt):
+def test_selective_checkpointing_is_predicted_within_5_percent(launch_host, tmp_path, layout, ckpt):
     """The outputs SAC caches (every matmul's and attention's, or every other matmul's under
     torchtitan's op policy), the block input, and the recompute's transient: activations
     and peak within 5%."""
     overrides = (*LAYOUTS[layout], f"parallel.activation_checkpointing={ckpt}")
-    _assert_within(tmp_path, overrides, 0.05, activations_bar=0.05)
+    _assert_within(launch_host, tmp_path, overrides, 0.05, activations_bar=0.05)
 
 
 def _assert_within(
-    tmp_path, overrides: tuple[str, ...], peak_bar: float, activations_bar: float = 0.15
+    host: LaunchHost,
+    tmp_path,
+    overrides: tuple[str, ...],
+    peak_bar: float,
+    activations_bar: float = 0.15,
 ) -> None:
     cfg = config_in(
         tmp_path,
@@ -123,7 +132,7 @@ def _assert_within(
         "train.progress_bar=false",
         "metrics.baseline=off",
     )
-    measured = measure(cfg, "run", launch_local)
+    measured = measure(cfg, "run", host.launch)
     assert measured.ok, measured.meta.error
     pairs = list(
         zip(

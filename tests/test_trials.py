@@ -23,7 +23,6 @@ from meshrun.core.trials import (
     node_sets,
     rank_correlation,
 )
-from meshrun.driver.launch.local import launch_local
 from meshrun.driver.resolve import resolve_trials
 from meshrun.driver.sinks.console import trials_verdict
 from meshrun.driver.sinks.store import ResultsStore
@@ -154,7 +153,9 @@ def test_trials_run_the_plans_first_layouts_and_the_run_trains_the_fastest(meshr
     assert "training with trial" in run.output
 
 
-def test_a_failing_trial_is_recorded_and_left_out_and_trials_only_stops_there(tmp_path):
+def test_a_failing_trial_is_recorded_and_left_out_and_trials_only_stops_there(
+    tmp_path, launch_host
+):
     """On the real launcher (a failure would restart the session's rank pool)."""
     cfg = compose_config(
         "parallel=auto",
@@ -170,7 +171,7 @@ def test_a_failing_trial_is_recorded_and_left_out_and_trials_only_stops_there(tm
         if run.name.endswith("-trial1"):
             debug = dataclasses.replace(run.debug, fail_rank=1, fail_step=2)
             run = dataclasses.replace(run, debug=debug)
-        return launch_local(run)
+        return launch_host.launch(run)
 
     record = run_with_trials(runs, cfg.plan, launch)
     assert (record.role, record.status) == ("trial", "completed")  # the fastest trial's

@@ -126,8 +126,10 @@ def test_config_mistake_exits_2_before_any_run(tmp_path):
     assert not (run.run_dir / "layout").exists()
 
 
-def test_failing_rank_exits_1_naming_it(tmp_path, capsys):
-    """The real launcher: the crash ends the layout run, and the reference never starts."""
+def test_failing_rank_exits_1_naming_it(tmp_path, capsys, monkeypatch, launch_host):
+    """The real launcher (in the launch host): the crash ends the layout run, and the
+    reference never starts."""
+    monkeypatch.setattr(verify, "launch", launch_host.launch)
     assert verify_run(tmp_path, "parallel=ddp", "debug.fail_rank=1") == 1
     assert "meshrun: layout run failed rank 1 failed" in capsys.readouterr().out
     result = report(tmp_path)

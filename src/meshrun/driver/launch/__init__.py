@@ -26,6 +26,11 @@ class RankFailure(RuntimeError):
         else:
             super().__init__(f"rank {rank} failed: {error}")
 
+    def __reduce__(self) -> tuple:
+        """Pickled by its fields (its message alone would not rebuild it), so that it can
+        cross a process boundary."""
+        return type(self), (self.rank, self.error, self.traceback, self.signal)
+
 
 class RunInterrupted(RankFailure):
     """Ctrl-C or SIGTERM reached the driver, which stopped the ranks (a run that checkpoints
