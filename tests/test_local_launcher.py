@@ -4,9 +4,12 @@ the server at exit, so its ranks' CPU time is the driver's."""
 
 from __future__ import annotations
 
+import os
 import resource
 import subprocess
 import sys
+
+from tests.ranks import ROOT
 
 CHECK = """
 import os
@@ -27,6 +30,37 @@ def test_forkserver_unless_the_drivers_environment_changed_since_it_started():
         [sys.executable, "-c", CHECK], capture_output=True, text=True, check=True, timeout=120
     ).stdout
     assert out.split() == ["forkserver", "forkserver", "spawn", "spawn"]
+
+
+PRELOAD = """
+import multiprocessing
+from meshrun.driver.launch import RankEntry
+from meshrun.driver.launch.local import rank_start_method
+
+if __name__ == "__main__":
+    entry = RankEntry("tests.preload_probe", "imported_elsewhere")
+    for configured in ("forkserver", "spawn"):
+        ctx = multiprocessing.get_context(rank_start_method(configured, entry))
+        with ctx.Pool(1) as pool:
+            print(pool.apply(entry, ({},)))
+"""
+
+
+def test_forked_ranks_find_their_entry_preloaded_by_the_server(tmp_path):
+    """What both launchers (torch elastic's, torchft's replicas) start their ranks with: a
+    forkserver that imported the entry's module once, so no rank imports torch again."""
+    script = tmp_path / "driver.py"
+    script.write_text(PRELOAD)
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    ).stdout
+    assert out.split() == ["True", "False"]
 
 
 BURN = """

@@ -53,6 +53,15 @@ def start_method(configured: str) -> str:
     return configured if _forkserver_started_in[0] == here else "spawn"
 
 
+def rank_start_method(configured: str, entry: RankEntry) -> str:
+    """`start_method`'s choice for `entry`'s ranks; a forkserver preloads the entry's module
+    (torch with it) once, for every rank it forks (a torchft replica's restart included)."""
+    method = start_method(configured)
+    if method == "forkserver":
+        multiprocessing.set_forkserver_preload([entry.module])
+    return method
+
+
 def _stop_forkserver() -> None:
     """At exit, the forkserver ended and waited for. It has reaped the ranks, so their CPU
     time becomes this process's children's (`time meshrun`, a benchmark's rusage); left to
@@ -108,9 +117,7 @@ def launch_local(
     and their baselines then start their ranks without importing torch again (a DDP run of
     `tiny` with its baseline: 13 s instead of spawn's 20 s here)."""
     launcher = cfg.launcher
-    method = start_method(launcher.start_method)
-    if method == "forkserver":
-        multiprocessing.set_forkserver_preload([entry.module])
+    method = rank_start_method(launcher.start_method, entry)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

@@ -41,7 +41,7 @@ from meshrun.core.replica_place import (
 from meshrun.core.run_files.failures import first_failure, recorded_failures
 from meshrun.core.run_files.metrics import REPLICAS_DIR, fill_from_replicas, replicas_ended
 from meshrun.driver.launch import TRAIN, RankEntry, RankFailure, interrupted
-from meshrun.driver.launch.local import start_method
+from meshrun.driver.launch.local import rank_start_method
 from meshrun.driver.sinks.console import print_warning
 
 # A replica silent this long is left out of the next quorum: the live ones wait this long
@@ -67,7 +67,7 @@ class _Replicas:
     def __init__(self, cfg: ExperimentConfig, entry: RankEntry, lighthouse: str) -> None:
         self.cfg, self.entry, self.lighthouse = cfg, entry, lighthouse
         self.group_size = Layout.of(cfg.parallel).world_size // cfg.parallel.dp_replicate
-        self.method = start_method(cfg.launcher.start_method)
+        self.method = rank_start_method(cfg.launcher.start_method, entry)
         self.started = time.monotonic()
         self.running: dict[int, _Running] = {}
         self.restarts: list[tuple[float, ReplicaPlace]] = []  # (when, replica) to start again
