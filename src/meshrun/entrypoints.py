@@ -4,7 +4,8 @@ multiprocessing starts every rank (spawn and forkserver alike) by importing the 
 module again, as `__mp_main__`, and a console script's main module is a file that imports
 the module its entry point names. Were that the command's own module, every rank of
 `meshrun`, `meshrun-verify` or `meshrun-comm` would import the whole driver (Hydra,
-matplotlib, the planner), ~0.5 CPU-s a rank (measured), for nothing a rank uses.
+matplotlib, the planner): 0.62 CPU-s a rank (benchmarks/rank_start.py), for nothing a rank
+uses.
 """
 
 from __future__ import annotations
