@@ -82,6 +82,11 @@ class LaunchHost:
         self._process: Any = None
         self._conn: Connection | None = None
 
+    @property
+    def pid(self) -> int | None:
+        """The host's process id (its process group's too), while it is up."""
+        return None if self._process is None else self._process.pid
+
     def start(self) -> None:
         """The host, if not up: started from the repository root (its ranks import `tests`),
         with this process's environment less pytest's per-test variable."""
