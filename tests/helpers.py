@@ -28,10 +28,10 @@ from meshrun.driver.compose import check_keys, config_error
 from meshrun.driver.resolve import resolve
 from meshrun.rank.train.data import LocalBatches, build_dataset
 
-_SCRATCH = Path(tempfile.gettempdir()) / "meshrun-tests"
+SCRATCH = Path(tempfile.gettempdir()) / "meshrun-tests"  # the tests' own files outside tmp_path
 _DEFAULTS = {
-    "run_dir": str(_SCRATCH / "run"),
-    "store.path": str(_SCRATCH / "meshrun.db"),
+    "run_dir": str(SCRATCH / "run"),
+    "store.path": str(SCRATCH / "meshrun.db"),
     "logger": "none",
 }
 

@@ -11,9 +11,10 @@ and every later launch forks its ranks from it, as a sweep's runs do in one `mes
 `host.launch` has `dispatch.launch`'s signature: the launcher runs whole in the host, only
 the call crosses (the config there, rank 0's return or the launcher's exception back, with
 what the launcher printed, printed here for capsys). The ranks print to the host's log
-(`LOG`). A launch past its deadline, or interrupted, kills the host, its forkserver and its
-ranks (one process group); the next launch starts a fresh host. Tests that hand their ranks
-an environment of their own (`marked_env`) launch in-process: the host's is fixed.
+(`SCRATCH/launch-host-<pid>.log`). A launch past its deadline, or interrupted, kills the
+host, its forkserver and its ranks (one process group); the next launch starts a fresh host.
+Tests that hand their ranks an environment of their own (`marked_env`) launch in-process:
+the host's is fixed.
 """
 
 from __future__ import annotations
@@ -23,21 +24,19 @@ import io
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
 
+from meshrun.core.paths import REPO_ROOT
 from meshrun.driver.launch import TRAIN, RankEntry
 from meshrun.driver.launch.dispatch import launch
-from tests.ranks import JOB_TIMEOUT_S, ROOT
-
-LOG = Path(tempfile.gettempdir()) / "meshrun-tests" / "launch-host-{pid}.log"
+from tests.helpers import SCRATCH
+from tests.ranks import JOB_TIMEOUT_S
 
 
 def _exit_with_parent() -> None:
@@ -53,9 +52,8 @@ def _serve(conn: Connection, env: dict[str, str]) -> None:
     os.setsid()  # its forkserver and ranks in its process group, to be killed with it
     os.environ.clear()
     os.environ.update(env)
-    log = LOG.with_name(LOG.name.format(pid=os.getpid()))
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "a") as out:
+    SCRATCH.mkdir(parents=True, exist_ok=True)
+    with open(SCRATCH / f"launch-host-{os.getpid()}.log", "a") as out:
         os.dup2(out.fileno(), 1)
         os.dup2(out.fileno(), 2)
     threading.Thread(target=_exit_with_parent, name="exit-with-parent", daemon=True).start()
@@ -96,7 +94,7 @@ class LaunchHost:
         self._conn, theirs = ctx.Pipe()
         env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
         self._process = ctx.Process(target=_serve, args=(theirs, env), name="launch-host")
-        with contextlib.chdir(ROOT):
+        with contextlib.chdir(REPO_ROOT):
             self._process.start()
         theirs.close()
 

@@ -31,18 +31,17 @@ import traceback
 from collections.abc import Callable
 from dataclasses import asdict
 from multiprocessing import forkserver
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from meshrun.core.paths import REPO_ROOT
 from meshrun.core.run_files.failures import first_failure
 from meshrun.driver.launch import TRAIN, RankEntry, RankFailure
 from tests.helpers import resolved_config
 
-ROOT = Path(__file__).resolve().parents[1]
 JOB_TIMEOUT_S = 240.0
 PEERS_GRACE_S = 5.0  # for a failed job's other ranks to report, before the pool is torn down
 
@@ -108,7 +107,7 @@ class RankPool:
         # nothing, and every worker imported torch itself (2.7 CPU-s a worker, measured).
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["tests.rank_preload"])
-        with contextlib.chdir(ROOT):
+        with contextlib.chdir(REPO_ROOT):
             forkserver.ensure_running()
         self.results = ctx.Queue()
         self.jobs = [ctx.Queue() for _ in range(self.size)]

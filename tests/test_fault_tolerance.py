@@ -49,15 +49,10 @@ TORCHFT = (*COMMON, "parallel.fault_tolerance=torchft")
 KILL_REPLICA_1 = ("debug.fail_rank=1", "debug.fail_mode=kill", "parallel.replica_restart_delay_s=3")
 
 
-def _run(host: LaunchHost, tmp: Path, *overrides: str) -> RunRecord:
-    """On the real launcher (torchft's replica groups), in the session's launch host."""
-    return run_experiment(config_in(tmp, *overrides), host.launch)
-
-
-def _reference(tmp: Path, pool: RankPool, *overrides: str) -> RunRecord:
-    """The layout torchft's replicas must equal, on the pool: its own rank processes are not
-    what is tested (each spawned one imports torch again, ~3 CPU-s)."""
-    return run_experiment(config_in(tmp, *overrides), pool.launch)
+def _run(on: LaunchHost | RankPool, tmp: Path, *overrides: str) -> RunRecord:
+    """On the launch host (the real launcher: torchft's replica groups) or, for a layout the
+    replicas must equal, whose own processes are not what is tested, on the rank pool."""
+    return run_experiment(config_in(tmp, *overrides), on.launch)
 
 
 def _steps(tmp: Path) -> list[dict]:
@@ -80,7 +75,7 @@ def test_torchft_replicas_train_and_evaluate_as_ddp_does(tmp_path, rank_pool, la
     same share of the global batch, gradients averaged over the quorum), and the same
     held-out losses (each replica its share of the held-out batches, averaged)."""
     evaluated = ("train.steps=8", "train.eval.every_steps=4")
-    ddp = _reference(tmp_path / "ddp", rank_pool, *COMMON, *evaluated)
+    ddp = _run(rank_pool, tmp_path / "ddp", *COMMON, *evaluated)
     ft = _run(launch_host, tmp_path / "ft", *TORCHFT, *evaluated)
     assert ft.status == "completed" and ft.losses
     for got, want in zip(ft.losses, ddp.losses, strict=True):
@@ -98,7 +93,7 @@ HSDP = ("parallel.dp_replicate=2", "parallel.dp_shard=2", "launcher.nproc_per_no
 def test_replica_groups_of_fsdp2_ranks_train_as_hsdp_does(tmp_path, rank_pool, launch_host):
     """dp_replicate=2 x dp_shard=2: two torchft groups of two FSDP2 ranks each, every rank's
     gradient shard averaged with the same rank's of the other group: HSDP's losses."""
-    hsdp = _reference(tmp_path / "hsdp", rank_pool, *COMMON, *HSDP, "train.steps=6")
+    hsdp = _run(rank_pool, tmp_path / "hsdp", *COMMON, *HSDP, "train.steps=6")
     ft = _run(launch_host, tmp_path / "ft", *TORCHFT, *HSDP, "train.steps=6")
     assert ft.layout_name == hsdp.layout_name == "hsdp2x2"
     for got, want in zip(ft.losses, hsdp.losses, strict=True):
@@ -139,7 +134,7 @@ def test_torchft_replicas_resume_from_replica_0s_checkpoint(tmp_path, rank_pool,
     saving = (*TORCHFT, "checkpoint.every_steps=4")
     _run(launch_host, tmp_path, *saving, "train.steps=4")
     resumed = _run(launch_host, tmp_path, *saving, "train.steps=8", "checkpoint.resume=auto")
-    ddp = _reference(tmp_path / "ddp", rank_pool, *COMMON, "train.steps=8")
+    ddp = _run(rank_pool, tmp_path / "ddp", *COMMON, "train.steps=8")
     assert resumed.resumed_from_step == 4
     assert [r["step"] for r in _steps(tmp_path)] == list(range(8))
     for got, want in zip(resumed.losses, ddp.losses, strict=True):

@@ -9,7 +9,7 @@ import resource
 import subprocess
 import sys
 
-from tests.ranks import ROOT
+from meshrun.core.paths import REPO_ROOT
 
 CHECK = """
 import os
@@ -57,8 +57,8 @@ def test_forked_ranks_find_their_entry_preloaded_by_the_server(tmp_path):
         text=True,
         check=True,
         timeout=120,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
     ).stdout
     assert out.split() == ["True", "False"]
 
