@@ -222,6 +222,18 @@ def test_speedup_plot_draws_the_spread_and_the_ideal(runs):
     assert ideals == [1, 2, 2, 2]
 
 
+def test_a_speedup_outside_its_rounds_spread_is_drawn_where_it_is(runs):
+    """A bimodal run: the ratio of the medians' throughputs below every round's but one
+    (a report crashed on matplotlib's negative error bar)."""
+    [ddp1] = [r for r in runs if r["run_id"] == "ddp1"]
+    ddp1.update(speedup=1.2, speedup_p10=1.6, speedup_p90=1.9)
+    ax = plots.speedup(runs).axes[0]
+    [spread] = ax.containers
+    (segment,) = spread.lines[2][0].get_segments()
+    assert [x for x, _ in segment] == pytest.approx([1.6, 1.9])
+    assert 1.2 in [line.get_xdata()[0] for line in ax.get_lines()]
+
+
 def test_step_times_plot_has_a_box_per_run_on_a_log_axis_when_they_differ_widely(runs):
     ax = plots.step_times(runs).axes[0]
     labels = [t.get_text() for t in ax.get_yticklabels()]
