@@ -7,8 +7,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections import Counter
 
 import pytest
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from benchmarks.speed_vs_published import cluster_config
 from meshrun.core.calibration import (
@@ -28,6 +31,7 @@ from meshrun.plan.shapes import Dims
 from meshrun.plan.speed import SpeedPrediction, predict_speed
 from meshrun.plan.stage_time import formula_cost
 from meshrun.tools.plan import main as plan_main
+from meshrun.tools.plan.block_collectives import collectives_in
 from meshrun.tools.plan.calibrate import (
     Workload,
     _in_rank_processes,
@@ -35,7 +39,13 @@ from meshrun.tools.plan.calibrate import (
     ops_per_layer,
 )
 from meshrun.tools.plan.matmul_in_step import in_step_block, matmul_in_a_step
-from meshrun.tools.plan.wrapper_overhead import MAX_EXPERTS, _few_experts, wrapper_overheads
+from meshrun.tools.plan.wrapper_overhead import (
+    MAX_EXPERTS,
+    WRAPPERS,
+    _few_experts,
+    _stepper,
+    wrapper_overheads,
+)
 from meshrun.validate import check_experiment
 from meshrun.validate.launcher import rank_threads
 from tests.cli import run_console
@@ -158,16 +168,36 @@ def test_a_calibrated_block_pays_the_measured_dispatch_of_its_layouts_wrappers(p
     assert parts["overhead"] == pytest.approx(expected, rel=1e-9)
 
 
-def _wrappers_in_a_rank(_) -> dict[str, float]:
-    return wrapper_overheads(_small(None), None)
+def _wrappers_on_two_ranks(_) -> tuple[dict[str, float], dict[str, Counter]]:
+    dist.init_process_group("gloo")
+    model = _small(None)
+    mesh = init_device_mesh("cpu", (2,))
+    per_layer = {}
+    for wrapper in WRAPPERS:
+        one, two = (collectives_in(_stepper(model, n, mesh, wrapper, None)) for n in (1, 2))
+        per_layer[wrapper] = two - one
+    return wrapper_overheads(model, None, rounds=3), per_layer
 
 
-def test_calibrate_measures_what_dtensor_and_fsdp2_cost_a_block_on_the_host(rank_pool):
-    """On a mesh of one rank in a rank process: DTensor's dispatch makes a TP block dearer
-    than a plain one (here ~3.4 ms a block, more with SP, 13x the block's own dispatch),
-    measured as each model's fastest step, which another job's load does not swamp."""
-    [wrappers] = rank_pool.run(_wrappers_in_a_rank, None, world_size=1)
-    assert set(wrappers) == {"tp", "sp", "fsdp"}
+def test_calibrate_measures_what_dtensor_and_fsdp2_cost_a_block_beyond_its_collectives(
+    rank_pool,
+):
+    """On a mesh of the calibration's ranks (two here), where DTensor issues its collectives
+    (on a mesh of one it issues none, and measured half of what a TP block costs the host):
+    a block's collectives are counted as the layouts issue them, each once, so that their
+    time alone comes off the measured cost, and what is left is the wrappers' own."""
+    [(wrappers, per_layer), _] = rank_pool.run(_wrappers_on_two_ranks, None, world_size=2)
+    tokens, dim = 16 * 64, 64  # SEQ tokens of _small's width, one micro-batch
+    block = 4 * dim * dim + 3 * dim * 128 + 2 * dim  # q k v o, gate up down, two norms
+    assert per_layer == {
+        # the attention's and the MLP's output forward, their shared input's gradient back
+        "tp": Counter({("all_reduce", tokens): 4}),
+        # each of those an all-gather of a sequence shard and a reduce-scatter
+        "sp": Counter({("all_gather", tokens // 2): 4, ("reduce_scatter", tokens): 4}),
+        # the block's parameters gathered forward and again backward, its gradients scattered
+        "fsdp": Counter({("all_gather", block // 2): 2, ("reduce_scatter", block): 1}),
+    }
+    assert set(wrappers) == set(WRAPPERS)
     assert wrappers["tp"] > 0 and wrappers["sp"] > 0
 
 

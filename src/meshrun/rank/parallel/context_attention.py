@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from meshrun.core.collective_names import ALL_GATHER, REDUCE_SCATTER
 from meshrun.models.exchange import exchange
 from meshrun.rank.parallel.context_shards import (
     load_balanced_chunks,
@@ -46,10 +47,6 @@ AttentionFn = Callable[..., Tensor]
 
 # p2p tags: K/V blocks and their gradient accumulators travel the ring side by side.
 _KV_TAG, _GRAD_TAG = 0, 1
-# Renamed in newer torch (the old names warn there); older ones have only the old names.
-_ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-
 
 # ---- shared checks and GQA ---------------------------------------------------------------
 
@@ -315,7 +312,7 @@ class _AllGatherAttention(torch.autograd.Function):
             dq += dq_step
             dblocks[(ring.rank - step) % ring.cp] = dkv
         dkv = blocks.new_empty(blocks.shape[1:])
-        _REDUCE_SCATTER(dkv.view(-1), dblocks.view(-1), group=ring.group)
+        REDUCE_SCATTER(dkv.view(-1), dblocks.view(-1), group=ring.group)
         return dq.to(ctx.dtype), dkv[0].to(ctx.dtype), dkv[1].to(ctx.dtype), None, None
 
 
@@ -327,7 +324,7 @@ def _owned(blocks: Tensor, ring: _Ring) -> Iterator[Tensor]:
 def _gather(x: Tensor, group: ProcessGroup) -> Tensor:
     """Every rank's `x` stacked along a new dim 0 (flat buffers: gloo wants dim 0 joined)."""
     out = x.new_empty((dist.get_world_size(group), *x.shape))
-    _ALL_GATHER(out.view(-1), x.contiguous().view(-1), group=group)
+    ALL_GATHER(out.view(-1), x.contiguous().view(-1), group=group)
     return out
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshrun.core.collective_names import ALL_GATHER, REDUCE_SCATTER
 from meshrun.core.run_files.failures import record_failure
 from meshrun.core.tool_config import CommConfig, comm_from_dict
 from meshrun.rank.faults import fault_injector
@@ -46,9 +47,6 @@ REDOPS = {
 }
 REDUCING = frozenset({"all_reduce", "reduce_scatter"})
 PEER_OPS = frozenset({"sendrecv"})  # need a second rank
-# Renamed in newer torch (the old names warn there); the floor, 2.6, has only the old ones.
-ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 def device_type(backend: str) -> str:

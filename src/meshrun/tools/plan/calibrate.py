@@ -12,7 +12,8 @@ process of its own with the threads a run's rank gets:
     ops         one small op's eager dispatch (what a step pays per kernel however small),
                 and the aten ops one block's forward and backward dispatch (counted)
     wrappers    what a block costs the host more under TP's DTensors (with and without
-                sequence parallelism) and FSDP2's hooks (tools/plan/wrapper_overhead.py)
+                sequence parallelism) and FSDP2's hooks, the ranks one mesh, less their
+                collectives alone (tools/plan/wrapper_overhead.py)
     links       `meshrun-comm` over the same ranks (a process of its own): the bus
                 bandwidth of all-reduce, all-gather and reduce-scatter each (FSDP2 and SP
                 move their bytes by the latter two) at every size from 4 KiB to 16 MiB, a
@@ -25,6 +26,7 @@ host with as many ranks of as many threads use it (plan.calibration) and say so.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import queue
 import subprocess
@@ -36,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
@@ -139,8 +142,11 @@ def _in_rank_processes(workload: Workload, ranks: int) -> list[dict[str, Any]]:
     dies ends the others (their barrier times out otherwise); none outlives the call."""
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(ranks, timeout=RANK_TIMEOUT_S), ctx.Queue()
+    store = tempfile.TemporaryDirectory()
+    group = _Group(f"file://{store.name}/store", ranks)
     procs = [
-        ctx.Process(target=_rank, args=(workload, rank, barrier, results)) for rank in range(ranks)
+        ctx.Process(target=_rank, args=(workload, rank, group, barrier, results))
+        for rank in range(ranks)
     ]
     for proc in procs:
         proc.start()
@@ -161,12 +167,23 @@ def _in_rank_processes(workload: Workload, ranks: int) -> list[dict[str, Any]]:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        store.cleanup()
     return rates
 
 
-def _rank(workload: Workload, rank: int, barrier: Any, results: Any) -> None:
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    """The process group the ranks form to measure the wrappers on a mesh of all of them."""
+
+    init_method: str
+    world_size: int
+
+
+def _rank(workload: Workload, rank: int, group: _Group, barrier: Any, results: Any) -> None:
     torch.set_num_threads(workload.threads)
     device = torch.device(workload.device, rank) if workload.device == "cuda" else None
+    if device is not None:
+        torch.cuda.set_device(device)  # the mesh's device: this rank's, not the first GPU
     dtype = getattr(torch, workload.dtype)
     new = {"dtype": dtype, "device": device}
     barrier.wait()
@@ -192,7 +209,7 @@ def _rank(workload: Workload, rank: int, barrier: Any, results: Any) -> None:
     calls = 2000
     op = _timed(lambda: [torch.add(small, small) for _ in range(calls)], device) / calls
     barrier.wait()
-    wrappers = wrapper_overheads(workload.model, device) if workload.model else {}
+    wrappers = _wrappers(workload.model, device, rank, group) if workload.model else {}
     results.put(
         {
             "matmul_flops": in_step or alone,
@@ -204,6 +221,24 @@ def _rank(workload: Workload, rank: int, barrier: Any, results: Any) -> None:
             "shapes": shapes,
         }
     )
+
+
+def _wrappers(
+    model: LlamaModelConfig, device: torch.device | None, rank: int, group: _Group
+) -> dict[str, float]:
+    backend = "cpu:gloo,cuda:nccl" if device is not None else "gloo"
+    timeout = datetime.timedelta(seconds=RANK_TIMEOUT_S)
+    dist.init_process_group(
+        backend,
+        init_method=group.init_method,
+        rank=rank,
+        world_size=group.world_size,
+        timeout=timeout,
+    )
+    try:
+        return wrapper_overheads(model, device)
+    finally:
+        dist.destroy_process_group()
 
 
 def _attention_rate(

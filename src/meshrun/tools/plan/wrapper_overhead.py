@@ -1,12 +1,15 @@
 """What a block's forward and backward cost the host beyond the plain block's under each
-parallel wrapper: DTensor's dispatch under TP (sharding propagation, redistributions; more
-of them with sequence parallelism), FSDP2's hooks around each unit. Measured on a mesh of
-one rank at a tiny size, where the kernels cost next to nothing and no collective moves
-data, as the difference a layer from the plain block (LAYERS[1] blocks less LAYERS[0]: the
-embedding and head cancel). Every model steps once a round, in turn, and each keeps its
-fastest step: differences of a few milliseconds, which a busy host (the other ranks, other
-jobs) would swamp in a mean. The collectives themselves are the link's (plan/comm_time.py),
-FSDP2's copies of real sizes the memory's (`fsdp_copies`)."""
+parallel wrapper: DTensor's dispatch under TP (sharding propagation, redistributions, the
+functional collectives' wrapping and waits; more of them with sequence parallelism), FSDP2's
+hooks around each unit. Measured on a mesh of the calibration's ranks, all stepping at once,
+at a tiny size where the kernels cost next to nothing, as the difference a layer makes
+(LAYERS[1] blocks less LAYERS[0]: the embedding and head cancel), less the plain block's and
+less what the layer's collectives take alone (block_collectives.py): those are the link's
+(plan/comm_time.py), FSDP2's copies of real sizes the memory's (`fsdp_copies`). A mesh of one
+rank would miss most of it: DTensor issues no collective there (measured on this host, gloo,
+2 ranks: TP 6.4 ms a block beyond its collectives against 3.1 ms on one rank, SP 10.8 against
+4.0). Every model steps once a round, the ranks in lockstep, and each keeps its fastest step:
+differences of a few milliseconds, which a busy host (other jobs) would swamp in a mean."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from torch.distributed.fsdp import fully_shard
 from meshrun.core.config import LlamaModelConfig
 from meshrun.models import build_model
 from meshrun.rank.parallel.tensor import apply_tp
+from meshrun.tools.plan.block_collectives import collectives_in, seconds_alone
 
 WRAPPERS = ("tp", "sp", "fsdp")
 LAYERS = (1, 5)
@@ -32,41 +36,43 @@ WARMUP, ROUNDS = 2, 12
 MAX_EXPERTS = 4
 
 
-def wrapper_overheads(model_cfg: LlamaModelConfig, device: torch.device | None) -> dict[str, float]:
+def wrapper_overheads(
+    model_cfg: LlamaModelConfig, device: torch.device | None, rounds: int = ROUNDS
+) -> dict[str, float]:
     """Seconds a layer's forward and backward cost the host under each of WRAPPERS beyond
-    the plain block (0 where the difference is within noise below it). Joins a process group
-    of its own (one rank) for the mesh and leaves it."""
+    the plain block and its collectives alone (0 where the difference is within noise below
+    it). Every rank of the default process group calls it at once: the mesh spans them."""
     model_cfg = _few_experts(model_cfg)
     device_type = device.type if device is not None else "cpu"
-    if device is not None:
-        torch.cuda.set_device(device)  # the mesh's device: this rank's, not the first GPU
-    backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh(device_type, (1,))
-        steps = {
-            (wrapper, layers): _stepper(model_cfg, layers, mesh, wrapper, device)
-            for wrapper in (None, *WRAPPERS)
-            for layers in LAYERS
-        }
-        fastest = _fastest(steps, device)
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    steps = {
+        (wrapper, layers): _stepper(model_cfg, layers, mesh, wrapper, device)
+        for wrapper in (None, *WRAPPERS)
+        for layers in LAYERS
+    }
+    fastest = _fastest(steps, device, rounds)
 
     def per_layer(wrapper: str | None) -> float:
         fewer, more = (fastest[wrapper, layers] for layers in LAYERS)
         return (more - fewer) / (LAYERS[1] - LAYERS[0])
 
     plain = per_layer(None)
-    return {w: max(0.0, per_layer(w) - plain) for w in WRAPPERS}
+    overheads = {}
+    for wrapper in WRAPPERS:
+        fewer, more = (collectives_in(steps[wrapper, layers]) for layers in LAYERS)
+        alone = seconds_alone(more - fewer, rounds, device) / (LAYERS[1] - LAYERS[0])
+        overheads[wrapper] = max(0.0, per_layer(wrapper) - plain - alone)
+    return overheads
 
 
-def _fastest(steps: dict, device: torch.device | None) -> dict:
-    """Each stepper's fastest step over ROUNDS rounds, all of them stepping once a round."""
+def _fastest(steps: dict, device: torch.device | None, rounds: int) -> dict:
+    """Each stepper's fastest step over `rounds` rounds, all of them stepping once a round,
+    the ranks starting each step together."""
     sync = torch.cuda.synchronize if device is not None else (lambda: None)
     best = dict.fromkeys(steps, float("inf"))
-    for round_ in range(WARMUP + ROUNDS):
+    for round_ in range(WARMUP + rounds):
         for key, step in steps.items():
+            dist.barrier()
             sync()
             started = time.perf_counter()
             step()

@@ -1,0 +1,96 @@
+"""The collectives a wrapped block issues, and what they take alone. A block's host cost under
+a wrapper is measured on the calibration's real ranks (wrapper_overhead.py), collectives
+included; the planner costs those collectives by the link (plan/comm_time.py), so what they
+take alone on the same ranks, at the same sizes, comes off the measured cost, once.
+
+They are read from one step under a dispatch mode that lets DTensor run first (as torch's
+CommDebugMode does) and so sees the functional collectives it issues under TP and SP, and
+c10d's own that FSDP2 issues; a functional collective's c10d call inside it is not seen
+again (the mode is off while it handles an op)."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from meshrun.core.collective_names import ALL_GATHER, REDUCE_SCATTER
+
+_functional, _c10d = torch.ops._c10d_functional, torch.ops.c10d
+# op -> (kind, the argument holding what each rank puts in)
+COLLECTIVES = {
+    _functional.all_reduce: ("all_reduce", 0),
+    _functional.all_gather_into_tensor: ("all_gather", 0),
+    _functional.reduce_scatter_tensor: ("reduce_scatter", 0),
+    _c10d.allreduce_: ("all_reduce", 0),  # a list of tensors
+    _c10d._allgather_base_: ("all_gather", 1),  # (output, input, ...)
+    _c10d._reduce_scatter_base_: ("reduce_scatter", 1),
+}
+CALLS = 10  # a collective's time alone: the mean of this many, best of the rounds
+
+Collective = tuple[str, int]  # (kind, elements each rank puts in)
+
+
+class _Collectives(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: Counter[Collective] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # a DTensor's op: it runs, and issues its collectives here
+        known = COLLECTIVES.get(func.overloadpacket)
+        if known:
+            kind, arg = known
+            given = args[arg]
+            numel = sum(t.numel() for t in given) if isinstance(given, list) else given.numel()
+            self.found[kind, numel] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def collectives_in(step: Callable[[], None]) -> Counter[Collective]:
+    """The collectives one call of `step` issues, by kind and size."""
+    with _Collectives() as mode:
+        step()
+    return mode.found
+
+
+def seconds_alone(
+    collectives: Counter[Collective], rounds: int, device: torch.device | None
+) -> float:
+    """Seconds the collectives take issued one after another on the default group with
+    nothing else running, each kind and size the fastest of `rounds` (every rank calls this
+    at once, in the same order)."""
+    world = dist.get_world_size()
+    total = 0.0
+    for (kind, numel), count in sorted(collectives.items()):
+        run = _collective(kind, numel, world, device)
+        best = float("inf")
+        for _ in range(rounds):
+            dist.barrier()
+            started = time.perf_counter()
+            for _ in range(CALLS):
+                run()
+            if device is not None:
+                torch.cuda.synchronize(device)
+            best = min(best, (time.perf_counter() - started) / CALLS)
+        total += count * best
+    return total
+
+
+def _collective(
+    kind: str, numel: int, world: int, device: torch.device | None
+) -> Callable[[], None]:
+    given = torch.ones(numel, device=device)
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(given)
+    if kind == "all_gather":
+        gathered = torch.empty(numel * world, device=device)
+        return lambda: ALL_GATHER(gathered, given)
+    scattered = torch.empty(numel // world, device=device)
+    return lambda: REDUCE_SCATTER(scattered, given)
