@@ -40,6 +40,7 @@ from meshrun.tools.plan.calibrate import (
 )
 from meshrun.tools.plan.matmul_in_step import in_step_block, matmul_in_a_step
 from meshrun.tools.plan.wrapper_overhead import (
+    CHECKPOINTING,
     MAX_EXPERTS,
     WRAPPERS,
     _few_experts,
@@ -152,14 +153,31 @@ def test_a_gpus_dispatch_shows_only_where_it_outlasts_the_kernels():
         (("parallel=tp2",), 1e-3),
         (("parallel=tp2", "parallel.sequence_parallel=true"), 2e-3),
         (("parallel=fsdp2_tp2", "launcher.nproc_per_node=4"), 1e-3 + 3e-3),
+        (("parallel=ddp", "parallel.activation_checkpointing=selective"), 5e-3),
+        (("parallel=tp2", "parallel.activation_checkpointing=op"), 1e-3 + 6e-3),
+        # every other block checkpointed: half of them pay it
+        (
+            (
+                "parallel=ddp",
+                "parallel.activation_checkpointing=full",
+                "parallel.checkpoint_every=2",
+            ),
+            2e-3,
+        ),
     ],
-    ids=["ddp", "fsdp", "tp2", "tp2-sp", "fsdp2-tp2"],
+    ids=["ddp", "fsdp", "tp2", "tp2-sp", "fsdp2-tp2", "selective", "tp2-op", "full-every-2"],
 )
 def test_a_calibrated_block_pays_the_measured_dispatch_of_its_layouts_wrappers(parallel, wrappers):
     """Each block, each micro-batch: its ops' dispatch, plus what DTensor costs under TP (more
-    with SP) and FSDP2's hooks (here 1, 2 and 3 ms), as calibrate measured them."""
+    with SP) and FSDP2's hooks (here 1, 2 and 3 ms), and a checkpointed block its policy's
+    (4, 5 and 6 ms for full, selective, op), as calibrate measured them."""
     cfg = resolved_config("model=small", *parallel, "plan.calibration=none")
-    measured = {"tp_layer_overhead": 1e-3, "sp_layer_overhead": 2e-3, "fsdp_layer_overhead": 3e-3}
+    measured = {
+        "tp_layer_overhead": 1e-3,
+        "sp_layer_overhead": 2e-3,
+        "fsdp_layer_overhead": 3e-3,
+        "checkpoint_layer_overhead": {"full": 4e-3, "selective": 5e-3, "op": 6e-3},
+    }
     calibration = _calibration(ranks=cfg.launcher.nproc_per_node, **measured)
     parts = predict_speed(cfg, calibration=calibration).step_parts()
     micro_batches = cfg.train.global_batch_size // cfg.train.micro_batch_size
@@ -197,8 +215,9 @@ def test_calibrate_measures_what_dtensor_and_fsdp2_cost_a_block_beyond_its_colle
         # the block's parameters gathered forward and again backward, its gradients scattered
         "fsdp": Counter({("all_gather", block // 2): 2, ("reduce_scatter", block): 1}),
     }
-    assert set(wrappers) == set(WRAPPERS)
+    assert set(wrappers) == {*WRAPPERS, *CHECKPOINTING}
     assert wrappers["tp"] > 0 and wrappers["sp"] > 0
+    assert wrappers["selective"] > 0  # its policy called for every op, forward and recompute
 
 
 def test_a_calibrated_host_costs_each_collective_at_its_own_measured_bandwidth():

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from meshrun.core.config import AttentionKernel
 from meshrun.plan.shapes import Dims
@@ -56,7 +56,8 @@ class DeviceRates:
     core/calibration.py): `attention` FLOP/s of the causal kernel (`attention_backward` its
     backward's where apart), `layer_overhead` seconds a block's forward and backward spend
     dispatching their ops however small the tensors, and what it costs more under TP's
-    DTensors (`tp_overhead`; with SP `sp_overhead`) and FSDP2's hooks (`fsdp_overhead`).
+    DTensors (`tp_overhead`; with SP `sp_overhead`), FSDP2's hooks (`fsdp_overhead`) and a
+    checkpointed block under each policy (`checkpoint_overhead`).
     `waves`: the matmul rate is the best
     large matmul's, each shape's last wave of tiles costed on top (a calibrated rate was
     measured at the run's shapes, their waves in it). `dispatch_ahead`: the host issues
@@ -72,6 +73,7 @@ class DeviceRates:
     tp_overhead: float = 0.0
     sp_overhead: float = 0.0
     fsdp_overhead: float = 0.0
+    checkpoint_overhead: dict[str, float] = field(default_factory=dict, hash=False)
     waves: bool = True
     dispatch_ahead: bool = False
 

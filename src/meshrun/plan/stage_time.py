@@ -141,6 +141,7 @@ def calibrated_rates(calibration: Calibration, spec: DeviceSpec | None = None) -
         tp_overhead=calibration.tp_layer_overhead,
         sp_overhead=calibration.sp_layer_overhead,
         fsdp_overhead=calibration.fsdp_layer_overhead,
+        checkpoint_overhead=calibration.checkpoint_layer_overhead,
         waves=False,
         dispatch_ahead=calibration.device_type == "cuda",
     )
@@ -157,14 +158,17 @@ def stage_by_shapes(
     if share.last:
         head_f, head_b = head_times(d, rates, rank_tokens(cfg, layout, micro), layout.tp, width)
         forward, backward = forward + head_f, backward + head_b
-    recompute = block.recompute(p.activation_checkpointing) * checkpointed_layers(p, share)
+    checkpointed = checkpointed_layers(p, share)
+    recompute = block.recompute(p.activation_checkpointing) * checkpointed
     parts = {kind: share.layers * seconds for kind, seconds in block.by_kind().items()}
     if share.last:
         parts["head"] = head_f + head_b
-    overhead = rates.layer_overhead + _wrapper_overhead(layout, p.sequence_parallel, rates)
-    if rates.dispatch_ahead:
-        overhead = max(0.0, overhead - block.forward - block.backward)
-    overhead *= share.layers
+    overhead = share.layers * (
+        rates.layer_overhead + _wrapper_overhead(layout, p.sequence_parallel, rates)
+    ) + checkpointed * rates.checkpoint_overhead.get(p.activation_checkpointing, 0.0)
+    if rates.dispatch_ahead:  # the host's dispatch hides behind the blocks' kernels
+        kernels = share.layers * (block.forward + block.backward) + recompute
+        overhead = max(0.0, overhead - kernels)
     if overhead:
         parts["overhead"] = overhead
     attention = (block.attention_f, block.attention_b)

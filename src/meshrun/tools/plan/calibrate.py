@@ -13,7 +13,7 @@ process of its own with the threads a run's rank gets:
                 and the aten ops one block's forward and backward dispatch (counted)
     wrappers    what a block costs the host more under TP's DTensors (with and without
                 sequence parallelism) and FSDP2's hooks, the ranks one mesh, less their
-                collectives alone (tools/plan/wrapper_overhead.py)
+                collectives alone; under each checkpointing policy (wrapper_overhead.py)
     links       `meshrun-comm` over the same ranks (a process of its own): the bus
                 bandwidth of all-reduce, all-gather and reduce-scatter each (FSDP2 and SP
                 move their bytes by the latter two) at every size from 4 KiB to 16 MiB, a
@@ -56,7 +56,7 @@ from meshrun.plan.compute import block_linears
 from meshrun.plan.shapes import Dims
 from meshrun.tools.plan.command import prepared
 from meshrun.tools.plan.matmul_in_step import in_step_block, matmul_in_a_step
-from meshrun.tools.plan.wrapper_overhead import WRAPPERS, wrapper_overheads
+from meshrun.tools.plan.wrapper_overhead import CHECKPOINTING, WRAPPERS, wrapper_overheads
 from meshrun.validate.launcher import rank_threads
 
 REPEATS = 3
@@ -128,6 +128,9 @@ def calibrate(cfg: PlanCommandConfig, host: HostFacts) -> Calibration:
         **{
             f"{wrapper}_layer_overhead": max(r["wrappers"][wrapper] for r in rates)
             for wrapper in WRAPPERS
+        },
+        checkpoint_layer_overhead={
+            policy: max(r["wrappers"][policy] for r in rates) for policy in CHECKPOINTING
         },
         link_bw_gbs=link_bw.get("all_reduce"),
         link_latency_us=link_latency,

@@ -1,12 +1,16 @@
 """What a block's forward and backward cost the host beyond the plain block's under each
 parallel wrapper: DTensor's dispatch under TP (sharding propagation, redistributions, the
 functional collectives' wrapping and waits; more of them with sequence parallelism), FSDP2's
-hooks around each unit. Measured on a mesh of the calibration's ranks, all stepping at once,
-at a tiny size where the kernels cost next to nothing, as the difference a layer makes
-(LAYERS[1] blocks less LAYERS[0]: the embedding and head cancel), less the plain block's and
-less what the layer's collectives take alone (block_collectives.py): those are the link's
-(plan/comm_time.py), FSDP2's copies of real sizes the memory's (`fsdp_copies`). A mesh of one
-rank would miss most of it: DTensor issues no collective there (measured on this host, gloo,
+hooks around each unit; and under each activation checkpointing policy: the forward's ops
+dispatched again (full), selective checkpointing's policy called for every op of the forward
+and the recompute besides (selective, op: here 2.8 ms a block against the block's own 0.7,
+where the planner counted only the recomputed elementwise kernels). Measured on a mesh of
+the calibration's ranks, all stepping at once, at a tiny size where the kernels cost next to
+nothing, as the difference a layer makes (LAYERS[1] blocks less LAYERS[0]: the embedding
+and head cancel), less the plain block's and less what the layer's collectives take alone
+(block_collectives.py): those are the link's (plan/comm_time.py), FSDP2's copies of real
+sizes the memory's (`fsdp_copies`), the recomputed kernels the compute's. A mesh of one rank
+would miss most of it: DTensor issues no collective there (measured on this host, gloo,
 2 ranks: TP 6.4 ms a block beyond its collectives against 3.1 ms on one rank, SP 10.8 against
 4.0). Every model steps once a round, the ranks in lockstep, and each keeps its fastest step:
 differences of a few milliseconds, which a busy host (other jobs) would swamp in a mean."""
@@ -24,10 +28,12 @@ from torch.distributed.fsdp import fully_shard
 
 from meshrun.core.config import LlamaModelConfig
 from meshrun.models import build_model
+from meshrun.rank.parallel.checkpointing import apply_activation_checkpointing
 from meshrun.rank.parallel.tensor import apply_tp
 from meshrun.tools.plan.block_collectives import collectives_in, seconds_alone
 
 WRAPPERS = ("tp", "sp", "fsdp")
+CHECKPOINTING = ("full", "selective", "op")  # each alone on the plain block
 LAYERS = (1, 5)
 SEQ = 16
 WARMUP, ROUNDS = 2, 12
@@ -39,15 +45,16 @@ MAX_EXPERTS = 4
 def wrapper_overheads(
     model_cfg: LlamaModelConfig, device: torch.device | None, rounds: int = ROUNDS
 ) -> dict[str, float]:
-    """Seconds a layer's forward and backward cost the host under each of WRAPPERS beyond
-    the plain block and its collectives alone (0 where the difference is within noise below
-    it). Every rank of the default process group calls it at once: the mesh spans them."""
+    """Seconds a layer's forward and backward cost the host under each of WRAPPERS and
+    CHECKPOINTING beyond the plain block and its collectives alone (0 where the difference
+    is within noise below it). Every rank of the default process group calls it at once:
+    the mesh spans them."""
     model_cfg = _few_experts(model_cfg)
     device_type = device.type if device is not None else "cpu"
     mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     steps = {
         (wrapper, layers): _stepper(model_cfg, layers, mesh, wrapper, device)
-        for wrapper in (None, *WRAPPERS)
+        for wrapper in (None, *WRAPPERS, *CHECKPOINTING)
         for layers in LAYERS
     }
     fastest = _fastest(steps, device, rounds)
@@ -58,7 +65,7 @@ def wrapper_overheads(
 
     plain = per_layer(None)
     overheads = {}
-    for wrapper in WRAPPERS:
+    for wrapper in (*WRAPPERS, *CHECKPOINTING):
         fewer, more = (collectives_in(steps[wrapper, layers]) for layers in LAYERS)
         alone = seconds_alone(more - fewer, rounds, device) / (LAYERS[1] - LAYERS[0])
         overheads[wrapper] = max(0.0, per_layer(wrapper) - plain - alone)
@@ -89,7 +96,8 @@ def _stepper(
     wrapper: str | None,
     device: torch.device | None,
 ) -> Callable[[], None]:
-    """One forward and backward of a `layers`-block model under `wrapper`."""
+    """One forward and backward of a `layers`-block model under `wrapper` (or checkpointing
+    policy)."""
     model = build_model(dataclasses.replace(model_cfg, n_layers=layers), SEQ, "meta")
     if wrapper in ("tp", "sp"):
         apply_tp(model, mesh, sequence_parallel=wrapper == "sp")
@@ -97,6 +105,8 @@ def _stepper(
         for block in model.layers.values():
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
+    elif wrapper in CHECKPOINTING:
+        apply_activation_checkpointing(model, wrapper)
     model.to_empty(device=device or "cpu")
     model.init_weights(0)
     tokens = torch.randint(0, model_cfg.vocab_size, (1, SEQ), device=device)
