@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import json
 import re
+import resource
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from meshrun.core.hardware import oom_kills
+from meshrun.core.run_files.failures import read_unflushed, record_unflushed
 from meshrun.driver.experiment import RunFailed, measure, reported, run_experiment
 from meshrun.driver.launch import SIGNAL_UNSEEN
 from meshrun.driver.launch.local import launch_local
@@ -153,3 +158,48 @@ def test_rank_killed_by_a_signal_is_the_one_named(tmp_path, launch_host):
         (1, True),
         (2, True),
     ]
+
+
+def _in_a_process(code: str, *limits: tuple[int, int, int]) -> subprocess.CompletedProcess:
+    def limited() -> None:
+        for resource_, soft, hard in limits:
+            resource.setrlimit(resource_, (soft, hard))
+
+    command = [sys.executable, "-c", code]
+    return subprocess.run(
+        command, check=False, capture_output=True, text=True, timeout=60, preexec_fn=limited
+    )
+
+
+def test_steps_cut_off_as_they_are_written_leave_the_earlier_record_whole(tmp_path):
+    """A rank whose write is cut off (here by the kernel's 4 KiB file-size limit, as a
+    SIGTERM from torch elastic or an error could mid-write) leaves the record it had whole,
+    never a torn file the driver cannot read (CI saw `JSONDecodeError` from such a rank)."""
+    record_unflushed(str(tmp_path), 0, [{"step": 0, "loss": 1.0}])
+    many = [{"step": s, "loss": 1.0} for s in range(1000)]  # ~22 KiB of JSON
+    write = "from meshrun.core.run_files.failures import record_unflushed as write; write"
+    cut = _in_a_process(
+        f"{write}({str(tmp_path)!r}, 0, {many!r})", (resource.RLIMIT_FSIZE, 4096, 4096)
+    )
+    assert cut.returncode != 0 and "File too large" in cut.stderr, cut.stderr
+    assert read_unflushed(str(tmp_path)) == {0: [{"step": 0, "loss": 1.0}]}
+
+
+def test_a_stop_signal_waits_until_a_failing_rank_has_written_its_records(tmp_path):
+    """torch elastic's SIGTERM to a rank still writing its failure: noted, then delivered
+    once the records are on disk (the rank still ends by it); unheld, it ends the rank first."""
+
+    def failing_rank(record: Path, hold: bool) -> subprocess.CompletedProcess:
+        return _in_a_process(
+            "import os, signal, pathlib; from meshrun.rank import stop_signals; "
+            + ("stop_signals.hold(); " if hold else "")
+            + "os.kill(os.getpid(), signal.SIGTERM); "
+            + f"pathlib.Path({str(record)!r}).write_text('whole'); stop_signals.release(); "
+            + "print('not reached')"
+        )
+
+    held = failing_rank(tmp_path / "held", hold=True)
+    assert held.returncode == -signal.SIGTERM, held.stderr
+    assert (tmp_path / "held").read_text() == "whole" and "not reached" not in held.stdout
+    unheld = failing_rank(tmp_path / "unheld", hold=False)
+    assert unheld.returncode == -signal.SIGTERM and not (tmp_path / "unheld").exists()

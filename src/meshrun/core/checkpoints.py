@@ -13,11 +13,11 @@ its `checkpoints/`.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from meshrun.core.atomic_write import write_atomic
 from meshrun.core.config import CheckpointConfig
 from meshrun.core.errors import fail
 
@@ -72,9 +72,7 @@ def read_manifest(path: Path) -> Manifest:
 
 def write_manifest(path: Path, manifest: Manifest) -> None:
     """Atomic: a reader sees no manifest or the whole of it."""
-    tmp = path / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(asdict(manifest), indent=2))
-    os.replace(tmp, path / MANIFEST)
+    write_atomic(path / MANIFEST, json.dumps(asdict(manifest), indent=2))
 
 
 def find_resume(cfg: CheckpointConfig, run_dir: str) -> Path | None:

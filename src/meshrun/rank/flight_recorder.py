@@ -14,6 +14,7 @@ import time
 
 from torch._C._distributed_c10d import _dump_fr_trace_json
 
+from meshrun.core.atomic_write import write_atomic
 from meshrun.core.run_files.flight_records import (
     REQUEST_FILE,
     TRANSFERS_KEY,
@@ -51,9 +52,7 @@ def dump(run_dir: str, rank: int) -> None:
     except RuntimeError as err:  # no process group, or a backend without a recorder
         trace = {"entries": [], "error": str(err)}
     trace[TRANSFERS_KEY] = transfers.recorded()  # a pipeline's, which gloo does not record
-    partial = dump_path(run_dir, rank).with_suffix(".tmp")
-    partial.write_text(json.dumps(trace))
-    partial.replace(dump_path(run_dir, rank))
+    write_atomic(dump_path(run_dir, rank), json.dumps(trace))
 
 
 def requested(run_dir: str) -> bool:

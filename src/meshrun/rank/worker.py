@@ -29,7 +29,7 @@ from meshrun.core.run_files.failures import (
 )
 from meshrun.core.run_files.metrics import METRICS_FILE, replica_metrics
 from meshrun.core.stages import PP_AUTO, with_layers
-from meshrun.rank import flight_recorder
+from meshrun.rank import flight_recorder, stop_signals
 from meshrun.rank.library_warnings import show_once
 from meshrun.rank.loop_context import loop_context
 from meshrun.rank.mesh import build_mesh, init_distributed, select_device
@@ -80,11 +80,10 @@ def run_rank(cfg_dict: dict[str, Any]) -> RankReport | None:
         note_finished(cfg.run_dir, rank)
         return report
     except Exception as err:
-        record_failure(cfg.run_dir, rank, err)
-        # (not in a torchft replica group: its dumps would be named by the run's ranks, not
-        # its world's, and the group is started again, not diagnosed)
-        if watchdog is not None and not isinstance(err, Stopped) and place is None:
-            flight_recorder.dump_all(cfg.run_dir, rank, layout.world_size)
+        # (no flight dumps in a torchft replica group: they would be named by the run's
+        # ranks, not its world's, and the group is started again, not diagnosed)
+        dumps = watchdog is not None and not isinstance(err, Stopped) and place is None
+        _record(cfg.run_dir, rank, err, layout.world_size if dumps else None)
         raise
     finally:
         if watchdog is not None:
@@ -94,6 +93,19 @@ def run_rank(cfg_dict: dict[str, Any]) -> RankReport | None:
         # The run's process groups live in reference cycles: freed here, their gloo threads
         # stop while the interpreter still runs, not during its exit or the next run.
         gc.collect()
+
+
+def _record(run_dir: str, rank: int, err: Exception, dump_world: int | None) -> None:
+    """The failure's record (and the flight recorder's dumps of `dump_world` ranks), written
+    whole though torch elastic stops this rank meanwhile (stop signals held from the loop's
+    own failure on, where it wrote its unflushed steps)."""
+    stop_signals.hold()
+    try:
+        record_failure(run_dir, rank, err)
+        if dump_world is not None:
+            flight_recorder.dump_all(run_dir, rank, dump_world)
+    finally:
+        stop_signals.release()
 
 
 def _train(at: Rank) -> RankReport | None:
@@ -135,6 +147,7 @@ def _loop(at: Rank, setup: Setup) -> tuple[LoopState, LoopContext]:
                 training.model, training.optimizer, training.schedule, batches, tc, ctx
             )
         except Exception as err:
+            stop_signals.hold()  # released once run_rank has recorded the failure too
             if isinstance(err, torch.OutOfMemoryError) and ctx.inspection.snapshots is not None:
                 ctx.inspection.snapshots.out_of_memory()
             with contextlib.suppress(Exception):

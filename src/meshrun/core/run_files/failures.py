@@ -17,6 +17,8 @@ import traceback
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from meshrun.core.atomic_write import write_atomic
+
 FAILURES_DIR = "failures"
 
 
@@ -42,9 +44,8 @@ def note_process(run_dir: str, rank: int) -> None:
     """This rank's host and pid, by which a failing peer tells whether it is already gone."""
     folder = Path(run_dir) / FAILURES_DIR
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"process-rank{rank}.json").write_text(
-        json.dumps({"host": socket.gethostname(), "pid": os.getpid()})
-    )
+    noted = {"host": socket.gethostname(), "pid": os.getpid()}
+    write_atomic(folder / f"process-rank{rank}.json", json.dumps(noted))
 
 
 def note_finished(run_dir: str, rank: int) -> None:
@@ -80,14 +81,15 @@ def record_failure(run_dir: str, rank: int, err: BaseException) -> None:
         "traceback": "".join(traceback.format_exception(err)),
         "gone_peers": _gone_peers(folder, rank),
     }
-    (folder / f"rank{rank}.json").write_text(json.dumps(record))
+    write_atomic(folder / f"rank{rank}.json", json.dumps(record))
 
 
 def record_unflushed(run_dir: str, rank: int, steps: list[dict[str, Any]]) -> None:
-    """This rank's records of the steps after the last log step (its own loss, not reduced)."""
+    """This rank's records of the steps after the last log step (its own loss, not reduced):
+    whole or absent, though torch elastic may kill the rank as it writes them (a peer died)."""
     folder = Path(run_dir) / FAILURES_DIR
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"steps-rank{rank}.json").write_text(json.dumps(steps))
+    write_atomic(folder / f"steps-rank{rank}.json", json.dumps(steps))
 
 
 def forget_failure(run_dir: str, rank: int) -> None:

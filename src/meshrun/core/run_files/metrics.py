@@ -7,9 +7,10 @@ time, each with the rollback's number."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
+
+from meshrun.core.atomic_write import write_atomic
 
 METRICS_FILE = "metrics.jsonl"
 ROLLED_BACK_FILE = "rolled_back.jsonl"
@@ -46,9 +47,7 @@ def fill_from_replicas(run_dir: str) -> list[int]:
                 records[record["step"]] = {**record, "written_by_replica": _number(other)}
                 filled.append(record["step"])
     if filled:
-        fresh = path.with_name(path.name + ".tmp")
-        fresh.write_text("".join(json.dumps(records[s]) + "\n" for s in sorted(records)))
-        os.replace(fresh, path)
+        write_atomic(path, "".join(json.dumps(records[s]) + "\n" for s in sorted(records)))
     return sorted(filled)
 
 

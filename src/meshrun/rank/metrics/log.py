@@ -4,11 +4,11 @@ each log step's appended as it happens, then handed to the sinks (the progress b
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from meshrun.core.atomic_write import write_atomic
 from meshrun.core.run_files.metrics import ROLLED_BACK_FILE
 
 Sink = Callable[[list[dict[str, Any]]], None]
@@ -30,9 +30,7 @@ class MetricsLog:
         if self.path is None or not self.path.exists():
             return []
         lines = [(line, json.loads(line)) for line in self.path.read_text().splitlines() if line]
-        fresh = self.path.with_name(self.path.name + ".tmp")
-        fresh.write_text("".join(line + "\n" for line, r in lines if r["step"] < step))
-        os.replace(fresh, self.path)
+        write_atomic(self.path, "".join(line + "\n" for line, r in lines if r["step"] < step))
         return [r for _, r in lines if r["step"] >= step]
 
     def roll_back(self, step: int, rollback: int) -> None:

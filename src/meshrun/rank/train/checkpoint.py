@@ -56,10 +56,10 @@ from meshrun.models import model_key, model_shape
 from meshrun.models.shards import fill, model_name, named_tensors
 from meshrun.models.vocab import VOCAB_MODULES
 from meshrun.rank.parallel import ParallelModel
+from meshrun.rank.stop_signals import STOP_SIGNALS
 from meshrun.rank.train.loss_scale import LossScale
 
 RNG_DIR = "rng"
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
 
 
 @dataclass
