@@ -194,7 +194,7 @@ def _wrappers_on_two_ranks(_) -> tuple[dict[str, float], dict[str, Counter]]:
     for wrapper in WRAPPERS:
         one, two = (collectives_in(_stepper(model, n, mesh, wrapper, None)) for n in (1, 2))
         per_layer[wrapper] = two - one
-    return wrapper_overheads(model, None, rounds=3), per_layer
+    return wrapper_overheads(model, None, rounds=5), per_layer
 
 
 def test_calibrate_measures_what_dtensor_and_fsdp2_cost_a_block_beyond_its_collectives(
