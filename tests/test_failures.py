@@ -160,10 +160,11 @@ def test_rank_killed_by_a_signal_is_the_one_named(tmp_path, launch_host):
     ]
 
 
-def _in_a_process(code: str, *limits: tuple[int, int, int]) -> subprocess.CompletedProcess:
+def _in_a_process(code: str, file_bytes: int = resource.RLIM_INFINITY):
+    """`code` run by a Python of its own, whose files may grow to `file_bytes`."""
+
     def limited() -> None:
-        for resource_, soft, hard in limits:
-            resource.setrlimit(resource_, (soft, hard))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_bytes, file_bytes))
 
     command = [sys.executable, "-c", code]
     return subprocess.run(
@@ -178,9 +179,7 @@ def test_steps_cut_off_as_they_are_written_leave_the_earlier_record_whole(tmp_pa
     record_unflushed(str(tmp_path), 0, [{"step": 0, "loss": 1.0}])
     many = [{"step": s, "loss": 1.0} for s in range(1000)]  # ~22 KiB of JSON
     write = "from meshrun.core.run_files.failures import record_unflushed as write; write"
-    cut = _in_a_process(
-        f"{write}({str(tmp_path)!r}, 0, {many!r})", (resource.RLIMIT_FSIZE, 4096, 4096)
-    )
+    cut = _in_a_process(f"{write}({str(tmp_path)!r}, 0, {many!r})", file_bytes=4096)
     assert cut.returncode != 0 and "File too large" in cut.stderr, cut.stderr
     assert read_unflushed(str(tmp_path)) == {0: [{"step": 0, "loss": 1.0}]}
 

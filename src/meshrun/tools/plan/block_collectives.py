@@ -1,7 +1,8 @@
-"""The collectives a wrapped block issues, and what they take alone. A block's host cost under
-a wrapper is measured on the calibration's real ranks (wrapper_overhead.py), collectives
-included; the planner costs those collectives by the link (plan/comm_time.py), so what they
-take alone on the same ranks, at the same sizes, comes off the measured cost, once.
+"""The collectives a wrapped block issues, and calls of each to time alone. A block's host cost
+under a wrapper is measured on the calibration's real ranks (wrapper_overhead.py),
+collectives included; the planner costs those collectives by the link (plan/comm_time.py),
+so what they take alone on the same ranks, at the same sizes, comes off the measured cost,
+once.
 
 They are read from one step under a dispatch mode that lets DTensor run first (as torch's
 CommDebugMode does) and so sees the functional collectives it issues under TP and SP, and
@@ -10,7 +11,6 @@ again (the mode is off while it handles an op)."""
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -31,7 +31,7 @@ COLLECTIVES = {
     _c10d._allgather_base_: ("all_gather", 1),  # (output, input, ...)
     _c10d._reduce_scatter_base_: ("reduce_scatter", 1),
 }
-CALLS = 10  # a collective's time alone: the mean of this many, best of the rounds
+CALLS = 10  # a collective's time alone: the mean of this many, the fastest round's
 
 Collective = tuple[str, int]  # (kind, elements each rank puts in)
 
@@ -60,27 +60,17 @@ def collectives_in(step: Callable[[], None]) -> Counter[Collective]:
     return mode.found
 
 
-def seconds_alone(
-    collectives: Counter[Collective], rounds: int, device: torch.device | None
-) -> float:
-    """Seconds the collectives take issued one after another on the default group with
-    nothing else running, each kind and size the fastest of `rounds` (every rank calls this
-    at once, in the same order)."""
+def collective_calls(
+    collectives: Counter[Collective], device: torch.device | None
+) -> dict[Collective, Callable[[], None]]:
+    """Each collective's CALLS calls on the default group, in an order every rank shares (each
+    rank times them at once: wrapper_overhead.py)."""
     world = dist.get_world_size()
-    total = 0.0
-    for (kind, numel), count in sorted(collectives.items()):
+    calls = {}
+    for kind, numel in sorted(collectives):
         run = _collective(kind, numel, world, device)
-        best = float("inf")
-        for _ in range(rounds):
-            dist.barrier()
-            started = time.perf_counter()
-            for _ in range(CALLS):
-                run()
-            if device is not None:
-                torch.cuda.synchronize(device)
-            best = min(best, (time.perf_counter() - started) / CALLS)
-        total += count * best
-    return total
+        calls[kind, numel] = lambda run=run: [run() for _ in range(CALLS)]
+    return calls
 
 
 def _collective(

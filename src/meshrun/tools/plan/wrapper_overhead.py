@@ -30,7 +30,7 @@ from meshrun.core.config import LlamaModelConfig
 from meshrun.models import build_model
 from meshrun.rank.parallel.checkpointing import apply_activation_checkpointing
 from meshrun.rank.parallel.tensor import apply_tp
-from meshrun.tools.plan.block_collectives import collectives_in, seconds_alone
+from meshrun.tools.plan.block_collectives import CALLS, collective_calls, collectives_in
 
 WRAPPERS = ("tp", "sp", "fsdp")
 CHECKPOINTING = ("full", "selective", "op")  # each alone on the plain block
@@ -66,10 +66,20 @@ def wrapper_overheads(
     plain = per_layer(None)
     overheads = {}
     for wrapper in (*WRAPPERS, *CHECKPOINTING):
-        fewer, more = (collectives_in(steps[wrapper, layers]) for layers in LAYERS)
-        alone = seconds_alone(more - fewer, rounds, device) / (LAYERS[1] - LAYERS[0])
+        alone = _collectives_alone(steps, wrapper, device, rounds)
         overheads[wrapper] = max(0.0, per_layer(wrapper) - plain - alone)
     return overheads
+
+
+def _collectives_alone(
+    steps: dict, wrapper: str, device: torch.device | None, rounds: int
+) -> float:
+    """Seconds the collectives a layer adds under `wrapper` take alone, each the fastest."""
+    fewer, more = (collectives_in(steps[wrapper, layers]) for layers in LAYERS)
+    added = more - fewer
+    fastest = _fastest(collective_calls(added, device), device, rounds)
+    alone = sum(count * fastest[collective] / CALLS for collective, count in added.items())
+    return alone / (LAYERS[1] - LAYERS[0])
 
 
 def _fastest(steps: dict, device: torch.device | None, rounds: int) -> dict:
