@@ -32,13 +32,9 @@ from meshrun.plan.speed import SpeedPrediction, predict_speed
 from meshrun.plan.stage_time import formula_cost
 from meshrun.tools.plan import main as plan_main
 from meshrun.tools.plan.block_collectives import collectives_in
-from meshrun.tools.plan.calibrate import (
-    Workload,
-    _in_rank_processes,
-    _small,
-    ops_per_layer,
-)
+from meshrun.tools.plan.calibrate import Workload, _in_rank_processes
 from meshrun.tools.plan.matmul_in_step import in_step_block, matmul_in_a_step
+from meshrun.tools.plan.small_block import ops_per_layer, small_block
 from meshrun.tools.plan.wrapper_overhead import (
     CHECKPOINTING,
     MAX_EXPERTS,
@@ -188,7 +184,7 @@ def test_a_calibrated_block_pays_the_measured_dispatch_of_its_layouts_wrappers(p
 
 def _wrappers_on_two_ranks(_) -> tuple[dict[str, float], dict[str, Counter]]:
     dist.init_process_group("gloo")
-    model = _small(None)
+    model = small_block(None)
     mesh = init_device_mesh("cpu", (2,))
     per_layer = {}
     for wrapper in WRAPPERS:
@@ -205,7 +201,7 @@ def test_calibrate_measures_what_dtensor_and_fsdp2_cost_a_block_beyond_its_colle
     a block's collectives are counted as the layouts issue them, each once, so that their
     time alone comes off the measured cost, and what is left is the wrappers' own."""
     [(wrappers, per_layer), _] = rank_pool.run(_wrappers_on_two_ranks, None, world_size=2)
-    tokens, dim = 16 * 64, 64  # SEQ tokens of _small's width, one micro-batch
+    tokens, dim = 16 * 64, 64  # SEQ tokens of small_block's width, one micro-batch
     block = 4 * dim * dim + 3 * dim * 128 + 2 * dim  # q k v o, gate up down, two norms
     assert per_layer == {
         # the attention's and the MLP's output forward, their shared input's gradient back
@@ -282,7 +278,7 @@ def test_the_in_step_matmuls_run_in_one_block_of_the_runs_widths():
 
 
 def test_matmuls_in_a_step_are_rated_by_their_counted_flops_over_their_time():
-    block = dataclasses.replace(_small(None), dim=64, n_heads=4, ffn_dim=128)
+    block = dataclasses.replace(small_block(None), dim=64, n_heads=4, ffn_dim=128)
     rate = matmul_in_a_step(block, (2, 4, 16, 16))
     assert 1e6 < rate < 1e13
 
@@ -311,9 +307,9 @@ def test_an_moe_block_is_measured_under_the_wrappers_with_a_few_experts():
     """Qwen3-30B-A3B's 128 experts, looped over on the CPU in 8 models x 14 rounds, took
     calibrate past 5 minutes; the wrappers' cost rides on the block's modules, not on how
     many experts it repeats. A dense block is measured as it is."""
-    qwen = _few_experts(_small(compose_config("model=qwen3-30b-a3b").model))
+    qwen = _few_experts(small_block(compose_config("model=qwen3-30b-a3b").model))
     assert (qwen.moe.experts, qwen.moe.top_k) == (MAX_EXPERTS, 2)
-    dense = _small(compose_config("model=small").model)
+    dense = small_block(compose_config("model=small").model)
     assert _few_experts(dense) == dense
 
 

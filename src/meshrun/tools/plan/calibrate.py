@@ -42,7 +42,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshrun.core.calibration import Calibration, calibration_path, write_calibration
 from meshrun.core.config import LlamaModelConfig
@@ -51,11 +50,12 @@ from meshrun.core.hardware import HostFacts, fingerprint_key, host_fingerprint
 from meshrun.core.measured import utc_now
 from meshrun.core.tool_config import PlanCommandConfig
 from meshrun.driver.sinks.console import console, print_error, print_note
-from meshrun.models import build_model, model_shape
+from meshrun.models import model_shape
 from meshrun.plan.compute import block_linears
 from meshrun.plan.shapes import Dims
 from meshrun.tools.plan.command import prepared
 from meshrun.tools.plan.matmul_in_step import in_step_block, matmul_in_a_step
+from meshrun.tools.plan.small_block import ops_per_layer, small_block
 from meshrun.tools.plan.wrapper_overhead import CHECKPOINTING, WRAPPERS, wrapper_overheads
 from meshrun.validate.launcher import rank_threads
 
@@ -63,7 +63,6 @@ REPEATS = 3
 RANK_TIMEOUT_S = 600
 COMM_MAX_BYTES = 16 * 2**20
 COMM_MIN_BYTES = 4096
-COUNTED_SEQ = 16  # the op count does not depend on sizes: counted on a small block
 LINK_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
@@ -104,7 +103,7 @@ def calibrate(cfg: PlanCommandConfig, host: HostFacts) -> Calibration:
         dtype="float32" if cfg.train.precision == "fp32" else "bfloat16",
         linears=block_linears(d, tokens, 1),
         attention=(cfg.train.micro_batch_size, d.a, cfg.train.seq_len, d.hq // d.a),
-        model=_small(cfg.model if isinstance(cfg.model, LlamaModelConfig) else None),
+        model=small_block(cfg.model if isinstance(cfg.model, LlamaModelConfig) else None),
         block=None if cuda else in_step_block(d),
     )
     rates = _in_rank_processes(workload, box.per_node)
@@ -272,49 +271,6 @@ def _timed(run: Callable[[], Any], device: torch.device | None) -> float:
         run()
     sync()
     return (time.perf_counter() - started) / REPEATS
-
-
-class _OpCounter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
-def ops_per_layer(model: Any) -> int:
-    """The aten ops a block's forward and backward dispatch: meshrun's decoder of the model's
-    kind counted at a small size with one block and with two (a transformers or custom model
-    counts as meshrun's LLaMA block)."""
-    small = _small(model if isinstance(model, LlamaModelConfig) else None)
-    return _count(dataclasses.replace(small, n_layers=2)) - _count(small)
-
-
-def _small(model: LlamaModelConfig | None) -> LlamaModelConfig:
-    gqa = model is not None and model.n_kv_heads is not None and model.n_kv_heads < model.n_heads
-    base = model or LlamaModelConfig(name="count", dim=64, n_layers=1, n_heads=4, vocab_size=128)
-    return dataclasses.replace(
-        base,
-        dim=64,
-        n_layers=1,
-        n_heads=4,
-        n_kv_heads=2 if gqa else None,
-        head_dim=None,
-        ffn_dim=128,
-        vocab_size=128,
-        pretrained=None,
-    )
-
-
-def _count(model_cfg: LlamaModelConfig) -> int:
-    model = build_model(model_cfg, COUNTED_SEQ, "cpu")
-    model.init_weights(0)
-    tokens = torch.randint(0, model_cfg.vocab_size, (1, COUNTED_SEQ))
-    with _OpCounter() as counter:
-        model(tokens).float().sum().backward()
-    return counter.count
 
 
 def _links(
