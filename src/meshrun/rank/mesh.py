@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from datetime import timedelta
 
 import torch
@@ -14,6 +15,17 @@ from meshrun.core.layout import MESH_DIMS, Layout
 def init_distributed(backend: str, timeout_s: float) -> None:
     """Default process group from torchrun-style env vars, with a collective timeout."""
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+
+
+def end_distributed() -> None:
+    """Every process group destroyed and collected with what holds them in reference cycles
+    (a mesh and its flattened dimensions, FSDP's state; the caller drops its own references
+    first): their gloo threads end while the interpreter runs. Left to the interpreter's
+    exit, one aborted a torchrun rank after a completed run ("terminate called without an
+    active exception", SIGABRT)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
 
 
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:

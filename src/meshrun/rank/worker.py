@@ -10,11 +10,11 @@ import contextlib
 import dataclasses
 import gc
 import os
+import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from meshrun.core.config import RunConfig, from_dict
 from meshrun.core.rank_report import RankReport, StageSplit
@@ -32,7 +32,7 @@ from meshrun.core.stages import PP_AUTO, with_layers
 from meshrun.rank import flight_recorder, stop_signals
 from meshrun.rank.library_warnings import show_once
 from meshrun.rank.loop_context import loop_context
-from meshrun.rank.mesh import build_mesh, init_distributed, select_device
+from meshrun.rank.mesh import build_mesh, end_distributed, init_distributed, select_device
 from meshrun.rank.metrics.log import MetricsLog
 from meshrun.rank.parallel.balance import balance_stages
 from meshrun.rank.place import Rank, place_in_run
@@ -84,15 +84,13 @@ def run_rank(cfg_dict: dict[str, Any]) -> RankReport | None:
         # ranks, not its world's, and the group is started again, not diagnosed)
         dumps = watchdog is not None and not isinstance(err, Stopped) and place is None
         _record(cfg.run_dir, rank, err, layout.world_size if dumps else None)
+        traceback.clear_frames(err.__traceback__)  # its frames' locals hold the mesh
         raise
     finally:
         if watchdog is not None:
             watchdog.stop()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        # The run's process groups live in reference cycles: freed here, their gloo threads
-        # stop while the interpreter still runs, not during its exit or the next run.
-        gc.collect()
+        del mesh  # it holds the process groups, which end here, not at the process's exit
+        end_distributed()
 
 
 def _record(run_dir: str, rank: int, err: Exception, dump_world: int | None) -> None:

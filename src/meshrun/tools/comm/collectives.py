@@ -24,7 +24,7 @@ from meshrun.core.collective_names import ALL_GATHER, REDUCE_SCATTER
 from meshrun.core.run_files.failures import record_failure
 from meshrun.core.tool_config import CommConfig, comm_from_dict
 from meshrun.rank.faults import fault_injector
-from meshrun.rank.mesh import init_distributed, select_device
+from meshrun.rank.mesh import end_distributed, init_distributed, select_device
 from meshrun.rank.watchdog import Watchdog
 from meshrun.tools.comm.busbw import algbw_gbs, busbw_gbs, element_count, sizes
 
@@ -200,8 +200,7 @@ def run_comm_rank(cfg_dict: dict[str, Any]) -> list[dict[str, Any]] | None:
         raise
     finally:
         watchdog.stop()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        end_distributed()
 
 
 def _benchmark(

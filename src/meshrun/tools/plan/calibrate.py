@@ -53,6 +53,7 @@ from meshrun.driver.sinks.console import console, print_error, print_note
 from meshrun.models import model_shape
 from meshrun.plan.compute import block_linears
 from meshrun.plan.shapes import Dims
+from meshrun.rank.mesh import end_distributed
 from meshrun.tools.plan.command import prepared
 from meshrun.tools.plan.matmul_in_step import in_step_block, matmul_in_a_step
 from meshrun.tools.plan.small_block import ops_per_layer, small_block
@@ -240,7 +241,7 @@ def _wrappers(
     try:
         return wrapper_overheads(model, device)
     finally:
-        dist.destroy_process_group()
+        end_distributed()
 
 
 def _attention_rate(
