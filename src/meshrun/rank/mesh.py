@@ -8,6 +8,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from meshrun.core.layout import MESH_DIMS, Layout
 
@@ -17,15 +18,22 @@ def init_distributed(backend: str, timeout_s: float) -> None:
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
 
 
+COLLECTIONS = 4  # at most; an FSDP2 run's groups took two
+
+
 def end_distributed() -> None:
-    """Every process group destroyed and collected with what holds them in reference cycles
-    (a mesh and its flattened dimensions, FSDP's state; the caller drops its own references
-    first): their gloo threads end while the interpreter runs. Left to the interpreter's
-    exit, one aborted a torchrun rank after a completed run ("terminate called without an
-    active exception", SIGABRT)."""
+    """Every process group destroyed and collected with what holds them (the caller drops
+    its own references first): their gloo threads end while the interpreter runs. Left to
+    the interpreter's exit, one aborted a torchrun rank after a completed run ("terminate
+    called without an active exception", SIGABRT); left in a process that runs again (the
+    test suite's rank pool), a group whose peers had gone spun its loop thread. Where torch
+    itself keeps a group (TP's and CP's runs keep some), it lives on."""
     if dist.is_initialized():
         dist.destroy_process_group()
-    gc.collect()
+    _clear_sharding_prop_cache()  # DTensor's, whose cached specs hold their meshes
+    for _ in range(COLLECTIONS):  # a collection's finalizers can leave the next one cycles
+        if not gc.collect():
+            break
 
 
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
