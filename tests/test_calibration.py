@@ -37,6 +37,7 @@ from meshrun.tools.plan.matmul_in_step import in_step_block, matmul_in_a_step
 from meshrun.tools.plan.small_block import ops_per_layer, small_block
 from meshrun.tools.plan.wrapper_overhead import (
     CHECKPOINTING,
+    CONTEXT,
     MAX_EXPERTS,
     WRAPPERS,
     _few_experts,
@@ -160,19 +161,34 @@ def test_a_gpus_dispatch_shows_only_where_it_outlasts_the_kernels():
             ),
             2e-3,
         ),
+        (("parallel=cp2",), 3e-3 + 7e-3),  # FSDP2 over cp reduces its gradients
+        (("parallel=fsdp2_cp2", "parallel.cp_method=alltoall"), 3e-3 + 9e-3),
     ],
-    ids=["ddp", "fsdp", "tp2", "tp2-sp", "fsdp2-tp2", "selective", "tp2-op", "full-every-2"],
+    ids=[
+        "ddp",
+        "fsdp",
+        "tp2",
+        "tp2-sp",
+        "fsdp2-tp2",
+        "selective",
+        "tp2-op",
+        "full-every-2",
+        "cp2-ring",
+        "fsdp2-cp2-alltoall",
+    ],
 )
 def test_a_calibrated_block_pays_the_measured_dispatch_of_its_layouts_wrappers(parallel, wrappers):
     """Each block, each micro-batch: its ops' dispatch, plus what DTensor costs under TP (more
-    with SP) and FSDP2's hooks (here 1, 2 and 3 ms), and a checkpointed block its policy's
-    (4, 5 and 6 ms for full, selective, op), as calibrate measured them."""
+    with SP) and FSDP2's hooks (here 1, 2 and 3 ms), a checkpointed block its policy's (4, 5
+    and 6 ms for full, selective, op) and a CP block its method's (7, 8, 9 ms for ring,
+    allgather, alltoall), as calibrate measured them."""
     cfg = resolved_config("model=small", *parallel, "plan.calibration=none")
     measured = {
         "tp_layer_overhead": 1e-3,
         "sp_layer_overhead": 2e-3,
         "fsdp_layer_overhead": 3e-3,
         "checkpoint_layer_overhead": {"full": 4e-3, "selective": 5e-3, "op": 6e-3},
+        "context_layer_overhead": {"ring": 7e-3, "allgather": 8e-3, "alltoall": 9e-3},
     }
     calibration = _calibration(ranks=cfg.launcher.nproc_per_node, **measured)
     parts = predict_speed(cfg, calibration=calibration).step_parts()
@@ -187,7 +203,7 @@ def _wrappers_on_two_ranks(_) -> tuple[dict[str, float], dict[str, Counter]]:
     model = small_block(None)
     mesh = init_device_mesh("cpu", (2,))
     per_layer = {}
-    for wrapper in WRAPPERS:
+    for wrapper in (*WRAPPERS, *CONTEXT):
         one, two = (collectives_in(_stepper(model, n, mesh, wrapper, None)) for n in (1, 2))
         per_layer[wrapper] = two - one
     return wrapper_overheads(model, None, rounds=5), per_layer
@@ -202,6 +218,7 @@ def test_calibrate_measures_what_dtensor_and_fsdp2_cost_a_block_beyond_its_colle
     time alone comes off the measured cost, and what is left is the wrappers' own."""
     [(wrappers, per_layer), _] = rank_pool.run(_wrappers_on_two_ranks, None, world_size=2)
     tokens, dim = 16 * 64, 64  # SEQ tokens of small_block's width, one micro-batch
+    kv = 16 * 64  # one of K and V: a rank's 16 tokens, 4 heads of 16
     block = 4 * dim * dim + 3 * dim * 128 + 2 * dim  # q k v o, gate up down, two norms
     assert per_layer == {
         # the attention's and the MLP's output forward, their shared input's gradient back
@@ -210,10 +227,18 @@ def test_calibrate_measures_what_dtensor_and_fsdp2_cost_a_block_beyond_its_colle
         "sp": Counter({("all_gather", tokens // 2): 4, ("reduce_scatter", tokens): 4}),
         # the block's parameters gathered forward and again backward, its gradients scattered
         "fsdp": Counter({("all_gather", block // 2): 2, ("reduce_scatter", block): 1}),
+        # K and V (4 heads of 16) of the rank's 16 tokens: the ring passes them on once
+        # forward, and backward once more with their gradients passed on after each of its
+        # two steps; allgather gathers them and scatters their gradients; alltoall exchanges
+        # q, k, v and the output forward, each again backward
+        "ring": Counter({("shift", 2 * kv): 4}),
+        "allgather": Counter({("all_gather", 2 * kv): 1, ("reduce_scatter", 2 * 2 * kv): 1}),
+        "alltoall": Counter({("all_to_all", 3 * kv): 2, ("all_to_all", kv): 2}),
     }
-    assert set(wrappers) == {*WRAPPERS, *CHECKPOINTING}
+    assert set(wrappers) == {*WRAPPERS, *CHECKPOINTING, *CONTEXT}
     assert wrappers["tp"] > 0 and wrappers["sp"] > 0
     assert wrappers["selective"] > 0  # its policy called for every op, forward and recompute
+    assert wrappers["ring"] > 0  # its mode called for every op, its steps and merges
 
 
 def test_a_calibrated_host_costs_each_collective_at_its_own_measured_bandwidth():

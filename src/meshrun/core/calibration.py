@@ -30,7 +30,9 @@ class Calibration:
     sequence parallelism) and FSDP2's hooks; `checkpoint_layer_overhead`: what a block costs
     the host more under each activation checkpointing policy (`full`, `selective`, `op`: the
     forward dispatched again, selective checkpointing's policy called for every op, forward
-    and recompute); `link_bw_gbs` and `link_latency_us`:
+    and recompute); `context_layer_overhead`: what a block costs the host more under each CP
+    method over the calibration's ranks (the function mode that catches its attention, the
+    ring's steps and merges); `link_bw_gbs` and `link_latency_us`:
     meshrun-comm's all-reduce bus bandwidth at its largest size and a small all-reduce's
     time per hop; `link_bw_by_op`: each collective's bus bandwidth at its largest size
     (all-reduce, all-gather, reduce-scatter), GB/s; `link_curves`: each one's bus bandwidth
@@ -54,6 +56,7 @@ class Calibration:
     sp_layer_overhead: float = 0.0
     fsdp_layer_overhead: float = 0.0
     checkpoint_layer_overhead: dict[str, float] = field(default_factory=dict)
+    context_layer_overhead: dict[str, float] = field(default_factory=dict)
     link_bw_gbs: float | None = None
     link_latency_us: float | None = None
     link_bw_by_op: dict[str, float] = field(default_factory=dict)
@@ -81,7 +84,8 @@ class Calibration:
             f"{self.op_seconds * 1e6:.1f} us an op x {self.ops_per_layer} a layer (+"
             f"{self.tp_layer_overhead * 1e3:.2f} ms under TP, "
             f"{self.sp_layer_overhead * 1e3:.2f} with SP, "
-            f"{self.fsdp_layer_overhead * 1e3:.2f} under FSDP2{self._checkpointing()}){link} "
+            f"{self.fsdp_layer_overhead * 1e3:.2f} under FSDP2{self._checkpointing()}"
+            f"{self._context()}){link} "
             f"per rank, {self.ranks} ranks x {self.threads_per_rank} threads, "
             f"measured {self.created_at}"
         )
@@ -89,6 +93,10 @@ class Calibration:
     def _checkpointing(self) -> str:
         said = ", ".join(f"{s * 1e3:.2f} {p}" for p, s in self.checkpoint_layer_overhead.items())
         return f", checkpointing {said}" if said else ""
+
+    def _context(self) -> str:
+        said = ", ".join(f"{s * 1e3:.2f} {m}" for m, s in self.context_layer_overhead.items())
+        return f", CP {said}" if said else ""
 
 
 def calibration_path(store_path: str) -> Path:

@@ -57,7 +57,8 @@ class DeviceRates:
     backward's where apart), `layer_overhead` seconds a block's forward and backward spend
     dispatching their ops however small the tensors, and what it costs more under TP's
     DTensors (`tp_overhead`; with SP `sp_overhead`), FSDP2's hooks (`fsdp_overhead`) and a
-    checkpointed block under each policy (`checkpoint_overhead`).
+    checkpointed block under each policy (`checkpoint_overhead`), a CP block under each
+    method (`context_overhead`).
     `waves`: the matmul rate is the best
     large matmul's, each shape's last wave of tiles costed on top (a calibrated rate was
     measured at the run's shapes, their waves in it). `dispatch_ahead`: the host issues
@@ -74,6 +75,7 @@ class DeviceRates:
     sp_overhead: float = 0.0
     fsdp_overhead: float = 0.0
     checkpoint_overhead: dict[str, float] = field(default_factory=dict, hash=False)
+    context_overhead: dict[str, float] = field(default_factory=dict, hash=False)
     waves: bool = True
     dispatch_ahead: bool = False
 

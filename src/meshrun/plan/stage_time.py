@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from meshrun.core.calibration import Calibration
 from meshrun.core.choices import HALF_PRECISIONS, SAC_POLICIES
-from meshrun.core.config import DeviceSpec, ExperimentConfig
+from meshrun.core.config import DeviceSpec, ExperimentConfig, ParallelConfig
 from meshrun.core.flops import flops_per_token
 from meshrun.core.layout import Layout
 from meshrun.models import model_shape
@@ -142,6 +142,7 @@ def calibrated_rates(calibration: Calibration, spec: DeviceSpec | None = None) -
         sp_overhead=calibration.sp_layer_overhead,
         fsdp_overhead=calibration.fsdp_layer_overhead,
         checkpoint_overhead=calibration.checkpoint_layer_overhead,
+        context_overhead=calibration.context_layer_overhead,
         waves=False,
         dispatch_ahead=calibration.device_type == "cuda",
     )
@@ -164,7 +165,7 @@ def stage_by_shapes(
     if share.last:
         parts["head"] = head_f + head_b
     overhead = share.layers * (
-        rates.layer_overhead + _wrapper_overhead(layout, p.sequence_parallel, rates)
+        rates.layer_overhead + _wrapper_overhead(layout, p, rates)
     ) + checkpointed * rates.checkpoint_overhead.get(p.activation_checkpointing, 0.0)
     if rates.dispatch_ahead:  # the host's dispatch hides behind the blocks' kernels
         kernels = share.layers * (block.forward + block.backward) + recompute
@@ -175,13 +176,15 @@ def stage_by_shapes(
     return StageTime(forward, backward + overhead, recompute, *attention, parts=parts)
 
 
-def _wrapper_overhead(layout: Layout, sp: bool, rates: DeviceRates) -> float:
+def _wrapper_overhead(layout: Layout, p: ParallelConfig, rates: DeviceRates) -> float:
     """What a block's dispatch costs more under the layout's wrappers, as measured."""
     overhead = 0.0
     if layout.tp > 1:
-        overhead += rates.sp_overhead if sp else rates.tp_overhead
+        overhead += rates.sp_overhead if p.sequence_parallel else rates.tp_overhead
     if layout.uses_fsdp:
         overhead += rates.fsdp_overhead
+    if layout.cp > 1:
+        overhead += rates.context_overhead.get(p.cp_method, 0.0)
     return overhead
 
 

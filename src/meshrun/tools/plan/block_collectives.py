@@ -6,8 +6,9 @@ once.
 
 They are read from one step under a dispatch mode that lets DTensor run first (as torch's
 CommDebugMode does) and so sees the functional collectives it issues under TP and SP, and
-c10d's own that FSDP2 issues; a functional collective's c10d call inside it is not seen
-again (the mode is off while it handles an op)."""
+c10d's own that FSDP2 and context parallelism issue (a ring's sends); a functional
+collective's c10d call inside it is not seen again (the mode is off while it handles an
+op)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ COLLECTIVES = {
     _c10d.allreduce_: ("all_reduce", 0),  # a list of tensors
     _c10d._allgather_base_: ("all_gather", 1),  # (output, input, ...)
     _c10d._reduce_scatter_base_: ("reduce_scatter", 1),
+    _c10d.alltoall_base_: ("all_to_all", 1),  # (output, input, ...)
+    _c10d.send: ("shift", 0),  # a ring's step: each send has its receive, not counted again
 }
 CALLS = 10  # a collective's time alone: the mean of this many, the fastest round's
 
@@ -82,5 +85,25 @@ def _collective(
     if kind == "all_gather":
         gathered = torch.empty(numel * world, device=device)
         return lambda: ALL_GATHER(gathered, given)
+    if kind == "all_to_all":
+        exchanged = torch.empty_like(given)
+        return lambda: dist.all_to_all_single(exchanged, given)
+    if kind == "shift":
+        return _shift(given, world)
     scattered = torch.empty(numel // world, device=device)
     return lambda: REDUCE_SCATTER(scattered, given)
+
+
+def _shift(given: torch.Tensor, world: int) -> Callable[[], None]:
+    """Each rank's tensor to the next rank, the previous one's received: a ring's step."""
+    rank, received = dist.get_rank(), torch.empty_like(given)
+
+    def shift() -> None:
+        ops = [
+            dist.P2POp(dist.isend, given, (rank + 1) % world),
+            dist.P2POp(dist.irecv, received, (rank - 1) % world),
+        ]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    return shift

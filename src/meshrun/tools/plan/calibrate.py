@@ -57,7 +57,12 @@ from meshrun.rank.mesh import end_distributed
 from meshrun.tools.plan.command import prepared
 from meshrun.tools.plan.matmul_in_step import in_step_block, matmul_in_a_step
 from meshrun.tools.plan.small_block import ops_per_layer, small_block
-from meshrun.tools.plan.wrapper_overhead import CHECKPOINTING, WRAPPERS, wrapper_overheads
+from meshrun.tools.plan.wrapper_overhead import (
+    CHECKPOINTING,
+    CONTEXT,
+    WRAPPERS,
+    wrapper_overheads,
+)
 from meshrun.validate.launcher import rank_threads
 
 REPEATS = 3
@@ -131,6 +136,11 @@ def calibrate(cfg: PlanCommandConfig, host: HostFacts) -> Calibration:
         },
         checkpoint_layer_overhead={
             policy: max(r["wrappers"][policy] for r in rates) for policy in CHECKPOINTING
+        },
+        context_layer_overhead={
+            method: max(r["wrappers"][method] for r in rates)
+            for method in CONTEXT
+            if method in rates[0]["wrappers"]
         },
         link_bw_gbs=link_bw.get("all_reduce"),
         link_latency_us=link_latency,

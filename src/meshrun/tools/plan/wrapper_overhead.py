@@ -1,7 +1,9 @@
 """What a block's forward and backward cost the host beyond the plain block's under each
 parallel wrapper: DTensor's dispatch under TP (sharding propagation, redistributions, the
 functional collectives' wrapping and waits; more of them with sequence parallelism), FSDP2's
-hooks around each unit; and under each activation checkpointing policy: the forward's ops
+hooks around each unit; context parallelism's (each CP method: the function mode that
+catches the block's attention, the ring's steps and merges); and under each activation
+checkpointing policy: the forward's ops
 dispatched again (full), selective checkpointing's policy called for every op of the forward
 and the recompute besides (selective, op: here 2.8 ms a block against the block's own 0.7,
 where the planner counted only the recomputed elementwise kernels). Measured on a mesh of
@@ -29,11 +31,14 @@ from torch.distributed.fsdp import fully_shard
 from meshrun.core.config import LlamaModelConfig
 from meshrun.models import build_model
 from meshrun.rank.parallel.checkpointing import apply_activation_checkpointing
+from meshrun.rank.parallel.context import apply_context_parallel
+from meshrun.rank.parallel.context_attention import METHODS
 from meshrun.rank.parallel.tensor import apply_tp
 from meshrun.tools.plan.block_collectives import CALLS, collective_calls, collectives_in
 
 WRAPPERS = ("tp", "sp", "fsdp")
 CHECKPOINTING = ("full", "selective", "op")  # each alone on the plain block
+CONTEXT = tuple(METHODS)  # CP's ways to share attention, over every rank
 LAYERS = (1, 5)
 SEQ = 16
 WARMUP, ROUNDS = 2, 12
@@ -52,9 +57,10 @@ def wrapper_overheads(
     model_cfg = _few_experts(model_cfg)
     device_type = device.type if device is not None else "cpu"
     mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    measured = (*WRAPPERS, *CHECKPOINTING, *_context_methods(model_cfg))
     steps = {
         (wrapper, layers): _stepper(model_cfg, layers, mesh, wrapper, device)
-        for wrapper in (None, *WRAPPERS, *CHECKPOINTING)
+        for wrapper in (None, *measured)
         for layers in LAYERS
     }
     fastest = _fastest(steps, device, rounds)
@@ -65,7 +71,7 @@ def wrapper_overheads(
 
     plain = per_layer(None)
     overheads = {}
-    for wrapper in (*WRAPPERS, *CHECKPOINTING):
+    for wrapper in measured:
         alone = _collectives_alone(steps, wrapper, device, rounds)
         overheads[wrapper] = max(0.0, per_layer(wrapper) - plain - alone)
     return overheads
@@ -107,8 +113,11 @@ def _stepper(
     device: torch.device | None,
 ) -> Callable[[], None]:
     """One forward and backward of a `layers`-block model under `wrapper` (or checkpointing
-    policy)."""
-    model = build_model(dataclasses.replace(model_cfg, n_layers=layers), SEQ, "meta")
+    policy, or CP method: each rank holds SEQ tokens of a sequence all of them share)."""
+    world, seq = dist.get_world_size(), SEQ
+    if wrapper in CONTEXT:
+        seq = SEQ * world
+    model = build_model(dataclasses.replace(model_cfg, n_layers=layers), seq, "meta")
     if wrapper in ("tp", "sp"):
         apply_tp(model, mesh, sequence_parallel=wrapper == "sp")
     elif wrapper == "fsdp":  # as rank/parallel/fsdp.apply_fsdp: each block a unit, then the root
@@ -117,10 +126,22 @@ def _stepper(
         fully_shard(model, mesh=mesh)
     elif wrapper in CHECKPOINTING:
         apply_activation_checkpointing(model, wrapper)
+    elif wrapper in CONTEXT:
+        group = dist.group.WORLD
+        apply_context_parallel(model, group, wrapper, seq, dist.get_rank(), world)
     model.to_empty(device=device or "cpu")
     model.init_weights(0)
     tokens = torch.randint(0, model_cfg.vocab_size, (1, SEQ), device=device)
     return lambda: model(tokens).float().sum().backward()
+
+
+def _context_methods(model_cfg: LlamaModelConfig) -> tuple[str, ...]:
+    """The CP methods the block takes over every rank: alltoall only where the ranks split
+    its heads and K/V heads (otherwise refused before any run: validate/)."""
+    world = dist.get_world_size()
+    kv_heads = model_cfg.n_kv_heads or model_cfg.n_heads
+    splits = model_cfg.n_heads % world == 0 and kv_heads % world == 0
+    return tuple(m for m in CONTEXT if m != "alltoall" or splits)
 
 
 def _few_experts(model_cfg: LlamaModelConfig) -> LlamaModelConfig:
