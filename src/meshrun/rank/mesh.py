@@ -26,8 +26,8 @@ def end_distributed() -> None:
     its own references first): their gloo threads end while the interpreter runs. Left to
     the interpreter's exit, one aborted a torchrun rank after a completed run ("terminate
     called without an active exception", SIGABRT); left in a process that runs again (the
-    test suite's rank pool), a group whose peers had gone spun its loop thread. Where torch
-    itself keeps a group (TP's and CP's runs keep some), it lives on."""
+    test suite's rank pool), every run's groups kept their threads and sockets. Where torch
+    itself keeps a group (TP's, CP's and PP's runs keep some), it lives on."""
     if dist.is_initialized():
         dist.destroy_process_group()
     _clear_sharding_prop_cache()  # DTensor's, whose cached specs hold their meshes

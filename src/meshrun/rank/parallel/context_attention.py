@@ -86,7 +86,7 @@ def ring_attention(
     return _RingAttention.apply(q, k, v, group, _scale(q, scale))
 
 
-def _post_shift(x: Tensor, group: ProcessGroup, tag: int) -> Callable[[], Tensor]:
+def post_shift(x: Tensor, group: ProcessGroup, tag: int) -> Callable[[], Tensor]:
     """Send `x` to the next rank and receive the previous rank's, now; the returned wait
     gives what arrived. Posted before compute, so the transfer runs behind it."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -200,7 +200,7 @@ def _ring_blocks(kv: Tensor, ring: _Ring) -> Iterator[Tensor]:
     """The K/V block held at each ring step; the next one's transfer is posted before the
     current one is handed out, so it runs behind that block's attention."""
     for step in range(ring.cp):
-        arriving = _post_shift(kv, ring.group, _KV_TAG) if step + 1 < ring.cp else None
+        arriving = post_shift(kv, ring.group, _KV_TAG) if step + 1 < ring.cp else None
         yield kv
         if arriving:
             kv = arriving()
@@ -261,14 +261,14 @@ class _RingAttention(torch.autograd.Function):
         saved = (q, dout, out, lse)
         dq, grads_arriving = torch.zeros_like(q), None
         for step in range(ring.cp):
-            kv_arriving = _post_shift(kv, ring.group, _KV_TAG) if step + 1 < ring.cp else None
+            kv_arriving = post_shift(kv, ring.group, _KV_TAG) if step + 1 < ring.cp else None
             dq_step, dkv = _block_grads(saved, kv, step, ring)
             dq += dq_step
             if grads_arriving:  # the earlier ranks' share of the same block
                 dkv += grads_arriving()
             if kv_arriving:
                 kv = kv_arriving()
-            grads_arriving = _post_shift(dkv, ring.group, _GRAD_TAG)
+            grads_arriving = post_shift(dkv, ring.group, _GRAD_TAG)
         dkv = grads_arriving()  # type: ignore[misc]  # own block, every rank's share in
         return dq.to(ctx.dtype), dkv[0].to(ctx.dtype), dkv[1].to(ctx.dtype), None, None
 

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshrun.core.collective_names import ALL_GATHER, REDUCE_SCATTER
+from meshrun.rank.parallel.context_attention import post_shift
 
 _functional, _c10d = torch.ops._c10d_functional, torch.ops.c10d
 # op -> (kind, the argument holding what each rank puts in)
@@ -89,21 +90,10 @@ def _collective(
         exchanged = torch.empty_like(given)
         return lambda: dist.all_to_all_single(exchanged, given)
     if kind == "shift":
-        return _shift(given, world)
+
+        def shift() -> None:  # posted and waited for, as the ring passes its K/V blocks on
+            post_shift(given, dist.group.WORLD, 0)()
+
+        return shift
     scattered = torch.empty(numel // world, device=device)
     return lambda: REDUCE_SCATTER(scattered, given)
-
-
-def _shift(given: torch.Tensor, world: int) -> Callable[[], None]:
-    """Each rank's tensor to the next rank, the previous one's received: a ring's step."""
-    rank, received = dist.get_rank(), torch.empty_like(given)
-
-    def shift() -> None:
-        ops = [
-            dist.P2POp(dist.isend, given, (rank + 1) % world),
-            dist.P2POp(dist.irecv, received, (rank - 1) % world),
-        ]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-
-    return shift

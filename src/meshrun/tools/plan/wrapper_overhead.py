@@ -50,10 +50,10 @@ MAX_EXPERTS = 4
 def wrapper_overheads(
     model_cfg: LlamaModelConfig, device: torch.device | None, rounds: int = ROUNDS
 ) -> dict[str, float]:
-    """Seconds a layer's forward and backward cost the host under each of WRAPPERS and
-    CHECKPOINTING beyond the plain block and its collectives alone (0 where the difference
-    is within noise below it). Every rank of the default process group calls it at once:
-    the mesh spans them."""
+    """Seconds a layer's forward and backward cost the host under each of WRAPPERS,
+    CHECKPOINTING and the CONTEXT methods the block allows, beyond the plain block and its
+    collectives alone (0 where the difference is within noise below it). Every rank of the
+    default process group calls it at once: the mesh (and the CP group) spans them."""
     model_cfg = _few_experts(model_cfg)
     device_type = device.type if device is not None else "cpu"
     mesh = init_device_mesh(device_type, (dist.get_world_size(),))
