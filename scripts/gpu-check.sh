@@ -87,7 +87,7 @@ import json, sys; r = json.load(open(sys.argv[1]))
 print('profile overhead', r['profile_overhead'], [{k: v for k, v in p.items() if k != 'timeline'} for p in r['profile'] or []])
 " "$prof_dir/results.json" | tee -a "$out/summary.log" && cp -r "$prof_dir/profile" "$out/profile-llama-1b"
 
-log "meshrun-plan calibrate on the GPU(s): matmul, attention, memory, op dispatch, TP/FSDP2's host cost on an NCCL mesh of the GPUs, less their collectives alone, and each checkpointing policy's (and NCCL's all-reduce/all-gather/reduce-scatter at every size, 4 KiB-16 MiB, with 2+)"
+log "meshrun-plan calibrate on the GPU(s): matmul, attention, memory, op dispatch, TP/FSDP2's host cost on an NCCL mesh of the GPUs, less their collectives alone, each checkpointing policy's and each CP method's (and NCCL's all-reduce/all-gather/reduce-scatter at every size, 4 KiB-16 MiB, with 2+)"
 $py -m meshrun.tools.plan.main calibrate model=llama-1b hardware=auto train.precision=bf16 \
   train.seq_len=2048 train.micro_batch_size=4 "store.path=$work/meshrun.db" 2>&1 \
   | tee "$out/calibrate.log" | tail -3
