@@ -40,6 +40,7 @@ import torch.multiprocessing as mp
 from meshrun.core.paths import REPO_ROOT
 from meshrun.core.run_files.failures import first_failure
 from meshrun.driver.launch import TRAIN, RankEntry, RankFailure
+from meshrun.rank.mesh import end_distributed
 from tests.helpers import resolved_config
 
 JOB_TIMEOUT_S = 240.0
@@ -58,10 +59,12 @@ def _exit_with_parent() -> None:
 
 def _serve(index: int, jobs, results) -> None:
     """One worker: import torch once, then run jobs until told to stop (None). After each job
-    its garbage is collected, as a process's ending would free it: a job's process groups
-    live in reference cycles, each holding gloo's threads and sockets (without this, 90
-    process groups and 276 gloo threads per worker by the end of a session). The libraries'
-    objects are frozen out of the collection first, so that it walks only the jobs' own.
+    its process groups end as a rank's do (rank/mesh.end_distributed: destroyed, DTensor's
+    cache emptied, collected): they live in reference cycles, each holding gloo's threads and
+    sockets (without this, 90 process groups and 276 gloo threads per worker by the end of a
+    session), and ended at some later job's collection they would stop there instead. The
+    libraries' objects are frozen out of the collection first, so that it walks only the
+    jobs' own.
     torch.compile's code is dropped too: a later job's blocks would reuse an earlier one's
     (no compile to measure), up to dynamo's limit of entries a function, then run eagerly."""
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -77,8 +80,7 @@ def _serve(index: int, jobs, results) -> None:
         except BaseException:
             value = (False, traceback.format_exc())
         finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            end_distributed()  # the job's groups end with it, as a rank process's do
             torch._dynamo.reset()  # the next job compiles afresh, as a new rank process would
             gc.collect()
         results.put((job_id, index, *value))
