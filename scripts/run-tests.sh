@@ -14,8 +14,9 @@
 #   2. the SLURM tests marked `waits` (a requeue's time limit, a hang), once the cluster is up;
 #   3. the other SLURM tests (jobs that import torch and train), with the torch floor's subset
 #      beside them in CI (scripts/test-torch-floor.sh; its install must have ended with 0).
-# Measured on the 2-core box (CI on a fresh clone): the lane ~440 s inside the fast suite's
-# ~690; with step 3 after the fast suite (as before), CI ended 95 s after it.
+# Measured on the 2-core box (CI on a fresh clone): the lane ~390 s inside the fast suite's
+# ~520, CI 549 s (with libgomp's spin-waits, tests/__init__.py, the fast suite took ~690-760
+# and CI 745-801 s); with step 3 after the fast suite (as before), CI ended 95 s after it.
 #
 # .ci/run starts the SLURM cluster while the fast suite runs: MESHRUN_SLURM_STARTING names a
 # file the start writes its exit status to when it ends, up or not (not up: the SLURM tests
