@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import fail
+from meshrun.core.model_shape import ModelShape
 from meshrun.models import model_shape
 
 
@@ -41,15 +42,24 @@ def check_context_parallel(cfg: ExperimentConfig) -> None:
         _check_heads(cfg)
 
 
+def unsplit_heads(shape: ModelShape, tp: int, cp: int) -> tuple[str, int] | None:
+    """The first of a model's heads (and K/V heads) that Ulysses cannot split: it gives each
+    CP rank heads/cp of the heads its TP rank holds. None where both split."""
+    for name, heads in (("model.n_heads", shape.n_heads), ("model.n_kv_heads", shape.n_kv_heads)):
+        if (heads // tp) % cp:
+            return name, heads
+    return None
+
+
 def _check_heads(cfg: ExperimentConfig) -> None:
-    """Ulysses gives each CP rank heads/cp of the heads its TP rank holds."""
-    p, m = cfg.parallel, model_shape(cfg.model)
-    for name, heads in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads)):
-        if (heads // p.tp) % p.cp:
-            fail(
-                "parallel.cp_method",
-                "alltoall",
-                f"splits attention heads over cp: {name} ({heads}) / tp ({p.tp}) = "
-                f"{heads // p.tp} is not divisible by cp ({p.cp})",
-                "parallel.cp_method=ring or allgather, or a cp that divides the heads",
-            )
+    p = cfg.parallel
+    unsplit = unsplit_heads(model_shape(cfg.model), p.tp, p.cp)
+    if unsplit:
+        name, heads = unsplit
+        fail(
+            "parallel.cp_method",
+            "alltoall",
+            f"splits attention heads over cp: {name} ({heads}) / tp ({p.tp}) = "
+            f"{heads // p.tp} is not divisible by cp ({p.cp})",
+            "parallel.cp_method=ring or allgather, or a cp that divides the heads",
+        )

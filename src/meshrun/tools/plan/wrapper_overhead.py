@@ -29,12 +29,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from meshrun.core.config import LlamaModelConfig
-from meshrun.models import build_model
+from meshrun.models import build_model, model_shape
 from meshrun.rank.parallel.checkpointing import apply_activation_checkpointing
 from meshrun.rank.parallel.context import apply_context_parallel
 from meshrun.rank.parallel.context_attention import METHODS
 from meshrun.rank.parallel.tensor import apply_tp
 from meshrun.tools.plan.block_collectives import CALLS, collective_calls, collectives_in
+from meshrun.validate.context import unsplit_heads
 
 WRAPPERS = ("tp", "sp", "fsdp")
 CHECKPOINTING = ("full", "selective", "op")  # each alone on the plain block
@@ -114,9 +115,8 @@ def _stepper(
 ) -> Callable[[], None]:
     """One forward and backward of a `layers`-block model under `wrapper` (or checkpointing
     policy, or CP method: each rank holds SEQ tokens of a sequence all of them share)."""
-    world, seq = dist.get_world_size(), SEQ
-    if wrapper in CONTEXT:
-        seq = SEQ * world
+    world = dist.get_world_size()
+    seq = SEQ * world if wrapper in CONTEXT else SEQ
     model = build_model(dataclasses.replace(model_cfg, n_layers=layers), seq, "meta")
     if wrapper in ("tp", "sp"):
         apply_tp(model, mesh, sequence_parallel=wrapper == "sp")
@@ -137,10 +137,8 @@ def _stepper(
 
 def _context_methods(model_cfg: LlamaModelConfig) -> tuple[str, ...]:
     """The CP methods the block takes over every rank: alltoall only where the ranks split
-    its heads and K/V heads (otherwise refused before any run: validate/)."""
-    world = dist.get_world_size()
-    kv_heads = model_cfg.n_kv_heads or model_cfg.n_heads
-    splits = model_cfg.n_heads % world == 0 and kv_heads % world == 0
+    its heads and K/V heads (the rule a run is refused by otherwise)."""
+    splits = unsplit_heads(model_shape(model_cfg), 1, dist.get_world_size()) is None
     return tuple(m for m in CONTEXT if m != "alltoall" or splits)
 
 
