@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from meshrun.core.layout import MESH_DIMS, Layout, cp_rank, dp_rank, rank_coords
-from meshrun.rank.mesh import build_mesh, dp_group
+from meshrun.rank.mesh import build_mesh, dp_group, init_distributed
 
 LAYOUTS = [
     Layout(),
@@ -153,3 +154,35 @@ def test_build_mesh_and_dp_group_agree_with_rank_coords_and_dp_rank(layout):
             )
         finally:
             dist.destroy_process_group()
+
+
+RUN_TIMEOUT_S = 3
+ABSENT_PEER_S = 15
+
+
+def _tp_all_reduce_without_rank_1(_) -> tuple[str, float]:
+    """Ranks of a tp2 x pp2 mesh with the run's timeout; rank 1 never joins its TP group's
+    all-reduce (it outlasts the timeout asleep), rank 0 waits in it."""
+    init_distributed("gloo", RUN_TIMEOUT_S)
+    mesh = build_mesh(Layout(pp=2, tp=2), "cpu")
+    rank = dist.get_rank()
+    started = time.monotonic()
+    if rank == 1:
+        time.sleep(ABSENT_PEER_S)
+        return "absent", time.monotonic() - started
+    if rank != 0:
+        return "idle", 0.0
+    try:
+        dist.all_reduce(torch.ones(1), group=mesh["tp"].get_group())
+    except RuntimeError as err:
+        return f"raised: {err}"[:200], time.monotonic() - started
+    return "completed", time.monotonic() - started
+
+
+@pytest.mark.waits  # on backend.timeout_s
+def test_a_sub_mesh_collective_times_out_at_the_runs_timeout(rank_pool):
+    """A TP group of a 2-D mesh is a group of its own, not the default one: it must keep the
+    run's timeout (torch's default for it would be 30 minutes)."""
+    (outcome, waited), *_ = rank_pool.run(_tp_all_reduce_without_rank_1, None, world_size=4)
+    assert outcome.startswith("raised") and "Timed out" in outcome, outcome
+    assert waited < RUN_TIMEOUT_S + 3 < ABSENT_PEER_S

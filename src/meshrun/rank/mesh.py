@@ -7,6 +7,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
@@ -14,8 +15,16 @@ from meshrun.core.layout import MESH_DIMS, Layout
 
 
 def init_distributed(backend: str, timeout_s: float) -> None:
-    """Default process group from torchrun-style env vars, with a collective timeout."""
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    """Default process group from torchrun-style env vars, with the run's collective timeout,
+    and so every group made after it: torch gives a group that `new_group` or `split_group`
+    makes its own default (30 min; NCCL 10) unless a timeout is passed, and DeviceMesh,
+    `_flatten` and FSDP2 pass none. A peer that never joined a TP all-reduce of a 2-D mesh
+    held the other rank 20 s where the run's timeout was 5 (measured, gloo); the default
+    group's timeout covered only 1-D meshes, which reuse it."""
+    timeout = timedelta(seconds=timeout_s)
+    distributed_c10d.default_pg_timeout = timeout
+    distributed_c10d.default_pg_nccl_timeout = timeout
+    dist.init_process_group(backend=backend, timeout=timeout)
 
 
 COLLECTIONS = 4  # at most; an FSDP2 run's groups took two
