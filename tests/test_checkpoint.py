@@ -48,6 +48,7 @@ COMMON = (
     "train.lr_schedule.decay=cosine",
     "train.lr_schedule.warmup_steps=2",
 )
+TIED = "model.tie_embeddings=true"
 RESUMED_LAYOUTS = {
     "ddp": ("parallel=ddp",),
     "fsdp": ("parallel=fsdp",),
@@ -121,6 +122,12 @@ def test_resumed_run_continues_bit_for_bit(tmp_path, rank_pool, layout):
             marks=pytest.mark.slow,
         ),
         (("model=tiny-moe", "parallel=ep2"), ("model=tiny-moe", "parallel=single")),
+        # a tied embedding: its head's copy on the last stage saved under the embedding's keys
+        (
+            ("parallel=pp2", "parallel.dp_shard=2", "launcher.nproc_per_node=4", TIED),
+            ("parallel=single", TIED),
+        ),
+        pytest.param(("parallel=single", TIED), ("parallel=tp2_pp2", TIED), marks=pytest.mark.slow),
         pytest.param(  # each expert's hidden width split too: 2-D DTensors of the experts
             ("model=tiny-moe", "parallel=tp2_ep2", "parallel.etp=2", "launcher.nproc_per_node=4"),
             ("model=tiny-moe", "parallel=ep2"),
@@ -135,6 +142,8 @@ def test_resumed_run_continues_bit_for_bit(tmp_path, rank_pool, layout):
         "cp2-to-cp4",
         "moe_fsdp4_ep2-to-ep4",
         "moe_ep2-to-single",
+        "tied_fsdp2_pp2-to-single",
+        "tied_single-to-tp2_pp2",
         "moe_tp2_ep2_etp2-to-ep2",
     ],
 )

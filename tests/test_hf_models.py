@@ -67,7 +67,7 @@ LAYOUTS = {
 
 
 GPT2_COMMON = (*(o for o in COMMON if not o.startswith("model=")), "model=hf/tiny-gpt2")
-GPT2_LAYOUTS = {  # tied embeddings: no pipeline (the two would sit on different stages)
+GPT2_LAYOUTS = {
     "ddp": ("parallel=ddp",),
     "fsdp": ("parallel=fsdp",),
     "tp2": ("parallel=tp2", MICRO4),
@@ -79,6 +79,8 @@ GPT2_LAYOUTS = {  # tied embeddings: no pipeline (the two would sit on different
     ),
     # learned positions looked up at a CP rank's global ones
     "cp2_ring": ("parallel=cp2", MICRO4),
+    # the tied head a copy on the last stage, read and seeded as the embedding
+    "tp2_pp2": ("parallel=tp2_pp2",),
 }
 
 
@@ -186,9 +188,12 @@ def test_gpt2_with_its_shipped_plan_trains_like_one_device(experiment, single_lo
     check_like_one_device(experiment, single_losses, GPT2_LAYOUTS[layout], GPT2_COMMON)
 
 
-def saved_hf(directory: Path, preset: str = "hf/tiny-llama") -> torch.nn.Module:
-    """A checkpoint as a user has one: transformers' own init, save_pretrained (safetensors)."""
-    cfg = compose_config(f"model={preset}").model
+def saved_hf(
+    directory: Path, preset: str = "hf/tiny-llama", overrides: tuple[str, ...] = ()
+) -> torch.nn.Module:
+    """A checkpoint as a user has one: transformers' own init, save_pretrained (safetensors);
+    `overrides` of the model's keys (`+model.config.<field>=...`)."""
+    cfg = compose_config(f"model={preset}", *overrides).model
     torch.manual_seed(7)
     model = model_class(cfg.architecture)(hf_config(cfg))
     model.save_pretrained(directory)
@@ -202,12 +207,18 @@ PRETRAINED = {  # (common overrides, layout, ranks each tensor is split over)
     # Conv1D weights stored transposed, q|k|v regrouped per TP rank, the vocabulary tied and
     # padded (509 tokens), FSDP's shards of TP's shards
     "tiny-gpt2 fsdp2_tp2": (GPT2_COMMON, ("parallel=fsdp2_tp2",), 4),
+    # the last stage's tied head read from the embedding's tensor (no lm_head saved)
+    "tiny-llama tied tp2_pp2": (
+        (*COMMON, "+model.config.tie_word_embeddings=true"),
+        ("parallel=tp2_pp2",),
+        4,
+    ),
 }
 
 
-# In CI the sharded read of a pipeline of TP stages; with -m slow a whole read, FSDP's, and
-# GPT-2's transposed, regrouped and tied weights under FSDP x TP.
-PRETRAINED_FAST = {"tiny-llama tp2_pp2"}
+# In CI the sharded read of a pipeline of TP stages, untied and tied; with -m slow a whole
+# read, FSDP's, and GPT-2's transposed, regrouped and tied weights under FSDP x TP.
+PRETRAINED_FAST = {"tiny-llama tp2_pp2", "tiny-llama tied tp2_pp2"}
 
 
 @pytest.mark.parametrize("case", tiered(PRETRAINED, PRETRAINED_FAST))
@@ -216,16 +227,21 @@ def test_pretrained_weights_give_transformers_own_first_loss_each_rank_reading_i
 ):
     common, layout, split = PRETRAINED[case]
     preset = next(o for o in common if o.startswith("model=")).removeprefix("model=")
-    saved = saved_hf(tmp_path / "ckpt", preset)
+    model_keys = tuple(o for o in common if o.startswith("+model."))
+    saved = saved_hf(tmp_path / "ckpt", preset, model_keys)
     cfg, measured = experiment(*layout, *common, f"model.pretrained={tmp_path / 'ckpt'}")
     assert measured.ok, measured.meta.error
     assert losses(measured)[0] == pytest.approx(transformers_first_loss(cfg, saved), rel=1e-5)
-    tensors = load_file(tmp_path / "ckpt" / "model.safetensors").values()
-    total = sum(t.numel() * t.element_size() for t in tensors)
+    tensors = load_file(tmp_path / "ckpt" / "model.safetensors")
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
     read = measured.report.pretrained_read_bytes_per_rank
     assert sum(read) >= total  # every byte by some rank
+    # a pipeline's last stage reads a tied head from the embedding's tensor: twice read
+    embedding = saved.get_input_embeddings().weight
+    tied_copy = saved.config.tie_word_embeddings and cfg.parallel.pp > 1
+    shares = total + (embedding.numel() * embedding.element_size() if tied_copy else 0)
     # each rank its share (the norms TP replicates are 1-2% more); a whole copy would be 1.0
-    assert max(read) <= 1.02 * total / split, [r / total for r in read]
+    assert max(read) <= 1.02 * shares / split, [r / total for r in read]
 
 
 @pytest.mark.parametrize(

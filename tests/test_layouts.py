@@ -127,3 +127,40 @@ def test_layout_losses_and_grad_norms_match_single_device(experiment, single_ste
     assert_steps_match(measured.steps, single_steps)
     got = losses(measured)
     assert got[-1] < got[0]  # it trains, not just agrees
+
+
+# A tied embedding and head (Llama 3.2 1B's) under a pipeline: the last stage trains a copy
+# of the first stage's embedding weight, their gradients summed each step (rank/parallel/
+# tied.py). In CI: TP's vocabulary-sharded ends, FSDP2's, and a pipeline whose ends form a
+# group of their own (pp4); with -m slow the rest.
+TIED = "model.tie_embeddings=true"
+TIED_LAYOUTS = {
+    "pp2": ("parallel=pp2",),
+    "pp4_ends_in_a_group_of_their_own": ("parallel=pp4",),
+    "tp2_pp2": ("parallel=tp2_pp2",),
+    "tp2_pp2_sequence_parallel": ("parallel=tp2_pp2", "parallel.sequence_parallel=true"),
+    "fsdp2_pp2_interleaved": (
+        "parallel=pp2_interleaved",
+        "parallel.dp_shard=2",
+        "launcher.nproc_per_node=4",
+    ),
+    "dp2_tp2_pp2": ("parallel=dp2_tp2_pp2",),
+}
+TIED_FAST = {"pp4_ends_in_a_group_of_their_own", "tp2_pp2", "fsdp2_pp2_interleaved"}
+
+
+@pytest.fixture(scope="session")
+def single_tied_steps(tmp_path_factory, rank_pool) -> list[dict]:
+    cfg = config_in(tmp_path_factory.mktemp("single_tied"), "parallel=single", *COMMON, TIED)
+    measured = measure(cfg, "run", rank_pool.launch)
+    assert measured.ok, measured.meta.error
+    return measured.steps
+
+
+@pytest.mark.parametrize("layout", tiered(TIED_LAYOUTS, TIED_FAST))
+def test_a_tied_embedding_trains_across_pipeline_stages_as_on_one_device(
+    experiment, single_tied_steps, layout
+):
+    _, measured = experiment(*COMMON, TIED, *TIED_LAYOUTS[layout])
+    assert measured.ok, measured.meta.error
+    assert_steps_match(measured.steps, single_tied_steps)

@@ -15,7 +15,8 @@ from meshrun.core.config import AttentionKernel, FSDPConfig
 from meshrun.core.hardware import load_profile
 from meshrun.core.layout import Layout
 from meshrun.models import model_shape
-from meshrun.plan.collectives import overlapped
+from meshrun.plan.collectives import Fabric, overlapped
+from meshrun.plan.comm_time import tied_time
 from meshrun.plan.compute import ATTENTION_RATE, DeviceRates, kernel_rates
 from meshrun.plan.placement import GroupSpan, group_span
 from meshrun.plan.speed import SpeedPrediction, predict_speed
@@ -361,3 +362,39 @@ def test_a_predicted_step_is_the_sum_of_its_parts(parallel):
     assert sum(parts.values()) == pytest.approx(run.step_time_s, rel=1e-9)
     assert all(v >= 0 for v in parts.values())
     assert parts["matmul"] > 0 and parts["optimizer"] > 0
+
+
+LLAMA_1B = (
+    "model=llama-1b",  # tied embedding and head
+    "hardware=a100-80g",
+    "train.seq_len=4096",
+    "train.global_batch_size=64",
+    "train.micro_batch_size=1",
+)
+
+
+def test_a_tied_pipeline_sums_its_embedding_gradient_between_its_ends_once_a_step():
+    """A pipeline of llama-1b's tied embedding all-reduces V x h (the rank's TP and FSDP
+    shard, fp32) between its first and last stage after the last backward: exposed, once a
+    step, riding the NICs where the ends sit on two nodes; nothing without the tie or the
+    pipeline."""
+    untied = "model.tie_embeddings=false"
+    tied = speed(*LLAMA_1B, nodes=1, pp=2, tp=2, dp_shard=2)
+    same_untied = speed(*LLAMA_1B, untied, nodes=1, pp=2, tp=2, dp_shard=2)
+    summed = tied.breakdown["pp"] - same_untied.breakdown["pp"]
+    cfg = cluster_config(*LLAMA_1B, nodes=1, pp=2, tp=2, dp_shard=2)
+    fabric = Fabric.of(cfg)
+    vocab, h = 128256, 2048  # divisible by tp: no padding
+    assert summed == pytest.approx(fabric.all_reduce(GroupSpan(2, 1), vocab * h / 4 * 4))
+    assert summed > 0 and tied.step_time_s - same_untied.step_time_s >= summed * 0.99
+    assert tied_time(cfg, Layout.of(cfg.parallel), fabric) == pytest.approx(summed)
+    across = cluster_config(*LLAMA_1B, nodes=2, pp=2, tp=2, dp_shard=4)
+    layout = Layout.of(across.parallel)
+    assert tied_time(across, layout, Fabric.of(across)) == pytest.approx(
+        Fabric.of(across).all_reduce(GroupSpan(1, 2), vocab * h / 8 * 4)
+    )
+    assert (
+        tied_time(cluster_config(*LLAMA_1B, nodes=1, dp_shard=8), Layout(dp_shard=8), fabric) == 0
+    )
+    untied_pipeline = cluster_config(*LLAMA_1B, untied, nodes=1, pp=2, dp_shard=4)
+    assert tied_time(untied_pipeline, Layout.of(untied_pipeline.parallel), fabric) == 0

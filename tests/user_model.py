@@ -116,6 +116,13 @@ def build(
     return TinyGPT(vocab, dim, n_layers, heads, max_seq, learned_positions, attention_by_hand)
 
 
+def build_tied() -> TinyGPT:
+    """The head's weight the token embedding's: a module's own tie."""
+    model = build()
+    model.head.weight = model.embed.tokens.weight
+    return model
+
+
 def tp_plan(module: nn.Module) -> dict:
     return TP_PLAN
 

@@ -100,13 +100,21 @@ def fill(param: torch.Tensor, values: Source) -> None:
         local[: stop - start].copy_(values[(slice(start, stop), *box[1:])])
 
 
+# A module's {name: the name of the tensor it copies}: a pipeline's last stage holding a tied
+# head without the embedding (rank/parallel/tied.py) sets it
+COPIES = "tensor_copies"
+
+
 def named_tensors(module: nn.Module, buffers: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Parameters (and buffers) by the names the model gave them: activation checkpointing's
     wrapper, applied before the weights are filled, adds a prefix that init seeds and
-    checkpoint keys must not see."""
+    checkpoint keys must not see; a copy of a tied tensor goes by the tensor's own name, so
+    it is seeded, read and its optimizer state kept as the tensor is."""
+    copies = getattr(module, COPIES, {})
     tensors = [*module.named_parameters(), *(module.named_buffers() if buffers else ())]
     for name, tensor in tensors:
-        yield model_name(name), tensor
+        own = model_name(name)
+        yield copies.get(own, own), tensor
 
 
 def model_name(name: str) -> str:

@@ -33,7 +33,10 @@ hidden ones and FSDP2's copies cost compute beside them.
                 and its gradient backward, v times with v stages a rank: torch's schedules
                 post each receive just before the compute that needs it, so transfers are
                 exposed; the step is m micro-batches stretched by the bubble (p-1)/(v*m+p-1)
-                (GPipe, 1F1B; interleaved with v; Narayanan et al. 2021, SC21)
+                (GPipe, 1F1B; interleaved with v; Narayanan et al. 2021, SC21). A tied
+                embedding's gradient (V x h, the rank's TP and FSDP shard, fp32) all-reduced
+                between the first and last stage once a step, after the last backward:
+                exposed (Megatron's embedding group; rank/parallel/tied.py)
     DP          DDP: fp32 gradients all-reduced once a step in `bucket_cap_mb` buckets as
                 backward produces them, only what outlasts the last micro-batch's backward
                 exposed (+ the last bucket); FSDP2: each block's parameters all-gathered in
@@ -72,7 +75,7 @@ from meshrun.core.layout import Layout
 from meshrun.models import model_shape
 from meshrun.plan.collectives import Fabric, overlapped
 from meshrun.plan.compute import DeviceRates
-from meshrun.plan.placement import expert_spans, group_span
+from meshrun.plan.placement import GroupSpan, expert_spans, group_span
 from meshrun.plan.shapes import Dims, StageShare, checkpointed_layers, rank_tokens
 from meshrun.plan.stage_time import (
     EP_LOAD_ALLOWANCE,
@@ -200,6 +203,18 @@ def pp_time(
         nbytes /= layout.tp
     crosses = group_span(layout, "pp", fabric.devices_per_node).crosses_nodes
     return 2 * cfg.parallel.stages_per_rank * fabric.send(crosses, nbytes)
+
+
+def tied_time(cfg: ExperimentConfig, layout: Layout, fabric: Fabric) -> float:
+    """Seconds of a step's tied-embedding gradient sum between the pipeline's ends (a custom
+    module's own ties are refused under a pipeline: none)."""
+    if layout.pp == 1 or cfg.model.kind == "custom" or not model_shape(cfg.model).tied:
+        return 0.0
+    d = Dims.of_layout(cfg.model, layout)
+    ends_cross = group_span(layout, "pp", fabric.devices_per_node).crosses_nodes
+    pair = GroupSpan(1, 2) if ends_cross else GroupSpan(2, 1)
+    shards = layout.tp * (layout.shard_size if layout.uses_fsdp else 1)
+    return fabric.all_reduce(pair, d.vocab * d.h / shards * FP32)
 
 
 def dp_time(

@@ -24,6 +24,7 @@ from meshrun.plan.comm_time import (
     fsdp_copies,
     pp_time,
     sm_contention,
+    tied_time,
     tp_time,
 )
 from meshrun.plan.compute import DeviceRates, optimizer_time
@@ -100,12 +101,13 @@ def predict_speed(
         return None
     stage, rates = slowest
     pp = pp_time(cfg, layout, fabric, micro, cost)
+    tied = tied_time(cfg, layout, fabric)
     n_units = max(s.layers for s in shares) + 1  # FSDP2 units: the blocks and the root
     dp = dp_time(cfg, layout, fabric, cost, stage, m, n_units)
     if cfg.hardware.device_type == "cpu":  # gloo copies and reduces on the computing cores
         dp, stage.cp = (dp[0], dp[0]), stage.cp_total
     stage.parts["fsdp_copies"] = fsdp_copies(cfg, layout, cost, m, rates)
-    return _prediction(cfg, layout, cost, m, stage, pp, dp, sm_contention(dp, rates))
+    return _prediction(cfg, layout, cost, m, stage, (pp, tied), dp, sm_contention(dp, rates))
 
 
 def _slowest_stage(
@@ -177,12 +179,15 @@ def _prediction(
     cost: ModelCost,
     m: int,
     stage: StageTime,
-    pp: float,
+    pp: tuple[float, float],
     dp: tuple[float, float],
     contention: float,
 ) -> SpeedPrediction:
     """The step: m micro-batches of the slowest stage stretched by the schedule's bubble,
-    then what of the data-parallel sync is exposed, its SM contention and the optimizer."""
+    then the tied embedding's sum between the pipeline's ends, what of the data-parallel sync
+    is exposed, its SM contention and the optimizer. `pp`: (a micro-batch's transfers, the
+    step's tied-embedding sum)."""
+    pp, tied = pp
     dp_total, dp_exposed = dp
     bubble = 0.0
     if layout.pp > 1:
@@ -190,7 +195,7 @@ def _prediction(
     optimizer = stage.parts.get("optimizer", 0.0)
     copies = stage.parts.get("fsdp_copies", 0.0)
     pipeline = m * (stage.compute + stage.tp + stage.cp + stage.ep + pp)
-    step = pipeline / (1 - bubble) + dp_exposed + contention + optimizer + copies
+    step = pipeline / (1 - bubble) + tied + dp_exposed + contention + optimizer + copies
     tokens_per_s = cfg.train.tokens_per_step / step
     breakdown = {
         **{k: m * v for k, v in stage.parts.items() if k not in STEP_PARTS},
@@ -201,7 +206,7 @@ def _prediction(
         "cp": m * stage.cp_total,
         "cp_exposed": m * stage.cp,
         "ep": m * stage.ep,
-        "pp": m * pp,
+        "pp": m * pp + tied,
         "dp": dp_total,
         "dp_exposed": dp_exposed,
         "contention": contention,
@@ -209,11 +214,11 @@ def _prediction(
     }
     return SpeedPrediction(
         compute_s=m * stage.compute + optimizer + copies,
-        comm_s=m * (stage.tp + stage.cp_total + stage.ep + pp) + dp_total,
+        comm_s=m * (stage.tp + stage.cp_total + stage.ep + pp) + tied + dp_total,
         bubble=bubble,
         step_time_s=step,
         tokens_per_s=tokens_per_s,
-        exposed_comm_s=m * (stage.tp + stage.cp + stage.ep + pp) + dp_exposed + contention,
+        exposed_comm_s=m * (stage.tp + stage.cp + stage.ep + pp) + tied + dp_exposed + contention,
         model_tflops_per_device=tokens_per_s * cost.flops_per_token / layout.world_size / 1e12,
         breakdown=breakdown,
     )

@@ -34,6 +34,7 @@ from meshrun.rank.parallel.expert import apply_expert_parallel
 from meshrun.rank.parallel.fsdp import apply_fsdp
 from meshrun.rank.parallel.pipeline import ScaledLoss, build_schedule, cut_stage
 from meshrun.rank.parallel.tensor import resolve_tp_plan
+from meshrun.rank.parallel.tied import TiedWeights, tied_weights
 
 
 @dataclass
@@ -47,6 +48,11 @@ class ParallelModel:
     pretrained_bytes_read: int = 0
     new_schedule: Callable[[], _PipelineSchedule] | None = None  # another one over `parts`
     loss: ScaledLoss | None = None  # the training schedule's (its scale: fp16's loss scale)
+    tied: TiedWeights | None = None  # a tied embedding's end on a pipeline's first/last stage
+
+    def norm_copies(self) -> list[nn.Parameter]:
+        """Parameters that copy another rank's (a tied head): left out of the gradient norm."""
+        return [self.tied.param] if self.tied is not None and self.tied.is_copy else []
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for part in self.parts for p in part.parameters() if p.requires_grad]
@@ -132,15 +138,16 @@ def parallelize(
         part = sharded_part(cut, mesh, layout, cfg, param_dtype, compile, expert_mesh)
         read += materialise(part, device, seed, pretrained)
         wrapped.append(replicated(part, mesh, layout, cfg, device))
-    schedule = new_schedule = None
+    schedule = new_schedule = tied = None
     loss = ScaledLoss()
     if layout.pp > 1:
         new_schedule = functools.partial(
             build_schedule, wrapped, stage_ids, n_stages, mesh["pp"], cfg, n_microbatches, device
         )
         schedule = new_schedule(loss_fn=loss)
+        tied = tied_weights(wrapped, mesh)
     return ParallelModel(
-        wrapped, schedule, 0 in stage_ids, n_stages - 1 in stage_ids, read, new_schedule, loss
+        wrapped, schedule, 0 in stage_ids, n_stages - 1 in stage_ids, read, new_schedule, loss, tied
     )
 
 

@@ -1,8 +1,9 @@
 """Pipeline parallelism with torch.distributed.pipelining.
 
 The model is cut by layers into pp * stages_per_rank stages; the first keeps the embedding,
-the last the final norm and head. Rank r of the pp dim owns stages r, r + pp, ... (looped
-placement, what the interleaved schedules expect). Stages are cut on the meta device and only
+the last the final norm and head (a tied head as a copy of the embedding's weight: tied.py).
+Rank r of the pp dim owns stages r, r + pp, ... (looped placement, what the interleaved
+schedules expect). Stages are cut on the meta device and only
 then materialised, so a rank allocates only its own layers; parameter names, and therefore
 the seed-derived init, are those of the full model.
 """
@@ -32,6 +33,7 @@ from meshrun.core.choices import Schedule
 from meshrun.core.config import ParallelConfig
 from meshrun.core.stages import MULTI_STAGE_SCHEDULES
 from meshrun.rank.parallel import transfers
+from meshrun.rank.parallel.tied import mark_head_copy
 from meshrun.rank.parallel.transfers import Transfer
 from meshrun.rank.profiling import phase
 
@@ -58,6 +60,8 @@ def cut_stage(full: nn.Module, stage: int, counts: list[int]) -> nn.Module:
     if stage != len(counts) - 1:
         part.norm = None
         part.output = None
+    elif stage != 0 and part.tied:
+        mark_head_copy(part)  # the head keeps the (meta) embedding weight it was tied to
     return part
 
 

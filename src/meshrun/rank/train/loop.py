@@ -98,9 +98,12 @@ def train_step(
             step_loss = _pipeline_step(model, inputs, targets, ctx, factor)
         else:
             step_loss = _accumulate(model, inputs, targets, cfg.micro_batch_size, ctx, factor)
+    if model.tied is not None:  # a pipeline's tied embedding and head: one gradient
+        with inside(ctx.watchdog, step, "all_reduce (tied embedding)", one_collective=True):
+            model.tied.sum_grads()
     if breakdown:
         ctx.memory.mark(FWD_BWD_END)
-    grads = LocalGrads(model.parameters())
+    grads = LocalGrads(model.parameters(), model.norm_copies())
     if ctx.replicas is not None:  # torchft: averaged with the other replica groups' ranks'
         ctx.replicas.average(grads.tensors)
     if ctx.loss_scale:

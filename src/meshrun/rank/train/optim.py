@@ -125,13 +125,19 @@ class LocalGrads:
     norm reduces a copy, when it is taken (after any unscaling).
     """
 
-    def __init__(self, params: list[nn.Parameter]) -> None:
+    def __init__(self, params: list[nn.Parameter], copies: list[nn.Parameter] = ()) -> None:
+        """`copies`: gradients another rank holds too (a tied head's), scaled but not counted
+        in the norm."""
         self.tensors: list[torch.Tensor] = []  # what scaling multiplies, in place
         self.norm_parts: dict[tuple[dist.ProcessGroup, ...], list[torch.Tensor]] = {}
         self.partial: list[DTensor] = []
+        uncounted = {id(p) for p in copies}
         for p in params:
             grad = p.grad
             if grad is None:
+                continue
+            if id(p) in uncounted:
+                self.tensors.append(_local(grad))
                 continue
             if not isinstance(grad, DTensor):
                 self.tensors.append(grad)
