@@ -12,6 +12,8 @@ from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import HostFacts
 from meshrun.driver.resolve import resolve
 from meshrun.models import build_model, model_shape
+from meshrun.plan.speed import predict_speed
+from meshrun.plan.stage_time import ModelCost
 from meshrun.plan.traced import traced_memory
 from meshrun.rank.parallel.pipeline import cut_stage
 from tests.helpers import compose_config, resolved_config
@@ -303,3 +305,16 @@ def test_a_module_predicted_not_to_fit_is_refused_before_launch(meshrun_here):
     run = meshrun_here(*NAMED, "parallel=fsdp", "plan.headroom_gib=1e6")
     assert run.returncode == 2, run.output
     assert "predicted peak memory" in run.output and "exceeds the" in run.output
+
+
+def test_op_checkpointing_of_a_module_without_formulas_recomputes_every_other_matmul():
+    """The module's matmul sizes are unknown (no heads, no FFN width): ckpt=op is costed as
+    half its matmul FLOPs again, between selective (elementwise work only) and full."""
+    cost = ModelCost(flops_per_token=6e6, rank_elements=10**6, width=64)
+
+    def recompute(policy: str) -> float:
+        cfg = compose_config(*NAMED, "parallel=fsdp", f"parallel.activation_checkpointing={policy}")
+        return predict_speed(cfg, host_flops=1e11, cost=cost).breakdown["recompute"]
+
+    selective, op, full = recompute("selective"), recompute("op"), recompute("full")
+    assert selective < op < full

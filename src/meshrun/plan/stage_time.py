@@ -210,7 +210,10 @@ def stage_by_flops(
         recompute = attention * checkpointed_layers(cfg.parallel, share)
     if ckpt == "op" and shape.dim and share.layers:
         layers = checkpointed_layers(cfg.parallel, share) / share.layers
-        recompute += (forward - attention) * layers * alternate_matmul_share(Dims.of(cfg.model))
+        # a module without formulas (model=custom) does not say its matmuls' sizes: every
+        # other one of them is half of them
+        alternate = alternate_matmul_share(Dims.of(cfg.model)) if shape.n_heads else 0.5
+        recompute += (forward - attention) * layers * alternate
     return StageTime(
         forward,
         2 * forward,
