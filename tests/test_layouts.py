@@ -145,6 +145,11 @@ TIED_LAYOUTS = {
         "launcher.nproc_per_node=4",
     ),
     "dp2_tp2_pp2": ("parallel=dp2_tp2_pp2",),
+    "tp2_pp4_two_pairs_of_ends": (
+        "parallel=tp2_pp2",
+        "parallel.pp=4",
+        "launcher.nproc_per_node=8",
+    ),
 }
 TIED_FAST = {"pp4_ends_in_a_group_of_their_own", "tp2_pp2", "fsdp2_pp2_interleaved"}
 

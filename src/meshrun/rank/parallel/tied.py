@@ -53,23 +53,26 @@ class TiedWeights:
 
 def tied_weights(parts: list[nn.Module], mesh: DeviceMesh) -> TiedWeights | None:
     """The tied end among a pipeline rank's materialised parts, if it holds one: the first
-    stage's embedding of a tied model, or the last stage's head copy."""
+    stage's embedding of a tied model, or the last stage's head copy. Every pipeline rank
+    calls it (a group of the ends is made by every rank)."""
+    if not parts[0].tied:
+        return None
+    group = _ends_group(mesh)
     for part in parts:
-        inner = getattr(part, "module", part)  # a DataParallel / DDP wrapper, never under PP
-        if not getattr(inner, "tied", False):
-            return None
-        if holds_copy(inner):
-            return TiedWeights(inner.output.weight, True, _ends_group(mesh))
-        if inner.tok_embeddings is not None and inner.output is None:
-            return TiedWeights(inner.tok_embeddings.weight, False, _ends_group(mesh))
+        if holds_copy(part):
+            return TiedWeights(part.output.weight, True, group)
+        if part.tok_embeddings is not None and part.output is None:
+            return TiedWeights(part.tok_embeddings.weight, False, group)
     return None
 
 
-def _ends_group(mesh: DeviceMesh) -> dist.ProcessGroup:
-    """The first and last pipeline rank of this rank's pipeline: the pp group itself for two
-    stages, else a group of those two (made by them alone)."""
-    pipeline = mesh["pp"].get_group()
-    ranks = dist.get_process_group_ranks(pipeline)
-    if len(ranks) == 2:
-        return pipeline
-    return dist.new_group([ranks[0], ranks[-1]], use_local_synchronization=True)
+def _ends_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
+    """This rank's pair of pipeline ends (its pipeline's first and last rank): the pp group
+    itself for two stages, else one of the pairs' groups, which every rank makes (as the
+    mesh's own groups are made, on any backend); None on a middle stage."""
+    if mesh["pp"].size() == 2:
+        return mesh["pp"].get_group()
+    ranks = mesh.mesh  # pp is the outermost dim (core/layout.MESH_DIMS)
+    firsts, lasts = ranks[0].flatten().tolist(), ranks[-1].flatten().tolist()
+    mine, _ = dist.new_subgroups_by_enumeration([*map(list, zip(firsts, lasts, strict=True))])
+    return mine
