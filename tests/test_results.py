@@ -312,3 +312,12 @@ def test_every_figure_of_rank_0s_report_reaches_the_record():
     assert (results["host_other_cpu_share"], results["compile_s"]) == (0.01, 3.5)
     assert results["checkpoint_saves"] == [{"step": 2, "blocked_s": 0.1, "total_s": 0.5}]
     assert results["checkpoint_blocked_s"] == pytest.approx(0.1)
+
+
+def test_a_cpu_peak_traced_over_step_0_alone_is_flagged(ddp):
+    """One untimed step: the CPU trace saw step 0, before AdamW's state existed (small pp2:
+    64.7 MiB measured so, 93.2 over a later step)."""
+    one = dataclasses.replace(ddp, train=dataclasses.replace(ddp.train, untimed_steps=1))
+    [flag] = assembled(one, steps([None, 1.0]), report=rank_report())["flags"]
+    assert flag.startswith("peak memory traced over step 0 alone")
+    assert assembled(ddp, steps([None, None, 1.0]), report=rank_report())["flags"] == []

@@ -228,6 +228,18 @@ def host_flags(share: float | None) -> list[str]:
     ]
 
 
+def memory_flags(cfg: ExperimentConfig, report: RankReport | None) -> list[str]:
+    """A CPU rank's peak is traced over the untimed steps (rank/metrics/memory.py): one
+    untimed step is step 0 alone, which runs before the optimizer's state exists."""
+    if report is None or cfg.hardware.device_type != "cpu" or cfg.train.untimed_steps > 1:
+        return []
+    return [
+        "peak memory traced over step 0 alone (train.untimed_steps=1 on CPU), before the "
+        "optimizer's state exists: short of a whole step's by that state; "
+        "train.untimed_steps=2 measures one"
+    ]
+
+
 def params(cfg: ExperimentConfig) -> int:
     return param_counts(cfg.model, cfg.train.seq_len)[0]
 
@@ -249,7 +261,7 @@ def assemble(cfg: ExperimentConfig, measured: Measured, baseline: RunRecord | No
         timing["step_time_cv"],
     )
     host_share = report.host_other_cpu_share if report else None
-    flags = [*speed.pop("flags"), *host_flags(host_share)]
+    flags = [*speed.pop("flags"), *host_flags(host_share), *memory_flags(cfg, report)]
     return RunRecord(
         **meta_fields(meta, report),
         **config_fields(cfg, meta),
