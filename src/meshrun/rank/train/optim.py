@@ -5,6 +5,7 @@ across layouts."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -125,7 +126,7 @@ class LocalGrads:
     norm reduces a copy, when it is taken (after any unscaling).
     """
 
-    def __init__(self, params: list[nn.Parameter], copies: list[nn.Parameter] = ()) -> None:
+    def __init__(self, params: list[nn.Parameter], copies: Sequence[nn.Parameter] = ()) -> None:
         """`copies`: gradients another rank holds too (a tied head's), scaled but not counted
         in the norm."""
         self.tensors: list[torch.Tensor] = []  # what scaling multiplies, in place
