@@ -21,6 +21,8 @@ LAYOUTS = {
     "pp2-1f1b": ("parallel=pp2", "parallel.schedule=1f1b"),
     "pp2-gpipe": ("parallel=pp2", "parallel.schedule=gpipe"),
     "tp2_pp2": ("parallel=tp2_pp2",),
+    # a tied embedding: the last stage holds its copy as the head, with its state
+    "tied-pp2": ("parallel=pp2", "model.tie_embeddings=true"),
     # no formula: the rank's parallel module traced on fake tensors (plan/traced.py)
     "custom-tp2": (
         "parallel=tp2",
