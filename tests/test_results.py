@@ -321,3 +321,13 @@ def test_a_cpu_peak_traced_over_step_0_alone_is_flagged(ddp):
     [flag] = assembled(one, steps([None, 1.0]), report=rank_report())["flags"]
     assert flag.startswith("peak memory traced over step 0 alone")
     assert assembled(ddp, steps([None, None, 1.0]), report=rank_report())["flags"] == []
+
+
+def test_a_cuda_run_says_its_slowest_rank_is_not_measured(ddp, capsys):
+    """CUDA ranks report no busy time (rank/metrics/busy.py): the summary says so, where a
+    CPU run of several ranks names its slowest."""
+    results = assembled(ddp, steps([None, None, 1.0]), report=rank_report())
+    print_summary(RunRecord(**{**results, "device_type": "cuda"}))
+    assert "not measured on CUDA ranks" in capsys.readouterr().out
+    print_summary(RunRecord(**results))
+    assert "slowest rank" not in capsys.readouterr().out  # no busy times reported here

@@ -261,6 +261,9 @@ def _spans(steps: list[int]) -> str:
 
 
 def _slowest_rank(r: RunRecord) -> list[tuple[str, str | Text]]:
+    if r.device_type == "cuda" and (r.world_size or 1) > 1 and r.slowest_rank is None:
+        # a CUDA rank computes on its device, which its CPU time does not see (metrics/busy.py)
+        return [("slowest rank", "not measured on CUDA ranks (CPU ranks only)")]
     if r.slowest_rank is None or r.slowest_rank_slowdown is None:
         return []
     said = f"rank {r.slowest_rank}, {r.slowest_rank_slowdown:.2f}x the others' median busy time"
