@@ -3,8 +3,7 @@ while the interpreter runs. Left to the interpreter's exit, a torchrun rank abor
 completed run ("terminate called without an active exception", SIGABRT: srun then failed
 the job). Each rank here runs on the session's rank pool and reads its threads as soon as
 its run returns or raises, before anything else of the process runs: what the interpreter's
-exit would find. (The pool's workers may hold earlier jobs' groups, which torch keeps after
-some runs, TP's: the count is the run's own, after against before.)"""
+exit would find (the count is the run's own, after against before)."""
 
 from __future__ import annotations
 
@@ -36,10 +35,11 @@ def _threads_the_run_left(cfg: dict[str, Any]) -> int:
     return _gloo_threads() - before
 
 
-@pytest.mark.parametrize("layout", ["ddp", "fsdp"])
+@pytest.mark.parametrize("layout", ["ddp", "fsdp", "tp2"])
 def test_a_finished_run_leaves_no_process_group_threads_in_its_ranks(layout, tmp_path, rank_pool):
     """DDP's mesh (a cycle with its flattened dimension) was still the rank's local; FSDP2's
-    groups also sit in DTensor's sharding cache and take a second collection."""
+    groups also sit in DTensor's sharding cache and take a second collection; TP's in
+    DTensor's redistribution planners and its mesh topology cache (6 groups, 18 threads)."""
     cfg = config_in(tmp_path, *RUN, f"parallel={layout}")
     assert rank_pool.run(_threads_the_run_left, asdict(cfg), world_size=2) == [0, 0]
     assert (Path(cfg.run_dir) / "metrics.jsonl").exists()  # it did train

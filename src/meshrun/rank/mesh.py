@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import _redistribute
+from torch.distributed.tensor._collective_utils import MeshTopoInfo
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from meshrun.core.layout import MESH_DIMS, Layout
@@ -35,11 +37,15 @@ def end_distributed() -> None:
     its own references first): their gloo threads end while the interpreter runs. Left to
     the interpreter's exit, one aborted a torchrun rank after a completed run ("terminate
     called without an active exception", SIGABRT); left in a process that runs again (the
-    test suite's rank pool), every run's groups kept their threads and sockets. Where torch
-    itself keeps a group (TP's, CP's and PP's runs keep some), it lives on."""
+    test suite's rank pool), every run's groups kept their threads and sockets."""
     if dist.is_initialized():
         dist.destroy_process_group()
-    _clear_sharding_prop_cache()  # DTensor's, whose cached specs hold their meshes
+    # DTensor's caches, whose specs and redistribution planners hold their meshes (and so
+    # every group of a run: a TP run's 6 gloo groups, 18 threads, outlived it in the pool)
+    _clear_sharding_prop_cache()
+    _redistribute.clear_redistribute_planner_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    MeshTopoInfo.build_from_mesh.cache_clear()
     for _ in range(COLLECTIONS):  # a collection's finalizers can leave the next one cycles
         if not gc.collect():
             break
