@@ -255,24 +255,40 @@ def test_ctrl_c_saves_and_resume_auto_continues(tmp_path, rank_pool):
 
 
 @pytest.mark.parametrize(
-    ("model", "architecture", "resumed_under"),
+    ("model", "architecture", "trained_under", "resumed_under"),
     [
-        (("model=tiny", "model.vocab_size=251"), "LlamaForCausalLM", "single"),
+        (("model=tiny", "model.vocab_size=251"), "LlamaForCausalLM", "tp2", "single"),
         # with -m slow: test_hf_auto.py exports a transformers family in CI
-        pytest.param(("model=hf/tiny-gpt2",), "GPT2LMHeadModel", "tp2", marks=pytest.mark.slow),
+        pytest.param(
+            ("model=hf/tiny-gpt2",), "GPT2LMHeadModel", "tp2", "tp2", marks=pytest.mark.slow
+        ),
+        # a tied embedding trained across pipeline stages: one tensor exported
+        pytest.param(
+            ("model=tiny", "model.tie_embeddings=true"),
+            "LlamaForCausalLM",
+            "tp2_pp2",
+            "single",
+            marks=pytest.mark.slow,
+        ),
     ],
-    ids=["meshrun-llama", "gpt2"],
+    ids=["meshrun-llama", "gpt2", "meshrun-llama-tied-tp2_pp2"],
 )
 def test_export_is_the_trained_model_that_transformers_loads(
-    tmp_path, rank_pool, model, architecture, resumed_under
+    tmp_path, rank_pool, model, architecture, trained_under, resumed_under
 ):
-    """Trained under tp2 (vocabulary padded, GPT-2's q|k|v regrouped), exported as HF: the
-    model transformers' from_pretrained loads gives, on the batch of the next step, the loss
-    that meshrun's own run resumed from the final checkpoint trains that step with (under
-    single, the padded vocabulary resharded; GPT-2 under tp2, whose row order it keeps)."""
+    """Trained under tp2 (vocabulary padded, GPT-2's q|k|v regrouped) or a pipeline of a
+    tied embedding, exported as HF: the model transformers' from_pretrained loads gives, on
+    the batch of the next step, the loss that meshrun's own run resumed from the final
+    checkpoint trains that step with (under single, the padded vocabulary resharded; GPT-2
+    under tp2, whose row order it keeps)."""
     transformers = pytest.importorskip("transformers")
     cfg = config_in(
-        tmp_path / "a", *COMMON, *model, "parallel=tp2", "train.steps=4", "checkpoint.export=hf"
+        tmp_path / "a",
+        *COMMON,
+        *model,
+        f"parallel={trained_under}",
+        "train.steps=4",
+        "checkpoint.export=hf",
     )
     exported = Path(run_experiment(cfg, rank_pool.launch).export_path)
     hf = getattr(transformers, architecture).from_pretrained(exported)
