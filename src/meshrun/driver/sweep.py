@@ -75,6 +75,10 @@ class SweepEnd(Callback):
     failed. (A local job that failed ends the sweep through SweepJobFailed instead.)"""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        # The default store path, ${hydra:runtime.cwd}/..., resolves through HydraConfig,
+        # which Hydra leaves unset here: the sweep ended with an InterpolationResolutionError
+        # (a warning) and no table wherever store.path was not given.
+        HydraConfig.instance().set_config(config)
         code = collect_sweep(Path(config.hydra.sweep.dir))
         print_sweep_table(config.store.path, sweep_name(config.sweep, config.hydra.sweep.dir))
         if code:
