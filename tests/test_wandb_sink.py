@@ -5,9 +5,14 @@ them, else the peaks."""
 
 from __future__ import annotations
 
+import pytest
+
 from meshrun.core.choices import LoggerMode
 from meshrun.core.config import LoggerConfig
-from meshrun.driver.sinks.wandb_sink import WandbRun, memory_rows, run_tags
+from meshrun.core.errors import ConfigError
+from meshrun.driver.sinks.wandb_sink import WandbRun, memory_rows, resolve_mode, run_tags
+from meshrun.validate import check_experiment
+from tests.helpers import compose_config
 from tests.wandb_records import read_offline_run, step_rows
 
 TINY = (
@@ -109,3 +114,28 @@ def test_the_wandb_run_is_logged_while_the_run_trains(meshrun_here):
     assert stamps == sorted(stamps)
     assert stamps[-1] - stamps[0] > 0.5 * 19 * 0.15, stamps  # all at the end: within a second
     assert logged["summary"]["tokens_per_s"] == run.results["tokens_per_s"]
+
+
+def test_online_without_a_key_is_refused_before_launch_and_a_self_hosted_login_counts(
+    tmp_path, monkeypatch
+):
+    """wandb's own places: WANDB_API_KEY, or the netrc entry `wandb login` writes for its host
+    (WANDB_BASE_URL's, self-hosted); `auto` goes online only where one is found."""
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_BASE_URL", raising=False)
+    netrc_file = tmp_path / "netrc"
+    netrc_file.write_text("machine wandb.example.org login user password secret\n")
+    netrc_file.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc_file))
+    online = ("logger=wandb", "logger.mode=online")
+    with pytest.raises(ConfigError) as refused:
+        check_experiment(compose_config(*online))
+    assert refused.value.key == "logger.mode"
+    assert "no API key here" in str(refused.value) and "api.wandb.ai" in str(refused.value)
+    assert resolve_mode(LoggerConfig(mode=LoggerMode["auto"])) == "offline"
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.org")
+    check_experiment(compose_config(*online))
+    assert resolve_mode(LoggerConfig(mode=LoggerMode["auto"])) == "online"
+    monkeypatch.delenv("WANDB_BASE_URL")
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    check_experiment(compose_config(*online))

@@ -20,10 +20,12 @@ from meshrun.core.config import (
     CustomModelConfig,
     ExperimentConfig,
     HardwareConfig,
+    LoggerConfig,
     resolved_of,
 )
 from meshrun.core.errors import choice, fail, positive
 from meshrun.core.hardware import HostFacts, resolve_hardware
+from meshrun.core.wandb_key import has_wandb_key, wandb_host
 from meshrun.validate.checkpoint import check_checkpoint
 from meshrun.validate.context import check_context_parallel
 from meshrun.validate.custom import check_custom_layout
@@ -54,6 +56,21 @@ def check_experiment(cfg: ExperimentConfig, model_read_from: str | None = None) 
     _check_plan(cfg)
     positive("metrics.baseline_max_age_h", cfg.metrics.baseline_max_age_h)
     choice("logger.name", cfg.logger.name, ("wandb", "none"))
+    check_logger(cfg.logger)
+
+
+def check_logger(cfg: LoggerConfig) -> None:
+    """Online W&B asked for where wandb has no key: the run would train and W&B refuse it
+    at the first log, after the launch."""
+    if cfg.name == "wandb" and cfg.mode == "online" and not has_wandb_key():
+        fail(
+            "logger.mode",
+            "online",
+            f"W&B has no API key here (WANDB_API_KEY, or `wandb login`'s netrc entry for "
+            f"{wandb_host()})",
+            "auto (online with a key, else offline: `wandb sync` uploads the run later), "
+            "offline, or `wandb login` first",
+        )
 
 
 def validate(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:

@@ -14,12 +14,12 @@ enters the config, results or logs.
 
 from __future__ import annotations
 
-import netrc
 import os
 from typing import Any
 
 from meshrun.core.config import LoggerConfig
 from meshrun.core.record import summary_keys
+from meshrun.core.wandb_key import has_wandb_key
 
 SUMMARY_KEYS = summary_keys()  # the record's fields marked `summary` (core/record.py)
 # Byte counts per rank in results["memory_per_rank"], in table order; CUDA adds the last two.
@@ -35,19 +35,10 @@ MEMORY_COLUMNS = (
 )
 
 
-def _has_key() -> bool:
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    try:
-        return netrc.netrc().authenticators("api.wandb.ai") is not None
-    except (FileNotFoundError, netrc.NetrcParseError):
-        return False
-
-
 def resolve_mode(cfg: LoggerConfig) -> str:
     if cfg.mode != "auto":
         return cfg.mode
-    return "online" if _has_key() else "offline"
+    return "online" if has_wandb_key() else "offline"
 
 
 class WandbRun:
