@@ -14,8 +14,10 @@ import pytest
 import torch
 
 from meshrun.core.errors import ConfigError
+from meshrun.core.rank_report import RankReport
 from meshrun.core.record import RunRecord
 from meshrun.core.run_files.profiles import summarize, trace_path
+from meshrun.driver.inspection import MIN_JUDGED_STEPS, straggler_fields
 from meshrun.driver.results import assemble
 from meshrun.driver.sinks.timeline import TIMELINE_FILE
 from meshrun.rank.metrics.busy import busy_fields
@@ -221,3 +223,14 @@ def test_wandb_gets_each_ranks_profile_and_the_slowest_rank(profiled):
         assert row["idle_s"] == pytest.approx(profile["idle_s"])
     assert logged["summary"]["slowest_rank"] == record.slowest_rank
     assert logged["summary"]["profile_overhead"] == pytest.approx(record.profile_overhead)
+
+
+def test_a_straggler_is_called_over_three_timed_steps_or_more():
+    """One or two steps' busy times are one sample of the ranks' noise: reported, not judged."""
+    cfg = compose_config("parallel=ddp")
+    report = RankReport(memory_per_rank=[], fingerprint={}, busy_per_rank=[1.0, 1.3])
+    short = straggler_fields(cfg, report, timed_steps=MIN_JUDGED_STEPS - 1)
+    assert short["slowest_rank"] == 1 and short["slowest_rank_slowdown"] == pytest.approx(1.3)
+    assert short["straggler"] is None
+    judged = straggler_fields(cfg, report, timed_steps=MIN_JUDGED_STEPS)
+    assert judged["straggler"].startswith("rank 1 is busy 1.30x")

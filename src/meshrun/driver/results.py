@@ -280,7 +280,7 @@ def assemble(cfg: ExperimentConfig, measured: Measured, baseline: RunRecord | No
         **predicted_speed_fields(cfg),
         **trials_fields(meta.trials),
         **profile_fields(cfg, steps),
-        **straggler_fields(cfg, report),
+        **straggler_fields(cfg, report, len(step_times)),
         **skipped_fields(steps),
         **rollback_fields(report),
         **replica_fields(cfg, report, steps),

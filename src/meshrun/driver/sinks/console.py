@@ -12,6 +12,7 @@ from meshrun.core.measured import RunMeta
 from meshrun.core.record import MEMORY_CATEGORIES, RunRecord
 from meshrun.core.run_files.profiles import PROFILE_DIR
 from meshrun.core.trials import Trial, fastest, first_choice_loss, node_sets, rank_correlation
+from meshrun.driver.inspection import MIN_JUDGED_STEPS
 from meshrun.driver.sinks.timeline import TIMELINE_FILE
 
 console = Console()
@@ -267,6 +268,9 @@ def _slowest_rank(r: RunRecord) -> list[tuple[str, str | Text]]:
     if r.slowest_rank is None or r.slowest_rank_slowdown is None:
         return []
     said = f"rank {r.slowest_rank}, {r.slowest_rank_slowdown:.2f}x the others' median busy time"
+    timed = len(r.step_times or [])
+    if timed < MIN_JUDGED_STEPS:
+        said += f" ({timed} timed step(s): too few to call a straggler)"
     if r.straggler:
         return [("slowest rank", Text(f"{said}: straggler", style="bold yellow"))]
     return [("slowest rank", said)]
