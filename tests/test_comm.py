@@ -277,3 +277,11 @@ def test_nccl_one_rank_per_gpu(comm):
     rep = report(run)
     assert rep["device_type"] == "cuda" and rep["wrong"] == 0
     assert rep["world_size"] == torch.cuda.device_count()
+
+
+def test_online_wandb_without_a_key_is_refused_before_any_rank(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    cfg = _config(comm={"ops": ["all_reduce"]}, logger={"name": "wandb", "mode": "online"})
+    with pytest.raises(ConfigError, match=r"logger\.mode='online': W&B has no API key here"):
+        validate_comm(cfg, HostFacts.detect())

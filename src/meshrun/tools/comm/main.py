@@ -34,7 +34,7 @@ from meshrun.driver.sinks.console import console, print_error
 from meshrun.tools.comm.busbw import OPS
 from meshrun.tools.comm.collectives import DTYPES, REDOPS, device_type, measurements
 from meshrun.tools.comm.report import print_tables, record, summarize, write_json
-from meshrun.validate import resolve_backend
+from meshrun.validate import check_logger, resolve_backend
 from meshrun.validate.launcher import (
     CPU_DEFAULT_RANKS,
     check_attached_world,
@@ -93,6 +93,7 @@ def validate_comm(cfg: CommRunConfig, facts: HostFacts) -> CommRunConfig:
             "larger sizes",
         )
     check_debug(cfg.debug, world, len(plan), "measurements")
+    check_logger(cfg.logger)
     name = cfg.name or f"comm_{backend.name}_{world}"
     return dataclasses.replace(
         cfg, backend=backend, hardware=hardware, launcher=launcher, name=name
