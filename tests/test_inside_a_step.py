@@ -7,6 +7,9 @@ from __future__ import annotations
 import gzip
 import json
 import statistics
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import matplotlib.image
@@ -234,3 +237,31 @@ def test_a_straggler_is_called_over_three_timed_steps_or_more():
     assert short["straggler"] is None
     judged = straggler_fields(cfg, report, timed_steps=MIN_JUDGED_STEPS)
     assert judged["straggler"].startswith("rank 1 is busy 1.30x")
+
+
+def test_the_profilers_start_and_stop_print_nothing_of_kinetos():
+    """kineto prints `USDT: ... profiler_start/stop` to fd 2 at each (torch 2.13): a profiled
+    window of every rank, calibration's and the memory meter's would each print a pair."""
+    code = textwrap.dedent("""
+        import sys
+        from torch.profiler import profile
+        from meshrun.rank.quiet_profiler import quiet_stderr
+        loud = profile()
+        loud.start()
+        loud.stop()
+        print("QUIET FROM HERE", file=sys.stderr, flush=True)
+        quiet = profile()
+        with quiet_stderr():
+            quiet.start()
+        with quiet_stderr():
+            quiet.stop()
+        print("still printed", file=sys.stderr, flush=True)
+    """)
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert run.returncode == 0, run.stderr
+    loud, quiet = run.stderr.split("QUIET FROM HERE")
+    if "profiler_start" not in loud:
+        pytest.skip("this torch's kineto prints nothing at a profiler's start")
+    assert "USDT" not in quiet and "still printed" in quiet

@@ -17,6 +17,7 @@ from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 
 from meshrun.core.run_files.profiles import PHASE, STEP_PHASE, trace_path
+from meshrun.rank.quiet_profiler import quiet_stderr
 
 
 def phase(name: str) -> record_function:
@@ -49,13 +50,15 @@ class StepProfiler:
             self._profile = profile(
                 activities=self.activities, record_shapes=True, profile_memory=True
             )
-            self._profile.start()
+            with quiet_stderr():
+                self._profile.start()
 
     def after(self, step: int) -> bool:
         """True where this step ended the profile (and its trace was written)."""
         if step != self.last or self._profile is None:
             return False
-        self._profile.stop()
+        with quiet_stderr():
+            self._profile.stop()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._profile.export_chrome_trace(str(self.path))  # gzipped: the name ends .gz
         self._profile = None

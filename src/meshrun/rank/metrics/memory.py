@@ -25,8 +25,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
-import os
-import sys
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -37,22 +35,10 @@ from torch._C._profiler import _ExtraFields_Allocation, _ProfilerEvent
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from meshrun.rank.quiet_profiler import quiet_stderr
+
 STEP_START = "meshrun/step_start"
 FWD_BWD_END = "meshrun/fwd_bwd_end"
-
-
-@contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """Kineto prints start/stop lines from C++ to fd 2 whatever its log level."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with open(os.devnull, "w") as devnull:
-        os.dup2(devnull.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
 
 
 def _counter_flag() -> ctypes.c_bool | None:
@@ -144,7 +130,7 @@ class MemoryMeter:
         self._counter = contextlib.ExitStack()
         self._counter.enter_context(_process_wide_cpu_counter())
         self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        with _quiet_stderr():
+        with quiet_stderr():
             self._profiler.__enter__()
 
     def mark(self, label: str) -> None:
@@ -169,7 +155,7 @@ class MemoryMeter:
             self._read_cuda_marks()
         if self._profiler is None:
             return
-        with _quiet_stderr():
+        with quiet_stderr():
             self._profiler.__exit__(None, None, None)
         if self._counter is not None:
             self._counter.close()

@@ -12,6 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 from meshrun.core.config import LlamaModelConfig
 from meshrun.models import build_model
 from meshrun.plan.shapes import Dims
+from meshrun.rank.quiet_profiler import quiet_stderr
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
 IN_STEP_MAX_BYTES = 2 * 2**30  # a block's fp32 weights and gradients, each rank
@@ -52,7 +53,7 @@ def matmul_in_a_step(block: LlamaModelConfig, attention: tuple[int, int, int, in
         model(tokens).float().sum().backward()
 
     step()
-    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+    with quiet_stderr(), profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
         for _ in range(STEPS):
             step()
     ops = [e for e in prof.key_averages() if e.key in MATMUL_OPS]
