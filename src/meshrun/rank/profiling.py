@@ -10,6 +10,7 @@ not averaged in."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import torch
@@ -50,14 +51,21 @@ class StepProfiler:
             self._profile = profile(
                 activities=self.activities, record_shapes=True, profile_memory=True
             )
-            with quiet_stderr():
+            with self._quiet():
                 self._profile.start()
+
+    def _quiet(self) -> contextlib.AbstractContextManager:
+        """kineto's start/stop lines silenced on CPU ranks; a CUDA rank's stderr kept whole,
+        where CUPTI says why a trace would hold no kernels."""
+        if ProfilerActivity.CUDA in self.activities:
+            return contextlib.nullcontext()
+        return quiet_stderr()
 
     def after(self, step: int) -> bool:
         """True where this step ended the profile (and its trace was written)."""
         if step != self.last or self._profile is None:
             return False
-        with quiet_stderr():
+        with self._quiet():
             self._profile.stop()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._profile.export_chrome_trace(str(self.path))  # gzipped: the name ends .gz

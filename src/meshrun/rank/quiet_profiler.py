@@ -1,6 +1,7 @@
 """torch.profiler's start and stop without kineto's lines: it prints `USDT: ...
 profiler_start` / `profiler_stop` from C++ to fd 2 whatever KINETO_LOG_LEVEL says (torch
-2.13), one pair a rank at every profiled window, calibration's and the memory meter's too."""
+2.13), one pair a rank at every profiled window, calibration's and the memory meter's too.
+Only CPU profiles are quieted: on CUDA, kineto's stderr also carries CUPTI's errors."""
 
 from __future__ import annotations
 
