@@ -507,6 +507,8 @@ def test_pipeline_schedules_are_exactly_the_schedule_enum():
         (["+train.micro_batchsize=2"], "train.micro_batchsize", "train.micro_batch_size (nearest)"),
         (["+hardware.flops=1"], "hardware.flops", "keys of hardware: name | device_type"),
         (["+foo=1"], "foo", "keys of the config: model | parallel"),
+        # a misspelt group with a key below it: the key and value given, not None
+        (["trian.steps=3"], "trian", "trian={'steps': '3'}: not a key of the config. Valid: train"),
         (
             ["hardware=cpu", "+hardware.devices.0.memory=1"],
             "hardware.devices[0].memory",

@@ -141,11 +141,16 @@ def _describe(schema: type | None, key: str) -> str | None:
 
 
 def _override_value(key: str, overrides: list[str]) -> object:
+    """What the command line set `key` to: its value, or for a key only given below it (an
+    unknown `trian.steps=3`), those keys and values ({'steps': '3'}); None if neither."""
+    below: dict[str, str] = {}
     for override in reversed(overrides):
         name, sep, value = override.lstrip("+~").partition("=")
         if sep and name == key:
             return value
-    return None
+        if sep and name.startswith(f"{key}."):
+            below.setdefault(name.removeprefix(f"{key}."), value)
+    return below or None
 
 
 def _group_options(group: str, message: str) -> list[str]:
