@@ -108,12 +108,16 @@ FAST = {
 }
 
 
-@pytest.fixture(scope="session")
-def single_steps(tmp_path_factory, rank_pool) -> list[dict]:
-    cfg = config_in(tmp_path_factory.mktemp("single"), "parallel=single", *COMMON)
+def _single_device_steps(tmp_path_factory, rank_pool, *overrides: str) -> list[dict]:
+    cfg = config_in(tmp_path_factory.mktemp("single"), "parallel=single", *COMMON, *overrides)
     measured = measure(cfg, "run", rank_pool.launch)
     assert measured.ok, measured.meta.error
     return measured.steps
+
+
+@pytest.fixture(scope="session")
+def single_steps(tmp_path_factory, rank_pool) -> list[dict]:
+    return _single_device_steps(tmp_path_factory, rank_pool)
 
 
 @pytest.mark.parametrize("layout", tiered(LAYOUTS, FAST))
@@ -156,10 +160,7 @@ TIED_FAST = {"pp4_ends_in_a_group_of_their_own", "tp2_pp2", "fsdp2_pp2_interleav
 
 @pytest.fixture(scope="session")
 def single_tied_steps(tmp_path_factory, rank_pool) -> list[dict]:
-    cfg = config_in(tmp_path_factory.mktemp("single_tied"), "parallel=single", *COMMON, TIED)
-    measured = measure(cfg, "run", rank_pool.launch)
-    assert measured.ok, measured.meta.error
-    return measured.steps
+    return _single_device_steps(tmp_path_factory, rank_pool, TIED)
 
 
 @pytest.mark.parametrize("layout", tiered(TIED_LAYOUTS, TIED_FAST))

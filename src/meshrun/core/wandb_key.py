@@ -13,7 +13,7 @@ WANDB_HOST = "https://api.wandb.ai"
 
 def wandb_host() -> str:
     """The W&B server runs log to: wandb's default, or a self-hosted one (WANDB_BASE_URL)."""
-    return urlparse(os.environ.get("WANDB_BASE_URL", WANDB_HOST)).hostname or "api.wandb.ai"
+    return urlparse(os.environ.get("WANDB_BASE_URL") or WANDB_HOST).hostname or ""
 
 
 def has_wandb_key() -> bool:

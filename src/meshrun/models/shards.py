@@ -68,6 +68,14 @@ class Reordered:
         return values
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `tensor`: a DTensor's local shard, any other tensor itself."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(tensor, dtensor.DTensor):
+        return tensor.to_local()
+    return tensor
+
+
 def held_box(param: torch.Tensor) -> tuple[torch.Tensor, Box]:
     """(the tensor this rank writes, which box of the full tensor it holds). DTensor is looked
     up, not imported: a process that never made one (the driver validating a config) is spared

@@ -107,7 +107,7 @@ def predict_speed(
     if cfg.hardware.device_type == "cpu":  # gloo copies and reduces on the computing cores
         dp, stage.cp = (dp[0], dp[0]), stage.cp_total
     stage.parts["fsdp_copies"] = fsdp_copies(cfg, layout, cost, m, rates)
-    return _prediction(cfg, layout, cost, m, stage, (pp, tied), dp, sm_contention(dp, rates))
+    return _prediction(cfg, layout, cost, m, stage, pp, tied, dp, sm_contention(dp, rates))
 
 
 def _slowest_stage(
@@ -179,15 +179,15 @@ def _prediction(
     cost: ModelCost,
     m: int,
     stage: StageTime,
-    pp: tuple[float, float],
+    pp: float,
+    tied: float,
     dp: tuple[float, float],
     contention: float,
 ) -> SpeedPrediction:
-    """The step: m micro-batches of the slowest stage stretched by the schedule's bubble,
-    then the tied embedding's sum between the pipeline's ends, what of the data-parallel sync
-    is exposed, its SM contention and the optimizer. `pp`: (a micro-batch's transfers, the
-    step's tied-embedding sum)."""
-    pp, tied = pp
+    """The step: m micro-batches of the slowest stage stretched by the schedule's bubble
+    (`pp` a micro-batch's transfers), then the tied embedding's sum between the pipeline's
+    ends (`tied`), what of the data-parallel sync is exposed, its SM contention and the
+    optimizer."""
     dp_total, dp_exposed = dp
     bubble = 0.0
     if layout.pp > 1:

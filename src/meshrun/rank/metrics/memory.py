@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 from torch._C._profiler import _ExtraFields_Allocation, _ProfilerEvent
-from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from meshrun.models.shards import local_tensor
 from meshrun.rank.quiet_profiler import quiet_stderr
 
 STEP_START = "meshrun/step_start"
@@ -80,17 +80,13 @@ def _walk(roots: list[_ProfilerEvent]) -> Iterator[_ProfilerEvent]:
         stack.extend(event.children)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     """Bytes of the storages behind `tensors`, each storage once (views share one)."""
     seen: dict[int, int] = {}
     for tensor in tensors:
         if tensor is None:
             continue
-        storage = _local(tensor).untyped_storage()
+        storage = local_tensor(tensor).untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
 

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from meshrun.models.shards import COPIES
+from meshrun.models.shards import COPIES, local_tensor
 
 EMBEDDING, HEAD = "tok_embeddings.weight", "output.weight"
 
@@ -48,7 +48,7 @@ class TiedWeights:
         grad, param = self.param.grad, self.param
         if isinstance(grad, DTensor) and grad.placements != param.placements:
             grad = param.grad = grad.redistribute(param.device_mesh, param.placements)
-        dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.group)
+        dist.all_reduce(local_tensor(grad), group=self.group)
 
 
 def tied_weights(parts: list[nn.Module], mesh: DeviceMesh) -> TiedWeights | None:

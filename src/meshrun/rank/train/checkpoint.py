@@ -36,7 +36,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from meshrun.core.checkpoints import (
@@ -53,7 +52,7 @@ from meshrun.core.layout import Layout
 from meshrun.core.naming import layout_name
 from meshrun.core.run_files.failures import Stopped
 from meshrun.models import model_key, model_shape
-from meshrun.models.shards import fill, model_name, named_tensors
+from meshrun.models.shards import fill, local_tensor, model_name, named_tensors
 from meshrun.models.vocab import VOCAB_MODULES
 from meshrun.rank.parallel import ParallelModel
 from meshrun.rank.stop_signals import STOP_SIGNALS
@@ -109,8 +108,7 @@ def local_state(model: ParallelModel, optimizer: torch.optim.Optimizer) -> dict[
     """This rank's shares of `state_tensors` as plain tensors (copies), for a peer of the
     same layout (a torchft replica's rank of the same place) to load."""
     return {
-        key: (value.to_local() if isinstance(value, DTensor) else value).clone()
-        for key, value in state_tensors(model, optimizer).items()
+        key: local_tensor(value).clone() for key, value in state_tensors(model, optimizer).items()
     }
 
 
@@ -121,7 +119,7 @@ def load_local_state(
     _init_optimizer_state(optimizer)
     with torch.no_grad():
         for key, value in state_tensors(model, optimizer).items():
-            (value.to_local() if isinstance(value, DTensor) else value).copy_(given[key])
+            local_tensor(value).copy_(given[key])
 
 
 def load_schedule(

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
 from meshrun.core.config import LrScheduleConfig, TrainConfig
+from meshrun.models.shards import local_tensor
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -63,9 +64,9 @@ class LocalAdamW(torch.optim.AdamW):
                 continue
             if isinstance(grad, DTensor) and grad.placements != param.placements:
                 grad = grad.redistribute(param.device_mesh, param.placements)
-            params[i], grads[i] = param.to_local(), _local(grad)
+            params[i], grads[i] = param.to_local(), local_tensor(grad)
         for states in (exp_avgs, exp_avg_sqs, max_exp_avg_sqs):
-            states[first:] = [_local(state) for state in states[first:]]
+            states[first:] = [local_tensor(state) for state in states[first:]]
         return has_complex
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -76,16 +77,12 @@ class LocalAdamW(torch.optim.AdamW):
             super().zero_grad(set_to_none=True)
             return
         grads = [
-            _local(p.grad)
+            local_tensor(p.grad)
             for group in self.param_groups
             for p in group["params"]
             if p.grad is not None
         ]
         torch._foreach_zero_(grads)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def lr_factor(step: int, schedule: LrScheduleConfig, steps: int) -> float:
@@ -138,7 +135,7 @@ class LocalGrads:
             if grad is None:
                 continue
             if id(p) in uncounted:
-                self.tensors.append(_local(grad))
+                self.tensors.append(local_tensor(grad))
                 continue
             if not isinstance(grad, DTensor):
                 self.tensors.append(grad)
