@@ -117,6 +117,9 @@ if [ "$gpus" -ge 2 ]; then
   run "mixtral-shaped tp2 etp nccl" parallel=tp2 parallel.etp=2 "${moe[@]}"
   $py -m meshrun.tools.verify model=tiny-moe parallel=ep2 backend=nccl launcher.nproc_per_node=2 \
     2>&1 | tee "$out/verify_ep2_nccl.log" | tail -3
+  log "a tied embedding across 2 pipeline stages on NCCL (the ends' gradients summed): against one GPU"
+  $py -m meshrun.tools.verify model=tiny model.tie_embeddings=true parallel=pp2 backend=nccl \
+    launcher.nproc_per_node=2 2>&1 | tee "$out/verify_tied_pp2_nccl.log" | tail -3
   log "a hang on NCCL (rank 1 stops at step 2): the message names the collective from NCCL's flight recorder"
   hang="$work/hang-nccl"
   $py -m meshrun logger=none train.progress_bar=false metrics.baseline=off parallel=ddp model=tiny \
@@ -135,6 +138,19 @@ print('torchft:', r['status'], r['replica_failures'], r['steps_with_fewer_replic
 " "$work/tiny_torchft_nccl_kill/results.json" | tee -a "$out/summary.log"
 else
   log "FSDP, TP and EP on NCCL: skipped, $gpus GPU here (NCCL needs a GPU a rank)"
+fi
+
+if [ "$gpus" -ge 4 ]; then
+  log "a hang in a TP group of a 2-D mesh on NCCL (tp2 x pp2): ends at backend.timeout_s, not torch's 10-minute default for sub-groups"
+  hang2d="$work/hang-nccl-tp2-pp2"
+  SECONDS=0
+  $py -m meshrun logger=none train.progress_bar=false metrics.baseline=off parallel=tp2_pp2 model=tiny \
+    backend=nccl launcher.nproc_per_node=4 train.steps=6 debug.fail_rank=1 debug.fail_step=2 \
+    debug.fail_mode=hang backend.timeout_s=20 "hydra.run.dir=$hang2d" "store.path=$work/meshrun.db" \
+    > "$out/hang_nccl_tp2_pp2.log" 2>&1
+  echo "tp2 x pp2 hang ended after ${SECONDS}s (timeout 20 s)" | tee -a "$out/summary.log"
+else
+  log "a hang in a 2-D mesh's TP group on NCCL: skipped, $gpus GPU here (needs 4)"
 fi
 
 if [ "$gpus" -ge 2 ]; then
