@@ -265,7 +265,9 @@ def meshrun_results(overrides: list[str], work: Path, baseline: bool = False) ->
     unless `baseline` (then the config's, by default measured alongside)."""
     run_dir = work / "meshrun"
     command = [
-        Path(sys.executable).with_name("meshrun"),
+        sys.executable,  # `-m`: an image without meshrun installed runs it with PYTHONPATH=src
+        "-m",
+        "meshrun",
         f"hydra.run.dir={run_dir}",
         f"store.path={work / 'meshrun.db'}",
         "logger=none",

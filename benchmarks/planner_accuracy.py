@@ -192,7 +192,9 @@ def _calibrate(work: Path, ranks: int) -> Calibration:
     """`meshrun-plan calibrate` for `ranks` ranks, its profile beside a store of its own."""
     store = work / f"calibration-{ranks}" / "meshrun.db"
     command = [
-        Path(sys.executable).with_name("meshrun-plan"),
+        sys.executable,  # `-m`: runs where meshrun is not installed, with PYTHONPATH=src
+        "-m",
+        "meshrun.tools.plan.main",
         "calibrate",
         "model=small",
         f"launcher.nproc_per_node={ranks}",

@@ -17,3 +17,7 @@ def main() -> None:
     from meshrun.tools.plan import calibrate  # noqa: PLC0415 (multiprocessing: only it pays)
 
     hydra_command("plan", calibrate.run)()
+
+
+if __name__ == "__main__":  # `python -m meshrun.tools.plan.main [calibrate]`, as the script
+    main()

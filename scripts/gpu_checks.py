@@ -1,0 +1,338 @@
+"""The checks scripts/gpu_check.py runs on a CUDA machine, most telling first (on one GPU the
+deadline may leave the last ones SKIPPED). Each is a command and what makes it PASS; a run's
+detail line is its figures (tokens/s, MFU, step time against the prediction, memory measured
+/ predicted per rank), so the table is the first reading of meshrun on that GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Callable
+from importlib.util import find_spec
+from pathlib import Path
+
+from gpu_check import FAIL, PASS, Check, Outcome, Verdict
+
+PY = sys.executable
+MiB = 2**20
+# The planner's memory bars (docs/planner.md): measured peak over predicted.
+MEMORY_BAR = (0.8, 1.25)
+HANG_TIMEOUT_S = 20  # backend.timeout_s of the hang checks
+
+
+def _meshrun(*overrides: str, command: str = "meshrun") -> Callable[[Path], list[str]]:
+    """A meshrun (or meshrun-verify) run in the check's folder; `overrides` are space-separated
+    Hydra overrides."""
+    module = {"meshrun": "meshrun", "verify": "meshrun.tools.verify"}[command]
+    quiet = "logger=none train.progress_bar=false" if command == "meshrun" else ""
+    words = " ".join((quiet, *overrides)).split()
+    return lambda work: [
+        PY, "-m", module, f"hydra.run.dir={work / 'run'}", f"store.path={work / 'meshrun.db'}",
+        *words,
+    ]  # fmt: skip
+
+
+def _python(args: str, store: bool = False) -> Callable[[Path], list[str]]:
+    """`python ARGS` (space-separated), with a results store in the check's folder."""
+    return lambda work: [
+        PY, *args.split(), *([f"store.path={work / 'meshrun.db'}"] if store else []),
+    ]  # fmt: skip
+
+
+def _results(work: Path) -> dict:
+    return json.loads((work / "run" / "results.json").read_text())
+
+
+def figures(r: dict) -> str:
+    """A run's results.json in one line: speed, MFU, the prediction, memory per rank."""
+    mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "n/a"
+    predicted = r.get("predicted_step_time_s")
+    parts = [
+        f"{r['tokens_per_s']:,.0f} tok/s",
+        f"MFU {mfu}",
+        f"step {r['step_time_s']:.3f}s"
+        + (f" (pred {predicted:.3f}s)" if predicted else "")
+        + (" calibrated" if r.get("predicted_calibrated_at") else ""),
+        f"{r.get('precision')}",
+    ]
+    if r.get("compile_s") is not None:
+        parts.append(f"compile {r['compile_s']:.0f}s")
+    for rank, (m, p) in enumerate(
+        zip(r["memory_per_rank"] or [], r["memory_predicted"] or [], strict=False)
+    ):
+        reserved = m.get("reserved")
+        parts.append(
+            f"r{rank} peak {m['peak'] / MiB:,.0f}/{p['peak'] / MiB:,.0f} MiB"
+            + (f" reserved {reserved / MiB:,.0f}" if reserved else "")
+        )
+    return "; ".join(parts)
+
+
+def memory_ratios(r: dict) -> list[float]:
+    return [
+        m["peak"] / p["peak"]
+        for m, p in zip(r["memory_per_rank"], r["memory_predicted"], strict=True)
+    ]
+
+
+def ran(extra: Callable[[dict], str | None] | None = None) -> Callable[..., Verdict]:
+    """PASS where the run ended 0 with its results, and `extra` (a reason to FAIL) finds none."""
+
+    def judge(done: Outcome) -> Verdict:
+        if done.rc:
+            return Verdict(FAIL, f"exit {done.rc}: {_last_error(done.output)}")
+        r = _results(done.work)
+        why = extra(r) if extra else None
+        return Verdict(FAIL if why else PASS, (f"{why}; " if why else "") + figures(r))
+
+    return judge
+
+
+def memory_within_bars(r: dict) -> str | None:
+    ratios = memory_ratios(r)
+    low, high = MEMORY_BAR
+    off = [f"rank {i}: {x:.2f}x" for i, x in enumerate(ratios) if not low <= x <= high]
+    return f"peak off the prediction ({', '.join(off)}; bars {low}-{high}x)" if off else None
+
+
+def exits_zero_with(pattern: str) -> Callable[..., Verdict]:
+    """PASS where the command ended 0 and its output has `pattern` (its line is the detail)."""
+
+    def judge(done: Outcome) -> Verdict:
+        found = re.search(pattern, done.output)
+        if done.rc or not found:
+            return Verdict(FAIL, f"exit {done.rc}: {_last_error(done.output)}")
+        output = done.output
+        line = output[output.rfind("\n", 0, found.start()) + 1 :].split("\n", 1)[0]
+        return Verdict(PASS, line.strip()[:200])
+
+    return judge
+
+
+def _last_error(output: str) -> str:
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    for line in reversed(lines):
+        if re.search(r"error|Error|FAIL|failed|Traceback", line):
+            return line[:200]
+    return lines[-1][:200] if lines else "no output"
+
+
+def checks(gpus: int) -> list[Check]:
+    """Every check, in the order they start; `gpus`: how many this box has."""
+    all_gpus = max(gpus, 1)
+    llama = "model=llama-1b train.precision=bf16 train.seq_len=2048"
+    short = "train.steps=6 train.untimed_steps=2 metrics.baseline=off"
+    moe = (
+        "model=mixtral-8x7b model.n_layers=2 model.dim=1024 model.n_heads=8 model.n_kv_heads=8 "
+        "model.ffn_dim=3584 train.precision=bf16 train.seq_len=1024 train.micro_batch_size=2 "
+        "train.global_batch_size=8 train.steps=8 train.untimed_steps=2 metrics.baseline=off"
+    )
+    nccl2 = "backend=nccl launcher.nproc_per_node=2"
+    hang = (
+        "metrics.baseline=off model=tiny backend=nccl train.steps=6 debug.fail_rank=1 "
+        f"debug.fail_step=2 debug.fail_mode=hang backend.timeout_s={HANG_TIMEOUT_S}"
+    )
+    # every gpu-marked test where wandb is installed (tests/ import it); else one file
+    gpu_tests = "tests/" if find_spec("wandb") else "tests/test_gpu.py"
+    return [
+        Check(
+            f"make run: the default experiment on all {all_gpus} GPU(s)",
+            _meshrun(""),  # the README's first command, W&B aside
+            ran(),
+            gpus=all_gpus,
+            budget_s=150,
+        ),
+        Check(
+            "gpu-marked tests",
+            _python(f"-m pytest -q -p no:cacheprovider -m gpu {gpu_tests}"),
+            exits_zero_with(r"\d+ passed"),
+            gpus=min(gpus, 2) or 1,
+            budget_s=240,
+        ),
+        Check(
+            "memory: small fp32, predicted vs measured",
+            _meshrun("parallel=single model=small train.precision=fp32", short),
+            ran(memory_within_bars),
+            budget_s=60,
+        ),
+        Check(
+            "memory: gpt2-124m bf16 seq 1024",
+            _meshrun(
+                "parallel=single model=gpt2-124m train.precision=bf16 train.seq_len=1024 "
+                "train.micro_batch_size=4",
+                short,
+            ),
+            ran(memory_within_bars),
+            budget_s=60,
+        ),
+        Check(
+            "memory: llama-1b bf16 ckpt=full",
+            _meshrun(
+                "parallel=single train.micro_batch_size=2 parallel.activation_checkpointing=full",
+                llama,
+                short,
+            ),
+            ran(memory_within_bars),
+            budget_s=90,
+        ),
+        Check(
+            "moe: tiny-moe bf16 (grouped GEMM on sm90+)",
+            _meshrun(
+                "parallel=single model=tiny-moe train.precision=bf16 train.seq_len=1024 "
+                "train.steps=10 train.untimed_steps=2 metrics.baseline=off"
+            ),
+            ran(),
+            budget_s=60,
+        ),
+        Check(
+            "moe: mixtral-shaped 2 layers bf16",
+            _meshrun("parallel=single", moe),
+            ran(memory_within_bars),
+            budget_s=90,
+        ),
+        *[
+            Check(
+                f"throughput: {model} bf16 compile={compiled}",
+                _meshrun(
+                    f"parallel=single model={model} train.precision=bf16 train.seq_len=2048 "
+                    "train.micro_batch_size=4 train.global_batch_size=8 train.steps=30 "
+                    f"train.untimed_steps=5 train.compile={compiled} metrics.baseline=off"
+                ),
+                ran(),
+                budget_s=180 if compiled == "true" else 90,
+                alone=True,
+            )
+            for model in ("llama-1b", "hf/llama-3.2-1b")
+            for compiled in ("false", "true")
+        ],
+        Check(
+            "inside a step: llama-1b profiled steps 4-5, allocator snapshots",
+            _meshrun(
+                "parallel=single train.micro_batch_size=2 train.steps=8 train.untimed_steps=2 "
+                "debug.profile_steps=[4,5] debug.memory_snapshot=true metrics.baseline=off",
+                llama,
+            ),
+            ran(lambda r: None if r.get("profile") else "no profile in results.json"),
+            budget_s=120,
+            alone=True,
+        ),
+        Check(
+            "meshrun-plan calibrate (matmul, attention, memory, host costs; NCCL with 2+)",
+            _python(
+                "-m meshrun.tools.plan.main calibrate model=llama-1b hardware=auto "
+                "train.precision=bf16 train.seq_len=2048 train.micro_batch_size=4",
+                store=True,
+            ),
+            exits_zero_with(r"calibrated: "),
+            gpus=all_gpus,
+            budget_s=240,
+            alone=True,
+        ),
+        *[
+            Check(
+                f"{layout} on NCCL, 2 GPUs: llama-1b bf16",
+                _meshrun(
+                    f"parallel={layout} train.micro_batch_size=2 train.global_batch_size=8 "
+                    "train.steps=10 train.untimed_steps=3 metrics.baseline=off",
+                    llama,
+                    nccl2,
+                ),
+                ran(memory_within_bars),
+                gpus=2,
+                budget_s=120,
+            )
+            for layout in ("fsdp", "tp2")
+        ],
+        Check("ep2 on NCCL: mixtral-shaped", _meshrun("parallel=ep2", moe, nccl2), ran(), gpus=2),
+        Check(
+            "tp2 x etp on NCCL: mixtral-shaped",
+            _meshrun("parallel=tp2 parallel.etp=2", moe, nccl2),
+            ran(),
+            gpus=2,
+        ),
+        Check(
+            "verify: tiny-moe ep2 on NCCL against one GPU",
+            _meshrun("model=tiny-moe parallel=ep2", nccl2, command="verify"),
+            exits_zero_with(r"PASS"),
+            gpus=2,
+        ),
+        Check(
+            "verify: a tied embedding across 2 pipeline stages on NCCL",
+            _meshrun("model=tiny model.tie_embeddings=true parallel=pp2", nccl2, command="verify"),
+            exits_zero_with(r"PASS"),
+            gpus=2,
+        ),
+        Check(
+            "a hang on NCCL: flight recorder names the collective",
+            _meshrun("parallel=ddp launcher.nproc_per_node=2", hang),
+            _hang_named,
+            gpus=2,
+            budget_s=150,
+        ),
+        Check(
+            "a hang in tp2 x pp2's TP group on NCCL ends at backend.timeout_s",
+            _meshrun("parallel=tp2_pp2 launcher.nproc_per_node=4", hang),
+            _hang_named,
+            gpus=4,
+            budget_s=150,
+        ),
+        Check(
+            "torchft on NCCL: replica 1 killed at step 10, rejoins",
+            _meshrun(
+                "parallel=ddp model=tiny parallel.fault_tolerance=torchft train.steps=60 "
+                "train.untimed_steps=2 debug.fail_rank=1 debug.fail_step=10 debug.fail_mode=kill "
+                "debug.slow_step_s=0.05 parallel.replica_restart_delay_s=2 metrics.baseline=off",
+                nccl2,
+            ),
+            ran(lambda r: None if r.get("replica_failure_count") else "no replica failure"),
+            gpus=2,
+            budget_s=180,
+        ),
+        Check(
+            "context parallelism: cp2 per method against one GPU (4k, 16k)",
+            _python("benchmarks/context_parallel.py 4096 16384 --cap-mib 2048"),
+            exits_zero_with(r"cp2"),
+            gpus=2,
+            budget_s=300,
+        ),
+        Check(
+            "meshrun-comm over NCCL (all-reduce bus bandwidth)",
+            _python("-m meshrun.tools.comm.main backend=nccl", store=True),
+            exits_zero_with(r"(?i)busbw|bus bandwidth"),
+            gpus=max(gpus, 2),
+            budget_s=120,
+        ),
+        Check(
+            "meshrun-doctor",
+            _python("-m meshrun.tools.doctor.main"),
+            exits_zero_with(r"(?i)doctor|devices"),
+            gpus=max(gpus, 2),
+            budget_s=180,
+        ),
+        Check(
+            "pipeline bubble on the box's CPU cores",
+            _python("-m pytest -q -p no:cacheprovider -s -m slow -k bubble tests/test_pipeline.py"),
+            exits_zero_with(r"\d+ passed"),
+            gpus=0,
+            budget_s=180,
+            alone=True,
+        ),
+    ]
+
+
+def _hang_named(done: Outcome) -> Verdict:
+    """A hang ends the run (non-zero) with the collective named, within the timeout and the
+    teardown's minute (not torch's 10-minute default of a sub-group)."""
+    named = re.search(r"collective hang.*", done.output)
+    dumps = list((done.work / "run" / "flight_recorder").glob("*"))
+    if done.rc == 0 or not named:
+        why = _last_error(done.output)
+        return Verdict(FAIL, f"exit {done.rc}, no 'collective hang' message: {why}")
+    late = done.seconds > HANG_TIMEOUT_S + 90
+    return Verdict(
+        FAIL if late else PASS,
+        f"ended after {done.seconds:.0f} s (timeout {HANG_TIMEOUT_S}); "
+        f"{named.group(0)[:140]}; {len(dumps)} flight-recorder dump(s)",
+    )

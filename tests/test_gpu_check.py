@@ -1,0 +1,137 @@
+"""scripts/gpu-check.sh's runner, on this CPU box: the GPUs it counts are those torch sees
+(never nvidia-smi's list), checks run to their budgets and one deadline, side by side on
+their own devices, and the run ends in one table and its JSON, a line per check."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).parents[1] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+from gpu_check import (  # noqa: E402 (scripts/ is no package)
+    FAIL,
+    PASS,
+    SKIPPED,
+    Check,
+    Outcome,
+    Runner,
+    Verdict,
+    child_visible,
+    count_gpus,
+    table,
+)
+
+SMI_8 = "".join(f"GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i:08d}-aaaa)\n" for i in range(8))
+SMI_MIG = (
+    "GPU 0: NVIDIA A100-SXM4-80GB (UUID: GPU-5d5ba0d6-d33d-2b2c-524d-9e3d8d2b8a77)\n"
+    "  MIG 3g.40gb     Device  0: (UUID: MIG-c6d4f1ef-42e4-5de3-91c7-45d71c87eb3f)\n"
+    "  MIG 3g.40gb     Device  1: (UUID: MIG-cba663e8-9bed-5b25-b243-5985ef7c9beb)\n"
+)
+
+
+def test_the_count_is_torchs_with_nvidia_smi_and_visibility_said():
+    assert count_gpus(2, SMI_8, "0,1") == (
+        2,
+        "nvidia-smi lists 8 GPU(s); CUDA_VISIBLE_DEVICES='0,1'; torch sees 2",
+    )
+    n, seen = count_gpus(1, SMI_MIG, None)
+    assert n == 1 and "2 MIG device(s) (a process opens one)" in seen
+    n, seen = count_gpus(0, SMI_8, None)
+    assert n == 0 and "a CPU build of torch" in seen
+
+
+def test_a_check_sees_its_own_entries_of_the_parents_visible_devices():
+    assert child_visible(None, [2, 3]) == "2,3"
+    assert child_visible("GPU-aa, GPU-bb,GPU-cc", [1, 2]) == "GPU-bb,GPU-cc"
+    assert child_visible("MIG-x", [0]) == "MIG-x"
+
+
+def test_gpu_check_with_gpus_torch_cannot_use_skips_each_gpu_check(tmp_path: Path):
+    """nvidia-smi lists 8 GPUs, torch (this CPU build) sees none: no check is planned on them."""
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    (stub / "nvidia-smi").write_text(f"#!/bin/sh\nprintf '{SMI_8}'\n")
+    (stub / "nvidia-smi").chmod(0o755)
+    env = {**os.environ, "PATH": f"{stub}:{os.environ['PATH']}", "PYTHON": sys.executable}
+    out = tmp_path / "out"
+    done = subprocess.run(
+        ["bash", str(SCRIPTS / "gpu-check.sh"), "--dry-run"],
+        env={**env, "OUT": str(out)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads((out / "gpu-check.json").read_text())
+    assert report["gpus"] == 0
+    assert "nvidia-smi lists 8 GPU(s)" in report["host"] and "torch sees 0" in report["host"]
+    by_name = {c["name"]: c for c in report["checks"]}
+    assert len(by_name) >= 20
+    gpu_checks = [c for name, c in by_name.items() if "CPU cores" not in name]
+    assert all(c["status"] == SKIPPED for c in gpu_checks)
+    assert all("none torch can use here" in c["detail"] for c in gpu_checks)
+    text = (out / "gpu-check.txt").read_text().splitlines()
+    assert all(any(line.startswith(name) for line in text) for name in by_name)
+
+
+def _sh(script: str):
+    return lambda work: ["sh", "-c", script]
+
+
+def _says(done: Outcome) -> Verdict:
+    return Verdict(PASS if done.rc == 0 else FAIL, done.output.strip())
+
+
+def test_checks_run_side_by_side_on_their_devices_to_their_budgets(tmp_path: Path):
+    stamp = "echo $CUDA_VISIBLE_DEVICES $(date +%s.%N)"
+    checks = [
+        Check("a", _sh(f"{stamp}; sleep 1"), _says, gpus=1, budget_s=10),
+        Check("b", _sh(f"{stamp}; sleep 1"), _says, gpus=1, budget_s=10),
+        Check("over its budget", _sh("sleep 30"), _says, gpus=1, budget_s=1),
+        Check("fails", _sh("echo broken; exit 3"), _says, gpus=1, budget_s=5),
+        Check("needs 4", _sh("true"), _says, gpus=4),
+        Check("alone", _sh(stamp), _says, gpus=0, budget_s=5, alone=True),
+        Check("no time left", _sh("true"), _says, gpus=1, budget_s=60),
+    ]
+    started = time.monotonic()
+    results = {r.name: r for r in Runner(2, 20, tmp_path, "GPU-x,GPU-y").run(checks)}
+    assert time.monotonic() - started < 15
+
+    a, b = (results[n].detail.split() for n in ("a", "b"))
+    assert {a[0], b[0]} == {"GPU-x", "GPU-y"}  # each its own device, of the parent's list
+    assert abs(float(a[1]) - float(b[1])) < 0.9  # side by side
+    assert results["over its budget"].status == FAIL
+    assert "timed out" in results["over its budget"].detail
+    assert (results["fails"].status, results["fails"].detail) == (FAIL, "broken")
+    assert (
+        results["needs 4"].status == SKIPPED
+        and "needs 4 GPU(s), 2 here" in results["needs 4"].detail
+    )
+    assert results["alone"].status == PASS and results["alone"].devices == []
+    alone_at = float(results["alone"].detail.split()[-1])
+    assert alone_at > max(float(a[1]), float(b[1])) + 0.9  # after the others ended
+    assert results["no time left"].status == SKIPPED
+    assert "out of time" in results["no time left"].detail
+
+    lines = table(list(results.values()), "host").splitlines()
+    assert lines[0] == "host" and len(lines) == len(checks) + 3
+    assert lines[-1] == "3 PASS, 2 FAIL, 2 SKIPPED"
+
+
+@pytest.mark.parametrize("gpus", [1, 8])
+def test_the_readme_default_runs_first_on_every_gpu_and_each_budget_fits_the_run(gpus: int):
+    from gpu_checks import checks  # noqa: PLC0415
+
+    listed = checks(gpus)
+    assert listed[0].name.startswith("make run") and listed[0].gpus == gpus
+    assert len({c.name for c in listed}) == len(listed)
+    assert all(c.budget_s <= 570 for c in listed)
