@@ -770,3 +770,17 @@ def test_yaml_presets_do_not_restate_the_schema_defaults():
         if (keys := _restated(loaded[p], s, _parent(p, loaded[p])))
     }
     assert restated == {}
+
+
+def test_every_console_script_runs_as_python_m_its_module():
+    """A bare image runs the commands as `python -m <module>` (scripts/gpu-check.sh, with
+    PYTHONPATH=src): each module must run its command, not import it and exit 0 in silence."""
+    for module in sorted(set(SCRIPT_COMMANDS.values())):
+        out = subprocess.run(
+            [sys.executable, "-m", module, "--help"],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=60,
+        )
+        assert out.returncode == 0 and out.stdout.strip(), module
