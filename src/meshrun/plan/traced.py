@@ -215,11 +215,11 @@ def _trace_rank(
         peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
     # received per micro-batch: activations from the stage before, or gradients of its output
     input_bytes = hidden.numel() * FP32 if hidden is not None else 0
-    logits_bytes = logits.numel() * logits.element_size() if logits is not None else 0
     kinds = {k.value: v for k, v in peak.items() if k != "Total"}
     if logits is None:
         return Trace(kinds, kept, input_bytes, 0, 0, 0)
-    return Trace(kinds, kept, input_bytes, logits_bytes, logits.shape[-1], logits.element_size())
+    width = logits.element_size()
+    return Trace(kinds, kept, input_bytes, logits.numel() * width, logits.shape[-1], width)
 
 
 def _stage_input(meta: nn.Module, batch: int, seq: int, tp: int, sp: bool) -> torch.Tensor:

@@ -1,13 +1,13 @@
 """debug.memory_snapshot: CUDA's caching allocator records every allocation and free with
 its stack (torch.cuda.memory._record_memory_history, the last MAX_ENTRIES, of every device:
-its `device` argument is not passed on), and the rank writes the history whenever a step
-raised the run's peak (so the file left is the peak step's) and when it runs out of memory
-(core/run_files/memory_snapshots.py names the files). The peak is the run's own, as its
-memory meter reads it (metrics/memory.MemoryMeter.peaks): the breakdown's resets of torch's
-peak counters do not hide an earlier step's, and once the meter holds, before the baseline
-twin trains on rank 0's device between the run's steps, no later step writes a peak
-snapshot, so the file holds none of the twin's. Reading the peaks is a host-side allocator
-statistic: no device sync."""
+torch/cuda/memory.py's _record_memory_history_impl does not pass its `device` argument on),
+and the rank writes the history whenever a step raised the run's peak (so the file left is
+the peak step's) and when it runs out of memory (core/run_files/memory_snapshots.py names
+the files). The peak is the run's own, as its memory meter reads it
+(metrics/memory.MemoryMeter.peaks): the breakdown's resets of torch's peak counters do not
+hide an earlier step's, and once the meter holds, before the baseline twin trains on rank
+0's device between the run's steps, no later step writes a peak snapshot, so the file holds
+none of the twin's. Reading the peaks is a host-side allocator statistic: no device sync."""
 
 from __future__ import annotations
 
