@@ -137,7 +137,7 @@ def _paired_rank(rank: int, cfgs: dict[str, dict], port: int, pairs: int, out: P
             dp_group=dp_group(mesh),
             pp_group=pp_group(mesh, layout),
             autocast_dtype=None,
-            memory=MemoryMeter(device),
+            memory=MemoryMeter([device]),
             on_log=lambda _: None,
             pending=PendingSteps(device, 0),
         )

@@ -68,7 +68,9 @@ class Rollback:
 
 @dataclass(frozen=True)
 class RankReport:
-    memory_per_rank: list[dict[str, int]]  # each rank's peak, with its breakdown where measured
+    # each rank's peak, with its breakdown where measured; parallel=dataparallel's one
+    # process: each of its devices', in device order (its model state on the first)
+    memory_per_rank: list[dict[str, int]]
     fingerprint: dict[str, Any]  # where rank 0 ran (core/hardware.host_fingerprint)
     resumed_from_step: int | None = None  # the checkpoint the ranks restored
     requeues: int = 0  # SLURM requeued the job, which resumed from its checkpoint

@@ -128,7 +128,7 @@ class RunRecord:
     # what the split left uneven (a layer is its finest step)
     pp_stage_costs_s: list[float] | None = _f()
     pp_split_note: str | None = _f(summary=True)
-    # memory
+    # memory (parallel=dataparallel: a device's where others have a rank's)
     peak_memory_bytes: list[int] | None = _f()
     peak_memory_max_bytes: int | None = _f(column=True, summary=True, report=(17, "peak memory"))
     memory_per_rank: list[dict[str, int]] | None = _f()

@@ -55,11 +55,30 @@ experts), and its experts take the whole ep group's rows for them, at an even lo
 token of its own (measured within the bars at the near-even routing of a fresh router,
 tests/test_plan_accuracy.py; stage_time.py plans for the busiest rank's allowance). The
 all-to-alls' row buffers are transient, not counted.
+
+DataParallel (parallel=dataparallel): one process scatters each micro-batch over n devices
+(Tensor.chunk's ceil-sized chunks, fewer where the micro-batch is smaller), runs a replica on
+each in a thread and gathers the outputs on the first, where the loss runs. Each device is
+predicted from one device computing the first (largest) share alone (the formula's or the
+trace's), one prediction a device (the record measures each):
+
+    first device   the model state; its share's activations, and the other shares' logits
+                   gathered to it with the loss over them (loss_bytes a token); at the end
+                   of backward, in place of the activations, replica 0's gradients and the
+                   sum of every replica's (4 + 4 bytes a parameter: Broadcast.backward ->
+                   ReduceAddCoalesced, torch/nn/parallel/_functions.py) before they are
+                   added to .grad
+    other devices  a replica: its share's activations but the loss (its logits gathered
+                   away), its fp32 weights where backward keeps them (fp32: under autocast
+                   the matmuls keep their half copies, counted already) and at the end of
+                   backward their gradients (4 bytes a parameter), summed onto the first
+
+A device's peak is the higher of its two ends: the excess of the other counts as other.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from meshrun.core.choices import HALF_PRECISIONS, SAC_POLICIES
 from meshrun.core.config import ExperimentConfig
@@ -244,9 +263,55 @@ def predict_rank(
     return MemoryPrediction(state, state, elements * ADAM_BYTES, int(activations), other)
 
 
+def loss_bytes(vocab: int) -> int:
+    """A token's bytes at the loss (activation_bytes' last stage): the fp32 logits kept for
+    backward, three vocab-wide fp32 transients, the int64 target."""
+    return 4 * vocab * FP32 + 8
+
+
+def chunk_sizes(micro_batch: int, devices: int) -> list[int]:
+    """Samples of a micro-batch each of DataParallel's devices runs (torch's scatter:
+    Tensor.chunk, ceil-sized chunks; 0 on a device left without one)."""
+    size = -(-micro_batch // devices)
+    return [max(0, min(size, micro_batch - i * size)) for i in range(devices)]
+
+
+def dataparallel_devices(
+    cfg: ExperimentConfig, one: MemoryPrediction, micro_batch: int, vocab: int, logits_width: int
+) -> list[MemoryPrediction]:
+    """Each of DataParallel's devices, from `one`: a device computing the first share of a
+    `micro_batch` alone, its logits `logits_width` bytes an element (see the docstring)."""
+    shares = chunk_sizes(micro_batch, cfg.parallel.dataparallel_devices)
+    tokens = cfg.train.seq_len
+    weights = one.params  # fp32, as the gradients of a replica
+    logits, loss = vocab * logits_width, loss_bytes(vocab)
+    gathered = one.activations + (micro_batch - shares[0]) * tokens * (logits + loss)
+    first = replace(one, activations=gathered, other=one.other + max(0, 2 * weights - gathered))
+    kept = 0 if cfg.train.precision in HALF_PRECISIONS else weights
+    replica = one.activations - shares[0] * tokens * (loss - logits) + kept
+    other = one.other + max(0, weights - replica)
+    idle = MemoryPrediction(0, 0, 0, 0, 0)
+    return [first, *(MemoryPrediction(0, 0, 0, replica, other) if n else idle for n in shares[1:])]
+
+
+def predict_dataparallel(cfg: ExperimentConfig) -> list[MemoryPrediction]:
+    """One prediction a device of parallel=dataparallel, the first first."""
+    layout = Layout.of(cfg.parallel)
+    n_microbatches, micro_batch = micro_batching(cfg, layout)
+    [share] = stage_shares(cfg.model, cfg.parallel, layout)
+    first = chunk_sizes(micro_batch, cfg.parallel.dataparallel_devices)[0]
+    one = predict_rank(cfg, layout, share, 0, n_microbatches, first)
+    width = 2 if cfg.train.precision in HALF_PRECISIONS else FP32
+    vocab = Dims.of_layout(cfg.model, layout).vocab
+    return dataparallel_devices(cfg, one, micro_batch, vocab, width)
+
+
 def predict_stages(cfg: ExperimentConfig) -> list[MemoryPrediction]:
     """One prediction per pipeline rank (all ranks of a stage hold the same), for a resolved
-    config (no -1 degrees left): what the planner compares, whatever the world size."""
+    config (no -1 degrees left): what the planner compares, whatever the world size.
+    DataParallel's: its first device, which holds the most."""
+    if cfg.parallel.data_parallel == "dataparallel":
+        return predict_dataparallel(cfg)[:1]
     layout = Layout.of(cfg.parallel)
     n_microbatches, micro_batch = micro_batching(cfg, layout)
     shares = stage_shares(cfg.model, cfg.parallel, layout)
@@ -257,7 +322,10 @@ def predict_stages(cfg: ExperimentConfig) -> list[MemoryPrediction]:
 
 
 def predict_memory(cfg: ExperimentConfig) -> list[MemoryPrediction]:
-    """One prediction per rank, in rank order (the pipeline dim is outermost)."""
+    """One prediction per rank, in rank order (the pipeline dim is outermost); DataParallel's
+    one rank: one a device."""
+    if cfg.parallel.data_parallel == "dataparallel":
+        return predict_dataparallel(cfg)
     per_stage = predict_stages(cfg)
     ranks_per_stage = Layout.of(cfg.parallel).world_size // len(per_stage)
     return [m for m in per_stage for _ in range(ranks_per_stage)]

@@ -14,7 +14,9 @@ of the whole model, on fake tensors too.
 What a trace of micro-batches one after the other does not see is added as memory.py does:
 a pipeline rank holds several micro-batches' activations at once (memory.in_flight), its
 receive buffers and, on the last stage, every micro-batch's logits; DDP (whose constructor
-needs real tensors, so its replicas are traced unwrapped) adds its gradient buckets.
+needs real tensors, so its replicas are traced unwrapped) adds its gradient buckets;
+DataParallel's devices are one device's trace of the first share of a micro-batch, spread
+as memory.dataparallel_devices does.
 
 Fake tensors have no values to route by: a mixture-of-experts block is traced with every
 expert given the same share of the tokens (models/moe.even_routing), the load the formulas
@@ -42,7 +44,7 @@ from meshrun.core.choices import HALF_PRECISIONS
 from meshrun.core.config import ExperimentConfig, ModelConfig, ParallelConfig, from_dict
 from meshrun.core.layout import Layout
 from meshrun.models import build_model, from_key, model_key, model_shape, moe
-from meshrun.plan.memory import MemoryPrediction, in_flight
+from meshrun.plan.memory import MemoryPrediction, chunk_sizes, dataparallel_devices, in_flight
 from meshrun.plan.shapes import layer_counts, micro_batching
 from meshrun.plan.stage_time import ModelCost
 from meshrun.rank.mesh import build_mesh
@@ -75,12 +77,15 @@ KINDS = {
 class Trace:
     """One pipeline rank's traced step: the peak by kind; what one micro-batch's forward
     leaves for its backward (the activations a pipeline holds per micro-batch in flight); the
-    tensors a pipeline keeps per micro-batch (its input, received; the last stage's logits)."""
+    tensors a pipeline keeps per micro-batch (its input, received; the last stage's logits,
+    `vocab` wide, `logits_width` bytes an element)."""
 
     peak: dict[str, int]
     kept: int
     input_bytes: int
     logits_bytes: int
+    vocab: int
+    logits_width: int
 
 
 def traced_memory(cfg: ExperimentConfig) -> list[MemoryPrediction]:
@@ -101,8 +106,15 @@ def _traced(cfg_json: str) -> tuple[MemoryPrediction, ...]:
     cfg = from_dict(json.loads(cfg_json))
     layout = Layout.of(cfg.parallel)
     n_microbatches, micro_batch = micro_batching(cfg, layout)
+    dataparallel = cfg.parallel.data_parallel == "dataparallel"
+    # DataParallel: one device computing the first share of each micro-batch, traced as one
+    # alone (its devices from it: memory.dataparallel_devices)
+    traced_batch = (
+        chunk_sizes(micro_batch, cfg.parallel.dataparallel_devices)[0]
+        if dataparallel
+        else micro_batch
+    )
     traced = layout if layout.uses_fsdp else dataclasses.replace(layout, dp_replicate=1)
-    # DataParallel: one process driving several devices, each holding what one alone would
     # pp_layers=auto: the formula's split, as the rest of the planner predicts with
     counts = (
         layer_counts(cfg.model, cfg.parallel, layout.pp * cfg.parallel.stages_per_rank, layout.tp)
@@ -121,7 +133,7 @@ def _traced(cfg_json: str) -> tuple[MemoryPrediction, ...]:
         # backward run with the first one's gradients held
         accumulated = min(2, n_microbatches)
         traces = [
-            _trace_rank(cfg, traced, parallel, mesh, pp_rank, micro_batch, accumulated)
+            _trace_rank(cfg, traced, parallel, mesh, pp_rank, traced_batch, accumulated)
             for pp_rank in range(layout.pp)
         ]
     finally:
@@ -130,6 +142,11 @@ def _traced(cfg_json: str) -> tuple[MemoryPrediction, ...]:
         _prediction(cfg, layout, pp_rank, n_microbatches, trace)
         for pp_rank, trace in enumerate(traces)
     ]
+    if dataparallel:
+        [trace] = traces
+        return tuple(
+            dataparallel_devices(cfg, per_stage[0], micro_batch, trace.vocab, trace.logits_width)
+        )
     ranks_per_stage = layout.world_size // layout.pp
     return tuple(per_stage[rank // ranks_per_stage] for rank in range(layout.world_size))
 
@@ -198,9 +215,11 @@ def _trace_rank(
         peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
     # received per micro-batch: activations from the stage before, or gradients of its output
     input_bytes = hidden.numel() * FP32 if hidden is not None else 0
-    logits_bytes = logits.numel() * logits.element_size() if logits is not None else 0
     kinds = {k.value: v for k, v in peak.items() if k != "Total"}
-    return Trace(kinds, kept, input_bytes, logits_bytes)
+    if logits is None:
+        return Trace(kinds, kept, input_bytes, 0, 0, 0)
+    width = logits.element_size()
+    return Trace(kinds, kept, input_bytes, logits.numel() * width, logits.shape[-1], width)
 
 
 def _stage_input(meta: nn.Module, batch: int, seq: int, tp: int, sp: bool) -> torch.Tensor:

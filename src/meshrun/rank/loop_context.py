@@ -77,9 +77,7 @@ def _inspection(at: Rank) -> Inspection:
         profiler=StepProfiler(at.cfg.run_dir, at.rank, debug.profile_steps, at.device)
         if debug.profile_steps
         else None,
-        snapshots=MemorySnapshots(at.cfg.run_dir, at.rank, at.device)
-        if debug.memory_snapshot
-        else None,
+        snapshots=MemorySnapshots(at.cfg.run_dir, at.rank) if debug.memory_snapshot else None,
         busy=_busy_clock(at),
         # the host's other load is what the ranks' gathered CPU time leaves of it; torchft's
         # replicas gather nothing (worlds of their own), so theirs is not measured

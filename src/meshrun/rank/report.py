@@ -28,7 +28,7 @@ from meshrun.rank.watchdog import inside
 class RankFigures:
     """What each rank measured of itself, gathered to rank 0 for the report."""
 
-    memory: dict[str, int]
+    memory: list[dict[str, int]]  # one a device it computes on (DataParallel: several)
     pipeline_busy: list[float] | None
     pipeline_span: list[float] | None
     pretrained_read: int
@@ -41,9 +41,9 @@ class RankFigures:
 
 def own_figures(setup: Setup, state: LoopState, ctx: LoopContext) -> RankFigures:
     model, memory = setup.training.model, setup.memory
-    split = memory.breakdown(ModelState.of(model.parameters(), setup.training.optimizer))
+    split = memory.breakdowns(ModelState.of(model.parameters(), setup.training.optimizer))
     return RankFigures(
-        memory=split or {"peak": memory.peak_bytes()},
+        memory=split or [{"peak": peak} for peak in memory.peaks()],
         pipeline_busy=state.pipeline_busy_per_step,
         pipeline_span=state.pipeline_span_per_step,
         pretrained_read=model.pretrained_bytes_read,
@@ -78,7 +78,9 @@ def build_report(
     compiled = [r.compile_s for r in ranks if r.compile_s is not None]
     checkpoints = setup.checkpoints
     return RankReport(
-        memory_per_rank=[{"rank": i, **r.memory} for i, r in enumerate(ranks)],
+        memory_per_rank=[
+            {"rank": i, **m} for i, m in enumerate(m for r in ranks for m in r.memory)
+        ],
         fingerprint=host_fingerprint(cfg.launcher.threads_per_rank),
         resumed_from_step=setup.resumed_from_step,
         requeues=int(os.environ.get("SLURM_RESTART_COUNT", "0")),

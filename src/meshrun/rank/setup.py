@@ -12,6 +12,7 @@ from meshrun.core.layout import cp_rank
 from meshrun.models import model_shape
 from meshrun.rank.device import autocast
 from meshrun.rank.mesh import dp_group, pp_group
+from meshrun.rank.metrics.cuda_peaks import metered_devices
 from meshrun.rank.metrics.memory import MemoryMeter
 from meshrun.rank.place import Rank, restarted
 from meshrun.rank.train.build import Training, build_training
@@ -42,7 +43,7 @@ class Setup:
 
 def set_up(at: Rank) -> Setup:
     cfg, tc = at.cfg, at.cfg.train
-    memory = MemoryMeter(at.device)
+    memory = MemoryMeter(metered_devices(at.device, cfg.parallel))
     memory.start()  # before the model exists: its parameters are the breakdown's first part
     training = build_training(cfg, at.layout, at.device, at.mesh)
     checkpoints, start = _restore(at, training)

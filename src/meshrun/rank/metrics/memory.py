@@ -1,6 +1,7 @@
 """Peak tensor memory of one rank, and what it is made of.
 
-CUDA: the caching allocator's own counters (allocated now, peak allocated, peak reserved).
+CUDA: the caching allocator's own counters (allocated now, peak allocated, peak reserved),
+on each device the rank computes on, across the breakdown's resets (cuda_peaks.py).
 CPU: torch has no allocator statistics there, so the profiler records the CPU allocator's
 events (profile_memory) from before the model is built to the end of the warmup steps.
 It records only the events of the thread that started it, and a tensor whose last holder is
@@ -26,7 +27,7 @@ import contextlib
 import ctypes
 import gc
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from torch._C._profiler import _ExtraFields_Allocation, _ProfilerEvent
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from meshrun.models.shards import local_tensor
+from meshrun.rank.metrics import cuda_peaks
 from meshrun.rank.quiet_profiler import quiet_stderr
 
 STEP_START = "meshrun/step_start"
@@ -103,25 +105,40 @@ class ModelState:
         return cls(tensor_bytes(params), tensor_bytes(p.grad for p in params), tensor_bytes(states))
 
 
+@dataclass
+class StepMarks:
+    """One device's live bytes at a warmup step's start, and its peak from there to the end
+    of the step's forward and backward. The last pair wins: the last warmup step, in steady
+    state."""
+
+    step_start: int | None = None
+    fwd_bwd_peak: int | None = None
+
+    def on_mark(self, label: str, live: int, peak_since_last: int) -> None:
+        if label == STEP_START:
+            self.step_start = live
+        elif label == FWD_BWD_END and self.step_start is not None:
+            self.fwd_bwd_peak = peak_since_last
+
+
 class MemoryMeter:
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    """`devices`: those whose memory is the rank's (cuda_peaks.metered_devices); CPU: one."""
+
+    def __init__(self, devices: Sequence[torch.device]) -> None:
+        self.devices = list(devices)
         self._profiler: profile | None = None
         self._counter: contextlib.ExitStack | None = None
         self._cpu_peak: int | None = None
-        self._cuda_peak = 0
-        self._marks: list[tuple[str, int, int]] = []  # CUDA: (label, live, peak since last)
-        self.step_start: int | None = None
-        self.fwd_bwd_peak: int | None = None
-        self._held: tuple[int, int] | None = None  # CUDA: (peak, reserved) once held
+        self._cuda = cuda_peaks.RunPeaks(len(self.devices))
+        self.steps = [StepMarks() for _ in self.devices]
 
     @property
     def cuda(self) -> bool:
-        return self.device.type == "cuda"
+        return self.devices[0].type == "cuda"
 
     def start(self) -> None:
         if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
+            cuda_peaks.reset(self.devices)
             return
         self._counter = contextlib.ExitStack()
         self._counter.enter_context(_process_wide_cpu_counter())
@@ -137,18 +154,17 @@ class MemoryMeter:
         if label == STEP_START:
             gc.collect()
         if self.cuda:
-            peak = torch.cuda.max_memory_allocated(self.device)
-            self._cuda_peak = max(self._cuda_peak, peak)
-            self._marks.append((label, torch.cuda.memory_allocated(self.device), peak))
-            torch.cuda.reset_peak_memory_stats(self.device)
+            readings = cuda_peaks.read(self.devices)
+            self._cuda.fold(readings)  # before the reset that starts the next span
+            for step, reading in zip(self.steps, readings, strict=True):
+                step.on_mark(label, reading.live, reading.allocated_peak)
+            cuda_peaks.reset(self.devices)
         elif self._profiler is not None:
             with record_function(label):
                 torch.empty(1)  # an event that reads the counter, in case other threads freed
 
     def stop_tracing(self) -> None:
         """End CPU allocation tracing (call after the warmup steps)."""
-        if self.cuda:
-            self._read_cuda_marks()
         if self._profiler is None:
             return
         with quiet_stderr():
@@ -180,44 +196,40 @@ class MemoryMeter:
                 peak = max(peak, live)
                 since_mark = max(since_mark, live)
                 pending = next(totals_iter, None)
-            self._on_mark(label, live, since_mark)
+            self.steps[0].on_mark(label, live, since_mark)
             since_mark = live
         self._cpu_peak = peak
-
-    def _read_cuda_marks(self) -> None:
-        for label, live, peak in self._marks:
-            self._on_mark(label, live, peak)
-        self._marks = []
-
-    def _on_mark(self, label: str, live: int, peak_since_last: int) -> None:
-        """The last step_start / fwd_bwd_end pair wins: the last warmup step, in steady state."""
-        if label == STEP_START:
-            self.step_start = live
-        elif label == FWD_BWD_END and self.step_start is not None:
-            self.fwd_bwd_peak = peak_since_last
 
     def hold(self) -> None:
         """The run's figures are final: what this process allocates from here on (the
         single-device baseline twin trained beside the run) is not the run's."""
         self.stop_tracing()
         if self.cuda:
-            self._held = (self.peak_bytes(), int(torch.cuda.max_memory_reserved(self.device)))
+            self._cuda.fold(cuda_peaks.read(self.devices))
+            self._cuda.hold()
 
-    def peak_bytes(self) -> int:
-        if self.cuda:
-            self.stop_tracing()
-            if self._held is not None:
-                return self._held[0]
-            return max(self._cuda_peak, int(torch.cuda.max_memory_allocated(self.device)))
+    def peaks(self) -> list[int]:
+        """The run's peak bytes so far on each of its devices (CPU: traced, so final once
+        tracing stops, which this does)."""
         self.stop_tracing()
-        return int(self._cpu_peak or 0)
+        if self.cuda:
+            self._cuda.fold(cuda_peaks.read(self.devices))
+            return list(self._cuda.allocated)
+        return [int(self._cpu_peak or 0)]
 
-    def breakdown(self, state: ModelState) -> dict[str, int] | None:
-        """Peak split by category (bytes); None without a measured warmup step."""
-        peak = self.peak_bytes()
-        if self.step_start is None or self.fwd_bwd_peak is None:
+    def breakdowns(self, state: ModelState) -> list[dict[str, int]] | None:
+        """Each device's peak split by category (bytes); None without a measured warmup
+        step. The model state is the first device's: DataParallel's replicas on the others
+        are copies made and freed within each step (activations there)."""
+        peaks = self.peaks()
+        if any(s.step_start is None or s.fwd_bwd_peak is None for s in self.steps):
             return None
-        activations = max(0, self.fwd_bwd_peak - self.step_start)
+        nothing = ModelState(0, 0, 0)
+        return [self._split(i, peak, state if i == 0 else nothing) for i, peak in enumerate(peaks)]
+
+    def _split(self, device: int, peak: int, state: ModelState) -> dict[str, int]:
+        marks = self.steps[device]
+        activations = max(0, marks.fwd_bwd_peak - marks.step_start)
         split = {
             "peak": peak,
             "params": state.params,
@@ -228,9 +240,5 @@ class MemoryMeter:
         split["other"] = peak - state.params - state.grads - state.optimizer - activations
         if self.cuda:
             split["allocated"] = peak
-            split["reserved"] = (
-                self._held[1]
-                if self._held is not None
-                else int(torch.cuda.max_memory_reserved(self.device))
-            )
+            split["reserved"] = self._cuda.reserved[device]
         return split

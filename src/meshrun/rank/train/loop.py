@@ -217,7 +217,7 @@ def _after_step(step: int, ctx: LoopContext, timed: bool) -> None:
     """The trace or a memory snapshot written (outside every step's clock); slow_step_s."""
     profiler, snapshots = ctx.inspection.profiler, ctx.inspection.snapshots
     written = profiler is not None and profiler.after(step)
-    written = (snapshots is not None and snapshots.after_step()) or written
+    written = (snapshots is not None and snapshots.after_step(ctx.memory.peaks())) or written
     if written and timed:
         ctx.pending.clock.restart()
     if ctx.faults.slow_step_s:

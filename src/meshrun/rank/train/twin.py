@@ -76,7 +76,7 @@ class Twin:
             dp_group=None,
             pp_group=None,
             autocast_dtype=self._training.autocast_dtype,
-            memory=MemoryMeter(self.device),  # never started: the baseline measures no memory
+            memory=MemoryMeter([self.device]),  # never started: the baseline measures no memory
             on_log=lambda records: None,
             pending=PendingSteps(self.device, 0),
             loss_scale=self._training.loss_scale,
