@@ -97,6 +97,15 @@ def memory_within_bars(r: dict) -> str | None:
     return f"peak off the prediction ({', '.join(off)}; bars {low}-{high}x)" if off else None
 
 
+def dataparallel_devices(r: dict) -> str | None:
+    """A row per device, the model state on device 0 alone, each peak at or under its
+    prediction and within the bars of it."""
+    rows = r["memory_per_rank"]
+    if len(rows) != 2 or rows[1].get("params", 0):
+        return f"{len(rows)} memory row(s), device 1's params {rows[-1].get('params')}"
+    return memory_within_bars(r)
+
+
 def exits_zero_with(pattern: str) -> Callable[..., Verdict]:
     """PASS where the command ended 0 and its output has `pattern` (its line is the detail)."""
 
@@ -135,7 +144,9 @@ def checks(gpus: int) -> list[Check]:
         f"debug.fail_step=2 debug.fail_mode=hang backend.timeout_s={HANG_TIMEOUT_S}"
     )
     # every gpu-marked test where wandb is installed (tests/ import it); else one file
-    gpu_tests = "tests/" if find_spec("wandb") else "tests/test_gpu.py"
+    gpu_tests = (
+        "tests/" if find_spec("wandb") else "tests/test_gpu.py tests/test_gpu_dataparallel.py"
+    )
     return [
         Check(
             f"make run: the default experiment on all {all_gpus} GPU(s)",
@@ -245,6 +256,18 @@ def checks(gpus: int) -> list[Check]:
             )
             for layout in ("fsdp", "tp2")
         ],
+        Check(
+            "dataparallel over 2 GPUs: llama-1b bf16, memory per device",
+            _meshrun(
+                "parallel=dataparallel parallel.dataparallel_devices=2 train.micro_batch_size=4 "
+                "train.global_batch_size=8 train.steps=10 train.untimed_steps=3 "
+                "metrics.baseline=off",
+                llama,
+            ),
+            ran(dataparallel_devices),
+            gpus=2,
+            budget_s=120,
+        ),
         Check("ep2 on NCCL: mixtral-shaped", _meshrun("parallel=ep2", moe, nccl2), ran(), gpus=2),
         Check(
             "tp2 x etp on NCCL: mixtral-shaped",
