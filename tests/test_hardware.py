@@ -178,7 +178,9 @@ def test_an_unknown_device_is_named_once_with_how_to_add_its_profile():
     unknown = host(CudaDevice("NVIDIA H200 NVL", 139.8))
     resolve(compose_config("parallel=single", "metrics.baseline=off"), unknown, say=notes.append)
     [note] = [n for n in notes if "profile" in n]
-    assert note.startswith("warning: no hardware profile matches 'NVIDIA H200 NVL'")
+    assert note.startswith(
+        "warning: no hardware profile describes this box (1 x 'NVIDIA H200 NVL')"
+    )
     assert 'match: ["NVIDIA H200 NVL"]' in note
     assert unknown_device_note(detect_profile(host(H100))) is None
 

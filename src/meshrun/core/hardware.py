@@ -69,7 +69,9 @@ class HostFacts:
         if self.cuda_devices or self.unseen is None:
             return None
         problem = unseen(self.unseen, torch.__version__, torch.version.cuda, 0)
-        return problem and (problem, fix(self.unseen, platform.machine()))
+        if problem is None:
+            return None
+        return problem, fix(self.unseen, platform.machine())
 
 
 def device_for_rank(devices: list[DeviceSpec], local_rank: int) -> DeviceSpec | None:
@@ -159,16 +161,16 @@ def _unknown_profile(devices: list[CudaDevice]) -> HardwareConfig:
 
 
 def unknown_device_note(hardware: HardwareConfig) -> str | None:
-    """The warning for a box no profile describes: which devices, and how to add one."""
+    """The warning for a box no profile describes: its devices, and how to add one."""
     if not hardware.name.startswith(f"{UNKNOWN} ("):
         return None
-    names = [spec.name for spec in hardware.devices]
-    patterns = ", ".join(f'"{name}"' for name in names)
+    box = ", ".join(f"{spec.count} x {spec.name!r}" for spec in hardware.devices)
+    patterns = ", ".join(f'"{name}"' for name in dict.fromkeys(s.name for s in hardware.devices))
     return (
-        f"warning: no hardware profile matches {', '.join(map(repr, names))}: its memory is "
+        f"warning: no hardware profile describes this box ({box}): each device's memory is "
         "torch's, MFU and the planner's speeds are n/a. To add a profile, copy the closest "
-        "conf/hardware/*.yaml, put in the datasheet's figures and match: "
-        f"[{patterns}], or name it: hardware=<profile>"
+        "conf/hardware/*.yaml with the datasheet's figures and match: "
+        f"[{patterns}] (torch's names), or name one: hardware=<profile>"
     )
 
 
