@@ -12,18 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from meshrun.core.nvidia_smi import normalize_pci, parse_smi, visible_smi_indices
 from meshrun.core.run_files.positions import read_positions
 from meshrun.tools.doctor import main as doctor_main
-from meshrun.tools.doctor.devices import (
-    CudaGpu,
-    describe_link,
-    explain,
-    match,
-    normalize_pci,
-    parse_smi,
-    parse_topology,
-    visible_smi_indices,
-)
+from meshrun.tools.doctor.devices import CudaGpu, describe_link, explain, match, parse_topology
 from tests.cli import CliRun, compose_command, run_console
 
 # A mixed box as nvidia-smi lists it (PCI bus order): two A6000s around an A100.

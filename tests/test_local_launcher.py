@@ -1,6 +1,7 @@
 """The local launcher forks ranks from one forkserver per driver, and spawns them instead
 where the server's environment or working directory would be stale; the driver waits for
-the server at exit, so its ranks' CPU time is the driver's."""
+the server at exit, so its ranks' CPU time is the driver's. Plain fork is refused where the
+ranks would use CUDA."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ import resource
 import subprocess
 import sys
 
+import pytest
+
+from meshrun.core.errors import ConfigError
+from meshrun.core.hardware import CudaDevice, HostFacts
 from meshrun.core.paths import REPO_ROOT
+from meshrun.validate import validate
+from tests.helpers import compose_config
 
 CHECK = """
 import os
@@ -100,3 +107,17 @@ def test_a_forkserver_ranks_cpu_time_is_the_drivers(tmp_path):
     )
     beyond_the_driver = _children_cpu_s() - before - float(driver.stdout)
     assert beyond_the_driver >= 1.0  # the rank's second of CPU, not lost with the server
+
+
+def test_fork_is_refused_where_the_ranks_would_use_cuda():
+    """A box of two H100s as the driver sees it: it has read their properties, so CUDA is
+    initialised in it and a forked rank could not use it; forkserver and spawn start clean."""
+    gpus = HostFacts([CudaDevice("NVIDIA H100 80GB HBM3", 79.1)] * 2, cpu_count=16, memory_gib=128)
+    with pytest.raises(ConfigError) as refused:
+        validate(compose_config("launcher.start_method=fork", "parallel=ddp"), gpus)
+    assert refused.value.key == "launcher.start_method"
+    assert "forkserver (the default) or spawn" in str(refused.value)
+    for method in ("forkserver", "spawn"):
+        validate(compose_config(f"launcher.start_method={method}", "parallel=ddp"), gpus)
+    on_cpu = ("launcher.start_method=fork", "hardware=cpu", "backend=gloo", "parallel=ddp")
+    assert validate(compose_config(*on_cpu), gpus).hardware.device_type == "cpu"

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from meshrun.core.layout import MESH_DIMS, Layout, cp_rank, dp_rank, rank_coords
-from meshrun.rank.mesh import build_mesh, dp_group, init_distributed
+from meshrun.rank.mesh import build_mesh, cuda_index, dp_group, init_distributed
 
 LAYOUTS = [
     Layout(),
@@ -186,3 +186,24 @@ def test_a_sub_mesh_collective_times_out_at_the_runs_timeout(rank_pool):
     (outcome, waited), *_ = rank_pool.run(_tp_all_reduce_without_rank_1, None, world_size=4)
     assert outcome.startswith("raised") and "Timed out" in outcome, outcome
     assert waited < RUN_TIMEOUT_S + 3 < ABSENT_PEER_S
+
+
+@pytest.mark.parametrize(
+    ("local_rank", "visible", "index"),
+    [(3, 8, 3), (0, 8, 0), (3, 1, 0), (0, 1, 0), (7, 1, 0)],
+    ids=["node's GPUs", "first", "one per task", "one per task, rank 0", "last, one per task"],
+)
+def test_a_rank_takes_its_local_rank_among_the_nodes_gpus_or_the_one_it_was_given(
+    local_rank, visible, index
+):
+    """A SLURM task bound to one GPU (--gpus-per-task=1) sees it as cuda:0 whatever its
+    LOCAL_RANK; one that sees the node's takes its own."""
+    assert cuda_index(local_rank, visible) == index
+
+
+@pytest.mark.parametrize(("local_rank", "visible"), [(2, 2), (5, 4), (0, 0)])
+def test_a_rank_beyond_the_gpus_it_sees_is_an_error_naming_both(local_rank, visible):
+    with pytest.raises(
+        RuntimeError, match=f"LOCAL_RANK={local_rank}, and this process sees {visible}"
+    ):
+        cuda_index(local_rank, visible)

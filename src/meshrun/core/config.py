@@ -235,7 +235,9 @@ class AttentionKernel:
 
 @dataclass
 class DeviceSpec:
-    """One kind of accelerator in a box; `match` are substrings of torch's device name.
+    """One kind of accelerator in a box; `match` are regular expressions, one of which must be
+    the whole of torch's device name (case aside): "NVIDIA H100 80GB HBM3" is the SXM5 part,
+    "NVIDIA H100 PCIe" another device with other figures.
     For the planner's matmul model (plan/compute.py), from the datasheet: `memory_bw_gbs`
     (DRAM, GB/s) and `sms` (streaming multiprocessors); measured: `matmul_efficiency`, the
     fraction of the dense peak the best large matmul reaches (Bekman's MAMF table), and

@@ -1,8 +1,12 @@
 """What this host has, and which hardware profile (conf/hardware) describes it.
 
 Detection matches torch's device names in PCI bus order (CUDA_DEVICE_ORDER=PCI_BUS_ID, the
-order nvidia-smi shows) against each profile's `match` strings. A device no profile knows
-gets a profile without peak FLOP/s, so MFU is reported as unknown rather than wrong.
+order nvidia-smi shows) against each profile's `match` patterns, each the whole model name
+(an H100 PCIe is not the SXM part, a GH200 not an H200): where two profiles' names match, the
+one whose memory is closest to the device's. A device no profile knows gets a profile
+without peak FLOP/s and torch's figure for its memory, so MFU is reported as unknown rather
+than another device's. Where nvidia-smi lists GPUs that torch cannot see (a CPU build of
+torch, a driver too old for the build), `hardware=auto` refuses rather than train on CPU.
 """
 
 from __future__ import annotations
@@ -10,8 +14,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
+import platform
+import re
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +28,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from meshrun.core.config import DeviceSpec, HardwareConfig
 from meshrun.core.errors import fail
+from meshrun.core.nvidia_smi import DriverView, read_driver
 from meshrun.core.paths import CONF_DIR
+from meshrun.core.torch_build import fix, unseen
 
 
 @dataclass(frozen=True)
@@ -32,9 +41,14 @@ class CudaDevice:
 
 @dataclass(frozen=True)
 class HostFacts:
+    """torch's CUDA devices, the CPUs and memory; `unseen` is what nvidia-smi lists where
+    torch sees no CUDA device (None where it sees some, or nvidia-smi lists none for this
+    process): then torch cannot see this host's GPUs."""
+
     cuda_devices: list[CudaDevice] = field(default_factory=list)
     cpu_count: int = 1
     memory_gib: float = 0.0
+    unseen: DriverView | None = None
 
     @classmethod
     def detect(cls) -> HostFacts:
@@ -45,7 +59,19 @@ class HostFacts:
                 props = torch.cuda.get_device_properties(index)
                 devices.append(CudaDevice(props.name, props.total_memory / 2**30))
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-        return cls(devices, len(os.sched_getaffinity(0)), memory)
+        # nvidia-smi only where torch sees nothing: a host whose torch works pays no call
+        unseen = None if devices else read_driver(os.environ.get("CUDA_VISIBLE_DEVICES"))
+        return cls(devices, len(os.sched_getaffinity(0)), memory, unseen)
+
+    def unseen_gpus(self) -> tuple[str, str] | None:
+        """Why torch sees none of the GPUs nvidia-smi lists here, and what to do; None where
+        it sees them (or there are none)."""
+        if self.cuda_devices or self.unseen is None:
+            return None
+        problem = unseen(self.unseen, torch.__version__, torch.version.cuda, 0)
+        if problem is None:
+            return None
+        return problem, fix(self.unseen, platform.machine())
 
 
 def device_for_rank(devices: list[DeviceSpec], local_rank: int) -> DeviceSpec | None:
@@ -75,10 +101,16 @@ def profile_names() -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / "hardware").glob("*.yaml") if p.stem != "auto")
 
 
+def is_model(spec: DeviceSpec, name: str) -> bool:
+    """Whether torch's device name `name` is the model `spec` describes: one of its `match`
+    patterns is the whole name (case aside), not a part of it."""
+    return any(re.fullmatch(pattern, name.strip(), re.IGNORECASE) for pattern in spec.match)
+
+
 def _matches(profile: HardwareConfig, devices: list[CudaDevice]) -> bool:
     for index, device in enumerate(devices):
         spec = device_for_rank(profile.devices, index)
-        if spec is None or not any(m.lower() in device.name.lower() for m in spec.match):
+        if spec is None or not is_model(spec, device.name):
             return False
     return True
 
@@ -95,6 +127,7 @@ def _unused_kinds(profile: HardwareConfig, n_devices: int) -> int:
 
 
 LINK_FIELDS = ("intra_node", "network")
+UNKNOWN = "unknown"
 
 
 def detect_profile(facts: HostFacts) -> HardwareConfig:
@@ -113,27 +146,44 @@ def detect_profile(facts: HostFacts) -> HardwareConfig:
                 abs(p.devices[0].memory_gib - first),
             ),
         )
-    first = facts.cuda_devices[0]
-    unknown = DeviceSpec(
-        name=first.name, count=len(facts.cuda_devices), memory_gib=round(first.memory_gib, 1)
+    return _unknown_profile(facts.cuda_devices)
+
+
+def _unknown_profile(devices: list[CudaDevice]) -> HardwareConfig:
+    """A box no profile describes: each run of alike devices (PCI order) with torch's memory
+    and no peak FLOP/s, so that MFU is n/a rather than another device's."""
+    specs = [
+        DeviceSpec(name=name, count=len(run), memory_gib=round(run[0].memory_gib, 1))
+        for name, run in ((n, list(r)) for n, r in itertools.groupby(devices, lambda d: d.name))
+    ]
+    names = ", ".join(dict.fromkeys(d.name for d in devices))
+    return HardwareConfig(name=f"{UNKNOWN} ({names})", device_type="cuda", devices=specs)
+
+
+def unknown_device_note(hardware: HardwareConfig) -> str | None:
+    """The warning for a box no profile describes: its devices, and how to add one."""
+    if not hardware.name.startswith(f"{UNKNOWN} ("):
+        return None
+    box = ", ".join(f"{spec.count} x {spec.name!r}" for spec in hardware.devices)
+    patterns = ", ".join(f'"{name}"' for name in dict.fromkeys(s.name for s in hardware.devices))
+    return (
+        f"warning: no hardware profile describes this box ({box}): each device's memory is "
+        "torch's, MFU and the planner's speeds are n/a. To add a profile, copy the closest "
+        "conf/hardware/*.yaml with the datasheet's figures and match: "
+        f"[{patterns}] (torch's names), or name one: hardware=<profile>"
     )
-    return HardwareConfig(name=f"unknown ({first.name})", device_type="cuda", devices=[unknown])
 
 
 def resolve_hardware(hw: HardwareConfig, facts: HostFacts) -> HardwareConfig:
+    unseen_gpus = facts.unseen_gpus()
+    if hw.name == "auto" and unseen_gpus:  # not CPU ranks in place of the GPUs
+        problem, todo = unseen_gpus
+        fail("hardware", "auto", problem, f"{todo}; or hardware=cpu to train on CPU on purpose")
     if hw.name == "auto":
-        # link figures given beside hardware=auto (overrides) win over the detected profile's
-        detected, blank = detect_profile(facts), HardwareConfig()
-        links = {}
-        for name in LINK_FIELDS:
-            mine, unset = getattr(hw, name), getattr(blank, name)
-            given = {
-                f.name: getattr(mine, f.name)
-                for f in dataclasses.fields(mine)
-                if getattr(mine, f.name) != getattr(unset, f.name)
-            }
-            links[name] = dataclasses.replace(getattr(detected, name), **given)
-        return dataclasses.replace(detected, **links)
+        return _detected(hw, facts)
+    if hw.device_type == "cuda" and unseen_gpus:
+        problem, todo = unseen_gpus
+        fail("hardware", hw.name, f"{problem}, and this profile describes CUDA devices", todo)
     if hw.device_type == "cuda" and not facts.cuda_devices:
         fail(
             "hardware",
@@ -142,6 +192,22 @@ def resolve_hardware(hw: HardwareConfig, facts: HostFacts) -> HardwareConfig:
             "cpu, or auto",
         )
     return hw
+
+
+def _detected(hw: HardwareConfig, facts: HostFacts) -> HardwareConfig:
+    """The detected profile, with the link figures given beside hardware=auto (overrides)
+    winning over its own."""
+    detected, blank = detect_profile(facts), HardwareConfig()
+    links = {}
+    for name in LINK_FIELDS:
+        mine, unset = getattr(hw, name), getattr(blank, name)
+        given = {
+            f.name: getattr(mine, f.name)
+            for f in dataclasses.fields(mine)
+            if getattr(mine, f.name) != getattr(unset, f.name)
+        }
+        links[name] = dataclasses.replace(getattr(detected, name), **given)
+    return dataclasses.replace(detected, **links)
 
 
 def target_facts(hardware: HardwareConfig, host: HostFacts) -> HostFacts:

@@ -5,20 +5,27 @@ APIs (FSDP2, DTensor, pipelining, DCP) moved under meshrun between releases."""
 
 from __future__ import annotations
 
+import re
 from importlib import metadata
-
-from packaging.version import Version
 
 from meshrun.core.errors import fail
 
 TORCH_FLOOR = "2.11"
 
 
+def release(version: str) -> tuple[int, ...]:
+    """A version's release numbers: '2.12.0a0+git1a2b3c' -> (2, 12, 0), as packaging's
+    Version.release (the standard library's own, for scripts/install-torch.sh: it reads the
+    floor before anything else is installed)."""
+    found = re.match(r"\d+(?:\.\d+)*", version)
+    return tuple(int(part) for part in found[0].split(".")) if found else ()
+
+
 def check_torch(installed: str | None = None) -> None:
     """ConfigError where the installed torch is older than the floor (a local build's
     version, `2.12.0a0+git...`, counts by its release)."""
     version = installed or _installed()
-    if Version(version).release < Version(TORCH_FLOOR).release:
+    if release(version) < release(TORCH_FLOOR):
         fail(
             "torch",
             version,

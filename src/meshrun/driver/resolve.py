@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Callable
 
 from meshrun.core.config import ExperimentConfig, RunConfig, with_resolved
-from meshrun.core.hardware import HostFacts, resolve_hardware
+from meshrun.core.hardware import HostFacts, resolve_hardware, unknown_device_note
 from meshrun.driver.prepare_data import prepare_data
 from meshrun.plan.candidate import Candidate
 from meshrun.plan.fit import check_fit
@@ -69,9 +69,9 @@ def _resolved(
     resolved = validate_layout(cfg, facts)
     check_fit(resolved, facts)  # before the batch rules: "does not fit" is the news to give
     resolved = prepare_data(validate_run(resolved))
-    note = vocabulary_note(resolved)
-    if note and say is not None:
-        say(note)
+    for note in (vocabulary_note(resolved), unknown_device_note(resolved.hardware)):
+        if note and say is not None:
+            say(note)
     return resolved
 
 

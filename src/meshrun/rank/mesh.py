@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 from datetime import timedelta
 
 import torch
@@ -102,6 +103,24 @@ def mean_over_ranks(
 def select_device(device_type: str, local_rank: int) -> torch.device:
     """Rank -> device; CUDA indices follow PCI bus order (set by the driver) like nvidia-smi."""
     if device_type == "cuda":
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        index = cuda_index(local_rank, torch.cuda.device_count())
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
+
+
+def cuda_index(local_rank: int, visible: int) -> int:
+    """The CUDA device of a node's `local_rank`-th rank that sees `visible` devices: the one
+    it sees where it was given one (SLURM's --gpus-per-task=1, or any binding that leaves a
+    task a single device in CUDA_VISIBLE_DEVICES: cuda:0, whatever its LOCAL_RANK), else
+    its own among the node's."""
+    if visible == 1:
+        return 0
+    if 0 <= local_rank < visible:
+        return local_rank
+    shown = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
+    raise RuntimeError(
+        f"LOCAL_RANK={local_rank}, and this process sees {visible} CUDA devices "
+        f"(CUDA_VISIBLE_DEVICES={shown}): give each rank one GPU (SLURM: --gpus-per-task=1) "
+        "or each rank all of its node's (--gpus-per-node)"
+    )

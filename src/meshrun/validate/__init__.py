@@ -10,6 +10,7 @@ unknown keys, unknown presets) are checked at compose time (driver/compose.py).
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import torch.distributed as dist
@@ -186,6 +187,16 @@ def _check_hardware(hw: HardwareConfig) -> None:
                 "a number in (0, 1], e.g. 0.8",
             )
         _check_attention_kernel(f"{key}.attention", spec.attention)
+        for pattern in spec.match:
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                fail(
+                    f"{key}.match",
+                    pattern,
+                    f"is not a regular expression ({err})",
+                    'torch\'s whole device name, e.g. "NVIDIA H100 80GB HBM3"',
+                )
 
 
 def _check_attention_kernel(key: str, kernel: AttentionKernel) -> None:

@@ -8,7 +8,12 @@ import dataclasses
 import os
 
 from meshrun.core.attached import attached_rank
-from meshrun.core.config import DebugConfig, LauncherConfig, SlurmLauncherConfig
+from meshrun.core.config import (
+    DebugConfig,
+    LauncherConfig,
+    LocalLauncherConfig,
+    SlurmLauncherConfig,
+)
 from meshrun.core.errors import choice, fail, positive
 from meshrun.core.hardware import HostFacts
 
@@ -28,6 +33,22 @@ def check_launcher(launcher: LauncherConfig) -> None:
         )
     positive("launcher.nproc_per_node", launcher.nproc_per_node, allow_none=True)
     positive("launcher.threads_per_rank", launcher.threads_per_rank, allow_none=True)
+
+
+def check_start_method(launcher: LauncherConfig, on_cuda: bool) -> None:
+    """Ranks forked from this driver cannot use CUDA: it has initialised CUDA by then
+    (HostFacts.detect reads each device's properties: torch/cuda/__init__.py's
+    get_device_properties calls _lazy_init, which in a forked child raises "Cannot
+    re-initialize CUDA in forked subprocess"). A forkserver's ranks fork from a fresh server."""
+    forked = isinstance(launcher, LocalLauncherConfig) and launcher.start_method == "fork"
+    if forked and on_cuda and attached_rank() is None:
+        fail(
+            "launcher.start_method",
+            "fork",
+            "the driver has initialised CUDA (it read the devices), so ranks forked from it "
+            "cannot use CUDA",
+            "forkserver (the default) or spawn",
+        )
 
 
 def place_ranks(

@@ -16,12 +16,18 @@ from meshrun.core.imports import import_callable
 from meshrun.core.layout import MESH_DIMS, Layout
 from meshrun.core.stages import MULTI_STAGE_SCHEDULES, PP_AUTO, stage_layer_counts
 from meshrun.models import model_shape
-from meshrun.validate.launcher import CPU_DEFAULT_RANKS, check_launcher, place_ranks
+from meshrun.validate.launcher import (
+    CPU_DEFAULT_RANKS,
+    check_launcher,
+    check_start_method,
+    place_ranks,
+)
 
 
 def resolve_layout(cfg: ExperimentConfig, facts: HostFacts):
     p, launcher = cfg.parallel, cfg.launcher
     check_launcher(launcher)
+    check_start_method(launcher, cfg.hardware.device_type == "cuda")
     check_degrees(p)
     _check_checkpoint_every(p)
     if p.data_parallel == "dataparallel":

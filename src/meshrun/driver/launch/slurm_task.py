@@ -37,8 +37,9 @@ def _in_task() -> SlurmTask:
 
 class SlurmTask:
     """MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK from SLURM's environment, then the
-    rank itself (training's, or meshrun-comm's). GPUs are picked by LOCAL_RANK among the
-    job's (CUDA_VISIBLE_DEVICES stays as SLURM set it)."""
+    rank itself (training's, or meshrun-comm's). CUDA_VISIBLE_DEVICES stays as SLURM set it:
+    a task that sees the node's GPUs takes its LOCAL_RANK-th, one bound to a single GPU
+    (--gpus-per-task=1) takes that one (rank/mesh.py's cuda_index)."""
 
     def __reduce__(self) -> tuple[Callable[[], SlurmTask], tuple]:
         return _in_task, ()

@@ -40,6 +40,7 @@ from meshrun.validate.launcher import (
     check_attached_world,
     check_debug,
     check_launcher,
+    check_start_method,
     place_ranks,
 )
 from meshrun.validate.slurm import check_slurm
@@ -104,6 +105,7 @@ def _resolve_launcher(cfg: CommRunConfig, backend: str, facts: HostFacts):
     launcher = cfg.launcher
     check_launcher(launcher)
     on_cuda = device_type(backend) == "cuda"
+    check_start_method(launcher, on_cuda)
     if launcher.name == "slurm":  # the cluster's nodes, not this login host, hold the devices
         sized = dataclasses.replace(launcher, nproc_per_node=launcher.nproc_per_node or 1)
         checked = check_slurm(dataclasses.replace(cfg, launcher=sized))

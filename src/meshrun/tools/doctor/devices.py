@@ -5,17 +5,18 @@ CUDA_VISIBLE_DEVICES, renumbered from 0 in the listed order, where an index in t
 counts in CUDA's enumeration order: fastest device first unless CUDA_DEVICE_ORDER=PCI_BUS_ID.
 On a mixed box cuda:0 is therefore often not nvidia-smi's GPU 0. The functions here are pure
 (text and lists in, facts and sentences out) so the mapping logic is tested without a GPU;
-`query_*` read the live system.
+`query_*` read the live system. nvidia-smi's own listing and CUDA_VISIBLE_DEVICES are read by
+core/nvidia_smi.py, which the installer and meshrun's hardware detection share.
 """
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from collections import Counter
 from dataclasses import dataclass
 
-SMI_FIELDS = "index,pci.bus_id,name,memory.total,uuid"
+from meshrun.core import nvidia_smi
+from meshrun.core.nvidia_smi import SmiGpu, normalize_pci, uuid_key
+
 # nvidia-smi topo -m legend, worst to best for peer traffic.
 LINK_KINDS = {
     "SYS": "across the CPU interconnect (QPI/UPI/Infinity Fabric): slowest",
@@ -25,17 +26,6 @@ LINK_KINDS = {
     "PIX": "PCIe through a single switch",
     "NV": "NVLink",
 }
-
-
-@dataclass(frozen=True)
-class SmiGpu:
-    """nvidia-smi's view of one GPU; `index` is its PCI-bus-order number."""
-
-    index: int
-    pci_bus_id: str
-    name: str
-    memory_mib: int
-    uuid: str
 
 
 @dataclass(frozen=True)
@@ -58,55 +48,6 @@ class DeviceRow:
     memory_gib: float
 
 
-def normalize_pci(bus_id: str) -> str:
-    """'00000000:17:00.0' (nvidia-smi) and '0000:17:00.0' name one device: 4-digit domain."""
-    domain, rest = bus_id.strip().lower().split(":", 1)
-    return f"{int(domain, 16):04x}:{rest}"
-
-
-def parse_smi(csv_text: str) -> list[SmiGpu]:
-    """Lines of `nvidia-smi --query-gpu=SMI_FIELDS --format=csv,noheader,nounits`."""
-    gpus = []
-    for line in csv_text.strip().splitlines():
-        index, bus, name, memory, uuid = (part.strip() for part in line.split(","))
-        gpus.append(SmiGpu(int(index), normalize_pci(bus), name, int(float(memory)), uuid))
-    return gpus
-
-
-def _uuid(text: str) -> str:
-    return text.lower().removeprefix("gpu-")
-
-
-def visible_smi_indices(
-    smi: list[SmiGpu], visible: str | None, order: str | None
-) -> tuple[list[int] | None, list[str]]:
-    """nvidia-smi numbers of cuda:0, cuda:1, ... under CUDA_VISIBLE_DEVICES, and notes on
-    entries CUDA ignores. None when the numbers cannot be known without asking CUDA (indices
-    under the fastest-first order)."""
-    if visible is None:
-        return ([g.index for g in smi] if order == "PCI_BUS_ID" else None), []
-    chosen: list[int] = []
-    notes: list[str] = []
-    entries = [e.strip() for e in visible.split(",")] if visible.strip() else []
-    for position, entry in enumerate(entries):
-        if entry.isdigit():
-            if order != "PCI_BUS_ID":
-                return None, notes
-            found = [g.index for g in smi if g.index == int(entry)]
-        else:
-            found = [g.index for g in smi if _uuid(g.uuid).startswith(_uuid(entry))]
-        if len(found) != 1 or found[0] in chosen:
-            ignored = ",".join(entries[position:])
-            notes.append(
-                f"CUDA_VISIBLE_DEVICES entry {entry!r} names no single unused device, so CUDA "
-                f"ignores it and every entry after it ({ignored}): only "
-                f"{len(chosen)} device(s) are visible"
-            )
-            break
-        chosen.append(found[0])
-    return chosen, notes
-
-
 def match(cuda: list[CudaGpu], smi: list[SmiGpu]) -> list[DeviceRow]:
     """Each CUDA device with its nvidia-smi number, by UUID, else by PCI bus id."""
     rows = []
@@ -114,7 +55,7 @@ def match(cuda: list[CudaGpu], smi: list[SmiGpu]) -> list[DeviceRow]:
         found = [
             g
             for g in smi
-            if (dev.uuid and _uuid(g.uuid) == _uuid(dev.uuid))
+            if (dev.uuid and uuid_key(g.uuid) == uuid_key(dev.uuid))
             or (dev.pci_bus_id and g.pci_bus_id == normalize_pci(dev.pci_bus_id))
         ]
         smi_index = found[0].index if found else None
@@ -188,27 +129,8 @@ def describe_link(kind: str) -> str:
     return f"{kind}: {LINK_KINDS.get(kind, 'unknown link')}"
 
 
-def _smi(*args: str) -> str | None:
-    if shutil.which("nvidia-smi") is None:
-        return None
-    try:
-        proc = subprocess.run(
-            ["nvidia-smi", *args], capture_output=True, text=True, timeout=30, check=False
-        )
-    except subprocess.TimeoutExpired:
-        return None
-    return proc.stdout if proc.returncode == 0 else None
-
-
-def query_smi() -> tuple[list[SmiGpu], str | None]:
-    """nvidia-smi's GPUs and the driver version ([] and None without nvidia-smi)."""
-    gpus = _smi(f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader,nounits")
-    driver = _smi("--query-gpu=driver_version", "--format=csv,noheader")
-    return (parse_smi(gpus) if gpus else []), (driver.splitlines()[0].strip() if driver else None)
-
-
 def query_topology() -> dict[tuple[int, int], str]:
-    text = _smi("topo", "-m")
+    text = nvidia_smi.smi("topo", "-m")
     return parse_topology(text) if text else {}
 
 

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.table import Table
 from rich.text import Text
 
+from meshrun.core import nvidia_smi
 from meshrun.core.errors import ConfigError, choice, positive
 from meshrun.core.hardware import HostFacts
 from meshrun.core.tool_config import DoctorRunConfig
@@ -92,10 +93,10 @@ def host(facts: HostFacts) -> dict[str, Any]:
 
 
 def device_report() -> dict[str, Any]:
-    smi, driver = devices.query_smi()
+    smi, driver = nvidia_smi.query_smi()
     cuda = devices.query_cuda()
     visible, order = os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("CUDA_DEVICE_ORDER")
-    predicted, notes = devices.visible_smi_indices(smi, visible, order)
+    predicted, notes = nvidia_smi.visible_smi_indices(smi, visible, order)
     rows = devices.match(cuda, smi)
     notes += devices.explain(rows, visible, order)
     if smi and not cuda:
