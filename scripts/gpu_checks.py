@@ -34,10 +34,12 @@ def _meshrun(*overrides: str, command: str = "meshrun") -> Callable[[Path], list
     ]  # fmt: skip
 
 
-def _python(args: str, store: bool = False) -> Callable[[Path], list[str]]:
-    """`python ARGS` (space-separated), with a results store in the check's folder."""
+def _python(args: str, store: bool = False, words: bool = True) -> Callable[[Path], list[str]]:
+    """`python ARGS` (space-separated; `words` False: `-c CODE`, the code whole), with a
+    results store in the check's folder."""
+    argv = args.split() if words else args.split(" ", 1)
     return lambda work: [
-        PY, *args.split(), *([f"store.path={work / 'meshrun.db'}"] if store else []),
+        PY, *argv, *([f"store.path={work / 'meshrun.db'}"] if store else []),
     ]  # fmt: skip
 
 
@@ -120,6 +122,18 @@ def exits_zero_with(pattern: str) -> Callable[..., Verdict]:
     return judge
 
 
+def refused_with(key: str) -> Callable[[Outcome], Verdict]:
+    """PASS where a config error (exit 2) names `key`."""
+
+    def judge(done: Outcome) -> Verdict:
+        found = re.search(rf"config error .*{re.escape(key)}.*", done.output)
+        if done.rc != 2 or not found:
+            return Verdict(FAIL, f"exit {done.rc}: {_last_error(done.output)}")
+        return Verdict(PASS, found.group(0)[:200])
+
+    return judge
+
+
 def _last_error(output: str) -> str:
     lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
     for line in reversed(lines):
@@ -154,6 +168,40 @@ def checks(gpus: int) -> list[Check]:
             ran(),
             gpus=all_gpus,
             budget_s=150,
+        ),
+        Check(
+            "installer: the image's CUDA torch kept, seeing every GPU nvidia-smi lists",
+            lambda work: ["env", "MESHRUN_INSTALL_DRY_RUN=1", "scripts/install-torch.sh", PY],
+            exits_zero_with(r"sees the \d+ GPU\(s\) nvidia-smi lists"),
+            gpus=all_gpus,
+            budget_s=60,
+        ),
+        Check(
+            "hardware=auto names this GPU's own profile",
+            _python(
+                "-c from meshrun.core.hardware import HostFacts, detect_profile; "
+                "f = HostFacts.detect(); print('profile', detect_profile(f).name, "
+                "[d.name for d in f.cuda_devices])",
+                words=False,
+            ),
+            exits_zero_with(r"profile (?!unknown)"),
+            budget_s=60,
+        ),
+        Check(
+            "a SLURM task that sees one GPU uses cuda:0 (local rank 3)",
+            _python(
+                "-c import torch; from meshrun.rank.mesh import select_device; "
+                "d = select_device('cuda', 3); torch.ones(1, device=d); print('single ->', d)",
+                words=False,
+            ),
+            exits_zero_with(r"single -> cuda:0"),
+            budget_s=60,
+        ),
+        Check(
+            "launcher.start_method=fork refused on CUDA (exit 2)",
+            _meshrun("launcher.start_method=fork parallel=single train.steps=2"),
+            refused_with("launcher.start_method"),
+            budget_s=60,
         ),
         Check(
             "gpu-marked tests",
