@@ -23,6 +23,7 @@ import torch.distributed as dist
 from meshrun.core.collective_names import ALL_GATHER, REDUCE_SCATTER
 from meshrun.core.run_files.failures import record_failure
 from meshrun.core.tool_config import CommConfig, comm_from_dict
+from meshrun.rank.collective_place import control_all_reduce, control_barrier
 from meshrun.rank.faults import fault_injector
 from meshrun.rank.mesh import end_distributed, init_distributed, select_device
 from meshrun.rank.watchdog import Watchdog
@@ -149,7 +150,7 @@ def _synchronize(device: torch.device) -> None:
 
 def time_per_op(run: Callable[[], None], iters: int, device: torch.device) -> float:
     """Seconds per op, from `iters` back-to-back ops with one sync (CUDA events on GPU)."""
-    dist.barrier()
+    control_barrier()
     _synchronize(device)
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -226,7 +227,7 @@ def _benchmark(
                 case.run()
             seconds = time_per_op(case.run, comm.iters, device)
             totals = torch.tensor([seconds, wrong], dtype=torch.float64, device=device)
-            dist.all_reduce(totals)
+            control_all_reduce(totals)
         seconds, wrong = totals[0].item() / n, int(totals[1].item())
         redop = comm.redop if op in REDUCING else "none"
         rows.append(
