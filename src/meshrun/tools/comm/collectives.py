@@ -23,6 +23,7 @@ import torch.distributed as dist
 from meshrun.core.collective_names import ALL_GATHER, REDUCE_SCATTER
 from meshrun.core.run_files.failures import record_failure
 from meshrun.core.tool_config import CommConfig, comm_from_dict
+from meshrun.rank import flight_recorder
 from meshrun.rank.collective_place import control_all_reduce, control_barrier
 from meshrun.rank.faults import fault_injector
 from meshrun.rank.mesh import end_distributed, init_distributed, select_device
@@ -185,8 +186,7 @@ def run_comm_rank(cfg_dict: dict[str, Any]) -> list[dict[str, Any]] | None:
     """Rank 0 returns one row per measurement; the others None."""
     cfg = comm_from_dict(cfg_dict)
     rank = int(os.environ.get("RANK", "0"))
-    for key, value in cfg.backend.env.items():
-        os.environ.setdefault(key, value)
+    os.environ.update(flight_recorder.rank_env(cfg.backend, cfg.run_dir, os.environ))
     if cfg.launcher.threads_per_rank:
         torch.set_num_threads(cfg.launcher.threads_per_rank)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -194,6 +194,7 @@ def run_comm_rank(cfg_dict: dict[str, Any]) -> list[dict[str, Any]] | None:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     watchdog = Watchdog(cfg.run_dir, rank, world_size, cfg.backend.timeout_s)
     try:
+        flight_recorder.enable(cfg.backend.name, cfg.run_dir)
         init_distributed(cfg.backend.name, cfg.backend.timeout_s)
         return _benchmark(cfg.comm, device, watchdog, fault_injector(cfg.debug, rank))
     except Exception as err:
