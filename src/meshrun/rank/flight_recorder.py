@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import faulthandler
 import json
-import os
 import time
+from collections.abc import Mapping
 
 from torch._C._distributed_c10d import _dump_fr_trace_json
 
 from meshrun.core.atomic_write import write_atomic
+from meshrun.core.config import BackendConfig
 from meshrun.core.run_files.flight_records import (
     REQUEST_FILE,
     TRANSFERS_KEY,
@@ -28,16 +29,46 @@ ENTRIES = 2000  # torchtitan's default ring (comm.trace_buf_size is 20,000 for N
 PEER_WAIT_S = 3.0  # a watchdog thread polls each second
 
 
+# NCCL's: its error handling (torch's default, 3, SkipCleanUp: a timed-out collective ends
+# the process), and its flight recorder dumped by its heartbeat monitor when a collective
+# times out or fails (ProcessGroupNCCL.hpp: TORCH_NCCL_DUMP_ON_TIMEOUT needs
+# TORCH_NCCL_ENABLE_MONITORING and a ring; the ring's size under both names, the
+# TORCH_NCCL_ one the older)
+NCCL_ENV = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    "TORCH_NCCL_ENABLE_MONITORING": "1",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": str(ENTRIES),
+}
+# Where NCCL's dump goes, `<prefix><rank>`: torch reads the first of these that is set, an
+# older torch only the second (torch/csrc/distributed/c10d/FlightRecorder.cpp,
+# DebugInfoWriter::getWriter); one the environment or backend.env sets is left alone
+DUMP_FILE_VARS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+NCCL_DUMP_PREFIX = "nccl_rank"
+
+
+def rank_env(backend: BackendConfig, run_dir: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """What a rank adds to `environ` before its process group exists: torch's flight
+    recorder on for every backend; for the resolved backend nccl (backend=auto's choice
+    too), NCCL's dump on a timeout, into the run's dumps folder. backend.env goes over
+    these, and a variable `environ` already sets (the user's own export) is kept."""
+    wanted = {"TORCH_FR_BUFFER_SIZE": str(ENTRIES)}
+    if backend.name == "nccl":
+        wanted |= NCCL_ENV
+        if not any(name in environ or name in backend.env for name in DUMP_FILE_VARS):
+            prefix = str(dumps_dir(run_dir) / NCCL_DUMP_PREFIX)
+            wanted |= dict.fromkeys(DUMP_FILE_VARS, prefix)
+    wanted |= backend.env
+    return {name: value for name, value in wanted.items() if name not in environ}
+
+
 def enable(backend: str, run_dir: str) -> None:
-    """Before init_process_group: the ring for every backend; NCCL's own watchdog also
-    dumps it on a timeout (into the same folder). meshrun's record of a pipeline's transfers
-    starts empty."""
+    """Before init_process_group (rank_env already applied): meshrun's record of a
+    pipeline's transfers starts empty; on NCCL, the folder its watchdog dumps into exists
+    (torch writes it with a plain open, which a missing folder fails)."""
     transfers.forget()
-    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(ENTRIES))
     if backend == "nccl":
-        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(ENTRIES))
-        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-        os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(dumps_dir(run_dir) / "nccl_rank"))
+        dumps_dir(run_dir).mkdir(parents=True, exist_ok=True)
 
 
 def dump(run_dir: str, rank: int) -> None:

@@ -15,6 +15,7 @@ from torch.distributed.tensor._collective_utils import MeshTopoInfo
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from meshrun.core.layout import MESH_DIMS, Layout
+from meshrun.rank.collective_place import control_all_reduce
 
 
 def init_distributed(backend: str, timeout_s: float) -> None:
@@ -93,9 +94,9 @@ def mean_over_ranks(
     """Losses as every rank of the run sees them: the last pipeline stage's (they are zero on
     the other stages), averaged over data-parallel ranks (equal shares of the batch)."""
     if pp_group is not None:
-        dist.all_reduce(losses, group=pp_group)
+        control_all_reduce(losses, pp_group)
     if dp_group is not None:
-        dist.all_reduce(losses, group=dp_group)  # gloo has no AVG
+        control_all_reduce(losses, dp_group)  # gloo has no AVG
         losses /= dist.get_world_size(dp_group)
     return losses
 

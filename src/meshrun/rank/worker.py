@@ -61,8 +61,7 @@ def run_rank(cfg_dict: dict[str, Any]) -> RankReport | None:
     place = ReplicaPlace.from_env()
     layout, rank = place_in_run(cfg, place)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    for key, value in cfg.backend.env.items():
-        os.environ.setdefault(key, value)
+    os.environ.update(flight_recorder.rank_env(cfg.backend, cfg.run_dir, os.environ))
     if cfg.launcher.threads_per_rank:
         torch.set_num_threads(cfg.launcher.threads_per_rank)
     device = select_device(cfg.hardware.device_type, local_rank)

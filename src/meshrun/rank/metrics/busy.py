@@ -14,9 +14,9 @@ import statistics
 import time
 
 import torch
-import torch.distributed as dist
 
 from meshrun.core.step_stats import slowest
+from meshrun.rank.collective_place import control_all_gather
 
 
 class BusyClock:
@@ -47,9 +47,7 @@ class BusyClock:
         every rank joins at its log step."""
         mine = torch.tensor(self._unlogged, dtype=torch.float64)
         self._unlogged = []
-        ranks = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(ranks, mine)
-        return torch.stack(ranks)
+        return control_all_gather(mine)
 
 
 def busy_fields(per_rank: torch.Tensor) -> list[dict[str, float | int]]:

@@ -54,6 +54,7 @@ from meshrun.core.run_files.failures import Stopped
 from meshrun.models import model_key, model_shape
 from meshrun.models.shards import fill, local_tensor, model_name, named_tensors
 from meshrun.models.vocab import VOCAB_MODULES
+from meshrun.rank.collective_place import control_all_reduce, control_barrier
 from meshrun.rank.parallel import ParallelModel
 from meshrun.rank.stop_signals import STOP_SIGNALS
 from meshrun.rank.train.loss_scale import LossScale
@@ -194,7 +195,7 @@ class Checkpointer:
             return False
         flag = torch.tensor([self.signal])
         if self.stop_group is not None:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.stop_group)
+            control_all_reduce(flag, self.stop_group, dist.ReduceOp.MAX)
         self.signal = self.signal or int(flag.item())
         return self.signal != 0
 
@@ -316,7 +317,7 @@ class Checkpointer:
 
     def _barrier(self) -> None:
         if self.group is not None:
-            dist.barrier(group=self.group)
+            control_barrier(self.group)
 
     # loading
 

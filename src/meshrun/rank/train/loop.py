@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from meshrun.core.config import TrainConfig
 from meshrun.models import moe
+from meshrun.rank.collective_place import control_barrier
 from meshrun.rank.device import autocast
 from meshrun.rank.mesh import mean_over_ranks
 from meshrun.rank.metrics.bubble import BubbleClock
@@ -254,7 +255,7 @@ def _start_timing(step: int, ctx: LoopContext, bubble: BubbleClock | None) -> No
             ctx.twin.untimed_steps()
     if dist.is_initialized():
         with inside(ctx.watchdog, step, "barrier (end of the untimed steps)", one_collective=True):
-            dist.barrier()  # ranks end their untimed steps at different times: level the clocks
+            control_barrier()  # ranks end their untimed steps at different times: level the clocks
     ctx.pending.clock.mark()
     if bubble is not None:
         bubble.start()

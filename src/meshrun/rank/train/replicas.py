@@ -27,6 +27,11 @@ import torch.distributed as dist
 
 from meshrun.core.replica_place import LIGHTHOUSE_ENV, ReplicaAlone, ReplicaLagged, ReplicaPlace
 from meshrun.core.run_files.metrics import replicas_ended
+from meshrun.rank.collective_place import (
+    backend_device,
+    current_accelerator,
+    replicas_all_reduce,
+)
 from meshrun.rank.train.build import Training
 from meshrun.rank.train.checkpoint import load_local_state, load_schedule, local_state
 from meshrun.rank.train.data import LocalBatches
@@ -93,9 +98,10 @@ class Replicas:
         group_rank, group_size = group
         # the group's store, which the driver hosts (driver/launch/replicas.py)
         address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        across = ProcessGroupNCCL if backend == "nccl" else ProcessGroupGloo
+        across = "nccl" if backend == "nccl" else "gloo"
+        self.device = backend_device(across, current_accelerator())  # its group's tensors'
         self.manager = Manager(
-            pg=across(timeout=timeout),
+            pg=(ProcessGroupNCCL if across == "nccl" else ProcessGroupGloo)(timeout=timeout),
             load_state_dict=load,
             state_dict=state,
             min_replica_size=1,
@@ -173,9 +179,10 @@ class Replicas:
                 grad.copy_(part.view_as(grad))
 
     def reduce(self, values: torch.Tensor, op: dist.ReduceOp) -> None:
-        """`values` reduced in place over the quorum's groups (the same rank of each); left
-        as they are where a group failed meanwhile (torchft then fails the next commit)."""
-        self.manager.allreduce(values, reduce_op=op).wait()
+        """`values` reduced in place over the quorum's groups (the same rank of each), on
+        the device torchft's group takes; left as they are where a group failed meanwhile
+        (torchft then fails the next commit)."""
+        replicas_all_reduce(self.manager, self.device, values, op)
 
     def same_spike(self, spike: Spike | None) -> Spike | None:
         """The groups' spike judgements of a log step made one, the earliest spike any group
@@ -205,7 +212,7 @@ class Replicas:
     def agreed(self, step: int, loss: torch.Tensor) -> bool:
         """Whether the step may be applied: every participant's collectives succeeded.
         `loss` becomes the mean of the quorum's replicas' (in place)."""
-        self.manager.allreduce(loss).wait()
+        self.reduce(loss, dist.ReduceOp.AVG)
         replicas = self.manager.num_participants()
         if self.manager.should_commit():
             self.participants[step] = replicas

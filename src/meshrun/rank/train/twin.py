@@ -23,6 +23,7 @@ from meshrun.core.config import RunConfig
 from meshrun.core.layout import Layout
 from meshrun.core.rank_report import TwinStep
 from meshrun.models import model_shape
+from meshrun.rank.collective_place import control_barrier
 from meshrun.rank.device import synchronize
 from meshrun.rank.metrics.memory import MemoryMeter
 from meshrun.rank.train.build import Training, build_training
@@ -99,4 +100,4 @@ class Twin:
 
 def _barrier() -> None:
     if dist.is_initialized():
-        dist.barrier()
+        control_barrier()

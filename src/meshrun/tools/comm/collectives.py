@@ -23,6 +23,8 @@ import torch.distributed as dist
 from meshrun.core.collective_names import ALL_GATHER, REDUCE_SCATTER
 from meshrun.core.run_files.failures import record_failure
 from meshrun.core.tool_config import CommConfig, comm_from_dict
+from meshrun.rank import flight_recorder
+from meshrun.rank.collective_place import control_all_reduce, control_barrier
 from meshrun.rank.faults import fault_injector
 from meshrun.rank.mesh import end_distributed, init_distributed, select_device
 from meshrun.rank.watchdog import Watchdog
@@ -149,7 +151,7 @@ def _synchronize(device: torch.device) -> None:
 
 def time_per_op(run: Callable[[], None], iters: int, device: torch.device) -> float:
     """Seconds per op, from `iters` back-to-back ops with one sync (CUDA events on GPU)."""
-    dist.barrier()
+    control_barrier()
     _synchronize(device)
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -184,8 +186,7 @@ def run_comm_rank(cfg_dict: dict[str, Any]) -> list[dict[str, Any]] | None:
     """Rank 0 returns one row per measurement; the others None."""
     cfg = comm_from_dict(cfg_dict)
     rank = int(os.environ.get("RANK", "0"))
-    for key, value in cfg.backend.env.items():
-        os.environ.setdefault(key, value)
+    os.environ.update(flight_recorder.rank_env(cfg.backend, cfg.run_dir, os.environ))
     if cfg.launcher.threads_per_rank:
         torch.set_num_threads(cfg.launcher.threads_per_rank)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -193,6 +194,7 @@ def run_comm_rank(cfg_dict: dict[str, Any]) -> list[dict[str, Any]] | None:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     watchdog = Watchdog(cfg.run_dir, rank, world_size, cfg.backend.timeout_s)
     try:
+        flight_recorder.enable(cfg.backend.name, cfg.run_dir)
         init_distributed(cfg.backend.name, cfg.backend.timeout_s)
         return _benchmark(cfg.comm, device, watchdog, fault_injector(cfg.debug, rank))
     except Exception as err:
@@ -226,7 +228,7 @@ def _benchmark(
                 case.run()
             seconds = time_per_op(case.run, comm.iters, device)
             totals = torch.tensor([seconds, wrong], dtype=torch.float64, device=device)
-            dist.all_reduce(totals)
+            control_all_reduce(totals)
         seconds, wrong = totals[0].item() / n, int(totals[1].item())
         redop = comm.redop if op in REDUCING else "none"
         rows.append(

@@ -30,6 +30,7 @@ from torch.distributed.fsdp import fully_shard
 
 from meshrun.core.config import LlamaModelConfig
 from meshrun.models import build_model, model_shape
+from meshrun.rank.collective_place import control_barrier
 from meshrun.rank.parallel.checkpointing import apply_activation_checkpointing
 from meshrun.rank.parallel.context import apply_context_parallel
 from meshrun.rank.parallel.context_attention import METHODS
@@ -96,7 +97,7 @@ def _fastest(steps: dict, device: torch.device | None, rounds: int) -> dict:
     best = dict.fromkeys(steps, float("inf"))
     for round_ in range(WARMUP + rounds):
         for key, step in steps.items():
-            dist.barrier()
+            control_barrier()
             sync()
             started = time.perf_counter()
             step()
