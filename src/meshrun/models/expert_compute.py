@@ -97,7 +97,7 @@ def _grouped(x: Tensor, weights: tuple[Tensor, Tensor, Tensor], counts: Tensor) 
     padded = padded.index_copy(0, positions, x.to(dtype))
     w1, w3, w2 = (w.to(dtype) for w in weights)
     gate, up = (torch._grouped_mm(padded, w, offs=offsets) for w in (w1, w3))
-    return torch._grouped_mm(F.silu(gate) * up, w2, offs=offsets)[positions]
+    return torch._grouped_mm(F.silu(gate) * up, w2, offs=offsets).index_select(0, positions)
 
 
 def dispatched_compute(
