@@ -28,7 +28,7 @@ from meshrun.core.errors import ConfigError
 from meshrun.core.paths import CONF_DIR
 from meshrun.driver.experiment import RunFailed, measure, read_steps, run_experiment
 from meshrun.driver.resume import in_run_dir_of_resume, names_run_dir
-from meshrun.models import model_shape
+from meshrun.models import model_key, model_shape
 from tests.cli import interrupted_meshrun
 from tests.helpers import compose_config, resolved_config, transformers_first_loss
 from tests.ranks import config_in, losses
@@ -223,6 +223,21 @@ def test_resume_of_another_model_is_refused(tmp_path, rank_pool):
         config_in(
             tmp_path / "b", *COMMON, "model.dim=128", f"checkpoint.resume={cfg.run_dir}/checkpoints"
         )
+
+
+def test_an_moe_checkpoint_resumes_whichever_way_its_experts_compute(tmp_path):
+    """model.moe.grouped_mm is how the experts compute, not what they hold: a checkpoint
+    saved before it existed (no such key in its model) resumes with it false; another
+    expert count is still another model."""
+    moe = ("model=tiny-moe", "train.steps=4")
+    saved = json.loads(model_key(compose_config(*moe).model)[1])
+    del saved["moe"]["grouped_mm"]
+    [path] = _fake_checkpoints(tmp_path / "ckpt", str(tmp_path / "old"), 2)
+    write_manifest(path, replace(read_manifest(path), model=json.dumps(saved)))
+    resumed = config_in(tmp_path, *moe, "model.moe.grouped_mm=false", f"checkpoint.resume={path}")
+    assert resumed.checkpoint.resume == str(path.absolute())
+    with pytest.raises(ConfigError, match=r"another model \(model.moe differ"):
+        config_in(tmp_path, *moe, "model.moe.experts=4", f"checkpoint.resume={path}")
 
 
 def test_ctrl_c_saves_and_resume_auto_continues(tmp_path, rank_pool):

@@ -13,7 +13,8 @@ from meshrun.core.config import ParallelConfig
 from meshrun.core.errors import ConfigError
 from meshrun.core.layout import Layout
 from meshrun.driver.experiment import read_steps
-from meshrun.models import build_model, moe
+from meshrun.models import build_model
+from meshrun.models.expert_compute import dispatched_compute, expert_compute
 from meshrun.models.shards import held_box
 from meshrun.rank.mesh import build_mesh
 from meshrun.rank.parallel import parallelize
@@ -23,7 +24,7 @@ from tests.test_layouts import MICRO4
 from tests.tiers import tiered
 from tests.wandb_records import read_offline_run, step_rows
 
-EXPERTS, DIM, HIDDEN = 4, 6, 5
+EXPERTS, DIM, HIDDEN = 4, 8, 4  # rows of 16 bytes or more in fp32: _grouped_mm takes them
 
 
 def _weights() -> tuple[torch.Tensor, ...]:
@@ -32,10 +33,11 @@ def _weights() -> tuple[torch.Tensor, ...]:
     return tuple(torch.randn(s, generator=gen) for s in shapes)
 
 
-def _dispatched_against_local(_) -> bool:
+def _dispatched_against_local(grouped: bool) -> bool:
     """Each of 2 ranks routes its own rows (uneven counts, an expert with none) to experts
     split 2 and 2; outputs, the rows' gradients and the experts' summed gradients equal
-    the same compute with every expert here."""
+    the loop over every expert here, the dispatched experts computed by the loop or the
+    grouped GEMM (torch's CPU _grouped_mm)."""
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     counts = [[3, 0, 2, 4], [1, 5, 0, 2]][rank]
@@ -44,9 +46,9 @@ def _dispatched_against_local(_) -> bool:
     full = [w.requires_grad_() for w in _weights()]
     mine = [w[2 * rank : 2 * rank + 2].detach().clone().requires_grad_() for w in _weights()]
     xs = [x.clone().requires_grad_() for _ in range(2)]
-    want = moe.expert_compute(xs[0], tuple(full), counts, grouped=False)
+    want = expert_compute(xs[0], tuple(full), counts, grouped=False)
     want.backward(grad)
-    got = moe.dispatched_compute(xs[1], tuple(mine), counts, dist.group.WORLD, grouped=False)
+    got = dispatched_compute(xs[1], tuple(mine), torch.tensor(counts), dist.group.WORLD, grouped)
     got.backward(grad)
     ok = torch.allclose(got, want, atol=1e-5) and torch.allclose(xs[1].grad, xs[0].grad, atol=1e-5)
     for w, m in zip(full, mine, strict=True):  # a weight's gradient sums both ranks' rows
@@ -57,8 +59,9 @@ def _dispatched_against_local(_) -> bool:
     return ok
 
 
-def test_rows_go_to_their_experts_rank_and_come_back_with_their_gradients(rank_pool):
-    assert rank_pool.run(_dispatched_against_local, None, world_size=2) == [True, True]
+@pytest.mark.parametrize("grouped", [False, True], ids=["loop", "grouped"])
+def test_rows_go_to_their_experts_rank_and_come_back_with_their_gradients(rank_pool, grouped):
+    assert rank_pool.run(_dispatched_against_local, grouped, world_size=2) == [True, True]
 
 
 def _held_experts(_) -> dict[str, list[int]]:

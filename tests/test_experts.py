@@ -1,7 +1,7 @@
-"""Mixture-of-experts blocks (model.moe, models/moe.py): the router's choices, the expert
-compute either way, dropped assignments counted, the sequence-wise balance loss and its
-gradient at the training loss's weight, and every layout training the same MoE model as one
-device, in real gloo processes."""
+"""Mixture-of-experts blocks (model.moe, models/moe.py): the router's choices, dropped
+assignments counted, the sequence-wise balance loss and its gradient at the training loss's
+weight, and every layout training the same MoE model as one device, in real gloo processes
+(the experts' compute: tests/test_expert_compute.py)."""
 
 from __future__ import annotations
 
@@ -47,26 +47,6 @@ def _balance_loss(block: moe.MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
         p = (scores[i] / scores[i].sum(-1, keepdim=True)).mean(0)
         per_sequence.append((f * p).sum())
     return torch.stack(per_sequence).mean()
-
-
-def test_grouped_gemm_and_the_loop_over_experts_agree_forward_and_backward():
-    torch.manual_seed(1)
-    x = torch.randn(10, DIM)
-    weights = [
-        torch.randn(3, DIM, HIDDEN),
-        torch.randn(3, DIM, HIDDEN),
-        torch.randn(3, HIDDEN, DIM),
-    ]
-    counts = torch.tensor([4, 0, 6])  # an expert with no tokens too
-    grad = torch.randn(10, DIM)
-    results = []
-    for grouped in (True, False):
-        inputs = [t.clone().requires_grad_() for t in (x, *weights)]
-        out = moe.expert_compute(inputs[0], tuple(inputs[1:]), counts, grouped)
-        out.backward(grad)
-        results.append([out, *(t.grad for t in inputs)])
-    for got, want in zip(*results, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_the_block_sends_each_token_to_its_top_k_experts_weighted_by_score():

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshrun.models.moe import expert_compute, grouped_mm_native
+from meshrun.core.config import MoEConfig
+from meshrun.models import moe
+from meshrun.models.expert_compute import NATIVE_MAJORS, use_grouped_mm
 from meshrun.rank.parallel.context_attention import _attend, _attend_grads
 
 pytestmark = [
@@ -89,27 +91,39 @@ def test_ring_block_attention_on_cuda_equals_sdpa(causal):
 
 
 @pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-    reason="needs an sm90+ GPU (torch._grouped_mm's native kernel)",
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] not in NATIVE_MAJORS,
+    reason="needs an sm90 or sm100 GPU (torch._grouped_mm's native kernel)",
 )
-def test_experts_grouped_gemm_on_cuda_equals_the_loop_and_is_chosen():
-    """MoE experts in bf16 on sm90+: the grouped GEMM meshrun picks there agrees with the
-    per-expert loop, forward and backward."""
-    assert grouped_mm_native(torch.device("cuda"), torch.bfloat16)
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    x = torch.randn(96, 64, device="cuda", generator=gen)
-    weights = [torch.randn(4, 64, 128, device="cuda", generator=gen) * 0.05 for _ in range(2)]
-    weights.append(torch.randn(4, 128, 64, device="cuda", generator=gen) * 0.05)
-    counts = torch.tensor([16, 0, 48, 32], device="cuda")
-    grad = torch.randn(96, 64, device="cuda", generator=gen).bfloat16()
+def test_an_moe_block_under_bf16_autocast_takes_the_grouped_gemm_without_a_host_sync():
+    """fp32 weights under bf16 autocast (single, DDP, TP): the experts take the grouped GEMM,
+    which agrees with the loop forward and backward (an expert without tokens too, its
+    gradient zero), and neither the router nor the experts read the device back
+    (torch.cuda.set_sync_debug_mode("error") raises at a sync)."""
+    torch.manual_seed(5)
+    cfg = MoEConfig(experts=8, top_k=2, load_balance="bias")
+    block = moe.MoEFeedForward(cfg, 64, 128, None, 0).cuda()
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    block.expert_bias[7] = -100.0  # never picked
+    x, probe = torch.randn(2, 2, 96, 64, device="cuda").unbind(0)
+    with torch.autocast("cuda", torch.bfloat16):
+        assert use_grouped_mm(x, block.experts.w2)
     results = []
     for grouped in (True, False):
-        inputs = [t.bfloat16().requires_grad_() for t in (x, *weights)]
-        out = expert_compute(inputs[0], tuple(inputs[1:]), counts, grouped)
-        out.backward(grad)
-        results.append([out, *(t.grad for t in inputs)])
-    for got, want in zip(*results, strict=True):
-        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+        block.zero_grad()
+        block.experts.grouped_mm = grouped
+        inputs = x.clone().requires_grad_()
+        torch.cuda.set_sync_debug_mode("error" if grouped else "default")
+        try:
+            with torch.autocast("cuda", torch.bfloat16):
+                out = block(inputs)
+            out.float().backward(probe)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        results.append([out, inputs.grad, *(p.grad for p in block.experts.parameters())])
+    for got, want in zip(*results, strict=True):  # bf16's rounding, accumulated another way
+        assert (got.float() - want.float()).norm() <= 2e-2 * want.float().norm()
+    assert not results[0][2][7].any()
 
 
 def test_cuda_run_traces_kernels_and_writes_allocator_snapshots(meshrun):

@@ -63,7 +63,11 @@ class MoEConfig:
     the sequence-wise balance loss (DeepSeek-V3, eq. 17-20) to the training loss; `bias` is
     DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias on the scores that pick
     the top-k (not on the weights), moved by `bias_update_rate` after each step towards the
-    experts the step's batch under-used (sign of the mean load minus the expert's)."""
+    experts the step's batch under-used (sign of the mean load minus the expert's).
+    `grouped_mm`: the routed experts as one grouped GEMM a matrix where torch has its native
+    kernel (CUDA sm90 or sm100, bf16: models/expert_compute.py); false, a loop over the
+    experts everywhere (the same numbers; to compare, or where the kernel misbehaves). How
+    the model computes, not what it is: a checkpoint resumes under either."""
 
     experts: int = 0
     top_k: int = 2
@@ -74,6 +78,7 @@ class MoEConfig:
     load_balance: LoadBalance = LoadBalance["aux_loss"]
     aux_loss_coef: float = 0.01
     bias_update_rate: float = 0.001  # DeepSeek-V3's gamma
+    grouped_mm: bool = True
 
 
 @dataclass

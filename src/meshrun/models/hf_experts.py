@@ -12,12 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from meshrun.models.moe import (
-    dispatched_compute,
-    grouped_mm_native,
-    local_experts,
-    sorted_by_expert,
-)
+from meshrun.models.expert_compute import dispatched_compute, use_grouped_mm
+from meshrun.models.moe import local_experts, sorted_by_expert
 
 WEIGHTS = ("gate_up_proj", "down_proj")
 
@@ -45,7 +41,6 @@ def _dispatched_forward(
     f = down.shape[-1]
     weights = (gate_up[:, :f].mT, gate_up[:, f:].mT, down.mT)
     x = hidden_states[rows]
-    grouped = grouped_mm_native(x.device, x.dtype)
-    out = dispatched_compute(x, weights, counts, self.ep_group, grouped)
+    out = dispatched_compute(x, weights, counts, self.ep_group, use_grouped_mm(x, weights[2]))
     out = out * top_k_weights.flatten()[order, None].to(out.dtype)
     return torch.zeros_like(hidden_states).index_add_(0, rows, out.to(hidden_states.dtype))

@@ -4,7 +4,7 @@ each), shared experts see every token, and the outputs are summed by the router'
 Routing runs in fp32 (scores decide which expert a token meets: bf16 ties would flip it).
 Tokens are sorted by expert so each expert multiplies one contiguous block: one grouped GEMM
 (`torch._grouped_mm`) where the device has a native kernel for it, a loop over the experts
-elsewhere, the same numbers either way (`expert_compute`).
+elsewhere, the same numbers either way (models/expert_compute.py).
 
 Expert parallelism (rank/parallel/expert.py) splits the experts over ranks: `Experts` then
 sends each block of rows to its expert's rank and back (`dispatched_compute`, all-to-alls
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from meshrun.core.config import LlamaModelConfig, ModelConfig, MoEConfig
-from meshrun.models.exchange import exchange
+from meshrun.models.expert_compute import dispatched_compute, expert_compute, use_grouped_mm
 
 _LOSS_WEIGHT = [1.0]  # what the training loss of the current micro-batch is multiplied by
 _EVEN_ROUTING = [False]
@@ -74,32 +74,6 @@ class _AuxLossGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor]:
         return grad, torch.full((), ctx.weight, device=grad.device)
-
-
-def grouped_mm_native(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `torch._grouped_mm` has a native kernel here: CUDA on sm90+ in bf16 (torch's
-    CPU version is a loop itself, and its backward refuses broadcast gradients)."""
-    if not hasattr(torch, "_grouped_mm") or device.type != "cuda":
-        return False
-    return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def expert_compute(
-    x: Tensor, weights: tuple[Tensor, Tensor, Tensor], counts: Tensor | list[int], grouped: bool
-) -> Tensor:
-    """SwiGLU of each expert over its block of `x` (rows sorted by expert, `counts` a block):
-    w1, w3 [E, h, f] and w2 [E, f, h]; `grouped`: one grouped GEMM a matrix, else a loop."""
-    w1, w3, w2 = weights
-    if grouped:
-        counts = torch.as_tensor(counts, device=x.device)
-        offsets = counts.cumsum(0).to(torch.int32)
-        gate, up = (torch._grouped_mm(x, w.to(x.dtype), offs=offsets) for w in (w1, w3))
-        return torch._grouped_mm(F.silu(gate) * up, w2.to(x.dtype), offs=offsets)
-    outs = [
-        (F.silu(block @ w1[e]) * (block @ w3[e])) @ w2[e]
-        for e, block in enumerate(x.split(counts if isinstance(counts, list) else counts.tolist()))
-    ]
-    return torch.cat(outs) if outs else x.new_empty(0, w2.shape[-1])
 
 
 class _ScaledGrad(torch.autograd.Function):
@@ -150,38 +124,11 @@ class _TPRegion(torch.autograd.Function):
 
 def sorted_by_expert(chosen: Tensor, experts: int) -> tuple[Tensor, Tensor]:
     """(the assignments sorted by expert: token t's j-th expert at t * k + j, stable within
-    an expert, so in token order; how many each expert got)."""
+    an expert, so in token order; how many each expert got, counted on the device: bincount
+    reads the largest value back on CUDA, SummaryOps.cu's _bincount_cuda)."""
     assigned = chosen.flatten()
-    return assigned.argsort(stable=True), torch.bincount(assigned, minlength=experts)
-
-
-def dispatched_compute(
-    x: Tensor,
-    weights: tuple[Tensor, Tensor, Tensor],
-    counts: Tensor | list[int],
-    group: dist.ProcessGroup,
-    grouped: bool,
-) -> Tensor:
-    """`expert_compute` with the experts split over `group` (expert parallelism: this rank
-    holds `weights`, E/ep consecutive experts): each block of rows goes to its expert's
-    rank, the rows from every rank are computed there by expert, and come back in order.
-    After one all-to-all of the counts, two of rows forward (there and back), two backward;
-    the split sizes cost one host sync a call."""
-    ep = dist.get_world_size(group)
-    counts = torch.as_tensor(counts, device=x.device)
-    local = counts.numel() // ep
-    received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts, group=group)
-    # [source or destination rank, expert]: what this rank sends, what it receives
-    mine, theirs = torch.stack([counts, received]).cpu().view(2, ep, local).unbind(0)
-    sent, arriving = mine.sum(1).tolist(), theirs.sum(1).tolist()
-    rows = exchange(x, group, arriving, sent)
-    # rows arrive by (source rank, expert): regrouped by expert, each a contiguous block
-    expert_of_row = torch.arange(local, device=x.device).repeat(ep)
-    per_row = expert_of_row.repeat_interleave(received, output_size=sum(arriving))
-    order = per_row.argsort(stable=True)
-    out = expert_compute(rows[order], weights, theirs.sum(0).tolist(), grouped)
-    return exchange(out[order.argsort()], group, sent, arriving)
+    counts = assigned.new_zeros(experts).scatter_add_(0, assigned, torch.ones_like(assigned))
+    return assigned.argsort(stable=True), counts
 
 
 @dataclass
@@ -203,10 +150,12 @@ class Experts(nn.Module):
     """The routed experts' weights, one 3-D tensor a matrix (dim 0: the expert), so FSDP
     shards them by expert and a checkpoint holds each matrix once. A module of its own with
     its own forward, so FSDP2 can gather them as a unit (expert parallelism shards them
-    over other ranks than the rest of the block)."""
+    over other ranks than the rest of the block). `grouped_mm` False: the loop over the
+    experts wherever the grouped GEMM would run (model.moe.grouped_mm)."""
 
-    def __init__(self, experts: int, dim: int, hidden: int) -> None:
+    def __init__(self, experts: int, dim: int, hidden: int, grouped_mm: bool = True) -> None:
         super().__init__()
+        self.grouped_mm = grouped_mm
         self.w1 = nn.Parameter(torch.empty(experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(experts, hidden, dim))
@@ -217,17 +166,16 @@ class Experts(nn.Module):
 
     def forward(self, x: Tensor, counts: Tensor | list[int]) -> Tensor:
         """Each expert's SwiGLU over its block of `x` (rows sorted by expert)."""
-        grouped = grouped_mm_native(x.device, x.dtype)
         w = (self.w1, self.w3, self.w2)
-        if self.ep_group is None and self.tp_group is None:
-            return expert_compute(x, w, counts, grouped)
-        local = tuple(local_experts(t, self.ep_group) for t in w)
+        if self.ep_group is not None or self.tp_group is not None:
+            w = tuple(local_experts(t, self.ep_group) for t in w)
+        grouped = self.grouped_mm and use_grouped_mm(x, w[2])
         if self.tp_group is not None:
             x = _TPRegion.apply(x, self.tp_group, False)
         if self.ep_group is None:
-            out = expert_compute(x, local, counts, grouped)
+            out = expert_compute(x, w, counts, grouped)
         else:
-            out = dispatched_compute(x, local, counts, self.ep_group, grouped)
+            out = dispatched_compute(x, w, counts, self.ep_group, grouped)
         return out if self.tp_group is None else _TPRegion.apply(out, self.tp_group, True)
 
 
@@ -238,7 +186,7 @@ class MoEFeedForward(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.gate = nn.Linear(dim, cfg.experts, bias=False)
-        self.experts = Experts(cfg.experts, dim, hidden)
+        self.experts = Experts(cfg.experts, dim, hidden, cfg.grouped_mm)
         self.shared = shared
         self.layer = layer  # the block's index in the whole model
         self.routing: Routing | None = None  # the last forward's

@@ -28,6 +28,7 @@ from meshrun.models import model_key, param_counts
 # fp32 weights and AdamW's two moments; optimizer steps and RNG states are noise beside them.
 BYTES_PER_PARAM = 12
 NOT_THE_MODEL = ("name", "pretrained")  # a resume takes the weights from the checkpoint
+NOT_THE_EXPERTS = ("grouped_mm",)  # how model.moe's experts compute, not what they hold
 
 
 def check_checkpoint(cfg: ExperimentConfig) -> ExperimentConfig:
@@ -88,8 +89,7 @@ def _check_values(cfg: ExperimentConfig) -> None:
 def _check_same_model(cfg: ExperimentConfig, manifest: Manifest) -> None:
     """The weights must fit this model; its name and source may differ, as a resume takes the
     weights from the checkpoint."""
-    saved = {k: v for k, v in json.loads(manifest.model).items() if k not in NOT_THE_MODEL}
-    ours = {k: v for k, v in json.loads(model_key(cfg.model)[1]).items() if k not in NOT_THE_MODEL}
+    saved, ours = _weights_of(manifest.model), _weights_of(model_key(cfg.model)[1])
     if saved != ours:
         differ = sorted(k for k in saved.keys() | ours.keys() if saved.get(k) != ours.get(k))
         fail(
@@ -98,6 +98,14 @@ def _check_same_model(cfg: ExperimentConfig, manifest: Manifest) -> None:
             f"is a checkpoint of another model (model.{', model.'.join(differ)} differ)",
             f"a checkpoint of this model, or the model it was saved with: {saved}",
         )
+
+
+def _weights_of(model: str) -> dict:
+    """A model config (JSON) less what does not shape its weights."""
+    fields = {k: v for k, v in json.loads(model).items() if k not in NOT_THE_MODEL}
+    if isinstance(fields.get("moe"), dict):
+        fields["moe"] = {k: v for k, v in fields["moe"].items() if k not in NOT_THE_EXPERTS}
+    return fields
 
 
 def _check_row_order(cfg: ExperimentConfig, manifest: Manifest) -> None:
