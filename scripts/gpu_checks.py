@@ -7,7 +7,9 @@ detail line is its figures (tokens/s, MFU, step time against the prediction, mem
 from __future__ import annotations
 
 import json
+import pickle
 import re
+import shlex
 import sys
 from collections.abc import Callable
 from importlib.util import find_spec
@@ -153,6 +155,10 @@ def checks(gpus: int) -> list[Check]:
         "train.global_batch_size=8 train.steps=8 train.untimed_steps=2 metrics.baseline=off"
     )
     nccl2 = "backend=nccl launcher.nproc_per_node=2"
+    tiny_moe = (
+        "model=tiny-moe train.precision=bf16 train.seq_len=1024 train.steps=20 "
+        "train.untimed_steps=4 metrics.baseline=off"
+    )
     hang = (
         "metrics.baseline=off model=tiny backend=nccl train.steps=6 debug.fail_rank=1 "
         f"debug.fail_step=2 debug.fail_mode=hang backend.timeout_s={HANG_TIMEOUT_S}"
@@ -237,13 +243,10 @@ def checks(gpus: int) -> list[Check]:
             budget_s=90,
         ),
         Check(
-            "moe: tiny-moe bf16 (grouped GEMM on sm90+)",
-            _meshrun(
-                "parallel=single model=tiny-moe train.precision=bf16 train.seq_len=1024 "
-                "train.steps=10 train.untimed_steps=2 metrics.baseline=off"
-            ),
-            ran(),
-            budget_s=60,
+            "moe: tiny-moe bf16 single, grouped GEMM against the loop",
+            _grouped_and_loop("parallel=single", tiny_moe),
+            _grouped_against_loop,
+            budget_s=120,
         ),
         Check(
             "moe: mixtral-shaped 2 layers bf16",
@@ -343,6 +346,25 @@ def checks(gpus: int) -> list[Check]:
             budget_s=150,
         ),
         Check(
+            "moe: tiny-moe bf16 ep2 on NCCL, grouped GEMM against the loop",
+            _grouped_and_loop("parallel=ep2", tiny_moe, nccl2),
+            _grouped_against_loop,
+            gpus=2,
+            budget_s=150,
+        ),
+        Check(
+            "torchft on NCCL: a spike at step 25 rolls both replica groups back alike",
+            _meshrun(
+                "parallel=ddp model=tiny parallel.fault_tolerance=torchft train.steps=40 "
+                "train.guard.spike=true checkpoint.every_steps=10 debug.corrupt_step=[25] "
+                "debug.corrupt_mode=spike metrics.baseline=off",
+                nccl2,
+            ),
+            ran(_rolled_back_alike),
+            gpus=2,
+            budget_s=150,
+        ),
+        Check(
             "a hang in tp2 x pp2's TP group on NCCL ends at backend.timeout_s",
             _meshrun("parallel=tp2_pp2 launcher.nproc_per_node=4", hang),
             _hang_named,
@@ -390,20 +412,86 @@ def checks(gpus: int) -> list[Check]:
             budget_s=180,
             alone=True,
         ),
+        Check(
+            "no NCCL barrier on a guessed device (in every check's output)",
+            lambda work: ["grep", "-rl", "barrier(): using the device", str(work.parent)],
+            lambda done: Verdict(
+                PASS if done.rc == 1 else FAIL,
+                "none" if done.rc == 1 else f"in {done.output.strip() or 'grep failed'}",
+            ),
+            gpus=0,
+            budget_s=30,
+            alone=True,
+        ),
     ]
 
 
 def _hang_named(done: Outcome) -> Verdict:
     """A hang ends the run (non-zero) with the collective named, within the timeout and the
-    teardown's minute (not torch's 10-minute default of a sub-group)."""
+    teardown's minute and a half (NCCL's watchdog waits 4 x 15 s after a timeout, whatever
+    the dump: not torch's 10-minute default of a sub-group), and NCCL's own flight recorder
+    dumped each rank's entries (meshrun's rank<N>.json are there whether or not it did)."""
     named = re.search(r"collective hang.*", done.output)
-    dumps = list((done.work / "run" / "flight_recorder").glob("*"))
     if done.rc == 0 or not named:
         why = _last_error(done.output)
         return Verdict(FAIL, f"exit {done.rc}, no 'collective hang' message: {why}")
-    late = done.seconds > HANG_TIMEOUT_S + 90
+    folder = done.work / "run" / "flight_recorder"
+    dumps = {p.name: pickle.loads(p.read_bytes()) for p in sorted(folder.glob("nccl_rank*"))}
+    entries = {name: len(dump.get("entries", [])) for name, dump in dumps.items()}
+    why = []
+    if done.seconds > HANG_TIMEOUT_S + 90:
+        why.append("late")
+    if "nccl_rank0" not in dumps or not all(entries.values()):
+        why.append("no NCCL flight-recorder dump with entries")
     return Verdict(
-        FAIL if late else PASS,
-        f"ended after {done.seconds:.0f} s (timeout {HANG_TIMEOUT_S}); "
-        f"{named.group(0)[:140]}; {len(dumps)} flight-recorder dump(s)",
+        FAIL if why else PASS,
+        "; ".join(
+            [
+                *why,
+                f"ended after {done.seconds:.0f} s (timeout {HANG_TIMEOUT_S})",
+                f"NCCL dumps {entries}",
+                named.group(0)[:120],
+            ]
+        ),
     )
+
+
+def _rolled_back_alike(r: dict) -> str | None:
+    """One rollback, step 25 to the checkpoint of 20, and no step retried: the replica
+    groups agreed (a vote lost in torchft's NCCL group fails the commit: steps retried)."""
+    rollbacks = [(b["step"], b["restored_step"]) for b in r.get("rollbacks") or []]
+    retried = r.get("retried_steps") or []
+    if rollbacks == [(25, 20)] and not retried:
+        return None
+    return f"rollbacks {rollbacks}, retried steps {retried}"
+
+
+def _grouped_and_loop(*overrides: str) -> Callable[[Path], list[str]]:
+    """The same run twice: the MoE experts as one grouped GEMM (work/grouped), then as a loop
+    (work/loop, model.moe.grouped_mm=false)."""
+
+    def argv(work: Path) -> list[str]:
+        runs = [
+            shlex.join(_meshrun(*overrides, f"model.moe.grouped_mm={on}")(work / name))
+            for name, on in (("grouped", "true"), ("loop", "false"))
+        ]
+        return ["bash", "-c", " && ".join(runs)]
+
+    return argv
+
+
+def _grouped_against_loop(done: Outcome) -> Verdict:
+    """Every step's loss within 2% of the loop's, and the grouped GEMM no slower than 0.95x."""
+    if done.rc:
+        return Verdict(FAIL, f"exit {done.rc}: {_last_error(done.output)}")
+    grouped, loop = (_results(done.work / name) for name in ("grouped", "loop"))
+    pairs = zip(grouped["losses"], loop["losses"], strict=True)
+    apart = max(abs(g - w) / abs(w) for g, w in pairs)
+    speed = grouped["tokens_per_s"] / loop["tokens_per_s"]
+    why = [f"losses {apart:.1%} apart"] if apart > 0.02 else []
+    why += [f"grouped {speed:.2f}x the loop's tokens/s"] if speed < 0.95 else []
+    detail = (
+        f"losses within {apart:.2%}; {grouped['tokens_per_s']:,.0f} tok/s grouped, "
+        f"{loop['tokens_per_s']:,.0f} loop ({speed:.2f}x)"
+    )
+    return Verdict(FAIL if why else PASS, "; ".join([*why, detail]))

@@ -80,7 +80,7 @@ REVIEWED = {
     ("models/export.py", "export_checkpoint", "dcp.load"): "no_dist=True: no collective",
     ("models/moe.py", "_TPRegion.forward", "dist.all_reduce"): ACTIVATIONS,
     ("models/moe.py", "_TPRegion.backward", "dist.all_reduce"): ACTIVATIONS,
-    ("models/moe.py", "dispatched_compute", "dist.all_to_all_single"): (
+    ("models/expert_compute.py", "dispatched_compute", "dist.all_to_all_single"): (
         "the experts' counts, placed on the activations' device (torch.as_tensor(device=...))"
     ),
     ("rank/parallel/balance.py", "balance_stages", "dist.all_gather_object"): OBJECTS,
