@@ -258,7 +258,7 @@ def test_a_crafted_rng_state_is_refused_before_any_rank_starts(meshrun_here, tmp
     assert "config error checkpoint.resume=" in " ".join(resumed.output.split())
     said = " ".join(resumed.output.split())  # rich wraps long lines
     assert f"{crafted}: refused unread: it holds a pickled io.open" in said
-    assert "Valid: a checkpoint you trust, or this one with" in said
+    assert "Valid: resume from a checkpoint you trust, or from this one with" in said
     assert not marker.exists()
     assert len(saved.stored()) == 1  # no run started
 

@@ -14,24 +14,23 @@ from pathlib import Path
 
 import torch
 
+from meshrun.core.errors import Refused
+
 RNG_DIR = "rng"
 GENERATORS = ("cpu", "cuda")
 
 
-class RngStateRefused(ValueError):
-    """An RNG state file that is not one meshrun wrote: refused before anything in it ran.
-    `problem` names the file and what it holds, `fix` how to go on."""
+class RngStateRefused(Refused):
+    """An RNG state file that is not one meshrun wrote: refused before anything in it ran."""
 
     def __init__(self, path: Path, why: str) -> None:
-        self.problem = (
+        super().__init__(
             f"{path}: refused unread: it {why}, where meshrun writes each rank's RNG states "
-            "as tensors only"
+            "as tensors only",
+            f"resume from a checkpoint you trust, or from this one with {path.parent} "
+            "deleted (its weights without the RNG states: the run then draws other random "
+            "numbers)",
         )
-        self.fix = (
-            f"a checkpoint you trust, or this one with {path.parent} deleted (its weights "
-            "without the RNG states: the run then draws other random numbers)"
-        )
-        super().__init__(f"{self.problem}. Resume from {self.fix}")
 
 
 def rng_file(checkpoint: Path, rank: int) -> Path:
