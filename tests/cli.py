@@ -76,15 +76,18 @@ def run_console(
     *overrides: str,
     defaults: tuple[str, ...] = TRAIN_DEFAULTS,
     multirun: bool = False,
+    flags: tuple[str, ...] = (),
 ) -> CliRun:
     """`run_meshrun` without the interpreter start: the console script's `main` called in
     this process with the same argv, its exit code and output captured. For commands whose
     ranks are not the subject (they run on the test's pool or not at all); the process
-    boundary itself is proven by the tests that use `run_meshrun`."""
+    boundary itself is proven by the tests that use `run_meshrun`. `flags`: Hydra's own
+    (`--config-dir DIR`), which go before the overrides."""
     store = [f"store.path={store_path}"] if store_path is not None else []
     argv = [
         "meshrun",
         *(["-m"] if multirun else []),
+        *flags,
         f"hydra.run.dir={run_dir}",
         *store,
         *defaults,

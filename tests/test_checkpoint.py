@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
@@ -26,6 +27,7 @@ from meshrun.core.checkpoints import (
 from meshrun.core.config import CheckpointConfig
 from meshrun.core.errors import ConfigError
 from meshrun.core.paths import CONF_DIR
+from meshrun.core.rng_state import RngStateRefused, read_rng_state, rng_file
 from meshrun.driver.experiment import RunFailed, measure, read_steps, run_experiment
 from meshrun.driver.resume import in_run_dir_of_resume, names_run_dir
 from meshrun.models import model_key, model_shape
@@ -214,6 +216,71 @@ def test_checkpoint_cut_off_mid_write_is_never_loaded(tmp_path, rank_pool):
     # in a run dir of its own: a new run from that checkpoint, saving into its own dir
     assert again.run_dir != cfg.run_dir and again.checkpoint.dir is None
     assert again.checkpoint.resume == str(root / "step-00000002")
+
+
+class _RunsOnLoad:
+    """Pickles as a call of open(marker, "w"): whatever unpickles it creates the marker."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def _crafted(checkpoint: Path, rank: int, marker: Path) -> Path:
+    """The rank's RNG state replaced by a pickle that runs code where it is loaded, proven
+    live on a copy loaded as meshrun loaded it before (weights_only=False)."""
+    crafted = rng_file(checkpoint, rank)
+    torch.save({"cpu": _RunsOnLoad(marker)}, crafted)
+    live = marker.with_name("live")
+    torch.save({"cpu": _RunsOnLoad(live)}, crafted.with_name("copy"))
+    torch.load(crafted.with_name("copy"), weights_only=False)
+    assert live.exists()
+    crafted.with_name("copy").unlink()
+    return crafted
+
+
+def test_a_crafted_rng_state_is_refused_before_any_rank_starts(meshrun_here, tmp_path):
+    """A real run's checkpoint with one rank's RNG state swapped for a pickle that would run
+    code: `meshrun` exits 2 naming the file and what it holds, and nothing in it ran. The
+    files the run wrote itself read back as tensors (as every meshrun has written them)."""
+    args = ("model=tiny", "parallel=fsdp", "train.steps=2", "train.untimed_steps=1")
+    saved = meshrun_here(*args, "checkpoint.every_steps=2", "metrics.baseline=off")
+    assert saved.returncode == 0, saved.output
+    checkpoint = complete(saved.run_dir / "checkpoints")[0]
+    for rank in (0, 1):
+        assert set(read_rng_state(rng_file(checkpoint, rank))) == {"cpu"}
+    marker = tmp_path / "ran"
+    crafted = _crafted(checkpoint, 1, marker)
+    resumed = meshrun_here(*args, "train.steps=4", f"checkpoint.resume={checkpoint}")
+    assert resumed.returncode == 2, resumed.output
+    assert "config error checkpoint.resume=" in " ".join(resumed.output.split())
+    said = " ".join(resumed.output.split())  # rich wraps long lines
+    assert f"{crafted}: refused unread: it holds a pickled io.open" in said
+    assert "Valid: resume from a checkpoint you trust, or from this one with" in said
+    assert not marker.exists()
+    assert len(saved.stored()) == 1  # no run started
+
+
+def test_a_crafted_rng_state_is_refused_on_the_ranks_too(tmp_path, rank_pool, launch_host):
+    """Where the file changed after the driver's check (or a requeued job restores on its
+    own): the rank refuses it before anything in it runs, and the run fails saying why.
+    (On the real launcher: on the rank pool a failure restarts the pool.)"""
+    every = f"checkpoint.every_steps={EVERY}"
+    cfg, _ = _run(tmp_path / "whole", rank_pool, "parallel=fsdp", every)
+    checkpoint = complete(Path(cfg.run_dir) / "checkpoints")[0]
+    resumed = config_in(
+        tmp_path / "resumed", *COMMON, "parallel=fsdp", f"checkpoint.resume={checkpoint}"
+    )
+    marker = tmp_path / "ran"
+    crafted = _crafted(checkpoint, 1, marker)
+    with pytest.raises(RngStateRefused, match="refused unread"):
+        read_rng_state(crafted)
+    failed = measure(resumed, "run", launch_host.launch)
+    assert not failed.ok and failed.meta.failed_rank == 1
+    assert f"RngStateRefused: {crafted}: refused unread" in failed.meta.error
+    assert not marker.exists()
 
 
 def test_resume_of_another_model_is_refused(tmp_path, rank_pool):

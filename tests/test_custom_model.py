@@ -5,6 +5,8 @@ and the config does not say is refused before launch, with the key and what woul
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ from meshrun.plan.speed import predict_speed
 from meshrun.plan.stage_time import ModelCost
 from meshrun.plan.traced import traced_memory
 from meshrun.rank.parallel.pipeline import cut_stage
+from meshrun.validate import custom as custom_rules
 from tests.helpers import compose_config, resolved_config
 from tests.ranks import losses
 from tests.test_plan import meshrun_plan, plan_run
@@ -141,22 +144,49 @@ def test_verify_fails_a_sabotaged_plan_on_the_numbers(tmp_path, on_pool):
     assert result["max_grad_norm_deviation"] > 1e-2
 
 
-def test_a_pipeline_refuses_a_module_whose_forward_is_not_its_parts_in_sequence(experiment):
+STREAM_OUTSIDE = (
+    "model=custom",
+    "model.target=tests.user_model:StreamOutside",
+    "model.layers=blocks",
+    "model.embedding=emb",
+    "model.head=head",
+)
+STAGED_CAUSE = "the module's forward is not its named parts in sequence"
+STAGED_FIX = "inside the blocks or the embedding, or train without a pipeline (parallel.pp=1)"
+
+
+def test_a_pipeline_refuses_a_module_whose_forward_is_not_its_parts_before_launch(
+    meshrun_here,
+):
     """The residual adds live in the module's forward: the staged parts would train another
-    model (meshrun-verify showed the loss off by 3.8e-2), so the ranks refuse before the
-    first step, saying what differs and what would fix it."""
-    stream = (
-        "model=custom",
-        "model.target=tests.user_model:StreamOutside",
-        "model.layers=blocks",
-        "model.embedding=emb",
-        "model.head=head",
-    )
-    _, measured = experiment("parallel=pp2", *stream, *COMMON)
-    assert not measured.ok
-    assert "the module's forward is not its named parts in sequence" in measured.meta.error
-    assert "inside the blocks or the embedding" in measured.meta.error
-    assert measured.steps == []  # refused before any step
+    model (meshrun-verify showed the loss off by 3.8e-2). The driver probes the module (small
+    enough to build on its CPU) as the ranks would, and refuses before any starts."""
+    run = meshrun_here("parallel=pp2", *STREAM_OUTSIDE, *COMMON)
+    assert run.returncode == 2, run.output
+    said = " ".join(run.output.split())
+    assert "config error parallel.pp=2: model=custom under a pipeline:" in said
+    assert STAGED_CAUSE in said and "Valid: put what the forward does between" in said
+    assert STAGED_FIX in said
+    assert "Traceback" not in run.output
+    assert not run.store_path.exists()  # nothing ran, nothing recorded
+
+
+def test_a_module_too_big_for_the_drivers_probe_is_refused_by_the_ranks_without_a_traceback(
+    meshrun_here, monkeypatch
+):
+    """Beyond the driver's probe the ranks refuse it before step 0: the console says the
+    cause and the fix once, the traceback stays in the rank's failure record."""
+    monkeypatch.setattr(custom_rules, "DRIVER_PROBE_PARAMS", 0)
+    run = meshrun_here("parallel=pp2", *STREAM_OUTSIDE, *COMMON)
+    assert run.returncode == 1, run.output
+    said = " ".join(run.output.split())
+    assert f"StagedForwardDiffers: model=custom under a pipeline: {STAGED_CAUSE}" in said
+    assert STAGED_FIX in said
+    assert "Traceback" not in run.output
+    assert run.results["steps_completed"] == 0  # refused before any step
+    records = [json.loads(p.read_text()) for p in run.run_dir.glob("failures/rank*.json")]
+    assert records and all(r["refused"] for r in records)
+    assert all(r["traceback"].startswith("Traceback (most recent call last):") for r in records)
 
 
 def test_a_module_with_one_embedding_needs_no_name_for_it_and_is_told_so(experiment, single):

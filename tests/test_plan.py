@@ -213,6 +213,76 @@ def test_each_cp_method_says_what_its_memory_prediction_leaves_out():
     assert cp_uncounted(compose_config("parallel=fsdp")) == ""
 
 
+MY_LLAMA = """defaults:
+  - /schema/model/meshrun@_here_
+  - _self_
+name: my-llama
+dim: 512
+n_layers: 8
+n_heads: 8
+vocab_size: 32000
+"""
+MY_HF_LLAMA = """defaults:
+  - /schema/model/hf@_here_
+  - _self_
+name: my-hf-llama
+architecture: LlamaForCausalLM
+config:
+  vocab_size: 32000
+  hidden_size: 512
+  intermediate_size: 1408
+  num_hidden_layers: 8
+  num_attention_heads: 8
+  max_position_embeddings: 3072
+"""
+
+
+def plan_own_preset(tmp_path: Path, preset: str, *overrides: str) -> CliRun:
+    """`meshrun-plan --config-dir DIR model=<preset>` of a preset written to DIR/model."""
+    conf = tmp_path / "conf"
+    (conf / "model").mkdir(parents=True, exist_ok=True)
+    name = re.search(r"^name: (.+)$", preset, re.MULTILINE).group(1)
+    (conf / "model" / f"{name}.yaml").write_text(preset)
+    return run_console(
+        plan_command.main,
+        tmp_path / "plan",
+        None,
+        f"model={name}",
+        *overrides,
+        defaults=(),
+        flags=("--config-dir", str(conf)),
+    )
+
+
+def test_a_gpu_plan_of_ones_own_preset_without_a_context_asks_for_the_sequence(tmp_path):
+    """Not the CPU's 128, which made the top row a 1,024-micro-batch pipeline."""
+    run = plan_own_preset(tmp_path, MY_LLAMA, "hardware=a100-80g", "world_size=8")
+    assert run.returncode == 2, run.output
+    assert "config error" in run.output and "train.seq_len" in run.output
+    assert "model.context_len" in run.output and "Valid: train.seq_len=" in run.output
+    given = plan_own_preset(
+        tmp_path, MY_LLAMA, "hardware=a100-80g", "world_size=8", "train.seq_len=2048", "top=1"
+    )
+    assert given.returncode == 0, given.output
+    assert "x seq 2048 (train.seq_len)" in given.output
+    context = plan_own_preset(
+        tmp_path, MY_LLAMA, "hardware=a100-80g", "world_size=8", "+model.context_len=1024"
+    )
+    assert "x seq 1024 (model.context_len)" in context.output
+    cpu = plan_own_preset(tmp_path, MY_LLAMA, "hardware=cpu", "top=1")  # the CPU's default
+    assert cpu.returncode == 0 and "x seq 128 (train.seq_len)" in cpu.output
+
+
+def test_a_gpu_plan_of_ones_own_transformers_preset_takes_its_max_positions(tmp_path):
+    out = tmp_path / "plan.json"
+    run = plan_own_preset(
+        tmp_path, MY_HF_LLAMA, "hardware=a100-80g", "world_size=8", "top=1", f"json={out}"
+    )
+    assert run.returncode == 0, run.output
+    assert json.loads(out.read_text())["train"]["seq_len"] == 3072
+    assert "x seq 3072 (max_position_embeddings)" in run.output
+
+
 def test_short_sequences_plan_no_context_parallelism(tmp_path):
     _, plan = meshrun_plan(tmp_path, "model=llama-7b", "hardware=a100-80g", "world_size=8")
     assert plan["layouts"]

@@ -56,7 +56,8 @@ def test_a_gpu_plan_defaults_to_bf16_the_models_context_and_a_4m_token_batch(tmp
     assert plan["train"]["precision"] == "bf16"
     assert plan["train"]["seq_len"] == 4096  # Llama 2's context
     assert plan["train"]["global_batch_size"] * 4096 == 4 * 2**20
-    assert "GPU plan defaults: bf16, the model's context 4096, a 4M-token batch" in run.output
+    assert "x seq 4096 (model.context_len)" in run.output
+    assert "GPU plan defaults: bf16, a 4M-token batch" in run.output
 
 
 def test_the_users_keys_constrain_the_search(tmp_path):

@@ -70,6 +70,7 @@ def test_plan_trace_traces_the_shown_rows_at_1024_ranks(tmp_path):
         None,
         "model=small",
         "hardware=a100-80g",
+        "train.seq_len=128",  # a CPU preset: no context of its own
         "launcher.nnodes=128",
         "parallel.pp=2",
         "plan.trace=true",

@@ -174,13 +174,49 @@ def test_a_failing_trial_is_recorded_and_left_out_and_trials_only_stops_there(
         return launch_host.launch(run)
 
     record = run_with_trials(runs, cfg.plan, launch)
-    assert (record.role, record.status) == ("trial", "completed")  # the fastest trial's
+    assert (record.role, record.status) == ("trials", "completed")  # the verdict: trial 2
     assert record.layout_name == layout_name(runs[1])
     stored = ResultsStore(tmp_path / "meshrun.db").records()
-    assert sorted(r.role for r in stored) == ["trial", "trial"]  # no run trained after them
+    assert sorted(r.role for r in stored) == ["trial", "trial", "trials"]  # no run trained
     failed = next(r for r in stored if r.status == "failed")
     assert failed.layout_name == layout_name(runs[0]) and failed.failed_rank == 1
-    assert failed.trial_of == record.trial_of
+    assert failed.trial_of == record.run_id
+    assert record.trials_first_choice_loss is None  # the first choice failed
+
+
+def test_trials_only_records_the_verdict_as_a_run_of_its_own(meshrun_here):
+    """plan.trials_only: the run the trials name has its row (role `trials`), results.json
+    and W&B run, each with the trials, the layout that won, rho and the first choice's loss."""
+    run = meshrun_here(
+        "parallel=auto",
+        "plan.trials=2",
+        "plan.trials_only=true",
+        "metrics.baseline=off",
+        "logger=wandb",
+        "logger.mode=offline",
+        *SHORT,
+    )
+    assert run.returncode == 0, run.output
+    verdict = run.results
+    rows = {r["run_id"]: r for r in run.stored()}
+    assert rows[verdict["run_id"]]["role"] == "trials"
+    trials = [rows[t["run_id"]] for t in verdict["trials"]]
+    assert {(r["role"], r["trial_of"]) for r in trials} == {("trial", verdict["run_id"])}
+    won = max(trials, key=lambda r: r["tokens_per_s"])
+    assert (verdict["layout_name"], verdict["tokens_per_s"]) == (
+        won["layout_name"],
+        won["tokens_per_s"],
+    )
+    measured = [Trial(**t) for t in verdict["trials"]]
+    assert verdict["trials_first_choice_loss"] == pytest.approx(first_choice_loss(measured))
+    assert verdict["trials_rank_correlation"] == rank_correlation(measured)
+    logged = read_offline_run(run.run_dir)
+    assert logged["run"]["job_type"] == "trials"
+    summary = logged["summary"]
+    assert summary["layout_name"] == won["layout_name"]
+    assert summary["trials_first_choice_loss"] == pytest.approx(first_choice_loss(measured))
+    assert "trials_rank_correlation" in summary
+    assert "trials (2)" in run.output  # the summary's verdict row
 
 
 @pytest.mark.slow

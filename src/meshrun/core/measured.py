@@ -13,7 +13,8 @@ from typing import Any, Literal
 from meshrun.core.rank_report import RankReport
 from meshrun.core.trials import Trial
 
-Role = Literal["run", "baseline", "trial"]
+# `trials`: plan.trials_only's verdict, recorded without a run of its own (driver/trials.py)
+Role = Literal["run", "baseline", "trial", "trials"]
 Status = Literal["completed", "failed", "interrupted"]
 # How the single-device baseline was had: trained beside the run (`fresh`), reused from the
 # store (`stored`), measured by a launch of its own after the run (`after`), or none needed

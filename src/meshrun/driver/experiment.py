@@ -279,8 +279,9 @@ def follow(cfg: ExperimentConfig, meta: RunMeta) -> LiveRun | None:
 
 
 def _on_wandb(cfg: ExperimentConfig, role: str) -> bool:
-    """W&B mirrors the run itself and its trials, not its baseline."""
-    return role in ("run", "trial") and cfg.logger.name == "wandb"
+    """W&B mirrors the run itself (or plan.trials_only's verdict) and its trials, not its
+    baseline."""
+    return role in ("run", "trial", "trials") and cfg.logger.name == "wandb"
 
 
 def _wandb_run(cfg: ExperimentConfig, identity: dict[str, Any]) -> WandbRun:

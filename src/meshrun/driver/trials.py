@@ -6,7 +6,9 @@ auto-configurator runs trials with no model; here the model picks what to try).
 Each trial is a run of its own (store row, run dir under the run's `trials/`, W&B run in one
 group), tagged with the id of the run it chose for; one that fails or runs out of memory is
 recorded as such and left out of the choice. The run's record lists the trials with the
-prediction's rank correlation and what its first choice would have lost (core/trials.py).
+prediction's rank correlation and what its first choice would have lost (core/trials.py);
+under plan.trials_only, where no run trains after them, that record is the verdict's own
+(role `trials`: the fastest trial's layout and figures under the run's id, in its run dir).
 
 Under launcher=slurm each trial is a job of its own, waited for before the next is
 submitted; the trials after the first that reported its nodes are pinned to those nodes
@@ -17,23 +19,26 @@ puts it."""
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import asdict
 from pathlib import Path
 
 from meshrun.core.choices import BaselineMode, ExportFormat
 from meshrun.core.config import PlanConfig, RunConfig, SlurmLauncherConfig, with_resolved
-from meshrun.core.measured import new_run_id
+from meshrun.core.measured import new_run_id, utc_now
 from meshrun.core.record import RunRecord
 from meshrun.core.trials import Trial, fastest
-from meshrun.driver.experiment import Launch, RunFailed, run_experiment
+from meshrun.driver.experiment import Launch, RunFailed, publish, run_experiment
+from meshrun.driver.results import trials_fields
 from meshrun.driver.sinks.console import print_note, print_trials
+from meshrun.driver.sinks.store import ResultsStore
 
 TRIALS_DIR = "trials"
 
 
 def run_with_trials(runs: list[RunConfig], plan: PlanConfig, launch: Launch) -> RunRecord:
     """`runs`: the layouts to try, resolved as their runs, in the planner's order; `plan`
-    the settings of the trials. The chosen run's record, or (plan.trials_only) the fastest
-    trial's; raises RunFailed where no trial completed."""
+    the settings of the trials. The chosen run's record, or (plan.trials_only) the trials'
+    verdict; raises RunFailed where no trial completed."""
     run_id = new_run_id()
     main = runs[0]
     group = f"{main.name}-trials-{run_id}"
@@ -51,10 +56,30 @@ def run_with_trials(runs: list[RunConfig], plan: PlanConfig, launch: Launch) -> 
         error = f"none of the {len(trials)} trials completed (trial 1: {first.error})"
         raise RunFailed(dataclasses.replace(first, error=error))
     if plan.trials_only:
-        return records[best]
+        return record_verdict(main, records[best], trials, run_id)
     chosen = runs[best]
     print_note(f"plan.trials: training with trial {best + 1}, {trials[best].layout_name}")
     return run_experiment(chosen, launch, run_id=run_id, trials=trials)
+
+
+def record_verdict(run: RunConfig, best: RunRecord, trials: list[Trial], run_id: str) -> RunRecord:
+    """plan.trials_only: the run the trials were for, recorded as a trained one would be
+    (results.json in its run dir, a store row, a W&B run), as the fastest trial's layout and
+    figures under the run's id, role `trials`, with the trials and their verdict."""
+    verdict = dataclasses.replace(
+        best,
+        run_id=run_id,
+        role="trials",
+        created_at=utc_now(),
+        trial_of=None,
+        name=run.name,
+        sweep=run.sweep,
+        run_dir=run.run_dir,
+        trials=[asdict(t) for t in trials],
+        **trials_fields(trials),
+    )
+    publish(run, verdict, [], ResultsStore(run.store.path))
+    return verdict
 
 
 def _trial(cfg: RunConfig, launch: Launch, run_id: str) -> RunRecord:

@@ -21,6 +21,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from meshrun.core.config import CustomModelConfig
+from meshrun.core.errors import Refused
 from meshrun.core.imports import import_target
 from meshrun.core.model_shape import ModelShape
 from meshrun.models.shards import fill, named_tensors
@@ -188,6 +189,10 @@ PROBE_TOKENS = 8
 PROBE_RTOL = 1e-4
 
 
+class StagedForwardDiffers(Refused):
+    """A module whose forward a pipeline's stages would not reproduce."""
+
+
 def check_staged_forward(module: nn.Module, cfg: CustomModelConfig) -> None:
     """A pipeline stage runs the named parts in sequence (embedding -> blocks -> norm ->
     head), so the module's own forward must be exactly that: anything it does between them
@@ -216,11 +221,12 @@ def check_staged_forward(module: nn.Module, cfg: CustomModelConfig) -> None:
         if h.shape == own.shape
         else f"in shape ({tuple(h.shape)} vs {tuple(own.shape)})"
     )
-    raise ValueError(
+    raise StagedForwardDiffers(
         f"model=custom under a pipeline: the module's forward is not its named parts in "
         f"sequence ({named}); on a probe batch the two differ {differ}, so the stages would "
-        "train another model. Put what the forward does between the parts (a residual add, "
-        "a scale, positions) inside the blocks or the embedding, or train without a pipeline"
+        "train another model",
+        "put what the forward does between the parts (a residual add, a scale, positions) "
+        "inside the blocks or the embedding, or train without a pipeline (parallel.pp=1)",
     )
 
 

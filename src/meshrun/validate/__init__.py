@@ -29,7 +29,7 @@ from meshrun.core.hardware import HostFacts, resolve_hardware
 from meshrun.core.wandb_key import has_wandb_key, wandb_host
 from meshrun.validate.checkpoint import check_checkpoint
 from meshrun.validate.context import check_context_parallel
-from meshrun.validate.custom import check_custom_layout
+from meshrun.validate.custom import check_custom_layout, check_staged
 from meshrun.validate.data import check_data
 from meshrun.validate.experts import check_expert_layout, check_experts
 from meshrun.validate.fault_tolerance import check_fault_tolerance
@@ -105,6 +105,8 @@ def validate_run(resolved: ExperimentConfig) -> ExperimentConfig:
     check_inspection(resolved, world)
     check_guard(resolved)
     check_fault_tolerance(resolved)
+    if isinstance(resolved.model, CustomModelConfig):
+        check_staged(resolved)
     resolved = check_checkpoint(resolved)
     if resolved.launcher.name == "slurm":
         return dataclasses.replace(resolved, launcher=check_slurm(resolved))

@@ -1,6 +1,7 @@
 """The checkpoint rules: what `checkpoint.*` may be, and whether the checkpoint a resume names
-can continue this experiment (same model, rows in an order this layout reads, room left to
-train, no later checkpoint overwritten, a disk with room for the next one).
+can continue this experiment (same model, rows in an order this layout reads, RNG states
+that are tensors only, room left to train, no later checkpoint overwritten, a disk with room
+for the next one).
 
 A resume in the checkpoint's own run dir continues its run; in another run dir it is a new
 run there (driver/resume.py says which run dir a command gives), which loads that very
@@ -23,6 +24,8 @@ from meshrun.core.checkpoints import (
 )
 from meshrun.core.config import ExperimentConfig, HFModelConfig
 from meshrun.core.errors import fail
+from meshrun.core.layout import Layout
+from meshrun.core.rng_state import RngStateRefused, read_rng_state, rng_file
 from meshrun.models import model_key, param_counts
 
 # fp32 weights and AdamW's two moments; optimizer steps and RNG states are noise beside them.
@@ -42,6 +45,7 @@ def check_checkpoint(cfg: ExperimentConfig) -> ExperimentConfig:
         manifest = read_manifest(path)
         _check_same_model(cfg, manifest)
         _check_row_order(cfg, manifest)
+        _check_rng_states(cfg, path, manifest)
         _check_steps_left(cfg, path, manifest)
         cfg = _resumed(cfg, path, manifest)
         _check_nothing_overwritten(cfg, manifest)
@@ -119,6 +123,21 @@ def _check_row_order(cfg: ExperimentConfig, manifest: Manifest) -> None:
             f"for tp={saved_tp}",
             f"tp={saved_tp}",
         )
+
+
+def _check_rng_states(cfg: ExperimentConfig, path: Path, manifest: Manifest) -> None:
+    """The RNG states the ranks will load (under the layout that saved them), read here as
+    they will be: a file that pickles anything but tensors is refused before any rank
+    starts, nothing in it run (core/rng_state.py; the ranks read it the same way)."""
+    layout = Layout.of(cfg.parallel)
+    if manifest.degrees != layout.degrees():
+        return
+    for rank in range(layout.world_size):
+        if (found := rng_file(path, rank)).is_file():
+            try:
+                read_rng_state(found)
+            except RngStateRefused as refused:
+                fail("checkpoint.resume", cfg.checkpoint.resume, refused.problem, refused.fix)
 
 
 def _check_steps_left(cfg: ExperimentConfig, path: Path, manifest: Manifest) -> None:

@@ -1,7 +1,8 @@
 """A user's own nn.Module (model=custom): that the callable imports and returns a module, that
 the names given are its submodules, and what each layout needs of it and it does not say
 (a TP plan for tp > 1, the parts a pipeline runs in sequence, the blocks checkpointing wraps).
-The module is built on the meta device for this: nothing is allocated."""
+The module is built on the meta device for this: nothing is allocated; only a pipeline's
+probe of its forward builds it on the CPU, where it is small."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ from meshrun.core.errors import fail
 from meshrun.models.custom import (
     PARTS,
     CustomLM,
+    StagedForwardDiffers,
     build_custom,
     build_user_module,
+    check_staged_forward,
     paddable,
     token_lookup,
     user_tp_plan,
@@ -29,6 +32,10 @@ from meshrun.models.custom import (
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 SEE_DOCS = "see docs/models.md, Any nn.Module"
 SP_STYLES = ("sequence_parallel", "gather_input")  # what takes a sequence-sharded stream
+# The largest module the driver builds on its CPU to probe a pipeline's parts (fp32: 400 MB,
+# a second's init); a larger one only each rank probes, as it initialises
+# (models/custom.CustomLM.init_weights), and refuses after launch.
+DRIVER_PROBE_PARAMS = 100_000_000
 
 
 def check_custom(m: CustomModelConfig) -> None:
@@ -185,6 +192,27 @@ def check_custom_layout(cfg: ExperimentConfig) -> None:
             "compiles each block of model.layers, which is not set",
             "set model.layers to the module's block list, or train.compile=false",
         )
+
+
+def check_staged(cfg: ExperimentConfig) -> None:
+    """A pipeline's stages run the named parts in sequence: the probe the ranks run
+    (check_staged_forward), run here on a CPU build from the run's seed where the module is
+    small enough, so that a module they would train otherwise is refused before launch.
+    Once for the run (validate_run), not for each layout the planner weighs."""
+    if cfg.parallel.pp == 1:
+        return
+    with torch.device("meta"):
+        params = sum(p.numel() for p in build_user_module(cfg.model).parameters())
+    if params > DRIVER_PROBE_PARAMS:
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.train.seed)
+        with torch.device("cpu"):
+            module = build_user_module(cfg.model)
+        try:
+            check_staged_forward(module, cfg.model)
+        except StagedForwardDiffers as err:
+            fail("parallel.pp", cfg.parallel.pp, err.problem, err.fix)
 
 
 def _check_context_parallel(cfg: ExperimentConfig, model: CustomLM) -> None:

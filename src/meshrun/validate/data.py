@@ -40,6 +40,8 @@ def check_data(cfg: ExperimentConfig) -> None:
 
 def _check_text(cfg: ExperimentConfig) -> None:
     path = Path(str(cfg.data.path))
+    if path.is_dir():
+        _text_directory(cfg.data.path, path)
     if not path.is_file():
         fail("data.path", cfg.data.path, "no such file", "the path of a local text file")
     length = cfg.train.seq_len + 1
@@ -61,6 +63,25 @@ def _check_text(cfg: ExperimentConfig) -> None:
             "data=text uses byte tokens (256 values)",
             ">= 256",
         )
+
+
+def _text_directory(given: str, path: Path) -> None:
+    """data=text given a directory: what it is and which source reads it."""
+    if any((path / marker).is_file() for marker in DISK_MARKERS):
+        fail(
+            "data.path",
+            given,
+            "is a directory; data=text reads one text file, and this is a save_to_disk "
+            "dataset, which data=hf reads",
+            f"data=hf data.path={path} data.tokenizer=<tokenizer>, or one text file",
+        )
+    fail(
+        "data.path",
+        given,
+        "is a directory; data=text reads one text file (its bytes are the tokens)",
+        "the path of one text file (the directory's files joined into one: cat DIR/*.txt > "
+        "corpus.txt), or data=hf for a json/jsonl, parquet or save_to_disk dataset",
+    )
 
 
 def _check_hf(cfg: ExperimentConfig) -> None:

@@ -75,6 +75,20 @@ def check_sequence(cfg: ExperimentConfig) -> None:
         )
 
 
+def model_context(m: ModelConfig) -> tuple[int, str] | None:
+    """The sequence the model was made for and the key that says so: `model.context_len`
+    (meshrun's presets: the pretraining sequence), else a transformers model's
+    `max_position_embeddings` (its config as built: the preset's, or config.json's for
+    model=hf/auto, over the class's defaults); None where neither is known."""
+    if m.context_len:
+        return m.context_len, "model.context_len"
+    if isinstance(m, HFModelConfig):
+        positions = getattr(_transformers(m).hf_config(m), "max_position_embeddings", None)
+        if positions:
+            return positions, "max_position_embeddings"
+    return None
+
+
 def _check_llama(m: LlamaModelConfig) -> None:
     for key in ("dim", "n_layers", "n_heads", "vocab_size"):
         positive(f"model.{key}", getattr(m, key))

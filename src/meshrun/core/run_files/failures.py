@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from meshrun.core.atomic_write import write_atomic
+from meshrun.core.errors import Refused
 
 FAILURES_DIR = "failures"
 
@@ -79,6 +80,7 @@ def record_failure(run_dir: str, rank: int, err: BaseException) -> None:
         "time": time.time(),
         "error": f"{type(err).__name__}: {err}",
         "traceback": "".join(traceback.format_exception(err)),
+        "refused": isinstance(err, Refused),
         "gone_peers": _gone_peers(folder, rank),
     }
     write_atomic(folder / f"rank{rank}.json", json.dumps(record))
@@ -104,12 +106,15 @@ def recorded_failures(run_dir: str) -> dict[int, dict[str, Any]]:
 
 
 def first_failure(run_dir: str) -> Failure | None:
-    """The earliest recorded failure, or None if no rank recorded one."""
+    """The earliest recorded failure, or None if no rank recorded one. A refusal (Refused)
+    comes without its traceback, which is no news beside its message: that stays in the
+    rank's record here."""
     records = recorded_failures(run_dir).values()
     if not records:
         return None
     first = min(records, key=lambda r: r["time"])
-    return Failure(first["rank"], first["error"], first.get("traceback"))
+    trace = None if first.get("refused") else first.get("traceback")
+    return Failure(first["rank"], first["error"], trace)
 
 
 def read_unflushed(run_dir: str) -> dict[int, list[dict[str, Any]]]:

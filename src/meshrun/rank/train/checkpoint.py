@@ -6,7 +6,8 @@ checkpointing wrapper), its optimizer state under `optim.<name>.<key>`: a DTenso
 or TP, a pipeline stage's plain tensor and a replicated DDP parameter are all saved as the
 global tensor they are a piece of, so DCP can load them into another layout's pieces. The
 LR schedule, step and layout go into the manifest (core/checkpoints.py), each rank's RNG
-states into a file of its own.
+states into a file of its own, tensors only (core/rng_state.py: read without unpickling
+anything else).
 
 Saves run on a gloo process group of their own: the background thread's collectives then
 never interleave with training's. A save waits for the one before it; rank 0 writes the
@@ -50,6 +51,7 @@ from meshrun.core.checkpoints import (
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.layout import Layout
 from meshrun.core.naming import layout_name
+from meshrun.core.rng_state import read_rng_state, rng_file
 from meshrun.core.run_files.failures import Stopped
 from meshrun.models import model_key, model_shape
 from meshrun.models.shards import fill, local_tensor, model_name, named_tensors
@@ -58,8 +60,6 @@ from meshrun.rank.collective_place import control_all_reduce, control_barrier
 from meshrun.rank.parallel import ParallelModel
 from meshrun.rank.stop_signals import STOP_SIGNALS
 from meshrun.rank.train.loss_scale import LossScale
-
-RNG_DIR = "rng"
 
 
 @dataclass
@@ -233,9 +233,9 @@ class Checkpointer:
                 shutil.rmtree(path)
             path.mkdir(parents=True)
         self._barrier()
-        rng = path / RNG_DIR
-        rng.mkdir(exist_ok=True)
-        torch.save(_rng_state(), rng / f"rank-{self.rank:05d}.pt")
+        rng = rng_file(path, self.rank)
+        rng.parent.mkdir(exist_ok=True)
+        torch.save(_rng_state(), rng)
         tensors = self._tensors()
         scale = self.loss_scale.state_dict() if self.loss_scale else None
         save = Save(steps_done, path, started, 0.0, self.schedule.state_dict(), scale, data_offset)
@@ -371,9 +371,9 @@ class Checkpointer:
         if self.loss_scale and "loss_scale" in manifest.extra:
             self.loss_scale.load_state_dict(manifest.extra["loss_scale"])
         self.restored_offset = manifest.extra.get("data_offset", 0)
-        rng = path / RNG_DIR / f"rank-{self.rank:05d}.pt"
+        rng = rng_file(path, self.rank)
         if manifest.degrees == Layout.of(self.cfg.parallel).degrees() and rng.is_file():
-            _set_rng_state(torch.load(rng, weights_only=False))
+            _set_rng_state(read_rng_state(rng))
         return manifest.step
 
 
@@ -383,14 +383,16 @@ def _is_vocab(key: str) -> bool:
     return name.split(".", 1)[0] in VOCAB_MODULES
 
 
-def _rng_state() -> dict[str, object]:
-    state: dict[str, object] = {"cpu": torch.get_rng_state()}
+def _rng_state() -> dict[str, torch.Tensor]:
+    """The generators a rank draws from, as core/rng_state.py stores them: the CPU's and its
+    own device's (torch.cuda.get_rng_state() is the current device's: torch/cuda/random.py)."""
+    state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def _set_rng_state(state: dict[str, object]) -> None:
+def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])

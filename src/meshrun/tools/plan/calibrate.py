@@ -54,7 +54,7 @@ from meshrun.models import model_shape
 from meshrun.plan.compute import block_linears
 from meshrun.plan.shapes import Dims
 from meshrun.rank.mesh import end_distributed
-from meshrun.tools.plan.command import prepared
+from meshrun.tools.plan.command import command_keys, prepared
 from meshrun.tools.plan.matmul_in_step import in_step_block, matmul_in_a_step
 from meshrun.tools.plan.small_block import ops_per_layer, small_block
 from meshrun.tools.plan.wrapper_overhead import (
@@ -85,9 +85,12 @@ class Workload:
     block: LlamaModelConfig | None = None  # one block of the run's sizes: matmuls in a step
 
 
-def calibrate(cfg: PlanCommandConfig, host: HostFacts) -> Calibration:
-    """Measures and returns the profile (not written)."""
-    box = prepared(cfg, host)[0]
+def calibrate(
+    cfg: PlanCommandConfig, host: HostFacts, given: frozenset[str] = frozenset()
+) -> Calibration:
+    """Measures and returns the profile (not written), at the sequence, batch and precision
+    given (`given`: the keys set) or a plan's defaults."""
+    box = prepared(cfg, host, given)[0]
     if box.nodes > 1:
         fail("world_size", box.world, "calibrate measures this host's ranks", "one node's ranks")
     threads = rank_threads(cfg.launcher, box.per_node, host)
@@ -320,7 +323,7 @@ def _links(
 def run(dict_cfg: DictConfig) -> int:
     cfg: PlanCommandConfig = OmegaConf.to_object(dict_cfg)
     try:
-        calibration = calibrate(cfg, HostFacts.detect())
+        calibration = calibrate(cfg, HostFacts.detect(), command_keys())
     except ConfigError as err:
         print_error("config error", str(err))
         return 2

@@ -6,7 +6,8 @@
 Plans `launcher.nnodes` boxes of the hardware profile (or `world_size` ranks, spread over
 as many boxes as it takes). The keys given on the command line constrain the search; on a
 GPU profile, precision, sequence and global batch default to what a real run of the model
-would use (bf16, its pretraining context, GLOBAL_BATCH_TOKENS), said in the title.
+would use (bf16, its context, GLOBAL_BATCH_TOKENS), said in the title; a model that names
+no context needs train.seq_len there (the CPU's default would plan a toy sequence).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
@@ -34,7 +36,7 @@ from meshrun.plan.search import Box, Plan, search
 from meshrun.validate import check_experiment
 from meshrun.validate.launcher import CPU_DEFAULT_RANKS
 from meshrun.validate.layout import check_degrees, fill_degree
-from meshrun.validate.model import model_overrides, read_pretrained
+from meshrun.validate.model import model_context, model_overrides, read_pretrained
 
 GiB = 2**30
 # LLaMA's and LLaMA 2's global batch (4M tokens); GPT-3 175B used 3.2M.
@@ -64,6 +66,13 @@ def given_keys(overrides: Iterable[str]) -> frozenset[str]:
     return frozenset(keys)
 
 
+def command_keys() -> frozenset[str]:
+    """The keys this command's line set (none outside a Hydra job)."""
+    if not HydraConfig.initialized():
+        return frozenset()
+    return given_keys(HydraConfig.get().overrides.task)
+
+
 def box_of(cfg: ExperimentConfig) -> Box:
     per_node = cfg.launcher.nproc_per_node or (
         CPU_DEFAULT_RANKS if cfg.hardware.device_type == "cpu" else devices_per_node(cfg)
@@ -82,17 +91,45 @@ def box_of(cfg: ExperimentConfig) -> Box:
     return Box(cfg.world_size // per_node, per_node)
 
 
+@dataclass(frozen=True)
+class Chosen:
+    """What the command chose for keys not given, said in the title: the key the sequence
+    came from, and a GPU plan's other defaults."""
+
+    seq_from: str
+    defaults: list[str]
+
+
+def plan_sequence(cfg: PlanCommandConfig, given: frozenset[str]) -> str:
+    """Sets the plan's sequence and returns the key it came from: train.seq_len where given
+    (or on a CPU plan, its default), else on a GPU the model's context (model_context). A
+    GPU plan of a model that names none is refused: the CPU's default, 128, planned a
+    real model as a toy (its top row a pipeline of a thousand micro-batches)."""
+    t = cfg.train
+    if "train.seq_len" in given or cfg.hardware.device_type != "cuda":
+        return "train.seq_len"
+    context = model_context(cfg.model)
+    if context is None:
+        fail(
+            "train.seq_len",
+            t.seq_len,
+            f"is the CPU's default; a GPU plan takes the model's context, and "
+            f"model={cfg.model.name} names none (model.context_len, or a transformers "
+            "config's max_position_embeddings)",
+            "train.seq_len=N, the sequence to train at (or model.context_len: N in the preset)",
+        )
+    t.seq_len, key = context
+    return key
+
+
 def gpu_defaults(cfg: PlanCommandConfig, given: frozenset[str]) -> list[str]:
-    """A GPU plan's precision, sequence and batch where the user gave none; what was set."""
+    """A GPU plan's precision and batch where the user gave none; what was set."""
     if cfg.hardware.device_type != "cuda":
         return []
     t, said = cfg.train, []
     if "train.precision" not in given and t.precision != "bf16":
         t.precision = "bf16"
         said.append("bf16")
-    if "train.seq_len" not in given and cfg.model.context_len:
-        t.seq_len = cfg.model.context_len
-        said.append(f"the model's context {t.seq_len}")
     if "train.global_batch_size" not in given:
         t.global_batch_size = max(1, GLOBAL_BATCH_TOKENS // t.seq_len)
         said.append(f"a {GLOBAL_BATCH_TOKENS / 2**20:g}M-token batch")
@@ -101,9 +138,10 @@ def gpu_defaults(cfg: PlanCommandConfig, given: frozenset[str]) -> list[str]:
 
 def prepared(
     cfg: PlanCommandConfig, host: HostFacts, given: frozenset[str] = frozenset()
-) -> tuple[Box, HostFacts, list[str], str | None]:
-    """`cfg` completed in place (the model model=hf/auto reads, the hardware, a GPU plan's
-    defaults); the box to plan, its facts, the defaults said, where the model was read."""
+) -> tuple[Box, HostFacts, Chosen, str | None]:
+    """`cfg` completed in place (the model model=hf/auto reads, the hardware, the sequence,
+    a GPU plan's defaults); the box to plan, its facts, what was chosen, where the model was
+    read."""
     positive("world_size", cfg.world_size, allow_none=True)
     positive("launcher.nnodes", cfg.launcher.nnodes)
     cfg.model, read_from = read_pretrained(cfg.model)  # model=hf/auto's, before the rules
@@ -111,14 +149,14 @@ def prepared(
     hardware = resolve_hardware(cfg.hardware, target_facts(cfg.hardware, host))
     facts = target_facts(hardware, host)
     cfg.hardware = hardware
-    defaults = gpu_defaults(cfg, given)
-    return box_of(cfg), facts, defaults, read_from
+    chosen = Chosen(plan_sequence(cfg, given), gpu_defaults(cfg, given))
+    return box_of(cfg), facts, chosen, read_from
 
 
 def plan(
     cfg: PlanCommandConfig, host: HostFacts, given: frozenset[str] = frozenset()
-) -> tuple[Box, Plan, list[str]]:
-    box, facts, defaults, read_from = prepared(cfg, host, given)
+) -> tuple[Box, Plan, Chosen]:
+    box, facts, chosen, read_from = prepared(cfg, host, given)
     if given & set(PARALLEL_KEYS):  # a layout the search keeps: its -1 filled as a run's is
         check_degrees(cfg.parallel)
         cfg.parallel = fill_degree(cfg.parallel, box.world, "world_size")
@@ -132,7 +170,7 @@ def plan(
         unconstrained = search(experiment, box, facts, given - set(layout_keys)).ranked
         found.alternatives = [c for c in unconstrained if c.fits][:ALTERNATIVES]
         found.alternative_to = layout_keys
-    return box, found, defaults
+    return box, found, chosen
 
 
 def command(c: Candidate, box: Box, model: str) -> str:
@@ -174,13 +212,13 @@ def _gib(n: int) -> str:
     return f"{n / GiB:.2f}"
 
 
-def render(cfg: PlanCommandConfig, box: Box, found: Plan, defaults: list[str], model: str) -> None:
+def render(cfg: PlanCommandConfig, box: Box, found: Plan, chosen: Chosen, model: str) -> None:
     """The plan's table, each row's command (`model`: the overrides that select the model),
     and why the rest do not fit."""
     console = Console(width=max(160, Console().width))
     shown = found.ranked[: cfg.top]
     # soft-wrapped, whole: the title says what was planned
-    console.print(_title(cfg, box, defaults), soft_wrap=True, highlight=False)
+    console.print(_title(cfg, box, chosen), soft_wrap=True, highlight=False)
     calibration = host_calibration(shown[0].cfg) if shown else None
     if calibration is not None:
         said = (
@@ -205,7 +243,7 @@ def render(cfg: PlanCommandConfig, box: Box, found: Plan, defaults: list[str], m
     _why_not(console, box, found, model)
 
 
-def _title(cfg: PlanCommandConfig, box: Box, defaults: list[str]) -> str:
+def _title(cfg: PlanCommandConfig, box: Box, chosen: Chosen) -> str:
     """What was planned, with the defaults the command chose, so that a reader need not guess."""
     t = cfg.train
     nodes = (
@@ -215,11 +253,11 @@ def _title(cfg: PlanCommandConfig, box: Box, defaults: list[str]) -> str:
     )
     title = (
         f"meshrun-plan: {cfg.model.name} on {nodes}, global batch {t.global_batch_size} x "
-        f"seq {t.seq_len} ({t.tokens_per_step / 1e6:.2f}M tokens), "
+        f"seq {t.seq_len} ({chosen.seq_from}), {t.tokens_per_step / 1e6:.2f}M tokens a step, "
         f"{t.precision}"
     )
-    if defaults:
-        title += f" (GPU plan defaults: {', '.join(defaults)})"
+    if chosen.defaults:
+        title += f" (GPU plan defaults: {', '.join(chosen.defaults)})"
     return title
 
 
@@ -356,16 +394,14 @@ def _miss(c: Candidate) -> str:
 
 def run(dict_cfg: DictConfig) -> int:
     cfg: PlanCommandConfig = OmegaConf.to_object(dict_cfg)
-    given = (
-        given_keys(HydraConfig.get().overrides.task) if HydraConfig.initialized() else frozenset()
-    )
+    given = command_keys()
     model = model_overrides(cfg.model)  # as composed: plan() reads model=hf/auto's
     try:
-        box, found, defaults = plan(cfg, HostFacts.detect(), given)
+        box, found, chosen = plan(cfg, HostFacts.detect(), given)
     except ConfigError as err:
         print_error("config error", str(err))
         return 2
-    render(cfg, box, found, defaults, model)
+    render(cfg, box, found, chosen, model)
     if cfg.json:
         Path(cfg.json).write_text(
             json.dumps(
