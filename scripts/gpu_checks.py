@@ -217,6 +217,12 @@ def checks(gpus: int) -> list[Check]:
             budget_s=240,
         ),
         Check(
+            "resume on CUDA: RNG states read as tensors only, the losses go on as before",
+            _resumed("model=tiny parallel=single train.steps=4 metrics.baseline=off"),
+            _resumed_alike,
+            budget_s=120,
+        ),
+        Check(
             "memory: small fp32, predicted vs measured",
             _meshrun("parallel=single model=small train.precision=fp32", short),
             ran(memory_within_bars),
@@ -464,6 +470,27 @@ def _rolled_back_alike(r: dict) -> str | None:
     if rollbacks == [(25, 20)] and not retried:
         return None
     return f"rollbacks {rollbacks}, retried steps {retried}"
+
+
+def _resumed(overrides: str) -> Callable[[Path], list[str]]:
+    """A run saving at step 2 (work/first), then one resumed from that checkpoint
+    (work/resumed)."""
+
+    def argv(work: Path) -> list[str]:
+        first = _meshrun(overrides, "checkpoint.every_steps=2")(work / "first")
+        step2 = work / "first" / "run" / "checkpoints" / "step-00000002"
+        resumed = _meshrun(overrides, f"checkpoint.resume={step2}")(work / "resumed")
+        return ["bash", "-c", f"{shlex.join(first)} && {shlex.join(resumed)}"]
+
+    return argv
+
+
+def _resumed_alike(done: Outcome) -> Verdict:
+    if done.rc:
+        return Verdict(FAIL, f"exit {done.rc}: {_last_error(done.output)}")
+    first, resumed = (_results(done.work / name)["losses"] for name in ("first", "resumed"))
+    same = resumed == first[2:]
+    return Verdict(PASS if same else FAIL, f"losses {first} then, resumed at 2, {resumed}")
 
 
 def _grouped_and_loop(*overrides: str) -> Callable[[Path], list[str]]:
