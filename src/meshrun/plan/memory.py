@@ -128,19 +128,21 @@ def _layer_bytes(
     if ckpt == "full":
         return block_input, full
     if ckpt in SAC_POLICIES:  # the outputs SAC caches, the rest recomputed
-        saved = _sac_saved(d, tp, ckpt) * width
+        saved = _sac_saved(d, tp, sp, ckpt) * width
         return saved + block_input + _router_bytes(d), full - saved
     return full, 0.0
 
 
-def _sac_saved(d: Dims, tp: int, ckpt: str) -> float:
+def _sac_saved(d: Dims, tp: int, sp: bool, ckpt: str) -> float:
     """Elements a token's block caches under selective checkpointing: the outputs of the ops
     its policy saves (rank/parallel/checkpointing.py). selective: q, k, v, attention's output
     and log-sum-exp, o, the feed-forward's gate and up, down; op, every other matmul of the
     forward's q, k, v, o, gate, up, down: q, v, gate, down, and attention's. A row-parallel
-    matmul's output (o, down) is a whole h on each TP rank before its all-reduce. An MoE's
-    experts keep gate, up and down a row under selective, about half of them under op (the
-    alternation runs over a number of expert matmuls that depends on the routing)."""
+    matmul's output (o, down) is a whole h on each TP rank before its all-reduce; under
+    sequence parallelism its reduce-scattered h/tp is kept too, under both (a dense MLP's;
+    an MoE's output is not row-parallel). An MoE's experts keep gate, up and down a row
+    under selective, about half of them under op (the alternation runs over a number of
+    expert matmuls that depends on the routing)."""
     attention = 2 * d.hq + d.a + (2 * d.hk if ckpt == "selective" else d.hk)
     if ckpt == "selective":
         attention_out, mlp = d.h, 2 * d.f / tp + d.h
@@ -149,6 +151,8 @@ def _sac_saved(d: Dims, tp: int, ckpt: str) -> float:
     if d.experts:
         rows = d.routed * (2 * d.fe / d.etp + d.h) + (2 * d.fs + d.h if d.fs else 0)
         mlp = rows if ckpt == "selective" else rows / 2
+    if sp and tp > 1:
+        attention_out += d.h / tp * (1 if d.experts else 2)
     return attention / tp + attention_out + mlp
 
 
