@@ -19,8 +19,10 @@ from meshrun.core.attention_kernels import AttentionSite, block_kernel, expands_
 from meshrun.core.layout import Layout
 from meshrun.models import attention, build_model
 from meshrun.models.hf import build_hf
+from meshrun.plan.comm_time import attention_widths
 from meshrun.plan.memory import attention_kept, predict_stages
 from meshrun.plan.shapes import Dims
+from meshrun.plan.stage_time import formula_cost
 from meshrun.rank.parallel.block_attention import _cudnn_lse_extra_dims, attend, attend_grads
 from tests.helpers import compose_config
 
@@ -178,3 +180,15 @@ def test_the_planner_counts_an_explicit_chunk_pairs_scores_and_fused_kernels_non
     assert attention_kept(fused_cfg, layout, d).scores == 0
     odd, layout, d = _cuda_run("train.precision=fp32", "model.dim=72", cp=2)
     assert attention_kept(odd, layout, d).scores == 3 * 8 * 128 / 2 * 4
+
+
+def test_the_planner_moves_kv_as_cp_holds_them():
+    """CP's K/V traffic: bf16 on CUDA as it is (flash); fp32 on CUDA repeated to 8 heads;
+    bf16 on a CPU in fp32 (its kernel computes in fp32)."""
+    for overrides, want in (
+        (("train.precision=bf16",), (64, 32, 2)),
+        (("train.precision=fp32",), (64, 64, 4)),
+        (("train.precision=bf16", "hardware=cpu"), (64, 32, 4)),
+    ):
+        cfg, layout, _ = _cuda_run(*overrides, cp=2)
+        assert attention_widths(cfg, layout, formula_cost(cfg, layout)) == want, overrides

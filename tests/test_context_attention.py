@@ -211,3 +211,18 @@ def test_the_ring_blocks_explicit_path_equals_sdpa_forward_and_backward(causal):
     assert (lse - scores.logsumexp(-1)).abs().max() < 1e-5
     for got, x in zip(grads, (q, k, v), strict=True):
         assert (got - x.grad).abs().max() < 1e-5
+
+
+def test_held_scores_stay_fp32_under_bf16_autocast():
+    """The explicit path's matmuls (autocast would make them 16-bit) run in fp32: output,
+    log-sum-exp and gradients as without autocast."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, dout = (torch.randn(2, 4, 8, 16, generator=gen) for _ in range(4))
+    out, lse = _explicit_attend(q, k, v, True, 0.3)
+    grads = _explicit_grads((dout, q, k, v, out, lse), True, 0.3)
+    with torch.autocast("cpu", torch.bfloat16):
+        out16, lse16 = _explicit_attend(q, k, v, True, 0.3)
+        grads16 = _explicit_grads((dout, q, k, v, out16, lse16), True, 0.3)
+    for fp32, under_autocast in zip((out, lse, *grads), (out16, lse16, *grads16), strict=True):
+        assert under_autocast.dtype == torch.float32
+        assert torch.equal(under_autocast, fp32)
