@@ -6,11 +6,14 @@ max over ranks, as the summary prints it), all in one invocation, so the ratios 
     .venv/bin/python benchmarks/context_parallel.py              # seq 2048 4096 8192
     .venv/bin/python benchmarks/context_parallel.py 1024 16384   # other lengths
     .venv/bin/python benchmarks/context_parallel.py --cap-mib 256   # and the longest under it
+    .venv/bin/python benchmarks/context_parallel.py 16384 --precision bf16   # a GPU's 16-bit
 
 cp1 trains the whole sequence on one rank; cp2 trains the same global batch with each
 sequence split over 2 ranks (each holding half the tokens). The activation share is what CP
 is for: the ratio is reported, not assumed. The model is `tiny` (4 layers, 8 heads, 4 K/V
-heads): its attention, not its weights, grows with the sequence.
+heads): its attention, not its weights, grows with the sequence. `--precision` (fp32 by
+default): on CUDA, bf16 runs the chunk pairs on flash, fp32 on the memory-efficient kernel
+(core/attention_kernels.py).
 
 With `--cap-mib`, the longest sequence cp1 and cp2 (ring) each train with a measured peak
 per rank under that cap: the sequence doubled from 512 tokens until a run's peak passes the
@@ -40,18 +43,19 @@ COMMON = (
     "train.untimed_steps=1",
     "train.global_batch_size=2",
     "train.micro_batch_size=2",
-    "train.precision=fp32",
     "launcher.threads_per_rank=1",
 )
 
 
-def run(seq: int, name: str, work: Path) -> dict:
-    overrides = [*COMMON, f"train.seq_len={seq}", *LAYOUTS[name]]
+def run(seq: int, name: str, work: Path, precision: str) -> dict:
+    overrides = [*COMMON, f"train.precision={precision}", f"train.seq_len={seq}"]
+    overrides += LAYOUTS[name]
     return meshrun_results(overrides, work / f"{seq}-{name.replace(' ', '-')}")
 
 
-def main(seqs: list[int]) -> None:
-    table = Table(title="context parallelism: tiny, batch 2, fp32, one thread a rank")
+def main(seqs: list[int], precision: str) -> None:
+    title = f"context parallelism: tiny, batch 2, {precision}, one thread a rank"
+    table = Table(title=title)
     for column in (
         "seq",
         "layout",
@@ -67,7 +71,7 @@ def main(seqs: list[int]) -> None:
         for seq in seqs:
             base = None
             for name in LAYOUTS:
-                r = run(seq, name, Path(tmp))
+                r = run(seq, name, Path(tmp), precision)
                 peak, tps = r["peak_memory_max_bytes"], r["tokens_per_s"]
                 predicted = r["predicted_peak_memory_bytes"]
                 base = base or (peak, tps)
@@ -87,13 +91,13 @@ def main(seqs: list[int]) -> None:
 GRAIN = 256  # the longest sequence is found to this many tokens
 
 
-def longest_under(cap: int, name: str, work: Path) -> tuple[int, int]:
+def longest_under(cap: int, name: str, work: Path, precision: str) -> tuple[int, int]:
     """(seq, measured peak per rank): the longest multiple of GRAIN tokens `name` trains
     with its peak under `cap` bytes (0, 0 if not even GRAIN)."""
     peaks: dict[int, int] = {}
 
     def fits(seq: int) -> bool:
-        peaks[seq] = run(seq, name, work)["peak_memory_max_bytes"]
+        peaks[seq] = run(seq, name, work, precision)["peak_memory_max_bytes"]
         return peaks[seq] <= cap
 
     fit, over = 0, 2 * GRAIN
@@ -105,14 +109,14 @@ def longest_under(cap: int, name: str, work: Path) -> tuple[int, int]:
     return fit, peaks.get(fit, 0)
 
 
-def main_cap(cap_mib: int) -> None:
+def main_cap(cap_mib: int, precision: str) -> None:
     table = Table(title=f"the longest sequence under {cap_mib} MiB a rank (measured peaks)")
     for column in ("layout", "longest seq", "its peak MiB/rank", "vs cp1"):
         table.add_column(column, justify="left" if column == "layout" else "right")
     with tempfile.TemporaryDirectory() as tmp:
         base = None
         for name in ("cp1", "cp2 ring"):
-            seq, peak = longest_under(cap_mib * MiB, name, Path(tmp))
+            seq, peak = longest_under(cap_mib * MiB, name, Path(tmp), precision)
             base = base or seq
             table.add_row(name, str(seq), f"{peak / MiB:.1f}", f"{seq / base:.2f}x")
     Console().print(table)
@@ -122,7 +126,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("seqs", nargs="*", type=int, default=[2048, 4096, 8192])
     parser.add_argument("--cap-mib", type=int, help="also the longest sequence under this cap")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     args = parser.parse_args()
-    main(args.seqs)
+    main(args.seqs, args.precision)
     if args.cap_mib:
-        main_cap(args.cap_mib)
+        main_cap(args.cap_mib, args.precision)

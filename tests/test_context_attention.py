@@ -11,18 +11,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from meshrun.rank.parallel.context_attention import (
-    METHODS,
-    _explicit_attend,
-    _explicit_grads,
-    context_attention,
-)
+from meshrun.rank.parallel import context_attention as context_module
+from meshrun.rank.parallel.block_attention import _explicit_attend, _explicit_grads
+from meshrun.rank.parallel.context_attention import METHODS, context_attention
 from meshrun.rank.parallel.context_shards import (
     load_balanced_chunks,
     sequence_positions,
     shard_sequence,
     unshard_sequence,
 )
+from tests.cuda_attention_on_cpu import cuda_attention_on_cpu
 
 TOL = 1e-5
 BATCH, CHUNK, HEAD_DIM = 2, 3, 8
@@ -89,6 +87,33 @@ def _subgroups_on_ranks(_) -> dict[str, dict[str, float]]:
         method: _errors({"method": method, "heads": 4, "kv_heads": 2}, mine, seed=rank % 2)
         for method in METHODS
     }
+
+
+def _through_a_cuda_kernel(case: dict) -> dict[str, float]:
+    """`_errors` with every chunk pair through one CUDA kernel's code (its ops on CPU)."""
+    _init()
+    chosen = context_module._kernel
+    context_module._kernel = lambda q: (case["kernel"], q.dtype)
+    try:
+        with cuda_attention_on_cpu():
+            return _errors(case, dist.group.WORLD, seed=0)
+    finally:
+        context_module._kernel = chosen
+
+
+@pytest.mark.parametrize("kernel", ["flash", "efficient", "cudnn", "explicit"])
+@pytest.mark.parametrize("method", ["ring", "allgather"])
+def test_chunk_pairs_through_each_cuda_kernels_code_equal_full_causal_sdpa(
+    rank_pool, method, kernel
+):
+    """Each kernel's ops called as on CUDA (tests/cuda_attention_on_cpu.py: their layouts,
+    efficient's padded log-sum-exp, what each refuses), GQA given to flash whole and to the
+    others repeated: outputs and gradients as full SDPA's."""
+    for heads, kv_heads, scale in HEADS[2]:
+        case = {"method": method, "kernel": kernel, "heads": heads, "kv_heads": kv_heads}
+        case["scale"] = scale
+        for rank, errors in enumerate(rank_pool.run(_through_a_cuda_kernel, case, 2)):
+            assert max(errors.values()) < TOL, (case, f"cp rank {rank}", errors)
 
 
 def test_every_method_keeps_to_its_cp_subgroup(rank_pool):
@@ -186,3 +211,18 @@ def test_the_ring_blocks_explicit_path_equals_sdpa_forward_and_backward(causal):
     assert (lse - scores.logsumexp(-1)).abs().max() < 1e-5
     for got, x in zip(grads, (q, k, v), strict=True):
         assert (got - x.grad).abs().max() < 1e-5
+
+
+def test_held_scores_stay_fp32_under_bf16_autocast():
+    """The explicit path's matmuls (autocast would make them 16-bit) run in fp32: output,
+    log-sum-exp and gradients as without autocast."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, dout = (torch.randn(2, 4, 8, 16, generator=gen) for _ in range(4))
+    out, lse = _explicit_attend(q, k, v, True, 0.3)
+    grads = _explicit_grads((dout, q, k, v, out, lse), True, 0.3)
+    with torch.autocast("cpu", torch.bfloat16):
+        out16, lse16 = _explicit_attend(q, k, v, True, 0.3)
+        grads16 = _explicit_grads((dout, q, k, v, out16, lse16), True, 0.3)
+    for fp32, under_autocast in zip((out, lse, *grads), (out16, lse16, *grads16), strict=True):
+        assert under_autocast.dtype == torch.float32
+        assert torch.equal(under_autocast, fp32)

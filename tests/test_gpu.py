@@ -3,13 +3,25 @@ MFU, CP's block attention and MoE's grouped GEMM. Skipped where no CUDA device i
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.backends.cuda import (
+    SDPAParams,
+    can_use_cudnn_attention,
+    can_use_efficient_attention,
+    can_use_flash_attention,
+)
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from meshrun.core.attention_kernels import fused_kernel
 from meshrun.core.config import MoEConfig
 from meshrun.models import moe
+from meshrun.models.attention import attention_site, causal_sdpa, sdpa_kv
 from meshrun.models.expert_compute import NATIVE_MAJORS, use_grouped_mm
-from meshrun.rank.parallel.context_attention import _attend, _attend_grads
+from meshrun.rank.parallel.block_attention import attend, attend_grads
 
 pytestmark = [
     pytest.mark.gpu,
@@ -70,24 +82,80 @@ def test_compiled_blocks_train_the_uncompiled_losses_on_cuda(meshrun):
     assert eager.results["compile_s"] is None
 
 
+PAIR_KERNELS = [  # (kernel, dtype, K/V heads of 4, rows): efficient's 80 pads its lse
+    ("flash", torch.bfloat16, 2, 80),
+    ("efficient", torch.float32, 4, 80),
+    ("efficient", torch.bfloat16, 4, 80),
+    ("cudnn", torch.bfloat16, 4, 128),
+    ("explicit", torch.float32, 4, 80),
+]
+
+
 @pytest.mark.parametrize("causal", [False, True])
-def test_ring_block_attention_on_cuda_equals_sdpa(causal):
-    """The ring's block attention and its backward on CUDA (the explicit path, no fused CPU
-    kernel there) equal SDPA's, in fp32."""
+@pytest.mark.parametrize(("kernel", "dtype", "kv_heads", "rows"), PAIR_KERNELS)
+def test_each_cp_chunk_pair_kernel_on_cuda_equals_sdpa(kernel, dtype, kv_heads, rows, causal):
+    """A CP chunk pair's attention, log-sum-exp and backward through each CUDA kernel
+    (rank/parallel/block_attention.py) equal fp32 SDPA's, to the kernel's dtype; the explicit
+    path stays fp32 under bf16 autocast."""
+    site = attention_site(torch.zeros(1, device="cuda"), dtype, training=True)
+    if kernel != "explicit" and kernel not in site.enabled:
+        pytest.skip(f"{kernel} is not enabled in this torch")
     gen = torch.Generator(device="cuda").manual_seed(4)
-    q, k, v = (
-        torch.randn(2, 4, 64, 32, device="cuda", generator=gen, requires_grad=True)
-        for _ in range(3)
+    q, k, v, dout = (
+        torch.randn(2, h, rows, 64, device="cuda", generator=gen)
+        for h in (4, kv_heads, kv_heads, 4)
     )
-    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.2)
-    dout = torch.randn(want.shape, device="cuda", generator=gen)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*full, is_causal=causal, scale=0.2, enable_gqa=True)
     want.backward(dout)
-    with torch.no_grad():
-        out, lse = _attend(q, k, v, causal, 0.2)
-        grads = _attend_grads((dout, q, k, v, out, lse), causal, 0.2)
-    assert (out - want).abs().max() < 1e-4
-    for got, x in zip(grads, (q, k, v), strict=True):
-        assert (got - x.grad).abs().max() < 1e-4
+    scores = (q @ k.repeat_interleave(4 // kv_heads, 1).transpose(-2, -1) * 0.2).masked_fill(
+        torch.ones(rows, rows, dtype=torch.bool, device="cuda").triu(1) & causal, float("-inf")
+    )
+    inputs = [t.to(dtype) for t in (dout, q, k, v)]
+    with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
+        out, lse = attend(kernel, *inputs[1:], causal, 0.2)
+        grads = attend_grads(kernel, (*inputs, out.to(dtype), lse.contiguous()), causal, 0.2)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out, want, rtol=tol, atol=tol)
+    torch.testing.assert_close(lse, scores.logsumexp(-1), rtol=tol, atol=tol)
+    for got, x in zip(grads, full, strict=True):
+        torch.testing.assert_close(got.float(), x.grad, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 100, 128, 200, 256])
+def test_the_kernel_rules_agree_with_torchs_own_checks_on_this_gpu(dtype, head_dim):
+    """core/attention_kernels.py against torch's can_use_* on this device: flash and
+    efficient everywhere, cuDNN where meshrun's rule takes the head dim (to 128)."""
+    q = torch.zeros(2, 64, 4, head_dim, device="cuda", dtype=dtype).transpose(1, 2)
+    q.requires_grad_()  # a model's layout: [b, h, s, d] over [b, s, h, d] memory
+    site = attention_site(q, dtype, training=True)
+    params = SDPAParams(q, q, q, None, 0.0, True, False)
+    torchs = {
+        "flash": can_use_flash_attention(params),
+        "efficient": can_use_efficient_attention(params),
+        "cudnn": can_use_cudnn_attention(params),
+    }
+    for kernel, usable in torchs.items():
+        if kernel == "cudnn" and not (head_dim <= 128 and head_dim % 8 == 0):
+            continue
+        ours = fused_kernel(dataclasses.replace(site, enabled=frozenset({kernel}))) == kernel
+        assert ours == (usable and kernel in site.enabled), (kernel, site)
+
+
+def test_fp32_gqa_reaches_a_fused_kernel_and_bf16_keeps_its_kv_heads():
+    """SDPA with the math kernel off: fp32 GQA runs (its K/V heads repeated for the
+    memory-efficient kernel), bf16 GQA runs on flash with its K/V heads as they are."""
+    q = torch.randn(2, 8, 256, 64, device="cuda")
+    k, v = torch.randn(2, 2, 256, 64, device="cuda"), torch.randn(2, 2, 256, 64, device="cuda")
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    with sdpa_kernel(fused):
+        torch.testing.assert_close(causal_sdpa(q, k, v), want, rtol=1e-4, atol=1e-4)
+        assert sdpa_kv(q, k, v)[0].shape[1] == 8
+        half = [t.bfloat16() for t in (q, k, v)]
+        assert sdpa_kv(*half)[0].shape[1] == 2
+        torch.testing.assert_close(causal_sdpa(*half).float(), want, rtol=3e-2, atol=3e-2)
 
 
 @pytest.mark.skipif(

@@ -17,6 +17,7 @@ from meshrun.core.paths import CONF_DIR
 from meshrun.models import build_model, count_params
 from meshrun.rank.parallel.checkpointing import (
     _every_other_matmul,
+    _save_matmuls,
     apply_activation_checkpointing,
 )
 
@@ -312,6 +313,24 @@ def test_op_checkpointing_keeps_every_other_matmul_and_recomputes_as_it_decided(
     forward = decisions(False)
     assert forward == [True, False, True, True, False, False, True, False, True]
     assert decisions(True) == forward
+
+
+@pytest.mark.parametrize("mode", ["selective", "op"])
+def test_both_sac_policies_keep_every_attention_kernel_sp_reduce_scatter_and_top_k(mode):
+    """torchtitan's list where it applies to meshrun: cuDNN's attention beside flash's,
+    efficient's and the CPU's, sequence parallelism's reduce-scatter, the router's top-k."""
+    policy = _save_matmuls if mode == "selective" else _every_other_matmul()
+    ctx = type("Ctx", (), {"is_recompute": False})()
+    aten = torch.ops.aten
+    for op in (
+        aten._scaled_dot_product_cudnn_attention.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        torch.ops._c10d_functional.reduce_scatter_tensor.default,
+        aten.topk.default,
+    ):
+        assert policy(ctx, op) == CheckpointPolicy.MUST_SAVE, op
 
 
 @pytest.mark.parametrize("mode", ["selective", "op"])

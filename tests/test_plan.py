@@ -14,7 +14,7 @@ import pytest
 from meshrun.core.layout import Layout
 from meshrun.models import build_model
 from meshrun.plan.candidate import CP_TRACED_UNCOUNTED, CP_UNCOUNTED, cp_uncounted
-from meshrun.plan.memory import predict_stages
+from meshrun.plan.memory import _sac_saved, predict_stages
 from meshrun.plan.probe import host_matmul_flops
 from meshrun.plan.shapes import Dims, StageShare, layer_counts, local_param_elements
 from meshrun.plan.speed import predict_speed
@@ -101,6 +101,14 @@ def test_op_checkpointing_keeps_less_than_selective_and_recomputes_less_than_ful
         times[ckpt] = row["speed"]["step_time_s"]
     assert activations["full"] < activations["op"] < activations["selective"] < activations["none"]
     assert times["none"] < times["selective"] < times["op"] < times["full"]
+
+
+@pytest.mark.parametrize("ckpt", ["selective", "op"])
+def test_sac_under_sequence_parallelism_keeps_the_reduce_scattered_outputs(ckpt):
+    """o's and down's reduce-scattered outputs, h/tp each a token (checkpointing.py keeps
+    SP's reduce-scatters, as torchtitan does)."""
+    d = Dims.of(compose_config("model=small").model, tp=2)
+    assert _sac_saved(d, 2, True, ckpt) - _sac_saved(d, 2, False, ckpt) == d.h
 
 
 def test_fsdp_gathers_and_reduces_every_micro_batch():

@@ -98,9 +98,11 @@ def test_on_hopper_attention_runs_at_torchs_flashattention_2_rates_not_the_matmu
     assert at_8k == pytest.approx(both_8k, rel=1e-6)
     at_1k = attention_rate(*bf16, "train.seq_len=1024", dp_shard=8)
     assert at_1k == pytest.approx(3.5 / (1 / 260e12 + 2.5 / 260e12), rel=1e-6)
-    # a CP rank's attention spans seq/cp: 8k of a 64k sequence
-    cp_64k = attention_rate(*bf16, "train.seq_len=65536", cp=8)
-    assert cp_64k == pytest.approx(both_8k, rel=1e-6)
+    # a ring's rank spans seq/cp: 8k of a 64k sequence; Ulysses' the whole of it
+    ring_64k = attention_rate(*bf16, "train.seq_len=65536", cp=8)
+    assert ring_64k == pytest.approx(both_8k, rel=1e-6)
+    ulysses_8k = attention_rate(*bf16, "train.seq_len=8192", cp=8, cp_method="alltoall")
+    assert ulysses_8k == pytest.approx(both_8k, rel=1e-6)
     rule = ATTENTION_RATE * h100.matmul_efficiency * 989.4e12
     fp32 = attention_rate("hardware=h100-80g", "train.precision=fp32", *HOPPER_8B, dp_shard=8)
     assert fp32 == pytest.approx(ATTENTION_RATE * h100.matmul_efficiency * 494.7e12, rel=1e-6)

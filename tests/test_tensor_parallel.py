@@ -5,17 +5,31 @@ collectives a block where two do."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshrun.models import build_model
+from meshrun.rank.parallel.checkpointing import apply_activation_checkpointing
 from meshrun.rank.parallel.tensor import apply_tp
 from tests.helpers import resolved_config
 
 LAYERS = 4  # model=tiny's
+
+
+def _tp_model(sequence_parallel: bool) -> torch.nn.Module:
+    """model=tiny over 2 TP ranks (a process group up)."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    cfg = resolved_config("model=tiny")
+    model = build_model(cfg.model, 16, torch.device("cpu"), vocab_multiple=2)
+    model.init_weights(0)
+    apply_tp(model, mesh, sequence_parallel)
+    return model
 
 
 def _collectives(sequence_parallel: bool) -> dict[str, dict[str, int]]:
@@ -23,11 +37,7 @@ def _collectives(sequence_parallel: bool) -> dict[str, dict[str, int]]:
     issues, and which of the all-reduces carry a block's activations."""
     dist.init_process_group("gloo")
     try:
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-        cfg = resolved_config("model=tiny")
-        model = build_model(cfg.model, 16, torch.device("cpu"), vocab_multiple=2)
-        model.init_weights(0)
-        apply_tp(model, mesh, sequence_parallel)
+        model = _tp_model(sequence_parallel)
         tokens = torch.arange(32).view(2, 16)
         counts = {}
         for phase in ("forward", "backward"):
@@ -65,3 +75,38 @@ def test_each_sub_block_reduces_its_input_gradient_once(rank_pool, sequence_para
                 "all_gather_into_tensor": 2 * LAYERS + 1,
                 "reduce_scatter_tensor": 2 * LAYERS + 1,
             }, counts
+
+
+class _FunctionalCollectives(TorchDispatchMode):
+    """Counts the functional collectives run inside (CommDebugMode's module tracker does not
+    follow a checkpoint's recompute); an output SAC hands back from its cache runs none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional":
+            self.counts[func._opname] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_reduce_scatters(checkpointing: str) -> int:
+    dist.init_process_group("gloo")
+    try:
+        model = _tp_model(sequence_parallel=True)
+        apply_activation_checkpointing(model, checkpointing)
+        loss = model(torch.arange(32).view(2, 16)).float().square().mean()
+        with _FunctionalCollectives() as backward:
+            loss.backward()
+        return backward.counts["reduce_scatter_tensor"]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "selective", "op"])
+def test_selective_checkpointing_runs_no_reduce_scatter_again_in_backward(rank_pool, checkpointing):
+    """SAC keeps SP's reduce-scattered outputs (as torchtitan does): a block's recompute in
+    backward reduces nothing again; backward's reduce-scatters are the input gradients'."""
+    for count in rank_pool.run(_backward_reduce_scatters, checkpointing, world_size=2):
+        assert count == 2 * LAYERS + 1, checkpointing

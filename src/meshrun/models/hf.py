@@ -27,6 +27,7 @@ from transformers.pytorch_utils import Conv1D
 from meshrun.core.config import HFModelConfig
 from meshrun.core.model_shape import ModelShape
 from meshrun.models.checkpoint_files import SavedTensors
+from meshrun.models.hf_attention import use_meshrun_sdpa
 from meshrun.models.init import seeded_normal
 from meshrun.models.shards import (
     Reordered,
@@ -405,6 +406,7 @@ def _conv1d_to_linear(layers: nn.ModuleDict) -> set[str]:
 def build_hf(cfg: HFModelConfig, device: torch.device | str, vocab_multiple: int = 1) -> HFCausalLM:
     """Built on `device` (meta: nothing allocated) with SDPA attention, in float32;
     `vocab_multiple`: the TP degree the vocabulary is padded for (vocab.py)."""
+    use_meshrun_sdpa()
     with torch.device(device):
         hf = model_class(cfg.architecture)._from_config(
             hf_config(cfg), attn_implementation="sdpa", dtype=torch.float32

@@ -14,6 +14,7 @@ from torch import nn
 
 from meshrun.core.config import LlamaModelConfig
 from meshrun.core.model_shape import expert_ffn_dim, ffn_dim, head_dim, kv_heads
+from meshrun.models.attention import causal_sdpa
 from meshrun.models.init import seeded_normal
 from meshrun.models.moe import MoEFeedForward
 from meshrun.models.shards import fill, named_tensors
@@ -53,9 +54,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
-        )
+        out = causal_sdpa(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 

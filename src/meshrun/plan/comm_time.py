@@ -17,8 +17,10 @@ hidden ones and FSDP2's copies cost compute beside them.
                 attention's K/V (rank/parallel/context_attention.py): ring passes its K/V
                 block cp-1 times forward, each send posted before the block that computes
                 beside it (hidden behind attention but for what exceeds it), and K/V with
-                their gradients backward; allgather gathers K/V forward and reduce-scatters
-                their gradients backward; alltoall (Ulysses) moves q, k, v and the output
+                their gradients (fp32) backward; allgather gathers K/V forward and
+                reduce-scatters their gradients backward; K/V as SDPA gets them (heads
+                repeated where no fused kernel takes GQA, fp32 where the pairs' kernel
+                computes in fp32: plan/memory.py); alltoall (Ulysses) moves q, k, v and the output
                 by all-to-all each way (costed as an all-gather of those bytes). allgather's
                 and alltoall's collectives wait for the compute and it for them: exposed.
                 Full checkpointing runs the forward's traffic again.
@@ -75,6 +77,7 @@ from meshrun.core.layout import Layout
 from meshrun.models import model_shape
 from meshrun.plan.collectives import Fabric, overlapped
 from meshrun.plan.compute import DeviceRates
+from meshrun.plan.memory import attention_kept
 from meshrun.plan.placement import GroupSpan, expert_spans, group_span
 from meshrun.plan.shapes import Dims, StageShare, checkpointed_layers, rank_tokens
 from meshrun.plan.stage_time import (
@@ -144,37 +147,43 @@ def cp_time(
     cp = layout.cp
     if cp == 1:
         return 0.0, 0.0
-    h, hk = attention_widths(cfg, cost)
+    h, hk, kv_width = attention_widths(cfg, layout, cost)
     width = 2 if cfg.train.precision in HALF_PRECISIONS else FP32
     tokens = rank_tokens(cfg, layout, micro)
-    kv = 2 * tokens * hk // layout.tp * width  # this rank's K and V of one layer
+    kv = 2 * tokens * hk // layout.tp * kv_width  # this rank's K and V of one layer
+    grads = kv // kv_width * FP32  # their gradients, summed in fp32
     span = group_span(layout, "cp", fabric.devices_per_node)
     method = cfg.parallel.cp_method
     forwards = 1 + recomputed_share(cfg, share)
     if method == "ring":
         # cp blocks of attention a layer, the next block's transfer beside each but the last
         step, block = fabric.send(span.crosses_nodes, kv), stage.attention_f / cp
+        back = step + fabric.send(span.crosses_nodes, grads)  # K/V and their gradients
         exposed = forwards * (cp - 1) * max(0.0, step - block)
-        exposed += (cp - 1) * max(0.0, 2 * step - stage.attention_b / cp)
-        total = (forwards + 2) * (cp - 1) * step  # backward: K/V and their gradients
-    else:
-        if method == "allgather":
-            one = fabric.all_gather(span, cp * kv)
-        else:  # alltoall: q, k, v in and the output back, each way
-            one = fabric.all_gather(span, 2 * tokens * (h + hk) // layout.tp * width)
+        exposed += (cp - 1) * max(0.0, back - stage.attention_b / cp)
+        total = (cp - 1) * (forwards * step + back)
+    elif method == "allgather":
+        gather = fabric.all_gather(span, cp * kv)
+        total = exposed = forwards * gather + fabric.all_gather(span, cp * grads)
+    else:  # alltoall: q, k, v in and the output back, each way
+        one = fabric.all_gather(span, 2 * tokens * (h + hk) // layout.tp * width)
         total = exposed = (forwards + 1) * one
     return share.layers * total, share.layers * exposed
 
 
-def attention_widths(cfg: ExperimentConfig, cost: ModelCost) -> tuple[int, int]:
-    """(query, K/V) width of a layer: the formulas' where the model has them; a model
-    without (model=custom) taken as multi-head, its K/V as wide as the activations it moves
-    (GQA's fewer K/V heads would move less: an upper bound)."""
+def attention_widths(cfg: ExperimentConfig, layout: Layout, cost: ModelCost) -> tuple[int, ...]:
+    """(query width, K/V width, bytes a K/V element) a layer moves: the formulas' where the
+    model has them, K/V as SDPA gets them (repeated heads, fp32 where CP's kernel computes
+    in fp32: memory.attention_kept); a model without (model=custom) taken as multi-head, its
+    K/V as wide as the activations it moves (GQA's fewer K/V heads would move less: an upper
+    bound)."""
+    width = 2 if cfg.train.precision in HALF_PRECISIONS else FP32
     shape = model_shape(cfg.model)
     if not (shape.dim and shape.n_heads):
-        return cost.width, cost.width
+        return cost.width, cost.width, width
     d = Dims.of(cfg.model)
-    return d.hq, d.hk
+    kept = attention_kept(cfg, layout, d)
+    return d.hq, kept.kv, FP32 if kept.fp32_copies else width
 
 
 def ep_time(

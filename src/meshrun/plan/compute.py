@@ -14,9 +14,10 @@ micro-batch, from the shapes of its matmuls and the device's datasheet, not from
                 QK^T and AV; its backward does 2.5x the forward's matmuls (it recomputes the
                 scores). At the rates its authors measured where the profile has them
                 (`attention`: forward and backward by sequence length, interpolated in
-                log2 of the sequence a rank's attention spans, seq/cp; on Hopper torch's
-                FlashAttention-2 reaches 0.34 of the peak at 8k, 0.19 at 512: short
-                sequences leave more of the causal tiles half empty); else ~0.7 of the
+                log2 of the sequence a rank's attention spans (seq/cp under ring and
+                allgather, all of it under alltoall: stage_time.attention_span); on
+                Hopper torch's FlashAttention-2 reaches 0.34 of the peak at 8k, 0.19 at
+                512: short sequences leave more of the causal tiles half empty); else ~0.7 of the
                 large-matmul rate (FlashAttention-2 reaches 50-73% of A100's peak, Dao 2023).
     elementwise memory-bound work at 0.8 of the DRAM bandwidth (what STREAM-like kernels
                 reach), bytes per token a layer in forward: the two RMSNorms and residual

@@ -45,9 +45,17 @@ micro-batches (rank/parallel: the schedule runs with return_outputs=False).
 
 Context parallelism: a CP rank holds seq/cp tokens of each sequence and FSDP shards over
 dp_shard x cp. allgather keeps the whole sequence's K/V a layer for backward (the gathered
-blocks its attention saves): 2hk(cp - 1)/tp more per token of the rank's own. Not yet
-counted: the ring's blocks in flight and Ulysses' head-sharded copies (transient: measured
-within 3% without them, benchmarks/context_parallel.py).
+blocks its attention saves): 2hk(cp - 1)/tp more per token of the rank's own. ring's and
+allgather's chunk pairs (c = seq/2cp tokens) run the kernel core/attention_kernels.py names:
+a fused one keeps no scores; where none applies (explicit) one pair's fp32 scores are
+transient, 3 of them alive at its backward's peak: 3 x a/tp x c/2 floats a token; and where
+that kernel or the CPU's computes in fp32 under a 16-bit run, the q, K/V and output CP keeps
+are fp32. Not yet counted: the ring's blocks in flight and Ulysses' head-sharded copies
+(transient: measured within 3% without them, benchmarks/context_parallel.py).
+
+GQA: where SDPA's fused kernels cannot take fewer K/V heads (fp32 on CUDA: flash only takes
+GQA, and only 16-bit; core/attention_kernels.py), the K/V heads are repeated before SDPA
+(models/attention.py) and it keeps them so: hk becomes hq in what attention saves.
 
 Expert parallelism: a rank holds E/ep experts of each MoE block (FSDP2 shards them over what
 ep leaves of dp_shard x cp: the same share of the model state; a gathered block holds E/ep
@@ -83,6 +91,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from meshrun.core.attention_kernels import AttentionSite, block_kernel, expands_kv_heads
 from meshrun.core.choices import HALF_PRECISIONS, SAC_POLICIES
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.layout import Layout
@@ -103,6 +112,11 @@ MiB = 2**20
 # cuBLAS/cuBLASLt workspaces come from the caching allocator: 65-84 MiB measured on an H200
 # (torch 2.11, CUDA 13) whatever the model.
 CUBLAS_WORKSPACES = 64 * MiB
+# The capability the planner's attention kernels are chosen at: meshrun's GPU profiles are
+# all sm80 or newer.
+PLANNED_CAPABILITY = (8, 0)
+SCORES_ALIVE = 3  # an explicit chunk pair's [b, h, c, c] fp32 tensors at its backward's peak
+PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 @dataclass(frozen=True)
@@ -136,33 +150,69 @@ def in_flight(
     return min(warmup, n_microbatches * stages_per_rank) / stages_per_rank
 
 
+@dataclass(frozen=True)
+class AttentionKept:
+    """What a layer's attention keeps that the kernels decide: the K/V width SDPA saves (hk,
+    or hq where the heads are repeated first), the other CP ranks' K/V blocks (allgather's
+    cp - 1), whether CP keeps its q, K/V and output in fp32 whatever the run's width, and
+    the transient scores of one explicit chunk pair (bytes a token)."""
+
+    kv: int
+    gathered: int = 0
+    fp32_copies: bool = False
+    scores: float = 0.0
+
+
+def attention_site(cfg: ExperimentConfig, d: Dims) -> AttentionSite:
+    """The kernel rules' view of the run's attention (core/attention_kernels.py)."""
+    dtype = PRECISION_DTYPES[cfg.train.precision]
+    return AttentionSite(cfg.hardware.device_type, dtype, d.hq // d.a, PLANNED_CAPABILITY)
+
+
+def attention_kept(cfg: ExperimentConfig, layout: Layout, d: Dims) -> AttentionKept:
+    site = attention_site(cfg, d)
+    kv = d.hq if d.hk < d.hq and expands_kv_heads(site) else d.hk
+    if layout.cp == 1 or cfg.parallel.cp_method == "alltoall":
+        return AttentionKept(kv)
+    kernel = block_kernel(site)
+    chunk = cfg.train.seq_len // (2 * layout.cp)
+    scores = SCORES_ALIVE * d.a / layout.tp * chunk / 2 * FP32 if kernel == "explicit" else 0.0
+    gathered = layout.cp - 1 if cfg.parallel.cp_method == "allgather" else 0
+    return AttentionKept(kv, gathered, kernel in ("cpu_flash", "explicit"), scores)
+
+
 def _layer_bytes(
-    d: Dims, tp: int, sp: bool, ckpt: str, width: int, gathered_kv: int
+    d: Dims, tp: int, sp: bool, ckpt: str, width: int, kept: AttentionKept
 ) -> tuple[float, float]:
     """(kept per layer, recomputed transient of one layer), bytes per token. The residual
     stream and norms stay fp32 under autocast (the weights are fp32); the matmul side is
-    `width` bytes. `gathered_kv`: the other CP ranks' K/V a layer keeps (allgather's cp - 1)."""
+    `width` bytes, but for what `kept` says is fp32."""
     replicated = ((4 * d.h + 2) / (tp if sp else 1) + (d.h if tp > 1 else 0)) * FP32
-    attention = d.h + 3 * d.hq + 2 * d.hk * (1 + gathered_kv) + d.a  # 4h + 2hk + a, hq = h
+    kv = 2 * kept.kv * (1 + kept.gathered)
+    attention = d.h + 3 * d.hq + kv + d.a  # 4h + 2hk + a, hq = h
     matmul_side = attention / tp + _mlp_kept(d, tp, 4)
     full = replicated + matmul_side * width + _router_bytes(d)
+    if kept.fp32_copies:  # CP's q, K/V and output
+        full += (2 * d.hq + kv) / tp * (FP32 - width)
     block_input = d.h / (tp if sp else 1) * FP32
     if ckpt == "full":
         return block_input, full
     if ckpt in SAC_POLICIES:  # the outputs SAC caches, the rest recomputed
-        saved = _sac_saved(d, tp, ckpt) * width
+        saved = _sac_saved(d, tp, sp, ckpt) * width
         return saved + block_input + _router_bytes(d), full - saved
     return full, 0.0
 
 
-def _sac_saved(d: Dims, tp: int, ckpt: str) -> float:
+def _sac_saved(d: Dims, tp: int, sp: bool, ckpt: str) -> float:
     """Elements a token's block caches under selective checkpointing: the outputs of the ops
     its policy saves (rank/parallel/checkpointing.py). selective: q, k, v, attention's output
     and log-sum-exp, o, the feed-forward's gate and up, down; op, every other matmul of the
     forward's q, k, v, o, gate, up, down: q, v, gate, down, and attention's. A row-parallel
-    matmul's output (o, down) is a whole h on each TP rank before its all-reduce. An MoE's
-    experts keep gate, up and down a row under selective, about half of them under op (the
-    alternation runs over a number of expert matmuls that depends on the routing)."""
+    matmul's output (o, down) is a whole h on each TP rank before its all-reduce; under
+    sequence parallelism its reduce-scattered h/tp is kept too, under both (a dense MLP's;
+    an MoE's output is not row-parallel). An MoE's experts keep gate, up and down a row
+    under selective, about half of them under op (the alternation runs over a number of
+    expert matmuls that depends on the routing)."""
     attention = 2 * d.hq + d.a + (2 * d.hk if ckpt == "selective" else d.hk)
     if ckpt == "selective":
         attention_out, mlp = d.h, 2 * d.f / tp + d.h
@@ -171,6 +221,8 @@ def _sac_saved(d: Dims, tp: int, ckpt: str) -> float:
     if d.experts:
         rows = d.routed * (2 * d.fe / d.etp + d.h) + (2 * d.fs + d.h if d.fs else 0)
         mlp = rows if ckpt == "selective" else rows / 2
+    if sp and tp > 1:
+        attention_out += d.h / tp * (1 if d.experts else 2)
     return attention / tp + attention_out + mlp
 
 
@@ -200,13 +252,13 @@ def activation_bytes(
     p = cfg.parallel
     tokens = rank_tokens(cfg, layout, micro_batch)
     width = 2 if cfg.train.precision in HALF_PRECISIONS else FP32
-    gathered_kv = layout.cp - 1 if p.cp_method == "allgather" else 0
+    attention = attention_kept(cfg, layout, d)
     kept, recompute = _layer_bytes(
-        d, layout.tp, p.sequence_parallel, p.activation_checkpointing, width, gathered_kv
+        d, layout.tp, p.sequence_parallel, p.activation_checkpointing, width, attention
     )
     checkpointed = checkpointed_layers(p, share)
     if checkpointed < share.layers:  # checkpoint_every: the other blocks keep everything
-        whole, _ = _layer_bytes(d, layout.tp, p.sequence_parallel, "none", width, gathered_kv)
+        whole, _ = _layer_bytes(d, layout.tp, p.sequence_parallel, "none", width, attention)
         kept = (checkpointed * kept + (share.layers - checkpointed) * whole) / share.layers
         recompute = recompute if checkpointed else 0.0
     per_mb = share.layers * kept + (8 if share.first else 0)
@@ -214,7 +266,7 @@ def activation_bytes(
         per_mb += (3 * d.h + 1 + d.vocab) * FP32 + 8
     held = in_flight(p.schedule, n_microbatches, layout.pp, pp_rank, share.stages_per_rank) * per_mb
     mlp_temps = 3 * d.f / layout.tp if not d.experts else 3 * (d.routed * d.fe / d.etp + d.fs)
-    backward_temps = (mlp_temps + 2 * d.h / layout.tp) * width
+    backward_temps = (mlp_temps + 2 * d.h / layout.tp) * width + attention.scores
     if recompute:  # one block recomputed, with its backward temporaries or the held logits
         tail = (d.h + d.vocab / layout.tp) * FP32 if share.last else backward_temps
         transient = recompute + tail

@@ -114,6 +114,15 @@ def device_peak(cfg: ExperimentConfig, spec: DeviceSpec | None) -> float | None:
     return peak * 1e12 if peak else None
 
 
+def attention_span(seq: int, cp: int, method: str) -> int:
+    """The causal sequence whose measured kernel rate a rank's attention runs at: all of it
+    without CP and under alltoall (one call over the whole sequence, heads split); seq/cp
+    under ring and allgather, whose chunk pairs (c = seq/2cp, a kernel call each,
+    rank/parallel/context_attention.py) are all but two non-causal, full c x c tiles as a
+    causal attention over 2c fills them."""
+    return seq if cp == 1 or method == "alltoall" else seq // cp
+
+
 def device_rates(cfg: ExperimentConfig, spec: DeviceSpec, cp: int) -> DeviceRates | None:
     """The shape model's view of a device, where its datasheet gives one (a GPU profile);
     its attention kernel's measured rates for 16-bit runs (FlashAttention has no fp32), at
@@ -124,7 +133,8 @@ def device_rates(cfg: ExperimentConfig, spec: DeviceSpec, cp: int) -> DeviceRate
     memory = spec.memory_bw_gbs * GB * MEMORY_EFFICIENCY
     forward = backward = None
     if spec.attention.seq and cfg.train.precision in HALF_PRECISIONS:
-        forward, backward = kernel_rates(spec.attention, cfg.train.seq_len // cp)
+        span = attention_span(cfg.train.seq_len, cp, cfg.parallel.cp_method)
+        forward, backward = kernel_rates(spec.attention, span)
     return DeviceRates(peak * spec.matmul_efficiency, memory, spec.sms, forward, backward)
 
 

@@ -2,10 +2,11 @@
 backward; `selective` keeps the matmul and attention outputs (the expensive ops) and
 recomputes the cheap elementwise ones (norms, SiLU, RoPE); `op` is torchtitan's op-level
 policy: attention outputs and every other matmul's output kept (the 1st, 3rd, ... of a
-block's forward), the rest recomputed. `every` = n checkpoints only every n-th block of the
-whole model (the n-th, 2n-th, ...: torchtitan's per-layer frequency), the others keep all
-their activations; by the blocks' global index, so a pipeline stage checkpoints the blocks
-it would in one piece."""
+block's forward), the rest recomputed. Both keep what ALWAYS_KEPT names (SP's
+reduce-scatters, the router's top-k) as torchtitan does. `every` = n checkpoints only every
+n-th block of the whole model (the n-th, 2n-th, ...: torchtitan's per-layer frequency), the
+others keep all their activations; by the blocks' global index, so a pipeline stage
+checkpoints the blocks it would in one piece."""
 
 from __future__ import annotations
 
@@ -20,16 +21,30 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 _aten = torch.ops.aten
 MATMULS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten._grouped_mm.default}
+# Kept under both policies, as torchtitan keeps them (torchtitan/distributed/
+# activation_checkpoint.py, _get_default_save_ops): every SDPA kernel a CPU or CUDA device
+# runs (the math one is CompositeImplicit, its matmuls seen as bmm); sequence parallelism's
+# reduce-scatter of a row-parallel output (a collective not to run again in backward); the
+# router's top-k, so that a recompute routes every token as its forward did. torchtitan's
+# others are not meshrun's: max (float8 scales), flex attention, compiled regions, DeepEP,
+# the functional all_to_all (meshrun's expert exchange is c10d's own, models/exchange.py),
+# the overrideable attention (PrivateUse1 devices) and linear (a PrivateUse1 leaf op).
 ATTENTION = {
     _aten._scaled_dot_product_flash_attention.default,
     _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+ALWAYS_KEPT = {
+    *ATTENTION,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    _aten.topk.default,
 }
 Policy = Callable[..., CheckpointPolicy]
 
 
 def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    if op in MATMULS or op in ATTENTION:
+    if op in MATMULS or op in ALWAYS_KEPT:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -40,7 +55,7 @@ def _every_other_matmul() -> Policy:
     seen: Counter[bool] = Counter()
 
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-        if op in ATTENTION:
+        if op in ALWAYS_KEPT:
             return CheckpointPolicy.MUST_SAVE
         if op in MATMULS:
             seen[ctx.is_recompute] += 1

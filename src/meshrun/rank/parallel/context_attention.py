@@ -14,6 +14,11 @@ sequence's causal attention, forward and backward:
 - `alltoall`: Ulysses (Jacobs et al. 2023): an all-to-all turns sequence shards into head
   shards (h/cp heads of the whole sequence), plain causal SDPA, and an all-to-all back.
 
+A ring or allgather chunk pair runs the kernel core/attention_kernels.block_kernel names
+(block_attention.py): torch's fused one that returns the log-sum-exp where one applies, in
+SDPA's dtype (16-bit under bf16 autocast), the scores held in fp32 only where none does;
+partial outputs and log-sum-exps merge in fp32, gradients sum over blocks in fp32.
+
 Every collective is torch.distributed's on the `group` passed in, waited on with the group's
 own timeout (gloo's send/recv included: a recv whose peer never sends raises after it). gloo
 on CPU has every op used here: batch_isend_irecv, all_gather_into_tensor (flat buffers: gloo
@@ -35,8 +40,11 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from meshrun.core.attention_kernels import block_kernel, takes_gqa
 from meshrun.core.collective_names import ALL_GATHER, REDUCE_SCATTER
+from meshrun.models.attention import attention_site, causal_sdpa, sdpa_dtype
 from meshrun.models.exchange import exchange
+from meshrun.rank.parallel.block_attention import attend, attend_grads
 from meshrun.rank.parallel.context_shards import (
     load_balanced_chunks,
     shard_sequence,
@@ -110,20 +118,29 @@ def post_shift(x: Tensor, group: ProcessGroup, tag: int) -> Callable[[], Tensor]
 
 @dataclass(frozen=True)
 class _Ring:
-    """What every ring step needs to know: who this rank is and the shards' geometry."""
+    """What every ring step needs to know: who this rank is, the shards' geometry, and the
+    chunk pairs' kernel (block_attention.py) with the dtype it computes in."""
 
     group: ProcessGroup
     rank: int
     cp: int
     chunk: int  # tokens per chunk
-    groups: int  # query heads per K/V head
+    repeats: int  # K/V heads repeated for the kernel: query heads per K/V head, or 1
     scale: float
-    device: torch.device
+    kernel: str
+    dtype: torch.dtype
 
     @classmethod
     def of(cls, q: Tensor, k: Tensor, group: ProcessGroup, scale: float) -> _Ring:
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        return cls(group, rank, cp, q.shape[2] // 2, q.shape[1] // k.shape[1], scale, q.device)
+        kernel, dtype = _kernel(q)
+        repeats = 1 if takes_gqa(kernel) else q.shape[1] // k.shape[1]
+        return cls(group, rank, cp, q.shape[2] // 2, repeats, scale, kernel, dtype)
+
+    @property
+    def accumulate(self) -> torch.dtype:
+        """Gradients summed over blocks in fp32 at least: bf16 partial sums would drift."""
+        return torch.promote_types(self.dtype, torch.float32)
 
     def pairs(self, step: int) -> Iterator[tuple[slice, slice, bool]]:
         """Every (query chunk, K/V chunk) of this rank's rows and the block held at `step`
@@ -137,53 +154,15 @@ class _Ring:
                     yield slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c), kv_chunk == q_chunk
 
 
-def _attend(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    """One chunk pair's attention and its log-sum-exp (equal heads). On CPU torch's fused
-    flash kernel, which never holds the scores; elsewhere the scores, explicitly."""
-    if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, scale=scale
-        )
-    return _explicit_attend(q, k, v, causal, scale)
-
-
-def _explicit_attend(
-    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float
-) -> tuple[Tensor, Tensor]:
-    """`_attend` with the scores held (the path of devices without the fused CPU kernel)."""
-    scores = _masked(q @ k.transpose(-2, -1) * scale, causal)
-    lse = scores.logsumexp(-1)
-    return (scores - lse[..., None]).exp() @ v, lse
-
-
-# A chunk pair's backward inputs: (dout, q, k, v, out, lse), the rows' final out and lse.
-BlockGradInputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
-
-
-def _attend_grads(at: BlockGradInputs, causal: bool, scale: float) -> tuple[Tensor, ...]:
-    """One chunk pair's share of dq, dk, dv, its softmax rebuilt from the rows' final
-    output and log-sum-exp (flash attention's backward)."""
-    if at[1].device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            *at, 0.0, causal, scale=scale
-        )
-    return _explicit_grads(at, causal, scale)
-
-
-def _explicit_grads(at: BlockGradInputs, causal: bool, scale: float) -> tuple[Tensor, ...]:
-    """`_attend_grads` from the held scores."""
-    dout, q, k, v, out, lse = at
-    p = (_masked(q @ k.transpose(-2, -1) * scale, causal) - lse[..., None]).exp()
-    ds = p * (dout @ v.transpose(-2, -1) - (dout * out).sum(-1, keepdim=True)) * scale
-    return ds @ k, ds.transpose(-2, -1) @ q, p.transpose(-2, -1) @ dout
-
-
-def _masked(scores: Tensor, causal: bool) -> Tensor:
-    if not causal:
-        return scores
-    n = scores.shape[-1]
-    above = torch.ones(n, n, dtype=torch.bool, device=scores.device).triu(1)
-    return scores.masked_fill(above, float("-inf"))
+def _kernel(q: Tensor) -> tuple[str, torch.dtype]:
+    """The chunk pairs' kernel for `q` and the dtype they compute in: a fused CUDA kernel's
+    is SDPA's (16-bit under bf16 autocast); the CPU kernel and held scores compute in fp32
+    at least."""
+    dtype = sdpa_dtype(q)
+    kernel = block_kernel(attention_site(q, dtype, training=True))
+    if kernel in ("cpu_flash", "explicit"):
+        dtype = torch.promote_types(q.dtype, torch.float32)
+    return kernel, dtype
 
 
 def _merge(
@@ -214,8 +193,9 @@ def _blocks_forward(q: Tensor, blocks: Iterable[Tensor], ring: _Ring) -> tuple[T
     for step, kv in enumerate(blocks):
         for rows, cols, causal in ring.pairs(step):
             i = rows.start // ring.chunk
-            k, v = (_expand_kv(t[:, :, cols], ring.groups) for t in kv)
-            block, lse = _attend(q[:, :, rows].contiguous(), k, v, causal, ring.scale)
+            k, v = (_expand_kv(t[:, :, cols], ring.repeats) for t in kv)
+            q_rows = q[:, :, rows].contiguous()
+            block, lse = attend(ring.kernel, q_rows, k, v, causal, ring.scale)
             outs[i], lses[i] = _merge(outs[i], lses[i], block, lse)
     return torch.cat(outs, 2), torch.cat(lses, 2)  # type: ignore[arg-type]
 
@@ -226,15 +206,16 @@ def _block_grads(
     """This rank's queries' gradients against the block of rank (rank - step): (dq, [dk, dv]
     of the block)."""
     q, dout, out, lse = saved
-    dq, dkv = torch.zeros_like(q), torch.zeros_like(kv)
+    dq = torch.zeros_like(q, dtype=ring.accumulate)
+    dkv = torch.zeros_like(kv, dtype=ring.accumulate)
     for rows, cols, causal in ring.pairs(step):
-        k, v = (_expand_kv(t[:, :, cols], ring.groups) for t in kv)
+        k, v = (_expand_kv(t[:, :, cols], ring.repeats) for t in kv)
         at = (dout[:, :, rows], q[:, :, rows], k, v, out[:, :, rows], lse[:, :, rows])
         contiguous = tuple(t.contiguous() for t in at)
-        dq_part, dk, dv = _attend_grads(contiguous, causal, ring.scale)  # type: ignore[arg-type]
+        dq_part, dk, dv = attend_grads(ring.kernel, contiguous, causal, ring.scale)  # type: ignore[arg-type]
         dq[:, :, rows] += dq_part
-        dkv[0, :, :, cols] += _fold_kv(dk, ring.groups)
-        dkv[1, :, :, cols] += _fold_kv(dv, ring.groups)
+        dkv[0, :, :, cols] += _fold_kv(dk.to(ring.accumulate), ring.repeats)
+        dkv[1, :, :, cols] += _fold_kv(dv.to(ring.accumulate), ring.repeats)
     return dq, dkv
 
 
@@ -245,11 +226,10 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, scale):
         ring = _Ring.of(q, k, group, scale)
-        # computed and merged in fp32 at least: bf16 partial sums would drift
-        compute = torch.promote_types(q.dtype, torch.float32)
-        q32, kv = q.to(compute), torch.stack([k, v]).to(compute)
-        out, lse = _blocks_forward(q32, _ring_blocks(kv, ring), ring)
-        ctx.save_for_backward(q32, kv, out, lse)
+        qc, kv = q.to(ring.dtype), torch.stack([k, v]).to(ring.dtype)
+        out, lse = _blocks_forward(qc, _ring_blocks(kv, ring), ring)  # merged in fp32
+        out = out.to(ring.dtype)  # what the kernels' backward takes
+        ctx.save_for_backward(qc, kv, out, lse)
         ctx.ring, ctx.dtype = ring, q.dtype
         return out.to(q.dtype)
 
@@ -259,7 +239,7 @@ class _RingAttention(torch.autograd.Function):
         ring: _Ring = ctx.ring
         dout = dout.to(q.dtype)
         saved = (q, dout, out, lse)
-        dq, grads_arriving = torch.zeros_like(q), None
+        dq, grads_arriving = torch.zeros_like(q, dtype=ring.accumulate), None
         for step in range(ring.cp):
             kv_arriving = post_shift(kv, ring.group, _KV_TAG) if step + 1 < ring.cp else None
             dq_step, dkv = _block_grads(saved, kv, step, ring)
@@ -293,11 +273,11 @@ class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, scale):
         ring = _Ring.of(q, k, group, scale)
-        compute = torch.promote_types(q.dtype, torch.float32)
-        q32 = q.to(compute)
-        blocks = _gather(torch.stack([k, v]).to(compute), group)  # [cp, 2, b, h_kv, s, d]
-        out, lse = _blocks_forward(q32, _owned(blocks, ring), ring)
-        ctx.save_for_backward(q32, blocks, out, lse)
+        qc = q.to(ring.dtype)
+        blocks = _gather(torch.stack([k, v]).to(ring.dtype), group)  # [cp, 2, b, h_kv, s, d]
+        out, lse = _blocks_forward(qc, _owned(blocks, ring), ring)  # merged in fp32
+        out = out.to(ring.dtype)  # what the kernels' backward takes
+        ctx.save_for_backward(qc, blocks, out, lse)
         ctx.ring, ctx.dtype = ring, q.dtype
         return out.to(q.dtype)
 
@@ -306,12 +286,13 @@ class _AllGatherAttention(torch.autograd.Function):
         q, blocks, out, lse = ctx.saved_tensors
         ring: _Ring = ctx.ring
         saved = (q, dout.to(q.dtype), out, lse)
-        dq, dblocks = torch.zeros_like(q), torch.empty_like(blocks)
+        dq = torch.zeros_like(q, dtype=ring.accumulate)
+        dblocks = torch.empty_like(blocks, dtype=ring.accumulate)
         for step, kv in enumerate(_owned(blocks, ring)):
             dq_step, dkv = _block_grads(saved, kv, step, ring)
             dq += dq_step
             dblocks[(ring.rank - step) % ring.cp] = dkv
-        dkv = blocks.new_empty(blocks.shape[1:])
+        dkv = dblocks.new_empty(blocks.shape[1:])
         REDUCE_SCATTER(dkv.view(-1), dblocks.view(-1), group=ring.group)
         return dq.to(ctx.dtype), dkv[0].to(ctx.dtype), dkv[1].to(ctx.dtype), None, None
 
@@ -350,9 +331,7 @@ def alltoall_attention(
         unshard_sequence(list(r.view(p.shape).unbind(0)), dim=2)  # [b, h/cp, seq, d]
         for r, p in zip(received, parts, strict=True)
     )
-    out = F.scaled_dot_product_attention(
-        q_h, k_h, v_h, is_causal=True, scale=scale, enable_gqa=True
-    )
+    out = causal_sdpa(q_h, k_h, v_h, scale=scale)
     back = torch.stack([shard_sequence(out, r, cp, dim=2) for r in range(cp)])
     back = exchange(back, group)  # [cp (head group), b, h/cp, s, d]
     return back.transpose(0, 1).flatten(1, 2)
