@@ -27,6 +27,7 @@ from transformers.pytorch_utils import Conv1D
 from meshrun.core.config import HFModelConfig
 from meshrun.core.model_shape import ModelShape
 from meshrun.models.checkpoint_files import SavedTensors
+from meshrun.models.hf_files import conversions, saved_sources
 from meshrun.models.init import seeded_normal
 from meshrun.models.shards import (
     Reordered,
@@ -218,6 +219,9 @@ class HFCausalLM(nn.Module):
         head = hf.get_output_embeddings()
         [head_name] = [name for name, module in hf.named_children() if module is head]
         prefix = hf.base_model_prefix
+        self.base_model_prefix = prefix
+        self.conversions = conversions(hf)  # how its checkpoints store what it holds
+        self.init_module = hf._init_weights  # transformers' init of a module (_init_buffers)
         self.layers_name = layers
         # our name -> its name in the transformers model (and so in its checkpoints)
         self.source_prefixes = {
@@ -321,6 +325,7 @@ class HFCausalLM(nn.Module):
             for n, m in self.named_modules()
             if "norm" in type(m).__name__.lower()
         }
+        self._init_buffers()
         for name, param in named_tensors(self):
             if name.rsplit(".", 1)[0] + "." in norms:
                 param.fill_(1.0 if name.endswith("weight") else 0.0)
@@ -329,20 +334,26 @@ class HFCausalLM(nn.Module):
             else:
                 shape = unpadded_shape(name, param, self.vocab_size)
                 fill(param, self._ordered(name, seeded_normal(seed, name, shape, std)))
-        self._reset_buffers()
 
     @torch.no_grad()
     def load_pretrained(self, directory: str) -> int:
-        """This rank's share of this stage's tensors from a save_pretrained directory
-        (checkpoint_files.py); the bytes it read."""
+        """This rank's share of this stage's tensors from a save_pretrained directory,
+        stored as transformers stores them (hf_files.py), and the buffers it holds (a
+        router's correction bias; the others computed); the bytes it read."""
+        self._init_buffers()
         saved = SavedTensors(directory)
-        for name, param in named_tensors(self):
-            source = saved[self.source_name(name)]
-            fill(
-                param,
-                self._ordered(name, Transposed(source) if name in self.transposed else source),
-            )
-        self._reset_buffers()
+        params = {name for name, _ in named_tensors(self)}
+        stored = tuple(self.source_prefixes)  # not the rotary tables: computed
+        tensors = {n: t for n, t in named_tensors(self, buffers=True) if n.startswith(stored)}
+        theirs = {name: self.source_name(name) for name in tensors}
+        sources = saved_sources(saved, self.conversions, theirs.values(), self.base_model_prefix)
+        for name, tensor in tensors.items():
+            source = sources.get(theirs[name])
+            if source is None and name in params:
+                raise KeyError(f"{directory} holds no {theirs[name]} (nor the parts of it)")
+            if source is not None:
+                transposed = Transposed(source) if name in self.transposed else source
+                fill(tensor, self._ordered(name, transposed))
         return saved.bytes_read
 
     def prepare_tp(self, tp: int) -> None:
@@ -377,15 +388,24 @@ class HFCausalLM(nn.Module):
                 return theirs + name.removeprefix(ours)
         raise KeyError(name)
 
-    def _reset_buffers(self) -> None:
-        """Rotary tables are computed when the module is built, which on meta is nothing."""
-        if self.rotary_emb is None:
-            return
-        device = self.rotary_emb.inv_freq.device
-        with torch.device(device):
-            fresh = type(self.rotary_emb)(config=self.config)
-        for name, buffer in fresh.named_buffers():
-            self.rotary_emb.get_buffer(name).copy_(buffer)
+    @torch.no_grad()
+    def _init_buffers(self) -> None:
+        """The buffers transformers computes rather than stores (rotary tables, an embedding's
+        scale, a router's correction bias), which a model built on meta lacks: from_pretrained
+        writes them with the model's own `_init_weights(module)` (modeling_utils.
+        PreTrainedModel._init_weights and each family's override). Each such module's
+        parameters are flagged done first, so that it writes the buffers alone
+        (transformers.initialization's functions skip a tensor flagged `_is_hf_initialized`):
+        meshrun seeds or reads the parameters after."""
+        for module in self.modules():
+            if next(module.buffers(recurse=False), None) is None:
+                continue
+            params = list(module.parameters(recurse=False))
+            for param in params:
+                param._is_hf_initialized = True
+            self.init_module(module)
+            for param in params:
+                del param._is_hf_initialized
 
 
 def _conv1d_to_linear(layers: nn.ModuleDict) -> set[str]:
