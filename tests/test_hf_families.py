@@ -2,7 +2,8 @@
 wrote: meshrun reads the checkpoint as transformers stores it (MoE experts one by one on
 disk, fused 3-D in the model: models/hf_files.py) into transformers' own forward, trains it
 under a data-parallel, an FSDP and a model-parallel layout (ep for a mixture of experts, TP
-for a dense model), and exports what transformers reloads with the trained weights."""
+for a dense model, a pipeline where meshrun does not apply the family's TP plan), and exports
+what transformers reloads with the trained weights."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from safetensors import safe_open
 from meshrun.core.config import HFModelConfig
 from meshrun.core.errors import ConfigError
 from meshrun.driver.experiment import run_experiment
-from meshrun.models import model_shape
 from meshrun.models.checkpoint_files import SAFETENSORS, SavedTensors
 from meshrun.models.hf import build_hf, model_class
 from meshrun.models.hf_files import conversions, saved_sources
@@ -23,14 +23,16 @@ from meshrun.validate.model import read_pretrained
 from tests.helpers import resolved_config
 from tests.ranks import config_in
 from tests.test_hf_auto import COMMON, STEPS, heldout_loss, saved
+from tests.test_layouts import MICRO4
 from tests.test_verify import STEPS as VERIFY_STEPS
 from tests.test_verify import report, verify_run
 from tests.tiers import tiered
 
 transformers = pytest.importorskip("transformers")
 
-# The families meshrun computes transformers' forward of (the rest hf/auto accepts: see the
-# issue 56 report), MoE ones first: their checkpoints store experts one by one.
+# The families meshrun computes transformers' forward of, MoE ones first: their checkpoints
+# store experts one by one. The others hf/auto accepts fail for their forward, not their
+# checkpoints (docs/models.md, "Which families").
 MOE = (
     "MixtralForCausalLM",  # block_sparse_moe.experts.{i}.w1/w3/w2 on disk
     "Qwen2MoeForCausalLM",  # a gated shared expert beside the routed ones
@@ -42,16 +44,12 @@ MOE = (
     "HYV3ForCausalLM",
     "Kolibri1ForCausalLM",
     "MiniMaxM2ForCausalLM",
-    "MiniMaxM3VLForCausalLM",
-)
-# MoE families whose expert count meshrun does not read yet (n_routed_experts,
-# moe_num_experts): trained under TP, their experts whole on each rank
-MOE_UNCOUNTED = (
-    "AriaTextForCausalLM",
+    "MiniMaxM3VLForCausalLM",  # a clamped SwiGLU, which ep refuses (EP_REFUSED): TP
+    "AriaTextForCausalLM",  # experts stored [E, in, out] (is_transposed)
     "DeepseekV2ForCausalLM",
     "Dots1ForCausalLM",
     "Ernie4_5_MoeForCausalLM",
-    "Glm4MoeForCausalLM",
+    "Glm4MoeForCausalLM",  # a router's correction bias: a buffer its checkpoints hold
     "Glm4MoeLiteForCausalLM",
     "MiniCPM5MoeForCausalLM",
     "SolarOpenForCausalLM",
@@ -79,12 +77,12 @@ DENSE = (
     "OlmoForCausalLM",
     "OlmoHybridForCausalLM",
     "Phi3ForCausalLM",
-    "Phi4MultimodalForCausalLM",
     "SeedOssForCausalLM",
     "SmolLM3ForCausalLM",
     "Starcoder2ForCausalLM",
 )
-FAMILIES = (*MOE, *MOE_UNCOUNTED, *DENSE)
+FAMILIES = (*MOE, *DENSE)
+EP_REFUSED = {"MiniMaxM3VLForCausalLM"}  # test_ep_refuses_experts_whose_swiglu_is_clamped
 # The sizes of a tiny model, each kept where the family's config has the field: 4 experts
 # (ep=2 holds 2 a rank), 4 heads over 2 kv heads (tp=2), 2 layers, untied (pp=2 later).
 TINY = {
@@ -161,6 +159,23 @@ def test_meshrun_reads_each_familys_save_pretrained_directory_into_its_own_forwa
         torch.testing.assert_close(ours(tokens), theirs(input_ids=tokens).logits)
 
 
+def test_a_stored_buffer_is_read_and_a_computed_one_computed(tmp_path):
+    """Glm4-MoE's routers' correction biases (buffers its checkpoints hold, set here as
+    training would) are read; Gemma's embedding scale (a buffer transformers computes) is
+    computed: on meta neither exists."""
+    glm = write(tmp_path / "glm", "Glm4MoeForCausalLM")
+    with torch.no_grad():
+        for layer in glm.model.layers:
+            layer.mlp.gate.e_score_correction_bias.uniform_(-1, 1)
+    glm.save_pretrained(tmp_path / "glm")
+    gemma = write(tmp_path / "gemma", "GemmaForCausalLM")
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    for theirs, directory in ((glm, tmp_path / "glm"), (gemma, tmp_path / "gemma")):
+        with torch.no_grad():
+            ours = read_back(directory)(tokens)
+            torch.testing.assert_close(ours, theirs(input_ids=tokens).logits)
+
+
 def test_a_rank_reads_only_its_experts_bytes_gate_and_up_in_transformers_order(tmp_path):
     """Qwen3-MoE's experts on disk one by one: the fused [E, 2f, h] gate_up_proj's box of
     experts 2-3 (an ep rank's) reads those experts' gate and up alone; a box of rows across
@@ -185,10 +200,16 @@ def test_a_rank_reads_only_its_experts_bytes_gate_and_up_in_transformers_order(t
 
 
 def model_parallel(architecture: str) -> tuple[str, ...]:
-    """ep for the experts meshrun counts, TP otherwise (a plan of transformers' or meshrun's)."""
-    fields = tiny_fields(architecture)
-    shape = model_shape(HFModelConfig(name="x", architecture=architecture, config=fields))
-    return ("parallel=ep2",) if shape.experts else ("parallel=tp2", "train.micro_batch_size=4")
+    """ep for a mixture of experts meshrun splits, TP where meshrun applies the family's TP
+    plan (colwise and rowwise entries), else a pipeline."""
+    if architecture in MOE and architecture not in EP_REFUSED:
+        return ("parallel=ep2",)
+    cfg = HFModelConfig(name="hf/x", architecture=architecture, config=tiny_fields(architecture))
+    try:
+        build_hf(cfg, "meta").tp_plan()
+    except ValueError:
+        return ("parallel=pp2",)
+    return ("parallel=tp2", MICRO4)
 
 
 LAYOUTS = ("ddp", "fsdp", "model-parallel")
@@ -205,11 +226,12 @@ def test_each_family_trains_from_its_directory_and_exports_what_transformers_rel
     and not the saved model's (it trained)."""
     architecture, layout = case
     model = write(tmp_path / "ckpt", architecture)
+    pretrained = f"model.pretrained={tmp_path / 'ckpt'}"
     given = model_parallel(architecture) if layout == "model-parallel" else (f"parallel={layout}",)
     cfg = config_in(
         tmp_path / "run",
         *COMMON,
-        f"model.pretrained={tmp_path / 'ckpt'}",
+        pretrained,
         *given,
         "checkpoint.export=hf",
         f"train.eval.every_steps={STEPS}",
@@ -269,3 +291,13 @@ def test_a_checkpoint_meshrun_cannot_read_a_shard_at_a_time_is_refused_before_la
         resolved_config("model=hf/auto", f"model.pretrained={tmp_path / 'lara'}")
     assert caught.value.key == "model.pretrained"
     assert "as ['linear_attn.in_proj'], converted by Split on load" in str(caught.value)
+
+
+def test_ep_refuses_experts_whose_swiglu_is_clamped(tmp_path):
+    """MiniMax-M3's experts clamp gate and up (their own _apply_gate): ep's forward (plain
+    SwiGLU) would train another function."""
+    write(tmp_path / "m3", "MiniMaxM3VLForCausalLM")
+    with pytest.raises(ConfigError) as caught:
+        resolved_config(*COMMON, f"model.pretrained={tmp_path / 'm3'}", "parallel=ep2")
+    assert caught.value.key == "parallel.ep"
+    assert "a function of their own (_apply_gate)" in str(caught.value)
