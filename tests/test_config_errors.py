@@ -211,6 +211,7 @@ BAD_CONFIGS = [
         "checkpoint.export",
         "no Hugging Face form",
     ),
+    (["model=tiny-moe", "checkpoint.export=hf"], "checkpoint.export", "MoE LLaMA has no"),
     # A disk without room: one checkpoint of GPT-3 (fp32 weights, AdamW's two moments) is 2 TB.
     (
         ["model=gpt3-175b", "plan.allow_oom=true", "checkpoint.every_steps=100"],

@@ -58,9 +58,9 @@ def _built_shape(schema: type[ModelConfig], cfg_json: str) -> ModelShape:
     cfg = from_key(schema, cfg_json)
     if schema is CustomModelConfig:
         return custom_shape(cfg)
-    from meshrun.models import hf  # noqa: PLC0415 (optional dependency: meshrun[hf])
+    from meshrun.models.hf_shape import hf_shape  # noqa: PLC0415 (optional: meshrun[hf])
 
-    return hf.hf_shape(cfg)
+    return hf_shape(cfg)
 
 
 def count_params(model: nn.Module) -> tuple[int, int]:

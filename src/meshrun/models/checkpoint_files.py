@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -22,6 +23,7 @@ class SavedTensors:
     def __init__(self, directory: str | Path) -> None:
         self.root = Path(directory)
         self.bytes_read = 0
+        self.opened: dict[str, Any] = {}  # a file's safe_open, its header parsed once
         index = self.root / SAFETENSORS_INDEX
         if index.exists():
             self.files: dict[str, str] = json.loads(index.read_text())["weight_map"]
@@ -33,14 +35,20 @@ class SavedTensors:
         return Saved(self, key)
 
     def read(self, key: str, box: Box) -> torch.Tensor:
-        with safe_open(self.root / self.files[key], "pt") as f:
-            tensor = f.get_slice(key)[box]
+        tensor = self._file(key).get_slice(key)[box]
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
 
     def shape(self, key: str) -> torch.Size:
-        with safe_open(self.root / self.files[key], "pt") as f:
-            return torch.Size(f.get_slice(key).get_shape())
+        return torch.Size(self._file(key).get_slice(key).get_shape())
+
+    def _file(self, key: str) -> Any:
+        """The open file holding `key` (an MoE checkpoint has a tensor per expert: thousands
+        of reads of a few files)."""
+        name = self.files[key]
+        if name not in self.opened:
+            self.opened[name] = safe_open(self.root / name, "pt")
+        return self.opened[name]
 
 
 class Saved:

@@ -55,7 +55,9 @@ def _unpadded(name: str, tensor: torch.Tensor, vocab: int | None) -> torch.Tenso
 
 def _save_transformers(model: nn.Module, cfg: HFModelConfig, out: Path) -> None:
     """Our tensors under transformers' names, in a model of its own class: save_pretrained
-    then writes what from_pretrained reads (config, tied weights, safetensors)."""
+    then writes what from_pretrained reads (config, tied weights, safetensors), in the
+    layout its checkpoints have (core_model_loading.revert_weight_conversion: fused MoE
+    experts one by one, Mixtral's under block_sparse_moe.experts.{i}.w1/w2/w3)."""
     from meshrun.models.hf import hf_config, model_class  # noqa: PLC0415 (meshrun[hf])
 
     theirs = {}
@@ -73,6 +75,7 @@ def _save_transformers(model: nn.Module, cfg: HFModelConfig, out: Path) -> None:
         dict(hf.named_parameters(remove_duplicate=False)).keys()
         - dict(hf.named_parameters()).keys()
     )  # a tied head: the embedding's tensor under a second name
-    if unexpected or set(missing) - shared:
+    computed = dict(hf.named_buffers()).keys()  # built from the config (decay tables)
+    if unexpected or set(missing) - shared - computed:
         raise RuntimeError(f"export: tensors not mapped: {unexpected or missing}")
     hf.save_pretrained(out)

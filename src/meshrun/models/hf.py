@@ -25,9 +25,9 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
 from meshrun.core.config import HFModelConfig
-from meshrun.core.model_shape import ModelShape
 from meshrun.models.checkpoint_files import SavedTensors
 from meshrun.models.hf_attention import use_meshrun_sdpa
+from meshrun.models.hf_files import conversions, saved_sources
 from meshrun.models.init import seeded_normal
 from meshrun.models.shards import (
     Reordered,
@@ -181,33 +181,6 @@ def weight_shapes(architecture: str, fields: dict[str, Any]) -> dict[str, tuple[
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
-def hf_shape(cfg: HFModelConfig) -> ModelShape:
-    """From the config: the Llama family (Llama, Qwen2, Mistral) has a gated MLP of
-    `intermediate_size`; GPT-2 a plain one of `n_inner` or 4h (its position table and biases
-    are left out of the planner's count). A mixture of experts: Mixtral's num_local_experts
-    of intermediate_size, Qwen-MoE's num_experts of moe_intermediate_size and its shared
-    expert (whose one-unit gate is left out too), num_experts_per_tok a token."""
-    c = hf_config(cfg)
-    gated = getattr(c, "intermediate_size", None)
-    experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None) or 0
-    expert_ffn = getattr(c, "moe_intermediate_size", None) or gated or 0
-    return ModelShape(
-        dim=c.hidden_size,
-        n_layers=c.num_hidden_layers,
-        n_heads=c.num_attention_heads,
-        n_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-        vocab_size=c.vocab_size,
-        ffn_dim=gated or getattr(c, "n_inner", None) or 4 * c.hidden_size,
-        tied=bool(c.tie_word_embeddings),
-        mlp_matrices=3 if gated else 2,
-        experts=experts,
-        top_k=getattr(c, "num_experts_per_tok", 0) if experts else 0,
-        expert_ffn=expert_ffn if experts else 0,
-        shared_ffn=getattr(c, "shared_expert_intermediate_size", 0) if experts else 0,
-        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-    )
-
-
 class HFCausalLM(nn.Module):
     def __init__(self, hf: PreTrainedModel) -> None:
         super().__init__()
@@ -219,6 +192,9 @@ class HFCausalLM(nn.Module):
         head = hf.get_output_embeddings()
         [head_name] = [name for name, module in hf.named_children() if module is head]
         prefix = hf.base_model_prefix
+        self.base_model_prefix = prefix
+        self.conversions = conversions(hf)  # how its checkpoints store what it holds
+        self.init_module = hf._init_weights  # transformers' init of a module (_init_buffers)
         self.layers_name = layers
         # our name -> its name in the transformers model (and so in its checkpoints)
         self.source_prefixes = {
@@ -322,6 +298,7 @@ class HFCausalLM(nn.Module):
             for n, m in self.named_modules()
             if "norm" in type(m).__name__.lower()
         }
+        self._init_buffers()
         for name, param in named_tensors(self):
             if name.rsplit(".", 1)[0] + "." in norms:
                 param.fill_(1.0 if name.endswith("weight") else 0.0)
@@ -330,20 +307,26 @@ class HFCausalLM(nn.Module):
             else:
                 shape = unpadded_shape(name, param, self.vocab_size)
                 fill(param, self._ordered(name, seeded_normal(seed, name, shape, std)))
-        self._reset_buffers()
 
     @torch.no_grad()
     def load_pretrained(self, directory: str) -> int:
-        """This rank's share of this stage's tensors from a save_pretrained directory
-        (checkpoint_files.py); the bytes it read."""
+        """This rank's share of this stage's tensors from a save_pretrained directory,
+        stored as transformers stores them (hf_files.py), and the buffers it holds (a
+        router's correction bias; the others computed); the bytes it read."""
+        self._init_buffers()
         saved = SavedTensors(directory)
-        for name, param in named_tensors(self):
-            source = saved[self.source_name(name)]
-            fill(
-                param,
-                self._ordered(name, Transposed(source) if name in self.transposed else source),
-            )
-        self._reset_buffers()
+        params = {name for name, _ in named_tensors(self)}
+        stored = tuple(self.source_prefixes)  # not the rotary tables: computed
+        tensors = {n: t for n, t in named_tensors(self, buffers=True) if n.startswith(stored)}
+        theirs = {name: self.source_name(name) for name in tensors}
+        sources = saved_sources(saved, self.conversions, theirs.values(), self.base_model_prefix)
+        for name, tensor in tensors.items():
+            source = sources.get(theirs[name])
+            if source is None and name in params:
+                raise KeyError(f"{directory} holds no {theirs[name]} (nor the parts of it)")
+            if source is not None:
+                transposed = Transposed(source) if name in self.transposed else source
+                fill(tensor, self._ordered(name, transposed))
         return saved.bytes_read
 
     def prepare_tp(self, tp: int) -> None:
@@ -378,15 +361,24 @@ class HFCausalLM(nn.Module):
                 return theirs + name.removeprefix(ours)
         raise KeyError(name)
 
-    def _reset_buffers(self) -> None:
-        """Rotary tables are computed when the module is built, which on meta is nothing."""
-        if self.rotary_emb is None:
-            return
-        device = self.rotary_emb.inv_freq.device
-        with torch.device(device):
-            fresh = type(self.rotary_emb)(config=self.config)
-        for name, buffer in fresh.named_buffers():
-            self.rotary_emb.get_buffer(name).copy_(buffer)
+    @torch.no_grad()
+    def _init_buffers(self) -> None:
+        """The buffers transformers computes rather than stores (rotary tables, an embedding's
+        scale, a router's correction bias), which a model built on meta lacks: from_pretrained
+        writes them with the model's own `_init_weights(module)` (modeling_utils.
+        PreTrainedModel._init_weights and each family's override). Each such module's
+        parameters are flagged done first, so that it writes the buffers alone
+        (transformers.initialization's functions skip a tensor flagged `_is_hf_initialized`):
+        meshrun seeds or reads the parameters after."""
+        for module in self.modules():
+            if next(module.buffers(recurse=False), None) is None:
+                continue
+            params = list(module.parameters(recurse=False))
+            for param in params:
+                param._is_hf_initialized = True
+            self.init_module(module)
+            for param in params:
+                del param._is_hf_initialized
 
 
 def _conv1d_to_linear(layers: nn.ModuleDict) -> set[str]:

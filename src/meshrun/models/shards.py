@@ -68,6 +68,43 @@ class Reordered:
         return values
 
 
+class Stacked:
+    """The sources (of one shape) stacked on a new dim 0: a box reads its rows' sources."""
+
+    def __init__(self, sources: list[Source]) -> None:
+        self.sources = sources
+        self.shape = torch.Size((len(sources), *sources[0].shape))
+
+    def __getitem__(self, box: Box) -> torch.Tensor:
+        return torch.stack([source[box[1:]] for source in self.sources[box[0]]])
+
+
+class Concatenated:
+    """The sources concatenated along `dim`: a box reads the part of each that it overlaps."""
+
+    def __init__(self, sources: list[Source], dim: int) -> None:
+        self.sources = sources
+        self.dim = dim
+        sizes = [source.shape[dim] for source in sources]
+        self.starts = [0, *itertools.accumulate(sizes)]
+        shape = list(sources[0].shape)
+        shape[dim] = self.starts[-1]
+        self.shape = torch.Size(shape)
+
+    def __getitem__(self, box: Box) -> torch.Tensor:
+        dim, wanted = self.dim, box[self.dim]
+        parts = []
+        for source, start, stop in zip(self.sources, self.starts, self.starts[1:], strict=False):
+            low, high = max(wanted.start, start), min(wanted.stop, stop)
+            if low < high:
+                parts.append(
+                    source[(*box[:dim], slice(low - start, high - start), *box[dim + 1 :])]
+                )
+        if not parts:  # an empty box: the first part's, for its dtype
+            return self.sources[0][(*box[:dim], slice(0, 0), *box[dim + 1 :])]
+        return torch.cat(parts, dim=dim)
+
+
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of `tensor`: a DTensor's local shard, any other tensor itself."""
     dtensor = sys.modules.get("torch.distributed.tensor")

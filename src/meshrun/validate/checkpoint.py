@@ -22,7 +22,7 @@ from meshrun.core.checkpoints import (
     read_manifest,
     same_dir,
 )
-from meshrun.core.config import ExperimentConfig, HFModelConfig
+from meshrun.core.config import ExperimentConfig, HFModelConfig, LlamaModelConfig
 from meshrun.core.errors import fail
 from meshrun.core.layout import Layout
 from meshrun.core.rng_state import RngStateRefused, read_rng_state, rng_file
@@ -87,6 +87,14 @@ def _check_values(cfg: ExperimentConfig) -> None:
             c.export,
             "a model=custom module has no Hugging Face form",
             "torch (a consolidated state dict) or none",
+        )
+    if c.export == "hf" and isinstance(cfg.model, LlamaModelConfig) and cfg.model.moe.experts:
+        fail(
+            "checkpoint.export",
+            c.export,
+            "meshrun's MoE LLaMA has no Hugging Face form: no transformers class has its "
+            "router, shared experts and balancing bias",
+            "torch (a consolidated state dict), none, or a transformers MoE (model=hf/...)",
         )
 
 

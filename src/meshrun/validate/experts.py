@@ -4,6 +4,8 @@ its top-k, the layouts its blocks combine with so far, and expert parallelism's 
 
 from __future__ import annotations
 
+import functools
+
 from meshrun.core.config import (
     ExperimentConfig,
     HFModelConfig,
@@ -14,7 +16,7 @@ from meshrun.core.config import (
 from meshrun.core.errors import fail, positive
 from meshrun.core.layout import Layout
 from meshrun.core.model_shape import expert_ffn_dim
-from meshrun.models import model_shape
+from meshrun.models import from_key, hf_experts, model_key, model_shape
 
 
 def check_experts(m: ModelConfig) -> None:
@@ -148,8 +150,10 @@ def _check_ep(p: ParallelConfig, experts: int) -> None:
 
 def _check_hf_experts(m: HFModelConfig, etp: int) -> None:
     """transformers' experts are split by replacing their forward with one that computes
-    SwiGLU (models/hf_experts.py): another activation would be trained as SiLU; their gate
-    and up matrices are one fused tensor, which etp cannot split as one."""
+    plain SwiGLU (models/hf_experts.py): experts that compute anything else (another
+    activation, a clamped gate, biases: `unsplittable`, on the model built on meta) would be
+    trained as that; their gate and up matrices are one fused tensor, which etp cannot split
+    as one."""
     if etp > 1:
         fail(
             "parallel.etp",
@@ -158,13 +162,25 @@ def _check_hf_experts(m: HFModelConfig, etp: int) -> None:
             "its own experts' hidden width only",
             "parallel.etp=1 (the experts whole on each TP rank)",
         )
-    from meshrun.models.hf import hf_config  # noqa: PLC0415 (optional: meshrun[hf])
-
-    act = getattr(hf_config(m), "hidden_act", None)
-    if act != "silu":
+    why = _unsplittable(*model_key(m))
+    if why is not None:
         fail(
             "parallel.ep",
             "> 1",
-            f"{m.architecture}'s experts use {act}; meshrun splits SwiGLU experts only",
+            f"{m.architecture}'s experts cannot be split: {why}; meshrun splits plain "
+            "SwiGLU experts only",
             "parallel.ep=1",
         )
+
+
+@functools.lru_cache(maxsize=16)
+def _unsplittable(schema: type[HFModelConfig], cfg_json: str) -> str | None:
+    """hf_experts.unsplittable of the model's first experts, built on meta once per model
+    (the planner validates every ep candidate)."""
+    from meshrun.models.hf import build_hf  # noqa: PLC0415 (optional: meshrun[hf])
+
+    model = build_hf(from_key(schema, cfg_json), "meta")
+    experts = next((e for e in model.modules() if hf_experts.is_hf_experts(e)), None)
+    if experts is None:
+        return "meshrun finds no experts of transformers' form (3-D gate_up_proj and down_proj)"
+    return hf_experts.unsplittable(experts)

@@ -306,8 +306,25 @@ def _check_hf(m: HFModelConfig, read_from: str | None) -> None:
             str(err),
             " | ".join(hf.supported_architectures()),
         )
+    if m.pretrained is not None:
+        _check_readable(m, cls)
     if m.pretrained is not None and read_from is None:  # what was read needs no check
         _check_pretrained(m, defaults)
+
+
+def _check_readable(m: HFModelConfig, cls: type) -> None:
+    """A checkpoint whose tensors transformers converts on load in a way meshrun cannot read
+    a shard at a time (models/hf_files.py) is refused before launch."""
+    from meshrun.models.hf_files import unreadable  # noqa: PLC0415 (optional: meshrun[hf])
+
+    why = unreadable(m.architecture, cls.config_class.model_type)
+    if why is not None:
+        fail(
+            "model.pretrained",
+            m.pretrained,
+            why,
+            "no model.pretrained (seeded weights), or a checkpoint of another family",
+        )
 
 
 def _saved_config(pretrained: str, architecture: str | None) -> dict:
