@@ -155,6 +155,10 @@ def checks(gpus: int) -> list[Check]:
         "train.global_batch_size=8 train.steps=8 train.untimed_steps=2 metrics.baseline=off"
     )
     nccl2 = "backend=nccl launcher.nproc_per_node=2"
+    cp16k = (
+        f"model=small model.n_kv_heads=2 parallel=cp2 {nccl2} train.seq_len=16384 "
+        "train.micro_batch_size=1 train.global_batch_size=2"
+    )
     tiny_moe = (
         "model=tiny-moe train.precision=bf16 train.seq_len=1024 train.steps=20 "
         "train.untimed_steps=4 metrics.baseline=off"
@@ -253,6 +257,12 @@ def checks(gpus: int) -> list[Check]:
             _grouped_and_loop("parallel=single", tiny_moe),
             _grouped_against_loop,
             budget_s=120,
+        ),
+        Check(
+            "a transformers Qwen3-MoE save_pretrained directory trains on one GPU, bf16",
+            _from_saved_qwen3_moe("parallel=single train.steps=3 metrics.baseline=off"),
+            ran(lambda r: None if r["status"] == "completed" else r["status"]),
+            budget_s=90,
         ),
         Check(
             "moe: mixtral-shaped 2 layers bf16",
@@ -359,6 +369,12 @@ def checks(gpus: int) -> list[Check]:
             budget_s=150,
         ),
         Check(
+            "verify: a transformers Qwen3-MoE directory under ep2 on NCCL, bf16",
+            _from_saved_qwen3_moe(f"parallel=ep2 {nccl2} train.steps=3", command="verify"),
+            exits_zero_with(r"PASS"),
+            gpus=2,
+        ),
+        Check(
             "torchft on NCCL: a spike at step 25 rolls both replica groups back alike",
             _meshrun(
                 "parallel=ddp model=tiny parallel.fault_tolerance=torchft train.steps=40 "
@@ -389,9 +405,45 @@ def checks(gpus: int) -> list[Check]:
             gpus=2,
             budget_s=180,
         ),
+        *[
+            Check(
+                f"cp2 {method} at 16k tokens on NCCL, fp32: fused chunk pairs against one GPU",
+                _meshrun(
+                    f"{cp16k} parallel.cp_method={method} train.precision=fp32", command="verify"
+                ),
+                exits_zero_with(r"PASS"),
+                gpus=2,
+                budget_s=150,
+            )
+            for method in ("ring", "allgather")
+        ],
+        *[
+            Check(
+                f"cp2 {method} at 16k tokens on NCCL, bf16: memory against the plan",
+                _meshrun(
+                    f"{cp16k} parallel.cp_method={method} train.precision=bf16 train.steps=6 "
+                    "train.untimed_steps=2 metrics.baseline=off"
+                ),
+                ran(memory_within_bars),
+                gpus=2,
+                budget_s=120,
+            )
+            for method in ("ring", "allgather")
+        ],
         Check(
-            "context parallelism: cp2 per method against one GPU (4k, 16k)",
-            _python("benchmarks/context_parallel.py 4096 16384 --cap-mib 2048"),
+            "cp2 x dp_replicate2 (replicas beside CP) at 16k, bf16: memory against the plan",
+            _meshrun(
+                f"{cp16k} parallel.dp_replicate=2 launcher.nproc_per_node=4 "
+                "train.global_batch_size=4 train.precision=bf16 train.steps=6 "
+                "train.untimed_steps=2 metrics.baseline=off"
+            ),
+            ran(memory_within_bars),
+            gpus=4,
+            budget_s=150,
+        ),
+        Check(
+            "context parallelism: cp2 per method against one GPU (4k, 16k), bf16",
+            _python("benchmarks/context_parallel.py 4096 16384 --cap-mib 2048 --precision bf16"),
             exits_zero_with(r"cp2"),
             gpus=2,
             budget_s=300,
@@ -470,6 +522,35 @@ def _rolled_back_alike(r: dict) -> str | None:
     if rollbacks == [(25, 20)] and not retried:
         return None
     return f"rollbacks {rollbacks}, retried steps {retried}"
+
+
+QWEN3_MOE = (
+    "import torch, transformers as t, sys; torch.manual_seed(0); "
+    "c = t.Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128, "
+    "moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, "
+    "num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2); "
+    "t.Qwen3MoeForCausalLM(c).save_pretrained(sys.argv[1])"
+)
+
+
+def _from_saved_qwen3_moe(overrides: str, command: str = "meshrun") -> Callable[[Path], list[str]]:
+    """A tiny Qwen3-MoE written by transformers' save_pretrained (experts per expert on
+    disk), then trained from its directory with `overrides`."""
+
+    def argv(work: Path) -> list[str]:
+        saved = work / "qwen3-moe"
+        run = _meshrun(
+            f"model=hf/auto model.pretrained={saved} train.precision=bf16",
+            overrides,
+            command=command,
+        )(work)
+        return [
+            "bash",
+            "-c",
+            f"{shlex.join([PY, '-c', QWEN3_MOE, str(saved)])} && {shlex.join(run)}",
+        ]
+
+    return argv
 
 
 def _resumed(overrides: str) -> Callable[[Path], list[str]]:
