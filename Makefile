@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml scripts/install-torch.sh
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet uv  # installs the rest: 40 s where pip takes 75-130 s
 	scripts/install-torch.sh $(PY)
-	$(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(PY) -e '.[dev,hf,ft]'
+	$(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(PY) -e '.[dev,hf,ft,float8]'
 	touch $@
 
 run: install

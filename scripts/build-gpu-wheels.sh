@@ -11,7 +11,8 @@
 #
 # What: pyproject.toml's dependencies without torch, the hf extra (the gpu check trains
 # hf/llama-3.2-1b; tests/conftest.py imports transformers and datasets), the ft extra
-# (torchft and its opentelemetry: 2.7 MiB for CPython 3.12), pytest and
+# (torchft and its opentelemetry: 2.7 MiB for CPython 3.12), the float8 extra (torchao
+# 0.18: one cp310-abi3 wheel of 3.3 MiB, no dependencies), pytest and
 # pytest-timeout: every wheel they need for that platform, resolved here. torch is never
 # among them, so an offline install cannot replace the image's own build (it is not in the
 # folder to be taken). Packages already installed there that satisfy a requirement are kept.
@@ -47,7 +48,7 @@ WANDB=${WANDB:-1} "$py" - >"$dir/requirements.txt" <<'PY'
 import os, re, tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 extras = project["optional-dependencies"]
-reqs = [*project["dependencies"], *extras["hf"], *extras["ft"]]
+reqs = [*project["dependencies"], *extras["hf"], *extras["ft"], *extras["float8"]]
 name = lambda r: re.match(r"[A-Za-z0-9_.-]+", r)[0].lower()
 dev = project["optional-dependencies"]["dev"]
 reqs += [r for r in dev if re.fullmatch(r"pytest(-timeout)?", name(r))]

@@ -29,6 +29,11 @@ def _choice(name: str, *values: str) -> type[Choice]:
 Backend = _choice("Backend", "auto", "gloo", "nccl", "mpi")
 Precision = _choice("Precision", "fp32", "bf16", "fp16")
 HALF_PRECISIONS = ("bf16", "fp16")  # 2-byte compute: activations, casts, collectives
+# train.float8's scaling (torchao's Float8LinearRecipeName): one scale a tensor, one a row, or
+# a row's with the weight gradient's matmul in high precision (rank/parallel/float8.py).
+Float8Recipe = _choice("Float8Recipe", "tensorwise", "rowwise", "rowwise_with_gw_hp")
+# meshrun-verify's reference: one device with the layout's settings, or without train.float8
+VerifyReference = _choice("VerifyReference", "same", "high_precision")
 # The styles a TP plan maps module names to (rank/parallel/tensor.py says what each does).
 TP_STYLES = ("colwise", "rowwise", "embedding", "head", "sequence_parallel", "gather_input")
 Schedule = _choice("Schedule", "gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb")

@@ -26,6 +26,7 @@ from meshrun.core.choices import (
     ExportFormat,
     FailMode,
     FaultTolerance,
+    Float8Recipe,
     LoadBalance,
     LoggerMode,
     LrDecay,
@@ -245,8 +246,10 @@ class DeviceSpec:
     "NVIDIA H100 PCIe" another device with other figures.
     For the planner's matmul model (plan/compute.py), from the datasheet: `memory_bw_gbs`
     (DRAM, GB/s) and `sms` (streaming multiprocessors); measured: `matmul_efficiency`, the
-    fraction of the dense peak the best large matmul reaches (Bekman's MAMF table), and
-    `attention`, the rates of the attention kernel torch's SDPA picks there."""
+    fraction of the dense peak the best large matmul reaches (Bekman's MAMF table),
+    `fp8_matmul_efficiency` the same of the `fp8` peak for a float8 matmul (train.float8; a
+    device without an fp8 peak has no float8 tensor cores), and `attention`, the rates of
+    the attention kernel torch's SDPA picks there."""
 
     name: str = MISSING
     count: int = 1
@@ -256,6 +259,7 @@ class DeviceSpec:
     memory_bw_gbs: float | None = None
     sms: int | None = None
     matmul_efficiency: float = 0.8
+    fp8_matmul_efficiency: float = 0.78  # H100's (conf/hardware/h100-80g.yaml says whose)
     attention: AttentionKernel = field(default_factory=AttentionKernel)
 
 
@@ -429,10 +433,30 @@ class GuardConfig:
 
 
 @dataclass
+class Float8Config:
+    """train.float8: the block linears' matmuls in float8 through torchao's Float8Linear
+    (rank/parallel/float8.py), weights, gradients and optimizer state staying in high
+    precision. Converted: every nn.Linear whose in and out features are multiples of 16 (the
+    float8 kernels' requirement), never the output head, the embedding or an MoE router, nor
+    a module whose name contains one of `skip` (torchtitan's filter_fqns). `recipe`:
+    `tensorwise` one scale a tensor (fastest; its TP all-gathers in float8),
+    `rowwise` one a row, `rowwise_with_gw_hp` rowwise with the weight gradient's matmul in
+    high precision (most accurate). `fsdp_all_gather`: FSDP2 all-gathers the weights in
+    float8, their scales computed in one all-reduce after each optimizer step (null: on for
+    tensorwise, which alone supports it)."""
+
+    enabled: bool = False
+    recipe: Float8Recipe = Float8Recipe["tensorwise"]
+    skip: list[str] = field(default_factory=list)
+    fsdp_all_gather: bool | None = None
+
+
+@dataclass
 class TrainConfig:
     """`untimed_steps`: the first steps, left out of the step times (allocator and kernel
     warm-up, torch.compile's compilations) and where memory is measured; not the LR warmup
-    (lr_schedule.warmup_steps). `compile`: torch.compile each decoder block (inductor)."""
+    (lr_schedule.warmup_steps). `compile`: torch.compile each decoder block (inductor).
+    `float8`: float8 matmuls (Float8Config)."""
 
     steps: int = 20
     untimed_steps: int = 2
@@ -451,6 +475,7 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     compile: bool = False
     guard: GuardConfig = field(default_factory=GuardConfig)
+    float8: Float8Config = field(default_factory=Float8Config)
 
     @property
     def tokens_per_step(self) -> int:

@@ -117,6 +117,15 @@ class RunRecord:
     mfu: float | None = _f(column=True, summary=True)
     # an MoE model: the share of its matmul parameters a token meets, the N of MFU's 6N
     active_param_share: float | None = _f()
+    # train.float8: the recipe, how many linears it converted (models/float8.py), their
+    # share of the training FLOPs a token, what stayed in high precision (an MoE's
+    # experts), and MFU against the devices' fp8 peak (`mfu` is against the run's
+    # precision's: bf16)
+    float8_recipe: str | None = _f(column=True, summary=True)
+    float8_linears: int | None = _f(summary=True)
+    float8_flops_share: float | None = _f(summary=True)
+    float8_note: str | None = _f()
+    mfu_fp8_peak: float | None = _f(summary=True)
     data_wait_share: float | None = _f(column=True, summary=True)  # of timed step time, rank 0
     # pipeline
     pp_schedule: str | None = _f(report=(10, "schedule"))

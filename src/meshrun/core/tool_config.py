@@ -9,6 +9,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from meshrun.core.choices import VerifyReference
 from meshrun.core.config import (
     BackendConfig,
     DebugConfig,
@@ -38,16 +39,40 @@ class PlanCommandConfig(ExperimentConfig):
 # <= 6.2e-4 for tp2, fsdp, pp2); a layout that loses or double-counts a contribution is off
 # by O(1).
 TOLERANCES = {"fp32": 1e-4, "bf16": 2.0**-8, "fp16": 2.0**-8}
+# train.float8: two correct layouts cast the same tensors to float8, but their
+# high-precision operands differ in the last bits (reordered sums: a TP partial sum, an FSDP
+# reduce-scatter), so an element on a float8 rounding boundary lands a float8 step apart in
+# one of them: 2 x the format's unit roundoff, e4m3's 2^-4 (operands) or e5m2's 2^-3
+# (tensorwise's gradients). AdamW, dividing each update by the gradient's RMS, turns such a
+# difference into a whole update of that weight, so the runs drift apart beyond one bf16
+# rounding: measured over 10 steps of model=tiny under ddp, fsdp, hsdp, tp2 (SP), pp2, cp2
+# and dp2_tp2_pp2, loss <= 4e-5 and grad norm <= 1.4e-3 (fp32 and bf16, every recipe). The
+# tolerance is the recipe's coarsest float8 format's unit roundoff over 2^4: tensorwise
+# (e5m2) 2^-7, rowwise recipes (e4m3 throughout) 2^-8; a layout that loses or double-counts
+# a contribution is off by O(1).
+FLOAT8_TOLERANCES = {"tensorwise": 2.0**-7, "rowwise": 2.0**-8, "rowwise_with_gw_hp": 2.0**-8}
+# verify.reference=high_precision: float8's loss against the same run's in high precision,
+# step by step. The casts change the math (operands rounded to 3 mantissa bits, e4m3), so
+# the curves drift apart slowly: over 50 steps of model=small on one CPU in bf16 (global
+# batch 8 x 128 tokens) tensorwise and rowwise stayed within 5.4e-3 of bf16's loss a step.
+# The bound, 2^-6 (1.6%) a step, leaves three times that; a float8 run beyond it diverges
+# from its high-precision twin (a scale that overflows, a linear that should stay out).
+FLOAT8_LOSS_BOUND = 2.0**-6
 
 
 @dataclass
 class VerifyConfig:
-    """`tolerance` null: TOLERANCES' for the run's precision. `traced`: no run; the layout's
-    ranks traced at its full size on a fake process group (plan/traced.py), which says
-    whether it composes there and what each pipeline stage holds, without the devices."""
+    """`tolerance` null: TOLERANCES' for the run's precision (with train.float8,
+    FLOAT8_TOLERANCES' for its recipe). `traced`: no run; the layout's ranks traced at its
+    full size on a fake process group (plan/traced.py), which says whether it composes there
+    and what each pipeline stage holds, without the devices. `reference`: `same`, the
+    layout's settings on one device; `high_precision`, one device with train.float8 off:
+    float8's losses against high precision's within FLOAT8_LOSS_BOUND a step (null
+    tolerance), the gradient norms shown but not judged (float8 rounds their operands)."""
 
     tolerance: float | None = None
     traced: bool = False
+    reference: VerifyReference = VerifyReference["same"]
 
 
 @dataclass
@@ -55,6 +80,17 @@ class VerifyExperimentConfig(ExperimentConfig):
     """`meshrun-verify`: the experiment plus the `verify` block."""
 
     verify: VerifyConfig = field(default_factory=VerifyConfig)
+
+
+def verify_tolerance(cfg: VerifyExperimentConfig) -> float:
+    """The largest relative deviation a step may show (VerifyConfig)."""
+    if cfg.verify.tolerance is not None:
+        return cfg.verify.tolerance
+    if cfg.verify.reference == "high_precision":
+        return FLOAT8_LOSS_BOUND
+    if cfg.train.float8.enabled:
+        return FLOAT8_TOLERANCES[cfg.train.float8.recipe]
+    return TOLERANCES[cfg.train.precision]
 
 
 @dataclass

@@ -24,6 +24,7 @@ from meshrun.core.record import MEMORY_CATEGORIES, RunRecord
 from meshrun.core.stages import PP_AUTO, stage_layer_counts, theoretical_bubble
 from meshrun.core.step_stats import percentile, summarize_steps
 from meshrun.core.trials import Trial, first_choice_loss, rank_correlation
+from meshrun.driver.float8 import float8_fields
 from meshrun.driver.inspection import (
     profile_fields,
     replica_fields,
@@ -271,6 +272,7 @@ def assemble(cfg: ExperimentConfig, measured: Measured, baseline: RunRecord | No
         **speed,
         flags=flags,
         **flops_fields(cfg, timing["tokens_per_s"]),
+        **float8_fields(cfg, timing["tokens_per_s"]),
         data_wait_share=data_wait_share(steps),
         **pipeline_fields(cfg, report),
         **memory_fields(cfg, report.memory_per_rank if report else None),

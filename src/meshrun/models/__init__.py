@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Sequence
 from dataclasses import asdict
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 from meshrun.core.config import CustomModelConfig, HFModelConfig, ModelConfig
 from meshrun.core.model_shape import ModelShape, llama_shape
 from meshrun.models.custom import build_custom, custom_shape
+from meshrun.models.float8 import float8_linears
 from meshrun.models.llama import build_llama
 
 
@@ -79,3 +81,19 @@ def count_params(model: nn.Module) -> tuple[int, int]:
 def param_counts(cfg: ModelConfig, max_seq_len: int) -> tuple[int, int]:
     """`count_params` of the model `cfg` builds (on meta: nothing allocated)."""
     return count_params(build_model(cfg, max_seq_len, "meta"))
+
+
+def float8_coverage(cfg: ModelConfig, max_seq_len: int, skip: Sequence[str]) -> tuple[int, int]:
+    """(how many linears train.float8 converts in the model `cfg` builds, their weight
+    elements): 6 x the second is their training FLOPs a token, every token passing each."""
+    return _float8_coverage(*model_key(cfg), max_seq_len, tuple(skip))
+
+
+@functools.cache
+def _float8_coverage(
+    schema: type[ModelConfig], cfg_json: str, max_seq_len: int, skip: tuple[str, ...]
+) -> tuple[int, int]:
+    """Built on meta once per config: the planner asks for every candidate."""
+    model = build_model(from_key(schema, cfg_json), max_seq_len, "meta")
+    linears = float8_linears(model, skip).values()
+    return len(linears), sum(m.in_features * m.out_features for m in linears)

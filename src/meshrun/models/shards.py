@@ -106,11 +106,38 @@ class Concatenated:
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of `tensor`: a DTensor's local shard, any other tensor itself."""
+    """This rank's part of `tensor`: a DTensor's local shard, any other tensor itself; of a
+    weight FSDP2 all-gathers in float8 (torchao's WeightWithDynamicFloat8CastTensor, a
+    wrapper without storage of its own: train.float8), the tensor it wraps. Both looked up,
+    not imported (held_box says why)."""
     dtensor = sys.modules.get("torch.distributed.tensor")
     if dtensor is not None and isinstance(tensor, dtensor.DTensor):
-        return tensor.to_local()
+        tensor = tensor.to_local()
+    float8 = sys.modules.get("torchao.float8.fsdp_utils")
+    if float8 is not None and isinstance(tensor, float8.WeightWithDynamicFloat8CastTensor):
+        return tensor._tensor
     return tensor
+
+
+def stored_view(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as DCP saves and loads it: a weight FSDP2 all-gathers in float8 (a DTensor
+    over torchao's wrapper, local_tensor) as a DTensor of the same layout over the tensor
+    the wrapper holds, sharing its storage. The wrapper has no storage of its own: DCP wrote
+    whatever that held (1e37 where the weights were 0.02). Any other tensor as it is."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    float8 = sys.modules.get("torchao.float8.fsdp_utils")
+    if float8 is None or dtensor is None or not isinstance(tensor, dtensor.DTensor):
+        return tensor
+    if not isinstance(tensor._local_tensor, float8.WeightWithDynamicFloat8CastTensor):
+        return tensor
+    return dtensor.DTensor.from_local(
+        tensor._local_tensor._tensor,
+        tensor.device_mesh,
+        tensor.placements,
+        run_check=False,
+        shape=tensor.shape,
+        stride=tensor.stride(),
+    )
 
 
 def held_box(param: torch.Tensor) -> tuple[torch.Tensor, Box]:

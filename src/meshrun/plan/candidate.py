@@ -38,6 +38,7 @@ class Candidate:
     capacity: list[int]
     speed: SpeedPrediction | None
     speedup: float | None = None
+    float8_gain: float | None = None  # a float8 row's tokens/s over its layout's without
     notes: list[str] = field(default_factory=list)
     traced: list[MemoryPrediction] | None = None  # plan.trace: per stage, on fake tensors
 
@@ -81,6 +82,8 @@ class Candidate:
             "capacity_bytes": self.capacity,
             "speed": self.speed.as_dict() if self.speed else None,
             "speedup": self.speedup,
+            "float8": str(self.cfg.train.float8.recipe) if self.cfg.train.float8.enabled else None,
+            "float8_gain": self.float8_gain,
             "notes": self.notes,
             "traced_memory_per_stage": [m.as_dict() for m in self.traced] if self.traced else None,
             "overrides": self.overrides(),

@@ -64,6 +64,10 @@ hidden ones and FSDP2's copies cost compute beside them.
                 the SM cost of overlap is why Megatron's TP overlap and NCCL's
                 user-buffer registration exist)
 
+train.float8 (plan/float8.py): FSDP2's float8 all-gather moves its weights at one byte (and
+copies them out so), one all-reduce of their amaxes a step; tensorwise TP's all-gathers under
+SP move float8, each cast of a sharded activation all-reduces its amax.
+
 Collective costs: plan/collectives.py (bandwidth, latency, which links a group crosses).
 """
 
@@ -77,6 +81,7 @@ from meshrun.core.layout import Layout
 from meshrun.models import model_shape
 from meshrun.plan.collectives import Fabric, overlapped
 from meshrun.plan.compute import DeviceRates
+from meshrun.plan.float8 import TP_AMAX_REDUCTIONS, Float8Plan
 from meshrun.plan.memory import attention_kept
 from meshrun.plan.placement import GroupSpan, expert_spans, group_span
 from meshrun.plan.shapes import Dims, StageShare, checkpointed_layers, rank_tokens
@@ -106,10 +111,15 @@ def tp_time(
     half = cfg.train.precision in HALF_PRECISIONS
     tokens = rank_tokens(cfg, layout, micro)
     activation = tokens * cost.width * (2 if half else FP32)
-    if cfg.parallel.sequence_parallel:  # an all-gather and a reduce-scatter for each
-        one = fabric.all_gather(span, activation) + fabric.reduce_scatter(span, activation)
+    float8 = Float8Plan.of(cfg, layout)
+    tp_float8 = float8 is not None and float8.tp_float8
+    sp = cfg.parallel.sequence_parallel
+    if sp:  # an all-gather and a reduce-scatter for each; float8's gathers one byte
+        gathered = tokens * cost.width if tp_float8 else activation
+        one = fabric.all_gather(span, gathered) + fabric.reduce_scatter(span, activation)
     else:
         one = fabric.all_reduce(span, activation)
+    amax = TP_AMAX_REDUCTIONS[sp] * fabric.all_reduce(span, FP32) if tp_float8 else 0.0
     forward_ops = 2 + 2 * recomputed_share(cfg, share)
     if cfg.parallel.activation_checkpointing in SAC_POLICIES and share.layers:
         # SAC's recompute stops after the last tensor backward needs (the down projection's
@@ -117,7 +127,7 @@ def tp_time(
         # reduce-scatter and the MLP input's all-gather (3 of the forward's 4)
         again = 1.5 if cfg.parallel.sequence_parallel else 1.0
         forward_ops += again * checkpointed_layers(cfg.parallel, share) / share.layers
-    seconds = share.layers * (forward_ops + 2) * one
+    seconds = share.layers * ((forward_ops + 2) * one + amax)
     if layout.etp > 1:  # the experts' partial outputs all-reduced, their input's gradient too
         d = Dims.of_layout(cfg.model, layout, EP_LOAD_ALLOWANCE)
         routed = fabric.all_reduce(span, tokens * d.routed * d.h * (2 if half else FP32))
@@ -253,12 +263,16 @@ def dp_time(
     groups = [(group_span(layout, "dp_shard", per_node), dense)]
     if layout.ep > 1:
         groups.append((expert_spans(layout, per_node)[1], cost.expert_elements))
+    float8 = _float8_gathered(cfg, layout, cost)
     gather = reduce = 0.0
-    for shard, held in groups:
-        gather += fabric.all_gather(shard, held * param_width)
+    for index, (shard, held) in enumerate(groups):
+        light = float8 if index == 0 else 0  # float8 weights: one byte, none among experts
+        gather += fabric.all_gather(shard, (held - light) * param_width + light)
         reduce += fabric.reduce_scatter(shard, held * FP32)
     # across replicas once a step, in the last micro-batch's backward (gradient_sync)
     replicas = fabric.all_reduce(replicate, elements * FP32 / layout.dp_shard)
+    if float8:  # their scales: one all-reduce of the amaxes after the optimizer step
+        replicas += fabric.all_reduce(groups[0][0], FP32)
     backward = stage.backward + stage.recompute
     if layout.pp > 1:  # gathered once a step, synced after the last backward
         # torch's schedule runs FSDP2's post-backward for every unit at once after the
@@ -285,8 +299,15 @@ def fsdp_copies(
     if layout.pp == 1:
         gathers = m * (2 if cfg.parallel.fsdp.reshard_after_forward else 1)
         reduces = m
-    per_element = gathers * 2 * width + reduces * (width + FP32)
-    return cost.rank_elements * per_element / rates.memory
+    float8 = _float8_gathered(cfg, layout, cost)  # copied out at one byte
+    copied = gathers * 2 * (width * (cost.rank_elements - float8) + float8)
+    return (copied + reduces * (width + FP32) * cost.rank_elements) / rates.memory
+
+
+def _float8_gathered(cfg: ExperimentConfig, layout: Layout, cost: ModelCost) -> int:
+    """The elements FSDP2 gathers in float8 (train.float8's all-gather), else none."""
+    float8 = Float8Plan.of(cfg, layout)
+    return cost.float8_elements if float8 is not None and float8.all_gather else 0
 
 
 def sm_contention(dp: tuple[float, float], rates: DeviceRates | None) -> float:

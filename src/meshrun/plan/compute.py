@@ -10,6 +10,8 @@ micro-batch, from the shapes of its matmuls and the device's datasheet, not from
                 (roofline). Each linear runs three: forward (T x out x in), input gradient
                 (T x in x out) and weight gradient (out x in x T), T the micro-batch's tokens;
                 tensor parallelism divides out (column-parallel) or in (row-parallel) by tp.
+                train.float8's linears at the fp8 peak, their casts memory-bound
+                (plan/float8.py).
     attention   the causal kernel (FlashAttention through SDPA) skips the masked half of
                 QK^T and AV; its backward does 2.5x the forward's matmuls (it recomputes the
                 scores). At the rates its authors measured where the profile has them
@@ -40,6 +42,7 @@ import math
 from dataclasses import dataclass, field
 
 from meshrun.core.config import AttentionKernel
+from meshrun.plan.float8 import Float8Plan, float8_flags
 from meshrun.plan.shapes import Dims
 
 TILE = 128  # cuBLAS's usual output tile edge for 16-bit GEMMs on A100/H100
@@ -69,6 +72,7 @@ class DeviceRates:
     matmul: float
     memory: float
     sms: int
+    float8_matmul: float | None = None  # a large float8 matmul's FLOP/s (train.float8)
     attention: float | None = None
     attention_backward: float | None = None
     layer_overhead: float = 0.0  # a block's eager ops' dispatch, forward and backward
@@ -80,19 +84,30 @@ class DeviceRates:
     waves: bool = True
     dispatch_ahead: bool = False
 
-    def gemm(self, m: int, n: int, k: int, width: int) -> float:
-        """Seconds of an (m x k) @ (k x n) matmul of `width`-byte elements."""
+    def gemm(self, m: int, n: int, k: int, width: int, float8: bool = False) -> float:
+        """Seconds of an (m x k) @ (k x n) matmul of `width`-byte elements (`float8`: its
+        operands one byte, at the float8 rate)."""
         fill = 1.0
         if self.sms and self.waves:
             tiles = math.ceil(m / TILE) * math.ceil(n / TILE)
             fill = tiles / (math.ceil(tiles / self.sms) * self.sms)
-        compute = 2 * m * n * k / (self.matmul * fill)
-        return max(compute, width * (m * k + k * n + m * n) / self.memory)
+        rate = self.float8_matmul if float8 and self.float8_matmul else self.matmul
+        operands = 1 if float8 else width
+        compute = 2 * m * n * k / (rate * fill)
+        return max(compute, (operands * (m * k + k * n) + width * m * n) / self.memory)
 
-    def linear(self, tokens: int, out: int, inp: int, width: int) -> tuple[float, float]:
-        """(forward, backward) seconds of a linear layer: y = x W^T, dx, dW."""
-        forward = self.gemm(tokens, out, inp, width)
-        return forward, self.gemm(tokens, inp, out, width) + self.gemm(out, inp, tokens, width)
+    def linear(
+        self, tokens: int, out: int, inp: int, width: int, float8: Float8Plan | None = None
+    ) -> tuple[float, float]:
+        """(forward, backward) seconds of a linear layer: y = x W^T, dx, dW; `float8`: its
+        GEMMs in float8 and its casts (plan/float8.py)."""
+        on = float8 is not None
+        forward = self.gemm(tokens, out, inp, width, on)
+        backward = self.gemm(tokens, inp, out, width, on) + self.gemm(out, inp, tokens, width, on)
+        if on:
+            cast_f, cast_b = float8.cast_bytes(tokens, out, inp, width)
+            forward, backward = forward + cast_f / self.memory, backward + cast_b / self.memory
+        return forward, backward
 
 
 @dataclass(frozen=True)
@@ -143,13 +158,15 @@ def block_times(
     sp: bool,
     width: int,
     cp: int = 1,
+    float8: Float8Plan | None = None,
 ) -> PassTimes:
     """One transformer block (meshrun's: q, k, v, o; w1, (w3,) w2) under TP degree `tp` and
-    CP degree `cp`."""
+    CP degree `cp`; `float8`: train.float8's linears (plan/float8.py)."""
     tokens = micro_batch * seq // cp
     forward = backward = alternate = 0.0
+    flags = float8_flags(d) if float8 else None
     for index, (rows, out, inp) in enumerate(block_linears(d, tokens, tp)):
-        f, b = rates.linear(rows, out, inp, width)
+        f, b = rates.linear(rows, out, inp, width, float8 if flags and flags[index] else None)
         forward, backward = forward + f, backward + b
         alternate += f if index % 2 else 0.0
     causal_flops = 2 * micro_batch * seq * seq * d.hq / tp / cp  # half of 4*b*s^2*h: the mask

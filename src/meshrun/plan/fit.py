@@ -11,7 +11,7 @@ from meshrun.core.hardware import HostFacts
 from meshrun.core.layout import Layout
 from meshrun.plan import predict
 from meshrun.plan.candidate import evaluate, host_flops
-from meshrun.plan.search import Box, search
+from meshrun.plan.search import FLOAT8_KEY, Box, search
 
 GiB = 2**30
 
@@ -33,7 +33,8 @@ def check_fit(cfg: ExperimentConfig, facts: HostFacts) -> None:
     split = ", ".join(f"{k} {_gib(v)}" for k, v in m.as_dict().items() if k != "peak")
     world = Layout.of(cfg.parallel).world_size
     box = Box(cfg.launcher.nnodes, world // cfg.launcher.nnodes)
-    fitting = [c for c in search(cfg, box, facts).ranked if c.fits][:3]
+    keep = frozenset({FLOAT8_KEY})  # layouts of the run's own precision
+    fitting = [c for c in search(cfg, box, facts, keep).ranked if c.fits][:3]
     if fitting:
         valid = "; ".join(f"{c.overrides()} (predicted {_gib(c.peak)} a rank)" for c in fitting)
     else:

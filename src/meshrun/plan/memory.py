@@ -85,6 +85,9 @@ trace's), one prediction a device (the record measures each):
                    backward their gradients (4 bytes a parameter), summed onto the first
 
 A device's peak is the higher of its two ends: the excess of the other counts as other.
+
+train.float8 (plan/float8.py's memory_change): no autocast copies of its weights, its gathered
+weights at one byte under FSDP2's float8 all-gather, one linear's float8 operands transient.
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ from meshrun.core.attention_kernels import AttentionSite, block_kernel, expands_
 from meshrun.core.choices import HALF_PRECISIONS, SAC_POLICIES
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.layout import Layout
+from meshrun.plan.float8 import memory_change
 from meshrun.plan.shapes import (
     Dims,
     StageShare,
@@ -310,6 +314,9 @@ def predict_rank(
             activations += elements * 2  # autocast's bf16 weight copies, kept for backward
         if layout.dp_replicate > 1 and not cfg.parallel.ddp.gradient_as_bucket_view:
             other += state  # DDP's gradient buckets
+    activations += memory_change(
+        cfg, layout, d, share.layers, rank_tokens(cfg, layout, micro_batch)
+    )
     if cfg.hardware.device_type == "cuda":
         other += CUBLAS_WORKSPACES
     if layout.pp > 1:  # the stage's receive buffers, one per micro-batch

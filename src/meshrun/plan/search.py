@@ -58,6 +58,7 @@ MIN_CP_TOKENS = 4096
 SPEED_RESOLUTION = 0.02
 # A dp_replicate x dp_shard split of data parallelism: the keys it sets.
 DP_KEYS = ("parallel.dp_replicate", "parallel.dp_shard")
+FLOAT8_KEY = "train.float8.enabled"
 
 
 @dataclass(frozen=True)
@@ -286,18 +287,66 @@ def search(
         if box.per_node % keys["tp"]:  # only where the user asked for this tp
             plan.rule_out(_tp_across_nodes(keys["tp"], box))
             continue
-        best = best_variant(with_parallel(cfg, box, **keys), facts, fixed, plan)
-        if best is None:
-            continue
-        plan.ranked.append(best)
-        uneven = uneven_variant(best, facts)
-        if uneven is not None:
-            plan.ranked.append(uneven)
+        for precision in float8_variants(cfg, fixed):
+            best = best_variant(with_parallel(precision, box, **keys), facts, fixed, plan)
+            if best is None:
+                continue
+            plan.ranked.append(best)
+            uneven = uneven_variant(best, facts)
+            if uneven is not None:
+                plan.ranked.append(uneven)
     if not plan.ranked and not plan.ruled_out:
         plan.rule_out(_no_layout_reason(box, fixed))
     add_speedups(plan.ranked, facts)
+    add_float8_gains(plan.ranked)
     plan.ranked.sort(key=ranking(plan.ranked))
     return plan
+
+
+def float8_unplanned(cfg: ExperimentConfig) -> str | None:
+    """Why the plan has no float8 rows where the user did not ask for them: a CPU (float8's
+    casts cost more than its matmuls save there), or a device without float8 tensor cores;
+    None where it has them."""
+    if cfg.hardware.device_type != "cuda":
+        return "a CPU's float8 matmuls are no faster and its casts cost more"
+    lacking = [s.name for s in cfg.hardware.devices if "fp8" not in s.peak_tflops]
+    if lacking:
+        return (
+            f"{', '.join(lacking)} has no float8 tensor cores (float8 matmuls need compute "
+            "capability 8.9: Ada, Hopper, Blackwell; its profile lists no fp8 peak)"
+        )
+    return None
+
+
+def float8_variants(cfg: ExperimentConfig, fixed: frozenset[str]) -> list[ExperimentConfig]:
+    """`cfg` in high precision and, where the devices have float8 tensor cores and the user
+    fixed no train.float8.enabled, with train.float8 (and train.compile, unless fixed)."""
+    if FLOAT8_KEY in fixed or float8_unplanned(cfg):
+        return [cfg]
+    off = dataclasses.replace(cfg.train.float8, enabled=False)
+    on = dataclasses.replace(cfg.train.float8, enabled=True)
+    compiled = cfg.train.compile if "train.compile" in fixed else True
+    return [
+        dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, float8=off)),
+        dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, float8=on, compile=compiled)),
+    ]
+
+
+def add_float8_gains(candidates: list[Candidate]) -> None:
+    """Each float8 row's predicted tokens/s over the same layout's high-precision row's."""
+    high = {_layout_key(c): c for c in candidates if not c.cfg.train.float8.enabled}
+    for c in candidates:
+        twin = high.get(_layout_key(c))
+        if c.cfg.train.float8.enabled and twin and twin.speed and c.speed:
+            c.float8_gain = c.speed.tokens_per_s / twin.speed.tokens_per_s
+
+
+def _layout_key(c: Candidate) -> tuple:
+    """A layout apart from its precision and its checkpointing and micro-batch (each
+    precision's fastest variant that fits)."""
+    p = c.cfg.parallel
+    degrees = tuple(sorted(Layout.of(p).degrees().items()))
+    return (degrees, p.ep, p.etp, p.schedule, p.stages_per_rank, p.sequence_parallel, p.cp_method)
 
 
 def _no_layout_reason(box: Box, fixed: frozenset[str]) -> str:
@@ -324,7 +373,8 @@ def fitting_layouts(cfg: ExperimentConfig, world: int, facts: HostFacts) -> list
     first is the layout a run takes, the first K those plan.trials measures); ConfigError
     where none does."""
     box = Box(cfg.launcher.nnodes, world // cfg.launcher.nnodes)
-    ranked = [c for c in search(cfg, box, facts).ranked if c.fits]
+    # the run's own train.float8 stands: parallel=auto picks a layout, not a precision
+    ranked = [c for c in search(cfg, box, facts, frozenset({FLOAT8_KEY})).ranked if c.fits]
     if not ranked:
         fail(
             "parallel",

@@ -33,6 +33,7 @@ from meshrun.plan.compute import (
     head_times,
     kernel_rates,
 )
+from meshrun.plan.float8 import Float8Plan, block_float8_elements
 from meshrun.plan.shapes import (
     Dims,
     StageShare,
@@ -60,12 +61,14 @@ class ModelCost:
     """What the speed model needs of a model under a layout: training FLOPs per token of
     the whole model, the parameter elements of the rank holding most (TP-sharded, before
     FSDP's shards: what DP moves) and of those the routed experts' (FSDP2 moves them over
-    the expert mesh under ep), and the width of the activations TP and PP move."""
+    the expert mesh under ep) and the float8 linears' (FSDP2 may gather them in float8), and
+    the width of the activations TP and PP move."""
 
     flops_per_token: float
     rank_elements: int
     width: int
     expert_elements: int = 0
+    float8_elements: int = 0  # of rank_elements, train.float8's linears' (plan/float8.py)
 
 
 def formula_cost(cfg: ExperimentConfig, layout: Layout) -> ModelCost:
@@ -77,8 +80,9 @@ def formula_cost(cfg: ExperimentConfig, layout: Layout) -> ModelCost:
     shares = stage_shares(cfg.model, cfg.parallel, layout)
     held = Dims.of_layout(cfg.model, layout)
     rank_elements = max(local_param_elements(held, s, layout.tp, 1) for s in shares)
-    experts = max(s.layers for s in shares) * held.expert_elements()
-    return ModelCost(per_token, rank_elements, d.h, experts)
+    layers = max(s.layers for s in shares)
+    float8 = layers * block_float8_elements(held, layout.tp) if cfg.train.float8.enabled else 0
+    return ModelCost(per_token, rank_elements, d.h, layers * held.expert_elements(), float8)
 
 
 @dataclass
@@ -135,7 +139,15 @@ def device_rates(cfg: ExperimentConfig, spec: DeviceSpec, cp: int) -> DeviceRate
     if spec.attention.seq and cfg.train.precision in HALF_PRECISIONS:
         span = attention_span(cfg.train.seq_len, cp, cfg.parallel.cp_method)
         forward, backward = kernel_rates(spec.attention, span)
-    return DeviceRates(peak * spec.matmul_efficiency, memory, spec.sms, forward, backward)
+    fp8 = spec.peak_tflops.get("fp8") if cfg.train.float8.enabled else None
+    return DeviceRates(
+        peak * spec.matmul_efficiency,
+        memory,
+        spec.sms,
+        float8_matmul=fp8 * 1e12 * spec.fp8_matmul_efficiency if fp8 else None,
+        attention=forward,
+        attention_backward=backward,
+    )
 
 
 def calibrated_rates(calibration: Calibration, spec: DeviceSpec | None = None) -> DeviceRates:
@@ -164,7 +176,10 @@ def stage_by_shapes(
     d = Dims.of_layout(cfg.model, layout, EP_LOAD_ALLOWANCE)
     width = 2 if cfg.train.precision in HALF_PRECISIONS else FP32
     p, seq = cfg.parallel, cfg.train.seq_len
-    block = block_times(d, rates, micro, seq, layout.tp, p.sequence_parallel, width, layout.cp)
+    float8 = Float8Plan.of(cfg, layout)
+    block = block_times(
+        d, rates, micro, seq, layout.tp, p.sequence_parallel, width, layout.cp, float8
+    )
     forward, backward = share.layers * block.forward, share.layers * block.backward
     if share.last:
         head_f, head_b = head_times(d, rates, rank_tokens(cfg, layout, micro), layout.tp, width)

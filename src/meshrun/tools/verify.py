@@ -24,13 +24,13 @@ from rich.table import Table
 from rich.text import Text
 
 from meshrun.core.config import DebugConfig, ExperimentConfig, ParallelConfig
-from meshrun.core.errors import ConfigError, positive
+from meshrun.core.errors import ConfigError, fail, positive
 from meshrun.core.hardware import HostFacts, target_facts
 from meshrun.core.layout import Layout
 from meshrun.core.measured import Measured
 from meshrun.core.naming import layout_name
 from meshrun.core.record import MEMORY_CATEGORIES
-from meshrun.core.tool_config import TOLERANCES, VerifyExperimentConfig
+from meshrun.core.tool_config import VerifyExperimentConfig, verify_tolerance
 from meshrun.driver.command import hydra_command
 from meshrun.driver.experiment import measure
 from meshrun.driver.launch.dispatch import launch
@@ -43,14 +43,20 @@ REPORT_FILE = "verify.json"
 GiB = 2**30
 
 
-def reference_config(cfg: ExperimentConfig) -> ExperimentConfig:
+def reference_config(cfg: ExperimentConfig, high_precision: bool = False) -> ExperimentConfig:
     """The single-device twin with the SAME global batch (unlike the weak-scaling baseline).
 
     Model, data, seed, steps, micro-batch and threads per rank stay; the layout's own options
     (TP plan, schedule, checkpointing) and fault injection do not apply to one device.
+    `high_precision`: without train.float8 (verify.reference=high_precision).
     """
+    train = cfg.train
+    if high_precision:
+        float8 = dataclasses.replace(train.float8, enabled=False)
+        train = dataclasses.replace(train, float8=float8)
     return dataclasses.replace(
         cfg,
+        train=train,
         parallel=ParallelConfig(name="single"),
         launcher=dataclasses.replace(cfg.launcher, nproc_per_node=1),
         debug=DebugConfig(),
@@ -67,9 +73,13 @@ def relative_deviation(value: float, reference: float) -> float:
 
 
 def compare(
-    reference: list[dict[str, Any]], layout: list[dict[str, Any]], tolerance: float
+    reference: list[dict[str, Any]],
+    layout: list[dict[str, Any]],
+    tolerance: float,
+    grad_norms: bool = True,
 ) -> dict[str, Any]:
-    """Per-step records of both runs (metrics.jsonl) -> the report verify.json holds."""
+    """Per-step records of both runs (metrics.jsonl) -> the report verify.json holds;
+    `grad_norms` false: the losses alone judged (float8 against high precision)."""
     steps = [
         {
             "step": ref["step"],
@@ -85,7 +95,8 @@ def compare(
     max_loss = max(s["loss_deviation"] for s in steps)
     max_grad = max(s["grad_norm_deviation"] for s in steps)
     return {
-        "passed": max_loss <= tolerance and max_grad <= tolerance,
+        "passed": max_loss <= tolerance and (max_grad <= tolerance or not grad_norms),
+        "grad_norms_judged": grad_norms,
         "tolerance": tolerance,
         "max_loss_deviation": max_loss,
         "max_grad_norm_deviation": max_grad,
@@ -96,8 +107,9 @@ def compare(
 
 
 def _print_report(report: dict[str, Any]) -> None:
-    tolerance = report["tolerance"]
-    table = Table(title="layout vs single device, per step")
+    tolerance, judged = report["tolerance"], report["grad_norms_judged"]
+    against = "single device" if judged else "single device without float8"
+    table = Table(title=f"layout vs {against}, per step")
     headers = (
         "step",
         "loss\nref",
@@ -110,8 +122,9 @@ def _print_report(report: dict[str, Any]) -> None:
     for header in headers:
         table.add_column(header, justify="right", no_wrap=True)
 
-    def deviation(value: float) -> Text:
-        return Text(f"{value:.1e}", style="red" if value > tolerance else "green")
+    def deviation(value: float, judged: bool = True) -> Text:
+        style = "dim" if not judged else "red" if value > tolerance else "green"
+        return Text(f"{value:.1e}", style=style)
 
     for s in report["steps"]:
         table.add_row(
@@ -121,14 +134,16 @@ def _print_report(report: dict[str, Any]) -> None:
             deviation(s["loss_deviation"]),
             f"{s['grad_norm_reference']:.6f}",
             f"{s['grad_norm_layout']:.6f}",
-            deviation(s["grad_norm_deviation"]),
+            deviation(s["grad_norm_deviation"], judged),
         )
     console.print(table)
     verdict = Text("PASS", style="bold green") if report["passed"] else Text("FAIL", "bold red")
+    unjudged = "" if judged else ", not judged"
     console.print(
         Text(
             f"largest deviation: loss {report['max_loss_deviation']:.2e}, grad norm "
-            f"{report['max_grad_norm_deviation']:.2e} (tolerance {tolerance:g} relative): "
+            f"{report['max_grad_norm_deviation']:.2e}{unjudged} (tolerance {tolerance:g} "
+            "relative): "
         )
         + verdict,
         soft_wrap=True,
@@ -174,21 +189,31 @@ def run(dict_cfg: DictConfig) -> int:
     composed: VerifyExperimentConfig = OmegaConf.to_object(dict_cfg)
     if composed.verify.traced:
         return traced(composed)
-    tolerance = composed.verify.tolerance or TOLERANCES[composed.train.precision]
+    tolerance = verify_tolerance(composed)
+    high_precision = composed.verify.reference == "high_precision"
     try:
         positive("verify.tolerance", composed.verify.tolerance, allow_none=True)
+        if high_precision and not composed.train.float8.enabled:
+            fail(
+                "verify.reference",
+                "high_precision",
+                "compares a float8 run with the same run in high precision; this one has no float8",
+                "train.float8.enabled=true, or verify.reference=same",
+            )
         cfg = resolve(_experiment(composed), HostFacts.detect(), say=print_note)
     except ConfigError as err:
         print_error("config error", str(err))
         return 2
     runs = {
         "layout": dataclasses.replace(cfg, run_dir=f"{cfg.run_dir}/layout"),
-        "reference": reference_config(cfg),
+        "reference": reference_config(cfg, high_precision),
     }
-    world = cfg.launcher.nproc_per_node
+    world, f8 = cfg.launcher.nproc_per_node, cfg.train.float8
+    float8 = f", float8 {f8.recipe}" if f8.enabled else ""
     console.print(
-        f"meshrun-verify: {cfg.model.name} on {layout_name(cfg)} ({world} rank(s)) against one "
-        f"device, {cfg.train.steps} steps of global batch {cfg.train.global_batch_size}",
+        f"meshrun-verify: {cfg.model.name} on {layout_name(cfg)} ({world} rank(s)){float8} "
+        f"against one device{' without float8' if high_precision else ''}, "
+        f"{cfg.train.steps} steps of global batch {cfg.train.global_batch_size}",
         soft_wrap=True,
     )
     measured: dict[str, Measured] = {}
@@ -199,12 +224,15 @@ def run(dict_cfg: DictConfig) -> int:
             report = {"passed": False, "tolerance": tolerance, "failed_run": role, "error": error}
             break
     else:
-        report = compare(measured["reference"].steps, measured["layout"].steps, tolerance)
+        judged = not high_precision
+        report = compare(measured["reference"].steps, measured["layout"].steps, tolerance, judged)
     report |= {
         "model": cfg.model.name,
         "parallel": cfg.parallel.name,
         "layout": layout_name(cfg),
         "tp_plan": cfg.parallel.tp_plan,
+        "float8": str(cfg.train.float8.recipe) if cfg.train.float8.enabled else None,
+        "reference": str(composed.verify.reference),
         **{f"{role}_dir": run_cfg.run_dir for role, run_cfg in runs.items()},
     }
     (Path(cfg.run_dir) / REPORT_FILE).write_text(json.dumps(report, indent=2))

@@ -33,6 +33,7 @@ from meshrun.validate.custom import check_custom_layout, check_staged
 from meshrun.validate.data import check_data
 from meshrun.validate.experts import check_expert_layout, check_experts
 from meshrun.validate.fault_tolerance import check_fault_tolerance
+from meshrun.validate.float8 import check_float8
 from meshrun.validate.guard import check_guard
 from meshrun.validate.inspection import check_inspection
 from meshrun.validate.launcher import check_debug
@@ -94,6 +95,7 @@ def validate_layout(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig
     if isinstance(resolved.model, CustomModelConfig):
         check_custom_layout(resolved)
     check_pipeline(resolved)
+    check_float8(resolved, facts)
     return resolved
 
 
@@ -181,13 +183,14 @@ def _check_hardware(hw: HardwareConfig) -> None:
         key = f"hardware.devices.{index}"
         positive(f"{key}.memory_bw_gbs", spec.memory_bw_gbs, allow_none=True)
         positive(f"{key}.sms", spec.sms, allow_none=True)
-        if not 0 < spec.matmul_efficiency <= 1:
-            fail(
-                f"{key}.matmul_efficiency",
-                spec.matmul_efficiency,
-                "is the fraction of the peak the best large matmul reaches",
-                "a number in (0, 1], e.g. 0.8",
-            )
+        for name in ("matmul_efficiency", "fp8_matmul_efficiency"):
+            if not 0 < getattr(spec, name) <= 1:
+                fail(
+                    f"{key}.{name}",
+                    getattr(spec, name),
+                    "is the fraction of the peak the best large matmul reaches",
+                    "a number in (0, 1], e.g. 0.8",
+                )
         _check_attention_kernel(f"{key}.attention", spec.attention)
         for pattern in spec.match:
             try:

@@ -68,10 +68,25 @@ def _routers(r: RunRecord) -> list[tuple[str, str]]:
 
 def _mfu(r: RunRecord) -> str:
     """An MoE's MFU counts a token's own experts: PaLM's 6N (+ attention) with N the
-    parameters a token meets, that share of them."""
-    if r.active_param_share is None or r.mfu is None:
-        return _fmt(r.mfu)
-    return f"{_fmt(r.mfu)} (6N: N active, {r.active_param_share:.1%})"
+    parameters a token meets, that share of them. A float8 run's is against the peak of
+    its precision (bf16), as is usual, and against the fp8 peak too."""
+    text = _fmt(r.mfu)
+    if r.active_param_share is not None and r.mfu is not None:
+        text += f" (6N: N active, {r.active_param_share:.1%})"
+    if r.float8_recipe is not None:
+        text += f" of the {r.precision} peak, {_fmt(r.mfu_fp8_peak)} of the fp8 peak"
+    return text
+
+
+def _float8(r: RunRecord) -> list[tuple[str, str]]:
+    """train.float8: how much of the model ran in float8, and what did not."""
+    if r.float8_recipe is None:
+        return []
+    what = (
+        f"{r.float8_recipe}: {r.float8_linears} linears, {r.float8_flops_share:.0%} of a "
+        "token's training FLOPs"
+    )
+    return [("float8", what + (f"; {r.float8_note}" if r.float8_note else ""))]
 
 
 def print_trials(trials: list[Trial], steps: int) -> None:
@@ -139,6 +154,7 @@ def print_summary(r: RunRecord) -> None:
         (f"speedup ({r.scaling} scaling)", _speedup(r)),
         ("scaling efficiency", _efficiency(r)),
         ("MFU", _mfu(r)),
+        *_float8(r),
         *_data_stall(r),
         ("peak memory (max rank)", _fmt_bytes(r.peak_memory_max_bytes)),
         ("  params/grads/optim/activ/other", _breakdown(r)),

@@ -1,10 +1,10 @@
 """Turn the model into its parallel form for a layout.
 
 Composition order (as in torchtitan): on the meta device, the pipeline cut, context
-parallel, tensor parallel, expert parallel, activation checkpointing, torch.compile per block
-and FSDP2 (HSDP); then each rank materialises what it holds, seeded or read from a
-checkpoint (no rank ever holds the whole model); then the wrappers that need real tensors
-(DDP, DataParallel); then the pipeline schedule.
+parallel, float8 linears (train.float8), tensor parallel, expert parallel, activation
+checkpointing, torch.compile per block and FSDP2 (HSDP); then each rank materialises what it
+holds, seeded or read from a checkpoint (no rank ever holds the whole model); then the
+wrappers that need real tensors (DDP, DataParallel); then the pipeline schedule.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.nn.parallel import DistributedDataParallel
 
-from meshrun.core.config import ParallelConfig
+from meshrun.core.config import Float8Config, ParallelConfig
 from meshrun.core.layout import Layout
 from meshrun.core.stages import local_stage_ids, stage_layer_counts
 from meshrun.rank.mesh import build_expert_mesh
@@ -49,6 +49,15 @@ class ParallelModel:
     new_schedule: Callable[[], _PipelineSchedule] | None = None  # another one over `parts`
     loss: ScaledLoss | None = None  # the training schedule's (its scale: fp16's loss scale)
     tied: TiedWeights | None = None  # a tied embedding's end on a pipeline's first/last stage
+    float8_scales: bool = False  # FSDP2 all-gathers float8 weights at precomputed scales
+
+    def refresh_float8_scales(self) -> None:
+        """The float8 all-gather's scales from the weights as they now are: after each
+        optimizer step and each load of the weights (parallel/float8.py)."""
+        if self.float8_scales:
+            from meshrun.rank.parallel.float8 import refresh_scales  # noqa: PLC0415
+
+            refresh_scales(self.parts)
 
     def norm_copies(self) -> list[nn.Parameter]:
         """Parameters that copy another rank's (a tied head): left out of the gradient norm."""
@@ -115,11 +124,13 @@ def parallelize(
     pretrained: str | None = None,
     compile: bool = False,
     seq_len: int = 0,
+    float8: Float8Config | None = None,
 ) -> ParallelModel:
     """`model` is the full model on the meta device (meshrun.models); returns this rank's
     materialised share, its weights seeded or read from `pretrained` (a local HF directory).
     `n_microbatches`: a pipeline's per step (core.batch.n_microbatches); `compile`: each
-    block through torch.compile (train.compile); `seq_len`: the sequence CP splits."""
+    block through torch.compile (train.compile); `seq_len`: the sequence CP splits;
+    `float8`: train.float8."""
     pp_rank = mesh.get_local_rank("pp") if layout.pp > 1 else 0
     stage_ids, n_stages = pipeline_stages(pp_rank, layout, cfg)
     wrapped, read = [], 0
@@ -135,7 +146,7 @@ def parallelize(
                 cp_mesh.get_local_rank(),
                 layout.cp,
             )
-        part = sharded_part(cut, mesh, layout, cfg, param_dtype, compile, expert_mesh)
+        part = sharded_part(cut, mesh, layout, cfg, param_dtype, compile, expert_mesh, float8)
         read += materialise(part, device, seed, pretrained)
         wrapped.append(replicated(part, mesh, layout, cfg, device))
     schedule = new_schedule = tied = None
@@ -146,9 +157,12 @@ def parallelize(
         )
         schedule = new_schedule(loss_fn=loss)
         tied = tied_weights(wrapped, mesh)
-    return ParallelModel(
+    parallel = ParallelModel(
         wrapped, schedule, 0 in stage_ids, n_stages - 1 in stage_ids, read, new_schedule, loss, tied
     )
+    parallel.float8_scales = float8_all_gather(float8, mesh, layout, cfg)
+    parallel.refresh_float8_scales()
+    return parallel
 
 
 def pipeline_stages(pp_rank: int, layout: Layout, cfg: ParallelConfig) -> tuple[list[int], int]:
@@ -177,10 +191,16 @@ def sharded_part(
     param_dtype: torch.dtype,
     compile: bool = False,
     expert_mesh: DeviceMesh | None = None,
+    float8: Float8Config | None = None,
 ) -> nn.Module:
-    """On meta: tensor-parallel, expert-parallel (over `expert_mesh`, rank/mesh.py),
-    checkpointed, compiled (`compile`) and FSDP2-sharded, every parameter already the
-    DTensor it trains as, so that materialising fills only this rank's share."""
+    """On meta: float8 linears (`float8`: train.float8), tensor-parallel, expert-parallel
+    (over `expert_mesh`, rank/mesh.py), checkpointed, compiled (`compile`) and
+    FSDP2-sharded, every parameter already the DTensor it trains as, so that materialising
+    fills only this rank's share."""
+    if float8 is not None and float8.enabled:
+        from meshrun.rank.parallel.float8 import convert  # noqa: PLC0415 (meshrun[float8])
+
+        convert(part, float8, _sharded(mesh, layout, cfg))
     if layout.tp > 1:
         resolve_tp_plan(cfg.tp_plan)(part, mesh["tp"], cfg.sequence_parallel)
     if expert_mesh is not None:
@@ -188,12 +208,28 @@ def sharded_part(
     apply_activation_checkpointing(part, cfg.activation_checkpointing, cfg.checkpoint_every)
     if compile:
         apply_compile(part)
-    if cfg.data_parallel == "dataparallel" or mesh is None or not layout.uses_fsdp:
+    if not _sharded(mesh, layout, cfg):
         return part
     # Replication next to TP/PP goes through FSDP2 on a (replicate, shard=1) mesh. Under PP,
     # keep parameters gathered across the micro-batches of a step instead of re-gathering.
     reshard = cfg.fsdp.reshard_after_forward and layout.pp == 1
     return apply_fsdp(part, mesh, layout, reshard, param_dtype, expert_mesh)
+
+
+def _sharded(mesh: DeviceMesh | None, layout: Layout, cfg: ParallelConfig) -> bool:
+    """Whether the part goes through FSDP2 (HSDP, or replication beside TP/PP)."""
+    return cfg.data_parallel != "dataparallel" and mesh is not None and layout.uses_fsdp
+
+
+def float8_all_gather(
+    float8: Float8Config | None, mesh: DeviceMesh | None, layout: Layout, cfg: ParallelConfig
+) -> bool:
+    """Whether FSDP2 all-gathers float8 weights (train.float8.fsdp_all_gather's)."""
+    if float8 is None or not float8.enabled or not _sharded(mesh, layout, cfg):
+        return False
+    from meshrun.rank.parallel.float8 import fsdp_all_gather  # noqa: PLC0415 (meshrun[float8])
+
+    return fsdp_all_gather(float8)
 
 
 def materialise(part: nn.Module, device: torch.device, seed: int, pretrained: str | None) -> int:

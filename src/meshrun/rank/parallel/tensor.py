@@ -10,6 +10,12 @@ the sequence first under SP, and their input gradients reduced once). Written on
 serves both modes: without SP `sequence_parallel` is a no-op and the residual stream is
 replicated; with SP it is sharded over the sequence, each all-reduce becoming a
 reduce-scatter + all-gather. A value may also be a ParallelStyle, used as it is.
+
+A float8 linear (train.float8, parallel/float8.py) whose recipe has float8 TP styles
+(tensorwise) takes them for its `colwise` or `rowwise` entry, and a sub-block whose
+column-wise matrices are all such shares its input cast to float8: SP's all-gathers move
+float8, as torchtitan's float8 TP (Float8ColwiseParallel, Float8RowwiseParallel,
+PrepareFloat8ModuleInput).
 """
 
 from __future__ import annotations
@@ -44,10 +50,16 @@ class ShareInput(ParallelStyle):
     each column-wise matrix wraps the tensor itself and reduces its own gradient: q, k, v,
     gate and up, five all-reduces a block where two do."""
 
-    def __init__(self, sequence_parallel: bool, shared: bool) -> None:
+    def __init__(
+        self,
+        sequence_parallel: bool,
+        shared: bool,
+        cast: Callable[[DTensor], DTensor] | None = None,
+    ) -> None:
         super().__init__()
         self.stream = Shard(1) if sequence_parallel else Replicate()
         self.shared = shared  # else handed on as a plain tensor (a block that routes it)
+        self.cast = cast  # to float8 before the all-gather: its float8 matrices' input
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not self.shared and self.stream == Replicate():
@@ -57,6 +69,8 @@ class ShareInput(ParallelStyle):
             # a SequenceParallel norm hands on a DTensor, the residual stream a local tensor
             if not isinstance(x, DTensor):
                 x = DTensor.from_local(x, device_mesh, [self.stream], run_check=False)
+            if self.cast is not None:
+                x = self.cast(x)
             x = x.redistribute(device_mesh, [Replicate()])
             return x if self.shared else x.to_local()
 
@@ -113,6 +127,9 @@ def apply_tp(
     names = [name for name, _ in model.named_modules()]
     held = {k: v for k, v in plan.items() if any(fnmatch(name, k) for name in names)}
     styles = parallel_styles(held, sequence_parallel)
+    for pattern, named in float8_styles(model, held, styles).items():
+        del styles[pattern]
+        styles |= named
     for pattern in [k for k, v in held.items() if v == "gather_input"]:
         styles |= sub_blocks(model, pattern, plan, sequence_parallel)
     parallelize_module(model, tp_mesh, styles)
@@ -122,26 +139,57 @@ def apply_tp(
     model.seq_shards = tp_mesh.size() if sequence_parallel else 1
 
 
+def float8_styles(
+    model: nn.Module, held: dict[str, str | ParallelStyle], styles: dict[str, ParallelStyle]
+) -> dict[str, dict[str, ParallelStyle]]:
+    """The `colwise` and `rowwise` entries that name float8 linears with styles of their own
+    (parallel/float8.py's Float8Linear.tp_style), each entry's modules by name: the float8
+    ones with theirs, the others with the entry's torch style (`styles`). They replace the
+    entry: parallelize_module would apply both a pattern's style and a name's."""
+    found: dict[str, dict[str, ParallelStyle]] = {}
+    for pattern, style in held.items():
+        if style not in ("colwise", "rowwise"):
+            continue
+        names = {n: m for n, m in model.named_modules() if fnmatch(n, pattern)}
+        float8 = {n: _float8_style(m, style, styles[pattern]) for n, m in names.items()}
+        if any(float8.values()):
+            found[pattern] = {n: float8[n] or styles[pattern] for n in names}
+    return found
+
+
+def _float8_style(
+    module: nn.Module, style: str, torch_style: ParallelStyle
+) -> ParallelStyle | None:
+    """A float8 linear's own TP style for `style`, with the torch style's layouts."""
+    tp_style = getattr(module, "tp_style", None)
+    if tp_style is None:
+        return None
+    layouts = {"output_layouts": torch_style.output_layouts[0]} if style == "rowwise" else {}
+    return tp_style(style, **layouts)
+
+
 def sub_blocks(
     model: nn.Module, pattern: str, plan: dict[str, str | ParallelStyle], sequence_parallel: bool
 ) -> dict[str, ParallelStyle]:
     """The modules a `gather_input` entry names, by their own names: one whose column-wise
-    matrices are its own children (attention, a dense MLP) shares its input with them; one
-    that routes its input first (an MoE layer, whose router is no TP matrix) gets it
-    gathered under SP and whole as a plain tensor."""
+    matrices are its own children (attention, a dense MLP) shares its input with them, cast
+    to float8 first where all of them are float8 linears with float8 TP styles; one that
+    routes its input first (an MoE layer, whose router is no TP matrix) gets it gathered
+    under SP and whole as a plain tensor."""
     colwise = [k for k, v in plan.items() if v == "colwise"]
-    return {
-        name: ShareInput(
-            sequence_parallel,
-            shared=any(
-                fnmatch(f"{name}.{child}", c)
-                for child, _ in module.named_children()
-                for c in colwise
-            ),
-        )
-        for name, module in model.named_modules()
-        if fnmatch(name, pattern)
-    }
+    styles = {}
+    for name, module in model.named_modules():
+        if not fnmatch(name, pattern):
+            continue
+        matrices = [
+            child
+            for child_name, child in module.named_children()
+            if any(fnmatch(f"{name}.{child_name}", c) for c in colwise)
+        ]
+        float8 = all(getattr(m, "tensorwise", False) for m in matrices)
+        cast = matrices[0].cast_input if matrices and float8 else None
+        styles[name] = ShareInput(sequence_parallel, shared=bool(matrices), cast=cast)
+    return styles
 
 
 def resolve_tp_plan(path: str | None) -> TpPlan:

@@ -44,6 +44,7 @@ def build_training(cfg: ExperimentConfig, layout: Layout, device: torch.device, 
         cfg.model.pretrained,
         tc.compile,
         tc.seq_len,
+        tc.float8,
     )
     optimizer = build_optimizer(model, tc)
     half = dtype != torch.float32

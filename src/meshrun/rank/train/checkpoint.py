@@ -54,7 +54,7 @@ from meshrun.core.naming import layout_name
 from meshrun.core.rng_state import read_rng_state, rng_file
 from meshrun.core.run_files.failures import Stopped
 from meshrun.models import model_key, model_shape
-from meshrun.models.shards import fill, local_tensor, model_name, named_tensors
+from meshrun.models.shards import fill, local_tensor, model_name, named_tensors, stored_view
 from meshrun.models.vocab import VOCAB_MODULES
 from meshrun.rank.collective_place import control_all_reduce, control_barrier
 from meshrun.rank.parallel import ParallelModel
@@ -96,7 +96,7 @@ def state_tensors(
     for part in model.parts:
         inner = _inner(part)
         for name, tensor in inner.state_dict(keep_vars=True).items():
-            tensors[f"model.{model_name(name)}"] = tensor.detach()
+            tensors[f"model.{model_name(name)}"] = stored_view(tensor.detach())
         names.update({id(param): name for name, param in named_tensors(inner)})
     for param, state in optimizer.state.items():
         for key, value in state.items():
@@ -121,6 +121,7 @@ def load_local_state(
     with torch.no_grad():
         for key, value in state_tensors(model, optimizer).items():
             local_tensor(value).copy_(given[key])
+    model.refresh_float8_scales()
 
 
 def load_schedule(
@@ -367,6 +368,7 @@ class Checkpointer:
         vocab = model_shape(self.cfg.model).vocab_size
         for key, whole in repadded.items():
             fill(tensors[key], whole[:vocab])
+        self.model.refresh_float8_scales()
         load_schedule(self.optimizer, self.schedule, manifest.lr_schedule)
         if self.loss_scale and "loss_scale" in manifest.extra:
             self.loss_scale.load_state_dict(manifest.extra["loss_scale"])

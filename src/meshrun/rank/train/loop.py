@@ -120,6 +120,7 @@ def train_step(
             grads.clip_(cfg.grad_clip, norm)
     lr = schedule.get_last_lr()[0]
     _update(optimizer, schedule, norm, ctx)
+    model.refresh_float8_scales()  # float8 all-gather's scales of the updated weights
     return step_loss, norm, lr
 
 

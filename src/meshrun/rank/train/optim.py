@@ -64,7 +64,7 @@ class LocalAdamW(torch.optim.AdamW):
                 continue
             if isinstance(grad, DTensor) and grad.placements != param.placements:
                 grad = grad.redistribute(param.device_mesh, param.placements)
-            params[i], grads[i] = param.to_local(), local_tensor(grad)
+            params[i], grads[i] = local_tensor(param), local_tensor(grad)
         for states in (exp_avgs, exp_avg_sqs, max_exp_avg_sqs):
             states[first:] = [local_tensor(state) for state in states[first:]]
         return has_complex

@@ -32,7 +32,7 @@ from meshrun.driver.command import hydra_command
 from meshrun.driver.sinks.console import print_error
 from meshrun.plan.candidate import Candidate, host_calibration, trace
 from meshrun.plan.placement import devices_per_node
-from meshrun.plan.search import Box, Plan, search
+from meshrun.plan.search import Box, Plan, float8_unplanned, search
 from meshrun.validate import check_experiment
 from meshrun.validate.launcher import CPU_DEFAULT_RANKS
 from meshrun.validate.layout import check_degrees, fill_degree
@@ -178,9 +178,14 @@ def command(c: Candidate, box: Box, model: str) -> str:
     layout, the training keys that differ from train.yaml's, and SLURM where it spans nodes."""
     t, default = c.cfg.train, TrainConfig()
     train = [
-        f"train.{k}={getattr(t, k)}"
-        for k in ("precision", "seq_len", "global_batch_size")
+        f"train.{k}={_value(getattr(t, k))}"
+        for k in ("precision", "seq_len", "global_batch_size", "compile")
         if getattr(t, k) != getattr(default, k)
+    ]
+    train += [
+        f"train.float8.{k}={_value(getattr(t.float8, k))}"
+        for k in ("enabled", "recipe")
+        if getattr(t.float8, k) != getattr(default.float8, k)
     ]
     nodes = [f"launcher=slurm launcher.nnodes={box.nodes}"] if box.nodes > 1 else []
     return " ".join(
@@ -193,6 +198,11 @@ def command(c: Candidate, box: Box, model: str) -> str:
             *nodes,
         ]
     )
+
+
+def _value(value: object) -> str:
+    """A value as a command line writes it (true, not True)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def step_line(c: Candidate) -> str:
@@ -240,7 +250,22 @@ def render(cfg: PlanCommandConfig, box: Box, found: Plan, chosen: Chosen, model:
         console.print(
             f"[bold]{'row' if len(numbers) == 1 else 'rows'} {', '.join(numbers)}[/bold]: {note}"
         )
+    console.print(float8_line(cfg, found), soft_wrap=True, highlight=False)
     _why_not(console, box, found, model)
+
+
+def float8_line(cfg: PlanCommandConfig, found: Plan) -> str:
+    """What the plan says of float8: its rows' terms, or why it has none."""
+    if any(c.cfg.train.float8.enabled for c in found.ranked):
+        recipe = next(c.cfg.train.float8.recipe for c in found.ranked if c.cfg.train.float8.enabled)
+        return (
+            f"float8 rows: train.float8 ({recipe}, torchao) with train.compile, which fuses its "
+            "casts; `float8 gain` is the predicted tokens/s over the same layout's without "
+            "float8; MFU is against the bf16 peak (as is usual), a float8 row's against the "
+            "fp8 peak too (after the /)"
+        )
+    why = float8_unplanned(cfg)
+    return f"float8: none planned: {why}" if why else "float8: off (train.float8.enabled=false)"
 
 
 def _title(cfg: PlanCommandConfig, box: Box, chosen: Chosen) -> str:
@@ -275,6 +300,8 @@ def _table(shown: list[Candidate], box: Box) -> Table:
         "tokens/s",
         "per device",
         "speedup",
+        "float8 gain",
+        "MFU bf16/fp8 peak",
         "micro-batch",
         *(["traced GiB"] if traced else []),
     ):
@@ -296,10 +323,34 @@ def _table(shown: list[Candidate], box: Box) -> Table:
             tokens,
             per_device,
             speedup,
+            _float8(c),
+            _mfu(c),
             str(c.cfg.train.micro_batch_size),
             *([_gib(max(m.peak for m in c.traced)) if c.traced else "n/a"] if traced else []),
         )
     return table
+
+
+def _float8(c: Candidate) -> str:
+    """A float8 row's predicted gain over the same layout without float8."""
+    if not c.cfg.train.float8.enabled:
+        return "-"
+    return f"{c.float8_gain:.2f}x" if c.float8_gain else "on"
+
+
+def _mfu(c: Candidate) -> str:
+    """MFU against the devices' peak at the run's precision (bf16), as is usual; a float8
+    row's against the fp8 peak too. The first device's peaks (a mixed box: its first kind)."""
+    spec = c.cfg.hardware.devices[0] if c.cfg.hardware.devices else None
+    if c.speed is None or spec is None:
+        return "n/a"
+    achieved = c.speed.model_tflops_per_device
+    peak = spec.peak_tflops.get(str(c.cfg.train.precision))
+    text = f"{achieved / peak:.0%}" if peak else "n/a"
+    fp8 = spec.peak_tflops.get("fp8")
+    if c.cfg.train.float8.enabled and fp8:
+        text += f"/{achieved / fp8:.0%}"
+    return text
 
 
 def _why_not(console: Console, box: Box, found: Plan, model: str) -> None:
