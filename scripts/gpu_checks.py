@@ -17,6 +17,8 @@ from pathlib import Path
 
 from gpu_check import FAIL, PASS, Check, Outcome, Verdict
 
+from meshrun.core.tool_config import FLOAT8_LOSS_BOUND
+
 PY = sys.executable
 MiB = 2**20
 # The planner's memory bars (docs/planner.md): measured peak over predicted.
@@ -283,6 +285,23 @@ def checks(gpus: int) -> list[Check]:
                 alone=True,
             )
             for model in ("llama-1b", "hf/llama-3.2-1b")
+            for compiled in ("false", "true")
+        ],
+        *[
+            Check(
+                f"float8 vs bf16: llama-1b {layout} compile={compiled}, tokens/s and loss",
+                _float8_and_bf16(
+                    f"parallel={layout} model=llama-1b train.precision=bf16 train.seq_len=2048 "
+                    "train.micro_batch_size=4 train.global_batch_size=8 train.steps=20 "
+                    f"train.untimed_steps=5 train.compile={compiled} metrics.baseline=off",
+                    nccl2 if layout == "fsdp" else "",
+                ),
+                _float8_against_bf16,
+                gpus=2 if layout == "fsdp" else 1,
+                budget_s=300 if compiled == "true" else 150,
+                alone=True,
+            )
+            for layout in ("single", "fsdp")
             for compiled in ("false", "true")
         ],
         Check(
@@ -572,6 +591,45 @@ def _resumed_alike(done: Outcome) -> Verdict:
     first, resumed = (_results(done.work / name)["losses"] for name in ("first", "resumed"))
     same = resumed == first[2:]
     return Verdict(PASS if same else FAIL, f"losses {first} then, resumed at 2, {resumed}")
+
+
+def _float8_and_bf16(*overrides: str) -> Callable[[Path], list[str]]:
+    """The same run twice: in bf16 (work/bf16), then with train.float8 (work/float8)."""
+
+    def argv(work: Path) -> list[str]:
+        runs = [
+            shlex.join(_meshrun(*overrides, extra)(work / name))
+            for name, extra in (("bf16", ""), ("float8", "train.float8.enabled=true"))
+        ]
+        return ["bash", "-c", " && ".join(runs)]
+
+    return argv
+
+
+def _float8_against_bf16(done: Outcome) -> Verdict:
+    """Every step's float8 loss within meshrun-verify's high-precision bound of bf16's
+    (FLOAT8_LOSS_BOUND); float8's tokens/s over bf16's, measured and predicted, and its MFU
+    against both peaks, said."""
+    if done.rc:
+        return Verdict(FAIL, f"exit {done.rc}: {_last_error(done.output)}")
+    bf16, float8 = (_results(done.work / name) for name in ("bf16", "float8"))
+    pairs = zip(float8["losses"], bf16["losses"], strict=True)
+    apart = max(abs(f - b) / abs(b) for f, b in pairs)
+    measured = float8["tokens_per_s"] / bf16["tokens_per_s"]
+    said = [float8.get("predicted_tokens_per_s"), bf16.get("predicted_tokens_per_s")]
+    predicted = f", predicted {said[0] / said[1]:.2f}x" if all(said) else ""
+    mfu = [
+        f"{r[k]:.1%}" if r.get(k) is not None else "n/a"
+        for r, k in ((float8, "mfu"), (float8, "mfu_fp8_peak"))
+    ]
+    detail = (
+        f"losses within {apart:.2%}; {float8['tokens_per_s']:,.0f} tok/s float8, "
+        f"{bf16['tokens_per_s']:,.0f} bf16 ({measured:.2f}x{predicted}); float8 MFU {mfu[0]} "
+        f"of the bf16 peak, {mfu[1]} of the fp8 peak; {float8.get('float8_linears')} linears"
+    )
+    if apart > FLOAT8_LOSS_BOUND:
+        return Verdict(FAIL, f"losses {apart:.1%} apart (bound {FLOAT8_LOSS_BOUND:.1%}); {detail}")
+    return Verdict(PASS, detail)
 
 
 def _grouped_and_loop(*overrides: str) -> Callable[[Path], list[str]]:

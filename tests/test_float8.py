@@ -23,6 +23,8 @@ from torchao.float8.float8_tensor_parallel import (
 )
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
+from benchmarks.speed_vs_published import cluster_config
+from meshrun.core.baseline import baseline_key
 from meshrun.core.checkpoints import checkpoint_root, complete
 from meshrun.core.config import Float8Config
 from meshrun.core.errors import ConfigError
@@ -35,12 +37,17 @@ from meshrun.driver.sinks.console import console, print_summary
 from meshrun.models import build_model, float8_coverage
 from meshrun.models.float8 import float8_linears
 from meshrun.plan import predict
+from meshrun.plan.float8 import Float8Plan
+from meshrun.plan.memory import predict_stages
+from meshrun.plan.search import fitting_layouts
+from meshrun.plan.speed import predict_speed
 from meshrun.rank.parallel import float8 as rank_float8
 from meshrun.rank.parallel.tensor import float8_styles, parallel_styles, sub_blocks
 from meshrun.validate import float8 as rules
 from meshrun.validate import validate_layout
 from tests.helpers import compose_config, resolved_config
 from tests.ranks import assert_steps_match, config_in, losses
+from tests.test_plan import meshrun_plan
 from tests.test_verify import report, verify_run
 from tests.tiers import tiered
 
@@ -295,7 +302,8 @@ def test_a_checkpoint_resumes_with_float8_on_or_off_under_another_layout(tmp_pat
 
 def test_the_record_says_what_ran_in_float8_and_its_mfu_against_both_peaks():
     """tiny: 28 linears; their share of a token's training FLOPs is 6 x their weights over
-    PaLM's count; an MoE says its experts stayed in high precision."""
+    PaLM's count; an MoE says its experts stayed in high precision; the baseline twin's key
+    has float8 in it."""
     cfg = resolved_config("train.float8.enabled=true", BF16)
     fields = float8_fields(cfg, tokens_per_s=1000.0)
     linears, elements = float8_coverage(cfg.model, cfg.train.seq_len, ())
@@ -306,6 +314,8 @@ def test_the_record_says_what_ran_in_float8_and_its_mfu_against_both_peaks():
     moe = float8_fields(resolved_config("train.float8.enabled=true", "model=tiny-moe"), 1000.0)
     assert "experts' matmuls stay in fp32" in moe["float8_note"]
     assert float8_fields(resolved_config(), 1000.0) == {}
+    # a stored baseline of the run in bf16 is no baseline of it in float8
+    assert baseline_key(cfg) != baseline_key(resolved_config(BF16))
     fields |= {"mfu": 0.4, "mfu_fp8_peak": 0.2}
     record = RunRecord(status="completed", precision="bf16", **fields)
     with console.capture() as captured:
@@ -336,3 +346,67 @@ def test_verify_compares_float8_with_high_precision_by_the_loss(tmp_path, on_poo
     assert 0 < result["max_loss_deviation"] < FLOAT8_LOSS_BOUND
     assert "without float8" in capsys.readouterr().out
     assert verify_run(tmp_path / "off", "verify.reference=high_precision") == 2
+
+
+LLAMA_7B_H100 = (
+    "model=llama-7b",
+    "hardware=h100-80g",
+    "train.seq_len=4096",
+    "train.global_batch_size=64",
+    "train.micro_batch_size=1",
+)
+FLOAT8_COMPILED = ("train.float8.enabled=true", "train.compile=true")
+
+
+def test_the_planner_costs_float8_gemms_casts_and_one_byte_gathers():
+    """fsdp8 of llama-7b on H100s: the matmuls at the fp8 peak with their casts on top
+    (eager's op-by-op casts cost more than compile's fused ones), FSDP2's all-gather and its
+    copies at one byte a float8 weight, attention untouched; a gathered block lighter."""
+    bf16 = predict_speed(cluster_config(*LLAMA_7B_H100, nodes=1, dp_shard=8))
+    f8 = predict_speed(cluster_config(*LLAMA_7B_H100, *FLOAT8_COMPILED, nodes=1, dp_shard=8))
+    on = cluster_config(*LLAMA_7B_H100, "train.float8.enabled=true", nodes=1, dp_shard=8)
+    eager = predict_speed(on)
+    assert 0.5 * bf16.breakdown["matmul"] < f8.breakdown["matmul"] < 0.75 * bf16.breakdown["matmul"]
+    assert f8.breakdown["matmul"] < eager.breakdown["matmul"]
+    assert f8.breakdown["attention"] == bf16.breakdown["attention"]
+    assert f8.breakdown["dp"] < 0.8 * bf16.breakdown["dp"]
+    assert f8.breakdown["fsdp_copies"] < 0.8 * bf16.breakdown["fsdp_copies"]
+    [with_f8], [without] = (
+        predict_stages(c) for c in (on, cluster_config(*LLAMA_7B_H100, nodes=1, dp_shard=8))
+    )
+    assert with_f8.activations < without.activations
+    # torchao's roofline bytes a tensorwise cast: input 2w+2, weight 3w+2, gradient 2w+2
+    compiled = Float8Plan("tensorwise", True, False, False, 1)
+    assert compiled.cast_bytes(10, 3, 2, width=2) == (10 * 2 * 6 + 3 * 2 * 8, 10 * 3 * 6)
+
+
+def test_an_h100_plan_has_float8_rows_beside_bf16_with_their_gain_an_a100_plan_says_why_not(
+    tmp_path,
+):
+    run, plan = meshrun_plan(
+        tmp_path / "h100", "model=llama-7b", "hardware=h100-80g", "world_size=8", "parallel=fsdp"
+    )
+    by_float8 = {row["float8"]: row for row in plan["layouts"]}
+    assert set(by_float8) == {None, "tensorwise"}
+    float8, bf16 = by_float8["tensorwise"], by_float8[None]
+    assert float8["float8_gain"] == pytest.approx(
+        float8["speed"]["tokens_per_s"] / bf16["speed"]["tokens_per_s"]
+    )
+    assert 1.1 < float8["float8_gain"] < 1.6
+    assert "train.compile=true train.float8.enabled=true" in float8["command"]
+    said = " ".join(run.output.split())
+    assert "float8 rows: train.float8 (tensorwise, torchao) with train.compile" in said
+    run, plan = meshrun_plan(
+        tmp_path / "a100", "model=llama-7b", "hardware=a100-80g", "world_size=8", "parallel=fsdp"
+    )
+    assert {row["float8"] for row in plan["layouts"]} == {None}
+    assert "float8: none planned: A100-80G has no float8 tensor cores" in " ".join(
+        run.output.split()
+    )
+
+
+def test_parallel_auto_picks_a_layout_not_a_precision():
+    cfg = compose_config(*LLAMA_7B_H100, "parallel=auto", "train.precision=bf16")
+    facts = target_facts(load_profile("h100-80g"), HostFacts.detect())
+    ranked = fitting_layouts(cfg, 8, facts)
+    assert ranked and not any(c.cfg.train.float8.enabled for c in ranked)

@@ -60,6 +60,7 @@ def baseline_key(cfg: ExperimentConfig) -> str:
             t.precision,
             # appended only when on, so that the keys of uncompiled runs stay as they were
             *(["compile"] if t.compile else []),
+            *([f"float8-{t.float8.recipe}"] if t.float8.enabled else []),
         ],
     }
     return hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
