@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The fast subset on the oldest torch meshrun is tested on (the floor): every layout's parity
-# with one device, a checkpoint resume (FSDP2, sharded DCP) and the CLI (the quick start,
-# DDP with its measured baseline), in a venv of its own beside make install's .venv.
+# with one device, a checkpoint resume (FSDP2, sharded DCP), the CLI (the quick start,
+# DDP with its measured baseline) and float8 (torchao 0.18 loads on torch 2.11; its rowwise
+# recipes skip there: 2.11's CPU _scaled_mm takes one scale a tensor), in a venv of its own
+# beside make install's .venv.
 #
-#   scripts/test-torch-floor.sh install   # the venv: torch $floor and meshrun[dev,hf]
+#   scripts/test-torch-floor.sh install   # the venv: torch $floor and meshrun[dev,hf,float8]
 #   scripts/test-torch-floor.sh test      # the subset in it
 #   scripts/test-torch-floor.sh           # both
 #
@@ -26,7 +28,7 @@ if [ "$what" = install ] || [ "$what" = all ]; then
   test -x "$py" || python3 -m venv "$venv"
   uv=.venv/bin/uv  # make install puts it there
   [ -x "$uv" ] || { "$py" -m pip install --quiet uv; uv=$venv/bin/uv; }
-  "$uv" pip install --quiet --compile-bytecode --python "$py" "torch==$floor" -e '.[dev,hf]'
+  "$uv" pip install --quiet --compile-bytecode --python "$py" "torch==$floor" -e '.[dev,hf,float8]'
 fi
 if [ "$what" = test ] || [ "$what" = all ]; then
   installed=$("$py" -c "import torch; print(torch.__version__)")
@@ -37,5 +39,6 @@ if [ "$what" = test ] || [ "$what" = all ]; then
   "$py" -m pytest -p no:cacheprovider -q --durations=5 \
     tests/test_layouts.py \
     "tests/test_checkpoint.py::test_resumed_run_continues_bit_for_bit[fsdp]" \
-    tests/test_end_to_end.py::test_ddp_reports_speedup_against_measured_baseline
+    tests/test_end_to_end.py::test_ddp_reports_speedup_against_measured_baseline \
+    "tests/test_float8.py::test_float8_layout_matches_float8_on_one_device[fsdp2_tp2_sequence_parallel]"
 fi

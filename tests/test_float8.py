@@ -51,10 +51,6 @@ from tests.test_plan import meshrun_plan
 from tests.test_verify import report, verify_run
 from tests.tiers import tiered
 
-ROWWISE_ON_CPU = pytest.mark.skipif(
-    not rules.cpu_scales_rows(torch.__version__),
-    reason=f"torch {torch.__version__}'s CPU _scaled_mm takes no per-row scales",
-)
 STEPS = 4
 COMMON = (
     "model=tiny",
@@ -93,8 +89,33 @@ LAYOUTS = {
         MICRO4,
         *ROWWISE,
     ),
+    # a transformers model's plan and a user's, mapped onto the float8 styles alike
+    "hf_tiny_llama_fsdp2_tp2_sequence_parallel": (
+        "model=hf/tiny-llama",
+        "parallel=fsdp2_tp2",
+        "parallel.sequence_parallel=true",
+        MICRO4,
+    ),
+    "custom_tp2": (
+        "model=custom",
+        "model.target=tests.user_model:build",
+        "model.layers=blocks",
+        "model.embedding=embed",
+        "model.norm=norm",
+        "model.head=head",
+        "model.tp_plan=tests.user_model:tp_plan",
+        "parallel=tp2",
+        MICRO4,
+        "train.steps=6",  # its loss turns down after step 4
+    ),
 }
 FAST = {"fsdp2_tp2_sequence_parallel"}
+
+
+def _with(*overrides: str) -> tuple[str, ...]:
+    """COMMON and `overrides`, whose model=, if any, replaces COMMON's."""
+    model = any(o.startswith("model=") for o in overrides)
+    return (*(o for o in COMMON if not (model and o.startswith("model="))), *overrides)
 
 
 def test_float8_takes_the_block_linears_never_the_head_routers_or_odd_widths():
@@ -213,14 +234,15 @@ def test_only_tensorwise_under_fsdp_gathers_float8_weights():
 
 @pytest.fixture(scope="module")
 def single_float8(tmp_path_factory, rank_pool):
-    """One device's float8 steps, by the extra overrides of a layout (its precision, recipe)."""
+    """One device's float8 steps, by the extra overrides of a layout (its model, precision,
+    recipe)."""
     cache: dict[tuple[str, ...], list[dict]] = {}
 
     def steps(*extra: str) -> list[dict]:
         if extra not in cache:
             tmp = tmp_path_factory.mktemp("single")
             measured = measure(
-                config_in(tmp, *COMMON, "parallel=single", *extra), "run", rank_pool.launch
+                config_in(tmp, *_with("parallel=single", *extra)), "run", rank_pool.launch
             )
             assert measured.ok, measured.meta.error
             cache[extra] = measured.steps
@@ -237,11 +259,12 @@ def test_float8_layout_matches_float8_on_one_device(experiment, single_float8, l
     overrides = LAYOUTS[layout]
     if "train.float8.recipe=rowwise" in overrides and not rules.cpu_scales_rows(torch.__version__):
         pytest.skip(f"torch {torch.__version__}'s CPU _scaled_mm takes no per-row scales")
-    cfg, measured = experiment(*COMMON, *overrides)
+    cfg, measured = experiment(*_with(*overrides))
     assert measured.ok, measured.meta.error
-    precision = tuple(o for o in overrides if o.startswith(("train.precision", "train.float8")))
+    kept = ("model", "train.precision", "train.float8", "train.steps")  # the reference's too
+    same = tuple(o for o in overrides if o.startswith(kept))
     tolerance = FLOAT8_TOLERANCES[cfg.train.float8.recipe]
-    assert_steps_match(measured.steps, single_float8(*precision), rel=tolerance)
+    assert_steps_match(measured.steps, single_float8(*same), rel=tolerance)
     got = losses(measured)
     assert got[-1] < got[0]
 

@@ -450,6 +450,12 @@ class Float8Config:
     skip: list[str] = field(default_factory=list)
     fsdp_all_gather: bool | None = None
 
+    @property
+    def gathers_float8(self) -> bool:
+        """`fsdp_all_gather`, null meaning the tensorwise recipe's yes (torchao all-gathers
+        float8 weights for no other: validate/float8.py)."""
+        return self.recipe == "tensorwise" if self.fsdp_all_gather is None else self.fsdp_all_gather
+
 
 @dataclass
 class TrainConfig:

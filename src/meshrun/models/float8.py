@@ -15,21 +15,27 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from meshrun.models.custom import CustomLM
 from meshrun.models.moe import MoEFeedForward
 
 DIM_MULTIPLE = 16  # torch._scaled_mm: each dim of a float8 operand a multiple of 16
 
 
+def _head(model: nn.Module) -> nn.Module | None:
+    """The output head (None on a pipeline stage without it); of a user's module that names
+    none (model.head: only a whole module, a pipeline needs it named), its last linear to
+    the vocabulary."""
+    if not (isinstance(model, CustomLM) and model.cfg.head is None):
+        return getattr(model, "output", None)
+    vocab = model.vocab_size
+    to_vocab = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features == vocab]
+    return to_vocab[-1] if to_vocab else None
+
+
 def float8_linears(model: nn.Module, skip: Sequence[str] = ()) -> dict[str, nn.Linear]:
     """The linears of `model` (meshrun's parts: `output`, `vocab_size`) that train in float8,
     by name; `skip`: name fragments kept in high precision."""
-    head = getattr(model, "output", None)
-    if head is None:
-        vocab = getattr(model, "vocab_size", None)
-        to_vocab = [
-            m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features == vocab
-        ]
-        head = to_vocab[-1] if to_vocab else None
+    head = _head(model)
     routers = {id(m.gate) for m in model.modules() if isinstance(m, MoEFeedForward)}
     return {
         name: module

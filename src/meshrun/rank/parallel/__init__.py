@@ -225,11 +225,8 @@ def float8_all_gather(
     float8: Float8Config | None, mesh: DeviceMesh | None, layout: Layout, cfg: ParallelConfig
 ) -> bool:
     """Whether FSDP2 all-gathers float8 weights (train.float8.fsdp_all_gather's)."""
-    if float8 is None or not float8.enabled or not _sharded(mesh, layout, cfg):
-        return False
-    from meshrun.rank.parallel.float8 import fsdp_all_gather  # noqa: PLC0415 (meshrun[float8])
-
-    return fsdp_all_gather(float8)
+    enabled = float8 is not None and float8.enabled
+    return enabled and _sharded(mesh, layout, cfg) and float8.gathers_float8
 
 
 def materialise(part: nn.Module, device: torch.device, seed: int, pretrained: str | None) -> int:

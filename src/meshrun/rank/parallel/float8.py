@@ -86,7 +86,8 @@ def _all_gather_bytes_on_cpu(op: object, args: tuple, kwargs: dict | None = None
     if given._data.device.type != "cpu":
         return _TORCHAO_ALL_GATHER(op, args, kwargs)
     data = given._data.contiguous()
-    gathered = torch.ops._c10d_functional.wait_tensor(op(data.view(torch.uint8), *args[1:]))
+    gathered = op(data.view(torch.uint8), *args[1:], **(kwargs or {}))
+    gathered = torch.ops._c10d_functional.wait_tensor(gathered)
     return Float8TrainingTensor(
         gathered.view(data.dtype),
         given._scale,
@@ -134,17 +135,11 @@ class Float8Linear(TorchaoFloat8Linear):
         )
 
 
-def fsdp_all_gather(cfg: Float8Config) -> bool:
-    """Whether FSDP2 all-gathers the weights in float8: `fsdp_all_gather`, null for the
-    tensorwise recipe's yes (torchao supports no other: validate/float8.py)."""
-    return cfg.recipe == "tensorwise" if cfg.fsdp_all_gather is None else cfg.fsdp_all_gather
-
-
 def convert(model: nn.Module, cfg: Float8Config, under_fsdp: bool) -> int:
     """`model`'s float8 linears (models/float8.py) swapped in place, on meta; how many.
     `under_fsdp`: the layout shards with FSDP2, whose all-gathers may move float8."""
     config = Float8LinearConfig.from_recipe_name(str(cfg.recipe))
-    if under_fsdp and fsdp_all_gather(cfg):
+    if under_fsdp and cfg.gathers_float8:
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     names = set(float8_linears(model, cfg.skip))
     convert_to_float8_training(model, module_filter_fn=lambda _, fqn: fqn in names, config=config)
