@@ -144,7 +144,9 @@ def test_the_readme_default_runs_first_on_every_gpu_and_each_budget_fits_the_run
 def test_float8_against_bf16_passes_on_the_loss_and_says_both_speeds(tmp_path: Path):
     """The float8 checks' judge: every step's loss within meshrun-verify's high-precision
     bound of bf16's, the speeds (measured and predicted) and MFU against both peaks said."""
-    from gpu_checks import FLOAT8_LOSS_BOUND, _float8_against_bf16  # noqa: PLC0415
+    from gpu_checks import _float8_against_bf16  # noqa: PLC0415
+
+    from meshrun.core.tool_config import FLOAT8_LOSS_BOUND  # noqa: PLC0415
 
     def results(name: str, losses: list[float], tokens: float, predicted: float) -> None:
         run = tmp_path / name / "run"

@@ -70,9 +70,9 @@ with _quiet_import():
 
 # torchao's all-gather of a float8 tensor (float8_ops.py allgather_fp8: tensorwise TP's
 # all-gathers of float8 inputs and output gradients) moves its float8 data as it is, which
-# NCCL takes (torch maps float8 to ncclUint8 where nothing is reduced) and gloo refuses
-# ("Invalid scalar type": ProcessGroupGloo has no float8 type). On a CPU the same bytes
-# move as uint8.
+# NCCL takes (torch/csrc/distributed/c10d/NCCLUtils.cpp's ncclDataType: float8 as
+# ncclFloat8e4m3/e5m2, or ncclUint8 before NCCL's own) and gloo refuses ("Invalid scalar
+# type": ProcessGroupGloo has no float8 type). On a CPU the same bytes move as uint8.
 _ALL_GATHERS = [
     torch.ops._c10d_functional.all_gather_into_tensor.default,
     torch.ops.c10d_functional.all_gather_into_tensor.default,
@@ -135,9 +135,9 @@ class Float8Linear(TorchaoFloat8Linear):
         )
 
 
-def convert(model: nn.Module, cfg: Float8Config, under_fsdp: bool) -> int:
-    """`model`'s float8 linears (models/float8.py) swapped in place, on meta; how many.
-    `under_fsdp`: the layout shards with FSDP2, whose all-gathers may move float8."""
+def convert(model: nn.Module, cfg: Float8Config, under_fsdp: bool) -> None:
+    """`model`'s float8 linears (models/float8.py) swapped in place, on meta. `under_fsdp`:
+    the layout shards with FSDP2, whose all-gathers may move float8."""
     config = Float8LinearConfig.from_recipe_name(str(cfg.recipe))
     if under_fsdp and cfg.gathers_float8:
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
@@ -146,7 +146,6 @@ def convert(model: nn.Module, cfg: Float8Config, under_fsdp: bool) -> int:
     for module in model.modules():
         if type(module) is TorchaoFloat8Linear:
             module.__class__ = Float8Linear  # the same module, under any device's autocast
-    return len(names)
 
 
 @torch.no_grad()
