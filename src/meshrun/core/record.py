@@ -155,6 +155,13 @@ class RunRecord:
     checkpoint_saves: list[dict[str, Any]] | None = _f()  # step, blocked_s, total_s of each
     checkpoint_blocked_s: float | None = _f(summary=True)  # training waited, per save
     checkpoint_save_s: float | None = _f(summary=True)  # staging to the last byte, per save
+    # the steps between saves (checkpoint.every_steps=auto: its choice, and why); the plan's
+    # prediction of one save (plan/checkpoint_cost.py), beside what the saves measured
+    checkpoint_every_steps: int | None = _f(column=True, summary=True)
+    checkpoint_interval: str | None = _f(summary=True)
+    predicted_checkpoint_bytes_per_rank: int | None = _f(summary=True)
+    predicted_checkpoint_blocked_s: float | None = _f(summary=True)
+    predicted_checkpoint_save_s: float | None = _f(summary=True)
     export_path: str | None = _f()  # checkpoint.export: the final model, whole
     # plan.trials: a trial's run it chose the layout for; that run's trials (core/trials.py),
     # how the prediction ranked them against what they measured (Spearman) and the share of
@@ -168,6 +175,11 @@ class RunRecord:
     predicted_step_time_s: float | None = _f(column=True, summary=True)
     predicted_tokens_per_s: float | None = _f()
     predicted_step_parts: dict[str, float] | None = _f()  # the step by what it waits for
+    # the run's whole budget (plan.tokens, else its own steps x tokens a step) in seconds at
+    # the speed it measured and at the plan's predicted speed for its layout (plan/run_time.py)
+    tokens_budget: float | None = _f(column=True, summary=True)
+    measured_budget_s: float | None = _f(column=True, summary=True)
+    predicted_budget_s: float | None = _f(column=True, summary=True)
     # the calibration (meshrun-plan calibrate) the speed prediction used: when it was measured
     predicted_calibrated_at: str | None = _f(summary=True)
     # debug.profile_steps: the steps traced (left out of step_times), their step time over

@@ -32,6 +32,7 @@ from meshrun.driver.inspection import (
     straggler_fields,
     timed_step_times,
 )
+from meshrun.driver.run_plan import budget_fields, checkpoint_plan_fields
 from meshrun.models import model_shape, param_counts
 from meshrun.plan import predict
 from meshrun.plan.candidate import host_calibration, host_flops
@@ -262,6 +263,7 @@ def assemble(cfg: ExperimentConfig, measured: Measured, baseline: RunRecord | No
     )
     host_share = report.host_other_cpu_share if report else None
     flags = [*speed.pop("flags"), *host_flags(host_share), *memory_flags(cfg, report)]
+    predicted = predicted_speed_fields(cfg)
     return RunRecord(
         **meta_fields(meta, report),
         **config_fields(cfg, meta),
@@ -276,8 +278,10 @@ def assemble(cfg: ExperimentConfig, measured: Measured, baseline: RunRecord | No
         **memory_fields(cfg, report.memory_per_rank if report else None),
         pretrained_read_bytes_per_rank=report.pretrained_read_bytes_per_rank if report else None,
         **checkpoint_fields(cfg, report.checkpoint_saves if report else None),
+        **checkpoint_plan_fields(cfg, report.auto_checkpoint if report else None),
         **eval_fields(steps),
-        **predicted_speed_fields(cfg),
+        **predicted,
+        **budget_fields(cfg, timing["tokens_per_s"], predicted["predicted_tokens_per_s"]),
         **trials_fields(meta.trials),
         **profile_fields(cfg, steps),
         **straggler_fields(cfg, report, len(step_times)),

@@ -43,6 +43,7 @@ from meshrun.validate.layout import (
     resolve_layout,
 )
 from meshrun.validate.model import check_model, check_sequence
+from meshrun.validate.run_plan import check_run_plan
 from meshrun.validate.slurm import check_slurm
 
 
@@ -138,6 +139,7 @@ def _check_plan(cfg: ExperimentConfig) -> None:
     if cfg.plan.calibration not in ("auto", "none"):
         _check_calibration_file(cfg.plan.calibration, cfg.hardware.device_type)
     _check_hardware(cfg.hardware)
+    check_run_plan(cfg)
 
 
 def _check_calibration_file(path: str, device_type: str) -> None:

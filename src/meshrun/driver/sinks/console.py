@@ -13,6 +13,7 @@ from meshrun.core.record import MEMORY_CATEGORIES, RunRecord
 from meshrun.core.run_files.profiles import PROFILE_DIR
 from meshrun.core.trials import Trial, fastest, first_choice_loss, node_sets, rank_correlation
 from meshrun.driver.inspection import MIN_JUDGED_STEPS
+from meshrun.driver.sinks.run_rows import budget_rows, checkpoint_rows
 from meshrun.driver.sinks.timeline import TIMELINE_FILE
 
 console = Console()
@@ -133,6 +134,7 @@ def print_summary(r: RunRecord) -> None:
         ("batch", f"global {r.global_batch_size}, micro {r.micro_batch_size}"),
         ("tokens/s", _fmt(r.tokens_per_s)),
         ("step time (median, p10-p90, cv)", _step_times(r)),
+        *budget_rows(r),
         *_compile_time(r),
         *_host_load(r),
         ("baseline tokens/s", f"{_fmt(r.baseline_tokens_per_s)}{_baseline_source(r)}"),
@@ -146,6 +148,7 @@ def print_summary(r: RunRecord) -> None:
         loss,
         *_routers(r),
         *_evaluation(r),
+        *checkpoint_rows(r),
         *_trials_row(r),
         *_skipped(r),
         *_rollbacks(r),

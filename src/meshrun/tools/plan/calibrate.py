@@ -18,6 +18,9 @@ process of its own with the threads a run's rank gets:
                 bandwidth of all-reduce, all-gather and reduce-scatter each (FSDP2 and SP
                 move their bytes by the latter two) at every size from 4 KiB to 16 MiB, a
                 4 KiB all-reduce's time per ring hop
+    checkpoints the node's write rate to the checkpoint dir (checkpoint.dir, else beside
+                the store), every rank a synced file at once, and a rank's staging of its
+                state into host memory as DCP's async_save stages it (storage.py)
 
 The profile goes beside the results store (core/calibration.py); plans and runs on this
 host with as many ranks of as many threads use it (plan.calibration) and say so.
@@ -57,6 +60,7 @@ from meshrun.rank.mesh import end_distributed
 from meshrun.tools.plan.command import command_keys, prepared
 from meshrun.tools.plan.matmul_in_step import in_step_block, matmul_in_a_step
 from meshrun.tools.plan.small_block import ops_per_layer, small_block
+from meshrun.tools.plan.storage import staging_rate, storage_dir, write_rate
 from meshrun.tools.plan.wrapper_overhead import (
     CHECKPOINTING,
     CONTEXT,
@@ -117,6 +121,7 @@ def calibrate(
     )
     rates = _in_rank_processes(workload, box.per_node)
     curves, link_latency = _links(box.per_node, threads, "nccl" if cuda else "gloo")
+    checkpoints = storage_dir(cfg)
     link_bw = {op: curve[-1][1] for op, curve in curves.items()}  # at the largest size
     return Calibration(
         fingerprint_key=fingerprint_key(host_fingerprint(threads)),
@@ -150,6 +155,9 @@ def calibrate(
         link_bw_by_op=link_bw,
         link_curves=curves,
         shapes=rates[0]["shapes"],
+        storage_gbs=write_rate(checkpoints, box.per_node),
+        storage_dir=str(checkpoints.absolute()),
+        staging_gbs=staging_rate(box.per_node, cuda),
     )
 
 

@@ -32,13 +32,23 @@ from meshrun.driver.command import hydra_command
 from meshrun.driver.sinks.console import print_error
 from meshrun.plan.candidate import Candidate, host_calibration, trace
 from meshrun.plan.placement import devices_per_node
+from meshrun.plan.run_time import RunTime
 from meshrun.plan.search import Box, Plan, search
+from meshrun.tools.plan.run_table import (
+    print_cheapest,
+    print_runs,
+    run_cells,
+    run_columns,
+    run_dict,
+    run_of,
+)
 from meshrun.validate import check_experiment
 from meshrun.validate.launcher import CPU_DEFAULT_RANKS
 from meshrun.validate.layout import check_degrees, fill_degree
 from meshrun.validate.model import model_context, model_overrides, read_pretrained
 
 GiB = 2**30
+TABLE_WIDTH = 210  # the table whole with its run columns, a long layout name beside them
 # LLaMA's and LLaMA 2's global batch (4M tokens); GPT-3 175B used 3.2M.
 GLOBAL_BATCH_TOKENS = 4 * 2**20
 TOO_BIG_LISTED = 6
@@ -215,7 +225,7 @@ def _gib(n: int) -> str:
 def render(cfg: PlanCommandConfig, box: Box, found: Plan, chosen: Chosen, model: str) -> None:
     """The plan's table, each row's command (`model`: the overrides that select the model),
     and why the rest do not fit."""
-    console = Console(width=max(160, Console().width))
+    console = Console(width=max(TABLE_WIDTH, Console().width))
     shown = found.ranked[: cfg.top]
     # soft-wrapped, whole: the title says what was planned
     console.print(_title(cfg, box, chosen), soft_wrap=True, highlight=False)
@@ -225,13 +235,15 @@ def render(cfg: PlanCommandConfig, box: Box, found: Plan, chosen: Chosen, model:
             f"speed on this host's calibration (meshrun-plan calibrate): {calibration.describe()}"
         )
         console.print(said, soft_wrap=True, highlight=False)
-    console.print(_table(shown, box))
+    runs = [run_of(c) for c in shown]
+    console.print(_table(shown, box, runs))
     console.print("run a row with:")
     for index, c in enumerate(shown, start=1):
         console.print(f"  {index:>2}  {command(c, box, model)}", soft_wrap=True, highlight=False)
     console.print("each row's predicted step, by what it waits for (exposed communication only):")
     for index, c in enumerate(shown, start=1):
         console.print(f"  {index:>2}  {step_line(c)}", soft_wrap=True, highlight=False)
+    print_runs(console, shown, runs)
     rows: dict[str, list[str]] = {}  # a note once, with the rows it applies to
     for index, c in enumerate(shown, start=1):
         for note in c.notes:
@@ -261,10 +273,12 @@ def _title(cfg: PlanCommandConfig, box: Box, chosen: Chosen) -> str:
     return title
 
 
-def _table(shown: list[Candidate], box: Box) -> Table:
-    """The ranked layouts, one a row, numbered as the commands to run them are."""
+def _table(shown: list[Candidate], box: Box, runs: list[RunTime | None]) -> Table:
+    """The ranked layouts, one a row, numbered as the commands to run them are; `runs` each
+    one's whole run."""
     table = Table()
     traced = any(c.traced for c in shown)
+    cfg = shown[0].cfg if shown else None
     for column in (
         "#",
         "layout",
@@ -276,12 +290,13 @@ def _table(shown: list[Candidate], box: Box) -> Table:
         "per device",
         "speedup",
         "micro-batch",
+        *(run_columns(cfg) if cfg else []),
         *(["traced GiB"] if traced else []),
     ):
         table.add_column(
             column, justify="left" if column == "layout" else "right", no_wrap=column == "layout"
         )
-    for index, c in enumerate(shown, start=1):
+    for index, (c, run) in enumerate(zip(shown, runs, strict=True), start=1):
         top = max(c.memory, key=lambda m: m.peak)
         tokens = f"{c.speed.tokens_per_s:,.0f}" if c.speed else "n/a"
         per_device = f"{c.speed.tokens_per_s / box.world:,.0f}" if c.speed else "n/a"
@@ -297,6 +312,7 @@ def _table(shown: list[Candidate], box: Box) -> Table:
             per_device,
             speedup,
             str(c.cfg.train.micro_batch_size),
+            *run_cells(c.cfg, run),
             *([_gib(max(m.peak for m in c.traced)) if c.traced else "n/a"] if traced else []),
         )
     return table
@@ -323,6 +339,7 @@ def _why_not(console: Console, box: Box, found: Plan, model: str) -> None:
             f"{len(fitting)} of {len(found.ranked)} layouts fit; best: {fitting[0].label}",
             highlight=False,
         )
+        print_cheapest(console, found, fitting[0].cfg)
     else:
         console.print(
             f"[red]no layout of {box.world} ranks fits[/red]: more devices, a "
@@ -413,7 +430,8 @@ def run(dict_cfg: DictConfig) -> int:
                     "world_size": box.world,
                     "train": dataclasses.asdict(cfg.train),
                     "layouts": [
-                        {**c.as_dict(), "command": command(c, box, model)} for c in found.ranked
+                        {**c.as_dict(), "command": command(c, box, model), "run": run_dict(c)}
+                        for c in found.ranked
                     ],
                     "ruled_out": [{"rule": e, "count": n} for e, n in found.reasons()],
                 },
