@@ -141,7 +141,7 @@ def test_auto_saves_at_the_interval_it_printed(meshrun_here):
         "metrics.baseline=off",
     )
     assert run.returncode == 0, run.output
-    every = int(re.search(r"every (\d+) steps: ", run.output)[1])
+    every = int(re.search(r"every (\d+) steps?: ", run.output)[1])
     r = run.results
     assert r["checkpoint_every_steps"] == every
     assert (

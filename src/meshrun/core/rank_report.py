@@ -42,8 +42,9 @@ class AutoCheckpoint:
 
     def describe(self, why: str) -> str:
         """What it chose and why; `why`: the plan's reason for the interval."""
+        steps = "steps" if self.every_steps > 1 else "step"
         return (
-            f"every {self.every_steps} steps: {self.interval_s:.3g} s between saves ({why}) at "
+            f"every {self.every_steps} {steps}: {self.interval_s:.3g} s between saves ({why}) at "
             f"{self.step_time_s:.3g} s a step (the median of the first timed steps)"
         )
 

@@ -48,7 +48,7 @@ from meshrun.validate.layout import check_degrees, fill_degree
 from meshrun.validate.model import model_context, model_overrides, read_pretrained
 
 GiB = 2**30
-TABLE_WIDTH = 210  # the table whole with its run columns, a long layout name beside them
+COLUMNS_WIDTH = 175  # the table's columns but the layout's, whole, their borders included
 # LLaMA's and LLaMA 2's global batch (4M tokens); GPT-3 175B used 3.2M.
 GLOBAL_BATCH_TOKENS = 4 * 2**20
 TOO_BIG_LISTED = 6
@@ -225,8 +225,9 @@ def _gib(n: int) -> str:
 def render(cfg: PlanCommandConfig, box: Box, found: Plan, chosen: Chosen, model: str) -> None:
     """The plan's table, each row's command (`model`: the overrides that select the model),
     and why the rest do not fit."""
-    console = Console(width=max(TABLE_WIDTH, Console().width))
     shown = found.ranked[: cfg.top]
+    widest = max((len(c.label) for c in shown), default=0)
+    console = Console(width=max(widest + COLUMNS_WIDTH, Console().width))
     # soft-wrapped, whole: the title says what was planned
     console.print(_title(cfg, box, chosen), soft_wrap=True, highlight=False)
     calibration = host_calibration(shown[0].cfg) if shown else None
