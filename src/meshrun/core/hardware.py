@@ -28,6 +28,7 @@ from meshrun.core.paths import CONF_DIR
 class CudaDevice:
     name: str
     memory_gib: float
+    capability: tuple[int, int] | None = None  # (major, minor); None: a profile's device
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,8 @@ class HostFacts:
         if torch.cuda.is_available():
             for index in range(torch.cuda.device_count()):
                 props = torch.cuda.get_device_properties(index)
-                devices.append(CudaDevice(props.name, props.total_memory / 2**30))
+                capability = (props.major, props.minor)  # torch's _CudaDeviceProperties
+                devices.append(CudaDevice(props.name, props.total_memory / 2**30, capability))
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
         return cls(devices, len(os.sched_getaffinity(0)), memory)
 

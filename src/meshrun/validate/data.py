@@ -1,5 +1,6 @@
-"""The rules about data: the files a source reads, before anything is read (`check_data`),
-and for data=hf what only the tokenizer and the tokenized cache can tell (`check_vocab`,
+"""The rules about data: the files a source reads, before anything is read (`check_data`);
+once the global batch is resolved, data=text's held-out part (`check_text_heldout`); and for
+data=hf what only the tokenizer and the tokenized cache can tell (`check_vocab`,
 `check_windows`, called by the driver's prepare step). A held-out split must hold one
 evaluation's samples only when the run evaluates (train.eval.every_steps > 0)."""
 
@@ -43,7 +44,7 @@ def _check_text(cfg: ExperimentConfig) -> None:
     if not path.is_file():
         fail("data.path", cfg.data.path, "no such file", "the path of a local text file")
     length = cfg.train.seq_len + 1
-    train, heldout = text_spans(path.stat().st_size, cfg.data.heldout_fraction)
+    train, _ = text_spans(path.stat().st_size, cfg.data.heldout_fraction)
     if len(train) < length:
         fail(
             "data.path",
@@ -53,7 +54,6 @@ def _check_text(cfg: ExperimentConfig) -> None:
             f"({length} bytes)",
             "a longer file or a smaller seq_len",
         )
-    _check_heldout(cfg, heldout, "bytes")
     if model_shape(cfg.model).vocab_size < 256:
         fail(
             "model.vocab_size",
@@ -146,6 +146,13 @@ def check_windows(cfg: ExperimentConfig, cache: TokenCache) -> None:
             "more documents, a smaller seq_len or global batch",
         )
     _check_heldout(cfg, heldout, "tokens")
+
+
+def check_text_heldout(cfg: ExperimentConfig) -> None:
+    """data=text's held-out bytes against one evaluation of the resolved global batch."""
+    if cfg.data.name == "text":
+        size = Path(str(cfg.data.path)).stat().st_size
+        _check_heldout(cfg, text_spans(size, cfg.data.heldout_fraction)[1], "bytes")
 
 
 def _check_heldout(cfg: ExperimentConfig, heldout: range, unit: str) -> None:
