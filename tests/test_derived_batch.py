@@ -12,8 +12,9 @@ import pytest
 from meshrun.core.batch import derived_global_batch
 from meshrun.core.errors import ConfigError
 from meshrun.core.record import RunRecord
+from meshrun.driver.experiment import record_skipped
 from meshrun.driver.sinks.console import console, print_summary
-from tests.helpers import resolved_config
+from tests.helpers import compose_config, resolved_config
 from tests.test_plan import meshrun_plan
 
 
@@ -117,3 +118,16 @@ def test_a_data_parallel_preset_on_one_device_says_it_measures_one_device():
     assert "speedup 1 by definition" in out
     assert "one device" not in _summary(parallel="single", **one)
     assert "one device" not in _summary(parallel="ddp", world_size=2, baseline_mode="fresh")
+
+
+def test_a_skipped_sweep_point_records_the_batch_its_degrees_derive(tmp_path):
+    """The report's maps sort the points of a grid by batch: a refused point has one too."""
+    cfg = compose_config(
+        "parallel=pp2",
+        "train.micro_batch_size=3",
+        f"run_dir={tmp_path / 'run'}",
+        f"store.path={tmp_path / 'meshrun.db'}",
+    )
+    skipped = record_skipped(cfg, ConfigError("parallel.pp", 2, "refused", "anything else"))
+    assert (skipped.status, skipped.global_batch_size) == ("skipped", 9)
+    assert skipped.layout_name == "pp2(1f1b, m=3)"

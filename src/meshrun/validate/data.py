@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from meshrun.core.batch import global_batch_size
 from meshrun.core.choices import DataFormat
 from meshrun.core.config import DataConfig, ExperimentConfig
 from meshrun.core.data_files import TokenCache, n_windows, text_spans
@@ -135,14 +136,14 @@ def check_windows(cfg: ExperimentConfig, cache: TokenCache) -> None:
     d, t = cfg.data, cfg.train
     length = t.seq_len + 1
     train, heldout = cache.spans(d.heldout_fraction)
-    have = n_windows(train, length)
-    if have < t.global_batch_size:
+    have, batch = n_windows(train, length), global_batch_size(cfg)
+    if have < batch:
         fail(
             "data.path",
             d.path,
             f"has {have} training windows of train.seq_len + 1 = "
             f"{length} tokens ({len(train)} tokens), one step needs train.global_batch_size "
-            f"= {t.global_batch_size}",
+            f"= {batch}",
             "more documents, a smaller seq_len or global batch",
         )
     _check_heldout(cfg, heldout, "tokens")
@@ -161,14 +162,15 @@ def _check_heldout(cfg: ExperimentConfig, heldout: range, unit: str) -> None:
     if not t.eval.every_steps:
         return
     length = t.seq_len + 1
-    have, need = n_windows(heldout, length), t.eval.batches * t.global_batch_size
+    batch = global_batch_size(cfg)
+    have, need = n_windows(heldout, length), t.eval.batches * batch
     if have < need:
         fail(
             "data.heldout_fraction",
             cfg.data.heldout_fraction,
             f"holds out {have} windows of train.seq_len + 1 = {length} {unit} "
             f"({len(heldout)} {unit}); one evaluation needs train.eval.batches x "
-            f"train.global_batch_size = {t.eval.batches} x {t.global_batch_size} = {need}",
+            f"train.global_batch_size = {t.eval.batches} x {batch} = {need}",
             "a larger fraction or more data, fewer train.eval.batches, or "
             "train.eval.every_steps=0 (no evaluation)",
         )
