@@ -130,7 +130,11 @@ BAD_CONFIGS = [
         "train.micro_batch_size",
         "at least one micro-batch per stage rank",
     ),
-    (["parallel=pp2", "train.micro_batch_size=3"], "train.micro_batch_size", "divide the local"),
+    (
+        ["parallel=pp2", "train.micro_batch_size=3", "train.global_batch_size=8"],  # a given one
+        "train.micro_batch_size",
+        "divide the local",
+    ),
     (
         [
             "parallel=pp2",

@@ -27,7 +27,7 @@ def _choice(name: str, *values: str) -> type[Choice]:
 
 
 Backend = _choice("Backend", "auto", "gloo", "nccl", "mpi")
-Precision = _choice("Precision", "fp32", "bf16", "fp16")
+Precision = _choice("Precision", "fp32", "bf16", "fp16", "auto")
 HALF_PRECISIONS = ("bf16", "fp16")  # 2-byte compute: activations, casts, collectives
 # The styles a TP plan maps module names to (rank/parallel/tensor.py says what each does).
 TP_STYLES = ("colwise", "rowwise", "embedding", "head", "sequence_parallel", "gather_input")

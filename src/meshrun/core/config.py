@@ -435,18 +435,25 @@ class GuardConfig:
 class TrainConfig:
     """`untimed_steps`: the first steps, left out of the step times (allocator and kernel
     warm-up, torch.compile's compilations) and where memory is measured; not the LR warmup
-    (lr_schedule.warmup_steps). `compile`: torch.compile each decoder block (inductor)."""
+    (lr_schedule.warmup_steps). `global_batch_size` null: derived from the layout, 8
+    rounded up to a multiple of micro_batch_size x the data-parallel size (core/batch.py),
+    so the default experiment runs on any number of ranks. `precision` auto: bf16 on CUDA
+    where every device has it (sm80+), else fp32 (core/precision.py). `tf32`: an fp32 run on
+    CUDA does its matmuls on TF32 tensor cores (as torchtitan and Lightning advise; the
+    planner and MFU count the TF32 peak), false: in full fp32. `compile`: torch.compile each
+    decoder block (inductor)."""
 
     steps: int = 20
     untimed_steps: int = 2
-    global_batch_size: int = 8
+    global_batch_size: int | None = None
     micro_batch_size: int = 2
     seq_len: int = 128
     lr: float = 3e-4
     lr_schedule: LrScheduleConfig = field(default_factory=LrScheduleConfig)
     weight_decay: float = 0.1
     grad_clip: float | None = 1.0
-    precision: Precision = Precision["fp32"]
+    precision: Precision = Precision["auto"]
+    tf32: bool = True
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     seed: int = 0
     log_every: int = 5
@@ -609,13 +616,17 @@ class Resolved:
     a fresh one is needed and both fit); `data_cache`: data=hf's tokens, prepared for the
     ranks to memory-map (driver/prepare_data.py); `model_read_from`: the config.json
     model=hf/auto's architecture and config were read from (validate/model.read_pretrained);
+    `batch_derived`: train.global_batch_size was null and derived from the layout;
+    `precision_auto`: why train.precision=auto became what it is (e.g. `sm90`, `CPU`);
     `checkpoint_interval_s`: checkpoint.every_steps=auto's interval, seconds between two saves
-    (the plan's Young/Daly interval, driver/checkpoint_plan.py), and `checkpoint_interval_why`
-    what it came from, which the ranks turn into steps at their measured step time."""
+    (the plan's Young/Daly interval, driver/run_plan.py), and `checkpoint_interval_why` what it
+    came from, which the ranks turn into steps at their measured step time."""
 
     twin: bool = False
     data_cache: str | None = None
     model_read_from: str | None = None
+    batch_derived: bool = False
+    precision_auto: str | None = None
     checkpoint_interval_s: float | None = None
     checkpoint_interval_why: str | None = None
 

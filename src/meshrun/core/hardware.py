@@ -37,6 +37,7 @@ from meshrun.core.torch_build import fix, unseen
 class CudaDevice:
     name: str
     memory_gib: float
+    capability: tuple[int, int] | None = None  # (major, minor); None: a profile's device
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,8 @@ class HostFacts:
         if torch.cuda.is_available():
             for index in range(torch.cuda.device_count()):
                 props = torch.cuda.get_device_properties(index)
-                devices.append(CudaDevice(props.name, props.total_memory / 2**30))
+                capability = (props.major, props.minor)  # torch's _CudaDeviceProperties
+                devices.append(CudaDevice(props.name, props.total_memory / 2**30, capability))
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
         # nvidia-smi only where torch sees nothing: a host whose torch works pays no call
         unseen = None if devices else read_driver(os.environ.get("CUDA_VISIBLE_DEVICES"))

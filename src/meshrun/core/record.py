@@ -64,8 +64,13 @@ class RunRecord:
     device_type: str | None = _f()
     backend: str | None = _f(column=True, summary=True, report=(7, "backend"))
     precision: str | None = _f(column=True)
+    precision_auto: str | None = _f()  # train.precision=auto: why (sm90, CPU, ...)
+    # the rate its matmuls run at, which MFU counts: tf32 for fp32 on CUDA with train.tf32
+    matmul_precision: str | None = _f()
     seq_len: int | None = _f(column=True)
     global_batch_size: int | None = _f(column=True, summary=True, report=(8, "batch / micro"))
+    # train.global_batch_size null: how the layout made it (micro x dp x micro-batches)
+    batch_derived: str | None = _f()
     micro_batch_size: int | None = _f(column=True, summary=True)
     n_microbatches: int | None = _f()  # a pipeline's per step
     # micro-batches per step on a data-parallel rank: a pipeline's m, else accumulation

@@ -29,6 +29,7 @@ from meshrun.core.hardware import HostFacts, target_facts
 from meshrun.core.layout import Layout
 from meshrun.core.measured import Measured
 from meshrun.core.naming import layout_name
+from meshrun.core.precision import matmul_precision
 from meshrun.core.record import MEMORY_CATEGORIES
 from meshrun.core.tool_config import TOLERANCES, VerifyExperimentConfig
 from meshrun.driver.command import hydra_command
@@ -174,13 +175,13 @@ def run(dict_cfg: DictConfig) -> int:
     composed: VerifyExperimentConfig = OmegaConf.to_object(dict_cfg)
     if composed.verify.traced:
         return traced(composed)
-    tolerance = composed.verify.tolerance or TOLERANCES[composed.train.precision]
     try:
         positive("verify.tolerance", composed.verify.tolerance, allow_none=True)
         cfg = resolve(_experiment(composed), HostFacts.detect(), say=print_note)
     except ConfigError as err:
         print_error("config error", str(err))
         return 2
+    tolerance = composed.verify.tolerance or TOLERANCES[matmul_precision(cfg)]
     runs = {
         "layout": dataclasses.replace(cfg, run_dir=f"{cfg.run_dir}/layout"),
         "reference": reference_config(cfg),

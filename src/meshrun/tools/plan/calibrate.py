@@ -56,6 +56,7 @@ from meshrun.driver.sinks.console import console, print_error, print_note
 from meshrun.models import model_shape
 from meshrun.plan.compute import block_linears
 from meshrun.plan.shapes import Dims
+from meshrun.rank.device import set_fp32_matmul
 from meshrun.rank.mesh import end_distributed
 from meshrun.tools.plan.command import command_keys, prepared
 from meshrun.tools.plan.matmul_in_step import in_step_block, matmul_in_a_step
@@ -87,6 +88,7 @@ class Workload:
     attention: tuple[int, int, int, int]  # (batch, heads, seq, head_dim)
     model: LlamaModelConfig | None = None  # a small block of the run's kind: the wrappers'
     block: LlamaModelConfig | None = None  # one block of the run's sizes: matmuls in a step
+    tf32: bool = True  # float32 on CUDA: TF32 matmuls, as the run's ranks allow (train.tf32)
 
 
 def calibrate(
@@ -114,6 +116,7 @@ def calibrate(
         threads=threads,
         device="cuda" if cuda else "cpu",
         dtype="float32" if cfg.train.precision == "fp32" else "bfloat16",
+        tf32=cfg.train.tf32,
         linears=block_linears(d, tokens, 1),
         attention=(cfg.train.micro_batch_size, d.a, cfg.train.seq_len, d.hq // d.a),
         model=small_block(cfg.model if isinstance(cfg.model, LlamaModelConfig) else None),
@@ -208,6 +211,8 @@ def _rank(workload: Workload, rank: int, group: _Group, barrier: Any, results: A
     device = torch.device(workload.device, rank) if workload.device == "cuda" else None
     if device is not None:
         torch.cuda.set_device(device)  # the mesh's device: this rank's, not the first GPU
+        if workload.dtype == "float32":
+            set_fp32_matmul(device, "fp32", workload.tf32)
     dtype = getattr(torch, workload.dtype)
     new = {"dtype": dtype, "device": device}
     barrier.wait()

@@ -23,10 +23,12 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+from meshrun.core.batch import derived_global_batch
 from meshrun.core.config import ExperimentConfig, TrainConfig, with_resolved
 from meshrun.core.errors import ConfigError, fail, positive
 from meshrun.core.hardware import HostFacts, resolve_hardware, target_facts
 from meshrun.core.layout import Layout
+from meshrun.core.precision import auto_precision
 from meshrun.core.tool_config import PlanCommandConfig
 from meshrun.driver.command import hydra_command
 from meshrun.driver.sinks.console import print_error
@@ -132,18 +134,26 @@ def plan_sequence(cfg: PlanCommandConfig, given: frozenset[str]) -> str:
     return key
 
 
-def gpu_defaults(cfg: PlanCommandConfig, given: frozenset[str]) -> list[str]:
-    """A GPU plan's precision and batch where the user gave none; what was set."""
-    if cfg.hardware.device_type != "cuda":
-        return []
+def plan_defaults(
+    cfg: PlanCommandConfig, given: frozenset[str], box: Box, facts: HostFacts
+) -> list[str]:
+    """What the plan leaves to its box, set in place once the sequence is known: the
+    precision (auto: the profile's, core/precision.py), on a GPU profile the batch a real run
+    of the model would use where the user gave none, elsewhere a null batch derived as a run
+    derives it (over the box's ranks, or the given layout's data-parallel size); what a GPU
+    plan set."""
     t, said = cfg.train, []
-    if "train.precision" not in given and t.precision != "bf16":
-        t.precision = "bf16"
-        said.append("bf16")
-    if "train.global_batch_size" not in given:
+    if t.precision == "auto":
+        t.precision = auto_precision(cfg.hardware, [d.capability for d in facts.cuda_devices])[0]
+        said.append(str(t.precision))
+    if cfg.hardware.device_type == "cuda" and "train.global_batch_size" not in given:
         t.global_batch_size = max(1, GLOBAL_BATCH_TOKENS // t.seq_len)
         said.append(f"a {GLOBAL_BATCH_TOKENS / 2**20:g}M-token batch")
-    return said
+    if t.global_batch_size is None:
+        whole = set(PARALLEL_KEYS) <= given  # a preset: its own data-parallel size
+        dp = Layout.of(cfg.parallel).dp_size if whole else box.world
+        t.global_batch_size = derived_global_batch(t.micro_batch_size, dp)
+    return said if cfg.hardware.device_type == "cuda" else []
 
 
 def prepared(
@@ -159,17 +169,18 @@ def prepared(
     hardware = resolve_hardware(cfg.hardware, target_facts(cfg.hardware, host))
     facts = target_facts(hardware, host)
     cfg.hardware = hardware
-    chosen = Chosen(plan_sequence(cfg, given), gpu_defaults(cfg, given))
-    return box_of(cfg), facts, chosen, read_from
+    box = box_of(cfg)
+    if given & set(PARALLEL_KEYS):  # a layout the search keeps: its -1 filled as a run's is
+        check_degrees(cfg.parallel)
+        cfg.parallel = fill_degree(cfg.parallel, box.world, "world_size")
+    seq_from = plan_sequence(cfg, given)
+    return box, facts, Chosen(seq_from, plan_defaults(cfg, given, box, facts)), read_from
 
 
 def plan(
     cfg: PlanCommandConfig, host: HostFacts, given: frozenset[str] = frozenset()
 ) -> tuple[Box, Plan, Chosen]:
     box, facts, chosen, read_from = prepared(cfg, host, given)
-    if given & set(PARALLEL_KEYS):  # a layout the search keeps: its -1 filled as a run's is
-        check_degrees(cfg.parallel)
-        cfg.parallel = fill_degree(cfg.parallel, box.world, "world_size")
     experiment = with_resolved(cfg, model_read_from=read_from)  # what each layout's run gets
     found = search(experiment, box, facts, given)
     if cfg.plan.trace:
@@ -185,13 +196,17 @@ def plan(
 
 def command(c: Candidate, box: Box, model: str) -> str:
     """The `meshrun` command that runs the row: `model` (model_overrides), hardware, the
-    layout, the training keys that differ from train.yaml's, and SLURM where it spans nodes."""
-    t, default = c.cfg.train, TrainConfig()
-    train = [
-        f"train.{k}={getattr(t, k)}"
-        for k in ("precision", "seq_len", "global_batch_size")
-        if getattr(t, k) != getattr(default, k)
-    ]
+    layout, the training keys a run of it would not arrive at by itself, and SLURM where it
+    spans nodes."""
+    t = c.cfg.train
+    derived = derived_global_batch(t.micro_batch_size, Layout.of(c.cfg.parallel).dp_size)
+    differs = {
+        # a GPU row names its precision (auto would decide on the box it runs on); CPU's is fp32
+        "precision": c.cfg.hardware.device_type == "cuda" or t.precision != "fp32",
+        "seq_len": t.seq_len != TrainConfig().seq_len,
+        "global_batch_size": t.global_batch_size != derived,
+    }
+    train = [f"train.{k}={getattr(t, k)}" for k, shown in differs.items() if shown]
     nodes = [f"launcher=slurm launcher.nnodes={box.nodes}"] if box.nodes > 1 else []
     return " ".join(
         [
