@@ -198,6 +198,13 @@ def checks(gpus: int) -> list[Check]:
             budget_s=150,
         ),
         Check(
+            "gpu-marked tests",
+            _python(f"-m pytest -q -p no:cacheprovider -m gpu {gpu_tests}"),
+            exits_zero_with(r"\d+ passed"),
+            gpus=min(gpus, 2) or 1,
+            budget_s=240,
+        ),
+        Check(
             "fp32 on CUDA with train.tf32 on and off: the rate planned is the rate run",
             _tf32_on_and_off(
                 "parallel=single model=llama-1b train.precision=fp32 train.seq_len=1024 "
@@ -250,13 +257,6 @@ def checks(gpus: int) -> list[Check]:
             _meshrun("launcher.start_method=fork parallel=single train.steps=2"),
             refused_with("launcher.start_method"),
             budget_s=60,
-        ),
-        Check(
-            "gpu-marked tests",
-            _python(f"-m pytest -q -p no:cacheprovider -m gpu {gpu_tests}"),
-            exits_zero_with(r"\d+ passed"),
-            gpus=min(gpus, 2) or 1,
-            budget_s=240,
         ),
         Check(
             "resume on CUDA: RNG states read as tensors only, the losses go on as before",
