@@ -299,6 +299,7 @@ def meshrun_overrides(setup: Setup, parallel: str, degree: str | None = None) ->
         f"train.grad_clip={GRAD_CLIP}",
         f"train.seed={SEED}",
         "train.precision=fp32",
+        "train.tf32=false",  # the hand-written side's matmuls: torch's default, full fp32
     ]
 
 

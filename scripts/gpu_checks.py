@@ -110,6 +110,24 @@ def dataparallel_devices(r: dict) -> str | None:
     return memory_within_bars(r)
 
 
+def default_experiment(gpus: int) -> Callable[[dict], str | None]:
+    """The README's default on every GPU: bf16 chosen by auto on sm80+, the batch derived
+    (8 rounded up to a multiple of micro x dp), and on one GPU its own baseline."""
+
+    def why(r: dict) -> str | None:
+        batch = -(-8 // (2 * gpus)) * 2 * gpus
+        wrong = []
+        if r.get("precision") != "bf16" or not r.get("precision_auto"):
+            wrong.append(f"precision {r.get('precision')} ({r.get('precision_auto')})")
+        if r.get("global_batch_size") != batch:
+            wrong.append(f"batch {r.get('global_batch_size')}, not {batch}")
+        if gpus == 1 and r.get("baseline_mode") != "own":
+            wrong.append(f"baseline {r.get('baseline_mode')} on one GPU")
+        return "; ".join(wrong) or None
+
+    return why
+
+
 def exits_zero_with(pattern: str) -> Callable[..., Verdict]:
     """PASS where the command ended 0 and its output has `pattern` (its line is the detail)."""
 
@@ -175,9 +193,36 @@ def checks(gpus: int) -> list[Check]:
         Check(
             f"make run: the default experiment on all {all_gpus} GPU(s)",
             _meshrun(""),  # the README's first command, W&B aside
-            ran(),
+            ran(default_experiment(all_gpus)),
             gpus=all_gpus,
             budget_s=150,
+        ),
+        Check(
+            "gpu-marked tests",
+            _python(f"-m pytest -q -p no:cacheprovider -m gpu {gpu_tests}"),
+            exits_zero_with(r"\d+ passed"),
+            gpus=min(gpus, 2) or 1,
+            budget_s=240,
+        ),
+        Check(
+            "fp32 on CUDA with train.tf32 on and off: the rate planned is the rate run",
+            _tf32_on_and_off(
+                "parallel=single model=llama-1b train.precision=fp32 train.seq_len=1024 "
+                "train.micro_batch_size=4 train.global_batch_size=4 train.steps=8 "
+                "train.untimed_steps=3 metrics.baseline=off"
+            ),
+            _tf32_as_planned,
+            budget_s=150,
+            alone=True,
+        ),
+        Check(
+            "compile under TF32 (inductor reads the flags meshrun sets)",
+            _meshrun(
+                "parallel=single model=tiny train.precision=fp32 train.compile=true "
+                "train.steps=4 train.untimed_steps=1 metrics.baseline=off"
+            ),
+            ran(),
+            budget_s=120,
         ),
         Check(
             "installer: the image's CUDA torch kept, seeing every GPU nvidia-smi lists",
@@ -214,16 +259,18 @@ def checks(gpus: int) -> list[Check]:
             budget_s=60,
         ),
         Check(
-            "gpu-marked tests",
-            _python(f"-m pytest -q -p no:cacheprovider -m gpu {gpu_tests}"),
-            exits_zero_with(r"\d+ passed"),
-            gpus=min(gpus, 2) or 1,
-            budget_s=240,
-        ),
-        Check(
             "resume on CUDA: RNG states read as tensors only, the losses go on as before",
             _resumed("model=tiny parallel=single train.steps=4 metrics.baseline=off"),
             _resumed_alike,
+            budget_s=120,
+        ),
+        Check(
+            "checkpoint.every_steps=auto on CUDA: saves at the interval it printed",
+            _meshrun(
+                "model=small parallel=single train.steps=60 checkpoint.every_steps=auto "
+                "plan.mtbf_hours=0.05 metrics.baseline=off"
+            ),
+            _saved_as_printed,
             budget_s=120,
         ),
         Check(
@@ -320,7 +367,7 @@ def checks(gpus: int) -> list[Check]:
                 "train.precision=bf16 train.seq_len=2048 train.micro_batch_size=4",
                 store=True,
             ),
-            exits_zero_with(r"calibrated: "),
+            _calibrated,
             gpus=all_gpus,
             budget_s=240,
             alone=True,
@@ -357,6 +404,12 @@ def checks(gpus: int) -> list[Check]:
             "tp2 x etp on NCCL: mixtral-shaped",
             _meshrun("parallel=tp2 parallel.etp=2", moe, nccl2),
             ran(),
+            gpus=2,
+        ),
+        Check(
+            "verify: fsdp fp32 under TF32 on NCCL against one GPU (verify's 2^-11 bar)",
+            _meshrun("model=tiny parallel=fsdp train.precision=fp32", nccl2, command="verify"),
+            exits_zero_with(r"PASS"),
             gpus=2,
         ),
         Check(
@@ -426,7 +479,8 @@ def checks(gpus: int) -> list[Check]:
             Check(
                 f"cp2 {method} at 16k tokens on NCCL, fp32: fused chunk pairs against one GPU",
                 _meshrun(
-                    f"{cp16k} parallel.cp_method={method} train.precision=fp32", command="verify"
+                    f"{cp16k} parallel.cp_method={method} train.precision=fp32 train.tf32=false",
+                    command="verify",
                 ),
                 exits_zero_with(r"PASS"),
                 gpus=2,
@@ -570,6 +624,39 @@ def _from_saved_qwen3_moe(overrides: str, command: str = "meshrun") -> Callable[
     return argv
 
 
+def _calibrated(done: Outcome) -> Verdict:
+    """Calibrated, with the checkpoint rates the run plan uses (staging against the 32 GB/s
+    it assumes on a GPU, docs/planner.md)."""
+    verdict = exits_zero_with(r"calibrated: ")(done)
+    if verdict.status == FAIL:
+        return verdict
+    cal = json.loads((done.work / "calibration.json").read_text())
+    staging, storage = cal.get("staging_gbs"), cal.get("storage_gbs")
+    ok = staging is not None and 1 <= staging <= 64 and (storage or 0) > 0
+    return Verdict(
+        PASS if ok else FAIL,
+        f"staging {staging} GB/s (plan assumes 32), storage {storage} GB/s; {verdict.detail}",
+    )
+
+
+def _saved_as_printed(done: Outcome) -> Verdict:
+    """The N printed is the record's, and the saves are its multiples from step 5, and 60."""
+    if done.rc:
+        return Verdict(FAIL, f"exit {done.rc}: {_last_error(done.output)}")
+    r = _results(done.work)
+    printed = re.search(r"checkpoint\.every_steps=auto: every (\d+) step", done.output)
+    every = r.get("checkpoint_every_steps")
+    saved = [s["step"] for s in r.get("checkpoint_saves") or []]
+    want = [k for k in range(every or 1, 60, every or 1) if k >= 5] + [60] if every else None
+    ok = printed is not None and int(printed.group(1)) == every and saved == want
+    return Verdict(
+        PASS if ok else FAIL,
+        f"every {every} (printed {printed and printed.group(1)}), saved {saved}; blocked "
+        f"{r.get('checkpoint_blocked_s')} s a save, predicted "
+        f"{r.get('predicted_checkpoint_blocked_s')}",
+    )
+
+
 def _resumed(overrides: str) -> Callable[[Path], list[str]]:
     """A run saving at step 2 (work/first), then one resumed from that checkpoint
     (work/resumed)."""
@@ -589,6 +676,36 @@ def _resumed_alike(done: Outcome) -> Verdict:
     first, resumed = (_results(done.work / name)["losses"] for name in ("first", "resumed"))
     same = resumed == first[2:]
     return Verdict(PASS if same else FAIL, f"losses {first} then, resumed at 2, {resumed}")
+
+
+def _tf32_on_and_off(overrides: str) -> Callable[[Path], list[str]]:
+    def argv(work: Path) -> list[str]:
+        runs = [
+            shlex.join(_meshrun(overrides, f"train.tf32={on}")(work / f"tf32_{on}"))
+            for on in ("true", "false")
+        ]
+        return ["bash", "-c", " && ".join(runs)]
+
+    return argv
+
+
+def _tf32_as_planned(done: Outcome) -> Verdict:
+    """Each run's matmul precision the one asked for, its step within the planner's 2x of the
+    prediction, full fp32 at least twice TF32's step, no MFU over 1."""
+    if done.rc:
+        return Verdict(FAIL, f"exit {done.rc}: {_last_error(done.output)}")
+    on, off = (_results(done.work / f"tf32_{v}") for v in ("true", "false"))
+    wrong = [f"matmuls {r.get('matmul_precision')}" for r, want in ((on, "tf32"), (off, "fp32"))
+             if r.get("matmul_precision") != want]  # fmt: skip
+    for name, r in (("tf32", on), ("fp32", off)):
+        ratio = r["step_time_s"] / r["predicted_step_time_s"]
+        if not 0.5 <= ratio <= 2 or (r.get("mfu") or 0) >= 1:
+            wrong.append(f"{name}: step {ratio:.2f}x predicted, MFU {r.get('mfu')}")
+    slower = off["step_time_s"] / on["step_time_s"]
+    if slower < 2:
+        wrong.append(f"fp32 only {slower:.2f}x TF32's step")
+    detail = f"TF32 {figures(on)} | fp32 {figures(off)}"
+    return Verdict(FAIL if wrong else PASS, "; ".join([*wrong, detail]))
 
 
 def _float8_and_bf16(*overrides: str) -> Callable[[Path], list[str]]:

@@ -372,6 +372,10 @@ def test_calibrate_writes_a_profile_that_plans_on_this_host_use_and_name(tmp_pat
         assert curve[-1][1] == profile.link_bw_by_op[op]
     assert len(profile.shapes) == 3 * 7  # q k v o, gate up down: forward and two gradients
     assert "calibrated:" in run.output and str(calibration_path(str(store))) in run.output
+    # checkpoints: the node's writes beside the store (no checkpoint.dir), a rank's staging
+    assert profile.storage_dir == str(tmp_path.absolute())
+    assert 0.001 < profile.storage_gbs < 100 and 0.01 < profile.staging_gbs < 1000
+    assert not list(tmp_path.glob(".meshrun-calibrate-*"))  # its files gone
 
     cfg = resolved_config(*SMALL, f"store.path={store}")
     assert host_calibration(cfg) == profile
@@ -396,6 +400,7 @@ def test_calibrate_writes_a_profile_that_plans_on_this_host_use_and_name(tmp_pat
     )
     assert plan.returncode == 0, plan.output
     assert "speed on this host's calibration" in plan.output
+    assert f"calibrated on {tmp_path.absolute()}" in plan.output  # the checkpoints' storage
     rows = json.loads(out.read_text())["layouts"]
     assert all(r["speed"]["step_parts"].get("overhead", 0) > 0 for r in rows if r["speed"])
 

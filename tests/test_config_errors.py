@@ -130,7 +130,11 @@ BAD_CONFIGS = [
         "train.micro_batch_size",
         "at least one micro-batch per stage rank",
     ),
-    (["parallel=pp2", "train.micro_batch_size=3"], "train.micro_batch_size", "divide the local"),
+    (
+        ["parallel=pp2", "train.micro_batch_size=3", "train.global_batch_size=8"],  # a given one
+        "train.micro_batch_size",
+        "divide the local",
+    ),
     (
         [
             "parallel=pp2",
@@ -218,6 +222,19 @@ BAD_CONFIGS = [
         "checkpoint.dir",
         "needs about 1957.83 GiB",
     ),
+    # ... and so is checkpoint.every_steps=auto (issue 59)
+    (
+        ["model=gpt3-175b", "plan.allow_oom=true", "checkpoint.every_steps=auto"],
+        "checkpoint.dir",
+        "needs about 1957.83 GiB",
+    ),
+    (["checkpoint.every_steps=often"], "checkpoint.every_steps", "is no step count"),
+    # The whole run's figures (plan/run_time.py): positive, or null for their defaults.
+    (["plan.tokens=0"], "plan.tokens", "the run's token budget"),
+    (["plan.tokens=-1e9"], "plan.tokens", "the run's token budget"),
+    (["plan.price_per_gpu_hour=0"], "plan.price_per_gpu_hour", "what one device costs"),
+    (["plan.mtbf_hours=-1"], "plan.mtbf_hours", "mean time between failures"),
+    (["hardware.storage_gbs=0"], "hardware.storage_gbs", "writes its checkpoints at"),
     # Context parallelism: what its load balance, Ulysses and its reach need.
     (["parallel=cp2", "train.seq_len=66"], "train.seq_len", "not divisible by 2 x cp = 4"),
     (

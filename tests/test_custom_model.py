@@ -343,7 +343,12 @@ def test_op_checkpointing_of_a_module_without_formulas_recomputes_every_other_ma
     cost = ModelCost(flops_per_token=6e6, rank_elements=10**6, width=64)
 
     def recompute(policy: str) -> float:
-        cfg = compose_config(*NAMED, "parallel=fsdp", f"parallel.activation_checkpointing={policy}")
+        cfg = compose_config(
+            *NAMED,
+            "parallel=fsdp",
+            f"parallel.activation_checkpointing={policy}",
+            "train.global_batch_size=8",
+        )
         return predict_speed(cfg, host_flops=1e11, cost=cost).breakdown["recompute"]
 
     selective, op, full = recompute("selective"), recompute("op"), recompute("full")

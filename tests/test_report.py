@@ -17,6 +17,7 @@ from meshrun.driver.sinks.selection import select_runs
 from meshrun.driver.sinks.store import ResultsStore
 from meshrun.tools.report import main as report_main
 from meshrun.tools.report import plots
+from meshrun.tools.report.budget_plot import budget_times
 from meshrun.tools.report.html import render
 from tests.cli import CliRun, run_console
 
@@ -50,6 +51,8 @@ def row(run_id: str, name: str, devices: int, batch: int, micro: int, **fields) 
         "peak_memory_max_bytes": 64 * MIB,
         "bubble_theoretical": None,
         "bubble_measured": None,
+        "predicted_budget_s": 10.0 / devices,
+        "measured_budget_s": 12.0 / devices,
     }
     return {**base, **fields}
 
@@ -162,8 +165,8 @@ def test_page_lists_every_run_and_has_every_plot(runs):
         assert f'data-run-id="{run["run_id"]}"' in html
     assert html.count('<tr class="skipped"') == 1
     assert "train.global_batch_size=4: ..." in html  # the reason
-    # speedup, step times, losses, memory, bubble, the traced step, heatmap
-    assert html.count("data:image/png;base64,") == 7
+    # speedup, step times, losses, memory, bubble, the traced step, the budget, heatmap
+    assert html.count("data:image/png;base64,") == 8
     assert 'class="empty"' not in html
     # one sweep: said once above the table, not in a column of its own
     assert "<th>sweep</th>" not in runs_table(html) and "sweep: s1, every run" in html
@@ -293,14 +296,29 @@ def test_bubble_plot_puts_measured_beside_theory_and_each_rank(runs):
     assert list(ranks.get_xdata()) == [0.3, 0.4]
 
 
+def test_the_budget_plot_has_a_point_a_run_beside_the_line_where_plan_and_run_agree(runs):
+    fig = budget_times(runs)
+    (ax,) = fig.axes
+    points = [tuple(xy) for c in ax.collections for xy in c.get_offsets()]
+    completed = [r for r in runs if r["status"] == "completed"]
+    assert sorted(points) == sorted(
+        (r["predicted_budget_s"], r["measured_budget_s"]) for r in completed
+    )
+    assert len(ax.collections) == len({r["layout_name"] for r in completed})  # one a layout
+    assert any(line.get_label() == "measured = predicted" for line in ax.lines)
+
+
 def test_plots_without_data_are_left_out():
-    lone = row("a", "ddp2", 2, 8, 2, speedup=None, step_times=[], losses=[])
+    lone = row(
+        "a", "ddp2", 2, 8, 2, speedup=None, step_times=[], losses=[], predicted_budget_s=None
+    )
     for plot in (
         plots.speedup,
         plots.step_times,
         plots.loss_curves,
         plots.bubble,
         plots.throughput_heatmaps,
+        budget_times,
     ):
         assert plot([lone]) is None, plot.__name__
     html = page([lone])

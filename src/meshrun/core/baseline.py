@@ -9,6 +9,7 @@ import json
 
 from meshrun.core.config import CheckpointConfig, EvalConfig, ExperimentConfig, ParallelConfig
 from meshrun.core.layout import Layout
+from meshrun.core.precision import matmul_precision
 
 
 def n_devices(cfg: ExperimentConfig) -> int:
@@ -60,6 +61,8 @@ def baseline_key(cfg: ExperimentConfig) -> str:
             t.precision,
             # appended only when on, so that the keys of uncompiled runs stay as they were
             *(["compile"] if t.compile else []),
+            # fp32 on CUDA with TF32 matmuls (train.tf32): before it, none ran so
+            *(["tf32"] if matmul_precision(cfg) == "tf32" else []),
             *([f"float8-{t.float8.recipe}"] if t.float8.enabled else []),
         ],
     }

@@ -37,7 +37,10 @@ class Calibration:
     time per hop; `link_bw_by_op`: each collective's bus bandwidth at its largest size
     (all-reduce, all-gather, reduce-scatter), GB/s; `link_curves`: each one's bus bandwidth
     at every size measured, [bytes, GB/s] from the smallest (a TP block's activations sit
-    between 4 KiB and 16 MiB, where gloo's time is neither latency nor bandwidth alone)."""
+    between 4 KiB and 16 MiB, where gloo's time is neither latency nor bandwidth alone);
+    `storage_gbs`: GB/s the node wrote to `storage_dir` (the checkpoint dir), every rank a
+    file at once, synced as DCP syncs its files; `staging_gbs`: GB/s a rank copied its state
+    into host memory as DCP's async_save stages it (tools/plan/storage.py)."""
 
     fingerprint_key: str
     created_at: str
@@ -63,6 +66,9 @@ class Calibration:
     link_curves: dict[str, list[list[float]]] = field(default_factory=dict)
     matmul_alone_flops: float | None = None
     shapes: list[dict[str, Any]] = field(default_factory=list)  # each matmul shape's rate
+    storage_gbs: float | None = None
+    storage_dir: str | None = None
+    staging_gbs: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -78,6 +84,12 @@ class Calibration:
             if self.matmul_alone_flops and self.matmul_alone_flops != self.matmul_flops
             else ""
         )
+        storage = (
+            f", checkpoints {self.storage_gbs:.2f} GB/s to {self.storage_dir}, staged at "
+            f"{self.staging_gbs:.2f}"
+            if self.storage_gbs and self.staging_gbs
+            else ""
+        )
         return (
             f"matmul {self.matmul_flops / 1e9:.1f} GFLOP/s{alone}, attention "
             f"{self.attention_flops / 1e9:.1f} GFLOP/s, memory {self.memory_bw / 1e9:.1f} GB/s, "
@@ -85,7 +97,7 @@ class Calibration:
             f"{self.tp_layer_overhead * 1e3:.2f} ms under TP, "
             f"{self.sp_layer_overhead * 1e3:.2f} with SP, "
             f"{self.fsdp_layer_overhead * 1e3:.2f} under FSDP2{self._checkpointing()}"
-            f"{self._context()}){link} "
+            f"{self._context()}){link}{storage} "
             f"per rank, {self.ranks} ranks x {self.threads_per_rank} threads, "
             f"measured {self.created_at}"
         )

@@ -22,6 +22,7 @@ from meshrun.core.config import CheckpointConfig
 from meshrun.core.errors import fail
 
 MANIFEST = "manifest.json"
+AUTO = "auto"  # checkpoint.every_steps=auto: the plan's interval (driver/run_plan.py)
 PREFIX = "step-"
 RUN_FILE = "run.json"  # a run's identity (driver/experiment.begin), which its resumes keep
 RESULTS_FILE = "results.json"

@@ -27,7 +27,7 @@ def _choice(name: str, *values: str) -> type[Choice]:
 
 
 Backend = _choice("Backend", "auto", "gloo", "nccl", "mpi")
-Precision = _choice("Precision", "fp32", "bf16", "fp16")
+Precision = _choice("Precision", "fp32", "bf16", "fp16", "auto")
 HALF_PRECISIONS = ("bf16", "fp16")  # 2-byte compute: activations, casts, collectives
 # train.float8's scaling (torchao's Float8LinearRecipeName): one scale a tensor, one a row, or
 # a row's with the weight gradient's matmul in high precision (rank/parallel/float8.py).

@@ -289,13 +289,16 @@ class NetworkConfig:
 @dataclass
 class HardwareConfig:
     """A node: its devices in PCI bus order, the link between them (`intra_node`) and, for
-    plans of several nodes, the `network` between nodes."""
+    plans of several nodes, the `network` between nodes. `storage_gbs`: GB/s a node writes
+    to the checkpoint dir, all its ranks at once (null: what `meshrun-plan calibrate`
+    measured on this host, else a published cluster's share: plan/checkpoint_cost.py)."""
 
     name: str = "auto"
     device_type: DeviceType = DeviceType["cpu"]
     devices: list[DeviceSpec] = field(default_factory=list)
     intra_node: LinkConfig = field(default_factory=LinkConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
+    storage_gbs: float | None = None
 
 
 @dataclass
@@ -461,19 +464,25 @@ class Float8Config:
 class TrainConfig:
     """`untimed_steps`: the first steps, left out of the step times (allocator and kernel
     warm-up, torch.compile's compilations) and where memory is measured; not the LR warmup
-    (lr_schedule.warmup_steps). `compile`: torch.compile each decoder block (inductor).
-    `float8`: float8 matmuls (Float8Config)."""
+    (lr_schedule.warmup_steps). `global_batch_size` null: derived from the layout, 8
+    rounded up to a multiple of micro_batch_size x the data-parallel size (core/batch.py),
+    so the default experiment runs on any number of ranks. `precision` auto: bf16 on CUDA
+    where every device has it (sm80+), else fp32 (core/precision.py). `tf32`: an fp32 run on
+    CUDA does its matmuls on TF32 tensor cores (as torchtitan and Lightning advise; the
+    planner and MFU count the TF32 peak), false: in full fp32. `compile`: torch.compile each
+    decoder block (inductor). `float8`: float8 matmuls (Float8Config)."""
 
     steps: int = 20
     untimed_steps: int = 2
-    global_batch_size: int = 8
+    global_batch_size: int | None = None
     micro_batch_size: int = 2
     seq_len: int = 128
     lr: float = 3e-4
     lr_schedule: LrScheduleConfig = field(default_factory=LrScheduleConfig)
     weight_decay: float = 0.1
     grad_clip: float | None = 1.0
-    precision: Precision = Precision["fp32"]
+    precision: Precision = Precision["auto"]
+    tf32: bool = True
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     seed: int = 0
     log_every: int = 5
@@ -491,7 +500,9 @@ class TrainConfig:
 @dataclass
 class CheckpointConfig:
     """DCP checkpoints (model, optimizer, LR schedule, data position, RNG, step) after every
-    `every_steps` steps and after the last (0: none), under `dir` (null:
+    `every_steps` steps and after the last (0: none; `auto`: the Young/Daly interval of the
+    plan's save cost and failure rate, in steps of the step time measured over the first
+    timed steps: plan/run_time.py, rank/train/auto_interval.py), under `dir` (null:
     <run_dir>/checkpoints); written in the background (`async_save`) while training goes
     on; the last `keep` complete ones are kept. `resume`: `auto` continues from the latest
     complete checkpoint in `dir` (a fresh start where there is none), or the path of one
@@ -501,7 +512,7 @@ class CheckpointConfig:
     the final model, whole, into <run_dir>/export: `hf` a directory transformers'
     from_pretrained loads (meshrun's LLaMA as LlamaForCausalLM), `torch` a state dict."""
 
-    every_steps: int = 0
+    every_steps: Any = 0  # int | "auto" (OmegaConf has no such union)
     dir: str | None = None
     keep: int = 2
     async_save: bool = True
@@ -582,7 +593,11 @@ class PlanConfig:
     (driver/trials.py); `trials_only` stops after the trials. `calibration`: the rates
     `meshrun-plan calibrate` measured on this host (core/calibration.py): `auto` the one
     beside the results store where it was measured here with the same ranks and threads,
-    `none`, or a file's path."""
+    `none`, or a file's path. The whole run (plan/run_time.py): `tokens`, its token budget
+    (null: train.steps x global batch x sequence), at each layout's speed its wall time and
+    device-hours, their cost at `price_per_gpu_hour` (null: none), and what checkpoints and
+    failures add at `mtbf_hours`, each node's mean time between failures (null: the Llama 3
+    paper's, plan/run_time.py)."""
 
     allow_oom: bool = False
     efficiency: float | None = None
@@ -593,6 +608,9 @@ class PlanConfig:
     trial_steps: int = 5
     trials_only: bool = False
     calibration: str = "auto"
+    tokens: float | None = None
+    price_per_gpu_hour: float | None = None
+    mtbf_hours: float | None = None
 
 
 @dataclass
@@ -627,11 +645,20 @@ class Resolved:
     trains the single-device baseline between the run's timed steps (driver/baseline.py:
     a fresh one is needed and both fit); `data_cache`: data=hf's tokens, prepared for the
     ranks to memory-map (driver/prepare_data.py); `model_read_from`: the config.json
-    model=hf/auto's architecture and config were read from (validate/model.read_pretrained)."""
+    model=hf/auto's architecture and config were read from (validate/model.read_pretrained);
+    `batch_derived`: train.global_batch_size was null and derived from the layout;
+    `precision_auto`: why train.precision=auto became what it is (e.g. `sm90`, `CPU`);
+    `checkpoint_interval_s`: checkpoint.every_steps=auto's interval, seconds between two saves
+    (the plan's Young/Daly interval, driver/run_plan.py), and `checkpoint_interval_why` what it
+    came from, which the ranks turn into steps at their measured step time."""
 
     twin: bool = False
     data_cache: str | None = None
     model_read_from: str | None = None
+    batch_derived: bool = False
+    precision_auto: str | None = None
+    checkpoint_interval_s: float | None = None
+    checkpoint_interval_why: str | None = None
 
 
 @dataclass

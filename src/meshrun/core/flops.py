@@ -16,13 +16,23 @@ def flops_per_token(shape: ModelShape, matmul_params: int, seq_len: int) -> floa
     return 6.0 * matmul_params + 12.0 * shape.n_layers * shape.q_dim * seq_len
 
 
+def peak_tflops(spec: DeviceSpec, precision: str) -> float | None:
+    """A device's dense peak at `precision` (core/precision.matmul_precision's); a device
+    without TF32 (no tf32 figure) runs TF32-allowed matmuls in fp32, at its fp32 peak."""
+    peak = spec.peak_tflops.get(precision)
+    if peak is None and precision == "tf32":
+        return spec.peak_tflops.get("fp32")
+    return peak
+
+
 def peak_flops(specs: list[DeviceSpec | None], precision: str) -> float | None:
     """Sum of the peaks of the devices a run uses; None if any of them has no known peak."""
     total = 0.0
     for spec in specs:
-        if spec is None or precision not in spec.peak_tflops:
+        peak = None if spec is None else peak_tflops(spec, precision)
+        if peak is None:
             return None
-        total += spec.peak_tflops[precision] * 1e12
+        total += peak * 1e12
     return total
 
 

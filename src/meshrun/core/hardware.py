@@ -35,12 +35,9 @@ from meshrun.core.torch_build import fix, unseen
 
 @dataclass(frozen=True)
 class CudaDevice:
-    """`capability`: (major, minor) as torch reports it; None for a profile's device, which
-    plans describe (its peaks say what it has)."""
-
     name: str
     memory_gib: float
-    capability: tuple[int, int] | None = None
+    capability: tuple[int, int] | None = None  # (major, minor); None: a profile's device
 
 
 @dataclass(frozen=True)
@@ -61,7 +58,7 @@ class HostFacts:
         if torch.cuda.is_available():
             for index in range(torch.cuda.device_count()):
                 props = torch.cuda.get_device_properties(index)
-                capability = (props.major, props.minor)
+                capability = (props.major, props.minor)  # torch's _CudaDeviceProperties
                 devices.append(CudaDevice(props.name, props.total_memory / 2**30, capability))
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
         # nvidia-smi only where torch sees nothing: a host whose torch works pays no call

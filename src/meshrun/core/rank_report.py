@@ -31,6 +31,25 @@ class CheckpointSave:
 
 
 @dataclass(frozen=True)
+class AutoCheckpoint:
+    """checkpoint.every_steps=auto's choice (rank/train/auto_interval.py): the steps between
+    saves, from the plan's seconds between them at the step time the ranks measured (the
+    median of their first timed steps)."""
+
+    every_steps: int
+    step_time_s: float
+    interval_s: float
+
+    def describe(self, why: str) -> str:
+        """What it chose and why; `why`: the plan's reason for the interval."""
+        steps = "steps" if self.every_steps > 1 else "step"
+        return (
+            f"every {self.every_steps} {steps}: {self.interval_s:.3g} s between saves ({why}) at "
+            f"{self.step_time_s:.3g} s a step (the median of the first timed steps)"
+        )
+
+
+@dataclass(frozen=True)
 class TwinStep:
     """One timed step of the baseline twin, trained by rank 0 between two of the run's."""
 
@@ -83,6 +102,7 @@ class RankReport:
     host_other_cpu_share: float | None = None  # None where a rank could not measure it
     compile_s: float | None = None  # train.compile: the slowest rank's
     checkpoint_saves: list[CheckpointSave] | None = None
+    auto_checkpoint: AutoCheckpoint | None = None  # checkpoint.every_steps=auto's choice
     busy_per_rank: list[float] | None = None  # seconds a timed step, median (CPU ranks)
     rollbacks: list[Rollback] | None = None  # train.guard.spike's
     replica_failures: list[ReplicaFailure] | None = None  # torchft's, from the driver

@@ -64,8 +64,13 @@ class RunRecord:
     device_type: str | None = _f()
     backend: str | None = _f(column=True, summary=True, report=(7, "backend"))
     precision: str | None = _f(column=True)
+    precision_auto: str | None = _f()  # train.precision=auto: why (sm90, CPU, ...)
+    # the rate its matmuls run at, which MFU counts: tf32 for fp32 on CUDA with train.tf32
+    matmul_precision: str | None = _f()
     seq_len: int | None = _f(column=True)
     global_batch_size: int | None = _f(column=True, summary=True, report=(8, "batch / micro"))
+    # train.global_batch_size null: how the layout made it (micro x dp x micro-batches)
+    batch_derived: str | None = _f()
     micro_batch_size: int | None = _f(column=True, summary=True)
     n_microbatches: int | None = _f()  # a pipeline's per step
     # micro-batches per step on a data-parallel rank: a pipeline's m, else accumulation
@@ -164,6 +169,13 @@ class RunRecord:
     checkpoint_saves: list[dict[str, Any]] | None = _f()  # step, blocked_s, total_s of each
     checkpoint_blocked_s: float | None = _f(summary=True)  # training waited, per save
     checkpoint_save_s: float | None = _f(summary=True)  # staging to the last byte, per save
+    # the steps between saves (checkpoint.every_steps=auto: its choice, and why); the plan's
+    # prediction of one save (plan/checkpoint_cost.py), beside what the saves measured
+    checkpoint_every_steps: int | None = _f(column=True, summary=True)
+    checkpoint_interval: str | None = _f(summary=True)
+    predicted_checkpoint_bytes_per_rank: int | None = _f(summary=True)
+    predicted_checkpoint_blocked_s: float | None = _f(summary=True)
+    predicted_checkpoint_save_s: float | None = _f(summary=True)
     export_path: str | None = _f()  # checkpoint.export: the final model, whole
     # plan.trials: a trial's run it chose the layout for; that run's trials (core/trials.py),
     # how the prediction ranked them against what they measured (Spearman) and the share of
@@ -177,6 +189,11 @@ class RunRecord:
     predicted_step_time_s: float | None = _f(column=True, summary=True)
     predicted_tokens_per_s: float | None = _f()
     predicted_step_parts: dict[str, float] | None = _f()  # the step by what it waits for
+    # the run's whole budget (plan.tokens, else its own steps x tokens a step) in seconds at
+    # the speed it measured and at the plan's predicted speed for its layout (plan/run_time.py)
+    tokens_budget: float | None = _f(column=True, summary=True)
+    measured_budget_s: float | None = _f(column=True, summary=True)
+    predicted_budget_s: float | None = _f(column=True, summary=True)
     # the calibration (meshrun-plan calibrate) the speed prediction used: when it was measured
     predicted_calibrated_at: str | None = _f(summary=True)
     # debug.profile_steps: the steps traced (left out of step_times), their step time over

@@ -19,6 +19,7 @@ from meshrun.core.config import (
     StoreConfig,
     rebuild,
 )
+from meshrun.core.precision import matmul_precision
 
 
 @dataclass
@@ -31,14 +32,16 @@ class PlanCommandConfig(ExperimentConfig):
 
 
 # The largest relative deviation of loss and grad norm per step that meshrun-verify passes,
-# by train.precision. fp32: reordered reductions over 10 steps stay near 1e-6 (the tests'
-# layouts measure <= 2e-6), 1e-4 leaves room for longer runs. bf16: under autocast each
-# matmul output is rounded to 8 significant bits, so two correct layouts, which round at
-# different points (a TP partial sum, an FSDP reduce), may differ by one bf16 rounding of
-# the result: the unit roundoff 2^-8 (measured on model=tiny: loss <= 3.5e-5, grad norm
-# <= 6.2e-4 for tp2, fsdp, pp2); a layout that loses or double-counts a contribution is off
-# by O(1).
-TOLERANCES = {"fp32": 1e-4, "bf16": 2.0**-8, "fp16": 2.0**-8}
+# by the precision its matmuls run at (core/precision.matmul_precision). fp32: reordered
+# reductions over 10 steps stay near 1e-6 (the tests' layouts measure <= 2e-6), 1e-4 leaves
+# room for longer runs. bf16: under autocast each matmul output is rounded to 8 significant
+# bits, so two correct layouts, which round at different points (a TP partial sum, an FSDP
+# reduce), may differ by one bf16 rounding of the result: the unit roundoff 2^-8 (measured
+# on model=tiny: loss <= 3.5e-5, grad norm <= 6.2e-4 for tp2, fsdp, pp2); a layout that
+# loses or double-counts a contribution is off by O(1). tf32 (fp32 on CUDA with
+# train.tf32): the inputs of each matmul rounded to 11 significant bits, so by the same
+# argument TF32's unit roundoff 2^-11.
+TOLERANCES = {"fp32": 1e-4, "tf32": 2.0**-11, "bf16": 2.0**-8, "fp16": 2.0**-8}
 # train.float8: two correct layouts cast the same tensors to float8, but their
 # high-precision operands differ in the last bits (reordered sums: a TP partial sum, an FSDP
 # reduce-scatter), so an element on a float8 rounding boundary lands a float8 step apart in
@@ -82,15 +85,15 @@ class VerifyExperimentConfig(ExperimentConfig):
     verify: VerifyConfig = field(default_factory=VerifyConfig)
 
 
-def verify_tolerance(cfg: VerifyExperimentConfig) -> float:
-    """The largest relative deviation a step may show (VerifyConfig)."""
-    if cfg.verify.tolerance is not None:
-        return cfg.verify.tolerance
-    if cfg.verify.reference == "high_precision":
+def verify_tolerance(verify: VerifyConfig, cfg: ExperimentConfig) -> float:
+    """The largest relative deviation a step of the resolved run `cfg` may show."""
+    if verify.tolerance is not None:
+        return verify.tolerance
+    if verify.reference == "high_precision":
         return FLOAT8_LOSS_BOUND
     if cfg.train.float8.enabled:
         return FLOAT8_TOLERANCES[cfg.train.float8.recipe]
-    return TOLERANCES[cfg.train.precision]
+    return TOLERANCES[matmul_precision(cfg)]
 
 
 @dataclass

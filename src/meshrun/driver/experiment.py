@@ -15,6 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 
 from meshrun.core.attached import attached_rank
 from meshrun.core.baseline import baseline_config, is_own_baseline
+from meshrun.core.batch import global_batch_size
 from meshrun.core.checkpoints import (
     RESULTS_FILE,
     RUN_FILE,
@@ -315,7 +316,8 @@ def record_skipped(cfg: ExperimentConfig, reason: ConfigError) -> RunRecord:
     p = cfg.parallel
     known = all(getattr(p, dim) >= 1 for dim in Layout().degrees())
     known = known and p.name != "auto" and p.data_parallel != "dataparallel"
-    known = known and cfg.train.micro_batch_size >= 1
+    micro_ok = cfg.train.micro_batch_size >= 1
+    known = known and micro_ok
     identity = RunMeta()
     results = RunRecord(
         run_id=identity.run_id,
@@ -331,7 +333,8 @@ def record_skipped(cfg: ExperimentConfig, reason: ConfigError) -> RunRecord:
         hardware=cfg.hardware.name,
         precision=cfg.train.precision,
         seq_len=cfg.train.seq_len,
-        global_batch_size=cfg.train.global_batch_size,
+        # a null batch as its degrees derive it (an unfilled -1 as 1): the report's maps sort it
+        global_batch_size=global_batch_size(cfg) if micro_ok else cfg.train.global_batch_size,
         micro_batch_size=cfg.train.micro_batch_size,
         run_dir=cfg.run_dir,
     )

@@ -12,10 +12,12 @@ from collections.abc import Callable
 from meshrun.core.config import ExperimentConfig, RunConfig, with_resolved
 from meshrun.core.hardware import HostFacts, resolve_hardware, unknown_device_note
 from meshrun.driver.prepare_data import prepare_data
+from meshrun.driver.run_plan import with_checkpoint_interval
 from meshrun.plan.candidate import Candidate
 from meshrun.plan.fit import check_fit
 from meshrun.plan.search import fitting_layouts, why, with_layout
 from meshrun.validate import check_experiment, validate_layout, validate_run
+from meshrun.validate.box_defaults import with_batch, with_precision
 from meshrun.validate.custom import vocabulary_note
 from meshrun.validate.launcher import CPU_DEFAULT_RANKS
 from meshrun.validate.model import describe_read, read_pretrained
@@ -30,7 +32,7 @@ def resolve(
     cfg = _read_model(cfg, say)
     check_trials(cfg)
     if cfg.parallel.name == "auto":
-        ranked = _fitting(cfg, facts)
+        cfg, ranked = _fitting(cfg, facts)
         cfg = with_layout(cfg, ranked[0])
         if say is not None:
             say(f"parallel=auto chose {why(ranked)}")
@@ -44,7 +46,8 @@ def resolve_trials(
     its run would be (plan.trials cleared: the layout is given), in the plan's order."""
     cfg = _read_model(cfg, say)
     check_trials(cfg)
-    ranked = _fitting(cfg, facts)[: cfg.plan.trials]
+    cfg, ranked = _fitting(cfg, facts)
+    ranked = ranked[: cfg.plan.trials]
     if say is not None:
         tried = ", ".join(c.label for c in ranked)
         say(f"parallel=auto plan.trials={cfg.plan.trials}: trying {tried}")
@@ -53,13 +56,16 @@ def resolve_trials(
     return [_resolved(c, facts, None) for c in chosen]
 
 
-def _fitting(cfg: ExperimentConfig, facts: HostFacts) -> list[Candidate]:
-    """parallel=auto's candidates: the plan's rows that fit every device of the box."""
+def _fitting(cfg: ExperimentConfig, facts: HostFacts) -> tuple[ExperimentConfig, list[Candidate]]:
+    """parallel=auto's candidates: the plan's rows that fit every device of the box; `cfg`
+    with the batch and precision it leaves to the box, resolved before the search (the batch
+    derived over every rank: each layout's data-parallel size divides it)."""
     check_experiment(cfg)
     hardware = resolve_hardware(cfg.hardware, facts)
     per_node = cfg.launcher.nproc_per_node or len(facts.cuda_devices) or CPU_DEFAULT_RANKS
     world = per_node * cfg.launcher.nnodes
-    return fitting_layouts(dataclasses.replace(cfg, hardware=hardware), world, facts)
+    cfg = with_precision(with_batch(cfg, world), hardware, facts)
+    return cfg, fitting_layouts(dataclasses.replace(cfg, hardware=hardware), world, facts)
 
 
 def _resolved(
@@ -68,7 +74,7 @@ def _resolved(
     """The rules, the memory check and data=hf's tokens, for a config with its layout."""
     resolved = validate_layout(cfg, facts)
     check_fit(resolved, facts)  # before the batch rules: "does not fit" is the news to give
-    resolved = prepare_data(validate_run(resolved))
+    resolved = with_checkpoint_interval(prepare_data(validate_run(resolved)))
     for note in (vocabulary_note(resolved), unknown_device_note(resolved.hardware)):
         if note and say is not None:
             say(note)

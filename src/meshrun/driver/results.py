@@ -19,6 +19,7 @@ from meshrun.core.hardware import device_for_rank, fingerprint_key
 from meshrun.core.layout import Layout
 from meshrun.core.measured import Measured, RunMeta
 from meshrun.core.naming import layout_name, rerun_overrides
+from meshrun.core.precision import matmul_precision
 from meshrun.core.rank_report import CheckpointSave, RankReport, StageSplit
 from meshrun.core.record import MEMORY_CATEGORIES, RunRecord
 from meshrun.core.stages import PP_AUTO, stage_layer_counts, theoretical_bubble
@@ -33,6 +34,7 @@ from meshrun.driver.inspection import (
     straggler_fields,
     timed_step_times,
 )
+from meshrun.driver.run_plan import budget_fields, checkpoint_plan_fields
 from meshrun.models import model_shape, param_counts
 from meshrun.plan import predict
 from meshrun.plan.candidate import host_calibration, host_flops
@@ -263,6 +265,7 @@ def assemble(cfg: ExperimentConfig, measured: Measured, baseline: RunRecord | No
     )
     host_share = report.host_other_cpu_share if report else None
     flags = [*speed.pop("flags"), *host_flags(host_share), *memory_flags(cfg, report)]
+    predicted = predicted_speed_fields(cfg)
     return RunRecord(
         **meta_fields(meta, report),
         **config_fields(cfg, meta),
@@ -278,8 +281,10 @@ def assemble(cfg: ExperimentConfig, measured: Measured, baseline: RunRecord | No
         **memory_fields(cfg, report.memory_per_rank if report else None),
         pretrained_read_bytes_per_rank=report.pretrained_read_bytes_per_rank if report else None,
         **checkpoint_fields(cfg, report.checkpoint_saves if report else None),
+        **checkpoint_plan_fields(cfg, report.auto_checkpoint if report else None),
         **eval_fields(steps),
-        **predicted_speed_fields(cfg),
+        **predicted,
+        **budget_fields(cfg, timing["tokens_per_s"], predicted["predicted_tokens_per_s"]),
         **trials_fields(meta.trials),
         **profile_fields(cfg, steps),
         **straggler_fields(cfg, report, len(step_times)),
@@ -351,8 +356,11 @@ def config_fields(cfg: ExperimentConfig, meta: RunMeta) -> dict[str, Any]:
         "device_type": cfg.hardware.device_type,
         "backend": cfg.backend.name,
         "precision": t.precision,
+        "precision_auto": resolved_of(cfg).precision_auto,
+        "matmul_precision": matmul_precision(cfg),
         "seq_len": t.seq_len,
         "global_batch_size": t.global_batch_size,
+        "batch_derived": batch_derivation(cfg) if resolved_of(cfg).batch_derived else None,
         "micro_batch_size": t.micro_batch_size,
         "grad_accum_steps": n_microbatches(cfg),
         "steps": t.steps,
@@ -362,6 +370,13 @@ def config_fields(cfg: ExperimentConfig, meta: RunMeta) -> dict[str, Any]:
         "baseline_key": baseline_key(cfg),
         "run_dir": cfg.run_dir,
     }
+
+
+def batch_derivation(cfg: ExperimentConfig) -> str:
+    """What a derived global batch is made of: `micro 2 x dp 3 x 2 accumulation`."""
+    p, m = Layout.of(cfg.parallel), n_microbatches(cfg)
+    steps = f"{m} pipeline micro-batches" if p.pp > 1 else f"{m} accumulation"
+    return f"micro {cfg.train.micro_batch_size} x dp {p.dp_size} x {steps}"
 
 
 def rerun(meta: RunMeta, cfg: ExperimentConfig) -> str:
@@ -388,7 +403,7 @@ def flops_fields(cfg: ExperimentConfig, tokens_per_s: float | None) -> dict[str,
     against the devices' peak at the run's precision."""
     specs = [device_for_rank(cfg.hardware.devices, i) for i in range(n_devices(cfg))]
     per_token = predict.training_flops_per_token(cfg)
-    peak = peak_flops(specs, cfg.train.precision)
+    peak = peak_flops(specs, matmul_precision(cfg))  # the planner's rate (device_peak)
     return {
         "flops_per_token": per_token,
         "flops_per_token_counted": predict.counted_flops(cfg),

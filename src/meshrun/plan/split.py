@@ -8,8 +8,10 @@ import dataclasses
 
 from meshrun.core.config import DeviceSpec, ExperimentConfig
 from meshrun.core.errors import ConfigError
+from meshrun.core.flops import peak_tflops
 from meshrun.core.hardware import HostFacts
 from meshrun.core.layout import Layout
+from meshrun.core.precision import matmul_precision
 from meshrun.models import model_shape
 from meshrun.plan.candidate import Candidate, evaluate, legal
 from meshrun.plan.placement import stage_devices
@@ -20,11 +22,11 @@ GiB = 2**30
 def weakest_devices(cfg: ExperimentConfig) -> list[DeviceSpec]:
     """Per pp rank, the weakest device among its ranks (it paces the stage)."""
     layout = Layout.of(cfg.parallel)
-    precision = cfg.train.precision
+    precision = matmul_precision(cfg)
     return [
         min(
             stage_devices(cfg, layout, pp),
-            key=lambda s: (s.peak_tflops.get(precision, 0), s.memory_gib),
+            key=lambda s: (peak_tflops(s, precision) or 0, s.memory_gib),
         )
         for pp in range(layout.pp)
     ]
@@ -53,7 +55,8 @@ def uneven_variant(candidate: Candidate, facts: HostFacts) -> Candidate | None:
     devices = weakest_devices(cfg)
     if len({d.name for d in devices}) == 1:
         return None
-    weights = [d.peak_tflops.get(cfg.train.precision, 1.0) for d in devices]
+    rates = [peak_tflops(d, matmul_precision(cfg)) for d in devices]
+    weights = [rate or 1.0 for rate in rates]
     n_layers = model_shape(cfg.model).n_layers
     counts = proportional(n_layers, weights)
     trial = None
@@ -70,9 +73,9 @@ def uneven_variant(candidate: Candidate, facts: HostFacts) -> Candidate | None:
             break
         counts = [c - (i == worst) + (i == best) for i, c in enumerate(counts)]
     stages = ", ".join(
-        f"stage {i} on {d.name} ({d.peak_tflops.get(cfg.train.precision, 0):g} TFLOP/s, "
+        f"stage {i} on {d.name} ({rate or 0:g} TFLOP/s, "
         f"{d.memory_gib:g} GiB): {n} layers, {m.peak / GiB:.1f} GiB"
-        for i, (d, n, m) in enumerate(zip(devices, counts, trial.memory, strict=True))
+        for i, (d, rate, n, m) in enumerate(zip(devices, rates, counts, trial.memory, strict=True))
     )
     trial.notes.append(
         "uneven split: layers in proportion to each stage's peak FLOP/s so stages take equal "

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from meshrun.core.calibration import Calibration
 from meshrun.core.choices import HALF_PRECISIONS, SAC_POLICIES
 from meshrun.core.config import DeviceSpec, ExperimentConfig, ParallelConfig
-from meshrun.core.flops import flops_per_token
+from meshrun.core.flops import flops_per_token, peak_tflops
 from meshrun.core.layout import Layout
+from meshrun.core.precision import matmul_precision
 from meshrun.models import model_shape
 from meshrun.plan.collectives import GB
 from meshrun.plan.compute import (
@@ -108,13 +109,9 @@ class StageTime:
 
 
 def device_peak(cfg: ExperimentConfig, spec: DeviceSpec | None) -> float | None:
-    """Peak FLOP/s of a device for the run's precision (TF32 for fp32 matmuls on CUDA)."""
-    if spec is None:
-        return None
-    precision = cfg.train.precision
-    if precision == "fp32" and cfg.hardware.device_type == "cuda":
-        precision = "tf32"
-    peak = spec.peak_tflops.get(precision) or spec.peak_tflops.get(cfg.train.precision)
+    """Peak FLOP/s of a device at the rate the run's matmuls reach (TF32 for fp32 matmuls on
+    CUDA where train.tf32 allows it, as the record's MFU counts)."""
+    peak = None if spec is None else peak_tflops(spec, matmul_precision(cfg))
     return peak * 1e12 if peak else None
 
 

@@ -102,4 +102,5 @@ def build_report(
         checkpoint_saves=[CheckpointSave(s.step, s.blocked_s, s.total_s) for s in checkpoints.saves]
         if checkpoints
         else None,
+        auto_checkpoint=checkpoints.auto.chosen if checkpoints and checkpoints.auto else None,
     )

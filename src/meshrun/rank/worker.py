@@ -30,6 +30,7 @@ from meshrun.core.run_files.failures import (
 from meshrun.core.run_files.metrics import METRICS_FILE, replica_metrics
 from meshrun.core.stages import PP_AUTO, with_layers
 from meshrun.rank import flight_recorder, stop_signals
+from meshrun.rank.device import set_fp32_matmul
 from meshrun.rank.library_warnings import show_once
 from meshrun.rank.loop_context import loop_context
 from meshrun.rank.mesh import build_mesh, end_distributed, init_distributed, select_device
@@ -65,6 +66,7 @@ def run_rank(cfg_dict: dict[str, Any]) -> RankReport | None:
     if cfg.launcher.threads_per_rank:
         torch.set_num_threads(cfg.launcher.threads_per_rank)
     device = select_device(cfg.hardware.device_type, local_rank)
+    set_fp32_matmul(device, cfg.train.precision, cfg.train.tf32)
     forget_failure(cfg.run_dir, rank)  # an earlier attempt's, in a job SLURM requeued
     show_once(cfg.run_dir, rank)
     note_process(cfg.run_dir, rank)

@@ -189,7 +189,6 @@ def run(dict_cfg: DictConfig) -> int:
     composed: VerifyExperimentConfig = OmegaConf.to_object(dict_cfg)
     if composed.verify.traced:
         return traced(composed)
-    tolerance = verify_tolerance(composed)
     high_precision = composed.verify.reference == "high_precision"
     try:
         positive("verify.tolerance", composed.verify.tolerance, allow_none=True)
@@ -204,6 +203,7 @@ def run(dict_cfg: DictConfig) -> int:
     except ConfigError as err:
         print_error("config error", str(err))
         return 2
+    tolerance = verify_tolerance(composed.verify, cfg)
     runs = {
         "layout": dataclasses.replace(cfg, run_dir=f"{cfg.run_dir}/layout"),
         "reference": reference_config(cfg, high_precision),

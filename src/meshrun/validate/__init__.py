@@ -26,11 +26,13 @@ from meshrun.core.config import (
 )
 from meshrun.core.errors import choice, fail, positive
 from meshrun.core.hardware import HostFacts, resolve_hardware
+from meshrun.core.layout import Layout
 from meshrun.core.wandb_key import has_wandb_key, wandb_host
+from meshrun.validate.box_defaults import with_batch, with_precision
 from meshrun.validate.checkpoint import check_checkpoint
 from meshrun.validate.context import check_context_parallel
 from meshrun.validate.custom import check_custom_layout, check_staged
-from meshrun.validate.data import check_data
+from meshrun.validate.data import check_data, check_text_heldout
 from meshrun.validate.experts import check_expert_layout, check_experts
 from meshrun.validate.fault_tolerance import check_fault_tolerance
 from meshrun.validate.float8 import check_float8
@@ -44,6 +46,7 @@ from meshrun.validate.layout import (
     resolve_layout,
 )
 from meshrun.validate.model import check_model, check_sequence
+from meshrun.validate.run_plan import check_run_plan
 from meshrun.validate.slurm import check_slurm
 
 
@@ -80,8 +83,8 @@ def validate(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:
 
 
 def validate_layout(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:
-    """Backend, hardware, degrees and ranks resolved, the pipeline checked: enough to
-    predict memory."""
+    """Backend, hardware, degrees and ranks resolved, and with them the global batch and
+    precision left to the box; the pipeline checked: enough to predict memory."""
     check_experiment(cfg)
     hardware = resolve_hardware(cfg.hardware, facts)
     backend = resolve_backend(cfg, hardware, facts)
@@ -89,6 +92,7 @@ def validate_layout(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig
     resolved = dataclasses.replace(
         cfg, backend=backend, hardware=hardware, parallel=parallel, launcher=launcher
     )
+    resolved = with_precision(with_batch(resolved, Layout.of(parallel).dp_size), hardware, facts)
     check_tensor_parallel(resolved)
     check_context_parallel(resolved)
     check_expert_layout(resolved)
@@ -102,6 +106,7 @@ def validate_layout(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig
 def validate_run(resolved: ExperimentConfig) -> ExperimentConfig:
     """The rest of the rules, on a config from `validate_layout`."""
     check_batch(resolved)
+    check_text_heldout(resolved)
     world = resolved.launcher.nproc_per_node * resolved.launcher.nnodes
     check_debug(resolved.debug, world, resolved.train.steps)
     check_inspection(resolved, world)
@@ -140,6 +145,7 @@ def _check_plan(cfg: ExperimentConfig) -> None:
     if cfg.plan.calibration not in ("auto", "none"):
         _check_calibration_file(cfg.plan.calibration, cfg.hardware.device_type)
     _check_hardware(cfg.hardware)
+    check_run_plan(cfg)
 
 
 def _check_calibration_file(path: str, device_type: str) -> None:
@@ -229,8 +235,9 @@ def _check_attention_kernel(key: str, kernel: AttentionKernel) -> None:
 
 def _check_train(cfg: ExperimentConfig) -> None:
     t = cfg.train
-    for key in ("steps", "global_batch_size", "micro_batch_size", "seq_len", "lr", "log_every"):
+    for key in ("steps", "micro_batch_size", "seq_len", "lr", "log_every"):
         positive(f"train.{key}", getattr(t, key))
+    positive("train.global_batch_size", t.global_batch_size, allow_none=True)  # null: derived
     positive("train.grad_clip", t.grad_clip, allow_none=True)
     if not 1 <= t.untimed_steps < t.steps:
         fail(

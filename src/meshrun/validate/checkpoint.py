@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 from meshrun.core.checkpoints import (
+    AUTO,
     Manifest,
     checkpoint_root,
     complete,
@@ -72,12 +73,13 @@ def _resumed(cfg: ExperimentConfig, path: Path, manifest: Manifest) -> Experimen
 def _check_values(cfg: ExperimentConfig) -> None:
     """What `checkpoint.*` may be, before the disk is looked at."""
     c = cfg.checkpoint
-    if c.every_steps < 0:
+    if c.every_steps != AUTO and (type(c.every_steps) is not int or c.every_steps < 0):
         fail(
             "checkpoint.every_steps",
             c.every_steps,
-            "must not be negative",
-            "0 (no checkpoints) or the steps between two",
+            "must not be negative" if isinstance(c.every_steps, int) else "is no step count",
+            "0 (no checkpoints), the steps between two, or auto (the plan's interval for "
+            "plan.mtbf_hours, in steps of the measured step time)",
         )
     if c.keep < 1:
         fail("checkpoint.keep", c.keep, "keeps at least the latest", "an integer >= 1")

@@ -1,5 +1,6 @@
-"""The rules about data: the files a source reads, before anything is read (`check_data`),
-and for data=hf what only the tokenizer and the tokenized cache can tell (`check_vocab`,
+"""The rules about data: the files a source reads, before anything is read (`check_data`);
+once the global batch is resolved, data=text's held-out part (`check_text_heldout`); and for
+data=hf what only the tokenizer and the tokenized cache can tell (`check_vocab`,
 `check_windows`, called by the driver's prepare step). A held-out split must hold one
 evaluation's samples only when the run evaluates (train.eval.every_steps > 0)."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from meshrun.core.batch import global_batch_size
 from meshrun.core.choices import DataFormat
 from meshrun.core.config import DataConfig, ExperimentConfig
 from meshrun.core.data_files import TokenCache, n_windows, text_spans
@@ -45,7 +47,7 @@ def _check_text(cfg: ExperimentConfig) -> None:
     if not path.is_file():
         fail("data.path", cfg.data.path, "no such file", "the path of a local text file")
     length = cfg.train.seq_len + 1
-    train, heldout = text_spans(path.stat().st_size, cfg.data.heldout_fraction)
+    train, _ = text_spans(path.stat().st_size, cfg.data.heldout_fraction)
     if len(train) < length:
         fail(
             "data.path",
@@ -55,7 +57,6 @@ def _check_text(cfg: ExperimentConfig) -> None:
             f"({length} bytes)",
             "a longer file or a smaller seq_len",
         )
-    _check_heldout(cfg, heldout, "bytes")
     if model_shape(cfg.model).vocab_size < 256:
         fail(
             "model.vocab_size",
@@ -156,17 +157,24 @@ def check_windows(cfg: ExperimentConfig, cache: TokenCache) -> None:
     d, t = cfg.data, cfg.train
     length = t.seq_len + 1
     train, heldout = cache.spans(d.heldout_fraction)
-    have = n_windows(train, length)
-    if have < t.global_batch_size:
+    have, batch = n_windows(train, length), global_batch_size(cfg)
+    if have < batch:
         fail(
             "data.path",
             d.path,
             f"has {have} training windows of train.seq_len + 1 = "
             f"{length} tokens ({len(train)} tokens), one step needs train.global_batch_size "
-            f"= {t.global_batch_size}",
+            f"= {batch}",
             "more documents, a smaller seq_len or global batch",
         )
     _check_heldout(cfg, heldout, "tokens")
+
+
+def check_text_heldout(cfg: ExperimentConfig) -> None:
+    """data=text's held-out bytes against one evaluation of the resolved global batch."""
+    if cfg.data.name == "text":
+        size = Path(str(cfg.data.path)).stat().st_size
+        _check_heldout(cfg, text_spans(size, cfg.data.heldout_fraction)[1], "bytes")
 
 
 def _check_heldout(cfg: ExperimentConfig, heldout: range, unit: str) -> None:
@@ -175,14 +183,15 @@ def _check_heldout(cfg: ExperimentConfig, heldout: range, unit: str) -> None:
     if not t.eval.every_steps:
         return
     length = t.seq_len + 1
-    have, need = n_windows(heldout, length), t.eval.batches * t.global_batch_size
+    batch = global_batch_size(cfg)
+    have, need = n_windows(heldout, length), t.eval.batches * batch
     if have < need:
         fail(
             "data.heldout_fraction",
             cfg.data.heldout_fraction,
             f"holds out {have} windows of train.seq_len + 1 = {length} {unit} "
             f"({len(heldout)} {unit}); one evaluation needs train.eval.batches x "
-            f"train.global_batch_size = {t.eval.batches} x {t.global_batch_size} = {need}",
+            f"train.global_batch_size = {t.eval.batches} x {batch} = {need}",
             "a larger fraction or more data, fewer train.eval.batches, or "
             "train.eval.every_steps=0 (no evaluation)",
         )

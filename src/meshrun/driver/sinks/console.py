@@ -13,6 +13,7 @@ from meshrun.core.record import MEMORY_CATEGORIES, RunRecord
 from meshrun.core.run_files.profiles import PROFILE_DIR
 from meshrun.core.trials import Trial, fastest, first_choice_loss, node_sets, rank_correlation
 from meshrun.driver.inspection import MIN_JUDGED_STEPS
+from meshrun.driver.sinks.run_rows import budget_rows, checkpoint_rows
 from meshrun.driver.sinks.timeline import TIMELINE_FILE
 
 console = Console()
@@ -145,9 +146,12 @@ def print_summary(r: RunRecord) -> None:
         ("status", r.status),
         ("layout", f"{r.layout_name} on {r.world_size} rank(s), {r.backend}"),
         ("hardware", r.hardware),
-        ("batch", f"global {r.global_batch_size}, micro {r.micro_batch_size}"),
+        *_one_device(r),
+        ("precision", _precision(r)),
+        ("batch", _batch(r)),
         ("tokens/s", _fmt(r.tokens_per_s)),
         ("step time (median, p10-p90, cv)", _step_times(r)),
+        *budget_rows(r),
         *_compile_time(r),
         *_host_load(r),
         ("baseline tokens/s", f"{_fmt(r.baseline_tokens_per_s)}{_baseline_source(r)}"),
@@ -162,6 +166,7 @@ def print_summary(r: RunRecord) -> None:
         loss,
         *_routers(r),
         *_evaluation(r),
+        *checkpoint_rows(r),
         *_trials_row(r),
         *_skipped(r),
         *_rollbacks(r),
@@ -205,6 +210,36 @@ def resumed_line(r: RunRecord | RunMeta) -> str:
         )
     line = f"resumed run {r.run_id} from step {r.resumed_from_step}"
     return f"{line} ({r.resumed_from_checkpoint})" if r.resumed_from_checkpoint else line
+
+
+def _precision(r: RunRecord) -> str:
+    """`bf16 (auto: sm90)`, `fp32 (matmuls in tf32)`: what the run computed in, and why."""
+    notes = []
+    if r.matmul_precision and r.matmul_precision != r.precision:
+        notes.append(f"matmuls in {r.matmul_precision}")
+    if r.precision_auto:
+        notes.append(f"auto: {r.precision_auto}")
+    return f"{r.precision} ({'; '.join(notes)})" if notes else str(r.precision)
+
+
+def _batch(r: RunRecord) -> str:
+    derived = f" (derived: {r.batch_derived})" if r.batch_derived else ""
+    return f"global {r.global_batch_size}{derived}, micro {r.micro_batch_size}"
+
+
+def _one_device(r: RunRecord) -> list[tuple[str, str]]:
+    """A data-parallel preset on one device (parallel=ddp's -1 filled with 1 on a 1-GPU box)
+    runs the model alone, without its wrapper: it is its own baseline."""
+    if r.world_size != 1 or r.parallel in ("single", None) or r.baseline_mode != "own":
+        return []
+    return [
+        (
+            "one device",
+            f"parallel={r.parallel} on 1 device runs the model alone (no data-parallel "
+            "wrapper): its own baseline, speedup 1 by definition; it measures one device's "
+            "speed, MFU and memory. A speedup needs 2+ devices",
+        )
+    ]
 
 
 def _step_times(r: RunRecord) -> str:

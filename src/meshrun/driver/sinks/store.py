@@ -111,3 +111,18 @@ class ResultsStore:
         with self._connect() as db:
             rows = db.execute(f"SELECT results_json FROM {table} ORDER BY created_at").fetchall()
         return [json.loads(r[0]) for r in rows]
+
+
+def stored_records(path: Path) -> list[RunRecord]:
+    """Every run's record in the store at `path`, read without writing (no store there: none),
+    for a command that reads what runs measured (meshrun-plan's band)."""
+    if not path.is_file():
+        return []
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        rows = db.execute("SELECT results_json FROM runs ORDER BY created_at").fetchall()
+    except sqlite3.OperationalError:  # a store of meshrun-comm's runs alone: no runs table
+        return []
+    finally:
+        db.close()
+    return [RunRecord.from_dict(json.loads(r[0])) for r in rows]

@@ -40,6 +40,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from meshrun.core.checkpoints import (
+    AUTO,
     Manifest,
     checkpoint_root,
     complete,
@@ -48,7 +49,7 @@ from meshrun.core.checkpoints import (
     step_dir,
     write_manifest,
 )
-from meshrun.core.config import ExperimentConfig
+from meshrun.core.config import ExperimentConfig, resolved_of
 from meshrun.core.layout import Layout
 from meshrun.core.naming import layout_name
 from meshrun.core.rng_state import read_rng_state, rng_file
@@ -59,6 +60,7 @@ from meshrun.models.vocab import VOCAB_MODULES
 from meshrun.rank.collective_place import control_all_reduce, control_barrier
 from meshrun.rank.parallel import ParallelModel
 from meshrun.rank.stop_signals import STOP_SIGNALS
+from meshrun.rank.train.auto_interval import AutoInterval
 from meshrun.rank.train.loss_scale import LossScale
 
 
@@ -181,6 +183,17 @@ class Checkpointer:
         self.pending: Save | None = None
         self.saves: list[Save] = []
         self.signal = 0
+        resolved = resolved_of(cfg)
+        self.auto = (  # every_steps=auto: no save between steps until it has chosen
+            AutoInterval(
+                resolved.checkpoint_interval_s,
+                resolved.checkpoint_interval_why or "",
+                self.stop_group,  # the main thread's alone, as the broadcast must be
+                rank,
+            )
+            if self.every == AUTO and resolved.checkpoint_interval_s
+            else None
+        )
         # the batches skipped before the checkpoint last loaded (train.guard's rollbacks)
         self.restored_offset = 0
         if self.every:
@@ -218,7 +231,15 @@ class Checkpointer:
         last = steps_done == self.cfg.train.steps
         if last and self.cfg.checkpoint.export != "none":
             return True  # the export reads the final checkpoint
+        if self.every == AUTO:  # the interval not chosen yet: the last step's save only
+            return last
         return self.every > 0 and (steps_done % self.every == 0 or last)
+
+    def measured(self, step_times: list[float]) -> None:
+        """A log step's step times: every_steps=auto chooses its steps once it has enough
+        (every rank at the same log step)."""
+        if self.auto is not None and (chosen := self.auto.measured(step_times)) is not None:
+            self.every = chosen
 
     # saving
 

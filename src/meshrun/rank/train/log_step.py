@@ -11,6 +11,7 @@ from meshrun.core.config import TrainConfig
 from meshrun.models import moe
 from meshrun.rank.mesh import mean_over_ranks
 from meshrun.rank.metrics.busy import busy_fields
+from meshrun.rank.profiling import StepProfiler
 from meshrun.rank.train.context import LoopContext
 from meshrun.rank.train.data import LocalBatches
 from meshrun.rank.train.guard import Spike
@@ -42,6 +43,7 @@ def log_and_save(
             spike = _flush(ctx.pending, batches, ctx, evaluated)
         if spike is not None:
             return spike
+        save = save or (checkpoints is not None and checkpoints.due(step + 1))  # auto chose
     if stop:
         with inside(ctx.watchdog, step, "checkpoint save (stop signal)", one_collective=True):
             checkpoints.stop(step + 1, batches.offset)
@@ -92,6 +94,8 @@ def _flush(
     values = reduced[:, 0].tolist()
     norms = stacked[:, 1].tolist()
     times = pending.clock.drain()
+    if ctx.checkpoints is not None:  # checkpoint.every_steps=auto measures them
+        ctx.checkpoints.measured(times)
     first_step, _, lrs = pending.take()
     records = step_records(first_step, values, norms, lrs, times, batches.drain_waits())
     if r := ctx.routers:
@@ -101,12 +105,8 @@ def _flush(
     if ctx.inspection.busy is not None:  # every rank's busy time, to name the slowest
         for record, busy in zip(records, busy_fields(ctx.inspection.busy.gathered()), strict=True):
             record.update(busy)
-    if ctx.inspection.profiler is not None:  # left out of the run's timing (driver/inspection.py)
-        for record in records:
-            if ctx.inspection.profiler.covers(record["step"]):
-                record["profiled"] = True
-            elif ctx.inspection.profiler.disturbs(record["step"]):
-                record["after_profile"] = True
+    if ctx.inspection.profiler is not None:
+        _mark_profiled(records, ctx.inspection.profiler)
     if ctx.replicas is not None:  # torchft: how many replicas trained each step
         for record in records:
             record.update(ctx.replicas.take(record["step"]))
@@ -117,3 +117,13 @@ def _flush(
     if ctx.guards.spikes is not None and ctx.replicas is not None:  # torchft: the groups' one
         spike = ctx.replicas.same_spike(spike)
     return spike
+
+
+def _mark_profiled(records: list[dict], profiler: StepProfiler) -> None:
+    """The profiled steps and the one after, left out of the run's timing
+    (driver/inspection.py)."""
+    for record in records:
+        if profiler.covers(record["step"]):
+            record["profiled"] = True
+        elif profiler.disturbs(record["step"]):
+            record["after_profile"] = True

@@ -18,6 +18,9 @@ process of its own with the threads a run's rank gets:
                 bandwidth of all-reduce, all-gather and reduce-scatter each (FSDP2 and SP
                 move their bytes by the latter two) at every size from 4 KiB to 16 MiB, a
                 4 KiB all-reduce's time per ring hop
+    checkpoints the node's write rate to the checkpoint dir (checkpoint.dir, else beside
+                the store), every rank a synced file at once, and a rank's staging of its
+                state into host memory as DCP's async_save stages it (storage.py)
 
 The profile goes beside the results store (core/calibration.py); plans and runs on this
 host with as many ranks of as many threads use it (plan.calibration) and say so.
@@ -53,10 +56,12 @@ from meshrun.driver.sinks.console import console, print_error, print_note
 from meshrun.models import model_shape
 from meshrun.plan.compute import block_linears
 from meshrun.plan.shapes import Dims
+from meshrun.rank.device import set_fp32_matmul
 from meshrun.rank.mesh import end_distributed
 from meshrun.tools.plan.command import command_keys, prepared
 from meshrun.tools.plan.matmul_in_step import in_step_block, matmul_in_a_step
 from meshrun.tools.plan.small_block import ops_per_layer, small_block
+from meshrun.tools.plan.storage import staging_rate, storage_dir, write_rate
 from meshrun.tools.plan.wrapper_overhead import (
     CHECKPOINTING,
     CONTEXT,
@@ -83,6 +88,7 @@ class Workload:
     attention: tuple[int, int, int, int]  # (batch, heads, seq, head_dim)
     model: LlamaModelConfig | None = None  # a small block of the run's kind: the wrappers'
     block: LlamaModelConfig | None = None  # one block of the run's sizes: matmuls in a step
+    tf32: bool = True  # float32 on CUDA: TF32 matmuls, as the run's ranks allow (train.tf32)
 
 
 def calibrate(
@@ -110,6 +116,7 @@ def calibrate(
         threads=threads,
         device="cuda" if cuda else "cpu",
         dtype="float32" if cfg.train.precision == "fp32" else "bfloat16",
+        tf32=cfg.train.tf32,
         linears=block_linears(d, tokens, 1),
         attention=(cfg.train.micro_batch_size, d.a, cfg.train.seq_len, d.hq // d.a),
         model=small_block(cfg.model if isinstance(cfg.model, LlamaModelConfig) else None),
@@ -117,6 +124,7 @@ def calibrate(
     )
     rates = _in_rank_processes(workload, box.per_node)
     curves, link_latency = _links(box.per_node, threads, "nccl" if cuda else "gloo")
+    checkpoints = storage_dir(cfg)
     link_bw = {op: curve[-1][1] for op, curve in curves.items()}  # at the largest size
     return Calibration(
         fingerprint_key=fingerprint_key(host_fingerprint(threads)),
@@ -150,6 +158,9 @@ def calibrate(
         link_bw_by_op=link_bw,
         link_curves=curves,
         shapes=rates[0]["shapes"],
+        storage_gbs=write_rate(checkpoints, box.per_node),
+        storage_dir=str(checkpoints.absolute()),
+        staging_gbs=staging_rate(box.per_node, cuda),
     )
 
 
@@ -200,6 +211,8 @@ def _rank(workload: Workload, rank: int, group: _Group, barrier: Any, results: A
     device = torch.device(workload.device, rank) if workload.device == "cuda" else None
     if device is not None:
         torch.cuda.set_device(device)  # the mesh's device: this rank's, not the first GPU
+        if workload.dtype == "float32":
+            set_fp32_matmul(device, "fp32", workload.tf32)
     dtype = getattr(torch, workload.dtype)
     new = {"dtype": dtype, "device": device}
     barrier.wait()

@@ -23,22 +23,34 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+from meshrun.core.batch import derived_global_batch
 from meshrun.core.config import ExperimentConfig, TrainConfig, with_resolved
 from meshrun.core.errors import ConfigError, fail, positive
 from meshrun.core.hardware import HostFacts, resolve_hardware, target_facts
 from meshrun.core.layout import Layout
+from meshrun.core.precision import auto_precision
 from meshrun.core.tool_config import PlanCommandConfig
 from meshrun.driver.command import hydra_command
 from meshrun.driver.sinks.console import print_error
 from meshrun.plan.candidate import Candidate, host_calibration, trace
 from meshrun.plan.placement import devices_per_node
+from meshrun.plan.run_time import RunTime
 from meshrun.plan.search import Box, Plan, float8_unplanned, search
+from meshrun.tools.plan.run_table import (
+    print_cheapest,
+    print_runs,
+    run_cells,
+    run_columns,
+    run_dict,
+    run_of,
+)
 from meshrun.validate import check_experiment
 from meshrun.validate.launcher import CPU_DEFAULT_RANKS
 from meshrun.validate.layout import check_degrees, fill_degree
 from meshrun.validate.model import model_context, model_overrides, read_pretrained
 
 GiB = 2**30
+COLUMNS_WIDTH = 175  # the table's columns but the layout's, whole, their borders included
 # LLaMA's and LLaMA 2's global batch (4M tokens); GPT-3 175B used 3.2M.
 GLOBAL_BATCH_TOKENS = 4 * 2**20
 TOO_BIG_LISTED = 6
@@ -122,18 +134,26 @@ def plan_sequence(cfg: PlanCommandConfig, given: frozenset[str]) -> str:
     return key
 
 
-def gpu_defaults(cfg: PlanCommandConfig, given: frozenset[str]) -> list[str]:
-    """A GPU plan's precision and batch where the user gave none; what was set."""
-    if cfg.hardware.device_type != "cuda":
-        return []
+def plan_defaults(
+    cfg: PlanCommandConfig, given: frozenset[str], box: Box, facts: HostFacts
+) -> list[str]:
+    """What the plan leaves to its box, set in place once the sequence is known: the
+    precision (auto: the profile's, core/precision.py), on a GPU profile the batch a real run
+    of the model would use where the user gave none, elsewhere a null batch derived as a run
+    derives it (over the box's ranks, or the given layout's data-parallel size); what a GPU
+    plan set."""
     t, said = cfg.train, []
-    if "train.precision" not in given and t.precision != "bf16":
-        t.precision = "bf16"
-        said.append("bf16")
-    if "train.global_batch_size" not in given:
+    if t.precision == "auto":
+        t.precision = auto_precision(cfg.hardware, [d.capability for d in facts.cuda_devices])[0]
+        said.append(str(t.precision))
+    if cfg.hardware.device_type == "cuda" and "train.global_batch_size" not in given:
         t.global_batch_size = max(1, GLOBAL_BATCH_TOKENS // t.seq_len)
         said.append(f"a {GLOBAL_BATCH_TOKENS / 2**20:g}M-token batch")
-    return said
+    if t.global_batch_size is None:
+        whole = set(PARALLEL_KEYS) <= given  # a preset: its own data-parallel size
+        dp = Layout.of(cfg.parallel).dp_size if whole else box.world
+        t.global_batch_size = derived_global_batch(t.micro_batch_size, dp)
+    return said if cfg.hardware.device_type == "cuda" else []
 
 
 def prepared(
@@ -149,17 +169,18 @@ def prepared(
     hardware = resolve_hardware(cfg.hardware, target_facts(cfg.hardware, host))
     facts = target_facts(hardware, host)
     cfg.hardware = hardware
-    chosen = Chosen(plan_sequence(cfg, given), gpu_defaults(cfg, given))
-    return box_of(cfg), facts, chosen, read_from
+    box = box_of(cfg)
+    if given & set(PARALLEL_KEYS):  # a layout the search keeps: its -1 filled as a run's is
+        check_degrees(cfg.parallel)
+        cfg.parallel = fill_degree(cfg.parallel, box.world, "world_size")
+    seq_from = plan_sequence(cfg, given)
+    return box, facts, Chosen(seq_from, plan_defaults(cfg, given, box, facts)), read_from
 
 
 def plan(
     cfg: PlanCommandConfig, host: HostFacts, given: frozenset[str] = frozenset()
 ) -> tuple[Box, Plan, Chosen]:
     box, facts, chosen, read_from = prepared(cfg, host, given)
-    if given & set(PARALLEL_KEYS):  # a layout the search keeps: its -1 filled as a run's is
-        check_degrees(cfg.parallel)
-        cfg.parallel = fill_degree(cfg.parallel, box.world, "world_size")
     experiment = with_resolved(cfg, model_read_from=read_from)  # what each layout's run gets
     found = search(experiment, box, facts, given)
     if cfg.plan.trace:
@@ -175,17 +196,22 @@ def plan(
 
 def command(c: Candidate, box: Box, model: str) -> str:
     """The `meshrun` command that runs the row: `model` (model_overrides), hardware, the
-    layout, the training keys that differ from train.yaml's, and SLURM where it spans nodes."""
-    t, default = c.cfg.train, TrainConfig()
-    train = [
-        f"train.{k}={_value(getattr(t, k))}"
-        for k in ("precision", "seq_len", "global_batch_size", "compile")
-        if getattr(t, k) != getattr(default, k)
-    ]
+    layout, the training keys a run of it would not arrive at by itself, and SLURM where it
+    spans nodes."""
+    t = c.cfg.train
+    derived = derived_global_batch(t.micro_batch_size, Layout.of(c.cfg.parallel).dp_size)
+    differs = {
+        # a GPU row names its precision (auto would decide on the box it runs on); CPU's is fp32
+        "precision": c.cfg.hardware.device_type == "cuda" or t.precision != "fp32",
+        "seq_len": t.seq_len != TrainConfig().seq_len,
+        "global_batch_size": t.global_batch_size != derived,
+    }
+    train = [f"train.{k}={getattr(t, k)}" for k, shown in differs.items() if shown]
+    train += ["train.compile=true"] if t.compile else []
     train += [
         f"train.float8.{k}={_value(getattr(t.float8, k))}"
         for k in ("enabled", "recipe")
-        if getattr(t.float8, k) != getattr(default.float8, k)
+        if getattr(t.float8, k) != getattr(TrainConfig().float8, k)
     ]
     nodes = [f"launcher=slurm launcher.nnodes={box.nodes}"] if box.nodes > 1 else []
     return " ".join(
@@ -225,8 +251,9 @@ def _gib(n: int) -> str:
 def render(cfg: PlanCommandConfig, box: Box, found: Plan, chosen: Chosen, model: str) -> None:
     """The plan's table, each row's command (`model`: the overrides that select the model),
     and why the rest do not fit."""
-    console = Console(width=max(160, Console().width))
     shown = found.ranked[: cfg.top]
+    widest = max((len(c.label) for c in shown), default=0)
+    console = Console(width=max(widest + COLUMNS_WIDTH, Console().width))
     # soft-wrapped, whole: the title says what was planned
     console.print(_title(cfg, box, chosen), soft_wrap=True, highlight=False)
     calibration = host_calibration(shown[0].cfg) if shown else None
@@ -235,13 +262,15 @@ def render(cfg: PlanCommandConfig, box: Box, found: Plan, chosen: Chosen, model:
             f"speed on this host's calibration (meshrun-plan calibrate): {calibration.describe()}"
         )
         console.print(said, soft_wrap=True, highlight=False)
-    console.print(_table(shown, box))
+    runs = [run_of(c) for c in shown]
+    console.print(_table(shown, box, runs))
     console.print("run a row with:")
     for index, c in enumerate(shown, start=1):
         console.print(f"  {index:>2}  {command(c, box, model)}", soft_wrap=True, highlight=False)
     console.print("each row's predicted step, by what it waits for (exposed communication only):")
     for index, c in enumerate(shown, start=1):
         console.print(f"  {index:>2}  {step_line(c)}", soft_wrap=True, highlight=False)
+    print_runs(console, shown, runs)
     rows: dict[str, list[str]] = {}  # a note once, with the rows it applies to
     for index, c in enumerate(shown, start=1):
         for note in c.notes:
@@ -286,10 +315,12 @@ def _title(cfg: PlanCommandConfig, box: Box, chosen: Chosen) -> str:
     return title
 
 
-def _table(shown: list[Candidate], box: Box) -> Table:
-    """The ranked layouts, one a row, numbered as the commands to run them are."""
+def _table(shown: list[Candidate], box: Box, runs: list[RunTime | None]) -> Table:
+    """The ranked layouts, one a row, numbered as the commands to run them are; `runs` each
+    one's whole run."""
     table = Table()
     traced = any(c.traced for c in shown)
+    cfg = shown[0].cfg if shown else None
     for column in (
         "#",
         "layout",
@@ -303,12 +334,13 @@ def _table(shown: list[Candidate], box: Box) -> Table:
         "float8 gain",
         "MFU bf16/fp8 peak",
         "micro-batch",
+        *(run_columns(cfg) if cfg else []),
         *(["traced GiB"] if traced else []),
     ):
         table.add_column(
             column, justify="left" if column == "layout" else "right", no_wrap=column == "layout"
         )
-    for index, c in enumerate(shown, start=1):
+    for index, (c, run) in enumerate(zip(shown, runs, strict=True), start=1):
         top = max(c.memory, key=lambda m: m.peak)
         tokens = f"{c.speed.tokens_per_s:,.0f}" if c.speed else "n/a"
         per_device = f"{c.speed.tokens_per_s / box.world:,.0f}" if c.speed else "n/a"
@@ -326,6 +358,7 @@ def _table(shown: list[Candidate], box: Box) -> Table:
             _float8(c),
             _mfu(c),
             str(c.cfg.train.micro_batch_size),
+            *run_cells(c.cfg, run),
             *([_gib(max(m.peak for m in c.traced)) if c.traced else "n/a"] if traced else []),
         )
     return table
@@ -374,6 +407,7 @@ def _why_not(console: Console, box: Box, found: Plan, model: str) -> None:
             f"{len(fitting)} of {len(found.ranked)} layouts fit; best: {fitting[0].label}",
             highlight=False,
         )
+        print_cheapest(console, found, fitting[0].cfg)
     else:
         console.print(
             f"[red]no layout of {box.world} ranks fits[/red]: more devices, a "
@@ -464,7 +498,8 @@ def run(dict_cfg: DictConfig) -> int:
                     "world_size": box.world,
                     "train": dataclasses.asdict(cfg.train),
                     "layouts": [
-                        {**c.as_dict(), "command": command(c, box, model)} for c in found.ranked
+                        {**c.as_dict(), "command": command(c, box, model), "run": run_dict(c)}
+                        for c in found.ranked
                     ],
                     "ruled_out": [{"rule": e, "count": n} for e, n in found.reasons()],
                 },

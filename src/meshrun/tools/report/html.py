@@ -18,6 +18,7 @@ from meshrun.driver.sinks.compare import FLAG, HEADERS, cells, flags
 from meshrun.driver.sinks.selection import Selection, Sweep
 from meshrun.driver.sinks.timeline import step_timelines
 from meshrun.tools.report import plots
+from meshrun.tools.report.budget_plot import budget_times
 
 Plot = Callable[[list[dict[str, Any]]], Figure | None]
 # (id, title, what it shows and how to read it, plot, what the page says without data)
@@ -65,6 +66,14 @@ SECTIONS: tuple[tuple[str, str, str, Plot, str], ...] = (
         "communication it had in flight, idle time, and a pipeline's micro-batches.",
         step_timelines,
         "No profiled run (debug.profile_steps=[a,b]).",
+    ),
+    (
+        "budget",
+        "The plan kept honest: the run's budget, predicted vs measured",
+        "Each run's whole budget (plan.tokens, else its own steps) at the speed it measured "
+        "against the plan's prediction for its layout; above the line, slower than planned.",
+        budget_times,
+        "No completed run with a predicted and a measured speed.",
     ),
     (
         "heatmap",
