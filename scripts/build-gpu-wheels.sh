@@ -19,7 +19,8 @@
 #
 # Size: the whole set is 76 wheels, 155 MiB (pyarrow alone 54), over what the tool carries; so
 # the large wheels of projects the image already holds (SKIP below, from the lent machine's
-# package list) are left out: 65 wheels, 44.5 MiB (wandb 19.4 of it, transformers 12.9).
+# package list) are left out: 65 wheels, 44.5 MiB (wandb 19.4 of it, transformers 12.9),
+# and torchao since (66 wheels, ~47.8 MiB; its 3.3 MiB wheel measured, the set not rebuilt).
 # If the image's copy of a skipped project is too old for what was resolved here, the offline
 # install fails naming it: take it out of SKIP (SKIP= keeps everything). WANDB=0 leaves wandb
 # and its needs out (44 wheels, 23 MiB): gpu-check.sh then runs tests/test_gpu.py alone, as it
