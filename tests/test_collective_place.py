@@ -84,6 +84,9 @@ REVIEWED = {
         "the experts' counts, placed on the activations' device (torch.as_tensor(device=...))"
     ),
     ("rank/parallel/balance.py", "balance_stages", "dist.all_gather_object"): OBJECTS,
+    ("rank/train/auto_interval.py", "AutoInterval.measured", "dist.broadcast_object_list"): (
+        OBJECTS
+    ),
     ("rank/parallel/context_attention.py", "post_shift", "dist.batch_isend_irecv"): ACTIVATIONS,
     ("rank/parallel/context_attention.py", "_AllGatherAttention.backward", "REDUCE_SCATTER"): (
         ACTIVATIONS

@@ -139,5 +139,6 @@ def test_report_page_fits_1400_px_in_headless_chromium(sweep, tmp_path, monkeypa
         "Loss curves",
         "Memory per rank by category",
         "Pipeline bubble: measured vs theory",
+        "The plan kept honest: the run's budget, predicted vs measured",
     ]
     assert all(img["complete"] and 0 < img["width"] <= 1400 for img in images), images

@@ -182,8 +182,8 @@ def test_report_lists_every_run_in_the_terminal_and_the_page(report):
         assert row["run_id"] in output
         assert f'data-run-id="{row["run_id"]}"' in html
     assert html.count('class="skipped"') == sum(r["status"] == "skipped" for r in rows)
-    # speedup, step times, losses, memory, heatmap; no pipeline
-    assert html.count("data:image/png;base64,") == 5
+    # speedup, step times, losses, memory, heatmap, the budget predicted vs measured; no pipeline
+    assert html.count("data:image/png;base64,") == 6
     assert "No completed pipeline-parallel run." in html
     assert "http://" not in html and "https://" not in html  # self-contained
 
@@ -202,5 +202,5 @@ def test_report_page_renders_in_headless_chromium(report, tmp_path):
         for line in dom.split("<tr")[1:]
         if 'data-run-id="' in line
     )
-    assert len(images) == 5
+    assert len(images) == 6
     assert all(img["complete"] and img["width"] > 0 for img in images), images
