@@ -25,6 +25,7 @@ from meshrun.driver.command import hydra_command
 from meshrun.driver.experiment import record_skipped, reported, run_experiment
 from meshrun.driver.launch import TRAIN
 from meshrun.driver.launch.dispatch import launch
+from meshrun.driver.launch.registry import launcher_for
 from meshrun.driver.resolve import resolve, resolve_trials
 from meshrun.driver.resume import in_run_dir_of_resume
 from meshrun.driver.sinks.console import print_error, print_note
@@ -41,12 +42,6 @@ from meshrun.validate.launcher import check_attached_world
 register_sweeps(ConfigStore.instance())
 
 
-def _waits_here(cfg: ExperimentConfig) -> bool:
-    """A SLURM job of a multirun is collected at the sweep's end (sweep.SweepEnd), so
-    that the sweep's jobs run concurrently; with launcher.wait=false, by meshrun-collect."""
-    return cfg.launcher.wait and not in_multirun()
-
-
 def run(dict_cfg: DictConfig) -> int:
     cfg: ExperimentConfig = OmegaConf.to_object(dict_cfg)
     cfg = replace(cfg, sweep=sweep_name(cfg.sweep))
@@ -55,14 +50,15 @@ def run(dict_cfg: DictConfig) -> int:
         cfg = replace(cfg, launcher=replace(cfg.launcher, nnodes=attached_nodes()))
     try:
         cfg = in_run_dir_of_resume(cfg)  # naming no run dir of its own: the checkpoint's run
+        launcher = launcher_for(cfg.launcher.name)
         facts = HostFacts.detect()
         # First on the box the hardware profile describes (its layout, whether it fits), then
         # on this host; for hardware=auto they are the same.
-        if cfg.launcher.name != "slurm":  # ranks here: a GPU profile without a GPU is the news
+        if launcher.ranks_here:  # a GPU profile without a GPU here is the news
             resolve_hardware(cfg.hardware, facts)
         target = target_facts(cfg.hardware, facts)
-        # SLURM ranks run on the profile's box, not on this (login) host.
-        ranks_on = target if cfg.launcher.name == "slurm" else facts
+        # A cluster's ranks run on the profile's box, not on this (login) host.
+        ranks_on = facts if launcher.ranks_here else target
         if cfg.plan.trials:
             resolve_trials(cfg, target)
             trials = [with_baseline_plan(r) for r in resolve_trials(cfg, ranks_on, print_note)]
@@ -81,8 +77,8 @@ def run(dict_cfg: DictConfig) -> int:
     if rank not in (None, 0):
         TRAIN(asdict(cfg))
         return 0
-    if rank is None and cfg.launcher.name == "slurm" and not _waits_here(cfg):
-        submit_pending(cfg)
+    if rank is None and not launcher.waits(cfg.launcher, in_multirun()):
+        submit_pending(cfg, launcher)
         return 0
     return reported(lambda: run_experiment(cfg, launch))
 

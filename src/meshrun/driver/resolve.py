@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from meshrun.core.config import ExperimentConfig, RunConfig, with_resolved
 from meshrun.core.hardware import HostFacts, resolve_hardware, unknown_device_note
+from meshrun.driver.launch.registry import launcher_checked
 from meshrun.driver.prepare_data import prepare_data
 from meshrun.driver.run_plan import with_checkpoint_interval
 from meshrun.plan.candidate import Candidate
@@ -74,7 +75,7 @@ def _resolved(
     """The rules, the memory check and data=hf's tokens, for a config with its layout."""
     resolved = validate_layout(cfg, facts)
     check_fit(resolved, facts)  # before the batch rules: "does not fit" is the news to give
-    resolved = with_checkpoint_interval(prepare_data(validate_run(resolved)))
+    resolved = with_checkpoint_interval(prepare_data(launcher_checked(validate_run(resolved))))
     for note in (vocabulary_note(resolved), unknown_device_note(resolved.hardware)):
         if note and say is not None:
             say(note)

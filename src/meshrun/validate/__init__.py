@@ -47,7 +47,6 @@ from meshrun.validate.layout import (
 )
 from meshrun.validate.model import check_model, check_sequence
 from meshrun.validate.run_plan import check_run_plan
-from meshrun.validate.slurm import check_slurm
 
 
 def check_experiment(cfg: ExperimentConfig, model_read_from: str | None = None) -> None:
@@ -114,10 +113,7 @@ def validate_run(resolved: ExperimentConfig) -> ExperimentConfig:
     check_fault_tolerance(resolved)
     if isinstance(resolved.model, CustomModelConfig):
         check_staged(resolved)
-    resolved = check_checkpoint(resolved)
-    if resolved.launcher.name == "slurm":
-        return dataclasses.replace(resolved, launcher=check_slurm(resolved))
-    return resolved
+    return check_checkpoint(resolved)
 
 
 def _check_plan(cfg: ExperimentConfig) -> None:
