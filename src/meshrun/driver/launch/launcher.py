@@ -9,7 +9,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from meshrun.core.config import ExperimentConfig, LauncherConfig
 from meshrun.core.tool_config import CommRunConfig
-from meshrun.driver.launch import RankEntry
+from meshrun.driver.launch.rank_entry import RankEntry
 
 LaunchedConfig = ExperimentConfig | CommRunConfig
 
