@@ -622,7 +622,7 @@ class ExperimentConfig:
     parallel: ParallelConfig = MISSING
     backend: BackendConfig = MISSING
     hardware: HardwareConfig = MISSING
-    # LocalLauncherConfig or SlurmLauncherConfig: OmegaConf has no union of structured types,
+    # A schema of LAUNCHER_SCHEMAS (by `name`): OmegaConf has no union of structured types,
     # so the field is untyped and the node keeps the type of the schema its preset selected.
     launcher: Any = MISSING
     logger: LoggerConfig = MISSING
