@@ -12,7 +12,7 @@ from hydra.core.config_store import ConfigStore
 
 from meshrun.core.config import LAUNCHER_SCHEMAS, ExperimentConfig
 from meshrun.core.errors import choice
-from meshrun.driver.launch.launcher import Launcher
+from meshrun.driver.launch.launcher import Launcher, Submitter
 from meshrun.driver.launch.local import LocalLauncher
 from meshrun.driver.launch.slurm import SlurmLauncher
 
@@ -35,6 +35,14 @@ def launcher_for(name: str) -> Launcher:
     """The launcher `launcher.name` names; ConfigError for an unknown one."""
     choice("launcher.name", name, tuple(LAUNCHERS))
     return LAUNCHERS[name]
+
+
+def submitter(launcher: Launcher) -> Submitter:
+    """`launcher` as one whose ranks outlive the driver; TypeError for one that cannot be
+    left (its `waits` must then be true)."""
+    if not isinstance(launcher, Submitter):
+        raise TypeError(f"launcher={launcher.name} waits for its ranks: it submits nothing")
+    return launcher
 
 
 Config = TypeVar("Config", bound=ExperimentConfig)
