@@ -19,13 +19,15 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from meshrun.core.config import ExperimentConfig, LauncherConfig
+from meshrun.core.config import LAUNCHER_SCHEMAS, ExperimentConfig, LauncherConfig
 from meshrun.core.errors import fail
 from meshrun.core.paths import REPO_ROOT
 from meshrun.core.run_files.failures import first_failure
 from meshrun.core.tool_config import CommRunConfig
 from meshrun.driver.launch import RankEntry, RankFailure
-from meshrun.driver.launch.launcher import Launcher
+from meshrun.driver.launch.launcher import Launcher, Submitter
+from meshrun.driver.launch.registry import LAUNCHERS, register_launcher
+from meshrun.driver.launch.torchrun import ATTACHED
 from tests.cli import run_meshrun
 
 SRC = REPO_ROOT / "src" / "meshrun"
@@ -119,8 +121,7 @@ def _free_port() -> int:
 
 def main() -> None:
     """The user's entry script: their launcher registered, then meshrun's own CLI."""
-    from meshrun.driver.cli import main as meshrun_main  # noqa: PLC0415 (after registering)
-    from meshrun.driver.launch.registry import register_launcher  # noqa: PLC0415
+    from meshrun.driver.cli import main as meshrun_main  # noqa: PLC0415 (the CLI, for a run)
 
     register_launcher(PlainLauncher())
     meshrun_main()
@@ -157,6 +158,15 @@ def test_a_launchers_own_rule_refuses_before_any_rank_starts(tmp_path: Path):
     assert run.returncode == 2, run.output
     assert "launcher.nnodes=2: launcher=plain starts ranks here" in run.output
     assert not (run.run_dir / "plain_ranks.json").exists()
+
+
+def test_meshruns_own_launchers_meet_the_protocol_under_their_schemas_names():
+    assert isinstance(ATTACHED, Launcher) and not isinstance(ATTACHED, Submitter)
+    assert isinstance(LAUNCHERS["slurm"], Submitter)
+    for name, launcher in LAUNCHERS.items():
+        assert isinstance(launcher, Launcher)
+        assert launcher.name == name == launcher.schema.name
+        assert LAUNCHER_SCHEMAS[name] is launcher.schema
 
 
 def names_slurm(node: ast.AST) -> bool:
