@@ -13,12 +13,13 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
 from meshrun.core import config as schemas
 from meshrun.core.config import ModelConfig
-from meshrun.core.errors import positive
+from meshrun.core.errors import ConfigError, positive
 from meshrun.core.model_shape import ModelShape
 from meshrun.core.paths import REPO_ROOT
 from meshrun.models import ModelKind, build_model, model_kind, model_shape
@@ -140,10 +141,16 @@ def test_the_registry_gives_the_users_kind_by_its_import_path():
     assert rebuilt.model == cfg  # as a rank rebuilds it from the driver's plain dict
 
 
-def _plain_run_dict() -> dict:
-    from tests.helpers import compose_config  # noqa: PLC0415 (Hydra: the driver's side only)
+def _helpers():
+    """tests/helpers.py (Hydra, the driver), imported by the tests: the ranks import this
+    module for its kind only, as they would a user's."""
+    from tests import helpers  # noqa: PLC0415 (see the docstring)
 
-    return dataclasses.asdict(compose_config("parallel=ddp"))
+    return helpers
+
+
+def _plain_run_dict() -> dict:
+    return dataclasses.asdict(_helpers().compose_config("parallel=ddp"))
 
 
 def test_meshrun_trains_the_users_kind_under_ddp_and_records_it(meshrun, tmp_path):
@@ -206,3 +213,16 @@ def test_no_code_dispatches_on_a_model_configs_class_outside_the_registry():
     assert not found, "ask the kind (models/registry.model_kind), not the class: " + ", ".join(
         sorted(found)
     )
+
+
+@pytest.mark.parametrize(
+    ("kind", "problem"),
+    [
+        ("no_such_module:Kind", "nor an importable ModelKind"),
+        ("hf", "is the kind of HFModelConfig"),
+    ],
+)
+def test_a_model_kind_that_is_none_or_not_the_presets_is_refused(kind, problem):
+    with pytest.raises(ConfigError, match=problem) as refused:
+        _helpers().resolved_config("model=small", f"model.kind={kind}")
+    assert refused.value.key == "model.kind"

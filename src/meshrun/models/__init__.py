@@ -13,7 +13,7 @@ from meshrun.models.build import (
 )
 from meshrun.models.keys import from_key, model_key
 from meshrun.models.kind import ModelKind
-from meshrun.models.registry import kind_named, model_kind
+from meshrun.models.registry import model_kind
 
 __all__ = [
     "ModelKind",
@@ -21,7 +21,6 @@ __all__ = [
     "count_params",
     "float8_coverage",
     "from_key",
-    "kind_named",
     "model_key",
     "model_kind",
     "model_shape",

@@ -11,8 +11,10 @@ dense model built from its config; it writes `name`, `schema`, `build`, `shape` 
 
 The built model presents the parts a layout works on: `tok_embeddings`, `pos_embeddings`
 (None unless learned), `layers` by name, `norm`, `output`, with `tp_plan()`,
-`prepare_tp(tp)`, `tie_weights()`, `init_weights(seed)` and `to_empty` (models/llama.py's
-Transformer is the reference)."""
+`prepare_tp(tp)`, `tie_weights()`, `init_weights(seed)` and `to_empty`; where the config
+sets `model.pretrained`, `load_pretrained(directory)` (each pipeline part its share), and
+under context parallelism `use_positions(positions)` (models/llama.py's Transformer is the
+reference)."""
 
 from __future__ import annotations
 

@@ -95,9 +95,11 @@ class HFKind(ModelKind):
         return hf_rules.hf_overrides(cfg)
 
     def context(self, cfg: HFModelConfig) -> tuple[int, str] | None:
-        own = super().context(cfg)
-        positions = None if own else hf_rules.hf_positions(cfg)
-        return own or ((positions, "max_position_embeddings") if positions else None)
+        """`model.context_len` where set, else the config's `max_position_embeddings`."""
+        if cfg.context_len:
+            return super().context(cfg)
+        positions = hf_rules.hf_positions(cfg)
+        return (positions, "max_position_embeddings") if positions else None
 
     def check_sequence(self, cfg: HFModelConfig, seq_len: int) -> None:
         hf_rules.check_hf_sequence(cfg, seq_len)
