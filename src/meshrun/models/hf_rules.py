@@ -1,6 +1,8 @@
 """The rules of a Hugging Face transformers model (kind=hf): that transformers is installed,
 the architecture exists and can be cut into stages, every config key is one its config class
-has, a `pretrained` directory matches the preset, its experts can be split as asked.
+has, a `pretrained` directory matches the preset, the sequence fits its attention and
+positions, its experts can be split as asked (a kind's own rules live with the kind:
+models/kind.py).
 
 model=hf/auto (`model.architecture=auto`) is decided here too (`read_pretrained`, called by
 every command that resolves an experiment before its rules): the architecture and config are

@@ -1,6 +1,7 @@
-"""A user's own nn.Module (model=custom): that the callable imports and returns a module, that
-the names given are its submodules, and what each layout needs of it and it does not say
-(a TP plan for tp > 1, the parts a pipeline runs in sequence, the blocks checkpointing wraps).
+"""A user's own nn.Module (model=custom) under a layout: what each layout needs of it and it
+does not say (a TP plan for tp > 1, the parts a pipeline runs in sequence, the blocks
+checkpointing wraps); the module's own rules (its target, names, plan) are its kind's,
+models/custom_rules.py.
 The module is built on the meta device for this: nothing is allocated; only a pipeline's
 probe of its forward builds it on the CPU, where it is small."""
 
@@ -25,7 +26,6 @@ from meshrun.models.custom import (
 )
 from meshrun.models.kinds import CustomKind
 
-CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 SEE_DOCS = "see docs/models.md, Any nn.Module"
 SP_STYLES = ("sequence_parallel", "gather_input")  # what takes a sequence-sharded stream
 # The largest module the driver builds on its CPU to probe a pipeline's parts (fp32: 400 MB,
