@@ -29,9 +29,9 @@ from meshrun.core.errors import ConfigError, fail, positive
 from meshrun.core.hardware import HostFacts, resolve_hardware, target_facts
 from meshrun.core.layout import DIMENSIONS, Layout
 from meshrun.core.precision import auto_precision
-from meshrun.core.tool_config import PlanCommandConfig
 from meshrun.driver.command import hydra_command
 from meshrun.driver.sinks.console import print_error
+from meshrun.driver.tool_config import PlanCommandConfig
 from meshrun.plan.candidate import Candidate, host_calibration, trace
 from meshrun.plan.placement import devices_per_node
 from meshrun.plan.run_time import RunTime
