@@ -23,9 +23,9 @@ from pathlib import Path
 
 from meshrun.core.checkpoints import RESULTS_FILE
 from meshrun.core.config import ExperimentConfig, from_dict
-from meshrun.core.measured import RunMeta
 from meshrun.driver.experiment import begin, finish_experiment, follow, outcome, reported
 from meshrun.driver.launch.slurm import SLURM_DIR, launch_slurm, submit, wait
+from meshrun.driver.measured import RunMeta
 from meshrun.driver.sinks.console import console
 
 SUBMITTED_FILE = "submitted.json"

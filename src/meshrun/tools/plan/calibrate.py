@@ -50,9 +50,9 @@ from meshrun.core.calibration import Calibration, calibration_path, write_calibr
 from meshrun.core.config import LlamaModelConfig
 from meshrun.core.errors import ConfigError, fail
 from meshrun.core.hardware import HostFacts, fingerprint_key, host_fingerprint
-from meshrun.core.measured import utc_now
-from meshrun.core.tool_config import PlanCommandConfig
+from meshrun.driver.measured import utc_now
 from meshrun.driver.sinks.console import console, print_error, print_note
+from meshrun.driver.tool_config import PlanCommandConfig
 from meshrun.models import model_kind, model_shape
 from meshrun.plan.compute import block_linears
 from meshrun.plan.shapes import Dims

@@ -16,7 +16,7 @@ from meshrun.core.config import (
     LocalLauncherConfig,
     SlurmLauncherConfig,
 )
-from meshrun.core.tool_config import (
+from meshrun.driver.tool_config import (
     CommRunConfig,
     DoctorRunConfig,
     PlanCommandConfig,
