@@ -23,11 +23,11 @@ from meshrun.core.config import LAUNCHER_SCHEMAS, ExperimentConfig, LauncherConf
 from meshrun.core.errors import fail
 from meshrun.core.paths import REPO_ROOT
 from meshrun.core.run_files.failures import first_failure
-from meshrun.core.tool_config import CommRunConfig
 from meshrun.driver.launch import RankEntry, RankFailure
 from meshrun.driver.launch.launcher import Launcher, Submitter
 from meshrun.driver.launch.registry import LAUNCHERS, register_launcher
 from meshrun.driver.launch.torchrun import ATTACHED
+from meshrun.driver.tool_config import CommRunConfig
 from tests.cli import run_meshrun
 
 SRC = REPO_ROOT / "src" / "meshrun"

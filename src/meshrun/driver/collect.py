@@ -24,12 +24,12 @@ from pathlib import Path
 
 from meshrun.core.checkpoints import RESULTS_FILE
 from meshrun.core.config import ExperimentConfig, from_dict
-from meshrun.core.measured import RunMeta
 from meshrun.driver.experiment import begin, finish_experiment, follow, outcome, reported
 from meshrun.driver.launch import TRAIN
 from meshrun.driver.launch.dispatch import launch
 from meshrun.driver.launch.launcher import Launcher
 from meshrun.driver.launch.registry import launcher_for, submitter
+from meshrun.driver.measured import RunMeta
 from meshrun.driver.sinks.console import console
 
 SUBMITTED_FILE = "submitted.json"

@@ -26,7 +26,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from meshrun.core.config import LAUNCHER_SCHEMAS
+from meshrun.core.config import LAUNCHER_SCHEMAS, MODEL_SCHEMAS, model_schema
 from meshrun.core.errors import ConfigError
 from meshrun.core.paths import CONF_DIR
 from meshrun.driver.sinks.console import print_error
@@ -75,8 +75,34 @@ def unknown_key(full_key: str, schema: type, value: object) -> ConfigError:
     )
 
 
+def type_model(cfg: DictConfig) -> None:
+    """A model preset that names no schema (a kind from a user's module: `kind:
+    package.module:attribute`, docs/architecture.md) is typed here by its kind's `schema`, so
+    its keys are checked and its values converted as a built-in preset's are at compose
+    time; a ConfigError where `model.kind` names nothing importable."""
+    node = cfg.get("model")
+    if not isinstance(node, DictConfig) or dataclasses.is_dataclass(OmegaConf.get_type(node)):
+        return
+    kind = node.get("kind")
+    try:
+        schema = model_schema(str(kind))
+    except (ImportError, ValueError) as err:
+        raise ConfigError(
+            "model.kind",
+            kind,
+            f"names no model kind ({err})",
+            f"{' | '.join(MODEL_SCHEMAS)}, or package.module:attribute of a ModelKind, "
+            "importable from the current directory",
+        ) from err
+    values = OmegaConf.to_container(node, resolve=False)
+    cfg.model = OmegaConf.structured(schema)
+    cfg.merge_with({"model": values})
+
+
 def check_keys(cfg: DictConfig) -> None:
-    """Raise ConfigError for the first key that is not a field of its node's schema."""
+    """Raise ConfigError for the first key that is not a field of its node's schema (a
+    schema-less model typed by its kind first: `type_model`)."""
+    type_model(cfg)
     _walk(cfg, "")
 
 

@@ -18,7 +18,6 @@ import torch.distributed as dist
 from meshrun.core.calibration import read_calibration
 from meshrun.core.config import (
     AttentionKernel,
-    CustomModelConfig,
     ExperimentConfig,
     HardwareConfig,
     LoggerConfig,
@@ -95,8 +94,7 @@ def validate_layout(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig
     check_tensor_parallel(resolved)
     check_context_parallel(resolved)
     check_expert_layout(resolved)
-    if isinstance(resolved.model, CustomModelConfig):
-        check_custom_layout(resolved)
+    check_custom_layout(resolved)
     check_pipeline(resolved)
     check_float8(resolved, facts)
     return resolved
@@ -111,8 +109,7 @@ def validate_run(resolved: ExperimentConfig) -> ExperimentConfig:
     check_inspection(resolved, world)
     check_guard(resolved)
     check_fault_tolerance(resolved)
-    if isinstance(resolved.model, CustomModelConfig):
-        check_staged(resolved)
+    check_staged(resolved)
     return check_checkpoint(resolved)
 
 
