@@ -360,12 +360,22 @@ class SlurmLauncherConfig(LauncherConfig):
     signal_delay_s: int = 90
 
 
-# Each launcher's schema by its name, for rebuilding a config from a dict (the ranks) and
-# naming the launcher that has a key; a launcher registered by a user (driver/launch/registry.py)
-# adds its own.
+# meshrun's launchers' schemas by name; a user's launcher is named by its import path
+# (`launcher_schema`, driver/launch/registry.py).
 LAUNCHER_SCHEMAS: dict[str, type[LauncherConfig]] = {
     schema.name: schema for schema in (LocalLauncherConfig, SlurmLauncherConfig)
 }
+
+
+def launcher_schema(name: str) -> type[LauncherConfig]:
+    """The config schema of the launcher `name` names: meshrun's own, or the `schema` of the
+    Launcher at the import path `name`; ImportError or ValueError where there is none."""
+    if name in LAUNCHER_SCHEMAS:
+        return LAUNCHER_SCHEMAS[name]
+    schema = getattr(import_target(name), "schema", None)
+    if not (isinstance(schema, type) and issubclass(schema, LauncherConfig)):
+        raise ValueError(f"{name!r} has no `schema`, a subclass of LauncherConfig")
+    return schema
 
 
 @dataclass
@@ -637,7 +647,7 @@ class ExperimentConfig:
     parallel: ParallelConfig = MISSING
     backend: BackendConfig = MISSING
     hardware: HardwareConfig = MISSING
-    # A schema of LAUNCHER_SCHEMAS (by `name`): OmegaConf has no union of structured types,
+    # The schema `name` names (launcher_schema): OmegaConf has no union of structured types,
     # so the field is untyped and the node keeps the type of the schema its preset selected.
     launcher: Any = MISSING
     logger: LoggerConfig = MISSING
@@ -701,15 +711,11 @@ def rebuild(schema: type, data: dict[str, Any]) -> Any:
     """`schema` typed again from a plain dict; the launcher by its `name`'s schema, the
     model (where the schema has one) by its `kind`'s."""
     base = OmegaConf.structured(schema)
-    given = data.get("launcher") or {}
-    launcher = given.get("name", "local")  # local: as if unnamed
-    # an unknown name (or a user's launcher not registered in this process: a rank) keeps
-    # the common fields, so validation can name the launcher
-    launcher_schema = LAUNCHER_SCHEMAS.get(launcher, LauncherConfig)
-    base.launcher = OmegaConf.structured(launcher_schema)
-    if launcher_schema is LauncherConfig and given:
-        common = {f.name for f in dataclasses.fields(LauncherConfig)}
-        data = {**data, "launcher": {k: v for k, v in given.items() if k in common}}
+    launcher = (data.get("launcher") or {}).get("name", "local")  # local: as if unnamed
+    try:
+        base.launcher = OmegaConf.structured(launcher_schema(launcher))
+    except (ImportError, ValueError):  # unknown: the common fields, for validation to name it
+        base.launcher = OmegaConf.structured(LauncherConfig)
     if any(f.name == "model" for f in dataclasses.fields(schema)):
         kind = (data.get("model") or {}).get("kind", "meshrun")
         base.model = OmegaConf.structured(model_schema(kind))
