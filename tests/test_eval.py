@@ -126,7 +126,7 @@ def test_eval_loss_falls_on_hf_data_and_reaches_the_record(experiment, hf_corpus
     assert fields["eval_loss"] == curve[11]
     assert fields["eval_perplexity"] == pytest.approx(math.exp(curve[11]))
     with console.capture() as captured:
-        print_summary(RunRecord(status="completed", **fields))
+        print_summary(RunRecord.from_dict({"status": "completed", **fields}))
     assert f"{curve[11]:.4f}" in captured.get() and "after 12 steps" in captured.get()
 
 

@@ -77,13 +77,15 @@ def test_torchft_replicas_train_and_evaluate_as_ddp_does(tmp_path, rank_pool, la
     evaluated = ("train.steps=8", "train.eval.every_steps=4")
     ddp = _run(rank_pool, tmp_path / "ddp", *COMMON, *evaluated)
     ft = _run(launch_host, tmp_path / "ft", *TORCHFT, *evaluated)
-    assert ft.status == "completed" and ft.losses
-    for got, want in zip(ft.losses, ddp.losses, strict=True):
+    assert ft.status == "completed" and ft.series.losses
+    for got, want in zip(ft.series.losses, ddp.series.losses, strict=True):
         assert abs(got - want) <= 1e-6 * want
-    assert [step for step, _ in ft.eval_losses] == [3, 7]  # after steps 4 and 8
-    for (_, got), (_, want) in zip(ft.eval_losses, ddp.eval_losses, strict=True):
+    assert [step for step, _ in ft.evaluation.eval_losses] == [3, 7]  # after steps 4 and 8
+    for (_, got), (_, want) in zip(
+        ft.evaluation.eval_losses, ddp.evaluation.eval_losses, strict=True
+    ):
         assert abs(got - want) <= 1e-6 * want
-    assert ft.replica_failure_count == 0 and ft.steps_with_fewer_replicas == 0
+    assert ft.faults.replica_failure_count == 0 and ft.faults.steps_with_fewer_replicas == 0
     assert {r["replicas"] for r in _steps(tmp_path / "ft")} == {2}
 
 
@@ -96,7 +98,7 @@ def test_replica_groups_of_fsdp2_ranks_train_as_hsdp_does(tmp_path, rank_pool, l
     hsdp = _run(rank_pool, tmp_path / "hsdp", *COMMON, *HSDP, "train.steps=6")
     ft = _run(launch_host, tmp_path / "ft", *TORCHFT, *HSDP, "train.steps=6")
     assert ft.layout_name == hsdp.layout_name == "hsdp2x2"
-    for got, want in zip(ft.losses, hsdp.losses, strict=True):
+    for got, want in zip(ft.series.losses, hsdp.series.losses, strict=True):
         assert abs(got - want) <= 1e-6 * want
     assert {r["replicas"] for r in _steps(tmp_path / "ft")} == {2}
 
@@ -120,11 +122,11 @@ def test_a_rank_killed_in_a_replica_group_restarts_its_group_from_the_others_sha
         "debug.slow_step_s=0.1",
     )
     assert run.status == "completed"
-    [failure] = run.replica_failures
+    [failure] = run.faults.replica_failures
     assert (failure["replica"], failure["rank"], failure["error"]) == (1, 3, "killed (SIGKILL)")
     steps = _steps(tmp_path)
     assert [r["step"] for r in steps] == list(range(40))
-    assert run.fewer_replica_steps[0] == [6, 1] and steps[-1]["replicas"] == 2
+    assert run.faults.fewer_replica_steps[0] == [6, 1] and steps[-1]["replicas"] == 2
     _agree_where_both_trained(tmp_path)
 
 
@@ -137,7 +139,7 @@ def test_torchft_replicas_resume_from_replica_0s_checkpoint(tmp_path, rank_pool,
     ddp = _run(rank_pool, tmp_path / "ddp", *COMMON, "train.steps=8")
     assert resumed.resumed_from_step == 4
     assert [r["step"] for r in _steps(tmp_path)] == list(range(8))
-    for got, want in zip(resumed.losses, ddp.losses, strict=True):
+    for got, want in zip(resumed.series.losses, ddp.series.losses, strict=True):
         assert abs(got - want) <= 1e-6 * want
 
 
@@ -157,15 +159,15 @@ def test_a_killed_replica_is_restarted_and_rejoins_while_the_other_trains_on(
         "train.steps=40",
         "debug.slow_step_s=0.1",
     )
-    assert run.status == "completed" and not run.requeues
-    [failure] = run.replica_failures
+    assert run.status == "completed" and not run.host.requeues
+    [failure] = run.faults.replica_failures
     assert (failure["replica"], failure["attempt"]) == (1, 0)
     assert failure["error"] == "killed (SIGKILL)"
     steps = _steps(tmp_path)
     assert [r["step"] for r in steps] == list(range(40))
-    alone = [step for step, replicas in run.fewer_replica_steps if replicas == 1]
+    alone = [step for step, replicas in run.faults.fewer_replica_steps if replicas == 1]
     assert alone and alone[0] == 8 and alone == list(range(8, 8 + len(alone)))
-    assert run.steps_with_fewer_replicas == len(alone)
+    assert run.faults.steps_with_fewer_replicas == len(alone)
     assert all(r["replicas"] == 2 for r in steps[alone[-1] + 1 :]), "replica 1 rejoined"
     _agree_where_both_trained(tmp_path)
     said = capsys.readouterr().out
@@ -188,13 +190,13 @@ def test_replica_0_killed_its_missing_steps_come_from_the_other(tmp_path, launch
         "debug.slow_step_s=0.1",
     )
     assert run.status == "completed"
-    assert [f["replica"] for f in run.replica_failures] == [0]
+    assert [f["replica"] for f in run.faults.replica_failures] == [0]
     steps = _steps(tmp_path)
     assert [r["step"] for r in steps] == list(range(60))
     # replica 0 last wrote at step 4 (train.log_every=5); replica 1's records fill in from 5
     filled = [r["step"] for r in steps if r.get("written_by_replica") == 1]
     assert filled == list(range(5, 5 + len(filled))) and 5 + len(filled) >= 8
-    assert run.memory_per_rank, "the restarted replica 0 reported the run"
+    assert run.memory.memory_per_rank, "the restarted replica 0 reported the run"
 
 
 @pytest.mark.waits
@@ -249,7 +251,7 @@ def test_an_exception_in_a_replica_fails_the_run_without_a_restart(tmp_path, lau
         )
     record = failed.value.results
     assert "injected failure on rank 1 at step 3" in record.error
-    assert record.replica_failures is None or len(record.replica_failures) <= 1
+    assert record.faults.replica_failures is None or len(record.faults.replica_failures) <= 1
 
 
 @pytest.mark.waits
@@ -275,14 +277,16 @@ def test_chaos_a_killed_rank_a_non_finite_step_and_a_spike_in_200_steps(tmp_path
     steps = _steps(tmp_path)
     assert [r["step"] for r in steps] == list(range(200))
     # the killed rank
-    assert [(f["replica"], f["error"]) for f in run.replica_failures] == [(1, "killed (SIGKILL)")]
-    assert run.fewer_replica_steps[0] == [30, 1]
+    assert [(f["replica"], f["error"]) for f in run.faults.replica_failures] == [
+        (1, "killed (SIGKILL)")
+    ]
+    assert run.faults.fewer_replica_steps[0] == [30, 1]
     assert steps[-1]["replicas"] == 2
     # the non-finite step
-    assert run.skipped_steps == [80] and math.isnan(steps[80]["loss"])
+    assert run.faults.skipped_steps == [80] and math.isnan(steps[80]["loss"])
     assert all(math.isfinite(r["loss"]) for r in steps if r["step"] != 80)
     # the spike
-    [rollback] = run.rollbacks
+    [rollback] = run.faults.rollbacks
     assert (rollback["step"], rollback["restored_step"]) == (140, 140)
     assert tuple(rollback["skipped_batches"]) == (140, 140)
     undone = read_records(tmp_path / "run" / ROLLED_BACK_FILE)

@@ -340,7 +340,7 @@ def test_the_record_says_what_ran_in_float8_and_its_mfu_against_both_peaks():
     # a stored baseline of the run in bf16 is no baseline of it in float8
     assert baseline_key(cfg) != baseline_key(resolved_config(BF16))
     fields |= {"mfu": 0.4, "mfu_fp8_peak": 0.2}
-    record = RunRecord(status="completed", precision="bf16", **fields)
+    record = RunRecord.from_dict({"status": "completed", "precision": "bf16", **fields})
     with console.capture() as captured:
         print_summary(record)
     said = " ".join(captured.get().split())

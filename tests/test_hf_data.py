@@ -235,8 +235,8 @@ def test_data_wait_share_is_recorded_and_a_stall_shown():
     assert data_wait_share(steps) == pytest.approx(0.25)
     assert data_wait_share([{"step_time_s": 1.0}]) is None  # a record from before the field
     with console.capture() as captured:
-        print_summary(RunRecord(status="completed", data_wait_share=0.25))
-        print_summary(RunRecord(status="completed", data_wait_share=0.01))
+        print_summary(RunRecord.from_dict({"status": "completed", "data_wait_share": 0.25}))
+        print_summary(RunRecord.from_dict({"status": "completed", "data_wait_share": 0.01}))
     shown = captured.get()
     assert shown.count("data stall") == 1 and "25% of step time waiting" in shown
 

@@ -30,9 +30,10 @@ def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunMeta:
-    """A run's identity (kept by a resume from its checkpoints) and how the attempt ended."""
+    """A run's identity (kept by a resume from its checkpoints) and how the attempt ended;
+    frozen: each step that learns more (the attempt's end, the baseline) makes a new one."""
 
     run_id: str = field(default_factory=new_run_id)
     created_at: str = field(default_factory=utc_now)
@@ -53,7 +54,7 @@ class RunMeta:
     trials: list[Trial] | None = None  # the run that trials chose: each of them
 
 
-@dataclass
+@dataclass(frozen=True)
 class Measured:
     """What one launch measured; `report` is None where rank 0 returned none (a failure)."""
 

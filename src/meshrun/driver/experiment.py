@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from meshrun.core.checkpoints import (
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import ConfigError
 from meshrun.core.layout import Layout
-from meshrun.core.measured import Measured, Role, RunMeta
+from meshrun.core.measured import BaselineMode, Measured, Role, RunMeta
 from meshrun.core.naming import layout_name, rerun_overrides
 from meshrun.core.rank_report import RankReport, TwinStep
 from meshrun.core.record import RunRecord
@@ -101,37 +101,44 @@ def finish_experiment(
 ) -> RunRecord:
     """Baseline and record of a run measured already (here, or by a job submitted earlier)."""
     store = ResultsStore(cfg.store.path)
+    meta, baseline = measured.meta, None
     if measured.ok and cfg.checkpoint.export != "none":
-        measured.meta.export_path = export(cfg)
-    baseline = None
+        meta = replace(meta, export_path=export(cfg))
     if is_own_baseline(cfg):
-        measured.meta.baseline_mode = "own"
+        meta = replace(meta, baseline_mode="own")
     elif needs_baseline(cfg):
-        baseline = baseline_of(cfg, measured, launch, store)
-    return record(cfg, measured, baseline, store, live)
+        had = baseline_of(cfg, measured, launch, store)
+        meta = replace(meta, baseline_mode=had.mode, baseline_age_s=had.age_s)
+        baseline = had.record
+    return record(cfg, replace(measured, meta=meta), baseline, store, live)
+
+
+@dataclass(frozen=True)
+class HadBaseline:
+    """A run's single-device baseline (its record, where it has one) and how it was had."""
+
+    record: RunRecord | None
+    mode: BaselineMode | None = None
+    age_s: float | None = None  # `stored`: how old the reused baseline is
 
 
 def baseline_of(
     cfg: ExperimentConfig, measured: Measured, launch: Launch, store: ResultsStore
-) -> RunRecord | None:
-    """The run's single-device baseline, recorded in the store as a run of its own; how it
-    was had goes into the run's meta: the baseline twin trained beside the run (`fresh`), a
-    stored one of the same fingerprint (`stored`, its age), or, where both did not fit at
-    once, measured by a launch of its own after the run (`after`)."""
+) -> HadBaseline:
+    """The run's single-device baseline, recorded in the store as a run of its own, and how
+    it was had: the baseline twin trained beside the run (`fresh`), a stored one of the same
+    fingerprint (`stored`, its age), or, where both did not fit at once, measured by a launch
+    of its own after the run (`after`)."""
     twin = baseline_config(cfg)
     twin_steps = measured.report.twin_steps if measured.report else None
     if twin_steps:
-        measured.meta.baseline_mode = "fresh"
-        return record(twin, twin_measured(measured, twin_steps), None, store)
+        return HadBaseline(record(twin, twin_measured(measured, twin_steps), None, store), "fresh")
     stored = stored_baseline(cfg, store)
     if stored is not None:
-        measured.meta.baseline_mode = "stored"
-        measured.meta.baseline_age_s = round(age_s(stored))
-        return stored
+        return HadBaseline(stored, "stored", round(age_s(stored)))
     if not measured.ok:
-        return None
-    measured.meta.baseline_mode = "after"
-    return record(twin, measure(twin, "baseline", launch), None, store)
+        return HadBaseline(None)
+    return HadBaseline(record(twin, measure(twin, "baseline", launch), None, store), "after")
 
 
 def twin_measured(run: Measured, steps: list[TwinStep]) -> Measured:
@@ -179,24 +186,29 @@ def new_run(run_dir: str) -> None:
         clear_records(run_dir)
 
 
-def attempt(meta: RunMeta, run_dir: str, started: float, wait: Callable[[], Any]) -> Any:
-    """Waits for the ranks (`wait` raises RankFailure if one failed) and notes in `meta` how
-    the attempt ended (status, error with the hang diagnosis, failed rank, duration);
-    returns rank 0's return value."""
-    returned = None
+def attempt(
+    meta: RunMeta, run_dir: str, started: float, wait: Callable[[], Any]
+) -> tuple[RunMeta, Any]:
+    """Waits for the ranks (`wait` raises RankFailure if one failed): `meta` with how the
+    attempt ended (status, error with the hang diagnosis, failed rank, duration), and rank
+    0's return value."""
+    returned, ended = None, {}
     try:
         returned = wait()
     except RankFailure as failure:
         stopped = failure.error.startswith(f"{Stopped.__name__}: ")  # saved, says how to resume
         if stopped or isinstance(failure, RunInterrupted):
-            meta.status = "interrupted"
-            meta.error = failure.error.removeprefix(f"{Stopped.__name__}: ")
+            error = failure.error.removeprefix(f"{Stopped.__name__}: ")
+            ended = {"status": "interrupted", "error": error}
         else:
-            meta.status = "failed"
-            meta.error = with_diagnosis(str(failure), run_dir, failure.rank)
-            meta.failed_rank, meta.traceback = failure.rank, failure.traceback
-    meta.duration_s = round(time.time() - started, 3)
-    return returned
+            ended = {
+                "status": "failed",
+                "error": with_diagnosis(str(failure), run_dir, failure.rank),
+                "failed_rank": failure.rank,
+                "traceback": failure.traceback,
+            }
+    duration_s = round(time.time() - started, 3)
+    return replace(meta, **ended, duration_s=duration_s), returned
 
 
 def _given_overrides() -> list[str]:
@@ -217,14 +229,11 @@ def begin(cfg: ExperimentConfig, role: Role, **decided: Any) -> RunMeta:
     manifest = read_manifest(resume) if resume is not None else None
     identity = Path(cfg.run_dir) / RUN_FILE
     meta = RunMeta(role=role, given_overrides=_given_overrides(), **decided)
-    if manifest is not None:
-        meta.resumed_from_step = manifest.step
-        meta.resumed_from_checkpoint = str(resume.absolute())
     continued = manifest is not None and same_dir(manifest.run_dir, cfg.run_dir)
     if continued and identity.is_file():
         clear_records(cfg.run_dir)  # rank 0 drops the steps after the checkpoint from metrics
         kept = json.loads(identity.read_text())
-        meta.run_id, meta.created_at = kept["run_id"], kept["created_at"]
+        meta = replace(meta, run_id=kept["run_id"], created_at=kept["created_at"])
     else:
         new_run(cfg.run_dir)
         (Path(cfg.run_dir) / METRICS_FILE).unlink(missing_ok=True)
@@ -232,8 +241,13 @@ def begin(cfg: ExperimentConfig, role: Role, **decided: Any) -> RunMeta:
         created = {"run_id": meta.run_id, "created_at": meta.created_at, "checkpoint_dir": root}
         identity.write_text(json.dumps(created))
     if manifest is not None:
-        if not continued:
-            meta.parent_run_id = _run_id_in(manifest.run_dir)
+        meta = replace(
+            meta,
+            resumed_from_step=manifest.step,
+            resumed_from_checkpoint=str(resume.absolute()),
+            parent_run_id=None if continued else _run_id_in(manifest.run_dir),
+        )
+    if manifest is not None:
         print_note(f"{resumed_line(meta)}; run dir {cfg.run_dir}")
     return meta
 
@@ -255,7 +269,7 @@ def outcome(
     """`wait` returns rank 0's report once the ranks are done, or raises RankFailure;
     `started` is the epoch second the launch began. A failed run's steps are completed with
     those its ranks had not logged yet."""
-    report = attempt(meta, cfg.run_dir, started, explained(cfg, wait))
+    meta, report = attempt(meta, cfg.run_dir, started, explained(cfg, wait))
     for text, ranks in other_ranks_warnings(cfg.run_dir).items():
         print_warning(f"rank(s) {', '.join(map(str, ranks))} (not rank 0) warned: {text}")
     steps = with_unflushed(read_steps(cfg.run_dir), cfg.run_dir, Layout.of(cfg.parallel))
@@ -301,7 +315,7 @@ def record(
     if split:  # the record names the split the ranks chose, to run it again
         cfg = with_layers(cfg, split.counts)
     results = assemble(cfg, measured, baseline)
-    if results.profile:  # a profiled run's picture of its traced step
+    if results.inspection.profile:  # a profiled run's picture of its traced step
         write_timeline(results.as_dict())
     publish(cfg, results, measured.steps, store, live)
     if not measured.ok:

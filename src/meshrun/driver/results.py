@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import shlex
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from typing import Any
 
 from meshrun.core.baseline import baseline_key, is_own_baseline, n_devices
@@ -22,6 +22,21 @@ from meshrun.core.naming import layout_name, rerun_overrides
 from meshrun.core.precision import matmul_precision
 from meshrun.core.rank_report import CheckpointSave, RankReport, StageSplit
 from meshrun.core.record import MEMORY_CATEGORIES, RunRecord
+from meshrun.core.record_parts import (
+    Checkpoints,
+    Comparison,
+    Evaluation,
+    Faults,
+    Flops,
+    Host,
+    Inspection,
+    Memory,
+    Pipeline,
+    Prediction,
+    Selection,
+    Series,
+    Speed,
+)
 from meshrun.core.stages import PP_AUTO, stage_layer_counts, theoretical_bubble
 from meshrun.core.step_stats import percentile, summarize_steps
 from meshrun.core.trials import Trial, first_choice_loss, rank_correlation
@@ -102,18 +117,26 @@ def split_note(split: StageSplit) -> str:
     return note
 
 
-def memory_fields(cfg: ExperimentConfig, memory: list[dict[str, int]] | None) -> dict[str, Any]:
+def memory_fields(cfg: ExperimentConfig, report: RankReport | None) -> Memory:
     """Per-rank peaks and breakdowns, the categories of the rank with the highest peak, and
-    the planner's prediction for each rank beside them."""
+    the bytes each rank read of a pretrained directory."""
+    memory = report.memory_per_rank if report else None
     peaks = [m["peak"] for m in memory] if memory else None
     top = max(memory, key=lambda m: m["peak"]) if memory else {}
+    return Memory(
+        peak_memory_bytes=peaks,
+        peak_memory_max_bytes=max(peaks) if peaks else None,
+        memory_per_rank=memory,
+        **{f"memory_{c}_bytes": top.get(c) for c in MEMORY_CATEGORIES},
+        pretrained_read_bytes_per_rank=report.pretrained_read_bytes_per_rank if report else None,
+    )
+
+
+def predicted_memory_fields(cfg: ExperimentConfig) -> dict[str, Any]:
+    """The planner's prediction of each rank's memory (and plan.trace's, on fake tensors)."""
     predicted = [p.as_dict() for p in predict.memory(cfg)]
     traced = predict.traced(cfg)
     return {
-        "peak_memory_bytes": peaks,
-        "peak_memory_max_bytes": max(peaks) if peaks else None,
-        "memory_per_rank": memory,
-        **{f"memory_{c}_bytes": top.get(c) for c in MEMORY_CATEGORIES},
         "memory_predicted": predicted,
         "memory_traced": [p.as_dict() for p in traced] if traced else None,
         "predicted_peak_memory_bytes": max(p["peak"] for p in predicted),
@@ -184,7 +207,7 @@ def speedup_fields(
     where it is above 1 by more than the measurement's noise: the spread's half-width
     relative to the speedup, or without rounds the step times' combined variation."""
     devices = n_devices(cfg)
-    base_tps = baseline.tokens_per_s if baseline else None
+    base_tps = baseline.speed.tokens_per_s if baseline else None
     fields: dict[str, Any] = {
         "baseline_tokens_per_s": base_tps,
         "baseline_run_id": baseline.run_id if baseline else None,
@@ -192,7 +215,8 @@ def speedup_fields(
     if not (tokens_per_s and base_tps):
         return {**fields, "speedup": None, "scaling_efficiency": None, "flags": []}
     speedup = tokens_per_s / base_tps
-    rounds = list(zip(step_times, baseline.step_times, strict=False)) if mode == "fresh" else []
+    base_times = baseline.speed.step_times
+    rounds = list(zip(step_times, base_times, strict=False)) if mode == "fresh" else []
     ratios = [base_t / run_t * _tokens_ratio(cfg, baseline) for run_t, base_t in rounds]
     fields.update(
         speedup=speedup,
@@ -203,7 +227,7 @@ def speedup_fields(
     if len(ratios) >= 3:
         noise = (fields["speedup_p90"] - fields["speedup_p10"]) / 2 / speedup
     else:
-        noise = math.hypot(cv or 0.0, baseline.step_time_cv or 0.0)
+        noise = math.hypot(cv or 0.0, baseline.speed.step_time_cv or 0.0)
     efficiency = speedup / devices
     fields["speedup_noise"] = noise
     flags = []
@@ -253,47 +277,72 @@ def assemble(cfg: ExperimentConfig, measured: Measured, baseline: RunRecord | No
     meta, report, steps = measured.meta, measured.report, measured.steps
     step_times = timed_step_times(steps)
     timing = timing_fields(cfg, step_times)
+    tokens_per_s = timing["tokens_per_s"]
     if baseline is None and is_own_baseline(cfg):  # 1.0 by definition, no spread
-        baseline = RunRecord(run_id=meta.run_id, tokens_per_s=timing["tokens_per_s"])
-    speed = speedup_fields(
-        cfg,
-        step_times,
-        timing["tokens_per_s"],
-        baseline,
-        meta.baseline_mode,
-        timing["step_time_cv"],
+        baseline = RunRecord(run_id=meta.run_id, speed=Speed(tokens_per_s=tokens_per_s))
+    versus = speedup_fields(
+        cfg, step_times, tokens_per_s, baseline, meta.baseline_mode, timing["step_time_cv"]
     )
     host_share = report.host_other_cpu_share if report else None
-    flags = [*speed.pop("flags"), *host_flags(host_share), *memory_flags(cfg, report)]
+    flags = [*versus.pop("flags"), *host_flags(host_share), *memory_flags(cfg, report)]
     predicted = predicted_speed_fields(cfg)
     return RunRecord(
         **meta_fields(meta, report),
         **config_fields(cfg, meta),
         steps_completed=len(steps),
-        step_times=step_times,
-        **timing,
-        **speed,
         flags=flags,
-        **flops_fields(cfg, timing["tokens_per_s"]),
-        **float8_fields(cfg, timing["tokens_per_s"]),
-        data_wait_share=data_wait_share(steps),
-        **pipeline_fields(cfg, report),
-        **memory_fields(cfg, report.memory_per_rank if report else None),
-        pretrained_read_bytes_per_rank=report.pretrained_read_bytes_per_rank if report else None,
-        **checkpoint_fields(cfg, report.checkpoint_saves if report else None),
-        **checkpoint_plan_fields(cfg, report.auto_checkpoint if report else None),
-        **eval_fields(steps),
-        **predicted,
-        **budget_fields(cfg, timing["tokens_per_s"], predicted["predicted_tokens_per_s"]),
-        **trials_fields(meta.trials),
-        **profile_fields(cfg, steps),
-        **straggler_fields(cfg, report, len(step_times)),
-        **skipped_fields(steps),
-        **rollback_fields(report),
-        **replica_fields(cfg, report, steps),
-        losses=[r["loss"] for r in steps],
-        grad_norms=[r.get("grad_norm") for r in steps],
-        **router_fields(steps),
+        speed=Speed(
+            step_times=step_times,
+            **timing,
+            compile_s=report.compile_s if report else None,
+            host_other_cpu_share=host_share,
+            data_wait_share=data_wait_share(steps),
+        ),
+        comparison=Comparison(
+            scaling=cfg.metrics.scaling,
+            baseline_mode=meta.baseline_mode,
+            baseline_age_s=meta.baseline_age_s,
+            baseline_key=baseline_key(cfg),
+            **versus,
+        ),
+        flops=Flops(**flops_fields(cfg, tokens_per_s), **float8_fields(cfg, tokens_per_s)),
+        pipeline=Pipeline(**pipeline_fields(cfg, report)),
+        memory=memory_fields(cfg, report),
+        prediction=Prediction(
+            **predicted_memory_fields(cfg),
+            **predicted,
+            **budget_fields(cfg, tokens_per_s, predicted["predicted_tokens_per_s"]),
+        ),
+        evaluation=Evaluation(**eval_fields(steps)),
+        checkpoints=Checkpoints(
+            **checkpoint_fields(cfg, report.checkpoint_saves if report else None),
+            **checkpoint_plan_fields(cfg, report.auto_checkpoint if report else None),
+            export_path=meta.export_path,
+        ),
+        selection=selection(meta),
+        inspection=Inspection(
+            **profile_fields(cfg, steps), **straggler_fields(cfg, report, len(step_times))
+        ),
+        faults=Faults(
+            **skipped_fields(steps), **rollback_fields(report), **replica_fields(cfg, report, steps)
+        ),
+        series=Series(
+            losses=[r["loss"] for r in steps],
+            grad_norms=[r.get("grad_norm") for r in steps],
+            **router_fields(steps),
+        ),
+        host=host_of(report),
+    )
+
+
+def selection(meta: RunMeta) -> Selection:
+    """The trials that chose this run's layout (plan.trials), or the run a trial chose it
+    for, and their verdict."""
+    trials = meta.trials
+    return Selection(
+        trial_of=meta.trial_of,
+        trials=[asdict(t) for t in trials] if trials is not None else None,
+        **trials_fields(trials),
     )
 
 
@@ -317,24 +366,28 @@ def router_fields(steps: list[dict[str, Any]]) -> dict[str, float | None]:
 
 
 def meta_fields(meta: RunMeta, report: RankReport | None) -> dict[str, Any]:
-    """Who the run is and how it ended, with what rank 0 reported of its attempt: a SLURM
-    requeue (which resumed from the checkpoint it names), the host."""
-    fields = {k: v for k, v in asdict(meta).items() if k != "given_overrides"}
+    """Who the run is and how it ended (the meta's fields the record holds itself); a SLURM
+    requeue resumed from the checkpoint rank 0 names."""
+    own = {f.name for f in fields(RunRecord)}
+    identity = {k: v for k, v in asdict(meta).items() if k in own}
+    if report is not None and report.requeues:
+        identity["resumed_from_step"] = report.resumed_from_step
+    return identity
+
+
+def host_of(report: RankReport | None) -> Host:
+    """Where rank 0 reported the ranks ran: its host's fingerprint, each rank's node, the
+    SLURM job and its requeues."""
     if report is None:
-        return fields
+        return Host()
     fingerprint = report.fingerprint
-    fields |= {
-        "requeues": report.requeues or None,
-        "slurm_job_id": report.slurm_job_id,
-        "host_per_rank": report.host_per_rank,
-        "fingerprint": fingerprint,
-        "fingerprint_key": fingerprint_key(fingerprint) if fingerprint else None,
-        "host_other_cpu_share": report.host_other_cpu_share,
-        "compile_s": report.compile_s,
-    }
-    if report.requeues:
-        fields["resumed_from_step"] = report.resumed_from_step
-    return fields
+    return Host(
+        requeues=report.requeues or None,
+        slurm_job_id=report.slurm_job_id,
+        host_per_rank=report.host_per_rank,
+        fingerprint=fingerprint,
+        fingerprint_key=fingerprint_key(fingerprint) if fingerprint else None,
+    )
 
 
 def config_fields(cfg: ExperimentConfig, meta: RunMeta) -> dict[str, Any]:
@@ -366,8 +419,6 @@ def config_fields(cfg: ExperimentConfig, meta: RunMeta) -> dict[str, Any]:
         "steps": t.steps,
         "untimed_steps": t.untimed_steps,
         "params": params(cfg),
-        "scaling": cfg.metrics.scaling,
-        "baseline_key": baseline_key(cfg),
         "run_dir": cfg.run_dir,
     }
 
