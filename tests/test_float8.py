@@ -320,7 +320,7 @@ def test_a_checkpoint_resumes_with_float8_on_or_off_under_another_layout(tmp_pat
     assert resumed.meta.resumed_from_step == 2
     assert _saved(cfg) == _saved(again)
     for got, want in zip(resumed.steps, whole.steps[2:], strict=True):
-        assert abs(got["loss"] - want["loss"]) <= FLOAT8_TOLERANCES["tensorwise"] * want["loss"]
+        assert abs(got.loss - want.loss) <= FLOAT8_TOLERANCES["tensorwise"] * want.loss
 
 
 def test_the_record_says_what_ran_in_float8_and_its_mfu_against_both_peaks():

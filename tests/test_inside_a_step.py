@@ -19,6 +19,7 @@ import torch
 from meshrun.core.errors import ConfigError
 from meshrun.core.rank_report import RankReport
 from meshrun.core.record import RunRecord
+from meshrun.core.run_files.metrics import StepRow
 from meshrun.core.run_files.profiles import summarize, trace_path
 from meshrun.driver.inspection import MIN_JUDGED_STEPS, straggler_fields
 from meshrun.driver.results import assemble
@@ -179,7 +180,7 @@ def test_busy_fields_name_each_steps_slowest_rank_against_the_others():
     ]
 
 
-def _straggler_run(experiment, *overrides: str) -> tuple[RunRecord, list[dict]]:
+def _straggler_run(experiment, *overrides: str) -> tuple[RunRecord, list[StepRow]]:
     cfg, measured = experiment(*SHORT, "train.steps=12", "parallel=ddp", *overrides)
     return assemble(cfg, measured, None), measured.steps
 
@@ -193,9 +194,9 @@ def test_slow_rank_is_named_with_its_slowdown(experiment):
     assert record.inspection.straggler.startswith("rank 1 is busy 1.")
     # the log steps name it too, from every rank's busy time: most of them (a tiny step's
     # CPU time on a loaded host has outliers: CI saw a step name rank 0)
-    named = [s["slowest_rank"] for s in steps[2:]]
+    named = [s.slowest_rank for s in steps[2:]]
     assert named.count(1) > len(named) / 2, named
-    ratios = [s["busy_max_s"] / s["busy_others_median_s"] for s in steps[2:]]
+    ratios = [s.busy_max_s / s.busy_others_median_s for s in steps[2:]]
     assert 1.25 < statistics.median(ratios) < 1.75
 
 

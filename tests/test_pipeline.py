@@ -121,7 +121,7 @@ def test_pp_layers_auto_moves_layers_off_a_heavy_head_and_trains_as_its_split(ex
     )
     _, explicit = experiment(*HEAVY_HEAD, "parallel.pp_layers=[3,1]")
     assert explicit.ok and explicit.report.pp_split is None
-    assert [s["loss"] for s in auto.steps] == [s["loss"] for s in explicit.steps]
+    assert [s.loss for s in auto.steps] == [s.loss for s in explicit.steps]
 
 
 def test_1f1b_holds_fewer_activations_than_gpipe(experiment):

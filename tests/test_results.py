@@ -13,6 +13,7 @@ from meshrun.core.config import RunConfig
 from meshrun.core.measured import Measured, RunMeta, Status
 from meshrun.core.rank_report import CheckpointSave, RankReport, StageSplit
 from meshrun.core.record import RunRecord
+from meshrun.core.run_files.metrics import StepRow
 from meshrun.driver.results import assemble
 from meshrun.driver.sinks.console import print_summary
 from meshrun.rank.metrics.host import other_cpu_share
@@ -49,10 +50,8 @@ def rank_report(**fields) -> RankReport:
     return RankReport(**{"memory_per_rank": [], "fingerprint": {}, **fields})
 
 
-def steps(times: list[float | None], first_loss: float = 5.0) -> list[dict]:
-    return [
-        {"step": i, "loss": first_loss - 0.1 * i, "step_time_s": t} for i, t in enumerate(times)
-    ]
+def steps(times: list[float | None], first_loss: float = 5.0) -> list[StepRow]:
+    return [StepRow(step=i, loss=first_loss - 0.1 * i, step_time_s=t) for i, t in enumerate(times)]
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from meshrun.core.measured import Measured, RunMeta
+from meshrun.core.run_files.metrics import StepRow
 from meshrun.driver.experiment import attempt, begin, finish_experiment
 from meshrun.driver.launch import RankFailure
 from tests.helpers import resolved_config
@@ -40,7 +41,7 @@ def test_the_baseline_mode_goes_into_the_record_not_into_the_measured_meta(tmp_p
         f"store.path={tmp_path / 'store.db'}",
     )
     meta = begin(cfg, "run")
-    steps = [{"step": i, "loss": 5.0, "step_time_s": 0.1} for i in range(4)]
+    steps = [StepRow(step=i, loss=5.0, step_time_s=0.1) for i in range(4)]
     measured = Measured(meta, steps)
     record = finish_experiment(cfg, measured, launch=lambda cfg: None)
     assert record.comparison.baseline_mode == "own" and record.run_id == meta.run_id

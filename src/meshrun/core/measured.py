@@ -8,9 +8,10 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Literal
+from typing import Literal
 
 from meshrun.core.rank_report import RankReport
+from meshrun.core.run_files.metrics import StepRow
 from meshrun.core.trials import Trial
 
 # `trials`: plan.trials_only's verdict, recorded without a run of its own (driver/trials.py)
@@ -59,7 +60,7 @@ class Measured:
     """What one launch measured; `report` is None where rank 0 returned none (a failure)."""
 
     meta: RunMeta
-    steps: list[dict[str, Any]]
+    steps: list[StepRow]
     report: RankReport | None = None
 
     @property

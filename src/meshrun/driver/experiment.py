@@ -34,7 +34,7 @@ from meshrun.core.rank_report import RankReport, TwinStep
 from meshrun.core.record import RunRecord
 from meshrun.core.run_files.failures import Stopped
 from meshrun.core.run_files.library_warnings import other_ranks_warnings
-from meshrun.core.run_files.metrics import METRICS_FILE, read_records
+from meshrun.core.run_files.metrics import METRICS_FILE, StepRow, read_records
 from meshrun.core.run_files.positions import clear_records, with_diagnosis
 from meshrun.core.stages import with_layers
 from meshrun.driver.baseline import age_s, needs_baseline, stored_baseline
@@ -145,7 +145,8 @@ def twin_measured(run: Measured, steps: list[TwinStep]) -> Measured:
     """The baseline twin rank 0 trained between the run's steps, as a measured run of its
     own, on the run's host."""
     report = RankReport(memory_per_rank=[], fingerprint=run.report.fingerprint)
-    return Measured(RunMeta(role="baseline"), [asdict(s) for s in steps], report)
+    rows = [StepRow(step=s.step, loss=s.loss, step_time_s=s.step_time_s) for s in steps]
+    return Measured(RunMeta(role="baseline"), rows, report)
 
 
 def export(cfg: ExperimentConfig) -> str | None:
@@ -169,7 +170,7 @@ def export(cfg: ExperimentConfig) -> str | None:
     return str(path)
 
 
-def read_steps(run_dir: str) -> list[dict[str, Any]]:
+def read_steps(run_dir: str) -> list[StepRow]:
     return read_records(Path(run_dir) / METRICS_FILE)
 
 
@@ -360,7 +361,7 @@ def record_skipped(cfg: ExperimentConfig, reason: ConfigError) -> RunRecord:
 def publish(
     cfg: ExperimentConfig,
     record: RunRecord,
-    steps: list[dict[str, Any]],
+    steps: list[StepRow],
     store: ResultsStore,
     live: LiveRun | None = None,
 ) -> None:

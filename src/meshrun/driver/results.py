@@ -37,6 +37,7 @@ from meshrun.core.record_parts import (
     Series,
     Speed,
 )
+from meshrun.core.run_files.metrics import StepRow
 from meshrun.core.stages import PP_AUTO, stage_layer_counts, theoretical_bubble
 from meshrun.core.step_stats import percentile, summarize_steps
 from meshrun.core.trials import Trial, first_choice_loss, rank_correlation
@@ -169,24 +170,24 @@ def checkpoint_fields(cfg: ExperimentConfig, saves: list[CheckpointSave] | None)
     }
 
 
-def data_wait_share(steps: list[dict[str, Any]]) -> float | None:
+def data_wait_share(steps: list[StepRow]) -> float | None:
     """The share of the timed steps' time rank 0 spent waiting for its batches (records
     older than the measurement have none)."""
-    timed = [r for r in steps if r["step_time_s"] is not None and "data_wait_s" in r]
-    total = sum(r["step_time_s"] for r in timed)
-    return sum(r["data_wait_s"] for r in timed) / total if total else None
+    timed = [r for r in steps if r.step_time_s is not None and r.data_wait_s is not None]
+    total = sum(r.step_time_s for r in timed)
+    return sum(r.data_wait_s for r in timed) / total if total else None
 
 
-def eval_fields(steps: list[dict[str, Any]]) -> dict[str, Any]:
+def eval_fields(steps: list[StepRow]) -> dict[str, Any]:
     """The last evaluation's loss and perplexity, the mean seconds of one, the curve."""
-    evaluated = [r for r in steps if "eval_loss" in r]
+    evaluated = [r for r in steps if r.eval_loss is not None]
     if not evaluated:
         return {}
     return {
-        "eval_loss": evaluated[-1]["eval_loss"],
-        "eval_perplexity": evaluated[-1]["eval_perplexity"],
-        "eval_time_s": sum(r["eval_time_s"] for r in evaluated) / len(evaluated),
-        "eval_losses": [[r["step"], r["eval_loss"]] for r in evaluated],
+        "eval_loss": evaluated[-1].eval_loss,
+        "eval_perplexity": evaluated[-1].eval_perplexity,
+        "eval_time_s": sum(r.eval_time_s for r in evaluated) / len(evaluated),
+        "eval_losses": [[r.step, r.eval_loss] for r in evaluated],
     }
 
 
@@ -327,8 +328,8 @@ def assemble(cfg: ExperimentConfig, measured: Measured, baseline: RunRecord | No
             **skipped_fields(steps), **rollback_fields(report), **replica_fields(cfg, report, steps)
         ),
         series=Series(
-            losses=[r["loss"] for r in steps],
-            grad_norms=[r.get("grad_norm") for r in steps],
+            losses=[r.loss for r in steps],
+            grad_norms=[r.grad_norm for r in steps],
             **router_fields(steps),
         ),
         host=host_of(report),
@@ -355,13 +356,13 @@ def trials_fields(trials: list[Trial] | None) -> dict[str, float | None]:
     }
 
 
-def router_fields(steps: list[dict[str, Any]]) -> dict[str, float | None]:
+def router_fields(steps: list[StepRow]) -> dict[str, float | None]:
     """The last step's router statistics, where the model has routers."""
-    last = steps[-1] if steps else {}
+    last = steps[-1] if steps else None
     return {
-        "router_max_load": last.get("moe_max_load"),
-        "router_dropped": last.get("moe_dropped"),
-        "router_aux_loss": last.get("moe_aux_loss"),
+        "router_max_load": last.moe_max_load if last else None,
+        "router_dropped": last.moe_dropped if last else None,
+        "router_aux_loss": last.moe_aux_loss if last else None,
     }
 
 
