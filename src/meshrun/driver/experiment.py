@@ -30,7 +30,7 @@ from meshrun.core.errors import ConfigError
 from meshrun.core.layout import Layout
 from meshrun.core.measured import BaselineMode, Measured, Role, RunMeta
 from meshrun.core.naming import layout_name, rerun_overrides
-from meshrun.core.rank_report import RankReport, TwinStep
+from meshrun.core.rank_report import RankReport
 from meshrun.core.record import RunRecord
 from meshrun.core.run_files.failures import Stopped
 from meshrun.core.run_files.library_warnings import other_ranks_warnings
@@ -141,12 +141,11 @@ def baseline_of(
     return HadBaseline(record(twin, measure(twin, "baseline", launch), None, store), "after")
 
 
-def twin_measured(run: Measured, steps: list[TwinStep]) -> Measured:
+def twin_measured(run: Measured, steps: list[StepRow]) -> Measured:
     """The baseline twin rank 0 trained between the run's steps, as a measured run of its
     own, on the run's host."""
     report = RankReport(memory_per_rank=[], fingerprint=run.report.fingerprint)
-    rows = [StepRow(step=s.step, loss=s.loss, step_time_s=s.step_time_s) for s in steps]
-    return Measured(RunMeta(role="baseline"), rows, report)
+    return Measured(RunMeta(role="baseline"), steps, report)
 
 
 def export(cfg: ExperimentConfig) -> str | None:
