@@ -46,6 +46,8 @@ def _part(kind: type) -> Any:
 
 @dataclass
 class RunRecord:
+    """One run: who it is, how it ended and what ran, then what it measured, part by part."""
+
     # identity and outcome
     run_id: str = _f("", column=True, report=(0, "run"))
     role: str = _f("run", column=True)
