@@ -91,7 +91,7 @@ class RankReport:
     pipeline_bubble_per_rank: list[float] | None = None
     pp_split: StageSplit | None = None  # parallel.pp_layers=auto
     pretrained_read_bytes_per_rank: list[int] | None = None  # model.pretrained
-    # the baseline twin's timed steps (step, loss, time), trained between the run's by rank 0
+    # the timed steps (step, loss, time) of the baseline beside the run, trained by rank 0
     twin_steps: list[StepRow] | None = None
     host_other_cpu_share: float | None = None  # None where a rank could not measure it
     compile_s: float | None = None  # train.compile: the slowest rank's
