@@ -39,6 +39,7 @@ import torch.multiprocessing as mp
 
 from meshrun.core.paths import REPO_ROOT
 from meshrun.core.run_files.failures import first_failure
+from meshrun.core.run_files.metrics import StepRow
 from meshrun.driver.launch import TRAIN, RankEntry, RankFailure
 from meshrun.rank.mesh import end_distributed
 from tests.helpers import resolved_config
@@ -233,14 +234,15 @@ def config_in(tmp, *overrides: str):
 
 def losses(measured) -> list[float]:
     """Per-step losses rank 0 logged (metrics.jsonl), as results.json lists them."""
-    return [step["loss"] for step in measured.steps]
+    return [step.loss for step in measured.steps]
 
 
-def assert_steps_match(got: list[dict], want: list[dict], rel: float = 1e-4) -> None:
+def assert_steps_match(got: list[StepRow], want: list[StepRow], rel: float = 1e-4) -> None:
     """Two runs' per-step records agree: loss and global gradient norm within `rel`."""
     assert len(got) == len(want)
     for mine, ref in zip(got, want, strict=True):
         for key in ("loss", "grad_norm"):
-            assert abs(mine[key] - ref[key]) <= rel * abs(ref[key]), (
-                f"step {mine['step']} {key}: {mine[key]} vs {ref[key]}"
+            value, expected = getattr(mine, key), getattr(ref, key)
+            assert abs(value - expected) <= rel * abs(expected), (
+                f"step {mine.step} {key}: {value} vs {expected}"
             )

@@ -44,7 +44,7 @@ def test_the_baseline_beside_the_run_is_the_single_device_run_and_leaves_it_alon
     assert [s.step for s in steps] == [2, 3, 4, 5]  # after its 2 untimed steps
     assert [s.loss for s in steps] == pytest.approx(losses(twin)[2:], rel=1e-6)
     assert all(s.step_time_s > 0 for s in steps)
-    timed = [s["step_time_s"] for s in run.steps if s["step_time_s"] is not None]
+    timed = [s.step_time_s for s in run.steps if s.step_time_s is not None]
     assert len(timed) == len(steps)  # one round per timed step
 
 

@@ -100,9 +100,9 @@ def test_resumed_run_continues_bit_for_bit(tmp_path, rank_pool, layout):
         tmp_path / "resumed", rank_pool, *overrides, f"checkpoint.resume={saved[0]}", more
     )
     assert resumed.meta.resumed_from_step == EVERY  # a new run in a run dir of its own
-    assert [s["step"] for s in resumed.steps] == list(range(EVERY, STEPS))
-    tail = [(s["loss"], s["lr"]) for s in resumed.steps]
-    assert tail == [(s["loss"], s["lr"]) for s in whole.steps[EVERY:]]
+    assert [s.step for s in resumed.steps] == list(range(EVERY, STEPS))
+    tail = [(s.loss, s.lr) for s in resumed.steps]
+    assert tail == [(s.loss, s.lr) for s in whole.steps[EVERY:]]
 
 
 @pytest.mark.parametrize(
@@ -162,7 +162,7 @@ def test_checkpoint_loads_under_another_layout(tmp_path, rank_pool, saved_under,
         f"checkpoint.dir={tmp_path}/more",
     )
     for got, want in zip(resumed.steps, whole.steps[EVERY:], strict=True):
-        assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (got, want)
+        assert abs(got.loss - want.loss) <= 1e-5 * abs(want.loss), (got, want)
 
 
 def test_interrupted_run_resumes_as_the_same_run(tmp_path, rank_pool, launch_host):
@@ -182,14 +182,16 @@ def test_interrupted_run_resumes_as_the_same_run(tmp_path, rank_pool, launch_hos
     with pytest.raises(RunFailed) as failed:
         run_experiment(failing, launch_host.launch)
     first = failed.value.results
-    assert [r["step"] for r in read_steps(failing.run_dir)] == [0, 1]
+    assert [r.step for r in read_steps(failing.run_dir)] == [0, 1]
     resumed = run_experiment(config_in(tmp_path, *args, "checkpoint.resume=auto"), rank_pool.launch)
     assert resumed.run_id == first.run_id and resumed.resumed_from_step == 2
-    assert [r["step"] for r in read_steps(failing.run_dir)] == list(range(STEPS))
+    assert [r.step for r in read_steps(failing.run_dir)] == list(range(STEPS))
     with sqlite3.connect(tmp_path / "meshrun.db") as db:
         rows = db.execute("SELECT run_id, status FROM runs").fetchall()
     assert rows == [(first.run_id, "completed")]
-    assert resumed.checkpoint_blocked_s is not None and len(resumed.losses) == STEPS
+    assert (
+        resumed.checkpoints.checkpoint_blocked_s is not None and len(resumed.series.losses) == STEPS
+    )
     # W&B: one run, continued: the resumed attempt logs under the same id from step 2 on.
     attempts = read_offline_runs(Path(failing.run_dir))
     assert [a["id"] for a in attempts] == [first.run_id] * 2
@@ -333,7 +335,7 @@ def test_ctrl_c_saves_and_resume_auto_continues(tmp_path, rank_pool):
     assert finished.run_id == interrupted["run_id"]
     assert finished.resumed_from_step == read_manifest(saved[0]).step
     _, whole = _run(tmp_path / "whole", rank_pool, *args)
-    assert finished.losses == losses(whole)
+    assert finished.series.losses == losses(whole)
 
 
 @pytest.mark.parametrize(
@@ -372,7 +374,7 @@ def test_export_is_the_trained_model_that_transformers_loads(
         "train.steps=4",
         "checkpoint.export=hf",
     )
-    exported = Path(run_experiment(cfg, rank_pool.launch).export_path)
+    exported = Path(run_experiment(cfg, rank_pool.launch).checkpoints.export_path)
     hf = getattr(transformers, architecture).from_pretrained(exported)
     assert type(hf).__name__ == architecture and hf.config.vocab_size == model_vocab(cfg)
     final = complete(Path(cfg.run_dir) / "checkpoints")[-1]
@@ -383,7 +385,7 @@ def test_export_is_the_trained_model_that_transformers_loads(
         f"checkpoint.dir={tmp_path}/b",
     )
     later, resumed = _run(tmp_path / "b", rank_pool, *model, *resume)
-    [step4] = [s["loss"] for s in resumed.steps if s["step"] == 4]
+    [step4] = [s.loss for s in resumed.steps if s.step == 4]
     assert abs(transformers_first_loss(later, hf, step=4) - step4) <= 1e-5 * step4
 
 
@@ -422,8 +424,8 @@ def test_resume_from_a_run_dir_continues_its_run(tmp_path, rank_pool, custom_dir
     assert (resumed.run_id, resumed.parent_run_id) == (whole.run_id, None)
     assert resumed.resumed_from_step == EVERY
     assert resumed.resumed_from_checkpoint == str(root / "step-00000002")
-    assert [r["step"] for r in read_steps(cut.run_dir)] == list(range(STEPS))
-    assert resumed.losses == whole.losses  # the same layout: bit for bit
+    assert [r.step for r in read_steps(cut.run_dir)] == list(range(STEPS))
+    assert resumed.series.losses == whole.series.losses  # the same layout: bit for bit
     assert [read_manifest(p).step for p in complete(root)] == [EVERY, STEPS]  # saved again
     assert custom_dir != (Path(cut.run_dir) / "checkpoints").exists()
 
@@ -458,9 +460,9 @@ def test_resume_into_a_run_dir_of_ones_own_is_a_new_run(tmp_path, rank_pool):
     assert new.resumed_from_step == EVERY
     assert new.overrides.endswith(f"hydra.run.dir={new.run_dir}")  # again: a new run
     assert json.loads(Path(new.run_dir, "results.json").read_text())["run_id"] == new.run_id
-    assert [r["step"] for r in read_steps(new.run_dir)] == list(range(EVERY, STEPS))
-    for got, want in zip(new.losses, whole.losses[EVERY:], strict=True):
-        assert abs(got - want) <= 1e-5 * abs(want), (new.losses, whole.losses)
+    assert [r.step for r in read_steps(new.run_dir)] == list(range(EVERY, STEPS))
+    for got, want in zip(new.series.losses, whole.series.losses[EVERY:], strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want), (new.series.losses, whole.series.losses)
     saved = complete(Path(new.run_dir) / "checkpoints")  # its own, never the parent's
     assert [(read_manifest(p).step, read_manifest(p).run_dir) for p in saved] == [
         (STEPS, new.run_dir)

@@ -90,7 +90,7 @@ def flat(table: str) -> str:
 
 def _summary(**fields) -> str:
     with console.capture() as captured:
-        print_summary(RunRecord(status="completed", **fields))
+        print_summary(RunRecord.from_dict({"status": "completed", **fields}))
     return flat(captured.get())
 
 

@@ -72,7 +72,7 @@ def run(tmp_path_factory, rank_pool):
 
 
 def evaluations(measured) -> dict[int, float]:
-    return {r["step"]: r["eval_loss"] for r in measured.steps if "eval_loss" in r}
+    return {r.step: r.eval_loss for r in measured.steps if r.eval_loss is not None}
 
 
 # In CI sharded data parallel and a pipeline (the loss on the last stage only); with -m slow
@@ -91,17 +91,17 @@ def test_eval_loss_under_each_layout_is_the_single_device_one(run, layout):
 @pytest.mark.parametrize("layout", ["fsdp", "pp2_1f1b"])
 def test_evaluating_leaves_the_training_losses_bit_for_bit(run, layout):
     assert losses(run(layout)) == losses(run(layout, evaluate=False))
-    assert [r["grad_norm"] for r in run(layout).steps] == [
-        r["grad_norm"] for r in run(layout, evaluate=False).steps
+    assert [r.grad_norm for r in run(layout).steps] == [
+        r.grad_norm for r in run(layout, evaluate=False).steps
     ]
 
 
 def test_eval_time_is_reported_beside_the_step_times(run):
     steps = run("pp2_1f1b").steps
-    evaluated = [r for r in steps if "eval_loss" in r]
-    assert all(r["eval_time_s"] > 0 for r in evaluated)
-    assert all(r["eval_perplexity"] == pytest.approx(math.exp(r["eval_loss"])) for r in evaluated)
-    assert all(r["step_time_s"] is not None for r in steps[1:])  # every timed step still timed
+    evaluated = [r for r in steps if r.eval_loss is not None]
+    assert all(r.eval_time_s > 0 for r in evaluated)
+    assert all(r.eval_perplexity == pytest.approx(math.exp(r.eval_loss)) for r in evaluated)
+    assert all(r.step_time_s is not None for r in steps[1:])  # every timed step still timed
 
 
 def test_eval_loss_falls_on_hf_data_and_reaches_the_record(experiment, hf_corpus, tmp_path):
@@ -126,7 +126,7 @@ def test_eval_loss_falls_on_hf_data_and_reaches_the_record(experiment, hf_corpus
     assert fields["eval_loss"] == curve[11]
     assert fields["eval_perplexity"] == pytest.approx(math.exp(curve[11]))
     with console.capture() as captured:
-        print_summary(RunRecord(status="completed", **fields))
+        print_summary(RunRecord.from_dict({"status": "completed", **fields}))
     assert f"{curve[11]:.4f}" in captured.get() and "after 12 steps" in captured.get()
 
 

@@ -175,7 +175,7 @@ def test_an_expert_parallel_runs_routers_reach_its_wandb_run(meshrun_here):
     assert run.returncode == 0, run.output
     logged = read_offline_run(run.run_dir)
     rows = step_rows(logged)
-    loads = [s["moe_max_load"] for s in read_steps(run.run_dir) if "moe_max_load" in s]
+    loads = [s.moe_max_load for s in read_steps(run.run_dir) if s.moe_max_load is not None]
     assert [h["train/moe_max_load"] for h in rows] == loads and len(loads) == 3
     assert all(h["train/moe_aux_loss"] > 0 for h in rows)
     assert logged["summary"]["router_max_load"] == loads[-1]

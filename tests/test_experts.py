@@ -213,15 +213,15 @@ def test_an_moe_model_trains_under_each_layout_as_on_one_device(
 def test_the_summary_and_wandb_carry_the_last_steps_routers(single_moe_steps):
     steps = single_moe_steps()
     fields = router_fields(steps)
-    assert fields["router_max_load"] == steps[-1]["moe_max_load"] >= 1.0
+    assert fields["router_max_load"] == steps[-1].moe_max_load >= 1.0
     with console.capture() as captured:
-        print_summary(RunRecord(status="completed", **fields))
+        print_summary(RunRecord.from_dict({"status": "completed", **fields}))
     said = " ".join(captured.get().split())
-    assert f"busiest expert {steps[-1]['moe_max_load']:.2f}x the mean" in said
-    assert f"balance loss {steps[-1]['moe_aux_loss']:.3f}" in said
+    assert f"busiest expert {steps[-1].moe_max_load:.2f}x the mean" in said
+    assert f"balance loss {steps[-1].moe_aux_loss:.3f}" in said
     series = step_metrics(steps[-1], tokens_per_step=8 * 64)
-    assert series["train/moe_max_load"] == steps[-1]["moe_max_load"]
-    assert series["train/moe_aux_loss"] == steps[-1]["moe_aux_loss"]
+    assert series["train/moe_max_load"] == steps[-1].moe_max_load
+    assert series["train/moe_aux_loss"] == steps[-1].moe_aux_loss
 
 
 def test_an_moe_runs_mfu_counts_a_tokens_experts_and_the_summary_says_so():
@@ -235,7 +235,9 @@ def test_an_moe_runs_mfu_counts_a_tokens_experts_and_the_summary_says_so():
     assert share == pytest.approx(1 - d.layers * 6 * 3 * 64 * 64 / matmul)
     assert predict.active_share(resolved_config("model=tiny", "parallel=single")) is None
     with console.capture() as captured:
-        print_summary(RunRecord(status="completed", mfu=0.1, active_param_share=share))
+        print_summary(
+            RunRecord.from_dict({"status": "completed", "mfu": 0.1, "active_param_share": share})
+        )
     said = " ".join(captured.get().split())
     assert f"MFU │ 0.1 (6N: N active, {share:.1%})" in said
 

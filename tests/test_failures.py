@@ -20,6 +20,7 @@ import pytest
 
 from meshrun.core.hardware import oom_kills
 from meshrun.core.run_files.failures import read_unflushed, record_unflushed
+from meshrun.core.run_files.metrics import StepRow
 from meshrun.driver.experiment import RunFailed, measure, reported, run_experiment
 from meshrun.driver.launch import SIGNAL_UNSEEN
 from meshrun.driver.launch.local import launch_local
@@ -101,11 +102,11 @@ def test_steps_after_the_last_log_step_survive_a_failure(tmp_path, experiment, l
     failed = measure(cfg, "run", launch_host.launch)
     assert failed.meta.status == "failed"
     keys = ("step", "loss", "grad_norm", "lr")
-    assert [{k: s[k] for k in keys} for s in failed.steps] == [
-        {k: s[k] for k in keys} for s in completed.steps[:3]
+    assert [{k: getattr(s, k) for k in keys} for s in failed.steps] == [
+        {k: getattr(s, k) for k in keys} for s in completed.steps[:3]
     ]
-    assert [s["step_time_s"] is not None for s in failed.steps] == [False, True, True]
-    assert not any("partial_loss" in s for s in failed.steps)
+    assert [s.step_time_s is not None for s in failed.steps] == [False, True, True]
+    assert not any(s.partial_loss is not None for s in failed.steps)
 
 
 def test_failed_ddp_run_keeps_the_dp_mean_and_prints_the_traceback(
@@ -121,8 +122,8 @@ def test_failed_ddp_run_keeps_the_dp_mean_and_prints_the_traceback(
     assert reported(lambda: run_experiment(cfg, launch_host.launch)) == 1
     out = capsys.readouterr().out
     results = json.loads((Path(cfg.run_dir) / "results.json").read_text())
-    assert results["losses"] == [s["loss"] for s in completed.steps[:3]]
-    assert results["grad_norms"] == [s["grad_norm"] for s in completed.steps[:3]]
+    assert results["losses"] == [s.loss for s in completed.steps[:3]]
+    assert results["grad_norms"] == [s.grad_norm for s in completed.steps[:3]]
     assert results["failed_rank"] == 1
     trace = results["traceback"]
     assert trace.startswith("Traceback (most recent call last):")
@@ -153,7 +154,7 @@ def test_rank_killed_by_a_signal_is_the_one_named(tmp_path, launch_host):
     assert counted is (oom_kills() is not None)
     assert ("most likely out of host memory" in error) is not counted
     assert failed.meta.traceback is None
-    assert [(s["step"], s.get("partial_loss")) for s in failed.steps] == [
+    assert [(s.step, s.partial_loss) for s in failed.steps] == [
         (0, True),
         (1, True),
         (2, True),
@@ -176,12 +177,15 @@ def test_steps_cut_off_as_they_are_written_leave_the_earlier_record_whole(tmp_pa
     """A rank whose write is cut off (here by the kernel's 4 KiB file-size limit, as a
     SIGTERM from torch elastic or an error could mid-write) leaves the record it had whole,
     never a torn file the driver cannot read (CI saw `JSONDecodeError` from such a rank)."""
-    record_unflushed(str(tmp_path), 0, [{"step": 0, "loss": 1.0}])
-    many = [{"step": s, "loss": 1.0} for s in range(1000)]  # ~22 KiB of JSON
-    write = "from meshrun.core.run_files.failures import record_unflushed as write; write"
-    cut = _in_a_process(f"{write}({str(tmp_path)!r}, 0, {many!r})", file_bytes=4096)
+    record_unflushed(str(tmp_path), 0, [StepRow(step=0, loss=1.0)])
+    many = "[StepRow(step=s, loss=1.0) for s in range(1000)]"  # ~100 KiB of JSON
+    write = (
+        "from meshrun.core.run_files.failures import record_unflushed as write; "
+        "from meshrun.core.run_files.metrics import StepRow; write"
+    )
+    cut = _in_a_process(f"{write}({str(tmp_path)!r}, 0, {many})", file_bytes=4096)
     assert cut.returncode != 0 and "File too large" in cut.stderr, cut.stderr
-    assert read_unflushed(str(tmp_path)) == {0: [{"step": 0, "loss": 1.0}]}
+    assert read_unflushed(str(tmp_path)) == {0: [StepRow(step=0, loss=1.0)]}
 
 
 def test_a_stop_signal_waits_until_a_failing_rank_has_written_its_records(tmp_path):

@@ -19,6 +19,7 @@ from meshrun.core.record import RunRecord
 from meshrun.core.run_files.metrics import (
     METRICS_FILE,
     ROLLED_BACK_FILE,
+    StepRow,
     fill_from_replicas,
     read_records,
     replica_metrics,
@@ -55,19 +56,19 @@ def _run(on: LaunchHost | RankPool, tmp: Path, *overrides: str) -> RunRecord:
     return run_experiment(config_in(tmp, *overrides), on.launch)
 
 
-def _steps(tmp: Path) -> list[dict]:
+def _steps(tmp: Path) -> list[StepRow]:
     return read_records(tmp / "run" / METRICS_FILE)
 
 
 def _agree_where_both_trained(tmp: Path) -> None:
     """Replica 1's own records hold, for every step it trained, the loss replica 0 wrote:
     the loss is the quorum's mean, the run's, not a replica's."""
-    written = {r["step"]: r for r in _steps(tmp)}
+    written = {r.step: r for r in _steps(tmp)}
     own = read_records(replica_metrics(str(tmp / "run"), 1))
     assert own
     for record in own:
-        loss, theirs = record["loss"], written[record["step"]]["loss"]
-        assert loss == theirs or (math.isnan(loss) and math.isnan(theirs)), record["step"]
+        loss, theirs = record.loss, written[record.step].loss
+        assert loss == theirs or (math.isnan(loss) and math.isnan(theirs)), record.step
 
 
 def test_torchft_replicas_train_and_evaluate_as_ddp_does(tmp_path, rank_pool, launch_host):
@@ -77,14 +78,16 @@ def test_torchft_replicas_train_and_evaluate_as_ddp_does(tmp_path, rank_pool, la
     evaluated = ("train.steps=8", "train.eval.every_steps=4")
     ddp = _run(rank_pool, tmp_path / "ddp", *COMMON, *evaluated)
     ft = _run(launch_host, tmp_path / "ft", *TORCHFT, *evaluated)
-    assert ft.status == "completed" and ft.losses
-    for got, want in zip(ft.losses, ddp.losses, strict=True):
+    assert ft.status == "completed" and ft.series.losses
+    for got, want in zip(ft.series.losses, ddp.series.losses, strict=True):
         assert abs(got - want) <= 1e-6 * want
-    assert [step for step, _ in ft.eval_losses] == [3, 7]  # after steps 4 and 8
-    for (_, got), (_, want) in zip(ft.eval_losses, ddp.eval_losses, strict=True):
+    assert [step for step, _ in ft.evaluation.eval_losses] == [3, 7]  # after steps 4 and 8
+    for (_, got), (_, want) in zip(
+        ft.evaluation.eval_losses, ddp.evaluation.eval_losses, strict=True
+    ):
         assert abs(got - want) <= 1e-6 * want
-    assert ft.replica_failure_count == 0 and ft.steps_with_fewer_replicas == 0
-    assert {r["replicas"] for r in _steps(tmp_path / "ft")} == {2}
+    assert ft.faults.replica_failure_count == 0 and ft.faults.steps_with_fewer_replicas == 0
+    assert {r.replicas for r in _steps(tmp_path / "ft")} == {2}
 
 
 HSDP = ("parallel.dp_replicate=2", "parallel.dp_shard=2", "launcher.nproc_per_node=4")
@@ -96,9 +99,9 @@ def test_replica_groups_of_fsdp2_ranks_train_as_hsdp_does(tmp_path, rank_pool, l
     hsdp = _run(rank_pool, tmp_path / "hsdp", *COMMON, *HSDP, "train.steps=6")
     ft = _run(launch_host, tmp_path / "ft", *TORCHFT, *HSDP, "train.steps=6")
     assert ft.layout_name == hsdp.layout_name == "hsdp2x2"
-    for got, want in zip(ft.losses, hsdp.losses, strict=True):
+    for got, want in zip(ft.series.losses, hsdp.series.losses, strict=True):
         assert abs(got - want) <= 1e-6 * want
-    assert {r["replicas"] for r in _steps(tmp_path / "ft")} == {2}
+    assert {r.replicas for r in _steps(tmp_path / "ft")} == {2}
 
 
 @pytest.mark.waits
@@ -120,11 +123,11 @@ def test_a_rank_killed_in_a_replica_group_restarts_its_group_from_the_others_sha
         "debug.slow_step_s=0.1",
     )
     assert run.status == "completed"
-    [failure] = run.replica_failures
+    [failure] = run.faults.replica_failures
     assert (failure["replica"], failure["rank"], failure["error"]) == (1, 3, "killed (SIGKILL)")
     steps = _steps(tmp_path)
-    assert [r["step"] for r in steps] == list(range(40))
-    assert run.fewer_replica_steps[0] == [6, 1] and steps[-1]["replicas"] == 2
+    assert [r.step for r in steps] == list(range(40))
+    assert run.faults.fewer_replica_steps[0] == [6, 1] and steps[-1].replicas == 2
     _agree_where_both_trained(tmp_path)
 
 
@@ -136,8 +139,8 @@ def test_torchft_replicas_resume_from_replica_0s_checkpoint(tmp_path, rank_pool,
     resumed = _run(launch_host, tmp_path, *saving, "train.steps=8", "checkpoint.resume=auto")
     ddp = _run(rank_pool, tmp_path / "ddp", *COMMON, "train.steps=8")
     assert resumed.resumed_from_step == 4
-    assert [r["step"] for r in _steps(tmp_path)] == list(range(8))
-    for got, want in zip(resumed.losses, ddp.losses, strict=True):
+    assert [r.step for r in _steps(tmp_path)] == list(range(8))
+    for got, want in zip(resumed.series.losses, ddp.series.losses, strict=True):
         assert abs(got - want) <= 1e-6 * want
 
 
@@ -157,16 +160,16 @@ def test_a_killed_replica_is_restarted_and_rejoins_while_the_other_trains_on(
         "train.steps=40",
         "debug.slow_step_s=0.1",
     )
-    assert run.status == "completed" and not run.requeues
-    [failure] = run.replica_failures
+    assert run.status == "completed" and not run.host.requeues
+    [failure] = run.faults.replica_failures
     assert (failure["replica"], failure["attempt"]) == (1, 0)
     assert failure["error"] == "killed (SIGKILL)"
     steps = _steps(tmp_path)
-    assert [r["step"] for r in steps] == list(range(40))
-    alone = [step for step, replicas in run.fewer_replica_steps if replicas == 1]
+    assert [r.step for r in steps] == list(range(40))
+    alone = [step for step, replicas in run.faults.fewer_replica_steps if replicas == 1]
     assert alone and alone[0] == 8 and alone == list(range(8, 8 + len(alone)))
-    assert run.steps_with_fewer_replicas == len(alone)
-    assert all(r["replicas"] == 2 for r in steps[alone[-1] + 1 :]), "replica 1 rejoined"
+    assert run.faults.steps_with_fewer_replicas == len(alone)
+    assert all(r.replicas == 2 for r in steps[alone[-1] + 1 :]), "replica 1 rejoined"
     _agree_where_both_trained(tmp_path)
     said = capsys.readouterr().out
     assert "replica 1 lost (rank 1: killed (SIGKILL)); the others train on, it starts again" in said
@@ -188,13 +191,13 @@ def test_replica_0_killed_its_missing_steps_come_from_the_other(tmp_path, launch
         "debug.slow_step_s=0.1",
     )
     assert run.status == "completed"
-    assert [f["replica"] for f in run.replica_failures] == [0]
+    assert [f["replica"] for f in run.faults.replica_failures] == [0]
     steps = _steps(tmp_path)
-    assert [r["step"] for r in steps] == list(range(60))
+    assert [r.step for r in steps] == list(range(60))
     # replica 0 last wrote at step 4 (train.log_every=5); replica 1's records fill in from 5
-    filled = [r["step"] for r in steps if r.get("written_by_replica") == 1]
+    filled = [r.step for r in steps if r.written_by_replica == 1]
     assert filled == list(range(5, 5 + len(filled))) and 5 + len(filled) >= 8
-    assert run.memory_per_rank, "the restarted replica 0 reported the run"
+    assert run.memory.memory_per_rank, "the restarted replica 0 reported the run"
 
 
 @pytest.mark.waits
@@ -212,7 +215,7 @@ def test_ctrl_c_stops_the_replicas_which_save_and_the_run_resumes(tmp_path, laun
     assert 4 <= read_manifest(saved).step < 30
     finished = _run(launch_host, tmp_path, *args, "checkpoint.resume=auto")
     assert finished.status == "completed"
-    assert [r["step"] for r in _steps(tmp_path)] == list(range(30))
+    assert [r.step for r in _steps(tmp_path)] == list(range(30))
 
 
 def test_a_replica_failing_past_the_restarts_fails_the_run_keeping_its_steps(tmp_path, launch_host):
@@ -249,7 +252,7 @@ def test_an_exception_in_a_replica_fails_the_run_without_a_restart(tmp_path, lau
         )
     record = failed.value.results
     assert "injected failure on rank 1 at step 3" in record.error
-    assert record.replica_failures is None or len(record.replica_failures) <= 1
+    assert record.faults.replica_failures is None or len(record.faults.replica_failures) <= 1
 
 
 @pytest.mark.waits
@@ -273,22 +276,24 @@ def test_chaos_a_killed_rank_a_non_finite_step_and_a_spike_in_200_steps(tmp_path
     )
     assert run.status == "completed" and run.steps_completed == 200
     steps = _steps(tmp_path)
-    assert [r["step"] for r in steps] == list(range(200))
+    assert [r.step for r in steps] == list(range(200))
     # the killed rank
-    assert [(f["replica"], f["error"]) for f in run.replica_failures] == [(1, "killed (SIGKILL)")]
-    assert run.fewer_replica_steps[0] == [30, 1]
-    assert steps[-1]["replicas"] == 2
+    assert [(f["replica"], f["error"]) for f in run.faults.replica_failures] == [
+        (1, "killed (SIGKILL)")
+    ]
+    assert run.faults.fewer_replica_steps[0] == [30, 1]
+    assert steps[-1].replicas == 2
     # the non-finite step
-    assert run.skipped_steps == [80] and math.isnan(steps[80]["loss"])
-    assert all(math.isfinite(r["loss"]) for r in steps if r["step"] != 80)
+    assert run.faults.skipped_steps == [80] and math.isnan(steps[80].loss)
+    assert all(math.isfinite(r.loss) for r in steps if r.step != 80)
     # the spike
-    [rollback] = run.rollbacks
+    [rollback] = run.faults.rollbacks
     assert (rollback["step"], rollback["restored_step"]) == (140, 140)
     assert tuple(rollback["skipped_batches"]) == (140, 140)
     undone = read_records(tmp_path / "run" / ROLLED_BACK_FILE)
-    assert undone[0]["step"] == 140 and undone[0]["loss"] > 5 * rollback["mean"]
-    assert steps[140]["loss"] < 2 * rollback["mean"]  # step 140 trained again, on batch 141
-    assert steps[-1]["loss"] < steps[0]["loss"]
+    assert undone[0].step == 140 and undone[0].loss > 5 * rollback["mean"]
+    assert steps[140].loss < 2 * rollback["mean"]  # step 140 trained again, on batch 141
+    assert steps[-1].loss < steps[0].loss
     _agree_where_both_trained(tmp_path)
 
 
@@ -306,7 +311,7 @@ def test_metrics_are_completed_from_the_other_replicas_records(tmp_path):
         )
     assert fill_from_replicas(str(run_dir)) == [2, 3, 5]
     records = read_records(run_dir / METRICS_FILE)
-    assert [(r["step"], r["loss"], r.get("written_by_replica")) for r in records] == [
+    assert [(r.step, r.loss, r.written_by_replica) for r in records] == [
         (0, 1.0, None),
         (1, 1.0, None),
         (2, 1.0, 1),

@@ -320,7 +320,7 @@ def test_a_checkpoint_resumes_with_float8_on_or_off_under_another_layout(tmp_pat
     assert resumed.meta.resumed_from_step == 2
     assert _saved(cfg) == _saved(again)
     for got, want in zip(resumed.steps, whole.steps[2:], strict=True):
-        assert abs(got["loss"] - want["loss"]) <= FLOAT8_TOLERANCES["tensorwise"] * want["loss"]
+        assert abs(got.loss - want.loss) <= FLOAT8_TOLERANCES["tensorwise"] * want.loss
 
 
 def test_the_record_says_what_ran_in_float8_and_its_mfu_against_both_peaks():
@@ -340,7 +340,7 @@ def test_the_record_says_what_ran_in_float8_and_its_mfu_against_both_peaks():
     # a stored baseline of the run in bf16 is no baseline of it in float8
     assert baseline_key(cfg) != baseline_key(resolved_config(BF16))
     fields |= {"mfu": 0.4, "mfu_fp8_peak": 0.2}
-    record = RunRecord(status="completed", precision="bf16", **fields)
+    record = RunRecord.from_dict({"status": "completed", "precision": "bf16", **fields})
     with console.capture() as captured:
         print_summary(record)
     said = " ".join(captured.get().split())

@@ -111,7 +111,7 @@ def test_a_loss_spike_rolls_back_to_the_checkpoint_and_skips_its_batches(tmp_pat
     assert (rollback.step, rollback.restored_step, rollback.skipped_batches) == (12, 10, (10, 12))
     assert rollback.loss > rollback.mean + 5 * rollback.std
     got = losses(spiked)
-    assert [s["step"] for s in spiked.steps] == list(range(20))  # each step once
+    assert [s.step for s in spiked.steps] == list(range(20))  # each step once
     assert got[:10] == losses(clean)[:10]
     assert max(got[10:]) < max(got[:10])  # no spike kept; training went on
     undone = _steps(tmp_path / "spiked" / "run" / ROLLED_BACK_FILE)
@@ -150,4 +150,4 @@ def test_a_spike_before_any_checkpoint_stops_the_run_with_the_reason(tmp_path, r
     assert not failed.ok
     assert "LossSpikes: the loss spiked at step 12" in failed.meta.error
     assert "before the run saved any checkpoint" in failed.meta.error
-    assert [s["step"] for s in failed.steps] == list(range(15))  # every finished step kept
+    assert [s.step for s in failed.steps] == list(range(15))  # every finished step kept

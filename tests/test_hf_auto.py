@@ -122,11 +122,13 @@ def test_another_family_trains_under_any_layout_and_exports_what_transformers_lo
     record = run_experiment(cfg, rank_pool.launch)
     assert record.status == "completed", record.error
     assert record.model_read.startswith("MistralForCausalLM read from")
-    assert record.losses[0] == pytest.approx(transformers_first_loss(cfg, model), rel=1e-5)
-    exported = transformers.AutoModelForCausalLM.from_pretrained(record.export_path)
+    assert record.series.losses[0] == pytest.approx(transformers_first_loss(cfg, model), rel=1e-5)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(record.checkpoints.export_path)
     assert type(exported).__name__ == "MistralForCausalLM"
-    assert heldout_loss(cfg, exported) == pytest.approx(record.eval_loss, rel=1e-5)
-    assert heldout_loss(cfg, model) != pytest.approx(record.eval_loss, rel=1e-3)  # trained
+    assert heldout_loss(cfg, exported) == pytest.approx(record.evaluation.eval_loss, rel=1e-5)
+    assert heldout_loss(cfg, model) != pytest.approx(
+        record.evaluation.eval_loss, rel=1e-3
+    )  # trained
 
 
 def heldout_loss(cfg, model: torch.nn.Module) -> float:

@@ -16,6 +16,7 @@ from tokenizers import Tokenizer
 from meshrun.core.config import DataConfig
 from meshrun.core.layout import Layout, dp_rank
 from meshrun.core.record import RunRecord
+from meshrun.core.run_files.metrics import StepRow
 from meshrun.driver.prepare_data import prepare, prepare_data
 from meshrun.driver.results import data_wait_share
 from meshrun.driver.sinks.console import console, print_summary
@@ -223,20 +224,21 @@ def test_ddp_on_hf_data_learns_with_the_losses_of_one_device(experiment, hf_corp
     for step, (loss, ref) in enumerate(zip(got, want, strict=True)):
         assert abs(loss - ref) <= 1e-4 * abs(ref), f"step {step}: {loss} vs {ref}"
     assert got[-1] < 0.7 * got[0]  # a tiny grammar is quickly learnt
-    assert all(step["data_wait_s"] >= 0 for step in ddp.steps)
+    assert all(step.data_wait_s >= 0 for step in ddp.steps)
 
 
 def test_data_wait_share_is_recorded_and_a_stall_shown():
     steps = [
-        {"step_time_s": None, "data_wait_s": 5.0},  # untimed: not counted
-        {"step_time_s": 1.0, "data_wait_s": 0.25},
-        {"step_time_s": 3.0, "data_wait_s": 0.75},
+        StepRow(0, 1.0, step_time_s=None, data_wait_s=5.0),  # untimed: not counted
+        StepRow(1, 1.0, step_time_s=1.0, data_wait_s=0.25),
+        StepRow(2, 1.0, step_time_s=3.0, data_wait_s=0.75),
     ]
     assert data_wait_share(steps) == pytest.approx(0.25)
-    assert data_wait_share([{"step_time_s": 1.0}]) is None  # a record from before the field
+    before = StepRow.from_json({"step": 0, "loss": 1.0, "step_time_s": 1.0})
+    assert data_wait_share([before]) is None  # a record from before the field
     with console.capture() as captured:
-        print_summary(RunRecord(status="completed", data_wait_share=0.25))
-        print_summary(RunRecord(status="completed", data_wait_share=0.01))
+        print_summary(RunRecord.from_dict({"status": "completed", "data_wait_share": 0.25}))
+        print_summary(RunRecord.from_dict({"status": "completed", "data_wait_share": 0.01}))
     shown = captured.get()
     assert shown.count("data stall") == 1 and "25% of step time waiting" in shown
 

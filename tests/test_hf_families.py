@@ -239,11 +239,13 @@ def test_each_family_trains_from_its_directory_and_exports_what_transformers_rel
     )
     record = run_experiment(cfg, rank_pool.launch)
     assert record.status == "completed", record.error
-    assert record.export_path is not None  # the export failed: its warning says why
-    exported = transformers.AutoModelForCausalLM.from_pretrained(record.export_path).eval()
+    assert record.checkpoints.export_path is not None  # the export failed: its warning says why
+    exported = transformers.AutoModelForCausalLM.from_pretrained(
+        record.checkpoints.export_path
+    ).eval()
     assert type(exported).__name__ == architecture
-    assert heldout_loss(cfg, exported) == pytest.approx(record.eval_loss, rel=1e-5)
-    assert heldout_loss(cfg, model) != pytest.approx(record.eval_loss, rel=1e-3)
+    assert heldout_loss(cfg, exported) == pytest.approx(record.evaluation.eval_loss, rel=1e-5)
+    assert heldout_loss(cfg, model) != pytest.approx(record.evaluation.eval_loss, rel=1e-3)
 
 
 # A shape no preset or case above has: 6 experts, 3 a token (ep=2: 3 a rank, which FSDP's 2

@@ -19,6 +19,7 @@ import torch
 from meshrun.core.errors import ConfigError
 from meshrun.core.rank_report import RankReport
 from meshrun.core.record import RunRecord
+from meshrun.core.run_files.metrics import StepRow
 from meshrun.core.run_files.profiles import summarize, trace_path
 from meshrun.driver.inspection import MIN_JUDGED_STEPS, straggler_fields
 from meshrun.driver.results import assemble
@@ -75,9 +76,9 @@ def test_profiled_pipeline_leaves_a_trace_per_rank_with_meshruns_phases(profiled
 
 def test_profile_splits_each_ranks_steps_into_compute_communication_idle(profiled):
     record, _ = profiled
-    assert record.profiled_steps == [3, 4]
-    assert [p["rank"] for p in record.profile] == [0, 1]
-    for p in record.profile:
+    assert record.inspection.profiled_steps == [3, 4]
+    assert [p["rank"] for p in record.inspection.profile] == [0, 1]
+    for p in record.inspection.profile:
         assert p["steps"] == 2
         whole = p["compute_s"] + p["exposed_comm_s"] + p["idle_s"]
         assert whole == pytest.approx(p["step_s"], rel=1e-6)
@@ -98,10 +99,10 @@ def test_profiled_steps_are_left_out_of_the_timing_and_their_overhead_reported(p
     assert [s["step"] for s in steps if s.get("profiled")] == [3, 4]
     assert [s["step"] for s in steps if s.get("after_profile")] == [5]
     unprofiled = [s["step_time_s"] for s in steps if s["step"] in (2, 6)]
-    assert record.step_times == unprofiled
+    assert record.speed.step_times == unprofiled
     traced = [s["step_time_s"] for s in steps if s.get("profiled")]
     ratio = statistics.median(traced) / statistics.median(unprofiled)
-    assert record.profile_overhead == pytest.approx(ratio - 1)
+    assert record.inspection.profile_overhead == pytest.approx(ratio - 1)
 
 
 def test_run_draws_its_traced_step(profiled):
@@ -179,7 +180,7 @@ def test_busy_fields_name_each_steps_slowest_rank_against_the_others():
     ]
 
 
-def _straggler_run(experiment, *overrides: str) -> tuple[RunRecord, list[dict]]:
+def _straggler_run(experiment, *overrides: str) -> tuple[RunRecord, list[StepRow]]:
     cfg, measured = experiment(*SHORT, "train.steps=12", "parallel=ddp", *overrides)
     return assemble(cfg, measured, None), measured.steps
 
@@ -188,14 +189,14 @@ def test_slow_rank_is_named_with_its_slowdown(experiment):
     """Rank 1 spins to 1.5x its own busy time; against rank 0's that is 1.5x give or take
     what the two ranks' own steps differ by on a loaded host (1.349 seen beside the suite)."""
     record, steps = _straggler_run(experiment, "debug.slow_rank=1", "debug.slow_factor=1.5")
-    assert record.slowest_rank == 1
-    assert 1.25 < record.slowest_rank_slowdown < 1.75
-    assert record.straggler.startswith("rank 1 is busy 1.")
+    assert record.inspection.slowest_rank == 1
+    assert 1.25 < record.inspection.slowest_rank_slowdown < 1.75
+    assert record.inspection.straggler.startswith("rank 1 is busy 1.")
     # the log steps name it too, from every rank's busy time: most of them (a tiny step's
     # CPU time on a loaded host has outliers: CI saw a step name rank 0)
-    named = [s["slowest_rank"] for s in steps[2:]]
+    named = [s.slowest_rank for s in steps[2:]]
     assert named.count(1) > len(named) / 2, named
-    ratios = [s["busy_max_s"] / s["busy_others_median_s"] for s in steps[2:]]
+    ratios = [s.busy_max_s / s.busy_others_median_s for s in steps[2:]]
     assert 1.25 < statistics.median(ratios) < 1.75
 
 
@@ -204,7 +205,7 @@ def test_without_a_slow_rank_nothing_is_flagged(experiment):
     (another test's ranks beside them: 1.158 read in CI), which the default threshold (1.15,
     for a host of one's own) would flag: here it is set above that noise."""
     record, _ = _straggler_run(experiment, "metrics.straggler_threshold=1.3")
-    assert record.slowest_rank_slowdown < 1.3 and record.straggler is None
+    assert record.inspection.slowest_rank_slowdown < 1.3 and record.inspection.straggler is None
 
 
 def test_slow_rank_on_cuda_ranks_is_refused():
@@ -221,11 +222,13 @@ def test_wandb_gets_each_ranks_profile_and_the_slowest_rank(profiled):
     table = read_table(logged, "profile/per_rank")
     rows = [dict(zip(table["columns"], row, strict=True)) for row in table["data"]]
     assert [r["rank"] for r in rows] == [0, 1]
-    for row, profile in zip(rows, record.profile, strict=True):
+    for row, profile in zip(rows, record.inspection.profile, strict=True):
         assert row["compute_s"] == pytest.approx(profile["compute_s"])
         assert row["idle_s"] == pytest.approx(profile["idle_s"])
-    assert logged["summary"]["slowest_rank"] == record.slowest_rank
-    assert logged["summary"]["profile_overhead"] == pytest.approx(record.profile_overhead)
+    assert logged["summary"]["slowest_rank"] == record.inspection.slowest_rank
+    assert logged["summary"]["profile_overhead"] == pytest.approx(
+        record.inspection.profile_overhead
+    )
 
 
 def test_a_straggler_is_called_over_three_timed_steps_or_more():

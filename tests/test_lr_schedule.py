@@ -54,7 +54,7 @@ def test_each_step_trains_and_logs_the_scheduled_lr_under_any_layout(experiment)
     expected = [1e-3 * lr_factor(step, schedule, STEPS) for step in range(STEPS)]
     for measured in (single, fsdp):
         assert measured.ok, measured.meta.error
-        assert [s["lr"] for s in measured.steps] == pytest.approx(expected, rel=1e-12)
+        assert [s.lr for s in measured.steps] == pytest.approx(expected, rel=1e-12)
     assert losses(fsdp) == pytest.approx(losses(single), rel=1e-4)
     _, constant = experiment(*RUN[:4], "parallel=single", "metrics.baseline=off")
     assert losses(constant)[1] != pytest.approx(losses(single)[1], rel=1e-6)  # the LR matters

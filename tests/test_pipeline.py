@@ -81,12 +81,12 @@ def test_bubble_is_measured_and_recorded_beside_the_theory(experiment, capsys):
     assert measured.ok, measured.meta.error
     store = ResultsStore(cfg.store.path)
     results = record(cfg, measured, None, store)  # results.json and the store row
-    assert results.pp_schedule == "gpipe" and results.n_microbatches == 2
-    assert results.bubble_theoretical == pytest.approx(1 / 3)
-    assert len(results.bubble_per_rank) == 2
-    assert 0 < results.bubble_measured < 1
+    assert results.pipeline.pp_schedule == "gpipe" and results.pipeline.n_microbatches == 2
+    assert results.pipeline.bubble_theoretical == pytest.approx(1 / 3)
+    assert len(results.pipeline.bubble_per_rank) == 2
+    assert 0 < results.pipeline.bubble_measured < 1
     [row] = store.runs()
-    assert row["bubble_measured"] == results.bubble_measured
+    assert row["bubble_measured"] == results.pipeline.bubble_measured
     print_summary(results)
     assert "bubble (gpipe, m=2)" in capsys.readouterr().out
 
@@ -113,12 +113,15 @@ def test_pp_layers_auto_moves_layers_off_a_heavy_head_and_trains_as_its_split(ex
     costs = auto.report.pp_split.stage_costs_s
     assert costs[1] > costs[0] > 0  # the head's stage stays the slower: one layer is its least
     results = record(cfg, auto, None, ResultsStore(cfg.store.path))
-    assert results.pp_layers == [3, 1] and "parallel.pp_layers=[3,1]" in results.overrides
+    assert results.pipeline.pp_layers == [3, 1] and "parallel.pp_layers=[3,1]" in results.overrides
     assert "layers=[3,1]" in results.layout_name
-    assert "auto chose [3, 1]" in results.pp_split_note and "apart" in results.pp_split_note
+    assert (
+        "auto chose [3, 1]" in results.pipeline.pp_split_note
+        and "apart" in results.pipeline.pp_split_note
+    )
     _, explicit = experiment(*HEAVY_HEAD, "parallel.pp_layers=[3,1]")
     assert explicit.ok and explicit.report.pp_split is None
-    assert [s["loss"] for s in auto.steps] == [s["loss"] for s in explicit.steps]
+    assert [s.loss for s in auto.steps] == [s.loss for s in explicit.steps]
 
 
 def test_1f1b_holds_fewer_activations_than_gpipe(experiment):

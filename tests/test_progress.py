@@ -7,6 +7,7 @@ import io
 
 from rich.console import Console
 
+from meshrun.core.run_files.metrics import StepRow
 from meshrun.rank import progress as progress_module
 from meshrun.rank.progress import rank_progress
 
@@ -19,7 +20,7 @@ def test_the_bar_shows_loss_and_tokens_per_s(monkeypatch):
     with rank_progress(total=10, tokens_per_step=1024, enabled=True) as bar:
         bar.step(5)
         records = [
-            {"step": s, "loss": 2.5 - s / 10, "step_time_s": t} for s, t in ((3, None), (4, 0.5))
+            StepRow(step=s, loss=2.5 - s / 10, step_time_s=t) for s, t in ((3, None), (4, 0.5))
         ]
         bar.show(records)
         bar._progress.refresh()

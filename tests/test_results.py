@@ -12,6 +12,7 @@ from meshrun.core.baseline import baseline_config, baseline_key
 from meshrun.core.config import RunConfig
 from meshrun.core.rank_report import CheckpointSave, RankReport, StageSplit
 from meshrun.core.record import RunRecord
+from meshrun.core.run_files.metrics import StepRow
 from meshrun.driver.measured import Measured, RunMeta, Status
 from meshrun.driver.results import assemble
 from meshrun.driver.sinks.console import print_summary
@@ -49,10 +50,8 @@ def rank_report(**fields) -> RankReport:
     return RankReport(**{"memory_per_rank": [], "fingerprint": {}, **fields})
 
 
-def steps(times: list[float | None], first_loss: float = 5.0) -> list[dict]:
-    return [
-        {"step": i, "loss": first_loss - 0.1 * i, "step_time_s": t} for i, t in enumerate(times)
-    ]
+def steps(times: list[float | None], first_loss: float = 5.0) -> list[StepRow]:
+    return [StepRow(step=i, loss=first_loss - 0.1 * i, step_time_s=t) for i, t in enumerate(times)]
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +121,7 @@ def test_assemble_computes_throughput_speedup_and_scaling_efficiency(ddp):
     times = [None, None, 0.5, 0.5, 1.0]  # two untimed warmup steps
     tokens_per_step = ddp.train.global_batch_size * ddp.train.seq_len
     tokens_per_s = 3 * tokens_per_step / 2.0
-    baseline = RunRecord(run_id="base1", tokens_per_s=tokens_per_s / 1.5)
+    baseline = RunRecord.from_dict({"run_id": "base1", "tokens_per_s": tokens_per_s / 1.5})
     results = assembled(
         ddp,
         steps(times),
@@ -166,7 +165,7 @@ def test_assemble_of_a_multi_device_run_without_baseline_has_no_speedup(ddp):
 
 
 def test_assemble_of_a_failed_run_keeps_losses_of_the_finished_steps(ddp):
-    baseline = RunRecord(run_id="base1", tokens_per_s=1000.0)
+    baseline = RunRecord.from_dict({"run_id": "base1", "tokens_per_s": 1000.0})
     failed = run_meta("failed", "rank 1 failed at step 3")
     results = assembled(ddp, steps([None, None, 0.5]), baseline, failed)
     assert results["status"] == "failed"
@@ -180,7 +179,7 @@ def test_assemble_of_a_failed_run_keeps_losses_of_the_finished_steps(ddp):
 
 
 def test_assemble_of_a_run_that_failed_in_warmup_has_no_timing(ddp):
-    baseline = RunRecord(run_id="base1", tokens_per_s=1000.0)
+    baseline = RunRecord.from_dict({"run_id": "base1", "tokens_per_s": 1000.0})
     results = assembled(ddp, steps([None]), baseline, run_meta("failed", "boom"))
     assert results["losses"] == [5.0]
     assert results["tokens_per_s"] is None
@@ -192,11 +191,13 @@ def test_assemble_of_a_run_that_failed_in_warmup_has_no_timing(ddp):
 
 def fresh_baseline(times: list[float], batch: int = 4) -> RunRecord:
     """The twin's record as rank 0 measured it beside the run: batch 4, seq 128."""
-    return RunRecord(
-        run_id="twin1",
-        tokens_per_s=len(times) * batch * 128 / sum(times),
-        step_times=times,
-        global_batch_size=batch,
+    return RunRecord.from_dict(
+        {
+            "run_id": "twin1",
+            "tokens_per_s": len(times) * batch * 128 / sum(times),
+            "step_times": times,
+            "global_batch_size": batch,
+        }
     )
 
 
@@ -226,7 +227,7 @@ def test_efficiency_above_one_plus_noise_is_flagged_and_not_printed_as_a_result(
     assert results["scaling_efficiency"] == pytest.approx(1.2, rel=0.01)
     [flag] = results["flags"]
     assert flag.startswith("scaling efficiency 1.20 is above 1 + its noise")
-    print_summary(RunRecord(**results))
+    print_summary(RunRecord.from_dict(results))
     out = capsys.readouterr().out
     assert "not a result: 1.20 is above 1 + noise" in out
     assert "scaling efficiency   1.2" not in out
@@ -244,7 +245,7 @@ def test_efficiency_within_its_noise_of_one_is_a_result(ddp):
 
 def test_without_rounds_the_noise_is_the_step_times_variation(ddp):
     """A stored baseline: no pairs, so the two step-time coefficients of variation."""
-    base = dataclasses.replace(fresh_baseline([1.0, 1.0]), step_time_cv=0.03)
+    base = RunRecord.from_dict({**fresh_baseline([1.0, 1.0]).as_dict(), "step_time_cv": 0.03})
     stored = run_meta(baseline_mode="stored")
     results = assembled(ddp, steps([None, None, 0.9, 1.1]), base, stored)
     assert results["speedup_rounds"] is None and results["speedup_p10"] is None
@@ -327,7 +328,7 @@ def test_a_cuda_run_says_its_slowest_rank_is_not_measured(ddp, capsys):
     """CUDA ranks report no busy time (rank/metrics/busy.py): the summary says so, where a
     CPU run of several ranks names its slowest."""
     results = assembled(ddp, steps([None, None, 1.0]), report=rank_report())
-    print_summary(RunRecord(**{**results, "device_type": "cuda"}))
+    print_summary(RunRecord.from_dict({**results, "device_type": "cuda"}))
     assert "not measured on CUDA ranks" in capsys.readouterr().out
-    print_summary(RunRecord(**results))
+    print_summary(RunRecord.from_dict(results))
     assert "slowest rank" not in capsys.readouterr().out  # no busy times reported here

@@ -207,13 +207,15 @@ def test_the_band_is_the_spread_of_this_hosts_calibrated_runs(tmp_path):
     for index, (measured, predicted) in enumerate(((1.2, 1.0), (0.9, 1.0), (3.0, 1.0))):
         at = profile.created_at if index < 2 else "another calibration"
         results.record(
-            RunRecord(
-                run_id=f"r{index}",
-                status="completed",
-                created_at=f"2026-12-0{index + 1}",
-                step_time_s=measured,
-                predicted_step_time_s=predicted,
-                predicted_calibrated_at=at,
+            RunRecord.from_dict(
+                {
+                    "run_id": f"r{index}",
+                    "status": "completed",
+                    "created_at": f"2026-12-0{index + 1}",
+                    "step_time_s": measured,
+                    "predicted_step_time_s": predicted,
+                    "predicted_calibrated_at": at,
+                }
             )
         )
     band = prediction_band(cfg)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sqlite3
 from contextlib import closing
 
 import pytest
 
-from meshrun.core.record import RunRecord
+from meshrun.core.record import RunRecord, flat_fields
 from meshrun.driver.sinks.store import COLUMNS, ResultsStore
 
 
@@ -44,8 +43,8 @@ def test_store_creates_its_directory_and_starts_empty(tmp_path):
 def test_record_keeps_the_full_results_dict(store):
     row = result("r1", "2024-01-01T00:00:00+00:00", memory_per_rank=[{"rank": 0, "peak": 2}])
     store.record(row)
-    assert store.runs() == [RunRecord(**row).as_dict()]
-    assert store.records() == [RunRecord(**row)]
+    assert store.runs() == [RunRecord.from_dict(row).as_dict()]
+    assert store.records() == [RunRecord.from_dict(row)]
 
 
 def test_rows_of_an_older_meshrun_read_as_todays_record(store):
@@ -65,10 +64,14 @@ def test_rows_of_an_older_meshrun_read_as_todays_record(store):
         )
     reopened = ResultsStore(store.path)
     (record,) = reopened.records()
-    assert record.n_microbatches == 4 and record.losses == [] and record.layout_name is None
+    assert (
+        record.pipeline.n_microbatches == 4
+        and record.series.losses == []
+        and record.layout_name is None
+    )
     assert "extra" not in reopened.runs()[0]
     # measured where, nobody knows: never reused as a stored baseline
-    assert record.fingerprint_key is None
+    assert record.host.fingerprint_key is None
     assert reopened.find_baseline("key-a", "host-a", since="2000-01-01") is None
     with closing(sqlite3.connect(store.path)) as db:
         present = {row[1] for row in db.execute("PRAGMA table_info(runs)")}
@@ -80,7 +83,7 @@ def test_store_columns_are_the_records_with_sqlite_types():
     assert COLUMNS["world_size"] == "INTEGER" and COLUMNS["tokens_per_s"] == "REAL"
     assert COLUMNS["layout_name"] == "TEXT" and COLUMNS["results_json"] == "TEXT"
     assert "losses" not in COLUMNS  # series stay in results_json
-    assert set(COLUMNS) - {"results_json"} <= {f.name for f in dataclasses.fields(RunRecord)}
+    assert set(COLUMNS) - {"results_json"} <= {f.name for _, f in flat_fields()}
 
 
 def test_find_baseline_returns_the_newest_completed_single_device_run_of_key_and_host(store):
@@ -100,7 +103,7 @@ def test_find_baseline_returns_the_newest_completed_single_device_run_of_key_and
     baseline = store.find_baseline("key-a", "host-a", since="2024-01-01T00:00:00+00:00")
     assert baseline is not None
     assert baseline.run_id == "newest-ok"
-    assert baseline.tokens_per_s == 110.0
+    assert baseline.speed.tokens_per_s == 110.0
     assert store.find_baseline("key-b", "host-a", since="2024-01-01").run_id == "other-key"
     assert store.find_baseline("key-a", "host-b", since="2024-01-01").run_id == "other-host"
     # too old: measured before `since`

@@ -35,7 +35,7 @@ def test_ddp_trains_on_a_text_file(experiment, tmp_path):
         "metrics.baseline=off",
     )
     assert measured.ok, measured.meta.error
-    losses = [step["loss"] for step in measured.steps]
+    losses = [step.loss for step in measured.steps]
     assert losses[-1] < 0.8 * losses[0]  # a repetitive text is quickly learnt
 
 

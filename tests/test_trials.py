@@ -180,8 +180,8 @@ def test_a_failing_trial_is_recorded_and_left_out_and_trials_only_stops_there(
     assert sorted(r.role for r in stored) == ["trial", "trial", "trials"]  # no run trained
     failed = next(r for r in stored if r.status == "failed")
     assert failed.layout_name == layout_name(runs[0]) and failed.failed_rank == 1
-    assert failed.trial_of == record.run_id
-    assert record.trials_first_choice_loss is None  # the first choice failed
+    assert failed.selection.trial_of == record.run_id
+    assert record.selection.trials_first_choice_loss is None  # the first choice failed
 
 
 def test_trials_only_records_the_verdict_as_a_run_of_its_own(meshrun_here):

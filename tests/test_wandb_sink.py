@@ -10,6 +10,7 @@ import pytest
 from meshrun.core.choices import LoggerMode
 from meshrun.core.config import LoggerConfig
 from meshrun.core.errors import ConfigError
+from meshrun.core.run_files.metrics import StepRow
 from meshrun.driver.sinks.wandb_sink import WandbRun, memory_rows, resolve_mode, run_tags
 from meshrun.validate import check_experiment
 from tests.helpers import compose_config
@@ -74,9 +75,7 @@ def test_an_offline_run_reads_back_whole_as_soon_as_it_is_logged(tmp_path):
     """wandb-core empties its transaction log's buffer after `finish()` returns; meshrun waits
     for it, so a resumed run's attempt read right after it (test_checkpoint) is whole. Before
     it did, about one run in six read back with no history here."""
-    steps = [
-        {"step": s, "loss": 1.0, "grad_norm": 1.0, "lr": 0.1, "step_time_s": 0.5} for s in range(4)
-    ]
+    steps = [StepRow(step=s, loss=1.0, grad_norm=1.0, lr=0.1, step_time_s=0.5) for s in range(4)]
     for attempt in range(8):
         run_dir = tmp_path / f"run{attempt}"
         results = {

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from meshrun.core.run_files.metrics import StepRow
+
 
 @dataclass(frozen=True)
 class StageSplit:
@@ -47,15 +49,6 @@ class AutoCheckpoint:
             f"every {self.every_steps} {steps}: {self.interval_s:.3g} s between saves ({why}) at "
             f"{self.step_time_s:.3g} s a step (the median of the first timed steps)"
         )
-
-
-@dataclass(frozen=True)
-class TwinStep:
-    """One timed step of the baseline twin, trained by rank 0 between two of the run's."""
-
-    step: int
-    loss: float
-    step_time_s: float
 
 
 @dataclass(frozen=True)
@@ -98,7 +91,8 @@ class RankReport:
     pipeline_bubble_per_rank: list[float] | None = None
     pp_split: StageSplit | None = None  # parallel.pp_layers=auto
     pretrained_read_bytes_per_rank: list[int] | None = None  # model.pretrained
-    twin_steps: list[TwinStep] | None = None  # the baseline twin's, beside the run's
+    # the timed steps (step, loss, time) of the baseline beside the run, trained by rank 0
+    twin_steps: list[StepRow] | None = None
     host_other_cpu_share: float | None = None  # None where a rank could not measure it
     compile_s: float | None = None  # train.compile: the slowest rank's
     checkpoint_saves: list[CheckpointSave] | None = None

@@ -1,9 +1,11 @@
-"""The results record of one run: every field typed, once. results.json is `as_dict()`; the
-store's columns (SQLite types from the annotations), the W&B summary keys and the report's
-columns are read off each field's metadata. A sweep's skipped point is the same record with
-its defaults; a completed or failed run fills it in (driver/results.py)."""
+"""The results record of one run: who it is, how it ended and what ran, with what it measured
+in sub-records (core/record_parts.py) as the way back fills them (driver/results.py).
+results.json, the store, W&B and the report keep one flat column a field: `as_dict` and
+`from_dict` are the one mapping between the record and them, and the store's columns (SQLite
+types from the annotations), the W&B summary keys and the report's columns are read off each
+field's metadata. A sweep's skipped point is the same record with its defaults."""
 
-# ruff: noqa: RUF009 (`_f` returns a dataclasses.field)
+# ruff: noqa: RUF009 (`_f` and `_part` return a dataclasses.field)
 from __future__ import annotations
 
 import dataclasses
@@ -13,6 +15,23 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
+from meshrun.core.record_parts import (
+    Checkpoints,
+    Comparison,
+    Evaluation,
+    Faults,
+    Flops,
+    Host,
+    Inspection,
+    Memory,
+    Pipeline,
+    Prediction,
+    Selection,
+    Series,
+    Speed,
+)
+from meshrun.core.record_parts import record_field as _f
+
 # The breakdown of a rank's peak memory, as the record's memory_<category>_bytes fields.
 MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
 # Keys older meshruns wrote under another name.
@@ -20,24 +39,15 @@ RENAMED = {"pp_microbatches": "n_microbatches", "warmup_steps": "untimed_steps"}
 SQLITE_TYPES = {str: "TEXT", int: "INTEGER", float: "REAL", bool: "INTEGER"}
 
 
-def _f(
-    default: Any = None,
-    *,
-    column: bool = False,
-    summary: bool = False,
-    report: tuple[int, str] | None = None,
-    factory: Any = None,
-) -> Any:
-    """A dataclasses.field with its metadata. `column`: a store column; `summary`: in the W&B
-    run summary; `report`: (position, header) of the report column showing it."""
-    meta = {"column": column, "summary": summary, "report": report}
-    if factory is not None:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
+def _part(kind: type) -> Any:
+    """A sub-record: its fields are the record's flat columns, not the sub-record itself."""
+    return field(default_factory=kind, metadata={"part": kind})
 
 
 @dataclass
 class RunRecord:
+    """One run: who it is, how it ended and what ran, then what it measured, part by part."""
+
     # identity and outcome
     run_id: str = _f("", column=True, report=(0, "run"))
     role: str = _f("run", column=True)
@@ -49,6 +59,11 @@ class RunRecord:
     duration_s: float | None = _f()
     name: str | None = _f(column=True)
     sweep: str | None = _f(column=True, summary=True, report=(2, "sweep"))
+    # checkpoints: the step and checkpoint it resumed from; a new run from another run's
+    # checkpoint (resumed into a run dir of its own): that run
+    resumed_from_step: int | None = _f(column=True, summary=True)
+    resumed_from_checkpoint: str | None = _f(summary=True)
+    parent_run_id: str | None = _f(column=True, summary=True)
     # what ran
     model: str | None = _f(column=True, summary=True, report=(3, "model"))
     # model=hf/auto: the architecture read from model.pretrained's config.json, and its sizes
@@ -72,182 +87,80 @@ class RunRecord:
     # train.global_batch_size null: how the layout made it (micro x dp x micro-batches)
     batch_derived: str | None = _f()
     micro_batch_size: int | None = _f(column=True, summary=True)
-    n_microbatches: int | None = _f()  # a pipeline's per step
     # micro-batches per step on a data-parallel rank: a pipeline's m, else accumulation
     grad_accum_steps: int | None = _f(report=(9, "micro-batches"))
     steps: int | None = _f()
     untimed_steps: int | None = _f()
     steps_completed: int | None = _f()
-    # steps whose global gradient norm was not finite (fp16's overflows, a non-finite loss):
-    # every rank skipped them, the weights not updated (rank/train/guard.py)
-    skipped_steps: list[int] | None = _f()
-    steps_skipped: int | None = _f(column=True, summary=True)
     params: int | None = _f()
-    # speed: step times of the timed steps, their median, spread and coefficient of variation
-    step_times: list[float] = _f(factory=list)
-    step_time_s: float | None = _f(column=True, summary=True, report=(13, "step time (p10-p90)"))
-    step_time_p10_s: float | None = _f(column=True, summary=True)
-    step_time_p90_s: float | None = _f(column=True, summary=True)
-    step_time_cv: float | None = _f(column=True, summary=True)
-    tokens_per_s: float | None = _f(column=True, summary=True, report=(12, "tokens/s"))
-    samples_per_s: float | None = _f(summary=True)
-    # train.compile: seconds spent compiling (torch.compile's traces and code generation,
-    # forward and backward) during the untimed steps, on the slowest rank; in no step time
-    compile_s: float | None = _f(column=True, summary=True)
-    # the host's CPU that processes other than this run's used while it was timed (share of
-    # all cores); None where not measured (another host's ranks)
-    host_other_cpu_share: float | None = _f(column=True, summary=True)
-    scaling: str | None = _f(summary=True)
-    # the single-device baseline: `fresh` (measured side by side with the run, alternating),
-    # `after` (measured on its own after the run: both did not fit at once), `stored` (a
-    # stored one of the same fingerprint, `baseline_age_s` old), `own` (a single-device run)
-    baseline_mode: str | None = _f(column=True, summary=True, report=(15, "baseline"))
-    baseline_age_s: float | None = _f(summary=True)
-    baseline_tokens_per_s: float | None = _f(summary=True)
-    baseline_run_id: str | None = _f()
-    speedup: float | None = _f(column=True, summary=True, report=(14, "speedup (p10-p90)"))
-    # the spread of the speedup over the alternating rounds (10th and 90th percentile)
-    speedup_p10: float | None = _f(column=True, summary=True)
-    speedup_p90: float | None = _f(column=True, summary=True)
-    speedup_rounds: int | None = _f(summary=True)
-    # the measurement's relative noise: the spread's half-width over the speedup, or without
-    # rounds the run's and the baseline's step-time variation combined
-    speedup_noise: float | None = _f(summary=True)
-    scaling_efficiency: float | None = _f(column=True, summary=True, report=(16, "efficiency"))
+    run_dir: str | None = _f(column=True)
     # what makes a figure of this run untrustworthy, each a sentence (efficiency above 1 +
     # noise, a busy host): shown beside the figures, never hidden
     flags: list[str] = _f(factory=list)
-    flops_per_token: float | None = _f()
-    flops_per_token_counted: float | None = _f()  # plan.trace: torch's FlopCounterMode
-    mfu: float | None = _f(column=True, summary=True)
-    # an MoE model: the share of its matmul parameters a token meets, the N of MFU's 6N
-    active_param_share: float | None = _f()
-    # train.float8: the recipe, how many linears it converted (models/float8.py), their
-    # share of the training FLOPs a token, what stayed in high precision (an MoE's
-    # experts), and MFU against the devices' fp8 peak (`mfu` is against the run's
-    # precision's: bf16)
-    float8_recipe: str | None = _f(column=True, summary=True)
-    float8_linears: int | None = _f(summary=True)
-    float8_flops_share: float | None = _f(summary=True)
-    float8_note: str | None = _f()
-    mfu_fp8_peak: float | None = _f(summary=True)
-    data_wait_share: float | None = _f(column=True, summary=True)  # of timed step time, rank 0
-    # pipeline
-    pp_schedule: str | None = _f(report=(10, "schedule"))
-    bubble_theoretical: float | None = _f(column=True, summary=True, report=(18, "bubble (theory)"))
-    bubble_measured: float | None = _f(column=True, summary=True)
-    bubble_per_rank: list[float] | None = _f()
-    pp_layers: list[int] | None = _f()  # layers per stage (parallel.pp_layers=auto: its pick)
-    # pp_layers=auto: each stage's probed seconds of a micro-batch's forward and backward, and
-    # what the split left uneven (a layer is its finest step)
-    pp_stage_costs_s: list[float] | None = _f()
-    pp_split_note: str | None = _f(summary=True)
-    # memory (parallel=dataparallel: a device's where others have a rank's)
-    peak_memory_bytes: list[int] | None = _f()
-    peak_memory_max_bytes: int | None = _f(column=True, summary=True, report=(17, "peak memory"))
-    memory_per_rank: list[dict[str, int]] | None = _f()
-    memory_params_bytes: int | None = _f(column=True, summary=True)
-    memory_grads_bytes: int | None = _f(column=True, summary=True)
-    memory_optimizer_bytes: int | None = _f(column=True, summary=True)
-    memory_activations_bytes: int | None = _f(column=True, summary=True)
-    memory_other_bytes: int | None = _f(column=True, summary=True)
-    memory_predicted: list[dict[str, int]] | None = _f()
-    pretrained_read_bytes_per_rank: list[int] | None = _f()  # each rank reads its share
-    # evaluation (train.eval): the last one's loss and perplexity, seconds per evaluation
-    eval_loss: float | None = _f(column=True, summary=True)
-    eval_perplexity: float | None = _f(column=True, summary=True)
-    eval_time_s: float | None = _f(summary=True)
-    # checkpoints
-    resumed_from_step: int | None = _f(column=True, summary=True)
-    resumed_from_checkpoint: str | None = _f(summary=True)  # the checkpoint it started from
-    # a new run from another run's checkpoint (resumed into a run dir of its own): that run
-    parent_run_id: str | None = _f(column=True, summary=True)
-    requeues: int | None = _f(summary=True)  # SLURM requeued the job (time limit, preemption)
-    slurm_job_id: str | None = _f(column=True, summary=True)  # launcher=slurm's job
-    host_per_rank: list[str] | None = _f()  # the node each rank ran on
-    checkpoint_dir: str | None = _f()
-    checkpoint_saves: list[dict[str, Any]] | None = _f()  # step, blocked_s, total_s of each
-    checkpoint_blocked_s: float | None = _f(summary=True)  # training waited, per save
-    checkpoint_save_s: float | None = _f(summary=True)  # staging to the last byte, per save
-    # the steps between saves (checkpoint.every_steps=auto: its choice, and why); the plan's
-    # prediction of one save (plan/checkpoint_cost.py), beside what the saves measured
-    checkpoint_every_steps: int | None = _f(column=True, summary=True)
-    checkpoint_interval: str | None = _f(summary=True)
-    predicted_checkpoint_bytes_per_rank: int | None = _f(summary=True)
-    predicted_checkpoint_blocked_s: float | None = _f(summary=True)
-    predicted_checkpoint_save_s: float | None = _f(summary=True)
-    export_path: str | None = _f()  # checkpoint.export: the final model, whole
-    # plan.trials: a trial's run it chose the layout for; that run's trials (core/trials.py),
-    # how the prediction ranked them against what they measured (Spearman) and the share of
-    # the fastest measured speed that the prediction's first choice lacked
-    trial_of: str | None = _f(column=True)
-    trials: list[dict[str, Any]] | None = _f()
-    trials_rank_correlation: float | None = _f(column=True, summary=True)
-    trials_first_choice_loss: float | None = _f(summary=True)
-    memory_traced: list[dict[str, int]] | None = _f()  # plan.trace: on fake tensors
-    predicted_peak_memory_bytes: int | None = _f(column=True, summary=True)
-    predicted_step_time_s: float | None = _f(column=True, summary=True)
-    predicted_tokens_per_s: float | None = _f()
-    predicted_step_parts: dict[str, float] | None = _f()  # the step by what it waits for
-    # the run's whole budget (plan.tokens, else its own steps x tokens a step) in seconds at
-    # the speed it measured and at the plan's predicted speed for its layout (plan/run_time.py)
-    tokens_budget: float | None = _f(column=True, summary=True)
-    measured_budget_s: float | None = _f(column=True, summary=True)
-    predicted_budget_s: float | None = _f(column=True, summary=True)
-    # the calibration (meshrun-plan calibrate) the speed prediction used: when it was measured
-    predicted_calibrated_at: str | None = _f(summary=True)
-    # debug.profile_steps: the steps traced (left out of step_times), their step time over
-    # the others' less one, and each rank's trace summarised (core/run_files/profiles.py)
-    profiled_steps: list[int] | None = _f()
-    profile_overhead: float | None = _f(summary=True)
-    profile: list[dict[str, Any]] | None = _f()
-    # each rank's busy seconds a timed step (median; rank/metrics/busy.py), the slowest
-    # rank, its busy time over the ranks' median, and the sentence naming it as a straggler
-    # where that is above metrics.straggler_threshold
-    busy_per_rank: list[float] | None = _f()
-    slowest_rank: int | None = _f(column=True, summary=True)
-    slowest_rank_slowdown: float | None = _f(column=True, summary=True)
-    straggler: str | None = _f(summary=True)
-    # train.guard.spike: each rollback (the spike's step and loss against the window's mean
-    # and deviation, the checkpoint's step it went back to, the batches it skipped); the
-    # steps trained again are in the run dir's rolled_back.jsonl as they were the first time
-    rollbacks: list[dict[str, Any]] | None = _f()
-    rollback_count: int | None = _f(column=True, summary=True)
-    # parallel.fault_tolerance=torchft: each replica that ended before the run (which, its
-    # start, how, when), the steps that fewer replicas than the run's trained (and how many
-    # replicas each had), and the steps trained again because a replica failed during them
-    replica_failures: list[dict[str, Any]] | None = _f()
-    replica_failure_count: int | None = _f(column=True, summary=True)
-    steps_with_fewer_replicas: int | None = _f(column=True, summary=True)
-    fewer_replica_steps: list[list[int]] | None = _f()
-    retried_steps: list[int] | None = _f()
-    # series and bookkeeping
-    losses: list[float] = _f(factory=list)
-    grad_norms: list[float | None] = _f(factory=list)
-    # an MoE model's routers at the last step: the busiest expert's load over the mean (the
-    # worst layer's), the share of assignments dropped, the balance loss (models/moe.py)
-    router_max_load: float | None = _f(summary=True)
-    router_dropped: float | None = _f(summary=True)
-    router_aux_loss: float | None = _f(summary=True)
-    eval_losses: list[list[float]] = _f(factory=list)  # [step, eval loss] of each evaluation
-    baseline_key: str | None = _f(column=True)
-    # where rank 0 ran: host, devices, versions, threads (core/hardware.host_fingerprint),
-    # and its hash, which a stored baseline must match to be reused
-    fingerprint: dict[str, Any] | None = _f()
-    fingerprint_key: str | None = _f(column=True)
-    run_dir: str | None = _f(column=True)
+    # what it measured, part by part
+    speed: Speed = _part(Speed)
+    comparison: Comparison = _part(Comparison)
+    flops: Flops = _part(Flops)
+    pipeline: Pipeline = _part(Pipeline)
+    memory: Memory = _part(Memory)
+    prediction: Prediction = _part(Prediction)
+    evaluation: Evaluation = _part(Evaluation)
+    checkpoints: Checkpoints = _part(Checkpoints)
+    selection: Selection = _part(Selection)
+    inspection: Inspection = _part(Inspection)
+    faults: Faults = _part(Faults)
+    series: Series = _part(Series)
+    host: Host = _part(Host)
 
     def as_dict(self) -> dict[str, Any]:
-        """results.json's content (and the store's results_json)."""
-        return dataclasses.asdict(self)
+        """The record's flat columns: results.json's content (and the store's results_json,
+        W&B's summary, the report's rows)."""
+        nested = dataclasses.asdict(self)
+        flat = {}
+        for part, f in flat_fields():
+            flat[f.name] = nested[f.name] if part is None else nested[part][f.name]
+        return flat
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunRecord:
-        """A stored record, from any meshrun: older names renamed, missing keys defaulted,
-        keys this meshrun no longer knows dropped."""
-        known = {f.name for f in dataclasses.fields(cls)}
+        """A record from its flat columns, written by any meshrun: older names renamed,
+        missing keys defaulted, keys this meshrun no longer knows dropped."""
         given = {RENAMED.get(k, k): v for k, v in data.items()}
-        return cls(**{k: v for k, v in given.items() if k in known})
+        own: dict[str, Any] = {}
+        parts: dict[str, dict[str, Any]] = {name: {} for name in _parts()}
+        for part, f in flat_fields():
+            if f.name in given:
+                (own if part is None else parts[part])[f.name] = given[f.name]
+        return cls(**own, **{name: kind(**parts[name]) for name, kind in _parts().items()})
+
+
+@cache
+def _parts() -> dict[str, type]:
+    """The record's sub-records by attribute."""
+    return {
+        f.name: f.metadata["part"] for f in dataclasses.fields(RunRecord) if "part" in f.metadata
+    }
+
+
+@cache
+def flat_fields() -> tuple[tuple[str | None, dataclasses.Field], ...]:
+    """Every flat column's field, in record order, with the sub-record holding it (None: the
+    record itself)."""
+    flat: list[tuple[str | None, dataclasses.Field]] = []
+    for f in dataclasses.fields(RunRecord):
+        if "part" in f.metadata:
+            flat.extend((f.name, g) for g in dataclasses.fields(f.metadata["part"]))
+        else:
+            flat.append((None, f))
+    return tuple(flat)
+
+
+@cache
+def _hints() -> dict[str, Any]:
+    hints = typing.get_type_hints(RunRecord)
+    for kind in _parts().values():
+        hints |= typing.get_type_hints(kind)
+    return hints
 
 
 def _sqlite_type(annotation: Any) -> str:
@@ -260,22 +173,21 @@ def _sqlite_type(annotation: Any) -> str:
 @cache
 def store_columns() -> dict[str, str]:
     """Store column -> SQLite type, in record order; run_id is the primary key."""
-    hints = typing.get_type_hints(RunRecord)
     columns = {}
-    for f in dataclasses.fields(RunRecord):
+    for _, f in flat_fields():
         if f.metadata["column"]:
-            kind = _sqlite_type(hints[f.name])
+            kind = _sqlite_type(_hints()[f.name])
             columns[f.name] = f"{kind} PRIMARY KEY" if f.name == "run_id" else kind
     return columns
 
 
 def summary_keys() -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(RunRecord) if f.metadata["summary"])
+    return tuple(f.name for _, f in flat_fields() if f.metadata["summary"])
 
 
 def report_columns() -> tuple[tuple[str, str], ...]:
     """(field, header) of each column the report shows, in the report's order."""
-    shown = [f for f in dataclasses.fields(RunRecord) if f.metadata["report"]]
+    shown = [f for _, f in flat_fields() if f.metadata["report"]]
     return tuple((f.name, f.metadata["report"][1]) for f in sorted(shown, key=_position))
 
 

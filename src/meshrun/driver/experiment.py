@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,17 +29,17 @@ from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import ConfigError
 from meshrun.core.layout import Layout
 from meshrun.core.naming import layout_name, rerun_overrides
-from meshrun.core.rank_report import RankReport, TwinStep
+from meshrun.core.rank_report import RankReport
 from meshrun.core.record import RunRecord
 from meshrun.core.run_files.failures import Stopped
 from meshrun.core.run_files.library_warnings import other_ranks_warnings
-from meshrun.core.run_files.metrics import METRICS_FILE, read_records
+from meshrun.core.run_files.metrics import METRICS_FILE, StepRow, read_records
 from meshrun.core.run_files.positions import clear_records, with_diagnosis
 from meshrun.core.stages import with_layers
 from meshrun.driver.baseline import age_s, needs_baseline, stored_baseline
 from meshrun.driver.failure import explained, with_unflushed
 from meshrun.driver.launch import RankFailure, RunInterrupted
-from meshrun.driver.measured import Measured, Role, RunMeta
+from meshrun.driver.measured import BaselineMode, Measured, Role, RunMeta
 from meshrun.driver.results import assemble
 from meshrun.driver.sinks.console import (
     print_error,
@@ -101,44 +101,51 @@ def finish_experiment(
 ) -> RunRecord:
     """Baseline and record of a run measured already (here, or by a job submitted earlier)."""
     store = ResultsStore(cfg.store.path)
+    meta, baseline = measured.meta, None
     if measured.ok and cfg.checkpoint.export != "none":
-        measured.meta.export_path = export(cfg)
-    baseline = None
+        meta = replace(meta, export_path=export(cfg))
     if is_own_baseline(cfg):
-        measured.meta.baseline_mode = "own"
+        meta = replace(meta, baseline_mode="own")
     elif needs_baseline(cfg):
-        baseline = baseline_of(cfg, measured, launch, store)
-    return record(cfg, measured, baseline, store, live)
+        had = baseline_of(cfg, measured, launch, store)
+        meta = replace(meta, baseline_mode=had.mode, baseline_age_s=had.age_s)
+        baseline = had.record
+    return record(cfg, replace(measured, meta=meta), baseline, store, live)
+
+
+@dataclass(frozen=True)
+class HadBaseline:
+    """A run's single-device baseline (its record, where it has one) and how it was had."""
+
+    record: RunRecord | None
+    mode: BaselineMode | None = None
+    age_s: float | None = None  # `stored`: how old the reused baseline is
 
 
 def baseline_of(
     cfg: ExperimentConfig, measured: Measured, launch: Launch, store: ResultsStore
-) -> RunRecord | None:
-    """The run's single-device baseline, recorded in the store as a run of its own; how it
-    was had goes into the run's meta: the baseline twin trained beside the run (`fresh`), a
-    stored one of the same fingerprint (`stored`, its age), or, where both did not fit at
-    once, measured by a launch of its own after the run (`after`)."""
+) -> HadBaseline:
+    """The run's single-device baseline, recorded in the store as a run of its own, and how
+    it was had: the baseline twin trained beside the run (`fresh`), a stored one of the same
+    fingerprint (`stored`, its age), or, where both did not fit at once, measured by a launch
+    of its own after the run (`after`)."""
     twin = baseline_config(cfg)
     twin_steps = measured.report.twin_steps if measured.report else None
     if twin_steps:
-        measured.meta.baseline_mode = "fresh"
-        return record(twin, twin_measured(measured, twin_steps), None, store)
+        return HadBaseline(record(twin, twin_measured(measured, twin_steps), None, store), "fresh")
     stored = stored_baseline(cfg, store)
     if stored is not None:
-        measured.meta.baseline_mode = "stored"
-        measured.meta.baseline_age_s = round(age_s(stored))
-        return stored
+        return HadBaseline(stored, "stored", round(age_s(stored)))
     if not measured.ok:
-        return None
-    measured.meta.baseline_mode = "after"
-    return record(twin, measure(twin, "baseline", launch), None, store)
+        return HadBaseline(None)
+    return HadBaseline(record(twin, measure(twin, "baseline", launch), None, store), "after")
 
 
-def twin_measured(run: Measured, steps: list[TwinStep]) -> Measured:
+def twin_measured(run: Measured, steps: list[StepRow]) -> Measured:
     """The baseline twin rank 0 trained between the run's steps, as a measured run of its
     own, on the run's host."""
     report = RankReport(memory_per_rank=[], fingerprint=run.report.fingerprint)
-    return Measured(RunMeta(role="baseline"), [asdict(s) for s in steps], report)
+    return Measured(RunMeta(role="baseline"), steps, report)
 
 
 def export(cfg: ExperimentConfig) -> str | None:
@@ -162,7 +169,7 @@ def export(cfg: ExperimentConfig) -> str | None:
     return str(path)
 
 
-def read_steps(run_dir: str) -> list[dict[str, Any]]:
+def read_steps(run_dir: str) -> list[StepRow]:
     return read_records(Path(run_dir) / METRICS_FILE)
 
 
@@ -179,24 +186,29 @@ def new_run(run_dir: str) -> None:
         clear_records(run_dir)
 
 
-def attempt(meta: RunMeta, run_dir: str, started: float, wait: Callable[[], Any]) -> Any:
-    """Waits for the ranks (`wait` raises RankFailure if one failed) and notes in `meta` how
-    the attempt ended (status, error with the hang diagnosis, failed rank, duration);
-    returns rank 0's return value."""
-    returned = None
+def attempt(
+    meta: RunMeta, run_dir: str, started: float, wait: Callable[[], Any]
+) -> tuple[RunMeta, Any]:
+    """Waits for the ranks (`wait` raises RankFailure if one failed): `meta` with how the
+    attempt ended (status, error with the hang diagnosis, failed rank, duration), and rank
+    0's return value."""
+    returned, ended = None, {}
     try:
         returned = wait()
     except RankFailure as failure:
         stopped = failure.error.startswith(f"{Stopped.__name__}: ")  # saved, says how to resume
         if stopped or isinstance(failure, RunInterrupted):
-            meta.status = "interrupted"
-            meta.error = failure.error.removeprefix(f"{Stopped.__name__}: ")
+            error = failure.error.removeprefix(f"{Stopped.__name__}: ")
+            ended = {"status": "interrupted", "error": error}
         else:
-            meta.status = "failed"
-            meta.error = with_diagnosis(str(failure), run_dir, failure.rank)
-            meta.failed_rank, meta.traceback = failure.rank, failure.traceback
-    meta.duration_s = round(time.time() - started, 3)
-    return returned
+            ended = {
+                "status": "failed",
+                "error": with_diagnosis(str(failure), run_dir, failure.rank),
+                "failed_rank": failure.rank,
+                "traceback": failure.traceback,
+            }
+    duration_s = round(time.time() - started, 3)
+    return replace(meta, **ended, duration_s=duration_s), returned
 
 
 def _given_overrides() -> list[str]:
@@ -217,14 +229,11 @@ def begin(cfg: ExperimentConfig, role: Role, **decided: Any) -> RunMeta:
     manifest = read_manifest(resume) if resume is not None else None
     identity = Path(cfg.run_dir) / RUN_FILE
     meta = RunMeta(role=role, given_overrides=_given_overrides(), **decided)
-    if manifest is not None:
-        meta.resumed_from_step = manifest.step
-        meta.resumed_from_checkpoint = str(resume.absolute())
     continued = manifest is not None and same_dir(manifest.run_dir, cfg.run_dir)
     if continued and identity.is_file():
         clear_records(cfg.run_dir)  # rank 0 drops the steps after the checkpoint from metrics
         kept = json.loads(identity.read_text())
-        meta.run_id, meta.created_at = kept["run_id"], kept["created_at"]
+        meta = replace(meta, run_id=kept["run_id"], created_at=kept["created_at"])
     else:
         new_run(cfg.run_dir)
         (Path(cfg.run_dir) / METRICS_FILE).unlink(missing_ok=True)
@@ -232,8 +241,13 @@ def begin(cfg: ExperimentConfig, role: Role, **decided: Any) -> RunMeta:
         created = {"run_id": meta.run_id, "created_at": meta.created_at, "checkpoint_dir": root}
         identity.write_text(json.dumps(created))
     if manifest is not None:
-        if not continued:
-            meta.parent_run_id = _run_id_in(manifest.run_dir)
+        meta = replace(
+            meta,
+            resumed_from_step=manifest.step,
+            resumed_from_checkpoint=str(resume.absolute()),
+            parent_run_id=None if continued else _run_id_in(manifest.run_dir),
+        )
+    if manifest is not None:
         print_note(f"{resumed_line(meta)}; run dir {cfg.run_dir}")
     return meta
 
@@ -255,7 +269,7 @@ def outcome(
     """`wait` returns rank 0's report once the ranks are done, or raises RankFailure;
     `started` is the epoch second the launch began. A failed run's steps are completed with
     those its ranks had not logged yet."""
-    report = attempt(meta, cfg.run_dir, started, explained(cfg, wait))
+    meta, report = attempt(meta, cfg.run_dir, started, explained(cfg, wait))
     for text, ranks in other_ranks_warnings(cfg.run_dir).items():
         print_warning(f"rank(s) {', '.join(map(str, ranks))} (not rank 0) warned: {text}")
     steps = with_unflushed(read_steps(cfg.run_dir), cfg.run_dir, Layout.of(cfg.parallel))
@@ -301,7 +315,7 @@ def record(
     if split:  # the record names the split the ranks chose, to run it again
         cfg = with_layers(cfg, split.counts)
     results = assemble(cfg, measured, baseline)
-    if results.profile:  # a profiled run's picture of its traced step
+    if results.inspection.profile:  # a profiled run's picture of its traced step
         write_timeline(results.as_dict())
     publish(cfg, results, measured.steps, store, live)
     if not measured.ok:
@@ -346,7 +360,7 @@ def record_skipped(cfg: ExperimentConfig, reason: ConfigError) -> RunRecord:
 def publish(
     cfg: ExperimentConfig,
     record: RunRecord,
-    steps: list[dict[str, Any]],
+    steps: list[StepRow],
     store: ResultsStore,
     live: LiveRun | None = None,
 ) -> None:

@@ -6,6 +6,7 @@ last resident sample, the host, the kernel's OOM counter)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ from meshrun.core.hardware import HostFacts, oom_kills
 from meshrun.core.layout import Layout, dp_rank, rank_coords
 from meshrun.core.run_files.failures import read_unflushed
 from meshrun.core.run_files.memory_snapshots import VIEWER, snapshot_path
+from meshrun.core.run_files.metrics import StepRow
 from meshrun.core.run_files.positions import read_positions
 from meshrun.driver.launch import SIGNAL_UNSEEN, RankFailure
 from meshrun.plan import predict
@@ -22,20 +24,18 @@ from meshrun.plan import predict
 GiB = 2**30
 
 
-def with_unflushed(
-    steps: list[dict[str, Any]], run_dir: str, layout: Layout
-) -> list[dict[str, Any]]:
+def with_unflushed(steps: list[StepRow], run_dir: str, layout: Layout) -> list[StepRow]:
     """metrics.jsonl's steps, then those the ranks wrote as they failed. A step's loss is the
     mean over the DP ranks of the last pipeline stage (any TP peer of each), in the float32
     arithmetic of the log step's reduction; where some of them wrote nothing (killed), the
     mean of the others, marked `partial_loss`. Grad norm and LR are global; step time and data
     wait are the lowest rank's, as rank 0's are logged. The steps stop at the first without
     any loss (its last stage died first)."""
-    written: dict[int, dict[int, dict[str, Any]]] = {}
+    written: dict[int, dict[int, StepRow]] = {}
     for rank, records in read_unflushed(run_dir).items():
         for record in records:
-            written.setdefault(record["step"], {})[rank] = record
-    step = steps[-1]["step"] + 1 if steps else min(written, default=0)
+            written.setdefault(record.step, {})[rank] = record
+    step = steps[-1].step + 1 if steps else min(written, default=0)
     last_stage = [
         r for r in range(layout.world_size) if rank_coords(layout, r)["pp"] == layout.pp - 1
     ]
@@ -45,14 +45,13 @@ def with_unflushed(
         losses = {}
         for rank in last_stage:  # rank order: each DP index's first TP peer that wrote
             if rank in by_rank:
-                losses.setdefault(dp_rank(layout, rank), by_rank[rank]["loss"])
+                losses.setdefault(dp_rank(layout, rank), by_rank[rank].loss)
         if not losses:
             break
         total = torch.tensor(list(losses.values()), dtype=torch.float32).sum()
-        record = {**by_rank[min(by_rank)], "loss": (total / len(losses)).item()}
-        if len(losses) < layout.dp_size:
-            record["partial_loss"] = True
-        completed.append(record)
+        partial = True if len(losses) < layout.dp_size else None
+        loss = (total / len(losses)).item()
+        completed.append(replace(by_rank[min(by_rank)], loss=loss, partial_loss=partial))
         step += 1
     return completed
 

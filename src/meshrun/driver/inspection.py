@@ -13,25 +13,26 @@ from typing import Any
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.layout import Layout
 from meshrun.core.rank_report import RankReport
+from meshrun.core.run_files.metrics import StepRow
 from meshrun.core.run_files.profiles import summarize_run
 from meshrun.core.step_stats import slowest
 
 
-def timed_step_times(steps: list[dict[str, Any]]) -> list[float]:
+def timed_step_times(steps: list[StepRow]) -> list[float]:
     """The timed steps' times, the profiled ones and the one after left out (tracing slows
     them; rank/profiling.py)."""
     return [
-        r["step_time_s"]
+        r.step_time_s
         for r in steps
-        if r["step_time_s"] is not None and not (r.get("profiled") or r.get("after_profile"))
+        if r.step_time_s is not None and not (r.profiled or r.after_profile)
     ]
 
 
-def profile_fields(cfg: ExperimentConfig, steps: list[dict[str, Any]]) -> dict[str, Any]:
+def profile_fields(cfg: ExperimentConfig, steps: list[StepRow]) -> dict[str, Any]:
     profiled = cfg.debug.profile_steps
     if not profiled:
         return {}
-    traced = [r["step_time_s"] for r in steps if r.get("profiled") and r["step_time_s"]]
+    traced = [r.step_time_s for r in steps if r.profiled and r.step_time_s]
     others = timed_step_times(steps)
     overhead = None
     if traced and others:
@@ -76,16 +77,16 @@ def straggler_fields(
     }
 
 
-def skipped_fields(steps: list[dict[str, Any]]) -> dict[str, Any]:
+def skipped_fields(steps: list[StepRow]) -> dict[str, Any]:
     """The steps whose global gradient norm was not finite: every rank skipped them (fp16's
     overflows among them)."""
-    norms = [(r["step"], r.get("grad_norm")) for r in steps]
+    norms = [(r.step, r.grad_norm) for r in steps]
     skipped = [step for step, norm in norms if norm is not None and not math.isfinite(norm)]
     return {"skipped_steps": skipped or None, "steps_skipped": len(skipped)}
 
 
 def replica_fields(
-    cfg: ExperimentConfig, report: RankReport | None, steps: list[dict[str, Any]]
+    cfg: ExperimentConfig, report: RankReport | None, steps: list[StepRow]
 ) -> dict[str, Any]:
     """torchft's story of the run: the replicas that failed, the steps the others trained
     without them ([step, replicas] each), the steps trained again."""
@@ -93,13 +94,15 @@ def replica_fields(
         return {}
     failures = report.replica_failures if report else None
     replicas = cfg.parallel.dp_replicate
-    fewer = [[r["step"], r["replicas"]] for r in steps if r.get("replicas", replicas) < replicas]
+    fewer = [
+        [r.step, r.replicas] for r in steps if r.replicas is not None and r.replicas < replicas
+    ]
     return {
         "replica_failures": [dataclasses.asdict(f) for f in failures or []],
         "replica_failure_count": len(failures or []),
         "steps_with_fewer_replicas": len(fewer),
         "fewer_replica_steps": fewer,
-        "retried_steps": [r["step"] for r in steps if r.get("retried")],
+        "retried_steps": [r.step for r in steps if r.retried],
     }
 
 

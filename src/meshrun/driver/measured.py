@@ -8,9 +8,10 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Literal
+from typing import Literal
 
 from meshrun.core.rank_report import RankReport
+from meshrun.core.run_files.metrics import StepRow
 from meshrun.driver.trial_ranking import Trial
 
 # `trials`: plan.trials_only's verdict, recorded without a run of its own (driver/trials.py)
@@ -30,9 +31,10 @@ def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunMeta:
-    """A run's identity (kept by a resume from its checkpoints) and how the attempt ended."""
+    """A run's identity (kept by a resume from its checkpoints) and how the attempt ended;
+    frozen: each step that learns more (the attempt's end, the baseline) makes a new one."""
 
     run_id: str = field(default_factory=new_run_id)
     created_at: str = field(default_factory=utc_now)
@@ -53,12 +55,12 @@ class RunMeta:
     trials: list[Trial] | None = None  # the run that trials chose: each of them
 
 
-@dataclass
+@dataclass(frozen=True)
 class Measured:
     """What one launch measured; `report` is None where rank 0 returned none (a failure)."""
 
     meta: RunMeta
-    steps: list[dict[str, Any]]
+    steps: list[StepRow]
     report: RankReport | None = None
 
     @property

@@ -1,13 +1,12 @@
-"""From what a run measured to its results record: throughput, speedup against the single-device
-baseline, scaling efficiency, MFU, memory. One function builds the record (core.record's
-RunRecord) for completed and failed runs alike, so a failed run keeps the metrics of the steps
-it finished."""
+"""From what a run measured to its results record: throughput, speedup against the
+single-device baseline (driver/comparison.py), scaling efficiency, MFU, memory. One function
+builds the record (core.record's RunRecord) for completed and failed runs alike, so a failed
+run keeps the metrics of the steps it finished."""
 
 from __future__ import annotations
 
-import math
 import shlex
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from typing import Any
 
 from meshrun.core.baseline import baseline_key, is_own_baseline, n_devices
@@ -21,8 +20,25 @@ from meshrun.core.naming import layout_name, rerun_overrides
 from meshrun.core.precision import matmul_precision
 from meshrun.core.rank_report import CheckpointSave, RankReport, StageSplit
 from meshrun.core.record import MEMORY_CATEGORIES, RunRecord
+from meshrun.core.record_parts import (
+    Checkpoints,
+    Comparison,
+    Evaluation,
+    Faults,
+    Flops,
+    Host,
+    Inspection,
+    Memory,
+    Pipeline,
+    Prediction,
+    Selection,
+    Series,
+    Speed,
+)
+from meshrun.core.run_files.metrics import StepRow
 from meshrun.core.stages import PP_AUTO, stage_layer_counts, theoretical_bubble
-from meshrun.core.step_stats import percentile, summarize_steps
+from meshrun.core.step_stats import summarize_steps
+from meshrun.driver.comparison import host_flags, memory_flags, speedup_fields
 from meshrun.driver.float8 import float8_fields
 from meshrun.driver.inspection import (
     profile_fields,
@@ -102,18 +118,26 @@ def split_note(split: StageSplit) -> str:
     return note
 
 
-def memory_fields(cfg: ExperimentConfig, memory: list[dict[str, int]] | None) -> dict[str, Any]:
+def memory_fields(cfg: ExperimentConfig, report: RankReport | None) -> Memory:
     """Per-rank peaks and breakdowns, the categories of the rank with the highest peak, and
-    the planner's prediction for each rank beside them."""
+    the bytes each rank read of a pretrained directory."""
+    memory = report.memory_per_rank if report else None
     peaks = [m["peak"] for m in memory] if memory else None
     top = max(memory, key=lambda m: m["peak"]) if memory else {}
+    return Memory(
+        peak_memory_bytes=peaks,
+        peak_memory_max_bytes=max(peaks) if peaks else None,
+        memory_per_rank=memory,
+        **{f"memory_{c}_bytes": top.get(c) for c in MEMORY_CATEGORIES},
+        pretrained_read_bytes_per_rank=report.pretrained_read_bytes_per_rank if report else None,
+    )
+
+
+def predicted_memory_fields(cfg: ExperimentConfig) -> dict[str, Any]:
+    """The planner's prediction of each rank's memory (and plan.trace's, on fake tensors)."""
     predicted = [p.as_dict() for p in predict.memory(cfg)]
     traced = predict.traced(cfg)
     return {
-        "peak_memory_bytes": peaks,
-        "peak_memory_max_bytes": max(peaks) if peaks else None,
-        "memory_per_rank": memory,
-        **{f"memory_{c}_bytes": top.get(c) for c in MEMORY_CATEGORIES},
         "memory_predicted": predicted,
         "memory_traced": [p.as_dict() for p in traced] if traced else None,
         "predicted_peak_memory_bytes": max(p["peak"] for p in predicted),
@@ -146,101 +170,25 @@ def checkpoint_fields(cfg: ExperimentConfig, saves: list[CheckpointSave] | None)
     }
 
 
-def data_wait_share(steps: list[dict[str, Any]]) -> float | None:
+def data_wait_share(steps: list[StepRow]) -> float | None:
     """The share of the timed steps' time rank 0 spent waiting for its batches (records
     older than the measurement have none)."""
-    timed = [r for r in steps if r["step_time_s"] is not None and "data_wait_s" in r]
-    total = sum(r["step_time_s"] for r in timed)
-    return sum(r["data_wait_s"] for r in timed) / total if total else None
+    timed = [r for r in steps if r.step_time_s is not None and r.data_wait_s is not None]
+    total = sum(r.step_time_s for r in timed)
+    return sum(r.data_wait_s for r in timed) / total if total else None
 
 
-def eval_fields(steps: list[dict[str, Any]]) -> dict[str, Any]:
+def eval_fields(steps: list[StepRow]) -> dict[str, Any]:
     """The last evaluation's loss and perplexity, the mean seconds of one, the curve."""
-    evaluated = [r for r in steps if "eval_loss" in r]
+    evaluated = [r for r in steps if r.eval_loss is not None]
     if not evaluated:
         return {}
     return {
-        "eval_loss": evaluated[-1]["eval_loss"],
-        "eval_perplexity": evaluated[-1]["eval_perplexity"],
-        "eval_time_s": sum(r["eval_time_s"] for r in evaluated) / len(evaluated),
-        "eval_losses": [[r["step"], r["eval_loss"]] for r in evaluated],
+        "eval_loss": evaluated[-1].eval_loss,
+        "eval_perplexity": evaluated[-1].eval_perplexity,
+        "eval_time_s": sum(r.eval_time_s for r in evaluated) / len(evaluated),
+        "eval_losses": [[r.step, r.eval_loss] for r in evaluated],
     }
-
-
-# Other processes' share of the host's CPU above which a run's figures are flagged.
-BUSY_HOST_SHARE = 0.10
-
-
-def speedup_fields(
-    cfg: ExperimentConfig,
-    step_times: list[float],
-    tokens_per_s: float | None,
-    baseline: RunRecord | None,
-    mode: str | None,
-    cv: float | None,
-) -> dict[str, Any]:
-    """The speedup over the single-device baseline, its spread over the rounds where the two
-    alternated (fresh: the i-th step of each, paired), and the scaling efficiency, flagged
-    where it is above 1 by more than the measurement's noise: the spread's half-width
-    relative to the speedup, or without rounds the step times' combined variation."""
-    devices = n_devices(cfg)
-    base_tps = baseline.tokens_per_s if baseline else None
-    fields: dict[str, Any] = {
-        "baseline_tokens_per_s": base_tps,
-        "baseline_run_id": baseline.run_id if baseline else None,
-    }
-    if not (tokens_per_s and base_tps):
-        return {**fields, "speedup": None, "scaling_efficiency": None, "flags": []}
-    speedup = tokens_per_s / base_tps
-    rounds = list(zip(step_times, baseline.step_times, strict=False)) if mode == "fresh" else []
-    ratios = [base_t / run_t * _tokens_ratio(cfg, baseline) for run_t, base_t in rounds]
-    fields.update(
-        speedup=speedup,
-        speedup_rounds=len(ratios) or None,
-        speedup_p10=percentile(ratios, 10) if ratios else None,
-        speedup_p90=percentile(ratios, 90) if ratios else None,
-    )
-    if len(ratios) >= 3:
-        noise = (fields["speedup_p90"] - fields["speedup_p10"]) / 2 / speedup
-    else:
-        noise = math.hypot(cv or 0.0, baseline.step_time_cv or 0.0)
-    efficiency = speedup / devices
-    fields["speedup_noise"] = noise
-    flags = []
-    if efficiency > 1 + noise:
-        flags.append(
-            f"scaling efficiency {efficiency:.2f} is above 1 + its noise "
-            f"({noise:.2f}): {devices} devices cannot do more than {devices} times "
-            "the work of one, so the run and its baseline were not measured alike; "
-            "not a result"
-        )
-    return {**fields, "scaling_efficiency": efficiency, "flags": flags}
-
-
-def _tokens_ratio(cfg: ExperimentConfig, baseline: RunRecord) -> float:
-    """Tokens of one of the run's steps over one of the baseline's."""
-    return cfg.train.global_batch_size / (baseline.global_batch_size or 1)
-
-
-def host_flags(share: float | None) -> list[str]:
-    if share is None or share <= BUSY_HOST_SHARE:
-        return []
-    return [
-        f"other processes kept {share:.0%} of the host's CPU busy while the run was "
-        "timed: its figures are those of a shared host"
-    ]
-
-
-def memory_flags(cfg: ExperimentConfig, report: RankReport | None) -> list[str]:
-    """A CPU rank's peak is traced over the untimed steps (rank/metrics/memory.py): one
-    untimed step is step 0 alone, which runs before the optimizer's state exists."""
-    if report is None or cfg.hardware.device_type != "cpu" or cfg.train.untimed_steps > 1:
-        return []
-    return [
-        "peak memory traced over step 0 alone (train.untimed_steps=1 on CPU), before the "
-        "optimizer's state exists: short of a whole step's by that state; "
-        "train.untimed_steps=2 measures one"
-    ]
 
 
 def params(cfg: ExperimentConfig) -> int:
@@ -253,47 +201,72 @@ def assemble(cfg: ExperimentConfig, measured: Measured, baseline: RunRecord | No
     meta, report, steps = measured.meta, measured.report, measured.steps
     step_times = timed_step_times(steps)
     timing = timing_fields(cfg, step_times)
+    tokens_per_s = timing["tokens_per_s"]
     if baseline is None and is_own_baseline(cfg):  # 1.0 by definition, no spread
-        baseline = RunRecord(run_id=meta.run_id, tokens_per_s=timing["tokens_per_s"])
-    speed = speedup_fields(
-        cfg,
-        step_times,
-        timing["tokens_per_s"],
-        baseline,
-        meta.baseline_mode,
-        timing["step_time_cv"],
+        baseline = RunRecord(run_id=meta.run_id, speed=Speed(tokens_per_s=tokens_per_s))
+    versus = speedup_fields(
+        cfg, step_times, tokens_per_s, baseline, meta.baseline_mode, timing["step_time_cv"]
     )
     host_share = report.host_other_cpu_share if report else None
-    flags = [*speed.pop("flags"), *host_flags(host_share), *memory_flags(cfg, report)]
+    flags = [*versus.pop("flags"), *host_flags(host_share), *memory_flags(cfg, report)]
     predicted = predicted_speed_fields(cfg)
     return RunRecord(
         **meta_fields(meta, report),
         **config_fields(cfg, meta),
         steps_completed=len(steps),
-        step_times=step_times,
-        **timing,
-        **speed,
         flags=flags,
-        **flops_fields(cfg, timing["tokens_per_s"]),
-        **float8_fields(cfg, timing["tokens_per_s"]),
-        data_wait_share=data_wait_share(steps),
-        **pipeline_fields(cfg, report),
-        **memory_fields(cfg, report.memory_per_rank if report else None),
-        pretrained_read_bytes_per_rank=report.pretrained_read_bytes_per_rank if report else None,
-        **checkpoint_fields(cfg, report.checkpoint_saves if report else None),
-        **checkpoint_plan_fields(cfg, report.auto_checkpoint if report else None),
-        **eval_fields(steps),
-        **predicted,
-        **budget_fields(cfg, timing["tokens_per_s"], predicted["predicted_tokens_per_s"]),
-        **trials_fields(meta.trials),
-        **profile_fields(cfg, steps),
-        **straggler_fields(cfg, report, len(step_times)),
-        **skipped_fields(steps),
-        **rollback_fields(report),
-        **replica_fields(cfg, report, steps),
-        losses=[r["loss"] for r in steps],
-        grad_norms=[r.get("grad_norm") for r in steps],
-        **router_fields(steps),
+        speed=Speed(
+            step_times=step_times,
+            **timing,
+            compile_s=report.compile_s if report else None,
+            host_other_cpu_share=host_share,
+            data_wait_share=data_wait_share(steps),
+        ),
+        comparison=Comparison(
+            scaling=cfg.metrics.scaling,
+            baseline_mode=meta.baseline_mode,
+            baseline_age_s=meta.baseline_age_s,
+            baseline_key=baseline_key(cfg),
+            **versus,
+        ),
+        flops=Flops(**flops_fields(cfg, tokens_per_s), **float8_fields(cfg, tokens_per_s)),
+        pipeline=Pipeline(**pipeline_fields(cfg, report)),
+        memory=memory_fields(cfg, report),
+        prediction=Prediction(
+            **predicted_memory_fields(cfg),
+            **predicted,
+            **budget_fields(cfg, tokens_per_s, predicted["predicted_tokens_per_s"]),
+        ),
+        evaluation=Evaluation(**eval_fields(steps)),
+        checkpoints=Checkpoints(
+            **checkpoint_fields(cfg, report.checkpoint_saves if report else None),
+            **checkpoint_plan_fields(cfg, report.auto_checkpoint if report else None),
+            export_path=meta.export_path,
+        ),
+        selection=selection(meta),
+        inspection=Inspection(
+            **profile_fields(cfg, steps), **straggler_fields(cfg, report, len(step_times))
+        ),
+        faults=Faults(
+            **skipped_fields(steps), **rollback_fields(report), **replica_fields(cfg, report, steps)
+        ),
+        series=Series(
+            losses=[r.loss for r in steps],
+            grad_norms=[r.grad_norm for r in steps],
+            **router_fields(steps),
+        ),
+        host=host_of(report),
+    )
+
+
+def selection(meta: RunMeta) -> Selection:
+    """The trials that chose this run's layout (plan.trials), or the run a trial chose it
+    for, and their verdict."""
+    trials = meta.trials
+    return Selection(
+        trial_of=meta.trial_of,
+        trials=[asdict(t) for t in trials] if trials is not None else None,
+        **trials_fields(trials),
     )
 
 
@@ -306,35 +279,39 @@ def trials_fields(trials: list[Trial] | None) -> dict[str, float | None]:
     }
 
 
-def router_fields(steps: list[dict[str, Any]]) -> dict[str, float | None]:
+def router_fields(steps: list[StepRow]) -> dict[str, float | None]:
     """The last step's router statistics, where the model has routers."""
-    last = steps[-1] if steps else {}
+    last = steps[-1] if steps else None
     return {
-        "router_max_load": last.get("moe_max_load"),
-        "router_dropped": last.get("moe_dropped"),
-        "router_aux_loss": last.get("moe_aux_loss"),
+        "router_max_load": last.moe_max_load if last else None,
+        "router_dropped": last.moe_dropped if last else None,
+        "router_aux_loss": last.moe_aux_loss if last else None,
     }
 
 
 def meta_fields(meta: RunMeta, report: RankReport | None) -> dict[str, Any]:
-    """Who the run is and how it ended, with what rank 0 reported of its attempt: a SLURM
-    requeue (which resumed from the checkpoint it names), the host."""
-    fields = {k: v for k, v in asdict(meta).items() if k != "given_overrides"}
+    """Who the run is and how it ended (the meta's fields the record holds itself); a SLURM
+    requeue resumed from the checkpoint rank 0 names."""
+    own = {f.name for f in fields(RunRecord)}
+    identity = {k: v for k, v in asdict(meta).items() if k in own}
+    if report is not None and report.requeues:
+        identity["resumed_from_step"] = report.resumed_from_step
+    return identity
+
+
+def host_of(report: RankReport | None) -> Host:
+    """Where rank 0 reported the ranks ran: its host's fingerprint, each rank's node, the
+    SLURM job and its requeues."""
     if report is None:
-        return fields
+        return Host()
     fingerprint = report.fingerprint
-    fields |= {
-        "requeues": report.requeues or None,
-        "slurm_job_id": report.slurm_job_id,
-        "host_per_rank": report.host_per_rank,
-        "fingerprint": fingerprint,
-        "fingerprint_key": fingerprint_key(fingerprint) if fingerprint else None,
-        "host_other_cpu_share": report.host_other_cpu_share,
-        "compile_s": report.compile_s,
-    }
-    if report.requeues:
-        fields["resumed_from_step"] = report.resumed_from_step
-    return fields
+    return Host(
+        requeues=report.requeues or None,
+        slurm_job_id=report.slurm_job_id,
+        host_per_rank=report.host_per_rank,
+        fingerprint=fingerprint,
+        fingerprint_key=fingerprint_key(fingerprint) if fingerprint else None,
+    )
 
 
 def config_fields(cfg: ExperimentConfig, meta: RunMeta) -> dict[str, Any]:
@@ -366,8 +343,6 @@ def config_fields(cfg: ExperimentConfig, meta: RunMeta) -> dict[str, Any]:
         "steps": t.steps,
         "untimed_steps": t.untimed_steps,
         "params": params(cfg),
-        "scaling": cfg.metrics.scaling,
-        "baseline_key": baseline_key(cfg),
         "run_dir": cfg.run_dir,
     }
 

@@ -34,10 +34,10 @@ class Trial:
             layout_name=record.layout_name,
             overrides=record.overrides,
             status=record.status,
-            predicted_tokens_per_s=record.predicted_tokens_per_s,
-            tokens_per_s=record.tokens_per_s,
+            predicted_tokens_per_s=record.prediction.predicted_tokens_per_s,
+            tokens_per_s=record.speed.tokens_per_s,
             error=record.error,
-            nodes=sorted(set(record.host_per_rank)) if record.host_per_rank else None,
+            nodes=sorted(set(record.host.host_per_rank)) if record.host.host_per_rank else None,
         )
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from meshrun.core.choices import BaselineMode, ExportFormat
 from meshrun.core.config import PlanConfig, RunConfig, SlurmLauncherConfig, with_resolved
 from meshrun.core.record import RunRecord
+from meshrun.core.record_parts import Selection
 from meshrun.driver.experiment import Launch, RunFailed, publish, run_experiment
 from meshrun.driver.measured import new_run_id, utc_now
 from meshrun.driver.results import trials_fields
@@ -71,12 +72,10 @@ def record_verdict(run: RunConfig, best: RunRecord, trials: list[Trial], run_id:
         run_id=run_id,
         role="trials",
         created_at=utc_now(),
-        trial_of=None,
         name=run.name,
         sweep=run.sweep,
         run_dir=run.run_dir,
-        trials=[asdict(t) for t in trials],
-        **trials_fields(trials),
+        selection=Selection(trials=[asdict(t) for t in trials], **trials_fields(trials)),
     )
     publish(run, verdict, [], ResultsStore(run.store.path))
     return verdict

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
 
 from rich.console import Console
 from rich.progress import (
@@ -17,6 +16,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from meshrun.core.run_files.metrics import StepRow
+
 console = Console()
 
 
@@ -27,12 +28,12 @@ class RankProgress:
     def step(self, completed: int) -> None:
         self._progress.update(self._task, completed=completed)
 
-    def show(self, records: list[dict[str, Any]]) -> None:
+    def show(self, records: list[StepRow]) -> None:
         """A log step's records (metrics.jsonl's): the last loss, the tokens/s of their timed
         steps."""
-        times = [r["step_time_s"] for r in records if r["step_time_s"]]
+        times = [r.step_time_s for r in records if r.step_time_s]
         speed = f"{self._tokens_per_step * len(times) / sum(times):,.0f} tok/s" if times else ""
-        self._progress.update(self._task, loss=f"loss {records[-1]['loss']:.4f}", speed=speed)
+        self._progress.update(self._task, loss=f"loss {records[-1].loss:.4f}", speed=speed)
 
 
 @contextlib.contextmanager

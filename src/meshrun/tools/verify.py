@@ -29,6 +29,7 @@ from meshrun.core.hardware import HostFacts, target_facts
 from meshrun.core.layout import Layout
 from meshrun.core.naming import layout_name
 from meshrun.core.record import MEMORY_CATEGORIES
+from meshrun.core.run_files.metrics import StepRow
 from meshrun.driver.command import hydra_command
 from meshrun.driver.experiment import measure
 from meshrun.driver.launch.dispatch import launch
@@ -73,8 +74,8 @@ def relative_deviation(value: float, reference: float) -> float:
 
 
 def compare(
-    reference: list[dict[str, Any]],
-    layout: list[dict[str, Any]],
+    reference: list[StepRow],
+    layout: list[StepRow],
     tolerance: float,
     grad_norms: bool = True,
 ) -> dict[str, Any]:
@@ -82,13 +83,13 @@ def compare(
     `grad_norms` false: the losses alone judged (float8 against high precision)."""
     steps = [
         {
-            "step": ref["step"],
-            "loss_reference": ref["loss"],
-            "loss_layout": lay["loss"],
-            "loss_deviation": relative_deviation(lay["loss"], ref["loss"]),
-            "grad_norm_reference": ref["grad_norm"],
-            "grad_norm_layout": lay["grad_norm"],
-            "grad_norm_deviation": relative_deviation(lay["grad_norm"], ref["grad_norm"]),
+            "step": ref.step,
+            "loss_reference": ref.loss,
+            "loss_layout": lay.loss,
+            "loss_deviation": relative_deviation(lay.loss, ref.loss),
+            "grad_norm_reference": ref.grad_norm,
+            "grad_norm_layout": lay.grad_norm,
+            "grad_norm_deviation": relative_deviation(lay.grad_norm, ref.grad_norm),
         }
         for ref, lay in zip(reference, layout, strict=True)
     ]

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 from meshrun.core.atomic_write import write_atomic
 from meshrun.core.errors import Refused
+from meshrun.core.run_files.metrics import StepRow
 
 FAILURES_DIR = "failures"
 
@@ -86,12 +87,12 @@ def record_failure(run_dir: str, rank: int, err: BaseException) -> None:
     write_atomic(folder / f"rank{rank}.json", json.dumps(record))
 
 
-def record_unflushed(run_dir: str, rank: int, steps: list[dict[str, Any]]) -> None:
+def record_unflushed(run_dir: str, rank: int, steps: list[StepRow]) -> None:
     """This rank's records of the steps after the last log step (its own loss, not reduced):
     whole or absent, though torch elastic may kill the rank as it writes them (a peer died)."""
     folder = Path(run_dir) / FAILURES_DIR
     folder.mkdir(parents=True, exist_ok=True)
-    write_atomic(folder / f"steps-rank{rank}.json", json.dumps(steps))
+    write_atomic(folder / f"steps-rank{rank}.json", json.dumps([s.to_json() for s in steps]))
 
 
 def forget_failure(run_dir: str, rank: int) -> None:
@@ -117,10 +118,12 @@ def first_failure(run_dir: str) -> Failure | None:
     return Failure(first["rank"], first["error"], trace)
 
 
-def read_unflushed(run_dir: str) -> dict[int, list[dict[str, Any]]]:
+def read_unflushed(run_dir: str) -> dict[int, list[StepRow]]:
     """rank -> the steps it wrote as it failed (record_unflushed)."""
     folder = Path(run_dir) / FAILURES_DIR
     return {
-        int(p.stem.removeprefix("steps-rank")): json.loads(p.read_text())
+        int(p.stem.removeprefix("steps-rank")): [
+            StepRow.from_json(row) for row in json.loads(p.read_text())
+        ]
         for p in folder.glob("steps-rank*.json")
     }

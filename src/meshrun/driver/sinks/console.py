@@ -57,7 +57,7 @@ def _fmt(value: Any, unit: str = "") -> str:
 
 def _breakdown(r: RunRecord) -> str:
     """The categories of the rank with the highest peak, in MiB."""
-    values = [getattr(r, f"memory_{c}_bytes") for c in MEMORY_CATEGORIES]
+    values = [getattr(r.memory, f"memory_{c}_bytes") for c in MEMORY_CATEGORIES]
     if any(v is None for v in values):
         return "n/a"
     return " / ".join(f"{v / 2**20:.1f}" for v in values) + " MiB"
@@ -65,11 +65,12 @@ def _breakdown(r: RunRecord) -> str:
 
 def _routers(r: RunRecord) -> list[tuple[str, str]]:
     """An MoE model's routers at the last step (models/moe.router_fields)."""
-    if r.router_max_load is None:
+    s = r.series
+    if s.router_max_load is None:
         return []
-    figures = f"busiest expert {r.router_max_load:.2f}x the mean, {r.router_dropped:.1%} dropped"
-    if r.router_aux_loss is not None:
-        figures += f", balance loss {r.router_aux_loss:.3f}"
+    figures = f"busiest expert {s.router_max_load:.2f}x the mean, {s.router_dropped:.1%} dropped"
+    if s.router_aux_loss is not None:
+        figures += f", balance loss {s.router_aux_loss:.3f}"
     return [("routers (last step)", figures)]
 
 
@@ -77,23 +78,24 @@ def _mfu(r: RunRecord) -> str:
     """An MoE's MFU counts a token's own experts: PaLM's 6N (+ attention) with N the
     parameters a token meets, that share of them. A float8 run's is against the peak of
     its precision (bf16), as is usual, and against the fp8 peak too."""
-    text = _fmt(r.mfu)
-    if r.active_param_share is not None and r.mfu is not None:
-        text += f" (6N: N active, {r.active_param_share:.1%})"
-    if r.float8_recipe is not None:
-        text += f" of the {r.precision} peak, {_fmt(r.mfu_fp8_peak)} of the fp8 peak"
+    text = _fmt(r.flops.mfu)
+    if r.flops.active_param_share is not None and r.flops.mfu is not None:
+        text += f" (6N: N active, {r.flops.active_param_share:.1%})"
+    if r.flops.float8_recipe is not None:
+        text += f" of the {r.precision} peak, {_fmt(r.flops.mfu_fp8_peak)} of the fp8 peak"
     return text
 
 
 def _float8(r: RunRecord) -> list[tuple[str, str]]:
     """train.float8: how much of the model ran in float8, and what did not."""
-    if r.float8_recipe is None:
+    f = r.flops
+    if f.float8_recipe is None:
         return []
     what = (
-        f"{r.float8_recipe}: {r.float8_linears} linears, {r.float8_flops_share:.0%} of a "
+        f"{f.float8_recipe}: {f.float8_linears} linears, {f.float8_flops_share:.0%} of a "
         "token's training FLOPs"
     )
-    return [("float8", what + (f"; {r.float8_note}" if r.float8_note else ""))]
+    return [("float8", what + (f"; {f.float8_note}" if f.float8_note else ""))]
 
 
 def print_trials(trials: list[Trial], steps: int) -> None:
@@ -137,9 +139,9 @@ def trials_verdict(trials: list[Trial]) -> str:
 
 
 def _trials_row(r: RunRecord) -> list[tuple[str, str]]:
-    if not r.trials:
+    if not r.selection.trials:
         return []
-    trials = [Trial(**t) for t in r.trials]
+    trials = [Trial(**t) for t in r.selection.trials]
     return [(f"trials ({len(trials)})", trials_verdict(trials))]
 
 
@@ -147,7 +149,7 @@ def print_summary(r: RunRecord) -> None:
     table = Table(title=f"meshrun: {r.model} / {r.layout_name}", show_header=False)
     table.add_column(style="bold")
     table.add_column()
-    loss = ("loss first -> last", _loss_span(r.losses))
+    loss = ("loss first -> last", _loss_span(r.series.losses))
     rows = [
         ("status", r.status),
         ("layout", f"{r.layout_name} on {r.world_size} rank(s), {r.backend}"),
@@ -155,24 +157,24 @@ def print_summary(r: RunRecord) -> None:
         *_one_device(r),
         ("precision", _precision(r)),
         ("batch", _batch(r)),
-        ("tokens/s", _fmt(r.tokens_per_s)),
+        ("tokens/s", _fmt(r.speed.tokens_per_s)),
         ("step time (median, p10-p90, cv)", _step_times(r)),
-        *budget_rows(r),
+        *budget_rows(r.prediction),
         *_compile_time(r),
         *_host_load(r),
-        ("baseline tokens/s", f"{_fmt(r.baseline_tokens_per_s)}{_baseline_source(r)}"),
-        (f"speedup ({r.scaling} scaling)", _speedup(r)),
+        ("baseline tokens/s", f"{_fmt(r.comparison.baseline_tokens_per_s)}{_baseline_source(r)}"),
+        (f"speedup ({r.comparison.scaling} scaling)", _speedup(r)),
         ("scaling efficiency", _efficiency(r)),
         ("MFU", _mfu(r)),
         *_float8(r),
         *_data_stall(r),
-        ("peak memory (max rank)", _fmt_bytes(r.peak_memory_max_bytes)),
+        ("peak memory (max rank)", _fmt_bytes(r.memory.peak_memory_max_bytes)),
         ("  params/grads/optim/activ/other", _breakdown(r)),
-        ("  predicted peak", _fmt_bytes(r.predicted_peak_memory_bytes)),
+        ("  predicted peak", _fmt_bytes(r.prediction.predicted_peak_memory_bytes)),
         loss,
         *_routers(r),
         *_evaluation(r),
-        *checkpoint_rows(r),
+        *checkpoint_rows(r.checkpoints),
         *_trials_row(r),
         *_skipped(r),
         *_rollbacks(r),
@@ -180,13 +182,13 @@ def print_summary(r: RunRecord) -> None:
         *_slowest_rank(r),
         *_profile(r),
     ]
-    if r.pp_schedule:
-        bubble = f"{_fmt(r.bubble_measured)} measured, {_fmt(r.bubble_theoretical)} theory"
-        per_rank = ", ".join(_fmt(b) for b in r.bubble_per_rank or [])
+    if (pp := r.pipeline).pp_schedule:
+        bubble = f"{_fmt(pp.bubble_measured)} measured, {_fmt(pp.bubble_theoretical)} theory"
+        per_rank = ", ".join(_fmt(b) for b in pp.bubble_per_rank or [])
         bubble += f" (per rank {per_rank})" if per_rank else ""
-        rows.insert(rows.index(loss), (f"bubble ({r.pp_schedule}, m={r.n_microbatches})", bubble))
-        if r.pp_split_note:
-            rows.insert(rows.index(loss), ("pipeline split", r.pp_split_note))
+        rows.insert(rows.index(loss), (f"bubble ({pp.pp_schedule}, m={pp.n_microbatches})", bubble))
+        if pp.pp_split_note:
+            rows.insert(rows.index(loss), ("pipeline split", pp.pp_split_note))
     if r.model_read:
         rows.insert(1, ("model", r.model_read))
     if r.error:
@@ -236,7 +238,7 @@ def _batch(r: RunRecord) -> str:
 def _one_device(r: RunRecord) -> list[tuple[str, str]]:
     """A data-parallel preset on one device (parallel=ddp's -1 filled with 1 on a 1-GPU box)
     runs the model alone, without its wrapper: it is its own baseline."""
-    if r.world_size != 1 or r.parallel in ("single", None) or r.baseline_mode != "own":
+    if r.world_size != 1 or r.parallel in ("single", None) or r.comparison.baseline_mode != "own":
         return []
     return [
         (
@@ -249,30 +251,31 @@ def _one_device(r: RunRecord) -> list[tuple[str, str]]:
 
 
 def _step_times(r: RunRecord) -> str:
-    if r.step_time_s is None:
+    if r.speed.step_time_s is None:
         return "n/a"
-    spread = f"{_fmt(r.step_time_p10_s)}-{_fmt(r.step_time_p90_s, ' s')}"
-    cv = f", cv {r.step_time_cv:.1%}" if r.step_time_cv is not None else ""
-    return f"{_fmt(r.step_time_s, ' s')}, {spread}{cv}"
+    spread = f"{_fmt(r.speed.step_time_p10_s)}-{_fmt(r.speed.step_time_p90_s, ' s')}"
+    cv = f", cv {r.speed.step_time_cv:.1%}" if r.speed.step_time_cv is not None else ""
+    return f"{_fmt(r.speed.step_time_s, ' s')}, {spread}{cv}"
 
 
 def _compile_time(r: RunRecord) -> list[tuple[str, str]]:
-    if r.compile_s is None:
+    if r.speed.compile_s is None:
         return []
-    return [("compile time (untimed steps)", _fmt(r.compile_s, " s"))]
+    return [("compile time (untimed steps)", _fmt(r.speed.compile_s, " s"))]
 
 
 def _skipped(r: RunRecord) -> list[tuple[str, str]]:
-    if not r.skipped_steps:
+    f = r.faults
+    if not f.skipped_steps:
         return []
-    listed = ", ".join(map(str, r.skipped_steps[:10])) + (", ..." if r.steps_skipped > 10 else "")
-    return [("skipped steps (non-finite)", f"{r.steps_skipped}: {listed}")]
+    listed = ", ".join(map(str, f.skipped_steps[:10])) + (", ..." if f.steps_skipped > 10 else "")
+    return [("skipped steps (non-finite)", f"{f.steps_skipped}: {listed}")]
 
 
 def _rollbacks(r: RunRecord) -> list[tuple[str, str]]:
     """Each loss spike and what the guard did about it."""
     rows = []
-    for b in r.rollbacks or []:
+    for b in r.faults.rollbacks or []:
         first, last = b["skipped_batches"]
         rows.append(
             (
@@ -291,19 +294,19 @@ def _replicas(r: RunRecord) -> list[tuple[str, str]]:
             f"replica {f['replica']} failed",
             f"rank {f['rank']}: {f['error']} at {f['at_s']:.1f} s, start {f['attempt']}",
         )
-        for f in r.replica_failures or []
+        for f in r.faults.replica_failures or []
     ]
-    if r.steps_with_fewer_replicas:
-        spans = _spans([step for step, _ in r.fewer_replica_steps])
-        fewest = min(n for _, n in r.fewer_replica_steps)
+    if r.faults.steps_with_fewer_replicas:
+        spans = _spans([step for step, _ in r.faults.fewer_replica_steps])
+        fewest = min(n for _, n in r.faults.fewer_replica_steps)
         rows.append(
             (
                 "steps with fewer replicas",
-                f"{r.steps_with_fewer_replicas} ({spans}; fewest {fewest})",
+                f"{r.faults.steps_with_fewer_replicas} ({spans}; fewest {fewest})",
             )
         )
-    if r.retried_steps:
-        rows.append(("steps trained again", _spans(r.retried_steps)))
+    if r.faults.retried_steps:
+        rows.append(("steps trained again", _spans(r.faults.retried_steps)))
     return rows
 
 
@@ -319,16 +322,17 @@ def _spans(steps: list[int]) -> str:
 
 
 def _slowest_rank(r: RunRecord) -> list[tuple[str, str | Text]]:
-    if r.device_type == "cuda" and (r.world_size or 1) > 1 and r.slowest_rank is None:
+    i = r.inspection
+    if r.device_type == "cuda" and (r.world_size or 1) > 1 and i.slowest_rank is None:
         # a CUDA rank computes on its device, which its CPU time does not see (metrics/busy.py)
         return [("slowest rank", "not measured on CUDA ranks (CPU ranks only)")]
-    if r.slowest_rank is None or r.slowest_rank_slowdown is None:
+    if i.slowest_rank is None or i.slowest_rank_slowdown is None:
         return []
-    said = f"rank {r.slowest_rank}, {r.slowest_rank_slowdown:.2f}x the others' median busy time"
-    timed = len(r.step_times or [])
+    said = f"rank {i.slowest_rank}, {i.slowest_rank_slowdown:.2f}x the others' median busy time"
+    timed = len(r.speed.step_times or [])
     if timed < MIN_JUDGED_STEPS:
         said += f" ({timed} timed step(s): too few to call a straggler)"
-    if r.straggler:
+    if i.straggler:
         return [("slowest rank", Text(f"{said}: straggler", style="bold yellow"))]
     return [("slowest rank", said)]
 
@@ -336,13 +340,14 @@ def _slowest_rank(r: RunRecord) -> list[tuple[str, str | Text]]:
 def _profile(r: RunRecord) -> list[tuple[str, str]]:
     """Each profiled rank's steps split by what it did (compute, exposed communication and
     idle make the whole); where the traces are."""
-    if not r.profiled_steps:
+    i = r.inspection
+    if not i.profiled_steps:
         return []
-    first, last = r.profiled_steps
-    overhead = f", {r.profile_overhead:+.0%} step time" if r.profile_overhead is not None else ""
+    first, last = i.profiled_steps
+    overhead = f", {i.profile_overhead:+.0%} step time" if i.profile_overhead is not None else ""
     where = f"{r.run_dir}/{PROFILE_DIR}: rank<N>.trace.json.gz, {TIMELINE_FILE}"
     rows = [(f"profiled steps {first}-{last}", f"{where}{overhead}")]
-    for p in r.profile or []:
+    for p in i.profile or []:
         share = {k: f"{p[k] / p['step_s']:.0%}" for k in p if k.endswith("_s")}
         rows.append(
             (
@@ -356,54 +361,58 @@ def _profile(r: RunRecord) -> list[tuple[str, str]]:
 
 
 def _host_load(r: RunRecord) -> list[tuple[str, str]]:
-    if r.host_other_cpu_share is None:
+    if r.speed.host_other_cpu_share is None:
         return []
-    return [("host CPU busy with other work", f"{r.host_other_cpu_share:.0%}")]
+    return [("host CPU busy with other work", f"{r.speed.host_other_cpu_share:.0%}")]
 
 
 def _baseline_source(r: RunRecord) -> str:
+    c = r.comparison
     sources = {
         "fresh": " (measured side by side, alternating with the run's steps)",
         "after": " (measured after the run: both did not fit at once)",
         "own": " (a single device is its own baseline)",
     }
-    if r.baseline_mode == "stored":
-        return f" (stored, measured {(r.baseline_age_s or 0) / 3600:.1f} h ago on this host)"
-    return sources.get(r.baseline_mode or "", "")
+    if c.baseline_mode == "stored":
+        return f" (stored, measured {(c.baseline_age_s or 0) / 3600:.1f} h ago on this host)"
+    return sources.get(c.baseline_mode or "", "")
 
 
 def _speedup(r: RunRecord) -> str:
-    if r.speedup is None:
+    c = r.comparison
+    if c.speedup is None:
         return "n/a"
-    if r.speedup_p10 is None:
-        return f"{r.speedup:.2f}x"
+    if c.speedup_p10 is None:
+        return f"{c.speedup:.2f}x"
     return (
-        f"{r.speedup:.2f}x (p10-p90 {r.speedup_p10:.2f}-{r.speedup_p90:.2f} over "
-        f"{r.speedup_rounds} rounds)"
+        f"{c.speedup:.2f}x (p10-p90 {c.speedup_p10:.2f}-{c.speedup_p90:.2f} over "
+        f"{c.speedup_rounds} rounds)"
     )
 
 
 def _efficiency(r: RunRecord) -> str:
     """Above 1 + the noise, the efficiency is no result (the flag says why)."""
-    e, noise = r.scaling_efficiency, r.speedup_noise or 0.0
+    c = r.comparison
+    e, noise = c.scaling_efficiency, c.speedup_noise or 0.0
     if e is not None and e > 1 + noise:
         return f"not a result: {e:.2f} is above 1 + noise {noise:.2f}"
     return _fmt(e)
 
 
 def _data_stall(r: RunRecord) -> list[tuple[str, str]]:
-    if r.data_wait_share is None or r.data_wait_share <= DATA_STALL_SHARE:
+    if r.speed.data_wait_share is None or r.speed.data_wait_share <= DATA_STALL_SHARE:
         return []
-    share = f"{r.data_wait_share:.0%}"
+    share = f"{r.speed.data_wait_share:.0%}"
     return [("data stall", f"{share} of step time waiting for batches (see data.num_workers)")]
 
 
 def _evaluation(r: RunRecord) -> list[tuple[str, str]]:
     """The last evaluation (train.eval), and what one costs."""
-    if r.eval_loss is None:
+    e = r.evaluation
+    if e.eval_loss is None:
         return []
-    after = f"after {r.eval_losses[-1][0] + 1} steps, {_fmt(r.eval_time_s, ' s')} per eval"
-    value = f"{r.eval_loss:.4f}, {_fmt(r.eval_perplexity)} ({after})"
+    after = f"after {e.eval_losses[-1][0] + 1} steps, {_fmt(e.eval_time_s, ' s')} per eval"
+    value = f"{e.eval_loss:.4f}, {_fmt(e.eval_perplexity)} ({after})"
     return [("held-out loss, perplexity", value)]
 
 

@@ -11,8 +11,8 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
+from meshrun.core.run_files.metrics import StepRow
 from meshrun.driver.sinks.wandb_sink import WandbRun
 
 POLL_S = 1.0
@@ -28,7 +28,7 @@ class NewRecords:
         self._inode: int | None = None
         self._offset = 0
 
-    def __call__(self) -> list[dict[str, Any]]:
+    def __call__(self) -> list[StepRow]:
         try:
             f = self.path.open("rb")
         except FileNotFoundError:
@@ -41,7 +41,7 @@ class NewRecords:
             data = f.read(stat.st_size - self._offset)
         whole = data[: data.rfind(b"\n") + 1]
         self._offset += len(whole)
-        return [json.loads(line) for line in whole.splitlines() if line]
+        return [StepRow.from_json(json.loads(line)) for line in whole.splitlines() if line]
 
 
 class LiveRun:

@@ -4,7 +4,7 @@ often it saved, `auto`'s choice and why; what a save cost against the plan's pre
 
 from __future__ import annotations
 
-from meshrun.core.record import RunRecord
+from meshrun.core.record_parts import Checkpoints, Prediction
 
 MINUTE, HOUR, DAY = 60.0, 3600.0, 86400.0
 
@@ -17,7 +17,7 @@ def duration(seconds: float) -> str:
     return "never" if seconds == float("inf") else f"{seconds / DAY:,.3g} days"
 
 
-def budget_rows(r: RunRecord) -> list[tuple[str, str]]:
+def budget_rows(r: Prediction) -> list[tuple[str, str]]:
     if r.measured_budget_s is None or r.tokens_budget is None:
         return []
     said = f"{r.tokens_budget:.3g} tokens: {duration(r.measured_budget_s)} at the measured speed"
@@ -27,7 +27,7 @@ def budget_rows(r: RunRecord) -> list[tuple[str, str]]:
     return [("full budget", said)]
 
 
-def checkpoint_rows(r: RunRecord) -> list[tuple[str, str]]:
+def checkpoint_rows(r: Checkpoints) -> list[tuple[str, str]]:
     if r.checkpoint_every_steps is None and r.checkpoint_interval is None:
         return []
     every = r.checkpoint_interval or f"every {r.checkpoint_every_steps} steps"

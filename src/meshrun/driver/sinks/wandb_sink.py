@@ -19,6 +19,7 @@ from typing import Any
 
 from meshrun.core.config import LoggerConfig
 from meshrun.core.record import summary_keys
+from meshrun.core.run_files.metrics import StepRow
 from meshrun.core.wandb_key import has_wandb_key
 
 SUMMARY_KEYS = summary_keys()  # the record's fields marked `summary` (core/record.py)
@@ -73,11 +74,11 @@ class WandbRun:
             resume="allow",
         )
 
-    def log_steps(self, records: list[dict[str, Any]]) -> None:
+    def log_steps(self, records: list[StepRow]) -> None:
         for record in records:
-            if record["step"] > self.logged_through:
-                self.run.log(step_metrics(record, self.tokens_per_step), step=record["step"])
-                self.logged_through = record["step"]
+            if record.step > self.logged_through:
+                self.run.log(step_metrics(record, self.tokens_per_step), step=record.step)
+                self.logged_through = record.step
 
     def finish(self, results: dict[str, Any]) -> None:
         """The memory and profile tables and the summary, then the run closed (also if they
@@ -113,26 +114,26 @@ class WandbRun:
                 raise RuntimeError(f"the W&B service exited with code {stopped.code}") from None
 
 
-def step_metrics(record: dict[str, Any], tokens_per_step: int) -> dict[str, float]:
+def step_metrics(record: StepRow, tokens_per_step: int) -> dict[str, float]:
     """One step's record (metrics.jsonl's) as W&B series, under train/ and eval/ so that the
     run-level summary keys stay the run's."""
     metrics = {
-        "train/loss": record["loss"],
-        "train/grad_norm": record["grad_norm"],
-        "train/lr": record["lr"],
+        "train/loss": record.loss,
+        "train/grad_norm": record.grad_norm,
+        "train/lr": record.lr,
     }
-    if record["step_time_s"]:
-        metrics["train/step_time_s"] = record["step_time_s"]
-        metrics["train/tokens_per_s"] = tokens_per_step / record["step_time_s"]
+    if record.step_time_s:
+        metrics["train/step_time_s"] = record.step_time_s
+        metrics["train/tokens_per_s"] = tokens_per_step / record.step_time_s
     # an MoE model's routers; the step's slowest rank and its busy time beside the others';
     # how many torchft replicas trained it
     routers = ("moe_max_load", "moe_dropped", "moe_aux_loss")
     for key in (*routers, "slowest_rank", "busy_max_s", "busy_others_median_s", "replicas"):
-        if key in record:
-            metrics[f"train/{key}"] = record[key]
-    if "eval_loss" in record:
-        metrics["eval/loss"] = record["eval_loss"]
-        metrics["eval/perplexity"] = record["eval_perplexity"]
+        if getattr(record, key) is not None:
+            metrics[f"train/{key}"] = getattr(record, key)
+    if record.eval_loss is not None:
+        metrics["eval/loss"] = record.eval_loss
+        metrics["eval/perplexity"] = record.eval_perplexity
     return metrics
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from meshrun.core.atomic_write import write_atomic
-from meshrun.core.run_files.metrics import ROLLED_BACK_FILE
+from meshrun.core.run_files.metrics import ROLLED_BACK_FILE, StepRow, step_line
 
-Sink = Callable[[list[dict[str, Any]]], None]
+Sink = Callable[[list[StepRow]], None]
 
 
 class MetricsLog:
@@ -22,16 +22,17 @@ class MetricsLog:
         self.path = path
         self.sinks = list(sinks)
 
-    def keep_before(self, step: int) -> list[dict[str, Any]]:
+    def keep_before(self, step: int) -> list[StepRow]:
         """Drops the steps from `step` on, which a run resumed at `step` trains again, and
         returns them. The kept steps go to a new file that replaces the old one: a reader
         following the file (driver/sinks/live.py) sees a new inode, never a file cut under
         its offset."""
         if self.path is None or not self.path.exists():
             return []
-        lines = [(line, json.loads(line)) for line in self.path.read_text().splitlines() if line]
-        write_atomic(self.path, "".join(line + "\n" for line, r in lines if r["step"] < step))
-        return [r for _, r in lines if r["step"] >= step]
+        text = self.path.read_text()
+        lines = [(line, StepRow.from_json(json.loads(line))) for line in text.splitlines() if line]
+        write_atomic(self.path, "".join(line + "\n" for line, r in lines if r.step < step))
+        return [r for _, r in lines if r.step >= step]
 
     def roll_back(self, step: int, rollback: int) -> None:
         """train.guard's rollback to `step`: the steps from it on move to rolled_back.jsonl,
@@ -39,11 +40,11 @@ class MetricsLog:
         undone = self.keep_before(step)
         if undone:
             with self.path.with_name(ROLLED_BACK_FILE).open("a") as f:
-                f.writelines(json.dumps({**r, "rollback": rollback}) + "\n" for r in undone)
+                f.writelines(step_line(replace(r, rollback=rollback)) for r in undone)
 
-    def __call__(self, records: list[dict[str, Any]]) -> None:
+    def __call__(self, records: list[StepRow]) -> None:
         if self.path is not None:
             with self.path.open("a") as f:
-                f.writelines(json.dumps(r) + "\n" for r in records)
+                f.writelines(step_line(r) for r in records)
         for sink in self.sinks:
             sink(records)

@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from meshrun.core.run_files.metrics import StepRow
 from meshrun.models import moe
 from meshrun.rank.metrics.busy import BusyClock
 from meshrun.rank.metrics.compile_time import CompileClock
@@ -29,7 +30,7 @@ from meshrun.rank.train.pending import PendingSteps
 from meshrun.rank.train.replicas import Replicas
 from meshrun.rank.watchdog import Watchdog
 
-LogFn = Callable[[list[dict]], None]
+LogFn = Callable[[list[StepRow]], None]
 
 
 class TwinSteps(Protocol):

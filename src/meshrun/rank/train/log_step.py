@@ -5,9 +5,12 @@ rollback to the last one (rank/train/guard.py)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from meshrun.core.config import TrainConfig
+from meshrun.core.run_files.metrics import StepRow
 from meshrun.models import moe
 from meshrun.rank.mesh import mean_over_ranks
 from meshrun.rank.metrics.busy import busy_fields
@@ -99,17 +102,17 @@ def _flush(
     first_step, _, lrs = pending.take()
     records = step_records(first_step, values, norms, lrs, times, batches.drain_waits())
     if r := ctx.routers:
-        for record, row in zip(records, reduced[:, 1:], strict=True):
-            record.update(moe.router_fields(row.view(r.layers, -1), r.balance_loss))
-    records[-1].update(evaluated or {})
+        routed = reduced[:, 1:]
+        stats = [moe.router_fields(row.view(r.layers, -1), r.balance_loss) for row in routed]
+        records = [replace(record, **f) for record, f in zip(records, stats, strict=True)]
+    records[-1] = replace(records[-1], **(evaluated or {}))
     if ctx.inspection.busy is not None:  # every rank's busy time, to name the slowest
-        for record, busy in zip(records, busy_fields(ctx.inspection.busy.gathered()), strict=True):
-            record.update(busy)
+        busy = busy_fields(ctx.inspection.busy.gathered())
+        records = [replace(record, **b) for record, b in zip(records, busy, strict=True)]
     if ctx.inspection.profiler is not None:
-        _mark_profiled(records, ctx.inspection.profiler)
+        records = [_profiled(record, ctx.inspection.profiler) for record in records]
     if ctx.replicas is not None:  # torchft: how many replicas trained each step
-        for record in records:
-            record.update(ctx.replicas.take(record["step"]))
+        records = [replace(record, **ctx.replicas.take(record.step)) for record in records]
     ctx.on_log(records)
     if ctx.guards.step is not None:  # after the steps are written: a streak stops every rank here
         ctx.guards.step.logged(first_step, norms)
@@ -119,11 +122,11 @@ def _flush(
     return spike
 
 
-def _mark_profiled(records: list[dict], profiler: StepProfiler) -> None:
-    """The profiled steps and the one after, left out of the run's timing
+def _profiled(record: StepRow, profiler: StepProfiler) -> StepRow:
+    """A profiled step, or the one after it, marked: both are left out of the run's timing
     (driver/inspection.py)."""
-    for record in records:
-        if profiler.covers(record["step"]):
-            record["profiled"] = True
-        elif profiler.disturbs(record["step"]):
-            record["after_profile"] = True
+    if profiler.covers(record.step):
+        return replace(record, profiled=True)
+    if profiler.disturbs(record.step):
+        return replace(record, after_profile=True)
+    return record

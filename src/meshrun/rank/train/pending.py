@@ -6,10 +6,10 @@ and without waiting on the device (work queued after a finished step may never f
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 
 import torch
 
+from meshrun.core.run_files.metrics import StepRow
 from meshrun.rank.metrics.step_clock import StepClock
 
 
@@ -20,18 +20,18 @@ def step_records(
     lrs: list[float],
     times: list[float],
     data_waits: list[float],
-) -> list[dict[str, Any]]:
+) -> list[StepRow]:
     """metrics.jsonl's records; `times` are those of the last steps (the first may be untimed)."""
     timed_from = len(losses) - len(times)
     return [
-        {
-            "step": first_step + i,
-            "loss": loss,
-            "grad_norm": norms[i],
-            "lr": lrs[i],
-            "step_time_s": times[i - timed_from] if i >= timed_from else None,
-            "data_wait_s": data_waits[i],
-        }
+        StepRow(
+            step=first_step + i,
+            loss=loss,
+            grad_norm=norms[i],
+            lr=lrs[i],
+            step_time_s=times[i - timed_from] if i >= timed_from else None,
+            data_wait_s=data_waits[i],
+        )
         for i, loss in enumerate(losses)
     ]
 
@@ -60,7 +60,7 @@ class PendingSteps:
         self.values, self.lrs, self._done = [], [], []
         return taken
 
-    def salvage(self, data_waits: list[float]) -> list[dict[str, Any]]:
+    def salvage(self, data_waits: list[float]) -> list[StepRow]:
         """After a failure: this rank's records of the steps the device has finished, its own
         loss (zero on a pipeline stage before the last). Step times only when all are done,
         as the clock's marks then are too."""

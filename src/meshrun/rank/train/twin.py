@@ -21,7 +21,7 @@ import torch.distributed as dist
 from meshrun.core.baseline import baseline_config
 from meshrun.core.config import RunConfig
 from meshrun.core.layout import Layout
-from meshrun.core.rank_report import TwinStep
+from meshrun.core.run_files.metrics import StepRow
 from meshrun.models import model_shape
 from meshrun.rank.collective_place import control_barrier
 from meshrun.rank.device import synchronize
@@ -40,7 +40,7 @@ class Twin:
         self.cfg = baseline_config(cfg)
         self.device = device
         self.trains = rank == 0
-        self.steps: list[TwinStep] = []  # rank 0: each timed step's loss and seconds
+        self.steps: list[StepRow] = []  # rank 0: each timed step's loss and seconds
         self._next = 0
         self._training: Training | None = None
         self._batches: LocalBatches | None = None
@@ -63,7 +63,7 @@ class Twin:
             loss = self._step()
             synchronize(self.device)
             seconds = time.perf_counter() - started
-            self.steps.append(TwinStep(self._next - 1, loss.item(), seconds))
+            self.steps.append(StepRow(self._next - 1, loss.item(), step_time_s=seconds))
         _barrier()
 
     def _build(self) -> None:

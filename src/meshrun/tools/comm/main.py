@@ -123,9 +123,8 @@ def _resolve_launcher(cfg: CommRunConfig, backend: str, facts: HostFacts):
 
 def measure(cfg: CommRunConfig) -> dict[str, Any]:
     """Launch the ranks and assemble the report (a failed run too: status, error, rank)."""
-    meta = RunMeta()
     new_run(cfg.run_dir)
-    rows = attempt(meta, cfg.run_dir, time.time(), lambda: launch(cfg, COMM))
+    meta, rows = attempt(RunMeta(), cfg.run_dir, time.time(), lambda: launch(cfg, COMM))
     report: dict[str, Any] = {
         "run_id": meta.run_id,
         "created_at": meta.created_at,

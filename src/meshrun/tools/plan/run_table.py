@@ -91,12 +91,12 @@ def prediction_band(cfg: ExperimentConfig) -> Band:
     if calibration is None:
         return documented_band(cfg.hardware.device_type, calibrated=False)
     ratios = [
-        r.step_time_s / r.predicted_step_time_s
+        r.speed.step_time_s / r.prediction.predicted_step_time_s
         for r in stored_records(Path(cfg.store.path))
         if r.status == "completed"
-        and r.predicted_calibrated_at == calibration.created_at
-        and r.step_time_s
-        and r.predicted_step_time_s
+        and r.prediction.predicted_calibrated_at == calibration.created_at
+        and r.speed.step_time_s
+        and r.prediction.predicted_step_time_s
     ]
     found = measured_band(ratios, calibration.created_at)
     return found or documented_band(cfg.hardware.device_type, calibrated=True)
