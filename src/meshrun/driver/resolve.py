@@ -11,13 +11,14 @@ from collections.abc import Callable
 
 from meshrun.core.config import ExperimentConfig, RunConfig, with_resolved
 from meshrun.core.hardware import HostFacts, resolve_hardware, unknown_device_note
+from meshrun.driver.box_defaults import with_batch, with_precision
 from meshrun.driver.prepare_data import prepare_data
+from meshrun.driver.resolution import legal_on, resolved_layout, resolved_run
 from meshrun.driver.run_plan import with_checkpoint_interval
 from meshrun.plan.candidate import Candidate
 from meshrun.plan.fit import check_fit
 from meshrun.plan.search import fitting_layouts, why, with_layout
-from meshrun.validate import check_experiment, validate_layout, validate_run
-from meshrun.validate.box_defaults import with_batch, with_precision
+from meshrun.validate import check_experiment
 from meshrun.validate.custom import vocabulary_note
 from meshrun.validate.launcher import CPU_DEFAULT_RANKS
 from meshrun.validate.model import describe_read, read_pretrained
@@ -65,16 +66,16 @@ def _fitting(cfg: ExperimentConfig, facts: HostFacts) -> tuple[ExperimentConfig,
     per_node = cfg.launcher.nproc_per_node or len(facts.cuda_devices) or CPU_DEFAULT_RANKS
     world = per_node * cfg.launcher.nnodes
     cfg = with_precision(with_batch(cfg, world), hardware, facts)
-    return cfg, fitting_layouts(dataclasses.replace(cfg, hardware=hardware), world, facts)
+    return cfg, fitting_layouts(dataclasses.replace(cfg, hardware=hardware), world, legal_on(facts))
 
 
 def _resolved(
     cfg: ExperimentConfig, facts: HostFacts, say: Callable[[str], None] | None
 ) -> RunConfig:
     """The rules, the memory check and data=hf's tokens, for a config with its layout."""
-    resolved = validate_layout(cfg, facts)
-    check_fit(resolved, facts)  # before the batch rules: "does not fit" is the news to give
-    resolved = with_checkpoint_interval(prepare_data(validate_run(resolved)))
+    resolved = resolved_layout(cfg, facts)
+    check_fit(resolved, legal_on(facts))  # before the batch rules: "does not fit" is the news
+    resolved = with_checkpoint_interval(prepare_data(resolved_run(resolved)))
     for note in (vocabulary_note(resolved), unknown_device_note(resolved.hardware)):
         if note and say is not None:
             say(note)

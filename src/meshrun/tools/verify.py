@@ -34,10 +34,11 @@ from meshrun.core.tool_config import VerifyExperimentConfig, verify_tolerance
 from meshrun.driver.command import hydra_command
 from meshrun.driver.experiment import measure
 from meshrun.driver.launch.dispatch import launch
+from meshrun.driver.resolution import legal
 from meshrun.driver.resolve import resolve
 from meshrun.driver.sinks.console import console, print_error, print_note
 from meshrun.plan import predict
-from meshrun.plan.candidate import legal, traced_or_why
+from meshrun.plan.candidate import traced_or_why
 
 REPORT_FILE = "verify.json"
 GiB = 2**30

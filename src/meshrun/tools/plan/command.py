@@ -31,6 +31,7 @@ from meshrun.core.layout import Layout
 from meshrun.core.precision import auto_precision
 from meshrun.core.tool_config import PlanCommandConfig
 from meshrun.driver.command import hydra_command
+from meshrun.driver.resolution import fill_degree, legal_on
 from meshrun.driver.sinks.console import print_error
 from meshrun.plan.candidate import Candidate, host_calibration, trace
 from meshrun.plan.placement import devices_per_node
@@ -46,7 +47,7 @@ from meshrun.tools.plan.run_table import (
 )
 from meshrun.validate import check_experiment
 from meshrun.validate.launcher import CPU_DEFAULT_RANKS
-from meshrun.validate.layout import check_degrees, fill_degree
+from meshrun.validate.layout import check_degrees
 from meshrun.validate.model import model_context, model_overrides, read_pretrained
 
 GiB = 2**30
@@ -182,13 +183,13 @@ def plan(
 ) -> tuple[Box, Plan, Chosen]:
     box, facts, chosen, read_from = prepared(cfg, host, given)
     experiment = with_resolved(cfg, model_read_from=read_from)  # what each layout's run gets
-    found = search(experiment, box, facts, given)
+    found = search(experiment, box, legal_on(facts), given)
     if cfg.plan.trace:
         for c in found.ranked[: cfg.top]:
             trace(c)
     layout_keys = sorted(k for k in given if k.startswith("parallel"))
     if layout_keys and not any(c.fits for c in found.ranked):
-        unconstrained = search(experiment, box, facts, given - set(layout_keys)).ranked
+        unconstrained = search(experiment, box, legal_on(facts), given - set(layout_keys)).ranked
         found.alternatives = [c for c in unconstrained if c.fits][:ALTERNATIVES]
         found.alternative_to = layout_keys
     return box, found, chosen
