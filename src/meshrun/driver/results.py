@@ -37,7 +37,7 @@ from meshrun.driver.inspection import (
 from meshrun.driver.run_plan import budget_fields, checkpoint_plan_fields
 from meshrun.models import model_shape, param_counts
 from meshrun.plan import predict
-from meshrun.plan.candidate import host_calibration, host_flops
+from meshrun.plan.run_prediction import prediction_of
 from meshrun.validate.model import describe_read
 
 # Stage costs further apart than this (relative) after pp_layers=auto are noted as uneven.
@@ -107,28 +107,28 @@ def memory_fields(cfg: ExperimentConfig, memory: list[dict[str, int]] | None) ->
     the planner's prediction for each rank beside them."""
     peaks = [m["peak"] for m in memory] if memory else None
     top = max(memory, key=lambda m: m["peak"]) if memory else {}
-    predicted = [p.as_dict() for p in predict.memory(cfg)]
-    traced = predict.traced(cfg)
+    prediction = prediction_of(cfg)
+    predicted = prediction.memory
     return {
         "peak_memory_bytes": peaks,
         "peak_memory_max_bytes": max(peaks) if peaks else None,
         "memory_per_rank": memory,
         **{f"memory_{c}_bytes": top.get(c) for c in MEMORY_CATEGORIES},
         "memory_predicted": predicted,
-        "memory_traced": [p.as_dict() for p in traced] if traced else None,
+        "memory_traced": prediction.traced,
         "predicted_peak_memory_bytes": max(p["peak"] for p in predicted),
     }
 
 
 def predicted_speed_fields(cfg: ExperimentConfig) -> dict[str, Any]:
-    """The speed model's step, on this host's calibration where plan.calibration finds one."""
-    calibration = host_calibration(cfg)
-    speed = predict.speed(cfg, host_flops(cfg), calibration)
+    """The speed model's step, on this host's calibration where plan.calibration finds one
+    (the prediction the resolution made, plan/run_prediction.py)."""
+    prediction = prediction_of(cfg)
     return {
-        "predicted_step_time_s": speed.step_time_s if speed else None,
-        "predicted_tokens_per_s": speed.tokens_per_s if speed else None,
-        "predicted_step_parts": speed.step_parts() if speed else None,
-        "predicted_calibrated_at": calibration.created_at if calibration else None,
+        "predicted_step_time_s": prediction.step_time_s,
+        "predicted_tokens_per_s": prediction.tokens_per_s,
+        "predicted_step_parts": prediction.step_parts,
+        "predicted_calibrated_at": prediction.calibrated_at,
     }
 
 
@@ -350,6 +350,7 @@ def config_fields(cfg: ExperimentConfig, meta: RunMeta) -> dict[str, Any]:
         "layout": layout.degrees(),
         "layout_name": layout_name(cfg),
         "overrides": rerun(meta, cfg),
+        "settings": resolved_of(cfg).settings or None,
         "world_size": layout.world_size,
         "devices": n_devices(cfg),
         "hardware": cfg.hardware.name,

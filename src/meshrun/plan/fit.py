@@ -9,7 +9,7 @@ from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import fail
 from meshrun.core.layout import Layout
 from meshrun.plan import predict
-from meshrun.plan.candidate import Legal, evaluate, host_flops
+from meshrun.plan.candidate import Candidate, Legal, evaluate, host_flops
 from meshrun.plan.search import FLOAT8_KEY, Box, search
 
 GiB = 2**30
@@ -19,11 +19,10 @@ def _gib(n: float) -> str:
     return f"{n / GiB:.1f} GiB"
 
 
-def check_fit(cfg: ExperimentConfig, legal: Legal) -> None:
-    if cfg.plan.allow_oom:
-        return
-    candidate = evaluate(cfg)
-    if candidate.fits:
+def check_fit(candidate: Candidate, legal: Legal) -> None:
+    """The candidate of the run's own config fits, or ConfigError with layouts that would."""
+    cfg = candidate.cfg
+    if cfg.plan.allow_oom or candidate.fits:
         return
     over = [m.peak - c for m, c in zip(candidate.memory, candidate.capacity, strict=True)]
     stage = over.index(max(over))

@@ -25,7 +25,7 @@ from rich.table import Table
 
 from meshrun.core.batch import derived_global_batch
 from meshrun.core.config import ExperimentConfig, TrainConfig, with_resolved
-from meshrun.core.errors import ConfigError, fail, positive
+from meshrun.core.errors import ConfigError, choice, fail, positive
 from meshrun.core.hardware import HostFacts, resolve_hardware, target_facts
 from meshrun.core.layout import Layout
 from meshrun.core.precision import auto_precision
@@ -37,6 +37,7 @@ from meshrun.plan.candidate import Candidate, host_calibration, trace
 from meshrun.plan.placement import devices_per_node
 from meshrun.plan.run_time import RunTime
 from meshrun.plan.search import Box, Plan, float8_unplanned, search
+from meshrun.tools.plan.resolved import show_resolved
 from meshrun.tools.plan.run_table import (
     print_cheapest,
     print_runs,
@@ -51,6 +52,7 @@ from meshrun.validate.layout import check_degrees
 from meshrun.validate.model import model_context, model_overrides, read_pretrained
 
 GiB = 2**30
+SHOWN = ("plan", "resolved")  # show=: the ranked layouts, or the run's RunPlan
 COLUMNS_WIDTH = 175  # the table's columns but the layout's, whole, their borders included
 # LLaMA's and LLaMA 2's global batch (4M tokens); GPT-3 175B used 3.2M.
 GLOBAL_BATCH_TOKENS = 4 * 2**20
@@ -483,6 +485,9 @@ def run(dict_cfg: DictConfig) -> int:
     given = command_keys()
     model = model_overrides(cfg.model)  # as composed: plan() reads model=hf/auto's
     try:
+        choice("show", cfg.show, SHOWN)
+        if cfg.show == "resolved":
+            return show_resolved(cfg)
         box, found, chosen = plan(cfg, HostFacts.detect(), given)
     except ConfigError as err:
         print_error("config error", str(err))
