@@ -345,9 +345,11 @@ class SlurmLauncherConfig(LauncherConfig):
     signal_delay_s: int = 90
 
 
+# Each launcher's schema by its name, for rebuilding a config from a dict (the ranks) and
+# naming the launcher that has a key; a launcher registered by a user (driver/launch/registry.py)
+# adds its own.
 LAUNCHER_SCHEMAS: dict[str, type[LauncherConfig]] = {
-    "local": LocalLauncherConfig,
-    "slurm": SlurmLauncherConfig,
+    schema.name: schema for schema in (LocalLauncherConfig, SlurmLauncherConfig)
 }
 
 
@@ -717,9 +719,15 @@ def rebuild(schema: type, data: dict[str, Any]) -> Any:
     """`schema` typed again from a plain dict; the launcher by its `name`'s schema, the
     model (where the schema has one) by its `kind`'s."""
     base = OmegaConf.structured(schema)
-    launcher = (data.get("launcher") or {}).get("name", "local")  # local: as if unnamed
-    # an unknown name keeps the common fields, so validation can name the launcher
-    base.launcher = OmegaConf.structured(LAUNCHER_SCHEMAS.get(launcher, LauncherConfig))
+    given = data.get("launcher") or {}
+    launcher = given.get("name", "local")  # local: as if unnamed
+    # an unknown name (or a user's launcher not registered in this process: a rank) keeps
+    # the common fields, so validation can name the launcher
+    launcher_schema = LAUNCHER_SCHEMAS.get(launcher, LauncherConfig)
+    base.launcher = OmegaConf.structured(launcher_schema)
+    if launcher_schema is LauncherConfig and given:
+        common = {f.name for f in dataclasses.fields(LauncherConfig)}
+        data = {**data, "launcher": {k: v for k, v in given.items() if k in common}}
     if any(f.name == "model" for f in dataclasses.fields(schema)):
         kind = (data.get("model") or {}).get("kind", "meshrun")
         base.model = OmegaConf.structured(MODEL_SCHEMAS[kind])

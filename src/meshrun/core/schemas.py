@@ -10,12 +10,7 @@ from __future__ import annotations
 
 from hydra.core.config_store import ConfigStore
 
-from meshrun.core.config import (
-    MODEL_SCHEMAS,
-    ExperimentConfig,
-    LocalLauncherConfig,
-    SlurmLauncherConfig,
-)
+from meshrun.core.config import LAUNCHER_SCHEMAS, MODEL_SCHEMAS, ExperimentConfig
 from meshrun.core.tool_config import (
     CommRunConfig,
     DoctorRunConfig,
@@ -34,7 +29,7 @@ ROOT_SCHEMAS = {
     "report": ReportConfig,
 }
 # group "launcher": the schema a conf/launcher/<name>.yaml selects
-LAUNCHER_SCHEMA_NAMES = {"local_schema": LocalLauncherConfig, "slurm_schema": SlurmLauncherConfig}
+LAUNCHER_SCHEMA_NAMES = {f"{name}_schema": schema for name, schema in LAUNCHER_SCHEMAS.items()}
 # group "schema/model": the schema of a model kind, which a model preset names first
 # (`- /schema/model/hf@_here_`); not in group "model", where meshrun-report's `model=` filter
 # would read as a preset choice

@@ -11,6 +11,7 @@ from meshrun.core.baseline import baseline_config, baseline_key, is_own_baseline
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.hardware import fingerprint_key, host_fingerprint
 from meshrun.core.record import RunRecord
+from meshrun.driver.launch.registry import launcher_for
 from meshrun.driver.sinks.store import ResultsStore
 from meshrun.plan.fit import baseline_fits_beside
 
@@ -21,9 +22,9 @@ def needs_baseline(cfg: ExperimentConfig) -> bool:
 
 def stored_baseline(cfg: ExperimentConfig, store: ResultsStore) -> RunRecord | None:
     """metrics.baseline=stored: the newest stored baseline of this run's twin, measured on
-    this host as it is now (devices, versions, threads) within baseline_max_age_h. A SLURM
-    run's nodes are not known here: it measures its own."""
-    if cfg.metrics.baseline != "stored" or cfg.launcher.name == "slurm":
+    this host as it is now (devices, versions, threads) within baseline_max_age_h. A run
+    whose ranks are not here (a SLURM job's nodes are not known here) measures its own."""
+    if cfg.metrics.baseline != "stored" or not launcher_for(cfg.launcher.name).ranks_here:
         return None
     since = datetime.now(timezone.utc) - timedelta(hours=cfg.metrics.baseline_max_age_h)
     here = fingerprint_key(host_fingerprint(cfg.launcher.threads_per_rank))

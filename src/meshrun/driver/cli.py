@@ -24,6 +24,7 @@ from meshrun.driver.command import hydra_command
 from meshrun.driver.experiment import record_skipped, reported, run_experiment
 from meshrun.driver.launch import TRAIN
 from meshrun.driver.launch.dispatch import launch
+from meshrun.driver.launch.registry import launcher_for
 from meshrun.driver.resolve import resolve, resolve_trials
 from meshrun.driver.resume import in_run_dir_of_resume
 from meshrun.driver.sinks.console import print_error, print_note
@@ -40,12 +41,6 @@ from meshrun.validate.launcher import check_attached_world
 register_sweeps(ConfigStore.instance())
 
 
-def _waits_here(cfg: ExperimentConfig) -> bool:
-    """A SLURM job of a multirun is collected at the sweep's end (sweep.SweepEnd), so
-    that the sweep's jobs run concurrently; with launcher.wait=false, by meshrun-collect."""
-    return cfg.launcher.wait and not in_multirun()
-
-
 def run(dict_cfg: DictConfig) -> int:
     cfg: ExperimentConfig = OmegaConf.to_object(dict_cfg)
     cfg = replace(cfg, sweep=sweep_name(cfg.sweep))
@@ -54,6 +49,7 @@ def run(dict_cfg: DictConfig) -> int:
         cfg = replace(cfg, launcher=replace(cfg.launcher, nnodes=attached_nodes()))
     try:
         cfg = in_run_dir_of_resume(cfg)  # naming no run dir of its own: the checkpoint's run
+        launcher = launcher_for(cfg.launcher.name)
         facts = HostFacts.detect()
         if cfg.plan.trials:
             plans = resolve_trials(cfg, facts, print_note)
@@ -71,8 +67,8 @@ def run(dict_cfg: DictConfig) -> int:
     if rank not in (None, 0):
         TRAIN(asdict(cfg))
         return 0
-    if rank is None and cfg.launcher.name == "slurm" and not _waits_here(cfg):
-        submit_pending(cfg)
+    if rank is None and not launcher.waits(cfg.launcher, in_multirun()):
+        submit_pending(cfg, launcher)
         return 0
     return reported(lambda: run_experiment(cfg, launch))
 

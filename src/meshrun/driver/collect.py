@@ -1,7 +1,8 @@
-"""SLURM runs submitted without waiting, recorded once their jobs are done.
+"""Runs submitted without waiting (a Submitter's: SLURM's), recorded once their jobs are done.
 
 With `launcher.wait=false`, and for every job of a multirun sweep (so that the sweep's jobs
-run concurrently), `meshrun` submits the job and leaves `<run dir>/slurm/submitted.json`.
+run concurrently), `meshrun` submits the job and leaves `<run dir>/<launcher>/submitted.json`
+(`slurm/submitted.json`).
 Collecting one waits for its job and records it exactly as a waiting run would: results.json,
 the store row, W&B, and the baseline (from the store, else measured by its own job).
 
@@ -25,17 +26,22 @@ from meshrun.core.checkpoints import RESULTS_FILE
 from meshrun.core.config import ExperimentConfig, from_dict
 from meshrun.core.measured import RunMeta
 from meshrun.driver.experiment import begin, finish_experiment, follow, outcome, reported
-from meshrun.driver.launch.slurm import SLURM_DIR, launch_slurm, submit, wait
+from meshrun.driver.launch import TRAIN
+from meshrun.driver.launch.dispatch import launch
+from meshrun.driver.launch.launcher import Launcher, Submitter
+from meshrun.driver.launch.registry import launcher_for
 from meshrun.driver.sinks.console import console
 
 SUBMITTED_FILE = "submitted.json"
 
 
-def submit_pending(cfg: ExperimentConfig) -> str:
+def submit_pending(cfg: ExperimentConfig, launcher: Launcher) -> str:
     """Submits the run's job and notes what collecting it later needs."""
+    if not isinstance(launcher, Submitter):
+        raise TypeError(f"launcher={launcher.name} waits for its ranks: it cannot submit")
     meta = begin(cfg, "run")
     started = time.time()
-    job_id = submit(cfg)
+    job_id = launcher.submit(cfg, TRAIN)
     record = {
         "job_id": job_id,
         "submitted_at": started,
@@ -43,7 +49,9 @@ def submit_pending(cfg: ExperimentConfig) -> str:
         "meta": asdict(meta),
         "config": asdict(cfg),
     }
-    (Path(cfg.run_dir) / SLURM_DIR / SUBMITTED_FILE).write_text(json.dumps(record, indent=2))
+    folder = Path(cfg.run_dir) / launcher.name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / SUBMITTED_FILE).write_text(json.dumps(record, indent=2))
     if not cfg.launcher.wait:
         console.print(
             f"record it later with: meshrun-collect {cfg.run_dir}", highlight=False, soft_wrap=True
@@ -55,7 +63,7 @@ def pending(dirs: Iterable[str | Path]) -> list[Path]:
     """Submission records under `dirs` whose run has no results yet, oldest first."""
     found = []
     for folder in map(Path, dirs):
-        for path in folder.glob(f"**/{SLURM_DIR}/{SUBMITTED_FILE}"):
+        for path in folder.glob(f"**/*/{SUBMITTED_FILE}"):
             record = json.loads(path.read_text())
             if _recorded_run_id(path.parent.parent) != record["meta"]["run_id"]:
                 found.append((record["submitted_at"], path))
@@ -73,9 +81,12 @@ def collect_one(path: Path) -> int:
     cfg = from_dict(record["config"])
     job_id = record["job_id"]
     meta = RunMeta(**record["meta"])
+    launcher = launcher_for(cfg.launcher.name)
+    if not isinstance(launcher, Submitter):
+        raise TypeError(f"launcher={launcher.name} submits nothing to collect")
     live = follow(cfg, meta)
-    measured = outcome(cfg, meta, record["submitted_at"], lambda: wait(cfg, job_id))
-    return reported(lambda: finish_experiment(cfg, measured, launch_slurm, live))
+    measured = outcome(cfg, meta, record["submitted_at"], lambda: launcher.wait(cfg, job_id))
+    return reported(lambda: finish_experiment(cfg, measured, launch, live))
 
 
 def collect(paths: list[Path]) -> int:

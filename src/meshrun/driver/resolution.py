@@ -22,11 +22,11 @@ from meshrun.core.config import (
 from meshrun.core.hardware import HostFacts, backend_name, rank_threads, resolve_hardware
 from meshrun.core.layout import MESH_DIMS, Layout, dataparallel_devices
 from meshrun.driver.box_defaults import with_batch, with_precision
+from meshrun.driver.launch.registry import launcher_checked
 from meshrun.plan.candidate import Legal
 from meshrun.validate import check_backend, check_experiment, check_layout, check_run
 from meshrun.validate.launcher import CPU_DEFAULT_RANKS, check_placement
 from meshrun.validate.layout import check_batch, check_dataparallel, check_fill, check_layout_keys
-from meshrun.validate.slurm import check_slurm
 
 
 def resolved_config(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:
@@ -50,12 +50,10 @@ def resolved_layout(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig
 
 
 def resolved_run(resolved: ExperimentConfig) -> ExperimentConfig:
-    """The rest of the rules, on a config from `resolved_layout`; a resume's checkpoint dir."""
+    """The rest of the rules, on a config from `resolved_layout`; a resume's checkpoint dir;
+    the launcher's own rules, with what it resolves (driver/launch/)."""
     check_run(resolved)
-    resolved = with_resume(resolved)
-    if resolved.launcher.name == "slurm":
-        return dataclasses.replace(resolved, launcher=check_slurm(resolved))
-    return resolved
+    return launcher_checked(with_resume(resolved))
 
 
 def backend_for(cfg: ExperimentConfig, hardware: HardwareConfig, facts: HostFacts) -> BackendConfig:

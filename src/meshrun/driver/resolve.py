@@ -22,6 +22,7 @@ from meshrun.core.hardware import (
 )
 from meshrun.driver.baseline import baseline_plan
 from meshrun.driver.box_defaults import with_batch, with_precision
+from meshrun.driver.launch.registry import launcher_for
 from meshrun.driver.prepare_data import prepare_data
 from meshrun.driver.resolution import legal_on, resolved_layout, resolved_run
 from meshrun.driver.run_plan import RunPlan, plain, with_checkpoint_interval
@@ -60,12 +61,13 @@ def resolve_trials(cfg: ExperimentConfig, host: HostFacts, say: Say = None) -> l
 
 def _read(cfg: ExperimentConfig, host: HostFacts, say: Say) -> tuple[ExperimentConfig, list]:
     """`cfg` with its model read, and the boxes to resolve it on: the profile's, where it is
-    not the one the ranks run on, then that one (SLURM's ranks run on the profile's box, not
-    on this login host)."""
-    if cfg.launcher.name != "slurm":  # ranks here: a GPU profile without a GPU is the news
+    not the one the ranks run on, then that one (a cluster's ranks run on the profile's box,
+    not on this login host: the Launcher's `ranks_here`)."""
+    ranks_here = launcher_for(cfg.launcher.name).ranks_here
+    if ranks_here:  # a GPU profile without a GPU here is the news
         resolve_hardware(cfg.hardware, host)
     target = target_facts(cfg.hardware, host)
-    ranks_on = target if cfg.launcher.name == "slurm" else host
+    ranks_on = host if ranks_here else target
     read = _read_model(cfg, say)
     check_trials(read)
     return read, [ranks_on] if target is ranks_on else [target, ranks_on]

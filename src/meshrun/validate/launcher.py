@@ -1,6 +1,6 @@
 """Rules of the launcher, shared by every command that starts ranks (`meshrun`,
 `meshrun-comm`): how many ranks on how many nodes, attach mode under torchrun, CPU threads,
-and fault injection."""
+and fault injection. A launcher's own rules are its Launcher.check (driver/launch/)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 
 from meshrun.core.attached import attached_rank
 from meshrun.core.config import (
+    LAUNCHER_SCHEMAS,
     DebugConfig,
     LauncherConfig,
     LocalLauncherConfig,
@@ -15,11 +16,10 @@ from meshrun.core.config import (
 from meshrun.core.errors import choice, fail, positive
 
 CPU_DEFAULT_RANKS = 2
-LAUNCHER_NAMES = ("local", "slurm")
 
 
 def check_launcher(launcher: LauncherConfig) -> None:
-    choice("launcher.name", launcher.name, LAUNCHER_NAMES)
+    choice("launcher.name", launcher.name, tuple(LAUNCHER_SCHEMAS))
     positive("launcher.nnodes", launcher.nnodes)
     if launcher.name == "local" and launcher.nnodes != 1 and attached_rank() is None:
         fail(

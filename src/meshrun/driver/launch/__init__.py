@@ -1,72 +1,24 @@
-"""Driver side: start the ranks of one experiment and bring back rank 0's measurements."""
+"""Driver side: start the ranks of one experiment and bring back rank 0's measurements.
 
-from __future__ import annotations
+A launcher meets the Launcher protocol (launcher.py) and is registered by `launcher.name`
+(registry.py, not re-exported here: it imports every launcher); dispatch.launch picks it."""
 
-import importlib
-from dataclasses import dataclass
-from typing import Any
+from meshrun.driver.launch.launcher import Launcher, Submitter
+from meshrun.driver.launch.rank_entry import TRAIN, RankEntry
+from meshrun.driver.launch.rank_failure import (
+    SIGNAL_UNSEEN,
+    RankFailure,
+    RunInterrupted,
+    interrupted,
+)
 
-from meshrun.core.run_files.failures import first_failure
-
-# A rank gone before its peers failed that recorded nothing (no exception, no watchdog exit)
-# died by a signal torch elastic did not report (it reports one rank's exit only).
-SIGNAL_UNSEEN = "a signal: gone before its peers failed, nothing recorded"
-
-
-class RankFailure(RuntimeError):
-    """A rank died; carries which one, its error and traceback (where it raised), or the
-    signal that killed it (where it did not), so the run can be recorded as failed."""
-
-    def __init__(
-        self, rank: int, error: str, traceback: str | None = None, signal: str | None = None
-    ) -> None:
-        self.rank, self.error, self.traceback, self.signal = rank, error, traceback, signal
-        if signal:
-            super().__init__(f"rank {rank} was killed ({signal})" + (f", {error}" if error else ""))
-        else:
-            super().__init__(f"rank {rank} failed: {error}")
-
-    def __reduce__(self) -> tuple:
-        """Pickled by its fields (its message alone would not rebuild it), so that it can
-        cross a process boundary."""
-        return type(self), (self.rank, self.error, self.traceback, self.signal)
-
-
-class RunInterrupted(RankFailure):
-    """Ctrl-C or SIGTERM reached the driver, which stopped the ranks (a run that checkpoints
-    has its ranks save first: theirs is the Stopped record instead)."""
-
-
-@dataclass(frozen=True)
-class RankEntry:
-    """The function every rank runs (a plain config dict in, rank 0's measurements out),
-    named rather than imported: the driver never loads what only ranks run (torch's
-    distributed stack: a second at every `meshrun` start), and a forkserver preloads `module`
-    once for all of a driver's ranks. Pickles as its two names, so a SLURM task or a spawned
-    rank imports it itself."""
-
-    module: str
-    function: str
-
-    def __post_init__(self) -> None:
-        # torch elastic names its workers' entrypoint by these, as it would a function
-        object.__setattr__(self, "__name__", self.function)
-        object.__setattr__(self, "__qualname__", self.function)
-
-    def __call__(self, cfg_dict: dict[str, Any]) -> Any:
-        return getattr(importlib.import_module(self.module), self.function)(cfg_dict)
-
-
-TRAIN = RankEntry("meshrun.rank.worker", "run_rank")
-
-
-def interrupted(signal_name: str, run_dir: str) -> RankFailure:
-    """What a launcher raises once Ctrl-C or SIGTERM reached it and its ranks are stopped:
-    the Stopped record of a run that saved first (it says how to resume), else that nothing
-    was saved."""
-    recorded = first_failure(run_dir)
-    if recorded is not None:
-        return RankFailure(*recorded)
-    return RunInterrupted(
-        0, f"interrupted by {signal_name}; without checkpoint.every_steps nothing was saved"
-    )
+__all__ = [
+    "SIGNAL_UNSEEN",
+    "TRAIN",
+    "Launcher",
+    "RankEntry",
+    "RankFailure",
+    "RunInterrupted",
+    "Submitter",
+    "interrupted",
+]

@@ -22,7 +22,7 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from meshrun.core.config import ExperimentConfig
+from meshrun.core.config import ExperimentConfig, LauncherConfig, LocalLauncherConfig
 from meshrun.core.run_files.failures import first_failure, recorded_failures
 from meshrun.core.tool_config import CommRunConfig
 from meshrun.driver.launch import SIGNAL_UNSEEN, TRAIN, RankEntry, RankFailure, interrupted
@@ -136,3 +136,21 @@ def launch_local(
     except SignalException as err:  # Ctrl-C or SIGTERM here: the agent has stopped the ranks
         raise interrupted(err.sigval.name, cfg.run_dir) from None
     return returns[0]
+
+
+class LocalLauncher:
+    """launcher=local: the ranks on this host, waited for; no rules beyond the common ones
+    (validate/launcher.py)."""
+
+    name = "local"
+    schema = LocalLauncherConfig
+    ranks_here = True
+
+    def check(self, cfg: ExperimentConfig | CommRunConfig) -> LauncherConfig:
+        return cfg.launcher
+
+    def waits(self, launcher: LauncherConfig, in_sweep: bool) -> bool:
+        return True
+
+    def run(self, cfg: ExperimentConfig | CommRunConfig, entry: RankEntry) -> Any:
+        return launch_local(cfg, entry)

@@ -26,10 +26,11 @@ from typing import Any
 
 import submitit
 
-from meshrun.core.config import ExperimentConfig, SlurmLauncherConfig
+from meshrun.core.config import ExperimentConfig, LauncherConfig, SlurmLauncherConfig
 from meshrun.core.run_files.failures import first_failure
 from meshrun.core.tool_config import CommRunConfig
 from meshrun.driver.launch import TRAIN, RankEntry, RankFailure
+from meshrun.driver.launch.slurm_rules import check_slurm
 from meshrun.driver.launch.slurm_task import SlurmTask
 from meshrun.driver.sinks.console import console
 
@@ -125,5 +126,38 @@ def launch_slurm(cfg: ExperimentConfig | CommRunConfig, entry: RankEntry = TRAIN
     try:
         return wait(cfg, job_id)
     except KeyboardInterrupt:
-        submitit.SlurmJob(log_dir(cfg, job_id), job_id).cancel(check=False)
+        cancel(cfg, job_id)
         raise
+
+
+def cancel(cfg: ExperimentConfig | CommRunConfig, job_id: str) -> None:
+    submitit.SlurmJob(log_dir(cfg, job_id), job_id).cancel(check=False)
+
+
+class SlurmLauncher:
+    """launcher=slurm: the ranks as one job's tasks on the profile's nodes (not this login
+    host); a sweep's jobs, and any with `launcher.wait=false`, are submitted and left."""
+
+    name = "slurm"
+    schema = SlurmLauncherConfig
+    ranks_here = False
+
+    def check(self, cfg: ExperimentConfig | CommRunConfig) -> LauncherConfig:
+        return check_slurm(cfg)
+
+    def waits(self, launcher: LauncherConfig, in_sweep: bool) -> bool:
+        """A multirun's jobs are collected at the sweep's end (driver/sweep.SweepEnd), so
+        that they run concurrently; with launcher.wait=false, by meshrun-collect."""
+        return isinstance(launcher, SlurmLauncherConfig) and launcher.wait and not in_sweep
+
+    def run(self, cfg: ExperimentConfig | CommRunConfig, entry: RankEntry) -> Any:
+        return launch_slurm(cfg, entry)
+
+    def submit(self, cfg: ExperimentConfig | CommRunConfig, entry: RankEntry) -> str:
+        return submit(cfg, entry)
+
+    def wait(self, cfg: ExperimentConfig | CommRunConfig, job_id: str) -> Any:
+        return wait(cfg, job_id)
+
+    def cancel(self, cfg: ExperimentConfig | CommRunConfig, job_id: str) -> None:
+        cancel(cfg, job_id)

@@ -8,7 +8,7 @@ from dataclasses import asdict
 from typing import Any
 
 from meshrun.core.attached import attached_rank
-from meshrun.core.config import ExperimentConfig
+from meshrun.core.config import ExperimentConfig, LauncherConfig
 from meshrun.core.tool_config import CommRunConfig
 from meshrun.driver.launch import TRAIN, RankEntry, RankFailure
 
@@ -29,3 +29,25 @@ def launch_attached(
         return entry(asdict(cfg))
     except Exception as err:
         raise RankFailure(attached_rank() or 0, f"{type(err).__name__}: {err}") from err
+
+
+class AttachedLauncher:
+    """The ranks torchrun started, this process one of them: selected by the environment
+    (dispatch.launch), not by `launcher.name`; no rules of its own beyond the world's size
+    (validate/launcher.check_attached_world)."""
+
+    name = "torchrun"
+    schema = LauncherConfig
+    ranks_here = True
+
+    def check(self, cfg: ExperimentConfig | CommRunConfig) -> LauncherConfig:
+        return cfg.launcher
+
+    def waits(self, launcher: LauncherConfig, in_sweep: bool) -> bool:
+        return True
+
+    def run(self, cfg: ExperimentConfig | CommRunConfig, entry: RankEntry) -> Any:
+        return launch_attached(cfg, entry)
+
+
+ATTACHED = AttachedLauncher()

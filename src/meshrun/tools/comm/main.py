@@ -30,6 +30,7 @@ from meshrun.driver.command import hydra_command
 from meshrun.driver.experiment import attempt, new_run
 from meshrun.driver.launch import RankEntry
 from meshrun.driver.launch.dispatch import launch
+from meshrun.driver.launch.registry import launcher_for
 from meshrun.driver.resolution import backend_for, place_ranks
 from meshrun.driver.sinks.console import console, print_error
 from meshrun.tools.comm.busbw import OPS
@@ -43,7 +44,6 @@ from meshrun.validate.launcher import (
     check_launcher,
     check_start_method,
 )
-from meshrun.validate.slurm import check_slurm
 
 COMM = RankEntry("meshrun.tools.comm.collectives", "run_comm_rank")
 
@@ -106,11 +106,11 @@ def _resolve_launcher(cfg: CommRunConfig, backend: str, facts: HostFacts):
     check_launcher(launcher)
     on_cuda = device_type(backend) == "cuda"
     check_start_method(launcher, on_cuda)
-    if launcher.name == "slurm":  # the cluster's nodes, not this login host, hold the devices
+    own_rules = launcher_for(launcher.name)
+    if not own_rules.ranks_here:  # the cluster's nodes, not this login host, hold the devices
         sized = dataclasses.replace(launcher, nproc_per_node=launcher.nproc_per_node or 1)
-        checked = check_slurm(dataclasses.replace(cfg, launcher=sized))
-        threads = launcher.threads_per_rank or checked.cpus_per_task or 1
-        return dataclasses.replace(checked, threads_per_rank=threads)
+        checked = own_rules.check(dataclasses.replace(cfg, launcher=sized))
+        return dataclasses.replace(checked, threads_per_rank=checked.threads_per_rank or 1)
     gpus = len(facts.cuda_devices) if on_cuda else 0
     started = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE"))
     local = int(started) if attached_rank() is not None and started else None
@@ -118,7 +118,7 @@ def _resolve_launcher(cfg: CommRunConfig, backend: str, facts: HostFacts):
     sized = dataclasses.replace(launcher, nproc_per_node=nproc)
     placed = place_ranks(sized, nproc * launcher.nnodes, gpus, facts, "meshrun-comm")
     check_attached_world(placed, "meshrun-comm")
-    return placed
+    return own_rules.check(dataclasses.replace(cfg, launcher=placed))
 
 
 def measure(cfg: CommRunConfig) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """launcher=slurm's rules: the sbatch resources first, then that this host reaches a SLURM
-controller and the partition exists, all before anything is submitted."""
+controller and the partition exists, all before anything is submitted (the driver's resolve
+step runs them, as SlurmLauncher.check)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import subprocess
 
 from meshrun.core.config import ExperimentConfig, SlurmLauncherConfig
 from meshrun.core.errors import fail, positive
+from meshrun.core.tool_config import CommRunConfig
 
 SBATCH_FLAG = re.compile(r"^[a-z][a-z0-9-]*$")
 # sbatch flags the launcher sets from its own keys; sbatch_extra must not set them again.
@@ -32,8 +34,9 @@ OWN_FLAGS = {
 SINFO_TIMEOUT_S = 30
 
 
-def check_slurm(cfg: ExperimentConfig) -> SlurmLauncherConfig:
-    """The launcher with `gpus_per_node` resolved; raises ConfigError on a bad value."""
+def check_slurm(cfg: ExperimentConfig | CommRunConfig) -> SlurmLauncherConfig:
+    """The launcher with `gpus_per_node` resolved, and each rank's CPU threads where unset
+    (its task's CPUs); raises ConfigError on a bad value."""
     launcher = cfg.launcher
     if not isinstance(launcher, SlurmLauncherConfig):
         fail("launcher", launcher.name, "the SLURM rules apply to launcher=slurm only", "slurm")
@@ -44,10 +47,11 @@ def check_slurm(cfg: ExperimentConfig) -> SlurmLauncherConfig:
     for key in launcher.sbatch_extra:
         _check_extra_flag(key)
     _check_cluster(launcher.partition)
-    return dataclasses.replace(launcher, gpus_per_node=gpus)
+    threads = launcher.threads_per_rank or launcher.cpus_per_task
+    return dataclasses.replace(launcher, gpus_per_node=gpus, threads_per_rank=threads)
 
 
-def _gpus_per_node(cfg: ExperimentConfig) -> int:
+def _gpus_per_node(cfg: ExperimentConfig | CommRunConfig) -> int:
     launcher, on_cuda = cfg.launcher, cfg.hardware.device_type == "cuda"
     tasks = launcher.nproc_per_node
     if launcher.gpus_per_node is None:
