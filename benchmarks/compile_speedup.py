@@ -45,8 +45,8 @@ from meshrun.core.config import ExperimentConfig, from_dict
 from meshrun.core.hardware import HostFacts
 from meshrun.core.layout import Layout, dp_rank
 from meshrun.core.paths import CONF_DIR, REPO_ROOT
-from meshrun.core.schemas import register_schemas
 from meshrun.driver.resolve import resolve
+from meshrun.driver.schemas import register_schemas
 from meshrun.models import model_shape
 from meshrun.rank.mesh import build_mesh, dp_group, pp_group
 from meshrun.rank.metrics.memory import MemoryMeter

@@ -35,7 +35,7 @@ from torch import nn
 
 from meshrun.core.config import Float8Config
 from meshrun.core.paths import REPO_ROOT
-from meshrun.core.tool_config import FLOAT8_LOSS_BOUND
+from meshrun.driver.tool_config import FLOAT8_LOSS_BOUND
 from meshrun.rank.parallel.float8 import convert
 
 LAYOUTS = {"single": ["parallel=single"], "fsdp": ["parallel=fsdp"]}

@@ -25,7 +25,7 @@ from rich.table import Table
 
 from meshrun.core.hardware import HostFacts
 from meshrun.core.paths import CONF_DIR, REPO_ROOT
-from meshrun.core.schemas import register_schemas
+from meshrun.driver.schemas import register_schemas
 from meshrun.tools.plan.command import given_keys, plan
 
 NODES = (1, 8, 64, 512, 1024)

@@ -35,7 +35,7 @@ from rich.table import Table
 from benchmarks.common import meshrun_results
 from meshrun.core.calibration import Calibration, calibration_path, read_calibration
 from meshrun.core.paths import REPO_ROOT
-from meshrun.core.trials import spearman
+from meshrun.driver.trial_ranking import spearman
 from meshrun.plan import predict
 from meshrun.plan.candidate import host_flops
 from tests.helpers import resolved_config

@@ -726,7 +726,7 @@ def _float8_against_bf16(done: Outcome) -> Verdict:
     (FLOAT8_LOSS_BOUND); float8's tokens/s over bf16's, measured and predicted, and its MFU
     against both peaks, said."""
     # here, not at the top: the runner lists its checks where meshrun's needs are missing
-    from meshrun.core.tool_config import FLOAT8_LOSS_BOUND  # noqa: PLC0415
+    from meshrun.driver.tool_config import FLOAT8_LOSS_BOUND  # noqa: PLC0415
 
     if done.rc:
         return Verdict(FAIL, f"exit {done.rc}: {_last_error(done.output)}")

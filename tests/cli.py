@@ -18,7 +18,7 @@ from typing import Any
 from hydra import compose, initialize_config_dir
 
 from meshrun.core.paths import CONF_DIR
-from meshrun.core.schemas import register_schemas
+from meshrun.driver.schemas import register_schemas
 from meshrun.driver.sinks.store import ResultsStore
 
 # `meshrun -m`: Hydra's flags go before the overrides.

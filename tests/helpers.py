@@ -23,9 +23,9 @@ from omegaconf import OmegaConf
 from meshrun.core.config import ExperimentConfig, RunConfig
 from meshrun.core.hardware import HostFacts
 from meshrun.core.paths import CONF_DIR
-from meshrun.core.schemas import register_schemas
 from meshrun.driver.compose import check_keys, config_error
 from meshrun.driver.resolve import resolve
+from meshrun.driver.schemas import register_schemas
 from meshrun.rank.train.data import LocalBatches, build_dataset
 
 SCRATCH = Path(tempfile.gettempdir()) / "meshrun-tests"  # the tests' own files outside tmp_path

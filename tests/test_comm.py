@@ -18,8 +18,8 @@ import torch
 from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import HostFacts
 from meshrun.core.run_files.positions import read_positions
-from meshrun.core.tool_config import CommConfig, CommRunConfig, comm_from_dict
 from meshrun.driver.sinks.store import ResultsStore
+from meshrun.driver.tool_config import CommConfig, CommRunConfig, comm_from_dict
 from meshrun.tools.comm import main as comm_main
 from meshrun.tools.comm.busbw import OPS, bus_factor, element_count, sizes
 from meshrun.tools.comm.collectives import device_type, measurements, wrong_values

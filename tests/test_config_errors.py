@@ -36,10 +36,10 @@ from meshrun.core.config import (
 from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import HostFacts
 from meshrun.core.paths import CONF_DIR
-from meshrun.core.schemas import ROOT_SCHEMAS
-from meshrun.core.tool_config import CommRunConfig, comm_from_dict
 from meshrun.driver import cli
 from meshrun.driver.resolve import resolve
+from meshrun.driver.schemas import ROOT_SCHEMAS
+from meshrun.driver.tool_config import CommRunConfig, comm_from_dict
 from meshrun.entrypoints import COMMANDS as SCRIPT_COMMANDS
 from meshrun.rank.parallel.pipeline import SCHEDULES
 from meshrun.tools.plan import command as plan_command

@@ -30,11 +30,11 @@ from meshrun.core.config import Float8Config
 from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import CudaDevice, HostFacts, load_profile, target_facts
 from meshrun.core.record import RunRecord
-from meshrun.core.tool_config import FLOAT8_LOSS_BOUND, FLOAT8_TOLERANCES
 from meshrun.driver.experiment import measure
 from meshrun.driver.float8 import float8_fields
 from meshrun.driver.resolution import legal_on, resolved_layout
 from meshrun.driver.sinks.console import console, print_summary
+from meshrun.driver.tool_config import FLOAT8_LOSS_BOUND, FLOAT8_TOLERANCES
 from meshrun.models import build_model, float8_coverage
 from meshrun.models.float8 import float8_linears
 from meshrun.plan import predict
@@ -253,7 +253,7 @@ def single_float8(tmp_path_factory, rank_pool):
 
 @pytest.mark.parametrize("layout", tiered(LAYOUTS, FAST))
 def test_float8_layout_matches_float8_on_one_device(experiment, single_float8, layout):
-    """Within the recipe's tolerance (core/tool_config.py FLOAT8_TOLERANCES: a cast a
+    """Within the recipe's tolerance (driver/tool_config.py FLOAT8_TOLERANCES: a cast a
     reordered sum tips over a float8 boundary), where a lost or doubled contribution is
     off by O(1)."""
     overrides = LAYOUTS[layout]

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from meshrun.core.checkpoints import complete
-from meshrun.core.tool_config import TOLERANCES
 from meshrun.driver.experiment import measure
 from meshrun.driver.inspection import skipped_fields
+from meshrun.driver.tool_config import TOLERANCES
 from tests.ranks import config_in, losses
 
 COMMON = (

@@ -146,7 +146,7 @@ def test_float8_against_bf16_passes_on_the_loss_and_says_both_speeds(tmp_path: P
     bound of bf16's, the speeds (measured and predicted) and MFU against both peaks said."""
     from gpu_checks import _float8_against_bf16  # noqa: PLC0415
 
-    from meshrun.core.tool_config import FLOAT8_LOSS_BOUND  # noqa: PLC0415
+    from meshrun.driver.tool_config import FLOAT8_LOSS_BOUND  # noqa: PLC0415
 
     def results(name: str, losses: list[float], tokens: float, predicted: float) -> None:
         run = tmp_path / name / "run"

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from meshrun.core.tool_config import TOLERANCES
+from meshrun.driver.tool_config import TOLERANCES
 from meshrun.rank.metrics.memory import FWD_BWD_END, STEP_START, MemoryMeter, ModelState
 from meshrun.rank.parallel.dataparallel import apply_dataparallel
 

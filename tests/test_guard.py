@@ -12,9 +12,9 @@ import pytest
 
 from meshrun.core.checkpoints import complete
 from meshrun.core.run_files.metrics import ROLLED_BACK_FILE
-from meshrun.core.tool_config import TOLERANCES
 from meshrun.driver.experiment import measure
 from meshrun.driver.inspection import skipped_fields
+from meshrun.driver.tool_config import TOLERANCES
 from meshrun.rank.train.guard import SPIKE, SpikeWatch, corruption
 from tests.helpers import compose_config
 from tests.ranks import config_in, losses

@@ -1,10 +1,10 @@
-"""A launcher added from outside meshrun's source, as a user would add one: a class meeting
-the Launcher protocol with a schema of its own, registered by the user's entry script before
-`meshrun` composes (`python -m tests.test_launcher_extension ...` below), and a config file
-in the user's own config dir (`hydra.searchpath`). It starts the ranks its own way (plain
-spawned processes, torchrun's environment, the real gloo backend) and `meshrun` trains and
-records through it. And the rule that keeps launchers in one room: no module outside
-driver/launch/ selects behaviour by the name "slurm"."""
+"""A launcher added from outside meshrun's source, as a user adds one: a class meeting the
+Launcher protocol with a schema of its own, named by its import path in a config file of the
+user's own config dir (`hydra.searchpath`), as a model kind from a user's module is. It starts
+the ranks its own way (plain spawned processes, torchrun's environment, the real gloo
+backend) and plain `meshrun` trains and records through it. And the rule that keeps
+launchers in one room: no module outside driver/launch/ selects behaviour by the name
+"slurm"."""
 
 from __future__ import annotations
 
@@ -13,28 +13,35 @@ import json
 import multiprocessing
 import os
 import socket
-import sys
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from meshrun.core.config import ExperimentConfig, LauncherConfig
-from meshrun.core.errors import fail
+import pytest
+
+from meshrun.core.config import LAUNCHER_SCHEMAS, ExperimentConfig, LauncherConfig
+from meshrun.core.errors import ConfigError, fail
 from meshrun.core.paths import REPO_ROOT
 from meshrun.core.run_files.failures import first_failure
-from meshrun.core.tool_config import CommRunConfig
 from meshrun.driver.launch import RankEntry, RankFailure
-from meshrun.driver.launch.launcher import Launcher
+from meshrun.driver.launch.launcher import Launcher, Submitter
+from meshrun.driver.launch.registry import BUILT_IN, launcher_for
+from meshrun.driver.launch.torchrun import ATTACHED
+from meshrun.driver.tool_config import CommRunConfig
 from tests.cli import run_meshrun
 
 SRC = REPO_ROOT / "src" / "meshrun"
 LAUNCH_ROOM = SRC / "driver" / "launch"
-PLAIN_YAML = """\
-# launcher=plain: ranks as plain processes of this host (tests/test_launcher_extension.py)
-defaults:
-  - plain_schema
-  - _self_
+PLAIN = "tests.test_launcher_extension:PlainLauncher"
+# A preset naming no schema holds the keys a command line overrides (Hydra sets them before
+# the launcher's schema types the node), as a model kind's does.
+PLAIN_YAML = f"""\
+# launcher=plain: ranks as plain processes of this host
+name: {PLAIN}
+nnodes: 1
+nproc_per_node: null
+port: 0
 """
 TINY = ("model=tiny", "parallel=ddp", "train.steps=4", "train.untimed_steps=1")
 
@@ -43,7 +50,7 @@ TINY = ("model=tiny", "parallel=ddp", "train.steps=4", "train.untimed_steps=1")
 class PlainLauncherConfig(LauncherConfig):
     """launcher=plain: `port` the ranks meet on (0: a free one)."""
 
-    name: str = "plain"
+    name: str = PLAIN
     port: int = 0
 
 
@@ -60,7 +67,7 @@ class PlainLauncher:
     """One spawned process per rank with torchrun's environment; rank 0's return value comes
     back through a pipe. Writes the ranks' pids to the run dir, to show whose ranks ran."""
 
-    name = "plain"
+    name = PLAIN
     schema = PlainLauncherConfig
     ranks_here = True
 
@@ -117,15 +124,6 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def main() -> None:
-    """The user's entry script: their launcher registered, then meshrun's own CLI."""
-    from meshrun.driver.cli import main as meshrun_main  # noqa: PLC0415 (after registering)
-    from meshrun.driver.launch.registry import register_launcher  # noqa: PLC0415
-
-    register_launcher(PlainLauncher())
-    meshrun_main()
-
-
 def _plain_meshrun(tmp_path: Path, *overrides: str):
     conf = tmp_path / "my_conf"
     (conf / "launcher").mkdir(parents=True)
@@ -136,8 +134,7 @@ def _plain_meshrun(tmp_path: Path, *overrides: str):
         f"hydra.searchpath=[file://{conf}]",
         "launcher=plain",
         *overrides,
-        entrypoint=(sys.executable, "-m", "tests.test_launcher_extension"),
-        env={"PYTHONPATH": str(REPO_ROOT)},
+        env={"PYTHONPATH": str(REPO_ROOT)},  # the user's module, importable by the ranks too
     )
 
 
@@ -157,6 +154,27 @@ def test_a_launchers_own_rule_refuses_before_any_rank_starts(tmp_path: Path):
     assert run.returncode == 2, run.output
     assert "launcher.nnodes=2: launcher=plain starts ranks here" in run.output
     assert not (run.run_dir / "plain_ranks.json").exists()
+
+
+def test_meshruns_own_launchers_meet_the_protocol_under_their_schemas_names():
+    assert isinstance(ATTACHED, Launcher) and not isinstance(ATTACHED, Submitter)
+    assert isinstance(BUILT_IN["slurm"], Submitter)
+    for name, launcher in BUILT_IN.items():
+        assert isinstance(launcher, Launcher)
+        assert launcher.name == name == launcher.schema.name
+        assert LAUNCHER_SCHEMAS[name] is launcher.schema
+
+
+def test_a_launcher_name_naming_nothing_is_refused_with_what_would_be_valid():
+    assert isinstance(launcher_for(PLAIN), PlainLauncher)
+    for name, problem in [
+        ("pbs", "unknown choice"),
+        ("nowhere.launchers:Pbs", "is no launcher of meshrun's, nor an importable Launcher"),
+        (f"{PLAIN}Config", "is no launcher of meshrun's, nor an importable Launcher"),
+    ]:
+        with pytest.raises(ConfigError, match=f"launcher.name='{name}': {problem}") as caught:
+            launcher_for(name)
+        assert "Valid: local | slurm" in str(caught.value)
 
 
 def names_slurm(node: ast.AST) -> bool:
@@ -209,7 +227,3 @@ def test_the_walk_sees_each_form_of_a_slurm_branch():
     assert (
         slurm_branches(ast.parse('fail("launcher", "slurm", "no sbatch", "launcher=local")')) == []
     )
-
-
-if __name__ == "__main__":
-    main()

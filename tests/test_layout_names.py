@@ -13,15 +13,15 @@ from meshrun.core.batch import n_microbatches
 from meshrun.core.config import ParallelConfig
 from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import HostFacts
-from meshrun.core.measured import Measured, RunMeta
 from meshrun.core.naming import layout_name, layout_overrides, rerun_overrides
-from meshrun.core.tool_config import RunFilter
+from meshrun.driver.measured import Measured, RunMeta
 from meshrun.driver.resolution import legal_on
 from meshrun.driver.results import assemble
 from meshrun.driver.sinks.compare import cells
 from meshrun.driver.sinks.console import console, print_summary
 from meshrun.driver.sinks.selection import select_runs
 from meshrun.driver.sinks.store import ResultsStore
+from meshrun.driver.tool_config import RunFilter
 from meshrun.plan.search import Box, search
 from tests.helpers import compose_config, resolved_config
 

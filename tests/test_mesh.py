@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 
@@ -9,8 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshrun.core.layout import MESH_DIMS, Layout, cp_rank, dp_rank, rank_coords
+from meshrun.core.config import ParallelConfig
+from meshrun.core.layout import DIMENSIONS, MESH_DIMS, Layout, cp_rank, dp_rank, rank_coords
 from meshrun.rank.mesh import build_mesh, cuda_index, dp_group, init_distributed
+from meshrun.rank.watchdog import step_collectives
 
 LAYOUTS = [
     Layout(),
@@ -60,6 +63,17 @@ def test_layout_degrees_are_in_mesh_order():
         ("cp", 6),
         ("tp", 5),
     ]
+
+
+def test_each_dimension_of_the_table_is_a_layout_degree_and_a_parallel_key():
+    """core/layout.DIMENSIONS is the one declaration the mesh, the degree rules, the watchdog
+    and meshrun-plan's preset keys read: each row a Layout degree, its settings config keys."""
+    degrees = {f.name for f in dataclasses.fields(Layout)}
+    keys = {f.name for f in dataclasses.fields(ParallelConfig)}
+    for dim in DIMENSIONS:
+        assert dim.name in degrees & keys
+        assert set(dim.settings) <= keys
+        assert dim.collectives in step_collectives({dim.name: 2})
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=Layout.describe)

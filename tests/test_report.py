@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from meshrun.core.record import MEMORY_CATEGORIES
-from meshrun.core.tool_config import RunFilter
 from meshrun.driver.sinks.compare import cells, print_table
 from meshrun.driver.sinks.selection import select_runs
 from meshrun.driver.sinks.store import ResultsStore
+from meshrun.driver.tool_config import RunFilter
 from meshrun.tools.report import main as report_main
 from meshrun.tools.report import plots
 from meshrun.tools.report.budget_plot import budget_times

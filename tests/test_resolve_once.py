@@ -17,10 +17,10 @@ from meshrun.core.baseline import baseline_config
 from meshrun.core.config import with_resolved
 from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import CudaDevice, HostFacts
-from meshrun.core.measured import RunMeta
 from meshrun.core.stages import with_layers
 from meshrun.driver import cli
 from meshrun.driver import resolve as resolve_module
+from meshrun.driver.measured import RunMeta
 from meshrun.driver.resolve import resolve
 from meshrun.driver.results import config_fields, memory_fields, predicted_speed_fields
 from meshrun.driver.run_plan import plain

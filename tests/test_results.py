@@ -10,9 +10,9 @@ import pytest
 
 from meshrun.core.baseline import baseline_config, baseline_key
 from meshrun.core.config import RunConfig
-from meshrun.core.measured import Measured, RunMeta, Status
 from meshrun.core.rank_report import CheckpointSave, RankReport, StageSplit
 from meshrun.core.record import RunRecord
+from meshrun.driver.measured import Measured, RunMeta, Status
 from meshrun.driver.results import assemble
 from meshrun.driver.sinks.console import print_summary
 from meshrun.rank.metrics.host import other_cpu_share

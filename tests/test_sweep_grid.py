@@ -17,10 +17,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from meshrun.core.errors import ConfigError
-from meshrun.core.tool_config import RunFilter
 from meshrun.driver.sinks.selection import select_runs
 from meshrun.driver.sinks.store import ResultsStore
 from meshrun.driver.sweep import SWEEPS_DIR
+from meshrun.driver.tool_config import RunFilter
 from tests.chromium import loaded_dom, needs_chromium, screenshot
 from tests.cli import MULTIRUN, run_meshrun
 from tests.helpers import resolved_config

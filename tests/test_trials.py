@@ -16,16 +16,16 @@ from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import HostFacts
 from meshrun.core.naming import layout_name
 from meshrun.core.record import RunRecord
-from meshrun.core.trials import (
+from meshrun.driver.resolve import resolve_trials
+from meshrun.driver.sinks.console import trials_verdict
+from meshrun.driver.sinks.store import ResultsStore
+from meshrun.driver.trial_ranking import (
     Trial,
     fastest,
     first_choice_loss,
     node_sets,
     rank_correlation,
 )
-from meshrun.driver.resolve import resolve_trials
-from meshrun.driver.sinks.console import trials_verdict
-from meshrun.driver.sinks.store import ResultsStore
 from meshrun.driver.trials import on_nodes, run_with_trials
 from meshrun.validate.trials import check_trials
 from tests.helpers import compose_config

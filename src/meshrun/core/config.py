@@ -30,13 +30,13 @@ from meshrun.core.choices import (
     LoadBalance,
     LoggerMode,
     LrDecay,
-    ModelKind,
     Precision,
     RouterScore,
     Scaling,
     Schedule,
     StartMethod,
 )
+from meshrun.core.imports import import_target
 
 
 @dataclass
@@ -44,10 +44,14 @@ class ModelConfig:
     """What every model has: its preset's name, its kind, which picks the schema below
     (conf/model/<name>.yaml names it first: `- /schema/model/meshrun@_here_`), and
     `pretrained`, a local Hugging Face save_pretrained directory (config.json, safetensors)
-    to load weights from instead of the seeded init (a user's own module loads its own)."""
+    to load weights from instead of the seeded init (a user's own module loads its own).
+    `kind` is meshrun, hf or custom (models/kinds.py), or a kind of your own named by its
+    import path, "package.module:attribute" of a models.kind.ModelKind (class or instance),
+    whose `schema` (a subclass of this one) types the preset's keys; the driver and every
+    rank import it from there (docs/architecture.md, "A new model kind")."""
 
     name: str = MISSING
-    kind: ModelKind = ModelKind["meshrun"]
+    kind: str = "meshrun"
     pretrained: str | None = None
     context_len: int | None = None  # the sequence it was pretrained at: a GPU plan's default
 
@@ -112,7 +116,7 @@ class HFModelConfig(ModelConfig):
     (validate/model.read_pretrained), `config`'s keys over what it read (the run's
     `Resolved.model_read_from` then names that config.json)."""
 
-    kind: ModelKind = ModelKind["hf"]
+    kind: str = "hf"
     architecture: str = MISSING
     config: dict[str, Any] = field(default_factory=dict)
 
@@ -132,7 +136,7 @@ class CustomModelConfig(ModelConfig):
     it, its ranks holding two chunks of each sequence whose positions the module cannot
     count itself."""
 
-    kind: ModelKind = ModelKind["custom"]
+    kind: str = "custom"
     target: str = MISSING
     kwargs: dict[str, Any] = field(default_factory=dict)
     vocab_size: int | None = None
@@ -149,6 +153,17 @@ MODEL_SCHEMAS: dict[str, type[ModelConfig]] = {
     "hf": HFModelConfig,
     "custom": CustomModelConfig,
 }
+
+
+def model_schema(kind: str) -> type[ModelConfig]:
+    """The config schema of the model kind `kind` names: meshrun's own, or the `schema` of
+    the kind at the import path `kind`; ImportError or ValueError where there is none."""
+    if kind in MODEL_SCHEMAS:
+        return MODEL_SCHEMAS[kind]
+    schema = getattr(import_target(kind), "schema", None)
+    if not (isinstance(schema, type) and issubclass(schema, ModelConfig)):
+        raise ValueError(f"{kind!r} has no `schema`, a subclass of ModelConfig")
+    return schema
 
 
 @dataclass
@@ -345,12 +360,22 @@ class SlurmLauncherConfig(LauncherConfig):
     signal_delay_s: int = 90
 
 
-# Each launcher's schema by its name, for rebuilding a config from a dict (the ranks) and
-# naming the launcher that has a key; a launcher registered by a user (driver/launch/registry.py)
-# adds its own.
+# meshrun's launchers' schemas by name; a user's launcher is named by its import path
+# (`launcher_schema`, driver/launch/registry.py).
 LAUNCHER_SCHEMAS: dict[str, type[LauncherConfig]] = {
     schema.name: schema for schema in (LocalLauncherConfig, SlurmLauncherConfig)
 }
+
+
+def launcher_schema(name: str) -> type[LauncherConfig]:
+    """The config schema of the launcher `name` names: meshrun's own, or the `schema` of the
+    Launcher at the import path `name`; ImportError or ValueError where there is none."""
+    if name in LAUNCHER_SCHEMAS:
+        return LAUNCHER_SCHEMAS[name]
+    schema = getattr(import_target(name), "schema", None)
+    if not (isinstance(schema, type) and issubclass(schema, LauncherConfig)):
+        raise ValueError(f"{name!r} has no `schema`, a subclass of LauncherConfig")
+    return schema
 
 
 @dataclass
@@ -617,12 +642,12 @@ class PlanConfig:
 
 @dataclass
 class ExperimentConfig:
-    # A schema of MODEL_SCHEMAS (by `kind`), as `launcher` below.
+    # The schema of its `kind` (model_schema), as `launcher` below.
     model: Any = MISSING
     parallel: ParallelConfig = MISSING
     backend: BackendConfig = MISSING
     hardware: HardwareConfig = MISSING
-    # LocalLauncherConfig or SlurmLauncherConfig: OmegaConf has no union of structured types,
+    # The schema `name` names (launcher_schema): OmegaConf has no union of structured types,
     # so the field is untyped and the node keeps the type of the schema its preset selected.
     launcher: Any = MISSING
     logger: LoggerConfig = MISSING
@@ -719,18 +744,14 @@ def rebuild(schema: type, data: dict[str, Any]) -> Any:
     """`schema` typed again from a plain dict; the launcher by its `name`'s schema, the
     model (where the schema has one) by its `kind`'s."""
     base = OmegaConf.structured(schema)
-    given = data.get("launcher") or {}
-    launcher = given.get("name", "local")  # local: as if unnamed
-    # an unknown name (or a user's launcher not registered in this process: a rank) keeps
-    # the common fields, so validation can name the launcher
-    launcher_schema = LAUNCHER_SCHEMAS.get(launcher, LauncherConfig)
-    base.launcher = OmegaConf.structured(launcher_schema)
-    if launcher_schema is LauncherConfig and given:
-        common = {f.name for f in dataclasses.fields(LauncherConfig)}
-        data = {**data, "launcher": {k: v for k, v in given.items() if k in common}}
+    launcher = (data.get("launcher") or {}).get("name", "local")  # local: as if unnamed
+    try:
+        base.launcher = OmegaConf.structured(launcher_schema(launcher))
+    except (ImportError, ValueError):  # unknown: the common fields, for validation to name it
+        base.launcher = OmegaConf.structured(LauncherConfig)
     if any(f.name == "model" for f in dataclasses.fields(schema)):
         kind = (data.get("model") or {}).get("kind", "meshrun")
-        base.model = OmegaConf.structured(MODEL_SCHEMAS[kind])
+        base.model = OmegaConf.structured(model_schema(kind))
     return OmegaConf.to_object(OmegaConf.merge(base, data))
 
 

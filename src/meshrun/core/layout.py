@@ -6,6 +6,11 @@ are adjacent ranks (same node, fastest links), then a sequence's context-paralle
 (Megatron's tp-cp-dp-pp order), pipeline stages the outermost dimension. This is also
 init_device_mesh's order, so `rank_coords` (pure, for the driver and tests) and the
 DeviceMesh a worker builds (rank/mesh.py) always agree.
+
+`DIMENSIONS` is the one table of mesh dimensions: their order, each one's key, the settings
+a preset fixes with it and what a step communicates over it; the mesh, the degree rules
+(validate/layout.py), the watchdog and the planner's preset keys read it. What a new degree
+still touches beyond it: docs/architecture.md's checklist.
 """
 
 from __future__ import annotations
@@ -15,7 +20,28 @@ from dataclasses import dataclass
 
 from meshrun.core.config import ParallelConfig
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+@dataclass(frozen=True)
+class Dimension:
+    """A mesh dimension: `name` is its key (`parallel.<name>`, the DeviceMesh dim's name),
+    `settings` the parallel keys a preset fixes with its degree (conf/parallel), and
+    `collectives` what a step's forward/backward communicates over it (the watchdog's words
+    for a collective that hangs)."""
+
+    name: str
+    collectives: str
+    settings: tuple[str, ...] = ()
+
+
+# Row-major order, outermost first.
+DIMENSIONS = (
+    Dimension("pp", "pipeline send/recv", ("schedule", "stages_per_rank")),
+    Dimension("dp_replicate", "gradient all_reduce"),
+    Dimension("dp_shard", "FSDP all_gather/reduce_scatter"),
+    Dimension("cp", "context-parallel attention, FSDP over its ranks", ("cp_method",)),
+    Dimension("tp", "tensor-parallel collectives"),
+)
+MESH_DIMS = tuple(dim.name for dim in DIMENSIONS)
 
 
 @dataclass(frozen=True)
@@ -64,8 +90,7 @@ class Layout:
     @classmethod
     def of(cls, parallel: ParallelConfig) -> Layout:
         """The layout of a resolved parallel config (no -1 degrees left)."""
-        degrees = {dim: getattr(parallel, dim) for dim in MESH_DIMS}
-        return cls(**degrees, ep=parallel.ep, etp=parallel.etp)
+        return cls(**config_degrees(parallel), ep=parallel.ep, etp=parallel.etp)
 
     def degrees(self) -> dict[str, int]:
         return {dim: getattr(self, dim) for dim in MESH_DIMS}
@@ -79,6 +104,11 @@ class Layout:
         if self.etp > 1:
             parts.append(f"etp{self.etp}")
         return " x ".join(parts) or "single"
+
+
+def config_degrees(parallel: ParallelConfig) -> dict[str, int]:
+    """Each mesh dimension's degree as the config gives it (-1: the rest, until resolved)."""
+    return {dim: getattr(parallel, dim) for dim in MESH_DIMS}
 
 
 def rank_coords(layout: Layout, rank: int) -> dict[str, int]:

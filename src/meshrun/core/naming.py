@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from meshrun.core.batch import n_microbatches
 from meshrun.core.config import ExperimentConfig, ParallelConfig
-from meshrun.core.layout import MESH_DIMS, Layout
+from meshrun.core.layout import Layout, config_degrees
 from meshrun.core.paths import CONF_DIR
 from meshrun.core.stages import PP_AUTO
 
@@ -95,7 +95,7 @@ def is_preset_layout(preset: str, degrees: dict[str, int]) -> bool:
     shipped = _preset(preset)
     if shipped is None:
         return False
-    fixed = {dim: getattr(shipped, dim) for dim in MESH_DIMS}
+    fixed = config_degrees(shipped)
     return all(n == -1 or degrees.get(dim, 1) == n for dim, n in fixed.items())
 
 

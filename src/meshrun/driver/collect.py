@@ -24,12 +24,12 @@ from pathlib import Path
 
 from meshrun.core.checkpoints import RESULTS_FILE
 from meshrun.core.config import ExperimentConfig, from_dict
-from meshrun.core.measured import RunMeta
 from meshrun.driver.experiment import begin, finish_experiment, follow, outcome, reported
 from meshrun.driver.launch import TRAIN
 from meshrun.driver.launch.dispatch import launch
-from meshrun.driver.launch.launcher import Launcher, Submitter
-from meshrun.driver.launch.registry import launcher_for
+from meshrun.driver.launch.launcher import Launcher
+from meshrun.driver.launch.registry import launcher_for, submitter
+from meshrun.driver.measured import RunMeta
 from meshrun.driver.sinks.console import console
 
 SUBMITTED_FILE = "submitted.json"
@@ -37,11 +37,9 @@ SUBMITTED_FILE = "submitted.json"
 
 def submit_pending(cfg: ExperimentConfig, launcher: Launcher) -> str:
     """Submits the run's job and notes what collecting it later needs."""
-    if not isinstance(launcher, Submitter):
-        raise TypeError(f"launcher={launcher.name} waits for its ranks: it cannot submit")
     meta = begin(cfg, "run")
     started = time.time()
-    job_id = launcher.submit(cfg, TRAIN)
+    job_id = submitter(launcher).submit(cfg, TRAIN)
     record = {
         "job_id": job_id,
         "submitted_at": started,
@@ -81,9 +79,7 @@ def collect_one(path: Path) -> int:
     cfg = from_dict(record["config"])
     job_id = record["job_id"]
     meta = RunMeta(**record["meta"])
-    launcher = launcher_for(cfg.launcher.name)
-    if not isinstance(launcher, Submitter):
-        raise TypeError(f"launcher={launcher.name} submits nothing to collect")
+    launcher = submitter(launcher_for(cfg.launcher.name))
     live = follow(cfg, meta)
     measured = outcome(cfg, meta, record["submitted_at"], lambda: launcher.wait(cfg, job_id))
     return reported(lambda: finish_experiment(cfg, measured, launch, live))

@@ -25,10 +25,10 @@ from omegaconf import DictConfig
 from meshrun.core.attached import attached_rank
 from meshrun.core.errors import ConfigError
 from meshrun.core.paths import CONF_DIR
-from meshrun.core.schemas import register_schemas
 from meshrun.core.torch_floor import check_torch
 from meshrun.driver.compose import check_keys, config_error
 from meshrun.driver.launch.torchrun import run_dir_override
+from meshrun.driver.schemas import register_schemas
 from meshrun.driver.sinks.compare import print_sweep_table
 from meshrun.driver.sinks.console import print_error
 from meshrun.driver.sweep import SweepJobFailed

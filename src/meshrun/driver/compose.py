@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import re
 import typing
+from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
@@ -26,7 +27,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from meshrun.core.config import LAUNCHER_SCHEMAS
+from meshrun.core.config import LAUNCHER_SCHEMAS, MODEL_SCHEMAS, launcher_schema, model_schema
 from meshrun.core.errors import ConfigError
 from meshrun.core.paths import CONF_DIR
 from meshrun.driver.sinks.console import print_error
@@ -75,8 +76,55 @@ def unknown_key(full_key: str, schema: type, value: object) -> ConfigError:
     )
 
 
+def type_model(cfg: DictConfig) -> None:
+    """A model preset that names no schema (a kind from a user's module: `kind:
+    package.module:attribute`, docs/architecture.md) is typed here by its kind's `schema`, so
+    its keys are checked and its values converted as a built-in preset's are at compose
+    time; a ConfigError where `model.kind` names nothing importable."""
+    valid = f"{' | '.join(MODEL_SCHEMAS)}, or package.module:attribute of a ModelKind"
+    _type_by(cfg, "model", "kind", model_schema, ("model kind", valid))
+
+
+def type_launcher(cfg: DictConfig) -> None:
+    """A launcher preset that names no schema (a user's launcher: `name:
+    package.module:attribute`), typed by its Launcher's `schema`, as `type_model` types a
+    model's."""
+    valid = f"{' | '.join(LAUNCHER_SCHEMAS)}, or package.module:attribute of a Launcher"
+    _type_by(cfg, "launcher", "name", launcher_schema, ("launcher", valid))
+
+
+def _type_by(
+    cfg: DictConfig,
+    group: str,
+    key: str,
+    schema_of: Callable[[str], type],
+    named_what: tuple[str, str],
+) -> None:
+    """`cfg[group]` typed by the schema its `key` names; `named_what`: what that names, and
+    what would be valid."""
+    node = cfg.get(group)
+    if not isinstance(node, DictConfig) or dataclasses.is_dataclass(OmegaConf.get_type(node)):
+        return
+    named, (what, valid) = node.get(key), named_what
+    try:
+        schema = schema_of(str(named))
+    except (ImportError, ValueError) as err:
+        raise ConfigError(
+            f"{group}.{key}",
+            named,
+            f"names no {what} ({err})",
+            f"{valid}, importable from the current directory",
+        ) from err
+    values = OmegaConf.to_container(node, resolve=False)
+    cfg[group] = OmegaConf.structured(schema)
+    cfg.merge_with({group: values})
+
+
 def check_keys(cfg: DictConfig) -> None:
-    """Raise ConfigError for the first key that is not a field of its node's schema."""
+    """Raise ConfigError for the first key that is not a field of its node's schema (a
+    schema-less model or launcher typed first: `type_model`, `type_launcher`)."""
+    type_model(cfg)
+    type_launcher(cfg)
     _walk(cfg, "")
 
 

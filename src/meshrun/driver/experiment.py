@@ -28,7 +28,6 @@ from meshrun.core.checkpoints import (
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import ConfigError
 from meshrun.core.layout import Layout
-from meshrun.core.measured import Measured, Role, RunMeta
 from meshrun.core.naming import layout_name, rerun_overrides
 from meshrun.core.rank_report import RankReport, TwinStep
 from meshrun.core.record import RunRecord
@@ -40,6 +39,7 @@ from meshrun.core.stages import with_layers
 from meshrun.driver.baseline import age_s, needs_baseline, stored_baseline
 from meshrun.driver.failure import explained, with_unflushed
 from meshrun.driver.launch import RankFailure, RunInterrupted
+from meshrun.driver.measured import Measured, Role, RunMeta
 from meshrun.driver.results import assemble
 from meshrun.driver.sinks.console import (
     print_error,

@@ -17,14 +17,12 @@ from meshrun.core.config import ExperimentConfig, resolved_of
 from meshrun.core.flops import mfu, peak_flops
 from meshrun.core.hardware import device_for_rank, fingerprint_key
 from meshrun.core.layout import Layout
-from meshrun.core.measured import Measured, RunMeta
 from meshrun.core.naming import layout_name, rerun_overrides
 from meshrun.core.precision import matmul_precision
 from meshrun.core.rank_report import CheckpointSave, RankReport, StageSplit
 from meshrun.core.record import MEMORY_CATEGORIES, RunRecord
 from meshrun.core.stages import PP_AUTO, stage_layer_counts, theoretical_bubble
 from meshrun.core.step_stats import percentile, summarize_steps
-from meshrun.core.trials import Trial, first_choice_loss, rank_correlation
 from meshrun.driver.float8 import float8_fields
 from meshrun.driver.inspection import (
     profile_fields,
@@ -34,7 +32,9 @@ from meshrun.driver.inspection import (
     straggler_fields,
     timed_step_times,
 )
+from meshrun.driver.measured import Measured, RunMeta
 from meshrun.driver.run_plan import budget_fields, checkpoint_plan_fields
+from meshrun.driver.trial_ranking import Trial, first_choice_loss, rank_correlation
 from meshrun.models import model_shape, param_counts
 from meshrun.plan import predict
 from meshrun.plan.run_prediction import prediction_of

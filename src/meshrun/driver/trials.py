@@ -6,7 +6,7 @@ auto-configurator runs trials with no model; here the model picks what to try).
 Each trial is a run of its own (store row, run dir under the run's `trials/`, W&B run in one
 group), tagged with the id of the run it chose for; one that fails or runs out of memory is
 recorded as such and left out of the choice. The run's record lists the trials with the
-prediction's rank correlation and what its first choice would have lost (core/trials.py);
+prediction's rank correlation and what its first choice would have lost (driver/trial_ranking.py);
 under plan.trials_only, where no run trains after them, that record is the verdict's own
 (role `trials`: the fastest trial's layout and figures under the run's id, in its run dir).
 
@@ -24,13 +24,13 @@ from pathlib import Path
 
 from meshrun.core.choices import BaselineMode, ExportFormat
 from meshrun.core.config import PlanConfig, RunConfig, SlurmLauncherConfig, with_resolved
-from meshrun.core.measured import new_run_id, utc_now
 from meshrun.core.record import RunRecord
-from meshrun.core.trials import Trial, fastest
 from meshrun.driver.experiment import Launch, RunFailed, publish, run_experiment
+from meshrun.driver.measured import new_run_id, utc_now
 from meshrun.driver.results import trials_fields
 from meshrun.driver.sinks.console import print_note, print_trials
 from meshrun.driver.sinks.store import ResultsStore
+from meshrun.driver.trial_ranking import Trial, fastest
 
 TRIALS_DIR = "trials"
 

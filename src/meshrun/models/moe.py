@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from meshrun.core.config import LlamaModelConfig, ModelConfig, MoEConfig
+from meshrun.core.config import MoEConfig
 from meshrun.models.expert_compute import dispatched_compute, expert_compute, use_grouped_mm
 
 _LOSS_WEIGHT = [1.0]  # what the training loss of the current micro-batch is multiplied by
@@ -333,9 +333,9 @@ class Routers:
     bias_rate: float
 
     @classmethod
-    def of(cls, model: ModelConfig) -> Routers | None:
-        if not isinstance(model, LlamaModelConfig) or not model.moe.experts:
+    def of(cls, layers: int, moe: MoEConfig) -> Routers | None:
+        """The routers of `layers` blocks of meshrun's MoE `moe`; None where it is dense."""
+        if not moe.experts:
             return None
-        moe = model.moe
         rate = moe.bias_update_rate if moe.load_balance == "bias" else 0.0
-        return cls(model.n_layers, moe.experts, moe.load_balance == "aux_loss", rate)
+        return cls(layers, moe.experts, moe.load_balance == "aux_loss", rate)

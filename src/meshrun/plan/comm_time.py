@@ -78,7 +78,7 @@ import math
 from meshrun.core.choices import HALF_PRECISIONS, SAC_POLICIES
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.layout import Layout
-from meshrun.models import model_shape
+from meshrun.models import model_kind, model_shape
 from meshrun.plan.collectives import Fabric, overlapped
 from meshrun.plan.compute import DeviceRates
 from meshrun.plan.float8 import TP_AMAX_REDUCTIONS, Float8Plan
@@ -227,7 +227,11 @@ def pp_time(
 def tied_time(cfg: ExperimentConfig, layout: Layout, fabric: Fabric) -> float:
     """Seconds of a step's tied-embedding gradient sum between the pipeline's ends (a custom
     module's own ties are refused under a pipeline: none)."""
-    if layout.pp == 1 or cfg.model.kind == "custom" or not model_shape(cfg.model).tied:
+    if (
+        layout.pp == 1
+        or model_kind(cfg.model).own_ties(cfg.model)
+        or not model_shape(cfg.model).tied
+    ):
         return 0.0
     d = Dims.of_layout(cfg.model, layout)
     ends_cross = group_span(layout, "pp", fabric.devices_per_node).crosses_nodes

@@ -32,10 +32,10 @@ from typing import Any
 
 from meshrun.core.baseline import baseline_config
 from meshrun.core.batch import local_batch_size
-from meshrun.core.config import ExperimentConfig, LlamaModelConfig, SlurmLauncherConfig
+from meshrun.core.config import ExperimentConfig, SlurmLauncherConfig
 from meshrun.core.errors import ConfigError, fail
 from meshrun.core.layout import Layout
-from meshrun.models import model_shape
+from meshrun.models import model_kind, model_shape
 from meshrun.plan import predict
 from meshrun.plan.candidate import Candidate, Legal, evaluate, host_flops
 from meshrun.plan.split import uneven_variant
@@ -137,8 +137,8 @@ def _etp_degrees(cfg: ExperimentConfig, keys: dict) -> list[int]:
     """1, and under TP for meshrun's own MoE blocks tp (each expert split over the TP ranks
     too: transformers' fused experts are not split)."""
     tp, m = keys["tp"], cfg.model
-    moe = isinstance(m, LlamaModelConfig) and m.moe.experts
-    return [1, tp] if tp > 1 and moe else [1]
+    moe = model_kind(m).moe(m)
+    return [1, tp] if tp > 1 and moe is not None and moe.experts else [1]
 
 
 def layout_grid(cfg: ExperimentConfig, box: Box, fixed: frozenset[str]) -> Iterator[dict]:

@@ -48,7 +48,7 @@ from meshrun.plan.memory import MemoryPrediction, chunk_sizes, dataparallel_devi
 from meshrun.plan.shapes import layer_counts, micro_batching
 from meshrun.plan.stage_time import ModelCost
 from meshrun.rank.mesh import build_mesh
-from meshrun.rank.parallel import materialise, sharded_part, stage_parts
+from meshrun.rank.parallel.compose import materialise, sharded_part, stage_parts
 from meshrun.rank.train.optim import build_optimizer
 
 FP32 = 4

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from meshrun.models.moe import Routers
+from meshrun.models import routers_of
 from meshrun.rank.faults import fault_injector
 from meshrun.rank.mesh import dp_group, pp_group
 from meshrun.rank.metrics.busy import BusyClock
@@ -51,7 +51,7 @@ def loop_context(
         evaluate=setup.evaluate,
         loss_scale=setup.training.loss_scale,
         twin=setup.twin,
-        routers=Routers.of(cfg.model),
+        routers=routers_of(cfg.model),
         replicas=setup.replicas,
         inspection=_inspection(at),
         faults=InjectedFaults(

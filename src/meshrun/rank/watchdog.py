@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
+from meshrun.core.layout import DIMENSIONS
 from meshrun.core.run_files.failures import record_failure
 from meshrun.core.run_files.positions import PositionFile
 from meshrun.rank import flight_recorder
@@ -105,12 +106,5 @@ def _resident_bytes() -> int:
 
 def step_collectives(degrees: dict[str, int]) -> str:
     """What a training step's forward/backward communicates under a layout's degrees."""
-    kinds = {
-        "pp": "pipeline send/recv",
-        "dp_replicate": "gradient all_reduce",
-        "dp_shard": "FSDP all_gather/reduce_scatter",
-        "cp": "context-parallel attention, FSDP over its ranks",
-        "tp": "tensor-parallel collectives",
-    }
-    used = [kinds[dim] for dim, n in degrees.items() if n > 1]
+    used = [dim.collectives for dim in DIMENSIONS if degrees.get(dim.name, 1) > 1]
     return f"forward/backward ({', '.join(used)})" if used else "forward/backward"

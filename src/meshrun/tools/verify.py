@@ -27,16 +27,16 @@ from meshrun.core.config import DebugConfig, ExperimentConfig, ParallelConfig, s
 from meshrun.core.errors import ConfigError, fail, positive
 from meshrun.core.hardware import HostFacts, target_facts
 from meshrun.core.layout import Layout
-from meshrun.core.measured import Measured
 from meshrun.core.naming import layout_name
 from meshrun.core.record import MEMORY_CATEGORIES
-from meshrun.core.tool_config import VerifyExperimentConfig, verify_tolerance
 from meshrun.driver.command import hydra_command
 from meshrun.driver.experiment import measure
 from meshrun.driver.launch.dispatch import launch
+from meshrun.driver.measured import Measured
 from meshrun.driver.resolution import legal
 from meshrun.driver.resolve import resolve
 from meshrun.driver.sinks.console import console, print_error, print_note
+from meshrun.driver.tool_config import VerifyExperimentConfig, verify_tolerance
 from meshrun.plan import predict
 from meshrun.plan.candidate import traced_or_why
 

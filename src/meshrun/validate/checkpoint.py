@@ -24,11 +24,11 @@ from meshrun.core.checkpoints import (
     read_manifest,
     resumed_checkpoint,
 )
-from meshrun.core.config import ExperimentConfig, HFModelConfig, LlamaModelConfig
+from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import fail
 from meshrun.core.layout import Layout
 from meshrun.core.rng_state import RngStateRefused, read_rng_state, rng_file
-from meshrun.models import model_key, param_counts
+from meshrun.models import model_key, model_kind, param_counts
 
 NOT_THE_MODEL = ("name", "pretrained")  # a resume takes the weights from the checkpoint
 NOT_THE_EXPERTS = ("grouped_mm",)  # how model.moe's experts compute, not what they hold
@@ -66,21 +66,9 @@ def _check_values(cfg: ExperimentConfig) -> None:
         )
     if c.keep < 1:
         fail("checkpoint.keep", c.keep, "keeps at least the latest", "an integer >= 1")
-    if c.export == "hf" and cfg.model.kind == "custom":
-        fail(
-            "checkpoint.export",
-            c.export,
-            "a model=custom module has no Hugging Face form",
-            "torch (a consolidated state dict) or none",
-        )
-    if c.export == "hf" and isinstance(cfg.model, LlamaModelConfig) and cfg.model.moe.experts:
-        fail(
-            "checkpoint.export",
-            c.export,
-            "meshrun's MoE LLaMA has no Hugging Face form: no transformers class has its "
-            "router, shared experts and balancing bias",
-            "torch (a consolidated state dict), none, or a transformers MoE (model=hf/...)",
-        )
+    refused = model_kind(cfg.model).hf_form_refused(cfg.model) if c.export == "hf" else None
+    if refused is not None:
+        fail("checkpoint.export", c.export, *refused)
 
 
 def _check_same_model(cfg: ExperimentConfig, manifest: Manifest) -> None:
@@ -161,12 +149,7 @@ def _check_nothing_overwritten(resumed: ExperimentConfig, manifest: Manifest) ->
 
 def _regroups_rows(cfg: ExperimentConfig) -> bool:
     """Whether TP stores a weight's rows in a tp-dependent order (GPT-2's fused q|k|v)."""
-    if not isinstance(cfg.model, HFModelConfig):
-        return False
-    from meshrun.models.hf import SHIPPED_PLANS  # noqa: PLC0415 (meshrun[hf])
-
-    shipped = SHIPPED_PLANS.get(cfg.model.architecture)
-    return shipped is not None and shipped.fused_qkv is not None
+    return model_kind(cfg.model).tp_row_order(cfg.model)
 
 
 def _check_space(cfg: ExperimentConfig) -> None:

@@ -1,24 +1,21 @@
-"""A user's own nn.Module (model=custom): that the callable imports and returns a module, that
-the names given are its submodules, and what each layout needs of it and it does not say
-(a TP plan for tp > 1, the parts a pipeline runs in sequence, the blocks checkpointing wraps).
+"""A user's own nn.Module (model=custom) under a layout: what each layout needs of it and it
+does not say (a TP plan for tp > 1, the parts a pipeline runs in sequence, the blocks
+checkpointing wraps); the module's own rules (its target, names, plan) are its kind's,
+models/custom_rules.py.
 The module is built on the meta device for this: nothing is allocated; only a pipeline's
 probe of its forward builds it on the CPU, where it is small."""
 
 from __future__ import annotations
 
-import difflib
 import inspect
-from collections.abc import Mapping
 from fnmatch import fnmatch
 
 import torch
 from torch import Tensor, nn
 
-from meshrun.core.choices import TP_STYLES
-from meshrun.core.config import CustomModelConfig, ExperimentConfig
+from meshrun.core.config import ExperimentConfig, ModelConfig
 from meshrun.core.errors import fail
 from meshrun.models.custom import (
-    PARTS,
     CustomLM,
     StagedForwardDiffers,
     build_custom,
@@ -26,10 +23,9 @@ from meshrun.models.custom import (
     check_staged_forward,
     paddable,
     token_lookup,
-    user_tp_plan,
 )
+from meshrun.models.kinds import CustomKind
 
-CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 SEE_DOCS = "see docs/models.md, Any nn.Module"
 SP_STYLES = ("sequence_parallel", "gather_input")  # what takes a sequence-sharded stream
 # The largest module the driver builds on its CPU to probe a pipeline's parts (fp32: 400 MB,
@@ -38,112 +34,17 @@ SP_STYLES = ("sequence_parallel", "gather_input")  # what takes a sequence-shard
 DRIVER_PROBE_PARAMS = 100_000_000
 
 
-def check_custom(m: CustomModelConfig) -> None:
-    if m.pretrained is not None:
-        fail(
-            "model.pretrained",
-            m.pretrained,
-            "model=custom builds its weights itself",
-            "null; load them in model.target's callable (it runs on each rank's CPU)",
-        )
-    try:
-        with torch.device("meta"):
-            module = build_user_module(m)
-    except (ImportError, ValueError) as err:
-        fail(
-            "model.target",
-            m.target,
-            f"cannot be imported ({err})",
-            '"module:callable", importable from the current directory',
-        )
-    except TypeError as err:
-        fail(
-            "model.target",
-            m.target,
-            f"called with model.kwargs={m.kwargs}: {err}",
-            "a callable returning an nn.Module, and kwargs it takes",
-        )
-    names = dict(module.named_modules())
-    for key in ("layers", *PARTS.values()):
-        path = getattr(m, key)
-        if path is not None and path not in names:
-            nearest = difflib.get_close_matches(path, [n for n in names if n], n=3)
-            fail(
-                f"model.{key}",
-                path,
-                "is not a submodule of the model",
-                f"{' | '.join(nearest) or 'a name from named_modules()'} (nearest)",
-            )
-    if m.layers is not None and not isinstance(names[m.layers], CONTAINERS):
-        fail(
-            "model.layers",
-            m.layers,
-            f"is a {type(names[m.layers]).__name__}",
-            "the ModuleList, Sequential or ModuleDict of the blocks",
-        )
-    try:
-        CustomLM(module, m)
-    except ValueError as err:
-        fail(
-            "model.vocab_size",
-            m.vocab_size,
-            str(err),
-            "the vocabulary size, or model.embedding naming the module holding the token "
-            "nn.Embedding",
-        )
-    if m.tp_plan is not None:
-        _check_plan(m, module)
-
-
-def _check_plan(m: CustomModelConfig, module: nn.Module) -> None:
-    try:
-        plan = user_tp_plan(m, module)
-    except (ImportError, ValueError, TypeError) as err:
-        fail(
-            "model.tp_plan",
-            m.tp_plan,
-            f"cannot be loaded ({err})",
-            'a mapping of module-name patterns to TP styles, or "module:callable" returning one',
-        )
-    if not isinstance(m.tp_plan, (str, Mapping)):
-        fail(
-            "model.tp_plan",
-            m.tp_plan,
-            "is neither a mapping nor a callable's path",
-            '{pattern: style}, or "module:callable"',
-        )
-    names = [n for n, _ in module.named_modules() if n]
-    for pattern, style in plan.items():
-        if (isinstance(style, str) and style not in TP_STYLES) or not _is_style(style):
-            fail(
-                f"model.tp_plan.{pattern}",
-                style,
-                "is not a TP style",
-                " | ".join(TP_STYLES) + ", or a ParallelStyle from a callable",
-            )
-        if not any(fnmatch(name, pattern) for name in names):
-            nearest = difflib.get_close_matches(pattern, names, n=3)
-            fail(
-                "model.tp_plan",
-                pattern,
-                "matches no module of the model",
-                f"{' | '.join(nearest) or 'a pattern of named_modules()'} (nearest)",
-            )
-
-
-def _is_style(style: object) -> bool:
-    """A style name, or a ParallelStyle: only a plan holding objects imports torch's tensor
-    parallelism here, the second every `meshrun` would pay at start otherwise."""
-    if isinstance(style, str):
-        return True
-    from torch.distributed.tensor.parallel import ParallelStyle  # noqa: PLC0415 (see above)
-
-    return isinstance(style, ParallelStyle)
+def user_module(m: ModelConfig) -> bool:
+    """Whether `m` is model=custom's: the module meshrun did not write, whose parts the
+    config names (these rules build it with the rank layer's probes, below the kinds)."""
+    return m.kind == CustomKind.name
 
 
 def check_custom_layout(cfg: ExperimentConfig) -> None:
-    """What the resolved layout needs of the module."""
+    """What the resolved layout needs of the module (a user's module only)."""
     m, p = cfg.model, cfg.parallel
+    if not user_module(m):
+        return
     model = build_custom(m, "meta", vocab_multiple=p.tp)
     if p.tp > 1:
         if m.tp_plan is None:
@@ -199,7 +100,7 @@ def check_staged(cfg: ExperimentConfig) -> None:
     (check_staged_forward), run here on a CPU build from the run's seed where the module is
     small enough, so that a module they would train otherwise is refused before launch.
     Once for the run (rules.check_run), not for each layout the planner weighs."""
-    if cfg.parallel.pp == 1:
+    if cfg.parallel.pp == 1 or not user_module(cfg.model):
         return
     with torch.device("meta"):
         params = sum(p.numel() for p in build_user_module(cfg.model).parameters())
@@ -326,7 +227,7 @@ def vocabulary_note(cfg: ExperimentConfig) -> str | None:
     """What meshrun took for the vocabulary of a user's module that names none: its one
     nn.Embedding (several, or none, were refused by check_custom)."""
     m = cfg.model
-    if not isinstance(m, CustomModelConfig) or m.vocab_size is not None or m.embedding:
+    if not user_module(m) or m.vocab_size is not None or m.embedding:
         return None
     with torch.device("meta"):
         path, lookup = token_lookup(build_user_module(m), None)

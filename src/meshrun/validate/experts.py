@@ -4,25 +4,17 @@ its top-k, the layouts its blocks combine with so far, and expert parallelism's 
 
 from __future__ import annotations
 
-import functools
-
-from meshrun.core.config import (
-    ExperimentConfig,
-    HFModelConfig,
-    LlamaModelConfig,
-    ModelConfig,
-    ParallelConfig,
-)
+from meshrun.core.config import ExperimentConfig, ModelConfig, ParallelConfig
 from meshrun.core.errors import fail, positive
 from meshrun.core.layout import Layout
 from meshrun.core.model_shape import expert_ffn_dim
-from meshrun.models import from_key, hf_experts, model_key, model_shape
+from meshrun.models import model_kind, model_shape
 
 
 def check_experts(m: ModelConfig) -> None:
-    if not isinstance(m, LlamaModelConfig):
+    moe = model_kind(m).moe(m)
+    if moe is None:
         return
-    moe = m.moe
     if moe.experts < 0:
         fail("model.moe.experts", moe.experts, "must be >= 0", "0 (dense) or more experts")
     if not moe.experts:
@@ -55,7 +47,8 @@ def check_expert_layout(cfg: ExperimentConfig) -> None:
     """What an MoE block does not combine with yet, each with the reason."""
     m, p = cfg.model, cfg.parallel
     check_expert_parallel(cfg)
-    if not isinstance(m, LlamaModelConfig) or not m.moe.experts:
+    moe = model_kind(m).moe(m)
+    if moe is None or not moe.experts:
         return
     if p.tp > 1 and p.sequence_parallel:
         fail(
@@ -65,7 +58,7 @@ def check_expert_layout(cfg: ExperimentConfig) -> None:
             "ranks, which need the whole sequence in and out",
             "parallel.sequence_parallel=false",
         )
-    if p.data_parallel == "dataparallel" and m.moe.load_balance == "bias":
+    if p.data_parallel == "dataparallel" and moe.load_balance == "bias":
         fail(
             "model.moe.load_balance",
             "bias",
@@ -73,7 +66,7 @@ def check_expert_layout(cfg: ExperimentConfig) -> None:
             "what they count is lost with them, so the biases would never move",
             "model.moe.load_balance=aux_loss or none, or parallel=ddp",
         )
-    if p.pp > 1 and m.moe.load_balance == "bias":
+    if p.pp > 1 and moe.load_balance == "bias":
         fail(
             "model.moe.load_balance",
             "bias",
@@ -81,7 +74,7 @@ def check_expert_layout(cfg: ExperimentConfig) -> None:
             "inference through the blocks, which would move the biases",
             "model.moe.load_balance=aux_loss or none, or parallel.pp=1",
         )
-    if p.cp > 1 and m.moe.load_balance == "aux_loss":
+    if p.cp > 1 and moe.load_balance == "aux_loss":
         fail(
             "model.moe.load_balance",
             "aux_loss",
@@ -116,8 +109,7 @@ def check_expert_parallel(cfg: ExperimentConfig) -> None:
             f"{key}=1, or an MoE model (model=tiny-moe, mixtral-8x7b, hf/tiny-mixtral, "
             "or model.moe.experts > 0)",
         )
-    if isinstance(m, HFModelConfig):
-        _check_hf_experts(m, p.etp)
+    model_kind(m).check_expert_split(m, p.etp)
     _check_ep(p, experts)
     if p.etp > 1 and expert_ffn_dim(m) % p.etp:
         fail(
@@ -146,41 +138,3 @@ def _check_ep(p: ParallelConfig, experts: int) -> None:
             f"must divide the model's {experts} experts: each ep rank holds a whole number of them",
             f"a divisor of {experts}",
         )
-
-
-def _check_hf_experts(m: HFModelConfig, etp: int) -> None:
-    """transformers' experts are split by replacing their forward with one that computes
-    plain SwiGLU (models/hf_experts.py): experts that compute anything else (another
-    activation, a clamped gate, biases: `unsplittable`, on the model built on meta) would be
-    trained as that; their gate and up matrices are one fused tensor, which etp cannot split
-    as one."""
-    if etp > 1:
-        fail(
-            "parallel.etp",
-            etp,
-            f"{m.architecture}'s experts fuse gate and up in one tensor; meshrun splits "
-            "its own experts' hidden width only",
-            "parallel.etp=1 (the experts whole on each TP rank)",
-        )
-    why = _unsplittable(*model_key(m))
-    if why is not None:
-        fail(
-            "parallel.ep",
-            "> 1",
-            f"{m.architecture}'s experts cannot be split: {why}; meshrun splits plain "
-            "SwiGLU experts only",
-            "parallel.ep=1",
-        )
-
-
-@functools.lru_cache(maxsize=16)
-def _unsplittable(schema: type[HFModelConfig], cfg_json: str) -> str | None:
-    """hf_experts.unsplittable of the model's first experts, built on meta once per model
-    (the planner validates every ep candidate)."""
-    from meshrun.models.hf import build_hf  # noqa: PLC0415 (optional: meshrun[hf])
-
-    model = build_hf(from_key(schema, cfg_json), "meta")
-    experts = next((e for e in model.modules() if hf_experts.is_hf_experts(e)), None)
-    if experts is None:
-        return "meshrun finds no experts of transformers' form (3-D gate_up_proj and down_proj)"
-    return hf_experts.unsplittable(experts)

@@ -19,7 +19,8 @@ CPU_DEFAULT_RANKS = 2
 
 
 def check_launcher(launcher: LauncherConfig) -> None:
-    choice("launcher.name", launcher.name, tuple(LAUNCHER_SCHEMAS))
+    if ":" not in launcher.name:  # else a user's, by its import path (driver/launch/registry)
+        choice("launcher.name", launcher.name, tuple(LAUNCHER_SCHEMAS))
     positive("launcher.nnodes", launcher.nnodes)
     if launcher.name == "local" and launcher.nnodes != 1 and attached_rank() is None:
         fail(

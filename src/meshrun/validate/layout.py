@@ -14,7 +14,7 @@ from meshrun.core.hardware import HostFacts
 from meshrun.core.imports import import_callable
 from meshrun.core.layout import MESH_DIMS, Layout, dataparallel_devices
 from meshrun.core.stages import MULTI_STAGE_SCHEDULES, PP_AUTO, stage_layer_counts
-from meshrun.models import model_shape
+from meshrun.models import model_kind, model_shape
 from meshrun.validate.launcher import check_launcher, check_start_method
 
 
@@ -185,7 +185,7 @@ def check_pipeline(cfg: ExperimentConfig) -> None:
     _check_stages_per_rank(cfg)
     shape = model_shape(cfg.model)
     _check_stage_layers(cfg, shape.n_layers)
-    if shape.tied and cfg.model.kind == "custom":  # meshrun's and HF's: a head copy (tied.py)
+    if shape.tied and model_kind(cfg.model).own_ties(cfg.model):  # else a head copy: tied.py
         fail(
             "model.target",
             cfg.model.target,

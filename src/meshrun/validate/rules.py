@@ -3,7 +3,7 @@ memory prediction needs to hold (`check_layout`), then the rest (`check_run`).""
 
 from __future__ import annotations
 
-from meshrun.core.config import CustomModelConfig, ExperimentConfig
+from meshrun.core.config import ExperimentConfig
 from meshrun.core.hardware import HostFacts
 from meshrun.validate.checkpoint import check_checkpoint
 from meshrun.validate.context import check_context_parallel
@@ -23,8 +23,7 @@ def check_layout(resolved: ExperimentConfig, facts: HostFacts) -> None:
     check_tensor_parallel(resolved)
     check_context_parallel(resolved)
     check_expert_layout(resolved)
-    if isinstance(resolved.model, CustomModelConfig):
-        check_custom_layout(resolved)
+    check_custom_layout(resolved)
     check_pipeline(resolved)
     check_float8(resolved, facts)
 
@@ -38,6 +37,5 @@ def check_run(resolved: ExperimentConfig) -> None:
     check_inspection(resolved, world)
     check_guard(resolved)
     check_fault_tolerance(resolved)
-    if isinstance(resolved.model, CustomModelConfig):
-        check_staged(resolved)
+    check_staged(resolved)
     check_checkpoint(resolved)

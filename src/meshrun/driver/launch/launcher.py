@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 from meshrun.core.config import ExperimentConfig, LauncherConfig
-from meshrun.core.tool_config import CommRunConfig
 from meshrun.driver.launch.rank_entry import RankEntry
+from meshrun.driver.tool_config import CommRunConfig
 
 LaunchedConfig = ExperimentConfig | CommRunConfig
 

@@ -24,8 +24,8 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from meshrun.core.config import ExperimentConfig, LauncherConfig, LocalLauncherConfig
 from meshrun.core.run_files.failures import first_failure, recorded_failures
-from meshrun.core.tool_config import CommRunConfig
 from meshrun.driver.launch import SIGNAL_UNSEEN, TRAIN, RankEntry, RankFailure, interrupted
+from meshrun.driver.tool_config import CommRunConfig
 
 logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
 

@@ -28,11 +28,11 @@ import submitit
 
 from meshrun.core.config import ExperimentConfig, LauncherConfig, SlurmLauncherConfig
 from meshrun.core.run_files.failures import first_failure
-from meshrun.core.tool_config import CommRunConfig
 from meshrun.driver.launch import TRAIN, RankEntry, RankFailure
 from meshrun.driver.launch.slurm_rules import check_slurm
 from meshrun.driver.launch.slurm_task import SlurmTask
 from meshrun.driver.sinks.console import console
+from meshrun.driver.tool_config import CommRunConfig
 
 SLURM_DIR = "slurm"
 

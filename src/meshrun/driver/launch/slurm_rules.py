@@ -12,7 +12,7 @@ import subprocess
 
 from meshrun.core.config import ExperimentConfig, SlurmLauncherConfig
 from meshrun.core.errors import fail, positive
-from meshrun.core.tool_config import CommRunConfig
+from meshrun.driver.tool_config import CommRunConfig
 
 SBATCH_FLAG = re.compile(r"^[a-z][a-z0-9-]*$")
 # sbatch flags the launcher sets from its own keys; sbatch_extra must not set them again.

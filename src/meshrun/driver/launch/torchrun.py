@@ -9,8 +9,8 @@ from typing import Any
 
 from meshrun.core.attached import attached_rank
 from meshrun.core.config import ExperimentConfig, LauncherConfig
-from meshrun.core.tool_config import CommRunConfig
 from meshrun.driver.launch import TRAIN, RankEntry, RankFailure
+from meshrun.driver.tool_config import CommRunConfig
 
 
 def run_dir_override() -> str:

@@ -17,10 +17,10 @@ from rich.table import Table
 from rich.text import Text
 
 from meshrun.core.record import report_columns
-from meshrun.core.tool_config import RunFilter
 from meshrun.driver.sinks.console import _fmt, _fmt_bytes, console
 from meshrun.driver.sinks.selection import layout_of, select_runs
 from meshrun.driver.sinks.store import ResultsStore
+from meshrun.driver.tool_config import RunFilter
 
 COLUMNS = report_columns()  # (record field, header), from the record's metadata
 HEADERS = tuple(header for _, header in COLUMNS)

@@ -8,13 +8,19 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from meshrun.core.measured import RunMeta
 from meshrun.core.record import MEMORY_CATEGORIES, RunRecord
 from meshrun.core.run_files.profiles import PROFILE_DIR
-from meshrun.core.trials import Trial, fastest, first_choice_loss, node_sets, rank_correlation
 from meshrun.driver.inspection import MIN_JUDGED_STEPS
+from meshrun.driver.measured import RunMeta
 from meshrun.driver.sinks.run_rows import budget_rows, checkpoint_rows
 from meshrun.driver.sinks.timeline import TIMELINE_FILE
+from meshrun.driver.trial_ranking import (
+    Trial,
+    fastest,
+    first_choice_loss,
+    node_sets,
+    rank_correlation,
+)
 
 console = Console()
 # A run waiting this share of its step time for batches is flagged as data-bound.

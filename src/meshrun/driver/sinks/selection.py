@@ -10,7 +10,7 @@ from typing import Any
 
 from meshrun.core.errors import ConfigError
 from meshrun.core.naming import is_preset_layout
-from meshrun.core.tool_config import RunFilter
+from meshrun.driver.tool_config import RunFilter
 
 LATEST = "latest"
 

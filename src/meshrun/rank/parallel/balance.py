@@ -29,7 +29,7 @@ from meshrun.core.rank_report import StageSplit
 from meshrun.core.stages import balanced_layer_counts, stage_costs
 from meshrun.models import build_model, model_shape
 from meshrun.rank.device import autocast, synchronize
-from meshrun.rank.parallel import materialise
+from meshrun.rank.parallel.compose import materialise
 from meshrun.rank.parallel.pipeline import cut_stage, pipeline_loss
 
 # Timed rounds after one warm-up round (allocations, kernel selection); the median is kept.

@@ -12,7 +12,8 @@ from meshrun.core.batch import n_microbatches
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.layout import Layout
 from meshrun.models import build_model
-from meshrun.rank.parallel import ParallelModel, parallelize
+from meshrun.rank.parallel.compose import parallelize
+from meshrun.rank.parallel.parallel_model import ParallelModel
 from meshrun.rank.train.loss_scale import LossScale
 from meshrun.rank.train.optim import build_lr_schedule, build_optimizer
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from meshrun.core.config import TrainConfig
 from meshrun.rank.mesh import mean_over_ranks
 from meshrun.rank.metrics.step_clock import StepClock
-from meshrun.rank.parallel import ParallelModel
+from meshrun.rank.parallel.parallel_model import ParallelModel
 from meshrun.rank.parallel.pipeline import pipeline_loss
 from meshrun.rank.train.data import HeldoutBatches
 

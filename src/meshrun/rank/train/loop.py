@@ -30,7 +30,8 @@ from meshrun.rank.device import autocast
 from meshrun.rank.mesh import mean_over_ranks
 from meshrun.rank.metrics.bubble import BubbleClock
 from meshrun.rank.metrics.memory import FWD_BWD_END, STEP_START
-from meshrun.rank.parallel import ParallelModel, gradient_sync
+from meshrun.rank.parallel.accumulation import gradient_sync
+from meshrun.rank.parallel.parallel_model import ParallelModel
 from meshrun.rank.parallel.pipeline import annotate_stages
 from meshrun.rank.profiling import phase, step_range
 from meshrun.rank.train.context import LoopContext, LoopState

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from meshrun.core.collective_names import ALL_GATHER, REDUCE_SCATTER
 from meshrun.core.run_files.failures import record_failure
-from meshrun.core.tool_config import CommConfig, comm_from_dict
+from meshrun.driver.tool_config import CommConfig, comm_from_dict
 from meshrun.rank import flight_recorder
 from meshrun.rank.collective_place import control_all_reduce, control_barrier
 from meshrun.rank.faults import fault_injector

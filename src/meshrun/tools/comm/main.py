@@ -24,15 +24,15 @@ from omegaconf import DictConfig, OmegaConf
 from meshrun.core.attached import attached_rank
 from meshrun.core.errors import ConfigError, choice, fail, positive
 from meshrun.core.hardware import HostFacts, resolve_hardware
-from meshrun.core.measured import RunMeta
-from meshrun.core.tool_config import CommRunConfig
 from meshrun.driver.command import hydra_command
 from meshrun.driver.experiment import attempt, new_run
 from meshrun.driver.launch import RankEntry
 from meshrun.driver.launch.dispatch import launch
 from meshrun.driver.launch.registry import launcher_for
+from meshrun.driver.measured import RunMeta
 from meshrun.driver.resolution import backend_for, place_ranks
 from meshrun.driver.sinks.console import console, print_error
+from meshrun.driver.tool_config import CommRunConfig
 from meshrun.tools.comm.busbw import OPS
 from meshrun.tools.comm.collectives import DTYPES, REDOPS, device_type, measurements
 from meshrun.tools.comm.report import print_tables, record, summarize, write_json

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshrun.core.config import DebugConfig
-from meshrun.core.tool_config import DoctorConfig
+from meshrun.driver.tool_config import DoctorConfig
 from meshrun.tools.comm.report import REPORT_FILE
 
 CHECK = (

@@ -29,9 +29,9 @@ from rich.text import Text
 from meshrun.core import nvidia_smi
 from meshrun.core.errors import ConfigError, choice, positive
 from meshrun.core.hardware import HostFacts
-from meshrun.core.tool_config import DoctorRunConfig
 from meshrun.driver.command import hydra_command
 from meshrun.driver.sinks.console import console, print_error
+from meshrun.driver.tool_config import DoctorRunConfig
 from meshrun.tools.doctor import devices
 from meshrun.tools.doctor.health import Health, check
 

@@ -50,10 +50,10 @@ from meshrun.core.calibration import Calibration, calibration_path, write_calibr
 from meshrun.core.config import LlamaModelConfig
 from meshrun.core.errors import ConfigError, fail
 from meshrun.core.hardware import HostFacts, fingerprint_key, host_fingerprint, rank_threads
-from meshrun.core.measured import utc_now
-from meshrun.core.tool_config import PlanCommandConfig
+from meshrun.driver.measured import utc_now
 from meshrun.driver.sinks.console import console, print_error, print_note
-from meshrun.models import model_shape
+from meshrun.driver.tool_config import PlanCommandConfig
+from meshrun.models import model_kind, model_shape
 from meshrun.plan.compute import block_linears
 from meshrun.plan.shapes import Dims
 from meshrun.rank.device import set_fp32_matmul
@@ -118,7 +118,7 @@ def calibrate(
         tf32=cfg.train.tf32,
         linears=block_linears(d, tokens, 1),
         attention=(cfg.train.micro_batch_size, d.a, cfg.train.seq_len, d.hq // d.a),
-        model=small_block(cfg.model if isinstance(cfg.model, LlamaModelConfig) else None),
+        model=small_block(model_kind(cfg.model).decoder(cfg.model)),
         block=None if cuda else in_step_block(d),
     )
     rates = _in_rank_processes(workload, box.per_node)

@@ -27,12 +27,12 @@ from meshrun.core.batch import derived_global_batch
 from meshrun.core.config import ExperimentConfig, TrainConfig, with_resolved
 from meshrun.core.errors import ConfigError, choice, fail, positive
 from meshrun.core.hardware import HostFacts, resolve_hardware, target_facts
-from meshrun.core.layout import Layout
+from meshrun.core.layout import DIMENSIONS, Layout
 from meshrun.core.precision import auto_precision
-from meshrun.core.tool_config import PlanCommandConfig
 from meshrun.driver.command import hydra_command
 from meshrun.driver.resolution import fill_degree, legal_on
 from meshrun.driver.sinks.console import print_error
+from meshrun.driver.tool_config import PlanCommandConfig
 from meshrun.plan.candidate import Candidate, host_calibration, trace
 from meshrun.plan.placement import devices_per_node
 from meshrun.plan.run_time import RunTime
@@ -60,16 +60,7 @@ TOO_BIG_LISTED = 6
 REASONS_LISTED = 8
 ALTERNATIVES = 3
 # What a preset (`parallel=tp2`) fixes: the whole layout.
-PARALLEL_KEYS = (
-    "parallel.pp",
-    "parallel.tp",
-    "parallel.dp_replicate",
-    "parallel.dp_shard",
-    "parallel.cp",
-    "parallel.cp_method",
-    "parallel.schedule",
-    "parallel.stages_per_rank",
-)
+PARALLEL_KEYS = tuple(f"parallel.{key}" for dim in DIMENSIONS for key in (dim.name, *dim.settings))
 
 
 def given_keys(overrides: Iterable[str]) -> frozenset[str]:

@@ -14,9 +14,9 @@ from omegaconf import OmegaConf
 from meshrun.core.config import settings_of
 from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import HostFacts
-from meshrun.core.tool_config import PlanCommandConfig
 from meshrun.driver.resolve import resolve
 from meshrun.driver.sinks.console import console, print_error, print_note
+from meshrun.driver.tool_config import PlanCommandConfig
 
 
 def show_resolved(cfg: PlanCommandConfig) -> int:

@@ -5,13 +5,12 @@ op, however small), and the wrappers' host cost (wrapper_overhead.py)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from meshrun.core.config import LlamaModelConfig
-from meshrun.models import build_model
+from meshrun.core.config import LlamaModelConfig, ModelConfig
+from meshrun.models import build_model, model_kind
 
 COUNTED_SEQ = 16  # the op count does not depend on sizes: counted on a small block
 
@@ -26,11 +25,11 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def ops_per_layer(model: Any) -> int:
+def ops_per_layer(model: ModelConfig) -> int:
     """The aten ops a block's forward and backward dispatch: meshrun's decoder of the model's
     kind counted at a small size with one block and with two (a transformers or custom model
     counts as meshrun's LLaMA block)."""
-    small = small_block(model if isinstance(model, LlamaModelConfig) else None)
+    small = small_block(model_kind(model).decoder(model))
     return _count(dataclasses.replace(small, n_layers=2)) - _count(small)
 
 

@@ -12,12 +12,12 @@ from rich.table import Table
 
 from meshrun.core.errors import ConfigError
 from meshrun.core.paths import CONF_DIR
-from meshrun.core.tool_config import ReportConfig
 from meshrun.driver.command import hydra_command
 from meshrun.driver.sinks.compare import print_table
 from meshrun.driver.sinks.console import console, print_error
 from meshrun.driver.sinks.selection import LATEST, Selection, select_runs
 from meshrun.driver.sinks.store import ResultsStore
+from meshrun.driver.tool_config import ReportConfig
 from meshrun.tools.report.html import render
 from meshrun.tools.report.query import check_filters
 

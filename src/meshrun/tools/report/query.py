@@ -8,9 +8,9 @@ from typing import Any
 
 from meshrun.core.errors import ConfigError
 from meshrun.core.naming import preset_names
-from meshrun.core.tool_config import ReportConfig
 from meshrun.driver.compose import nearest
 from meshrun.driver.sinks.selection import LATEST, layout_of, sweeps
+from meshrun.driver.tool_config import ReportConfig
 
 LISTED = 12  # values named in an error; the nearest is always among them
 

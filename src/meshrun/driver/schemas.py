@@ -11,7 +11,7 @@ from __future__ import annotations
 from hydra.core.config_store import ConfigStore
 
 from meshrun.core.config import LAUNCHER_SCHEMAS, MODEL_SCHEMAS, ExperimentConfig
-from meshrun.core.tool_config import (
+from meshrun.driver.tool_config import (
     CommRunConfig,
     DoctorRunConfig,
     PlanCommandConfig,

@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 from typing import Any, Literal
 
 from meshrun.core.rank_report import RankReport
-from meshrun.core.trials import Trial
+from meshrun.driver.trial_ranking import Trial
 
 # `trials`: plan.trials_only's verdict, recorded without a run of its own (driver/trials.py)
 Role = Literal["run", "baseline", "trial", "trials"]
