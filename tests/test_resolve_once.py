@@ -77,6 +77,7 @@ def test_the_plan_keeps_the_settings_and_fills_the_config_the_ranks_get(tmp_path
     settings = compose_config(f"run_dir={tmp_path}/run", f"store.path={tmp_path}/m.db")
     plan = resolve(settings, HostFacts.detect())
     assert plan.settings is settings and settings.backend.name == "auto"
+    assert (plan.ranks, plan.prediction) == (2, plan.config.resolved.prediction)
     assert plan.config.backend.name == "gloo" and plan.config.launcher.nproc_per_node == 2
     assert plan.config.resolved.settings == plain(settings)
     assert plan.as_dict()["filled"]["backend.name"] == ["auto", "gloo"]

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from meshrun.core.checkpoints import AUTO
 from meshrun.core.config import (
     ExperimentConfig,
+    Prediction,
     RunConfig,
     resolved_of,
     settings_of,
@@ -43,6 +44,14 @@ class RunPlan:
     config: RunConfig
     baseline: str
 
+    @property
+    def prediction(self) -> Prediction | None:
+        return self.config.resolved.prediction
+
+    @property
+    def ranks(self) -> int:
+        return self.config.launcher.nproc_per_node * self.config.launcher.nnodes
+
     def as_dict(self) -> dict[str, Any]:
         """What `meshrun-plan show=resolved` prints: the decisions, then the settings the
         resolution filled (key: [as given, as resolved])."""
@@ -52,6 +61,7 @@ class RunPlan:
             "hardware": c.hardware.name,
             "device_type": c.hardware.device_type,
             "backend": c.backend.name,
+            "ranks": self.ranks,
             "nodes": c.launcher.nnodes,
             "ranks_per_node": c.launcher.nproc_per_node,
             "threads_per_rank": c.launcher.threads_per_rank,
@@ -66,7 +76,7 @@ class RunPlan:
             "data_cache": r.data_cache,
             "model_read_from": r.model_read_from,
             "checkpoint_interval_s": r.checkpoint_interval_s,
-            "prediction": dataclasses.asdict(r.prediction) if r.prediction else None,
+            "prediction": dataclasses.asdict(self.prediction) if self.prediction else None,
             "filled": filled(plain(self.settings), plain(c)),
         }
 
