@@ -110,7 +110,7 @@ def resolved(overrides: list[str], work: Path) -> ExperimentConfig:
     where = [f"run_dir={work}", f"store.path={work / 'meshrun.db'}", "logger=none"]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = OmegaConf.to_object(compose(config_name="train", overrides=[*where, *overrides]))
-    return resolve(cfg, HostFacts.detect())
+    return resolve(cfg, HostFacts.detect()).config
 
 
 def _paired_rank(rank: int, cfgs: dict[str, dict], port: int, pairs: int, out: Path) -> None:

@@ -63,7 +63,7 @@ def compose_config(*overrides: str) -> ExperimentConfig:
 
 def resolved_config(*overrides: str) -> RunConfig:
     """`compose_config(*overrides)` after `resolve` on this host (layout and hardware resolved)."""
-    return resolve(compose_config(*overrides), HostFacts.detect())
+    return resolve(compose_config(*overrides), HostFacts.detect()).config
 
 
 def transformers_first_loss(cfg: RunConfig, model: torch.nn.Module, step: int = 0) -> float:

@@ -20,7 +20,7 @@ TWO_GPUS = HostFacts([H100, H100], cpu_count=16, memory_gib=128.0)
 
 
 def _resolved(tmp_path, *overrides: str) -> RunConfig:
-    return resolve(compose_config(f"run_dir={tmp_path}", *overrides), TWO_GPUS)
+    return resolve(compose_config(f"run_dir={tmp_path}", *overrides), TWO_GPUS).config
 
 
 @pytest.mark.parametrize("backend", ["nccl", "auto"])

@@ -21,7 +21,7 @@ from meshrun.core.calibration import (
     write_calibration,
 )
 from meshrun.core.errors import ConfigError
-from meshrun.core.hardware import HostFacts, fingerprint_key, host_fingerprint
+from meshrun.core.hardware import HostFacts, fingerprint_key, host_fingerprint, rank_threads
 from meshrun.core.layout import Layout
 from meshrun.driver.resolve import resolve
 from meshrun.plan.candidate import host_calibration
@@ -45,7 +45,6 @@ from meshrun.tools.plan.wrapper_overhead import (
     wrapper_overheads,
 )
 from meshrun.validate import check_experiment
-from meshrun.validate.launcher import rank_threads
 from tests.cli import run_console
 from tests.helpers import compose_config, resolved_config
 
@@ -441,7 +440,7 @@ def test_a_calibration_of_other_devices_or_not_one_at_all_is_refused(tmp_path):
 
 
 def test_a_plan_finds_the_profile_of_its_ranks_with_the_threads_a_run_would_give_them(tmp_path):
-    """One rank on this host computes with all its cores (validate/launcher.rank_threads), as
+    """One rank on this host computes with all its cores (core/hardware.rank_threads), as
     `meshrun-plan calibrate` measured it: a plan's candidate, whose threads are not set yet,
     finds that profile (a GPU box with 16 cores and one rank a GPU likewise)."""
     store = tmp_path / "meshrun.db"

@@ -422,7 +422,7 @@ def test_hf_heldout_split_without_a_window_is_fine_without_evaluation(hf_corpus,
         "train.seq_len=128",
         "data.heldout_fraction=0.001",
     )
-    assert resolve(cfg, HostFacts.detect()).resolved.data_cache is not None
+    assert resolve(cfg, HostFacts.detect()).config.resolved.data_cache is not None
 
 
 BAD_HF_DATA = [

@@ -193,7 +193,9 @@ def test_a_module_with_one_embedding_needs_no_name_for_it_and_is_told_so(experim
     """Neither model.vocab_size nor model.embedding: the module's one nn.Embedding gives the
     vocabulary, the run says so and trains as with the embedding named."""
     notes: list[str] = []
-    cfg = resolve(compose_config(*MODEL, "model.layers=blocks"), HostFacts.detect(), notes.append)
+    cfg = resolve(
+        compose_config(*MODEL, "model.layers=blocks"), HostFacts.detect(), notes.append
+    ).config
     assert model_shape(cfg.model).vocab_size == 256
     assert notes == [
         "model=custom: the vocabulary is 256, that of the module's one nn.Embedding "

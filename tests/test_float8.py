@@ -32,6 +32,7 @@ from meshrun.core.hardware import CudaDevice, HostFacts, load_profile, target_fa
 from meshrun.core.record import RunRecord
 from meshrun.driver.experiment import measure
 from meshrun.driver.float8 import float8_fields
+from meshrun.driver.resolution import legal_on, resolved_layout
 from meshrun.driver.sinks.console import console, print_summary
 from meshrun.driver.tool_config import FLOAT8_LOSS_BOUND, FLOAT8_TOLERANCES
 from meshrun.models import build_model, float8_coverage
@@ -44,7 +45,6 @@ from meshrun.plan.speed import predict_speed
 from meshrun.rank.parallel import float8 as rank_float8
 from meshrun.rank.parallel.tensor import float8_styles, parallel_styles, sub_blocks
 from meshrun.validate import float8 as rules
-from meshrun.validate import validate_layout
 from tests.helpers import compose_config, resolved_config
 from tests.ranks import assert_steps_match, config_in, losses
 from tests.test_plan import meshrun_plan
@@ -146,7 +146,7 @@ def _refused(*overrides: str, facts: HostFacts | None = None) -> ConfigError:
         if cfg.hardware.name != "auto":
             facts = target_facts(load_profile(cfg.hardware.name), facts)
     with pytest.raises(ConfigError) as refused:
-        validate_layout(cfg, facts)
+        resolved_layout(cfg, facts)
     return refused.value
 
 
@@ -190,7 +190,7 @@ def test_a_missing_torchao_is_named_with_its_install_command(monkeypatch):
 
 def test_an_sm89_gpu_and_torch_2_12_cpus_run_every_recipe():
     cfg = compose_config("train.float8.enabled=true", BF16, "parallel=fsdp")
-    assert validate_layout(cfg, H100S).train.float8.enabled
+    assert resolved_layout(cfg, H100S).train.float8.enabled
     assert not rules.cpu_scales_rows("2.11.0+cu130")
     assert rules.cpu_scales_rows("2.12.1") and rules.cpu_scales_rows("2.13.0+cpu")
 
@@ -433,5 +433,5 @@ def test_an_h100_plan_has_float8_rows_beside_bf16_with_their_gain_an_a100_plan_s
 def test_parallel_auto_picks_a_layout_not_a_precision():
     cfg = compose_config(*LLAMA_7B_H100, "parallel=auto", "train.precision=bf16")
     facts = target_facts(load_profile("h100-80g"), HostFacts.detect())
-    ranked = fitting_layouts(cfg, 8, facts)
+    ranked = fitting_layouts(cfg, 8, legal_on(facts))
     assert ranked and not any(c.cfg.train.float8.enabled for c in ranked)

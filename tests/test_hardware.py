@@ -31,8 +31,8 @@ from meshrun.core.hardware import (
 from meshrun.core.model_shape import llama_shape
 from meshrun.core.nvidia_smi import DriverView
 from meshrun.core.paths import CONF_DIR
+from meshrun.driver.resolution import resolved_config
 from meshrun.driver.resolve import resolve
-from meshrun.validate import validate
 from tests.cli import run_meshrun
 from tests.helpers import compose_config
 from tests.nvidia_smi_stub import H100 as H100_SMI
@@ -263,7 +263,7 @@ def test_flops_per_token_is_6n_plus_12_layers_dim_seq():
 
 def test_cpu_profile_on_a_gpu_host_runs_ranks_on_the_cpu_whatever_the_gpu_count():
     one_gpu = HostFacts([CudaDevice("NVIDIA H200", 139.8)], cpu_count=16, memory_gib=128)
-    cfg = validate(compose_config("hardware=cpu", "backend=gloo", "parallel=pp2"), one_gpu)
+    cfg = resolved_config(compose_config("hardware=cpu", "backend=gloo", "parallel=pp2"), one_gpu)
     assert cfg.launcher.nproc_per_node == 2 and cfg.hardware.device_type == "cpu"
 
 
@@ -285,7 +285,7 @@ def test_auto_refuses_cpu_ranks_where_nvidia_smi_lists_gpus_torch_cannot_see():
     with pytest.raises(ConfigError, match="this profile describes CUDA devices"):
         resolve_hardware(load_profile("h100-80g"), facts)
     # on purpose: the CPU
-    cfg = validate(compose_config("hardware=cpu", "backend=gloo", "parallel=pp2"), facts)
+    cfg = resolved_config(compose_config("hardware=cpu", "backend=gloo", "parallel=pp2"), facts)
     assert cfg.hardware.device_type == "cpu"
 
 

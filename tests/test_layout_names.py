@@ -15,6 +15,7 @@ from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import HostFacts
 from meshrun.core.naming import layout_name, layout_overrides, rerun_overrides
 from meshrun.driver.measured import Measured, RunMeta
+from meshrun.driver.resolution import legal_on
 from meshrun.driver.results import assemble
 from meshrun.driver.sinks.compare import cells
 from meshrun.driver.sinks.console import console, print_summary
@@ -160,7 +161,9 @@ def test_run_again_keeps_what_was_given_and_writes_out_the_resolved_layout():
 
 def test_planner_rows_rerun_as_themselves():
     ranked = search(
-        resolved_config(*TINY, "parallel=single", "hardware=cpu"), Box(1, 4), HostFacts.detect()
+        resolved_config(*TINY, "parallel=single", "hardware=cpu"),
+        Box(1, 4),
+        legal_on(HostFacts.detect()),
     ).ranked
     assert len({c.label for c in ranked}) == len(ranked)  # one name per planner row
     for c in ranked:

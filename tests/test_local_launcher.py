@@ -15,7 +15,7 @@ import pytest
 from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import CudaDevice, HostFacts
 from meshrun.core.paths import REPO_ROOT
-from meshrun.validate import validate
+from meshrun.driver.resolution import resolved_config
 from tests.helpers import compose_config
 
 CHECK = """
@@ -114,10 +114,10 @@ def test_fork_is_refused_where_the_ranks_would_use_cuda():
     initialised in it and a forked rank could not use it; forkserver and spawn start clean."""
     gpus = HostFacts([CudaDevice("NVIDIA H100 80GB HBM3", 79.1)] * 2, cpu_count=16, memory_gib=128)
     with pytest.raises(ConfigError) as refused:
-        validate(compose_config("launcher.start_method=fork", "parallel=ddp"), gpus)
+        resolved_config(compose_config("launcher.start_method=fork", "parallel=ddp"), gpus)
     assert refused.value.key == "launcher.start_method"
     assert "forkserver (the default) or spawn" in str(refused.value)
     for method in ("forkserver", "spawn"):
-        validate(compose_config(f"launcher.start_method={method}", "parallel=ddp"), gpus)
+        resolved_config(compose_config(f"launcher.start_method={method}", "parallel=ddp"), gpus)
     on_cpu = ("launcher.start_method=fork", "hardware=cpu", "backend=gloo", "parallel=ddp")
-    assert validate(compose_config(*on_cpu), gpus).hardware.device_type == "cpu"
+    assert resolved_config(compose_config(*on_cpu), gpus).hardware.device_type == "cpu"

@@ -11,12 +11,12 @@ import torch
 from meshrun.core.config import DeviceSpec, HardwareConfig
 from meshrun.core.hardware import CudaDevice, HostFacts, load_profile
 from meshrun.core.precision import auto_precision, matmul_precision
+from meshrun.driver.resolution import resolved_config
 from meshrun.driver.results import flops_fields
 from meshrun.plan import predict
 from meshrun.plan.candidate import host_flops
 from meshrun.plan.stage_time import device_peak
 from meshrun.rank.device import set_fp32_matmul
-from meshrun.validate import validate
 from tests.helpers import compose_config
 
 # torch's name, memory and (major, minor) for these cards
@@ -55,26 +55,26 @@ def test_auto_precision_is_bf16_where_every_device_has_it(hardware, capabilities
 
 
 def test_the_default_experiment_on_eight_h100s_runs_bf16_and_says_why():
-    cfg = validate(compose_config(), host(*[H100] * 8))
+    cfg = resolved_config(compose_config(), host(*[H100] * 8))
     assert (cfg.train.precision, cfg.resolved.precision_auto) == ("bf16", "sm90")
     assert cfg.train.global_batch_size == 16 and cfg.backend.name == "nccl"
 
 
 def test_a_gpu_without_bf16_runs_fp32_and_a_cpu_run_fp32():
-    on_t4 = validate(compose_config(), host(T4))
+    on_t4 = resolved_config(compose_config(), host(T4))
     assert (on_t4.train.precision, on_t4.resolved.precision_auto) == ("fp32", "sm75, no bf16")
-    on_cpu = validate(compose_config("hardware=cpu", "backend=gloo"), host(H100))
+    on_cpu = resolved_config(compose_config("hardware=cpu", "backend=gloo"), host(H100))
     assert (on_cpu.train.precision, on_cpu.resolved.precision_auto) == ("fp32", "CPU")
 
 
 def test_a_given_precision_is_kept():
-    cfg = validate(compose_config("train.precision=fp32"), host(H100))
+    cfg = resolved_config(compose_config("train.precision=fp32"), host(H100))
     assert cfg.train.precision == "fp32" and cfg.resolved.precision_auto is None
 
 
 def _on_h100(*overrides: str):
     given = ("hardware=h100-80g", "parallel=single", "train.precision=fp32", *overrides)
-    return validate(compose_config(*given), host(H100))
+    return resolved_config(compose_config(*given), host(H100))
 
 
 def test_fp32_on_cuda_is_planned_at_the_tf32_peak_unless_tf32_is_off():
@@ -85,7 +85,7 @@ def test_fp32_on_cuda_is_planned_at_the_tf32_peak_unless_tf32_is_off():
     assert device_peak(full, spec) == pytest.approx(67.0e12)
     slower = predict.speed(full, host_flops(full)).step_time_s
     assert slower > 2 * predict.speed(tf32, host_flops(tf32)).step_time_s
-    cpu = validate(compose_config("hardware=cpu", "train.precision=fp32"), host())
+    cpu = resolved_config(compose_config("hardware=cpu", "train.precision=fp32"), host())
     assert matmul_precision(cpu) == "fp32"  # TF32 is CUDA's
 
 

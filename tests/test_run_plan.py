@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from meshrun.core.calibration import calibration_path, write_calibration
-from meshrun.core.hardware import HostFacts, fingerprint_key, host_fingerprint
+from meshrun.core.hardware import HostFacts, fingerprint_key, host_fingerprint, rank_threads
 from meshrun.core.record import RunRecord
 from meshrun.driver.experiment import measure
 from meshrun.driver.run_plan import predicted_checkpoint
@@ -24,7 +24,6 @@ from meshrun.plan.prediction_band import PUBLISHED
 from meshrun.plan.run_time import MTBF_NODE_HOURS, Failures, RunTime, budget_tokens
 from meshrun.tools.plan.run_table import prediction_band
 from meshrun.tools.report import budget_plot
-from meshrun.validate.launcher import rank_threads
 from tests.helpers import compose_config, resolved_config
 from tests.ranks import config_in
 from tests.test_calibration import _calibration

@@ -165,7 +165,7 @@ def test_a_failing_trial_is_recorded_and_left_out_and_trials_only_stops_there(
         f"store.path={tmp_path}/meshrun.db",
         *SHORT,
     )
-    runs = resolve_trials(cfg, HostFacts.detect())
+    runs = [p.config for p in resolve_trials(cfg, HostFacts.detect())]
 
     def launch(run: RunConfig):  # the first layout's trial fails on rank 1 at its step 2
         if run.name.endswith("-trial1"):

@@ -7,7 +7,13 @@ import dataclasses
 import hashlib
 import json
 
-from meshrun.core.config import CheckpointConfig, EvalConfig, ExperimentConfig, ParallelConfig
+from meshrun.core.config import (
+    CheckpointConfig,
+    EvalConfig,
+    ExperimentConfig,
+    ParallelConfig,
+    unpredicted,
+)
 from meshrun.core.layout import Layout
 from meshrun.core.precision import matmul_precision
 
@@ -31,7 +37,7 @@ def baseline_config(cfg: ExperimentConfig) -> ExperimentConfig:
         layout = Layout.of(cfg.parallel)
         global_batch //= layout.dp_size * max(1, n_devices(cfg) // layout.world_size)
     return dataclasses.replace(
-        cfg,
+        unpredicted(cfg),  # the run's prediction is not the baseline's
         parallel=ParallelConfig(name="single"),
         launcher=dataclasses.replace(cfg.launcher, nnodes=1, nproc_per_node=1),
         train=dataclasses.replace(

@@ -26,6 +26,8 @@ AUTO = "auto"  # checkpoint.every_steps=auto: the plan's interval (driver/run_pl
 PREFIX = "step-"
 RUN_FILE = "run.json"  # a run's identity (driver/experiment.begin), which its resumes keep
 RESULTS_FILE = "results.json"
+# fp32 weights and AdamW's two moments; optimizer steps and RNG states are noise beside them.
+BYTES_PER_PARAM = 12
 
 
 @dataclass
@@ -148,3 +150,19 @@ def find_restore(cfg: CheckpointConfig, run_dir: str, requeued: bool) -> Path | 
 def _listing(root: Path) -> str:
     names = [p.name for p in complete(root)]
     return ", ".join(names) if names else "none here"
+
+
+def resumed_checkpoint(
+    c: CheckpointConfig, run_dir: str, path: Path, manifest: Manifest
+) -> CheckpointConfig:
+    """The run a resume continues saves on where it saved (the `checkpoint.dir` it used,
+    unless another is given). A new run (another run dir) loads this very checkpoint and
+    saves into a checkpoint dir of its own: the one given, unless the checkpoint is in it,
+    else its run dir's `checkpoints/`."""
+    saved_in = path.parent
+    if same_dir(manifest.run_dir, run_dir):
+        if c.dir is None and not same_dir(saved_in, checkpoint_root(c, run_dir)):
+            return replace(c, dir=str(saved_in))
+        return c
+    own = None if same_dir(checkpoint_root(c, run_dir), saved_in) else c.dir
+    return replace(c, resume=str(path.absolute()), dir=own)

@@ -666,6 +666,21 @@ class ExperimentConfig:
 
 
 @dataclass
+class Prediction:
+    """The plan's prediction for the run's layout, made once before the launch (with the
+    memory check, driver/resolve.py) and read by the record: each rank's memory by kind
+    (MemoryPrediction.as_dict), the trace where the run records one, the step's seconds and
+    its parts, tokens a second, and when the calibration the speed used was measured."""
+
+    memory: list[dict[str, int]] = field(default_factory=list)
+    traced: list[dict[str, int]] | None = None
+    step_time_s: float | None = None
+    tokens_per_s: float | None = None
+    step_parts: dict[str, float] | None = None
+    calibrated_at: str | None = None
+
+
+@dataclass
 class Resolved:
     """What the driver decides for a run from its settings, which no user sets (as torchtitan
     keeps JobConfig for settings and ParallelDims for what follows from them). `twin`: rank 0
@@ -677,7 +692,9 @@ class Resolved:
     `precision_auto`: why train.precision=auto became what it is (e.g. `sm90`, `CPU`);
     `checkpoint_interval_s`: checkpoint.every_steps=auto's interval, seconds between two saves
     (the plan's Young/Daly interval, driver/run_plan.py), and `checkpoint_interval_why` what it
-    came from, which the ranks turn into steps at their measured step time."""
+    came from, which the ranks turn into steps at their measured step time; `prediction`:
+    the plan's for this very config (none once the layout changes: the baseline's, a split
+    the ranks chose); `settings`: the experiment as composed, before any of this (plain)."""
 
     twin: bool = False
     data_cache: str | None = None
@@ -686,6 +703,8 @@ class Resolved:
     precision_auto: str | None = None
     checkpoint_interval_s: float | None = None
     checkpoint_interval_why: str | None = None
+    prediction: Prediction | None = None
+    settings: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -694,6 +713,13 @@ class RunConfig(ExperimentConfig):
     Hydra types the settings alone (ExperimentConfig), so no override can reach `resolved`."""
 
     resolved: Resolved = field(default_factory=Resolved)
+
+
+def settings_of(cfg: ExperimentConfig) -> ExperimentConfig:
+    """The experiment's own settings in `cfg`: without what was resolved, or the keys of a
+    command's own schema (meshrun-plan's, meshrun-verify's)."""
+    fields = dataclasses.fields(ExperimentConfig)
+    return ExperimentConfig(**{f.name: getattr(cfg, f.name) for f in fields})
 
 
 def with_resolved(cfg: ExperimentConfig, **changes: Any) -> RunConfig:
@@ -705,6 +731,13 @@ def with_resolved(cfg: ExperimentConfig, **changes: Any) -> RunConfig:
 def resolved_of(cfg: ExperimentConfig) -> Resolved:
     """What the driver resolved for `cfg`: nothing yet for settings alone."""
     return cfg.resolved if isinstance(cfg, RunConfig) else Resolved()
+
+
+def unpredicted(cfg: ExperimentConfig) -> ExperimentConfig:
+    """`cfg` without the prediction it carries: the one for a config it was derived from."""
+    if not isinstance(cfg, RunConfig) or cfg.resolved.prediction is None:
+        return cfg
+    return dataclasses.replace(cfg, resolved=dataclasses.replace(cfg.resolved, prediction=None))
 
 
 def rebuild(schema: type, data: dict[str, Any]) -> Any:

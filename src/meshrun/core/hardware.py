@@ -26,7 +26,13 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from meshrun.core.config import DeviceSpec, HardwareConfig
+from meshrun.core.config import (
+    BackendConfig,
+    DeviceSpec,
+    HardwareConfig,
+    LauncherConfig,
+    SlurmLauncherConfig,
+)
 from meshrun.core.errors import fail
 from meshrun.core.nvidia_smi import DriverView, read_driver
 from meshrun.core.paths import CONF_DIR
@@ -210,6 +216,20 @@ def _detected(hw: HardwareConfig, facts: HostFacts) -> HardwareConfig:
         }
         links[name] = dataclasses.replace(getattr(detected, name), **given)
     return dataclasses.replace(detected, **links)
+
+
+def backend_name(backend: BackendConfig, hardware: HardwareConfig) -> str:
+    """`backend=auto` for `hardware` (resolved): nccl on CUDA devices, else gloo."""
+    if backend.name != "auto":
+        return backend.name
+    return "nccl" if hardware.device_type == "cuda" else "gloo"
+
+
+def rank_threads(launcher: LauncherConfig, nproc: int, facts: HostFacts) -> int:
+    """A rank's CPU threads: the given ones, a SLURM task's CPUs (only the SLURM schema has
+    cpus_per_task), else an equal share of the host's cores among its `nproc` ranks."""
+    slurm_cpus = launcher.cpus_per_task if isinstance(launcher, SlurmLauncherConfig) else None
+    return launcher.threads_per_rank or slurm_cpus or max(1, facts.cpu_count // nproc)
 
 
 def target_facts(hardware: HardwareConfig, host: HostFacts) -> HostFacts:

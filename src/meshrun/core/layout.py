@@ -131,3 +131,8 @@ def dp_rank(layout: Layout, rank: int) -> int:
 def cp_rank(layout: Layout, rank: int) -> int:
     """Index in its context-parallel group: which part of each sequence the rank holds."""
     return rank_coords(layout, rank)["cp"]
+
+
+def dataparallel_devices(p: ParallelConfig, n_gpus: int) -> int:
+    """torch.nn.DataParallel's devices: the given number, or (-1) every visible one."""
+    return n_gpus if p.dataparallel_devices == -1 else p.dataparallel_devices

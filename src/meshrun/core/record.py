@@ -73,6 +73,8 @@ class RunRecord:
     layout: dict[str, int] | None = _f()
     layout_name: str | None = _f(column=True, summary=True, report=(4, "layout"))
     overrides: str | None = _f()  # `meshrun <these>` runs it again
+    # the experiment as composed, before the resolution filled it (its auto, -1, null)
+    settings: dict[str, Any] | None = _f()
     world_size: int | None = _f(column=True, summary=True, report=(5, "ranks"))
     devices: int | None = _f()
     hardware: str | None = _f(column=True, summary=True)

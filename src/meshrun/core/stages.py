@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from meshrun.core.choices import Schedule
-from meshrun.core.config import ExperimentConfig
+from meshrun.core.config import ExperimentConfig, unpredicted
 
 # Schedules that run several stages on each pipeline rank (parallel.stages_per_rank > 1).
 MULTI_STAGE_SCHEDULES = (Schedule["interleaved_1f1b"], Schedule["interleaved_zb"])
@@ -59,7 +59,8 @@ def stage_costs(counts: list[int], block: list[float], first: float, last: float
 
 def with_layers(cfg: ExperimentConfig, counts: list[int]) -> ExperimentConfig:
     """`cfg` with an explicit split: what `parallel.pp_layers=auto` chose, to run it again."""
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp_layers=counts))
+    parallel = dataclasses.replace(cfg.parallel, pp_layers=counts)
+    return dataclasses.replace(unpredicted(cfg), parallel=parallel)
 
 
 def local_stage_ids(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:

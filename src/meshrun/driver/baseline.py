@@ -8,7 +8,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 
 from meshrun.core.baseline import baseline_config, baseline_key, is_own_baseline
-from meshrun.core.config import ExperimentConfig, RunConfig, with_resolved
+from meshrun.core.config import ExperimentConfig
 from meshrun.core.hardware import fingerprint_key, host_fingerprint
 from meshrun.core.record import RunRecord
 from meshrun.driver.launch.registry import launcher_for
@@ -32,13 +32,18 @@ def stored_baseline(cfg: ExperimentConfig, store: ResultsStore) -> RunRecord | N
     return store.find_baseline(key, here, since.isoformat(timespec="seconds"))
 
 
-def with_baseline_plan(cfg: ExperimentConfig) -> RunConfig:
-    """The config the ranks get: `resolved.twin` where rank 0 is to train the baseline twin
-    between the run's steps (a fresh one is needed and both fit). Not beside torchft's
-    replicas: each is rank 0 of a world of its own, and any of them may restart."""
-    twin = needs_baseline(cfg) and stored_baseline(cfg, ResultsStore(cfg.store.path)) is None
-    twin = twin and cfg.parallel.fault_tolerance == "none"
-    return with_resolved(cfg, twin=twin and baseline_fits_beside(cfg))
+def baseline_plan(cfg: ExperimentConfig) -> str:
+    """How the run's single-device baseline is to be had, decided before its ranks start:
+    `beside` (rank 0 trains it between the run's steps: a fresh one is needed and both fit),
+    `stored`, `after` (a launch of its own after the run), `own` (a single-device run is its
+    own) or `off`. Not beside torchft's replicas: each is rank 0 of a world of its own, and
+    any of them may restart."""
+    if not needs_baseline(cfg):
+        return "off" if cfg.metrics.baseline == "off" else "own"
+    if stored_baseline(cfg, ResultsStore(cfg.store.path)) is not None:
+        return "stored"
+    beside = cfg.parallel.fault_tolerance == "none" and baseline_fits_beside(cfg)
+    return "beside" if beside else "after"
 
 
 def age_s(record: RunRecord) -> float:

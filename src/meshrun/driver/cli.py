@@ -18,8 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from meshrun.core.attached import attached_nodes, attached_rank
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import ConfigError
-from meshrun.core.hardware import HostFacts, resolve_hardware, target_facts
-from meshrun.driver.baseline import with_baseline_plan
+from meshrun.core.hardware import HostFacts
 from meshrun.driver.collect import submit_pending
 from meshrun.driver.command import hydra_command
 from meshrun.driver.experiment import record_skipped, reported, run_experiment
@@ -52,21 +51,12 @@ def run(dict_cfg: DictConfig) -> int:
         cfg = in_run_dir_of_resume(cfg)  # naming no run dir of its own: the checkpoint's run
         launcher = launcher_for(cfg.launcher.name)
         facts = HostFacts.detect()
-        # First on the box the hardware profile describes (its layout, whether it fits), then
-        # on this host; for hardware=auto they are the same.
-        if launcher.ranks_here:  # a GPU profile without a GPU here is the news
-            resolve_hardware(cfg.hardware, facts)
-        target = target_facts(cfg.hardware, facts)
-        # A cluster's ranks run on the profile's box, not on this (login) host.
-        ranks_on = facts if launcher.ranks_here else target
         if cfg.plan.trials:
-            resolve_trials(cfg, target)
-            trials = [with_baseline_plan(r) for r in resolve_trials(cfg, ranks_on, print_note)]
+            plans = resolve_trials(cfg, facts, print_note)
+            trials = [p.config for p in plans]
             return reported(lambda: run_with_trials(trials, cfg.plan, launch))
-        resolve(cfg, target)
-        cfg = resolve(cfg, ranks_on, say=print_note)
+        cfg = resolve(cfg, facts, say=print_note).config  # every rank under torchrun alike
         check_attached_world(cfg.launcher, f"parallel={cfg.parallel.name}")
-        cfg = with_baseline_plan(cfg)  # every rank under torchrun decides alike
     except ConfigError as err:
         if is_sweep_job():  # an invalid grid point: recorded, and the sweep goes on
             record_skipped(cfg, err)

@@ -19,7 +19,7 @@ from meshrun.core.run_files.memory_snapshots import VIEWER, snapshot_path
 from meshrun.core.run_files.metrics import StepRow
 from meshrun.core.run_files.positions import read_positions
 from meshrun.driver.launch import SIGNAL_UNSEEN, RankFailure
-from meshrun.plan import predict
+from meshrun.plan.run_prediction import prediction_of
 
 GiB = 2**30
 
@@ -72,7 +72,7 @@ def explained(cfg: ExperimentConfig, wait: Callable[[], Any]) -> Callable[[], An
 
 def explain(cfg: ExperimentConfig, failure: RankFailure, kills_before: int | None) -> RankFailure:
     if failure.error.startswith("OutOfMemoryError"):  # torch's, CUDA's allocator
-        predicted = _gib(predict.memory(cfg)[failure.rank].peak)
+        predicted = _gib(prediction_of(cfg).memory[failure.rank]["peak"])
         error = f"{failure.error} (predicted peak {predicted} per rank by the plan)"
         snapshot = snapshot_path(cfg.run_dir, failure.rank, "oom")
         if snapshot.exists():  # debug.memory_snapshot
@@ -95,8 +95,9 @@ def explain(cfg: ExperimentConfig, failure: RankFailure, kills_before: int | Non
     position = read_positions(cfg.run_dir).get(failure.rank)
     measured = _gib(position.rss_bytes) + " resident" if position and position.rss_bytes else "n/a"
     host = HostFacts.detect().memory_gib
+    peak = prediction_of(cfg).memory[failure.rank]["peak"]
     figures = (
-        f"predicted peak {_gib(predict.memory(cfg)[failure.rank].peak)} per rank (plan), "
+        f"predicted peak {_gib(peak)} per rank (plan), "
         f"measured {measured} before it died, host has {host:.1f} GiB for "
         f"{cfg.launcher.nproc_per_node} rank(s)"
     )

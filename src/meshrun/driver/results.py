@@ -53,7 +53,7 @@ from meshrun.driver.run_plan import budget_fields, checkpoint_plan_fields
 from meshrun.driver.trial_ranking import Trial, first_choice_loss, rank_correlation
 from meshrun.models import model_shape, param_counts
 from meshrun.plan import predict
-from meshrun.plan.candidate import host_calibration, host_flops
+from meshrun.plan.run_prediction import prediction_of
 from meshrun.validate.model import describe_read
 
 # Stage costs further apart than this (relative) after pp_layers=auto are noted as uneven.
@@ -134,25 +134,26 @@ def memory_fields(cfg: ExperimentConfig, report: RankReport | None) -> Memory:
 
 
 def predicted_memory_fields(cfg: ExperimentConfig) -> dict[str, Any]:
-    """The planner's prediction of each rank's memory (and plan.trace's, on fake tensors)."""
-    predicted = [p.as_dict() for p in predict.memory(cfg)]
-    traced = predict.traced(cfg)
+    """The planner's prediction of each rank's memory (and plan.trace's, on fake tensors), as
+    the resolution made it (plan/run_prediction.py)."""
+    prediction = prediction_of(cfg)
+    predicted = prediction.memory
     return {
         "memory_predicted": predicted,
-        "memory_traced": [p.as_dict() for p in traced] if traced else None,
+        "memory_traced": prediction.traced,
         "predicted_peak_memory_bytes": max(p["peak"] for p in predicted),
     }
 
 
 def predicted_speed_fields(cfg: ExperimentConfig) -> dict[str, Any]:
-    """The speed model's step, on this host's calibration where plan.calibration finds one."""
-    calibration = host_calibration(cfg)
-    speed = predict.speed(cfg, host_flops(cfg), calibration)
+    """The speed model's step, on this host's calibration where plan.calibration finds one
+    (the prediction the resolution made, plan/run_prediction.py)."""
+    prediction = prediction_of(cfg)
     return {
-        "predicted_step_time_s": speed.step_time_s if speed else None,
-        "predicted_tokens_per_s": speed.tokens_per_s if speed else None,
-        "predicted_step_parts": speed.step_parts() if speed else None,
-        "predicted_calibrated_at": calibration.created_at if calibration else None,
+        "predicted_step_time_s": prediction.step_time_s,
+        "predicted_tokens_per_s": prediction.tokens_per_s,
+        "predicted_step_parts": prediction.step_parts,
+        "predicted_calibrated_at": prediction.calibrated_at,
     }
 
 
@@ -327,6 +328,7 @@ def config_fields(cfg: ExperimentConfig, meta: RunMeta) -> dict[str, Any]:
         "layout": layout.degrees(),
         "layout_name": layout_name(cfg),
         "overrides": rerun(meta, cfg),
+        "settings": resolved_of(cfg).settings or None,
         "world_size": layout.world_size,
         "devices": n_devices(cfg),
         "hardware": cfg.hardware.name,

@@ -1,20 +1,101 @@
-"""What the plan says of a run's whole budget and its checkpoints (plan/run_time.py), for a
-run: checkpoint.every_steps=auto's interval, decided before the launch (the ranks turn it
-into steps at the step time they measure: rank/train/auto_interval.py); after the run, how
-long its whole budget takes at the speed it measured against the plan's prediction for its
-layout, and what its checkpoints were predicted to cost."""
+"""The plan of a run (RunPlan): everything the resolution derived from the experiment's
+settings, once, before the launch (driver/resolve.py). And what the plan says of a run's
+whole budget and its checkpoints (plan/run_time.py): checkpoint.every_steps=auto's interval,
+decided before the launch (the ranks turn it into steps at the step time they measure:
+rank/train/auto_interval.py); after the run, how long its whole budget takes at the speed it
+measured against the plan's prediction for its layout, and what its checkpoints were
+predicted to cost."""
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from meshrun.core.checkpoints import AUTO
-from meshrun.core.config import ExperimentConfig, RunConfig, resolved_of, with_resolved
+from meshrun.core.config import (
+    ExperimentConfig,
+    Prediction,
+    RunConfig,
+    resolved_of,
+    settings_of,
+    with_resolved,
+)
+from meshrun.core.layout import Layout
+from meshrun.core.naming import layout_name
 from meshrun.core.rank_report import AutoCheckpoint
 from meshrun.plan import predict
 from meshrun.plan.candidate import host_calibration
 from meshrun.plan.checkpoint_cost import CheckpointCost, checkpoint_cost, storage_rates
 from meshrun.plan.run_time import Failures, budget_tokens, save_interval_s, young_daly_s
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """One run's plan: `settings` the experiment as composed, untouched (its `auto`s, -1
+    degree and nulls as the user left them); `config` what the ranks get, every degree
+    filled, with `config.resolved` what no user sets (the data cache, what was read from a
+    pretrained directory, the prediction, the baseline beside the run); `baseline` how the
+    baseline is to be had (driver/baseline.baseline_plan)."""
+
+    settings: ExperimentConfig
+    config: RunConfig
+    baseline: str
+
+    @property
+    def prediction(self) -> Prediction | None:
+        return self.config.resolved.prediction
+
+    @property
+    def ranks(self) -> int:
+        return self.config.launcher.nproc_per_node * self.config.launcher.nnodes
+
+    def as_dict(self) -> dict[str, Any]:
+        """What `meshrun-plan show=resolved` prints: the decisions, then the settings the
+        resolution filled (key: [as given, as resolved])."""
+        c, r = self.config, self.config.resolved
+        return {
+            "name": c.name,
+            "hardware": c.hardware.name,
+            "device_type": c.hardware.device_type,
+            "backend": c.backend.name,
+            "ranks": self.ranks,
+            "nodes": c.launcher.nnodes,
+            "ranks_per_node": c.launcher.nproc_per_node,
+            "threads_per_rank": c.launcher.threads_per_rank,
+            "layout": layout_name(c),
+            "degrees": Layout.of(c.parallel).degrees(),
+            "global_batch_size": c.train.global_batch_size,
+            "batch_derived": r.batch_derived,
+            "micro_batch_size": c.train.micro_batch_size,
+            "precision": str(c.train.precision),
+            "precision_auto": r.precision_auto,
+            "baseline": self.baseline,
+            "data_cache": r.data_cache,
+            "model_read_from": r.model_read_from,
+            "checkpoint_interval_s": r.checkpoint_interval_s,
+            "prediction": dataclasses.asdict(self.prediction) if self.prediction else None,
+            "filled": filled(plain(self.settings), plain(c)),
+        }
+
+
+def plain(cfg: ExperimentConfig) -> dict[str, Any]:
+    """The settings of `cfg` as plain values (enums by name), without what was resolved."""
+    return OmegaConf.to_container(OmegaConf.structured(settings_of(cfg)), enum_to_str=True)
+
+
+def filled(given: dict[str, Any], resolved: dict[str, Any], prefix: str = "") -> dict[str, list]:
+    """The dotted keys whose value the resolution changed: [as given, as resolved]."""
+    changed: dict[str, list] = {}
+    for key, value in resolved.items():
+        before = given.get(key)
+        if isinstance(value, dict) and isinstance(before, dict):
+            changed |= filled(before, value, f"{prefix}{key}.")
+        elif value != before:
+            changed[f"{prefix}{key}"] = [before, value]
+    return changed
 
 
 def predicted_checkpoint(cfg: ExperimentConfig) -> CheckpointCost:

@@ -24,11 +24,14 @@ from meshrun.core.precision import matmul_precision
 
 @dataclass
 class PlanCommandConfig(ExperimentConfig):
-    """`meshrun-plan`: the experiment, and the number of ranks to plan for."""
+    """`meshrun-plan`: the experiment, and the number of ranks to plan for. `show`: `plan`
+    (every legal layout, ranked) or `resolved` (the plan of the one run `meshrun` would start
+    with these overrides on this host, its RunPlan, without launching it)."""
 
     world_size: int | None = None
     json: str | None = None
     top: int = 20
+    show: str = "plan"
 
 
 # The largest relative deviation of loss and grad norm per step that meshrun-verify passes,

@@ -1,16 +1,18 @@
 """One layout judged: its resolved config, predicted memory per rank against each rank's
-capacity, and predicted speed. `legal` asks the same `validate` a run goes through."""
+capacity, and predicted speed. Whether a layout is legal the caller says (`Legal`: the
+driver's resolution, the same rules a run goes through): the plan computes, never checks."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshrun.core.batch import n_microbatches
 from meshrun.core.calibration import Calibration, calibration_path, read_calibration
 from meshrun.core.config import ExperimentConfig
-from meshrun.core.hardware import HostFacts, fingerprint_key, host_fingerprint
+from meshrun.core.hardware import HostFacts, fingerprint_key, host_fingerprint, rank_threads
 from meshrun.core.layout import Layout
 from meshrun.core.naming import layout_name, layout_overrides
 from meshrun.plan import predict
@@ -20,11 +22,10 @@ from meshrun.plan.probe import host_matmul_flops
 from meshrun.plan.shapes import layer_counts
 from meshrun.plan.speed import SpeedPrediction
 from meshrun.plan.stage_time import EP_LOAD_ALLOWANCE
-from meshrun.validate import validate_layout
-from meshrun.validate.launcher import rank_threads
-from meshrun.validate.layout import check_batch
 
 GiB = 2**30
+# A layout filled for the box and checked by the rules a run goes through, or ConfigError.
+Legal = Callable[[ExperimentConfig], ExperimentConfig]
 
 
 @dataclass
@@ -210,11 +211,3 @@ def evaluate(cfg: ExperimentConfig) -> Candidate:
     if cfg.parallel.ep > 1:
         candidate.notes.append(EP_LOAD.format(allowance=EP_LOAD_ALLOWANCE))
     return candidate
-
-
-def legal(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig:
-    """The layout's rules and the batch's, as a run checks them on the profile's box (not
-    the launcher's host checks: a plan needs no SLURM client); raises ConfigError."""
-    resolved = validate_layout(cfg, facts)
-    check_batch(resolved)
-    return resolved

@@ -19,13 +19,13 @@ import math
 from dataclasses import asdict, dataclass
 
 from meshrun.core.calibration import Calibration
+from meshrun.core.checkpoints import BYTES_PER_PARAM
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.layout import Layout
 from meshrun.models import param_counts
 from meshrun.plan import predict
 from meshrun.plan.memory import MemoryPrediction
 from meshrun.plan.shapes import Dims, local_param_elements, stage_shares
-from meshrun.validate.checkpoint import BYTES_PER_PARAM
 
 GB = 1e9
 # A node's share of a large cluster's storage when every node saves at once: the Llama 3

@@ -7,10 +7,9 @@ from __future__ import annotations
 from meshrun.core.baseline import baseline_config
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import fail
-from meshrun.core.hardware import HostFacts
 from meshrun.core.layout import Layout
 from meshrun.plan import predict
-from meshrun.plan.candidate import evaluate, host_flops
+from meshrun.plan.candidate import Candidate, Legal, evaluate, host_flops
 from meshrun.plan.search import FLOAT8_KEY, Box, search
 
 GiB = 2**30
@@ -20,11 +19,10 @@ def _gib(n: float) -> str:
     return f"{n / GiB:.1f} GiB"
 
 
-def check_fit(cfg: ExperimentConfig, facts: HostFacts) -> None:
-    if cfg.plan.allow_oom:
-        return
-    candidate = evaluate(cfg)
-    if candidate.fits:
+def check_fit(candidate: Candidate, legal: Legal) -> None:
+    """The candidate of the run's own config fits, or ConfigError with layouts that would."""
+    cfg = candidate.cfg
+    if cfg.plan.allow_oom or candidate.fits:
         return
     over = [m.peak - c for m, c in zip(candidate.memory, candidate.capacity, strict=True)]
     stage = over.index(max(over))
@@ -34,7 +32,7 @@ def check_fit(cfg: ExperimentConfig, facts: HostFacts) -> None:
     world = Layout.of(cfg.parallel).world_size
     box = Box(cfg.launcher.nnodes, world // cfg.launcher.nnodes)
     keep = frozenset({FLOAT8_KEY})  # layouts of the run's own precision
-    fitting = [c for c in search(cfg, box, facts, keep).ranked if c.fits][:3]
+    fitting = [c for c in search(cfg, box, legal, keep).ranked if c.fits][:3]
     if fitting:
         valid = "; ".join(f"{c.overrides()} (predicted {_gib(c.peak)} a rank)" for c in fitting)
     else:

@@ -1,9 +1,9 @@
 """The layouts a user can write for a model on `nodes` boxes of the hardware profile, each
 with its predicted memory per pipeline rank and speed, ranked: those that fit first, fastest
 first (predictions within the speed model's resolution of each other count as equal, the one
-with more memory to spare first). Legality is decided by the same `validate` a run goes
-through, on the box the profile describes; a layout ruled out keeps its reason for the "why
-not" of meshrun-plan.
+with more memory to spare first). Legality is decided by the caller's `Legal` (the same
+rules a run goes through, on the box the profile describes); a layout ruled out keeps its
+reason for the "why not" of meshrun-plan.
 
 The space: pp x dp_replicate x dp_shard x cp x tp (tp inside a node: its ranks are adjacent,
 so it stays on the node's links iff it divides the devices per node; cp next to it, its
@@ -34,11 +34,10 @@ from meshrun.core.baseline import baseline_config
 from meshrun.core.batch import local_batch_size
 from meshrun.core.config import ExperimentConfig, SlurmLauncherConfig
 from meshrun.core.errors import ConfigError, fail
-from meshrun.core.hardware import HostFacts
 from meshrun.core.layout import Layout
 from meshrun.models import model_kind, model_shape
 from meshrun.plan import predict
-from meshrun.plan.candidate import Candidate, evaluate, host_flops, legal
+from meshrun.plan.candidate import Candidate, Legal, evaluate, host_flops
 from meshrun.plan.split import uneven_variant
 
 # (schedule, stages_per_rank)
@@ -238,7 +237,7 @@ def _speed_key(c: Candidate) -> float:
 
 
 def best_variant(
-    cfg: ExperimentConfig, facts: HostFacts, fixed: frozenset[str], plan: Plan
+    cfg: ExperimentConfig, legal: Legal, fixed: frozenset[str], plan: Plan
 ) -> Candidate | None:
     """A layout's fastest variant that fits, else its smallest; None if none is legal."""
     fitting: Candidate | None = None
@@ -252,7 +251,7 @@ def best_variant(
                 cfg.parallel, activation_checkpointing=ckpt, checkpoint_every=every, ddp=ddp
             )
             resolved = legal_or_reason(
-                dataclasses.replace(cfg, train=train, parallel=parallel), facts
+                dataclasses.replace(cfg, train=train, parallel=parallel), legal
             )
             if isinstance(resolved, str):
                 plan.rule_out(resolved)
@@ -271,15 +270,15 @@ def best_variant(
     return fitting or smallest
 
 
-def legal_or_reason(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig | str:
+def legal_or_reason(cfg: ExperimentConfig, legal: Legal) -> ExperimentConfig | str:
     try:
-        return legal(cfg, facts)
+        return legal(cfg)
     except ConfigError as err:
         return f"{err.key}={err.value}: {err.problem}"
 
 
 def search(
-    cfg: ExperimentConfig, box: Box, facts: HostFacts, fixed: frozenset[str] = frozenset()
+    cfg: ExperimentConfig, box: Box, legal: Legal, fixed: frozenset[str] = frozenset()
 ) -> Plan:
     """Ranked candidates; pipelines on mixed boxes get an uneven split as well."""
     plan = Plan([])
@@ -288,16 +287,16 @@ def search(
             plan.rule_out(_tp_across_nodes(keys["tp"], box))
             continue
         for precision in float8_variants(cfg, fixed):
-            best = best_variant(with_parallel(precision, box, **keys), facts, fixed, plan)
+            best = best_variant(with_parallel(precision, box, **keys), legal, fixed, plan)
             if best is None:
                 continue
             plan.ranked.append(best)
-            uneven = uneven_variant(best, facts)
+            uneven = uneven_variant(best, legal)
             if uneven is not None:
                 plan.ranked.append(uneven)
     if not plan.ranked and not plan.ruled_out:
         plan.rule_out(_no_layout_reason(box, fixed))
-    add_speedups(plan.ranked, facts)
+    add_speedups(plan.ranked, legal)
     add_float8_gains(plan.ranked)
     plan.ranked.sort(key=ranking(plan.ranked))
     return plan
@@ -368,13 +367,13 @@ def with_layout(cfg: ExperimentConfig, candidate: Candidate) -> ExperimentConfig
     return dataclasses.replace(cfg, parallel=chosen.parallel, train=chosen.train)
 
 
-def fitting_layouts(cfg: ExperimentConfig, world: int, facts: HostFacts) -> list[Candidate]:
+def fitting_layouts(cfg: ExperimentConfig, world: int, legal: Legal) -> list[Candidate]:
     """`parallel=auto`'s choice: the plan's rows that are predicted to fit, in its order (the
     first is the layout a run takes, the first K those plan.trials measures); ConfigError
     where none does."""
     box = Box(cfg.launcher.nnodes, world // cfg.launcher.nnodes)
     # the run's own train.float8 stands: parallel=auto picks a layout, not a precision
-    ranked = [c for c in search(cfg, box, facts, frozenset({FLOAT8_KEY})).ranked if c.fits]
+    ranked = [c for c in search(cfg, box, legal, frozenset({FLOAT8_KEY})).ranked if c.fits]
     if not ranked:
         fail(
             "parallel",
@@ -424,7 +423,7 @@ def ranking(candidates: list[Candidate]) -> Callable[[Candidate], tuple]:
     return key
 
 
-def add_speedups(candidates: list[Candidate], facts: HostFacts) -> None:
+def add_speedups(candidates: list[Candidate], legal: Legal) -> None:
     """Against the single-device twin of each (weak scaling: one device's share of the batch)."""
     singles: dict[str, float | None] = {}
     for c in candidates:
@@ -433,7 +432,7 @@ def add_speedups(candidates: list[Candidate], facts: HostFacts) -> None:
         twin = baseline_config(c.cfg)
         key = repr((twin.train, twin.parallel))
         if key not in singles:
-            resolved = legal_or_reason(twin, facts)
+            resolved = legal_or_reason(twin, legal)
             single = (
                 None if isinstance(resolved, str) else predict.speed(resolved, host_flops(resolved))
             )

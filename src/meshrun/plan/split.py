@@ -9,11 +9,10 @@ import dataclasses
 from meshrun.core.config import DeviceSpec, ExperimentConfig
 from meshrun.core.errors import ConfigError
 from meshrun.core.flops import peak_tflops
-from meshrun.core.hardware import HostFacts
 from meshrun.core.layout import Layout
 from meshrun.core.precision import matmul_precision
 from meshrun.models import model_shape
-from meshrun.plan.candidate import Candidate, evaluate, legal
+from meshrun.plan.candidate import Candidate, Legal, evaluate
 from meshrun.plan.placement import stage_devices
 
 GiB = 2**30
@@ -45,7 +44,7 @@ def proportional(n_layers: int, weights: list[float]) -> list[int]:
     return counts
 
 
-def uneven_variant(candidate: Candidate, facts: HostFacts) -> Candidate | None:
+def uneven_variant(candidate: Candidate, legal: Legal) -> Candidate | None:
     """The candidate with a proportional split, or None where all stages run the same device
     kind (an even split is already right) or the layout has no single-stage pipeline."""
     cfg = candidate.cfg
@@ -63,7 +62,7 @@ def uneven_variant(candidate: Candidate, facts: HostFacts) -> Candidate | None:
     for _ in range(n_layers):
         parallel = dataclasses.replace(p, pp_layers=counts)
         try:
-            resolved = legal(dataclasses.replace(cfg, parallel=parallel), facts)
+            resolved = legal(dataclasses.replace(cfg, parallel=parallel))
         except ConfigError:
             return None
         trial = evaluate(resolved)

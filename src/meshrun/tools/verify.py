@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.table import Table
 from rich.text import Text
 
-from meshrun.core.config import DebugConfig, ExperimentConfig, ParallelConfig
+from meshrun.core.config import DebugConfig, ExperimentConfig, ParallelConfig, settings_of
 from meshrun.core.errors import ConfigError, fail, positive
 from meshrun.core.hardware import HostFacts, target_facts
 from meshrun.core.layout import Layout
@@ -34,11 +34,12 @@ from meshrun.driver.command import hydra_command
 from meshrun.driver.experiment import measure
 from meshrun.driver.launch.dispatch import launch
 from meshrun.driver.measured import Measured
+from meshrun.driver.resolution import legal
 from meshrun.driver.resolve import resolve
 from meshrun.driver.sinks.console import console, print_error, print_note
 from meshrun.driver.tool_config import VerifyExperimentConfig, verify_tolerance
 from meshrun.plan import predict
-from meshrun.plan.candidate import legal, traced_or_why
+from meshrun.plan.candidate import traced_or_why
 
 REPORT_FILE = "verify.json"
 GiB = 2**30
@@ -153,8 +154,7 @@ def _print_report(report: dict[str, Any]) -> None:
 
 def _experiment(composed: VerifyExperimentConfig) -> ExperimentConfig:
     """Without the `verify` block: the ranks rebuild the schema they know from a plain dict."""
-    fields = dataclasses.fields(ExperimentConfig)
-    return ExperimentConfig(**{f.name: getattr(composed, f.name) for f in fields})
+    return settings_of(composed)
 
 
 def traced(composed: VerifyExperimentConfig) -> int:
@@ -200,7 +200,7 @@ def run(dict_cfg: DictConfig) -> int:
                 "compares a float8 run with the same run in high precision; this one has no float8",
                 "train.float8.enabled=true, or verify.reference=same",
             )
-        cfg = resolve(_experiment(composed), HostFacts.detect(), say=print_note)
+        cfg = resolve(_experiment(composed), HostFacts.detect(), say=print_note).config
     except ConfigError as err:
         print_error("config error", str(err))
         return 2

@@ -16,12 +16,13 @@ from pathlib import Path
 
 from meshrun.core.checkpoints import (
     AUTO,
+    BYTES_PER_PARAM,
     Manifest,
     checkpoint_root,
     complete,
     find_resume,
     read_manifest,
-    same_dir,
+    resumed_checkpoint,
 )
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import fail
@@ -29,16 +30,13 @@ from meshrun.core.layout import Layout
 from meshrun.core.rng_state import RngStateRefused, read_rng_state, rng_file
 from meshrun.models import model_key, model_kind, param_counts
 
-# fp32 weights and AdamW's two moments; optimizer steps and RNG states are noise beside them.
-BYTES_PER_PARAM = 12
 NOT_THE_MODEL = ("name", "pretrained")  # a resume takes the weights from the checkpoint
 NOT_THE_EXPERTS = ("grouped_mm",)  # how model.moe's experts compute, not what they hold
 
 
-def check_checkpoint(cfg: ExperimentConfig) -> ExperimentConfig:
-    """The config to run: a resume's checkpoint found and checked; where it continues the
-    checkpoint's run, in the checkpoint dir that run saved into; where it is a new run, from
-    that checkpoint's path, saving into a checkpoint dir of its own."""
+def check_checkpoint(cfg: ExperimentConfig) -> None:
+    """A resume's checkpoint found and checked, and the checkpoint dir the run saves into
+    (core/checkpoints.resumed_checkpoint's)."""
     c = cfg.checkpoint
     _check_values(cfg)
     path = find_resume(c, cfg.run_dir)
@@ -48,26 +46,11 @@ def check_checkpoint(cfg: ExperimentConfig) -> ExperimentConfig:
         _check_row_order(cfg, manifest)
         _check_rng_states(cfg, path, manifest)
         _check_steps_left(cfg, path, manifest)
-        cfg = _resumed(cfg, path, manifest)
+        checkpoint = resumed_checkpoint(c, cfg.run_dir, path, manifest)
+        cfg = dataclasses.replace(cfg, checkpoint=checkpoint)
         _check_nothing_overwritten(cfg, manifest)
     if c.every_steps or c.export != "none":
         _check_space(cfg)
-    return cfg
-
-
-def _resumed(cfg: ExperimentConfig, path: Path, manifest: Manifest) -> ExperimentConfig:
-    """The run a resume continues saves on where it saved (the `checkpoint.dir` it used,
-    unless another is given). A new run (another run dir) loads this very checkpoint and
-    saves into a checkpoint dir of its own: the one given, unless the checkpoint is in it,
-    else its run dir's `checkpoints/`."""
-    c, saved_in = cfg.checkpoint, path.parent
-    if same_dir(manifest.run_dir, cfg.run_dir):
-        if c.dir is None and not same_dir(saved_in, checkpoint_root(c, cfg.run_dir)):
-            c = dataclasses.replace(c, dir=str(saved_in))
-        return dataclasses.replace(cfg, checkpoint=c)
-    own = None if same_dir(checkpoint_root(c, cfg.run_dir), saved_in) else c.dir
-    new = dataclasses.replace(c, resume=str(path.absolute()), dir=own)
-    return dataclasses.replace(cfg, checkpoint=new)
 
 
 def _check_values(cfg: ExperimentConfig) -> None:

@@ -99,7 +99,7 @@ def check_staged(cfg: ExperimentConfig) -> None:
     """A pipeline's stages run the named parts in sequence: the probe the ranks run
     (check_staged_forward), run here on a CPU build from the run's seed where the module is
     small enough, so that a module they would train otherwise is refused before launch.
-    Once for the run (validate_run), not for each layout the planner weighs."""
+    Once for the run (rules.check_run), not for each layout the planner weighs."""
     if cfg.parallel.pp == 1 or not user_module(cfg.model):
         return
     with torch.device("meta"):

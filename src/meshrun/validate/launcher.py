@@ -4,7 +4,6 @@ and fault injection. A launcher's own rules are its Launcher.check (driver/launc
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 from meshrun.core.attached import attached_rank
@@ -13,10 +12,8 @@ from meshrun.core.config import (
     DebugConfig,
     LauncherConfig,
     LocalLauncherConfig,
-    SlurmLauncherConfig,
 )
 from meshrun.core.errors import choice, fail, positive
-from meshrun.core.hardware import HostFacts
 
 CPU_DEFAULT_RANKS = 2
 
@@ -52,11 +49,9 @@ def check_start_method(launcher: LauncherConfig, on_cuda: bool) -> None:
         )
 
 
-def place_ranks(
-    launcher: LauncherConfig, world: int, gpus: int, facts: HostFacts, what: str
-) -> LauncherConfig:
-    """`world` ranks over `launcher.nnodes` nodes (`what` names who asks for them), each
-    rank's CPU threads filled in; CUDA runs need a device per rank on a node."""
+def check_placement(launcher: LauncherConfig, world: int, gpus: int, what: str) -> None:
+    """`world` ranks over `launcher.nnodes` nodes (`what` names who asks for them); CUDA runs
+    need a device per rank on a node."""
     nproc, nodes = launcher.nproc_per_node, launcher.nnodes
     if world % nodes:
         fail(
@@ -81,15 +76,6 @@ def place_ranks(
             f"only {gpus} CUDA devices are visible",
             f"at most {gpus}",
         )
-    threads = rank_threads(launcher, nproc, facts)
-    return dataclasses.replace(launcher, nproc_per_node=nproc, threads_per_rank=threads)
-
-
-def rank_threads(launcher: LauncherConfig, nproc: int, facts: HostFacts) -> int:
-    """A rank's CPU threads: the given ones, a SLURM task's CPUs (only the SLURM schema has
-    cpus_per_task), else an equal share of the host's cores among its `nproc` ranks."""
-    slurm_cpus = launcher.cpus_per_task if isinstance(launcher, SlurmLauncherConfig) else None
-    return launcher.threads_per_rank or slurm_cpus or max(1, facts.cpu_count // nproc)
 
 
 def check_attached_world(launcher: LauncherConfig, what: str) -> None:

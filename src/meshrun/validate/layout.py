@@ -1,46 +1,29 @@
 """Rules of legal layouts: degrees and world size, tensor-parallel divisibility, pipeline
-stages, schedules and micro-batches, batch divisibility. Resolves -1 degrees, rank counts
-and CPU threads; a pipeline's micro-batch count follows from train.micro_batch_size."""
+stages, schedules and micro-batches, batch divisibility. The -1 degrees, rank counts and CPU
+threads are filled by the resolution (driver/resolution.py); a pipeline's micro-batch count
+follows from train.micro_batch_size."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import os
 
 from meshrun.core.batch import local_batch_size, n_microbatches
 from meshrun.core.config import ExperimentConfig, ParallelConfig
 from meshrun.core.errors import fail
 from meshrun.core.hardware import HostFacts
 from meshrun.core.imports import import_callable
-from meshrun.core.layout import MESH_DIMS, Layout
+from meshrun.core.layout import MESH_DIMS, Layout, dataparallel_devices
 from meshrun.core.stages import MULTI_STAGE_SCHEDULES, PP_AUTO, stage_layer_counts
 from meshrun.models import model_kind, model_shape
-from meshrun.validate.launcher import (
-    CPU_DEFAULT_RANKS,
-    check_launcher,
-    check_start_method,
-    place_ranks,
-)
+from meshrun.validate.launcher import check_launcher, check_start_method
 
 
-def resolve_layout(cfg: ExperimentConfig, facts: HostFacts):
-    p, launcher = cfg.parallel, cfg.launcher
-    check_launcher(launcher)
-    check_start_method(launcher, cfg.hardware.device_type == "cuda")
-    check_degrees(p)
-    _check_checkpoint_every(p)
-    if p.data_parallel == "dataparallel":
-        return _resolve_dataparallel(cfg, facts)
-    # A CPU profile on a GPU host runs on the CPU: its GPUs neither size nor limit the world.
-    gpus = facts.cuda_devices if cfg.hardware.device_type == "cuda" else []
-    ranks = (
-        launcher.nproc_per_node or (len(gpus) if gpus else CPU_DEFAULT_RANKS)
-    ) * launcher.nnodes
-    filled = fill_degree(p, ranks, "launcher.nproc_per_node")
-    world = Layout.of(filled).world_size
-    what = f"layout {Layout.of(filled).describe()} of parallel={p.name}"
-    return filled, place_ranks(launcher, world, len(gpus), facts, what)
+def check_layout_keys(cfg: ExperimentConfig) -> None:
+    """The launcher's and the layout's own keys, before the degrees are filled."""
+    check_launcher(cfg.launcher)
+    check_start_method(cfg.launcher, cfg.hardware.device_type == "cuda")
+    check_degrees(cfg.parallel)
+    _check_checkpoint_every(cfg.parallel)
 
 
 def _check_checkpoint_every(p: ParallelConfig) -> None:
@@ -81,14 +64,12 @@ def check_degrees(p: ParallelConfig) -> None:
         )
 
 
-def fill_degree(p: ParallelConfig, world: int, key: str) -> ParallelConfig:
-    """`p` with its -1 degree (if any) filled with what the others leave of `world` ranks, as
-    a run and a plan alike fill it; `key` is what sized the world, named if it cannot be
-    split."""
+def check_fill(p: ParallelConfig, world: int, key: str) -> None:
+    """`p`'s -1 degree (if any) can be filled from `world` ranks; `key` is what sized the
+    world, named if it cannot be split."""
     degrees = {dim: getattr(p, dim) for dim in MESH_DIMS}
-    fill = [dim for dim, n in degrees.items() if n == -1]
-    if not fill:
-        return p
+    if -1 not in degrees.values():
+        return
     fixed = math.prod(n for n in degrees.values() if n != -1)
     if world % fixed:
         fail(
@@ -98,10 +79,10 @@ def fill_degree(p: ParallelConfig, world: int, key: str) -> ParallelConfig:
             f"the fixed degrees of parallel={p.name} (product {fixed})",
             f"a multiple of {fixed}",
         )
-    return dataclasses.replace(p, **{fill[0]: world // fixed})
 
 
-def _resolve_dataparallel(cfg: ExperimentConfig, facts: HostFacts):
+def check_dataparallel(cfg: ExperimentConfig, facts: HostFacts) -> None:
+    """torch.nn.DataParallel: one process over this host's CUDA devices, no mesh degrees."""
     p = cfg.parallel
     if any(getattr(p, dim) != 1 for dim in (*MESH_DIMS, "ep", "etp")):
         fail(
@@ -111,7 +92,7 @@ def _resolve_dataparallel(cfg: ExperimentConfig, facts: HostFacts):
             "all of dp_replicate, dp_shard, cp, tp, pp, ep, etp = 1",
         )
     n_gpus = len(facts.cuda_devices)
-    devices = n_gpus if p.dataparallel_devices == -1 else p.dataparallel_devices
+    devices = dataparallel_devices(p, n_gpus)
     if n_gpus < 2 or not 2 <= devices <= n_gpus:
         fail(
             "parallel",
@@ -119,11 +100,6 @@ def _resolve_dataparallel(cfg: ExperimentConfig, facts: HostFacts):
             f"torch.nn.DataParallel needs >= 2 CUDA devices; {n_gpus} visible",
             "ddp (the multi-process equivalent), or run on a multi-GPU machine",
         )
-    threads = cfg.launcher.threads_per_rank or os.cpu_count() or 1
-    return (
-        dataclasses.replace(p, dataparallel_devices=devices),
-        dataclasses.replace(cfg.launcher, nproc_per_node=1, threads_per_rank=threads),
-    )
 
 
 def check_batch(cfg: ExperimentConfig) -> None:

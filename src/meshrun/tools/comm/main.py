@@ -30,19 +30,19 @@ from meshrun.driver.launch import RankEntry
 from meshrun.driver.launch.dispatch import launch
 from meshrun.driver.launch.registry import launcher_for
 from meshrun.driver.measured import RunMeta
+from meshrun.driver.resolution import backend_for, place_ranks
 from meshrun.driver.sinks.console import console, print_error
 from meshrun.driver.tool_config import CommRunConfig
 from meshrun.tools.comm.busbw import OPS
 from meshrun.tools.comm.collectives import DTYPES, REDOPS, device_type, measurements
 from meshrun.tools.comm.report import print_tables, record, summarize, write_json
-from meshrun.validate import check_logger, resolve_backend
+from meshrun.validate import check_logger
 from meshrun.validate.launcher import (
     CPU_DEFAULT_RANKS,
     check_attached_world,
     check_debug,
     check_launcher,
     check_start_method,
-    place_ranks,
 )
 
 COMM = RankEntry("meshrun.tools.comm.collectives", "run_comm_rank")
@@ -82,7 +82,7 @@ def validate_comm(cfg: CommRunConfig, facts: HostFacts) -> CommRunConfig:
     if c.warmup_iters < 0:
         fail("comm.warmup_iters", c.warmup_iters, "must not be negative", "an integer >= 0")
     hardware = resolve_hardware(cfg.hardware, facts)
-    backend = resolve_backend(cfg, hardware, facts)
+    backend = backend_for(cfg, hardware, facts)
     launcher = _resolve_launcher(cfg, backend.name, facts)
     world = launcher.nproc_per_node * launcher.nnodes
     plan = measurements(c, world)

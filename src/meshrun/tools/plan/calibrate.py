@@ -49,7 +49,7 @@ from omegaconf import DictConfig, OmegaConf
 from meshrun.core.calibration import Calibration, calibration_path, write_calibration
 from meshrun.core.config import LlamaModelConfig
 from meshrun.core.errors import ConfigError, fail
-from meshrun.core.hardware import HostFacts, fingerprint_key, host_fingerprint
+from meshrun.core.hardware import HostFacts, fingerprint_key, host_fingerprint, rank_threads
 from meshrun.driver.measured import utc_now
 from meshrun.driver.sinks.console import console, print_error, print_note
 from meshrun.driver.tool_config import PlanCommandConfig
@@ -68,7 +68,6 @@ from meshrun.tools.plan.wrapper_overhead import (
     WRAPPERS,
     wrapper_overheads,
 )
-from meshrun.validate.launcher import rank_threads
 
 REPEATS = 3
 RANK_TIMEOUT_S = 600

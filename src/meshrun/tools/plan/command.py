@@ -25,17 +25,19 @@ from rich.table import Table
 
 from meshrun.core.batch import derived_global_batch
 from meshrun.core.config import ExperimentConfig, TrainConfig, with_resolved
-from meshrun.core.errors import ConfigError, fail, positive
+from meshrun.core.errors import ConfigError, choice, fail, positive
 from meshrun.core.hardware import HostFacts, resolve_hardware, target_facts
 from meshrun.core.layout import DIMENSIONS, Layout
 from meshrun.core.precision import auto_precision
 from meshrun.driver.command import hydra_command
+from meshrun.driver.resolution import fill_degree, legal_on
 from meshrun.driver.sinks.console import print_error
 from meshrun.driver.tool_config import PlanCommandConfig
 from meshrun.plan.candidate import Candidate, host_calibration, trace
 from meshrun.plan.placement import devices_per_node
 from meshrun.plan.run_time import RunTime
 from meshrun.plan.search import Box, Plan, float8_unplanned, search
+from meshrun.tools.plan.resolved import show_resolved
 from meshrun.tools.plan.run_table import (
     print_cheapest,
     print_runs,
@@ -46,10 +48,11 @@ from meshrun.tools.plan.run_table import (
 )
 from meshrun.validate import check_experiment
 from meshrun.validate.launcher import CPU_DEFAULT_RANKS
-from meshrun.validate.layout import check_degrees, fill_degree
+from meshrun.validate.layout import check_degrees
 from meshrun.validate.model import model_context, model_overrides, read_pretrained
 
 GiB = 2**30
+SHOWN = ("plan", "resolved")  # show=: the ranked layouts, or the run's RunPlan
 COLUMNS_WIDTH = 175  # the table's columns but the layout's, whole, their borders included
 # LLaMA's and LLaMA 2's global batch (4M tokens); GPT-3 175B used 3.2M.
 GLOBAL_BATCH_TOKENS = 4 * 2**20
@@ -173,13 +176,13 @@ def plan(
 ) -> tuple[Box, Plan, Chosen]:
     box, facts, chosen, read_from = prepared(cfg, host, given)
     experiment = with_resolved(cfg, model_read_from=read_from)  # what each layout's run gets
-    found = search(experiment, box, facts, given)
+    found = search(experiment, box, legal_on(facts), given)
     if cfg.plan.trace:
         for c in found.ranked[: cfg.top]:
             trace(c)
     layout_keys = sorted(k for k in given if k.startswith("parallel"))
     if layout_keys and not any(c.fits for c in found.ranked):
-        unconstrained = search(experiment, box, facts, given - set(layout_keys)).ranked
+        unconstrained = search(experiment, box, legal_on(facts), given - set(layout_keys)).ranked
         found.alternatives = [c for c in unconstrained if c.fits][:ALTERNATIVES]
         found.alternative_to = layout_keys
     return box, found, chosen
@@ -473,6 +476,9 @@ def run(dict_cfg: DictConfig) -> int:
     given = command_keys()
     model = model_overrides(cfg.model)  # as composed: plan() reads model=hf/auto's
     try:
+        choice("show", cfg.show, SHOWN)
+        if cfg.show == "resolved":
+            return show_resolved(cfg)
         box, found, chosen = plan(cfg, HostFacts.detect(), given)
     except ConfigError as err:
         print_error("config error", str(err))
