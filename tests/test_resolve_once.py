@@ -22,7 +22,7 @@ from meshrun.driver import cli
 from meshrun.driver import resolve as resolve_module
 from meshrun.driver.measured import RunMeta
 from meshrun.driver.resolve import resolve
-from meshrun.driver.results import config_fields, memory_fields, predicted_speed_fields
+from meshrun.driver.results import config_fields, predicted_memory_fields, predicted_speed_fields
 from meshrun.driver.run_plan import plain
 from meshrun.plan import predict
 from meshrun.tools.plan import command as plan_command
@@ -92,7 +92,7 @@ def test_the_record_reads_the_prediction_the_resolution_made(tmp_path):
         made, tokens_per_s=123.0, memory=[{**m, "peak": 7} for m in made.memory]
     )
     cfg = with_resolved(cfg, prediction=marked)
-    fields = memory_fields(cfg, None) | predicted_speed_fields(cfg)
+    fields = predicted_memory_fields(cfg) | predicted_speed_fields(cfg)
     assert (fields["predicted_peak_memory_bytes"], fields["predicted_tokens_per_s"]) == (7, 123.0)
     # another layout's config carries none: predicted where it is recorded
     assert baseline_config(cfg).resolved.prediction is None
