@@ -2,12 +2,13 @@
 compute without synchronizing, and of DDP, in the same processes, step by step.
 
 meshrun's scaling efficiency (results.json) is the run's tokens/s over N times its
-single-device twin's, the twin trained by rank 0 between the run's steps while the other
-ranks wait (rank/train/twin.py). This script splits the gap into its two causes, each step
-of each mode in turn in the same N gloo ranks (so drift of the host hits all alike):
+single-device baseline's, the baseline trained beside the run by rank 0 between its steps
+while the other ranks wait (rank/train/baseline_beside.py). This script splits the gap into
+its two causes, each step of each mode in turn in the same N gloo ranks (so drift of the host
+hits all alike):
 
 - **solo**: rank 0 trains its share of the batch on a plain model while the others wait at a
-  barrier (what meshrun's twin measures);
+  barrier (what meshrun's baseline beside the run measures);
 - **nosync**: every rank trains its share on its plain model at once, with no gradient sync
   at all: N ranks computing beside each other;
 - **ddp**: torch's DistributedDataParallel as meshrun builds it (`bucket_cap_mb`, and
@@ -115,7 +116,7 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
 
 def meshrun_efficiency(setup: Setup, args: argparse.Namespace) -> dict[str, Any]:
     """One `meshrun parallel=ddp` run with the same setup: its scaling efficiency (against
-    its twin, measured alongside)."""
+    its baseline, measured alongside)."""
     overrides = [
         *meshrun_overrides(setup, "ddp"),
         f"parallel.ddp.bucket_cap_mb={args.bucket_cap_mb}",

@@ -1,5 +1,5 @@
-"""The baseline twin: the single-device baseline trained beside the run (resolved.twin): rank 0
-trains exactly the twin a run of its own would (same losses), one step after each of the
+"""The baseline beside the run (resolved.baseline_beside): rank 0
+trains exactly the baseline a run of its own would (same losses), one step after each of the
 run's timed steps, without changing the run's training; and each rank's CPU time against the
 host's says how busy the host was with other work. Real gloo ranks of the session's pool."""
 
@@ -27,22 +27,24 @@ RUN = (
 )
 
 
-# ddp's twin with -m slow: the main job's test (test_end_to_end) measures DDP beside its twin
+# ddp with -m slow: the main job's test (test_end_to_end) measures DDP beside its baseline
 @pytest.mark.parametrize("layout", [pytest.param("ddp", marks=pytest.mark.slow), "pp2"])
 def test_the_baseline_beside_the_run_is_the_single_device_run_and_leaves_it_alone(
     tmp_path, rank_pool, layout
 ):
-    beside = with_resolved(config_in(tmp_path / "beside", *RUN, f"parallel={layout}"), twin=True)
+    beside = with_resolved(
+        config_in(tmp_path / "beside", *RUN, f"parallel={layout}"), baseline_beside=True
+    )
     run = measure(beside, "run", rank_pool.launch)
     assert run.ok, run.meta.error
     alone = measure(
         config_in(tmp_path / "alone", *RUN, f"parallel={layout}"), "run", rank_pool.launch
     )
     assert losses(run) == losses(alone)  # training itself is untouched
-    twin = measure(baseline_config(beside), "baseline", rank_pool.launch)
-    steps = run.report.twin_steps
+    baseline = measure(baseline_config(beside), "baseline", rank_pool.launch)
+    steps = run.report.baseline_steps
     assert [s.step for s in steps] == [2, 3, 4, 5]  # after its 2 untimed steps
-    assert [s.loss for s in steps] == pytest.approx(losses(twin)[2:], rel=1e-6)
+    assert [s.loss for s in steps] == pytest.approx(losses(baseline)[2:], rel=1e-6)
     assert all(s.step_time_s > 0 for s in steps)
     timed = [s.step_time_s for s in run.steps if s.step_time_s is not None]
     assert len(timed) == len(steps)  # one round per timed step

@@ -1,5 +1,5 @@
 """The main job end to end: plain `meshrun` (the quick start: DDP of the small model on 2 CPU
-ranks) measures its single-device baseline side by side with the run, reports a speedup with
+ranks) measures its single-device baseline beside the run, reports a speedup with
 its spread, and every sink holds the same numbers; a stored baseline is reused only where
 asked and where it was measured alike."""
 
@@ -48,7 +48,7 @@ def test_ddp_reports_speedup_against_measured_baseline(ddp_run):
         results["tokens_per_s"] / results["baseline_tokens_per_s"]
     )
     assert results["scaling_efficiency"] == pytest.approx(results["speedup"] / 2)
-    # measured side by side: one baseline step after each of the 6 timed steps, paired
+    # measured beside the run: one baseline step after each of the 6 timed steps, paired
     assert results["baseline_mode"] == "fresh"
     assert results["speedup_rounds"] == 6 == len(results["step_times"])
     assert results["speedup_p10"] <= results["speedup_p90"]
@@ -119,7 +119,7 @@ def test_second_run_reuses_the_stored_baseline_where_asked(ddp_run, meshrun_here
 
 def test_a_stored_baseline_of_another_torch_is_not_reused(ddp_run, meshrun_here, tmp_path):
     """Its fingerprint differs (as with another CUDA, NCCL, device or thread count): the
-    run measures its own, side by side."""
+    run measures its own, beside it."""
     store = shutil.copy(ddp_run.store_path, tmp_path / "copy.db")
     with closing(sqlite3.connect(store)) as db, db:
         [(run_id, text)] = db.execute(
@@ -141,7 +141,7 @@ def test_a_stored_baseline_of_another_torch_is_not_reused(ddp_run, meshrun_here,
 def test_single_device_is_its_own_baseline_whatever_the_store_holds(
     ddp_run, meshrun_here, tmp_path
 ):
-    """A stored baseline of the same key (the quick start's twin) is not the run itself:
+    """A stored baseline of the same key (the quick start's baseline) is not the run itself:
     a single device's speedup is 1.0 by definition."""
     store = shutil.copy(ddp_run.store_path, tmp_path / "copy.db")
     single = (

@@ -325,7 +325,7 @@ def test_a_checkpoint_resumes_with_float8_on_or_off_under_another_layout(tmp_pat
 
 def test_the_record_says_what_ran_in_float8_and_its_mfu_against_both_peaks():
     """tiny: 28 linears; their share of a token's training FLOPs is 6 x their weights over
-    PaLM's count; an MoE says its experts stayed in high precision; the baseline twin's key
+    PaLM's count; an MoE says its experts stayed in high precision; the baseline's key
     has float8 in it."""
     cfg = resolved_config("train.float8.enabled=true", BF16)
     fields = float8_fields(cfg, tokens_per_s=1000.0)

@@ -1,6 +1,6 @@
 """GPU checks of DataParallel and the CUDA memory figures: DataParallel's replicas compute in
 the run's bf16 and its memory is each device's beside the plan (2 GPUs), the reserved peak
-survives the breakdown's resets, a memory snapshot's peak leaves the baseline twin out (2
+survives the breakdown's resets, a memory snapshot's peak leaves the baseline beside the run out (2
 GPUs). Skipped where the CUDA devices are missing."""
 
 from __future__ import annotations
@@ -92,16 +92,16 @@ def _frame_files(snapshot: dict) -> set[str]:
 
 
 @TWO_GPUS
-def test_a_memory_snapshots_peak_leaves_the_baseline_twin_out(meshrun):
-    """Rank 0 trains the baseline twin between the run's timed steps: the peak file holds
-    none of its allocations (written where the run's own peak rose, before the twin)."""
+def test_a_memory_snapshots_peak_leaves_the_baseline_out(meshrun):
+    """Rank 0 trains the baseline beside the run, between its timed steps: the peak file holds
+    none of its allocations (written where the run's own peak rose, before the baseline)."""
     run = meshrun(
         "parallel=ddp", "launcher.nproc_per_node=2", *TINY, "train.steps=8",
         "debug.memory_snapshot=true", "metrics.baseline=fresh",
     )  # fmt: skip
     assert run.returncode == 0, run.output
-    assert run.results["baseline_mode"] == "fresh"  # the twin trained beside the run
+    assert run.results["baseline_mode"] == "fresh"  # the baseline trained beside the run
     with open(run.run_dir / "memory_snapshot" / "rank0.peak.pickle", "rb") as f:
         files = _frame_files(pickle.load(f))
     assert any(name.endswith("meshrun/rank/train/loop.py") for name in files)
-    assert not any(name.endswith("meshrun/rank/train/twin.py") for name in files)
+    assert not any(name.endswith("meshrun/rank/train/baseline_beside.py") for name in files)

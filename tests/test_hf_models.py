@@ -84,16 +84,16 @@ GPT2_LAYOUTS = {
 }
 
 
-def transformers_twin(model, architecture: str) -> torch.nn.Module:
+def transformers_equivalent(model, architecture: str) -> torch.nn.Module:
     """The transformers model itself with meshrun's view's weights."""
-    twin = model_class(architecture)._from_config(model.config, attn_implementation="sdpa")
+    equivalent = model_class(architecture)._from_config(model.config, attn_implementation="sdpa")
     ours = {
         model.source_name(n): p.T if n in model.transposed else p
         for n, p in model.named_parameters()
     }
-    missing, _ = twin.load_state_dict(ours, strict=False)
+    missing, _ = equivalent.load_state_dict(ours, strict=False)
     assert set(missing) <= {"lm_head.weight"} if model.tied else not missing
-    return twin
+    return equivalent
 
 
 @pytest.mark.parametrize(
@@ -106,7 +106,7 @@ def test_meshrun_view_computes_transformers_own_forward(preset, architecture, vo
     tokens = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours = model(tokens)
-        theirs = transformers_twin(model, architecture)(input_ids=tokens).logits
+        theirs = transformers_equivalent(model, architecture)(input_ids=tokens).logits
     assert ours.shape == (2, 32, vocab)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 

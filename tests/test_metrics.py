@@ -203,7 +203,7 @@ def test_the_reported_reserved_bytes_are_the_runs_peak_across_the_breakdowns_res
     allocator = SimulatedAllocator(monkeypatch, 1)
     meter = _cuda_meter(allocator)
     meter.hold()
-    allocator.hold(0, 800, 1200)  # the baseline twin's, trained on the same device
+    allocator.hold(0, 800, 1200)  # the baseline's, trained on the same device
     [split] = meter.breakdowns(memory_module.ModelState(50, 50, 0))
     assert (split["peak"], split["reserved"], split["activations"]) == (500, 900, 300)
     assert meter.peaks() == [500]
@@ -225,13 +225,13 @@ def test_dataparallel_meters_each_of_its_devices():
 
 
 def test_a_memory_snapshot_is_written_where_the_runs_own_peak_rose():
-    """The twin's steps on rank 0's device raise torch's counter, not the run's held peaks;
+    """The baseline's steps on rank 0's device raise torch's counter, not the run's held peaks;
     a DataParallel device whose peak rose alone counts."""
     peaks = RunPeaks(2)
     peaks.fold([Reading(0, 500, 600), Reading(0, 200, 300)])
     written = tuple(peaks.allocated)
     peaks.hold()
-    peaks.fold([Reading(0, 900, 1000), Reading(0, 200, 300)])  # the twin's step
+    peaks.fold([Reading(0, 900, 1000), Reading(0, 200, 300)])  # the baseline's step
     assert not raised(peaks.allocated, written)
     assert raised([500, 250], written)
     assert raised([1], ())

@@ -1,4 +1,4 @@
-"""From measurements to the results record: baseline twin, baseline key, speedup with its
+"""From measurements to the results record: baseline beside the run, baseline key, speedup with its
 spread over the alternating rounds, efficiency flagged above 1 + noise, a busy host flagged."""
 
 from __future__ import annotations
@@ -68,34 +68,34 @@ def single():
 
 
 def test_weak_scaling_baseline_is_one_device_with_the_per_dp_rank_batch(ddp):
-    twin = baseline_config(ddp)
-    assert twin.parallel.name == "single"
-    assert (twin.parallel.dp_replicate, twin.parallel.dp_shard) == (1, 1)
-    assert (twin.parallel.tp, twin.parallel.pp) == (1, 1)
-    assert twin.launcher.nproc_per_node == 1
-    assert twin.train.global_batch_size == ddp.train.global_batch_size // 2 == 4
-    assert twin.train.micro_batch_size == ddp.train.micro_batch_size
-    assert twin.launcher.threads_per_rank == ddp.launcher.threads_per_rank
-    assert twin.model == ddp.model
-    assert twin.train.seq_len == ddp.train.seq_len
-    assert twin.train.steps == ddp.train.steps
-    assert twin.run_dir == f"{ddp.run_dir}/baseline"
+    baseline = baseline_config(ddp)
+    assert baseline.parallel.name == "single"
+    assert (baseline.parallel.dp_replicate, baseline.parallel.dp_shard) == (1, 1)
+    assert (baseline.parallel.tp, baseline.parallel.pp) == (1, 1)
+    assert baseline.launcher.nproc_per_node == 1
+    assert baseline.train.global_batch_size == ddp.train.global_batch_size // 2 == 4
+    assert baseline.train.micro_batch_size == ddp.train.micro_batch_size
+    assert baseline.launcher.threads_per_rank == ddp.launcher.threads_per_rank
+    assert baseline.model == ddp.model
+    assert baseline.train.seq_len == ddp.train.seq_len
+    assert baseline.train.steps == ddp.train.steps
+    assert baseline.run_dir == f"{ddp.run_dir}/baseline"
     assert ddp.parallel.name == "ddp"  # the run's own config is left alone
 
 
 def test_strong_scaling_baseline_keeps_the_global_batch():
     cfg = resolved_config("parallel=ddp", "metrics.scaling=strong", *RUN)
-    twin = baseline_config(cfg)
-    assert twin.parallel.name == "single"
-    assert twin.launcher.nproc_per_node == 1
-    assert twin.train.global_batch_size == cfg.train.global_batch_size == 8
+    baseline = baseline_config(cfg)
+    assert baseline.parallel.name == "single"
+    assert baseline.launcher.nproc_per_node == 1
+    assert baseline.train.global_batch_size == cfg.train.global_batch_size == 8
 
 
-def test_baseline_key_of_a_single_run_equals_its_baseline_twin(single):
+def test_baseline_key_of_a_single_run_equals_its_baseline(single):
     assert baseline_key(single) == baseline_key(baseline_config(single))
 
 
-def test_ddp_baseline_twin_has_the_key_of_the_equivalent_single_run(ddp):
+def test_ddp_baseline_has_the_key_of_the_equivalent_single_run(ddp):
     equivalent = resolved_config(
         "parallel=single",
         "train.global_batch_size=4",
@@ -190,10 +190,10 @@ def test_assemble_of_a_run_that_failed_in_warmup_has_no_timing(ddp):
 
 
 def fresh_baseline(times: list[float], batch: int = 4) -> RunRecord:
-    """The twin's record as rank 0 measured it beside the run: batch 4, seq 128."""
+    """The baseline's record as rank 0 measured it beside the run: batch 4, seq 128."""
     return RunRecord.from_dict(
         {
-            "run_id": "twin1",
+            "run_id": "baseline1",
             "tokens_per_s": len(times) * batch * 128 / sum(times),
             "step_times": times,
             "global_batch_size": batch,

@@ -1,5 +1,5 @@
-"""The single-device twin a run is compared with, and the key that identifies such a
-measurement in the store (the planner's predicted speedups use the same twin)."""
+"""The single-device baseline a run is compared with, and the key that identifies such a
+measurement in the store (the planner's predicted speedups use the same baseline)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def n_devices(cfg: ExperimentConfig) -> int:
 
 
 def baseline_config(cfg: ExperimentConfig) -> ExperimentConfig:
-    """The single-device twin a run is compared with.
+    """The single-device baseline a run is compared with.
 
     Weak scaling keeps what one device does per step (micro-batch and accumulation steps), so
     the baseline's global batch is the run's per-data-parallel-rank batch; strong scaling keeps

@@ -550,7 +550,7 @@ class CheckpointConfig:
 @dataclass
 class MetricsConfig:
     """`scaling`: weak keeps the per-device batch of the baseline, strong its global batch.
-    `baseline`: `fresh` measures the single-device baseline side by side with the run (rank 0
+    `baseline`: `fresh` measures the single-device baseline beside the run (rank 0
     trains it between the run's timed steps where both fit, else on its own after the run);
     `stored` reuses one of the same fingerprint (host, devices, versions, threads, model,
     batch, sequence, precision) at most `baseline_max_age_h` old, else measures it fresh;
@@ -683,11 +683,12 @@ class Prediction:
 @dataclass
 class Resolved:
     """What the driver decides for a run from its settings, which no user sets (as torchtitan
-    keeps JobConfig for settings and ParallelDims for what follows from them). `twin`: rank 0
-    trains the single-device baseline between the run's timed steps (driver/baseline.py:
-    a fresh one is needed and both fit); `data_cache`: data=hf's tokens, prepared for the
-    ranks to memory-map (driver/prepare_data.py); `model_read_from`: the config.json
-    model=hf/auto's architecture and config were read from (validate/model.read_pretrained);
+    keeps JobConfig for settings and ParallelDims for what follows from them).
+    `baseline_beside`: rank 0 trains the single-device baseline between the run's timed steps
+    (driver/baseline.py: a fresh one is needed and both fit); `data_cache`: data=hf's tokens,
+    prepared for the ranks to memory-map (driver/prepare_data.py); `model_read_from`: the
+    config.json model=hf/auto's architecture and config were read from
+    (validate/model.read_pretrained);
     `batch_derived`: train.global_batch_size was null and derived from the layout;
     `precision_auto`: why train.precision=auto became what it is (e.g. `sm90`, `CPU`);
     `checkpoint_interval_s`: checkpoint.every_steps=auto's interval, seconds between two saves
@@ -696,7 +697,7 @@ class Resolved:
     the plan's for this very config (none once the layout changes: the baseline's, a split
     the ranks chose); `settings`: the experiment as composed, before any of this (plain)."""
 
-    twin: bool = False
+    baseline_beside: bool = False
     data_cache: str | None = None
     model_read_from: str | None = None
     batch_derived: bool = False

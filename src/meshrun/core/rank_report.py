@@ -1,5 +1,5 @@
 """What rank 0 hands the driver once the ranks are done: the figures only the ranks know
-(each rank's memory, the bubble, the split `pp_layers=auto` chose, the baseline twin's
+(each rank's memory, the bubble, the split `pp_layers=auto` chose, the baseline's
 steps, ...). One typed value, pickled back by every launcher (torch elastic's return values,
 submitit's result file, rank 0 itself under torchrun), so a field the driver reads is a
 field the rank wrote: a misspelt one fails at type-check and test time, not as a silent None.
@@ -92,7 +92,7 @@ class RankReport:
     pp_split: StageSplit | None = None  # parallel.pp_layers=auto
     pretrained_read_bytes_per_rank: list[int] | None = None  # model.pretrained
     # the timed steps (step, loss, time) of the baseline beside the run, trained by rank 0
-    twin_steps: list[StepRow] | None = None
+    baseline_steps: list[StepRow] | None = None
     host_other_cpu_share: float | None = None  # None where a rank could not measure it
     compile_s: float | None = None  # train.compile: the slowest rank's
     checkpoint_saves: list[CheckpointSave] | None = None

@@ -57,7 +57,7 @@ class Comparison:
     """The run against its single-device baseline."""
 
     scaling: str | None = _f(summary=True)
-    # the single-device baseline: `fresh` (measured side by side with the run, alternating),
+    # the single-device baseline: `fresh` (measured beside the run, alternating),
     # `after` (measured on its own after the run: both did not fit at once), `stored` (a
     # stored one of the same fingerprint, `baseline_age_s` old), `own` (a single-device run)
     baseline_mode: str | None = _f(column=True, summary=True, report=(15, "baseline"))

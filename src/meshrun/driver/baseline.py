@@ -1,5 +1,5 @@
 """Where a run's single-device baseline comes from (metrics.baseline), decided before its
-ranks start: trained side by side with the run by rank 0 (`fresh`, where both fit), reused
+ranks start: trained beside the run by rank 0 (`fresh`, where both fit), reused
 from the store (`stored`: same config, same host fingerprint, young enough), or none (`off`,
 and a single-device run, which is its own baseline)."""
 
@@ -21,7 +21,7 @@ def needs_baseline(cfg: ExperimentConfig) -> bool:
 
 
 def stored_baseline(cfg: ExperimentConfig, store: ResultsStore) -> RunRecord | None:
-    """metrics.baseline=stored: the newest stored baseline of this run's twin, measured on
+    """metrics.baseline=stored: the newest stored baseline of this run's baseline, measured on
     this host as it is now (devices, versions, threads) within baseline_max_age_h. A run
     whose ranks are not here (a SLURM job's nodes are not known here) measures its own."""
     if cfg.metrics.baseline != "stored" or not launcher_for(cfg.launcher.name).ranks_here:

@@ -88,8 +88,8 @@ def run_experiment(
 ) -> RunRecord:
     """Returns the results record; raises RunFailed (after recording) if a rank failed.
     `cfg` carries the baseline's plan (driver/baseline.with_baseline_plan): with
-    `resolved.twin`, rank 0 trains the baseline twin between the run's steps. `decided`:
-    RunMeta fields the driver decided before the run (a trial's, driver/trials.py)."""
+    `resolved.baseline_beside`, rank 0 trains the baseline beside the run, between its steps.
+    `decided`: RunMeta fields the driver decided before the run (a trial's, driver/trials.py)."""
     meta = begin(cfg, role, **decided)
     live = follow(cfg, meta)
     measured = outcome(cfg, meta, time.time(), lambda: launch(cfg))
@@ -126,23 +126,27 @@ def baseline_of(
     cfg: ExperimentConfig, measured: Measured, launch: Launch, store: ResultsStore
 ) -> HadBaseline:
     """The run's single-device baseline, recorded in the store as a run of its own, and how
-    it was had: the baseline twin trained beside the run (`fresh`), a stored one of the same
+    it was had: trained beside the run (`fresh`), a stored one of the same
     fingerprint (`stored`, its age), or, where both did not fit at once, measured by a launch
     of its own after the run (`after`)."""
-    twin = baseline_config(cfg)
-    twin_steps = measured.report.twin_steps if measured.report else None
-    if twin_steps:
-        return HadBaseline(record(twin, twin_measured(measured, twin_steps), None, store), "fresh")
+    baseline = baseline_config(cfg)
+    baseline_steps = measured.report.baseline_steps if measured.report else None
+    if baseline_steps:
+        return HadBaseline(
+            record(baseline, baseline_measured(measured, baseline_steps), None, store), "fresh"
+        )
     stored = stored_baseline(cfg, store)
     if stored is not None:
         return HadBaseline(stored, "stored", round(age_s(stored)))
     if not measured.ok:
         return HadBaseline(None)
-    return HadBaseline(record(twin, measure(twin, "baseline", launch), None, store), "after")
+    return HadBaseline(
+        record(baseline, measure(baseline, "baseline", launch), None, store), "after"
+    )
 
 
-def twin_measured(run: Measured, steps: list[StepRow]) -> Measured:
-    """The baseline twin rank 0 trained between the run's steps, as a measured run of its
+def baseline_measured(run: Measured, steps: list[StepRow]) -> Measured:
+    """The baseline beside the run rank 0 trained between the run's steps, as a measured run of its
     own, on the run's host."""
     report = RankReport(memory_per_rank=[], fingerprint=run.report.fingerprint)
     return Measured(RunMeta(role="baseline"), steps, report)

@@ -127,7 +127,7 @@ def _planned(
     baseline = baseline_plan(resolved)
     config = with_resolved(
         resolved,
-        twin=baseline == "beside",
+        baseline_beside=baseline == "beside",
         prediction=predict_run(resolved, candidate.speed),
         settings=plain(settings),
     )

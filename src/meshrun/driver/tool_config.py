@@ -62,7 +62,7 @@ FLOAT8_TOLERANCES = {"tensorwise": 2.0**-7, "rowwise": 2.0**-8, "rowwise_with_gw
 # the curves drift apart slowly: over 50 steps of model=small on one CPU in bf16 (global
 # batch 8 x 128 tokens) tensorwise and rowwise stayed within 5.4e-3 of bf16's loss a step.
 # The bound, 2^-6 (1.6%) a step, leaves three times that; a float8 run beyond it diverges
-# from its high-precision twin (a scale that overflows, a linear that should stay out).
+# from its high-precision counterpart (a scale that overflows, a linear that should stay out).
 FLOAT8_LOSS_BOUND = 2.0**-6
 
 

@@ -125,4 +125,4 @@ def trial_config(run: RunConfig, index: int, timed_steps: int, group: str) -> Ru
         name=f"{run.name}-trial{index}",
         sweep=group,
     )
-    return with_resolved(cfg, twin=False)
+    return with_resolved(cfg, baseline_beside=False)

@@ -1,6 +1,6 @@
 """The pre-launch memory checks: a run the planner predicts not to fit stops here, before any
 process starts, with the predicted figure, the device's capacity and layouts that would fit;
-and whether its single-device baseline fits beside it, to be measured side by side."""
+and whether its single-device baseline fits beside it, to be measured beside it."""
 
 from __future__ import annotations
 
@@ -58,15 +58,15 @@ def check_fit(candidate: Candidate, legal: Legal) -> None:
 
 def baseline_fits_beside(cfg: ExperimentConfig) -> bool:
     """Whether rank 0 can hold the single-device baseline beside its share of the run and
-    train a step of it within the backend's timeout (the baseline twin: the other ranks wait
-    at a barrier meanwhile). On CPU the ranks share the host's memory, so the room is what
-    all of them leave."""
-    run, twin = evaluate(cfg), baseline_config(cfg)
+    train a step of it within the backend's timeout (the baseline beside the run: the other
+    ranks wait at a barrier meanwhile). On CPU the ranks share the host's memory, so the room
+    is what all of them leave."""
+    run, baseline = evaluate(cfg), baseline_config(cfg)
     if cfg.hardware.device_type == "cpu":
         room = (sum(run.capacity) - sum(m.peak for m in run.memory)) * run.ranks_per_stage
     else:
         room = run.capacity[0] - run.memory[0].peak
-    if predict.memory(twin)[0].peak > room:
+    if predict.memory(baseline)[0].peak > room:
         return False
-    step = predict.speed(twin, host_flops(cfg))  # the run's rate per rank: a bound from above
+    step = predict.speed(baseline, host_flops(cfg))  # the run's rate per rank: a bound from above
     return step is None or step.step_time_s < cfg.backend.timeout_s / 2

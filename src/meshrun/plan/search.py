@@ -335,9 +335,9 @@ def add_float8_gains(candidates: list[Candidate]) -> None:
     """Each float8 row's predicted tokens/s over the same layout's high-precision row's."""
     high = {_layout_key(c): c for c in candidates if not c.cfg.train.float8.enabled}
     for c in candidates:
-        twin = high.get(_layout_key(c))
-        if c.cfg.train.float8.enabled and twin and twin.speed and c.speed:
-            c.float8_gain = c.speed.tokens_per_s / twin.speed.tokens_per_s
+        high_precision = high.get(_layout_key(c))
+        if c.cfg.train.float8.enabled and high_precision and high_precision.speed and c.speed:
+            c.float8_gain = c.speed.tokens_per_s / high_precision.speed.tokens_per_s
 
 
 def _layout_key(c: Candidate) -> tuple:
@@ -424,15 +424,16 @@ def ranking(candidates: list[Candidate]) -> Callable[[Candidate], tuple]:
 
 
 def add_speedups(candidates: list[Candidate], legal: Legal) -> None:
-    """Against the single-device twin of each (weak scaling: one device's share of the batch)."""
+    """Against the single-device baseline of each (weak scaling: one device's share of the
+    batch)."""
     singles: dict[str, float | None] = {}
     for c in candidates:
         if c.speed is None:
             continue
-        twin = baseline_config(c.cfg)
-        key = repr((twin.train, twin.parallel))
+        baseline = baseline_config(c.cfg)
+        key = repr((baseline.train, baseline.parallel))
         if key not in singles:
-            resolved = legal_or_reason(twin, legal)
+            resolved = legal_or_reason(baseline, legal)
             single = (
                 None if isinstance(resolved, str) else predict.speed(resolved, host_flops(resolved))
             )

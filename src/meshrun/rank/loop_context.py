@@ -50,7 +50,7 @@ def loop_context(
         checkpoints=setup.checkpoints,
         evaluate=setup.evaluate,
         loss_scale=setup.training.loss_scale,
-        twin=setup.twin,
+        baseline_beside=setup.baseline_beside,
         routers=routers_of(cfg.model),
         replicas=setup.replicas,
         inspection=_inspection(at),

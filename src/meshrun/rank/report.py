@@ -93,7 +93,7 @@ def build_report(
         pretrained_read_bytes_per_rank=[r.pretrained_read for r in ranks]
         if cfg.model.pretrained
         else None,
-        twin_steps=setup.twin.steps if setup.twin else None,
+        baseline_steps=setup.baseline_beside.steps if setup.baseline_beside else None,
         host_other_cpu_share=other_cpu_share(loads) if all(loads) else None,
         # the ranks compile at once; the run waits for the slowest
         compile_s=max(compiled) if compiled else None,

@@ -1,6 +1,6 @@
 """What a rank builds before its first step: the parallel model and its optimizer, the
 memory meter, its share of the data, the checkpoint it resumes, evaluation, the baseline
-twin, the guards and torchft's replica group."""
+beside the run, the guards and torchft's replica group."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ from meshrun.rank.mesh import dp_group, pp_group
 from meshrun.rank.metrics.cuda_peaks import metered_devices
 from meshrun.rank.metrics.memory import MemoryMeter
 from meshrun.rank.place import Rank, restarted
+from meshrun.rank.train.baseline_beside import BaselineBeside
 from meshrun.rank.train.build import Training, build_training
 from meshrun.rank.train.checkpoint import Checkpointer
 from meshrun.rank.train.data import HeldoutBatches, LocalBatches, Source, build_streams
 from meshrun.rank.train.evaluate import Evaluator
 from meshrun.rank.train.guard import SpikeGuard
 from meshrun.rank.train.replicas import Replicas, healing
-from meshrun.rank.train.twin import Twin
 from meshrun.rank.watchdog import inside
 
 
@@ -35,7 +35,7 @@ class Setup:
     checkpoints: Checkpointer | None
     resumed_from_step: int | None  # the checkpoint restored
     evaluate: Evaluator | None
-    twin: Twin | None
+    baseline_beside: BaselineBeside | None
     spikes: SpikeGuard | None
     replicas: Replicas | None
     start_step: int  # the resumed step, or the one a torchft replica joined its peers at
@@ -73,7 +73,7 @@ def set_up(at: Rank) -> Setup:
         checkpoints,
         start,
         _evaluator(at, training, heldout, replicas),
-        Twin(cfg, at.device, at.rank) if cfg.resolved.twin else None,
+        BaselineBeside(cfg, at.device, at.rank) if cfg.resolved.baseline_beside else None,
         spikes,
         replicas,
         joined,

@@ -46,7 +46,7 @@ GiB = 2**30
 
 
 def reference_config(cfg: ExperimentConfig, high_precision: bool = False) -> ExperimentConfig:
-    """The single-device twin with the SAME global batch (unlike the weak-scaling baseline).
+    """The single-device baseline with the SAME global batch (unlike the weak-scaling baseline).
 
     Model, data, seed, steps, micro-batch and threads per rank stay; the layout's own options
     (TP plan, schedule, checkpointing) and fault injection do not apply to one device.

@@ -369,7 +369,7 @@ def _host_load(r: RunRecord) -> list[tuple[str, str]]:
 def _baseline_source(r: RunRecord) -> str:
     c = r.comparison
     sources = {
-        "fresh": " (measured side by side, alternating with the run's steps)",
+        "fresh": " (measured beside the run, alternating with its steps)",
         "after": " (measured after the run: both did not fit at once)",
         "own": " (a single device is its own baseline)",
     }

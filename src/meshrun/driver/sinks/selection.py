@@ -93,7 +93,7 @@ def grouped(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def select_runs(runs: list[dict[str, Any]], flt: RunFilter) -> Selection:
     """The rows of `runs` (the store's, ResultsStore.runs) that match, grouped by layout;
-    baselines (the single-device twins measured for a speedup) only when asked for, since
+    baselines (the single-device baselines measured for a speedup) only when asked for, since
     each belongs to a run already shown."""
     since, until = parse_day("since", flt.since), parse_day("until", flt.until)
     found = sweeps(runs)

@@ -9,8 +9,8 @@ stat's peak to its current value), and the memory breakdown resets them at each 
 marks to read the peak between two. Reserved bytes fall where the allocator returns cached
 segments (torch.cuda.empty_cache, or a cudaMalloc that failed and is retried after freeing
 them), so a peak read after a reset may have lost the run's: the run's peaks are the
-highest of every reading, each taken before its reset. Once held (the baseline twin about
-to train on the same device, rank/train/twin.py) no later reading is the run's."""
+highest of every reading, each taken before its reset. Once held (the baseline beside the run about
+to train on the same device, rank/train/baseline_beside.py) no later reading is the run's."""
 
 from __future__ import annotations
 

@@ -202,7 +202,7 @@ class MemoryMeter:
 
     def hold(self) -> None:
         """The run's figures are final: what this process allocates from here on (the
-        single-device baseline twin trained beside the run) is not the run's."""
+        single-device baseline trained beside the run) is not the run's."""
         self.stop_tracing()
         if self.cuda:
             self._cuda.fold(cuda_peaks.read(self.devices))

@@ -5,9 +5,9 @@ and the rank writes the history whenever a step raised the run's peak (so the fi
 the peak step's) and when it runs out of memory (core/run_files/memory_snapshots.py names
 the files). The peak is the run's own, as its memory meter reads it
 (metrics/memory.MemoryMeter.peaks): the breakdown's resets of torch's peak counters do not
-hide an earlier step's, and once the meter holds, before the baseline twin trains on rank
+hide an earlier step's, and once the meter holds, before the baseline beside the run trains on rank
 0's device between the run's steps, no later step writes a peak snapshot, so the file holds
-none of the twin's. Reading the peaks is a host-side allocator statistic: no device sync."""
+none of the baseline's. Reading the peaks is a host-side allocator statistic: no device sync."""
 
 from __future__ import annotations
 

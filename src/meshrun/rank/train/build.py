@@ -1,6 +1,7 @@
 """What a rank trains, built from a config: the model in its parallel form, AdamW, the LR
 schedule, fp16's loss scale and the dtype the steps compute in. The run's ranks build theirs,
-and rank 0 the single-device baseline it trains beside them (train/twin.py), the same way."""
+and rank 0 the single-device baseline it trains beside them (train/baseline_beside.py), the
+same way."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """What the training loop runs with (LoopContext: the rank's groups, meters and hooks, each
 None where the run does not use it; what inspects the steps, the faults injected and the
 guards, grouped) and what it keeps (LoopState); apart from
-the loop, so that what happens at a log step (train/log_step.py) and the baseline twin
-(train/twin.py) take the same context."""
+the loop, so that what happens at a log step (train/log_step.py) and the baseline beside the run
+(train/baseline_beside.py) take the same context."""
 
 from __future__ import annotations
 
@@ -33,9 +33,9 @@ from meshrun.rank.watchdog import Watchdog
 LogFn = Callable[[list[StepRow]], None]
 
 
-class TwinSteps(Protocol):
-    """What the loop asks of the baseline twin (train/twin.py): work every rank joins
-    between the run's timed steps, outside their clock."""
+class BaselineSteps(Protocol):
+    """What the loop asks of the baseline beside the run (train/baseline_beside.py): work every
+    rank joins between the run's timed steps, outside their clock."""
 
     def untimed_steps(self) -> None: ...
 
@@ -103,7 +103,9 @@ class LoopContext:
     checkpoints: Checkpointer | None = None
     loss_scale: LossScale | None = None  # fp16
     evaluate: Evaluator | None = None  # train.eval on
-    twin: TwinSteps | None = None  # the baseline twin, trained between the run's steps
+    baseline_beside: BaselineSteps | None = (
+        None  # the baseline beside the run, trained between the run's steps
+    )
     routers: moe.Routers | None = None  # an MoE model's: their statistics, their biases
     replicas: Replicas | None = None  # parallel.fault_tolerance=torchft
     inspection: Inspection = field(default_factory=Inspection)

@@ -180,7 +180,7 @@ def train_loop(
             values = torch.cat([values, _routed(model, step, ctx).flatten()])
         ctx.pending.add(values, lr)
         if timed:
-            _end_timed_step(step, ctx)  # the clock's mark, then the baseline twin's step
+            _end_timed_step(step, ctx)  # the clock's mark, then the baseline's step
         if ctx.progress is not None:
             ctx.progress.step(step + 1)
         evaluated = _evaluate(step, ctx, timed)
@@ -205,7 +205,7 @@ def _before_step(step: int, ctx: LoopContext) -> None:
 
 @contextlib.contextmanager
 def _measured(step: int, ctx: LoopContext, timed: bool) -> Iterator[None]:
-    """The step as its clock times it, less the twin's: a range in a trace, and the rank's
+    """The step as its clock times it, less the baseline's: a range in a trace, and the rank's
     busy time (a profiled step's left out of the timed ones)."""
     busy, profiler = ctx.inspection.busy, ctx.inspection.profiler
     with step_range(step):
@@ -245,16 +245,14 @@ def _routed(model: ParallelModel, step: int, ctx: LoopContext) -> torch.Tensor:
 
 def _start_timing(step: int, ctx: LoopContext, bubble: BubbleClock | None) -> None:
     """The first timed step's start: memory tracing and the compile clock end, the baseline
-    twin runs its own untimed steps, and all ranks leave the untimed steps together."""
+    beside the run runs its own untimed steps, and all ranks leave the untimed steps together."""
     ctx.memory.stop_tracing()
     if ctx.inspection.compiling is not None:
-        ctx.inspection.compiling.stop()  # the untimed steps' compiling, not the twin's
-    if ctx.twin is not None:
-        ctx.memory.hold()  # what the twin allocates is not the run's
-        with inside(
-            ctx.watchdog, step, "baseline twin's untimed steps (rank 0)", one_collective=False
-        ):
-            ctx.twin.untimed_steps()
+        ctx.inspection.compiling.stop()  # the untimed steps' compiling, not the baseline's
+    if ctx.baseline_beside is not None:
+        ctx.memory.hold()  # what the baseline allocates is not the run's
+        with inside(ctx.watchdog, step, "baseline's untimed steps (rank 0)", one_collective=False):
+            ctx.baseline_beside.untimed_steps()
     if dist.is_initialized():
         with inside(ctx.watchdog, step, "barrier (end of the untimed steps)", one_collective=True):
             control_barrier()  # ranks end their untimed steps at different times: level the clocks
@@ -266,12 +264,15 @@ def _start_timing(step: int, ctx: LoopContext, bubble: BubbleClock | None) -> No
 
 
 def _end_timed_step(step: int, ctx: LoopContext) -> None:
-    """The step's clock mark; then one step of the baseline twin, outside the run's clock."""
+    """The step's clock mark; then one step of the baseline beside the run, outside the run's
+    clock."""
     ctx.pending.clock.mark()
-    if ctx.twin is not None:
-        with inside(ctx.watchdog, step, "baseline twin step (rank 0)", one_collective=False):
-            ctx.twin.step()
-        ctx.pending.clock.restart()  # the twin's step is none of the run's
+    if ctx.baseline_beside is not None:
+        with inside(
+            ctx.watchdog, step, "baseline beside the run step (rank 0)", one_collective=False
+        ):
+            ctx.baseline_beside.step()
+        ctx.pending.clock.restart()  # the baseline's step is none of the run's
 
 
 def _evaluate(step: int, ctx: LoopContext, timed: bool) -> dict[str, float] | None:

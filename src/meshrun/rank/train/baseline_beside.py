@@ -1,13 +1,13 @@
-"""The baseline twin: the run's single-device baseline, trained by rank 0 between the run's
-timed steps (core/config.Resolved.twin, where the driver found that both fit).
+"""The baseline beside the run: the run's single-device baseline, trained by rank 0 between
+the run's timed steps (core/config.Resolved.baseline_beside, where the driver found that both fit).
 
 A speedup is only as good as its baseline: measured at another time, or on a host that was
 busier then, it says more about the host than about the layout. So rank 0 also trains the
-run's single-device twin (core/baseline.baseline_config: the whole model, one data-parallel
+run's single-device baseline (core/baseline.baseline_config: the whole model, one data-parallel
 rank's batch under weak scaling) on its own device, one step after each of the run's timed
 steps: run, baseline, run, baseline. Every rank waits at a barrier before and after each
 baseline step, so that both are timed alone, under the same conditions, and the run's step
-clock restarts after it. The twin is built once the run's memory is measured, so that none
+clock restarts after it. The baseline is built once the run's memory is measured, so that none
 of its tensors count as the run's; its first steps are untimed like the run's.
 """
 
@@ -33,7 +33,7 @@ from meshrun.rank.train.loop import train_step
 from meshrun.rank.train.pending import PendingSteps
 
 
-class Twin:
+class BaselineBeside:
     """Every rank holds one (for the barriers); rank 0 builds and trains the baseline."""
 
     def __init__(self, cfg: RunConfig, device: torch.device, rank: int) -> None:
