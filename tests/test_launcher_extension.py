@@ -215,6 +215,22 @@ def test_no_module_outside_the_launch_room_branches_on_slurm():
     assert found == []
 
 
+def test_no_module_outside_the_launch_room_asks_whether_a_launcher_is_slurms():
+    """Beside the name: SLURM's schema is only defined (core/config.py, with what the layers
+    below the driver ask of any launcher's settings) and used in the launch room; elsewhere
+    an isinstance on it would be a SLURM branch by another name (4 on 752fbf4: trials' node
+    pinning and wait check, rank threads, the planner's several nodes)."""
+    schema_home = SRC / "core" / "config.py"
+    found = [
+        f"{path.relative_to(SRC)}:{node.lineno}"
+        for path in sorted(SRC.rglob("*.py"))
+        if LAUNCH_ROOM not in path.parents and path != schema_home
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Name) and node.id == "SlurmLauncherConfig"
+    ]
+    assert found == []
+
+
 def test_the_walk_sees_each_form_of_a_slurm_branch():
     forms = [
         'if name == "slurm": pass',

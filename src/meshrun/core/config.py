@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from omegaconf import MISSING, OmegaConf
 
@@ -319,12 +319,29 @@ class HardwareConfig:
 @dataclass
 class LauncherConfig:
     """What every launcher has: `nproc_per_node` ranks on each of `nnodes` nodes, each with
-    `threads_per_rank` CPU threads. conf/launcher/<name>.yaml picks its own schema below."""
+    `threads_per_rank` CPU threads. conf/launcher/<name>.yaml picks its own schema below.
+    What the layers below the driver ask of a launcher's settings they ask here (a schema
+    overrides it), so that none of them names a launcher: `spans_nodes`, whether its ranks
+    can run on several nodes."""
 
+    spans_nodes: ClassVar[bool] = False
     name: str = MISSING
     nnodes: int = 1
     nproc_per_node: int | None = None
     threads_per_rank: int | None = None
+
+    def task_cpus(self) -> int | None:
+        """The CPUs a scheduler gives each rank; None where the launcher does not say."""
+        return None
+
+    def waits_for_ranks(self) -> bool:
+        """Whether the command returns only once the ranks end (not once they are queued)."""
+        return True
+
+    def pinned_to(self, nodes: list[str]) -> LauncherConfig:
+        """These settings with the ranks placed on `nodes` where the launcher can place them
+        (plan.trials: each trial on the first one's nodes)."""
+        return self
 
 
 @dataclass
@@ -344,6 +361,7 @@ class SlurmLauncherConfig(LauncherConfig):
     before the time limit, SLURM warns the ranks (SIGUSR2): a run that checkpoints saves,
     requeues and resumes in the same job."""
 
+    spans_nodes: ClassVar[bool] = True
     name: str = "slurm"
     partition: str | None = None
     account: str | None = None
@@ -359,6 +377,24 @@ class SlurmLauncherConfig(LauncherConfig):
     wait: bool = True
     signal_delay_s: int = 90
 
+    def task_cpus(self) -> int | None:
+        return self.cpus_per_task
+
+    def waits_for_ranks(self) -> bool:
+        return self.wait
+
+    def pinned_to(self, nodes: list[str]) -> LauncherConfig:
+        """The user's own nodelist wins; else sbatch's --nodelist of `nodes`."""
+        if "nodelist" in self.sbatch_extra:
+            return self
+        return dataclasses.replace(
+            self, sbatch_extra={**self.sbatch_extra, "nodelist": ",".join(nodes)}
+        )
+
+
+# The launcher a plan of several nodes runs with (plan/search.py) where the user's cannot span
+# them.
+CLUSTER_LAUNCHER: type[LauncherConfig] = SlurmLauncherConfig
 
 # meshrun's launchers' schemas by name; a user's launcher is named by its import path
 # (`launcher_schema`, driver/launch/registry.py).

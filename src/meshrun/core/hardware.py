@@ -31,7 +31,6 @@ from meshrun.core.config import (
     DeviceSpec,
     HardwareConfig,
     LauncherConfig,
-    SlurmLauncherConfig,
 )
 from meshrun.core.errors import fail
 from meshrun.core.nvidia_smi import DriverView, read_driver
@@ -226,10 +225,9 @@ def backend_name(backend: BackendConfig, hardware: HardwareConfig) -> str:
 
 
 def rank_threads(launcher: LauncherConfig, nproc: int, facts: HostFacts) -> int:
-    """A rank's CPU threads: the given ones, a SLURM task's CPUs (only the SLURM schema has
+    """A rank's CPU threads: the given ones, the CPUs a scheduler gives each rank (SLURM's
     cpus_per_task), else an equal share of the host's cores among its `nproc` ranks."""
-    slurm_cpus = launcher.cpus_per_task if isinstance(launcher, SlurmLauncherConfig) else None
-    return launcher.threads_per_rank or slurm_cpus or max(1, facts.cpu_count // nproc)
+    return launcher.threads_per_rank or launcher.task_cpus() or max(1, facts.cpu_count // nproc)
 
 
 def target_facts(hardware: HardwareConfig, host: HostFacts) -> HostFacts:

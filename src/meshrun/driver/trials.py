@@ -23,7 +23,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from meshrun.core.choices import BaselineMode, ExportFormat
-from meshrun.core.config import PlanConfig, RunConfig, SlurmLauncherConfig, with_resolved
+from meshrun.core.config import PlanConfig, RunConfig, with_resolved
 from meshrun.core.record import RunRecord
 from meshrun.core.record_parts import Selection
 from meshrun.driver.experiment import Launch, RunFailed, publish, run_experiment
@@ -91,13 +91,9 @@ def _trial(cfg: RunConfig, launch: Launch, run_id: str) -> RunRecord:
 def on_nodes(run: RunConfig, nodes: list[str] | None) -> RunConfig:
     """A SLURM trial pinned to the nodes an earlier one ran on (the module docstring); any
     other as it is."""
-    launcher = run.launcher
-    if nodes is None or not isinstance(launcher, SlurmLauncherConfig):
+    if nodes is None:
         return run
-    if "nodelist" in launcher.sbatch_extra:  # the user's choice of nodes
-        return run
-    extra = {**launcher.sbatch_extra, "nodelist": ",".join(nodes)}
-    return dataclasses.replace(run, launcher=dataclasses.replace(launcher, sbatch_extra=extra))
+    return dataclasses.replace(run, launcher=run.launcher.pinned_to(nodes))
 
 
 def trial_config(run: RunConfig, index: int, timed_steps: int, group: str) -> RunConfig:

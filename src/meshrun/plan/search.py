@@ -32,7 +32,7 @@ from typing import Any
 
 from meshrun.core.baseline import baseline_config
 from meshrun.core.batch import local_batch_size
-from meshrun.core.config import ExperimentConfig, SlurmLauncherConfig
+from meshrun.core.config import CLUSTER_LAUNCHER, ExperimentConfig
 from meshrun.core.errors import ConfigError, fail
 from meshrun.core.layout import Layout
 from meshrun.models import model_kind, model_shape
@@ -196,8 +196,8 @@ def with_parallel(cfg: ExperimentConfig, box: Box, **keys: Any) -> ExperimentCon
         cfg.parallel, name="single" if box.world == 1 else "auto", data_parallel="auto", **keys
     )
     launcher = cfg.launcher
-    if box.nodes > 1 and not isinstance(launcher, SlurmLauncherConfig):
-        launcher = SlurmLauncherConfig(nnodes=box.nodes)
+    if box.nodes > 1 and not launcher.spans_nodes:
+        launcher = CLUSTER_LAUNCHER(nnodes=box.nodes)
     launcher = dataclasses.replace(
         launcher, nnodes=box.nodes, nproc_per_node=box.per_node, threads_per_rank=None
     )

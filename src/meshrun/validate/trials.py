@@ -5,7 +5,7 @@ run."""
 from __future__ import annotations
 
 from meshrun.core.attached import attached_rank
-from meshrun.core.config import ExperimentConfig, SlurmLauncherConfig
+from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import fail, positive
 
 
@@ -38,7 +38,7 @@ def check_trials(cfg: ExperimentConfig) -> None:
             "launcher=local or launcher=slurm; under torchrun a sweep over `meshrun-plan`'s "
             "first rows",
         )
-    if isinstance(cfg.launcher, SlurmLauncherConfig) and not cfg.launcher.wait:
+    if not cfg.launcher.waits_for_ranks():
         fail(
             "launcher.wait",
             False,
