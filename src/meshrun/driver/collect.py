@@ -24,7 +24,7 @@ from pathlib import Path
 
 from meshrun.core.checkpoints import RESULTS_FILE
 from meshrun.core.config import ExperimentConfig, from_dict
-from meshrun.driver.experiment import begin, finish_experiment, follow, outcome, reported
+from meshrun.driver.experiment import begin, finish_experiment, live_run, measured_run, reported
 from meshrun.driver.launch import TRAIN
 from meshrun.driver.launch.dispatch import launch
 from meshrun.driver.launch.launcher import Launcher
@@ -80,8 +80,8 @@ def collect_one(path: Path) -> int:
     job_id = record["job_id"]
     meta = RunMeta(**record["meta"])
     launcher = submitter(launcher_for(cfg.launcher.name))
-    live = follow(cfg, meta)
-    measured = outcome(cfg, meta, record["submitted_at"], lambda: launcher.wait(cfg, job_id))
+    live = live_run(cfg, meta)
+    measured = measured_run(cfg, meta, record["submitted_at"], lambda: launcher.wait(cfg, job_id))
     return reported(lambda: finish_experiment(cfg, measured, launch, live))
 
 

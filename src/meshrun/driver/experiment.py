@@ -91,8 +91,8 @@ def run_experiment(
     `resolved.baseline_beside`, rank 0 trains the baseline beside the run, between its steps.
     `decided`: RunMeta fields the driver decided before the run (a trial's, driver/trials.py)."""
     meta = begin(cfg, role, **decided)
-    live = follow(cfg, meta)
-    measured = outcome(cfg, meta, time.time(), lambda: launch(cfg))
+    live = live_run(cfg, meta)
+    measured = measured_run(cfg, meta, time.time(), lambda: launch(cfg))
     return finish_experiment(cfg, measured, launch, live)
 
 
@@ -179,7 +179,7 @@ def read_steps(run_dir: str) -> list[StepRow]:
 
 def measure(cfg: ExperimentConfig, role: Role, launch: Launch) -> Measured:
     """One launch, measured; no W&B run follows it (a baseline, meshrun-verify's runs)."""
-    return outcome(cfg, begin(cfg, role), time.time(), lambda: launch(cfg))
+    return measured_run(cfg, begin(cfg, role), time.time(), lambda: launch(cfg))
 
 
 def new_run(run_dir: str) -> None:
@@ -264,7 +264,7 @@ def _run_id_in(run_dir: str) -> str:
         return "unknown"
 
 
-def outcome(
+def measured_run(
     cfg: ExperimentConfig,
     meta: RunMeta,
     started: float,
@@ -280,7 +280,7 @@ def outcome(
     return Measured(meta, steps, report)
 
 
-def follow(cfg: ExperimentConfig, meta: RunMeta) -> LiveRun | None:
+def live_run(cfg: ExperimentConfig, meta: RunMeta) -> LiveRun | None:
     """The run's W&B run, fed as rank 0 logs (driver/sinks/live.py); none for a baseline."""
     if not _on_wandb(cfg, meta.role):
         return None

@@ -15,7 +15,7 @@ from torch.distributed.tensor._collective_utils import MeshTopoInfo
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from meshrun.core.layout import MESH_DIMS, Layout
-from meshrun.rank.collective_place import control_all_reduce
+from meshrun.rank.control_collectives import control_all_reduce
 
 
 def init_distributed(backend: str, timeout_s: float) -> None:

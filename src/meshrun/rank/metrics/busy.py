@@ -16,7 +16,7 @@ import time
 import torch
 
 from meshrun.core.step_stats import slowest
-from meshrun.rank.collective_place import control_all_gather
+from meshrun.rank.control_collectives import control_all_gather
 
 
 class BusyClock:

@@ -23,7 +23,7 @@ from meshrun.core.config import RunConfig
 from meshrun.core.layout import Layout
 from meshrun.core.run_files.metrics import StepRow
 from meshrun.models import model_shape
-from meshrun.rank.collective_place import control_barrier
+from meshrun.rank.control_collectives import control_barrier
 from meshrun.rank.device import synchronize
 from meshrun.rank.metrics.memory import MemoryMeter
 from meshrun.rank.train.build import Training, build_training

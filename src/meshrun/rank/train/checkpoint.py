@@ -57,7 +57,7 @@ from meshrun.core.run_files.failures import Stopped
 from meshrun.models import model_key, model_shape
 from meshrun.models.shards import fill, local_tensor, model_name, named_tensors, stored_view
 from meshrun.models.vocab import VOCAB_MODULES
-from meshrun.rank.collective_place import control_all_reduce, control_barrier
+from meshrun.rank.control_collectives import control_all_reduce, control_barrier
 from meshrun.rank.parallel.parallel_model import ParallelModel
 from meshrun.rank.stop_signals import STOP_SIGNALS
 from meshrun.rank.train.auto_interval import AutoInterval

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from meshrun.core.config import TrainConfig
 from meshrun.models import moe
-from meshrun.rank.collective_place import control_barrier
+from meshrun.rank.control_collectives import control_barrier
 from meshrun.rank.device import autocast
 from meshrun.rank.mesh import mean_over_ranks
 from meshrun.rank.metrics.bubble import BubbleClock

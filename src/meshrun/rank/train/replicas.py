@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from meshrun.core.replica_place import LIGHTHOUSE_ENV, ReplicaAlone, ReplicaLagged, ReplicaPlace
 from meshrun.core.run_files.metrics import replicas_ended
-from meshrun.rank.collective_place import (
+from meshrun.rank.control_collectives import (
     backend_device,
     current_accelerator,
     replicas_all_reduce,

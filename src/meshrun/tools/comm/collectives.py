@@ -24,7 +24,7 @@ from meshrun.core.collective_names import ALL_GATHER, REDUCE_SCATTER
 from meshrun.core.run_files.failures import record_failure
 from meshrun.driver.tool_config import CommConfig, comm_from_dict
 from meshrun.rank import flight_recorder
-from meshrun.rank.collective_place import control_all_reduce, control_barrier
+from meshrun.rank.control_collectives import control_all_reduce, control_barrier
 from meshrun.rank.faults import fault_injector
 from meshrun.rank.mesh import end_distributed, init_distributed, select_device
 from meshrun.rank.watchdog import Watchdog

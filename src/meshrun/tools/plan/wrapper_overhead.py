@@ -30,7 +30,7 @@ from torch.distributed.fsdp import fully_shard
 
 from meshrun.core.config import LlamaModelConfig
 from meshrun.models import build_model, model_shape
-from meshrun.rank.collective_place import control_barrier
+from meshrun.rank.control_collectives import control_barrier
 from meshrun.rank.parallel.checkpointing import apply_activation_checkpointing
 from meshrun.rank.parallel.context import apply_context_parallel
 from meshrun.rank.parallel.context_attention import METHODS

@@ -9,7 +9,7 @@ value is placed there, reduced, and handed back where the caller keeps it, in it
 
 The bulk collectives (gradients, activations, a pipeline's transfers) run on the tensors the
 model computed, on the rank's device, which every backend the run uses takes;
-tests/test_collective_place.py walks every collective call in meshrun and names those, each
+tests/test_control_collectives.py walks every collective call in meshrun and names those, each
 with why it may stay as it is."""
 
 from __future__ import annotations

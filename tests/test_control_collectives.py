@@ -1,5 +1,5 @@
 """Every collective meshrun calls has its tensors where its group's backend takes them
-(rank/collective_place.py). A walk over meshrun's source finds each call of a collective
+(rank/control_collectives.py). A walk over meshrun's source finds each call of a collective
 (torch.distributed's, DTensor's redistribution, torchft Manager's all-reduce, DCP's) and
 requires that it is the helper's, or one reviewed here with why it may stay as it is: the
 bulk collectives run on what the model computed, on the rank's device. The helper's choice
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import meshrun
-from meshrun.rank.collective_place import (
+from meshrun.rank.control_collectives import (
     backend_device,
     control_all_gather,
     control_all_reduce,
@@ -26,7 +26,7 @@ from meshrun.rank.collective_place import (
 from meshrun.rank.mesh import init_distributed
 
 SRC = Path(meshrun.__file__).parent
-HELPER = "rank/collective_place.py"
+HELPER = "rank/control_collectives.py"
 
 DIST_COLLECTIVES = frozenset(
     {
@@ -187,7 +187,7 @@ def test_every_collective_goes_through_the_helper_or_is_reviewed():
         if path != HELPER and (path, scope, callee) not in REVIEWED
     ]
     assert not unreviewed, (
-        "collectives neither through rank/collective_place.py nor reviewed here: "
+        "collectives neither through rank/control_collectives.py nor reviewed here: "
         + "; ".join(unreviewed)
     )
 
