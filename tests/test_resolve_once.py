@@ -23,8 +23,9 @@ from meshrun.driver import resolve as resolve_module
 from meshrun.driver.measured import RunMeta
 from meshrun.driver.resolve import resolve
 from meshrun.driver.results import config_fields, predicted_memory_fields, predicted_speed_fields
-from meshrun.driver.run_plan import plain
+from meshrun.driver.run_plan import checkpoint_plan_fields, plain
 from meshrun.plan import predict
+from meshrun.plan.run_prediction import predict_checkpoint
 from meshrun.tools.plan import command as plan_command
 from tests.cli import compose_command, run_console
 from tests.helpers import compose_config
@@ -94,6 +95,13 @@ def test_the_record_reads_the_prediction_the_resolution_made(tmp_path):
     cfg = with_resolved(cfg, prediction=marked)
     fields = predicted_memory_fields(cfg) | predicted_speed_fields(cfg)
     assert (fields["predicted_peak_memory_bytes"], fields["predicted_tokens_per_s"]) == (7, 123.0)
+    # a run that saves: its checkpoint, predicted with the rest and read by the record
+    saves = compose_config(f"store.path={tmp_path}/m.db", "checkpoint.every_steps=2")
+    cfg = resolve(saves, HostFacts.detect()).config
+    made = cfg.resolved.prediction
+    assert made.checkpoint_bytes_per_rank == predict_checkpoint(cfg).bytes_per_rank > 0
+    cfg = with_resolved(cfg, prediction=dataclasses.replace(made, checkpoint_bytes_per_rank=9))
+    assert checkpoint_plan_fields(cfg, None)["predicted_checkpoint_bytes_per_rank"] == 9
     # another layout's config carries none: predicted where it is recorded
     assert baseline_config(cfg).resolved.prediction is None
     assert with_layers(cfg, [1]).resolved.prediction is None

@@ -17,10 +17,10 @@ from meshrun.core.calibration import calibration_path, write_calibration
 from meshrun.core.hardware import HostFacts, fingerprint_key, host_fingerprint, rank_threads
 from meshrun.core.record import RunRecord
 from meshrun.driver.experiment import measure
-from meshrun.driver.run_plan import predicted_checkpoint
 from meshrun.driver.sinks.store import ResultsStore
 from meshrun.plan.checkpoint_cost import CheckpointCost, StorageRates
 from meshrun.plan.prediction_band import PUBLISHED
+from meshrun.plan.run_prediction import predict_checkpoint
 from meshrun.plan.run_time import MTBF_NODE_HOURS, Failures, RunTime, budget_tokens
 from meshrun.tools.plan.run_table import prediction_band
 from meshrun.tools.report import budget_plot
@@ -122,7 +122,7 @@ def test_checkpoint_bytes_per_rank_are_those_a_real_dcp_save_writes(tmp_path, ra
     assert measure(cfg, "run", rank_pool.launch).ok
     files = sorted((Path(cfg.run_dir) / "checkpoints" / "step-00000002").glob("__*_0.distcp"))
     assert len(files) == cfg.launcher.nproc_per_node
-    predicted = predicted_checkpoint(cfg).bytes_per_rank
+    predicted = predict_checkpoint(cfg).bytes_per_rank
     for written in files:
         assert written.stat().st_size == pytest.approx(predicted, rel=0.10), written.name
 

@@ -706,7 +706,9 @@ class Prediction:
     """The plan's prediction for the run's layout, made once before the launch (with the
     memory check, driver/resolve.py) and read by the record: each rank's memory by kind
     (MemoryPrediction.as_dict), the trace where the run records one, the step's seconds and
-    its parts, tokens a second, and when the calibration the speed used was measured."""
+    its parts, tokens a second, and when the calibration the speed used was measured; for a
+    run that saves checkpoints, one checkpoint's bytes a rank writes, seconds it holds
+    training and seconds to its last byte (plan/checkpoint_cost.py)."""
 
     memory: list[dict[str, int]] = field(default_factory=list)
     traced: list[dict[str, int]] | None = None
@@ -714,6 +716,9 @@ class Prediction:
     tokens_per_s: float | None = None
     step_parts: dict[str, float] | None = None
     calibrated_at: str | None = None
+    checkpoint_bytes_per_rank: int | None = None
+    checkpoint_blocked_s: float | None = None
+    checkpoint_save_s: float | None = None
 
 
 @dataclass

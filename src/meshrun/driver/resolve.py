@@ -120,7 +120,8 @@ def _planned(
     """The run's plan on the box its ranks run on: checked, data=hf's tokens prepared, the
     checkpoint interval, the prediction and the baseline's way."""
     resolved, candidate = _checked(cfg, facts)
-    resolved = with_checkpoint_interval(prepare_data(resolved))
+    prediction = predict_run(resolved, candidate.speed)
+    resolved = with_checkpoint_interval(prepare_data(resolved), prediction)
     for note in (vocabulary_note(resolved), unknown_device_note(resolved.hardware)):
         if note and say is not None:
             say(note)
@@ -128,7 +129,7 @@ def _planned(
     config = with_resolved(
         resolved,
         baseline_beside=baseline == "beside",
-        prediction=predict_run(resolved, candidate.speed),
+        prediction=prediction,
         settings=plain(settings),
     )
     return RunPlan(settings, config, baseline)

@@ -26,9 +26,7 @@ from meshrun.core.config import (
 from meshrun.core.layout import Layout
 from meshrun.core.naming import layout_name
 from meshrun.core.rank_report import AutoCheckpoint
-from meshrun.plan import predict
-from meshrun.plan.candidate import host_calibration
-from meshrun.plan.checkpoint_cost import CheckpointCost, checkpoint_cost, storage_rates
+from meshrun.plan.run_prediction import prediction_of
 from meshrun.plan.run_time import Failures, budget_tokens, save_interval_s, young_daly_s
 
 
@@ -98,25 +96,20 @@ def filled(given: dict[str, Any], resolved: dict[str, Any], prefix: str = "") ->
     return changed
 
 
-def predicted_checkpoint(cfg: ExperimentConfig) -> CheckpointCost:
-    """The plan's checkpoint of the run's layout, at this host's storage rates."""
-    rates = storage_rates(cfg, host_calibration(cfg))
-    return checkpoint_cost(cfg, predict.stage_memory(cfg), rates)
-
-
-def with_checkpoint_interval(cfg: RunConfig) -> RunConfig:
-    """checkpoint.every_steps=auto: the seconds between two saves and why, for the ranks."""
+def with_checkpoint_interval(cfg: RunConfig, prediction: Prediction) -> RunConfig:
+    """checkpoint.every_steps=auto: the seconds between two saves and why, for the ranks,
+    from the checkpoint the run's prediction holds."""
     if cfg.checkpoint.every_steps != AUTO:
         return cfg
-    cost, failures = predicted_checkpoint(cfg), Failures.of(cfg)
-    interval = save_interval_s(cost, failures)
+    cost, failures = prediction, Failures.of(cfg)
+    interval = save_interval_s(cost.checkpoint_blocked_s, cost.checkpoint_save_s, failures)
     why = (
-        f"Young/Daly, sqrt(2 x {cost.blocked_s:.3g} s a save holds training x "
+        f"Young/Daly, sqrt(2 x {cost.checkpoint_blocked_s:.3g} s a save holds training x "
         f"{failures.mtbf_s:,.4g} s between the job's failures: {failures.nodes} node(s) at "
         f"{failures.mtbf_node_hours:.4g} h, {failures.source})"
     )
-    if interval > young_daly_s(cost.blocked_s, failures.mtbf_s):
-        why += f", no shorter than a save's {cost.save_s:.3g} s"
+    if interval > young_daly_s(cost.checkpoint_blocked_s, failures.mtbf_s):
+        why += f", no shorter than a save's {cost.checkpoint_save_s:.3g} s"
     return with_resolved(cfg, checkpoint_interval_s=interval, checkpoint_interval_why=why)
 
 
@@ -126,7 +119,7 @@ def checkpoint_plan_fields(cfg: ExperimentConfig, chosen: AutoCheckpoint | None)
     every = cfg.checkpoint.every_steps
     if not every:
         return {}
-    cost = predicted_checkpoint(cfg)
+    cost = prediction_of(cfg)
     interval = None
     if chosen is not None:
         every, interval = (
@@ -138,9 +131,9 @@ def checkpoint_plan_fields(cfg: ExperimentConfig, chosen: AutoCheckpoint | None)
     return {
         "checkpoint_every_steps": every,
         "checkpoint_interval": interval,
-        "predicted_checkpoint_bytes_per_rank": cost.bytes_per_rank,
-        "predicted_checkpoint_blocked_s": cost.blocked_s,
-        "predicted_checkpoint_save_s": cost.save_s,
+        "predicted_checkpoint_bytes_per_rank": cost.checkpoint_bytes_per_rank,
+        "predicted_checkpoint_blocked_s": cost.checkpoint_blocked_s,
+        "predicted_checkpoint_save_s": cost.checkpoint_save_s,
     }
 
 

@@ -44,9 +44,10 @@ def young_daly_s(blocked_s: float, mtbf_s: float) -> float:
     return math.sqrt(2 * blocked_s * mtbf_s)
 
 
-def save_interval_s(checkpoint: CheckpointCost, failures: Failures) -> float:
-    """Young's interval, but no shorter than a save: the next waits for it."""
-    return max(young_daly_s(checkpoint.blocked_s, failures.mtbf_s), checkpoint.save_s)
+def save_interval_s(blocked_s: float, save_s: float, failures: Failures) -> float:
+    """Young's interval for a save that holds training `blocked_s`, but no shorter than the
+    save's `save_s`: the next waits for it."""
+    return max(young_daly_s(blocked_s, failures.mtbf_s), save_s)
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,10 @@ class RunTime:
 
     @property
     def interval_s(self) -> float:
-        return min(save_interval_s(self.checkpoint, self.failures), self.compute_s)
+        return min(
+            save_interval_s(self.checkpoint.blocked_s, self.checkpoint.save_s, self.failures),
+            self.compute_s,
+        )
 
     @property
     def save_share(self) -> float:
