@@ -172,9 +172,10 @@ class Checkpoints:
 
 @dataclass
 class Selection:
-    """plan.trials: a trial's run it chose the layout for; that run's trials (core/trials.py),
-    how the prediction ranked them against what they measured (Spearman) and the share of the
-    fastest measured speed that the prediction's first choice lacked."""
+    """plan.trials: a trial's run it chose the layout for; that run's trials
+    (driver/trial_ranking.py), how the prediction ranked them against what they measured
+    (Spearman) and the share of the fastest measured speed that the prediction's first
+    choice lacked."""
 
     trial_of: str | None = _f(column=True)
     trials: list[dict[str, Any]] | None = _f()

@@ -87,7 +87,7 @@ def run_experiment(
     cfg: ExperimentConfig, launch: Launch, role: Role = "run", **decided: Any
 ) -> RunRecord:
     """Returns the results record; raises RunFailed (after recording) if a rank failed.
-    `cfg` carries the baseline's plan (driver/baseline.with_baseline_plan): with
+    `cfg` carries the baseline's plan (driver/baseline.baseline_plan): with
     `resolved.baseline_beside`, rank 0 trains the baseline beside the run, between its steps.
     `decided`: RunMeta fields the driver decided before the run (a trial's, driver/trials.py)."""
     meta = begin(cfg, role, **decided)
