@@ -702,7 +702,7 @@ class ExperimentConfig:
 
 
 @dataclass
-class Prediction:
+class RunPrediction:
     """The plan's prediction for the run's layout, made once before the launch (with the
     memory check, driver/resolve.py) and read by the record: each rank's memory by kind
     (MemoryPrediction.as_dict), the trace where the run records one, the step's seconds and
@@ -745,7 +745,7 @@ class Resolved:
     precision_auto: str | None = None
     checkpoint_interval_s: float | None = None
     checkpoint_interval_why: str | None = None
-    prediction: Prediction | None = None
+    prediction: RunPrediction | None = None
     settings: dict[str, Any] = field(default_factory=dict)
 
 

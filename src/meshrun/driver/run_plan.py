@@ -17,8 +17,8 @@ from omegaconf import OmegaConf
 from meshrun.core.checkpoints import AUTO
 from meshrun.core.config import (
     ExperimentConfig,
-    Prediction,
     RunConfig,
+    RunPrediction,
     resolved_of,
     settings_of,
     with_resolved,
@@ -43,7 +43,7 @@ class RunPlan:
     baseline: str
 
     @property
-    def prediction(self) -> Prediction | None:
+    def prediction(self) -> RunPrediction | None:
         return self.config.resolved.prediction
 
     @property
@@ -96,7 +96,7 @@ def filled(given: dict[str, Any], resolved: dict[str, Any], prefix: str = "") ->
     return changed
 
 
-def with_checkpoint_interval(cfg: RunConfig, prediction: Prediction) -> RunConfig:
+def with_checkpoint_interval(cfg: RunConfig, prediction: RunPrediction) -> RunConfig:
     """checkpoint.every_steps=auto: the seconds between two saves and why, for the ranks,
     from the checkpoint the run's prediction holds."""
     if cfg.checkpoint.every_steps != AUTO:

@@ -42,6 +42,19 @@ class Launcher(Protocol):
         ...
 
 
+class LauncherHere:
+    """What a launcher whose ranks run on this host and are waited for shares (local, the
+    ranks torchrun started): no rules of its own beyond the common ones; `run` is its own."""
+
+    ranks_here = True
+
+    def check(self, cfg: LaunchedConfig) -> LauncherConfig:
+        return cfg.launcher
+
+    def waits(self, launcher: LauncherConfig, in_sweep: bool) -> bool:
+        return True
+
+
 @runtime_checkable
 class Submitter(Launcher, Protocol):
     """A launcher whose ranks outlive the driver (a batch job): started, waited for and

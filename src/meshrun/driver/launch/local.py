@@ -22,9 +22,10 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from meshrun.core.config import ExperimentConfig, LauncherConfig, LocalLauncherConfig
+from meshrun.core.config import ExperimentConfig, LocalLauncherConfig
 from meshrun.core.run_files.failures import first_failure, recorded_failures
 from meshrun.driver.launch import SIGNAL_UNSEEN, TRAIN, RankEntry, RankFailure, interrupted
+from meshrun.driver.launch.launcher import LauncherHere
 from meshrun.driver.tool_config import CommRunConfig
 
 logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
@@ -138,19 +139,12 @@ def launch_local(
     return returns[0]
 
 
-class LocalLauncher:
+class LocalLauncher(LauncherHere):
     """launcher=local: the ranks on this host, waited for; no rules beyond the common ones
     (validate/launcher.py)."""
 
     name = "local"
     schema = LocalLauncherConfig
-    ranks_here = True
-
-    def check(self, cfg: ExperimentConfig | CommRunConfig) -> LauncherConfig:
-        return cfg.launcher
-
-    def waits(self, launcher: LauncherConfig, in_sweep: bool) -> bool:
-        return True
 
     def run(self, cfg: ExperimentConfig | CommRunConfig, entry: RankEntry) -> Any:
         return launch_local(cfg, entry)

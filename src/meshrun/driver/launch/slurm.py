@@ -148,7 +148,7 @@ class SlurmLauncher:
     def waits(self, launcher: LauncherConfig, in_sweep: bool) -> bool:
         """A multirun's jobs are collected at the sweep's end (driver/sweep.SweepEnd), so
         that they run concurrently; with launcher.wait=false, by meshrun-collect."""
-        return isinstance(launcher, SlurmLauncherConfig) and launcher.wait and not in_sweep
+        return launcher.waits_for_ranks() and not in_sweep
 
     def run(self, cfg: ExperimentConfig | CommRunConfig, entry: RankEntry) -> Any:
         return launch_slurm(cfg, entry)

@@ -10,6 +10,7 @@ from typing import Any
 from meshrun.core.attached import attached_rank
 from meshrun.core.config import ExperimentConfig, LauncherConfig
 from meshrun.driver.launch import TRAIN, RankEntry, RankFailure
+from meshrun.driver.launch.launcher import LauncherHere
 from meshrun.driver.tool_config import CommRunConfig
 
 
@@ -31,20 +32,13 @@ def launch_attached(
         raise RankFailure(attached_rank() or 0, f"{type(err).__name__}: {err}") from err
 
 
-class AttachedLauncher:
+class AttachedLauncher(LauncherHere):
     """The ranks torchrun started, this process one of them: selected by the environment
     (dispatch.launch), not by `launcher.name`; no rules of its own beyond the world's size
     (validate/launcher.check_attached_world)."""
 
     name = "torchrun"
     schema = LauncherConfig
-    ranks_here = True
-
-    def check(self, cfg: ExperimentConfig | CommRunConfig) -> LauncherConfig:
-        return cfg.launcher
-
-    def waits(self, launcher: LauncherConfig, in_sweep: bool) -> bool:
-        return True
 
     def run(self, cfg: ExperimentConfig | CommRunConfig, entry: RankEntry) -> Any:
         return launch_attached(cfg, entry)

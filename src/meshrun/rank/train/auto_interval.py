@@ -37,8 +37,10 @@ class AutoInterval:
     def measured(self, times: list[float]) -> int | None:
         """A log step's step times; the steps between saves once TIMED_STEPS are in (the
         same on every rank), else None."""
+        if self.chosen is not None:
+            return None
         self.times += times
-        if self.chosen is not None or len(self.times) < TIMED_STEPS:
+        if len(self.times) < TIMED_STEPS:
             return None
         step_s = statistics.median(self.times[:TIMED_STEPS])
         choice = [AutoCheckpoint(steps_between(self.interval_s, step_s), step_s, self.interval_s)]
