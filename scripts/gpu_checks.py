@@ -243,6 +243,12 @@ def checks(gpus: int) -> list[Check]:
             budget_s=60,
         ),
         Check(
+            "meshrun-plan show=resolved: the RunPlan of this GPU box (cuda, nccl, a prediction)",
+            _python("-m meshrun.tools.plan.main model=tiny show=resolved", store=True),
+            exits_zero_with(r"device_type: cuda\nbackend: nccl(.|\n)*prediction:\n  memory:"),
+            budget_s=60,
+        ),
+        Check(
             "a SLURM task that sees one GPU uses cuda:0 (local rank 3)",
             _python(
                 "-c import torch; from meshrun.rank.mesh import select_device; "
