@@ -1,25 +1,31 @@
-"""scripts/gpu-check.sh's runner: the checks of scripts/gpu_checks.py run to one deadline over
-the GPUs this process sees, then one table (a line per check: PASS, FAIL or SKIPPED with
-why) and the same as JSON.
+"""scripts/gpu-check.sh's runner: meshrun's needs installed offline, then checks run to one
+deadline over the GPUs this process sees, the table (a line per check: PASS, FAIL, SKIPPED
+with why, or PENDING) and its JSON rewritten after every check.
+
+The box it is for (../shared/gpu-node-image.md) runs one command of at most 600 s and brings
+back at most 8 files from $OUT: so the deadline counts from the script's start
+(GPU_CHECK_STARTED, set by gpu-check.sh; the install is inside it), a check's process group
+gets 5 s after SIGTERM before SIGKILL, every check works in a folder of its own under
+--work (/tmp), and $OUT holds only gpu-check.txt, gpu-check.json, gpu-check-logs.txt (the
+install's and every check's output tail) and at most five artefacts the checks name (a
+trace, a memory snapshot) in $OUT/artefacts/.
 
 The GPUs are those torch sees (CUDA_VISIBLE_DEVICES and MIG honoured, as a rank sees them),
-never nvidia-smi's list: a MIG slice or a hidden GPU is not a rank's device. Checks start in
-their list's order as soon as the GPUs they need are free (on an 8-GPU box several run side
-by side, each with CUDA_VISIBLE_DEVICES naming its own); one that times something runs
-`alone`. Each has its own time budget, and none starts once the run's deadline
-(GPU_CHECK_BUDGET_S, 570 s: the lent device's 10-minute command limit less the install)
-leaves it under half of it: the rest are SKIPPED, saying so. Stdlib only: it runs before
-anything is installed on a bare image.
-
-    python3 scripts/gpu_check.py [--out DIR] [--budget-s S] [--only SUBSTRING] [--dry-run]
+never nvidia-smi's list. Checks start in their list's order as soon as the GPUs they need
+are free (on a box of several, side by side, each with CUDA_VISIBLE_DEVICES naming its own);
+one that times something runs `alone`; none starts once the deadline leaves it under half
+its budget. Stdlib only: it runs before anything is installed. The checks are
+scripts/gpu_checks.py's, which calls `main` here (this module imports none of it).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,8 +34,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-PASS, FAIL, SKIPPED = "PASS", "FAIL", "SKIPPED"
+PASS, FAIL, SKIPPED, PENDING = "PASS", "FAIL", "SKIPPED", "PENDING"
 TAIL_LINES = 60  # of each check's output, in the combined log
+KILL_GRACE_S = 5.0  # after SIGTERM, then after SIGKILL
+MAX_ARTEFACTS = 5  # with the table, the JSON and the log: the device tool's 8 files
+MAX_ARTEFACT_BYTES = 15 * 2**20  # the tool brings back files of up to 16 MiB
+DEFAULT_BUDGET_S = 540.0  # from the script's start: the tool's 600 s less a margin
 
 
 @dataclass(frozen=True)
@@ -51,7 +61,9 @@ class Outcome:
 @dataclass(frozen=True)
 class Check:
     """One line of the table: `argv` run in `work` (its own folder), judged by `judge` from
-    its outcome. `gpus`: how many it needs (0: CPU only)."""
+    its outcome. `gpus`: how many it needs (0: CPU only). `keep`: globs under its folder of
+    artefacts to bring back. `rehearse`: run by the rehearsal (a check needing no GPU whose
+    figure means something on a CPU box)."""
 
     name: str
     argv: Callable[[Path], list[str]]
@@ -59,6 +71,8 @@ class Check:
     gpus: int = 1
     budget_s: float = 120.0
     alone: bool = False
+    keep: tuple[str, ...] = ()
+    rehearse: bool = True
 
 
 @dataclass
@@ -95,8 +109,8 @@ def child_visible(parent: str | None, picked: list[int]) -> str:
     return ",".join(entries[i] for i in picked)
 
 
-def _slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_")
+def slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_")[:80]
 
 
 @dataclass
@@ -110,51 +124,68 @@ class _Running:
 
 
 class Runner:
-    """Starts checks in order as their GPUs free up, each to its timeout, until the deadline."""
+    """Starts checks in order as their GPUs free up, each to its timeout, until `deadline`
+    (time.monotonic()); `report` is called with every result as it comes."""
 
-    def __init__(self, n_gpus: int, budget_s: float, out: Path, parent_visible: str | None):
+    def __init__(
+        self,
+        n_gpus: int,
+        deadline: float,
+        work: Path,
+        parent_visible: str | None,
+        report: Callable[[Result], None] = lambda result: None,
+    ):
         self.free = list(range(n_gpus))
         self.n_gpus = n_gpus
-        self.deadline = time.monotonic() + budget_s
-        self.out = out
+        self.deadline = deadline
+        self.work = work
         self.parent_visible = parent_visible
+        self.report = report
         self.running: list[_Running] = []
-        self.results: dict[str, Result] = {}
 
     def plan(self, check: Check) -> Verdict | None:
         """Why `check` cannot run on this box at all (None: it can)."""
         if check.gpus > self.n_gpus:
-            here = f"{self.n_gpus} here" if self.n_gpus else "none torch can use here"
+            here = (
+                f"{self.n_gpus} here: NCCL refuses two ranks on one GPU, and a CUDA run "
+                "places a rank per GPU (validate/launcher.check_placement)"
+                if self.n_gpus
+                else "none torch can use here"
+            )
             return Verdict(SKIPPED, f"needs {check.gpus} GPU(s), {here}")
         return None
 
-    def run(self, checks: list[Check]) -> list[Result]:
+    def run(self, checks: list[Check]) -> None:
         pending = []
         for check in checks:
             refused = self.plan(check)
             if refused is None:
                 pending.append(check)
             else:
-                self.results[check.name] = Result(check.name, refused.status, refused.detail)
+                self.report(Result(check.name, refused.status, refused.detail))
         while pending or self.running:
             self._reap()
             while pending:
                 head = pending[0]
                 left = self.deadline - time.monotonic()
                 if left < head.budget_s / 2:
-                    self.results[head.name] = Result(
-                        head.name,
-                        SKIPPED,
-                        f"out of time: {left:.0f} s left, it needs up to "
-                        f"{head.budget_s:.0f} s (GPU_CHECK_BUDGET_S)",
-                    )
                     pending.pop(0)
+                    self.report(
+                        Result(
+                            head.name,
+                            SKIPPED,
+                            f"out of time: {max(left, 0):.0f} s left, it needs up to "
+                            f"{head.budget_s:.0f} s (GPU_CHECK_BUDGET_S)",
+                        )
+                    )
                 elif self._fits(head):
                     self._start(pending.pop(0))
                 else:
                     break
             time.sleep(0.2)
-        return [self.results[c.name] for c in checks]
+
+    def folder(self, check: Check) -> Path:
+        return self.work / slug(check.name)
 
     def _fits(self, check: Check) -> bool:
         """Its GPUs are free, and nothing it must not share the box with runs."""
@@ -164,8 +195,9 @@ class Runner:
 
     def _start(self, check: Check) -> None:
         devices, self.free = self.free[: check.gpus], self.free[check.gpus :]
-        work = self.out / "work" / _slug(check.name)
-        work.mkdir(parents=True, exist_ok=True)
+        work = self.folder(check)
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
         env = dict(os.environ)
         if check.gpus:
             env["CUDA_VISIBLE_DEVICES"] = child_visible(self.parent_visible, devices)
@@ -175,6 +207,7 @@ class Runner:
                 check.argv(work),
                 stdout=sink,
                 stderr=subprocess.STDOUT,
+                cwd=os.getcwd(),
                 env=env,
                 start_new_session=True,  # its ranks and their children end with it
             )
@@ -190,7 +223,7 @@ class Runner:
             if rc is None and elapsed < run.timeout:
                 continue
             if rc is None:
-                _kill(run.proc)
+                kill_group(run.proc)
                 cut = run.timeout < run.check.budget_s
                 verdict = Verdict(
                     SKIPPED if cut else FAIL,
@@ -205,19 +238,20 @@ class Runner:
                 except Exception as err:  # a judge's own failure is the check's FAIL
                     verdict = Verdict(FAIL, f"could not judge: {type(err).__name__}: {err}")
             shown = [child_visible(self.parent_visible, [d]) for d in run.devices]
-            self.results[run.check.name] = Result(
-                run.check.name, verdict.status, verdict.detail, round(elapsed, 1), shown
-            )
-            print(f"gpu-check: {verdict.status} {run.check.name}: {verdict.detail}", flush=True)
             self.free = sorted(self.free + run.devices)
             self.running.remove(run)
+            print(f"gpu-check: {verdict.status} {run.check.name}: {verdict.detail}", flush=True)
+            self.report(
+                Result(run.check.name, verdict.status, verdict.detail, round(elapsed, 1), shown)
+            )
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the check's process group, then SIGKILL: at most 2 x KILL_GRACE_S."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
-            proc.wait(timeout=10)
+            proc.wait(timeout=KILL_GRACE_S)
             return
         except (ProcessLookupError, subprocess.TimeoutExpired):
             continue
@@ -228,20 +262,121 @@ def table(results: list[Result], host: str) -> str:
     lines = [host, f"{'check':<{width}}  {'status':<7}  {'s':>5}  detail"]
     for r in results:
         lines.append(f"{r.name:<{width}}  {r.status:<7}  {r.seconds:>5.0f}  {r.detail}")
-    counts = {s: sum(r.status == s for r in results) for s in (PASS, FAIL, SKIPPED)}
-    lines.append(", ".join(f"{n} {s}" for s, n in counts.items()))
+    counts = {s: sum(r.status == s for r in results) for s in (PASS, FAIL, SKIPPED, PENDING)}
+    lines.append(", ".join(f"{n} {s}" for s, n in counts.items() if n or s != PENDING))
     return "\n".join(lines)
 
 
-def write_logs(results: list[Result], out: Path) -> None:
-    """Every check's output tail in one file (the device tool brings back few files)."""
-    parts = []
-    for r in results:
-        log = out / "work" / _slug(r.name) / "output.log"
-        if log.exists():
-            tail = log.read_text(errors="replace").splitlines()[-TAIL_LINES:]
-            parts.append(f"===== {r.name} ({r.status}) =====\n" + "\n".join(tail))
-    (out / "gpu-check-logs.txt").write_text("\n\n".join(parts) + "\n")
+class Report:
+    """The files under $OUT, rewritten whole after every result: a run cut short by the box
+    still leaves its table, with what never ran PENDING."""
+
+    def __init__(self, out: Path, host: str, n_gpus: int, names: list[str], work: Path):
+        self.out, self.host, self.n_gpus, self.work = out, host, n_gpus, work
+        self.results = {n: Result(n, PENDING, "not run yet") for n in names}
+        self.artefacts: list[str] = []
+        out.mkdir(parents=True, exist_ok=True)
+
+    def add(self, result: Result) -> None:
+        self.results[result.name] = result
+        self.write()
+
+    def write(self, finished: bool = False) -> None:
+        results = list(self.results.values())
+        text = table(results, self.host)
+        _replace(self.out / "gpu-check.txt", text + "\n")
+        report = {
+            "host": self.host,
+            "gpus": self.n_gpus,
+            "finished": finished,
+            "artefacts": self.artefacts,
+            "checks": [asdict(r) for r in results],
+        }
+        _replace(self.out / "gpu-check.json", json.dumps(report, indent=1) + "\n")
+        self._write_logs(results)
+
+    def _write_logs(self, results: list[Result]) -> None:
+        """The install's log and every check's output tail in one file (the device tool
+        brings back few files)."""
+        parts = []
+        install = self.work / "install.log"
+        if install.exists():
+            parts.append("===== install =====\n" + _tail(install))
+        for r in results:
+            log = self.work / slug(r.name) / "output.log"
+            if log.exists():
+                parts.append(f"===== {r.name} ({r.status}) =====\n" + _tail(log))
+        _replace(self.out / "gpu-check-logs.txt", "\n\n".join(parts) + "\n")
+
+    def keep(self, check: Check, folder: Path) -> None:
+        """The check's named artefacts into $OUT/artefacts (gzipped), while slots remain; one
+        over the tool's size limit is left out."""
+        for pattern in check.keep:
+            for found in sorted(folder.glob(pattern)):
+                if len(self.artefacts) >= MAX_ARTEFACTS or not found.is_file():
+                    return
+                name = f"{slug(check.name)[:40]}-{found.name}"
+                name += "" if name.endswith(".gz") else ".gz"
+                target = self.out / "artefacts" / name
+                target.parent.mkdir(exist_ok=True)
+                if found.name.endswith(".gz"):
+                    shutil.copyfile(found, target)
+                else:
+                    with found.open("rb") as src, gzip.open(target, "wb") as dst:
+                        shutil.copyfileobj(src, dst)
+                if target.stat().st_size > MAX_ARTEFACT_BYTES:
+                    target.unlink()
+                    continue
+                self.artefacts.append(f"artefacts/{name}")
+
+
+def _tail(log: Path) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-TAIL_LINES:])
+
+
+def _replace(path: Path, text: str) -> None:
+    """Written beside and renamed over: a reader never sees half a file."""
+    part = path.with_name(path.name + ".part")
+    part.write_text(text)
+    part.replace(path)
+
+
+def install(python: str, wheels: Path, log: Path) -> Result:
+    """meshrun's needs from the carried wheels, offline, in two steps: the core (hydra-core,
+    omegaconf, submitit: without them no check can run, so their import is checked at
+    once), then the extras (transformers, torchao, torchft, wandb, pytest...: a check that
+    needs one that failed fails by itself). The versions are the ones resolved with the
+    wheels (constraints.txt); the image's own packages are kept where they satisfy."""
+    started = time.monotonic()
+    pip = [python, "-m", "pip", "install", "--no-index", "--no-compile",
+           "--disable-pip-version-check", "--find-links", str(wheels),
+           "-c", str(wheels / "constraints.txt")]  # fmt: skip
+    with log.open("w") as sink:
+        core = subprocess.run([*pip, "-r", str(wheels / "core.txt")], stdout=sink,
+                              stderr=subprocess.STDOUT, check=False)  # fmt: skip
+        imports = subprocess.run([python, "-c", "import hydra, omegaconf, submitit"],
+                                 stdout=sink, stderr=subprocess.STDOUT, check=False)  # fmt: skip
+        if core.returncode or imports.returncode:
+            return Result("install: meshrun's needs, offline", FAIL,
+                          f"the core needs (hydra-core, omegaconf, submitit) do not import "
+                          f"(pip exit {core.returncode}): {_last_line(log)}",
+                          round(time.monotonic() - started, 1))  # fmt: skip
+        extras = subprocess.run([*pip, "-r", str(wheels / "extras.txt")], stdout=sink,
+                                stderr=subprocess.STDOUT, check=False)  # fmt: skip
+    seconds = round(time.monotonic() - started, 1)
+    if extras.returncode:
+        return Result("install: meshrun's needs, offline", FAIL,
+                      f"the extras failed (pip exit {extras.returncode}): {_last_line(log)}; "
+                      "checks that need them fail", seconds)  # fmt: skip
+    return Result(
+        "install: meshrun's needs, offline", PASS, f"from {wheels} in {seconds:.0f} s", seconds
+    )
+
+
+def _last_line(log: Path) -> str:
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "ERROR" in ln or "Error" in ln]
+    return (errors or lines or ["no output"])[-1].strip()[:200]
 
 
 def _torch_count() -> int:
@@ -262,46 +397,71 @@ def _smi_list() -> str:
     return done.stdout
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(checks: Callable[[int, float], list[Check]], argv: list[str] | None = None) -> int:
+    """Install, then `checks(n_gpus, seconds_left)` to the deadline; exit 1 on any FAIL, 3
+    where meshrun's core needs do not install."""
     args = _parser().parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).parent))
-    from gpu_checks import checks  # noqa: PLC0415 (beside this file)
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    started = float(os.environ.get("GPU_CHECK_STARTED", time.time()))
+    deadline = time.monotonic() + args.budget_s - (time.time() - started)
+    out, work = Path(args.out), Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    wheels = Path(args.wheels)
+    installed = None
+    if not args.dry_run and (wheels / "core.txt").exists():
+        print(f"gpu-check: installing meshrun's needs offline from {wheels}", flush=True)
+        installed = install(sys.executable, wheels, work / "install.log")
+        print(f"gpu-check: {installed.status} {installed.name}: {installed.detail}", flush=True)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     n_gpus, seen = count_gpus(_torch_count(), _smi_list(), visible)
     host = f"gpu-check on {os.cpu_count()} cores: {seen}"
-    chosen = [c for c in checks(n_gpus) if args.only in c.name]
-    runner = Runner(n_gpus, args.budget_s, out, visible)
-    if args.dry_run:
-        results = [
-            Result(c.name, *asdict(runner.plan(c) or Verdict("-", "would run")).values())
-            for c in chosen
-        ]
-    else:
-        results = runner.run(chosen)
-        write_logs(results, out)
-    report = table(results, host)
-    print(report, flush=True)
-    (out / "gpu-check.txt").write_text(report + "\n")
-    (out / "gpu-check.json").write_text(
-        json.dumps({"host": host, "gpus": n_gpus, "checks": [asdict(r) for r in results]}, indent=1)
-        + "\n"
+    listed = checks(n_gpus, deadline - time.monotonic())
+    chosen = [c for c in listed if not args.only or any(o in c.name for o in args.only)]
+    report = Report(
+        out, host, n_gpus, ([installed.name] if installed else []) + [c.name for c in chosen], work
     )
-    return 1 if any(r.status == FAIL for r in results) else 0
+    if installed:
+        report.add(installed)
+        if installed.status == FAIL and "core needs" in installed.detail:
+            print(table(list(report.results.values()), host), flush=True)
+            return 3
+    runner = Runner(n_gpus, deadline, work, visible, report.add)
+    if args.dry_run:
+        for c in chosen:
+            report.add(
+                Result(c.name, *asdict(runner.plan(c) or Verdict("-", "would run")).values())
+            )
+    else:
+        by_name = {c.name: c for c in chosen}
+
+        def add(result: Result) -> None:
+            if result.status != SKIPPED or result.seconds:
+                report.keep(by_name[result.name], runner.folder(by_name[result.name]))
+            report.add(result)
+
+        runner.report = add
+        runner.run(chosen)
+    report.write(finished=True)
+    print(table(list(report.results.values()), host), flush=True)
+    return 1 if any(r.status == FAIL for r in report.results.values()) else 0
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "outputs/gpu-check"))
     parser.add_argument(
-        "--budget-s", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET_S", "570"))
+        "--work",
+        default=os.environ.get("GPU_CHECK_WORK", "/tmp/meshrun-gpu-check"),
+        help="the checks' own folders (runs, stores, logs): not brought back",
     )
-    parser.add_argument("--only", default="", help="run the checks whose name contains this")
+    parser.add_argument("--wheels", default=os.environ.get("WHEELS", "outputs/gpu-wheels"))
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=float(os.environ.get("GPU_CHECK_BUDGET_S", DEFAULT_BUDGET_S)),
+        help="seconds from the script's start (GPU_CHECK_STARTED) to the last check's end",
+    )
+    parser.add_argument(
+        "--only", action="append", default=[], help="run the checks whose name has this"
+    )
     parser.add_argument("--dry-run", action="store_true", help="list what would run, run none")
     return parser
-
-
-if __name__ == "__main__":
-    sys.exit(main())

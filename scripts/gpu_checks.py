@@ -1,5 +1,6 @@
-"""The checks scripts/gpu_check.py runs on a CUDA machine, most telling first (on one GPU the
-deadline may leave the last ones SKIPPED). Each is a command and what makes it PASS; a run's
+"""The checks scripts/gpu-check.sh runs on a CUDA machine (`python3 scripts/gpu_checks.py`,
+scripts/gpu_check.py's runner), what one GPU proves first (on one GPU the deadline may leave
+the last ones SKIPPED). Each is a command and what makes it PASS; a run's
 detail line is its figures (tokens/s, MFU, step time against the prediction, memory measured
 / predicted per rank), so the table is the first reading of meshrun on that GPU.
 """
@@ -7,15 +8,15 @@ detail line is its figures (tokens/s, MFU, step time against the prediction, mem
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import re
 import shlex
 import sys
 from collections.abc import Callable
-from importlib.util import find_spec
 from pathlib import Path
 
-from gpu_check import FAIL, PASS, Check, Outcome, Verdict
+from gpu_check import FAIL, PASS, Check, Outcome, Verdict, main
 
 PY = sys.executable
 MiB = 2**20
@@ -24,15 +25,17 @@ MEMORY_BAR = (0.8, 1.25)
 HANG_TIMEOUT_S = 20  # backend.timeout_s of the hang checks
 
 
-def _meshrun(*overrides: str, command: str = "meshrun") -> Callable[[Path], list[str]]:
-    """A meshrun (or meshrun-verify) run in the check's folder; `overrides` are space-separated
-    Hydra overrides."""
+def _meshrun(
+    *overrides: str, command: str = "meshrun", under: str = ""
+) -> Callable[[Path], list[str]]:
+    """A meshrun (or meshrun-verify) run in the check's folder (its sub-folder `under`);
+    `overrides` are space-separated Hydra overrides."""
     module = {"meshrun": "meshrun", "verify": "meshrun.tools.verify"}[command]
     quiet = "logger=none train.progress_bar=false" if command == "meshrun" else ""
     words = " ".join((quiet, *overrides)).split()
     return lambda work: [
-        PY, "-m", module, f"hydra.run.dir={work / 'run'}", f"store.path={work / 'meshrun.db'}",
-        *words,
+        PY, "-m", module, f"hydra.run.dir={work / under / 'run'}",
+        f"store.path={work / under / 'meshrun.db'}", *words,
     ]  # fmt: skip
 
 
@@ -163,10 +166,213 @@ def _last_error(output: str) -> str:
 
 
 def checks(gpus: int) -> list[Check]:
-    """Every check, in the order they start; `gpus`: how many this box has."""
-    all_gpus = max(gpus, 1)
+    """Every check, in the order they start: what one GPU proves first, in about 7 minutes
+    (the default experiment, a llama-1b step's MFU and memory, compile's and float8's gain,
+    a trace and a memory snapshot, calibration, CP's fused kernels and the experts' grouped
+    GEMM), then what needs more GPUs. `gpus`: how many this box has."""
+    return [*one_gpu(max(gpus, 1)), *more_gpus(gpus)]
+
+
+def one_gpu(all_gpus: int) -> list[Check]:
     llama = "model=llama-1b train.precision=bf16 train.seq_len=2048"
     short = "train.steps=6 train.untimed_steps=2 metrics.baseline=off"
+    tiny_moe = (
+        "model=tiny-moe train.precision=bf16 train.seq_len=1024 train.steps=20 "
+        "train.untimed_steps=4 metrics.baseline=off"
+    )
+    return [
+        Check(
+            "every meshrun module imports (the carried wheels against the image's packages)",
+            _python(f"-c {IMPORT_ALL}", words=False),
+            exits_zero_with(r"imported \d+ modules"),
+            gpus=0,
+            budget_s=90,
+        ),
+        Check(
+            f"make run: the default experiment on all {all_gpus} GPU(s)",
+            _meshrun(""),  # the README's first command, W&B aside
+            ran(default_experiment(all_gpus)),
+            gpus=all_gpus,
+            budget_s=120,
+        ),
+        Check(
+            "a tiny run on the CPU (Hydra, the launcher, a rank, the record; no GPU)",
+            _meshrun("model=tiny hardware=cpu backend=gloo parallel=single", short),
+            ran(),
+            gpus=0,
+            budget_s=90,
+        ),
+        Check(
+            "meshrun-plan llama-1b on h100-80g (the planner offline, no GPU)",
+            _python(
+                "-m meshrun.tools.plan.main model=llama-1b hardware=h100-80g world_size=1",
+                store=True,
+            ),
+            exits_zero_with(r"fsdp|single|ddp"),
+            gpus=0,
+            budget_s=60,
+        ),
+        Check(
+            "llama-1b bf16 on one GPU: eager, compiled, float8 compiled (MFU, gains, memory)",
+            _eager_compiled_float8(
+                "parallel=single train.micro_batch_size=4 train.global_batch_size=8 "
+                "train.steps=20 train.untimed_steps=5 metrics.baseline=off",
+                llama,
+            ),
+            _gains,
+            budget_s=330,
+            alone=True,
+        ),
+        Check(
+            "inside a step: llama-1b profiled steps 4-5, allocator snapshots",
+            _meshrun(
+                "parallel=single train.micro_batch_size=2 train.steps=8 train.untimed_steps=2 "
+                "debug.profile_steps=[4,5] debug.memory_snapshot=true metrics.baseline=off",
+                llama,
+            ),
+            ran(lambda r: None if r.get("profile") else "no profile in results.json"),
+            budget_s=120,
+            alone=True,
+            keep=("run/profile/rank0.trace.json.gz", "run/memory_snapshot/rank0.peak.pickle"),
+        ),
+        Check(
+            "memory: llama-1b bf16 ckpt=full, predicted vs measured",
+            _meshrun(
+                "parallel=single train.micro_batch_size=2 parallel.activation_checkpointing=full",
+                llama,
+                short,
+            ),
+            ran(memory_within_bars),
+            budget_s=90,
+        ),
+        Check(
+            "CP's fused CUDA attention kernels and the experts' grouped GEMM, in one process",
+            _python(
+                "-m pytest -q -p no:cacheprovider tests/test_gpu.py -k "
+                "kernel_on_cuda_equals_sdpa or kernel_rules or gqa_reaches or grouped_gemm"
+            ),
+            exits_zero_with(r"\d+ passed"),
+            budget_s=120,
+        ),
+        Check(
+            "meshrun-plan calibrate (matmul, attention, memory, host costs; NCCL with 2+)",
+            _python(
+                "-m meshrun.tools.plan.main calibrate model=llama-1b hardware=auto "
+                "train.precision=bf16 train.seq_len=2048 train.micro_batch_size=4",
+                store=True,
+            ),
+            _calibrated,
+            gpus=all_gpus,
+            budget_s=180,
+            alone=True,
+        ),
+        Check(
+            "this box: its profile, its RunPlan, a SLURM task's cuda:0, fork refused",
+            _all_of(
+                _python(
+                    "-c from meshrun.core.hardware import HostFacts, detect_profile; "
+                    "f = HostFacts.detect(); print('profile', detect_profile(f).name, "
+                    "[d.name for d in f.cuda_devices])",
+                    words=False,
+                ),
+                _python("-m meshrun.tools.plan.main model=tiny show=resolved", store=True),
+                _python(
+                    "-c import torch; from meshrun.rank.mesh import select_device; "
+                    "d = select_device('cuda', 3); torch.ones(1, device=d); print('single ->', d)",
+                    words=False,
+                ),
+                _meshrun("launcher.start_method=fork parallel=single train.steps=2"),
+            ),
+            _this_box,
+            budget_s=120,
+        ),
+        Check(
+            "memory: small fp32 and gpt2-124m bf16 seq 1024, predicted vs measured",
+            _all_of(
+                _meshrun("parallel=single model=small train.precision=fp32", short, under="small"),
+                _meshrun(
+                    "parallel=single model=gpt2-124m train.precision=bf16 train.seq_len=1024 "
+                    "train.micro_batch_size=4",
+                    short,
+                    under="gpt2",
+                ),
+            ),
+            _both_within_bars("small", "gpt2"),
+            budget_s=120,
+        ),
+        Check(
+            "fp32 on CUDA with train.tf32 on and off: the rate planned is the rate run",
+            _tf32_on_and_off(
+                "parallel=single model=llama-1b train.precision=fp32 train.seq_len=1024 "
+                "train.micro_batch_size=4 train.global_batch_size=4 train.steps=8 "
+                "train.untimed_steps=3 metrics.baseline=off"
+            ),
+            _tf32_as_planned,
+            budget_s=150,
+            alone=True,
+        ),
+        Check(
+            "moe: tiny-moe bf16 single, grouped GEMM against the loop",
+            _grouped_and_loop("parallel=single", tiny_moe),
+            _grouped_against_loop,
+            budget_s=120,
+        ),
+        Check(
+            "a transformers Qwen3-MoE save_pretrained directory trains on one GPU, bf16",
+            _from_saved_qwen3_moe("parallel=single train.steps=3 metrics.baseline=off"),
+            ran(lambda r: None if r["status"] == "completed" else r["status"]),
+            budget_s=90,
+        ),
+        Check(
+            "resume on CUDA: RNG states read as tensors only, the losses go on as before",
+            _resumed("model=tiny parallel=single train.steps=4 metrics.baseline=off"),
+            _resumed_alike,
+            budget_s=120,
+        ),
+        Check(
+            "checkpoint.every_steps=auto on CUDA: saves at the interval it printed",
+            _meshrun(
+                "model=small parallel=single train.steps=60 checkpoint.every_steps=auto "
+                "plan.mtbf_hours=0.05 metrics.baseline=off"
+            ),
+            _saved_as_printed,
+            budget_s=120,
+        ),
+        Check(
+            "installer: the image's CUDA torch kept, seeing every GPU nvidia-smi lists",
+            lambda work: ["env", "MESHRUN_INSTALL_DRY_RUN=1", "scripts/install-torch.sh", PY],
+            exits_zero_with(r"sees the \d+ GPU\(s\) nvidia-smi lists"),
+            gpus=all_gpus,
+            budget_s=60,
+        ),
+        Check(
+            "throughput: hf/llama-3.2-1b bf16 (a transformers model's MFU)",
+            _meshrun(
+                "parallel=single model=hf/llama-3.2-1b train.precision=bf16 train.seq_len=2048 "
+                "train.micro_batch_size=4 train.global_batch_size=8 train.steps=20 "
+                "train.untimed_steps=5 metrics.baseline=off"
+            ),
+            ran(),
+            budget_s=120,
+            alone=True,
+        ),
+        Check(
+            "gpu-marked tests",
+            _python(
+                "-m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py "
+                "tests/test_gpu_dataparallel.py tests/test_comm.py"
+            ),
+            exits_zero_with(r"\d+ passed"),
+            gpus=min(all_gpus, 2),
+            budget_s=240,
+        ),
+    ]
+
+
+def more_gpus(gpus: int) -> list[Check]:
+    """The checks of two GPUs and more (SKIPPED on one, saying why), then those of the box's
+    CPU cores, then a look through every check's output."""
+    llama = "model=llama-1b train.precision=bf16 train.seq_len=2048"
     moe = (
         "model=mixtral-8x7b model.n_layers=2 model.dim=1024 model.n_heads=8 model.n_kv_heads=8 "
         "model.ffn_dim=3584 train.precision=bf16 train.seq_len=1024 train.micro_batch_size=2 "
@@ -185,197 +391,19 @@ def checks(gpus: int) -> list[Check]:
         "metrics.baseline=off model=tiny backend=nccl train.steps=6 debug.fail_rank=1 "
         f"debug.fail_step=2 debug.fail_mode=hang backend.timeout_s={HANG_TIMEOUT_S}"
     )
-    # every gpu-marked test where wandb is installed (tests/ import it); else one file
-    gpu_tests = (
-        "tests/" if find_spec("wandb") else "tests/test_gpu.py tests/test_gpu_dataparallel.py"
-    )
     return [
         Check(
-            f"make run: the default experiment on all {all_gpus} GPU(s)",
-            _meshrun(""),  # the README's first command, W&B aside
-            ran(default_experiment(all_gpus)),
-            gpus=all_gpus,
-            budget_s=150,
-        ),
-        Check(
-            "gpu-marked tests",
-            _python(f"-m pytest -q -p no:cacheprovider -m gpu {gpu_tests}"),
-            exits_zero_with(r"\d+ passed"),
-            gpus=min(gpus, 2) or 1,
-            budget_s=240,
-        ),
-        Check(
-            "fp32 on CUDA with train.tf32 on and off: the rate planned is the rate run",
-            _tf32_on_and_off(
-                "parallel=single model=llama-1b train.precision=fp32 train.seq_len=1024 "
-                "train.micro_batch_size=4 train.global_batch_size=4 train.steps=8 "
-                "train.untimed_steps=3 metrics.baseline=off"
-            ),
-            _tf32_as_planned,
-            budget_s=150,
-            alone=True,
-        ),
-        Check(
-            "compile under TF32 (inductor reads the flags meshrun sets)",
-            _meshrun(
-                "parallel=single model=tiny train.precision=fp32 train.compile=true "
-                "train.steps=4 train.untimed_steps=1 metrics.baseline=off"
-            ),
-            ran(),
-            budget_s=120,
-        ),
-        Check(
-            "installer: the image's CUDA torch kept, seeing every GPU nvidia-smi lists",
-            lambda work: ["env", "MESHRUN_INSTALL_DRY_RUN=1", "scripts/install-torch.sh", PY],
-            exits_zero_with(r"sees the \d+ GPU\(s\) nvidia-smi lists"),
-            gpus=all_gpus,
-            budget_s=60,
-        ),
-        Check(
-            "hardware=auto names this GPU's own profile",
-            _python(
-                "-c from meshrun.core.hardware import HostFacts, detect_profile; "
-                "f = HostFacts.detect(); print('profile', detect_profile(f).name, "
-                "[d.name for d in f.cuda_devices])",
-                words=False,
-            ),
-            exits_zero_with(r"profile (?!unknown)"),
-            budget_s=60,
-        ),
-        Check(
-            "meshrun-plan show=resolved: the RunPlan of this GPU box (cuda, nccl, a prediction)",
-            _python("-m meshrun.tools.plan.main model=tiny show=resolved", store=True),
-            exits_zero_with(r"device_type: cuda\nbackend: nccl(.|\n)*prediction:\n  memory:"),
-            budget_s=60,
-        ),
-        Check(
-            "a SLURM task that sees one GPU uses cuda:0 (local rank 3)",
-            _python(
-                "-c import torch; from meshrun.rank.mesh import select_device; "
-                "d = select_device('cuda', 3); torch.ones(1, device=d); print('single ->', d)",
-                words=False,
-            ),
-            exits_zero_with(r"single -> cuda:0"),
-            budget_s=60,
-        ),
-        Check(
-            "launcher.start_method=fork refused on CUDA (exit 2)",
-            _meshrun("launcher.start_method=fork parallel=single train.steps=2"),
-            refused_with("launcher.start_method"),
-            budget_s=60,
-        ),
-        Check(
-            "resume on CUDA: RNG states read as tensors only, the losses go on as before",
-            _resumed("model=tiny parallel=single train.steps=4 metrics.baseline=off"),
-            _resumed_alike,
-            budget_s=120,
-        ),
-        Check(
-            "checkpoint.every_steps=auto on CUDA: saves at the interval it printed",
-            _meshrun(
-                "model=small parallel=single train.steps=60 checkpoint.every_steps=auto "
-                "plan.mtbf_hours=0.05 metrics.baseline=off"
-            ),
-            _saved_as_printed,
-            budget_s=120,
-        ),
-        Check(
-            "memory: small fp32, predicted vs measured",
-            _meshrun("parallel=single model=small train.precision=fp32", short),
-            ran(memory_within_bars),
-            budget_s=60,
-        ),
-        Check(
-            "memory: gpt2-124m bf16 seq 1024",
-            _meshrun(
-                "parallel=single model=gpt2-124m train.precision=bf16 train.seq_len=1024 "
-                "train.micro_batch_size=4",
-                short,
-            ),
-            ran(memory_within_bars),
-            budget_s=60,
-        ),
-        Check(
-            "memory: llama-1b bf16 ckpt=full",
-            _meshrun(
-                "parallel=single train.micro_batch_size=2 parallel.activation_checkpointing=full",
+            "float8 vs bf16: llama-1b fsdp on NCCL, compiled, tokens/s and loss",
+            _eager_compiled_float8(
+                "parallel=fsdp train.micro_batch_size=4 train.global_batch_size=8 "
+                "train.steps=20 train.untimed_steps=5 metrics.baseline=off",
                 llama,
-                short,
+                nccl2,
+                eager=False,
             ),
-            ran(memory_within_bars),
-            budget_s=90,
-        ),
-        Check(
-            "moe: tiny-moe bf16 single, grouped GEMM against the loop",
-            _grouped_and_loop("parallel=single", tiny_moe),
-            _grouped_against_loop,
-            budget_s=120,
-        ),
-        Check(
-            "a transformers Qwen3-MoE save_pretrained directory trains on one GPU, bf16",
-            _from_saved_qwen3_moe("parallel=single train.steps=3 metrics.baseline=off"),
-            ran(lambda r: None if r["status"] == "completed" else r["status"]),
-            budget_s=90,
-        ),
-        Check(
-            "moe: mixtral-shaped 2 layers bf16",
-            _meshrun("parallel=single", moe),
-            ran(memory_within_bars),
-            budget_s=90,
-        ),
-        *[
-            Check(
-                f"throughput: {model} bf16 compile={compiled}",
-                _meshrun(
-                    f"parallel=single model={model} train.precision=bf16 train.seq_len=2048 "
-                    "train.micro_batch_size=4 train.global_batch_size=8 train.steps=30 "
-                    f"train.untimed_steps=5 train.compile={compiled} metrics.baseline=off"
-                ),
-                ran(),
-                budget_s=180 if compiled == "true" else 90,
-                alone=True,
-            )
-            for model in ("llama-1b", "hf/llama-3.2-1b")
-            for compiled in ("false", "true")
-        ],
-        *[
-            Check(
-                f"float8 vs bf16: llama-1b {layout} compile={compiled}, tokens/s and loss",
-                _float8_and_bf16(
-                    f"parallel={layout} model=llama-1b train.precision=bf16 train.seq_len=2048 "
-                    "train.micro_batch_size=4 train.global_batch_size=8 train.steps=20 "
-                    f"train.untimed_steps=5 train.compile={compiled} metrics.baseline=off",
-                    nccl2 if layout == "fsdp" else "",
-                ),
-                _float8_against_bf16,
-                gpus=2 if layout == "fsdp" else 1,
-                budget_s=300 if compiled == "true" else 150,
-                alone=True,
-            )
-            for layout in ("single", "fsdp")
-            for compiled in ("false", "true")
-        ],
-        Check(
-            "inside a step: llama-1b profiled steps 4-5, allocator snapshots",
-            _meshrun(
-                "parallel=single train.micro_batch_size=2 train.steps=8 train.untimed_steps=2 "
-                "debug.profile_steps=[4,5] debug.memory_snapshot=true metrics.baseline=off",
-                llama,
-            ),
-            ran(lambda r: None if r.get("profile") else "no profile in results.json"),
-            budget_s=120,
-            alone=True,
-        ),
-        Check(
-            "meshrun-plan calibrate (matmul, attention, memory, host costs; NCCL with 2+)",
-            _python(
-                "-m meshrun.tools.plan.main calibrate model=llama-1b hardware=auto "
-                "train.precision=bf16 train.seq_len=2048 train.micro_batch_size=4",
-                store=True,
-            ),
-            _calibrated,
-            gpus=all_gpus,
-            budget_s=240,
+            _gains,
+            gpus=2,
+            budget_s=300,
             alone=True,
         ),
         *[
@@ -546,6 +574,7 @@ def checks(gpus: int) -> list[Check]:
             gpus=0,
             budget_s=180,
             alone=True,
+            rehearse=False,
         ),
         Check(
             "no NCCL barrier on a guessed device (in every check's output)",
@@ -557,6 +586,7 @@ def checks(gpus: int) -> list[Check]:
             gpus=0,
             budget_s=30,
             alone=True,
+            rehearse=False,
         ),
     ]
 
@@ -714,48 +744,6 @@ def _tf32_as_planned(done: Outcome) -> Verdict:
     return Verdict(FAIL if wrong else PASS, "; ".join([*wrong, detail]))
 
 
-def _float8_and_bf16(*overrides: str) -> Callable[[Path], list[str]]:
-    """The same run twice: in bf16 (work/bf16), then with train.float8 (work/float8)."""
-
-    def argv(work: Path) -> list[str]:
-        runs = [
-            shlex.join(_meshrun(*overrides, extra)(work / name))
-            for name, extra in (("bf16", ""), ("float8", "train.float8.enabled=true"))
-        ]
-        return ["bash", "-c", " && ".join(runs)]
-
-    return argv
-
-
-def _float8_against_bf16(done: Outcome) -> Verdict:
-    """Every step's float8 loss within meshrun-verify's high-precision bound of bf16's
-    (FLOAT8_LOSS_BOUND); float8's tokens/s over bf16's, measured and predicted, and its MFU
-    against both peaks, said."""
-    # here, not at the top: the runner lists its checks where meshrun's needs are missing
-    from meshrun.driver.tool_config import FLOAT8_LOSS_BOUND  # noqa: PLC0415
-
-    if done.rc:
-        return Verdict(FAIL, f"exit {done.rc}: {_last_error(done.output)}")
-    bf16, float8 = (_results(done.work / name) for name in ("bf16", "float8"))
-    pairs = zip(float8["losses"], bf16["losses"], strict=True)
-    apart = max(abs(f - b) / abs(b) for f, b in pairs)
-    measured = float8["tokens_per_s"] / bf16["tokens_per_s"]
-    said = [float8.get("predicted_tokens_per_s"), bf16.get("predicted_tokens_per_s")]
-    predicted = f", predicted {said[0] / said[1]:.2f}x" if all(said) else ""
-    mfu = [
-        f"{r[k]:.1%}" if r.get(k) is not None else "n/a"
-        for r, k in ((float8, "mfu"), (float8, "mfu_fp8_peak"))
-    ]
-    detail = (
-        f"losses within {apart:.2%}; {float8['tokens_per_s']:,.0f} tok/s float8, "
-        f"{bf16['tokens_per_s']:,.0f} bf16 ({measured:.2f}x{predicted}); float8 MFU {mfu[0]} "
-        f"of the bf16 peak, {mfu[1]} of the fp8 peak; {float8.get('float8_linears')} linears"
-    )
-    if apart > FLOAT8_LOSS_BOUND:
-        return Verdict(FAIL, f"losses {apart:.1%} apart (bound {FLOAT8_LOSS_BOUND:.1%}); {detail}")
-    return Verdict(PASS, detail)
-
-
 def _grouped_and_loop(*overrides: str) -> Callable[[Path], list[str]]:
     """The same run twice: the MoE experts as one grouped GEMM (work/grouped), then as a loop
     (work/loop, model.moe.grouped_mm=false)."""
@@ -785,3 +773,200 @@ def _grouped_against_loop(done: Outcome) -> Verdict:
         f"{loop['tokens_per_s']:,.0f} loop ({speed:.2f}x)"
     )
     return Verdict(FAIL if why else PASS, "; ".join([*why, detail]))
+
+
+def import_everything(src: Path) -> int:
+    """Every module of meshrun, and every module meshrun's source imports anywhere (inside
+    functions too: torchao, torchft, transformers, wandb are imported where used), imported
+    here: the carried wheels proven against this interpreter's packages before a check
+    needs them. Prints the failures and a count; the exit status is theirs."""
+    import ast  # noqa: PLC0415 (the checks' module stays light for the runner)
+    import importlib  # noqa: PLC0415
+    import pkgutil  # noqa: PLC0415
+
+    import meshrun  # noqa: PLC0415
+
+    modules = pkgutil.walk_packages(meshrun.__path__, "meshrun.")
+    names = {m.name for m in modules if not m.name.endswith(".__main__")}  # those run
+    for path in src.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module)
+    failed = []
+    for name in sorted(names):
+        try:
+            importlib.import_module(name)
+        except Exception as err:  # every failure is listed, not only the first
+            failed.append(f"{name}: {type(err).__name__}: {err}")
+    print("\n".join(failed))
+    print(f"imported {len(names) - len(failed)} modules of {len(names)}")
+    return 1 if failed else 0
+
+
+IMPORT_ALL = (
+    "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; "
+    "from gpu_checks import import_everything; "
+    "sys.exit(import_everything(Path('src/meshrun')))"
+)
+
+
+def _all_of(*commands: Callable[[Path], list[str]]) -> Callable[[Path], list[str]]:
+    """Several commands one after the other whatever each ends with, each part of the output
+    closed by its exit status (`parts` reads them back)."""
+
+    def argv(work: Path) -> list[str]:
+        script = "; ".join(f'{shlex.join(c(work))}; echo "=== exit $?"' for c in commands)
+        return ["bash", "-c", script]
+
+    return argv
+
+
+def parts(output: str) -> list[tuple[int, str]]:
+    """_all_of's output: (exit status, output) of each command."""
+    found = re.split(r"^=== exit (\d+)$", output, flags=re.MULTILINE)
+    return [(int(rc), text) for text, rc in zip(found[0::2], found[1::2], strict=False)]
+
+
+def _this_box(done: Outcome) -> Verdict:
+    """hardware=auto names a profile, the RunPlan is CUDA's, a task seeing one GPU takes
+    cuda:0 whatever its local rank, and fork is refused (exit 2)."""
+    wanted = [
+        (0, r"profile (?!unknown)\S+.*", "no profile"),
+        (0, r"device_type: cuda\nbackend: nccl(.|\n)*prediction:\n  memory:", "not cuda/nccl"),
+        (0, r"single -> cuda:0", "not cuda:0"),
+        (2, r"config error .*launcher\.start_method", "fork not refused"),
+    ]
+    got = parts(done.output)
+    wrong = [
+        f"{why} (exit {got[i][0] if i < len(got) else 'none'})"
+        for i, (rc, pattern, why) in enumerate(wanted)
+        if i >= len(got) or got[i][0] != rc or not re.search(pattern, got[i][1])
+    ]
+    profile = re.search(wanted[0][1], got[0][1]) if got else None
+    detail = profile.group(0)[:120] if profile else "no profile line"
+    return Verdict(FAIL if wrong else PASS, "; ".join([*wrong, detail]))
+
+
+def _both_within_bars(*names: str) -> Callable[[Outcome], Verdict]:
+    """Each run under its own sub-folder ended 0, its peak within the planner's bars."""
+
+    def judge(done: Outcome) -> Verdict:
+        if done.rc or any(rc for rc, _ in parts(done.output)):
+            return Verdict(FAIL, f"a run failed: {_last_error(done.output)}")
+        found = {name: _results(done.work / name) for name in names}
+        wrong = [f"{n}: {why}" for n, r in found.items() if (why := memory_within_bars(r))]
+        detail = " | ".join(f"{n}: {figures(r)}" for n, r in found.items())
+        return Verdict(FAIL if wrong else PASS, "; ".join([*wrong, detail]))
+
+    return judge
+
+
+def _eager_compiled_float8(*overrides: str, eager: bool = True) -> Callable[[Path], list[str]]:
+    """The same bf16 run eager (work/eager, unless `eager` is False), compiled
+    (work/compiled) and compiled with float8 (work/float8), one after the other."""
+    runs = [("compiled", "train.compile=true"),
+            ("float8", "train.compile=true train.float8.enabled=true")]  # fmt: skip
+    if eager:
+        runs.insert(0, ("eager", "train.compile=false"))
+
+    def argv(work: Path) -> list[str]:
+        made = [shlex.join(_meshrun(*overrides, extra, under=name)(work)) for name, extra in runs]
+        return ["bash", "-c", " && ".join(made)]
+
+    return argv
+
+
+def _gains(done: Outcome) -> Verdict:
+    """The figures of each run there (eager's memory within the bars), compile's gain over
+    eager, float8's over compiled bf16, and every float8 step's loss within meshrun-verify's
+    high-precision bound of bf16's (FLOAT8_LOSS_BOUND)."""
+    # here, not at the top: the runner lists its checks where meshrun's needs are missing
+    from meshrun.driver.tool_config import FLOAT8_LOSS_BOUND  # noqa: PLC0415
+
+    runs = {
+        name: _results(done.work / name)
+        for name in ("eager", "compiled", "float8")
+        if (done.work / name / "run" / "results.json").exists()
+    }
+    wrong = [f"exit {done.rc}: {_last_error(done.output)}"] if done.rc else []
+    said = [f"{name}: {figures(r)}" for name, r in runs.items()]
+    if "eager" in runs and (why := memory_within_bars(runs["eager"])):
+        wrong.append(f"eager: {why}")
+    if {"eager", "compiled"} <= set(runs):
+        gain = runs["compiled"]["tokens_per_s"] / runs["eager"]["tokens_per_s"]
+        said.insert(0, f"compile {gain:.2f}x eager")
+    if {"compiled", "float8"} <= set(runs):
+        bf16, float8 = runs["compiled"], runs["float8"]
+        apart = max(
+            abs(f - b) / abs(b) for f, b in zip(float8["losses"], bf16["losses"], strict=True)
+        )
+        predicted = [float8.get("predicted_tokens_per_s"), bf16.get("predicted_tokens_per_s")]
+        said.insert(
+            0,
+            f"float8 {float8['tokens_per_s'] / bf16['tokens_per_s']:.2f}x bf16"
+            + (f" (predicted {predicted[0] / predicted[1]:.2f}x)" if all(predicted) else "")
+            + f", losses within {apart:.2%}, MFU of the fp8 peak "
+            + (f"{float8['mfu_fp8_peak']:.1%}" if float8.get("mfu_fp8_peak") else "n/a"),
+        )
+        if apart > FLOAT8_LOSS_BOUND:
+            wrong.append(f"float8 losses {apart:.1%} from bf16's (bound {FLOAT8_LOSS_BOUND:.1%})")
+    return Verdict(FAIL if wrong else PASS, "; ".join([*wrong, *said]))
+
+
+def planted(seconds_left: float) -> list[Check]:
+    """The rehearsal's own checks (scripts/gpu_rehearsal.py judges what they leave): one that
+    fails, one that waits until the table on disk holds the checks before it and keeps an
+    artefact, and one that ignores SIGTERM and would run past the deadline (its budget over
+    what is left, so it starts and is cut there)."""
+    names = [c.name for c in checks(0) if c.gpus == 0 and c.rehearse]
+    wait = (
+        "import json, os, sys, time; names = json.loads(sys.argv[1]); "
+        "path = os.path.join(os.environ['OUT'], 'gpu-check.json'); end = time.time() + 240\n"
+        "while time.time() < end:\n"
+        "    rows = {c['name']: c['status'] for c in json.load(open(path))['checks']}\n"
+        "    if all(rows.get(n) not in (None, 'PENDING') for n in names): break\n"
+        "    time.sleep(1)\n"
+        "open('artefact.txt', 'w').write('kept'); print('on disk:', rows)"
+    )
+    return [
+        Check(
+            "planted: a hang that ignores SIGTERM, past the deadline",
+            lambda work: ["bash", "-c", "trap '' TERM; while :; do sleep 1; done"],
+            lambda done: Verdict(FAIL, "it ended by itself"),
+            gpus=0,
+            budget_s=1.5 * seconds_left,
+        ),
+        Check(
+            "planted: a check that fails",
+            lambda work: ["sh", "-c", "echo planted failure; exit 3"],
+            exits_zero_with("never"),
+            gpus=0,
+            budget_s=30,
+        ),
+        Check(
+            "planted: the table on disk holds the checks that ended",
+            lambda work: [
+                "bash",
+                "-c",
+                f"cd {shlex.quote(str(work))} && "
+                + shlex.join([PY, "-c", wait, json.dumps(names)]),
+            ],
+            exits_zero_with(r"on disk: .*PASS"),
+            gpus=0,
+            budget_s=250,
+            keep=("artefact.txt",),
+        ),
+    ]
+
+
+def rehearsal(gpus: int, seconds_left: float) -> list[Check]:
+    """What the rehearsal runs: the planted checks, then every check it may (those of GPUs
+    are SKIPPED on its CPU box, saying so)."""
+    return [*planted(seconds_left), *[c for c in checks(gpus) if c.rehearse]]
+
+
+if __name__ == "__main__":
+    rehearsing = os.environ.get("GPU_CHECK_REHEARSAL") == "1"
+    sys.exit(main(rehearsal if rehearsing else lambda gpus, left: checks(gpus)))
