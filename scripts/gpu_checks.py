@@ -200,7 +200,7 @@ def one_gpu(all_gpus: int) -> list[Check]:
             _meshrun("model=tiny hardware=cpu backend=gloo parallel=single", short),
             ran(),
             gpus=0,
-            budget_s=90,
+            budget_s=180,  # 86 s in the rehearsal beside the test suite on 2 cores
         ),
         Check(
             "meshrun-plan llama-1b on h100-80g (the planner offline, no GPU)",
@@ -210,7 +210,7 @@ def one_gpu(all_gpus: int) -> list[Check]:
             ),
             exits_zero_with(r"fsdp|single|ddp"),
             gpus=0,
-            budget_s=60,
+            budget_s=90,
         ),
         Check(
             "llama-1b bf16 on one GPU: eager, compiled, float8 compiled (MFU, gains, memory)",

@@ -135,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     venv = work / "image"
     installed = image_like(venv, python, manifest, uv)
-    print(f"rehearsal: image-like venv with {len(installed)} packages in "
-          f"{time.monotonic() - started:.0f} s; now gpu-check.sh as on the node", flush=True)  # fmt: skip
+    took = time.monotonic() - started
+    print(f"rehearsal: an image-like venv of {len(installed)} packages in {took:.0f} s", flush=True)
     out = Path(os.environ.get("OUT", "outputs/gpu-check"))
     shutil.rmtree(out, ignore_errors=True)
     env = {
@@ -156,8 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.monotonic() - began
     wrong = verify(out, done.returncode, seconds, args.budget_s)
     print((out / "gpu-check.txt").read_text())
-    print(f"rehearsal: $OUT {out} holds {len(files_under(out))} files; gpu-check.sh took "
-          f"{seconds:.0f} s (deadline {args.budget_s:.0f}); all told {time.monotonic() - started:.0f} s")  # fmt: skip
+    print(
+        f"rehearsal: $OUT {out} holds {len(files_under(out))} files; gpu-check.sh took "
+        f"{seconds:.0f} s (deadline {args.budget_s:.0f}), "
+        f"all told {time.monotonic() - started:.0f} s"
+    )
     for line in wrong:
         print(f"rehearsal: FAIL: {line}", file=sys.stderr)
     print("rehearsal: " + ("FAIL" if wrong else "PASS"), flush=True)

@@ -103,6 +103,7 @@ def _says(done: Outcome) -> Verdict:
 
 def _run(checks: list[Check], gpus: int, budget_s: float, work: Path) -> dict[str, Result]:
     results: dict[str, Result] = {}
+
     def add(result: Result) -> None:
         results[result.name] = result
 
@@ -206,7 +207,7 @@ def test_what_one_gpu_proves_runs_first_and_each_budget_fits_the_run(gpus: int):
     assert all(c.budget_s <= 540 for c in listed)
     if gpus == 1:  # what runs on one GPU comes first; the CPU cores' and the last look after
         runs = [c.gpus <= 1 for c in listed]
-        assert runs == sorted(runs[:-2], reverse=True) + [True, True]
+        assert runs == [*sorted(runs[:-2], reverse=True), True, True]
 
 
 def test_gains_say_compile_and_float8_against_bf16_and_fail_on_the_loss(tmp_path: Path):
@@ -254,3 +255,23 @@ def test_this_box_reads_each_part_by_its_exit_status():
     output = output.replace("=== exit 2", "=== exit 0")
     verdict = _this_box(Outcome(0, output, Path("."), 1.0))
     assert verdict.status == FAIL and "fork not refused (exit 0)" in verdict.detail
+
+
+def test_without_the_core_needs_the_run_stops_at_once_saying_why(tmp_path: Path):
+    """The carried set's core needs do not install: exit 3 before any check starts, the
+    table on disk naming the install's failure and the check never run."""
+    from gpu_check import main  # noqa: PLC0415
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "core.txt").write_text("meshrun-no-such-package\n")
+    (wheels / "constraints.txt").write_text("")
+    never = Check("never", _sh("touch started"), _says, gpus=0)
+    out, work = tmp_path / "out", tmp_path / "work"
+    argv = ["--wheels", str(wheels), "--out", str(out), "--work", str(work)]
+    assert main(lambda gpus, left: [never], argv) == 3
+    text = (out / "gpu-check.txt").read_text()
+    assert "install: meshrun's needs, offline  FAIL" in text
+    assert "the core needs (hydra-core, omegaconf, submitit) do not import" in text
+    assert "never" in text and "PENDING" in text and not (work / "never").exists()
+    assert "meshrun-no-such-package" in (out / "gpu-check-logs.txt").read_text()
