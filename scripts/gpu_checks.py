@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from gpu_check import FAIL, PASS, Check, Outcome, Verdict, main
+from gpu_check import FAIL, PASS, SKIPPED, Check, Outcome, Verdict, main
 
 PY = sys.executable
 MiB = 2**20
@@ -300,6 +300,7 @@ def one_gpu(all_gpus: int) -> list[Check]:
             _both_within_bars("small", "gpt2"),
             budget_s=120,
         ),
+        *(shared_gpu() if all_gpus == 1 else []),
         Check(
             "fp32 on CUDA with train.tf32 on and off: the rate planned is the rate run",
             _tf32_on_and_off(
@@ -367,6 +368,34 @@ def one_gpu(all_gpus: int) -> list[Check]:
             budget_s=240,
         ),
     ]
+
+
+def shared_gpu() -> list[Check]:
+    """Multi-rank layouts on a box of one GPU: NCCL refuses two ranks on one device, gloo
+    takes them (meshrun lets its ranks share GPUs), so every collective, the small control
+    ones too, runs on CUDA tensors where the layout puts them. A collective gloo has no CUDA
+    kernel for is SKIPPED, saying which (torch's backend table: docs/distributed.rst)."""
+    tiny = "model=tiny train.precision=fp32 backend=gloo launcher.nproc_per_node=2"
+    return [
+        Check(
+            f"verify: {layout} over gloo, 2 ranks sharing the GPU, against one GPU",
+            _meshrun(f"parallel={layout}", tiny, command="verify"),
+            passed_or_gloo_lacks,
+            budget_s=120,
+        )
+        for layout in ("ddp", "fsdp", "tp2")
+    ]
+
+
+def passed_or_gloo_lacks(done: Outcome) -> Verdict:
+    """meshrun-verify's PASS; SKIPPED where gloo has no CUDA implementation of a collective
+    the layout needs."""
+    lacks = re.search(
+        r".*(?i:gloo).*(?i:not supported|unsupported|does not support).*", done.output
+    )
+    if done.rc and lacks:
+        return Verdict(SKIPPED, f"gloo on CUDA tensors: {lacks.group(0).strip()[:160]}")
+    return exits_zero_with(r"PASS")(done)
 
 
 def more_gpus(gpus: int) -> list[Check]:

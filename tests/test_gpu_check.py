@@ -275,3 +275,17 @@ def test_without_the_core_needs_the_run_stops_at_once_saying_why(tmp_path: Path)
     assert "the core needs (hydra-core, omegaconf, submitit) do not import" in text
     assert "never" in text and "PENDING" in text and not (work / "never").exists()
     assert "meshrun-no-such-package" in (out / "gpu-check-logs.txt").read_text()
+
+
+def test_a_collective_gloo_lacks_on_cuda_is_skipped_saying_which():
+    """The one-GPU checks of layouts over gloo: meshrun-verify's PASS, or SKIPPED where gloo
+    has no CUDA implementation of a collective (not a FAIL of meshrun's)."""
+    from gpu_checks import passed_or_gloo_lacks  # noqa: PLC0415
+
+    lacks = "RuntimeError: ProcessGroupGloo::allgather: unsupported device type cuda"
+    verdict = passed_or_gloo_lacks(Outcome(1, f"Traceback\n{lacks}\n", Path("."), 1.0))
+    assert verdict.status == SKIPPED and "allgather: unsupported device type" in verdict.detail
+    verdict = passed_or_gloo_lacks(Outcome(1, "Traceback\nValueError: boom\n", Path("."), 1.0))
+    assert verdict.status == FAIL
+    verdict = passed_or_gloo_lacks(Outcome(0, "meshrun-verify: PASS (fsdp2)\n", Path("."), 1.0))
+    assert verdict.status == PASS

@@ -10,10 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshrun.core.config import ParallelConfig
+from meshrun.core.config import LauncherConfig, ParallelConfig
+from meshrun.core.errors import ConfigError
 from meshrun.core.layout import DIMENSIONS, MESH_DIMS, Layout, cp_rank, dp_rank, rank_coords
 from meshrun.rank.mesh import build_mesh, cuda_index, dp_group, init_distributed
 from meshrun.rank.watchdog import step_collectives
+from meshrun.validate.launcher import check_placement
 
 LAYOUTS = [
     Layout(),
@@ -221,3 +223,18 @@ def test_a_rank_beyond_the_gpus_it_sees_is_an_error_naming_both(local_rank, visi
         RuntimeError, match=f"LOCAL_RANK={local_rank}, and this process sees {visible}"
     ):
         cuda_index(local_rank, visible)
+
+
+@pytest.mark.parametrize(("local_rank", "visible", "index"), [(1, 1, 0), (2, 2, 0), (5, 4, 1)])
+def test_ranks_sharing_gpus_under_gloo_take_them_in_turn(local_rank, visible, index):
+    """backend=gloo may put more ranks than GPUs on a node (NCCL refuses a duplicate GPU):
+    the GPU checks run multi-rank layouts on a box of one GPU so."""
+    assert cuda_index(local_rank, visible, shared=True) == index
+
+
+def test_more_ranks_than_gpus_are_refused_but_under_gloo():
+    launcher = LauncherConfig(nproc_per_node=2)
+    with pytest.raises(ConfigError, match="only 1 CUDA devices are visible") as refused:
+        check_placement(launcher, 2, 1, "parallel=ddp")
+    assert "backend=gloo (its ranks may share a GPU" in str(refused.value)
+    check_placement(launcher, 2, 1, "parallel=ddp", shared=True)

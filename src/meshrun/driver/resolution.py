@@ -98,7 +98,8 @@ def placed_layout(cfg: ExperimentConfig, facts: HostFacts) -> tuple[ParallelConf
     filled = fill_degree(p, ranks, "launcher.nproc_per_node")
     world = Layout.of(filled).world_size
     what = f"layout {Layout.of(filled).describe()} of parallel={p.name}"
-    return filled, place_ranks(launcher, world, len(gpus), facts, what)
+    shared = backend_name(cfg.backend, cfg.hardware) == "gloo"
+    return filled, place_ranks(launcher, world, len(gpus), facts, what, shared)
 
 
 def fill_degree(p: ParallelConfig, world: int, key: str) -> ParallelConfig:
@@ -115,11 +116,16 @@ def fill_degree(p: ParallelConfig, world: int, key: str) -> ParallelConfig:
 
 
 def place_ranks(
-    launcher: LauncherConfig, world: int, gpus: int, facts: HostFacts, what: str
+    launcher: LauncherConfig,
+    world: int,
+    gpus: int,
+    facts: HostFacts,
+    what: str,
+    shared: bool = False,
 ) -> LauncherConfig:
     """`world` ranks over `launcher.nnodes` nodes (`what` names who asks for them), each
-    rank's CPU threads filled in."""
-    check_placement(launcher, world, gpus, what)
+    rank's CPU threads filled in; `shared`: ranks may share a GPU (gloo)."""
+    check_placement(launcher, world, gpus, what, shared)
     nproc = world // launcher.nnodes
     threads = rank_threads(launcher, nproc, facts)
     return dataclasses.replace(launcher, nproc_per_node=nproc, threads_per_rank=threads)

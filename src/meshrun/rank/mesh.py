@@ -101,24 +101,27 @@ def mean_over_ranks(
     return losses
 
 
-def select_device(device_type: str, local_rank: int) -> torch.device:
-    """Rank -> device; CUDA indices follow PCI bus order (set by the driver) like nvidia-smi."""
+def select_device(device_type: str, local_rank: int, shared: bool = False) -> torch.device:
+    """Rank -> device; CUDA indices follow PCI bus order (set by the driver) like nvidia-smi.
+    `shared`: more ranks than GPUs may share them (gloo)."""
     if device_type == "cuda":
-        index = cuda_index(local_rank, torch.cuda.device_count())
+        index = cuda_index(local_rank, torch.cuda.device_count(), shared)
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device("cpu")
 
 
-def cuda_index(local_rank: int, visible: int) -> int:
+def cuda_index(local_rank: int, visible: int, shared: bool = False) -> int:
     """The CUDA device of a node's `local_rank`-th rank that sees `visible` devices: the one
     it sees where it was given one (SLURM's --gpus-per-task=1, or any binding that leaves a
     task a single device in CUDA_VISIBLE_DEVICES: cuda:0, whatever its LOCAL_RANK), else
-    its own among the node's."""
+    its own among the node's; where ranks may share devices (`shared`), in turn."""
     if visible == 1:
         return 0
     if 0 <= local_rank < visible:
         return local_rank
+    if shared and visible > 1:
+        return local_rank % visible
     shown = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
     raise RuntimeError(
         f"LOCAL_RANK={local_rank}, and this process sees {visible} CUDA devices "

@@ -65,7 +65,7 @@ def run_rank(cfg_dict: dict[str, Any]) -> RankReport | None:
     os.environ.update(flight_recorder.rank_env(cfg.backend, cfg.run_dir, os.environ))
     if cfg.launcher.threads_per_rank:
         torch.set_num_threads(cfg.launcher.threads_per_rank)
-    device = select_device(cfg.hardware.device_type, local_rank)
+    device = select_device(cfg.hardware.device_type, local_rank, cfg.backend.name == "gloo")
     set_fp32_matmul(device, cfg.train.precision, cfg.train.tf32)
     forget_failure(cfg.run_dir, rank)  # an earlier attempt's, in a job SLURM requeued
     show_once(cfg.run_dir, rank)

@@ -49,9 +49,12 @@ def check_start_method(launcher: LauncherConfig, on_cuda: bool) -> None:
         )
 
 
-def check_placement(launcher: LauncherConfig, world: int, gpus: int, what: str) -> None:
+def check_placement(
+    launcher: LauncherConfig, world: int, gpus: int, what: str, shared: bool = False
+) -> None:
     """`world` ranks over `launcher.nnodes` nodes (`what` names who asks for them); CUDA runs
-    need a device per rank on a node."""
+    need a device per rank on a node, unless the ranks may share them (`shared`: gloo, which
+    copes with two ranks on one GPU where NCCL refuses a duplicate device)."""
     nproc, nodes = launcher.nproc_per_node, launcher.nnodes
     if world % nodes:
         fail(
@@ -69,12 +72,12 @@ def check_placement(launcher: LauncherConfig, world: int, gpus: int, what: str) 
             f"{world // nodes}, or null to follow the layout",
         )
     nproc = world // nodes
-    if gpus and nproc > gpus:
+    if gpus and nproc > gpus and not shared:
         fail(
             "launcher.nproc_per_node",
             nproc,
             f"only {gpus} CUDA devices are visible",
-            f"at most {gpus}",
+            f"at most {gpus}, or backend=gloo (its ranks may share a GPU: slow, for checks)",
         )
 
 
