@@ -162,8 +162,12 @@ def test_a_run_records_its_budget_at_the_measured_and_the_predicted_speed(meshru
     assert stored["measured_budget_s"] == r["measured_budget_s"]
     said = re.search(r"│ full budget +│ (.+?) +│", run.output)[1]
     assert said.startswith("1e+09 tokens: ") and "at the measured" in said
+    rows = " ".join(re.findall(r"│ (?:full budget|) +│ (.+?) +│", run.output))
+    assert "predicted uncalibrated" in rows  # the test's store has no calibration of the host
     figure = budget_plot.budget_times([stored])
     assert figure is not None and len(figure.axes[0].collections) == 1  # one point, one run
+    [point] = figure.axes[0].collections
+    assert point.get_label() == "ddp2 (uncalibrated)" and not point.get_facecolor().any()
 
 
 def test_the_plan_prints_days_gpu_hours_dollars_and_an_interval_per_row(tmp_path):

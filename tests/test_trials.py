@@ -21,6 +21,7 @@ from meshrun.driver.sinks.console import trials_verdict
 from meshrun.driver.sinks.store import ResultsStore
 from meshrun.driver.trial_ranking import (
     Trial,
+    calibration_said,
     fastest,
     first_choice_loss,
     node_sets,
@@ -36,6 +37,15 @@ SHORT = ("model=tiny", "train.untimed_steps=1", "plan.trial_steps=2", "train.ste
 
 def _trial(layout: str, predicted: float | None, measured: float | None, status="completed"):
     return Trial("id", layout, "", status, predicted, measured)
+
+
+def test_predictions_say_whether_this_host_was_calibrated_and_how_to_calibrate_it():
+    said = calibration_said(["2026-12-01T10:00", "2026-12-01T10:00"], "tiny", 2)
+    assert said == "predicted on this host's calibration of 2026-12-01T10:00"
+    for partly in ([None, None], ["2026-12-01T10:00", None], []):
+        said = calibration_said(partly, "small", 8)
+        assert said.startswith("predicted uncalibrated: the hardware profile's rates")
+        assert "`meshrun-plan calibrate model=small world_size=8`" in said
 
 
 def test_rank_correlation_is_spearmans_rho():
@@ -151,6 +161,9 @@ def test_trials_run_the_plans_first_layouts_and_the_run_trains_the_fastest(meshr
     assert {tuple(t.nodes or ()) for t in measured} == {(socket.gethostname(),)}
     assert "rank correlation (Spearman)" in run.output
     assert "training with trial" in run.output
+    # a test's store has no calibration of this host: its predictions say so, with the command
+    assert "predicted (uncalibrated)" in run.output
+    assert "meshrun-plan calibrate model=tiny world_size=2" in " ".join(run.output.split())
 
 
 def test_a_failing_trial_is_recorded_and_left_out_and_trials_only_stops_there(

@@ -21,6 +21,7 @@ class Trial:
     tokens_per_s: float | None
     error: str | None = None
     nodes: list[str] | None = None  # the nodes its ranks ran on, where it reported them
+    calibrated_at: str | None = None  # the host calibration its prediction used, if any
 
     @property
     def measured(self) -> bool:
@@ -38,7 +39,19 @@ class Trial:
             tokens_per_s=record.speed.tokens_per_s,
             error=record.error,
             nodes=sorted(set(record.host.host_per_rank)) if record.host.host_per_rank else None,
+            calibrated_at=record.prediction.predicted_calibrated_at,
         )
+
+
+def calibration_said(calibrated_at: list[str | None], model: str | None, world: int) -> str:
+    """What predicted figures printed beside measured ones rest on: this host's calibration
+    (of when), or the hardware profile's rates, with the command that measures the host."""
+    if calibrated_at and all(calibrated_at):
+        return f"predicted on this host's calibration of {', '.join(sorted(set(calibrated_at)))}"
+    return (
+        "predicted uncalibrated: the hardware profile's rates, not this host's measured ones "
+        f"(`meshrun-plan calibrate model={model} world_size={world}` measures them)"
+    )
 
 
 def fastest(trials: list[Trial]) -> int | None:

@@ -50,7 +50,7 @@ def run_with_trials(runs: list[RunConfig], plan: PlanConfig, launch: Launch) -> 
         records.append(_trial(cfg, launch, run_id))
         nodes = nodes or Trial.of(records[-1]).nodes
     trials = [Trial.of(r) for r in records]
-    print_trials(trials, plan.trial_steps)
+    print_trials(trials, plan.trial_steps, main.model.name, records[0].world_size or 1)
     best = fastest(trials)
     if best is None:
         first = records[0]

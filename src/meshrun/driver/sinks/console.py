@@ -16,6 +16,7 @@ from meshrun.driver.sinks.run_rows import budget_rows, checkpoint_rows
 from meshrun.driver.sinks.timeline import TIMELINE_FILE
 from meshrun.driver.trial_ranking import (
     Trial,
+    calibration_said,
     fastest,
     first_choice_loss,
     node_sets,
@@ -98,11 +99,14 @@ def _float8(r: RunRecord) -> list[tuple[str, str]]:
     return [("float8", what + (f"; {f.float8_note}" if f.float8_note else ""))]
 
 
-def print_trials(trials: list[Trial], steps: int) -> None:
-    """plan.trials: each trial's predicted and measured speed in the planner's order, the
-    rank correlation of the two, and what the prediction's first choice would have lost."""
+def print_trials(trials: list[Trial], steps: int, model: str, world: int) -> None:
+    """plan.trials: each trial's predicted and measured speed in the planner's order, whether
+    the predictions were calibrated on this host, the rank correlation of the two, and what
+    the prediction's first choice would have lost."""
+    calibrated = all(t.calibrated_at for t in trials)
     table = Table(title=f"meshrun: trials ({steps} timed steps each), tokens/s")
-    for header in ("#", "layout", "predicted", "measured", "ratio"):
+    predicted = "predicted" if calibrated else "predicted (uncalibrated)"
+    for header in ("#", "layout", predicted, "measured", "ratio"):
         table.add_column(header, justify="left" if header == "layout" else "right")
     table.add_column("status")
     for index, t in enumerate(trials, start=1):
@@ -115,6 +119,7 @@ def print_trials(trials: list[Trial], steps: int) -> None:
         figures = (_fmt(t.predicted_tokens_per_s), _fmt(t.tokens_per_s), ratio)
         table.add_row(str(index), t.layout_name, *figures, status)
     console.print(table)
+    print_note(calibration_said([t.calibrated_at for t in trials], model, world))
     print_note(trials_verdict(trials))
 
 
@@ -159,7 +164,7 @@ def print_summary(r: RunRecord) -> None:
         ("batch", _batch(r)),
         ("tokens/s", _fmt(r.speed.tokens_per_s)),
         ("step time (median, p10-p90, cv)", _step_times(r)),
-        *budget_rows(r.prediction),
+        *budget_rows(r),
         *_compile_time(r),
         *_host_load(r),
         ("baseline tokens/s", f"{_fmt(r.comparison.baseline_tokens_per_s)}{_baseline_source(r)}"),

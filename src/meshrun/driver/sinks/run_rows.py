@@ -4,7 +4,9 @@ often it saved, `auto`'s choice and why; what a save cost against the plan's pre
 
 from __future__ import annotations
 
-from meshrun.core.record_parts import Checkpoints, Prediction
+from meshrun.core.record import RunRecord
+from meshrun.core.record_parts import Checkpoints
+from meshrun.driver.trial_ranking import calibration_said
 
 MINUTE, HOUR, DAY = 60.0, 3600.0, 86400.0
 
@@ -17,13 +19,17 @@ def duration(seconds: float) -> str:
     return "never" if seconds == float("inf") else f"{seconds / DAY:,.3g} days"
 
 
-def budget_rows(r: Prediction) -> list[tuple[str, str]]:
+def budget_rows(record: RunRecord) -> list[tuple[str, str]]:
+    """The run's budget at its measured speed and at the predicted one, saying what the
+    prediction rests on (this host's calibration or the profile's rates)."""
+    r = record.prediction
     if r.measured_budget_s is None or r.tokens_budget is None:
         return []
     said = f"{r.tokens_budget:.3g} tokens: {duration(r.measured_budget_s)} at the measured speed"
     if r.predicted_budget_s:
         ratio = r.measured_budget_s / r.predicted_budget_s
-        said += f", {duration(r.predicted_budget_s)} predicted ({ratio:.2f}x)"
+        on = calibration_said([r.predicted_calibrated_at], record.model, record.world_size or 1)
+        said += f", {duration(r.predicted_budget_s)} predicted ({ratio:.2f}x; {on})"
     return [("full budget", said)]
 
 

@@ -1,7 +1,7 @@
 """The report's plot of the plan kept honest: each run's whole budget (plan.tokens, else its
 own steps) at the speed it measured against the plan's time for its layout, a point a run,
-coloured by layout, beside the line where the two agree; log axes where the runs' times span
-a wide range."""
+coloured by layout (hollow where the prediction used no calibration of the host), beside the
+line where the two agree; log axes where the runs' times span a wide range."""
 
 from __future__ import annotations
 
@@ -26,15 +26,23 @@ def budget_times(runs: list[dict[str, Any]]) -> Figure | None:
     fig = Figure(figsize=(WIDTH * 0.6, HEIGHT), layout="constrained")
     ax = fig.subplots()
     for name in dict.fromkeys(layout_of(r) for r in both):
-        mine = [r for r in both if layout_of(r) == name]
-        ax.scatter(
-            [r["predicted_budget_s"] for r in mine],
-            [r["measured_budget_s"] for r in mine],
-            color=colours[name],
-            label=name,
-            s=40,
-            zorder=3,
-        )
+        for calibrated in (True, False):
+            mine = [
+                r
+                for r in both
+                if layout_of(r) == name and bool(r.get("predicted_calibrated_at")) == calibrated
+            ]
+            if not mine:
+                continue
+            ax.scatter(
+                [r["predicted_budget_s"] for r in mine],
+                [r["measured_budget_s"] for r in mine],
+                edgecolors=colours[name],
+                facecolors=colours[name] if calibrated else "none",
+                label=name if calibrated else f"{name} (uncalibrated)",
+                s=40,
+                zorder=3,
+            )
     every = [r[k] for r in both for k in ("predicted_budget_s", "measured_budget_s")]
     low, high = min(every) / 1.5, max(every) * 1.5
     line = [low, high]

@@ -71,7 +71,9 @@ SECTIONS: tuple[tuple[str, str, str, Plot, str], ...] = (
         "budget",
         "The plan kept honest: the run's budget, predicted vs measured",
         "Each run's whole budget (plan.tokens, else its own steps) at the speed it measured "
-        "against the plan's prediction for its layout; above the line, slower than planned.",
+        "against the plan's prediction for its layout; above the line, slower than planned. "
+        "A hollow point was predicted on an uncalibrated host (the hardware profile's rates, "
+        "not this host's: meshrun-plan calibrate measures them).",
         budget_times,
         "No completed run with a predicted and a measured speed.",
     ),
