@@ -297,6 +297,7 @@ BAD_CONFIGS = [
     (["parallel=ddp", "debug.slow_rank=2"], "debug.slow_rank", "0..1"),
     (["parallel=single", "debug.slow_rank=0"], "debug.slow_rank", "waits for nobody"),
     (["parallel=ddp", "debug.slow_factor=0.5"], "debug.slow_factor", ">= 1"),
+    (["parallel=ddp", "debug.grad_error=1.5"], "debug.grad_error", "between -1 and 1"),
     (["metrics.straggler_threshold=1"], "metrics.straggler_threshold", "> 1"),
     (["train.guard.max_skipped=0"], "train.guard.max_skipped", ">= 1"),
     (["train.steps=5", "debug.corrupt_step=5"], "debug.corrupt_step", "0..4"),

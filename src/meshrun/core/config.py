@@ -608,6 +608,10 @@ class DebugConfig:
     SPIKE times itself (`spike`), its gradients with it; it is the step's batch that carries
     the fault, so a rollback that skips the batch (train.guard.spike) skips it too; lists
     corrupt several (`corrupt_step=[80,140] corrupt_mode=[nan,spike]`, one mode for all).
+    `grad_error` plants an error: the model's last parameter's gradient times 1 + grad_error
+    after every backward, on every rank holding it (meshrun-verify must fail it: 0.01 is 1%);
+    `reverse_micro_batches` sums a step's micro-batches last to first, the same math in
+    another order (meshrun-verify's measure of a run's own noise).
     Looking inside: `profile_steps=[a,b]` traces steps a..b on every rank with torch.profiler
     (rank/profiling.py); `memory_snapshot` records CUDA's allocator history and writes it at
     the peak step and on an out-of-memory error."""
@@ -622,6 +626,8 @@ class DebugConfig:
     memory_snapshot: bool = False
     corrupt_step: Any = None  # int | list[int] | None (OmegaConf has no such union)
     corrupt_mode: Any = "nan"  # nan | spike, or a list: Hydra reads `nan` as a float
+    grad_error: float = 0.0
+    reverse_micro_batches: bool = False
 
 
 def corrupted_steps(debug: DebugConfig) -> dict[int, str]:

@@ -58,6 +58,8 @@ def loop_context(
             failure=fault_injector(cfg.debug, at.rank) if not restarted(at) else None,
             slow_step_s=cfg.debug.slow_step_s,
             corruption=corruption(cfg.debug),
+            grad_error=cfg.debug.grad_error,
+            reverse_micro_batches=cfg.debug.reverse_micro_batches,
         ),
         guards=Guards(
             step=StepGuard(

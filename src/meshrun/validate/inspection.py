@@ -37,6 +37,13 @@ def check_inspection(cfg: ExperimentConfig, world: int) -> None:
             f"(hardware={cfg.hardware.name} runs on {cfg.hardware.device_type})",
             "null here; a CPU hardware profile to see a straggler",
         )
+    if not -1 < debug.grad_error < 1:
+        fail(
+            "debug.grad_error",
+            debug.grad_error,
+            "scales the last parameter's gradient by 1 + grad_error (a planted error)",
+            "a number between -1 and 1 (0.01 for 1%), 0 for none",
+        )
     if debug.slow_factor < 1:
         fail(
             "debug.slow_factor",

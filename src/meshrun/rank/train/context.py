@@ -69,11 +69,14 @@ class Inspection:
 class InjectedFaults:
     """debug's faults, made on purpose for tests and demonstrations: a rank's failure at a
     step (debug.fail_rank), a sleep after each step (slow_step_s), a batch's loss made
-    non-finite or a spike (debug.corrupt_step: the factor by batch)."""
+    non-finite or a spike (debug.corrupt_step: the factor by batch), a gradient off by a
+    factor (debug.grad_error), a step's micro-batches summed last to first."""
 
     failure: Callable[[int], None] | None = None
     slow_step_s: float = 0.0
     corruption: Callable[[int], float] | None = None
+    grad_error: float = 0.0
+    reverse_micro_batches: bool = False
 
 
 @dataclass

@@ -52,6 +52,8 @@ def _accumulate(
     `factor`: the loss's, 1 but on a corrupted step (debug.corrupt_step)."""
     module = model.parts[0]
     chunks = list(zip(inputs.split(micro_batch), targets.split(micro_batch), strict=True))
+    if ctx.faults.reverse_micro_batches:
+        chunks.reverse()
     total = torch.zeros((), device=ctx.device)
     weight = (ctx.loss_scale.scale if ctx.loss_scale else 1.0) / len(chunks)
     for index, (x, y) in enumerate(chunks):
@@ -105,6 +107,8 @@ def train_step(
             model.tied.sum_grads()
     if breakdown:
         ctx.memory.mark(FWD_BWD_END)
+    if ctx.faults.grad_error:  # planted: meshrun-verify must tell it from the reference
+        model.parameters()[-1].grad.mul_(1 + ctx.faults.grad_error)
     grads = LocalGrads(model.parameters(), model.norm_copies())
     if ctx.replicas is not None:  # torchft: averaged with the other replica groups' ranks'
         ctx.replicas.average(grads.tensors)
