@@ -30,6 +30,13 @@ SLOW = pytest.mark.slow
 RUNS = [
     pytest.param((*COMMON, "parallel=ddp"), id="ddp", marks=SLOW),
     pytest.param((*COMMON, "parallel=tp2", MICRO4), id="tp2"),
+    # a fully checkpointed TP block compiled inside its checkpoint (issue 64; traced whole,
+    # AOT autograd refuses the DeviceMesh the checkpoint saves)
+    pytest.param(
+        (*COMMON, "parallel=tp2", MICRO4, "parallel.activation_checkpointing=full"),
+        id="tp2_full_checkpointing",
+        marks=SLOW,
+    ),
     # FSDP2's hooks around the compiled blocks; checkpointing traced into them
     pytest.param(
         (*COMMON, "parallel=fsdp", "parallel.activation_checkpointing=selective"),
@@ -37,6 +44,13 @@ RUNS = [
         marks=SLOW,
     ),
     pytest.param((*COMMON, "parallel=pp2"), id="pp2", marks=SLOW),
+    # context parallelism's attention (a torch function mode, ring sends) compiled (issue 64)
+    *(
+        pytest.param(
+            (*COMMON, "parallel=cp2", f"parallel.cp_method={m}"), id=f"cp2_{m}", marks=SLOW
+        )
+        for m in ("ring", "allgather", "alltoall")
+    ),
     # FSDP2 over TP (_StridedShard gradients), and HSDP's 2-D FSDP mesh
     pytest.param((*COMMON, "parallel=fsdp2_tp2", MICRO4), id="fsdp2_tp2", marks=SLOW),
     pytest.param((*COMMON, "parallel=hsdp", "launcher.nproc_per_node=4"), id="hsdp", marks=SLOW),

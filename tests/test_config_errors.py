@@ -152,11 +152,6 @@ BAD_CONFIGS = [
     (["parallel=pp2", "parallel.pp_layers=even"], "parallel.pp_layers", "or auto"),
     (["parallel=pp2", "parallel.pp_layers=[a,b]"], "parallel.pp_layers", "each >= 1"),
     (["parallel.tp_plan=nowhere.plans:apply"], "parallel.tp_plan", "cannot be loaded"),
-    (
-        ["parallel=tp2", "parallel.activation_checkpointing=full", "train.compile=true"],
-        "parallel.activation_checkpointing",
-        "cannot be compiled with tensor parallelism",
-    ),
     (["parallel.tp_plan=tests.plans:missing"], "parallel.tp_plan", "module:function"),
     (["parallel=dataparallel"], "parallel", "needs >= 2 CUDA devices"),
     (["backend=nccl"], "backend", "nccl needs CUDA devices"),
@@ -254,7 +249,6 @@ BAD_CONFIGS = [
         "model.n_heads (6) / tp (1) = 6 is not divisible by cp (4)",
     ),
     (["parallel=dataparallel", "parallel.cp=2"], "parallel.data_parallel", "pp, ep, etp = 1"),
-    (["parallel=cp2", "train.compile=true"], "train.compile", "context parallelism"),
     (["parallel.checkpoint_every=0"], "parallel.checkpoint_every", "n (every n-th block"),
     (["parallel.checkpoint_every=2"], "parallel.checkpoint_every", "activation_checkpointing=full"),
     (

@@ -14,14 +14,6 @@ def check_context_parallel(cfg: ExperimentConfig) -> None:
     p, t = cfg.parallel, cfg.train
     if p.cp == 1:
         return
-    if t.compile:
-        fail(
-            "train.compile",
-            True,
-            "does not combine with context parallelism yet: its attention runs through a torch "
-            "function mode and point-to-point sends, which meshrun has not proven compiled",
-            "train.compile=false, or parallel.cp=1",
-        )
     if t.seq_len % (2 * p.cp):
         fail(
             "train.seq_len",

@@ -148,15 +148,6 @@ def check_tensor_parallel(cfg: ExperimentConfig) -> None:
             )
     if p.tp == 1:
         return
-    if cfg.train.compile and p.activation_checkpointing == "full":
-        fail(
-            "parallel.activation_checkpointing",
-            "full",
-            "cannot be compiled with tensor parallelism (train.compile with tp > 1: torch's "
-            "compiled forward of a fully checkpointed TP block fails, saving its device mesh "
-            "for backward)",
-            "selective or none, or train.compile=false",
-        )
     dims = {
         "model.n_heads": m.n_heads,
         "model.n_kv_heads": m.n_kv_heads,

@@ -4,6 +4,12 @@ model's block list compiled in place, after tensor parallelism and activation ch
 on the meta model. The blocks share one compiled graph (the same code under the same guards),
 so a model of any depth compiles once per graph (forward, backward).
 
+A fully checkpointed block is compiled inside its checkpoint instead, the recompute calling
+the compiled forward again: traced whole, its checkpoint saves what a TP block's DTensors
+carry, a DeviceMesh, which AOT autograd refuses (torch 2.13: "expected all
+tensors_saved_with_vc_check to be Tensors"). Selective checkpointing stays traced: its
+policy picks among the ops of the graph.
+
 In place (`Module.compile`), a block keeps its name and its parameters theirs: checkpoints,
 TP plans and FSDP see the model they would without compile."""
 
@@ -23,7 +29,9 @@ def apply_compile(model: nn.Module) -> None:
         if embedding is not None:
             embedding.register_forward_hook(_settled)
     for block in model.layers.values():
-        block.compile()
+        inner = getattr(block, "_checkpoint_wrapped_module", None)
+        full = inner is not None and "context_fn" not in block.checkpoint_fn.keywords
+        (inner if full else block).compile()
 
 
 def _settled(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
