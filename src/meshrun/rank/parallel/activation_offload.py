@@ -4,8 +4,9 @@ Autograd's saved-tensor hooks are entered around each block's forward (a forward
 and a forward hook, so the block's names, and with them checkpoints and plans, stay as they
 are): every tensor the block's ops save for backward is copied to host memory as it is saved
 and back to the block's device when backward unpacks it (torch's `save_on_cpu`, pinned on
-CUDA so the copies are asynchronous). Parameters and views of them are not copied: they
-stay on the device anyway (FSDP2's gathered ones are freed by FSDP2 itself).
+CUDA so the copies are asynchronous). Leaves (parameters, buffers) and views of them are
+not copied: their owners keep them on the device anyway (FSDP2's gathered parameters are
+freed by FSDP2 itself).
 
 Registered on the block as it sits in the block list, around activation checkpointing's
 wrapper where there is one: a checkpointed block saves only its input (non-reentrant
@@ -31,7 +32,7 @@ class HostActivations:
 
     @torch.no_grad()
     def pack(self, tensor: torch.Tensor) -> object:
-        if _is_parameter(tensor):
+        if _held_elsewhere(tensor):
             return tensor
         if isinstance(tensor, DTensor):  # TP's: its local tensor, and how to rebuild it
             spec = (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride())
@@ -64,10 +65,12 @@ class HostActivations:
         self._entered.pop().__exit__(None, None, None)
 
 
-def _is_parameter(tensor: torch.Tensor) -> bool:
-    """A parameter, or a view of one (a linear saves its weight's transpose)."""
+def _held_elsewhere(tensor: torch.Tensor) -> bool:
+    """A leaf or a view of one: a parameter (a linear saves its weight's transpose), a
+    buffer (RoPE's tables), a pipeline stage's received input. Their owners keep them on
+    the device whatever the block saves, so a copy would free nothing."""
     base = tensor if tensor._base is None else tensor._base
-    return base.is_leaf and base.requires_grad
+    return base.is_leaf
 
 
 def apply_activation_offload(model: nn.Module, device: torch.device) -> HostActivations:
