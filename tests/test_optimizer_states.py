@@ -109,21 +109,23 @@ def test_bf16_states_train_as_fp32_under_fsdp_and_resume_under_ddp(tmp_path, ran
 
 
 @pytest.mark.slow
-def test_8bit_states_resume_bit_for_bit_and_under_another_layout(tmp_path, rank_pool):
+def test_8bit_states_resume_under_the_same_and_another_layout(tmp_path, rank_pool):
     """torchao's 8-bit moments (a tensor subclass DCP cannot save) are checkpointed as fp32
-    and quantized again on load: under the same layout (FSDP2) the resumed run's losses are
-    the uninterrupted run's exactly; under DDP, whose blocks of 256 differ, within 1e-4."""
+    and quantized again on load: the resumed run's losses are within 1e-5 of the
+    uninterrupted run's under the same layout (FSDP2: not bit for bit, a requantized block
+    may round a value to its neighbouring code) and under DDP, whose blocks of 256 lie
+    elsewhere in the tensors."""
     pytest.importorskip("torchao")
     eight = ("train.optimizer_states=8bit",)
     whole = _run(
         tmp_path / "whole", rank_pool, "parallel=fsdp", *eight, f"checkpoint.every_steps={EVERY}"
     )
     first = complete(tmp_path / "whole" / "run" / "checkpoints")[0]
-    for layout, tolerance in (("parallel=fsdp", 0.0), ("parallel=ddp", 1e-4)):
+    for layout, tolerance in (("fsdp", 1e-5), ("ddp", 1e-5)):
         resumed = _run(
             tmp_path / layout,
             rank_pool,
-            layout,
+            f"parallel={layout}",
             *eight,
             f"checkpoint.resume={first}",
             f"checkpoint.dir={tmp_path}/{layout}-more",

@@ -274,7 +274,9 @@ class DeviceSpec:
     fraction of the dense peak the best large matmul reaches (Bekman's MAMF table),
     `fp8_matmul_efficiency` the same of the `fp8` peak for a float8 matmul (train.float8; a
     device without an fp8 peak has no float8 tensor cores), and `attention`, the rates of
-    the attention kernel torch's SDPA picks there."""
+    the attention kernel torch's SDPA picks there. `host_link_gbs`: GB/s one device moves to
+    or from host memory (PCIe's effective rate, NVLink-C2C's), which offload's copies take
+    (plan/speed.py; null: the planner counts no copies)."""
 
     name: str = MISSING
     count: int = 1
@@ -285,6 +287,7 @@ class DeviceSpec:
     sms: int | None = None
     matmul_efficiency: float = 0.8
     fp8_matmul_efficiency: float = 0.78  # H100's (conf/hardware/h100-80g.yaml says whose)
+    host_link_gbs: float | None = None
     attention: AttentionKernel = field(default_factory=AttentionKernel)
 
 
@@ -316,7 +319,9 @@ class HardwareConfig:
     """A node: its devices in PCI bus order, the link between them (`intra_node`) and, for
     plans of several nodes, the `network` between nodes. `storage_gbs`: GB/s a node writes
     to the checkpoint dir, all its ranks at once (null: what `meshrun-plan calibrate`
-    measured on this host, else a published cluster's share: plan/checkpoint_cost.py)."""
+    measured on this host, else a published cluster's share: plan/checkpoint_cost.py).
+    `host_memory_gib`: the node's host memory, which its ranks' offloaded state and
+    activations must fit (plan/host.py; null: not checked)."""
 
     name: str = "auto"
     device_type: DeviceType = DeviceType["cpu"]
@@ -324,6 +329,7 @@ class HardwareConfig:
     intra_node: LinkConfig = field(default_factory=LinkConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
     storage_gbs: float | None = None
+    host_memory_gib: float | None = None
 
 
 @dataclass
