@@ -329,6 +329,16 @@ BAD_CONFIGS = [
     (["parallel=ddp", "parallel.fsdp.offload=cpu"], "parallel.fsdp.offload", "dp_shard >= 2"),
     (["parallel=single", "parallel.fsdp.offload=cpu"], "parallel.fsdp.offload", "dp_shard >= 2"),
     (
+        ["parallel=fsdp", "train.float8.enabled=true", "train.optimizer_states=8bit"],
+        "train.optimizer_states",
+        "train.float8.fsdp_all_gather=false",
+    ),
+    (
+        ["train.compile=true", "parallel.activation_offload=cpu"],
+        "parallel.activation_offload",
+        "train.compile=false",
+    ),
+    (
         ["parallel=dataparallel", "parallel.activation_offload=cpu"],
         "parallel.activation_offload",
         "parallel=ddp",

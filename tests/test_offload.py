@@ -75,6 +75,7 @@ LAYOUTS = {
     "fsdp2_tp2": ("parallel=fsdp2_tp2",),
     "pp2_fsdp2": ("parallel=pp2", "parallel.dp_shard=2", "launcher.nproc_per_node=4"),
     "fsdp2_cp2": ("parallel=fsdp2_cp2",),
+    "ep2": ("parallel=ep2", "model=tiny-moe", "launcher.nproc_per_node=4"),  # experts' units
 }
 
 

@@ -1,6 +1,6 @@
-"""parallel.fsdp.offload: FSDP2's offload needs a layout that goes through FSDP2
-(rank/parallel/fsdp.py); activation offload's one rule is DataParallel's
-(validate/layout.check_dataparallel)."""
+"""The offloads' rules: FSDP2's needs a layout that goes through FSDP2 (rank/parallel/fsdp.py);
+activation offload's hooks do not reach inside a compiled block (nor DataParallel's threads:
+that rule is DataParallel's, validate/layout.check_dataparallel)."""
 
 from __future__ import annotations
 
@@ -20,4 +20,13 @@ def check_offload(cfg: ExperimentConfig) -> None:
             "FSDP2 (DDP, DataParallel and one device keep their parameters on the device)",
             "parallel.dp_shard >= 2 (parallel=fsdp, hsdp, fsdp2_tp2, ...), or "
             "parallel.fsdp.offload=none",
+        )
+    if p.activation_offload == "cpu" and cfg.train.compile:
+        fail(
+            "parallel.activation_offload",
+            "cpu",
+            "keeps what a block saves in host memory through saved-tensor hooks, which a "
+            "compiled block's saved tensors bypass (measured: only the blocks' inputs moved, "
+            "1/27 of tiny's activations)",
+            "train.compile=false, or parallel.activation_offload=none",
         )
