@@ -15,6 +15,7 @@ import torch
 from meshrun.core.checkpoints import complete
 from meshrun.driver.experiment import measure
 from meshrun.models import build_model
+from meshrun.plan.memory import predict_stages
 from meshrun.rank.metrics.memory import ModelState
 from meshrun.rank.train.checkpoint import _init_optimizer_state
 from meshrun.rank.train.optim import build_optimizer
@@ -58,8 +59,9 @@ def test_bf16_stochastic_rounding_is_unbiased():
 def test_states_bytes_per_mode():
     """model=small's moments in each mode: bf16 half of fp32's bytes, 8-bit at most 0.3x
     (a byte a value and an fp32 scale a block of 256; tensors under 4,096 elements stay
-    fp32, as torchao leaves them). The 8-bit states are made as torchao's first step makes
-    them, without the step (inductor's compile)."""
+    fp32, as torchao leaves them), each within 1% of the planner's prediction. The 8-bit
+    states are made as torchao's first step makes them, without the step (inductor's
+    compile)."""
     pytest.importorskip("torchao")
     cfg = resolved_config("model=small")
     sizes = {}
@@ -75,6 +77,8 @@ def test_states_bytes_per_mode():
         else:
             _init_optimizer_state(optimizer)
         sizes[mode] = ModelState.of(list(model.parameters()), optimizer).optimizer
+        planned = predict_stages(replace(cfg, train=replace(cfg.train, optimizer_states=mode)))
+        assert sizes[mode] == pytest.approx(planned[0].optimizer, rel=0.01)  # the planner's
     assert sizes["bf16"] / sizes["fp32"] == pytest.approx(0.5, abs=1e-4)
     assert sizes["8bit"] / sizes["fp32"] <= 0.3
 
