@@ -43,7 +43,7 @@ from meshrun.driver.tool_config import CommRunConfig, comm_from_dict
 from meshrun.entrypoints import COMMANDS as SCRIPT_COMMANDS
 from meshrun.rank.parallel.pipeline import SCHEDULES
 from meshrun.tools.plan import command as plan_command
-from meshrun.validate import fault_tolerance
+from meshrun.validate import fault_tolerance, optimizer
 from tests.cli import CliRun, run_console
 from tests.helpers import compose_config
 
@@ -320,6 +320,24 @@ BAD_CONFIGS = [
         "launcher=local",
     ),
     (["parallel.replica_restart_delay_s=-1"], "parallel.replica_restart_delay_s", ">= 0"),
+    # issue 63: offload needs FSDP2; activation offload's hooks miss DataParallel's threads
+    (["parallel=ddp", "parallel.fsdp.offload=cpu"], "parallel.fsdp.offload", "dp_shard >= 2"),
+    (["parallel=single", "parallel.fsdp.offload=cpu"], "parallel.fsdp.offload", "dp_shard >= 2"),
+    (
+        ["parallel=fsdp", "train.float8.enabled=true", "train.optimizer_states=8bit"],
+        "train.optimizer_states",
+        "train.float8.fsdp_all_gather=false",
+    ),
+    (
+        ["train.compile=true", "parallel.activation_offload=cpu"],
+        "parallel.activation_offload",
+        "train.compile=false",
+    ),
+    (
+        ["parallel=dataparallel", "parallel.activation_offload=cpu"],
+        "parallel.activation_offload",
+        "parallel=ddp",
+    ),
     (["train.guard.spike=true"], "train.guard.spike", "checkpoint.every_steps=N"),
     (
         ["train.guard.spike=true", "checkpoint.every_steps=5", "train.guard.spike_ratio=0.5"],
@@ -377,6 +395,13 @@ def test_torchft_without_torchft_installed_is_refused(monkeypatch):
     monkeypatch.setattr(fault_tolerance.importlib.util, "find_spec", lambda name: None)
     cfg = compose_config("parallel=ddp", "parallel.fault_tolerance=torchft")
     with pytest.raises(ConfigError, match=r"fault_tolerance='torchft': needs torchft, which is"):
+        resolve(cfg, HostFacts.detect())
+
+
+def test_8bit_optimizer_states_without_torchao_are_refused(monkeypatch):
+    monkeypatch.setattr(optimizer.importlib.util, "find_spec", lambda name: None)
+    cfg = compose_config("train.optimizer_states=8bit")
+    with pytest.raises(ConfigError, match=r"optimizer_states='8bit': is torchao's AdamW8bit, an"):
         resolve(cfg, HostFacts.detect())
 
 

@@ -44,6 +44,8 @@ NAMES = {
     ): "pp2(interleaved_1f1b, 2 stages/rank, m=8, layers=[1,1,1,1])",
     ("parallel=pp2", "parallel.schedule=gpipe", "train.micro_batch_size=8"): "pp2(gpipe, m=1)",
     ("parallel=tp2", "parallel.activation_checkpointing=full"): "tp2, ckpt=full",
+    ("parallel=fsdp", "parallel.fsdp.offload=cpu"): "fsdp2(offload)",  # issue 63's levers
+    ("parallel=tp2", "parallel.activation_offload=cpu"): "tp2, activation offload",
     ("parallel=tp2", "parallel.activation_checkpointing=op"): "tp2, ckpt=op",
     ("parallel=ddp", "parallel.activation_checkpointing=full", "parallel.checkpoint_every=2"): (
         "ddp2, ckpt=full/2"

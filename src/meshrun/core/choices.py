@@ -43,6 +43,11 @@ SAC_POLICIES = ("selective", "op")
 # How a context-parallel group shares attention (rank/parallel/context_attention.py).
 CpMethod = _choice("CpMethod", "ring", "allgather", "alltoall")
 DataParallel = _choice("DataParallel", "auto", "dataparallel")
+# Where FSDP2's sharded state or the blocks' saved activations live (parallel.fsdp.offload,
+# parallel.activation_offload): the device, or the host's memory.
+Offload = _choice("Offload", "none", "cpu")
+# AdamW's moments (train.optimizer_states): fp32, bf16 with stochastic rounding, torchao's 8-bit.
+OptimizerStates = _choice("OptimizerStates", "fp32", "bf16", "8bit")
 # Replica-level fault tolerance (driver/launch/replicas.py, rank/train/replicas.py).
 FaultTolerance = _choice("FaultTolerance", "none", "torchft")
 # A mixture-of-experts router's scores, and how it keeps the experts' loads even (models/moe.py).

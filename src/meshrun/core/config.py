@@ -30,6 +30,8 @@ from meshrun.core.choices import (
     LoadBalance,
     LoggerMode,
     LrDecay,
+    Offload,
+    OptimizerStates,
     Precision,
     RouterScore,
     Scaling,
@@ -178,7 +180,12 @@ class DDPConfig:
 
 @dataclass
 class FSDPConfig:
+    """`offload=cpu`: FSDP2's CPUOffloadPolicy, the sharded parameters, their gradients and
+    the optimizer step in host memory (pinned on CUDA), each unit copied to the device for
+    its forward and backward (rank/parallel/fsdp.py)."""
+
     reshard_after_forward: bool = True
+    offload: Offload = Offload["none"]
 
 
 @dataclass
@@ -203,6 +210,8 @@ class ParallelConfig:
     their layout, and FSDP2 shards each rank's experts over the rest of dp_shard x cp.
     `etp` = tp splits each expert's hidden width over the TP ranks too (Megatron's expert
     tensor parallelism; 1: the experts whole on each TP rank).
+    `activation_offload=cpu` keeps what each block saves for backward in host memory
+    (pinned on CUDA), copied back in its backward (rank/parallel/activation_offload.py).
     `fault_tolerance=torchft` runs the dp_replicate replicas as worlds of their own, joined
     each step by torchft: a replica that dies is restarted (`replica_restarts` times at
     most, all replicas together) `replica_restart_delay_s` after (a killed process's GPU
@@ -226,6 +235,7 @@ class ParallelConfig:
     tp_plan: str | None = None
     activation_checkpointing: Checkpointing = Checkpointing["none"]
     checkpoint_every: int = 1
+    activation_offload: Offload = Offload["none"]
     data_parallel: DataParallel = DataParallel["auto"]
     dataparallel_devices: int = -1
     ddp: DDPConfig = field(default_factory=DDPConfig)
@@ -264,7 +274,9 @@ class DeviceSpec:
     fraction of the dense peak the best large matmul reaches (Bekman's MAMF table),
     `fp8_matmul_efficiency` the same of the `fp8` peak for a float8 matmul (train.float8; a
     device without an fp8 peak has no float8 tensor cores), and `attention`, the rates of
-    the attention kernel torch's SDPA picks there."""
+    the attention kernel torch's SDPA picks there. `host_link_gbs`: GB/s one device moves to
+    or from host memory (PCIe's effective rate, NVLink-C2C's), which offload's copies take
+    (plan/speed.py; null: the planner counts no copies)."""
 
     name: str = MISSING
     count: int = 1
@@ -275,6 +287,7 @@ class DeviceSpec:
     sms: int | None = None
     matmul_efficiency: float = 0.8
     fp8_matmul_efficiency: float = 0.78  # H100's (conf/hardware/h100-80g.yaml says whose)
+    host_link_gbs: float | None = None
     attention: AttentionKernel = field(default_factory=AttentionKernel)
 
 
@@ -306,7 +319,9 @@ class HardwareConfig:
     """A node: its devices in PCI bus order, the link between them (`intra_node`) and, for
     plans of several nodes, the `network` between nodes. `storage_gbs`: GB/s a node writes
     to the checkpoint dir, all its ranks at once (null: what `meshrun-plan calibrate`
-    measured on this host, else a published cluster's share: plan/checkpoint_cost.py)."""
+    measured on this host, else a published cluster's share: plan/checkpoint_cost.py).
+    `host_memory_gib`: the node's host memory, which its ranks' offloaded state and
+    activations must fit (plan/host.py; null: not checked)."""
 
     name: str = "auto"
     device_type: DeviceType = DeviceType["cpu"]
@@ -314,6 +329,7 @@ class HardwareConfig:
     intra_node: LinkConfig = field(default_factory=LinkConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
     storage_gbs: float | None = None
+    host_memory_gib: float | None = None
 
 
 @dataclass
@@ -533,7 +549,10 @@ class TrainConfig:
     where every device has it (sm80+), else fp32 (core/precision.py). `tf32`: an fp32 run on
     CUDA does its matmuls on TF32 tensor cores (as torchtitan and Lightning advise; the
     planner and MFU count the TF32 peak), false: in full fp32. `compile`: torch.compile each
-    decoder block (inductor). `float8`: float8 matmuls (Float8Config)."""
+    decoder block (inductor). `float8`: float8 matmuls (Float8Config). `optimizer_states`:
+    AdamW's two moments in `fp32` (8 bytes a parameter), `bf16` (4: updated in fp32, stored
+    with stochastic rounding) or `8bit` (torchao's AdamW8bit: ~2, one byte each and a scale a
+    block of 256): rank/train/optim_states.py."""
 
     steps: int = 20
     untimed_steps: int = 2
@@ -554,6 +573,7 @@ class TrainConfig:
     compile: bool = False
     guard: GuardConfig = field(default_factory=GuardConfig)
     float8: Float8Config = field(default_factory=Float8Config)
+    optimizer_states: OptimizerStates = OptimizerStates["fp32"]
 
     @property
     def tokens_per_step(self) -> int:

@@ -21,9 +21,9 @@ from meshrun.core.stages import PP_AUTO
 
 def layout_name(cfg: ExperimentConfig) -> str:
     """The one readable name of a resolved config's layout, e.g. `ddp4(bucket-view)`,
-    `hsdp2x2`, `fsdp-replicate2 x tp2`, `fsdp2 x cp2(ring)`, `fsdp4 x ep2`,
-    `pp2(1f1b, m=4) x tp2, ckpt=full`; `single` for one device. Shown by the console,
-    store, report, planner and W&B alike."""
+    `hsdp2x2`, `fsdp-replicate2 x tp2`, `fsdp2 x cp2(ring)`, `fsdp4 x ep2`, `fsdp8(offload)`,
+    `pp2(1f1b, m=4) x tp2, ckpt=full, activation offload`; `single` for one device. Shown
+    by the console, store, report, planner and W&B alike."""
     p = cfg.parallel
     if p.data_parallel == "dataparallel":
         parts = [f"dataparallel{p.dataparallel_devices}"]
@@ -46,6 +46,8 @@ def layout_name(cfg: ExperimentConfig) -> str:
         name += f", ckpt={p.activation_checkpointing}"
         if p.checkpoint_every > 1:
             name += f"/{p.checkpoint_every}"
+    if p.activation_offload == "cpu":
+        name += ", activation offload"
     return name
 
 
@@ -63,12 +65,13 @@ def _pipeline_part(cfg: ExperimentConfig) -> str:
 
 
 def _data_parts(p: ParallelConfig) -> list[str]:
+    offload = "(offload)" if p.fsdp.offload == "cpu" else ""
     if p.dp_replicate > 1 and p.dp_shard > 1:
-        return [f"hsdp{p.dp_replicate}x{p.dp_shard}"]
+        return [f"hsdp{p.dp_replicate}x{p.dp_shard}{offload}"]
     if p.dp_shard > 1:
-        return [f"fsdp{p.dp_shard}"]
+        return [f"fsdp{p.dp_shard}{offload}"]
     if p.dp_replicate > 1 and Layout.of(p).uses_fsdp:
-        return [f"fsdp-replicate{p.dp_replicate}"]
+        return [f"fsdp-replicate{p.dp_replicate}{offload}"]
     if p.dp_replicate > 1:
         return [f"ddp{p.dp_replicate}" + ("(bucket-view)" if p.ddp.gradient_as_bucket_view else "")]
     return []

@@ -16,6 +16,7 @@ from meshrun.core.hardware import HostFacts, fingerprint_key, host_fingerprint, 
 from meshrun.core.layout import Layout
 from meshrun.core.naming import layout_name, layout_overrides
 from meshrun.plan import predict
+from meshrun.plan.host import HostUse, host_use
 from meshrun.plan.memory import MemoryPrediction
 from meshrun.plan.placement import stage_devices
 from meshrun.plan.probe import host_matmul_flops
@@ -42,10 +43,12 @@ class Candidate:
     float8_gain: float | None = None  # a float8 row's tokens/s over its layout's without
     notes: list[str] = field(default_factory=list)
     traced: list[MemoryPrediction] | None = None  # plan.trace: per stage, on fake tensors
+    host: HostUse | None = None  # a node's offloaded bytes (plan/host.py)
 
     @property
     def fits(self) -> bool:
-        return all(m.peak <= c for m, c in zip(self.memory, self.capacity, strict=True))
+        on_device = all(m.peak <= c for m, c in zip(self.memory, self.capacity, strict=True))
+        return on_device and (self.host is None or self.host.fits)
 
     @property
     def peak(self) -> int:
@@ -81,6 +84,7 @@ class Candidate:
             "peak_bytes": self.peak,
             "memory_per_stage": [m.as_dict() for m in self.memory],
             "capacity_bytes": self.capacity,
+            "host_bytes_per_node": self.host.per_node if self.host else None,
             "speed": self.speed.as_dict() if self.speed else None,
             "speedup": self.speedup,
             "float8": str(self.cfg.train.float8.recipe) if self.cfg.train.float8.enabled else None,
@@ -205,7 +209,8 @@ def trace(candidate: Candidate) -> None:
 def evaluate(cfg: ExperimentConfig) -> Candidate:
     """`cfg` resolved (validated)."""
     speed = predict.speed(cfg, host_flops(cfg), host_calibration(cfg))
-    candidate = Candidate(cfg, predict.stage_memory(cfg), capacities(cfg), speed)
+    memory = predict.stage_memory(cfg)
+    candidate = Candidate(cfg, memory, capacities(cfg), speed, host=host_use(cfg, memory))
     if note := cp_uncounted(cfg):
         candidate.notes.append(note)
     if cfg.parallel.ep > 1:

@@ -10,6 +10,7 @@ from meshrun.core.errors import fail
 from meshrun.core.layout import Layout
 from meshrun.plan import predict
 from meshrun.plan.candidate import Candidate, Legal, evaluate, host_flops
+from meshrun.plan.host import HostUse
 from meshrun.plan.search import FLOAT8_KEY, Box, search
 
 GiB = 2**30
@@ -24,6 +25,8 @@ def check_fit(candidate: Candidate, legal: Legal) -> None:
     cfg = candidate.cfg
     if cfg.plan.allow_oom or candidate.fits:
         return
+    if candidate.host is not None and not candidate.host.fits:
+        _refuse_host(cfg, candidate.host)
     over = [m.peak - c for m, c in zip(candidate.memory, candidate.capacity, strict=True)]
     stage = over.index(max(over))
     m = candidate.memory[stage]
@@ -53,6 +56,24 @@ def check_fit(candidate: Candidate, legal: Legal) -> None:
         )
         + ")",
         f"{valid}; or plan.allow_oom=true to launch anyway",
+    )
+
+
+def _refuse_host(cfg: ExperimentConfig, host: HostUse) -> None:
+    """The node's ranks offload more than its host memory holds (plan/host.py)."""
+    p = cfg.parallel
+    key, value = ("parallel.fsdp.offload", "cpu")
+    if p.activation_offload == "cpu":
+        key = "parallel.activation_offload"
+    per_node = Layout.of(p).world_size // cfg.launcher.nnodes
+    fail(
+        key,
+        value,
+        f"the {per_node} ranks of a node are predicted to keep {_gib(host.per_node)} in host "
+        f"memory, more than the {_gib(host.capacity)} there ({cfg.hardware.name}'s "
+        f"host_memory_gib={cfg.hardware.host_memory_gib:g}, less "
+        f"plan.headroom_gib={cfg.plan.headroom_gib:g})",
+        f"{key}=none, more nodes (launcher.nnodes), or plan.allow_oom=true to launch anyway",
     )
 
 

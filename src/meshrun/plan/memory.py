@@ -86,6 +86,13 @@ trace's), one prediction a device (the record measures each):
 
 A device's peak is the higher of its two ends: the excess of the other counts as other.
 
+Optimizer states (train.optimizer_states): 8 bytes a parameter in fp32, 4 in bf16, 2.03 in
+8 bits. Offload (plan/host.py counts what goes to the host; on a CPU nothing moves):
+parallel.fsdp.offload takes the parameters, gradients and optimizer state off the device
+(FSDP2's gathered units stay, as activations); parallel.activation_offload leaves one block's
+saved tensors on the device at a time (the one backward brings back), the head's and the
+transients as they were.
+
 train.float8 (plan/float8.py's memory_change): no autocast copies of its weights, its gathered
 weights at one byte under FSDP2's float8 all-gather, one linear's float8 operands transient.
 """
@@ -111,7 +118,10 @@ from meshrun.plan.shapes import (
 )
 
 FP32 = 4
-ADAM_BYTES = 8
+# AdamW's two moments a parameter by train.optimizer_states: fp32, bf16, and torchao's 8-bit
+# (a byte a value, an fp32 scale a block of 256: torchao/optim/subclass_8bit.py; its tensors
+# under 4,096 elements, the norms, stay fp32: not counted).
+OPTIMIZER_STATE_BYTES = {"fp32": 8, "bf16": 4, "8bit": 2 * (1 + FP32 / 256)}
 MiB = 2**20
 # cuBLAS/cuBLASLt workspaces come from the caching allocator: 65-84 MiB measured on an H200
 # (torch 2.11, CUDA 13) whatever the model.
@@ -265,7 +275,10 @@ def activation_bytes(
         whole, _ = _layer_bytes(d, layout.tp, p.sequence_parallel, "none", width, attention)
         kept = (checkpointed * kept + (share.layers - checkpointed) * whole) / share.layers
         recompute = recompute if checkpointed else 0.0
-    per_mb = share.layers * kept + (8 if share.first else 0)
+    blocks_here = share.layers
+    if offloads_activations(cfg):  # the others' saved tensors in host memory (plan/host.py)
+        blocks_here = min(1, share.layers)
+    per_mb = blocks_here * kept + (8 if share.first else 0)
     if share.last:
         per_mb += (3 * d.h + 1 + d.vocab) * FP32 + 8
     held = in_flight(p.schedule, n_microbatches, layout.pp, pp_rank, share.stages_per_rank) * per_mb
@@ -322,7 +335,27 @@ def predict_rank(
     if layout.pp > 1:  # the stage's receive buffers, one per micro-batch
         tokens = rank_tokens(cfg, layout, n_microbatches * micro_batch)
         other += tokens * d.h * FP32
-    return MemoryPrediction(state, state, elements * ADAM_BYTES, int(activations), other)
+    optimizer = int(elements * OPTIMIZER_STATE_BYTES[cfg.train.optimizer_states])
+    if offloads_state(cfg):  # FSDP2's sharded state in host memory (plan/host.py)
+        return MemoryPrediction(0, 0, 0, int(activations), other)
+    return MemoryPrediction(state, state, optimizer, int(activations), other)
+
+
+def offloads_state(cfg: ExperimentConfig) -> bool:
+    """parallel.fsdp.offload on a GPU (a CPU's host is its device: nothing moves)."""
+    return cfg.parallel.fsdp.offload == "cpu" and cfg.hardware.device_type == "cuda"
+
+
+def offloads_activations(cfg: ExperimentConfig) -> bool:
+    """parallel.activation_offload on a GPU."""
+    return cfg.parallel.activation_offload == "cpu" and cfg.hardware.device_type == "cuda"
+
+
+def without_offload(cfg: ExperimentConfig) -> ExperimentConfig:
+    """`cfg` with everything on the device: what the offloads are measured against."""
+    p = cfg.parallel
+    fsdp = replace(p.fsdp, offload="none")
+    return replace(cfg, parallel=replace(p, fsdp=fsdp, activation_offload="none"))
 
 
 def loss_bytes(vocab: int) -> int:

@@ -4,7 +4,8 @@ implementations overlap it with compute, and the optimizer step. O(pipeline stag
 kinds): nothing loops over ranks, so 8,192-rank plans cost what 8-rank ones do.
 
 The terms: plan/stage_time.py (compute, recompute, the optimizer), plan/comm_time.py (each
-parallelism's communication, its overlap, FSDP2's copies, SM contention).
+parallelism's communication, its overlap, FSDP2's copies, SM contention), plan/host_time.py
+(the offloads' copies to and from the host, the optimizer on the host).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from meshrun.plan.comm_time import (
     tp_time,
 )
 from meshrun.plan.compute import DeviceRates, optimizer_time
+from meshrun.plan.host_time import host_parts
 from meshrun.plan.placement import stage_devices
 from meshrun.plan.shapes import StageShare, micro_batching, stage_shares
 from meshrun.plan.stage_time import (
@@ -43,7 +45,11 @@ from meshrun.plan.stage_time import (
     stage_by_shapes,
 )
 
-STEP_PARTS = ("optimizer", "fsdp_copies")  # a stage's parts once a step, not a micro-batch
+STEP_PARTS = (
+    "optimizer",
+    "fsdp_copies",
+    "host_copies",
+)  # a stage's parts once a step, not a micro-batch
 
 
 @dataclass(frozen=True)
@@ -72,7 +78,8 @@ class SpeedPrediction:
         parts |= {"recompute": b["recompute"], "tp": b["tp"], "cp": b["cp_exposed"]}
         parts |= {"ep": b["ep"], "pp": b["pp"], "dp": b["dp_exposed"]}
         parts |= {"contention": b["contention"], "bubble": b["bubble"]}
-        return parts | {"optimizer": b["optimizer"], "fsdp_copies": b["fsdp_copies"]}
+        parts |= {"optimizer": b["optimizer"], "fsdp_copies": b["fsdp_copies"]}
+        return parts | {"host_copies": b["host_copies"]}
 
     def as_dict(self) -> dict:
         return {**asdict(self), "step_parts": self.step_parts()}
@@ -170,6 +177,10 @@ def _stage_on(
     stage.ep = ep_time(cfg, layout, fabric, share, micro)
     if rates:
         stage.parts["optimizer"] = optimizer_time(cost.rank_elements // layout.dp_shard, rates)
+    if spec is not None:  # the offloads' copies; an offloaded optimizer's step on the host
+        m = micro_batching(cfg, layout)[0]
+        compute = m * stage.compute
+        stage.parts |= host_parts(cfg, layout, share, micro, m, cost.rank_elements, compute, spec)
     return stage, rates
 
 
@@ -194,14 +205,16 @@ def _prediction(
         bubble = theoretical_bubble(layout.pp, n_microbatches(cfg), cfg.parallel.stages_per_rank)
     optimizer = stage.parts.get("optimizer", 0.0)
     copies = stage.parts.get("fsdp_copies", 0.0)
+    host = stage.parts.get("host_copies", 0.0)
     pipeline = m * (stage.compute + stage.tp + stage.cp + stage.ep + pp)
-    step = pipeline / (1 - bubble) + tied + dp_exposed + contention + optimizer + copies
+    step = pipeline / (1 - bubble) + tied + dp_exposed + contention + optimizer + copies + host
     tokens_per_s = cfg.train.tokens_per_step / step
     breakdown = {
         **{k: m * v for k, v in stage.parts.items() if k not in STEP_PARTS},
         "recompute": m * stage.recompute,
         "optimizer": optimizer,
         "fsdp_copies": copies,
+        "host_copies": host,
         "tp": m * stage.tp,
         "cp": m * stage.cp_total,
         "cp_exposed": m * stage.cp,
@@ -218,7 +231,11 @@ def _prediction(
         bubble=bubble,
         step_time_s=step,
         tokens_per_s=tokens_per_s,
-        exposed_comm_s=m * (stage.tp + stage.cp + stage.ep + pp) + tied + dp_exposed + contention,
+        exposed_comm_s=m * (stage.tp + stage.cp + stage.ep + pp)
+        + tied
+        + dp_exposed
+        + contention
+        + host,
         model_tflops_per_device=tokens_per_s * cost.flops_per_token / layout.world_size / 1e12,
         breakdown=breakdown,
     )

@@ -91,6 +91,15 @@ def check_dataparallel(cfg: ExperimentConfig, facts: HostFacts) -> None:
             "DataParallel is one process; it does not combine with mesh degrees",
             "all of dp_replicate, dp_shard, cp, tp, pp, ep, etp = 1",
         )
+    if p.activation_offload == "cpu":
+        fail(
+            "parallel.activation_offload",
+            "cpu",
+            "keeps a block's saved tensors in host memory through autograd's saved-tensor "
+            "hooks, which are thread-local: DataParallel runs its replicas' forwards on "
+            "threads of their own, where the hooks do not apply",
+            "parallel=ddp (a process a device), or parallel.activation_offload=none",
+        )
     n_gpus = len(facts.cuda_devices)
     devices = dataparallel_devices(p, n_gpus)
     if n_gpus < 2 or not 2 <= devices <= n_gpus:

@@ -16,6 +16,8 @@ from meshrun.validate.guard import check_guard
 from meshrun.validate.inspection import check_inspection
 from meshrun.validate.launcher import check_debug
 from meshrun.validate.layout import check_batch, check_pipeline, check_tensor_parallel
+from meshrun.validate.offload import check_offload
+from meshrun.validate.optimizer import check_optimizer_states
 
 
 def check_layout(resolved: ExperimentConfig, facts: HostFacts) -> None:
@@ -26,6 +28,8 @@ def check_layout(resolved: ExperimentConfig, facts: HostFacts) -> None:
     check_custom_layout(resolved)
     check_pipeline(resolved)
     check_float8(resolved, facts)
+    check_offload(resolved)
+    check_optimizer_states(resolved)
 
 
 def check_run(resolved: ExperimentConfig) -> None:

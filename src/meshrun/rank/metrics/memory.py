@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from torch._C._profiler import _ExtraFields_Allocation, _ProfilerEvent
 from torch.profiler import ProfilerActivity, profile, record_function
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from meshrun.models.shards import local_tensor
 from meshrun.rank.metrics import cuda_peaks
@@ -83,14 +84,25 @@ def _walk(roots: list[_ProfilerEvent]) -> Iterator[_ProfilerEvent]:
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
-    """Bytes of the storages behind `tensors`, each storage once (views share one)."""
+    """Bytes of the storages behind `tensors`, each storage once (views share one); a
+    tensor subclass's, its inner tensors' (torchao's 8-bit optimizer state: the codes, a
+    scale a block and the code book)."""
     seen: dict[int, int] = {}
     for tensor in tensors:
         if tensor is None:
             continue
-        storage = local_tensor(tensor).untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
+        for storage in _storages(local_tensor(tensor)):
+            seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
+
+
+def _storages(tensor: torch.Tensor) -> Iterator[torch.UntypedStorage]:
+    if not is_traceable_wrapper_subclass(tensor):
+        yield tensor.untyped_storage()
+        return
+    names, _ = tensor.__tensor_flatten__()
+    for name in names:
+        yield from _storages(getattr(tensor, name))
 
 
 @dataclass

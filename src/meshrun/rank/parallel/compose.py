@@ -2,9 +2,11 @@
 
 On the meta device, the pipeline cut, context parallel, float8 linears (train.float8),
 tensor parallel, expert parallel, activation checkpointing, torch.compile per block and
-FSDP2 (HSDP); then each rank materialises what it holds, seeded or read from a checkpoint
-(no rank ever holds the whole model); then the wrappers that need real tensors (DDP,
-DataParallel); then the pipeline schedule. Each step is one dimension's apply_* function.
+FSDP2 (HSDP; its state in host memory under parallel.fsdp.offload), then the blocks' saved
+activations sent to the host (parallel.activation_offload); then each rank materialises
+what it holds, seeded or read from a checkpoint (no rank ever holds the whole model); then
+the wrappers that need real tensors (DDP, DataParallel); then the pipeline schedule. Each
+step is one dimension's apply_* function.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from meshrun.core.config import Float8Config, ParallelConfig
 from meshrun.core.layout import Layout
 from meshrun.core.stages import local_stage_ids, stage_layer_counts
 from meshrun.rank.mesh import build_expert_mesh
+from meshrun.rank.parallel.activation_offload import apply_activation_offload
 from meshrun.rank.parallel.checkpointing import apply_activation_checkpointing
 from meshrun.rank.parallel.compile import apply_compile
 from meshrun.rank.parallel.context import apply_context_parallel
@@ -67,7 +70,9 @@ def parallelize(
                 layout.cp,
             )
         part = sharded_part(cut, mesh, layout, cfg, param_dtype, compile, expert_mesh, float8)
-        read += materialise(part, device, seed, pretrained)
+        if cfg.activation_offload == "cpu":
+            apply_activation_offload(part, device)
+        read += materialise(part, device, seed, pretrained, _offloaded(mesh, layout, cfg))
         wrapped.append(replicated(part, mesh, layout, cfg, device))
     schedule = new_schedule = tied = None
     loss = ScaledLoss()
@@ -133,12 +138,18 @@ def sharded_part(
     # Replication next to TP/PP goes through FSDP2 on a (replicate, shard=1) mesh. Under PP,
     # keep parameters gathered across the micro-batches of a step instead of re-gathering.
     reshard = cfg.fsdp.reshard_after_forward and layout.pp == 1
-    return apply_fsdp(part, mesh, layout, reshard, param_dtype, expert_mesh)
+    offload = _offloaded(mesh, layout, cfg)
+    return apply_fsdp(part, mesh, layout, reshard, param_dtype, expert_mesh, offload)
 
 
 def _sharded(mesh: DeviceMesh | None, layout: Layout, cfg: ParallelConfig) -> bool:
     """Whether the part goes through FSDP2 (HSDP, or replication beside TP/PP)."""
     return cfg.data_parallel != "dataparallel" and mesh is not None and layout.uses_fsdp
+
+
+def _offloaded(mesh: DeviceMesh | None, layout: Layout, cfg: ParallelConfig) -> bool:
+    """Whether FSDP2 keeps the part's parameters in host memory (parallel.fsdp.offload)."""
+    return cfg.fsdp.offload == "cpu" and _sharded(mesh, layout, cfg)
 
 
 def float8_all_gather(
@@ -149,14 +160,28 @@ def float8_all_gather(
     return enabled and _sharded(mesh, layout, cfg) and float8.gathers_float8
 
 
-def materialise(part: nn.Module, device: torch.device, seed: int, pretrained: str | None) -> int:
+def materialise(
+    part: nn.Module,
+    device: torch.device,
+    seed: int,
+    pretrained: str | None,
+    params_on_host: bool = False,
+) -> int:
     """This rank's share of `part` on `device`, seeded or read from `pretrained` (a local HF
-    directory); the checkpoint bytes it read."""
-    part.to_empty(device=device)
+    directory); the checkpoint bytes it read. `params_on_host` (parallel.fsdp.offload=cpu):
+    the parameters in host memory, where FSDP2's offload keeps them, the buffers on
+    `device` (torchtitan's init_device and buffer_device)."""
+    part.to_empty(device="cpu" if params_on_host else device)
+    read = 0
     if pretrained is None:
         part.init_weights(seed)
-        return 0
-    return part.load_pretrained(pretrained)
+    else:
+        read = part.load_pretrained(pretrained)
+    if params_on_host:
+        for module in part.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                module._buffers[name] = buffer.to(device)
+    return read
 
 
 def replicated(

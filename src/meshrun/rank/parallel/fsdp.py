@@ -10,7 +10,12 @@ import warnings
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 from meshrun.core.layout import Layout
 from meshrun.rank.parallel.expert import routed_experts
@@ -23,25 +28,35 @@ def apply_fsdp(
     reshard_after_forward: bool,
     param_dtype: torch.dtype,
     expert_mesh: DeviceMesh | None = None,
+    offload: bool = False,
 ) -> nn.Module:
     """Shard each transformer block as its own unit (so only one block is gathered at a
     time), then the root, which holds the embedding, final norm and head. The root is never
     resharded after forward (torch's own default for a root): backward starts with the head,
-    so it would be all-gathered again at once, with no compute to hide that behind."""
+    so it would be all-gathered again at once, with no compute to hide that behind.
+    `offload` (parallel.fsdp.offload=cpu): every unit's sharded parameters and gradients in
+    host memory, copied to the device for its all-gather and back after its
+    reduce-scatter, so the optimizer steps on the host (pinned memory on CUDA, for the
+    copies to run asynchronously; a CPU mesh's ranks hold them where they were)."""
     shard = "dp_shard"
     if layout.cp > 1:  # CP peers hold the same parameters: shard over both (dp_shard_cp)
         shard = "dp_shard_cp"
         mesh["dp_shard", "cp"]._flatten(shard)
     dp_mesh = mesh["dp_replicate", shard] if layout.dp_replicate > 1 else mesh[shard]
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    policies = {
+        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
+        "offload_policy": (
+            CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
+        ),
+    }
     blocks = list(model.layers.values())
     for index, block in enumerate(blocks):
         # The last block is resharded by the root right after anyway: keep it gathered.
         reshard = reshard_after_forward and index < len(blocks) - 1
         if expert_mesh is not None:
-            _shard_experts(block, expert_mesh, layout, policy, reshard)
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False)
+            _shard_experts(block, expert_mesh, layout, policies, reshard)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, **policies)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, **policies)
     # Under TP the root's logits are a slice of the padded vocabulary (models/vocab.py), a
     # view, which FSDP2 warns about on every forward: an in-place op on it would skip the
     # pre-backward hook. The loss reads the logits out of place, and dp2_tp2's parity with
@@ -54,7 +69,7 @@ def _shard_experts(
     block: nn.Module,
     expert_mesh: DeviceMesh,
     layout: Layout,
-    policy: MixedPrecisionPolicy,
+    policies: dict,
     reshard: bool,
 ) -> None:
     """Each rank's experts (DTensors over ep) sharded over the rest of dp_shard x cp (and
@@ -62,6 +77,4 @@ def _shard_experts(
     the mean is taken in the block, models/moe.py's dispatch)."""
     dims = ("dp_replicate", "expert_shard") if layout.dp_replicate > 1 else ("expert_shard",)
     for experts in routed_experts(block):
-        fully_shard(
-            experts, mesh=expert_mesh[dims], mp_policy=policy, reshard_after_forward=reshard
-        )
+        fully_shard(experts, mesh=expert_mesh[dims], reshard_after_forward=reshard, **policies)

@@ -62,6 +62,7 @@ from meshrun.rank.parallel.parallel_model import ParallelModel
 from meshrun.rank.stop_signals import STOP_SIGNALS
 from meshrun.rank.train.auto_interval import AutoInterval
 from meshrun.rank.train.loss_scale import LossScale
+from meshrun.rank.train.optim_states import dense_state, is_quantized
 
 
 @dataclass
@@ -92,19 +93,39 @@ def state_tensors(
     model: ParallelModel, optimizer: torch.optim.Optimizer
 ) -> dict[str, torch.Tensor]:
     """Model (parameters and persistent buffers) and optimizer tensors by the model's names:
-    detached views, which DCP reads from and loads into."""
+    detached views, which DCP reads from and loads into; a quantized optimizer state as an
+    fp32 copy (`requantize` writes a loaded one back)."""
     tensors: dict[str, torch.Tensor] = {}
-    names: dict[int, str] = {}
     for part in model.parts:
         inner = _inner(part)
         for name, tensor in inner.state_dict(keep_vars=True).items():
             tensors[f"model.{model_name(name)}"] = stored_view(tensor.detach())
-        names.update({id(param): name for name, param in named_tensors(inner)})
-    for param, state in optimizer.state.items():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"optim.{names[id(param)]}.{key}"] = value
+    for key, value in _optimizer_states(model, optimizer).items():
+        tensors[key] = dense_state(value)
     return tensors
+
+
+def _optimizer_states(
+    model: ParallelModel, optimizer: torch.optim.Optimizer
+) -> dict[str, torch.Tensor]:
+    names: dict[int, str] = {}
+    for part in model.parts:
+        names.update({id(param): name for name, param in named_tensors(_inner(part))})
+    return {
+        f"optim.{names[id(param)]}.{key}": value
+        for param, state in optimizer.state.items()
+        for key, value in state.items()
+        if isinstance(value, torch.Tensor)
+    }
+
+
+def requantize(
+    model: ParallelModel, optimizer: torch.optim.Optimizer, loaded: dict[str, torch.Tensor]
+) -> None:
+    """The quantized optimizer states set from their loaded fp32 copies (`state_tensors`)."""
+    for key, value in _optimizer_states(model, optimizer).items():
+        if is_quantized(value):
+            local_tensor(value).copy_(local_tensor(loaded[key]))
 
 
 def local_state(model: ParallelModel, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -121,8 +142,10 @@ def load_local_state(
     """`local_state` of a peer of the same layout, copied into this rank's shares."""
     _init_optimizer_state(optimizer)
     with torch.no_grad():
-        for key, value in state_tensors(model, optimizer).items():
+        tensors = state_tensors(model, optimizer)
+        for key, value in tensors.items():
             local_tensor(value).copy_(given[key])
+        requantize(model, optimizer, tensors)
     model.refresh_float8_scales()
 
 
@@ -389,6 +412,7 @@ class Checkpointer:
         vocab = model_shape(self.cfg.model).vocab_size
         for key, whole in repadded.items():
             fill(tensors[key], whole[:vocab])
+        requantize(self.model, self.optimizer, tensors)
         self.model.refresh_float8_scales()
         load_schedule(self.optimizer, self.schedule, manifest.lr_schedule)
         if self.loss_scale and "loss_scale" in manifest.extra:

@@ -31,6 +31,7 @@ import torch
 
 from meshrun.core.config import DebugConfig, GuardConfig, corrupted_steps
 from meshrun.core.rank_report import Rollback
+from meshrun.models.shards import local_tensor
 
 SPIKE = 10.0  # debug.corrupt_mode=spike: the loss (and its gradients) times this
 
@@ -94,8 +95,9 @@ class StepGuard:
 
     def gate(self, norm: torch.Tensor) -> bool:
         """Whether to call the optimizer: always where it decides on the device."""
-        if self.on_device:
-            self.optimizer.found_inf = (~torch.isfinite(norm)).to(torch.float32)
+        if self.on_device:  # on the parameters' device (the host's under FSDP2's offload)
+            device = local_tensor(self.optimizer.param_groups[0]["params"][0]).device
+            self.optimizer.found_inf = (~torch.isfinite(norm)).to(device, torch.float32)
             return True
         return math.isfinite(norm.item())
 

@@ -15,15 +15,24 @@ from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
 from meshrun.core.config import LrScheduleConfig, TrainConfig
 from meshrun.models.shards import local_tensor
+from meshrun.rank.train.optim_states import BLOCK, Bf16AdamW, adamw_8bit, zero_local_grads
+
+BETAS = (0.9, 0.95)
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW with the moments train.optimizer_states keeps (optim_states.py)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    return LocalAdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, **step_kernels(params))
+    adam = {"lr": cfg.lr, "betas": BETAS, "eps": 1e-8}
+    if cfg.optimizer_states == "bf16":
+        return Bf16AdamW(groups, seed=cfg.seed, **adam)
+    if cfg.optimizer_states == "8bit":
+        return adamw_8bit()(groups, block_size=BLOCK, **adam)
+    return LocalAdamW(groups, **adam, **step_kernels(params))
 
 
 def step_kernels(params: list[nn.Parameter]) -> dict[str, bool]:
@@ -75,14 +84,8 @@ class LocalAdamW(torch.optim.AdamW):
         norms)."""
         if set_to_none:
             super().zero_grad(set_to_none=True)
-            return
-        grads = [
-            local_tensor(p.grad)
-            for group in self.param_groups
-            for p in group["params"]
-            if p.grad is not None
-        ]
-        torch._foreach_zero_(grads)
+        else:
+            zero_local_grads(self)
 
 
 def lr_factor(step: int, schedule: LrScheduleConfig, steps: int) -> float:
@@ -129,11 +132,13 @@ class LocalGrads:
         self.tensors: list[torch.Tensor] = []  # what scaling multiplies, in place
         self.norm_parts: dict[tuple[dist.ProcessGroup, ...], list[torch.Tensor]] = {}
         self.partial: list[DTensor] = []
+        self.device: torch.device | None = None  # where the norm is reduced
         uncounted = {id(p) for p in copies}
         for p in params:
             grad = p.grad
             if grad is None:
                 continue
+            self.device = self.device or _collective_device(grad)
             if id(p) in uncounted:
                 self.tensors.append(local_tensor(grad))
                 continue
@@ -162,8 +167,11 @@ class LocalGrads:
             )
             parts.setdefault(_sharded_over(reduced), []).append(reduced.to_local())
         keys = list(parts)
+        # On the device of the collectives: FSDP2's offloaded gradients are in host memory
+        # (parallel.fsdp.offload), their mesh's group on the device.
         squares = [
-            torch.stack(torch._foreach_norm(parts[key])).float().square().sum() for key in keys
+            torch.stack(torch._foreach_norm(parts[key])).float().square().sum().to(self.device)
+            for key in keys
         ]
         for group in dict.fromkeys(g for key in keys for g in key):
             over = [i for i, key in enumerate(keys) if group in key]
@@ -177,8 +185,14 @@ class LocalGrads:
         return total_sq.sqrt()
 
     def scale_(self, factor: torch.Tensor | float) -> None:
-        """Every gradient times `factor`, in place."""
-        torch._foreach_mul_(self.tensors, factor)
+        """Every gradient times `factor`, in place (a tensor factor copied to the host once
+        for gradients offloaded there)."""
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for tensor in self.tensors:
+            by_device.setdefault(tensor.device, []).append(tensor)
+        for device, tensors in by_device.items():
+            on = factor.to(device) if isinstance(factor, torch.Tensor) else factor
+            torch._foreach_mul_(tensors, on)
 
     def clip_(self, max_norm: float, total: torch.Tensor) -> None:
         """torch's clip_grads_with_norm_: scaled by max_norm / (total + 1e-6), at most 1."""
@@ -195,3 +209,13 @@ def _sharded_over(grad: DTensor) -> tuple[dist.ProcessGroup, ...]:
         for dim, placement in enumerate(grad.placements)
         if not (placement.is_replicate() or placement.is_partial())
     )
+
+
+def _collective_device(grad: torch.Tensor) -> torch.device:
+    """The device a gradient's norm is reduced on: a DTensor's mesh's (its local tensor may
+    be in host memory under FSDP2's offload), any other tensor's own."""
+    if not isinstance(grad, DTensor):
+        return grad.device
+    if grad.device_mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(grad.device_mesh.device_type, torch.accelerator.current_device_index())
