@@ -29,6 +29,7 @@ from meshrun.core.choices import (
     Float8Recipe,
     LoadBalance,
     LoggerMode,
+    LossMethod,
     LrDecay,
     Precision,
     RouterScore,
@@ -533,7 +534,12 @@ class TrainConfig:
     where every device has it (sm80+), else fp32 (core/precision.py). `tf32`: an fp32 run on
     CUDA does its matmuls on TF32 tensor cores (as torchtitan and Lightning advise; the
     planner and MFU count the TF32 peak), false: in full fp32. `compile`: torch.compile each
-    decoder block (inductor). `float8`: float8 matmuls (Float8Config)."""
+    decoder block (inductor). `float8`: float8 matmuls (Float8Config). `loss`: `full`, the
+    cross-entropy over the whole [tokens x vocabulary] logits in fp32; `chunked`, the head and
+    the loss over chunks of tokens, each chunk's logits recomputed in backward (one chunk's
+    logits exist at a time); `vocab_parallel` (under TP), the cross-entropy on the logits
+    left sharded over the vocabulary (torch's loss_parallel); `auto`, the one of these the
+    layout takes (models/loss.py), said in the summary."""
 
     steps: int = 20
     untimed_steps: int = 2
@@ -554,6 +560,7 @@ class TrainConfig:
     compile: bool = False
     guard: GuardConfig = field(default_factory=GuardConfig)
     float8: Float8Config = field(default_factory=Float8Config)
+    loss: LossMethod = LossMethod["auto"]
 
     @property
     def tokens_per_step(self) -> int:

@@ -148,6 +148,9 @@ class CustomKind(ModelKind):
     def own_ties(self, cfg: CustomModelConfig) -> bool:
         return True
 
+    def finds_head(self, cfg: CustomModelConfig) -> bool:
+        return cfg.head is not None
+
 
 @functools.cache
 def _hf_shape(schema: type[HFModelConfig], cfg_json: str) -> ModelShape:

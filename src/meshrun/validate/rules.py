@@ -16,6 +16,7 @@ from meshrun.validate.guard import check_guard
 from meshrun.validate.inspection import check_inspection
 from meshrun.validate.launcher import check_debug
 from meshrun.validate.layout import check_batch, check_pipeline, check_tensor_parallel
+from meshrun.validate.loss import check_loss
 
 
 def check_layout(resolved: ExperimentConfig, facts: HostFacts) -> None:
@@ -26,6 +27,7 @@ def check_layout(resolved: ExperimentConfig, facts: HostFacts) -> None:
     check_custom_layout(resolved)
     check_pipeline(resolved)
     check_float8(resolved, facts)
+    check_loss(resolved)
 
 
 def check_run(resolved: ExperimentConfig) -> None:
