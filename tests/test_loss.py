@@ -75,6 +75,16 @@ def test_chunked_loss_and_gradients_are_the_full_ones_over_uneven_chunks(name, m
             "DataParallel gathers its replicas' logits on one device",
         ),
         ((*NAMED, "model.head=null"), "full", "the model's head is not named (model.head)"),
+        (
+            (*NAMED, "parallel=tp2"),  # tests.user_model:tp_plan, a callable, no head entry
+            "full",
+            "the model's TP plan leaves its head whole (no `head` entry for model.head)",
+        ),
+        (
+            (*NAMED, "parallel=tp2", "model.tp_plan={blocks.*.up:colwise,head:head}"),
+            "vocab_parallel",
+            "TP: the logits stay sharded over the vocabulary",
+        ),
         (("train.loss=full",), "full", None),
     ],
     ids=str,

@@ -109,6 +109,11 @@ class ModelKind(Protocol):
         the loss inside (rank/parallel/loss.py)."""
         return True
 
+    def tp_shards_head(self, cfg: ModelConfig) -> bool:
+        """Whether the model's TP plan shards its head over the vocabulary (a `head` entry),
+        which train.loss=vocab_parallel computes the loss on."""
+        return True
+
     def decoder(self, cfg: ModelConfig) -> LlamaModelConfig | None:
         """meshrun's decoder config this model is, for what calibration measures on a small
         block of its kind; None: counted as meshrun's LLaMA block."""

@@ -5,8 +5,8 @@ the rules and the record ask, so that what runs, what is planned and what is sai
 meshrun's TP plan the cross-entropy on vocabulary-sharded logits (`vocab_parallel`), else the
 head and the loss over chunks of tokens (`chunked`). It falls back to `full` where neither
 applies: DataParallel (its replicas' outputs are gathered on one device, the loss there), a
-user's TP plan (it lays out the head itself) and a model whose head meshrun cannot find
-(model=custom without model.head)."""
+user's TP plan that does not shard the head with a `head` entry, and a model whose head
+meshrun cannot find (model=custom without model.head)."""
 
 from __future__ import annotations
 
@@ -45,6 +45,8 @@ def vocab_parallel_refused(cfg: ExperimentConfig) -> str | None:
         return "the logits are sharded over the vocabulary only under TP (parallel.tp > 1)"
     if cfg.parallel.tp_plan is not None:
         return "a user's parallel.tp_plan lays out the head itself"
+    if not model_kind(cfg.model).tp_shards_head(cfg.model):
+        return "the model's TP plan leaves its head whole (no `head` entry for model.head)"
     return None
 
 

@@ -110,9 +110,8 @@ def _over_chunks(head, vocab: int, hidden, targets, params: list[torch.Tensor], 
     size = chunk_tokens(vocab)
     for start in range(0, flat.shape[0], size):
         chunk = flat[start : start + size].detach().requires_grad_(grads)
-        with torch.enable_grad() if grads else torch.no_grad():
-            logits = unpad_logits(head(chunk), vocab).float()
-            loss = F.cross_entropy(logits, flat_targets[start : start + size], reduction="sum")
+        with torch.enable_grad() if grads else torch.no_grad():  # the logits not kept:
+            loss = _summed_loss(head(chunk), flat_targets[start : start + size], vocab)
         if grads:
             got = torch.autograd.grad(loss, [chunk, *params])
             grad_hidden[start : start + size] = got[0]
@@ -121,6 +120,11 @@ def _over_chunks(head, vocab: int, hidden, targets, params: list[torch.Tensor], 
         total += loss.detach()
     count = (flat_targets != IGNORE_INDEX).sum()
     return total, count, [grad_hidden.view_as(hidden), *grad_params] if grads else []
+
+
+def _summed_loss(logits: torch.Tensor, targets: torch.Tensor, vocab: int) -> torch.Tensor:
+    """A chunk's summed loss; its logits freed once their log-softmax is taken."""
+    return F.cross_entropy(unpad_logits(logits, vocab).float(), targets, reduction="sum")
 
 
 @functools.cache
