@@ -61,7 +61,9 @@ def test_the_default_experiment_trains_on_3_ranks_with_the_derived_batch(meshrun
     assert (r["status"], r["world_size"], r["global_batch_size"]) == ("completed", 3, 12)
     assert r["batch_derived"] == "micro 2 x dp 3 x 2 accumulation"
     assert (r["precision"], r["precision_auto"]) == ("fp32", "CPU")
+    assert (r["loss"], r["loss_auto"]) == ("chunked", "the head and the loss over chunks of tokens")
     shown = flat(run.output)
+    assert "loss chunked (auto: the head and the loss over chunks of tokens)" in shown
     assert "batch global 12 (derived: micro 2 x dp 3 x 2 accumulation), micro 2" in shown
     assert "precision fp32 (auto: CPU)" in shown
 

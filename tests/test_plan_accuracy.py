@@ -120,12 +120,49 @@ def test_selective_checkpointing_is_predicted_within_5_percent(launch_host, tmp_
     _assert_within(launch_host, tmp_path, overrides, 0.05, activations_bar=0.05)
 
 
+# A vocabulary large enough that the loss leads a step's activations (issue 63), under each
+# train.loss: chunked (two chunks a micro-batch), full, vocab_parallel (tp2).
+LOSSES = {
+    "chunked": ("parallel=single",),
+    "full": ("parallel=single", "train.loss=full"),
+    "vocab_parallel": ("parallel=tp2",),
+}
+LARGE_VOCAB = (
+    "model=tiny",
+    "model.vocab_size=32768",
+    "train.seq_len=256",
+    "train.micro_batch_size=4",
+)
+
+
+@pytest.mark.parametrize(
+    ("loss", "ckpt"),
+    [
+        pytest.param(
+            loss, ckpt, marks=() if (loss, ckpt) == ("chunked", "none") else pytest.mark.slow
+        )
+        for loss in LOSSES
+        for ckpt in ("none", "full")
+    ],
+)
+def test_the_losses_activations_are_predicted_within_5_percent(launch_host, tmp_path, loss, ckpt):
+    """Activations and peak (the loss's share: plan/memory.loss_memory), checkpointed or
+    not. The other categories are the bars' above; under TP the embedding's gradient with
+    this vocabulary (4 MiB a rank) is measured beside the gradients and not predicted,
+    whatever the loss (grads 0.68x at tp2 under full and vocab_parallel alike)."""
+    overrides = (*LARGE_VOCAB, *LOSSES[loss], f"parallel.activation_checkpointing={ckpt}")
+    _assert_within(
+        launch_host, tmp_path, overrides, 0.05, activations_bar=0.05, categories=("activations",)
+    )
+
+
 def _assert_within(
     host: LaunchHost,
     tmp_path,
     overrides: tuple[str, ...],
     peak_bar: float,
     activations_bar: float = 0.15,
+    categories: tuple[str, ...] = CATEGORIES,
 ) -> None:
     cfg = config_in(
         tmp_path,
@@ -145,7 +182,7 @@ def _assert_within(
     for measured, predicted in pairs:
         rank = measured["rank"]
         assert predicted["peak"] == pytest.approx(measured["peak"], rel=peak_bar), (rank, pairs)
-        for category in CATEGORIES:
+        for category in categories:
             bar = activations_bar if category == "activations" else 0.15
             assert predicted[category] == pytest.approx(measured[category], rel=bar), (
                 rank,

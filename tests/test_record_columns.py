@@ -2,8 +2,9 @@
 from_dict): results.json, the store's columns, W&B's summary keys and the report's columns
 are those a run recorded by meshrun before the grouping (main at b6bbd68: the files in
 tests/fixtures/main_b6bbd68 are its run's results.json and its store's columns), and one
-more: `settings`, the experiment as the user wrote it (issue 57: the record keeps the
-settings beside what was resolved), None in a file written before it."""
+more each since, None in a file written before it: `settings`, the experiment as the user
+wrote it (issue 57: the record keeps the settings beside what was resolved), and `loss`,
+`loss_auto`, train.loss as it ran (issue 63; `loss` a store column and a summary key)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,13 @@ def before(name: str) -> dict:
     return json.loads((BEFORE / name).read_text())
 
 
+ADDED = {"settings": None, "loss": None, "loss_auto": None}  # fields since b6bbd68
+ADDED_COLUMNS = {"loss": "TEXT"}
+
+
 def read_now(name: str) -> dict:
-    """A file written before `settings` was recorded, as the record reads it today."""
-    return before(name) | {"settings": None}
+    """A file written before the ADDED fields were recorded, as the record reads it today."""
+    return before(name) | ADDED
 
 
 def test_a_results_file_of_the_flat_record_reads_into_its_parts_and_writes_back_the_same():
@@ -52,10 +57,10 @@ def test_every_column_round_trips_through_the_mapping():
 
 def test_the_store_wandb_and_report_keep_the_columns_they_had():
     had = before("columns.json")
-    assert had["store_columns"] == COLUMNS  # names and SQLite types
-    assert set(summary_keys()) == set(had["summary_keys"])
+    assert had["store_columns"] | ADDED_COLUMNS == COLUMNS  # names and SQLite types
+    assert set(summary_keys()) == set(had["summary_keys"]) | set(ADDED_COLUMNS)
     assert [list(c) for c in report_columns()] == had["report_columns"]  # and their order
-    assert set(RunRecord().as_dict()) == set(before("results.json")) | {"settings"}
+    assert set(RunRecord().as_dict()) == set(before("results.json")) | set(ADDED)
 
 
 def test_a_store_row_of_the_flat_record_reads_back_whole(tmp_path):

@@ -32,10 +32,13 @@ HALF_PRECISIONS = ("bf16", "fp16")  # 2-byte compute: activations, casts, collec
 # train.float8's scaling (torchao's Float8LinearRecipeName): one scale a tensor, one a row, or
 # a row's with the weight gradient's matmul in high precision (rank/parallel/float8.py).
 Float8Recipe = _choice("Float8Recipe", "tensorwise", "rowwise", "rowwise_with_gw_hp")
-# meshrun-verify's reference: one device with the layout's settings, or without train.float8
-VerifyReference = _choice("VerifyReference", "same", "high_precision")
+# meshrun-verify's reference: one device with the layout's settings, without train.float8, or
+# with train.loss=full
+VerifyReference = _choice("VerifyReference", "same", "high_precision", "full_loss")
 # The styles a TP plan maps module names to (rank/parallel/tensor.py says what each does).
 TP_STYLES = ("colwise", "rowwise", "embedding", "head", "sequence_parallel", "gather_input")
+# train.loss: how the loss meets the vocabulary (models/loss.py decides auto, per layout).
+LossMethod = _choice("LossMethod", "auto", "chunked", "vocab_parallel", "full")
 Schedule = _choice("Schedule", "gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb")
 Checkpointing = _choice("Checkpointing", "none", "full", "selective", "op")
 # Selective activation checkpointing (torch's SAC): some ops' outputs kept, the rest recomputed

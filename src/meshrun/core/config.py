@@ -29,6 +29,7 @@ from meshrun.core.choices import (
     Float8Recipe,
     LoadBalance,
     LoggerMode,
+    LossMethod,
     LrDecay,
     Offload,
     OptimizerStates,
@@ -552,7 +553,12 @@ class TrainConfig:
     decoder block (inductor). `float8`: float8 matmuls (Float8Config). `optimizer_states`:
     AdamW's two moments in `fp32` (8 bytes a parameter), `bf16` (4: updated in fp32, stored
     with stochastic rounding) or `8bit` (torchao's AdamW8bit: ~2, one byte each and a scale a
-    block of 256): rank/train/optim_states.py."""
+    block of 256): rank/train/optim_states.py. `loss`: `full`, the cross-entropy over the
+    whole [tokens x vocabulary] logits in fp32; `chunked`, the head and the loss over chunks
+    of tokens, each chunk's gradients taken as it goes (one chunk's logits exist at a time);
+    `vocab_parallel` (under TP), the cross-entropy on the logits left sharded over the
+    vocabulary (torch's loss_parallel); `auto`, the one of these the layout takes
+    (models/loss.py), said in the summary."""
 
     steps: int = 20
     untimed_steps: int = 2
@@ -574,6 +580,7 @@ class TrainConfig:
     guard: GuardConfig = field(default_factory=GuardConfig)
     float8: Float8Config = field(default_factory=Float8Config)
     optimizer_states: OptimizerStates = OptimizerStates["fp32"]
+    loss: LossMethod = LossMethod["auto"]
 
     @property
     def tokens_per_step(self) -> int:

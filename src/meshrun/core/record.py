@@ -84,6 +84,9 @@ class RunRecord:
     precision_auto: str | None = _f()  # train.precision=auto: why (sm90, CPU, ...)
     # the rate its matmuls run at, which MFU counts: tf32 for fp32 on CUDA with train.tf32
     matmul_precision: str | None = _f()
+    # train.loss as it ran (chunked, vocab_parallel, full) and, where auto chose, why
+    loss: str | None = _f(column=True, summary=True)
+    loss_auto: str | None = _f()
     seq_len: int | None = _f(column=True)
     global_batch_size: int | None = _f(column=True, summary=True, report=(8, "batch / micro"))
     # train.global_batch_size null: how the layout made it (micro x dp x micro-batches)

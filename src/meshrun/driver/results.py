@@ -52,6 +52,7 @@ from meshrun.driver.measured import Measured, RunMeta
 from meshrun.driver.run_plan import budget_fields, checkpoint_plan_fields
 from meshrun.driver.trial_ranking import Trial, first_choice_loss, rank_correlation
 from meshrun.models import model_shape, param_counts
+from meshrun.models.loss import loss_method
 from meshrun.plan import predict
 from meshrun.plan.run_prediction import prediction_of
 from meshrun.validate.model import describe_read
@@ -318,6 +319,7 @@ def host_of(report: RankReport | None) -> Host:
 def config_fields(cfg: ExperimentConfig, meta: RunMeta) -> dict[str, Any]:
     """What ran: the experiment's names, layout, batch and steps, and how to run it again."""
     t, layout = cfg.train, Layout.of(cfg.parallel)
+    method, why = loss_method(cfg)
     return {
         "name": cfg.name,
         "sweep": cfg.sweep,
@@ -337,6 +339,8 @@ def config_fields(cfg: ExperimentConfig, meta: RunMeta) -> dict[str, Any]:
         "precision": t.precision,
         "precision_auto": resolved_of(cfg).precision_auto,
         "matmul_precision": matmul_precision(cfg),
+        "loss": method,
+        "loss_auto": why,
         "seq_len": t.seq_len,
         "global_batch_size": t.global_batch_size,
         "batch_derived": batch_derivation(cfg) if resolved_of(cfg).batch_derived else None,

@@ -74,7 +74,9 @@ class VerifyConfig:
     and what each pipeline stage holds, without the devices. `reference`: `same`, the
     layout's settings on one device; `high_precision`, one device with train.float8 off:
     float8's losses against high precision's within FLOAT8_LOSS_BOUND a step (null
-    tolerance), the gradient norms shown but not judged (float8 rounds their operands)."""
+    tolerance), the gradient norms shown but not judged (float8 rounds their operands);
+    `full_loss`, one device with train.loss=full: a chunked or vocab_parallel loss against
+    the textbook one, within the precision's tolerance (the same math, summed otherwise)."""
 
     tolerance: float | None = None
     traced: bool = False

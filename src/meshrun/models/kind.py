@@ -104,6 +104,16 @@ class ModelKind(Protocol):
         pipeline: no tied-gradient sum between its ends), not meshrun's tied head copy."""
         return False
 
+    def finds_head(self, cfg: ModelConfig) -> bool:
+        """Whether the built model names its head (`output`), which train.loss=chunked runs
+        the loss inside (rank/parallel/loss.py)."""
+        return True
+
+    def tp_shards_head(self, cfg: ModelConfig) -> bool:
+        """Whether the model's TP plan shards its head over the vocabulary (a `head` entry),
+        which train.loss=vocab_parallel computes the loss on."""
+        return True
+
     def decoder(self, cfg: ModelConfig) -> LlamaModelConfig | None:
         """meshrun's decoder config this model is, for what calibration measures on a small
         block of its kind; None: counted as meshrun's LLaMA block."""

@@ -6,6 +6,7 @@ for its configs; what it does not override is the plain dense model's answer the
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -147,6 +148,15 @@ class CustomKind(ModelKind):
 
     def own_ties(self, cfg: CustomModelConfig) -> bool:
         return True
+
+    def finds_head(self, cfg: CustomModelConfig) -> bool:
+        return cfg.head is not None
+
+    def tp_shards_head(self, cfg: CustomModelConfig) -> bool:
+        """Where the plan is a mapping that names model.head `head` (a callable's plan is
+        only known once the module is built: taken as leaving the head whole)."""
+        plan = cfg.tp_plan
+        return cfg.head is not None and isinstance(plan, Mapping) and plan.get(cfg.head) == "head"
 
 
 @functools.cache

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from meshrun.core.model_shape import padded_vocab
 
@@ -27,7 +28,23 @@ def pad_vocab(model: nn.Module, vocab: int, multiple: int) -> None:
 
 
 def unpad_logits(logits: torch.Tensor, vocab: int) -> torch.Tensor:
-    return logits if logits.shape[-1] == vocab else logits[..., :vocab]
+    """The logits of the `vocab` real tokens. A head that computed the loss itself returns it
+    (0-d: train.loss=chunked), which passes. Logits sharded over the vocabulary
+    (train.loss=vocab_parallel) keep their width, the padded columns pushed to the lowest
+    value, which no softmax picks: cutting them off would gather every shard."""
+    if logits.ndim == 0 or logits.shape[-1] == vocab:
+        return logits
+    if isinstance(logits, DTensor):
+        return logits + _padding_mask(logits, vocab)
+    return logits[..., :vocab]
+
+
+def _padding_mask(logits: DTensor, vocab: int) -> DTensor:
+    """0 for the real columns, the dtype's lowest for the padded ones, sharded as `logits`'
+    last dim is (each rank cuts its own slice: no communication)."""
+    mask = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.to_local().device)
+    mask[vocab:] = torch.finfo(logits.dtype).min
+    return distribute_tensor(mask, logits.device_mesh, [Shard(0)], src_data_rank=None)
 
 
 def unpadded_shape(name: str, param: torch.Tensor, vocab: int) -> torch.Size:

@@ -6,7 +6,8 @@ hidden ones and FSDP2's copies cost compute beside them.
                 of the T x h activations forward, 2 backward; with sequence parallelism an
                 all-gather and a reduce-scatter for each (the same bytes, twice the
                 collectives); the embedding's all-reduce, the head's input all-reduce in
-                backward and its logits all-gathered (rank/parallel/tensor.py); under
+                backward and its logits all-gathered (rank/parallel/tensor.py; under
+                train.loss=vocab_parallel three all-reduces of T floats instead); under
                 etp the experts' partial outputs all-reduced forward, their input's
                 gradient backward (k x h a token). On the critical path: DTensor TP does
                 not overlap them (collectives.py)
@@ -79,6 +80,7 @@ from meshrun.core.choices import HALF_PRECISIONS, SAC_POLICIES
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.layout import Layout
 from meshrun.models import model_kind, model_shape
+from meshrun.models.loss import loss_method
 from meshrun.plan.collectives import Fabric, overlapped
 from meshrun.plan.compute import DeviceRates
 from meshrun.plan.float8 import TP_AMAX_REDUCTIONS, Float8Plan
@@ -135,10 +137,14 @@ def tp_time(
     residual = tokens * cost.width * FP32
     if share.first:  # the vocabulary-parallel embedding's output
         seconds += fabric.all_reduce(span, residual)
-    if share.last:  # the head's input gradient, and its logits gathered
+    if share.last:  # the head's input gradient, and its logits gathered (vocab_parallel:
+        # the log-softmax's max and sum all-reduced instead, and the target's logit)
         vocab = model_shape(cfg.model).vocab_size
         seconds += fabric.all_reduce(span, activation)
-        seconds += fabric.all_gather(span, tokens * vocab * (2 if half else FP32))
+        if loss_method(cfg)[0] == "vocab_parallel":
+            seconds += 3 * fabric.all_reduce(span, tokens * FP32)
+        else:
+            seconds += fabric.all_gather(span, tokens * vocab * (2 if half else FP32))
     return seconds
 
 

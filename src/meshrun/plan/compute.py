@@ -231,12 +231,13 @@ def _mlp_linears(d: Dims, tokens: int, tp: int) -> list[tuple[int, int, int]]:
 
 @functools.lru_cache(maxsize=4096)
 def head_times(
-    d: Dims, rates: DeviceRates, tokens: int, tp: int, width: int
+    d: Dims, rates: DeviceRates, tokens: int, tp: int, width: int, sharded_loss: bool = False
 ) -> tuple[float, float]:
     """(forward, backward) of the output layer and the loss: the vocabulary-parallel head
-    and the fp32 log-softmax over the gathered logits (read, write; backward twice)."""
+    and the fp32 log-softmax over the gathered logits (read, write; backward twice), over
+    this rank's V/tp of them where `sharded_loss` (train.loss=vocab_parallel)."""
     forward, backward = rates.linear(tokens, d.vocab // tp, d.h, width)
-    loss = tokens * d.vocab * 4 * 2 / rates.memory
+    loss = tokens * d.vocab // (tp if sharded_loss else 1) * 4 * 2 / rates.memory
     return forward + loss, backward + 2 * loss
 
 

@@ -26,10 +26,25 @@ keeps no s*s scores here):
                  transient is the block less those (within 3.5% of measured: 4,742 elements
                  a token-layer at h=384, f=1024, measured and predicted)
     op           torchtitan's every other matmul: (2h + hk + f + a) / tp + h + h
-    first stage  8 bytes of token ids ; last stage 3h + 1 + V, and 8 bytes of targets
-    transients   at the loss: 3V (logits, their log-softmax gradient, logits gradient);
-                 elsewhere one block's backward temporaries, (3f + 2h) / tp; checkpointed,
-                 the recomputed block plus those temporaries (last stage: h + V/tp)
+    first stage  8 bytes of token ids ; last stage 3h + 1, 8 bytes of targets, and what
+                 the loss keeps (loss_memory)
+    transients   at the loss (loss_memory); elsewhere one block's backward temporaries,
+                 (3f + 2h) / tp; checkpointed, the recomputed block plus those temporaries
+                 (last stage: h, + V/tp where the loss leaves its logits' gradient)
+
+The loss (train.loss, models/loss.py), in fp32 floats, T a micro-batch's tokens:
+    full         the log-softmax's output kept, V a token (under a pipeline the stage's
+                 output logits too: 2V), and 2V transient at its backward (its gradient
+                 and the logits'), V whole on every TP rank (gathered): 3V in all, measured
+                 3,160 MiB of activations at T = 4,096, V = 65,536 (tiny, one rank)
+    vocab_parallel  the same over V/tp, with one V/tp more transient (loss_parallel's
+                 backward): 4V/tp
+    chunked      no V a token: the input gradient (h a token, kept from forward, where it
+                 is taken) and the head's parameter gradients (V x h a micro-batch, kept);
+                 one chunk's logits transient, c = chunk_tokens(V) of them (or T, if
+                 fewer): 3cV, with one more V x h gradient but on a pipeline's last stage
+                 (measured: 312.7 MiB of activations predicted and measured at T = 4,096,
+                 V = 65,536, one rank; pp2 GPipe's last stage within 0.2%)
 
 A pipeline rank holds several micro-batches at once: GPipe all m, 1F1B min(m, p - stage),
 interleaved 1F1B its warmup chunks + 1 (each a 1/v share of the rank's layers). FSDP
@@ -105,6 +120,7 @@ from meshrun.core.attention_kernels import AttentionSite, block_kernel, expands_
 from meshrun.core.choices import HALF_PRECISIONS, SAC_POLICIES
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.layout import Layout
+from meshrun.models.loss import chunk_tokens, loss_method
 from meshrun.plan.float8 import memory_change
 from meshrun.plan.shapes import (
     Dims,
@@ -275,21 +291,58 @@ def activation_bytes(
         whole, _ = _layer_bytes(d, layout.tp, p.sequence_parallel, "none", width, attention)
         kept = (checkpointed * kept + (share.layers - checkpointed) * whole) / share.layers
         recompute = recompute if checkpointed else 0.0
+    loss = loss_memory(cfg, layout, d, tokens, width)
     blocks_here = share.layers
     if offloads_activations(cfg):  # the others' saved tensors in host memory (plan/host.py)
         blocks_here = min(1, share.layers)
     per_mb = blocks_here * kept + (8 if share.first else 0)
     if share.last:
-        per_mb += (3 * d.h + 1 + d.vocab) * FP32 + 8
+        per_mb += (3 * d.h + 1) * FP32 + 8 + loss.kept
     held = in_flight(p.schedule, n_microbatches, layout.pp, pp_rank, share.stages_per_rank) * per_mb
     mlp_temps = 3 * d.f / layout.tp if not d.experts else 3 * (d.routed * d.fe / d.etp + d.fs)
     backward_temps = (mlp_temps + 2 * d.h / layout.tp) * width + attention.scores
-    if recompute:  # one block recomputed, with its backward temporaries or the held logits
-        tail = (d.h + d.vocab / layout.tp) * FP32 if share.last else backward_temps
-        transient = recompute + tail
+    if recompute:  # one block recomputed, with its backward temporaries or the loss's
+        # (its micro-batch's loss done: what the loss kept for it is freed)
+        tail = d.h * FP32 + loss.logits_gradient - loss.kept if share.last else backward_temps
+        transient = tokens * (recompute + tail)
     else:
-        transient = 3 * d.vocab * FP32 if share.last else backward_temps
-    return tokens * (held + transient)
+        transient = 0.0 if share.last else tokens * backward_temps
+    if share.last:  # the loss's own, before the last block's backward or recompute
+        transient = max(transient, loss.transient)
+    return tokens * held + transient
+
+
+@dataclass(frozen=True)
+class LossMemory:
+    """What the loss holds on the last stage (the module docstring's table): `kept` bytes a
+    token of a micro-batch from its forward to its backward, `transient` bytes at its own
+    worst moment, `logits_gradient` bytes a token left at the last block's backward (its
+    recompute's tail)."""
+
+    kept: float
+    transient: float
+    logits_gradient: float
+
+
+def loss_memory(
+    cfg: ExperimentConfig, layout: Layout, d: Dims, tokens: int, width: int
+) -> LossMemory:
+    """The loss's share of a last stage's activations, for train.loss as models/loss.py
+    resolves it in `layout`; `tokens` a micro-batch's, `width` the matmuls' bytes."""
+    method = loss_method(cfg)[0]
+    if method == "chunked":
+        param_width = width if layout.uses_fsdp else FP32  # FSDP2 gathers at the run's width
+        gradients = d.vocab * d.h * param_width
+        chunk = min(chunk_tokens(d.vocab), tokens)
+        kept = d.h * width + gradients / tokens
+        # measured: one device, DDP and FSDP peak with one more V x h gradient beside the
+        # chunk's logits; a pipeline's last stage (GPipe and 1F1B, pp2) without it
+        beside = gradients if layout.pp == 1 else 0.0
+        return LossMemory(kept, chunk * 3 * d.vocab * FP32 + beside, 0.0)
+    vocab = d.vocab / layout.tp if method == "vocab_parallel" else d.vocab
+    kept = vocab * FP32 * (2 if layout.pp > 1 else 1)
+    transient = (3 if method == "vocab_parallel" else 2) * vocab * FP32
+    return LossMemory(kept, tokens * transient, d.vocab / layout.tp * FP32)
 
 
 def predict_rank(

@@ -24,6 +24,7 @@ from meshrun.core.flops import flops_per_token, peak_tflops
 from meshrun.core.layout import Layout
 from meshrun.core.precision import matmul_precision
 from meshrun.models import model_shape
+from meshrun.models.loss import loss_method
 from meshrun.plan.collectives import GB
 from meshrun.plan.compute import (
     ATTENTION_BACKWARD,
@@ -179,7 +180,9 @@ def stage_by_shapes(
     )
     forward, backward = share.layers * block.forward, share.layers * block.backward
     if share.last:
-        head_f, head_b = head_times(d, rates, rank_tokens(cfg, layout, micro), layout.tp, width)
+        sharded = loss_method(cfg)[0] == "vocab_parallel"
+        tokens = rank_tokens(cfg, layout, micro)
+        head_f, head_b = head_times(d, rates, tokens, layout.tp, width, sharded)
         forward, backward = forward + head_f, backward + head_b
     checkpointed = checkpointed_layers(p, share)
     recompute = block.recompute(p.activation_checkpointing) * checkpointed

@@ -31,12 +31,12 @@ import json
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -44,11 +44,13 @@ from meshrun.core.choices import HALF_PRECISIONS
 from meshrun.core.config import ExperimentConfig, ModelConfig, ParallelConfig, from_dict
 from meshrun.core.layout import Layout
 from meshrun.models import build_model, from_key, model_key, model_shape, moe
+from meshrun.models.loss import loss_method
 from meshrun.plan.memory import MemoryPrediction, chunk_sizes, dataparallel_devices, in_flight
 from meshrun.plan.shapes import layer_counts, micro_batching
 from meshrun.plan.stage_time import ModelCost
 from meshrun.rank.mesh import build_mesh
 from meshrun.rank.parallel.compose import materialise, sharded_part, stage_parts
+from meshrun.rank.parallel.loss import cross_entropy, loss_context
 from meshrun.rank.train.optim import build_optimizer
 
 FP32 = 4
@@ -188,8 +190,9 @@ def _trace_rank(
     dtype = torch.bfloat16 if half else torch.float32
     # on meta, outside the fake mode: FSDP2 builds device meshes, whose own (real) tensors
     # FakeTensorMode would turn fake
+    method = loss_method(cfg)[0]
     parts = [
-        sharded_part(part, mesh, traced, parallel, dtype)
+        sharded_part(part, mesh, traced, parallel, dtype, loss=method)
         for part in stage_parts(meta, pp_rank, traced, parallel)
     ]
     with FakeTensorMode(allow_non_fake_inputs=True), moe.even_routing():
@@ -207,7 +210,7 @@ def _trace_rank(
             for micro_batches in (1, accumulated):
                 for _ in range(micro_batches):
                     logits, kept = _step(
-                        parts, micro_batch, seq, hidden, half and not fsdp, tracker
+                        parts, micro_batch, seq, hidden, half and not fsdp, tracker, method
                     )
                     tracker.reset_mod_stats()  # per module per call; the peak stays
                 optimizer.step()
@@ -218,8 +221,23 @@ def _trace_rank(
     kinds = {k.value: v for k, v in peak.items() if k != "Total"}
     if logits is None:
         return Trace(kinds, kept, input_bytes, 0, 0, 0)
-    width = logits.element_size()
-    return Trace(kinds, kept, input_bytes, logits.numel() * width, logits.shape[-1], width)
+    return Trace(kinds, kept, input_bytes, logits.bytes, logits.vocab, logits.width)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Logits:
+    """A last stage's logits as the trace counts them: this rank's bytes (vocabulary-sharded
+    ones: its shard's), the vocabulary, the bytes an element."""
+
+    bytes: int
+    vocab: int
+    width: int
+
+    @classmethod
+    def of(cls, logits: torch.Tensor) -> _Logits:
+        local = logits.to_local() if isinstance(logits, DTensor) else logits
+        width = local.element_size()
+        return cls(local.numel() * width, logits.shape[-1], width)
 
 
 def _stage_input(meta: nn.Module, batch: int, seq: int, tp: int, sp: bool) -> torch.Tensor:
@@ -237,11 +255,14 @@ def _step(
     hidden: torch.Tensor | None,
     autocast: bool,
     tracker: MemTracker,
-) -> tuple[torch.Tensor | None, int]:
+    method: str,
+) -> tuple[_Logits | None, int]:
     """One micro-batch forward and backward through each part (an interleaved rank's chunks
-    one after the other): the last stage's logits, if this rank has it, and the activations
+    one after the other), the loss as train.loss's `method` computes it: the last stage's
+    logits, if this rank has them (a chunked loss's head returns none), and the activations
     the forwards left for the backwards."""
     logits, kept = None, 0
+    targets = torch.zeros(batch, seq, dtype=torch.long)
     whole = len(parts) == 1 and hidden is None  # no pipeline: token ids in, named ends or not
     for part in parts:
         before = _activations(tracker)
@@ -252,17 +273,19 @@ def _step(
             if first
             else torch.empty(hidden.shape, requires_grad=True)
         )
-        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
-            out = part(x)
-        kept += _activations(tracker) - before
-        if last:
-            loss = F.cross_entropy(
-                out.flatten(0, 1).float(), torch.zeros(batch * seq, dtype=torch.long)
-            )
-            logits = out
-        else:
-            loss = out.float().sum()
-        loss.backward()
+        chunked = last and method == "chunked"
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast), loss_context(method):
+            out = part(x, targets=targets) if chunked else part(x)
+            kept += _activations(tracker) - before
+            if not last:
+                loss = out.float().sum()
+            elif chunked:  # the head returned the loss
+                loss = out
+            else:
+                loss, logits = cross_entropy(out, targets), _Logits.of(out)
+            if whole:  # no pipeline: the loop keeps no logits (a stage keeps its output)
+                del out
+            loss.backward()
     return logits, kept
 
 

@@ -34,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.table import Table
 from rich.text import Text
 
+from meshrun.core.choices import LossMethod
 from meshrun.core.config import DebugConfig, ExperimentConfig, ParallelConfig, settings_of
 from meshrun.core.errors import ConfigError, fail, positive
 from meshrun.core.hardware import HostFacts, target_facts
@@ -49,6 +50,7 @@ from meshrun.driver.resolution import legal
 from meshrun.driver.resolve import resolve
 from meshrun.driver.sinks.console import console, print_error, print_note
 from meshrun.driver.tool_config import VerifyExperimentConfig, verify_tolerance
+from meshrun.models.loss import loss_method
 from meshrun.plan import predict
 from meshrun.plan.candidate import traced_or_why
 
@@ -61,17 +63,20 @@ GiB = 2**30
 NOISE_FACTOR = 2.0
 
 
-def reference_config(cfg: ExperimentConfig, high_precision: bool = False) -> ExperimentConfig:
+def reference_config(cfg: ExperimentConfig, reference: str = "same") -> ExperimentConfig:
     """The single-device baseline with the SAME global batch (unlike the weak-scaling baseline).
 
     Model, data, seed, steps, micro-batch and threads per rank stay; the layout's own options
     (TP plan, schedule, checkpointing) and fault injection do not apply to one device.
-    `high_precision`: without train.float8 (verify.reference=high_precision).
+    `reference` (verify.reference): `high_precision`, without train.float8; `full_loss`,
+    with train.loss=full.
     """
     train = cfg.train
-    if high_precision:
+    if reference == "high_precision":
         float8 = dataclasses.replace(train.float8, enabled=False)
         train = dataclasses.replace(train, float8=float8)
+    if reference == "full_loss":
+        train = dataclasses.replace(train, loss=LossMethod["full"])
     return dataclasses.replace(
         cfg,
         train=train,
@@ -283,7 +288,8 @@ def run(dict_cfg: DictConfig) -> int:
     composed: VerifyExperimentConfig = OmegaConf.to_object(dict_cfg)
     if composed.verify.traced:
         return traced(composed)
-    high_precision = composed.verify.reference == "high_precision"
+    reference = str(composed.verify.reference)
+    high_precision = reference == "high_precision"
     try:
         positive("verify.tolerance", composed.verify.tolerance, allow_none=True)
         if high_precision and not composed.train.float8.enabled:
@@ -294,19 +300,28 @@ def run(dict_cfg: DictConfig) -> int:
                 "train.float8.enabled=true, or verify.reference=same",
             )
         cfg = resolve(_experiment(composed), HostFacts.detect(), say=print_note).config
+        method = loss_method(cfg)[0]
+        if reference == "full_loss" and method == "full":
+            fail(
+                "verify.reference",
+                "full_loss",
+                "compares a chunked or vocab_parallel loss with the full one; this run's is full",
+                "train.loss=chunked (one device, FSDP, DDP, PP) or vocab_parallel (TP)",
+            )
     except ConfigError as err:
         print_error("config error", str(err))
         return 2
     tolerance = verify_tolerance(composed.verify, cfg)
     runs = {
         "layout": dataclasses.replace(cfg, run_dir=f"{cfg.run_dir}/layout"),
-        "reference": reference_config(cfg, high_precision),
+        "reference": reference_config(cfg, reference),
     }
     world, f8 = cfg.launcher.nproc_per_node, cfg.train.float8
     float8 = f", float8 {f8.recipe}" if f8.enabled else ""
+    against = {"high_precision": " without float8", "full_loss": " with the full loss"}
     console.print(
-        f"meshrun-verify: {cfg.model.name} on {layout_name(cfg)} ({world} rank(s)){float8} "
-        f"against one device{' without float8' if high_precision else ''}, "
+        f"meshrun-verify: {cfg.model.name} on {layout_name(cfg)} ({world} rank(s)){float8}, "
+        f"{method} loss, against one device{against.get(reference, '')}, "
         f"{cfg.train.steps} steps of global batch {cfg.train.global_batch_size}",
         soft_wrap=True,
     )
@@ -325,7 +340,8 @@ def run(dict_cfg: DictConfig) -> int:
         "layout": layout_name(cfg),
         "tp_plan": cfg.parallel.tp_plan,
         "float8": str(cfg.train.float8.recipe) if cfg.train.float8.enabled else None,
-        "reference": str(composed.verify.reference),
+        "reference": reference,
+        "loss": method,
         **{f"{role}_dir": run_cfg.run_dir for role, run_cfg in runs.items()},
     }
     (Path(cfg.run_dir) / REPORT_FILE).write_text(json.dumps(report, indent=2))

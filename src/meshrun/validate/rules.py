@@ -16,6 +16,7 @@ from meshrun.validate.guard import check_guard
 from meshrun.validate.inspection import check_inspection
 from meshrun.validate.launcher import check_debug
 from meshrun.validate.layout import check_batch, check_pipeline, check_tensor_parallel
+from meshrun.validate.loss import check_loss
 from meshrun.validate.offload import check_offload
 from meshrun.validate.optimizer import check_optimizer_states
 
@@ -30,6 +31,7 @@ def check_layout(resolved: ExperimentConfig, facts: HostFacts) -> None:
     check_float8(resolved, facts)
     check_offload(resolved)
     check_optimizer_states(resolved)
+    check_loss(resolved)
 
 
 def check_run(resolved: ExperimentConfig) -> None:

@@ -161,6 +161,7 @@ def print_summary(r: RunRecord) -> None:
         ("hardware", r.hardware),
         *_one_device(r),
         ("precision", _precision(r)),
+        ("loss", f"{r.loss} (auto: {r.loss_auto})" if r.loss_auto else str(r.loss)),
         ("batch", _batch(r)),
         ("tokens/s", _fmt(r.speed.tokens_per_s)),
         ("step time (median, p10-p90, cv)", _step_times(r)),

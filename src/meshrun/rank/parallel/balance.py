@@ -28,9 +28,11 @@ from meshrun.core.layout import Layout, rank_coords
 from meshrun.core.rank_report import StageSplit
 from meshrun.core.stages import balanced_layer_counts, stage_costs
 from meshrun.models import build_model, model_shape
+from meshrun.models.loss import loss_method
 from meshrun.rank.device import autocast, synchronize
 from meshrun.rank.parallel.compose import materialise
-from meshrun.rank.parallel.pipeline import cut_stage, pipeline_loss
+from meshrun.rank.parallel.loss import apply_chunked_loss, micro_batch_loss
+from meshrun.rank.parallel.pipeline import cut_stage
 
 # Timed rounds after one warm-up round (allocations, kernel selection); the median is kept.
 PROBE_ROUNDS = 5
@@ -90,6 +92,9 @@ def probe_parts(
         cut_stage(meta, 1, [0, 1, n - 1]),
         cut_stage(meta, 1, [n, 0]),
     ]
+    method = loss_method(cfg)[0]
+    if method == "chunked":
+        apply_chunked_loss(parts[2])
     for part in parts:
         materialise(part, device, t.seed, None)
     embedding, block, head = parts
@@ -106,7 +111,7 @@ def probe_parts(
         block(hidden.requires_grad_()).backward(grad)
 
     def head_and_loss() -> None:
-        pipeline_loss(head(hidden.requires_grad_()), tokens).backward()
+        micro_batch_loss(head, hidden.requires_grad_(), tokens, method).backward()
 
     passes = (embed, one_block, head_and_loss)
     seconds: list[list[float]] = [[] for _ in passes]

@@ -29,6 +29,7 @@ from meshrun.rank.parallel.dataparallel import apply_dataparallel
 from meshrun.rank.parallel.ddp import apply_ddp
 from meshrun.rank.parallel.expert import apply_expert_parallel
 from meshrun.rank.parallel.fsdp import apply_fsdp
+from meshrun.rank.parallel.loss import apply_chunked_loss
 from meshrun.rank.parallel.parallel_model import ParallelModel
 from meshrun.rank.parallel.pipeline import ScaledLoss, build_schedule, cut_stage
 from meshrun.rank.parallel.tensor import resolve_tp_plan
@@ -48,12 +49,13 @@ def parallelize(
     compile: bool = False,
     seq_len: int = 0,
     float8: Float8Config | None = None,
+    loss: str = "full",
 ) -> ParallelModel:
     """`model` is the full model on the meta device (meshrun.models); returns this rank's
     materialised share, its weights seeded or read from `pretrained` (a local HF directory).
     `n_microbatches`: a pipeline's per step (core.batch.n_microbatches); `compile`: each
     block through torch.compile (train.compile); `seq_len`: the sequence CP splits;
-    `float8`: train.float8."""
+    `float8`: train.float8; `loss`: the loss it trains with (models/loss.loss_method)."""
     pp_rank = mesh.get_local_rank("pp") if layout.pp > 1 else 0
     stage_ids, n_stages = pipeline_stages(pp_rank, layout, cfg)
     wrapped, read = [], 0
@@ -69,21 +71,28 @@ def parallelize(
                 cp_mesh.get_local_rank(),
                 layout.cp,
             )
-        part = sharded_part(cut, mesh, layout, cfg, param_dtype, compile, expert_mesh, float8)
+        part = sharded_part(cut, mesh, layout, cfg, param_dtype, compile, expert_mesh, float8, loss)
         if cfg.activation_offload == "cpu":
             apply_activation_offload(part, device)
         read += materialise(part, device, seed, pretrained, _offloaded(mesh, layout, cfg))
         wrapped.append(replicated(part, mesh, layout, cfg, device))
     schedule = new_schedule = tied = None
-    loss = ScaledLoss()
+    scaled = ScaledLoss(loss)
     if layout.pp > 1:
         new_schedule = functools.partial(
             build_schedule, wrapped, stage_ids, n_stages, mesh["pp"], cfg, n_microbatches, device
         )
-        schedule = new_schedule(loss_fn=loss)
+        schedule = new_schedule(loss_fn=scaled)
         tied = tied_weights(wrapped, mesh)
     parallel = ParallelModel(
-        wrapped, schedule, 0 in stage_ids, n_stages - 1 in stage_ids, read, new_schedule, loss, tied
+        wrapped,
+        schedule,
+        0 in stage_ids,
+        n_stages - 1 in stage_ids,
+        read,
+        new_schedule,
+        scaled,
+        tied,
     )
     parallel.float8_scales = float8_all_gather(float8, mesh, layout, cfg)
     parallel.refresh_float8_scales()
@@ -117,17 +126,22 @@ def sharded_part(
     compile: bool = False,
     expert_mesh: DeviceMesh | None = None,
     float8: Float8Config | None = None,
+    loss: str = "full",
 ) -> nn.Module:
-    """On meta: float8 linears (`float8`: train.float8), tensor-parallel, expert-parallel
-    (over `expert_mesh`, rank/mesh.py), checkpointed, compiled (`compile`) and
-    FSDP2-sharded, every parameter already the DTensor it trains as, so that materialising
-    fills only this rank's share."""
+    """On meta: float8 linears (`float8`: train.float8), the head computing the loss
+    (`loss` chunked), tensor-parallel (the head's logits left sharded: `loss`
+    vocab_parallel), expert-parallel (over `expert_mesh`, rank/mesh.py), checkpointed,
+    compiled (`compile`) and FSDP2-sharded, every parameter already the DTensor it trains
+    as, so that materialising fills only this rank's share."""
     if float8 is not None and float8.enabled:
         from meshrun.rank.parallel.float8 import convert  # noqa: PLC0415 (meshrun[float8])
 
         convert(part, float8, _sharded(mesh, layout, cfg))
+    if loss == "chunked":
+        apply_chunked_loss(part)
     if layout.tp > 1:
-        resolve_tp_plan(cfg.tp_plan)(part, mesh["tp"], cfg.sequence_parallel)
+        vocab = {"vocab_parallel": True} if loss == "vocab_parallel" else {}  # meshrun's plans
+        resolve_tp_plan(cfg.tp_plan)(part, mesh["tp"], cfg.sequence_parallel, **vocab)
     if expert_mesh is not None:
         apply_expert_parallel(part, expert_mesh, layout)
     apply_activation_checkpointing(part, cfg.activation_checkpointing, cfg.checkpoint_every)

@@ -3,6 +3,7 @@ schedule that drives them (one pass of it: `run_schedule`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
+from meshrun.rank.parallel.loss import loss_context
 from meshrun.rank.parallel.pipeline import ScaledLoss
 from meshrun.rank.parallel.tied import TiedWeights
 
@@ -26,7 +28,7 @@ class ParallelModel:
     is_last_stage: bool = True
     pretrained_bytes_read: int = 0
     new_schedule: Callable[[], _PipelineSchedule] | None = None  # another one over `parts`
-    loss: ScaledLoss | None = None  # the training schedule's (its scale: fp16's loss scale)
+    loss: ScaledLoss = dataclasses.field(default_factory=ScaledLoss)  # its method: train.loss's
     tied: TiedWeights | None = None  # a tied embedding's end on a pipeline's first/last stage
     float8_scales: bool = False  # FSDP2 all-gathers float8 weights at precomputed scales
 
@@ -76,11 +78,14 @@ class ParallelModel:
             "losses": losses,
             "return_outputs": False,
         }
+        if self.loss.method == "chunked":  # the last stage's head takes its micro-batch's
+            kwargs["targets"] = targets
         run = self.schedule.step if train else self.eval_schedule.eval
-        if self.is_first_stage:
-            run(inputs, **kwargs)
-        else:
-            run(**kwargs)
+        with loss_context(self.loss.method):
+            if self.is_first_stage:
+                run(inputs, **kwargs)
+            else:
+                run(**kwargs)
         if not losses:
             return torch.zeros((), device=inputs.device)
         return torch.stack([loss.detach() for loss in losses]).mean() / self.loss.scale

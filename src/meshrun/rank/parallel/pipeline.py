@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
@@ -33,6 +32,7 @@ from meshrun.core.choices import Schedule
 from meshrun.core.config import ParallelConfig
 from meshrun.core.stages import MULTI_STAGE_SCHEDULES
 from meshrun.rank.parallel import transfers
+from meshrun.rank.parallel.loss import cross_entropy, stage_loss
 from meshrun.rank.parallel.tied import mark_head_copy
 from meshrun.rank.parallel.transfers import Transfer
 from meshrun.rank.profiling import phase
@@ -182,21 +182,19 @@ def _post(ops: list[dist.P2POp]) -> list[dist.Work]:
     return dist.batch_isend_irecv(ops) if ops else []
 
 
-def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
 class ScaledLoss:
-    """A training schedule's loss times `factor` (1, or debug.corrupt_step's NaN or spike)
-    and `scale` (fp16's loss scale), both set before each step: the schedule runs backward
-    from what its loss function returns, and hands that back."""
+    """A training schedule's loss (train.loss's `method`: parallel/loss.py) times `factor`
+    (1, or debug.corrupt_step's NaN or spike) and `scale` (fp16's loss scale), both set
+    before each step: the schedule runs backward from what its loss function returns, and
+    hands that back."""
 
-    def __init__(self) -> None:
+    def __init__(self, method: str = "full") -> None:
+        self.method = method
         self.scale = 1.0
         self.factor = 1.0
 
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return pipeline_loss(logits, targets) * self.factor * self.scale
+    def __call__(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return stage_loss(output, targets, self.method) * self.factor * self.scale
 
 
 def build_schedule(
@@ -207,7 +205,7 @@ def build_schedule(
     cfg: ParallelConfig,
     n_microbatches: int,
     device: torch.device,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = pipeline_loss,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy,
 ) -> _PipelineSchedule:
     group = pp_mesh.get_group()
     stages = [

@@ -3,7 +3,8 @@
 A TP plan maps module-name patterns (`*` matches one name, as in transformers'
 `base_model_tp_plan`) to a style: `colwise` (output features sharded: q/k/v, gate and up),
 `rowwise` (input features sharded, output all-reduced: attention output, down), `embedding`
-(sharded over the vocabulary), `head` (vocabulary-sharded logits, gathered), and for
+(sharded over the vocabulary), `head` (vocabulary-sharded logits, gathered; left sharded, a
+DTensor, for train.loss=vocab_parallel: parallel/loss.py), and for
 sequence parallelism `sequence_parallel` (a norm computed on its sequence shard) and
 `gather_input` (a sub-block whose column-wise matrices share its input: all-gathered over
 the sequence first under SP, and their input gradients reduced once). Written once, a plan
@@ -84,10 +85,10 @@ class ShareInput(ParallelStyle):
 
 
 def parallel_styles(
-    plan: dict[str, str | ParallelStyle], sequence_parallel: bool
+    plan: dict[str, str | ParallelStyle], sequence_parallel: bool, vocab_parallel: bool = False
 ) -> dict[str, ParallelStyle]:
     """The torch styles of a plan in one mode (see the module docstring); `gather_input`
-    is decided per module (sub_blocks)."""
+    is decided per module (sub_blocks); `vocab_parallel`: the head's logits left sharded."""
     residual = Shard(1) if sequence_parallel else Replicate()
     styles: dict[str, ParallelStyle] = {}
     for pattern, style in plan.items():
@@ -99,6 +100,10 @@ def parallel_styles(
             styles[pattern] = RowwiseParallel(output_layouts=residual)
         elif style == "embedding":
             styles[pattern] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+        elif style == "head" and vocab_parallel:
+            styles[pattern] = ColwiseParallel(
+                input_layouts=residual, output_layouts=Shard(-1), use_local_output=False
+            )
         elif style == "head":
             styles[pattern] = ColwiseParallel(input_layouts=residual, output_layouts=Replicate())
         elif style == "sequence_parallel":
@@ -116,9 +121,11 @@ def apply_tp(
     tp_mesh: DeviceMesh,
     sequence_parallel: bool,
     block_overrides: dict[str, str | ParallelStyle] | None = None,
+    vocab_parallel: bool = False,
 ) -> None:
     """Shard `model` in place over `tp_mesh` by its own plan (`model.tp_plan()`); a pipeline
-    stage lacks some of the modules it names, which are skipped.
+    stage lacks some of the modules it names, which are skipped. `vocab_parallel`: the
+    head's logits left sharded over the vocabulary (train.loss=vocab_parallel).
 
     `block_overrides` replaces entries of each block's plan (keys like "attention.wo"): a
     user's plan that differs in a few layers calls this instead of restating the rest."""
@@ -126,7 +133,7 @@ def apply_tp(
     plan = {**model.tp_plan(), **{f"layers.*.{k}": v for k, v in (block_overrides or {}).items()}}
     names = [name for name, _ in model.named_modules()]
     held = {k: v for k, v in plan.items() if any(fnmatch(name, k) for name in names)}
-    styles = parallel_styles(held, sequence_parallel)
+    styles = parallel_styles(held, sequence_parallel, vocab_parallel)
     for pattern, named in float8_styles(model, held, styles).items():
         del styles[pattern]
         styles |= named

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from meshrun.core.config import TrainConfig
 from meshrun.rank.mesh import mean_over_ranks
 from meshrun.rank.metrics.step_clock import StepClock
+from meshrun.rank.parallel.loss import loss_context, micro_batch_loss
 from meshrun.rank.parallel.parallel_model import ParallelModel
-from meshrun.rank.parallel.pipeline import pipeline_loss
 from meshrun.rank.train.data import HeldoutBatches
 
 
@@ -88,8 +88,8 @@ class Evaluator:
             zip(inputs.split(self.micro_batch), targets.split(self.micro_batch), strict=True)
         )
         total = torch.zeros((), device=inputs.device)
+        method = self.model.loss.method
         for x, y in chunks:
-            with self.autocast():
-                logits = module(x)
-            total += pipeline_loss(logits, y)
+            with self.autocast(), loss_context(method):
+                total += micro_batch_loss(module, x, y, method)
         return total / len(chunks)

@@ -21,7 +21,6 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from meshrun.core.config import TrainConfig
 from meshrun.models import moe
@@ -31,6 +30,7 @@ from meshrun.rank.mesh import mean_over_ranks
 from meshrun.rank.metrics.bubble import BubbleClock
 from meshrun.rank.metrics.memory import FWD_BWD_END, STEP_START
 from meshrun.rank.parallel.accumulation import gradient_sync
+from meshrun.rank.parallel.loss import loss_context, micro_batch_loss
 from meshrun.rank.parallel.parallel_model import ParallelModel
 from meshrun.rank.parallel.pipeline import annotate_stages
 from meshrun.rank.profiling import phase, step_range
@@ -56,12 +56,14 @@ def _accumulate(
         chunks.reverse()
     total = torch.zeros((), device=ctx.device)
     weight = (ctx.loss_scale.scale if ctx.loss_scale else 1.0) / len(chunks)
+    method = model.loss.method
     for index, (x, y) in enumerate(chunks):
         sync = gradient_sync(module, enabled=index == len(chunks) - 1)
-        with sync, moe.loss_weight(weight):  # an MoE's auxiliary loss enters with the same
+        # an MoE's auxiliary loss enters with the same weight; vocab_parallel's context
+        # holds forward and backward
+        with sync, moe.loss_weight(weight), loss_context(method):
             with phase(f"forward mb {index}"), _autocast(ctx):
-                logits = module(x)
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) * factor
+                loss = micro_batch_loss(module, x, y, method) * factor
             with phase(f"backward mb {index}"):
                 (loss * weight).backward()
         total += loss.detach()

@@ -1,0 +1,60 @@
+"""Which loss a layout trains with (train.loss): the one function the ranks, the planner,
+the rules and the record ask, so that what runs, what is planned and what is said agree.
+
+`auto` takes the loss that never holds the whole fp32 logits where the layout can: under
+meshrun's TP plan the cross-entropy on vocabulary-sharded logits (`vocab_parallel`), else the
+head and the loss over chunks of tokens (`chunked`). It falls back to `full` where neither
+applies: DataParallel (its replicas' outputs are gathered on one device, the loss there), a
+user's TP plan that does not shard the head with a `head` entry, and a model whose head
+meshrun cannot find (model=custom without model.head)."""
+
+from __future__ import annotations
+
+from meshrun.core.config import ExperimentConfig
+from meshrun.core.layout import Layout
+from meshrun.models.registry import model_kind
+
+
+def loss_method(cfg: ExperimentConfig) -> tuple[str, str | None]:
+    """(the loss `cfg` trains with, why auto chose it; None where train.loss said it)."""
+    if cfg.train.loss != "auto":
+        return str(cfg.train.loss), None
+    if Layout.of(cfg.parallel).tp > 1:
+        refused = vocab_parallel_refused(cfg)
+        kept = "vocab_parallel", "TP: the logits stay sharded over the vocabulary"
+    else:
+        refused = chunked_refused(cfg)
+        kept = "chunked", "the head and the loss over chunks of tokens"
+    return kept if refused is None else ("full", refused)
+
+
+def chunked_refused(cfg: ExperimentConfig) -> str | None:
+    """Why train.loss=chunked cannot run in `cfg`'s layout; None where it can."""
+    if Layout.of(cfg.parallel).tp > 1:
+        return "TP shards the head over the vocabulary: its loss is vocab_parallel"
+    if cfg.parallel.data_parallel == "dataparallel":
+        return "DataParallel gathers its replicas' logits on one device"
+    if not model_kind(cfg.model).finds_head(cfg.model):
+        return "the model's head is not named (model.head)"
+    return None
+
+
+def vocab_parallel_refused(cfg: ExperimentConfig) -> str | None:
+    """Why train.loss=vocab_parallel cannot run in `cfg`'s layout; None where it can."""
+    if Layout.of(cfg.parallel).tp == 1:
+        return "the logits are sharded over the vocabulary only under TP (parallel.tp > 1)"
+    if cfg.parallel.tp_plan is not None:
+        return "a user's parallel.tp_plan lays out the head itself"
+    if not model_kind(cfg.model).tp_shards_head(cfg.model):
+        return "the model's TP plan leaves its head whole (no `head` entry for model.head)"
+    return None
+
+
+# A chunk of train.loss=chunked holds this many logits (64 MiB in fp32): the chunk's share
+# of the loss's activations, whatever the micro-batch, at a few matmuls of a useful size.
+CHUNK_LOGITS = 2**24
+
+
+def chunk_tokens(vocab: int) -> int:
+    """The tokens of one chunk of the chunked loss over a `vocab`-wide head."""
+    return max(1, CHUNK_LOGITS // vocab)
