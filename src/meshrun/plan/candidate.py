@@ -60,7 +60,10 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        return layout_name(self.cfg)
+        """The layout's name, and the optimizer states where they are not fp32 (a lever the
+        plan may pick; the offloads are in the layout's name)."""
+        states = self.cfg.train.optimizer_states
+        return layout_name(self.cfg) + ("" if states == "fp32" else f", {states} states")
 
     def overrides(self) -> str:
         """The command-line overrides that run this layout."""

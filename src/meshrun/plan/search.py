@@ -17,6 +17,12 @@ the first that fits is kept (recomputing more is never faster), a micro-batch si
 tried where a smaller one had no variant that fits (a rank holds at least as much with a
 larger one), and of a layout's variants only the fastest that fits (else the smallest) is
 ranked.
+
+Where none of a layout's variants fits, the memory levers are tried (LEVERS, each with the
+checkpointing modes cheapest first): lighter optimizer states, the blocks' activations in
+host memory, FSDP2's state in host memory, and the two offloads together; of those that fit
+the fastest predicted is kept. A lever the user gave keeps its value; the loss is the run's
+own (train.loss=auto: the one without the whole logits, counted in every row).
 """
 
 from __future__ import annotations
@@ -58,6 +64,16 @@ SPEED_RESOLUTION = 0.02
 # A dp_replicate x dp_shard split of data parallelism: the keys it sets.
 DP_KEYS = ("parallel.dp_replicate", "parallel.dp_shard")
 FLOAT8_KEY = "train.float8.enabled"
+# The memory levers tried where a layout does not fit without them: (key, value) pairs a
+# variant sets, cheapest in speed first (plan/host_time.py costs the host's part).
+LEVERS: tuple[tuple[tuple[str, str], ...], ...] = (
+    (("train.optimizer_states", "bf16"),),
+    (("train.optimizer_states", "8bit"),),
+    (("parallel.activation_offload", "cpu"),),
+    (("parallel.fsdp.offload", "cpu"),),
+    (("parallel.fsdp.offload", "cpu"), ("parallel.activation_offload", "cpu")),
+    (("train.optimizer_states", "8bit"), ("parallel.activation_offload", "cpu")),
+)
 
 
 @dataclass(frozen=True)
@@ -239,7 +255,60 @@ def _speed_key(c: Candidate) -> float:
 def best_variant(
     cfg: ExperimentConfig, legal: Legal, fixed: frozenset[str], plan: Plan
 ) -> Candidate | None:
-    """A layout's fastest variant that fits, else its smallest; None if none is legal."""
+    """A layout's fastest variant that fits, else its smallest; None if none is legal. The
+    levers come in only where nothing fits without them (the module docstring)."""
+    found = _best_of(cfg, legal, fixed, plan)
+    if found is not None and found.fits:
+        return found
+    for lever in _levers(cfg, fixed):  # a lever a layout cannot take is no layout ruled out
+        with_lever = _best_of(lever, legal, fixed, Plan([]))
+        if with_lever is not None and _better(with_lever, found):
+            found = with_lever
+    return found
+
+
+def _better(c: Candidate, than: Candidate | None) -> bool:
+    """Fits where the other does not; faster where both fit; smaller where neither does."""
+    if than is None:
+        return True
+    if c.fits != than.fits:
+        return c.fits
+    return _speed_key(c) > _speed_key(than) if c.fits else c.peak < than.peak
+
+
+def _levers(cfg: ExperimentConfig, fixed: frozenset[str]) -> Iterator[ExperimentConfig]:
+    """`cfg` with each of LEVERS the user left to the planner (FSDP2's offload where the
+    layout goes through FSDP2)."""
+    fsdp = Layout.of(cfg.parallel).uses_fsdp
+    for lever in LEVERS:
+        keys = {key for key, _ in lever}
+        if keys & fixed or ("parallel.fsdp.offload" in keys and not fsdp):
+            continue
+        changed = cfg
+        for key, value in lever:
+            changed = _with_key(changed, key, value)
+        yield changed
+
+
+def _with_key(cfg: ExperimentConfig, key: str, value: str) -> ExperimentConfig:
+    """`cfg` with a dotted key (parallel.fsdp.offload) set."""
+    head, _, rest = key.partition(".")
+    node = getattr(cfg, head)
+    if "." in rest:
+        inner, _, leaf = rest.partition(".")
+        node = dataclasses.replace(
+            node, **{inner: dataclasses.replace(getattr(node, inner), **{leaf: value})}
+        )
+    else:
+        node = dataclasses.replace(node, **{rest: value})
+    return dataclasses.replace(cfg, **{head: node})
+
+
+def _best_of(
+    cfg: ExperimentConfig, legal: Legal, fixed: frozenset[str], plan: Plan
+) -> Candidate | None:
+    """The fastest variant of `cfg`'s layout that fits (micro-batch, checkpointing, DDP's
+    view), else its smallest; None if none is legal."""
     fitting: Candidate | None = None
     smallest: Candidate | None = None
     for micro in _micro_batches(cfg, fixed):

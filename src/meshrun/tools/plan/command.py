@@ -202,6 +202,10 @@ def command(c: Candidate, box: Box, model: str) -> str:
     }
     train = [f"train.{k}={getattr(t, k)}" for k, shown in differs.items() if shown]
     train += ["train.compile=true"] if t.compile else []
+    states = t.optimizer_states
+    train += (
+        [f"train.optimizer_states={states}"] if states != TrainConfig().optimizer_states else []
+    )
     train += [
         f"train.float8.{k}={_value(getattr(t.float8, k))}"
         for k in ("enabled", "recipe")
