@@ -112,3 +112,23 @@ def test_offload_costs_its_copies_and_the_host_optimizer_step():
     expected = m * 2 * (kept.activations - moved.activations) / 25e9
     assert act.breakdown["host_copies"] == pytest.approx(expected, rel=1e-6)
     assert act.step_time_s == pytest.approx(base.step_time_s + expected, rel=1e-6)
+
+
+def test_the_plan_fits_what_peers_fit_with_a_lever_and_names_it(tmp_path):
+    """Issue 63: llama-13b at 4,096 x 2 on two A6000s fits no layout of 2 ranks without a
+    lever (110.8 GiB a rank before); the plan tries them where nothing fits and shows the
+    row's levers and the command that runs it."""
+    from tests.test_plan import meshrun_plan  # noqa: PLC0415
+
+    args = ("model=llama-13b", "hardware=a6000", "world_size=2")
+    run, plan = meshrun_plan(tmp_path, *args, "train.seq_len=4096", "train.micro_batch_size=2")
+    assert run.returncode == 0, run.output
+    fitting = [row for row in plan["layouts"] if row["fits"]]
+    assert fitting and "(offload)" in fitting[0]["layout"], run.output
+    assert "parallel.fsdp.offload=cpu" in run.output
+    fixed, plan = meshrun_plan(
+        tmp_path / "fixed", *args, "train.seq_len=4096", "train.micro_batch_size=2",
+        "parallel.fsdp.offload=none", "train.optimizer_states=fp32",
+        "parallel.activation_offload=none",
+    )  # fmt: skip
+    assert not any(row["fits"] for row in plan["layouts"]), fixed.output  # the user's word
