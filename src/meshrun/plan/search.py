@@ -277,12 +277,14 @@ def _better(c: Candidate, than: Candidate | None) -> bool:
 
 
 def _levers(cfg: ExperimentConfig, fixed: frozenset[str]) -> Iterator[ExperimentConfig]:
-    """`cfg` with each of LEVERS the user left to the planner (FSDP2's offload where the
-    layout goes through FSDP2)."""
+    """`cfg` with each of LEVERS the user left to the planner: the offloads on a GPU only (a
+    CPU's host memory is its device's), FSDP2's where the layout goes through FSDP2."""
     fsdp = Layout.of(cfg.parallel).uses_fsdp
+    gpu = cfg.hardware.device_type == "cuda"
     for lever in LEVERS:
         keys = {key for key, _ in lever}
-        if keys & fixed or ("parallel.fsdp.offload" in keys and not fsdp):
+        offloads = {k for k in keys if "offload" in k}
+        if keys & fixed or (offloads and not gpu) or ("parallel.fsdp.offload" in keys and not fsdp):
             continue
         changed = cfg
         for key, value in lever:
