@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from meshrun.core.model_shape import padded_vocab
 
@@ -34,14 +33,18 @@ def unpad_logits(logits: torch.Tensor, vocab: int) -> torch.Tensor:
     value, which no softmax picks: cutting them off would gather every shard."""
     if logits.ndim == 0 or logits.shape[-1] == vocab:
         return logits
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415 (the driver loads no DTensor)
+
     if isinstance(logits, DTensor):
         return logits + _padding_mask(logits, vocab)
     return logits[..., :vocab]
 
 
-def _padding_mask(logits: DTensor, vocab: int) -> DTensor:
+def _padding_mask(logits: torch.Tensor, vocab: int) -> torch.Tensor:
     """0 for the real columns, the dtype's lowest for the padded ones, sharded as `logits`'
     last dim is (each rank cuts its own slice: no communication)."""
+    from torch.distributed.tensor import Shard, distribute_tensor  # noqa: PLC0415
+
     mask = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.to_local().device)
     mask[vocab:] = torch.finfo(logits.dtype).min
     return distribute_tensor(mask, logits.device_mesh, [Shard(0)], src_data_rank=None)

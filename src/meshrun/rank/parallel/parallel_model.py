@@ -53,7 +53,7 @@ class ParallelModel:
         One schedule switched between `eval` and `step` re-initialises its stages (P2P
         warm-up, shape inference, buffers) at every switch, and the switch back would run
         inside the next timed training step."""
-        return self.new_schedule()
+        return self.new_schedule(loss_fn=ScaledLoss(self.loss.method))
 
     def run_schedule(
         self,
