@@ -20,6 +20,7 @@ from meshrun.plan.host_time import HOST_ADAMW_GBS
 from meshrun.plan.memory import OPTIMIZER_STATE_BYTES, predict_stages
 from meshrun.plan.speed import predict_speed
 from tests.helpers import compose_config, resolved_config
+from tests.test_plan import meshrun_plan
 
 GiB = 2**30
 LLAMA_7B = (
@@ -112,3 +113,27 @@ def test_offload_costs_its_copies_and_the_host_optimizer_step():
     expected = m * 2 * (kept.activations - moved.activations) / 25e9
     assert act.breakdown["host_copies"] == pytest.approx(expected, rel=1e-6)
     assert act.step_time_s == pytest.approx(base.step_time_s + expected, rel=1e-6)
+
+
+def test_the_plan_offloads_where_nothing_else_fits(tmp_path):
+    """Issue 63's check: llama-13b on 2 A6000s at 2 x 4,096 tokens, where no layout fits on
+    the devices alone (the closest needed 110.8 GiB a rank), plans a fitting row with FSDP2's
+    state on the host, its copies and host optimizer step in its predicted speed; a layout
+    that fits without offload is planned without it."""
+    _, plan = meshrun_plan(
+        tmp_path,
+        "model=llama-13b",
+        "hardware=a6000",
+        "world_size=2",
+        "train.seq_len=4096",
+        "train.micro_batch_size=2",
+    )
+    best = plan["layouts"][0]
+    assert best["fits"] and best["layout"].startswith("fsdp2(offload)")
+    assert "parallel.fsdp.offload=cpu" in best["overrides"]
+    assert best["host_bytes_per_node"] > 13e9 * 16 * 0.9  # the whole state, over 2 ranks
+    assert best["speed"]["step_parts"]["optimizer"] > 0
+    _, small = meshrun_plan(
+        tmp_path / "small", "model=llama-1b", "hardware=a100-80g", "world_size=8"
+    )
+    assert all("offload" not in row["layout"] for row in small["layouts"] if row["fits"])

@@ -11,12 +11,13 @@ groups free to span nodes: the ring's sends hide behind attention), for an MoE m
 that divides its experts and dp_shard x cp (and with TP, its experts split over the TP ranks
 or not: etp), each pipeline schedule with its stages per rank, sequence parallelism on and
 off, activation checkpointing none / selective / op / full on every 2nd block / full, DDP's
-bucket view, the micro-batch size. A key the user gave (`fixed`) keeps its value. Pruning:
-for each layout and micro-batch size the checkpointing modes are tried cheapest first and
-the first that fits is kept (recomputing more is never faster), a micro-batch size is not
-tried where a smaller one had no variant that fits (a rank holds at least as much with a
-larger one), and of a layout's variants only the fastest that fits (else the smallest) is
-ranked.
+bucket view, the micro-batch size; on a GPU, where no layout fits without them, FSDP2's
+offload to the host and then the activations' too. A key the user gave (`fixed`) keeps its
+value. Pruning: for each layout and micro-batch size the checkpointing modes are tried
+cheapest first and the first that fits is kept (recomputing more is never faster; the
+offloads only where none fits without them), a micro-batch size is not tried where a smaller
+one had no variant that fits (a rank holds at least as much with a larger one), and of a
+layout's variants only the fastest that fits (else the smallest) is ranked.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any
 
 from meshrun.core.baseline import baseline_config
 from meshrun.core.batch import local_batch_size
-from meshrun.core.config import CLUSTER_LAUNCHER, ExperimentConfig
+from meshrun.core.config import CLUSTER_LAUNCHER, ExperimentConfig, TrainConfig
 from meshrun.core.errors import ConfigError, fail
 from meshrun.core.layout import Layout
 from meshrun.models import model_kind, model_shape
@@ -232,42 +233,106 @@ def _variants(
             yield ckpt, view
 
 
+def _offloads(cfg: ExperimentConfig, fixed: frozenset[str]) -> Iterator[tuple[str, str]]:
+    """(parallel.fsdp.offload, parallel.activation_offload) to try, fewest first: the run's
+    own, then, on a GPU, FSDP2's state to the host where the layout goes through FSDP2,
+    then the activations too. A CPU's host is its device: nothing to try there."""
+    p = cfg.parallel
+    given = (str(p.fsdp.offload), str(p.activation_offload))
+    yield given
+    if cfg.hardware.device_type != "cuda":
+        return
+    state = given[0]
+    if "parallel.fsdp.offload" not in fixed and Layout.of(p).uses_fsdp and state == "none":
+        state = "cpu"
+        yield state, given[1]
+    if "parallel.activation_offload" not in fixed and given[1] == "none":
+        yield state, "cpu"
+
+
+def _with_offloads(cfg: ExperimentConfig, state: str, activations: str) -> ExperimentConfig:
+    fsdp = dataclasses.replace(cfg.parallel.fsdp, offload=state)
+    parallel = dataclasses.replace(cfg.parallel, fsdp=fsdp, activation_offload=activations)
+    return dataclasses.replace(cfg, parallel=parallel)
+
+
 def _speed_key(c: Candidate) -> float:
     return c.speed.tokens_per_s if c.speed else 0.0
 
 
 def best_variant(
-    cfg: ExperimentConfig, legal: Legal, fixed: frozenset[str], plan: Plan
+    cfg: ExperimentConfig, legal: Legal, fixed: frozenset[str], plan: Plan, offload: bool
 ) -> Candidate | None:
-    """A layout's fastest variant that fits, else its smallest; None if none is legal."""
+    """A layout's fastest variant that fits, else its smallest without offload; None if none
+    is legal. With `offload`, the offloads are tried where no checkpointing fits without them (their
+    copies cost more than recomputing, on a PCIe box far more), and each only where its
+    variant of the most recomputation fits (else none of its variants does)."""
     fitting: Candidate | None = None
     smallest: Candidate | None = None
     for micro in _micro_batches(cfg, fixed):
         train = dataclasses.replace(cfg.train, micro_batch_size=micro)
         evaluated = fits = False
-        for (ckpt, every), view in _variants(dataclasses.replace(cfg, train=train), fixed):
-            ddp = dataclasses.replace(cfg.parallel.ddp, gradient_as_bucket_view=view)
-            parallel = dataclasses.replace(
-                cfg.parallel, activation_checkpointing=ckpt, checkpoint_every=every, ddp=ddp
-            )
-            resolved = legal_or_reason(
-                dataclasses.replace(cfg, train=train, parallel=parallel), legal
-            )
-            if isinstance(resolved, str):
-                plan.rule_out(resolved)
-                continue
-            c = evaluate(resolved)
-            evaluated = True
-            if c.fits:
-                fits = True
-                if fitting is None or _speed_key(c) > _speed_key(fitting):
-                    fitting = c
-                break  # more recomputation or the other view: no faster
-            if smallest is None or c.peak < smallest.peak:
-                smallest = c
+        sets = list(_offloads(cfg, fixed))[: None if offload else 1]
+        for index, offloads in enumerate(sets):
+            base = _with_offloads(dataclasses.replace(cfg, train=train), *offloads)
+            variants = list(_variants(base, fixed))
+            if index == 1 and not _leanest_fits(cfg, train, sets[-1], fixed, legal, plan):
+                break  # not even with every offload: none of them makes it fit
+            if index:
+                leanest = _variant(base, variants[-1], legal, plan)
+                if leanest is None or not leanest.fits:
+                    continue
+            for variant in variants:
+                c = _variant(base, variant, legal, plan)
+                if c is None:
+                    continue
+                evaluated = True
+                if c.fits:
+                    fits = True
+                    if fitting is None or _speed_key(c) > _speed_key(fitting):
+                        fitting = c
+                    break  # more recomputation or the other view: no faster
+                if not index and (smallest is None or c.peak < smallest.peak):
+                    smallest = c
+            if fits:
+                break  # more offload: no faster
         if evaluated and not fits:
             break  # a larger micro-batch holds at least as much
     return fitting or smallest
+
+
+def _leanest_fits(
+    cfg: ExperimentConfig,
+    train: TrainConfig,
+    offloads: tuple[str, str],
+    fixed: frozenset[str],
+    legal: Legal,
+    plan: Plan,
+) -> bool:
+    """Whether the layout's variant of the most recomputation fits with `offloads`."""
+    base = _with_offloads(dataclasses.replace(cfg, train=train), *offloads)
+    leanest = _variant(base, list(_variants(base, fixed))[-1], legal, plan)
+    return leanest is not None and leanest.fits
+
+
+def _variant(
+    cfg: ExperimentConfig,
+    variant: tuple[tuple[str, int], bool],
+    legal: Legal,
+    plan: Plan,
+) -> Candidate | None:
+    """One checkpointing and bucket view of a layout judged; None where the rules refuse it
+    (the reason kept for the plan)."""
+    (ckpt, every), view = variant
+    ddp = dataclasses.replace(cfg.parallel.ddp, gradient_as_bucket_view=view)
+    parallel = dataclasses.replace(
+        cfg.parallel, activation_checkpointing=ckpt, checkpoint_every=every, ddp=ddp
+    )
+    resolved = legal_or_reason(dataclasses.replace(cfg, parallel=parallel), legal)
+    if isinstance(resolved, str):
+        plan.rule_out(resolved)
+        return None
+    return evaluate(resolved)
 
 
 def legal_or_reason(cfg: ExperimentConfig, legal: Legal) -> ExperimentConfig | str:
@@ -280,14 +345,26 @@ def legal_or_reason(cfg: ExperimentConfig, legal: Legal) -> ExperimentConfig | s
 def search(
     cfg: ExperimentConfig, box: Box, legal: Legal, fixed: frozenset[str] = frozenset()
 ) -> Plan:
-    """Ranked candidates; pipelines on mixed boxes get an uneven split as well."""
+    """Ranked candidates; pipelines on mixed boxes get an uneven split as well. The offloads
+    are searched only where no layout fits without them (a second pass: a plan where
+    something fits costs nothing more)."""
+    plan = _search(cfg, box, legal, fixed, offload=False)
+    if cfg.hardware.device_type == "cuda" and not any(c.fits for c in plan.ranked):
+        plan = _search(cfg, box, legal, fixed, offload=True)
+    return plan
+
+
+def _search(
+    cfg: ExperimentConfig, box: Box, legal: Legal, fixed: frozenset[str], offload: bool
+) -> Plan:
     plan = Plan([])
     for keys in layout_grid(cfg, box, fixed):
         if box.per_node % keys["tp"]:  # only where the user asked for this tp
             plan.rule_out(_tp_across_nodes(keys["tp"], box))
             continue
         for precision in float8_variants(cfg, fixed):
-            best = best_variant(with_parallel(precision, box, **keys), legal, fixed, plan)
+            laid_out = with_parallel(precision, box, **keys)
+            best = best_variant(laid_out, legal, fixed, plan, offload)
             if best is None:
                 continue
             plan.ranked.append(best)
