@@ -4,7 +4,8 @@ each lever and without, one run each, as ratios.
 - train.optimizer_states: model=small on one rank in fp32, bf16 and 8bit: the measured
   optimizer bytes against fp32's (8-bit at most 0.3x), the step time against fp32's, and
   the largest relative difference of a step's loss from fp32's (`--loss-steps 200`: issue
-  63's 2% over 200 steps).
+  63's 2% over 200 steps, at one micro-batch of 8 x 64 tokens a step so that the three runs
+  take minutes, not hours, on a shared 2-core host).
 - parallel.activation_offload=cpu: the bytes a step's forward sends to the host (counted by
   the hooks on model=small, micro-batch 8 x 512, with and without full checkpointing) and
   the step time against the run without it.
