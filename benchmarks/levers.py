@@ -4,7 +4,8 @@ each lever and without, one run each, as ratios.
 - train.optimizer_states: model=small on one rank in fp32, bf16 and 8bit: the measured
   optimizer bytes against fp32's (8-bit at most 0.3x), the step time against fp32's, and
   the largest relative difference of a step's loss from fp32's (`--loss-steps 200`: issue
-  63's 2% over 200 steps).
+  63's 2% over 200 steps, at one micro-batch of 8 x 64 tokens a step so that the three runs
+  take minutes, not hours, on a shared 2-core host).
 - parallel.activation_offload=cpu: the bytes a step's forward sends to the host (counted by
   the hooks on model=small, micro-batch 8 x 512, with and without full checkpointing) and
   the step time against the run without it.
@@ -16,6 +17,7 @@ outputs/benchmarks/levers.json.
 
     .venv/bin/python benchmarks/levers.py                     # ~5 min on 2 idle cores
     .venv/bin/python benchmarks/levers.py --loss-steps 200    # + 3 runs of 200 steps
+    .venv/bin/python benchmarks/levers.py --loss-steps 200 --loss-only
 """
 
 from __future__ import annotations
@@ -55,9 +57,11 @@ def largest_loss_difference(losses: list[float], reference: list[float]) -> floa
     return max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
 
 
-def optimizer_states(work: Path, steps: int) -> dict[str, Any]:
+def optimizer_states(work: Path, steps: int, *overrides: str) -> dict[str, Any]:
     runs = {
-        mode: run(work, mode, steps, "parallel=single", f"train.optimizer_states={mode}")
+        mode: run(
+            work, mode, steps, "parallel=single", f"train.optimizer_states={mode}", *overrides
+        )
         for mode in ("fp32", "bf16", "8bit")
     }
     fp32 = runs["fp32"]
@@ -105,46 +109,53 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=8, help="steps of each speed run")
     parser.add_argument("--loss-steps", type=int, default=0, help="steps of the loss runs")
+    parser.add_argument("--loss-only", action="store_true", help="only the loss runs")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        record = {
-            "optimizer_states": optimizer_states(work, args.steps),
-            **offload_costs(work, args.steps),
-        }
-        if args.loss_steps:
-            record["optimizer_states_loss"] = optimizer_states(work / "loss", args.loss_steps)
-    table = Table("lever", "figure", "value")
-    for mode in ("bf16", "8bit"):
-        states = record["optimizer_states"][mode]
-        table.add_row(
-            f"states {mode}", "optimizer bytes / fp32's", f"{states['optimizer_bytes_ratio']:.3f}"
-        )
-        table.add_row(f"states {mode}", "step time / fp32's", f"{states['step_time_ratio']:.2f}")
-        if "optimizer_states_loss" in record:
-            loss = record["optimizer_states_loss"][mode]
-            table.add_row(
-                f"states {mode}",
-                f"largest loss difference over {loss['steps']} steps",
-                f"{loss['largest_loss_difference']:.2%}",
+        record: dict[str, Any] = {}
+        if not args.loss_only:
+            record["optimizer_states"] = optimizer_states(work, args.steps)
+            record |= offload_costs(work, args.steps)
+        if args.loss_steps:  # one micro-batch of 8 x 64 tokens a step: 200 steps in minutes
+            short = ("train.seq_len=64", "train.micro_batch_size=8", "train.global_batch_size=8")
+            record["optimizer_states_loss"] = optimizer_states(
+                work / "loss", args.loss_steps, *short
             )
-    act = record["activation_offload"]
-    table.add_row(
-        "activation offload", "bytes to host a forward", f"{act['bytes_moved_per_forward']:,}"
-    )
-    table.add_row(
-        "activation offload",
-        "... with full checkpointing",
-        f"{act['bytes_moved_per_forward_full_checkpointing']:,}",
-    )
-    table.add_row("activation offload", "step time / without", f"{act['step_time_ratio']:.2f}")
-    fsdp = record["fsdp_offload"]["step_time_ratio"]
-    table.add_row("fsdp offload", "step time / without", f"{fsdp:.2f}")
-    console.print(table)
+    console.print(table(record))
     out = REPO_ROOT / "outputs" / "benchmarks" / "levers.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2))
     console.print(f"written: {out}")
+
+
+def table(record: dict[str, Any]) -> Table:
+    rows = Table("lever", "figure", "value")
+    for mode in ("bf16", "8bit"):
+        if "optimizer_states" in record:
+            states = record["optimizer_states"][mode]
+            ratio = states["optimizer_bytes_ratio"]
+            rows.add_row(f"states {mode}", "optimizer bytes / fp32's", f"{ratio:.3f}")
+            rows.add_row(f"states {mode}", "step time / fp32's", f"{states['step_time_ratio']:.2f}")
+        if "optimizer_states_loss" in record:
+            loss = record["optimizer_states_loss"][mode]
+            rows.add_row(
+                f"states {mode}",
+                f"largest loss difference over {loss['steps']} steps",
+                f"{loss['largest_loss_difference']:.2%}",
+            )
+    if "activation_offload" in record:
+        act = record["activation_offload"]
+        moved, ckpt = (
+            act["bytes_moved_per_forward"],
+            act["bytes_moved_per_forward_full_checkpointing"],
+        )
+        rows.add_row("activation offload", "bytes to host a forward", f"{moved:,}")
+        rows.add_row("activation offload", "... with full checkpointing", f"{ckpt:,}")
+        rows.add_row("activation offload", "step time / without", f"{act['step_time_ratio']:.2f}")
+        fsdp = record["fsdp_offload"]["step_time_ratio"]
+        rows.add_row("fsdp offload", "step time / without", f"{fsdp:.2f}")
+    return rows
 
 
 if __name__ == "__main__":

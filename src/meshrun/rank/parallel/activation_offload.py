@@ -11,7 +11,8 @@ freed by FSDP2 itself).
 Registered on the block as it sits in the block list, around activation checkpointing's
 wrapper where there is one: a checkpointed block saves only its input (non-reentrant
 checkpointing saves it before its own hooks begin), which goes to the host too, and the
-rest is recomputed in backward, as without offload. `moved` counts the bytes copied out, a
+rest is recomputed in backward, as without offload. A tensor several ops save (the input
+of q, k and v's projections) is copied once a block. `moved` counts the bytes copied out, a
 step's being what the benchmark reports.
 """
 
@@ -29,6 +30,7 @@ class HostActivations:
         self.pin_memory = pin_memory
         self.moved = 0
         self._entered: list[torch.autograd.graph.saved_tensors_hooks] = []
+        self._copied: dict[tuple, tuple] = {}  # this block's, by tensor: each copied once
 
     @torch.no_grad()
     def pack(self, tensor: torch.Tensor) -> object:
@@ -37,12 +39,17 @@ class HostActivations:
         if isinstance(tensor, DTensor):  # TP's: its local tensor, and how to rebuild it
             spec = (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride())
             return spec, self.pack(tensor.to_local())
+        key = (tensor.data_ptr(), tensor.size(), tensor.stride(), tensor.dtype)
+        if key in self._copied:  # q, k and v's linears save the same input
+            return self._copied[key][1]
         host = torch.empty(
             tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=self.pin_memory
         )
         host.copy_(tensor, non_blocking=self.pin_memory)
         self.moved += host.numel() * host.element_size()
-        return tensor.device, host
+        # the tensor held until the block's forward ends, so no other takes its address
+        self._copied[key] = tensor, (tensor.device, host)
+        return self._copied[key][1]
 
     def unpack(self, packed: object) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
@@ -63,6 +70,7 @@ class HostActivations:
 
     def exit(self, module: nn.Module, args: tuple, output: object) -> None:
         self._entered.pop().__exit__(None, None, None)
+        self._copied.clear()  # the block's tensors released to autograd's ownership
 
 
 def _held_elsewhere(tensor: torch.Tensor) -> bool:
