@@ -38,7 +38,9 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
-def micro_batch_loss(module: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, method: str):
+def micro_batch_loss(
+    module: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, method: str
+) -> torch.Tensor:
     """The mean loss of one micro-batch through `module` (a model part with the head)."""
     if method == "chunked":
         return module(inputs, targets=targets)
@@ -66,13 +68,17 @@ class ChunkedLoss:
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.loss_targets is None:
             return super().forward(hidden)
-        return chunked_cross_entropy(super().forward, hidden, self.loss_targets, self.loss_vocab)
+        params = [p for p in self.parameters() if p.requires_grad]
+        return chunked_cross_entropy(
+            super().forward, params, hidden, self.loss_targets, self.loss_vocab
+        )
 
 
-def chunked_cross_entropy(head, hidden: torch.Tensor, targets: torch.Tensor, vocab: int):
-    """The mean of the tokens' cross-entropies, `head` (the head module's own forward, hidden
-    -> logits) run over chunk_tokens(vocab) tokens at a time."""
-    params = [p for p in head.__self__.parameters() if p.requires_grad]
+def chunked_cross_entropy(
+    head, params: list[torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor, vocab: int
+) -> torch.Tensor:
+    """The mean of the tokens' cross-entropies, `head` (hidden -> logits, its parameters
+    `params`) run over chunk_tokens(vocab) tokens at a time."""
     if torch.is_grad_enabled():
         return ChunkedCrossEntropy.apply(head, vocab, hidden, targets, *params)
     total, count, _ = _over_chunks(head, vocab, hidden, targets, [], grads=False)
@@ -85,7 +91,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     and backward scales what forward kept, a hidden-sized input gradient and the head's
     parameter gradients (which backward would hold from its first step anyway). Recomputing
     each chunk in backward instead (torch.utils.checkpoint) ran the head's matmul and
-    softmax twice: 0.69x full's tokens/s on model=tiny with a 65,536-token vocabulary."""
+    softmax twice (0.69x full's tokens/s in one run of tiny with a 65,536-token vocabulary;
+    this way 1.03x, benchmarks/loss_memory.py)."""
 
     @staticmethod
     def forward(ctx, head, vocab: int, hidden, targets, *params):
