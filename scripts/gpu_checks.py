@@ -300,6 +300,24 @@ def one_gpu(all_gpus: int) -> list[Check]:
             _both_within_bars("small", "gpt2"),
             budget_s=120,
         ),
+        Check(
+            "memory levers on one GPU: llama-1b bf16, the loss full against auto's chunked, "
+            "then 8-bit states with the activations in pinned host memory",
+            _all_of(
+                *[
+                    _meshrun(
+                        "parallel=single train.micro_batch_size=2",
+                        llama,
+                        short,
+                        extra,
+                        under=name,
+                    )
+                    for name, extra in LEVER_RUNS
+                ]
+            ),
+            _levers_against_full,
+            budget_s=180,
+        ),
         *(shared_gpu() if all_gpus == 1 else []),
         Check(
             "fp32 on CUDA with train.tf32 on and off: the rate planned is the rate run",
@@ -376,6 +394,7 @@ def shared_gpu() -> list[Check]:
     ones too, runs on CUDA tensors where the layout puts them. A collective gloo has no CUDA
     kernel for is SKIPPED, saying which (torch's backend table: docs/distributed.rst)."""
     tiny = "model=tiny train.precision=fp32 backend=gloo launcher.nproc_per_node=2"
+    layouts = ("ddp", "fsdp", "tp2", "fsdp parallel.fsdp.offload=cpu")  # the last: pinned
     return [
         Check(
             f"verify: {layout} over gloo, 2 ranks sharing the GPU, against one GPU",
@@ -383,8 +402,34 @@ def shared_gpu() -> list[Check]:
             passed_or_gloo_lacks,
             budget_s=120,
         )
-        for layout in ("ddp", "fsdp", "tp2")
+        for layout in layouts
     ]
+
+
+# issue 63's levers on a GPU: the whole fp32 logits, auto's chunked loss, and 8-bit AdamW
+# (torchao's CUDA kernels) with the blocks' saved tensors in pinned host memory
+LEVER_RUNS = (
+    ("full", "train.loss=full"),
+    ("auto", ""),
+    ("levers", "train.optimizer_states=8bit parallel.activation_offload=cpu"),
+)
+
+
+def _levers_against_full(done: Outcome) -> Verdict:
+    """Every run ended 0 with its peak within the planner's bars, and auto's loss peaks under
+    the full loss's."""
+    if any(rc for rc, _ in parts(done.output)):
+        return Verdict(FAIL, f"a run failed: {_last_error(done.output)}")
+    runs = {name: _results(done.work / name) for name, _ in LEVER_RUNS}
+    wrong = [f"{n}: {why}" for n, r in runs.items() if (why := memory_within_bars(r))]
+    peaks = {n: max(m["peak"] for m in r["memory_per_rank"]) for n, r in runs.items()}
+    if peaks["auto"] >= peaks["full"]:
+        wrong.append(
+            f"auto's loss peaks at {peaks['auto'] / MiB:,.0f} MiB, "
+            f"full's at {peaks['full'] / MiB:,.0f}"
+        )
+    said = " | ".join(f"{n}: {figures(r)}" for n, r in runs.items())
+    return Verdict(FAIL if wrong else PASS, "; ".join([*wrong, said]))
 
 
 def passed_or_gloo_lacks(done: Outcome) -> Verdict:
@@ -472,6 +517,20 @@ def more_gpus(gpus: int) -> list[Check]:
         Check(
             "verify: fsdp fp32 under TF32 on NCCL against one GPU (verify's 2^-11 bar)",
             _meshrun("model=tiny parallel=fsdp train.precision=fp32", nccl2, command="verify"),
+            exits_zero_with(r"PASS"),
+            gpus=2,
+        ),
+        Check(
+            "verify: fsdp with FSDP2's CPU offload (pinned host memory) on NCCL",
+            _meshrun("model=tiny parallel=fsdp parallel.fsdp.offload=cpu", nccl2, command="verify"),
+            exits_zero_with(r"PASS"),
+            gpus=2,
+        ),
+        Check(
+            "verify: tp2's vocabulary-parallel loss (loss_parallel) on NCCL",
+            _meshrun(
+                "model=tiny parallel=tp2 parallel.sequence_parallel=true", nccl2, command="verify"
+            ),
             exits_zero_with(r"PASS"),
             gpus=2,
         ),
