@@ -403,14 +403,10 @@ def main(checks: Callable[[int, float], list[Check]], argv: list[str] | None = N
     args = _parser().parse_args(argv)
     started = float(os.environ.get("GPU_CHECK_STARTED", time.time()))
     deadline = time.monotonic() + args.budget_s - (time.time() - started)
-    out, work = Path(args.out), Path(args.work)
+    out, work = Path(args.out).resolve(), Path(args.work).resolve()
+    os.environ["OUT"] = str(out)  # the checks' own, wherever they run
     work.mkdir(parents=True, exist_ok=True)
-    wheels = Path(args.wheels)
-    installed = None
-    if not args.dry_run and (wheels / "core.txt").exists():
-        print(f"gpu-check: installing meshrun's needs offline from {wheels}", flush=True)
-        installed = install(sys.executable, wheels, work / "install.log")
-        print(f"gpu-check: {installed.status} {installed.name}: {installed.detail}", flush=True)
+    installed = None if args.dry_run else _install_carried(Path(args.wheels), work)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     n_gpus, seen = count_gpus(_torch_count(), _smi_list(), visible)
     host = f"gpu-check on {os.cpu_count()} cores: {seen}"
@@ -443,6 +439,16 @@ def main(checks: Callable[[int, float], list[Check]], argv: list[str] | None = N
     report.write(finished=True)
     print(table(list(report.results.values()), host), flush=True)
     return 1 if any(r.status == FAIL for r in report.results.values()) else 0
+
+
+def _install_carried(wheels: Path, work: Path) -> Result | None:
+    """install() where wheels were carried (a core.txt among them); None where none were."""
+    if not (wheels / "core.txt").exists():
+        return None
+    print(f"gpu-check: installing meshrun's needs offline from {wheels}", flush=True)
+    installed = install(sys.executable, wheels, work / "install.log")
+    print(f"gpu-check: {installed.status} {installed.name}: {installed.detail}", flush=True)
+    return installed
 
 
 def _parser() -> argparse.ArgumentParser:
