@@ -36,6 +36,12 @@ def chunked_refused(cfg: ExperimentConfig) -> str | None:
         return "DataParallel gathers its replicas' logits on one device"
     if not model_kind(cfg.model).finds_head(cfg.model):
         return "the model's head is not named (model.head)"
+    if cfg.parallel.pp > 1 and cfg.parallel.schedule == "interleaved_zb":
+        return (
+            "the zero-bubble schedule splits each backward into input and weight passes over "
+            "the autograd nodes, and torch 2.11's split reads an attribute a custom autograd "
+            "Function's node no longer has (_input_metadata: the chunked loss's)"
+        )
     return None
 
 

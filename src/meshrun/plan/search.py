@@ -19,10 +19,12 @@ larger one), and of a layout's variants only the fastest that fits (else the sma
 ranked.
 
 Where none of a layout's variants fits, the memory levers are tried (LEVERS, each with the
-checkpointing modes cheapest first): lighter optimizer states, the blocks' activations in
-host memory, FSDP2's state in host memory, and the two offloads together; of those that fit
-the fastest predicted is kept. A lever the user gave keeps its value; the loss is the run's
-own (train.loss=auto: the one without the whole logits, counted in every row).
+checkpointing modes cheapest first, and only where its leanest variant fits): lighter
+optimizer states, the blocks' activations in host memory, FSDP2's state in host memory, and
+the two offloads together; of those that fit the fastest predicted is kept (a layout that
+fits with none keeps its smallest variant without them). A lever the user gave keeps its
+value; the loss is the run's own (train.loss=auto: the one without the whole logits, counted
+in every row).
 """
 
 from __future__ import annotations
@@ -261,10 +263,25 @@ def best_variant(
     if found is not None and found.fits:
         return found
     for lever in _levers(cfg, fixed):  # a lever a layout cannot take is no layout ruled out
+        if not _leanest_fits(lever, legal, fixed):
+            continue  # not even its smallest micro-batch, recomputing the most, fits
         with_lever = _best_of(lever, legal, fixed, Plan([]))
         if with_lever is not None and _better(with_lever, found):
             found = with_lever
     return found
+
+
+def _leanest_fits(cfg: ExperimentConfig, legal: Legal, fixed: frozenset[str]) -> bool:
+    """Whether `cfg`'s layout fits at its smallest micro-batch with its most recomputation."""
+    train = dataclasses.replace(cfg.train, micro_batch_size=_micro_batches(cfg, fixed)[0])
+    small = dataclasses.replace(cfg, train=train)
+    (ckpt, every), view = list(_variants(small, fixed))[-1]
+    ddp = dataclasses.replace(cfg.parallel.ddp, gradient_as_bucket_view=view)
+    parallel = dataclasses.replace(
+        cfg.parallel, activation_checkpointing=ckpt, checkpoint_every=every, ddp=ddp
+    )
+    resolved = legal_or_reason(dataclasses.replace(small, parallel=parallel), legal)
+    return not isinstance(resolved, str) and evaluate(resolved).fits
 
 
 def _better(c: Candidate, than: Candidate | None) -> bool:
