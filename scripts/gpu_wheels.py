@@ -230,6 +230,8 @@ def download(pins: dict[str, str], python: str, into: Path) -> dict[str, Path]:
 
 
 def build(out: Path, image_file: Path, python: str, uv: str) -> list[Package]:
+    if not image_file.is_file():
+        raise SystemExit(f"gpu_wheels: no description of the GPU image at {image_file} (--image)")
     image = image_packages(image_file.read_text())
     core, extras = requirements(tomllib.loads((ROOT / "pyproject.toml").read_text()))
     with tempfile.TemporaryDirectory(prefix="meshrun-gpu-wheels.") as tmp:
