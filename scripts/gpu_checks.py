@@ -514,38 +514,33 @@ def more_gpus(gpus: int) -> list[Check]:
             ran(),
             gpus=2,
         ),
-        Check(
-            "verify: fsdp fp32 under TF32 on NCCL against one GPU (verify's 2^-11 bar)",
-            _meshrun("model=tiny parallel=fsdp train.precision=fp32", nccl2, command="verify"),
-            exits_zero_with(r"PASS"),
-            gpus=2,
-        ),
-        Check(
-            "verify: fsdp with FSDP2's CPU offload (pinned host memory) on NCCL",
-            _meshrun("model=tiny parallel=fsdp parallel.fsdp.offload=cpu", nccl2, command="verify"),
-            exits_zero_with(r"PASS"),
-            gpus=2,
-        ),
-        Check(
-            "verify: tp2's vocabulary-parallel loss (loss_parallel) on NCCL",
-            _meshrun(
-                "model=tiny parallel=tp2 parallel.sequence_parallel=true", nccl2, command="verify"
-            ),
-            exits_zero_with(r"PASS"),
-            gpus=2,
-        ),
-        Check(
-            "verify: tiny-moe ep2 on NCCL against one GPU",
-            _meshrun("model=tiny-moe parallel=ep2", nccl2, command="verify"),
-            exits_zero_with(r"PASS"),
-            gpus=2,
-        ),
-        Check(
-            "verify: a tied embedding across 2 pipeline stages on NCCL",
-            _meshrun("model=tiny model.tie_embeddings=true parallel=pp2", nccl2, command="verify"),
-            exits_zero_with(r"PASS"),
-            gpus=2,
-        ),
+        *[
+            Check(
+                f"verify: {what} on NCCL against one GPU",
+                _meshrun(overrides, nccl2, command="verify"),
+                exits_zero_with(r"PASS"),
+                gpus=2,
+            )
+            for what, overrides in (
+                (
+                    "fsdp fp32 under TF32 (verify's 2^-11 bar)",
+                    "model=tiny parallel=fsdp train.precision=fp32",
+                ),
+                (
+                    "fsdp with FSDP2's CPU offload (pinned host memory)",
+                    "model=tiny parallel=fsdp parallel.fsdp.offload=cpu",
+                ),
+                (
+                    "tp2's vocabulary-parallel loss (loss_parallel)",
+                    "model=tiny parallel=tp2 parallel.sequence_parallel=true",
+                ),
+                ("tiny-moe ep2", "model=tiny-moe parallel=ep2"),
+                (
+                    "a tied embedding across 2 pipeline stages",
+                    "model=tiny model.tie_embeddings=true parallel=pp2",
+                ),
+            )
+        ],
         Check(
             "a hang on NCCL: flight recorder names the collective",
             _meshrun("parallel=ddp launcher.nproc_per_node=2", hang),

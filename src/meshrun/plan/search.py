@@ -18,7 +18,7 @@ tried where a smaller one had no variant that fits (a rank holds at least as muc
 larger one), and of a layout's variants only the fastest that fits (else the smallest) is
 ranked.
 
-Where none of a layout's variants fits, the memory levers are tried (LEVERS, each with the
+Where none of a layout's variants fits, the memory levers are tried (plan/levers.py, each with the
 checkpointing modes cheapest first, and only where its leanest variant fits): lighter
 optimizer states, the blocks' activations in host memory, FSDP2's state in host memory, and
 the two offloads together; of those that fit the fastest predicted is kept (a layout that
@@ -46,6 +46,7 @@ from meshrun.core.layout import Layout
 from meshrun.models import model_kind, model_shape
 from meshrun.plan import predict
 from meshrun.plan.candidate import Candidate, Legal, evaluate, host_flops
+from meshrun.plan.levers import lever_configs
 from meshrun.plan.split import uneven_variant
 
 # (schedule, stages_per_rank)
@@ -66,16 +67,6 @@ SPEED_RESOLUTION = 0.02
 # A dp_replicate x dp_shard split of data parallelism: the keys it sets.
 DP_KEYS = ("parallel.dp_replicate", "parallel.dp_shard")
 FLOAT8_KEY = "train.float8.enabled"
-# The memory levers tried where a layout does not fit without them: (key, value) pairs a
-# variant sets, cheapest in speed first (plan/host_time.py costs the host's part).
-LEVERS: tuple[tuple[tuple[str, str], ...], ...] = (
-    (("train.optimizer_states", "bf16"),),
-    (("train.optimizer_states", "8bit"),),
-    (("parallel.activation_offload", "cpu"),),
-    (("parallel.fsdp.offload", "cpu"),),
-    (("parallel.fsdp.offload", "cpu"), ("parallel.activation_offload", "cpu")),
-    (("train.optimizer_states", "8bit"), ("parallel.activation_offload", "cpu")),
-)
 
 
 @dataclass(frozen=True)
@@ -262,7 +253,7 @@ def best_variant(
     found = _best_of(cfg, legal, fixed, plan)
     if found is not None and found.fits:
         return found
-    for lever in _levers(cfg, fixed):  # a lever a layout cannot take is no layout ruled out
+    for lever in lever_configs(cfg, fixed):  # a lever a layout cannot take is no layout ruled out
         if not _leanest_fits(lever, legal, fixed):
             continue  # not even its smallest micro-batch, recomputing the most, fits
         with_lever = _best_of(lever, legal, fixed, Plan([]))
@@ -275,13 +266,22 @@ def _leanest_fits(cfg: ExperimentConfig, legal: Legal, fixed: frozenset[str]) ->
     """Whether `cfg`'s layout fits at its smallest micro-batch with its most recomputation."""
     train = dataclasses.replace(cfg.train, micro_batch_size=_micro_batches(cfg, fixed)[0])
     small = dataclasses.replace(cfg, train=train)
-    (ckpt, every), view = list(_variants(small, fixed))[-1]
+    found = _evaluated(small, list(_variants(small, fixed))[-1], legal)
+    return not isinstance(found, str) and found.fits
+
+
+def _evaluated(
+    cfg: ExperimentConfig, variant: tuple[tuple[str, int], bool], legal: Legal
+) -> Candidate | str:
+    """`cfg` with one variant (checkpointing, every n-th block; DDP's bucket view), judged:
+    its candidate, or the rule's reason it is not legal."""
+    (ckpt, every), view = variant
     ddp = dataclasses.replace(cfg.parallel.ddp, gradient_as_bucket_view=view)
     parallel = dataclasses.replace(
         cfg.parallel, activation_checkpointing=ckpt, checkpoint_every=every, ddp=ddp
     )
-    resolved = legal_or_reason(dataclasses.replace(small, parallel=parallel), legal)
-    return not isinstance(resolved, str) and evaluate(resolved).fits
+    resolved = legal_or_reason(dataclasses.replace(cfg, parallel=parallel), legal)
+    return resolved if isinstance(resolved, str) else evaluate(resolved)
 
 
 def _better(c: Candidate, than: Candidate | None) -> bool:
@@ -291,36 +291,6 @@ def _better(c: Candidate, than: Candidate | None) -> bool:
     if c.fits != than.fits:
         return c.fits
     return _speed_key(c) > _speed_key(than) if c.fits else c.peak < than.peak
-
-
-def _levers(cfg: ExperimentConfig, fixed: frozenset[str]) -> Iterator[ExperimentConfig]:
-    """`cfg` with each of LEVERS the user left to the planner: the offloads on a GPU only (a
-    CPU's host memory is its device's), FSDP2's where the layout goes through FSDP2."""
-    fsdp = Layout.of(cfg.parallel).uses_fsdp
-    gpu = cfg.hardware.device_type == "cuda"
-    for lever in LEVERS:
-        keys = {key for key, _ in lever}
-        offloads = {k for k in keys if "offload" in k}
-        if keys & fixed or (offloads and not gpu) or ("parallel.fsdp.offload" in keys and not fsdp):
-            continue
-        changed = cfg
-        for key, value in lever:
-            changed = _with_key(changed, key, value)
-        yield changed
-
-
-def _with_key(cfg: ExperimentConfig, key: str, value: str) -> ExperimentConfig:
-    """`cfg` with a dotted key (parallel.fsdp.offload) set."""
-    head, _, rest = key.partition(".")
-    node = getattr(cfg, head)
-    if "." in rest:
-        inner, _, leaf = rest.partition(".")
-        node = dataclasses.replace(
-            node, **{inner: dataclasses.replace(getattr(node, inner), **{leaf: value})}
-        )
-    else:
-        node = dataclasses.replace(node, **{rest: value})
-    return dataclasses.replace(cfg, **{head: node})
 
 
 def _best_of(
@@ -333,18 +303,12 @@ def _best_of(
     for micro in _micro_batches(cfg, fixed):
         train = dataclasses.replace(cfg.train, micro_batch_size=micro)
         evaluated = fits = False
-        for (ckpt, every), view in _variants(dataclasses.replace(cfg, train=train), fixed):
-            ddp = dataclasses.replace(cfg.parallel.ddp, gradient_as_bucket_view=view)
-            parallel = dataclasses.replace(
-                cfg.parallel, activation_checkpointing=ckpt, checkpoint_every=every, ddp=ddp
-            )
-            resolved = legal_or_reason(
-                dataclasses.replace(cfg, train=train, parallel=parallel), legal
-            )
-            if isinstance(resolved, str):
-                plan.rule_out(resolved)
+        sized = dataclasses.replace(cfg, train=train)
+        for variant in _variants(sized, fixed):
+            c = _evaluated(sized, variant, legal)
+            if isinstance(c, str):
+                plan.rule_out(c)
                 continue
-            c = evaluate(resolved)
             evaluated = True
             if c.fits:
                 fits = True
