@@ -99,6 +99,10 @@ def test_auto_takes_the_loss_the_layout_can_run_and_says_why(overrides, method, 
         (("parallel=tp2", "train.loss=chunked"), "TP shards the head over the vocabulary"),
         ((*NAMED, "model.head=null", "train.loss=chunked"), "the model's head is not named"),
         (("parallel=single", "train.loss=vocab_parallel"), "only under TP (parallel.tp > 1)"),
+        (
+            ("parallel=pp2_interleaved", "parallel.schedule=interleaved_zb", "train.loss=chunked"),
+            "zero-bubble schedule",
+        ),
     ],
     ids=str,
 )
