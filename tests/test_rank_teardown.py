@@ -39,7 +39,8 @@ def _threads_the_run_left(cfg: dict[str, Any]) -> int:
 def test_a_finished_run_leaves_no_process_group_threads_in_its_ranks(layout, tmp_path, rank_pool):
     """DDP's mesh (a cycle with its flattened dimension) was still the rank's local; FSDP2's
     groups also sit in DTensor's sharding cache and take a second collection; TP's in
-    DTensor's redistribution planners and its mesh topology cache (6 groups, 18 threads)."""
+    DTensor's redistribution planners and its mesh topology cache (6 groups, 18 threads), and
+    in loss_parallel's tensor metadata (tp2's loss is vocab_parallel)."""
     cfg = config_in(tmp_path, *RUN, f"parallel={layout}")
     assert rank_pool.run(_threads_the_run_left, asdict(cfg), world_size=2) == [0, 0]
     assert (Path(cfg.run_dir) / "metrics.jsonl").exists()  # it did train

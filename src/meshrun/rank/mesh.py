@@ -12,6 +12,7 @@ from torch.distributed import distributed_c10d
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import _redistribute
 from torch.distributed.tensor._collective_utils import MeshTopoInfo
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from meshrun.core.layout import MESH_DIMS, Layout
@@ -43,8 +44,10 @@ def end_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     # DTensor's caches, whose specs and redistribution planners hold their meshes (and so
-    # every group of a run: a TP run's 6 gloo groups, 18 threads, outlived it in the pool)
+    # every group of a run: a TP run's 6 gloo groups, 18 threads, outlived it in the pool);
+    # loss_parallel's tensor metadata, cached per op schema on the propagator's class
     _clear_sharding_prop_cache()
+    ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
     _redistribute.clear_redistribute_planner_cache()
     _redistribute._gen_transform_infos.cache_clear()
     MeshTopoInfo.build_from_mesh.cache_clear()
