@@ -80,6 +80,9 @@ REVIEWED = {
     ("models/export.py", "export_checkpoint", "dcp.load"): "no_dist=True: no collective",
     ("models/moe.py", "_TPRegion.forward", "dist.all_reduce"): ACTIVATIONS,
     ("models/moe.py", "_TPRegion.backward", "dist.all_reduce"): ACTIVATIONS,
+    ("models/moe.py", "MoEFeedForward._aux_loss", "dist.all_reduce"): (
+        "a sequence's expert counts under CP, made from the router's picks on its device"
+    ),
     ("models/expert_compute.py", "dispatched_compute", "dist.all_to_all_single"): (
         "the experts' counts, placed on the activations' device (torch.as_tensor(device=...))"
     ),
@@ -94,6 +97,7 @@ REVIEWED = {
     ("rank/parallel/context_attention.py", "_gather", "ALL_GATHER"): ACTIVATIONS,
     ("rank/parallel/pipeline.py", "_post", "dist.batch_isend_irecv"): ACTIVATIONS,
     ("rank/parallel/tensor.py", "ShareInput._apply.share", ".redistribute"): ACTIVATIONS,
+    ("rank/parallel/tensor.py", "sequence_shard", ".redistribute"): ACTIVATIONS,
     ("rank/parallel/tied.py", "TiedWeights.sum_grads", ".redistribute"): GRADIENTS,
     ("rank/parallel/tied.py", "TiedWeights.sum_grads", "dist.all_reduce"): GRADIENTS,
     ("rank/report.py", "gathered", "dist.all_gather_object"): OBJECTS,

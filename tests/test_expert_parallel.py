@@ -106,8 +106,11 @@ LAYOUTS = {
         "parallel.activation_checkpointing=full",
     ),
     "ep2_bias": ("parallel=ep2", *BIAS),
+    # the MoE layer under SP: its input gathered over the sequence, its output sliced
+    "tp2_sp": ("parallel=tp2", "parallel.sequence_parallel=true", MICRO4),
     # each expert's hidden width split over the TP ranks too (Megatron's expert TP)
     "tp2_etp2": ("parallel=tp2", "parallel.etp=2", MICRO4),
+    "tp2_sp_etp2": ("parallel=tp2", "parallel.sequence_parallel=true", "parallel.etp=2", MICRO4),
     "tp2_ep2_etp2": ("parallel=tp2_ep2", "parallel.etp=2", "launcher.nproc_per_node=4", MICRO4),
     "fsdp2_tp2_etp2": (
         "parallel=fsdp2_tp2",
@@ -116,7 +119,7 @@ LAYOUTS = {
         MICRO4,
     ),
 }
-FAST = {"ep2", "fsdp2_ep2", "tp2_etp2"}
+FAST = {"ep2", "fsdp2_ep2", "tp2_sp_etp2"}
 
 
 @pytest.mark.parametrize("layout", tiered(LAYOUTS, FAST))

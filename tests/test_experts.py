@@ -197,10 +197,14 @@ LAYOUTS = {
     "tp2": ("parallel=tp2", "train.micro_batch_size=4"),
     "fsdp_full_checkpointing": ("parallel=fsdp", "parallel.activation_checkpointing=full"),
     "cp2_without_balance_loss": ("parallel=cp2", "model.moe.load_balance=none"),
+    # the balance loss's per-sequence sums over the CP ranks, its gradient theirs
+    "cp2": ("parallel=cp2",),
     # biases moved by the whole batch's loads, equal on every rank (a fast rate: routing moves)
     "ddp_bias": ("parallel=ddp", *BIAS),
+    # each stage moves its own blocks' biases; torch's shape inference is not counted
+    "pp2_bias": ("parallel=pp2", *BIAS),
 }
-FAST = {"ddp", "pp2", "ddp_bias"}
+FAST = {"ddp", "pp2", "ddp_bias", "pp2_bias", "cp2"}
 
 
 @pytest.mark.parametrize("layout", tiered(LAYOUTS, FAST))

@@ -96,12 +96,37 @@ def transformers_equivalent(model, architecture: str) -> torch.nn.Module:
     return equivalent
 
 
+# Small shapes of a preset, with a sliding window of 8 over the test's 32 tokens
+SMALL = (
+    "++model.config.hidden_size=64", "++model.config.intermediate_size=128",
+    "++model.config.num_hidden_layers=4", "++model.config.num_attention_heads=8",
+    "++model.config.num_key_value_heads=4", "++model.config.vocab_size=256",
+)  # fmt: skip
+WINDOWED = {
+    # every layer's window (Mistral)
+    "mistral": ("model=hf/mistral-7b", *SMALL, "++model.config.sliding_window=8"),
+    # layers 2 and 3 windowed, by the config's layer_types (Qwen2's max_window_layers)
+    "qwen2": (
+        "model=hf/qwen2.5-0.5b", *SMALL, "++model.config.sliding_window=8",
+        "++model.config.use_sliding_window=true", "++model.config.max_window_layers=2",
+    ),
+}  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    ("preset", "architecture", "vocab"),
-    [("hf/tiny-llama", "LlamaForCausalLM", 256), ("hf/tiny-gpt2", "GPT2LMHeadModel", 509)],
+    ("overrides", "architecture", "vocab"),
+    [
+        (("model=hf/tiny-llama",), "LlamaForCausalLM", 256),
+        (("model=hf/tiny-gpt2",), "GPT2LMHeadModel", 509),
+        (WINDOWED["mistral"], "MistralForCausalLM", 256),
+        (WINDOWED["qwen2"], "Qwen2ForCausalLM", 256),
+    ],
+    ids=("llama", "gpt2", "mistral-sliding-window", "qwen2-sliding-window-layers"),
 )
-def test_meshrun_view_computes_transformers_own_forward(preset, architecture, vocab):
-    model = build_hf(compose_config(f"model={preset}").model, "cpu")
+def test_meshrun_view_computes_transformers_own_forward(overrides, architecture, vocab):
+    """Its layers called by meshrun give transformers' logits, its sliding windows applied as
+    transformers' own forward applies them."""
+    model = build_hf(compose_config(*overrides).model, "cpu")
     model.init_weights(seed=0)
     tokens = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -179,6 +204,21 @@ def check_like_one_device(experiment, single_losses, overrides, common) -> None:
 @pytest.mark.parametrize("layout", tiered(LAYOUTS, FAST))
 def test_every_kind_of_layout_trains_hf_llama_like_one_device(experiment, single_losses, layout):
     check_like_one_device(experiment, single_losses, LAYOUTS[layout], COMMON)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("parallel=tp2", "parallel.sequence_parallel=true", MICRO4),
+        pytest.param(("parallel=pp2",), marks=pytest.mark.slow),
+    ],
+    ids=("tp2_sequence_parallel", "pp2"),
+)
+def test_a_sliding_window_model_trains_like_one_device(experiment, single_losses, layout):
+    """Qwen2's windowed layers (8 of 64 tokens) masked in each rank's attention: under SP
+    over the whole sequence its attention gathers, in a pipeline on each stage's layers."""
+    common = (*COMMON[1:], *WINDOWED["qwen2"])
+    check_like_one_device(experiment, single_losses, layout, common)
 
 
 @pytest.mark.parametrize("layout", tiered(GPT2_LAYOUTS, GPT2_FAST))
@@ -270,23 +310,25 @@ def test_hf_config_mistakes_are_refused_before_launch(overrides, key, fragment):
 
 
 @pytest.mark.parametrize(
-    ("overrides", "fragment"),
+    ("overrides", "key", "fragment"),
     [
         (
-            ("model=hf/mistral-7b", "model.config.sliding_window=64"),
-            "longer than the model's sliding window (model.config.sliding_window=64)",
+            ("model=hf/mistral-7b", "model.config.sliding_window=64", "parallel=cp2"),
+            "parallel.cp",
+            "sliding window (model.config.sliding_window=64) is one over train.seq_len=128",
         ),
         (
             ("model=hf/tiny-gpt2", "model.config.n_positions=32"),
+            "train.seq_len",
             "longer than the learned position table (32 positions)",
         ),
     ],
-    ids=("sliding-window", "positions"),
+    ids=("sliding-window-under-cp", "positions"),
 )
-def test_a_sequence_the_model_cannot_attend_over_is_refused(overrides, fragment):
+def test_a_sequence_the_model_cannot_attend_over_is_refused(overrides, key, fragment):
     with pytest.raises(ConfigError) as caught:
         resolve(compose_config(*overrides, "train.seq_len=128"), HostFacts.detect())
-    assert caught.value.key == "train.seq_len" and fragment in str(caught.value)
+    assert caught.value.key == key and fragment in str(caught.value)
 
 
 def test_a_checkpoint_of_another_shape_is_refused(tmp_path):

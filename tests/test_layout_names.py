@@ -45,6 +45,8 @@ NAMES = {
     ("parallel=pp2", "parallel.schedule=gpipe", "train.micro_batch_size=8"): "pp2(gpipe, m=1)",
     ("parallel=tp2", "parallel.activation_checkpointing=full"): "tp2, ckpt=full",
     ("parallel=fsdp", "parallel.fsdp.offload=cpu"): "fsdp2(offload)",  # issue 63's levers
+    ("parallel=single", "parallel.fsdp.offload=cpu"): "fsdp1(offload)",
+    ("parallel=tp2", "parallel.fsdp.offload=cpu"): "fsdp1(offload) x tp2",
     ("parallel=tp2", "parallel.activation_offload=cpu"): "tp2, activation offload",
     ("parallel=tp2", "parallel.activation_checkpointing=op"): "tp2, ckpt=op",
     ("parallel=ddp", "parallel.activation_checkpointing=full", "parallel.checkpoint_every=2"): (

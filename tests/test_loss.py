@@ -115,9 +115,10 @@ def test_a_loss_the_layout_cannot_run_exits_2_naming_train_loss(overrides, fragm
 
 
 def test_verify_passes_chunked_against_the_full_loss_on_one_device(tmp_path, on_pool):
-    """Micro-batches of 8 x 64 tokens over a 65,536-token head: two chunks each."""
-    big = ("model.vocab_size=65536", "train.micro_batch_size=8", "train.global_batch_size=16")
-    assert verify_run(tmp_path, *big, "parallel=single", "verify.reference=full_loss") == 0
+    """A micro-batch of 8 x 64 tokens over a 65,536-token head: two chunks (3 steps)."""
+    big = ("model.vocab_size=65536", "train.micro_batch_size=8", "train.global_batch_size=8")
+    run = (*big, "train.steps=3", "parallel=single", "verify.reference=full_loss")
+    assert verify_run(tmp_path, *run) == 0
     got = report(tmp_path)
     assert (got["passed"], got["loss"], got["reference"]) == (True, "chunked", "full_loss")
 

@@ -91,6 +91,9 @@ def _steps(tmp: Path, rank_pool, *overrides: str):
 
 LAYOUTS = {
     "fsdp": ("parallel=fsdp",),
+    "single": ("parallel=single",),  # FSDP2 over one rank, for its offload alone
+    "tp2": ("parallel=tp2",),
+    "pp2": ("parallel=pp2",),
     "hsdp": ("parallel=hsdp", "launcher.nproc_per_node=4"),
     "fsdp2_tp2": ("parallel=fsdp2_tp2",),
     "pp2_fsdp2": ("parallel=pp2", "parallel.dp_shard=2", "launcher.nproc_per_node=4"),
@@ -99,11 +102,15 @@ LAYOUTS = {
 }
 
 
+FAST = ("fsdp", "single")
+
+
 @pytest.mark.parametrize(
     "layout",
     [
         "fsdp",
-        *(pytest.param(name, marks=pytest.mark.slow) for name in LAYOUTS if name != "fsdp"),
+        "single",
+        *(pytest.param(name, marks=pytest.mark.slow) for name in LAYOUTS if name not in FAST),
     ],
 )
 def test_fsdp_offload_trains_as_on_the_device(tmp_path, rank_pool, layout):

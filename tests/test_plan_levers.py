@@ -143,3 +143,32 @@ def test_the_plan_offloads_where_nothing_else_fits(tmp_path):
         "train.optimizer_states=fp32", "parallel.activation_offload=none",
     )  # fmt: skip
     assert not any(row["fits"] for row in given["layouts"]), fixed.output
+
+
+def test_one_gpu_offloads_fsdp2s_state_over_a_shard_of_one(tmp_path):
+    """Issue 63's check: llama-7b on one A6000 (the field notes' card: DDP did not fit)
+    plans a fitting row, FSDP2 over its one rank with the state on the host (ZeRO-Offload's
+    single-GPU case), the copies and the host's optimizer step in its predicted speed."""
+    _, plan = meshrun_plan(tmp_path, "model=llama-7b", "hardware=a6000", "world_size=1")
+    best = plan["layouts"][0]
+    assert best["fits"] and best["layout"].startswith("fsdp1(offload)")
+    assert "parallel.fsdp.offload=cpu" in best["overrides"]
+    assert best["host_bytes_per_node"] > 6.7e9 * 16 * 0.9  # the whole state
+    assert best["speed"]["step_parts"]["optimizer"] > 0
+
+
+def test_a_152k_vocabulary_moe_fits_the_eight_gpus_its_peer_trains_it_on(tmp_path):
+    """Issue 63's held-out case: Qwen3-30B-A3B at micro-batch 4 x 4,096 on 8 x 80 GB, which a
+    peer publishes; with the whole fp32 logits fsdp8 x ep8 needed 86.6 GiB a rank. Without
+    them it fits, no lever needed (the loss's activations were most of it)."""
+    run = (
+        "model=qwen3-30b-a3b", "hardware=h100-80g", "world_size=8", "train.seq_len=4096",
+        "train.micro_batch_size=4", "parallel.dp_shard=8", "parallel.ep=8",
+        "parallel.fsdp.offload=none", "train.optimizer_states=fp32",
+        "parallel.activation_offload=none",
+    )  # fmt: skip
+    _, plan = meshrun_plan(tmp_path, *run)
+    best = plan["layouts"][0]
+    assert best["fits"] and best["layout"].startswith("fsdp8 x ep8"), best["layout"]
+    _, full = meshrun_plan(tmp_path / "full", *run, "train.loss=full")
+    assert not any(row["fits"] for row in full["layouts"])

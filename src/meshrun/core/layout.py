@@ -55,6 +55,7 @@ class Layout:
     tp: int = 1
     ep: int = 1  # not a mesh dim: drawn from dp_shard x cp (rank/mesh.py's expert mesh)
     etp: int = 1  # the experts' TP: 1 or tp
+    fsdp_offload: bool = False  # parallel.fsdp.offload=cpu: FSDP2 holds the state, one rank or more
 
     @property
     def world_size(self) -> int:
@@ -67,8 +68,25 @@ class Layout:
     @property
     def uses_fsdp(self) -> bool:
         """Data parallelism through FSDP2: sharded (over dp_shard x cp: CP ranks hold the same
-        parameters), or replicated beside TP/PP (where DDP cannot hold DTensor parameters)."""
+        parameters), or replicated beside TP/PP (where DDP cannot hold DTensor parameters);
+        and wherever its CPUOffloadPolicy keeps the state in host memory, on one rank too
+        (ZeRO-Offload's single-GPU case: a shard of 1)."""
+        return self._fsdp_data_parallel or self.fsdp_offload
+
+    @property
+    def uses_ddp(self) -> bool:
+        """Replicas that DDP keeps in step: data parallelism FSDP2 does not take."""
+        return self.dp_size > 1 and not self._fsdp_data_parallel
+
+    @property
+    def _fsdp_data_parallel(self) -> bool:
         return self.shard_size > 1 or (self.dp_size > 1 and (self.tp > 1 or self.pp > 1))
+
+    @property
+    def has_mesh(self) -> bool:
+        """Whether a rank builds process groups and a DeviceMesh: more than one rank, or FSDP2
+        on one (its 1-rank mesh)."""
+        return self.world_size > 1 or self.uses_fsdp
 
     @property
     def shard_size(self) -> int:
@@ -90,7 +108,10 @@ class Layout:
     @classmethod
     def of(cls, parallel: ParallelConfig) -> Layout:
         """The layout of a resolved parallel config (no -1 degrees left)."""
-        return cls(**config_degrees(parallel), ep=parallel.ep, etp=parallel.etp)
+        offload = parallel.fsdp.offload == "cpu"
+        return cls(
+            **config_degrees(parallel), ep=parallel.ep, etp=parallel.etp, fsdp_offload=offload
+        )
 
     def degrees(self) -> dict[str, int]:
         return {dim: getattr(self, dim) for dim in MESH_DIMS}

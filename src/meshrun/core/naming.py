@@ -22,6 +22,7 @@ from meshrun.core.stages import PP_AUTO
 def layout_name(cfg: ExperimentConfig) -> str:
     """The one readable name of a resolved config's layout, e.g. `ddp4(bucket-view)`,
     `hsdp2x2`, `fsdp-replicate2 x tp2`, `fsdp2 x cp2(ring)`, `fsdp4 x ep2`, `fsdp8(offload)`,
+    `fsdp1(offload)` (one device's state in host memory),
     `pp2(1f1b, m=4) x tp2, ckpt=full, activation offload`; `single` for one device. Shown
     by the console, store, report, planner and W&B alike."""
     p = cfg.parallel
@@ -74,7 +75,7 @@ def _data_parts(p: ParallelConfig) -> list[str]:
         return [f"fsdp-replicate{p.dp_replicate}{offload}"]
     if p.dp_replicate > 1:
         return [f"ddp{p.dp_replicate}" + ("(bucket-view)" if p.ddp.gradient_as_bucket_view else "")]
-    return []
+    return [f"fsdp1{offload}"] if offload else []  # FSDP2 over one rank, for its offload
 
 
 @cache

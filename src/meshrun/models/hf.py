@@ -181,6 +181,29 @@ def weight_shapes(architecture: str, fields: dict[str, Any]) -> dict[str, tuple[
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
+def sliding_windows(config: PretrainedConfig) -> dict[int, int]:
+    """Each layer's sliding window, where it has one: by `config.layer_types` where the
+    config lists them (Qwen2, Gemma), else `config.sliding_window` on every layer
+    (Mistral), none where `use_sliding_window` is false."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return {}
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return dict.fromkeys(range(config.num_hidden_layers), window)
+    return {i: window for i, kind in enumerate(types) if kind == "sliding_attention"}
+
+
+@functools.cache
+def sliding_window_mask(seq: int, window: int, device: torch.device) -> torch.Tensor:
+    """[1, 1, seq, seq]: True where query q attends key k, k <= q < k + window: transformers'
+    causal_mask_function and sliding_window_overlay (masking_utils.py:78, 97), which its own
+    forward builds from the config; meshrun calls the layers itself."""
+    q = torch.arange(seq, device=device)[:, None]
+    k = torch.arange(seq, device=device)[None, :]
+    return ((k <= q) & (q - k < window))[None, None]
+
+
 class HFCausalLM(nn.Module):
     def __init__(self, hf: PreTrainedModel) -> None:
         super().__init__()
@@ -220,6 +243,7 @@ class HFCausalLM(nn.Module):
         self.positions: torch.Tensor | None = None  # a CP rank's tokens' (use_positions)
         self.row_orders: dict[str, torch.Tensor] = {}  # set by prepare_tp
         self.vocab_size = hf.config.vocab_size
+        self.windows = sliding_windows(hf.config)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -248,11 +272,13 @@ class HFCausalLM(nn.Module):
             positions = self.positions.unsqueeze(0)
         if self.tok_embeddings is not None and self.pos_embeddings is not None:
             h = h + self.pos_embeddings(positions)  # [1, seq, dim]: sharded over seq under SP
-        kwargs = {"attention_mask": None, "position_ids": positions}
+        kwargs = {"position_ids": positions}
         if self.rotary_emb is not None:
             kwargs["position_embeddings"] = self.rotary_emb(h, positions)
-        for layer in self.layers.values():
-            out = layer(h, **kwargs)
+        for name, layer in self.layers.items():
+            window = self.windows.get(int(name), seq)
+            mask = sliding_window_mask(seq, window, h.device) if window < seq else None
+            out = layer(h, attention_mask=mask, **kwargs)
             h = out[0] if isinstance(out, tuple) else out
         if self.output is None:
             return h

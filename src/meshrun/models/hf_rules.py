@@ -258,23 +258,28 @@ def _experts_refusal(schema: type[HFModelConfig], cfg_json: str) -> str | None:
     return hf_experts.unsplittable(experts)
 
 
+def check_hf_context_parallel(m: HFModelConfig, seq: int, cp: int) -> None:
+    """A sliding window is a mask (models/hf.sliding_window_mask), which CP's attentions,
+    causal over the whole sequence, do not take."""
+    from meshrun.models import hf  # noqa: PLC0415 (optional dependency: meshrun[hf])
+
+    windows = hf.sliding_windows(hf.hf_config(m))
+    if windows and seq > (window := min(windows.values())):
+        fail(
+            "parallel.cp",
+            cp,
+            f"context parallelism computes causal attention without a mask, and the model's "
+            f"sliding window (model.config.sliding_window={window}) is one over "
+            f"train.seq_len={seq}",
+            f"cp=1, train.seq_len <= {window}, or model.config.sliding_window=null",
+        )
+
+
 def check_hf_sequence(m: HFModelConfig, seq: int) -> None:
-    """What a transformers model's attention and positions hold of train.seq_len: meshrun
-    runs full causal attention (no sliding-window mask), and a learned position table has
-    rows for so many positions only."""
+    """What a learned position table holds of train.seq_len: rows for so many positions."""
     from meshrun.models import hf  # noqa: PLC0415 (optional dependency: meshrun[hf])
 
     c = hf.hf_config(m)
-    window = getattr(c, "sliding_window", None) if getattr(c, "use_sliding_window", True) else None
-    if window and seq > window:
-        fail(
-            "train.seq_len",
-            seq,
-            f"is longer than the model's sliding window "
-            f"(model.config.sliding_window={window}), which meshrun's full causal attention "
-            "does not apply",
-            f"<= {window}, or model.config.sliding_window=null",
-        )
     shipped = hf.SHIPPED_PLANS.get(m.architecture)
     if shipped and shipped.positions and seq > c.max_position_embeddings:
         fail(

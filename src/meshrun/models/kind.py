@@ -76,6 +76,10 @@ class ModelKind(Protocol):
     def check_sequence(self, cfg: ModelConfig, seq_len: int) -> None:
         """Refuse a train.seq_len the model's attention or positions cannot hold."""
 
+    def check_context_parallel(self, cfg: ModelConfig, seq_len: int, cp: int) -> None:
+        """Refuse a sequence of `seq_len` split over `cp` > 1 ranks where the model's
+        attention is more than CP's causal attention computes."""
+
     def moe(self, cfg: ModelConfig) -> MoEConfig | None:
         """The settings of meshrun's own MoE blocks (models/moe.py: its routers, its
         balancing, experts TP can split; `experts` 0: dense), None where the kind has none."""

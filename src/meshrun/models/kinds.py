@@ -105,6 +105,9 @@ class HFKind(ModelKind):
     def check_sequence(self, cfg: HFModelConfig, seq_len: int) -> None:
         hf_rules.check_hf_sequence(cfg, seq_len)
 
+    def check_context_parallel(self, cfg: HFModelConfig, seq_len: int, cp: int) -> None:
+        hf_rules.check_hf_context_parallel(cfg, seq_len, cp)
+
     def check_expert_split(self, cfg: HFModelConfig, etp: int) -> None:
         hf_rules.check_hf_experts(cfg, etp)
 

@@ -37,6 +37,7 @@ from meshrun.models.expert_compute import dispatched_compute, expert_compute, us
 
 _LOSS_WEIGHT = [1.0]  # what the training loss of the current micro-batch is multiplied by
 _EVEN_ROUTING = [False]
+_COUNTED = [True]
 
 
 @contextlib.contextmanager
@@ -60,6 +61,12 @@ def even_routing() -> contextlib.AbstractContextManager[None]:
     the planner assumes, and how it traces a block on fake tensors (plan/traced.py), which
     have no values to route by; no assignment is dropped."""
     return _pushed(_EVEN_ROUTING, True)
+
+
+def uncounted() -> contextlib.AbstractContextManager[None]:
+    """Forwards of no real tokens (a pipeline stage's shape inference, on zeros or empty
+    tensors) leave the step's router statistics alone, and so load_balance=bias's update."""
+    return _pushed(_COUNTED, False)
 
 
 class _AuxLossGrad(torch.autograd.Function):
@@ -100,7 +107,8 @@ def local_experts(weight: Tensor, ep_group: dist.ProcessGroup | None) -> Tensor:
 
 
 class _TPRegion(torch.autograd.Function):
-    """Megatron's f and g around a tensor-parallel block of the experts (etp): `reduce`
+    """Megatron's f and g around a tensor-parallel block of the experts (etp), and g around
+    the balance loss's per-sequence sums under CP: `reduce`
     False, identity forward and the gradient all-reduced over the TP ranks (each computed
     its share of the hidden width from the same rows); True, the partial outputs all-reduced
     forward and the gradient passed as it is."""
@@ -194,6 +202,9 @@ class MoEFeedForward(nn.Module):
         # load_balance=bias: added to the scores that pick a token's experts (a checkpoint
         # keeps it: it is what the steps so far learnt of the loads)
         self.register_buffer("expert_bias", torch.zeros(cfg.experts, dtype=torch.float32))
+        # context parallelism's group (rank/parallel/context.py): the ranks holding the rest
+        # of each sequence, whose tokens the sequence-wise balance loss counts too
+        self.sequence_group: dist.ProcessGroup | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         batch, seq, dim = x.shape
@@ -213,11 +224,15 @@ class MoEFeedForward(nn.Module):
             routed = routed + self.shared(tokens)
         aux = self._aux_loss(scores, chosen, batch, seq)
         self.routing = Routing(torch.as_tensor(counts), dropped, aux.detach())
-        if self.training:  # a checkpointed block's recompute counts again: the ratios stay
+        # (a checkpointed block's recompute counts again: the ratios stay)
+        if self.training and _COUNTED[-1]:
             self._count(self.routing)
         routed = routed.view(batch, seq, dim)
         if self.training and self.cfg.load_balance == "aux_loss" and aux.requires_grad:
-            routed = _AuxLossGrad.apply(routed, aux * self.cfg.aux_loss_coef)
+            # under CP each rank holds the sequence's loss whole, and FSDP2 averages the CP
+            # ranks' gradients: each sends its share's times their number
+            spread = 1 if self.sequence_group is None else self.sequence_group.size()
+            routed = _AuxLossGrad.apply(routed, aux * self.cfg.aux_loss_coef * spread)
         return routed
 
     def _count(self, r: Routing) -> None:
@@ -254,15 +269,21 @@ class MoEFeedForward(nn.Module):
         return order[keep], counts.clamp(max=capacity), (~keep).sum()
 
     def _aux_loss(self, scores: Tensor, chosen: Tensor, batch: int, seq: int) -> Tensor:
-        """The sequence-wise balance loss (module docstring), mean over the sequences."""
+        """The sequence-wise balance loss (module docstring), mean over the sequences; under
+        CP each sequence's counts and scores summed over its ranks (Megatron all-reduces them
+        over its TP x CP group), the scores' gradient each rank's own."""
         experts, k = self.cfg.experts, self.cfg.top_k
         picks = chosen.view(batch, seq * k)
         per_sequence = scores.new_zeros(batch, experts).scatter_add_(
             1, picks, torch.ones_like(picks, dtype=scores.dtype)
         )
+        shares = (scores / scores.sum(-1, keepdim=True)).view(batch, seq, experts).sum(1)
+        if self.sequence_group is not None:
+            dist.all_reduce(per_sequence, group=self.sequence_group)
+            shares = _TPRegion.apply(shares, self.sequence_group, True)
+            seq *= self.sequence_group.size()
         f = per_sequence * experts / (k * seq)
-        p = (scores / scores.sum(-1, keepdim=True)).view(batch, seq, experts).mean(1)
-        return (f * p).sum(-1).mean()
+        return (f * shares / seq).sum(-1).mean()
 
 
 def _even(assignments: int, experts: int, device: torch.device) -> tuple[Tensor, list[int], Tensor]:

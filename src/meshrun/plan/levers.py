@@ -20,12 +20,19 @@ LEVERS: tuple[tuple[tuple[str, str], ...], ...] = (
     (("parallel.fsdp.offload", "cpu"), ("parallel.activation_offload", "cpu")),
     (("train.optimizer_states", "8bit"), ("parallel.activation_offload", "cpu")),
 )
+# The two that save the most: every other lever's saving is within one of theirs (8-bit states
+# are the lightest; FSDP2's offload takes the states off the device whatever their width).
+# Where neither fits a layout at its leanest, no lever does (plan/search.best_variant).
+STRONGEST = LEVERS[-2:]
 
 
-def lever_configs(cfg: ExperimentConfig, fixed: frozenset[str]) -> Iterator[ExperimentConfig]:
-    """`cfg` with each of LEVERS the user left to the planner: the offloads on a GPU only (a
-    CPU's host memory is its device's), FSDP2's where the layout goes through FSDP2."""
-    fsdp = Layout.of(cfg.parallel).uses_fsdp
+def lever_configs(
+    cfg: ExperimentConfig, fixed: frozenset[str]
+) -> Iterator[tuple[tuple[tuple[str, str], ...], ExperimentConfig]]:
+    """(lever, `cfg` with it) for each of LEVERS the user left to the planner: the offloads
+    on a GPU only (a CPU's host memory is its device's), FSDP2's where no DDP or
+    DataParallel replicates."""
+    fsdp = not (Layout.of(cfg.parallel).uses_ddp or cfg.parallel.data_parallel == "dataparallel")
     gpu = cfg.hardware.device_type == "cuda"
     for lever in LEVERS:
         keys = {key for key, _ in lever}
@@ -35,7 +42,7 @@ def lever_configs(cfg: ExperimentConfig, fixed: frozenset[str]) -> Iterator[Expe
         changed = cfg
         for key, value in lever:
             changed = with_key(changed, key, value)
-        yield changed
+        yield lever, changed
 
 
 def with_key(cfg: ExperimentConfig, key: str, value: str) -> ExperimentConfig:

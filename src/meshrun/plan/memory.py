@@ -378,7 +378,7 @@ def predict_rank(
     else:
         if cfg.train.precision in HALF_PRECISIONS:
             activations += elements * 2  # autocast's bf16 weight copies, kept for backward
-        if layout.dp_replicate > 1 and not cfg.parallel.ddp.gradient_as_bucket_view:
+        if layout.uses_ddp and not cfg.parallel.ddp.gradient_as_bucket_view:
             other += state  # DDP's gradient buckets
     activations += memory_change(
         cfg, layout, d, share.layers, rank_tokens(cfg, layout, micro_batch)

@@ -46,7 +46,7 @@ from meshrun.core.layout import Layout
 from meshrun.models import model_kind, model_shape
 from meshrun.plan import predict
 from meshrun.plan.candidate import Candidate, Legal, evaluate, host_flops
-from meshrun.plan.levers import lever_configs
+from meshrun.plan.levers import STRONGEST, lever_configs
 from meshrun.plan.split import uneven_variant
 
 # (schedule, stages_per_rank)
@@ -232,7 +232,7 @@ def _variants(
         every = p.checkpoint_every
         ckpts = [(mode, every) for mode in dict(ckpts) if mode != "none" or every == 1]
     ckpts = ckpts or [(p.activation_checkpointing, p.checkpoint_every)]
-    ddp = Layout.of(cfg.parallel).dp_replicate > 1 and not Layout.of(cfg.parallel).uses_fsdp
+    ddp = Layout.of(cfg.parallel).uses_ddp
     views = [cfg.parallel.ddp.gradient_as_bucket_view]
     if ddp and "parallel.ddp.gradient_as_bucket_view" not in fixed:
         views = [False, True]
@@ -253,10 +253,14 @@ def best_variant(
     found = _best_of(cfg, legal, fixed, plan)
     if found is not None and found.fits:
         return found
-    for lever in lever_configs(cfg, fixed):  # a lever a layout cannot take is no layout ruled out
-        if not _leanest_fits(lever, legal, fixed):
+    levers = list(lever_configs(cfg, fixed))
+    strongest = [changed for lever, changed in levers if lever in STRONGEST]
+    if strongest and not any(_leanest_fits(changed, legal, fixed) for changed in strongest):
+        return found  # what saves the most does not fit it: no lever does
+    for _, changed in levers:  # a lever a layout cannot take is no layout ruled out
+        if not _leanest_fits(changed, legal, fixed):
             continue  # not even its smallest micro-batch, recomputing the most, fits
-        with_lever = _best_of(lever, legal, fixed, Plan([]))
+        with_lever = _best_of(changed, legal, fixed, Plan([]))
         if with_lever is not None and _better(with_lever, found):
             found = with_lever
     return found

@@ -130,7 +130,7 @@ def _traced(cfg_json: str) -> tuple[MemoryPrediction, ...]:
         raise RuntimeError("the planner traces on a fake process group of its own")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=traced.world_size)
     try:
-        mesh = build_mesh(traced, "cpu") if traced.world_size > 1 else None
+        mesh = build_mesh(traced, "cpu") if traced.has_mesh else None
         # two micro-batches a step where there are more: the second one's forward and
         # backward run with the first one's gradients held
         accumulated = min(2, n_microbatches)
@@ -166,7 +166,7 @@ def _prediction(
         held = in_flight(p.schedule, n_microbatches, layout.pp, pp_rank, p.stages_per_rank)
         split["activations"] += int(trace.kept * (held - 1))
         split["other"] += n_microbatches * (trace.input_bytes + trace.logits_bytes)
-    if not layout.uses_fsdp and layout.dp_replicate > 1 and not p.ddp.gradient_as_bucket_view:
+    if layout.uses_ddp and not p.ddp.gradient_as_bucket_view:
         split["other"] += split["params"]  # DDP's gradient buckets, fp32 like the parameters
     return MemoryPrediction(**split)
 

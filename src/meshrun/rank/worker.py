@@ -71,7 +71,7 @@ def run_rank(cfg_dict: dict[str, Any]) -> RankReport | None:
     show_once(cfg.run_dir, rank)
     note_process(cfg.run_dir, rank)
     mesh = watchdog = None
-    if layout.world_size > 1:
+    if layout.has_mesh:
         watchdog = Watchdog(cfg.run_dir, rank, layout.world_size, cfg.backend.timeout_s)
         flight_recorder.enable(cfg.backend.name, cfg.run_dir)
         init_distributed(cfg.backend.name, cfg.backend.timeout_s)

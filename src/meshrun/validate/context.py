@@ -7,7 +7,7 @@ from __future__ import annotations
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import fail
 from meshrun.core.model_shape import ModelShape
-from meshrun.models import model_shape
+from meshrun.models import model_kind, model_shape
 
 
 def check_context_parallel(cfg: ExperimentConfig) -> None:
@@ -32,6 +32,7 @@ def check_context_parallel(cfg: ExperimentConfig) -> None:
         )
     if p.cp_method == "alltoall":
         _check_heads(cfg)
+    model_kind(cfg.model).check_context_parallel(cfg.model, t.seq_len, p.cp)
 
 
 def unsplit_heads(shape: ModelShape, tp: int, cp: int) -> tuple[str, int] | None:

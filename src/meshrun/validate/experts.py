@@ -1,5 +1,5 @@
 """Rules of a mixture-of-experts model (`model.moe`, models/moe.py): a router that can pick
-its top-k, the layouts its blocks combine with so far, and expert parallelism's degree
+its top-k, the one layout its load balancing cannot run under, and expert parallelism's degree
 (`parallel.ep`, drawn from dp_shard x cp)."""
 
 from __future__ import annotations
@@ -44,20 +44,12 @@ def check_experts(m: ModelConfig) -> None:
 
 
 def check_expert_layout(cfg: ExperimentConfig) -> None:
-    """What an MoE block does not combine with yet, each with the reason."""
+    """What an MoE block does not combine with, and why."""
     m, p = cfg.model, cfg.parallel
     check_expert_parallel(cfg)
     moe = model_kind(m).moe(m)
     if moe is None or not moe.experts:
         return
-    if p.tp > 1 and p.sequence_parallel:
-        fail(
-            "parallel.sequence_parallel",
-            True,
-            "does not combine with MoE blocks yet: their experts are replicated over the TP "
-            "ranks, which need the whole sequence in and out",
-            "parallel.sequence_parallel=false",
-        )
     if p.data_parallel == "dataparallel" and moe.load_balance == "bias":
         fail(
             "model.moe.load_balance",
@@ -65,22 +57,6 @@ def check_expert_layout(cfg: ExperimentConfig) -> None:
             "does not combine with torch.nn.DataParallel: its replicas route the tokens, and "
             "what they count is lost with them, so the biases would never move",
             "model.moe.load_balance=aux_loss or none, or parallel=ddp",
-        )
-    if p.pp > 1 and moe.load_balance == "bias":
-        fail(
-            "model.moe.load_balance",
-            "bias",
-            "does not combine with a pipeline yet: a schedule's first step runs its shape "
-            "inference through the blocks, which would move the biases",
-            "model.moe.load_balance=aux_loss or none, or parallel.pp=1",
-        )
-    if p.cp > 1 and moe.load_balance == "aux_loss":
-        fail(
-            "model.moe.load_balance",
-            "aux_loss",
-            f"the sequence-wise balance loss needs each sequence on one rank; parallel.cp={p.cp} "
-            "splits it",
-            "model.moe.load_balance=bias or none, or parallel.cp=1",
         )
 
 

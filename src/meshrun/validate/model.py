@@ -18,8 +18,7 @@ def check_model(m: ModelConfig, read_from: str | None = None) -> None:
 
 
 def check_sequence(cfg: ExperimentConfig) -> None:
-    """What the model's attention and positions hold of train.seq_len (a transformers
-    model's: meshrun runs full causal attention, no sliding-window mask, and a learned
+    """What the model's positions hold of train.seq_len (a transformers model's learned
     position table has rows for so many positions only)."""
     model_kind(cfg.model).check_sequence(cfg.model, cfg.train.seq_len)
 

@@ -1,4 +1,5 @@
-"""The offloads' rules: FSDP2's needs a layout that goes through FSDP2 (rank/parallel/fsdp.py);
+"""The offloads' rules: FSDP2's replaces no DDP or DataParallel replication (one device, TP, PP
+and CP alone shard over one rank: rank/parallel/fsdp.py);
 activation offload's hooks do not reach inside a compiled block (nor DataParallel's threads:
 that rule is DataParallel's, validate/layout.check_dataparallel)."""
 
@@ -12,14 +13,15 @@ from meshrun.core.layout import Layout
 def check_offload(cfg: ExperimentConfig) -> None:
     p = cfg.parallel
     layout = Layout.of(p)
-    if p.fsdp.offload == "cpu" and (p.data_parallel == "dataparallel" or not layout.uses_fsdp):
+    if p.fsdp.offload == "cpu" and (p.data_parallel == "dataparallel" or layout.uses_ddp):
         fail(
             "parallel.fsdp.offload",
             "cpu",
-            f"is FSDP2's CPUOffloadPolicy, and layout {layout.describe()} does not go through "
-            "FSDP2 (DDP, DataParallel and one device keep their parameters on the device)",
-            "parallel.dp_shard >= 2 (parallel=fsdp, hsdp, fsdp2_tp2, ...), or "
-            "parallel.fsdp.offload=none",
+            f"is FSDP2's CPUOffloadPolicy, and layout {layout.describe()} replicates through "
+            f"{'DataParallel' if p.data_parallel == 'dataparallel' else 'DDP'}, which keeps "
+            "every parameter on the device",
+            "parallel.dp_shard >= 2 in place of dp_replicate (parallel=fsdp, hsdp, ...), one "
+            "device, or parallel.fsdp.offload=none",
         )
     if p.activation_offload == "cpu" and cfg.train.compile:
         fail(

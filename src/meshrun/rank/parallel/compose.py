@@ -208,6 +208,6 @@ def replicated(
     """The data-parallel wrappers whose constructors need real tensors: DataParallel, DDP."""
     if cfg.data_parallel == "dataparallel":
         return apply_dataparallel(part, cfg.dataparallel_devices)
-    if mesh is None or layout.dp_size == 1 or layout.uses_fsdp:
+    if mesh is None or not layout.uses_ddp:
         return part
     return apply_ddp(part, mesh, cfg.ddp, device)

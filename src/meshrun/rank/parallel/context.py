@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.overrides import TorchFunctionMode
 
+from meshrun.models.moe import MoEFeedForward
 from meshrun.rank.parallel.context_attention import AttentionFn, context_attention
 from meshrun.rank.parallel.context_shards import sequence_positions
 
@@ -61,9 +62,13 @@ def apply_context_parallel(
     model: nn.Module, group: ProcessGroup, method: str, seq_len: int, cp_rank: int, cp: int
 ) -> None:
     """On meta: every block's attention through `method` over `group`, and the model's
-    positions those of CP rank `cp_rank`'s tokens of a `seq_len` sequence."""
+    positions those of CP rank `cp_rank`'s tokens of a `seq_len` sequence; its MoE blocks'
+    balance loss over the whole sequence."""
     share_attention(model, ContextAttention(context_attention(method), group))
     model.use_positions(sequence_positions(seq_len, cp_rank, cp))
+    for block in model.modules():  # the sequence-wise balance loss sums over the group
+        if isinstance(block, MoEFeedForward):
+            block.sequence_group = group
 
 
 def share_attention(model: nn.Module, mode: ContextAttention) -> None:

@@ -31,6 +31,7 @@ from torch.distributed.pipelining.schedules import (
 from meshrun.core.choices import Schedule
 from meshrun.core.config import ParallelConfig
 from meshrun.core.stages import MULTI_STAGE_SCHEDULES
+from meshrun.models.moe import uncounted
 from meshrun.rank.parallel import transfers
 from meshrun.rank.parallel.loss import cross_entropy, stage_loss
 from meshrun.rank.parallel.tied import mark_head_copy
@@ -108,7 +109,28 @@ def _named(fn: Callable[..., Any], kind: str, stage: int) -> Callable[..., Any]:
     return wrapper
 
 
-class PrefetchingStage(PipelineStage):
+class UncountedInference(PipelineStage):
+    """A stage whose shape inference (a forward, in torch 2.13 a backward too, of zeros or
+    empty tensors before the first micro-batch) leaves the MoE routers' counts alone
+    (models/moe.uncounted), so load_balance=bias moves by the batch's tokens only. The
+    inference is torch 2.11's `_shape_inference` (torch/distributed/pipelining/stage.py:1421)
+    and 2.13's `_forward_metadata_inference` and `_backward_metadata_inference` (stage.py:1883,
+    1976); a version has one or the other, the other override is never called."""
+
+    def _shape_inference(self, *args: Any, **kwargs: Any) -> Any:
+        with uncounted():
+            return super()._shape_inference(*args, **kwargs)
+
+    def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        with uncounted():
+            return super()._forward_metadata_inference(*args, **kwargs)
+
+    def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        with uncounted():
+            return super()._backward_metadata_inference(*args, **kwargs)
+
+
+class PrefetchingStage(UncountedInference):
     """A stage that posts micro-batch i+1's receive when the schedule asks for i's, so that
     transfer runs while i computes. The schedule gets no receive ops to post or wait on: the
     stage waits for a micro-batch's input (or gradient) right before computing with it, after
@@ -213,7 +235,7 @@ def build_schedule(
             part, stage_id, n_stages, device, group=group, n_microbatches=n_microbatches
         )
         if prefetches(cfg.schedule, device)
-        else PipelineStage(part, stage_id, n_stages, device, group=group)
+        else UncountedInference(part, stage_id, n_stages, device, group=group)
         for part, stage_id in zip(parts, stage_ids, strict=True)
     ]
     schedule_cls = SCHEDULES[cfg.schedule]

@@ -81,7 +81,18 @@ class ShareInput(ParallelStyle):
             return args, {**kwargs, "hidden_states": share(kwargs["hidden_states"])}
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
+        if not self.shared:  # under SP: its whole-sequence output back to this rank's shard
+            module.register_forward_hook(lambda _, __, out: sequence_shard(out, device_mesh))
         return module
+
+
+def sequence_shard(x: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
+    """This rank's sequence shard of `x`, which every TP rank computed alike from the whole
+    sequence (an MoE layer under SP): forward its slice, backward the slices' gradients
+    all-gathered, so each rank's replicated computation gets the whole gradient (DTensor's
+    Replicate -> Shard and back), and the input's all-gather hands each its slice back."""
+    whole = DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False)
+    return whole.redistribute(tp_mesh, [Shard(1)]).to_local()
 
 
 def parallel_styles(
@@ -182,7 +193,8 @@ def sub_blocks(
     matrices are its own children (attention, a dense MLP) shares its input with them, cast
     to float8 first where all of them are float8 linears with float8 TP styles; one that
     routes its input first (an MoE layer, whose router is no TP matrix) gets it gathered
-    under SP and whole as a plain tensor."""
+    under SP and whole as a plain tensor, and hands back its own sequence shard of the output
+    (`sequence_shard`)."""
     colwise = [k for k, v in plan.items() if v == "colwise"]
     styles = {}
     for name, module in model.named_modules():

@@ -244,8 +244,6 @@ def _routed(model: ParallelModel, step: int, ctx: LoopContext) -> torch.Tensor:
         with inside(ctx.watchdog, step, "all_reduce (expert loads)", one_collective=True):
             counts = mean_over_ranks(counts, ctx.dp_group, None)
         moe.update_biases(model.parts, counts, r.bias_rate)
-    if model.schedule is not None and step == ctx.start_step:
-        stats.fill_(float("nan"))  # the schedule's first step also ran its shape inference
     return stats
 
 
