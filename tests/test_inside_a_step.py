@@ -20,10 +20,9 @@ from meshrun.core.errors import ConfigError
 from meshrun.core.rank_report import RankReport
 from meshrun.core.record import RunRecord
 from meshrun.core.run_files.metrics import StepRow
-from meshrun.core.run_files.profiles import summarize, trace_path
+from meshrun.core.run_files.profiles import TIMELINE_FILE, summarize, trace_path
 from meshrun.driver.inspection import MIN_JUDGED_STEPS, straggler_fields
 from meshrun.driver.results import assemble
-from meshrun.driver.sinks.timeline import TIMELINE_FILE
 from meshrun.rank.metrics.busy import busy_fields
 from meshrun.tools.plan.matmul_in_step import MATMUL_OPS
 from meshrun.tools.report import main as report_main

@@ -51,7 +51,6 @@ from meshrun.driver.sinks.console import (
 )
 from meshrun.driver.sinks.live import LiveRun
 from meshrun.driver.sinks.store import ResultsStore
-from meshrun.driver.sinks.timeline import write_timeline
 from meshrun.driver.sinks.wandb_sink import WandbRun
 
 Launch = Callable[[ExperimentConfig], RankReport | None]
@@ -320,6 +319,9 @@ def record(
         cfg = with_layers(cfg, split.counts)
     results = assemble(cfg, measured, baseline)
     if results.inspection.profile:  # a profiled run's picture of its traced step
+        # only here: matplotlib is half a second of every driver's start
+        from meshrun.driver.sinks.timeline import write_timeline  # noqa: PLC0415
+
         write_timeline(results.as_dict())
     publish(cfg, results, measured.steps, store, live)
     if not measured.ok:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 PROFILE_DIR = "profile"
+TIMELINE_FILE = "timeline.png"  # the traced step drawn (driver/sinks/timeline.py)
 PHASE = "meshrun:"
 STEP_PHASE = f"{PHASE}step "
 MICRO_BATCH = re.compile(rf"^{PHASE}(forward|backward)(?: \(weights\))?(?: stage (\d+))? mb (\d+)$")

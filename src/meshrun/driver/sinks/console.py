@@ -9,11 +9,10 @@ from rich.table import Table
 from rich.text import Text
 
 from meshrun.core.record import MEMORY_CATEGORIES, RunRecord
-from meshrun.core.run_files.profiles import PROFILE_DIR
+from meshrun.core.run_files.profiles import PROFILE_DIR, TIMELINE_FILE
 from meshrun.driver.inspection import MIN_JUDGED_STEPS
 from meshrun.driver.measured import RunMeta
 from meshrun.driver.sinks.run_rows import budget_rows, checkpoint_rows
-from meshrun.driver.sinks.timeline import TIMELINE_FILE
 from meshrun.driver.trial_ranking import (
     Trial,
     calibration_said,

@@ -13,9 +13,8 @@ from typing import Any
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from meshrun.core.run_files.profiles import PROFILE_DIR
+from meshrun.core.run_files.profiles import PROFILE_DIR, TIMELINE_FILE
 
-TIMELINE_FILE = "timeline.png"
 MAX_RUNS = 3  # the newest profiled runs a report draws
 WIDTH = 14.5  # inches, as the report's other plots
 COMPUTE, COMM, IDLE = "#1f77b4", "#ff7f0e", "#eeeeee"
