@@ -255,6 +255,19 @@ HF_LAYOUTS = {
     "mixtral_tp2": ("model=hf/tiny-mixtral", "parallel=tp2", "train.micro_batch_size=4"),
     "qwen2_moe_ddp": ("model=hf/tiny-qwen2-moe", "parallel=ddp"),
     "qwen2_moe_tp2": ("model=hf/tiny-qwen2-moe", "parallel=tp2", "train.micro_batch_size=4"),
+    # under SP each MoE block gathers the sequence and hands each rank its slice back
+    "mixtral_tp2_sp": (
+        "model=hf/tiny-mixtral",
+        "parallel=tp2",
+        "parallel.sequence_parallel=true",
+        "train.micro_batch_size=4",
+    ),
+    "qwen2_moe_tp2_sp": (
+        "model=hf/tiny-qwen2-moe",
+        "parallel=tp2",
+        "parallel.sequence_parallel=true",
+        "train.micro_batch_size=4",
+    ),
     # their experts split over 2 ranks (models/hf_experts.py's forward)
     "mixtral_ep2": ("model=hf/tiny-mixtral", "parallel=ep2"),
     "qwen2_moe_fsdp2_ep2": (
@@ -266,7 +279,7 @@ HF_LAYOUTS = {
 HF_COMMON = tuple(o for o in COMMON if not o.startswith("model="))
 
 
-@pytest.mark.parametrize("layout", tiered(HF_LAYOUTS, {"mixtral_ddp", "mixtral_ep2"}))
+@pytest.mark.parametrize("layout", tiered(HF_LAYOUTS, {"mixtral_tp2_sp", "mixtral_ep2"}))
 def test_a_transformers_moe_trains_under_each_layout_as_on_one_device(experiment, layout):
     model = HF_LAYOUTS[layout][0]
     _, single = experiment(*HF_COMMON, model, "parallel=single")

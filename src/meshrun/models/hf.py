@@ -27,6 +27,7 @@ from transformers.pytorch_utils import Conv1D
 from meshrun.core.config import HFModelConfig
 from meshrun.models.checkpoint_files import SavedTensors
 from meshrun.models.hf_attention import use_meshrun_sdpa
+from meshrun.models.hf_experts import is_hf_experts
 from meshrun.models.hf_files import conversions, saved_sources
 from meshrun.models.init import seeded_normal
 from meshrun.models.shards import (
@@ -291,8 +292,8 @@ class HFCausalLM(nn.Module):
 
     def tp_plan(self) -> dict[str, str]:
         """The model's `base_model_tp_plan` in parallel/tensor.py's styles, with what SP adds:
-        each block's norms sharded over the sequence, its column-wise sub-blocks gathering
-        their input first."""
+        each block's norms sharded over the sequence, its column-wise sub-blocks and its MoE
+        block gathering their input first (the MoE block's output sliced back)."""
         plan = {"tok_embeddings": "embedding", "norm": "sequence_parallel", "output": "head"}
         if self.pos_embeddings is not None:  # sharded over positions: Shard(1) out under SP
             plan["pos_embeddings"] = "embedding"
@@ -312,6 +313,8 @@ class HFCausalLM(nn.Module):
         for name, child in block.named_children():
             if "norm" in type(child).__name__.lower():
                 plan[f"layers.*.{name}"] = "sequence_parallel"
+            elif any(is_hf_experts(m) for m in child.modules()):  # an MoE block routes the
+                plan.setdefault(f"layers.*.{name}", "gather_input")  # whole sequence under SP
         return plan
 
     @torch.no_grad()
