@@ -42,6 +42,13 @@ LAYOUTS = {
     # experts split over 2 ranks (each a half of them gathered, the ep allowance of rows)
     "moe-ep2": ("parallel=ep2", "model=tiny-moe", "train.seq_len=512"),
     "moe-tp2-etp2": ("parallel=tp2", "parallel.etp=2", "model=tiny-moe", "train.seq_len=512"),
+    # under SP: the MoE layer's input gathered, its activations the whole sequence's
+    "moe-tp2-sp": (
+        "parallel=tp2",
+        "parallel.sequence_parallel=true",
+        "model=tiny-moe",
+        "train.seq_len=512",
+    ),
     "moe-fsdp4-ep2": (
         "parallel=ep2",
         "launcher.nproc_per_node=4",
