@@ -40,6 +40,7 @@ import torch.multiprocessing as mp
 from meshrun.core.paths import REPO_ROOT
 from meshrun.core.run_files.failures import first_failure
 from meshrun.core.run_files.metrics import StepRow
+from meshrun.driver.experiment import measure
 from meshrun.driver.launch import TRAIN, RankEntry, RankFailure
 from meshrun.rank.mesh import end_distributed
 from tests.helpers import resolved_config
@@ -230,6 +231,14 @@ class RankPool:
 def config_in(tmp, *overrides: str):
     """The resolved config of `meshrun <overrides>` with its run dir and store under `tmp`."""
     return resolved_config(f"run_dir={tmp}/run", f"store.path={tmp}/meshrun.db", *overrides)
+
+
+def measured_in(tmp, rank_pool, *overrides: str):
+    """`meshrun <overrides>` measured on the pool with its run dir under `tmp` (a test that
+    resumes from it names the path), which must have succeeded."""
+    measured = measure(config_in(tmp, *overrides), "run", rank_pool.launch)
+    assert measured.ok, measured.meta.error
+    return measured
 
 
 def losses(measured) -> list[float]:

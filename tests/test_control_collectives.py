@@ -78,8 +78,8 @@ CALIBRATION_BUFFERS = (
 REVIEWED = {
     ("models/exchange.py", "_all_to_all", "dist.all_to_all_single"): ACTIVATIONS,
     ("models/export.py", "export_checkpoint", "dcp.load"): "no_dist=True: no collective",
-    ("models/moe.py", "_TPRegion.forward", "dist.all_reduce"): ACTIVATIONS,
-    ("models/moe.py", "_TPRegion.backward", "dist.all_reduce"): ACTIVATIONS,
+    ("models/moe.py", "_GroupRegion.forward", "dist.all_reduce"): ACTIVATIONS,
+    ("models/moe.py", "_GroupRegion.backward", "dist.all_reduce"): ACTIVATIONS,
     ("models/moe.py", "MoEFeedForward._aux_loss", "dist.all_reduce"): (
         "a sequence's expert counts under CP, made from the router's picks on its device"
     ),

@@ -3,15 +3,12 @@ skipped on every rank alike and the scale backs off, and the scale survives a re
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from meshrun.core.checkpoints import complete
-from meshrun.driver.experiment import measure
 from meshrun.driver.inspection import skipped_fields
 from meshrun.driver.tool_config import TOLERANCES
-from tests.ranks import config_in, losses
+from tests.ranks import losses, measured_in
 
 COMMON = (
     "model=tiny",
@@ -26,15 +23,11 @@ COMMON = (
 )
 
 
-def _run(tmp: Path, rank_pool, *overrides: str):
-    measured = measure(config_in(tmp, *COMMON, *overrides), "run", rank_pool.launch)
-    assert measured.ok, measured.meta.error
-    return measured
-
-
 @pytest.fixture(scope="module")
 def single_fp16(tmp_path_factory, rank_pool) -> list[float]:
-    return losses(_run(tmp_path_factory.mktemp("single"), rank_pool, "parallel=single"))
+    return losses(
+        measured_in(tmp_path_factory.mktemp("single"), rank_pool, *COMMON, "parallel=single")
+    )
 
 
 @pytest.mark.parametrize(
@@ -47,7 +40,7 @@ def single_fp16(tmp_path_factory, rank_pool) -> list[float]:
     ],
 )
 def test_fp16_layouts_train_like_one_device(tmp_path, rank_pool, single_fp16, layout):
-    got = losses(_run(tmp_path, rank_pool, f"parallel={layout}"))
+    got = losses(measured_in(tmp_path, rank_pool, *COMMON, f"parallel={layout}"))
     for step, (loss, want) in enumerate(zip(got, single_fp16, strict=True)):
         assert abs(loss - want) <= TOLERANCES["fp16"] * want, f"step {step}: {loss} vs {want}"
     assert got[-1] < got[0]
@@ -57,9 +50,10 @@ def test_fp16_layouts_train_like_one_device(tmp_path, rank_pool, single_fp16, la
 def test_overflowing_steps_are_skipped_and_the_scale_backs_off(tmp_path, rank_pool, layout):
     """A scale of 2**26 overflows fp16's gradients: the first steps are skipped, the scale
     halves each time until the gradients fit, and the run then trains."""
-    measured = _run(
+    measured = measured_in(
         tmp_path,
         rank_pool,
+        *COMMON,
         f"parallel={layout}",
         f"train.loss_scale.init={2**26}",
         "train.steps=16",
@@ -75,13 +69,14 @@ def test_the_loss_scale_survives_a_resume_bit_for_bit(tmp_path, rank_pool):
     """A scale that overflows at first and grows every 2 steps: the scale and its count of
     good steps are in the checkpoint, so the resumed run skips and grows as the whole did."""
     scaling = (f"train.loss_scale.init={2**26}", "train.loss_scale.growth_interval=2")
-    whole = _run(
-        tmp_path / "whole", rank_pool, "parallel=ddp", "checkpoint.every_steps=4", *scaling
+    whole = measured_in(
+        tmp_path / "whole", rank_pool, *COMMON, "parallel=ddp", "checkpoint.every_steps=4", *scaling
     )
     first = complete(tmp_path / "whole" / "run" / "checkpoints")[0]
-    resumed = _run(
+    resumed = measured_in(
         tmp_path / "resumed",
         rank_pool,
+        *COMMON,
         "parallel=ddp",
         f"checkpoint.resume={first}",
         f"checkpoint.dir={tmp_path}/more",

@@ -6,19 +6,16 @@ cost needs a GPU. Real gloo ranks on the session's pool."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from benchmarks.speed_vs_published import cluster_config
-from meshrun.driver.experiment import measure
 from meshrun.models import build_model
 from meshrun.plan.memory import predict_stages
 from meshrun.rank.parallel.activation_offload import apply_activation_offload
 from meshrun.rank.parallel.checkpointing import apply_activation_checkpointing
 from tests.helpers import resolved_config
-from tests.ranks import assert_steps_match, config_in
+from tests.ranks import assert_steps_match, measured_in
 from tests.test_verify import verify_run
 
 COMMON = (
@@ -83,12 +80,6 @@ def test_the_planned_offloaded_bytes_are_what_the_hooks_move():
     assert host * layers / (layers - 1) == pytest.approx(moved, rel=0.02)
 
 
-def _steps(tmp: Path, rank_pool, *overrides: str):
-    measured = measure(config_in(tmp, *COMMON, *overrides), "run", rank_pool.launch)
-    assert measured.ok, measured.meta.error
-    return measured.steps
-
-
 LAYOUTS = {
     "fsdp": ("parallel=fsdp",),
     "single": ("parallel=single",),  # FSDP2 over one rank, for its offload alone
@@ -116,8 +107,10 @@ FAST = ("fsdp", "single")
 def test_fsdp_offload_trains_as_on_the_device(tmp_path, rank_pool, layout):
     """FSDP2 with its parameters, gradients and optimizer step on the host: the same losses
     and global gradient norms (clipped across host-resident DTensor gradients) as without."""
-    on_device = _steps(tmp_path / "device", rank_pool, *LAYOUTS[layout])
-    offloaded = _steps(tmp_path / "host", rank_pool, *LAYOUTS[layout], "parallel.fsdp.offload=cpu")
+    on_device = measured_in(tmp_path / "device", rank_pool, *COMMON, *LAYOUTS[layout]).steps
+    offloaded = measured_in(
+        tmp_path / "host", rank_pool, *COMMON, *LAYOUTS[layout], "parallel.fsdp.offload=cpu"
+    ).steps
     assert_steps_match(offloaded, on_device, rel=1e-6)
 
 

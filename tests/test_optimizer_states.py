@@ -7,13 +7,11 @@ gloo ranks on the session's pool; 8-bit's first steps compile torchao's update w
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 
 from meshrun.core.checkpoints import complete
-from meshrun.driver.experiment import measure
 from meshrun.models import build_model
 from meshrun.plan.memory import predict_stages
 from meshrun.rank.metrics.memory import ModelState
@@ -21,7 +19,7 @@ from meshrun.rank.train.checkpoint import _init_optimizer_state
 from meshrun.rank.train.optim import build_optimizer
 from meshrun.rank.train.optim_states import _bf16_stochastic
 from tests.helpers import resolved_config
-from tests.ranks import config_in, losses
+from tests.ranks import losses, measured_in
 from tests.test_verify import verify_run
 
 STEPS, EVERY = 4, 2
@@ -34,12 +32,6 @@ COMMON = (
     "train.seed=5",
     "metrics.baseline=off",
 )
-
-
-def _run(tmp: Path, rank_pool, *overrides: str):
-    measured = measure(config_in(tmp, *COMMON, *overrides), "run", rank_pool.launch)
-    assert measured.ok, measured.meta.error
-    return measured
 
 
 def _optimizer_bytes(measured) -> int:
@@ -87,10 +79,11 @@ def test_bf16_states_train_as_fp32_under_fsdp_and_resume_under_ddp(tmp_path, ran
     """Under FSDP2 (DTensor moments) bf16 states take half of fp32's bytes and the losses
     stay within 1e-3 of fp32's; the checkpoint of step 2 resumes under DDP (resharded by
     DCP) and continues within 1e-5 of the uninterrupted run."""
-    fp32 = _run(tmp_path / "fp32", rank_pool, "parallel=fsdp")
-    whole = _run(
+    fp32 = measured_in(tmp_path / "fp32", rank_pool, *COMMON, "parallel=fsdp")
+    whole = measured_in(
         tmp_path / "bf16",
         rank_pool,
+        *COMMON,
         "parallel=fsdp",
         "train.optimizer_states=bf16",
         f"checkpoint.every_steps={EVERY}",
@@ -100,9 +93,10 @@ def test_bf16_states_train_as_fp32_under_fsdp_and_resume_under_ddp(tmp_path, ran
     for got, want in zip(losses(whole), losses(fp32), strict=True):
         assert abs(got - want) <= 1e-3 * want
     first = complete(tmp_path / "bf16" / "run" / "checkpoints")[0]
-    resumed = _run(
+    resumed = measured_in(
         tmp_path / "resumed",
         rank_pool,
+        *COMMON,
         "parallel=ddp",
         "train.optimizer_states=bf16",
         f"checkpoint.resume={first}",
@@ -121,14 +115,20 @@ def test_8bit_states_resume_under_the_same_and_another_layout(tmp_path, rank_poo
     elsewhere in the tensors."""
     pytest.importorskip("torchao")
     eight = ("train.optimizer_states=8bit",)
-    whole = _run(
-        tmp_path / "whole", rank_pool, "parallel=fsdp", *eight, f"checkpoint.every_steps={EVERY}"
+    whole = measured_in(
+        tmp_path / "whole",
+        rank_pool,
+        *COMMON,
+        "parallel=fsdp",
+        *eight,
+        f"checkpoint.every_steps={EVERY}",
     )
     first = complete(tmp_path / "whole" / "run" / "checkpoints")[0]
     for layout, tolerance in (("fsdp", 1e-5), ("ddp", 1e-5)):
-        resumed = _run(
+        resumed = measured_in(
             tmp_path / layout,
             rank_pool,
+            *COMMON,
             f"parallel={layout}",
             *eight,
             f"checkpoint.resume={first}",

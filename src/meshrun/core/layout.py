@@ -127,6 +127,12 @@ class Layout:
         return " x ".join(parts) or "single"
 
 
+def keeps_whole_replicas(parallel: ParallelConfig) -> bool:
+    """DDP or DataParallel: each replica whole on its device, which FSDP2's offload cannot take
+    off it (validate/offload.py refuses it, plan/levers.py does not try it)."""
+    return parallel.data_parallel == "dataparallel" or Layout.of(parallel).uses_ddp
+
+
 def config_degrees(parallel: ParallelConfig) -> dict[str, int]:
     """Each mesh dimension's degree as the config gives it (-1: the rest, until resolved)."""
     return {dim: getattr(parallel, dim) for dim in MESH_DIMS}

@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Iterator
 
 from meshrun.core.config import ExperimentConfig
-from meshrun.core.layout import Layout
+from meshrun.core.layout import keeps_whole_replicas
 
 # The memory levers tried where a layout does not fit without them: (key, value) pairs a
 # variant sets, cheapest in speed first (plan/host_time.py costs the host's part).
@@ -32,7 +32,7 @@ def lever_configs(
     """(lever, `cfg` with it) for each of LEVERS the user left to the planner: the offloads
     on a GPU only (a CPU's host memory is its device's), FSDP2's where no DDP or
     DataParallel replicates."""
-    fsdp = not (Layout.of(cfg.parallel).uses_ddp or cfg.parallel.data_parallel == "dataparallel")
+    fsdp = not keeps_whole_replicas(cfg.parallel)
     gpu = cfg.hardware.device_type == "cuda"
     for lever in LEVERS:
         keys = {key for key, _ in lever}

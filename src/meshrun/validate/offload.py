@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import fail
-from meshrun.core.layout import Layout
+from meshrun.core.layout import Layout, keeps_whole_replicas
 
 
 def check_offload(cfg: ExperimentConfig) -> None:
     p = cfg.parallel
     layout = Layout.of(p)
-    if p.fsdp.offload == "cpu" and (p.data_parallel == "dataparallel" or layout.uses_ddp):
+    if p.fsdp.offload == "cpu" and keeps_whole_replicas(p):
         fail(
             "parallel.fsdp.offload",
             "cpu",
