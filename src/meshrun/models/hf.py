@@ -26,7 +26,7 @@ from transformers.pytorch_utils import Conv1D
 
 from meshrun.core.config import HFModelConfig
 from meshrun.models.checkpoint_files import SavedTensors
-from meshrun.models.hf_attention import use_meshrun_sdpa
+from meshrun.models.hf_attention import sliding_window_mask, sliding_windows, use_meshrun_sdpa
 from meshrun.models.hf_experts import is_hf_experts
 from meshrun.models.hf_files import conversions, saved_sources
 from meshrun.models.init import seeded_normal
@@ -180,29 +180,6 @@ def weight_shapes(architecture: str, fields: dict[str, Any]) -> dict[str, tuple[
     with torch.device("meta"):
         model = cls._from_config(cls.config_class(**fields))
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
-
-
-def sliding_windows(config: PretrainedConfig) -> dict[int, int]:
-    """Each layer's sliding window, where it has one: by `config.layer_types` where the
-    config lists them (Qwen2, Gemma), else `config.sliding_window` on every layer
-    (Mistral), none where `use_sliding_window` is false."""
-    window = getattr(config, "sliding_window", None)
-    if not window or getattr(config, "use_sliding_window", True) is False:
-        return {}
-    types = getattr(config, "layer_types", None)
-    if types is None:
-        return dict.fromkeys(range(config.num_hidden_layers), window)
-    return {i: window for i, kind in enumerate(types) if kind == "sliding_attention"}
-
-
-@functools.cache
-def sliding_window_mask(seq: int, window: int, device: torch.device) -> torch.Tensor:
-    """[1, 1, seq, seq]: True where query q attends key k, k <= q < k + window: transformers'
-    causal_mask_function and sliding_window_overlay (masking_utils.py:78, 97), which its own
-    forward builds from the config; meshrun calls the layers itself."""
-    q = torch.arange(seq, device=device)[:, None]
-    k = torch.arange(seq, device=device)[None, :]
-    return ((k <= q) & (q - k < window))[None, None]
 
 
 class HFCausalLM(nn.Module):

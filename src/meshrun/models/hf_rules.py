@@ -259,11 +259,12 @@ def _experts_refusal(schema: type[HFModelConfig], cfg_json: str) -> str | None:
 
 
 def check_hf_context_parallel(m: HFModelConfig, seq: int, cp: int) -> None:
-    """A sliding window is a mask (models/hf.sliding_window_mask), which CP's attentions,
-    causal over the whole sequence, do not take."""
+    """A sliding window is a mask (models/hf_attention.sliding_window_mask), which CP's
+    attentions, causal over the whole sequence, do not take."""
     from meshrun.models import hf  # noqa: PLC0415 (optional dependency: meshrun[hf])
+    from meshrun.models.hf_attention import sliding_windows  # noqa: PLC0415 (the same)
 
-    windows = hf.sliding_windows(hf.hf_config(m))
+    windows = sliding_windows(hf.hf_config(m))
     if windows and seq > (window := min(windows.values())):
         fail(
             "parallel.cp",
