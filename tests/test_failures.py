@@ -11,15 +11,24 @@ import json
 import re
 import resource
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from meshrun.core.hardware import oom_kills
-from meshrun.core.run_files.failures import read_unflushed, record_unflushed
+from meshrun.core.run_files.failures import (
+    FAILURES_DIR,
+    await_peers_records,
+    note_process,
+    read_unflushed,
+    record_failure,
+    record_unflushed,
+)
 from meshrun.core.run_files.metrics import StepRow
 from meshrun.driver.experiment import RunFailed, measure, reported, run_experiment
 from meshrun.driver.launch import SIGNAL_UNSEEN
@@ -206,3 +215,28 @@ def test_a_stop_signal_waits_until_a_failing_rank_has_written_its_records(tmp_pa
     assert (tmp_path / "held").read_text() == "whole" and "not reached" not in held.stdout
     unheld = failing_rank(tmp_path / "unheld", hold=False)
     assert unheld.returncode == -signal.SIGTERM and not (tmp_path / "unheld").exists()
+
+
+def test_a_failed_rank_exits_only_once_its_live_peers_have_recorded_theirs(tmp_path):
+    """Torch elastic stops the others at a failed rank's exit: that rank waits until each
+    peer on its host still running has recorded its failure (CI lost rank 0's steps, and a DDP
+    run's mean became rank 1's loss, when rank 1 exited first), never past the bound, and not
+    for a peer already gone."""
+    run_dir = str(tmp_path)
+    note_process(run_dir, 0)
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as live:
+        noted = {"host": socket.gethostname(), "pid": live.pid}
+        (tmp_path / FAILURES_DIR / "process-rank1.json").write_text(json.dumps(noted))
+        started = time.monotonic()
+        await_peers_records(run_dir, 0, 1.0)
+        assert 1.0 <= time.monotonic() - started < 5  # rank 1 runs and recorded nothing
+        threading.Timer(0.3, record_failure, (run_dir, 1, RuntimeError("peer"))).start()
+        started = time.monotonic()
+        await_peers_records(run_dir, 0, 30.0)
+        assert 0.3 <= time.monotonic() - started < 5
+        (tmp_path / FAILURES_DIR / "rank1.json").unlink()
+        live.kill()
+        live.wait()
+        started = time.monotonic()
+        await_peers_records(run_dir, 0, 30.0)
+        assert time.monotonic() - started < 5  # its process is gone

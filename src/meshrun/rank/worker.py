@@ -21,6 +21,7 @@ from meshrun.core.rank_report import RankReport, StageSplit
 from meshrun.core.replica_place import ReplicaPlace
 from meshrun.core.run_files.failures import (
     Stopped,
+    await_peers_records,
     forget_failure,
     note_finished,
     note_process,
@@ -45,6 +46,11 @@ from meshrun.rank.train.context import LoopContext, LoopState
 from meshrun.rank.train.loop import train_loop
 from meshrun.rank.watchdog import Watchdog, inside
 
+# How long a failed rank waits, its groups closed, for its peers' records before it exits
+# (core/run_files/failures.await_peers_records): gloo's peers see the closed connection in
+# milliseconds; the rest is a loaded host's scheduling.
+PEERS_RECORD_S = 5.0
+
 
 def _freeze_libraries() -> None:
     """Leaves what the process holds before its first run (the imported libraries' objects,
@@ -61,16 +67,9 @@ def run_rank(cfg_dict: dict[str, Any]) -> RankReport | None:
     cfg = from_dict(cfg_dict)
     place = ReplicaPlace.from_env()
     layout, rank = place_in_run(cfg, place)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    os.environ.update(flight_recorder.rank_env(cfg.backend, cfg.run_dir, os.environ))
-    if cfg.launcher.threads_per_rank:
-        torch.set_num_threads(cfg.launcher.threads_per_rank)
-    device = select_device(cfg.hardware.device_type, local_rank, cfg.backend.name == "gloo")
-    set_fp32_matmul(device, cfg.train.precision, cfg.train.tf32)
-    forget_failure(cfg.run_dir, rank)  # an earlier attempt's, in a job SLURM requeued
-    show_once(cfg.run_dir, rank)
-    note_process(cfg.run_dir, rank)
+    device = _set_up_process(cfg, rank)
     mesh = watchdog = None
+    await_peers = False
     if layout.has_mesh:
         watchdog = Watchdog(cfg.run_dir, rank, layout.world_size, cfg.backend.timeout_s)
         flight_recorder.enable(cfg.backend.name, cfg.run_dir)
@@ -86,12 +85,29 @@ def run_rank(cfg_dict: dict[str, Any]) -> RankReport | None:
         dumps = watchdog is not None and not isinstance(err, Stopped) and place is None
         _record(cfg.run_dir, rank, err, layout.world_size if dumps else None)
         traceback.clear_frames(err.__traceback__)  # its frames' locals hold the mesh
+        await_peers = dumps
         raise
     finally:
         if watchdog is not None:
             watchdog.stop()
         del mesh  # it holds the process groups, which end here, not at the process's exit
-        end_distributed()
+        end_distributed()  # gloo peers blocked on this rank see its connections close now
+        if await_peers:
+            await_peers_records(cfg.run_dir, rank, PEERS_RECORD_S)
+
+
+def _set_up_process(cfg: RunConfig, rank: int) -> torch.device:
+    """This process's device and settings, and its notes in the run dir."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    os.environ.update(flight_recorder.rank_env(cfg.backend, cfg.run_dir, os.environ))
+    if cfg.launcher.threads_per_rank:
+        torch.set_num_threads(cfg.launcher.threads_per_rank)
+    device = select_device(cfg.hardware.device_type, local_rank, cfg.backend.name == "gloo")
+    set_fp32_matmul(device, cfg.train.precision, cfg.train.tf32)
+    forget_failure(cfg.run_dir, rank)  # an earlier attempt's, in a job SLURM requeued
+    show_once(cfg.run_dir, rank)
+    note_process(cfg.run_dir, rank)
+    return device
 
 
 def _record(run_dir: str, rank: int, err: Exception, dump_world: int | None) -> None:

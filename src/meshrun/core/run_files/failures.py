@@ -55,22 +55,44 @@ def note_finished(run_dir: str, rank: int) -> None:
     (Path(run_dir) / FAILURES_DIR / f"process-rank{rank}.json").unlink(missing_ok=True)
 
 
-def _gone_peers(folder: Path, rank: int) -> list[int]:
-    """Peers on this host whose process had ended (or is a zombie) when this rank failed:
-    they died first, and a peer that recorded nothing died by a signal. torch elastic
-    reports the exit of only one rank, often this one's, whose error is only the symptom."""
-    gone, host = [], socket.gethostname()
+def _peer_states(folder: Path, rank: int) -> dict[int, str]:
+    """Peers noted on this host (note_process) -> their process's state ("X": ended, "Z":
+    a zombie)."""
+    states, host = {}, socket.gethostname()
     for path in folder.glob("process-rank*.json"):
         peer, noted = int(path.stem.removeprefix("process-rank")), json.loads(path.read_text())
         if peer == rank or noted["host"] != host:
             continue
         try:
-            state = Path(f"/proc/{noted['pid']}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            states[peer] = (
+                Path(f"/proc/{noted['pid']}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            )
         except (OSError, IndexError):
-            state = "X"
-        if state in "ZX":
-            gone.append(peer)
-    return sorted(gone)
+            states[peer] = "X"
+    return states
+
+
+def _gone_peers(folder: Path, rank: int) -> list[int]:
+    """Peers on this host whose process had ended (or is a zombie) when this rank failed:
+    they died first, and a peer that recorded nothing died by a signal. torch elastic
+    reports the exit of only one rank, often this one's, whose error is only the symptom."""
+    return sorted(peer for peer, state in _peer_states(folder, rank).items() if state in "ZX")
+
+
+def await_peers_records(run_dir: str, rank: int, seconds: float) -> None:
+    """Until every peer on this host still running has recorded its failure too, at most
+    `seconds`. A failed rank's exit is what torch elastic acts on: it stops the others with
+    SIGTERM at its next look (every 0.1 s), and a peer that had not yet seen the closed
+    connection lost its unflushed steps (a loaded host: a DDP run's mean became one rank's).
+    A peer that never notices (NCCL waits for its timeout) costs the wait, then is stopped."""
+    folder = Path(run_dir) / FAILURES_DIR
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        recorded = {int(p.stem.removeprefix("rank")) for p in folder.glob("rank*.json")}
+        states = _peer_states(folder, rank)
+        if all(state in "ZX" or peer in recorded for peer, state in states.items()):
+            return
+        time.sleep(0.05)
 
 
 def record_failure(run_dir: str, rank: int, err: BaseException) -> None:
