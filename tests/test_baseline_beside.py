@@ -27,8 +27,9 @@ RUN = (
 )
 
 
-# ddp with -m slow: the main job's test (test_end_to_end) measures DDP beside its baseline
-@pytest.mark.parametrize("layout", [pytest.param("ddp", marks=pytest.mark.slow), "pp2"])
+# -m slow: the main job's test (test_end_to_end) measures DDP beside its baseline in CI
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["ddp", "pp2"])
 def test_the_baseline_beside_the_run_is_the_single_device_run_and_leaves_it_alone(
     tmp_path, rank_pool, layout
 ):
@@ -50,6 +51,7 @@ def test_the_baseline_beside_the_run_is_the_single_device_run_and_leaves_it_alon
     assert len(timed) == len(steps)  # one round per timed step
 
 
+@pytest.mark.slow
 def test_a_cpu_hog_beside_the_run_is_the_share_other_processes_used(tmp_path, rank_pool):
     """A busy loop in another process takes a core's worth of the 2-core box's time while
     the run is timed; the run sees at least a fifth of the host's CPU go to others."""

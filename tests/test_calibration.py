@@ -210,6 +210,7 @@ def _wrappers_on_two_ranks(_) -> tuple[dict[str, float], dict[str, Counter]]:
     return wrapper_overheads(model, None), per_layer
 
 
+@pytest.mark.slow
 def test_calibrate_measures_what_dtensor_and_fsdp2_cost_a_block_beyond_its_collectives(
     rank_pool,
 ):
@@ -407,6 +408,7 @@ def test_calibrate_writes_a_profile_that_plans_on_this_host_use_and_name(tmp_pat
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_a_calibration_rank_that_dies_ends_the_calibration_with_the_reason():
     """No hang: the rank processes' barrier would wait for the dead one for ever."""
     broken = Workload(

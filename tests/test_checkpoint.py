@@ -73,7 +73,7 @@ RESUMED_LAYOUTS = {
 }
 # In CI sharded state (fsdp) and an MoE's router biases; with -m slow replicated state (ddp),
 # TP's DTensors and a pipeline's stages, whose loads the cross-layout test below makes too.
-RESUMED_FAST = {"fsdp", "fsdp_moe_bias"}
+RESUMED_FAST = {"fsdp"}
 
 
 def _run(tmp: Path, rank_pool, *overrides: str):
@@ -111,7 +111,11 @@ def test_resumed_run_continues_bit_for_bit(tmp_path, rank_pool, layout):
         (("parallel=fsdp",), ("parallel=tp2_pp2",)),
         pytest.param(("parallel=ddp",), ("parallel=fsdp",), marks=pytest.mark.slow),
         pytest.param(("parallel=tp2_pp2",), ("parallel=single",), marks=pytest.mark.slow),
-        (("parallel=fsdp2_cp2", "launcher.nproc_per_node=4"), ("parallel=single",)),
+        pytest.param(
+            ("parallel=fsdp2_cp2", "launcher.nproc_per_node=4"),
+            ("parallel=single",),
+            marks=pytest.mark.slow,
+        ),
         pytest.param(
             ("parallel=cp2",),
             ("parallel=cp2", "parallel.cp=4", "launcher.nproc_per_node=4"),
@@ -135,6 +139,19 @@ def test_resumed_run_continues_bit_for_bit(tmp_path, rank_pool, layout):
             ("model=tiny-moe", "parallel=ep2"),
             marks=pytest.mark.slow,
         ),
+        # GPT-2's fused q|k|v rows (and their AdamW moments) regrouped per TP rank: read in
+        # the saved tp's order, refilled in the resumed one's
+        (("model=hf/tiny-gpt2", "parallel=tp2"), ("model=hf/tiny-gpt2", "parallel=single")),
+        pytest.param(
+            ("model=hf/tiny-gpt2", "parallel=fsdp2_tp2", "launcher.nproc_per_node=4"),
+            ("model=hf/tiny-gpt2", "parallel=tp4"),
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            ("model=hf/tiny-gpt2", "parallel=single"),
+            ("model=hf/tiny-gpt2", "parallel=tp2_pp2"),
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=[
         "fsdp-to-tp2_pp2",
@@ -147,6 +164,9 @@ def test_resumed_run_continues_bit_for_bit(tmp_path, rank_pool, layout):
         "tied_fsdp2_pp2-to-single",
         "tied_single-to-tp2_pp2",
         "moe_tp2_ep2_etp2-to-ep2",
+        "gpt2_tp2-to-single",
+        "gpt2_fsdp2_tp2-to-tp4",
+        "gpt2_single-to-tp2_pp2",
     ],
 )
 def test_checkpoint_loads_under_another_layout(tmp_path, rank_pool, saved_under, resumed_under):
@@ -165,6 +185,7 @@ def test_checkpoint_loads_under_another_layout(tmp_path, rank_pool, saved_under,
         assert abs(got.loss - want.loss) <= 1e-5 * abs(want.loss), (got, want)
 
 
+@pytest.mark.slow
 def test_interrupted_run_resumes_as_the_same_run(tmp_path, rank_pool, launch_host):
     """A rank fails at step 3 after the checkpoint of step 2; `resume=auto` in the same run
     dir continues the same run: its id, its store row, its metrics file, appended. (The
@@ -430,6 +451,7 @@ def test_resume_from_a_run_dir_continues_its_run(tmp_path, rank_pool, custom_dir
     assert custom_dir != (Path(cut.run_dir) / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_resume_into_a_run_dir_of_ones_own_is_a_new_run(tmp_path, rank_pool):
     """A ddp run's checkpoint continued under tp2 in another run dir: a new run there (its
     id, metrics.jsonl from the checkpoint's step on, results.json, store row, W&B run and

@@ -720,6 +720,7 @@ def plan(model, tp_mesh, sequence_parallel):
 """
 
 
+@pytest.mark.slow
 def test_tp_plan_module_in_the_working_directory_is_imported_by_driver_and_ranks(
     meshrun, tmp_path: Path
 ):
@@ -815,6 +816,7 @@ print(json.dumps(said))
 """
 
 
+@pytest.mark.slow
 def test_every_console_script_runs_as_python_m_its_module():
     """A bare image runs the commands as `python -m <module>` (scripts/gpu-check.sh, with
     PYTHONPATH=src): each module must run its command, not import it and exit 0 in silence."""

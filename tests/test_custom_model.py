@@ -46,7 +46,7 @@ COMMON = (
 )
 # In CI: FSDP units on the user's blocks with their recompute, a pipeline of the named parts,
 # and (in verify, below) TP on a YAML plan. The rest with -m slow (make test-all).
-FAST = {"pp2_1f1b", "fsdp_full_checkpointing"}
+FAST = {"pp2_1f1b"}
 LAYOUTS = {
     "ddp": ("parallel=ddp",),
     "fsdp": ("parallel=fsdp",),
@@ -126,6 +126,9 @@ def test_every_kind_of_layout_trains_the_users_module_like_one_device(experiment
         ("parallel=tp2", "model.tp_plan={blocks.*.up:colwise,blocks.*.down:rowwise}"),
         # its attention shared by the ring through SDPA, its positions by keyword
         ("parallel=cp2", "model.positions=positions", "train.micro_batch_size=4"),
+        # and under a pipeline: the stages give the embedding, whose forward takes the
+        # keyword, the CP rank's positions
+        ("parallel=cp2", "parallel.pp=2", "model.positions=positions", "train.micro_batch_size=4"),
     ],
     ids=" ".join,
 )
@@ -152,7 +155,7 @@ STREAM_OUTSIDE = (
     "model.head=head",
 )
 STAGED_CAUSE = "the module's forward is not its named parts in sequence"
-STAGED_FIX = "inside the blocks or the embedding, or train without a pipeline (parallel.pp=1)"
+STAGED_FIX = "or train without a pipeline (parallel.pp=1)"
 
 
 def test_a_pipeline_refuses_a_module_whose_forward_is_not_its_parts_before_launch(
@@ -189,6 +192,7 @@ def test_a_module_too_big_for_the_drivers_probe_is_refused_by_the_ranks_without_
     assert all(r["traceback"].startswith("Traceback (most recent call last):") for r in records)
 
 
+@pytest.mark.slow
 def test_a_module_with_one_embedding_needs_no_name_for_it_and_is_told_so(experiment, single):
     """Neither model.vocab_size nor model.embedding: the module's one nn.Embedding gives the
     vocabulary, the run says so and trains as with the embedding named."""
@@ -264,10 +268,15 @@ def test_a_module_with_one_embedding_needs_no_name_for_it_and_is_told_so(experim
             "parallel.cp",
             "inside each block of model.layers, which is not set",
         ),
-        (
-            ["parallel=cp2", "parallel.pp=2", "model.positions=positions"],
+        (  # under a pipeline the embedding is a part, and takes no `positions` keyword
+            [
+                "parallel=cp2",
+                "parallel.pp=2",
+                "model.positions=positions",
+                "model.target=tests.user_model:build_positions_by_another_name",
+            ],
             "parallel.pp",
-            "the positions context parallelism gives the module's forward cannot reach",
+            "the module's forward is not its named parts in sequence",
         ),
         (  # attention written out: it would see each CP rank's own tokens only
             ["parallel=cp2", "model.positions=positions", "+model.kwargs.attention_by_hand=true"],

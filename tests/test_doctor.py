@@ -114,6 +114,7 @@ def test_topology_links():
     assert describe_link("SYS").startswith("SYS: across the CPU interconnect")
 
 
+@pytest.mark.slow
 def test_doctor_on_this_machine_exits_zero_with_a_report(doctor):
     run = doctor()
     assert run.returncode == 0, run.output

@@ -104,6 +104,7 @@ def test_wandb_key_never_lands_in_outputs(ddp_run):
     assert SECRET not in ddp_run.output
 
 
+@pytest.mark.slow
 def test_second_run_reuses_the_stored_baseline_where_asked(ddp_run, meshrun_here, tmp_path):
     store = shutil.copy(ddp_run.store_path, tmp_path / "copy.db")
     again = meshrun_here(*SMALL_DDP[:-2], "metrics.baseline=stored", store_path=store)
@@ -117,6 +118,7 @@ def test_second_run_reuses_the_stored_baseline_where_asked(ddp_run, meshrun_here
     assert "(stored, measured" in again.output
 
 
+@pytest.mark.slow
 def test_a_stored_baseline_of_another_torch_is_not_reused(ddp_run, meshrun_here, tmp_path):
     """Its fingerprint differs (as with another CUDA, NCCL, device or thread count): the
     run measures its own, beside it."""
@@ -138,6 +140,7 @@ def test_a_stored_baseline_of_another_torch_is_not_reused(ddp_run, meshrun_here,
     assert again.results["baseline_run_id"] != run_id
 
 
+@pytest.mark.slow
 def test_single_device_is_its_own_baseline_whatever_the_store_holds(
     ddp_run, meshrun_here, tmp_path
 ):

@@ -85,6 +85,7 @@ def _held_experts(_) -> dict[str, list[int]]:
     return {"experts": list(range(box[0].start, box[0].stop)), "rows": [local.shape[0]]}
 
 
+@pytest.mark.slow
 def test_each_rank_holds_its_share_of_the_experts(rank_pool):
     """ep2 splits tiny-moe's 8 experts 4 and 4 (ep rank = dp_shard rank mod 2), FSDP2 the
     4 over the other 2 ranks: 2 experts a rank, every expert held once."""
@@ -119,7 +120,7 @@ LAYOUTS = {
         MICRO4,
     ),
 }
-FAST = {"ep2", "fsdp2_ep2", "tp2_sp_etp2"}
+FAST = {"ep2", "tp2_sp_etp2"}
 
 
 @pytest.mark.parametrize("layout", tiered(LAYOUTS, FAST))
@@ -162,6 +163,7 @@ def test_an_impossible_ep_is_refused_with_the_key_and_a_fix(case):
     assert reason in str(caught.value)
 
 
+@pytest.mark.slow
 def test_an_expert_parallel_runs_routers_reach_its_wandb_run(meshrun_here):
     """An offline W&B run of ep2 (W&B itself, read back from its transaction log): each
     step's router figures in the history, the last step's in the summary."""

@@ -204,7 +204,7 @@ LAYOUTS = {
     # each stage moves its own blocks' biases; torch's shape inference is not counted
     "pp2_bias": ("parallel=pp2", *BIAS),
 }
-FAST = {"ddp", "pp2", "ddp_bias", "pp2_bias", "cp2"}
+FAST = {"ddp", "pp2", "ddp_bias", "pp2_bias"}
 
 
 @pytest.mark.parametrize("layout", tiered(LAYOUTS, FAST))

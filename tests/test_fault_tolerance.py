@@ -93,6 +93,7 @@ def test_torchft_replicas_train_and_evaluate_as_ddp_does(tmp_path, rank_pool, la
 HSDP = ("parallel.dp_replicate=2", "parallel.dp_shard=2", "launcher.nproc_per_node=4")
 
 
+@pytest.mark.slow
 def test_replica_groups_of_fsdp2_ranks_train_as_hsdp_does(tmp_path, rank_pool, launch_host):
     """dp_replicate=2 x dp_shard=2: two torchft groups of two FSDP2 ranks each, every rank's
     gradient shard averaged with the same rank's of the other group: HSDP's losses."""

@@ -33,8 +33,8 @@ def single_fp16(tmp_path_factory, rank_pool) -> list[float]:
 @pytest.mark.parametrize(
     "layout",
     [
-        "ddp",
-        "pp2",
+        pytest.param("ddp", marks=pytest.mark.slow),
+        pytest.param("pp2", marks=pytest.mark.slow),
         pytest.param("fsdp", marks=pytest.mark.slow),
         pytest.param("tp2", marks=pytest.mark.slow),
     ],
@@ -65,6 +65,7 @@ def test_overflowing_steps_are_skipped_and_the_scale_backs_off(tmp_path, rank_po
     assert got[-1] < got[trained[0]]
 
 
+@pytest.mark.slow
 def test_the_loss_scale_survives_a_resume_bit_for_bit(tmp_path, rank_pool):
     """A scale that overflows at first and grows every 2 steps: the scale and its count of
     good steps are in the checkpoint, so the resumed run skips and grows as the whole did."""

@@ -60,6 +60,7 @@ def test_a_check_sees_its_own_entries_of_the_parents_visible_devices():
     assert child_visible("MIG-x", [0]) == "MIG-x"
 
 
+@pytest.mark.slow
 def test_gpu_check_with_gpus_torch_cannot_use_skips_each_gpu_check(tmp_path: Path):
     """nvidia-smi lists 8 GPUs, torch (this CPU build) sees none: no check is planned on them."""
     stub = tmp_path / "bin"

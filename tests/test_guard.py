@@ -33,7 +33,9 @@ def _run(tmp: Path, rank_pool, *overrides: str):
     return measure(config_in(tmp, *COMMON, *overrides), "run", rank_pool.launch)
 
 
-@pytest.mark.parametrize(("layout", "precision"), [("ddp", "bf16"), ("pp2", "fp32")])
+@pytest.mark.parametrize(
+    ("layout", "precision"), [("ddp", "bf16"), pytest.param("pp2", "fp32", marks=pytest.mark.slow)]
+)
 def test_a_non_finite_step_is_skipped_on_every_rank_and_counted(
     tmp_path, rank_pool, layout, precision
 ):
@@ -98,6 +100,7 @@ def _steps(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_a_loss_spike_rolls_back_to_the_checkpoint_and_skips_its_batches(tmp_path, rank_pool):
     """The spike's batch (step 12's) found at the step-14 log step: back to the step-10
     checkpoint, batches 10-12 skipped, the run goes on to step 19 under the same id."""

@@ -290,6 +290,7 @@ def test_auto_refuses_cpu_ranks_where_nvidia_smi_lists_gpus_torch_cannot_see():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA host: torch sees its GPUs")
+@pytest.mark.slow
 def test_meshrun_on_a_gpu_host_with_a_cpu_torch_exits_2_saying_what_to_install(tmp_path):
     """The real console script, with nvidia-smi listing 8 H100s on PATH: refused before any
     rank starts; hardware=cpu trains on the CPU as asked."""

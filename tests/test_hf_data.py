@@ -162,7 +162,10 @@ def hf_rank_tokens(arg) -> dict:
 
 @pytest.mark.parametrize(
     "layout",
-    [Layout(dp_replicate=2, dp_shard=2), Layout(dp_shard=2, tp=2)],
+    [
+        pytest.param(Layout(dp_replicate=2, dp_shard=2), marks=pytest.mark.slow),
+        Layout(dp_shard=2, tp=2),
+    ],
     ids=lambda layout: layout.describe(),
 )
 def test_dp_ranks_split_hf_windows_and_tp_peers_share_them(rank_pool, hf_corpus, tmp_path, layout):

@@ -111,6 +111,7 @@ def test_run_draws_its_traced_step(profiled):
 
 
 @needs_chromium
+@pytest.mark.slow
 def test_report_shows_the_step_timeline_in_headless_chromium(profiled, tmp_path, monkeypatch):
     _, store_dir = profiled
     monkeypatch.chdir(tmp_path)
@@ -199,6 +200,7 @@ def test_slow_rank_is_named_with_its_slowdown(experiment):
     assert 1.25 < statistics.median(ratios) < 1.75
 
 
+@pytest.mark.slow
 def test_without_a_slow_rank_nothing_is_flagged(experiment):
     """Two ranks doing the same work on a loaded 2-vCPU host differ in CPU time by up to ~16%
     (another test's ranks beside them: 1.158 read in CI), which the default threshold (1.15,
@@ -241,6 +243,7 @@ def test_a_straggler_is_called_over_three_timed_steps_or_more():
     assert judged["straggler"].startswith("rank 1 is busy 1.30x")
 
 
+@pytest.mark.slow
 def test_the_profilers_start_and_stop_print_nothing_of_kinetos():
     """kineto prints `USDT: ... profiler_start/stop` to fd 2 at each (torch 2.13): a profiled
     window of every rank, calibration's and the memory meter's would each print a pair."""

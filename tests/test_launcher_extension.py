@@ -138,6 +138,7 @@ def _plain_meshrun(tmp_path: Path, *overrides: str):
     )
 
 
+@pytest.mark.slow
 def test_a_launcher_from_a_test_module_trains_and_records_a_run(tmp_path: Path):
     assert isinstance(PlainLauncher(), Launcher)
     run = _plain_meshrun(tmp_path, *TINY)

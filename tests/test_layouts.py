@@ -104,7 +104,6 @@ FAST = {
     "cp2_ring",
     "fsdp2_cp2",
     "fsdp_selective_checkpointing",
-    "tp2_op_checkpointing",
 }
 
 
@@ -155,7 +154,7 @@ TIED_LAYOUTS = {
         "launcher.nproc_per_node=8",
     ),
 }
-TIED_FAST = {"pp4_ends_in_a_group_of_their_own", "tp2_pp2", "fsdp2_pp2_interleaved"}
+TIED_FAST = {"fsdp2_pp2_interleaved"}
 
 
 @pytest.fixture(scope="session")

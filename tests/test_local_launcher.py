@@ -53,6 +53,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_forked_ranks_find_their_entry_preloaded_by_the_server(tmp_path):
     """What both launchers (torch elastic's, torchft's replicas) start their ranks with: a
     forkserver that imported the entry's module once, so no rank imports torch again."""
@@ -98,6 +99,7 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+@pytest.mark.slow
 def test_a_forkserver_ranks_cpu_time_is_the_drivers(tmp_path):
     script = tmp_path / "driver.py"
     script.write_text(BURN)

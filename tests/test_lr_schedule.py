@@ -47,6 +47,7 @@ RUN = (
 )
 
 
+@pytest.mark.slow
 def test_each_step_trains_and_logs_the_scheduled_lr_under_any_layout(experiment):
     _, single = experiment(*RUN, "parallel=single")
     _, fsdp = experiment(*RUN, "parallel=fsdp")

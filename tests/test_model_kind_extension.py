@@ -153,6 +153,7 @@ def _plain_run_dict() -> dict:
     return dataclasses.asdict(_helpers().compose_config("parallel=ddp"))
 
 
+@pytest.mark.slow
 def test_meshrun_trains_the_users_kind_under_ddp_and_records_it(meshrun, tmp_path):
     run = meshrun(toy_preset(tmp_path, dim=24), *RUN, env=ON_PATH)
     assert run.returncode == 0, run.output
@@ -162,6 +163,7 @@ def test_meshrun_trains_the_users_kind_under_ddp_and_records_it(meshrun, tmp_pat
     assert all(math.isfinite(loss) for loss in row["losses"])
 
 
+@pytest.mark.slow
 def test_a_bad_value_of_the_users_kind_is_refused_before_launch(meshrun, tmp_path):
     search = toy_preset(tmp_path)
     refused = meshrun(search, *RUN, "model.dim=0", env=ON_PATH)

@@ -103,6 +103,7 @@ HEAVY_HEAD = (
 )
 
 
+@pytest.mark.slow
 def test_pp_layers_auto_moves_layers_off_a_heavy_head_and_trains_as_its_split(experiment):
     """A 16k vocabulary's head and loss outweigh a `tiny` block many times over: the probe
     sees it and gives the last stage one layer; the record names the split (the overrides
@@ -124,6 +125,7 @@ def test_pp_layers_auto_moves_layers_off_a_heavy_head_and_trains_as_its_split(ex
     assert [s.loss for s in auto.steps] == [s.loss for s in explicit.steps]
 
 
+@pytest.mark.slow
 def test_1f1b_holds_fewer_activations_than_gpipe(experiment):
     """With 8 micro-batches, GPipe's first stage keeps all 8 micro-batches' activations
     until the backward starts; 1F1B keeps at most pp=2 of them."""

@@ -68,12 +68,11 @@ LAYOUTS = {
     },
 }
 # In CI FSDP, whose collectives free gathered blocks on gloo's worker threads, which the meter
-# must see (metrics/memory.py), CP's allgather, the method holding the most K/V, and experts
-# split over ep ranks (a rank's half of them gathered, the other's rows computed). With
-# -m slow a layout of each other kind of memory: pipelined (each stage a plain model, with its
-# micro-batches in flight), checkpointed, TP (outputs freed on those threads too) through a
-# user's module, whose only prediction is traced, and CP's other two ways of sharing K/V.
-FAST = {("fsdp", "none"), ("cp2-allgather", "none"), ("moe-ep2", "none")}
+# must see (metrics/memory.py). With -m slow a layout of each other kind of memory: pipelined
+# (each stage a plain model, with its micro-batches in flight), checkpointed, TP (outputs
+# freed on those threads too) through a user's module, whose only prediction is traced, CP's
+# three ways of sharing K/V (allgather holds the most) and experts split over ep ranks.
+FAST = {("fsdp", "none")}
 CASES = [
     pytest.param(
         name, ckpt, marks=() if (name, ckpt) in FAST else pytest.mark.slow, id=f"{name}-ckpt_{ckpt}"
@@ -95,10 +94,7 @@ def test_predicted_memory_per_rank_is_within_the_bars(launch_host, tmp_path, nam
 
 @pytest.mark.parametrize(
     "layout",
-    [
-        pytest.param(layout, marks=pytest.mark.slow)  # CI: the op policy's ddp case below
-        for layout in ("ddp", "fsdp", "pp2-1f1b")
-    ],
+    [pytest.param(layout, marks=pytest.mark.slow) for layout in ("ddp", "fsdp", "pp2-1f1b")],
 )
 def test_checkpointing_every_second_block_is_predicted_within_5_percent(
     launch_host, tmp_path, layout
@@ -112,9 +108,7 @@ def test_checkpointing_every_second_block_is_predicted_within_5_percent(
 @pytest.mark.parametrize(
     ("layout", "ckpt"),
     [
-        pytest.param(
-            layout, ckpt, marks=() if (layout, ckpt) == ("ddp", "op") else pytest.mark.slow
-        )
+        pytest.param(layout, ckpt, marks=pytest.mark.slow)
         for layout in ("ddp", "fsdp", "tp2")
         for ckpt in ("selective", "op")
     ],
@@ -151,9 +145,7 @@ LARGE_VOCAB = (
 @pytest.mark.parametrize(
     ("loss", "ckpt"),
     [
-        pytest.param(
-            loss, ckpt, marks=() if (loss, ckpt) == ("chunked", "none") else pytest.mark.slow
-        )
+        pytest.param(loss, ckpt, marks=pytest.mark.slow)
         for loss in LOSSES
         for ckpt in ("none", "full")
     ],

@@ -92,6 +92,7 @@ def test_the_users_keys_constrain_the_search(tmp_path):
     assert all(smaller[k] < larger[k] for k in both)  # SP splits the norms' activations
 
 
+@pytest.mark.slow
 def test_gpt3_175b_on_128_nodes_predicts_megatrons_tp8_sp_and_pipeline_among_the_fastest(tmp_path):
     """1,024 A100s: a layout that keeps TP (8, with SP) on NVLink and pipelines across nodes,
     like Megatron's published runs (Narayanan et al. 2021, Korthikanti et al. 2022), fits and
@@ -134,7 +135,8 @@ def test_tp_across_nodes_is_ruled_out_with_the_reason(tmp_path):
 QWEN3_MOE = ("model=qwen3-30b-a3b", "hardware=h100-80g", "train.seq_len=4096")
 
 
-@pytest.mark.parametrize("nodes", [4, pytest.param(32, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("nodes", [4, 32])
 def test_an_moe_plan_proposes_expert_parallel_layouts_that_fit_each_with_its_command(
     tmp_path, nodes
 ):

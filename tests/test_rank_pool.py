@@ -35,6 +35,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.slow
 def test_workers_end_with_a_pytest_process_killed_outright(tmp_path):
     script = tmp_path / "pool.py"
     script.write_text(POOL)

@@ -68,6 +68,7 @@ def report(tmp_path, monkeypatch, store, *overrides: str):
     )
 
 
+@pytest.mark.slow
 def test_sweep_prints_its_comparison_table_when_it_ends(sweep):
     rows = sweep.stored()
     assert {r["layout_name"] for r in rows} == LAYOUTS
@@ -77,6 +78,7 @@ def test_sweep_prints_its_comparison_table_when_it_ends(sweep):
     assert f"meshrun-report sweep={SWEEP} html={SWEEP}.html" in closing
 
 
+@pytest.mark.slow
 def test_report_without_html_prints_and_writes_nothing(sweep, tmp_path):
     """Run as a user runs it (no hydra.run.dir given), in an empty working directory."""
     proc = subprocess.run(

@@ -127,6 +127,7 @@ def test_checkpoint_bytes_per_rank_are_those_a_real_dcp_save_writes(tmp_path, ra
         assert written.stat().st_size == pytest.approx(predicted, rel=0.10), written.name
 
 
+@pytest.mark.slow
 def test_auto_saves_at_the_interval_it_printed(meshrun_here):
     """A small MTBF: Young's interval of a fraction of a second, which the ranks turn into
     steps after their first 3 timed steps (the log step of step 5) and save at from there."""

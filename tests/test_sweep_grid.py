@@ -26,7 +26,7 @@ from tests.cli import MULTIRUN, run_meshrun
 from tests.helpers import resolved_config
 from tests.wandb_records import read_offline_run, read_table
 
-pytestmark = pytest.mark.timeout(600)  # the sweep: ~30 s here, minutes on shared cores
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # the sweep: ~30 s here
 # A sweep's jobs run in one driver: with forkserver their ranks (and baselines) fork from one
 # server that imported torch once (spawn is every other CLI test's start method).
 POINT = (

@@ -119,6 +119,7 @@ def test_wandb_agent_commands_are_meshrun_overrides_it_accepts():
     assert any(verdicts) and not all(verdicts)
 
 
+@pytest.mark.slow
 def test_wandb_agent_runs_record_one_sweep_and_skip_invalid_points(tmp_path):
     """The agent's command for real, in the agent's environment (meshrun on PATH, the sweep id
     in WANDB_SWEEP_ID): a valid point runs, an invalid one is recorded as skipped (exit 0, so

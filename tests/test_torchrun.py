@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
 ARGS = [
     "-m",
@@ -45,6 +47,7 @@ def check_ddp_recorded_once(cwd: Path, proc: subprocess.CompletedProcess) -> Pat
     return results_file
 
 
+@pytest.mark.slow
 def test_torchrun_ranks_share_one_run_dir_and_record_once(tmp_path):
     results_file = check_ddp_recorded_once(tmp_path, torchrun(tmp_path, "parallel=ddp"))
     assert (results_file.parent / "baseline" / "results.json").exists()

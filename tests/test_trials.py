@@ -166,6 +166,7 @@ def test_trials_run_the_plans_first_layouts_and_the_run_trains_the_fastest(meshr
     assert "meshrun-plan calibrate model=tiny world_size=2" in " ".join(run.output.split())
 
 
+@pytest.mark.slow
 def test_a_failing_trial_is_recorded_and_left_out_and_trials_only_stops_there(
     tmp_path, launch_host
 ):
@@ -197,6 +198,7 @@ def test_a_failing_trial_is_recorded_and_left_out_and_trials_only_stops_there(
     assert record.selection.trials_first_choice_loss is None  # the first choice failed
 
 
+@pytest.mark.slow
 def test_trials_only_records_the_verdict_as_a_run_of_its_own(meshrun_here):
     """plan.trials_only: the run the trials name has its row (role `trials`), results.json
     and W&B run, each with the trials, the layout that won, rho and the first choice's loss."""

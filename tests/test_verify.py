@@ -39,7 +39,7 @@ def report(tmp_path: Path) -> dict[str, Any]:
 @pytest.mark.parametrize(
     "overrides",
     [
-        ("parallel=tp2_pp2",),
+        pytest.param(("parallel=tp2_pp2",), marks=pytest.mark.slow),
         # a vocabulary no TP degree divides, tied embeddings: padded, still tied
         pytest.param(
             ("model.vocab_size=251", "model.tie_embeddings=true", "parallel=tp2"),
@@ -79,6 +79,7 @@ def test_correct_layout_passes(tmp_path, on_pool, capsys, overrides):
         assert (tmp_path / "verify" / role / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_bf16_layout_passes_within_one_bf16_rounding(tmp_path, on_pool):
     """FSDP in bf16 deviates by more than fp32's tolerance, and by far less than bf16's
     unit roundoff 2^-8 (the derived default)."""

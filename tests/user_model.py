@@ -116,6 +116,20 @@ def build(
     return TinyGPT(vocab, dim, n_layers, heads, max_seq, learned_positions, attention_by_hand)
 
 
+class EmbedByAnotherName(Embed):
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(ids, pos)
+
+
+def build_positions_by_another_name() -> TinyGPT:
+    """TinyGPT whose embedding takes the positions as `pos`, which model.positions=positions
+    does not name: a pipeline's embedding would count 0..n-1 itself, where a CP rank's are
+    not those."""
+    model = build()
+    model.embed.__class__ = EmbedByAnotherName
+    return model
+
+
 def build_tied() -> TinyGPT:
     """The head's weight the token embedding's: a module's own tie."""
     model = build()

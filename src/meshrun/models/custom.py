@@ -5,7 +5,8 @@ needs and cannot guess comes from the config, as dotted paths into the module: `
 block list, `embedding`, `norm` and `head` the ends, and `tp_plan`. A pipeline stage keeps
 the ends only where it is first or last and its own blocks only (the others become None in
 the list, so every name stays the whole model's), and runs its parts in sequence:
-embedding -> blocks -> norm -> head.
+embedding -> blocks -> norm -> head, each part whose forward takes the `positions` keyword
+given the tokens' positions (a context-parallel rank's, which it cannot count itself).
 
 Values: the callable is called on the meta device (shapes, nothing allocated) and, on each
 rank, once more on the CPU under torch.manual_seed(train.seed), which gives the module's own
@@ -14,6 +15,7 @@ initialisation and buffers, the same whatever the layout; each rank keeps what i
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator, MutableMapping
 
 import torch
@@ -97,6 +99,8 @@ class CustomLM(nn.Module):
         self.ties = tied_names(module)
         self.tied = bool(self.ties)
         self.vocab_size = cfg.vocab_size or token_lookup(module, cfg.embedding)[1].num_embeddings
+        # the parts whose own forward takes model.positions: a stage passes them theirs
+        self.positioned = {key for key, part in self.parts() if _takes(part, cfg.positions)}
 
     def __getattr__(self, name: str):
         paths = self.__dict__.get("paths")
@@ -133,11 +137,26 @@ class CustomLM(nn.Module):
         returning hidden states where it lacks the embedding or the head)."""
         if self.whole():
             return unpad_logits(self.module(tokens, **self._positions(tokens)), self.vocab_size)
-        h = tokens
-        for part in (self.tok_embeddings, *self.layers.values(), self.norm, self.output):
-            if part is not None:
-                h = part(h)
+        h = self.staged(tokens)
         return h if self.output is None else unpad_logits(h, self.vocab_size)
+
+    def parts(self) -> Iterator[tuple[str, nn.Module | None]]:
+        """(key, part) in a stage's order: embedding, blocks, norm, head; None where absent."""
+        yield "tok_embeddings", self.tok_embeddings
+        for name, block in self.layers.items():
+            yield f"layers.{name}", block
+        yield "norm", self.norm
+        yield "output", self.output
+
+    def staged(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The parts this holds in sequence, each that takes model.positions given them (a
+        context-parallel rank's, under a pipeline too)."""
+        positions = self._positions(tokens)
+        h = tokens
+        for key, part in self.parts():
+            if part is not None:
+                h = part(h, **(positions if key in self.positioned else {}))
+        return h
 
     def use_positions(self, positions: torch.Tensor) -> None:
         """The global positions of the tokens this rank sees (a context-parallel rank's
@@ -199,35 +218,48 @@ def check_staged_forward(module: nn.Module, cfg: CustomModelConfig) -> None:
     (a residual add, a scale) a pipeline would silently leave out and train another model.
     Compared on a probe batch with the module built whole (eval mode: no dropout)."""
     model = CustomLM(module, cfg)
-    parts = [model.tok_embeddings, *model.layers.values(), model.norm, model.output]
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model.vocab_size, (1, PROBE_TOKENS), generator=generator)
+    if cfg.positions is not None:  # not 0..n-1 (a CP rank's are not): each part must take them
+        model.use_positions(torch.arange(PROBE_TOKENS).flip(0))
     training = module.training
     module.eval()
-    own = module(tokens)
-    h = tokens
-    for part in (p for p in parts if p is not None):
-        h = part(h)
-    module.train(training)
-    if h.shape == own.shape and torch.allclose(h, own, rtol=PROBE_RTOL, atol=PROBE_RTOL):
-        return
+    own = module(tokens, **model._positions(tokens))
+    try:
+        h = model.staged(tokens)
+    except Exception as err:  # a part that needs what the forward hands it besides h
+        differ = f"the parts raise {type(err).__name__}: {err}"
+    else:
+        if h.shape == own.shape and torch.allclose(h, own, rtol=PROBE_RTOL, atol=PROBE_RTOL):
+            return
+        differ = (
+            f"the two differ by up to {(h - own).abs().max().item():.2e}"
+            if h.shape == own.shape
+            else f"the two differ in shape ({tuple(h.shape)} vs {tuple(own.shape)})"
+        )
+    finally:
+        module.train(training)
     named = " -> ".join(
         f"{key}={getattr(cfg, key)}"
         for key in ("embedding", "layers", "norm", "head")
         if getattr(cfg, key)
     )
-    differ = (
-        f"by up to {(h - own).abs().max().item():.2e}"
-        if h.shape == own.shape
-        else f"in shape ({tuple(h.shape)} vs {tuple(own.shape)})"
-    )
     raise StagedForwardDiffers(
         f"model=custom under a pipeline: the module's forward is not its named parts in "
-        f"sequence ({named}); on a probe batch the two differ {differ}, so the stages would "
+        f"sequence ({named}); on a probe batch {differ}, so the stages would "
         "train another model",
         "put what the forward does between the parts (a residual add, a scale, positions) "
-        "inside the blocks or the embedding, or train without a pipeline (parallel.pp=1)",
+        "inside the blocks or the embedding (a part whose forward takes the model.positions "
+        "keyword is given them), or train without a pipeline (parallel.pp=1)",
     )
+
+
+def _takes(part: nn.Module | None, keyword: str | None) -> bool:
+    """Whether the part's forward takes `keyword` by name (read before any wrapper: an
+    activation checkpoint's takes **kwargs and passes them on)."""
+    if part is None or keyword is None:
+        return False
+    return keyword in inspect.signature(part.forward).parameters
 
 
 def token_lookup(module: nn.Module, embedding: str | None) -> tuple[str, nn.Embedding]:

@@ -340,12 +340,25 @@ class HFCausalLM(nn.Module):
         column-wise shard on rank r holds that rank's heads of all three (and each split of
         the local output is h/tp wide). Runs before the weights exist (on meta): the row
         order is kept for init and loading to apply."""
-        if self.shipped is None or self.shipped.fused_qkv is None or tp == 1:
+        if tp == 1:
             return
+        self.row_orders = self.row_orders_for(tp)
+        if self.row_orders:
+            attention, projection = self.shipped.fused_qkv
+            for block in self.layers.values():
+                attn = getattr(block, attention)
+                attn.split_size = getattr(attn, projection).out_features // 3 // tp
+
+    def row_orders_for(self, tp: int) -> dict[str, torch.Tensor]:
+        """Each fused q|k|v weight's and bias's rows as TP of degree `tp` holds them (row i is
+        row order[i] of transformers' q|k|v), whatever this model's own tp: a checkpoint
+        saved under another reads through them (rank/train/checkpoint.py)."""
+        if self.shipped is None or self.shipped.fused_qkv is None:
+            return {}
         attention, projection = self.shipped.fused_qkv
+        orders = {}
         for index, block in self.layers.items():
-            attn = getattr(block, attention)
-            width = getattr(attn, projection).out_features // 3 // tp
+            width = getattr(getattr(block, attention), projection).out_features // 3 // tp
             order = torch.cat(
                 [
                     torch.arange(part * width * tp + r * width, part * width * tp + (r + 1) * width)
@@ -354,8 +367,8 @@ class HFCausalLM(nn.Module):
                 ]
             )
             for leaf in ("weight", "bias"):
-                self.row_orders[f"layers.{index}.{attention}.{projection}.{leaf}"] = order
-            attn.split_size = width
+                orders[f"layers.{index}.{attention}.{projection}.{leaf}"] = order
+        return orders
 
     def _ordered(self, name: str, source: Source) -> Source:
         order = self.row_orders.get(name)

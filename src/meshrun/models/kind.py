@@ -12,9 +12,10 @@ dense model built from its config; it writes `name`, `schema`, `build`, `shape` 
 The built model presents the parts a layout works on: `tok_embeddings`, `pos_embeddings`
 (None unless learned), `layers` by name, `norm`, `output`, with `tp_plan()`,
 `prepare_tp(tp)`, `tie_weights()`, `init_weights(seed)` and `to_empty`; where the config
-sets `model.pretrained`, `load_pretrained(directory)` (each pipeline part its share), and
-under context parallelism `use_positions(positions)` (models/llama.py's Transformer is the
-reference)."""
+sets `model.pretrained`, `load_pretrained(directory)` (each pipeline part its share),
+under context parallelism `use_positions(positions)`, and where TP holds a weight's rows in a
+tp-dependent order `row_orders_for(tp)` (models/hf.py; a checkpoint saved under another tp
+reads through them). models/llama.py's Transformer is the reference."""
 
 from __future__ import annotations
 
@@ -97,11 +98,6 @@ class ModelKind(Protocol):
         """Write `model` (its whole state, unpadded) as a Hugging Face save_pretrained
         directory `out`."""
         raise ValueError(f"model.kind={cfg.kind} has no Hugging Face form: export it as torch")
-
-    def tp_row_order(self, cfg: ModelConfig) -> bool:
-        """Whether TP stores a weight's rows in a tp-dependent order (GPT-2's fused q|k|v):
-        a checkpoint then resumes under its own tp only."""
-        return False
 
     def own_ties(self, cfg: ModelConfig) -> bool:
         """Whether the model's tied parameters are the module's own (refused under a

@@ -117,12 +117,6 @@ class HFKind(ModelKind):
     def save_hf(self, model: nn.Module, cfg: HFModelConfig, out: Path) -> None:
         save_transformers(model, cfg, out)
 
-    def tp_row_order(self, cfg: HFModelConfig) -> bool:
-        from meshrun.models.hf import SHIPPED_PLANS  # noqa: PLC0415 (meshrun[hf])
-
-        shipped = SHIPPED_PLANS.get(cfg.architecture)
-        return shipped is not None and shipped.fused_qkv is not None
-
 
 class CustomKind(ModelKind):
     name = "custom"

@@ -43,7 +43,6 @@ def check_checkpoint(cfg: ExperimentConfig) -> None:
     if path is not None:
         manifest = read_manifest(path)
         _check_same_model(cfg, manifest)
-        _check_row_order(cfg, manifest)
         _check_rng_states(cfg, path, manifest)
         _check_steps_left(cfg, path, manifest)
         checkpoint = resumed_checkpoint(c, cfg.run_dir, path, manifest)
@@ -93,19 +92,6 @@ def _weights_of(model: str) -> dict:
     return fields
 
 
-def _check_row_order(cfg: ExperimentConfig, manifest: Manifest) -> None:
-    """A weight whose rows TP regroups loads only under the tp degree that saved it."""
-    saved_tp = manifest.degrees.get("tp", 1)
-    if saved_tp != cfg.parallel.tp and _regroups_rows(cfg):
-        fail(
-            "parallel.tp",
-            cfg.parallel.tp,
-            f"the checkpoint ({manifest.layout}) holds this model's fused q|k|v regrouped "
-            f"for tp={saved_tp}",
-            f"tp={saved_tp}",
-        )
-
-
 def _check_rng_states(cfg: ExperimentConfig, path: Path, manifest: Manifest) -> None:
     """The RNG states the ranks will load (under the layout that saved them), read here as
     they will be: a file that pickles anything but tensors is refused before any rank
@@ -145,11 +131,6 @@ def _check_nothing_overwritten(resumed: ExperimentConfig, manifest: Manifest) ->
             f"is older than {', '.join(later)} in {root}: its saves would overwrite them",
             "the latest (checkpoint.resume=auto), or a new checkpoint.dir",
         )
-
-
-def _regroups_rows(cfg: ExperimentConfig) -> bool:
-    """Whether TP stores a weight's rows in a tp-dependent order (GPT-2's fused q|k|v)."""
-    return model_kind(cfg.model).tp_row_order(cfg.model)
 
 
 def _check_space(cfg: ExperimentConfig) -> None:

@@ -118,8 +118,10 @@ def check_staged(cfg: ExperimentConfig) -> None:
 
 def _check_context_parallel(cfg: ExperimentConfig, model: CustomLM) -> None:
     """CP shares the attention each block computes with SDPA, its ranks holding two chunks of
-    each sequence: the module must take their positions, run whole (not as a pipeline's parts,
-    which take hidden states alone) and attend through SDPA, which a probe on meta shows."""
+    each sequence: the module must take their positions and attend through SDPA, which a
+    probe on meta shows. Under a pipeline each part whose forward takes the positions keyword
+    is given them, and check_staged's probe (positions not 0..n-1) shows the parts then
+    compute what the forward does."""
     m, cp = cfg.model, cfg.parallel.cp
     if m.layers is None:
         fail(
@@ -146,14 +148,6 @@ def _check_context_parallel(cfg: ExperimentConfig, model: CustomLM) -> None:
             m.positions,
             f"is not a keyword of {type(model.module).__name__}.forward{forward}",
             "the name of the argument the forward takes token positions by",
-        )
-    if cfg.parallel.pp > 1:
-        fail(
-            "parallel.pp",
-            cfg.parallel.pp,
-            "runs model=custom's parts one by one on hidden states, which the positions "
-            "context parallelism gives the module's forward cannot reach",
-            "pp=1, or cp=1",
         )
     # only here: rank.parallel imports FSDP and DTensor, a second every `meshrun` would pay
     from meshrun.rank.parallel.context import ContextAttention, share_attention  # noqa: PLC0415

@@ -55,7 +55,14 @@ from meshrun.core.naming import layout_name
 from meshrun.core.rng_state import read_rng_state, rng_file
 from meshrun.core.run_files.failures import Stopped
 from meshrun.models import model_key, model_shape
-from meshrun.models.shards import fill, local_tensor, model_name, named_tensors, stored_view
+from meshrun.models.shards import (
+    Reordered,
+    fill,
+    local_tensor,
+    model_name,
+    named_tensors,
+    stored_view,
+)
 from meshrun.models.vocab import VOCAB_MODULES
 from meshrun.rank.control_collectives import control_all_reduce, control_barrier
 from meshrun.rank.parallel.parallel_model import ParallelModel
@@ -403,8 +410,14 @@ class Checkpointer:
                 for k, v in tensors.items()
                 if _is_vocab(k) and v.ndim
             }
+        # Saved under another tp with rows in a tp-dependent order (GPT-2's fused q|k|v): read
+        # whole, refilled in this tp's order.
+        reordered = self._reordered(tensors, manifest.degrees.get("tp", 1))
+        wholes = {
+            k: torch.empty(v.shape, dtype=v.dtype) for k, v in tensors.items() if k in reordered
+        }
         dcp.load(
-            {**tensors, **repadded},
+            {**tensors, **repadded, **wholes},
             checkpoint_id=path,
             process_group=self.group,
             no_dist=self.group is None,
@@ -412,6 +425,8 @@ class Checkpointer:
         vocab = model_shape(self.cfg.model).vocab_size
         for key, whole in repadded.items():
             fill(tensors[key], whole[:vocab])
+        for key, whole in wholes.items():
+            fill(tensors[key], Reordered(whole, reordered[key]))
         requantize(self.model, self.optimizer, tensors)
         self.model.refresh_float8_scales()
         load_schedule(self.optimizer, self.schedule, manifest.lr_schedule)
@@ -422,6 +437,38 @@ class Checkpointer:
         if manifest.degrees == Layout.of(self.cfg.parallel).degrees() and rng.is_file():
             _set_rng_state(read_rng_state(rng))
         return manifest.step
+
+    def _reordered(
+        self, tensors: dict[str, torch.Tensor], saved_tp: int
+    ) -> dict[str, torch.Tensor]:
+        """key -> the saved rows this tp's row i is (`Reordered`'s order), for each tensor
+        whose rows the parts order by tp (`row_orders_for`), saved under another tp."""
+        tp = Layout.of(self.cfg.parallel).tp
+        if saved_tp == tp:
+            return {}
+        saved, ours = _row_orders(self.model, saved_tp), _row_orders(self.model, tp)
+        reordered = {}
+        for key, tensor in tensors.items():
+            name = _param_name(key)
+            if name in saved and tensor.ndim:
+                reordered[key] = saved[name].argsort()[ours[name]]
+        return reordered
+
+
+def _row_orders(model: ParallelModel, tp: int) -> dict[str, torch.Tensor]:
+    """Each part's rows under `tp` (the identity where a part regroups nothing)."""
+    orders = {}
+    for part in model.parts:
+        of = getattr(_inner(part), "row_orders_for", None)
+        if of is not None:
+            orders.update(of(tp))
+    return orders
+
+
+def _param_name(key: str) -> str:
+    """The parameter a state tensor's key is of: model.<name>, optim.<name>.<state>."""
+    kind, name = key.split(".", 1)
+    return name if kind == "model" else name.rsplit(".", 1)[0]
 
 
 def _is_vocab(key: str) -> bool:
