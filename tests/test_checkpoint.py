@@ -127,11 +127,16 @@ def test_resumed_run_continues_bit_for_bit(tmp_path, rank_pool, layout):
             ("model=tiny-moe", "parallel=ep2", "parallel.ep=4", "launcher.nproc_per_node=4"),
             marks=pytest.mark.slow,
         ),
-        (("model=tiny-moe", "parallel=ep2"), ("model=tiny-moe", "parallel=single")),
+        pytest.param(
+            ("model=tiny-moe", "parallel=ep2"),
+            ("model=tiny-moe", "parallel=single"),
+            marks=pytest.mark.slow,
+        ),
         # a tied embedding: its head's copy on the last stage saved under the embedding's keys
-        (
+        pytest.param(
             ("parallel=pp2", "parallel.dp_shard=2", "launcher.nproc_per_node=4", TIED),
             ("parallel=single", TIED),
+            marks=pytest.mark.slow,
         ),
         pytest.param(("parallel=single", TIED), ("parallel=tp2_pp2", TIED), marks=pytest.mark.slow),
         pytest.param(  # each expert's hidden width split too: 2-D DTensors of the experts
@@ -286,6 +291,7 @@ def test_a_crafted_rng_state_is_refused_before_any_rank_starts(meshrun_here, tmp
     assert len(saved.stored()) == 1  # no run started
 
 
+@pytest.mark.slow
 def test_a_crafted_rng_state_is_refused_on_the_ranks_too(tmp_path, rank_pool, launch_host):
     """Where the file changed after the driver's check (or a requeued job restores on its
     own): the rank refuses it before anything in it runs, and the run fails saying why.

@@ -91,6 +91,7 @@ def test_check_counts_every_wrong_value():
     assert wrong_values(torch.tensor([1, 2, 3, 5], dtype=torch.int8), expected) == 1
 
 
+@pytest.mark.slow
 def test_gloo_two_ranks_prints_every_op_with_no_wrong_values(comm):
     run = comm(
         "backend=gloo",

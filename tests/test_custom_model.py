@@ -125,7 +125,10 @@ def test_every_kind_of_layout_trains_the_users_module_like_one_device(experiment
         pytest.param(("parallel=tp2",), marks=pytest.mark.slow),
         ("parallel=tp2", "model.tp_plan={blocks.*.up:colwise,blocks.*.down:rowwise}"),
         # its attention shared by the ring through SDPA, its positions by keyword
-        ("parallel=cp2", "model.positions=positions", "train.micro_batch_size=4"),
+        pytest.param(
+            ("parallel=cp2", "model.positions=positions", "train.micro_batch_size=4"),
+            marks=pytest.mark.slow,
+        ),
         # and under a pipeline: the stages give the embedding, whose forward takes the
         # keyword, the CP rank's positions
         ("parallel=cp2", "parallel.pp=2", "model.positions=positions", "train.micro_batch_size=4"),
@@ -312,6 +315,7 @@ def test_the_planner_traces_a_module_without_formulas():
     assert all(m.activations > 0 for m in (*fsdp, *tp2))
 
 
+@pytest.mark.slow
 def test_the_planner_traces_a_context_parallel_rank_over_its_share_of_the_sequence():
     """cp2 against fsdp on two ranks: the same parameter shards (FSDP over dp_shard x cp), a
     micro-batch of half the tokens each: half the activations but for what does not scale

@@ -71,6 +71,7 @@ def _agree_where_both_trained(tmp: Path) -> None:
         assert loss == theirs or (math.isnan(loss) and math.isnan(theirs)), record.step
 
 
+@pytest.mark.slow
 def test_torchft_replicas_train_and_evaluate_as_ddp_does(tmp_path, rank_pool, launch_host):
     """Two replicas without a fault: the same losses as DDP on two ranks (each replica the
     same share of the global batch, gradients averaged over the quorum), and the same

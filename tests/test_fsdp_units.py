@@ -3,6 +3,7 @@ often it syncs replicas (rank/parallel's gradient_sync)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -91,6 +92,7 @@ def _replica_syncs(micro_batches: int) -> dict[str, object]:
     return {"once": got["once"][0], "every": got["every"][0], "same": same}
 
 
+@pytest.mark.slow
 def test_replicas_sync_gradients_once_a_step_however_many_micro_batches(rank_pool):
     """4 micro-batches: one all-reduce over the replicas for each FSDP2 unit (tiny's 4 blocks
     and the root) a step, not one a micro-batch, and the same gradients."""

@@ -163,6 +163,7 @@ def test_run_again_keeps_what_was_given_and_writes_out_the_resolved_layout():
     assert (rerun.model, rerun.name, rerun.parallel) == (cfg.model, "my run", cfg.parallel)
 
 
+@pytest.mark.slow
 def test_planner_rows_rerun_as_themselves():
     ranked = search(
         resolved_config(*TINY, "parallel=single", "hardware=cpu"),

@@ -195,6 +195,7 @@ def test_a_given_context_parallel_degree_is_kept_and_its_rows_say_what_is_not_co
     assert any(e["layout"] == "fsdp2 x cp2(ring)" for e in plan["layouts"])
 
 
+@pytest.mark.slow
 def test_a_long_context_plan_fits_only_with_context_parallelism(tmp_path):
     """128k tokens of LLaMA 3.1 8B on 8 H100s, with the full loss: no layout without CP fits
     (the activations of a whole sequence on a rank, its 128k x 128k logits); CP layouts do

@@ -20,7 +20,7 @@ from meshrun.tools.report import plots
 from tests.chromium import loaded_dom, needs_chromium, screenshot
 from tests.cli import run_console
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 PRESETS = ("ddp", "ddp_bucket_view", "fsdp", "dp2_tp2", "pp2")
 LAYOUTS = {"ddp2", "ddp2(bucket-view)", "fsdp2", "fsdp-replicate2 x tp2", "pp2(1f1b, m=2)"}
 POINT = (
