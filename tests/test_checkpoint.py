@@ -336,6 +336,7 @@ def test_an_moe_checkpoint_resumes_whichever_way_its_experts_compute(tmp_path):
         config_in(tmp_path, *moe, "model.moe.experts=4", f"checkpoint.resume={path}")
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_and_resume_auto_continues(tmp_path, rank_pool):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) mid-run: every
     rank saves, `meshrun` exits 130 with the run recorded as interrupted; the same run with

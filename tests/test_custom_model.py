@@ -131,7 +131,15 @@ def test_every_kind_of_layout_trains_the_users_module_like_one_device(experiment
         ),
         # and under a pipeline: the stages give the embedding, whose forward takes the
         # keyword, the CP rank's positions
-        ("parallel=cp2", "parallel.pp=2", "model.positions=positions", "train.micro_batch_size=4"),
+        pytest.param(
+            (
+                "parallel=cp2",
+                "parallel.pp=2",
+                "model.positions=positions",
+                "train.micro_batch_size=4",
+            ),
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=" ".join,
 )

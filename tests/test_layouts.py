@@ -101,7 +101,6 @@ FAST = {
     "pp2_interleaved_zero_bubble",
     "dp2_tp2_pp2",
     "fsdp2_tp2_sequence_parallel",
-    "cp2_ring",
     "fsdp2_cp2",
     "fsdp_selective_checkpointing",
 }

@@ -14,10 +14,11 @@ import torch
 
 from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import HostFacts
+from meshrun.core.torch_floor import release
 from meshrun.driver.resolve import resolve
 from meshrun.models import build_model
 from meshrun.models import loss as loss_choice
-from meshrun.models.loss import loss_method
+from meshrun.models.loss import ZERO_BUBBLE_TAKES_FUNCTIONS, loss_method
 from meshrun.rank.parallel.loss import apply_chunked_loss, micro_batch_loss
 from tests.helpers import compose_config, resolved_config
 from tests.test_custom_model import NAMED
@@ -99,10 +100,6 @@ def test_auto_takes_the_loss_the_layout_can_run_and_says_why(overrides, method, 
         (("parallel=tp2", "train.loss=chunked"), "TP shards the head over the vocabulary"),
         ((*NAMED, "model.head=null", "train.loss=chunked"), "the model's head is not named"),
         (("parallel=single", "train.loss=vocab_parallel"), "only under TP (parallel.tp > 1)"),
-        (
-            ("parallel=pp2_interleaved", "parallel.schedule=interleaved_zb", "train.loss=chunked"),
-            "zero-bubble schedule",
-        ),
     ],
     ids=str,
 )
@@ -112,6 +109,20 @@ def test_a_loss_the_layout_cannot_run_exits_2_naming_train_loss(overrides, fragm
     assert caught.value.key == "train.loss"
     assert fragment in str(caught.value)
     assert "Valid: auto" in str(caught.value)
+
+
+def test_the_zero_bubble_schedule_takes_the_chunked_loss_from_torch_2_13():
+    """Below 2.13 refused, naming torch's lines (the torch floor's subset runs this on 2.11);
+    from 2.13 it resolves, and tests/test_combinations.py's pair verifies it (-m slow)."""
+    zero_bubble = ("parallel=pp2_interleaved", "parallel.schedule=interleaved_zb")
+    cfg = compose_config("model=tiny", *zero_bubble, "train.loss=chunked")
+    if release(torch.__version__) >= ZERO_BUBBLE_TAKES_FUNCTIONS:
+        assert resolve(cfg, HostFacts.detect()).config.train.loss == "chunked"
+        return
+    with pytest.raises(ConfigError) as caught:
+        resolve(cfg, HostFacts.detect())
+    assert caught.value.key == "train.loss"
+    assert "_backward.py:262" in str(caught.value) and "__init__.py:103" in str(caught.value)
 
 
 def test_verify_passes_chunked_against_the_full_loss_on_one_device(tmp_path, on_pool):

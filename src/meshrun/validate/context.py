@@ -37,22 +37,31 @@ def check_context_parallel(cfg: ExperimentConfig) -> None:
 
 def unsplit_heads(shape: ModelShape, tp: int, cp: int) -> tuple[str, int] | None:
     """The first of a model's heads (and K/V heads) that Ulysses cannot split: it gives each
-    CP rank heads/cp of the heads its TP rank holds. None where both split."""
-    for name, heads in (("model.n_heads", shape.n_heads), ("model.n_kv_heads", shape.n_kv_heads)):
-        if (heads // tp) % cp:
-            return name, heads
-    return None
+    CP rank heads/cp of the heads its TP rank holds. None where both split, or where the
+    shape does not say them (a user's module: its CP probe counts them, validate/custom.py)."""
+    heads = {"model.n_heads": shape.n_heads, "model.n_kv_heads": shape.n_kv_heads}
+    return _unsplit(heads, tp, cp)
 
 
-def _check_heads(cfg: ExperimentConfig) -> None:
-    p = cfg.parallel
-    unsplit = unsplit_heads(model_shape(cfg.model), p.tp, p.cp)
+def _unsplit(heads: dict[str, int | None], tp: int, cp: int) -> tuple[str, int] | None:
+    return next(((k, n) for k, n in heads.items() if n is not None and (n // tp) % cp), None)
+
+
+def check_alltoall_heads(heads: dict[str, int | None], tp: int, cp: int) -> None:
+    """Each of `heads` (what holds them -> how many) splits over cp after tp."""
+    unsplit = _unsplit(heads, tp, cp)
     if unsplit:
-        name, heads = unsplit
+        name, n = unsplit
         fail(
             "parallel.cp_method",
             "alltoall",
-            f"splits attention heads over cp: {name} ({heads}) / tp ({p.tp}) = "
-            f"{heads // p.tp} is not divisible by cp ({p.cp})",
+            f"splits attention heads over cp: {name} ({n}) / tp ({tp}) = {n // tp} is not "
+            f"divisible by cp ({cp})",
             "parallel.cp_method=ring or allgather, or a cp that divides the heads",
         )
+
+
+def _check_heads(cfg: ExperimentConfig) -> None:
+    shape = model_shape(cfg.model)
+    heads = {"model.n_heads": shape.n_heads, "model.n_kv_heads": shape.n_kv_heads}
+    check_alltoall_heads(heads, cfg.parallel.tp, cfg.parallel.cp)

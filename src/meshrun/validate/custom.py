@@ -25,6 +25,7 @@ from meshrun.models.custom import (
     token_lookup,
 )
 from meshrun.models.kinds import CustomKind
+from meshrun.validate.context import check_alltoall_heads
 
 SEE_DOCS = "see docs/models.md, Any nn.Module"
 SP_STYLES = ("sequence_parallel", "gather_input")  # what takes a sequence-sharded stream
@@ -152,7 +153,8 @@ def _check_context_parallel(cfg: ExperimentConfig, model: CustomLM) -> None:
     # only here: rank.parallel imports FSDP and DTensor, a second every `meshrun` would pay
     from meshrun.rank.parallel.context import ContextAttention, share_attention  # noqa: PLC0415
 
-    mode = ContextAttention(_local_attention, group=None)
+    probe = _AttentionProbe()
+    mode = ContextAttention(probe, group=None)
     share_attention(model, mode)
     seq = 2 * cp
     model.use_positions(torch.arange(seq, device="meta"))
@@ -176,13 +178,25 @@ def _check_context_parallel(cfg: ExperimentConfig, model: CustomLM) -> None:
             "tokens only",
             "causal F.scaled_dot_product_attention in the blocks, or cp=1",
         )
+    if cfg.parallel.cp_method == "alltoall":
+        for heads in probe.heads:
+            check_alltoall_heads(heads, cfg.parallel.tp, cp)
 
 
-def _local_attention(q: Tensor, k: Tensor, v: Tensor, group: None, scale: float | None) -> Tensor:
-    """What the probe's attention returns: its shape, on meta (K/V heads may be fewer)."""
-    return torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[-3] != q.shape[-3]
-    )
+class _AttentionProbe:
+    """The probe's attention: SDPA on meta (K/V heads may be fewer), the heads of each call
+    noted (Ulysses splits them over cp)."""
+
+    def __init__(self) -> None:
+        self.heads: list[dict[str, int | None]] = []
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, group: None, scale: float | None) -> Tensor:
+        heads = {"the blocks' query heads": q.shape[-3], "their key/value heads": k.shape[-3]}
+        if heads not in self.heads:
+            self.heads.append(heads)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[-3] != q.shape[-3]
+        )
 
 
 def _check_divisible(model: CustomLM, tp: int) -> None:
