@@ -29,6 +29,7 @@ from meshrun.core.paths import REPO_ROOT
 from meshrun.driver.compose import check_keys
 from meshrun.driver.resolution import resolved_config
 from tests.helpers import composed
+from tests.test_custom_model import NAMED
 
 HOST = HostFacts(cpu_count=16, memory_gib=64.0)
 DOC = REPO_ROOT / "docs" / "layouts.md"
@@ -42,16 +43,7 @@ BASE = (
     "train.micro_batch_size=2",
 )
 MOE = "model=tiny-moe"
-CUSTOM = (
-    "model=custom",
-    "model.target=tests.user_model:build",
-    "model.layers=blocks",
-    "model.embedding=embed",
-    "model.norm=norm",
-    "model.head=head",
-    "model.tp_plan=tests.user_model:tp_plan",
-    "model.positions=positions",
-)
+CUSTOM = (*NAMED, "model.positions=positions")
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from meshrun.rank.parallel.tensor import float8_styles, parallel_styles, sub_blo
 from meshrun.validate import float8 as rules
 from tests.helpers import compose_config, resolved_config
 from tests.ranks import assert_steps_match, config_in, losses
+from tests.test_custom_model import NAMED
 from tests.test_plan import meshrun_plan
 from tests.test_verify import report, verify_run
 from tests.tiers import tiered
@@ -97,13 +98,7 @@ LAYOUTS = {
         MICRO4,
     ),
     "custom_tp2": (
-        "model=custom",
-        "model.target=tests.user_model:build",
-        "model.layers=blocks",
-        "model.embedding=embed",
-        "model.norm=norm",
-        "model.head=head",
-        "model.tp_plan=tests.user_model:tp_plan",
+        *NAMED,
         "parallel=tp2",
         MICRO4,
         "train.steps=6",  # its loss turns down after step 4

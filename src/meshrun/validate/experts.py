@@ -50,6 +50,17 @@ def check_expert_layout(cfg: ExperimentConfig) -> None:
     moe = model_kind(m).moe(m)
     if moe is None or not moe.experts:
         return
+    if p.ep > 1 and p.activation_checkpointing in ("selective", "op"):
+        fail(
+            "parallel.activation_checkpointing",
+            p.activation_checkpointing,
+            "recomputes a block whose split experts are an FSDP2 unit of their own, whose "
+            "hooks open profiler ranges (torch/distributed/fsdp/_fully_shard/_fsdp_state.py) "
+            "the recompute does not repeat as the forward ran them, and selective "
+            "checkpointing needs the same ops again (torch/utils/checkpoint.py:1448 in 2.13: "
+            '"encountered during backward but not found in storage")',
+            "full or none with parallel.ep > 1",
+        )
     if p.data_parallel == "dataparallel" and moe.load_balance == "bias":
         fail(
             "model.moe.load_balance",

@@ -195,6 +195,38 @@ def check_pipeline(cfg: ExperimentConfig) -> None:
             "a module without tied parameters with pp > 1",
         )
     _check_micro_batches(cfg)
+    _check_split_backward(cfg)
+
+
+def _check_split_backward(cfg: ExperimentConfig) -> None:
+    """The zero-bubble schedule runs each backward in two passes over the stage's graph (the
+    inputs' gradients with the graph retained, then the weights': torch/distributed/
+    pipelining/_backward.py, stage_backward_input and stage_backward_weight), which what
+    keeps one backward's state does not take."""
+    p = cfg.parallel
+    if p.schedule != "interleaved_zb":
+        return
+    if p.activation_checkpointing in ("selective", "op"):
+        fail(
+            "parallel.activation_checkpointing",
+            p.activation_checkpointing,
+            "caches the block's kept outputs for one backward (torch/utils/checkpoint.py:1459 "
+            'in 2.13: "Trying to backward an extra time ... under selective activation '
+            'checkpoint"), and the zero-bubble schedule backpropagates through each block '
+            "twice, inputs then weights",
+            "full or none with parallel.schedule=interleaved_zb, or interleaved_1f1b",
+        )
+    if cfg.train.compile:
+        fail(
+            "train.compile",
+            True,
+            "compiles a block's backward into one autograd node for its inputs' and weights' "
+            "gradients, which the zero-bubble schedule runs twice; with buffer donation off "
+            "(torch 2.13 refuses a retained graph otherwise: _functorch/_aot_autograd/"
+            "runtime_wrappers.py:3539) it ran, 2.3e-3 off one device's grad norm "
+            "(meshrun-verify, tiny, beyond the reference's own noise)",
+            "train.compile=false with parallel.schedule=interleaved_zb, or interleaved_1f1b",
+        )
 
 
 def _check_no_pipeline(cfg: ExperimentConfig) -> None:

@@ -151,7 +151,15 @@ def convert(model: nn.Module, cfg: Float8Config, under_fsdp: bool) -> None:
 @torch.no_grad()
 def refresh_scales(parts: list[nn.Module]) -> None:
     """The float8 all-gather's scales of every weight from its current values, one
-    all-reduce a part (a no-op without float8 all-gather): after each optimizer step and
-    after the weights were loaded, as torchtitan's post-optimizer hook."""
+    all-reduce a part and mesh (a no-op without float8 all-gather): after each optimizer
+    step and after the weights were loaded, as torchtitan's post-optimizer hook. torchao
+    stacks every weight's amax into one DTensor, which needs them on one mesh: under TP with
+    experts split over etp, an MoE router's linear is sharded by FSDP alone (its mesh
+    dp_shard, the blocks' dp_shard x tp), so each mesh's linears go in a list of their own."""
     for part in parts:
-        precompute_float8_dynamic_scale_for_fsdp(part)
+        by_mesh: dict[object, list[nn.Module]] = {}
+        for module in part.modules():
+            if isinstance(module, TorchaoFloat8Linear) and isinstance(module.weight, DTensor):
+                by_mesh.setdefault(module.weight.device_mesh, []).append(module)
+        for linears in by_mesh.values():
+            precompute_float8_dynamic_scale_for_fsdp(nn.ModuleList(linears))
