@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The fast subset on the oldest torch meshrun is tested on (the floor): every layout's parity
-# with one device, a checkpoint resume (FSDP2, sharded DCP), the CLI (the quick start,
-# DDP with its measured baseline) and float8 (torchao 0.18 loads on torch 2.11; its rowwise
+# The fast subset on the oldest torch meshrun is tested on (the floor): the layouts that
+# compose the most of torch's distributed APIs (3-D, FSDP2 x CP, zero bubble, selective
+# checkpointing, a tied pipeline) against one device, a checkpoint resume (FSDP2, sharded
+# DCP), the CLI (the quick start, DDP with its measured baseline), the zero-bubble rule's
+# torch limitation and float8 (torchao 0.18 loads on torch 2.11; its rowwise
 # recipes skip there: 2.11's CPU _scaled_mm takes one scale a tensor), in a venv of its own
 # beside make install's .venv.
 #
@@ -37,7 +39,11 @@ if [ "$what" = test ] || [ "$what" = all ]; then
     *) echo "$0: $venv has torch $installed, not the floor $floor" >&2; exit 1 ;;
   esac
   "$py" -m pytest -p no:cacheprovider -q --durations=5 \
-    tests/test_layouts.py \
+    "tests/test_layouts.py::test_layout_losses_and_grad_norms_match_single_device[dp2_tp2_pp2]" \
+    "tests/test_layouts.py::test_layout_losses_and_grad_norms_match_single_device[fsdp2_cp2]" \
+    "tests/test_layouts.py::test_layout_losses_and_grad_norms_match_single_device[pp2_interleaved_zero_bubble]" \
+    "tests/test_layouts.py::test_layout_losses_and_grad_norms_match_single_device[fsdp_selective_checkpointing]" \
+    "tests/test_layouts.py::test_a_tied_embedding_trains_across_pipeline_stages_as_on_one_device[fsdp2_pp2_interleaved]" \
     "tests/test_checkpoint.py::test_resumed_run_continues_bit_for_bit[fsdp]" \
     tests/test_end_to_end.py::test_ddp_reports_speedup_against_measured_baseline \
     "tests/test_float8.py::test_float8_layout_matches_float8_on_one_device[fsdp2_tp2_sequence_parallel]"

@@ -1,7 +1,8 @@
-"""The oldest torch meshrun is tested on (scripts/test-torch-floor.sh, which CI runs: every
-layout's parity, a resume and the CLI on it; pyproject.toml's `torch>=` says the same, and a
-test holds the two together). An older torch is refused before anything starts: its distributed
-APIs (FSDP2, DTensor, pipelining, DCP) moved under meshrun between releases."""
+"""The oldest torch meshrun is tested on (scripts/test-torch-floor.sh, which CI runs: the
+layouts that compose most of torch's distributed APIs, a resume and the CLI on it;
+pyproject.toml's `torch>=` says the same, and a test holds the two together). An older torch
+is refused before anything starts: its distributed APIs (FSDP2, DTensor, pipelining, DCP)
+moved under meshrun between releases."""
 
 from __future__ import annotations
 
