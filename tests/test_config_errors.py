@@ -326,6 +326,32 @@ BAD_CONFIGS = [
         "parallel.activation_offload",
         "parallel=ddp",
     ),
+    # issue 64's matrix: what the zero-bubble schedule's two backward passes, the experts'
+    # own FSDP2 unit and 8-bit states under SP do not combine with
+    (
+        [
+            "parallel=pp2_interleaved",
+            "parallel.schedule=interleaved_zb",
+            "parallel.activation_checkpointing=op",
+        ],
+        "parallel.activation_checkpointing",
+        "full or none with parallel.schedule=interleaved_zb",
+    ),
+    (
+        ["parallel=pp2_interleaved", "parallel.schedule=interleaved_zb", "train.compile=true"],
+        "train.compile",
+        "train.compile=false with parallel.schedule=interleaved_zb",
+    ),
+    (
+        ["model=tiny-moe", "parallel=ep2", "parallel.activation_checkpointing=selective"],
+        "parallel.activation_checkpointing",
+        "full or none with parallel.ep > 1",
+    ),
+    (
+        ["parallel=tp2", "parallel.sequence_parallel=true", "train.optimizer_states=8bit"],
+        "train.optimizer_states",
+        "parallel.sequence_parallel=false",
+    ),
     (["train.guard.spike=true"], "train.guard.spike", "checkpoint.every_steps=N"),
     (
         ["train.guard.spike=true", "checkpoint.every_steps=5", "train.guard.spike_ratio=0.5"],

@@ -39,8 +39,11 @@ def unsplit_heads(shape: ModelShape, tp: int, cp: int) -> tuple[str, int] | None
     """The first of a model's heads (and K/V heads) that Ulysses cannot split: it gives each
     CP rank heads/cp of the heads its TP rank holds. None where both split, or where the
     shape does not say them (a user's module: its CP probe counts them, validate/custom.py)."""
-    heads = {"model.n_heads": shape.n_heads, "model.n_kv_heads": shape.n_kv_heads}
-    return _unsplit(heads, tp, cp)
+    return _unsplit(_heads(shape), tp, cp)
+
+
+def _heads(shape: ModelShape) -> dict[str, int | None]:
+    return {"model.n_heads": shape.n_heads, "model.n_kv_heads": shape.n_kv_heads}
 
 
 def _unsplit(heads: dict[str, int | None], tp: int, cp: int) -> tuple[str, int] | None:
@@ -62,6 +65,4 @@ def check_alltoall_heads(heads: dict[str, int | None], tp: int, cp: int) -> None
 
 
 def _check_heads(cfg: ExperimentConfig) -> None:
-    shape = model_shape(cfg.model)
-    heads = {"model.n_heads": shape.n_heads, "model.n_kv_heads": shape.n_kv_heads}
-    check_alltoall_heads(heads, cfg.parallel.tp, cfg.parallel.cp)
+    check_alltoall_heads(_heads(model_shape(cfg.model)), cfg.parallel.tp, cfg.parallel.cp)

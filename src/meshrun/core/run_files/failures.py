@@ -88,7 +88,7 @@ def await_peers_records(run_dir: str, rank: int, seconds: float) -> None:
     folder = Path(run_dir) / FAILURES_DIR
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        recorded = {int(p.stem.removeprefix("rank")) for p in folder.glob("rank*.json")}
+        recorded = recorded_failures(run_dir)
         states = _peer_states(folder, rank)
         if all(state in "ZX" or peer in recorded for peer, state in states.items()):
             return
