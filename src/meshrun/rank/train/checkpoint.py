@@ -55,19 +55,12 @@ from meshrun.core.naming import layout_name
 from meshrun.core.rng_state import read_rng_state, rng_file
 from meshrun.core.run_files.failures import Stopped
 from meshrun.models import model_key, model_shape
-from meshrun.models.shards import (
-    Reordered,
-    fill,
-    local_tensor,
-    model_name,
-    named_tensors,
-    stored_view,
-)
-from meshrun.models.vocab import VOCAB_MODULES
+from meshrun.models.shards import fill, local_tensor, model_name, named_tensors, stored_view
 from meshrun.rank.control_collectives import control_all_reduce, control_barrier
 from meshrun.rank.parallel.parallel_model import ParallelModel
 from meshrun.rank.stop_signals import STOP_SIGNALS
 from meshrun.rank.train.auto_interval import AutoInterval
+from meshrun.rank.train.checkpoint_refill import refills
 from meshrun.rank.train.loss_scale import LossScale
 from meshrun.rank.train.optim_states import dense_state, is_quantized
 
@@ -402,31 +395,22 @@ class Checkpointer:
         if any(key.startswith("optim.") for key in saved):  # none: saved before any update
             _init_optimizer_state(self.optimizer)  # (fp16 skipped every step up to it)
         tensors = self._tensors()
-        # Saved with the vocabulary padded for another tp: read whole, refilled unpadded.
-        repadded = {}
-        if manifest.vocab_rows and manifest.vocab_rows != self._vocab_rows():
-            repadded = {
-                k: torch.empty(manifest.vocab_rows, *v.shape[1:], dtype=v.dtype)
-                for k, v in tensors.items()
-                if _is_vocab(k) and v.ndim
-            }
-        # Saved under another tp with rows in a tp-dependent order (GPT-2's fused q|k|v): read
-        # whole, refilled in this tp's order.
-        reordered = self._reordered(tensors, manifest.degrees.get("tp", 1))
-        wholes = {
-            k: torch.empty(v.shape, dtype=v.dtype) for k, v in tensors.items() if k in reordered
-        }
+        layout = Layout.of(self.cfg.parallel)
+        refill = refills(
+            tensors,
+            [_inner(part) for part in self.model.parts],
+            (manifest.vocab_rows, manifest.degrees.get("tp", 1)),
+            (self._vocab_rows(), layout.tp),
+            model_shape(self.cfg.model).vocab_size,
+        )
         dcp.load(
-            {**tensors, **repadded, **wholes},
+            {**tensors, **{key: r.whole for key, r in refill.items()}},
             checkpoint_id=path,
             process_group=self.group,
             no_dist=self.group is None,
         )
-        vocab = model_shape(self.cfg.model).vocab_size
-        for key, whole in repadded.items():
-            fill(tensors[key], whole[:vocab])
-        for key, whole in wholes.items():
-            fill(tensors[key], Reordered(whole, reordered[key]))
+        for key, r in refill.items():
+            fill(tensors[key], r.source(r.whole))
         requantize(self.model, self.optimizer, tensors)
         self.model.refresh_float8_scales()
         load_schedule(self.optimizer, self.schedule, manifest.lr_schedule)
@@ -434,47 +418,9 @@ class Checkpointer:
             self.loss_scale.load_state_dict(manifest.extra["loss_scale"])
         self.restored_offset = manifest.extra.get("data_offset", 0)
         rng = rng_file(path, self.rank)
-        if manifest.degrees == Layout.of(self.cfg.parallel).degrees() and rng.is_file():
+        if manifest.degrees == layout.degrees() and rng.is_file():
             _set_rng_state(read_rng_state(rng))
         return manifest.step
-
-    def _reordered(
-        self, tensors: dict[str, torch.Tensor], saved_tp: int
-    ) -> dict[str, torch.Tensor]:
-        """key -> the saved rows this tp's row i is (`Reordered`'s order), for each tensor
-        whose rows the parts order by tp (`row_orders_for`), saved under another tp."""
-        tp = Layout.of(self.cfg.parallel).tp
-        if saved_tp == tp:
-            return {}
-        saved, ours = _row_orders(self.model, saved_tp), _row_orders(self.model, tp)
-        reordered = {}
-        for key, tensor in tensors.items():
-            name = _param_name(key)
-            if name in saved and tensor.ndim:
-                reordered[key] = saved[name].argsort()[ours[name]]
-        return reordered
-
-
-def _row_orders(model: ParallelModel, tp: int) -> dict[str, torch.Tensor]:
-    """Each part's rows under `tp` (the identity where a part regroups nothing)."""
-    orders = {}
-    for part in model.parts:
-        of = getattr(_inner(part), "row_orders_for", None)
-        if of is not None:
-            orders.update(of(tp))
-    return orders
-
-
-def _param_name(key: str) -> str:
-    """The parameter a state tensor's key is of: model.<name>, optim.<name>.<state>."""
-    kind, name = key.split(".", 1)
-    return name if kind == "model" else name.rsplit(".", 1)[0]
-
-
-def _is_vocab(key: str) -> bool:
-    """A tensor of the embedding or the head, or an optimizer state of one."""
-    name = key.split(".", 1)[1]
-    return name.split(".", 1)[0] in VOCAB_MODULES
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
