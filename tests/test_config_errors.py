@@ -304,9 +304,27 @@ BAD_CONFIGS = [
     ),
     (["parallel.replica_restarts=-1"], "parallel.replica_restarts", ">= 0"),
     (
-        ["launcher=slurm", "parallel=ddp", "parallel.fault_tolerance=torchft"],
-        "parallel.fault_tolerance",
-        "launcher=local",
+        [
+            "launcher=slurm",
+            "parallel=ddp",
+            "parallel.fault_tolerance=torchft",
+            "launcher.wait=false",
+        ],
+        "launcher.wait",
+        "restarted by the driver",
+    ),
+    (
+        [
+            "launcher=slurm",
+            "launcher.nnodes=3",
+            "launcher.nproc_per_node=2",
+            "parallel=hsdp",
+            "parallel.dp_replicate=2",
+            "parallel.dp_shard=3",
+            "parallel.fault_tolerance=torchft",
+        ],
+        "launcher.nproc_per_node",
+        "one SLURM job of 3 ranks",
     ),
     (["parallel.replica_restart_delay_s=-1"], "parallel.replica_restart_delay_s", ">= 0"),
     # issue 63: FSDP2's offload replaces no DDP; activation offload's hooks miss DataParallel's

@@ -25,7 +25,7 @@ from meshrun.core.errors import ConfigError, fail
 from meshrun.core.paths import REPO_ROOT
 from meshrun.core.run_files.failures import first_failure
 from meshrun.driver.launch import RankEntry, RankFailure
-from meshrun.driver.launch.launcher import Launcher, Submitter
+from meshrun.driver.launch.launcher import Launcher, ReplicaLauncher, Submitter
 from meshrun.driver.launch.registry import BUILT_IN, launcher_for
 from meshrun.driver.launch.torchrun import ATTACHED
 from meshrun.driver.tool_config import CommRunConfig
@@ -160,10 +160,18 @@ def test_a_launchers_own_rule_refuses_before_any_rank_starts(tmp_path: Path):
 def test_meshruns_own_launchers_meet_the_protocol_under_their_schemas_names():
     assert isinstance(ATTACHED, Launcher) and not isinstance(ATTACHED, Submitter)
     assert isinstance(BUILT_IN["slurm"], Submitter)
+    assert all(isinstance(launcher, ReplicaLauncher) for launcher in BUILT_IN.values())
     for name, launcher in BUILT_IN.items():
         assert isinstance(launcher, Launcher)
         assert launcher.name == name == launcher.schema.name
         assert LAUNCHER_SCHEMAS[name] is launcher.schema
+
+
+def test_torchft_with_a_launcher_that_cannot_start_replica_groups_is_refused(tmp_path: Path):
+    run = _plain_meshrun(tmp_path, *TINY, "parallel.fault_tolerance=torchft")
+    assert run.returncode == 2, run.output
+    assert f"launcher.name='{PLAIN}': cannot start torchft's replica groups" in run.output
+    assert "Valid: local | slurm, or parallel.fault_tolerance=none" in run.output
 
 
 def test_a_launcher_name_naming_nothing_is_refused_with_what_would_be_valid():

@@ -20,7 +20,7 @@ from tests.helpers import compose_config
 
 CHECK = """
 import os
-from meshrun.driver.launch.local import start_method
+from meshrun.driver.launch.start_method import start_method
 seen = [start_method("forkserver")]
 os.environ["WANDB_SERVICE"] = "set by the driver's W&B sink"
 os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "set by torch elastic as it launches"
@@ -42,7 +42,7 @@ def test_forkserver_unless_the_drivers_environment_changed_since_it_started():
 PRELOAD = """
 import multiprocessing
 from meshrun.driver.launch import RankEntry
-from meshrun.driver.launch.local import rank_start_method
+from meshrun.driver.launch.start_method import rank_start_method
 
 if __name__ == "__main__":
     entry = RankEntry("tests.preload_probe", "imported_elsewhere")
@@ -76,7 +76,7 @@ import multiprocessing
 import resource
 import time
 
-from meshrun.driver.launch.local import start_method
+from meshrun.driver.launch.start_method import start_method
 
 
 def burn() -> None:

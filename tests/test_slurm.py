@@ -5,6 +5,7 @@ MESHRUN_REQUIRE_SLURM=1 (CI) turns the skip into a failure."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -188,6 +189,42 @@ def test_a_failing_rank_is_recorded_as_failed_with_its_error(meshrun):
     [stored] = run.stored()
     assert stored["status"] == "failed"
     assert stored["error"] == results["error"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="needs meshrun[ft]")
+def test_a_killed_torchft_replica_job_is_submitted_again_and_rejoins(meshrun):
+    """parallel.fault_tolerance=torchft under SLURM: each replica group its own job, the
+    lighthouse in the driver on this (login) host. Replica 1's rank is SIGKILLed before step
+    8: its job ends, replica 0's trains on alone, the driver submits replica 1 again, which
+    loads replica 0's state over the nodes' network and trains beside it to the end."""
+    run = meshrun(
+        *TINY,
+        *DP2_ONE_PER_NODE,
+        "parallel.fault_tolerance=torchft",
+        "train.steps=80",
+        "train.seq_len=32",
+        "train.log_every=5",
+        "metrics.baseline=off",
+        "debug.fail_rank=1",
+        "debug.fail_mode=kill",
+        "debug.fail_step=8",
+        "debug.slow_step_s=0.1",
+        "parallel.replica_restart_delay_s=1",
+    )
+    assert run.returncode == 0, run.output
+    results = run.results
+    assert results["status"] == "completed"
+    [failure] = results["replica_failures"]
+    assert (failure["replica"], failure["rank"], failure["attempt"]) == (1, 1, 0)
+    assert failure["error"].startswith("killed (SLURM job ")
+    replica_0, replica_1, replica_1_again = job_ids(run.run_dir)
+    assert f"killed (SLURM job {replica_1} " in failure["error"]
+    assert sacct(replica_0)["state"] == sacct(replica_1_again)["state"] == "COMPLETED"
+    steps = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in steps] == list(range(80))
+    alone = [step for step, replicas in results["fewer_replica_steps"] if replicas == 1]
+    assert alone[0] == 8 and alone == list(range(8, 8 + len(alone)))
+    assert all(row["replicas"] == 2 for row in steps[alone[-1] + 1 :]), "replica 1 rejoined"
 
 
 def test_trials_run_as_jobs_pinned_to_the_first_trials_nodes(meshrun):

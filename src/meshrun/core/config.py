@@ -376,7 +376,9 @@ class SlurmLauncherConfig(LauncherConfig):
     srun, `sbatch_extra` any other sbatch flag ({"mail-type": "END"}); `wait` false returns
     after submitting, and `meshrun-collect` records the results later. `signal_delay_s`
     before the time limit, SLURM warns the ranks (SIGUSR2): a run that checkpoints saves,
-    requeues and resumes in the same job."""
+    requeues and resumes in the same job. `lighthouse_host`: how the nodes reach this host,
+    where a torchft run's lighthouse listens (null: the address this host reaches the SLURM
+    controller from)."""
 
     spans_nodes: ClassVar[bool] = True
     name: str = "slurm"
@@ -393,6 +395,7 @@ class SlurmLauncherConfig(LauncherConfig):
     sbatch_extra: dict[str, str] = field(default_factory=dict)
     wait: bool = True
     signal_delay_s: int = 90
+    lighthouse_host: str | None = None
 
     def task_cpus(self) -> int | None:
         return self.cpus_per_task

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 REPLICA_ENV = "MESHRUN_REPLICA"  # "<id>/<replicas>/<attempt>", set by the driver
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own name for the lighthouse's address
+# set where the driver hosts a group's store (launcher=local), as torch elastic's agent does
+AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 
 
 class ReplicaLagged(RuntimeError):

@@ -67,7 +67,9 @@ def run(dict_cfg: DictConfig) -> int:
     if rank not in (None, 0):
         TRAIN(asdict(cfg))
         return 0
-    if rank is None and not launcher.waits(cfg.launcher, in_multirun()):
+    # torchft's replicas: the driver runs their lighthouse and restarts them, so it waits
+    replicas = cfg.parallel.fault_tolerance == "torchft"
+    if rank is None and not replicas and not launcher.waits(cfg.launcher, in_multirun()):
         submit_pending(cfg, launcher)
         return 0
     return reported(lambda: run_experiment(cfg, launch))

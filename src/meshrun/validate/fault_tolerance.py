@@ -1,5 +1,6 @@
 """parallel.fault_tolerance=torchft: what replica groups as worlds of their own can run
-today (driver/launch/replicas.py, rank/train/replicas.py)."""
+today (driver/launch/replicas.py, rank/train/replicas.py); the launcher's own rules
+(driver/launch/registry.replica_launcher) say whether it starts them."""
 
 from __future__ import annotations
 
@@ -40,13 +41,12 @@ def check_fault_tolerance(cfg: ExperimentConfig) -> None:
             "parallel.dp_replicate >= 2 (parallel=ddp on 2 or more ranks; with dp_shard, tp, "
             "pp, cp: each group of that layout)",
         )
-    if cfg.launcher.name != "local" or attached_rank() is not None:
+    if attached_rank() is not None:
         fail(
             key,
             value,
-            "starts its replica groups itself, on this host only so far (launcher=local, "
-            "not under torchrun)",
-            "`meshrun ... launcher=local`, or none with launcher=slurm (a failed job is requeued)",
+            "starts its replica groups itself, each a world of its own: torchrun's ranks are one",
+            "`meshrun ... launcher=local` or `launcher=slurm`, not under torchrun",
         )
     if cfg.debug.slow_rank is not None:
         fail(

@@ -5,9 +5,11 @@ sets along with the launcher's own schema."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from meshrun.core.config import ExperimentConfig, LauncherConfig
+from meshrun.core.replica_place import ReplicaPlace
 from meshrun.driver.launch.rank_entry import RankEntry
 from meshrun.driver.tool_config import CommRunConfig
 
@@ -67,3 +69,45 @@ class Submitter(Launcher, Protocol):
         ...
 
     def cancel(self, cfg: LaunchedConfig, job_id: str) -> None: ...
+
+
+# How a replica group's failure begins where a rank of it was killed by a signal (or SLURM
+# ended its job from outside): the group is started again (driver/launch/replicas.py).
+KILLED = "killed ("
+
+
+@dataclass(frozen=True)
+class GroupEnd:
+    """How a replica group ended: its rank 0's return value, or its root cause (the run's
+    rank that caused it, the error: `KILLED...` for a signal)."""
+
+    value: Any = None
+    failure: tuple[int, str] | None = None
+
+
+class ReplicaGroup(Protocol):
+    def ended(self) -> GroupEnd | None:
+        """None while it runs."""
+        ...
+
+    def stop(self) -> None:
+        """Its ranks stopped (a stop signal first: a run that checkpoints saves)."""
+        ...
+
+
+class ReplicaGroups(Protocol):
+    """How a launcher starts one replica group's ranks, `env` in their environment."""
+
+    # the host name or address by which the groups' ranks reach this driver's lighthouse
+    lighthouse_host: str
+    poll_interval_s: float
+
+    def start(self, place: ReplicaPlace, env: dict[str, str]) -> ReplicaGroup: ...
+
+
+@runtime_checkable
+class ReplicaLauncher(Launcher, Protocol):
+    """A launcher that can start parallel.fault_tolerance=torchft's replica groups, each a
+    world of its own, apart (driver/launch/replicas.py restarts a lost one)."""
+
+    def replica_groups(self, cfg: ExperimentConfig, entry: RankEntry) -> ReplicaGroups: ...

@@ -13,7 +13,7 @@ from typing import TypeVar
 from meshrun.core.config import LAUNCHER_SCHEMAS, ExperimentConfig
 from meshrun.core.errors import choice, fail
 from meshrun.core.imports import import_target
-from meshrun.driver.launch.launcher import Launcher, Submitter
+from meshrun.driver.launch.launcher import Launcher, ReplicaLauncher, Submitter
 from meshrun.driver.launch.local import LocalLauncher
 from meshrun.driver.launch.slurm import SlurmLauncher
 
@@ -56,10 +56,31 @@ def submitter(launcher: Launcher) -> Submitter:
     return launcher
 
 
+def replica_launcher(cfg: ExperimentConfig) -> ReplicaLauncher:
+    """The launcher that starts parallel.fault_tolerance=torchft's replica groups apart;
+    ConfigError (exit 2) for one that cannot."""
+    launcher = launcher_for(cfg.launcher.name)
+    if not isinstance(launcher, ReplicaLauncher):
+        capable = [
+            name for name, built_in in BUILT_IN.items() if isinstance(built_in, ReplicaLauncher)
+        ]
+        fail(
+            "launcher.name",
+            cfg.launcher.name,
+            "cannot start torchft's replica groups apart (parallel.fault_tolerance=torchft): it "
+            "has no replica_groups",
+            f"{' | '.join(capable)}, or parallel.fault_tolerance=none",
+        )
+    return launcher
+
+
 Config = TypeVar("Config", bound=ExperimentConfig)
 
 
 def launcher_checked(cfg: Config) -> Config:
     """`cfg` past its launcher's own rules (the driver's resolve step, once the layout placed
     the ranks), with what they resolve: ConfigError before any process starts."""
-    return dataclasses.replace(cfg, launcher=launcher_for(cfg.launcher.name).check(cfg))
+    launcher = launcher_for(cfg.launcher.name)
+    if cfg.parallel.fault_tolerance == "torchft":
+        launcher = replica_launcher(cfg)
+    return dataclasses.replace(cfg, launcher=launcher.check(cfg))

@@ -1,11 +1,12 @@
 """parallel.fault_tolerance=torchft: the run's data-parallel replica groups as worlds of their
 own (rank/train/replicas.py), joined each step through torchft's lighthouse, which this driver runs
-for the run's length. Each group's ranks are started by torch elastic's start_processes on a
-store hosted here; a group one of whose ranks was killed by a signal (the OOM killer, a lost
-device) or left behind by its peers is stopped and started again while the others train on,
-and joins them with a live group's state. `parallel.replica_restarts` bounds the restarts of
-the whole run; an exception a rank raises is the run's failure, as in any run (the same error
-would come back). Group 0's rank 0 returns the report, with the failures."""
+for the run's length. The launcher starts each group (ReplicaGroups: local processes,
+local_replicas.py, or one SLURM job a group, slurm_replicas.py); a group one of whose ranks was
+killed by a signal (the OOM killer, a lost device or node, a preemption) or left behind by its
+peers is stopped and started again while the others train on, and joins them with a live
+group's state. `parallel.replica_restarts` bounds the restarts of the whole run; an exception a
+rank raises is the run's failure, as in any run (the same error would come back). Group 0's
+rank 0 returns the report, with the failures."""
 
 from __future__ import annotations
 
@@ -16,20 +17,12 @@ import shutil
 import signal
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing import (
-    DefaultLogsSpecs,
-    SignalException,
-    start_processes,
-)
-from torch.distributed.elastic.multiprocessing.api import PContext, RunProcsResult
+from torch.distributed.elastic.multiprocessing import SignalException
 
 from meshrun.core.config import ExperimentConfig
-from meshrun.core.layout import Layout
 from meshrun.core.rank_report import ReplicaFailure
 from meshrun.core.replica_place import (
     LIGHTHOUSE_ENV,
@@ -38,10 +31,10 @@ from meshrun.core.replica_place import (
     ReplicaLagged,
     ReplicaPlace,
 )
-from meshrun.core.run_files.failures import first_failure, recorded_failures
+from meshrun.core.run_files.failures import first_failure
 from meshrun.core.run_files.metrics import REPLICAS_DIR, fill_from_replicas, replicas_ended
-from meshrun.driver.launch import TRAIN, RankEntry, RankFailure, interrupted
-from meshrun.driver.launch.local import rank_start_method
+from meshrun.driver.launch import RankFailure, interrupted
+from meshrun.driver.launch.launcher import KILLED, ReplicaGroup, ReplicaGroups
 from meshrun.driver.sinks.console import print_warning
 
 # A replica silent this long is left out of the next quorum: the live ones wait this long
@@ -52,55 +45,29 @@ HEARTBEAT_TIMEOUT_MS = 2000
 JOIN_TIMEOUT_MS = 500
 # torchft's Rust half logs every quorum and commit at INFO (to stderr) unless told otherwise
 RUST_LOG, QUIET = "RUST_LOG", "warn"
-
-
-@dataclass
-class _Running:
-    place: ReplicaPlace
-    process: PContext
-    store: dist.TCPStore  # the group's rendezvous, hosted here as torch elastic's agent does
+# The start of a group failure's error where the group is started again: a rank killed by a
+# signal, a group left behind by its peers (ReplicaLagged), one stopped (a preempted job).
+RESTARTABLE = (KILLED, f"{ReplicaLagged.__name__}: ", "Stopped: ")
 
 
 class _Replicas:
     """The replica groups of one run: started, polled, restarted."""
 
-    def __init__(self, cfg: ExperimentConfig, entry: RankEntry, lighthouse: str) -> None:
-        self.cfg, self.entry, self.lighthouse = cfg, entry, lighthouse
-        self.group_size = Layout.of(cfg.parallel).world_size // cfg.parallel.dp_replicate
-        self.method = rank_start_method(cfg.launcher.start_method, entry)
+    def __init__(self, cfg: ExperimentConfig, groups: ReplicaGroups, lighthouse: str) -> None:
+        self.cfg, self.groups, self.lighthouse = cfg, groups, lighthouse
         self.started = time.monotonic()
-        self.running: dict[int, _Running] = {}
+        self.running: dict[int, tuple[ReplicaPlace, ReplicaGroup]] = {}
         self.restarts: list[tuple[float, ReplicaPlace]] = []  # (when, replica) to start again
         self.finished: dict[int, Any] = {}  # replica -> its return value
         self.failures: list[ReplicaFailure] = []
 
     def start(self, place: ReplicaPlace) -> None:
-        """The replica group's ranks, a world of their own: its own store, which the ranks
-        and torchft's Manager join (torch elastic's agent store)."""
-        size = self.group_size
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        shared = {
+        env = {
             REPLICA_ENV: place.env(),
             LIGHTHOUSE_ENV: self.lighthouse,
-            "WORLD_SIZE": str(size),
-            "LOCAL_WORLD_SIZE": str(size),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(store.port),
-            "TORCHELASTIC_USE_AGENT_STORE": str(True),
             RUST_LOG: os.environ.get(RUST_LOG, QUIET),
         }
-        ranks = range(size)
-        process = start_processes(
-            name=f"meshrun-replica{place.id}",
-            entrypoint=self.entry,
-            args=dict.fromkeys(ranks, (asdict(self.cfg),)),
-            envs={
-                r: {**shared, "RANK": str(r), "LOCAL_RANK": str(place.id * size + r)} for r in ranks
-            },
-            logs_specs=DefaultLogsSpecs(),
-            start_method=self.method,
-        )
-        self.running[place.id] = _Running(place, process, store)
+        self.running[place.id] = (place, self.groups.start(place, env))
 
     def busy(self) -> bool:
         return bool(self.running or self.restarts)
@@ -113,45 +80,28 @@ class _Replicas:
         for place in due:
             if not self.finished:  # else the live ones ended the run meanwhile
                 self._start_again(place)
-        for replica, running in list(self.running.items()):
-            result = running.process.wait(timeout=0)
-            if result is None:
+        for replica, (place, group) in list(self.running.items()):
+            end = group.ended()
+            if end is None:
                 continue
             del self.running[replica]
-            if not result.is_failed():
-                self.finished[replica] = result.return_values[0]
+            if end.failure is None:
+                self.finished[replica] = end.value
                 replicas_ended(self.cfg.run_dir).touch()
                 continue
-            running.process.close()  # the group's other ranks, waiting on the failed one
-            failure = self._failure(running.place, result)
-            if self.finished and failure.error.startswith(f"{ReplicaAlone.__name__}: "):
+            group.stop()  # the group's other ranks, waiting on the failed one
+            rank, error = end.failure
+            at_s = round(time.monotonic() - self.started, 3)
+            failure = ReplicaFailure(place.id, rank, place.attempt, error, at_s)
+            if self.finished and error.startswith(f"{ReplicaAlone.__name__}: "):
                 continue  # restarted as the others ended the run: it trained nothing
             self.failures.append(failure)
-            self._restart_or_fail(running.place, failure)
-
-    def _failure(self, place: ReplicaPlace, result: RunProcsResult) -> ReplicaFailure:
-        """The group's root cause: a rank killed by a signal without a record of its own (its
-        peers' errors are its consequence), else the first rank's recorded error. Only the
-        group's own ranks and records count (launch/local.root_cause reads the whole run's:
-        here another group's dead rank is no cause)."""
-        first = place.id * self.group_size
-        ended = {first + local: failure for local, failure in result.failures.items()}
-        recorded = recorded_failures(self.cfg.run_dir)
-        killed = [r for r, f in sorted(ended.items()) if f.exitcode < 0 and r not in recorded]
-        rank = killed[0] if killed else min(ended)
-        if killed:
-            error = f"killed ({ended[rank].signal_name()})"
-        elif rank in recorded:
-            error = recorded[rank]["error"]
-        else:
-            error = f"exit code {ended[rank].exitcode}"
-        at_s = round(time.monotonic() - self.started, 3)
-        return ReplicaFailure(place.id, rank, place.attempt, error, at_s)
+            self._restart_or_fail(place, failure)
 
     def _restart_or_fail(self, place: ReplicaPlace, failure: ReplicaFailure) -> None:
         """Started again where a live replica has the state to give it and the run's restarts
         allow; else every replica stopped and the run failed."""
-        restartable = failure.error.startswith(("killed (", f"{ReplicaLagged.__name__}: "))
+        restartable = failure.error.startswith(RESTARTABLE)
         allowed = len(self.failures) <= self.cfg.parallel.replica_restarts
         if self.finished:
             return  # the live ones ended the run: nothing left to train
@@ -189,8 +139,8 @@ class _Replicas:
         )
 
     def stop(self) -> None:
-        for running in self.running.values():
-            running.process.close()
+        for _, group in self.running.values():
+            group.stop()
         self.running.clear()
         self.restarts.clear()
 
@@ -205,8 +155,25 @@ def _ignoring(*signals: signal.Signals) -> Iterator[None]:
             signal.signal(s, handler)
 
 
-def launch_replicas(cfg: ExperimentConfig, entry: RankEntry = TRAIN) -> Any:
-    """Replica 0's return value (its report, with every replica's failures)."""
+def _stop_signal(signum: int, frame: object) -> None:
+    """Ctrl-C or SIGTERM to the driver, as torch elastic's processes raise it (a launcher
+    whose groups are not this host's processes installs no handler of its own)."""
+    sigval = signal.Signals(signum)
+    raise SignalException(f"the driver received {sigval.name}", sigval)
+
+
+@contextlib.contextmanager
+def _stopped_by_signals() -> Iterator[None]:
+    before = {s: signal.signal(s, _stop_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
+def _lighthouse(host: str) -> tuple[Any, str]:
+    """torchft's lighthouse, listening on every address; the address the ranks reach it by."""
     quiet = RUST_LOG not in os.environ
     os.environ.setdefault(RUST_LOG, QUIET)  # read once, as torchft's Rust half loads
     from torchft._torchft import LighthouseServer  # noqa: PLC0415 (only these runs need it)
@@ -219,15 +186,23 @@ def launch_replicas(cfg: ExperimentConfig, entry: RankEntry = TRAIN) -> Any:
         join_timeout_ms=JOIN_TIMEOUT_MS,
         heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
     )
-    replicas = _Replicas(cfg, entry, lighthouse.address())
+    port = lighthouse.address().rsplit(":", 1)[1]
+    return lighthouse, f"http://{host}:{port}"
+
+
+def launch_replicas(cfg: ExperimentConfig, groups: ReplicaGroups) -> Any:
+    """Replica 0's return value (its report, with every replica's failures)."""
+    lighthouse, address = _lighthouse(groups.lighthouse_host)
+    replicas = _Replicas(cfg, groups, address)
     shutil.rmtree(Path(cfg.run_dir) / REPLICAS_DIR, ignore_errors=True)  # an earlier attempt's
     (Path(cfg.run_dir) / REPLICAS_DIR).mkdir(parents=True)
     try:
-        for replica in range(cfg.parallel.dp_replicate):
-            replicas.start(ReplicaPlace(replica, cfg.parallel.dp_replicate, 0))
-        while replicas.busy():
-            time.sleep(cfg.launcher.monitor_interval_s)
-            replicas.poll()
+        with _stopped_by_signals():
+            for replica in range(cfg.parallel.dp_replicate):
+                replicas.start(ReplicaPlace(replica, cfg.parallel.dp_replicate, 0))
+            while replicas.busy():
+                time.sleep(groups.poll_interval_s)
+                replicas.poll()
     except SignalException as err:  # Ctrl-C or SIGTERM here: a run that checkpoints saves
         with _ignoring(signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C, while they save
             replicas.stop()

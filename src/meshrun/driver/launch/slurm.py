@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import submitit
@@ -29,54 +28,16 @@ import submitit
 from meshrun.core.config import ExperimentConfig, LauncherConfig, SlurmLauncherConfig
 from meshrun.core.run_files.failures import first_failure
 from meshrun.driver.launch import TRAIN, RankEntry, RankFailure
+from meshrun.driver.launch.slurm_jobs import executor, log_dir, submit_with
+from meshrun.driver.launch.slurm_replicas import SlurmReplicaGroups
 from meshrun.driver.launch.slurm_rules import check_slurm
 from meshrun.driver.launch.slurm_task import SlurmTask
-from meshrun.driver.sinks.console import console
 from meshrun.driver.tool_config import CommRunConfig
-
-SLURM_DIR = "slurm"
-
-
-def executor(cfg: ExperimentConfig | CommRunConfig) -> submitit.SlurmExecutor:
-    launcher = cfg.launcher
-    if not isinstance(launcher, SlurmLauncherConfig):
-        raise TypeError(f"launcher={launcher.name} is not a SLURM launcher")
-    ex = submitit.SlurmExecutor(folder=Path(cfg.run_dir).absolute() / SLURM_DIR / "%j")
-    ex.update_parameters(
-        job_name=f"meshrun-{cfg.name}",
-        nodes=launcher.nnodes,
-        ntasks_per_node=launcher.nproc_per_node,
-        cpus_per_task=launcher.cpus_per_task,
-        gpus_per_node=launcher.gpus_per_node or None,
-        mem=f"{round(launcher.mem_gb * 1024)}M" if launcher.mem_gb else None,
-        time=launcher.time_min,
-        partition=launcher.partition,
-        account=launcher.account,
-        qos=launcher.qos,
-        constraint=launcher.constraint,
-        exclusive=True if launcher.exclusive else None,
-        setup=list(launcher.setup),
-        additional_parameters=dict(launcher.sbatch_extra),
-        srun_args=["--kill-on-bad-exit=1"],
-        signal_delay_s=launcher.signal_delay_s,
-    )
-    return ex
 
 
 def submit(cfg: ExperimentConfig | CommRunConfig, entry: RankEntry = TRAIN) -> str:
     """Submits the job, returns its id at once."""
-    job = executor(cfg).submit(SlurmTask(), asdict(cfg), entry)
-    console.print(
-        f"submitted SLURM job {job.job_id} ({cfg.launcher.nnodes} node(s) x "
-        f"{cfg.launcher.nproc_per_node} task(s)); logs: {log_dir(cfg, job.job_id)}",
-        highlight=False,
-        soft_wrap=True,
-    )
-    return job.job_id
-
-
-def log_dir(cfg: ExperimentConfig | CommRunConfig, job_id: str) -> Path:
-    return Path(cfg.run_dir).absolute() / SLURM_DIR / job_id
+    return submit_with(executor(cfg), cfg, SlurmTask(), asdict(cfg), entry).job_id
 
 
 def wait_until_done(job: submitit.Job) -> None:
@@ -161,3 +122,6 @@ class SlurmLauncher:
 
     def cancel(self, cfg: ExperimentConfig | CommRunConfig, job_id: str) -> None:
         cancel(cfg, job_id)
+
+    def replica_groups(self, cfg: ExperimentConfig, entry: RankEntry) -> SlurmReplicaGroups:
+        return SlurmReplicaGroups(cfg, entry)

@@ -46,6 +46,8 @@ def check_slurm(cfg: ExperimentConfig | CommRunConfig) -> SlurmLauncherConfig:
     gpus = _gpus_per_node(cfg)
     for key in launcher.sbatch_extra:
         _check_extra_flag(key)
+    if isinstance(cfg, ExperimentConfig) and cfg.parallel.fault_tolerance == "torchft":
+        _check_replica_jobs(cfg, launcher)
     _check_cluster(launcher.partition)
     threads = launcher.threads_per_rank or launcher.cpus_per_task
     return dataclasses.replace(launcher, gpus_per_node=gpus, threads_per_rank=threads)
@@ -66,6 +68,37 @@ def _gpus_per_node(cfg: ExperimentConfig | CommRunConfig) -> int:
             f">= {tasks}, or null for one per task",
         )
     return launcher.gpus_per_node
+
+
+def _check_replica_jobs(cfg: ExperimentConfig, launcher: SlurmLauncherConfig) -> None:
+    """torchft's replica groups are one job each, restarted by this driver, which runs their
+    lighthouse for the run's length: it waits for them."""
+    if not launcher.wait:
+        fail(
+            "launcher.wait",
+            launcher.wait,
+            "torchft's replica groups (parallel.fault_tolerance=torchft) are restarted by the "
+            "driver, which runs their lighthouse: it waits for the run",
+            "launcher.wait=true",
+        )
+    replica_job_shape(launcher.nnodes, launcher.nproc_per_node or 1, cfg.parallel.dp_replicate)
+
+
+def replica_job_shape(nnodes: int, nproc_per_node: int, replicas: int) -> tuple[int, int]:
+    """(nodes, tasks a node) of one replica group's job: the run's nodes divided among the
+    groups, or, where a group is smaller than a node, a group's ranks on one node."""
+    group = nnodes * nproc_per_node // replicas
+    if group % nproc_per_node == 0:
+        return group // nproc_per_node, nproc_per_node
+    if nproc_per_node % group == 0:
+        return 1, group
+    fail(
+        "launcher.nproc_per_node",
+        nproc_per_node,
+        f"each of the {replicas} torchft replica groups is one SLURM job of {group} ranks, "
+        "which neither fill whole nodes nor share one",
+        f"a multiple or a divisor of {group}",
+    )
 
 
 def _check_extra_flag(key: str) -> None:

@@ -44,23 +44,30 @@ class SlurmTask:
     def __reduce__(self) -> tuple[Callable[[], SlurmTask], tuple]:
         return _in_task, ()
 
-    def __call__(self, cfg_dict: dict[str, Any], entry: RankEntry) -> Any:
+    def __call__(
+        self, cfg_dict: dict[str, Any], entry: RankEntry, env: dict[str, str] | None = None
+    ) -> Any:
+        """`env`: a torchft replica group's (driver/launch/slurm_replicas.py), whose job is
+        not requeued: a stopped group fails, and the driver starts it again."""
         submitit.helpers.TorchDistributedEnvironment().export(
             set_cuda_visible_devices=False, overwrite=True
         )
-        if _warned and _checkpoints(cfg_dict):
+        os.environ.update(env or {})
+        if _warned and _checkpoints(cfg_dict) and not env:
             _requeue(signal.SIGUSR2)
         try:
             return entry(cfg_dict)
         except Stopped as stopped:
+            if env:
+                raise
             _requeue(stopped.signum)
 
     def checkpoint(
-        self, cfg_dict: dict[str, Any], entry: RankEntry
+        self, cfg_dict: dict[str, Any], entry: RankEntry, env: dict[str, str] | None = None
     ) -> submitit.helpers.DelayedSubmission | None:
         """submitit's answer to SIGUSR2 arriving before the rank listens for it itself (while
         it starts): requeue as it is, a checkpointing run resumes from its last save."""
-        if not _checkpoints(cfg_dict):
+        if not _checkpoints(cfg_dict) or env:
             return None
         return submitit.helpers.DelayedSubmission(SlurmTask(), cfg_dict, entry)
 

@@ -25,7 +25,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshrun.core.replica_place import LIGHTHOUSE_ENV, ReplicaAlone, ReplicaLagged, ReplicaPlace
+from meshrun.core.replica_place import (
+    AGENT_STORE,
+    LIGHTHOUSE_ENV,
+    ReplicaAlone,
+    ReplicaLagged,
+    ReplicaPlace,
+)
 from meshrun.core.run_files.metrics import replicas_ended
 from meshrun.rank.control_collectives import (
     backend_device,
@@ -96,8 +102,12 @@ class Replicas:
         self.ended = replicas_ended(run_dir)
         timeout = timedelta(seconds=timeout_s)
         group_rank, group_size = group
-        # the group's store, which the driver hosts (driver/launch/replicas.py)
+        # the group's store, which torchft's Manager joins: the driver's (launcher=local, as
+        # torch elastic's agent hosts one), the process group's (its rank 0 hosts it), else,
+        # a group of one rank in a SLURM job, this rank's own
         address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        hosted = dist.is_initialized() or os.environ.get(AGENT_STORE) == str(True)
+        self.store = None if hosted else dist.TCPStore(address, port, is_master=group_rank == 0)
         across = "nccl" if backend == "nccl" else "gloo"
         self.device = backend_device(across, current_accelerator())  # its group's tensors'
         self.manager = Manager(
