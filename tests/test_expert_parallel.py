@@ -5,6 +5,8 @@ process starts. Real gloo processes throughout."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,6 +17,7 @@ from meshrun.core.layout import Layout
 from meshrun.driver.experiment import read_steps
 from meshrun.models import build_model
 from meshrun.models.expert_compute import dispatched_compute, expert_compute
+from meshrun.models.hf_experts import gate_and_up_by_rank
 from meshrun.models.shards import held_box
 from meshrun.rank.mesh import build_mesh
 from meshrun.rank.parallel import parallelize
@@ -27,9 +30,9 @@ from tests.wandb_records import read_offline_run, step_rows
 EXPERTS, DIM, HIDDEN = 4, 8, 4  # rows of 16 bytes or more in fp32: _grouped_mm takes them
 
 
-def _weights() -> tuple[torch.Tensor, ...]:
+def _weights(hidden: int = HIDDEN) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(0)
-    shapes = [(EXPERTS, DIM, HIDDEN), (EXPERTS, DIM, HIDDEN), (EXPERTS, HIDDEN, DIM)]
+    shapes = [(EXPERTS, DIM, hidden), (EXPERTS, DIM, hidden), (EXPERTS, hidden, DIM)]
     return tuple(torch.randn(s, generator=gen) for s in shapes)
 
 
@@ -62,6 +65,79 @@ def _dispatched_against_local(grouped: bool) -> bool:
 @pytest.mark.parametrize("grouped", [False, True], ids=["loop", "grouped"])
 def test_rows_go_to_their_experts_rank_and_come_back_with_their_gradients(rank_pool, grouped):
     assert rank_pool.run(_dispatched_against_local, grouped, world_size=2) == [True, True]
+
+
+def _traded_against_whole(grouped: bool) -> bool:
+    """Two TP ranks, each holding its contiguous half of a fused [gate | up] (etp's Shard of
+    transformers' experts) and its share of down: their outputs' sum, the rows' summed
+    gradients and each held block's gradient equal the whole experts' here."""
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    counts = [3, 0, 2, 4]
+    x = torch.randn(sum(counts), DIM, generator=torch.Generator().manual_seed(10))
+    grad = torch.randn(sum(counts), DIM, generator=torch.Generator().manual_seed(20))
+    hidden = 2 * HIDDEN  # a rank's share of it 16 bytes wide in fp32, as _grouped_mm takes
+    w1, w3, w2 = (w.requires_grad_() for w in _weights(hidden))
+    fused = torch.cat([w1, w3], dim=2).detach()  # [E, DIM, 2 hidden], gate's columns first
+    held = fused[..., rank * hidden : (rank + 1) * hidden].clone().requires_grad_()
+    share = hidden // 2
+    down = w2[:, rank * share : (rank + 1) * share].detach().clone().requires_grad_()
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    want = expert_compute(xs[0], (w1, w3, w2), counts, grouped=False)
+    want.backward(grad)
+    trade = functools.partial(gate_and_up_by_rank, group=dist.group.WORLD)
+    got = expert_compute(xs[1], (held, None, down), torch.tensor(counts), grouped, trade)
+    got.backward(grad)
+    dist.all_reduce(got.data)
+    dist.all_reduce(xs[1].grad)
+    ok = torch.allclose(got, want, atol=1e-5) and torch.allclose(xs[1].grad, xs[0].grad, atol=1e-5)
+    whole = torch.cat([w1.grad, w3.grad], dim=2)[..., rank * hidden : (rank + 1) * hidden]
+    ok = ok and torch.allclose(held.grad, whole, atol=1e-5)
+    ok = ok and torch.allclose(down.grad, w2.grad[:, rank * share : (rank + 1) * share], atol=1e-5)
+    dist.destroy_process_group()
+    return ok
+
+
+def _gate_and_up_traded(_) -> tuple[list[int], list[int]]:
+    """Products with the rows of a fused [gate; up] (f = 6 each, numbered 0..11 by their
+    place in it) as the TP rank holds them (its contiguous block, etp's Shard), two rows of
+    tokens; the columns after the trade, and the gradient of their weighted sum back on the
+    columns held."""
+    dist.init_process_group("gloo")
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    width = 12 // tp
+    held = torch.arange(rank * width, (rank + 1) * width, dtype=torch.float32).repeat(2, 1)
+    held.requires_grad_()
+    traded = gate_and_up_by_rank(held, dist.group.WORLD)
+    (traded * torch.arange(1, width + 1)).sum().backward()
+    columns, grads = traded[1].int().tolist(), held.grad[1].int().tolist()
+    dist.destroy_process_group()
+    return columns, grads
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_each_tp_rank_gets_gate_and_up_columns_of_its_share_of_the_hidden_width(rank_pool, tp):
+    """etp's trade of transformers' fused gate|up products (hf_experts.gate_and_up_by_rank):
+    rank r ends with gate's columns r*f/tp.. and up's same columns (f/tp each, gate first),
+    whatever block of rows it held; each gradient goes back to the rank and column it came
+    from."""
+    share = 6 // tp
+    got = rank_pool.run(_gate_and_up_traded, None, world_size=tp)
+    for rank, (columns, _) in enumerate(got):
+        mine = list(range(rank * share, (rank + 1) * share))
+        assert columns == mine + [6 + c for c in mine]
+    # the gradient of column c is its weight (its 1-based place) on the rank it went to
+    weight = {c: place + 1 for columns, _ in got for place, c in enumerate(columns)}
+    width = 12 // tp
+    for rank, (_, grads) in enumerate(got):
+        assert grads == [weight[c] for c in range(rank * width, (rank + 1) * width)]
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["loop", "grouped"])
+def test_fused_gate_up_split_over_tp_computes_the_whole_experts(rank_pool, grouped):
+    """transformers' experts under etp (hf_experts): the trade of the gate|up products, by
+    the loop and by the grouped GEMM (which CUDA's experts take)."""
+    assert rank_pool.run(_traded_against_whole, grouped, world_size=2) == [True, True]
 
 
 def _held_experts(_) -> dict[str, list[int]]:
@@ -141,10 +217,6 @@ REFUSED = {
     "a degree below one": (("model=tiny-moe", "parallel=ep2", "parallel.ep=0"), "must be >= 1"),
     "etp other than tp": (("model=tiny-moe", "parallel=tp2", "parallel.etp=4"), "1 or 2"),
     "etp of a dense model": (("model=tiny", "parallel=tp2", "parallel.etp=2"), "has none"),
-    "etp of transformers' fused experts": (
-        ("model=hf/tiny-mixtral", "parallel=tp2", "parallel.etp=2"),
-        "fuse gate and up",
-    ),
     "etp the hidden width does not divide": (
         ("model=tiny-moe", "model.moe.expert_ffn_dim=63", "parallel=tp2", "parallel.etp=2"),
         "hidden width (63)",

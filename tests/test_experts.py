@@ -275,11 +275,27 @@ HF_LAYOUTS = {
         "parallel=ep2",
         "launcher.nproc_per_node=4",
     ),
+    # each expert's hidden width split over the TP ranks: the fused gate|up rows traded so
+    # that each rank holds its share of both (hf_experts.gate_and_up_by_rank)
+    "mixtral_tp2_etp2": (
+        "model=hf/tiny-mixtral",
+        "parallel=tp2",
+        "parallel.etp=2",
+        "train.micro_batch_size=4",
+    ),
+    "qwen2_moe_tp2_sp_ep2_etp2": (
+        "model=hf/tiny-qwen2-moe",
+        "parallel=tp2_ep2",
+        "parallel.sequence_parallel=true",
+        "parallel.etp=2",
+        "launcher.nproc_per_node=4",
+        "train.micro_batch_size=4",
+    ),
 }
 HF_COMMON = tuple(o for o in COMMON if not o.startswith("model="))
 
 
-@pytest.mark.parametrize("layout", tiered(HF_LAYOUTS, {"mixtral_ep2"}))
+@pytest.mark.parametrize("layout", tiered(HF_LAYOUTS, {"mixtral_ep2", "mixtral_tp2_etp2"}))
 def test_a_transformers_moe_trains_under_each_layout_as_on_one_device(experiment, layout):
     model = HF_LAYOUTS[layout][0]
     _, single = experiment(*HF_COMMON, model, "parallel=single")

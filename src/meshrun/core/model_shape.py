@@ -31,6 +31,9 @@ class ModelShape:
     expert_ffn: int = 0
     shared_ffn: int = 0
     head_dim: int | None = None  # None: dim / n_heads
+    # the experts' gate and up matrices are one tensor (transformers'): etp trades their
+    # products between the TP ranks (models/hf_experts.py)
+    fused_gate_up: bool = False
 
     @property
     def q_dim(self) -> int | None:

@@ -25,7 +25,7 @@ reading anything back.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,7 @@ from meshrun.models.exchange import exchange
 NATIVE_MAJORS = (9, 10)
 NATIVE_DTYPE = torch.bfloat16
 ROW_BYTES = 16  # a matrix row's stride (check_valid_strides_and_return_transposed)
+Trade = Callable[[Tensor], Tensor]
 
 
 def matmul_dtype(x: Tensor) -> torch.dtype:
@@ -77,35 +78,52 @@ def padded_groups(counts: Tensor, rows: int) -> tuple[Tensor, Tensor]:
 
 
 def expert_compute(
-    x: Tensor, weights: tuple[Tensor, Tensor, Tensor], counts: Tensor | list[int], grouped: bool
+    x: Tensor,
+    weights: tuple[Tensor, Tensor | None, Tensor],
+    counts: Tensor | list[int],
+    grouped: bool,
+    trade: Trade | None = None,
 ) -> Tensor:
     """SwiGLU of each expert over its block of `x` (rows sorted by expert, `counts` a block):
     w1, w3 [E, h, f] and w2 [E, f, h]; `grouped`: one grouped GEMM a matrix, in the matmuls'
-    dtype, else a loop (which splits `x` by `counts` read on the host)."""
+    dtype, else a loop (which splits `x` by `counts` read on the host). `trade`: w1 is a fused
+    [E, h, 2f] block whose product `trade` turns into this rank's gate columns then its up
+    columns (transformers' experts under etp, models/hf_experts.py); w3 is None."""
     if grouped:
-        return _grouped(x, weights, torch.as_tensor(counts, device=x.device))
+        return _grouped(x, weights, torch.as_tensor(counts, device=x.device), trade)
     w1, w3, w2 = weights
-    blocks = x.split(counts if isinstance(counts, list) else counts.tolist())
-    outs = [(F.silu(block @ w1[e]) * (block @ w3[e])) @ w2[e] for e, block in enumerate(blocks)]
+    sizes = counts if isinstance(counts, list) else counts.tolist()
+    blocks = x.split(sizes)
+    if trade is None:
+        outs = [(F.silu(block @ w1[e]) * (block @ w3[e])) @ w2[e] for e, block in enumerate(blocks)]
+    else:
+        gate, up = trade(torch.cat([block @ w1[e] for e, block in enumerate(blocks)])).chunk(2, -1)
+        outs = [block @ w2[e] for e, block in enumerate((F.silu(gate) * up).split(sizes))]
     return torch.cat(outs) if outs else x.new_empty(0, w2.shape[-1])
 
 
-def _grouped(x: Tensor, weights: tuple[Tensor, Tensor, Tensor], counts: Tensor) -> Tensor:
+def _grouped(
+    x: Tensor, weights: tuple[Tensor, Tensor | None, Tensor], counts: Tensor, trade: Trade | None
+) -> Tensor:
     dtype = matmul_dtype(x)
     positions, offsets = padded_groups(counts, x.shape[0])
     padded = x.new_zeros(x.shape[0] + counts.numel(), x.shape[1], dtype=dtype)
     padded = padded.index_copy(0, positions, x.to(dtype))
-    w1, w3, w2 = (w.to(dtype) for w in weights)
-    gate, up = (torch._grouped_mm(padded, w, offs=offsets) for w in (w1, w3))
+    w1, w3, w2 = (None if w is None else w.to(dtype) for w in weights)
+    if trade is None:
+        gate, up = (torch._grouped_mm(padded, w, offs=offsets) for w in (w1, w3))
+    else:
+        gate, up = trade(torch._grouped_mm(padded, w1, offs=offsets)).chunk(2, -1)
     return torch._grouped_mm(F.silu(gate) * up, w2, offs=offsets).index_select(0, positions)
 
 
 def dispatched_compute(
     x: Tensor,
-    weights: tuple[Tensor, Tensor, Tensor],
+    weights: tuple[Tensor, Tensor | None, Tensor],
     counts: Tensor | list[int],
     group: dist.ProcessGroup,
     grouped: bool,
+    trade: Trade | None = None,
 ) -> Tensor:
     """`expert_compute` with the experts split over `group` (expert parallelism: this rank
     holds `weights`, E/ep consecutive experts): each block of rows goes to its expert's
@@ -128,5 +146,5 @@ def dispatched_compute(
     per_row = expert_of_row.repeat_interleave(received, output_size=sum(arriving))
     order = per_row.argsort(stable=True)
     per_expert = received.view(ep, local).sum(0) if grouped else theirs.sum(0).tolist()
-    out = expert_compute(rows[order], weights, per_expert, grouped)
+    out = expert_compute(rows[order], weights, per_expert, grouped, trade)
     return exchange(out[order.argsort()], group, sent, arriving)

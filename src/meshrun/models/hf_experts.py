@@ -1,21 +1,25 @@
 """transformers' routed experts under expert parallelism: the 3-D `gate_up_proj` [E, 2f, h]
 and `down_proj` [E, h, f] of Mixtral, Qwen2-MoE, Qwen3-MoE and the like (transformers 5),
 their forward replaced by one that sends each token to the rank of its experts and back
-(models/moe.py's dispatch). transformers' router, shared experts and auxiliary loss are
-untouched."""
+(models/moe.py's dispatch) and, under `parallel.etp`, computes each expert's share of the
+hidden width on each TP rank (Megatron's expert TP, as meshrun's own experts do).
+transformers' router, shared experts and auxiliary loss are untouched."""
 
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from meshrun.models.expert_compute import dispatched_compute, use_grouped_mm
-from meshrun.models.moe import local_experts, sorted_by_expert
+from meshrun.models.exchange import exchange
+from meshrun.models.expert_compute import dispatched_compute, expert_compute, use_grouped_mm
+from meshrun.models.moe import GroupRegion, local_experts, sorted_by_expert
 
 WEIGHTS = ("gate_up_proj", "down_proj")
+HIDDEN_DIMS = {"gate_up_proj": 1, "down_proj": 2}  # [E, 2f, h], [E, h, f]
 
 
 def is_hf_experts(module: nn.Module) -> bool:
@@ -52,11 +56,47 @@ def unsplittable(experts: nn.Module) -> str | None:
     return None
 
 
-def dispatch_over(experts: nn.Module, group: dist.ProcessGroup) -> None:
-    """`experts` (its weights already DTensors over `group`, Shard(0)) computes its tokens
-    on the ranks that hold their experts."""
-    experts.ep_group = group
+def hidden_dim(experts: nn.Module, name: str) -> int:
+    """The dim of `name`'s matrices that runs along the hidden width f: [E, 2f, h] and
+    [E, h, f], or transposed (Aria's) [E, h, 2f] and [E, f, h]."""
+    along = HIDDEN_DIMS[name]
+    return 3 - along if getattr(experts, "is_transposed", False) else along
+
+
+def dispatch_over(
+    experts: nn.Module, ep_group: dist.ProcessGroup | None, tp_group: dist.ProcessGroup | None
+) -> None:
+    """`experts` (its weights already DTensors: Shard(0) over `ep_group`, and over
+    `tp_group` Shard(hidden_dim)) computes its tokens on the ranks that hold their experts,
+    each TP rank its share of their hidden width."""
+    experts.ep_group, experts.tp_group = ep_group, tp_group
     experts.forward = types.MethodType(_dispatched_forward, experts)
+
+
+def gate_and_up_by_rank(held: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """This TP rank's gate columns then up columns of its share of the hidden width, from
+    x times the rows of [gate; up] it holds (`held`, [rows, 2f/tp]). Under etp the fused
+    matrix is sharded as DCP and transformers see it, rank r holding its r-th contiguous block
+    of 2f/tp rows (a checkpoint or an export is the same under any etp), while SwiGLU on rank r
+    needs gate's and up's columns r*f/tp..(r+1)*f/tp: one all-to-all over the TP ranks trades
+    them (differentiable: the gradients go back the same way). The products are traded, not
+    the weights: nothing is kept for backward beyond what SwiGLU keeps anyway. Columns arrive
+    in their order in [gate; up], so gate's first."""
+    tp, rank, width = dist.get_world_size(group), dist.get_rank(group), held.shape[-1]
+    f = width * tp // 2
+    share = f // tp
+
+    def owners(block: int) -> Tensor:
+        columns = torch.arange(block * width, (block + 1) * width)
+        return torch.where(columns < f, columns // share, (columns - f) // share)
+
+    mine = owners(rank)
+    sent = torch.bincount(mine, minlength=tp).tolist()
+    arriving = [int((owners(source) == rank).sum()) for source in range(tp)]
+    # columns sorted by owner, as rows to trade; rows again after (row-major, as the grouped
+    # GEMM takes its operands, and their gradients as the GEMM's backward takes them)
+    columns = held[:, mine.argsort(stable=True).to(held.device)].mT.contiguous()
+    return exchange(columns, group, arriving, sent).mT.contiguous()
 
 
 def _dispatched_forward(
@@ -67,13 +107,21 @@ def _dispatched_forward(
     order, counts = sorted_by_expert(top_k_index, self.gate_up_proj.shape[0])
     rows = order // top_k_index.shape[1]
     gate_up, down = (local_experts(getattr(self, name), self.ep_group) for name in WEIGHTS)
-    if getattr(self, "is_transposed", False):  # [E, in, out] (Aria's): as dispatched_compute
+    tp = self.tp_group
+    if not getattr(self, "is_transposed", False):  # [E, out, in]; Aria's [E, in, out]
+        gate_up, down = gate_up.mT, down.mT
+    if tp is None:
         f = down.shape[1]
-        weights = (gate_up[..., :f], gate_up[..., f:], down)
-    else:  # [E, out, in]
-        f = down.shape[-1]
-        weights = (gate_up[:, :f].mT, gate_up[:, f:].mT, down.mT)
-    x = hidden_states[rows]
-    out = dispatched_compute(x, weights, counts, self.ep_group, use_grouped_mm(x, weights[2]))
+        weights, trade = (gate_up[..., :f], gate_up[..., f:], down), None
+    else:  # the rows of [gate; up] this TP rank holds, its products traded
+        weights, trade = (gate_up, None, down), functools.partial(gate_and_up_by_rank, group=tp)
+    x = hidden_states[rows] if tp is None else GroupRegion.apply(hidden_states[rows], tp, False)
+    grouped = use_grouped_mm(x, weights[2])
+    if self.ep_group is None:
+        out = expert_compute(x, weights, counts, grouped, trade)
+    else:
+        out = dispatched_compute(x, weights, counts, self.ep_group, grouped, trade)
+    if tp is not None:  # each TP rank's share of the hidden width: partial sums
+        out = GroupRegion.apply(out, tp, True)
     out = out * top_k_weights.flatten()[order, None].to(out.dtype)
     return torch.zeros_like(hidden_states).index_add_(0, rows, out.to(hidden_states.dtype))

@@ -224,24 +224,16 @@ def check_hf_experts(m: HFModelConfig, etp: int) -> None:
     """transformers' experts are split by replacing their forward with one that computes
     plain SwiGLU (models/hf_experts.py): experts that compute anything else (another
     activation, a clamped gate, biases: `unsplittable`, on the model built on meta) would be
-    trained as that; their gate and up matrices are one fused tensor, which etp cannot split
-    as one."""
-    if etp > 1:
-        fail(
-            "parallel.etp",
-            etp,
-            f"{m.architecture}'s experts fuse gate and up in one tensor; meshrun splits "
-            "its own experts' hidden width only",
-            "parallel.etp=1 (the experts whole on each TP rank)",
-        )
+    trained as that."""
     why = _experts_refusal(*model_key(m))
     if why is not None:
+        key, value = ("parallel.etp", etp) if etp > 1 else ("parallel.ep", "> 1")
         fail(
-            "parallel.ep",
-            "> 1",
+            key,
+            value,
             f"{m.architecture}'s experts cannot be split: {why}; meshrun splits plain "
             "SwiGLU experts only",
-            "parallel.ep=1",
+            f"{key}=1",
         )
 
 

@@ -42,6 +42,7 @@ def hf_shape(cfg: HFModelConfig) -> ModelShape:
         expert_ffn=expert_ffn if experts else 0,
         shared_ffn=shared_ffn if experts else 0,
         head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+        fused_gate_up=bool(experts),
     )
 
 

@@ -106,7 +106,7 @@ def local_experts(weight: Tensor, ep_group: dist.ProcessGroup | None) -> Tensor:
     return local if ep_group is None else _ScaledGrad.apply(local, 1 / ep_group.size())
 
 
-class _GroupRegion(torch.autograd.Function):
+class GroupRegion(torch.autograd.Function):
     """Megatron's f and g over a group: around a tensor-parallel block of the experts (etp),
     and g around the balance loss's per-sequence sums under CP: `reduce`
     False, identity forward and the gradient all-reduced over the TP ranks (each computed
@@ -179,12 +179,12 @@ class Experts(nn.Module):
             w = tuple(local_experts(t, self.ep_group) for t in w)
         grouped = self.grouped_mm and use_grouped_mm(x, w[2])
         if self.tp_group is not None:
-            x = _GroupRegion.apply(x, self.tp_group, False)
+            x = GroupRegion.apply(x, self.tp_group, False)
         if self.ep_group is None:
             out = expert_compute(x, w, counts, grouped)
         else:
             out = dispatched_compute(x, w, counts, self.ep_group, grouped)
-        return out if self.tp_group is None else _GroupRegion.apply(out, self.tp_group, True)
+        return out if self.tp_group is None else GroupRegion.apply(out, self.tp_group, True)
 
 
 class MoEFeedForward(nn.Module):
@@ -280,7 +280,7 @@ class MoEFeedForward(nn.Module):
         shares = (scores / scores.sum(-1, keepdim=True)).view(batch, seq, experts).sum(1)
         if self.sequence_group is not None:
             dist.all_reduce(per_sequence, group=self.sequence_group)
-            shares = _GroupRegion.apply(shares, self.sequence_group, True)
+            shares = GroupRegion.apply(shares, self.sequence_group, True)
             seq *= self.sequence_group.size()
         f = per_sequence * experts / (k * seq)
         return (f * shares / seq).sum(-1).mean()

@@ -9,8 +9,10 @@ hidden ones and FSDP2's copies cost compute beside them.
                 backward and its logits all-gathered (rank/parallel/tensor.py; under
                 train.loss=vocab_parallel three all-reduces of T floats instead); under
                 etp the experts' partial outputs all-reduced forward, their input's
-                gradient backward (k x h a token). On the critical path: DTensor TP does
-                not overlap them (collectives.py)
+                gradient backward (k x h a token), transformers' fused experts' gate|up
+                products traded forward and their gradients backward (k x 2fe/etp, an
+                all-to-all costed as an all-gather of as much). On the critical path:
+                DTensor TP does not overlap them (collectives.py)
     CPU host    every core computes for a rank (ranks x threads = cores), and gloo's copies
                 and reductions run on those cores: its DP and CP traffic hides behind no
                 compute (exposed in full)
@@ -130,10 +132,8 @@ def tp_time(
         again = 1.5 if cfg.parallel.sequence_parallel else 1.0
         forward_ops += again * checkpointed_layers(cfg.parallel, share) / share.layers
     seconds = share.layers * ((forward_ops + 2) * one + amax)
-    if layout.etp > 1:  # the experts' partial outputs all-reduced, their input's gradient too
-        d = Dims.of_layout(cfg.model, layout, EP_LOAD_ALLOWANCE)
-        routed = fabric.all_reduce(span, tokens * d.routed * d.h * (2 if half else FP32))
-        seconds += share.layers * (forward_ops / 2 + 1) * routed
+    if layout.etp > 1:
+        seconds += share.layers * (forward_ops / 2 + 1) * _etp_one(cfg, layout, fabric, tokens)
     residual = tokens * cost.width * FP32
     if share.first:  # the vocabulary-parallel embedding's output
         seconds += fabric.all_reduce(span, residual)
@@ -185,6 +185,19 @@ def cp_time(
         one = fabric.all_gather(span, 2 * tokens * (h + hk) // layout.tp * width)
         total = exposed = (forwards + 1) * one
     return share.layers * total, share.layers * exposed
+
+
+def _etp_one(cfg: ExperimentConfig, layout: Layout, fabric: Fabric, tokens: int) -> float:
+    """Seconds of one layer's etp collectives one way: the experts' partial outputs
+    all-reduced (their input's gradient backward), and transformers' fused gate|up products
+    traded (models/hf_experts.py)."""
+    span = group_span(layout, "tp", fabric.devices_per_node)
+    d = Dims.of_layout(cfg.model, layout, EP_LOAD_ALLOWANCE)
+    rows = tokens * d.routed * (2 if cfg.train.precision in HALF_PRECISIONS else FP32)
+    one = fabric.all_reduce(span, rows * d.h)
+    if model_shape(cfg.model).fused_gate_up:
+        one += fabric.all_gather(span, rows * 2 * d.fe / d.etp)
+    return one
 
 
 def attention_widths(cfg: ExperimentConfig, layout: Layout, cost: ModelCost) -> tuple[int, ...]:

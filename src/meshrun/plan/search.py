@@ -43,7 +43,7 @@ from meshrun.core.batch import local_batch_size
 from meshrun.core.config import CLUSTER_LAUNCHER, ExperimentConfig
 from meshrun.core.errors import ConfigError, fail
 from meshrun.core.layout import Layout
-from meshrun.models import model_kind, model_shape
+from meshrun.models import model_shape
 from meshrun.plan import predict
 from meshrun.plan.candidate import Candidate, Legal, evaluate, host_flops
 from meshrun.plan.levers import STRONGEST, lever_configs
@@ -143,11 +143,10 @@ def _ep_degrees(cfg: ExperimentConfig, shard: int) -> list[int]:
 
 
 def _etp_degrees(cfg: ExperimentConfig, keys: dict) -> list[int]:
-    """1, and under TP for meshrun's own MoE blocks tp (each expert split over the TP ranks
-    too: transformers' fused experts are not split)."""
-    tp, m = keys["tp"], cfg.model
-    moe = model_kind(m).moe(m)
-    return [1, tp] if tp > 1 and moe is not None and moe.experts else [1]
+    """1, and under TP for an MoE tp (each expert's hidden width split over the TP ranks
+    too; a model whose experts cannot be split so is refused by validation)."""
+    tp = keys["tp"]
+    return [1, tp] if tp > 1 and model_shape(cfg.model).experts else [1]
 
 
 def layout_grid(cfg: ExperimentConfig, box: Box, fixed: frozenset[str]) -> Iterator[dict]:

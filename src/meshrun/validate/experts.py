@@ -7,7 +7,6 @@ from __future__ import annotations
 from meshrun.core.config import ExperimentConfig, ModelConfig, ParallelConfig
 from meshrun.core.errors import fail, positive
 from meshrun.core.layout import Layout
-from meshrun.core.model_shape import expert_ffn_dim
 from meshrun.models import model_kind, model_shape
 
 
@@ -87,7 +86,8 @@ def check_expert_parallel(cfg: ExperimentConfig) -> None:
     if p.ep == 1 and p.etp == 1:
         return
     key, value = ("parallel.ep", p.ep) if p.ep > 1 else ("parallel.etp", p.etp)
-    experts = model_shape(m).experts
+    shape = model_shape(m)
+    experts = shape.experts
     if not experts:
         fail(
             key,
@@ -98,12 +98,12 @@ def check_expert_parallel(cfg: ExperimentConfig) -> None:
         )
     model_kind(m).check_expert_split(m, p.etp)
     _check_ep(p, experts)
-    if p.etp > 1 and expert_ffn_dim(m) % p.etp:
+    if p.etp > 1 and shape.expert_ffn % p.etp:
         fail(
             "parallel.etp",
             p.etp,
-            f"must divide an expert's hidden width ({expert_ffn_dim(m)})",
-            f"a divisor of {expert_ffn_dim(m)}, or 1",
+            f"must divide an expert's hidden width ({shape.expert_ffn})",
+            f"a divisor of {shape.expert_ffn}, or 1",
         )
 
 

@@ -15,7 +15,8 @@ from meshrun.core.layout import Layout
 from meshrun.models import hf_experts
 from meshrun.models.moe import Experts
 
-# the dim of each expert matrix etp splits: the hidden width (w1, w3: [E, h, f]; w2: [E, f, h])
+# the dim of each of meshrun's expert matrices etp splits: the hidden width (w1, w3: [E, h, f];
+# w2: [E, f, h]); transformers' are hf_experts.hidden_dim's
 ETP_DIMS = {"w1": 2, "w3": 2, "w2": 1}
 
 
@@ -30,13 +31,15 @@ def apply_expert_parallel(part: nn.Module, expert_mesh: DeviceMesh, layout: Layo
     dims = tuple(dim for dim, n in (("ep", layout.ep), ("tp", layout.etp)) if n > 1)
     mesh = expert_mesh[dims]
     ep_group = expert_mesh["ep"].get_group() if layout.ep > 1 else None
+    tp_group = expert_mesh["tp"].get_group() if layout.etp > 1 else None
     for experts in routed_experts(part):
+        ours = isinstance(experts, Experts)
         for name, param in list(experts.named_parameters(recurse=False)):
-            placements = [Shard(0) if dim == "ep" else Shard(ETP_DIMS[name]) for dim in dims]
+            width = ETP_DIMS[name] if ours else hf_experts.hidden_dim(experts, name)
+            placements = [Shard(0) if dim == "ep" else Shard(width) for dim in dims]
             sharded = distribute_tensor(param.data, mesh, placements)
             setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        if isinstance(experts, Experts):
-            experts.ep_group = ep_group
-            experts.tp_group = expert_mesh["tp"].get_group() if layout.etp > 1 else None
-        else:  # (validate refuses etp for transformers' experts)
-            hf_experts.dispatch_over(experts, ep_group)
+        if ours:
+            experts.ep_group, experts.tp_group = ep_group, tp_group
+        else:
+            hf_experts.dispatch_over(experts, ep_group, tp_group)
