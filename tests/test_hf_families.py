@@ -44,7 +44,7 @@ MOE = (
     "HYV3ForCausalLM",
     "Kolibri1ForCausalLM",
     "MiniMaxM2ForCausalLM",
-    "MiniMaxM3VLForCausalLM",  # a clamped SwiGLU, which ep refuses (EP_REFUSED): TP
+    "MiniMaxM3VLForCausalLM",  # a clamped SwiGLU: ep by its own forward, etp refused
     "AriaTextForCausalLM",  # experts stored [E, in, out] (is_transposed)
     "DeepseekV2ForCausalLM",
     "Dots1ForCausalLM",
@@ -82,7 +82,6 @@ DENSE = (
     "Starcoder2ForCausalLM",
 )
 FAMILIES = (*MOE, *DENSE)
-EP_REFUSED = {"MiniMaxM3VLForCausalLM"}  # test_ep_refuses_experts_whose_swiglu_is_clamped
 # The sizes of a tiny model, each kept where the family's config has the field: 4 experts
 # (ep=2 holds 2 a rank), 4 heads over 2 kv heads (tp=2), 2 layers, untied (pp=2 later).
 TINY = {
@@ -202,7 +201,7 @@ def test_a_rank_reads_only_its_experts_bytes_gate_and_up_in_transformers_order(t
 def model_parallel(architecture: str) -> tuple[str, ...]:
     """ep for a mixture of experts meshrun splits, TP where meshrun applies the family's TP
     plan (colwise and rowwise entries), else a pipeline."""
-    if architecture in MOE and architecture not in EP_REFUSED:
+    if architecture in MOE:
         return ("parallel=ep2",)
     cfg = HFModelConfig(name="hf/x", architecture=architecture, config=tiny_fields(architecture))
     try:
@@ -295,11 +294,20 @@ def test_a_checkpoint_meshrun_cannot_read_a_shard_at_a_time_is_refused_before_la
     assert "as ['linear_attn.in_proj'], converted by Split on load" in str(caught.value)
 
 
-def test_ep_refuses_experts_whose_swiglu_is_clamped(tmp_path):
-    """MiniMax-M3's experts clamp gate and up (their own _apply_gate): ep's forward (plain
-    SwiGLU) would train another function."""
+def test_experts_with_a_gate_of_their_own_split_over_ep_train_like_one_device(
+    tmp_path, on_pool, capsys
+):
+    """MiniMax-M3's experts clamp gate and up (their own _apply_gate): under ep each rank
+    computes its experts' rows by the family's own forward (hf_experts._own_forward), and
+    meshrun-verify finds the layout's losses and grad norms one device's; etp, which would
+    split the clamped SwiGLU's hidden width, is refused."""
     write(tmp_path / "m3", "MiniMaxM3VLForCausalLM")
+    pretrained = f"model.pretrained={tmp_path / 'm3'}"
+    code = verify_run(tmp_path, "model=hf/auto", pretrained, "parallel=ep2")
+    assert code == 0, capsys.readouterr().out
+    result = report(tmp_path)
+    assert result["passed"] and len(result["steps"]) == VERIFY_STEPS
     with pytest.raises(ConfigError) as caught:
-        resolved_config(*COMMON, f"model.pretrained={tmp_path / 'm3'}", "parallel=ep2")
-    assert caught.value.key == "parallel.ep"
+        resolved_config(*COMMON, pretrained, "parallel=tp2_ep2", "parallel.etp=2")
+    assert caught.value.key == "parallel.etp"
     assert "a function of their own (_apply_gate)" in str(caught.value)

@@ -125,10 +125,27 @@ def dispatched_compute(
     grouped: bool,
     trade: Trade | None = None,
 ) -> Tensor:
-    """`expert_compute` with the experts split over `group` (expert parallelism: this rank
-    holds `weights`, E/ep consecutive experts): each block of rows goes to its expert's
-    rank, the rows from every rank are computed there by expert, and come back in order.
-    After one all-to-all of the counts, two of rows forward (there and back), two backward.
+    """`expert_compute` with the experts split over `group` (this rank holds `weights`,
+    E/ep consecutive experts): `dispatched`."""
+
+    def compute(rows: Tensor, per_expert: Tensor | list[int]) -> Tensor:
+        return expert_compute(rows, weights, per_expert, grouped, trade)
+
+    return dispatched(x, counts, group, compute, counts_on_device=grouped)
+
+
+def dispatched(
+    x: Tensor,
+    counts: Tensor | list[int],
+    group: dist.ProcessGroup,
+    compute: Callable[[Tensor, Tensor | list[int]], Tensor],
+    counts_on_device: bool,
+) -> Tensor:
+    """Expert parallelism (this rank holds E/ep consecutive experts): each block of rows of
+    `x` (sorted by expert, `counts` a block) goes to its expert's rank, the rows from every
+    rank are computed there by `compute` (rows sorted by this rank's experts, how many each:
+    on the device where `counts_on_device`, else a list), and come back in order. After one
+    all-to-all of the counts, two of rows forward (there and back), two backward.
     all_to_all_single takes its split sizes on the host: one host sync a call, the only one
     (torchtitan's dispatch reads them back too); the grouped GEMM takes its counts from the
     device."""
@@ -145,6 +162,6 @@ def dispatched_compute(
     expert_of_row = torch.arange(local, device=x.device).repeat(ep)
     per_row = expert_of_row.repeat_interleave(received, output_size=sum(arriving))
     order = per_row.argsort(stable=True)
-    per_expert = received.view(ep, local).sum(0) if grouped else theirs.sum(0).tolist()
-    out = expert_compute(rows[order], weights, per_expert, grouped, trade)
+    per_expert = received.view(ep, local).sum(0) if counts_on_device else theirs.sum(0).tolist()
+    out = compute(rows[order], per_expert)
     return exchange(out[order.argsort()], group, sent, arriving)

@@ -15,7 +15,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from meshrun.models.exchange import exchange
-from meshrun.models.expert_compute import dispatched_compute, expert_compute, use_grouped_mm
+from meshrun.models.expert_compute import (
+    dispatched,
+    dispatched_compute,
+    expert_compute,
+    use_grouped_mm,
+)
 from meshrun.models.moe import GroupRegion, local_experts, sorted_by_expert
 
 WEIGHTS = ("gate_up_proj", "down_proj")
@@ -23,8 +28,11 @@ HIDDEN_DIMS = {"gate_up_proj": 1, "down_proj": 2}  # [E, 2f, h], [E, h, f]
 
 
 def is_hf_experts(module: nn.Module) -> bool:
+    """transformers' experts (a class under its use_experts_implementation, which records
+    their layout): every weight [E, ...], the down projection 3-D."""
     params = dict(module.named_parameters(recurse=False))
-    return set(params) == set(WEIGHTS) and all(p.dim() == 3 for p in params.values())
+    down = params.get("down_proj")
+    return hasattr(module, "is_concatenated") and down is not None and down.dim() == 3
 
 
 # transformers' record of an experts module's layout (integrations/moe.py,
@@ -68,9 +76,11 @@ def dispatch_over(
 ) -> None:
     """`experts` (its weights already DTensors: Shard(0) over `ep_group`, and over
     `tp_group` Shard(hidden_dim)) computes its tokens on the ranks that hold their experts,
-    each TP rank its share of their hidden width."""
+    each TP rank its share of their hidden width: plain SwiGLU experts by meshrun's own
+    compute, others (`unsplittable`; validate refuses them etp) by their own forward."""
     experts.ep_group, experts.tp_group = ep_group, tp_group
-    experts.forward = types.MethodType(_dispatched_forward, experts)
+    own = unsplittable(experts) is not None
+    experts.forward = types.MethodType(_own_forward if own else _dispatched_forward, experts)
 
 
 def gate_and_up_by_rank(held: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -123,5 +133,51 @@ def _dispatched_forward(
         out = dispatched_compute(x, weights, counts, self.ep_group, grouped, trade)
     if tp is not None:  # each TP rank's share of the hidden width: partial sums
         out = GroupRegion.apply(out, tp, True)
+    out = out * top_k_weights.flatten()[order, None].to(out.dtype)
+    return torch.zeros_like(hidden_states).index_add_(0, rows, out.to(hidden_states.dtype))
+
+
+class _Held:
+    """`experts` as this rank holds them: its share of every weight (E/ep experts), the
+    rest (flags, gate function, activation, norms) the module's own."""
+
+    def __init__(self, experts: nn.Module, held: dict[str, Tensor]) -> None:
+        self.__dict__.update(held)
+        self.num_experts = next(iter(held.values())).shape[0]
+        self._experts = experts
+
+    def __getattr__(self, name: str) -> object:
+        value = getattr(self._experts, name)
+        if isinstance(value, types.MethodType) and value.__self__ is self._experts:
+            return types.MethodType(value.__func__, self)
+        return value
+
+
+def _own_forward(
+    self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
+) -> Tensor:
+    """transformers' experts forward for experts meshrun does not compute itself (a gate of
+    their own, biases, no gate, a norm after each): each token's rows sent to their experts'
+    rank, computed there by the family's own forward (the implementation its config names,
+    as transformers runs it) over the experts held, each row one assignment of weight 1, and
+    brought back to be summed by the router's weights."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # noqa: PLC0415 (meshrun[hf])
+
+    order, counts = sorted_by_expert(top_k_index, self.down_proj.shape[0])
+    rows = order // top_k_index.shape[1]
+    held = _Held(
+        self, {n: local_experts(p, self.ep_group) for n, p in self.named_parameters(recurse=False)}
+    )
+    own = ALL_EXPERTS_FUNCTIONS.get_interface(
+        self.config._experts_implementation, type(self).forward.__wrapped__
+    )
+
+    def compute(received: Tensor, per_expert: Tensor | list[int]) -> Tensor:
+        local = torch.arange(held.num_experts, device=received.device)
+        ids = local.repeat_interleave(torch.as_tensor(per_expert, device=received.device))
+        ones = torch.ones(len(ids), 1, dtype=received.dtype, device=received.device)
+        return own(held, received, ids[:, None], ones)
+
+    out = dispatched(hidden_states[rows], counts, self.ep_group, compute, counts_on_device=True)
     out = out * top_k_weights.flatten()[order, None].to(out.dtype)
     return torch.zeros_like(hidden_states).index_add_(0, rows, out.to(hidden_states.dtype))

@@ -220,20 +220,24 @@ def _check_pretrained(m: HFModelConfig, defaults: dict) -> None:
             )
 
 
+NO_EXPERTS = "meshrun finds no experts of transformers' form"
+
+
 def check_hf_experts(m: HFModelConfig, etp: int) -> None:
-    """transformers' experts are split by replacing their forward with one that computes
-    plain SwiGLU (models/hf_experts.py): experts that compute anything else (another
-    activation, a clamped gate, biases: `unsplittable`, on the model built on meta) would be
-    trained as that."""
+    """transformers' experts are split over ep whatever they compute (models/hf_experts.py:
+    plain SwiGLU by meshrun's compute, the rest by their own forward over the experts a rank
+    holds); over the TP ranks (etp) only plain SwiGLU experts, whose hidden width meshrun
+    splits itself (`unsplittable` names what another computes, on the model built on meta)."""
     why = _experts_refusal(*model_key(m))
-    if why is not None:
-        key, value = ("parallel.etp", etp) if etp > 1 else ("parallel.ep", "> 1")
+    if why is not None and why.startswith(NO_EXPERTS):
+        fail("parallel.ep", "> 1", f"{m.architecture}: {why}", "parallel.ep=1, parallel.etp=1")
+    if why is not None and etp > 1:
         fail(
-            key,
-            value,
-            f"{m.architecture}'s experts cannot be split: {why}; meshrun splits plain "
-            "SwiGLU experts only",
-            f"{key}=1",
+            "parallel.etp",
+            etp,
+            f"{m.architecture}'s experts cannot be split over the TP ranks: {why}; meshrun "
+            "splits the hidden width of plain SwiGLU experts only (ep splits them whole)",
+            "parallel.etp=1",
         )
 
 
@@ -246,7 +250,7 @@ def _experts_refusal(schema: type[HFModelConfig], cfg_json: str) -> str | None:
     model = build_hf(from_key(schema, cfg_json), "meta")
     experts = next((e for e in model.modules() if hf_experts.is_hf_experts(e)), None)
     if experts is None:
-        return "meshrun finds no experts of transformers' form (3-D gate_up_proj and down_proj)"
+        return f"{NO_EXPERTS} (3-D gate_up_proj and down_proj)"
     return hf_experts.unsplittable(experts)
 
 
