@@ -78,12 +78,12 @@ CALIBRATION_BUFFERS = (
 REVIEWED = {
     ("models/exchange.py", "_all_to_all", "dist.all_to_all_single"): ACTIVATIONS,
     ("models/export.py", "export_checkpoint", "dcp.load"): "no_dist=True: no collective",
-    ("models/moe.py", "_GroupRegion.forward", "dist.all_reduce"): ACTIVATIONS,
-    ("models/moe.py", "_GroupRegion.backward", "dist.all_reduce"): ACTIVATIONS,
+    ("models/moe.py", "GroupRegion.forward", "dist.all_reduce"): ACTIVATIONS,
+    ("models/moe.py", "GroupRegion.backward", "dist.all_reduce"): ACTIVATIONS,
     ("models/moe.py", "MoEFeedForward._aux_loss", "dist.all_reduce"): (
         "a sequence's expert counts under CP, made from the router's picks on its device"
     ),
-    ("models/expert_compute.py", "dispatched_compute", "dist.all_to_all_single"): (
+    ("models/expert_compute.py", "dispatched", "dist.all_to_all_single"): (
         "the experts' counts, placed on the activations' device (torch.as_tensor(device=...))"
     ),
     ("rank/parallel/balance.py", "balance_stages", "dist.all_gather_object"): OBJECTS,
