@@ -365,11 +365,6 @@ BAD_CONFIGS = [
         "parallel.activation_checkpointing",
         "full or none with parallel.ep > 1",
     ),
-    (
-        ["parallel=tp2", "parallel.sequence_parallel=true", "train.optimizer_states=8bit"],
-        "train.optimizer_states",
-        "parallel.sequence_parallel=false",
-    ),
     (["train.guard.spike=true"], "train.guard.spike", "checkpoint.every_steps=N"),
     (
         ["train.guard.spike=true", "checkpoint.every_steps=5", "train.guard.spike_ratio=0.5"],
