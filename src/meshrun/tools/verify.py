@@ -204,8 +204,8 @@ def _print_report(report: dict[str, Any]) -> None:
     verdict = Text("PASS", style="bold green") if report["passed"] else Text("FAIL", "bold red")
     unjudged = "" if judged else ", not judged"
     against = (
-        f"beyond the tolerance {tolerance:g}, judged against the reference's own noise: "
-        f"{NOISE_FACTOR:g}x its deviation up to each step, at least {tolerance:g}"
+        f"above the tolerance {tolerance:g}, so each step judged against the reference's own "
+        f"noise: within {NOISE_FACTOR:g}x its deviation up to that step, at least {tolerance:g}"
         if report["noise_floor"]
         else f"tolerance {tolerance:g} relative"
     )
