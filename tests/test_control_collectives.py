@@ -102,6 +102,7 @@ REVIEWED = {
     ("rank/parallel/tied.py", "TiedWeights.sum_grads", "dist.all_reduce"): GRADIENTS,
     ("rank/report.py", "gathered", "dist.all_gather_object"): OBJECTS,
     ("rank/train/optim_states.py", "Bf16AdamW._update", ".redistribute"): GRADIENTS,
+    ("rank/train/optim_states.py", "placed_as_params", ".redistribute"): GRADIENTS,
     ("rank/train/checkpoint.py", "Checkpointer.save", "dcp.async_save"): CHECKPOINT_GROUP,
     ("rank/train/checkpoint.py", "Checkpointer.save", "dcp.save"): CHECKPOINT_GROUP,
     ("rank/train/checkpoint.py", "Checkpointer._load", "dcp.load"): CHECKPOINT_GROUP,

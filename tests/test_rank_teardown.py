@@ -8,6 +8,7 @@ exit would find (the count is the run's own, after against before)."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from dataclasses import asdict
 from pathlib import Path
@@ -29,6 +30,7 @@ def _gloo_threads() -> int:
 
 
 def _threads_the_run_left(cfg: dict[str, Any]) -> int:
+    gc.collect()  # an earlier job's groups on this pool worker, left to a collection: not the run's
     before = _gloo_threads()
     with contextlib.suppress(Exception):
         run_rank(cfg)
