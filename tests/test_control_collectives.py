@@ -101,16 +101,14 @@ REVIEWED = {
     ("rank/parallel/tied.py", "TiedWeights.sum_grads", ".redistribute"): GRADIENTS,
     ("rank/parallel/tied.py", "TiedWeights.sum_grads", "dist.all_reduce"): GRADIENTS,
     ("rank/report.py", "gathered", "dist.all_gather_object"): OBJECTS,
-    ("rank/train/optim_states.py", "Bf16AdamW._update", ".redistribute"): GRADIENTS,
-    ("rank/train/optim_states.py", "placed_as_params", ".redistribute"): GRADIENTS,
     ("rank/train/checkpoint.py", "Checkpointer.save", "dcp.async_save"): CHECKPOINT_GROUP,
     ("rank/train/checkpoint.py", "Checkpointer.save", "dcp.save"): CHECKPOINT_GROUP,
     ("rank/train/checkpoint.py", "Checkpointer._load", "dcp.load"): CHECKPOINT_GROUP,
     ("rank/train/checkpoint.py", "Checkpointer._decided", "dist.broadcast_object_list"): (
         f"{OBJECTS}; {CHECKPOINT_GROUP}"
     ),
-    ("rank/train/optim.py", "LocalAdamW._init_group", ".redistribute"): GRADIENTS,
     ("rank/train/optim.py", "LocalGrads.norm", ".redistribute"): GRADIENTS,
+    ("rank/train/optim_states.py", "placed_like", ".redistribute"): GRADIENTS,
     ("rank/train/optim.py", "LocalGrads.norm", "dist.all_reduce"): (
         "the gradients' sums of squares, on their device every step: on the host they would "
         "sync every step, where the guard decides on the device (rank/train/guard.py)"

@@ -4,9 +4,11 @@ MFU, CP's block attention and MoE's grouped GEMM. Skipped where no CUDA device i
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.backends.cuda import (
     SDPAParams,
@@ -20,7 +22,8 @@ from meshrun.core.attention_kernels import fused_kernel
 from meshrun.core.config import MoEConfig
 from meshrun.models import moe
 from meshrun.models.attention import attention_site, causal_sdpa, sdpa_kv
-from meshrun.models.expert_compute import NATIVE_MAJORS, use_grouped_mm
+from meshrun.models.expert_compute import NATIVE_MAJORS, expert_compute, use_grouped_mm
+from meshrun.models.hf_experts import gate_and_up_by_rank
 from meshrun.rank.parallel.block_attention import attend, attend_grads
 
 pytestmark = [
@@ -221,3 +224,40 @@ def test_cuda_run_traces_kernels_and_writes_allocator_snapshots(meshrun):
     assert oom.returncode == 1
     assert (oom.run_dir / "memory_snapshot" / "rank0.oom.pickle").exists()
     assert "memory_viz" in oom.results["error"]
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] not in NATIVE_MAJORS,
+    reason="needs an sm90 or sm100 GPU (torch._grouped_mm's native kernel)",
+)
+def test_the_grouped_gemm_takes_transformers_fused_gate_up_through_its_trade():
+    """transformers' experts under etp (models/hf_experts.gate_and_up_by_rank) on the native
+    kernel, whose operands must be row-major with rows of 16 bytes
+    (check_valid_strides_and_return_transposed, ATen/native/cuda/GroupedBlas.cpp): the
+    traded products (one TP rank: NCCL's all-to-all to itself) agree with the loop over the
+    whole experts forward and backward, under bf16 autocast."""
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(7)
+        counts = [5, 0, 3, 8]
+        x = torch.randn(sum(counts), 64, device="cuda")
+        w1, w3, w2 = (torch.randn(4, *s, device="cuda") / 8 for s in ((64, 32), (64, 32), (32, 64)))
+        trade = functools.partial(gate_and_up_by_rank, group=dist.group.WORLD)
+        fused = torch.cat([w1, w3], dim=2)
+        results = []
+        for weights, grouped, traded in (
+            ((fused, None, w2), True, trade),
+            ((w1, w3, w2), False, None),
+        ):
+            inputs = x.clone().requires_grad_()
+            with torch.autocast("cuda", torch.bfloat16):
+                assert use_grouped_mm(inputs, w2) or not grouped
+                out = expert_compute(
+                    inputs, weights, torch.tensor(counts, device="cuda"), grouped, traded
+                )
+            out.float().sum().backward()
+            results.append((out.float(), inputs.grad))
+        for got, want in zip(*results, strict=True):
+            assert (got - want).norm() <= 2e-2 * want.norm()
+    finally:
+        dist.destroy_process_group()

@@ -92,7 +92,21 @@ def gate_and_up_by_rank(held: Tensor, group: dist.ProcessGroup) -> Tensor:
     them (differentiable: the gradients go back the same way). The products are traded, not
     the weights: nothing is kept for backward beyond what SwiGLU keeps anyway. Columns arrive
     in their order in [gate; up], so gate's first."""
-    tp, rank, width = dist.get_world_size(group), dist.get_rank(group), held.shape[-1]
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    order, sent, arriving = _trade_plan(tp, rank, held.shape[-1], held.device)
+    # columns sorted by owner, as rows to trade; rows again after (row-major, as the grouped
+    # GEMM takes its operands, and their gradients as the GEMM's backward takes them)
+    columns = held[:, order].mT.contiguous()
+    return exchange(columns, group, arriving, sent).mT.contiguous()
+
+
+@functools.cache
+def _trade_plan(
+    tp: int, rank: int, width: int, device: torch.device
+) -> tuple[Tensor, list[int], list[int]]:
+    """The trade's plan, once a layer width: the held columns in the order they are sent (on
+    the device: no copy from the host each forward) and how many go to, and come from, each
+    TP rank."""
     f = width * tp // 2
     share = f // tp
 
@@ -103,10 +117,7 @@ def gate_and_up_by_rank(held: Tensor, group: dist.ProcessGroup) -> Tensor:
     mine = owners(rank)
     sent = torch.bincount(mine, minlength=tp).tolist()
     arriving = [int((owners(source) == rank).sum()) for source in range(tp)]
-    # columns sorted by owner, as rows to trade; rows again after (row-major, as the grouped
-    # GEMM takes its operands, and their gradients as the GEMM's backward takes them)
-    columns = held[:, mine.argsort(stable=True).to(held.device)].mT.contiguous()
-    return exchange(columns, group, arriving, sent).mT.contiguous()
+    return mine.argsort(stable=True).to(device), sent, arriving
 
 
 def _dispatched_forward(

@@ -16,7 +16,7 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -145,14 +145,18 @@ class _Replicas:
         self.restarts.clear()
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 @contextlib.contextmanager
-def _ignoring(*signals: signal.Signals) -> Iterator[None]:
-    before = {s: signal.signal(s, signal.SIG_IGN) for s in signals}
+def _handling(handler: signal.Handlers | Callable[[int, object], None]) -> Iterator[None]:
+    """Ctrl-C and SIGTERM handled by `handler` inside, as before after."""
+    before = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
     try:
         yield
     finally:
-        for s, handler in before.items():
-            signal.signal(s, handler)
+        for s, old in before.items():
+            signal.signal(s, old)
 
 
 def _stop_signal(signum: int, frame: object) -> None:
@@ -160,16 +164,6 @@ def _stop_signal(signum: int, frame: object) -> None:
     whose groups are not this host's processes installs no handler of its own)."""
     sigval = signal.Signals(signum)
     raise SignalException(f"the driver received {sigval.name}", sigval)
-
-
-@contextlib.contextmanager
-def _stopped_by_signals() -> Iterator[None]:
-    before = {s: signal.signal(s, _stop_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, handler in before.items():
-            signal.signal(s, handler)
 
 
 def _lighthouse(host: str) -> tuple[Any, str]:
@@ -197,14 +191,14 @@ def launch_replicas(cfg: ExperimentConfig, groups: ReplicaGroups) -> Any:
     shutil.rmtree(Path(cfg.run_dir) / REPLICAS_DIR, ignore_errors=True)  # an earlier attempt's
     (Path(cfg.run_dir) / REPLICAS_DIR).mkdir(parents=True)
     try:
-        with _stopped_by_signals():
+        with _handling(_stop_signal):
             for replica in range(cfg.parallel.dp_replicate):
                 replicas.start(ReplicaPlace(replica, cfg.parallel.dp_replicate, 0))
             while replicas.busy():
                 time.sleep(groups.poll_interval_s)
                 replicas.poll()
     except SignalException as err:  # Ctrl-C or SIGTERM here: a run that checkpoints saves
-        with _ignoring(signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C, while they save
+        with _handling(signal.SIG_IGN):  # a second Ctrl-C, while they save
             replicas.stop()
         raise interrupted(err.sigval.name, cfg.run_dir) from None
     finally:

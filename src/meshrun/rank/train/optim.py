@@ -15,7 +15,13 @@ from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
 from meshrun.core.config import LrScheduleConfig, TrainConfig
 from meshrun.models.shards import local_tensor
-from meshrun.rank.train.optim_states import BLOCK, Bf16AdamW, adamw_8bit, zero_local_grads
+from meshrun.rank.train.optim_states import (
+    BLOCK,
+    Bf16AdamW,
+    adamw_8bit,
+    placed_like,
+    zero_local_grads,
+)
 
 BETAS = (0.9, 0.95)
 
@@ -71,9 +77,7 @@ class LocalAdamW(torch.optim.AdamW):
             param, grad = params[i], grads[i]
             if not isinstance(param, DTensor):
                 continue
-            if isinstance(grad, DTensor) and grad.placements != param.placements:
-                grad = grad.redistribute(param.device_mesh, param.placements)
-            params[i], grads[i] = local_tensor(param), local_tensor(grad)
+            params[i], grads[i] = local_tensor(param), local_tensor(placed_like(grad, param))
         for states in (exp_avgs, exp_avg_sqs, max_exp_avg_sqs):
             states[first:] = [local_tensor(state) for state in states[first:]]
         return has_complex

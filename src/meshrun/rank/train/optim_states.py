@@ -101,10 +101,7 @@ class Bf16AdamW(torch.optim.Optimizer):
             state["step"] = torch.zeros((), dtype=torch.float32)
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16)
-        grad = p.grad
-        if isinstance(p, DTensor) and grad.placements != p.placements:
-            grad = grad.redistribute(p.device_mesh, p.placements)
-        param, grad = local_tensor(p), local_tensor(grad).float()
+        param, grad = local_tensor(p), local_tensor(placed_like(p.grad, p)).float()
         m, v = local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"])
         state["step"] += 1
         step = float(state["step"])  # a CPU tensor: no device sync
@@ -134,9 +131,19 @@ def placed_as_params(optimizer: torch.optim.Optimizer) -> None:
     rank/train/optim.LocalAdamW does)."""
     for group in optimizer.param_groups:
         for param in group["params"]:
-            grad = param.grad
-            if isinstance(grad, DTensor) and grad.placements != param.placements:
-                param.grad = grad.redistribute(param.device_mesh, param.placements)
+            if param.grad is not None:
+                param.grad = placed_like(param.grad, param)
+
+
+def placed_like(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """`grad` laid out as `param` is (a Partial one summed over its mesh dim, a sharded one
+    gathered where the parameter is replicated): what DTensor's own ops would do inside an
+    update, done before it."""
+    if not (isinstance(grad, DTensor) and isinstance(param, DTensor)):
+        return grad
+    if grad.placements == param.placements:
+        return grad
+    return grad.redistribute(param.device_mesh, param.placements)
 
 
 def adamw_8bit() -> type[torch.optim.Optimizer]:
