@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_ten
 from meshrun.core.checkpoints import complete
 from meshrun.models import build_model
 from meshrun.plan.memory import predict_stages
+from meshrun.rank.mesh import end_distributed
 from meshrun.rank.metrics.memory import ModelState
 from meshrun.rank.train.checkpoint import _init_optimizer_state
 from meshrun.rank.train.optim import build_optimizer
@@ -163,7 +164,7 @@ def _placed(_) -> tuple[str, list[float]]:
     placed_as_params(optimizer)
     grad = weight.grad
     said = (str(grad.placements[0]), grad.to_local().tolist())  # "R": Replicate
-    dist.destroy_process_group()
+    end_distributed()  # its mesh out of DTensor's caches too, for the pool's next job
     return said
 
 

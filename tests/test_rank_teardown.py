@@ -8,7 +8,6 @@ exit would find (the count is the run's own, after against before)."""
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 from dataclasses import asdict
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from meshrun.rank.mesh import end_distributed
 from meshrun.rank.worker import run_rank
 from tests.ranks import config_in
 
@@ -30,7 +30,7 @@ def _gloo_threads() -> int:
 
 
 def _threads_the_run_left(cfg: dict[str, Any]) -> int:
-    gc.collect()  # an earlier job's groups on this pool worker, left to a collection: not the run's
+    end_distributed()  # an earlier pool job's groups (DTensor's caches): not the run's
     before = _gloo_threads()
     with contextlib.suppress(Exception):
         run_rank(cfg)
