@@ -246,13 +246,24 @@ def one_gpu(all_gpus: int) -> list[Check]:
             budget_s=90,
         ),
         Check(
-            "CP's fused CUDA attention kernels and the experts' grouped GEMM, in one process",
+            "CP's fused CUDA attention kernels, the experts' grouped GEMM and Liger's fused "
+            "cross-entropy, in one process",
             _python(
                 "-m pytest -q -p no:cacheprovider tests/test_gpu.py -k "
-                "kernel_on_cuda_equals_sdpa or kernel_rules or gqa_reaches or grouped_gemm"
+                "kernel_on_cuda_equals_sdpa or kernel_rules or gqa_reaches or grouped_gemm "
+                "or liger"
             ),
             exits_zero_with(r"\d+ passed"),
             budget_s=120,
+        ),
+        Check(
+            "verify: auto's chunked loss on Liger's kernel against the full loss, one GPU",
+            _meshrun(
+                "model=tiny parallel=single train.precision=fp32 verify.reference=full_loss",
+                command="verify",
+            ),
+            _verified_on_liger,
+            budget_s=90,
         ),
         Check(
             "meshrun-plan calibrate (matmul, attention, memory, host costs; NCCL with 2+)",
@@ -432,6 +443,18 @@ def _levers_against_full(done: Outcome) -> Verdict:
             )
     said = " | ".join(f"{n}: {figures(r)}" for n, r in runs.items())
     return Verdict(FAIL if wrong else PASS, "; ".join([*wrong, said]))
+
+
+def _verified_on_liger(done: Outcome) -> Verdict:
+    """meshrun-verify's PASS, with the chunked loss on Liger's kernel (carried in the wheel
+    set: train.loss_kernel=auto takes it on CUDA)."""
+    if done.rc != 0:
+        return Verdict(FAIL, _last_error(done.output))
+    report = json.loads((done.work / "run" / "verify.json").read_text())
+    if report.get("loss_kernel") != "liger":
+        return Verdict(FAIL, f"the chunked loss ran on {report.get('loss_kernel')}, not Liger's")
+    said = [line for line in done.output.splitlines() if "largest deviation" in line]
+    return Verdict(PASS, said[-1].strip()[:200] if said else "PASS")
 
 
 def passed_or_gloo_lacks(done: Outcome) -> Verdict:

@@ -76,11 +76,11 @@ def constraints(image: dict[str, str | None]) -> list[str]:
 
 def requirements(pyproject: dict) -> tuple[list[str], list[str]]:
     """(core, extras): meshrun's dependencies without torch, and what the checks need beyond
-    them: the hf, ft and float8 extras, pytest and pytest-timeout."""
+    them: the hf, ft, float8 and liger extras, pytest and pytest-timeout."""
     project = pyproject["project"]
     extras = project["optional-dependencies"]
     core = [r for r in project["dependencies"] if _name(r) != "torch"]
-    more = [*extras["hf"], *extras["ft"], *extras["float8"]]
+    more = [*extras["hf"], *extras["ft"], *extras["float8"], *extras["liger"]]
     more += [r for r in extras["dev"] if _name(r) in {"pytest", "pytest-timeout"}]
     return core, more
 

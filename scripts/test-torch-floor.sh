@@ -4,10 +4,13 @@
 # checkpointing, a tied pipeline) against one device, a checkpoint resume (FSDP2, sharded
 # DCP), the CLI (the quick start, DDP with its measured baseline), the zero-bubble rule's
 # torch limitation and float8 (torchao 0.18 loads on torch 2.11; its rowwise
-# recipes skip there: 2.11's CPU _scaled_mm takes one scale a tensor), in a venv of its own
-# beside make install's .venv.
+# recipes skip there: 2.11's CPU _scaled_mm takes one scale a tensor), and Liger's fused
+# cross-entropy (train.loss_kernel) in Triton's interpreter on the CPU (this venv's CUDA torch
+# brings Triton; MESHRUN_REQUIRE_LIGER=1 fails the test rather than skips it), in a venv of its
+# own beside make install's .venv. NumPy below 2.4: Triton 3.6's interpreter turns a
+# one-element array into a Python int (runtime/interpreter.py, `__index__`), which 2.4 refuses.
 #
-#   scripts/test-torch-floor.sh install   # the venv: torch $floor and meshrun[dev,hf,float8]
+#   scripts/test-torch-floor.sh install   # the venv: torch $floor, meshrun[dev,hf,float8,liger]
 #   scripts/test-torch-floor.sh test      # the subset in it
 #   scripts/test-torch-floor.sh           # both
 #
@@ -30,7 +33,7 @@ if [ "$what" = install ] || [ "$what" = all ]; then
   test -x "$py" || python3 -m venv "$venv"
   uv=.venv/bin/uv  # make install puts it there
   [ -x "$uv" ] || { "$py" -m pip install --quiet uv; uv=$venv/bin/uv; }
-  "$uv" pip install --quiet --compile-bytecode --python "$py" "torch==$floor" -e '.[dev,hf,float8]'
+  "$uv" pip install --quiet --compile-bytecode --python "$py" "torch==$floor" "numpy<2.4" -e '.[dev,hf,float8,liger]'
 fi
 if [ "$what" = test ] || [ "$what" = all ]; then
   installed=$("$py" -c "import torch; print(torch.__version__)")
@@ -38,7 +41,7 @@ if [ "$what" = test ] || [ "$what" = all ]; then
     "$floor" | "$floor".* | "$floor"+*) echo "torch floor venv: torch $installed" ;;
     *) echo "$0: $venv has torch $installed, not the floor $floor" >&2; exit 1 ;;
   esac
-  "$py" -m pytest -p no:cacheprovider -q --durations=5 \
+  MESHRUN_REQUIRE_LIGER=1 "$py" -m pytest -p no:cacheprovider -q --durations=5 \
     "tests/test_layouts.py::test_layout_losses_and_grad_norms_match_single_device[dp2_tp2_pp2]" \
     "tests/test_layouts.py::test_layout_losses_and_grad_norms_match_single_device[fsdp2_cp2]" \
     "tests/test_layouts.py::test_layout_losses_and_grad_norms_match_single_device[pp2_interleaved_zero_bubble]" \
@@ -46,5 +49,6 @@ if [ "$what" = test ] || [ "$what" = all ]; then
     "tests/test_layouts.py::test_a_tied_embedding_trains_across_pipeline_stages_as_on_one_device[fsdp2_pp2_interleaved]" \
     "tests/test_checkpoint.py::test_resumed_run_continues_bit_for_bit[fsdp]" \
     tests/test_end_to_end.py::test_ddp_reports_speedup_against_measured_baseline \
-    "tests/test_float8.py::test_float8_layout_matches_float8_on_one_device[fsdp2_tp2_sequence_parallel]"
+    "tests/test_float8.py::test_float8_layout_matches_float8_on_one_device[fsdp2_tp2_sequence_parallel]" \
+    tests/test_loss_kernel.py::test_liger_kernel_gives_torchs_loss_and_gradients_under_tritons_interpreter
 fi

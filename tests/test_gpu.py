@@ -1,10 +1,12 @@
 """GPU paths: CUDA device selection, CUDA allocator memory stats, nccl, hardware detection,
-MFU, CP's block attention and MoE's grouped GEMM. Skipped where no CUDA device is visible."""
+MFU, CP's block attention, MoE's grouped GEMM and Liger's fused cross-entropy. Skipped where
+no CUDA device is visible."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 
 import pytest
 import torch
@@ -25,6 +27,8 @@ from meshrun.models.attention import attention_site, causal_sdpa, sdpa_kv
 from meshrun.models.expert_compute import NATIVE_MAJORS, expert_compute, use_grouped_mm
 from meshrun.models.hf_experts import gate_and_up_by_rank
 from meshrun.rank.parallel.block_attention import attend, attend_grads
+from meshrun.rank.parallel.loss import IGNORE_INDEX, apply_chunked_loss, micro_batch_loss
+from tests.test_loss_kernel import _Head
 
 pytestmark = [
     pytest.mark.gpu,
@@ -261,3 +265,65 @@ def test_the_grouped_gemm_takes_transformers_fused_gate_up_through_its_trade():
             assert (got - want).norm() <= 2e-2 * want.norm()
     finally:
         dist.destroy_process_group()
+
+
+NEEDS_LIGER = pytest.mark.skipif(
+    importlib.util.find_spec("liger_kernel") is None,
+    reason="needs liger-kernel (meshrun[liger]; scripts/gpu_wheels.py carries it)",
+)
+
+
+def _chunked_on_cuda(kernel: str, vocab: int, hidden: int, tokens: int, dtype: torch.dtype):
+    """(the loss and the gradients (the input's, the head's), the peak bytes they took) of a
+    chunked loss by `kernel`, over a head with a bias and a padded vocabulary, a seventh of
+    the targets ignored, backward from twice the loss (Liger scales what it kept)."""
+    torch.manual_seed(0)
+    part = _Head(hidden, vocab).to("cuda", dtype)
+    apply_chunked_loss(part, kernel)
+    leaf = torch.randn(1, tokens, hidden, device="cuda", dtype=dtype, requires_grad=True)
+    targets = torch.randint(vocab, (1, tokens), device="cuda")
+    targets[:, ::7] = IGNORE_INDEX
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    loss = micro_batch_loss(part, leaf, targets, "chunked")
+    (2.0 * loss).backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    return [loss, leaf.grad, *(p.grad for p in part.parameters())], peak
+
+
+@NEEDS_LIGER
+def test_liger_computes_torchs_chunked_loss_and_gradients_on_cuda():
+    """train.loss_kernel=liger on CUDA: Liger's fused linear cross-entropy gives torch's
+    chunked loss and gradients, in fp32 to 1e-4 of their norms; with bf16 parameters (as
+    FSDP2 casts them) as far from the fp32 result as torch's chunks in bf16 are, within
+    twice (each sums its chunks' bf16 gradients in its own order: 8 chunks of Liger's, one
+    of torch's), or 1e-3."""
+    shape = (8192, 1024, 2048)  # vocabulary, hidden, tokens
+    names = ("loss", "input", "weight", "bias")
+
+    def gaps(kernel: str, dtype: torch.dtype) -> dict[str, float]:
+        got, _ = _chunked_on_cuda(kernel, *shape, dtype)
+        pairs = zip(names, truth, got, strict=True)
+        return {
+            name: ((value.float() - want).norm() / want.norm()).item()
+            for name, want, value in pairs
+        }
+
+    truth, _ = _chunked_on_cuda("torch", *shape, torch.float32)
+    fp32 = gaps("liger", torch.float32)
+    assert max(fp32.values()) <= 1e-4, fp32
+    liger, torchs = gaps("liger", torch.bfloat16), gaps("torch", torch.bfloat16)
+    assert all(liger[n] <= max(2 * torchs[n], 1e-3) for n in names), (liger, torchs)
+
+
+@NEEDS_LIGER
+def test_liger_chunked_loss_peaks_under_half_of_torchs_chunks_on_cuda():
+    """65,536 logits a token over a hidden width of 256, fp32: Liger's chunk is 16 tokens of
+    them (models/loss.liger_chunk_tokens), its gradient written in place; torch's 256
+    tokens in three copies."""
+    shape = (65536, 256, 4096)
+    _, torch_peak = _chunked_on_cuda("torch", *shape, torch.float32)
+    _, liger_peak = _chunked_on_cuda("liger", *shape, torch.float32)
+    assert liger_peak < 0.5 * torch_peak, f"Liger's peak {liger_peak:,} B, torch's {torch_peak:,}"

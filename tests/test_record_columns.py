@@ -4,7 +4,8 @@ are those a run recorded by meshrun before the grouping (main at b6bbd68: the fi
 tests/fixtures/main_b6bbd68 are its run's results.json and its store's columns), and one
 more each since, None in a file written before it: `settings`, the experiment as the user
 wrote it (issue 57: the record keeps the settings beside what was resolved), and `loss`,
-`loss_auto`, train.loss as it ran (issue 63; `loss` a store column and a summary key)."""
+`loss_auto`, train.loss as it ran (issue 63; `loss` a store column and a summary key), and
+`loss_kernel`, `loss_kernel_auto`, what computed a chunked loss."""
 
 from __future__ import annotations
 
@@ -21,7 +22,13 @@ def before(name: str) -> dict:
     return json.loads((BEFORE / name).read_text())
 
 
-ADDED = {"settings": None, "loss": None, "loss_auto": None}  # fields since b6bbd68
+ADDED = {  # fields since b6bbd68
+    "settings": None,
+    "loss": None,
+    "loss_auto": None,
+    "loss_kernel": None,
+    "loss_kernel_auto": None,
+}
 ADDED_COLUMNS = {"loss": "TEXT"}
 
 

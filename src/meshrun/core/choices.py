@@ -39,6 +39,8 @@ VerifyReference = _choice("VerifyReference", "same", "high_precision", "full_los
 TP_STYLES = ("colwise", "rowwise", "embedding", "head", "sequence_parallel", "gather_input")
 # train.loss: how the loss meets the vocabulary (models/loss.py decides auto, per layout).
 LossMethod = _choice("LossMethod", "auto", "chunked", "vocab_parallel", "full")
+# train.loss_kernel: what computes a chunked loss (Liger's fused kernel on CUDA, or torch).
+LossKernel = _choice("LossKernel", "auto", "liger", "torch")
 Schedule = _choice("Schedule", "gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb")
 Checkpointing = _choice("Checkpointing", "none", "full", "selective", "op")
 # Selective activation checkpointing (torch's SAC): some ops' outputs kept, the rest recomputed

@@ -29,6 +29,7 @@ from meshrun.core.choices import (
     Float8Recipe,
     LoadBalance,
     LoggerMode,
+    LossKernel,
     LossMethod,
     LrDecay,
     Offload,
@@ -561,7 +562,9 @@ class TrainConfig:
     of tokens, each chunk's gradients taken as it goes (one chunk's logits exist at a time);
     `vocab_parallel` (under TP), the cross-entropy on the logits left sharded over the
     vocabulary (torch's loss_parallel); `auto`, the one of these the layout takes
-    (models/loss.py), said in the summary."""
+    (models/loss.py), said in the summary. `loss_kernel`: what computes a chunked loss:
+    `liger` (Liger's fused linear cross-entropy, Triton on CUDA: meshrun[liger]), `torch`
+    (rank/parallel/loss.py's chunks), `auto` Liger's where it can run."""
 
     steps: int = 20
     untimed_steps: int = 2
@@ -584,6 +587,7 @@ class TrainConfig:
     float8: Float8Config = field(default_factory=Float8Config)
     optimizer_states: OptimizerStates = OptimizerStates["fp32"]
     loss: LossMethod = LossMethod["auto"]
+    loss_kernel: LossKernel = LossKernel["auto"]
 
     @property
     def tokens_per_step(self) -> int:
@@ -768,6 +772,7 @@ class Resolved:
     (validate/model.read_pretrained);
     `batch_derived`: train.global_batch_size was null and derived from the layout;
     `precision_auto`: why train.precision=auto became what it is (e.g. `sm90`, `CPU`);
+    `loss_kernel_auto`: why train.loss_kernel=auto became what it is;
     `checkpoint_interval_s`: checkpoint.every_steps=auto's interval, seconds between two saves
     (the plan's Young/Daly interval, driver/run_plan.py), and `checkpoint_interval_why` what it
     came from, which the ranks turn into steps at their measured step time; `prediction`:
@@ -779,6 +784,7 @@ class Resolved:
     model_read_from: str | None = None
     batch_derived: bool = False
     precision_auto: str | None = None
+    loss_kernel_auto: str | None = None
     checkpoint_interval_s: float | None = None
     checkpoint_interval_why: str | None = None
     prediction: RunPrediction | None = None

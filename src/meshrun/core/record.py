@@ -87,6 +87,9 @@ class RunRecord:
     # train.loss as it ran (chunked, vocab_parallel, full) and, where auto chose, why
     loss: str | None = _f(column=True, summary=True)
     loss_auto: str | None = _f()
+    # what computed a chunked loss (liger, torch) and, where train.loss_kernel=auto chose, why
+    loss_kernel: str | None = _f()
+    loss_kernel_auto: str | None = _f()
     seq_len: int | None = _f(column=True)
     global_batch_size: int | None = _f(column=True, summary=True, report=(8, "batch / micro"))
     # train.global_batch_size null: how the layout made it (micro x dp x micro-batches)

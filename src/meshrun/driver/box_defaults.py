@@ -1,18 +1,20 @@
 """The settings an experiment leaves to the box it runs on, resolved once (where its -1
 degree is filled, or before parallel=auto's search): the global batch (null: derived from
 the data-parallel size, so the default experiment runs on any number of ranks) and the
-precision (auto: bf16 on GPUs that have it). The resolved config carries why
-(`Resolved.batch_derived`, `Resolved.precision_auto`) for the summary to say."""
+precision (auto: bf16 on GPUs that have it), and what computes a chunked loss (auto:
+Liger's kernel where it runs). The resolved config carries why (`Resolved.batch_derived`,
+`Resolved.precision_auto`, `Resolved.loss_kernel_auto`) for the summary to say."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from meshrun.core.batch import derived_global_batch
-from meshrun.core.choices import Precision
+from meshrun.core.choices import LossKernel, Precision
 from meshrun.core.config import ExperimentConfig, HardwareConfig, with_resolved
 from meshrun.core.hardware import HostFacts
 from meshrun.core.precision import auto_precision
+from meshrun.models.loss import liger_installed, loss_kernel
 
 
 def with_batch(cfg: ExperimentConfig, dp: int) -> ExperimentConfig:
@@ -37,3 +39,13 @@ def with_precision(
     precision, why = auto_precision(hardware, capabilities)
     train = dataclasses.replace(cfg.train, precision=Precision[precision])
     return with_resolved(dataclasses.replace(cfg, train=train), precision_auto=why)
+
+
+def with_loss_kernel(cfg: ExperimentConfig, hardware: HardwareConfig) -> ExperimentConfig:
+    """train.loss_kernel=auto decided for `hardware` (resolved), with what this Python has
+    installed (the ranks run in the same environment)."""
+    if cfg.train.loss_kernel != "auto":
+        return cfg
+    kernel, why = loss_kernel(dataclasses.replace(cfg, hardware=hardware), liger_installed())
+    train = dataclasses.replace(cfg.train, loss_kernel=LossKernel[kernel])
+    return with_resolved(dataclasses.replace(cfg, train=train), loss_kernel_auto=why)

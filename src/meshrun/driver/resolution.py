@@ -21,7 +21,7 @@ from meshrun.core.config import (
 )
 from meshrun.core.hardware import HostFacts, backend_name, rank_threads, resolve_hardware
 from meshrun.core.layout import MESH_DIMS, Layout, dataparallel_devices
-from meshrun.driver.box_defaults import with_batch, with_precision
+from meshrun.driver.box_defaults import with_batch, with_loss_kernel, with_precision
 from meshrun.driver.launch.registry import launcher_checked
 from meshrun.plan.candidate import Legal
 from meshrun.validate import check_backend, check_experiment, check_layout, check_run
@@ -45,6 +45,7 @@ def resolved_layout(cfg: ExperimentConfig, facts: HostFacts) -> ExperimentConfig
         cfg, backend=backend, hardware=hardware, parallel=parallel, launcher=launcher
     )
     resolved = with_precision(with_batch(resolved, Layout.of(parallel).dp_size), hardware, facts)
+    resolved = with_loss_kernel(resolved, hardware)
     check_layout(resolved, facts)
     return resolved
 

@@ -21,7 +21,7 @@ from meshrun.core.hardware import (
     unknown_device_note,
 )
 from meshrun.driver.baseline import baseline_plan
-from meshrun.driver.box_defaults import with_batch, with_precision
+from meshrun.driver.box_defaults import with_batch, with_loss_kernel, with_precision
 from meshrun.driver.launch.registry import launcher_for
 from meshrun.driver.prepare_data import prepare_data
 from meshrun.driver.resolution import legal_on, resolved_layout, resolved_run
@@ -101,7 +101,7 @@ def _fitting(cfg: ExperimentConfig, facts: HostFacts) -> tuple[ExperimentConfig,
     hardware = resolve_hardware(cfg.hardware, facts)
     per_node = cfg.launcher.nproc_per_node or len(facts.cuda_devices) or CPU_DEFAULT_RANKS
     world = per_node * cfg.launcher.nnodes
-    cfg = with_precision(with_batch(cfg, world), hardware, facts)
+    cfg = with_loss_kernel(with_precision(with_batch(cfg, world), hardware, facts), hardware)
     return cfg, fitting_layouts(dataclasses.replace(cfg, hardware=hardware), world, legal_on(facts))
 
 

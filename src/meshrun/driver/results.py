@@ -341,6 +341,8 @@ def config_fields(cfg: ExperimentConfig, meta: RunMeta) -> dict[str, Any]:
         "matmul_precision": matmul_precision(cfg),
         "loss": method,
         "loss_auto": why,
+        "loss_kernel": str(t.loss_kernel) if method == "chunked" else None,
+        "loss_kernel_auto": resolved_of(cfg).loss_kernel_auto if method == "chunked" else None,
         "seq_len": t.seq_len,
         "global_batch_size": t.global_batch_size,
         "batch_derived": batch_derivation(cfg) if resolved_of(cfg).batch_derived else None,

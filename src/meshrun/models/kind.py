@@ -109,6 +109,11 @@ class ModelKind(Protocol):
         the loss inside (rank/parallel/loss.py)."""
         return True
 
+    def head_is_linear(self, cfg: ModelConfig) -> bool:
+        """Whether the built model's head is a plain nn.Linear, whose weight (and bias)
+        Liger's fused linear cross-entropy takes in its place (train.loss_kernel)."""
+        return False
+
     def tp_shards_head(self, cfg: ModelConfig) -> bool:
         """Whether the model's TP plan shards its head over the vocabulary (a `head` entry),
         which train.loss=vocab_parallel computes the loss on."""

@@ -68,10 +68,16 @@ class LlamaKind(ModelKind):
     def decoder(self, cfg: LlamaModelConfig) -> LlamaModelConfig:
         return cfg
 
+    def head_is_linear(self, cfg: LlamaModelConfig) -> bool:
+        return True  # models/llama.py's `output`, or models/vocab.py's padded one
+
 
 class HFKind(ModelKind):
     name = "hf"
     schema = HFModelConfig
+
+    def head_is_linear(self, cfg: HFModelConfig) -> bool:
+        return True  # every family's lm_head (models/hf.py), or models/vocab.py's padded one
 
     def build(
         self, cfg: HFModelConfig, max_seq_len: int, device: torch.device | str, vocab_multiple: int

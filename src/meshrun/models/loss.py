@@ -6,9 +6,15 @@ meshrun's TP plan the cross-entropy on vocabulary-sharded logits (`vocab_paralle
 head and the loss over chunks of tokens (`chunked`). It falls back to `full` where neither
 applies: DataParallel (its replicas' outputs are gathered on one device, the loss there), a
 user's TP plan that does not shard the head with a `head` entry, and a model whose head
-meshrun cannot find (model=custom without model.head)."""
+meshrun cannot find (model=custom without model.head).
+
+A chunked loss runs on Liger's fused linear cross-entropy (train.loss_kernel) where it can:
+on CUDA, with liger-kernel installed, over a head that is a plain linear layer."""
 
 from __future__ import annotations
+
+import importlib.util
+import math
 
 import torch
 
@@ -65,6 +71,42 @@ def vocab_parallel_refused(cfg: ExperimentConfig) -> str | None:
     if not model_kind(cfg.model).tp_shards_head(cfg.model):
         return "the model's TP plan leaves its head whole (no `head` entry for model.head)"
     return None
+
+
+def liger_refused(cfg: ExperimentConfig, installed: bool) -> str | None:
+    """Why Liger's kernel cannot compute `cfg`'s chunked loss; None where it can.
+    `installed`: whether liger-kernel imports here."""
+    device = cfg.hardware.device_type
+    if device != "cuda":
+        return f"Liger's kernel is Triton for CUDA, and hardware={cfg.hardware.name} is {device}"
+    if not model_kind(cfg.model).head_is_linear(cfg.model):
+        return f"model.kind={cfg.model.kind}'s head is not known to be a plain linear layer"
+    if not installed:
+        return "liger-kernel is not installed (pip install 'meshrun[liger]')"
+    return None
+
+
+def liger_installed() -> bool:
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def loss_kernel(cfg: ExperimentConfig, installed: bool) -> tuple[str, str | None]:
+    """(what computes a chunked loss in `cfg`, why auto chose it; None where
+    train.loss_kernel said it)."""
+    if cfg.train.loss_kernel != "auto":
+        return str(cfg.train.loss_kernel), None
+    refused = liger_refused(cfg, installed)
+    if refused is None:
+        return "liger", "CUDA, a linear head, liger-kernel installed"
+    return "torch", refused
+
+
+def liger_chunk_tokens(tokens: int, vocab: int, hidden: int) -> int:
+    """The tokens of one chunk of Liger's fused linear cross-entropy over `tokens` of width
+    `hidden` into a `vocab`-wide head: its chunk's logits about tokens x hidden, a power of
+    two of tokens (liger_kernel/ops/fused_linear_cross_entropy.py, 0.8.5: chunk_size)."""
+    chunks = math.ceil(vocab / hidden)
+    return min(1 << (math.ceil(tokens / chunks) - 1).bit_length(), tokens)
 
 
 # A chunk of train.loss=chunked holds this many logits (64 MiB in fp32): the chunk's share

@@ -44,7 +44,10 @@ The loss (train.loss, models/loss.py), in fp32 floats, T a micro-batch's tokens:
                  one chunk's logits transient, c = chunk_tokens(V) of them (or T, if
                  fewer): 3cV, with one more V x h gradient but on a pipeline's last stage
                  (measured: 312.7 MiB of activations predicted and measured at T = 4,096,
-                 V = 65,536, one rank; pp2 GPipe's last stage within 0.2%)
+                 V = 65,536, one rank; pp2 GPipe's last stage within 0.2%); on Liger's
+                 kernel (train.loss_kernel=liger) the same but its chunk: liger_chunk_tokens
+                 of them, cV at the matmuls' width (its gradient written in place), not
+                 yet measured on a GPU (scripts/gpu_checks.py's levers check)
 
 A pipeline rank holds several micro-batches at once: GPipe all m, 1F1B min(m, p - stage),
 interleaved 1F1B its warmup chunks + 1 (each a 1/v share of the rank's layers). FSDP
@@ -120,7 +123,13 @@ from meshrun.core.attention_kernels import AttentionSite, block_kernel, expands_
 from meshrun.core.choices import HALF_PRECISIONS, SAC_POLICIES
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.layout import Layout
-from meshrun.models.loss import chunk_tokens, loss_method
+from meshrun.models.loss import (
+    chunk_tokens,
+    liger_chunk_tokens,
+    liger_installed,
+    loss_kernel,
+    loss_method,
+)
 from meshrun.plan.float8 import memory_change
 from meshrun.plan.shapes import (
     Dims,
@@ -333,11 +342,16 @@ def loss_memory(
     if method == "chunked":
         param_width = width if layout.uses_fsdp else FP32  # FSDP2 gathers at the run's width
         gradients = d.vocab * d.h * param_width
-        chunk = min(chunk_tokens(d.vocab), tokens)
         kept = d.h * width + gradients / tokens
         # measured: one device, DDP and FSDP peak with one more V x h gradient beside the
         # chunk's logits; a pipeline's last stage (GPipe and 1F1B, pp2) without it
         beside = gradients if layout.pp == 1 else 0.0
+        if (
+            loss_kernel(cfg, liger_installed())[0] == "liger"
+        ):  # its chunk's logits at the input's width,
+            chunk = liger_chunk_tokens(tokens, d.vocab, d.h)  # their gradient in place
+            return LossMemory(kept, chunk * d.vocab * width + beside, 0.0)
+        chunk = min(chunk_tokens(d.vocab), tokens)
         return LossMemory(kept, chunk * 3 * d.vocab * FP32 + beside, 0.0)
     vocab = d.vocab / layout.tp if method == "vocab_parallel" else d.vocab
     kept = vocab * FP32 * (2 if layout.pp > 1 else 1)

@@ -318,10 +318,12 @@ def run(dict_cfg: DictConfig) -> int:
     }
     world, f8 = cfg.launcher.nproc_per_node, cfg.train.float8
     float8 = f", float8 {f8.recipe}" if f8.enabled else ""
+    kernel = cfg.train.loss_kernel if method == "chunked" else None
+    on = " on Liger's kernel" if kernel == "liger" else ""
     against = {"high_precision": " without float8", "full_loss": " with the full loss"}
     console.print(
         f"meshrun-verify: {cfg.model.name} on {layout_name(cfg)} ({world} rank(s)){float8}, "
-        f"{method} loss, against one device{against.get(reference, '')}, "
+        f"{method} loss{on}, against one device{against.get(reference, '')}, "
         f"{cfg.train.steps} steps of global batch {cfg.train.global_batch_size}",
         soft_wrap=True,
     )
@@ -342,6 +344,7 @@ def run(dict_cfg: DictConfig) -> int:
         "float8": str(cfg.train.float8.recipe) if cfg.train.float8.enabled else None,
         "reference": reference,
         "loss": method,
+        "loss_kernel": str(kernel) if kernel else None,
         **{f"{role}_dir": run_cfg.run_dir for role, run_cfg in runs.items()},
     }
     (Path(cfg.run_dir) / REPORT_FILE).write_text(json.dumps(report, indent=2))

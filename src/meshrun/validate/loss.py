@@ -1,10 +1,17 @@
-"""train.loss names a loss the layout can run (models/loss.py says which and why not)."""
+"""train.loss names a loss the layout can run, and train.loss_kernel a kernel that can
+compute it (models/loss.py says which and why not)."""
 
 from __future__ import annotations
 
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.errors import fail
-from meshrun.models.loss import chunked_refused, vocab_parallel_refused
+from meshrun.models.loss import (
+    chunked_refused,
+    liger_installed,
+    liger_refused,
+    loss_method,
+    vocab_parallel_refused,
+)
 
 REFUSALS = {"chunked": chunked_refused, "vocab_parallel": vocab_parallel_refused}
 
@@ -19,3 +26,13 @@ def check_loss(cfg: ExperimentConfig) -> None:
             why,
             "auto (it picks what the layout can run) or full",
         )
+    if cfg.train.loss_kernel != "liger":
+        return
+    method = loss_method(cfg)[0]
+    why = (
+        f"Liger's kernel computes a chunked loss, and this layout's is {method}"
+        if method != "chunked"
+        else liger_refused(cfg, liger_installed())
+    )
+    if why is not None:
+        fail("train.loss_kernel", "liger", why, "auto (Liger's where it runs) or torch")

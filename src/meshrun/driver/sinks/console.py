@@ -160,7 +160,7 @@ def print_summary(r: RunRecord) -> None:
         ("hardware", r.hardware),
         *_one_device(r),
         ("precision", _precision(r)),
-        ("loss", f"{r.loss} (auto: {r.loss_auto})" if r.loss_auto else str(r.loss)),
+        ("loss", _loss(r)),
         ("batch", _batch(r)),
         ("tokens/s", _fmt(r.speed.tokens_per_s)),
         ("step time (median, p10-p90, cv)", _step_times(r)),
@@ -423,6 +423,18 @@ def _evaluation(r: RunRecord) -> list[tuple[str, str]]:
 
 def _fmt_bytes(value: int | None) -> str:
     return "n/a" if value is None else f"{value / 2**20:,.1f} MiB"
+
+
+def _loss(r: RunRecord) -> str:
+    """train.loss as it ran, a chunked one's kernel, and why auto chose them."""
+    said = f"{r.loss} (auto: {r.loss_auto})" if r.loss_auto else str(r.loss)
+    if r.loss_kernel is None:
+        return said
+    if r.loss_kernel == "liger":
+        return f"{said}, on Liger's fused kernel"
+    # why not Liger's: said where it could have run (CUDA), not on every CPU run
+    why = f" (auto: {r.loss_kernel_auto})" if r.loss_kernel_auto and r.device_type == "cuda" else ""
+    return f"{said}, on torch's chunks{why}"
 
 
 def _loss_span(losses: list[float]) -> str:

@@ -50,12 +50,14 @@ def parallelize(
     seq_len: int = 0,
     float8: Float8Config | None = None,
     loss: str = "full",
+    loss_kernel: str = "torch",
 ) -> ParallelModel:
     """`model` is the full model on the meta device (meshrun.models); returns this rank's
     materialised share, its weights seeded or read from `pretrained` (a local HF directory).
     `n_microbatches`: a pipeline's per step (core.batch.n_microbatches); `compile`: each
     block through torch.compile (train.compile); `seq_len`: the sequence CP splits;
-    `float8`: train.float8; `loss`: the loss it trains with (models/loss.loss_method)."""
+    `float8`: train.float8; `loss`: the loss it trains with (models/loss.loss_method), a
+    chunked one computed by `loss_kernel` (models/loss.loss_kernel)."""
     pp_rank = mesh.get_local_rank("pp") if layout.pp > 1 else 0
     stage_ids, n_stages = pipeline_stages(pp_rank, layout, cfg)
     wrapped, read = [], 0
@@ -71,7 +73,9 @@ def parallelize(
                 cp_mesh.get_local_rank(),
                 layout.cp,
             )
-        part = sharded_part(cut, mesh, layout, cfg, param_dtype, compile, expert_mesh, float8, loss)
+        part = sharded_part(
+            cut, mesh, layout, cfg, param_dtype, compile, expert_mesh, float8, loss, loss_kernel
+        )
         if cfg.activation_offload == "cpu":
             apply_activation_offload(part, device)
         read += materialise(part, device, seed, pretrained, _offloaded(mesh, layout, cfg))
@@ -127,6 +131,7 @@ def sharded_part(
     expert_mesh: DeviceMesh | None = None,
     float8: Float8Config | None = None,
     loss: str = "full",
+    loss_kernel: str = "torch",
 ) -> nn.Module:
     """On meta: float8 linears (`float8`: train.float8), the head computing the loss
     (`loss` chunked), tensor-parallel (the head's logits left sharded: `loss`
@@ -138,7 +143,7 @@ def sharded_part(
 
         convert(part, float8, _sharded(mesh, layout, cfg))
     if loss == "chunked":
-        apply_chunked_loss(part)
+        apply_chunked_loss(part, loss_kernel)
     if layout.tp > 1:
         vocab = {"vocab_parallel": True} if loss == "vocab_parallel" else {}  # meshrun's plans
         resolve_tp_plan(cfg.tp_plan)(part, mesh["tp"], cfg.sequence_parallel, **vocab)

@@ -5,10 +5,11 @@
 tensor.py) and torch's `loss_parallel` computes the cross-entropy on the shards, forward and
 backward inside its context (`loss_context`). `chunked`: the loss runs inside the head
 module's own forward, over chunks of tokens, each chunk's gradients taken in forward
-(ChunkedCrossEntropy), so one chunk's logits exist at a time. On CUDA, Liger's fused kernel
-does the same in Triton: not used yet (it needs a GPU session to prove). Inside the head's
-forward, because that is where every wrapper expects the head's weights used: FSDP2's
-unshard and its backward hooks, DDP's, a pipeline stage's; the model then returns the
+(ChunkedCrossEntropy), so one chunk's logits exist at a time; on CUDA, where
+train.loss_kernel resolves to `liger`, Liger's fused linear cross-entropy does the same in
+Triton over the head's weight (`liger_cross_entropy`). Inside the head's forward, because
+that is where every wrapper expects the head's weights used: FSDP2's unshard and its
+backward hooks, DDP's, a pipeline stage's; the model then returns the
 micro-batch's mean loss (0-d) in place of its logits. The targets reach the head as the
 `targets` keyword of the model part's call, which a pre-hook takes off before the part's
 own forward (a pipeline schedule passes keywords to every stage, split per micro-batch)."""
@@ -64,10 +65,15 @@ class ChunkedLoss:
 
     loss_targets: torch.Tensor | None = None
     loss_vocab: int = 0
+    loss_kernel: str = "torch"
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.loss_targets is None:
             return super().forward(hidden)
+        # Liger takes the head's gradients only with the input's (its forward: grad_weight
+        # None unless input_requires_grad): a frozen trunk's loss runs on torch's chunks
+        if self.loss_kernel == "liger" and (hidden.requires_grad or not torch.is_grad_enabled()):
+            return liger_cross_entropy(self, hidden, self.loss_targets, self.loss_vocab)
         params = [p for p in self.parameters() if p.requires_grad]
         return chunked_cross_entropy(
             super().forward, params, hidden, self.loss_targets, self.loss_vocab
@@ -83,6 +89,28 @@ def chunked_cross_entropy(
         return ChunkedCrossEntropy.apply(head, vocab, hidden, targets, *params)
     total, count, _ = _over_chunks(head, vocab, hidden, targets, [], grads=False)
     return total / count
+
+
+def liger_cross_entropy(
+    head: nn.Linear, hidden: torch.Tensor, targets: torch.Tensor, vocab: int
+) -> torch.Tensor:
+    """The mean cross-entropy by Liger's fused linear cross-entropy (Triton, CUDA): the
+    head's weight and bias taken in place of its forward, a padded vocabulary's extra rows
+    cut (as unpad_logits cuts the logits). Liger, like ChunkedCrossEntropy, takes each
+    chunk's gradients in forward, its chunk's logits about tokens x hidden of the input's
+    dtype (models/loss.liger_chunk_tokens)."""
+    from liger_kernel.transformers.functional import (  # noqa: PLC0415 (meshrun[liger])
+        liger_fused_linear_cross_entropy,
+    )
+
+    bias = None if head.bias is None else head.bias[:vocab]
+    return liger_fused_linear_cross_entropy(
+        hidden.flatten(0, -2),
+        head.weight[:vocab],
+        targets.flatten(),
+        bias,
+        ignore_index=IGNORE_INDEX,
+    )
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
@@ -139,13 +167,20 @@ def _chunked_class(cls: type[nn.Module]) -> type[nn.Module]:
     return type(f"Chunked{cls.__name__}", (ChunkedLoss, cls), {})
 
 
-def apply_chunked_loss(part: nn.Module) -> None:
+def apply_chunked_loss(part: nn.Module, kernel: str = "torch") -> None:
     """`part` (a model or a pipeline stage's cut of it) takes `targets=`; where it holds the
-    head, the head computes the loss with them."""
+    head, the head computes the loss with them, by `kernel` (train.loss_kernel: liger or
+    torch)."""
     head = part.output
     if head is not None:
+        if kernel == "liger" and type(head) is not nn.Linear:
+            raise TypeError(
+                f"train.loss_kernel=liger takes a plain nn.Linear head, and this model's is "
+                f"a {type(head).__name__}: set train.loss_kernel=torch"
+            )
         head.__class__ = _chunked_class(type(head))
         head.loss_vocab = part.vocab_size
+        head.loss_kernel = kernel
     part.register_forward_pre_hook(functools.partial(_take_targets, head), with_kwargs=True)
     if head is not None:
         part.register_forward_hook(functools.partial(_drop_targets, head), always_call=True)
