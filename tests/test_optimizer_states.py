@@ -183,3 +183,15 @@ def test_8bit_states_verify_under_tp_with_sequence_parallelism(tmp_path, on_pool
     overrides = ("parallel=tp2", "parallel.sequence_parallel=true", "train.optimizer_states=8bit")
     assert verify_run(tmp_path, *overrides) == 0
     assert "PASS" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_8bit_states_verify_under_tp_on_the_default_model(tmp_path, on_pool, capsys):
+    """model=small's 384-wide rows split by tp2 (192 a rank) put torchao's blocks of 256
+    around other values than one device's: 3.6e-4 from its grad norm in 10 steps, within
+    the noise run's regrouped states (verify.noise_config: blocks of 128, 4.9e-4)."""
+    pytest.importorskip("torchao")
+    overrides = ("model=small", "parallel=tp2", "train.optimizer_states=8bit")
+    assert verify_run(tmp_path, *overrides) == 0
+    out = capsys.readouterr().out
+    assert "its 8-bit states in blocks of half the size" in out and "PASS" in out

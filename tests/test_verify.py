@@ -13,11 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from meshrun.core.layout import Layout
 from meshrun.core.run_files.metrics import StepRow
+from meshrun.rank.train.build import build_training
 from meshrun.tools import verify
 from tests.cli import compose_command, run_meshrun
-from tests.helpers import compose_config
+from tests.helpers import compose_config, resolved_config
 
 TOLERANCE = 1e-4
 STEPS = 5
@@ -136,8 +139,30 @@ def test_the_noise_run_sums_the_references_micro_batches_last_to_first():
     noise = verify.noise_config(reference)
     assert noise.debug.reverse_micro_batches and noise.train == reference.train
     assert (noise.run_dir, noise.name) == ("out/noise", "x-noise")
+    assert not noise.debug.regroup_states  # fp32 states: nothing to regroup
     one = dataclasses.replace(reference.train, micro_batch_size=8)
     assert verify.noise_config(dataclasses.replace(reference, train=one)) is None
+
+
+EIGHT_BIT = (
+    "model=tiny",
+    "parallel=single",
+    "train.optimizer_states=8bit",
+    "train.global_batch_size=2",
+)
+
+
+def test_the_noise_run_of_8bit_states_quantizes_them_in_other_blocks():
+    """A layout's shards group torchao's blocks their own way (a TP row split): the noise
+    run regroups the reference's, even at one micro-batch a step; its optimizer's blocks
+    are half of torchao's 256."""
+    pytest.importorskip("torchao")
+    reference = compose_config(*EIGHT_BIT)
+    noise = verify.noise_config(reference)
+    assert noise.debug.regroup_states and not noise.debug.reverse_micro_batches
+    resolved = dataclasses.replace(resolved_config(*EIGHT_BIT), debug=noise.debug)
+    training = build_training(resolved, Layout.of(resolved.parallel), torch.device("cpu"), None)
+    assert training.optimizer.block_size == 128
 
 
 def test_each_step_may_drift_twice_as_far_as_the_noise_did_up_to_it():

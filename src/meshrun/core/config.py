@@ -645,7 +645,9 @@ class DebugConfig:
     `grad_error` plants an error: the model's last parameter's gradient times 1 + grad_error
     after every backward, on every rank holding it (meshrun-verify must fail it: 0.01 is 1%);
     `reverse_micro_batches` sums a step's micro-batches last to first, the same math in
-    another order (meshrun-verify's measure of a run's own noise).
+    another order, and `regroup_states` quantizes 8-bit optimizer states in blocks of half
+    the size, the same values in other groups (meshrun-verify's measure of a run's own
+    noise: a layout sums in its own order, and its shards group 8-bit states their way).
     Looking inside: `profile_steps=[a,b]` traces steps a..b on every rank with torch.profiler
     (rank/profiling.py); `memory_snapshot` records CUDA's allocator history and writes it at
     the peak step and on an out-of-memory error."""
@@ -662,6 +664,7 @@ class DebugConfig:
     corrupt_mode: Any = "nan"  # nan | spike, or a list: Hydra reads `nan` as a float
     grad_error: float = 0.0
     reverse_micro_batches: bool = False
+    regroup_states: bool = False
 
 
 def corrupted_steps(debug: DebugConfig) -> dict[int, str]:

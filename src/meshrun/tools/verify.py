@@ -10,13 +10,14 @@ results store or W&B, since they are checks, not measurements.
 Where the layout deviates by more than its tolerance, the reference's own noise is measured
 before any verdict: the reference again with each step's micro-batches summed last to first
 (`noise_config`: the same math and float8 scales, its sums in another order, as a layout's
-are), and each step judged against NOISE_FACTOR times the largest deviation that run showed
-up to it, at least one rounding of the run's high precision (TOLERANCES). Two correct runs
-drift apart by what their roundings do to training, which grows with the steps and with
-what float8 rounds (model=small under tensorwise float8: one device's micro-batches of 1 and
-2 drift 2.3e-2 apart in grad norm over 10 steps, fsdp 1.3e-2 from one device), while a layout
-that loses or double-counts a contribution is off from the first step, before any drift (a
-planted 1% error in the last parameter's gradient, debug.grad_error).
+are; 8-bit optimizer states in other blocks, as a layout's shards group them), and each step
+judged against NOISE_FACTOR times the largest deviation that run showed up to it, at least
+one rounding of the run's high precision (TOLERANCES). Two correct runs drift apart by what
+their roundings do to training, which grows with the steps and with what float8 rounds
+(model=small under tensorwise float8: one device's micro-batches of 1 and 2 drift 2.3e-2
+apart in grad norm over 10 steps, fsdp 1.3e-2 from one device), while a layout that loses or
+double-counts a contribution is off from the first step, before any drift (a planted 1%
+error in the last parameter's gradient, debug.grad_error).
 """
 
 from __future__ import annotations
@@ -91,13 +92,20 @@ def reference_config(cfg: ExperimentConfig, reference: str = "same") -> Experime
 def noise_config(reference: ExperimentConfig) -> ExperimentConfig | None:
     """The reference with each step's micro-batches summed last to first: the same math, the
     same float8 scales (each micro-batch's own), its sums in another order, as a layout's
-    are; None where a step has one micro-batch."""
+    are; with 8-bit optimizer states, those quantized in other blocks, as a layout's shards
+    group them (a row split by TP cuts torchao's blocks of 256 elsewhere than one device's:
+    model=small's 384-wide rows under tp2 moved the grad norm 3.6e-4; blocks of 128 on one
+    device moved it 4.9e-4 over 10 steps). None where neither applies."""
     train = reference.train
-    if (train.global_batch_size or train.micro_batch_size) <= train.micro_batch_size:
+    several = (train.global_batch_size or train.micro_batch_size) > train.micro_batch_size
+    regroup = train.optimizer_states == "8bit"
+    if not (several or regroup):
         return None
     return dataclasses.replace(
         reference,
-        debug=dataclasses.replace(reference.debug, reverse_micro_batches=True),
+        debug=dataclasses.replace(
+            reference.debug, reverse_micro_batches=several, regroup_states=regroup
+        ),
         run_dir=f"{reference.run_dir.removesuffix('/reference')}/noise",
         name=f"{reference.name.removesuffix('-reference')}-noise",
     )
@@ -272,9 +280,13 @@ def _judged(
     noise = noise_config(reference)
     if report["passed"] or noise is None:
         return report
+    how = [
+        *(["its micro-batches summed last to first"] if noise.debug.reverse_micro_batches else []),
+        *(["its 8-bit states in blocks of half the size"] if noise.debug.regroup_states else []),
+    ]
     console.print(
         f"meshrun-verify: beyond the tolerance {tolerance:g}; measuring the reference's own "
-        "noise (its micro-batches summed last to first)",
+        f"noise ({', '.join(how)})",
         soft_wrap=True,
     )
     measured["noise"] = measure(noise, "noise", launch)

@@ -26,8 +26,11 @@ from meshrun.rank.train.optim_states import (
 BETAS = (0.9, 0.95)
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW with the moments train.optimizer_states keeps (optim_states.py)."""
+def build_optimizer(
+    model: nn.Module, cfg: TrainConfig, state_block: int = BLOCK
+) -> torch.optim.Optimizer:
+    """AdamW with the moments train.optimizer_states keeps (optim_states.py); 8-bit ones
+    quantized in blocks of `state_block` values (debug.regroup_states: half of torchao's)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
@@ -37,7 +40,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
     if cfg.optimizer_states == "bf16":
         return Bf16AdamW(groups, seed=cfg.seed, **adam)
     if cfg.optimizer_states == "8bit":
-        return adamw_8bit()(groups, block_size=BLOCK, **adam)
+        return adamw_8bit()(groups, block_size=state_block, **adam)
     return LocalAdamW(groups, **adam, **step_kernels(params))
 
 
