@@ -25,7 +25,9 @@ from meshrun.core.choices import LossKernel
 from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import HostFacts
 from meshrun.core.layout import Layout
+from meshrun.core.record import RunRecord
 from meshrun.driver.resolve import resolve
+from meshrun.driver.sinks.console import _loss as summary_loss
 from meshrun.models import build_model
 from meshrun.models.loss import chunk_tokens, liger_chunk_tokens, loss_kernel
 from meshrun.models.vocab import unpad_logits
@@ -199,3 +201,24 @@ def test_an_unknown_head_under_liger_is_refused_at_the_rank_not_run():
     part.output = nn.Sequential(nn.Linear(8, 10))
     with pytest.raises(TypeError, match=r"plain nn\.Linear head, and this model's is a Sequential"):
         apply_chunked_loss(part, "liger")
+
+
+@pytest.mark.parametrize(
+    ("kernel", "device", "said"),
+    [
+        ("liger", "cuda", "chunked on Liger's fused kernel (auto: chunks)"),
+        ("torch", "cuda", "chunked on torch's chunks, not Liger's: not installed (auto: chunks)"),
+        ("torch", "cpu", "chunked (auto: chunks)"),  # the only kernel there: nothing to say
+    ],
+)
+def test_the_summary_says_the_kernel_where_liger_could_have_run(kernel, device, said):
+    record = RunRecord.from_dict(
+        {
+            "loss": "chunked",
+            "loss_auto": "chunks",
+            "loss_kernel": kernel,
+            "loss_kernel_auto": "not installed" if kernel == "torch" else None,
+            "device_type": device,
+        }
+    )
+    assert summary_loss(record) == said

@@ -426,15 +426,16 @@ def _fmt_bytes(value: int | None) -> str:
 
 
 def _loss(r: RunRecord) -> str:
-    """train.loss as it ran, a chunked one's kernel, and why auto chose them."""
-    said = f"{r.loss} (auto: {r.loss_auto})" if r.loss_auto else str(r.loss)
-    if r.loss_kernel is None:
-        return said
+    """train.loss as it ran, a chunked one's kernel where it could have been Liger's (CUDA),
+    and why auto chose the loss."""
+    said = str(r.loss)
     if r.loss_kernel == "liger":
-        return f"{said}, on Liger's fused kernel"
-    # why not Liger's: said where it could have run (CUDA), not on every CPU run
-    why = f" (auto: {r.loss_kernel_auto})" if r.loss_kernel_auto and r.device_type == "cuda" else ""
-    return f"{said}, on torch's chunks{why}"
+        said += " on Liger's fused kernel"
+    elif r.loss_kernel == "torch" and r.device_type == "cuda":
+        said += " on torch's chunks" + (
+            f", not Liger's: {r.loss_kernel_auto}" if r.loss_kernel_auto else ""
+        )
+    return f"{said} (auto: {r.loss_auto})" if r.loss_auto else said
 
 
 def _loss_span(losses: list[float]) -> str:
