@@ -26,6 +26,7 @@ from meshrun.core.errors import ConfigError
 from meshrun.core.hardware import HostFacts
 from meshrun.core.layout import Layout
 from meshrun.core.record import RunRecord
+from meshrun.driver import box_defaults
 from meshrun.driver.resolve import resolve
 from meshrun.driver.sinks.console import _loss as summary_loss
 from meshrun.models import build_model
@@ -34,6 +35,8 @@ from meshrun.models.vocab import unpad_logits
 from meshrun.plan.memory import Dims, loss_memory
 from meshrun.rank.parallel import loss as parallel_loss
 from meshrun.rank.parallel.loss import IGNORE_INDEX, apply_chunked_loss, micro_batch_loss
+from meshrun.tools.verify import reference_config
+from meshrun.validate.loss import check_loss
 from tests.helpers import compose_config
 from tests.test_custom_model import NAMED
 
@@ -79,6 +82,22 @@ def test_liger_where_it_cannot_run_exits_2_naming_train_loss_kernel(overrides, f
     assert caught.value.key == "train.loss_kernel"
     assert fragment in str(caught.value)
     assert "Valid: auto" in str(caught.value)
+
+
+def test_autos_liger_leaves_a_layout_without_chunks_to_its_loss(monkeypatch):
+    """On CUDA with liger-kernel installed, auto resolves to liger before the layout's loss
+    is known (parallel=auto's search): a TP layout's vocab_parallel loss then runs as it is,
+    where an explicit liger is refused; verify's full-loss reference takes torch's."""
+    monkeypatch.setattr(box_defaults, "liger_installed", lambda: True)
+    cfg = compose_config("model=tiny", CUDA, "parallel=tp2")
+    resolved = box_defaults.with_loss_kernel(cfg, cfg.hardware)
+    assert resolved.train.loss_kernel == "liger"
+    check_loss(resolved)
+    full = reference_config(resolved, "full_loss")
+    assert (full.train.loss, full.train.loss_kernel) == ("full", "torch")
+    check_loss(full)
+    with pytest.raises(ConfigError, match="this layout's is vocab_parallel"):
+        check_loss(compose_config("model=tiny", CUDA, "parallel=tp2", "train.loss_kernel=liger"))
 
 
 def test_the_resolved_run_says_which_kernel_auto_chose():

@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.table import Table
 from rich.text import Text
 
-from meshrun.core.choices import LossMethod
+from meshrun.core.choices import LossKernel, LossMethod
 from meshrun.core.config import DebugConfig, ExperimentConfig, ParallelConfig, settings_of
 from meshrun.core.errors import ConfigError, fail, positive
 from meshrun.core.hardware import HostFacts, target_facts
@@ -76,8 +76,8 @@ def reference_config(cfg: ExperimentConfig, reference: str = "same") -> Experime
     if reference == "high_precision":
         float8 = dataclasses.replace(train.float8, enabled=False)
         train = dataclasses.replace(train, float8=float8)
-    if reference == "full_loss":
-        train = dataclasses.replace(train, loss=LossMethod["full"])
+    if reference == "full_loss":  # no chunks: no chunked loss's kernel
+        train = dataclasses.replace(train, loss=LossMethod["full"], loss_kernel=LossKernel["torch"])
     return dataclasses.replace(
         cfg,
         train=train,

@@ -1,9 +1,9 @@
-"""train.loss names a loss the layout can run, and train.loss_kernel a kernel that can
-compute it (models/loss.py says which and why not)."""
+"""train.loss names a loss the layout can run, and an explicit train.loss_kernel a kernel
+that can compute it (models/loss.py says which and why not)."""
 
 from __future__ import annotations
 
-from meshrun.core.config import ExperimentConfig
+from meshrun.core.config import ExperimentConfig, resolved_of
 from meshrun.core.errors import fail
 from meshrun.models.loss import (
     chunked_refused,
@@ -26,8 +26,8 @@ def check_loss(cfg: ExperimentConfig) -> None:
             why,
             "auto (it picks what the layout can run) or full",
         )
-    if cfg.train.loss_kernel != "liger":
-        return
+    if cfg.train.loss_kernel != "liger" or resolved_of(cfg).loss_kernel_auto is not None:
+        return  # auto's liger (resolved before parallel=auto's search) leaves other losses be
     method = loss_method(cfg)[0]
     why = (
         f"Liger's kernel computes a chunked loss, and this layout's is {method}"
