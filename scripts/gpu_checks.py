@@ -257,15 +257,6 @@ def one_gpu(all_gpus: int) -> list[Check]:
             budget_s=120,
         ),
         Check(
-            "verify: auto's chunked loss on Liger's kernel against the full loss, one GPU",
-            _meshrun(
-                "model=tiny parallel=single train.precision=fp32 verify.reference=full_loss",
-                command="verify",
-            ),
-            _verified_on_liger,
-            budget_s=90,
-        ),
-        Check(
             "meshrun-plan calibrate (matmul, attention, memory, host costs; NCCL with 2+)",
             _python(
                 "-m meshrun.tools.plan.main calibrate model=llama-1b hardware=auto "
@@ -386,6 +377,15 @@ def one_gpu(all_gpus: int) -> list[Check]:
             ran(),
             budget_s=120,
             alone=True,
+        ),
+        Check(
+            "verify: auto's chunked loss on Liger's kernel against the full loss, one GPU",
+            _meshrun(
+                "model=tiny parallel=single train.precision=fp32 verify.reference=full_loss",
+                command="verify",
+            ),
+            _verified_on_liger,
+            budget_s=90,
         ),
         Check(
             "gpu-marked tests",

@@ -14,7 +14,7 @@ from meshrun.core.choices import LossKernel, Precision
 from meshrun.core.config import ExperimentConfig, HardwareConfig, with_resolved
 from meshrun.core.hardware import HostFacts
 from meshrun.core.precision import auto_precision
-from meshrun.models.loss import liger_installed, loss_kernel
+from meshrun.models.loss import loss_kernel
 
 
 def with_batch(cfg: ExperimentConfig, dp: int) -> ExperimentConfig:
@@ -46,6 +46,6 @@ def with_loss_kernel(cfg: ExperimentConfig, hardware: HardwareConfig) -> Experim
     installed (the ranks run in the same environment)."""
     if cfg.train.loss_kernel != "auto":
         return cfg
-    kernel, why = loss_kernel(dataclasses.replace(cfg, hardware=hardware), liger_installed())
+    kernel, why = loss_kernel(dataclasses.replace(cfg, hardware=hardware))
     train = dataclasses.replace(cfg.train, loss_kernel=LossKernel[kernel])
     return with_resolved(dataclasses.replace(cfg, train=train), loss_kernel_auto=why)

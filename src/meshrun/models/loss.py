@@ -13,6 +13,7 @@ on CUDA, with liger-kernel installed, over a head that is a plain linear layer."
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 
@@ -73,29 +74,35 @@ def vocab_parallel_refused(cfg: ExperimentConfig) -> str | None:
     return None
 
 
-def liger_refused(cfg: ExperimentConfig, installed: bool) -> str | None:
-    """Why Liger's kernel cannot compute `cfg`'s chunked loss; None where it can.
-    `installed`: whether liger-kernel imports here."""
+def liger_refused(cfg: ExperimentConfig) -> str | None:
+    """Why Liger's kernel cannot compute `cfg`'s chunked loss; None where it can."""
     device = cfg.hardware.device_type
     if device != "cuda":
         return f"Liger's kernel is Triton for CUDA, and hardware={cfg.hardware.name} is {device}"
     if not model_kind(cfg.model).head_is_linear(cfg.model):
         return f"model.kind={cfg.model.kind}'s head is not known to be a plain linear layer"
-    if not installed:
+    return liger_import_error()
+
+
+@functools.cache
+def liger_import_error() -> str | None:
+    """Why Liger's fused linear cross-entropy does not import here (liger-kernel missing, or
+    the Triton it runs on broken); None where it does. Asked on CUDA hosts only."""
+    if importlib.util.find_spec("liger_kernel") is None:
         return "liger-kernel is not installed (pip install 'meshrun[liger]')"
+    try:
+        import liger_kernel.transformers.functional  # noqa: F401, PLC0415
+    except (ImportError, RuntimeError) as err:
+        return f"liger-kernel does not import: {type(err).__name__}: {err}"
     return None
 
 
-def liger_installed() -> bool:
-    return importlib.util.find_spec("liger_kernel") is not None
-
-
-def loss_kernel(cfg: ExperimentConfig, installed: bool) -> tuple[str, str | None]:
+def loss_kernel(cfg: ExperimentConfig) -> tuple[str, str | None]:
     """(what computes a chunked loss in `cfg`, why auto chose it; None where
     train.loss_kernel said it)."""
     if cfg.train.loss_kernel != "auto":
         return str(cfg.train.loss_kernel), None
-    refused = liger_refused(cfg, installed)
+    refused = liger_refused(cfg)
     if refused is None:
         return "liger", "CUDA, a linear head, liger-kernel installed"
     return "torch", refused

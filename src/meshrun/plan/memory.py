@@ -126,7 +126,6 @@ from meshrun.core.layout import Layout
 from meshrun.models.loss import (
     chunk_tokens,
     liger_chunk_tokens,
-    liger_installed,
     loss_kernel,
     loss_method,
 )
@@ -346,9 +345,7 @@ def loss_memory(
         # measured: one device, DDP and FSDP peak with one more V x h gradient beside the
         # chunk's logits; a pipeline's last stage (GPipe and 1F1B, pp2) without it
         beside = gradients if layout.pp == 1 else 0.0
-        if (
-            loss_kernel(cfg, liger_installed())[0] == "liger"
-        ):  # its chunk's logits at the input's width,
+        if loss_kernel(cfg)[0] == "liger":  # its chunk's logits at the input's width,
             chunk = liger_chunk_tokens(tokens, d.vocab, d.h)  # their gradient in place
             return LossMemory(kept, chunk * d.vocab * width + beside, 0.0)
         chunk = min(chunk_tokens(d.vocab), tokens)

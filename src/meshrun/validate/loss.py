@@ -7,7 +7,6 @@ from meshrun.core.config import ExperimentConfig, resolved_of
 from meshrun.core.errors import fail
 from meshrun.models.loss import (
     chunked_refused,
-    liger_installed,
     liger_refused,
     loss_method,
     vocab_parallel_refused,
@@ -32,7 +31,7 @@ def check_loss(cfg: ExperimentConfig) -> None:
     why = (
         f"Liger's kernel computes a chunked loss, and this layout's is {method}"
         if method != "chunked"
-        else liger_refused(cfg, liger_installed())
+        else liger_refused(cfg)
     )
     if why is not None:
         fail("train.loss_kernel", "liger", why, "auto (Liger's where it runs) or torch")

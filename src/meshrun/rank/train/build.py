@@ -13,7 +13,7 @@ from meshrun.core.batch import n_microbatches
 from meshrun.core.config import ExperimentConfig
 from meshrun.core.layout import Layout
 from meshrun.models import build_model
-from meshrun.models.loss import liger_installed, loss_kernel, loss_method
+from meshrun.models.loss import loss_kernel, loss_method
 from meshrun.rank.parallel.compose import parallelize
 from meshrun.rank.parallel.parallel_model import ParallelModel
 from meshrun.rank.train.loss_scale import LossScale
@@ -50,7 +50,7 @@ def build_training(cfg: ExperimentConfig, layout: Layout, device: torch.device, 
         tc.seq_len,
         tc.float8,
         loss_method(cfg)[0],
-        loss_kernel(cfg, liger_installed())[0],
+        loss_kernel(cfg)[0],
     )
     optimizer = build_optimizer(model, tc, BLOCK // 2 if cfg.debug.regroup_states else BLOCK)
     half = dtype != torch.float32
