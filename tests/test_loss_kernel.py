@@ -2,8 +2,9 @@
 can run (CUDA, liger-kernel installed, a linear head), torch's chunks elsewhere, saying why;
 an explicit `liger` that cannot run exits 2 naming the key; the planner takes Liger's chunk
 (its formula, liger_kernel/ops/fused_linear_cross_entropy.py); and meshrun's call of the
-kernel (a padded vocabulary cut, a bias, ignored targets, a tied head) gives torch's loss
-and gradients, run by Triton's interpreter on the CPU where Triton and liger-kernel are
+kernel (a padded vocabulary cut, a bias, ignored targets, a tied head, FSDP2's unsharded
+head on two gloo ranks) gives torch's loss and gradients, run by Triton's interpreter on the
+CPU where Triton and liger-kernel are
 installed (the torch floor's venv: scripts/test-torch-floor.sh sets MESHRUN_REQUIRE_LIGER=1,
 so there it fails rather than skips). On CUDA: tests/test_gpu.py, scripts/gpu_checks.py."""
 
@@ -14,11 +15,13 @@ import dataclasses
 import importlib.util
 import os
 import re
+import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from meshrun.core.choices import LossKernel
@@ -34,11 +37,13 @@ from meshrun.models import loss as loss_choice
 from meshrun.models.loss import chunk_tokens, liger_chunk_tokens, liger_import_error, loss_kernel
 from meshrun.models.vocab import unpad_logits
 from meshrun.plan.memory import Dims, loss_memory
+from meshrun.rank.mesh import build_mesh
 from meshrun.rank.parallel import loss as parallel_loss
+from meshrun.rank.parallel.compose import parallelize
 from meshrun.rank.parallel.loss import IGNORE_INDEX, apply_chunked_loss, micro_batch_loss
 from meshrun.tools.verify import reference_config
 from meshrun.validate.loss import check_loss
-from tests.helpers import compose_config
+from tests.helpers import compose_config, resolved_config
 from tests.test_custom_model import NAMED
 
 CUDA = "hardware=h100-80g"
@@ -177,6 +182,44 @@ def liger_against_torch() -> None:
         print(f"{name}: loss {got.item():.6f} and gradients as torch's, Liger ran: {bool(calls)}")
 
 
+def _fsdp_rank(rank: int, port: int) -> None:
+    """One of two gloo ranks: meshrun's decoder (tied, so the head is the root's) under
+    parallel=fsdp as parallelize() builds it, each kernel's loss and gathered gradients."""
+    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    cfg = resolved_config("model=tiny", "model.tie_embeddings=true", "parallel=fsdp")
+    layout = Layout.of(cfg.parallel)
+    mesh = build_mesh(layout, "cpu")
+    tokens = torch.randint(256, (2, 16), generator=torch.Generator().manual_seed(rank))
+    targets = torch.randint(256, (2, 16), generator=torch.Generator().manual_seed(9 + rank))
+    got, calls = {}, []
+    liger = parallel_loss.liger_cross_entropy
+    parallel_loss.liger_cross_entropy = lambda *a: calls.append(1) or liger(*a)
+    for kernel in ("torch", "liger"):
+        meta = build_model(cfg.model, 16, "meta")
+        part = parallelize(
+            meta, mesh, layout, cfg.parallel, torch.device("cpu"), seed=0,
+            param_dtype=torch.float32, loss="chunked", loss_kernel=kernel,
+        ).parts[0]  # fmt: skip
+        loss = micro_batch_loss(part, tokens, targets, "chunked")
+        loss.backward()
+        got[kernel] = [loss.detach(), *(p.grad.full_tensor() for p in part.parameters())]
+    assert calls == [1], calls  # Liger's, once, for the liger model's micro-batch alone
+    for want, value in zip(got["torch"], got["liger"], strict=True):
+        torch.testing.assert_close(value, want, rtol=1e-4, atol=1e-6)
+    if rank == 0:
+        print(f"fsdp2: loss {got['liger'][0].item():.6f} and gradients as torch's")
+    dist.destroy_process_group()
+
+
+def liger_under_fsdp_against_torch() -> None:
+    """Two ranks of parallel=fsdp, Liger's kernel inside FSDP2's unsharded head."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    torch.multiprocessing.spawn(_fsdp_rank, args=(port,), nprocs=2)
+
+
 def _liger_runs_here() -> str | None:
     missing = [m for m in ("triton", "liger_kernel") if importlib.util.find_spec(m) is None]
     return f"{' and '.join(missing)} not installed" if missing else None
@@ -188,7 +231,10 @@ def test_liger_kernel_gives_torchs_loss_and_gradients_under_tritons_interpreter(
         if os.environ.get("MESHRUN_REQUIRE_LIGER") == "1":
             pytest.fail(f"MESHRUN_REQUIRE_LIGER=1 but {why_not}")
         pytest.skip(f"{why_not} (the torch floor's venv runs this)")
-    code = "from tests.test_loss_kernel import liger_against_torch; liger_against_torch()"
+    code = (
+        "from tests.test_loss_kernel import liger_against_torch, liger_under_fsdp_against_torch\n"
+        "liger_against_torch()\nliger_under_fsdp_against_torch()"
+    )
     env = os.environ | {"TRITON_INTERPRET": "1"}  # read when Triton's kernels are defined
     done = subprocess.run(
         [sys.executable, "-c", code],
@@ -199,7 +245,7 @@ def test_liger_kernel_gives_torchs_loss_and_gradients_under_tritons_interpreter(
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "tiny tied, padded: loss" in done.stdout, done.stdout
+    assert "fsdp2: loss" in done.stdout, done.stdout
     ran = re.findall(r"^(.*): loss .* as torch's, Liger ran: (\w+)$", done.stdout, re.MULTILINE)
     assert dict(ran) == {
         "tiny tied, padded": "True",
