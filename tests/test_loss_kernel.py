@@ -217,7 +217,9 @@ def liger_under_fsdp_against_torch() -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    torch.multiprocessing.spawn(_fsdp_rank, args=(port,), nprocs=2)
+    # forked: the interpreter's import of torch, meshrun and Liger (seconds) done once, here,
+    # before this process computes anything (no OpenMP pool to inherit)
+    torch.multiprocessing.start_processes(_fsdp_rank, (port,), nprocs=2, start_method="fork")
 
 
 def _liger_runs_here() -> str | None:
@@ -233,7 +235,7 @@ def test_liger_kernel_gives_torchs_loss_and_gradients_under_tritons_interpreter(
         pytest.skip(f"{why_not} (the torch floor's venv runs this)")
     code = (
         "from tests.test_loss_kernel import liger_against_torch, liger_under_fsdp_against_torch\n"
-        "liger_against_torch()\nliger_under_fsdp_against_torch()"
+        "liger_under_fsdp_against_torch()\nliger_against_torch()"
     )
     env = os.environ | {"TRITON_INTERPRET": "1"}  # read when Triton's kernels are defined
     done = subprocess.run(
