@@ -52,7 +52,7 @@ from meshrun.driver.measured import Measured, RunMeta
 from meshrun.driver.run_plan import budget_fields, checkpoint_plan_fields
 from meshrun.driver.trial_ranking import Trial, first_choice_loss, rank_correlation
 from meshrun.models import model_shape, param_counts
-from meshrun.models.loss import loss_method
+from meshrun.models.loss import chunked_loss_kernel, loss_method
 from meshrun.plan import predict
 from meshrun.plan.run_prediction import prediction_of
 from meshrun.validate.model import describe_read
@@ -341,7 +341,7 @@ def config_fields(cfg: ExperimentConfig, meta: RunMeta) -> dict[str, Any]:
         "matmul_precision": matmul_precision(cfg),
         "loss": method,
         "loss_auto": why,
-        "loss_kernel": str(t.loss_kernel) if method == "chunked" else None,
+        "loss_kernel": chunked_loss_kernel(cfg),
         "loss_kernel_auto": resolved_of(cfg).loss_kernel_auto if method == "chunked" else None,
         "seq_len": t.seq_len,
         "global_batch_size": t.global_batch_size,

@@ -108,6 +108,11 @@ def loss_kernel(cfg: ExperimentConfig) -> tuple[str, str | None]:
     return "torch", refused
 
 
+def chunked_loss_kernel(cfg: ExperimentConfig) -> str | None:
+    """What computes `cfg`'s loss where it is chunked (liger or torch); None where it is not."""
+    return loss_kernel(cfg)[0] if loss_method(cfg)[0] == "chunked" else None
+
+
 def liger_chunk_tokens(tokens: int, vocab: int, hidden: int) -> int:
     """The tokens of one chunk of Liger's fused linear cross-entropy over `tokens` of width
     `hidden` into a `vocab`-wide head: its chunk's logits about tokens x hidden, a power of

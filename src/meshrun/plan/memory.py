@@ -345,8 +345,9 @@ def loss_memory(
         # measured: one device, DDP and FSDP peak with one more V x h gradient beside the
         # chunk's logits; a pipeline's last stage (GPipe and 1F1B, pp2) without it
         beside = gradients if layout.pp == 1 else 0.0
-        if loss_kernel(cfg)[0] == "liger":  # its chunk's logits at the input's width,
-            chunk = liger_chunk_tokens(tokens, d.vocab, d.h)  # their gradient in place
+        if loss_kernel(cfg)[0] == "liger":
+            # its chunk's logits at the input's width, their gradient written in place
+            chunk = liger_chunk_tokens(tokens, d.vocab, d.h)
             return LossMemory(kept, chunk * d.vocab * width + beside, 0.0)
         chunk = min(chunk_tokens(d.vocab), tokens)
         return LossMemory(kept, chunk * 3 * d.vocab * FP32 + beside, 0.0)

@@ -51,7 +51,7 @@ from meshrun.driver.resolution import legal
 from meshrun.driver.resolve import resolve
 from meshrun.driver.sinks.console import console, print_error, print_note
 from meshrun.driver.tool_config import VerifyExperimentConfig, verify_tolerance
-from meshrun.models.loss import loss_method
+from meshrun.models.loss import chunked_loss_kernel, loss_method
 from meshrun.plan import predict
 from meshrun.plan.candidate import traced_or_why
 
@@ -280,13 +280,13 @@ def _judged(
     noise = noise_config(reference)
     if report["passed"] or noise is None:
         return report
-    how = [
-        *(["its micro-batches summed last to first"] if noise.debug.reverse_micro_batches else []),
-        *(["its 8-bit states in blocks of half the size"] if noise.debug.regroup_states else []),
-    ]
+    how = {
+        "its micro-batches summed last to first": noise.debug.reverse_micro_batches,
+        "its 8-bit states in blocks of half the size": noise.debug.regroup_states,
+    }
     console.print(
         f"meshrun-verify: beyond the tolerance {tolerance:g}; measuring the reference's own "
-        f"noise ({', '.join(how)})",
+        f"noise ({', '.join(what for what, done in how.items() if done)})",
         soft_wrap=True,
     )
     measured["noise"] = measure(noise, "noise", launch)
@@ -330,7 +330,7 @@ def run(dict_cfg: DictConfig) -> int:
     }
     world, f8 = cfg.launcher.nproc_per_node, cfg.train.float8
     float8 = f", float8 {f8.recipe}" if f8.enabled else ""
-    kernel = cfg.train.loss_kernel if method == "chunked" else None
+    kernel = chunked_loss_kernel(cfg)
     on = " on Liger's kernel" if kernel == "liger" else ""
     against = {"high_precision": " without float8", "full_loss": " with the full loss"}
     console.print(
@@ -356,7 +356,7 @@ def run(dict_cfg: DictConfig) -> int:
         "float8": str(cfg.train.float8.recipe) if cfg.train.float8.enabled else None,
         "reference": reference,
         "loss": method,
-        "loss_kernel": str(kernel) if kernel else None,
+        "loss_kernel": kernel,
         **{f"{role}_dir": run_cfg.run_dir for role, run_cfg in runs.items()},
     }
     (Path(cfg.run_dir) / REPORT_FILE).write_text(json.dumps(report, indent=2))

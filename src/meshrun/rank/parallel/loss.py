@@ -70,8 +70,9 @@ class ChunkedLoss:
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.loss_targets is None:
             return super().forward(hidden)
-        # Liger takes the head's gradients only with the input's (its forward: grad_weight
-        # None unless input_requires_grad): a frozen trunk's loss runs on torch's chunks
+        # Liger takes the head's gradients only with the input's (liger_kernel/ops/
+        # fused_linear_cross_entropy.py, 0.8.5: grad_weight None unless input_requires_grad):
+        # a frozen trunk's loss runs on torch's chunks
         if self.loss_kernel == "liger" and (hidden.requires_grad or not torch.is_grad_enabled()):
             return liger_cross_entropy(self, hidden, self.loss_targets, self.loss_vocab)
         params = [p for p in self.parameters() if p.requires_grad]
@@ -98,7 +99,9 @@ def liger_cross_entropy(
     head's weight and bias taken in place of its forward, a padded vocabulary's extra rows
     cut (as unpad_logits cuts the logits). Liger, like ChunkedCrossEntropy, takes each
     chunk's gradients in forward, its chunk's logits about tokens x hidden of the input's
-    dtype (models/loss.liger_chunk_tokens)."""
+    dtype (models/loss.liger_chunk_tokens); it reads the count of targets to the host once a
+    call (its forward's `target_mask.sum().item()`), a sync a micro-batch that torch's
+    chunks do not make."""
     from liger_kernel.transformers.functional import (  # noqa: PLC0415 (meshrun[liger])
         liger_fused_linear_cross_entropy,
     )

@@ -18,7 +18,6 @@ from meshrun.rank.parallel.compose import parallelize
 from meshrun.rank.parallel.parallel_model import ParallelModel
 from meshrun.rank.train.loss_scale import LossScale
 from meshrun.rank.train.optim import build_lr_schedule, build_optimizer
-from meshrun.rank.train.optim_states import BLOCK
 
 # What a step computes in: bf16 and fp16 autocast fp32 weights (FSDP2 casts its own).
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -52,7 +51,7 @@ def build_training(cfg: ExperimentConfig, layout: Layout, device: torch.device, 
         loss_method(cfg)[0],
         loss_kernel(cfg)[0],
     )
-    optimizer = build_optimizer(model, tc, BLOCK // 2 if cfg.debug.regroup_states else BLOCK)
+    optimizer = build_optimizer(model, tc, regroup=cfg.debug.regroup_states)
     half = dtype != torch.float32
     return Training(
         model=model,

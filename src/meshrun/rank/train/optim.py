@@ -27,10 +27,11 @@ BETAS = (0.9, 0.95)
 
 
 def build_optimizer(
-    model: nn.Module, cfg: TrainConfig, state_block: int = BLOCK
+    model: nn.Module, cfg: TrainConfig, regroup: bool = False
 ) -> torch.optim.Optimizer:
     """AdamW with the moments train.optimizer_states keeps (optim_states.py); 8-bit ones
-    quantized in blocks of `state_block` values (debug.regroup_states: half of torchao's)."""
+    quantized in blocks of torchao's 256 values, of half that where `regroup`
+    (debug.regroup_states: the same values in other groups)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
@@ -40,7 +41,7 @@ def build_optimizer(
     if cfg.optimizer_states == "bf16":
         return Bf16AdamW(groups, seed=cfg.seed, **adam)
     if cfg.optimizer_states == "8bit":
-        return adamw_8bit()(groups, block_size=state_block, **adam)
+        return adamw_8bit()(groups, block_size=BLOCK // 2 if regroup else BLOCK, **adam)
     return LocalAdamW(groups, **adam, **step_kernels(params))
 
 
