@@ -54,6 +54,7 @@ def test_time_device_hours_cost_and_the_young_daly_interval_by_hand():
     device-hours, $1,607.50 at $2."""
     run = RunTime(
         tokens=9e9,
+        tokens_per_step=1e6,
         tokens_per_s=1e5,
         devices=32,
         price_per_gpu_hour=2.0,
@@ -71,14 +72,20 @@ def test_time_device_hours_cost_and_the_young_daly_interval_by_hand():
     assert run.cost == pytest.approx(1607.49, abs=0.01)
 
 
-def test_the_interval_is_no_shorter_than_a_save_nor_longer_than_the_run():
-    """A save waits for the one before it; a run shorter than the interval saves at its end."""
+def test_the_interval_is_no_shorter_than_a_save_or_a_step_nor_longer_than_the_run():
+    """A save waits for the one before it, and saves come between steps; a run shorter than
+    the interval saves at its end."""
     failures = Failures(1.0, 1, "given")  # 3,600 s: Young's sqrt(2 x 0.5 x 3,600) = 60 s
-    slow_save = RunTime(1e9, 1e3, 1, None, _cost(0.5, 120.0, 10.0), failures)
+    slow_save = RunTime(1e9, 1e3, 1e3, 1, None, _cost(0.5, 120.0, 10.0), failures)
     assert slow_save.interval_s == 120.0 and slow_save.cost is None
-    short = RunTime(1e4, 1e3, 1, None, _cost(0.5, 1.0, 10.0), failures)
+    short = RunTime(1e4, 1e3, 1e3, 1, None, _cost(0.5, 1.0, 10.0), failures)
     assert short.interval_s == short.compute_s == 10.0
-    assert RunTime(1e9, 1e3, 1, None, _cost(0.5, 1.0, 10.0), failures).interval_s == 60.0
+    assert RunTime(1e9, 1e3, 1e3, 1, None, _cost(0.5, 1.0, 10.0), failures).interval_s == 60.0
+    long_steps = RunTime(1e9, 2e5, 1e3, 1, None, _cost(0.5, 1.0, 10.0), failures)
+    assert long_steps.step_s == long_steps.interval_s == 200.0
+    # a save held for no time (an offloaded state's): every step, not every save's 1 s
+    unheld = RunTime(1e9, 2e5, 1e3, 1, None, _cost(0.0, 1.0, 10.0), failures)
+    assert unheld.interval_s == 200.0 and unheld.save_share == 0
 
 
 def test_the_default_failure_rate_is_the_llama_3_papers_per_node():

@@ -8,7 +8,9 @@ loses the work since the last save that reached the disk, τ/2 on average plus w
 flight (its last save_s - δ seconds) had not yet written, and a restart R (launch, load): at
 1/M failures a second, (τ/2 + save_s - δ + R)/M. The sum of the two τ terms is least at
 τ = sqrt(2 δ M), Young's interval; a save waits for the one before it (rank/train/
-checkpoint.py), so τ is at least save_s. The run's expected wall time is its time at the
+checkpoint.py), so τ is at least save_s, and saves come between steps, so at least a step (a
+save held for 0 s, an offloaded state's, would otherwise be planned every save_s, less than
+a step of a large model on one device). The run's expected wall time is its time at the
 predicted speed over 1 - the shares lost (first order: each share small).
 """
 
@@ -72,10 +74,11 @@ class Failures:
 @dataclass(frozen=True)
 class RunTime:
     """The run's budget at `tokens_per_s` on `devices`; each share is of the expected wall
-    time. `interval_s`: seconds of training between saves, Young's (at least a save's length,
-    at most the run)."""
+    time. `interval_s`: seconds of training between saves, Young's (at least a save's length
+    and a step, at most the run)."""
 
     tokens: float
+    tokens_per_step: float
     tokens_per_s: float
     devices: int
     price_per_gpu_hour: float | None
@@ -87,11 +90,13 @@ class RunTime:
         return self.tokens / self.tokens_per_s
 
     @property
+    def step_s(self) -> float:
+        return self.tokens_per_step / self.tokens_per_s
+
+    @property
     def interval_s(self) -> float:
-        return min(
-            save_interval_s(self.checkpoint.blocked_s, self.checkpoint.save_s, self.failures),
-            self.compute_s,
-        )
+        young = save_interval_s(self.checkpoint.blocked_s, self.checkpoint.save_s, self.failures)
+        return min(max(young, self.step_s), self.compute_s)
 
     @property
     def save_share(self) -> float:
@@ -128,6 +133,7 @@ class RunTime:
     def as_dict(self) -> dict:
         return {
             "tokens": self.tokens,
+            "step_s": self.step_s,
             "compute_s": self.compute_s,
             "devices": self.devices,
             "checkpoint": self.checkpoint.as_dict(),
@@ -153,6 +159,7 @@ def run_time(
     cost = checkpoint_cost(cfg, memory, storage_rates(cfg, calibration))
     return RunTime(
         budget_tokens(cfg),
+        cfg.train.tokens_per_step,
         tokens_per_s,
         n_devices(cfg),
         cfg.plan.price_per_gpu_hour,
