@@ -15,7 +15,7 @@
 # GPU_CHECK_WORK (/tmp/meshrun-gpu-check); $OUT (outputs/gpu-check) gets gpu-check.txt and
 # gpu-check.json, rewritten after every check, gpu-check-logs.txt (the install's and each
 # check's output tail) and at most five artefacts: 8 files, what the device tool brings back.
-# Exit 0 where nothing FAILed, 1 where something did.
+# Exit 0 where nothing FAILed, 1 where something did, 2 where an --only names no check.
 #
 # Uses the python on PATH (PYTHON=...) with the repository's src/ on PYTHONPATH: the image's
 # own CUDA torch is used as it is, and meshrun need not be installed.

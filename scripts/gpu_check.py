@@ -397,21 +397,32 @@ def _smi_list() -> str:
     return done.stdout
 
 
+def chosen_checks(listed: list[Check], only: list[str]) -> list[Check]:
+    """The checks whose name has one of `only` in it, in any case (all where none is given)."""
+    wanted = [o.casefold() for o in only]
+    return [c for c in listed if not wanted or any(o in c.name.casefold() for o in wanted)]
+
+
 def main(checks: Callable[[int, float], list[Check]], argv: list[str] | None = None) -> int:
     """Install, then `checks(n_gpus, seconds_left)` to the deadline; exit 1 on any FAIL, 3
     where meshrun's core needs do not install."""
     args = _parser().parse_args(argv)
     started = float(os.environ.get("GPU_CHECK_STARTED", time.time()))
     deadline = time.monotonic() + args.budget_s - (time.time() - started)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    n_gpus, seen = count_gpus(_torch_count(), _smi_list(), visible)  # the image's torch
+    unmatched = [o for o in args.only if not chosen_checks(checks(n_gpus, args.budget_s), [o])]
+    if unmatched:  # before the install: the node's one command is not spent on nothing
+        names = "\n  ".join(c.name for c in checks(n_gpus, args.budget_s))
+        print(f"gpu-check: --only {', '.join(unmatched)} names no check; the checks:\n  {names}")
+        return 2
     out, work = Path(args.out).resolve(), Path(args.work).resolve()
     os.environ["OUT"] = str(out)  # the checks' own, wherever they run
     work.mkdir(parents=True, exist_ok=True)
     installed = None if args.dry_run else _install_carried(Path(args.wheels), work)
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    n_gpus, seen = count_gpus(_torch_count(), _smi_list(), visible)
     host = f"gpu-check on {os.cpu_count()} cores: {seen}"
     listed = checks(n_gpus, deadline - time.monotonic())
-    chosen = [c for c in listed if not args.only or any(o in c.name for o in args.only)]
+    chosen = chosen_checks(listed, args.only)
     report = Report(
         out, host, n_gpus, ([installed.name] if installed else []) + [c.name for c in chosen], work
     )
@@ -467,7 +478,10 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds from the script's start (GPU_CHECK_STARTED) to the last check's end",
     )
     parser.add_argument(
-        "--only", action="append", default=[], help="run the checks whose name has this"
+        "--only",
+        action="append",
+        default=[],
+        help="run the checks whose name has this, in any case (exit 2 where none has)",
     )
     parser.add_argument("--dry-run", action="store_true", help="list what would run, run none")
     return parser

@@ -278,6 +278,31 @@ def test_without_the_core_needs_the_run_stops_at_once_saying_why(tmp_path: Path)
     assert "meshrun-no-such-package" in (out / "gpu-check-logs.txt").read_text()
 
 
+def test_only_matches_a_name_in_any_case_and_one_that_matches_none_exits_2_before_the_install(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    """`--only liger` picks "Liger's fused cross-entropy"; `--only ligre` exits 2 listing the
+    checks, before the carried set's install (here one that would fail, exit 3) starts."""
+    from gpu_check import main  # noqa: PLC0415
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "core.txt").write_text("meshrun-no-such-package\n")
+    (wheels / "constraints.txt").write_text("")
+    liger = Check("Liger's fused cross-entropy", _sh("touch started"), _says, gpus=0)
+    other = Check("make run", _sh("touch started"), _says, gpus=0)
+    out = tmp_path / "out"
+    argv = ["--wheels", str(wheels), "--out", str(out), "--work", str(tmp_path / "work")]
+    assert main(lambda gpus, left: [liger, other], [*argv, "--dry-run", "--only", "LIGER"]) == 0
+    table_text = (out / "gpu-check.txt").read_text()
+    assert "Liger's fused cross-entropy" in table_text and "make run" not in table_text
+    (out / "gpu-check.txt").unlink()
+    assert main(lambda gpus, left: [liger, other], [*argv, "--only", "ligre"]) == 2
+    said = capsys.readouterr().out
+    assert "--only ligre names no check" in said and "make run" in said
+    assert not (out / "gpu-check.txt").exists()  # nothing installed, nothing run
+
+
 def test_a_collective_gloo_lacks_on_cuda_is_skipped_saying_which():
     """The one-GPU checks of layouts over gloo: meshrun-verify's PASS, or SKIPPED where gloo
     has no CUDA implementation of a collective (not a FAIL of meshrun's)."""
