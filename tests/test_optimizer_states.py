@@ -6,6 +6,8 @@ gloo ranks on the session's pool; 8-bit's first steps compile torchao's update w
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -195,3 +197,23 @@ def test_8bit_states_verify_under_tp_on_the_default_model(tmp_path, on_pool, cap
     assert verify_run(tmp_path, *overrides) == 0
     out = capsys.readouterr().out
     assert "its 8-bit states in blocks of half the size" in out and "PASS" in out
+
+
+@pytest.mark.parametrize(
+    "imported",
+    [
+        "from meshrun.rank.train.optim_states import adamw_8bit; adamw_8bit()",
+        "import meshrun.rank.parallel.float8",
+    ],
+)
+def test_importing_torchao_says_nothing_of_kernels_meshrun_does_not_use(imported: str):
+    """torchao's import logs each CUDA or mxfp8 kernel library it cannot load (on this CPU
+    build: 11 lines at a tp2 8-bit verify's start) and torch's pytree a deprecation for one of
+    its Enums. A fresh process, as a rank is, with warnings logged as a user's script would."""
+    code = f"import logging; logging.basicConfig(level=logging.WARNING); {imported}"
+    done = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Failed to load" not in done.stderr, done.stderr
+    assert "KernelPreference" not in done.stderr, done.stderr

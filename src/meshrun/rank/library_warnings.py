@@ -5,12 +5,16 @@ and meshrun do as they run: the same warning came back every step on every rank.
 here keeps each distinct warning (category and text) once and notes it in
 `<run dir>/warnings/rank<N>.txt` (core/run_files/library_warnings.py); rank 0 also prints it as
 Python would. After the run the driver prints those that other ranks raised and rank 0 did
-not."""
+not. A library's import that logs about what meshrun does not use is quietened where it is
+imported (`quiet_loggers`)."""
 
 from __future__ import annotations
 
+import logging
 import sys
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TextIO
 
 from meshrun.core.run_files.library_warnings import warnings_file
@@ -42,3 +46,23 @@ def show_once(run_dir: str, rank: int) -> None:
             f.write(text + "\n")
 
     warnings.showwarning = show
+
+
+TORCHAO_IMPORT = ("torchao", "torch.utils._pytree")
+
+
+@contextmanager
+def quiet_loggers(names: tuple[str, ...]) -> Iterator[None]:
+    """Only errors from these loggers meanwhile. torchao's import (TORCHAO_IMPORT) logs a
+    warning for each kernel library it cannot load (its CUDA and mxfp8 extensions on a CPU
+    build) and torch's pytree one for each Enum it registers: at every rank's start, about
+    kernels that float8 training and the 8-bit optimizer do not use."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)

@@ -23,9 +23,6 @@ input's device's, so a CPU run casts its matmul inputs where a GPU's does.
 from __future__ import annotations
 
 import dataclasses
-import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -34,25 +31,9 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from meshrun.core.config import Float8Config
 from meshrun.models.float8 import float8_linears
+from meshrun.rank.library_warnings import TORCHAO_IMPORT, quiet_loggers
 
-
-@contextmanager
-def _quiet_import() -> Iterator[None]:
-    """torchao's import logs a warning for each kernel library it cannot load (its CUDA
-    and mxfp8 extensions on a CPU build) and torch's pytree one for each Enum it
-    registers: noise at every rank's start, about kernels float8 training does not use."""
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels, strict=True):
-            logger.setLevel(level)
-
-
-with _quiet_import():
+with quiet_loggers(TORCHAO_IMPORT):
     from torchao.float8 import (
         Float8LinearConfig,
         convert_to_float8_training,

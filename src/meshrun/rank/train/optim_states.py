@@ -12,12 +12,15 @@ dropout, the data) depends on the optimizer's layout.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from meshrun.models.shards import local_tensor
+from meshrun.rank.library_warnings import TORCHAO_IMPORT, quiet_loggers
 
 # torchao's AdamW8bit quantizes a state tensor of at least this many elements, a multiple of
 # its block (torchao/optim/adam.py, _new_buffer: bitsandbytes' threshold); smaller ones fp32.
@@ -151,7 +154,12 @@ def adamw_8bit() -> type[torch.optim.Optimizer]:
     the checkpoint's manifest and the records read floats); handed to torchao's compiled
     update as a tensor, so a new LR compiles nothing. Imported here: torchao is optional
     (validate/optimizer.py refuses `8bit` without it)."""
-    from torchao.optim import AdamW8bit  # noqa: PLC0415 (meshrun[float8])
+    with quiet_loggers(TORCHAO_IMPORT):
+        from torchao.optim import AdamW8bit  # noqa: PLC0415 (meshrun[float8])
+    # torch's compiled-graph cache cannot key torchao's state subclass (the update is then
+    # compiled in each process, not read from the cache): said at every run's first step,
+    # nothing a user can act on.
+    warnings.filterwarnings("ignore", "OptimState8bit does not implement _stable_hash_for")
 
     class LocalAdamW8bit(AdamW8bit):
         def add_param_group(self, param_group: dict) -> None:
