@@ -405,15 +405,17 @@ def chosen_checks(listed: list[Check], only: list[str]) -> list[Check]:
 
 def main(checks: Callable[[int, float], list[Check]], argv: list[str] | None = None) -> int:
     """Install, then `checks(n_gpus, seconds_left)` to the deadline; exit 1 on any FAIL, 3
-    where meshrun's core needs do not install."""
+    where meshrun's core needs do not install, 2 (before the install) where an --only names
+    no check."""
     args = _parser().parse_args(argv)
     started = float(os.environ.get("GPU_CHECK_STARTED", time.time()))
     deadline = time.monotonic() + args.budget_s - (time.time() - started)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     n_gpus, seen = count_gpus(_torch_count(), _smi_list(), visible)  # the image's torch
-    unmatched = [o for o in args.only if not chosen_checks(checks(n_gpus, args.budget_s), [o])]
-    if unmatched:  # before the install: the node's one command is not spent on nothing
-        names = "\n  ".join(c.name for c in checks(n_gpus, args.budget_s))
+    named = checks(n_gpus, args.budget_s)
+    unmatched = [o for o in args.only if not chosen_checks(named, [o])]
+    if unmatched:  # the node's one command is not spent on an install for nothing
+        names = "\n  ".join(c.name for c in named)
         print(f"gpu-check: --only {', '.join(unmatched)} names no check; the checks:\n  {names}")
         return 2
     out, work = Path(args.out).resolve(), Path(args.work).resolve()
