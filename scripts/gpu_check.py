@@ -403,6 +403,15 @@ def chosen_checks(listed: list[Check], only: list[str]) -> list[Check]:
     return [c for c in listed if not wanted or any(o in c.name.casefold() for o in wanted)]
 
 
+def only_refused(listed: list[Check], only: list[str]) -> str | None:
+    """What is wrong with --only where one of `only` names no check, else None."""
+    unmatched = [o for o in only if not chosen_checks(listed, [o])]
+    if not unmatched:
+        return None
+    names = "\n  ".join(c.name for c in listed)
+    return f"gpu-check: --only {', '.join(unmatched)} names no check; the checks:\n  {names}"
+
+
 def main(checks: Callable[[int, float], list[Check]], argv: list[str] | None = None) -> int:
     """Install, then `checks(n_gpus, seconds_left)` to the deadline; exit 1 on any FAIL, 3
     where meshrun's core needs do not install, 2 (before the install) where an --only names
@@ -412,11 +421,9 @@ def main(checks: Callable[[int, float], list[Check]], argv: list[str] | None = N
     deadline = time.monotonic() + args.budget_s - (time.time() - started)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     n_gpus, seen = count_gpus(_torch_count(), _smi_list(), visible)  # the image's torch
-    named = checks(n_gpus, args.budget_s)
-    unmatched = [o for o in args.only if not chosen_checks(named, [o])]
-    if unmatched:  # the node's one command is not spent on an install for nothing
-        names = "\n  ".join(c.name for c in named)
-        print(f"gpu-check: --only {', '.join(unmatched)} names no check; the checks:\n  {names}")
+    refused = only_refused(checks(n_gpus, args.budget_s), args.only)
+    if refused:  # the node's one command is not spent on an install for nothing
+        print(refused)
         return 2
     out, work = Path(args.out).resolve(), Path(args.work).resolve()
     os.environ["OUT"] = str(out)  # the checks' own, wherever they run
