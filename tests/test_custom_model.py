@@ -323,6 +323,24 @@ def test_the_planner_traces_a_module_without_formulas():
     assert all(m.activations > 0 for m in (*fsdp, *tp2))
 
 
+def test_the_trace_counts_each_optimizer_states_bytes():
+    """The planner tries lighter states where a module does not fit (plan/levers.py): the
+    trace steps bf16's AdamW on fake tensors (its step counter was data a trace cannot read:
+    a pre-launch traceback, exit 1), and counts 8-bit's at memory.py's bytes a parameter
+    (torchao's compiled update does not run on fake tensors)."""
+    fp32, bf16, eight = (
+        traced_memory(
+            resolved_config(
+                *NAMED, "parallel=fsdp", "train.seq_len=64", f"train.optimizer_states={m}"
+            )
+        )[0]
+        for m in ("fp32", "bf16", "8bit")
+    )
+    assert bf16.optimizer == pytest.approx(fp32.optimizer / 2, rel=0.01)
+    assert eight.optimizer == pytest.approx(fp32.optimizer * 2 * (1 + 4 / 256) / 8, rel=0.01)
+    assert eight.params == bf16.params == fp32.params
+
+
 @pytest.mark.slow
 def test_the_planner_traces_a_context_parallel_rank_over_its_share_of_the_sequence():
     """cp2 against fsdp on two ranks: the same parameter shards (FSDP over dp_shard x cp), a

@@ -41,11 +41,23 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.flop_counter import FlopCounterMode
 
 from meshrun.core.choices import HALF_PRECISIONS
-from meshrun.core.config import ExperimentConfig, ModelConfig, ParallelConfig, from_dict
+from meshrun.core.config import (
+    ExperimentConfig,
+    ModelConfig,
+    ParallelConfig,
+    TrainConfig,
+    from_dict,
+)
 from meshrun.core.layout import Layout
 from meshrun.models import build_model, from_key, model_key, model_shape, moe
 from meshrun.models.loss import loss_method
-from meshrun.plan.memory import MemoryPrediction, chunk_sizes, dataparallel_devices, in_flight
+from meshrun.plan.memory import (
+    OPTIMIZER_STATE_BYTES,
+    MemoryPrediction,
+    chunk_sizes,
+    dataparallel_devices,
+    in_flight,
+)
 from meshrun.plan.shapes import layer_counts, micro_batching
 from meshrun.plan.stage_time import ModelCost
 from meshrun.rank.mesh import build_mesh
@@ -168,7 +180,20 @@ def _prediction(
         split["other"] += n_microbatches * (trace.input_bytes + trace.logits_bytes)
     if layout.uses_ddp and not p.ddp.gradient_as_bucket_view:
         split["other"] += split["params"]  # DDP's gradient buckets, fp32 like the parameters
+    if cfg.train.optimizer_states != _traceable_states(cfg.train).optimizer_states:
+        states = OPTIMIZER_STATE_BYTES[cfg.train.optimizer_states] / OPTIMIZER_STATE_BYTES["fp32"]
+        split["optimizer"] = int(split["optimizer"] * states)
     return MemoryPrediction(**split)
+
+
+def _traceable_states(train: TrainConfig) -> TrainConfig:
+    """`train` with optimizer states a trace can step: torchao's 8-bit update is compiled as
+    it runs (fullgraph), which no fake tensor under the trace's dispatch modes can be, and its
+    quantization map is read from tensors; traced as fp32, its states counted at memory.py's
+    bytes a parameter (`_prediction`)."""
+    if train.optimizer_states == "8bit":
+        return dataclasses.replace(train, optimizer_states="fp32")
+    return train
 
 
 def _trace_rank(
@@ -198,7 +223,7 @@ def _trace_rank(
     with FakeTensorMode(allow_non_fake_inputs=True), moe.even_routing():
         for part in parts:
             materialise(part, torch.device("cpu"), t.seed, None)
-        optimizer = build_optimizer(nn.ModuleList(parts), t)
+        optimizer = build_optimizer(nn.ModuleList(parts), _traceable_states(t))
         # FSDPMemTracker takes one FSDP root; an interleaved rank has several
         fsdp = traced.uses_fsdp and len(parts) == 1
         tracker = FSDPMemTracker(parts[0], optimizer) if fsdp else MemTracker()
