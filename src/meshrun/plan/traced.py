@@ -180,19 +180,24 @@ def _prediction(
         split["other"] += n_microbatches * (trace.input_bytes + trace.logits_bytes)
     if layout.uses_ddp and not p.ddp.gradient_as_bucket_view:
         split["other"] += split["params"]  # DDP's gradient buckets, fp32 like the parameters
-    if cfg.train.optimizer_states != _traceable_states(cfg.train).optimizer_states:
-        states = OPTIMIZER_STATE_BYTES[cfg.train.optimizer_states] / OPTIMIZER_STATE_BYTES["fp32"]
-        split["optimizer"] = int(split["optimizer"] * states)
+    states = cfg.train.optimizer_states
+    if states in TRACED_AS:
+        ratio = OPTIMIZER_STATE_BYTES[states] / OPTIMIZER_STATE_BYTES[TRACED_AS[states]]
+        split["optimizer"] = int(split["optimizer"] * ratio)
     return MemoryPrediction(**split)
 
 
+# Optimizer states a trace cannot step, and those it steps instead: torchao's 8-bit update
+# is compiled as it runs (fullgraph), which no fake tensor under the trace's dispatch modes
+# can be, and its quantization map is read from tensors. `_prediction` counts the states at
+# memory.py's bytes a parameter.
+TRACED_AS = {"8bit": "fp32"}
+
+
 def _traceable_states(train: TrainConfig) -> TrainConfig:
-    """`train` with optimizer states a trace can step: torchao's 8-bit update is compiled as
-    it runs (fullgraph), which no fake tensor under the trace's dispatch modes can be, and its
-    quantization map is read from tensors; traced as fp32, its states counted at memory.py's
-    bytes a parameter (`_prediction`)."""
-    if train.optimizer_states == "8bit":
-        return dataclasses.replace(train, optimizer_states="fp32")
+    """`train` with optimizer states a trace can step (TRACED_AS)."""
+    if train.optimizer_states in TRACED_AS:
+        return dataclasses.replace(train, optimizer_states=TRACED_AS[train.optimizer_states])
     return train
 
 

@@ -104,7 +104,7 @@ class Bf16AdamW(torch.optim.Optimizer):
             # a tensor of a Python number, as torch's AdamW's non-capturable step
             # (torch/optim/adam.py, _init_group): on the planner's fake tensors a constant
             # still, which `float` below reads (zeros' is data, which a trace cannot read)
-            state["step"] = torch.tensor(0.0)
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16)
         param, grad = local_tensor(p), local_tensor(placed_like(p.grad, p)).float()
