@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -32,15 +31,18 @@ def _gloo_threads() -> int:
 
 def _threads_the_run_left(cfg: dict[str, Any]) -> int:
     end_distributed()  # an earlier pool job's groups (DTensor's caches): not the run's
-    # Their threads end soon after, not at once: counted while they ended, they made the run's
-    # own count -3 (seen once in 1,410 tests).
-    deadline = time.monotonic() + 10
-    while _gloo_threads() and time.monotonic() < deadline:
-        time.sleep(0.05)
     before = _gloo_threads()
     with contextlib.suppress(Exception):
         run_rank(cfg)
     return _gloo_threads() - before
+
+
+def _none_added(left: list[int]) -> bool:
+    """No rank has more gloo threads after its run than before. Fewer is no leak: a group an
+    earlier pool job left (one, 3 threads, that end_distributed did not reach) was collected
+    during the run, its count -3 on both ranks (twice in some 3,000 runs of the fast suite;
+    waiting 10 s before counting did not end them)."""
+    return all(n <= 0 for n in left)
 
 
 @pytest.mark.parametrize("layout", ["ddp", "fsdp", "tp2"])
@@ -50,7 +52,7 @@ def test_a_finished_run_leaves_no_process_group_threads_in_its_ranks(layout, tmp
     DTensor's redistribution planners and its mesh topology cache (6 groups, 18 threads), and
     in loss_parallel's tensor metadata (tp2's loss is vocab_parallel)."""
     cfg = config_in(tmp_path, *RUN, f"parallel={layout}")
-    assert rank_pool.run(_threads_the_run_left, asdict(cfg), world_size=2) == [0, 0]
+    assert _none_added(rank_pool.run(_threads_the_run_left, asdict(cfg), world_size=2))
     assert (Path(cfg.run_dir) / "metrics.jsonl").exists()  # it did train
 
 
@@ -59,5 +61,5 @@ def test_a_failed_run_leaves_no_process_group_threads_in_its_ranks(tmp_path, ran
     held the mesh in their frames."""
     cfg = config_in(tmp_path, *RUN, "parallel=ddp", "debug.fail_rank=1", "debug.fail_step=2")
     left = rank_pool.run(_threads_the_run_left, asdict(cfg), world_size=2)
-    assert left == [0, 0]
+    assert _none_added(left)
     assert (Path(cfg.run_dir) / "failures").is_dir()  # it did fail
